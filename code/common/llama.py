@@ -1,0 +1,210 @@
+"""A small, readable LLaMA: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+One forward pass serves every use in the lecture, because each layer is driven by
+  hidden states of the tokens being computed  +  their positions
+  +  the K/V they may attend to (a cache, possibly edited)  +  a boolean mask.
+Full prefill, prefill continued from a cache, one-token decode and CacheBlend's block-diagonal
+"each chunk sees only itself" prefill differ only in what is passed in, not in code.
+
+Cache layout: the cache stores K *after* RoPE, as inference engines do. RoPE is a rotation per
+channel pair, and rotations compose: R(p + d) = R(d) R(p). So a chunk's K computed at positions
+0..n-1 is moved to positions p..p+n-1 by rotating it once more by p (`rope(k, p)`,
+`kvcache.shift_kv`), without recomputing anything. V never sees RoPE, so it does not move.
+
+RoPE pairing: the "half-split" layout of GPT-NeoX / Hugging Face LLaMA (channel i is paired with
+channel i + head_dim/2), not the interleaved (2i, 2i+1) layout of the original paper; a GGUF file's
+Q/K rows are permuted back to this layout by the loader.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    d_ff: int = 192
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
+        """K and V, every layer, every KV head: the lecture's ledger (FP16 -> 2 bytes)."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * bytes_per_value
+
+
+# ----------------------------------------------------------------------------------- RoPE
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate x (..., T, head_dim) by angle pos * theta^(-2i/head_dim) in channel pair (i, i+hd/2).
+
+    pos: (T,) or (B, 1, T) positions (integers or floats; a float pos rotates by any amount).
+    Angles are formed in float64 so that rotating by p then by d equals rotating by p + d to ~1e-7.
+    """
+    hd = x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)  # (hd/2,)
+    ang = pos.to(torch.float64)[..., None] * inv_freq  # (..., T, hd/2)
+    cos = torch.cat([ang.cos(), ang.cos()], dim=-1).to(x.dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], dim=-1).to(x.dtype)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    rotated_half = torch.cat([-x2, x1], dim=-1)
+    return x * cos + rotated_half * sin
+
+
+# ----------------------------------------------------------------------------------- masks
+def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor,
+                q_chunk: torch.Tensor | None = None, k_chunk: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean (Tq, Tk) mask, True where query i may attend to key j: k_pos[j] <= q_pos[i].
+
+    With chunk ids, a query also sees only keys of its own chunk: the block-diagonal mask of
+    "each chunk precomputed alone" (full KV reuse).
+    """
+    m = k_pos[None, :] <= q_pos[:, None]
+    if q_chunk is not None:
+        m = m & (k_chunk[None, :] == q_chunk[:, None])
+    return m
+
+
+# ----------------------------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Block(nn.Module):
+    """One transformer layer. `qkv` and `attend` are exposed so that CacheBlend can compute K/V
+    for some tokens, write them into a cache, and let those tokens attend to the edited cache."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        d, hd = cfg.d_model, cfg.head_dim
+        self.attn_norm = RMSNorm(d, cfg.norm_eps)
+        self.wq = nn.Linear(d, cfg.n_heads * hd, bias=False)
+        self.wk = nn.Linear(d, cfg.n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(d, cfg.n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * hd, d, bias=False)
+        self.mlp_norm = RMSNorm(d, cfg.norm_eps)
+        self.w_gate = nn.Linear(d, cfg.d_ff, bias=False)
+        self.w_up = nn.Linear(d, cfg.d_ff, bias=False)
+        self.w_down = nn.Linear(cfg.d_ff, d, bias=False)
+
+    def qkv(self, x: torch.Tensor, pos: torch.Tensor):
+        """x (B, T, d) -> q (B, H, T, hd), k and v (B, Hkv, T, hd); q and k rotated to `pos`."""
+        B, T, _ = x.shape
+        c = self.cfg
+        h = self.attn_norm(x)
+        q = self.wq(h).view(B, T, c.n_heads, c.head_dim).transpose(1, 2)
+        k = self.wk(h).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        v = self.wv(h).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        return rope(q, pos, c.rope_theta), rope(k, pos, c.rope_theta), v
+
+    def attention(self, q, k, v, mask):
+        """Grouped-query attention: each KV head serves n_heads / n_kv_heads query heads.
+        Returns the per-head outputs (B, T, H*hd), before the output projection."""
+        rep = self.cfg.n_heads // self.cfg.n_kv_heads
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        B, H, T, hd = a.shape
+        return a.transpose(1, 2).reshape(B, T, H * hd)
+
+    def attend(self, x, q, k, v, mask):
+        """Residual attention over (k, v) with `mask`, then the residual SwiGLU MLP."""
+        x = x + self.wo(self.attention(q, k, v, mask))
+        h = self.mlp_norm(x)
+        return x + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
+
+    def forward(self, x, pos, past_kv=None, past_pos=None, mask=None):
+        """x (B, T, d) at positions pos (T,); past_kv = (k, v) of earlier tokens at past_pos.
+        mask (T, S+T) bool, True = may attend; default: causal over positions.
+        Returns (new hidden states, k, v of these T tokens)."""
+        q, k, v = self.qkv(x, pos)
+        k_all, v_all, k_pos = k, v, pos
+        if past_kv is not None:
+            k_all = torch.cat([past_kv[0], k], dim=2)
+            v_all = torch.cat([past_kv[1], v], dim=2)
+            k_pos = torch.cat([past_pos, pos])
+        if mask is None:
+            mask = causal_mask(pos, k_pos)
+        return self.attend(x, q, k_all, v_all, mask), k, v
+
+
+@dataclass
+class KVCache:
+    """Per-layer K (after RoPE) and V, each (B, n_kv_heads, S, head_dim), and the S positions."""
+    k: list[torch.Tensor] = field(default_factory=list)
+    v: list[torch.Tensor] = field(default_factory=list)
+    pos: torch.Tensor | None = None
+
+    def __len__(self):
+        return 0 if self.pos is None else len(self.pos)
+
+    def layer(self, i):
+        return (self.k[i], self.v[i]) if self.k else None
+
+    @staticmethod
+    def cat(caches: list["KVCache"]) -> "KVCache":
+        """Concatenate caches along the token axis (e.g. chunks precomputed separately)."""
+        n = len(caches[0].k)
+        return KVCache(k=[torch.cat([c.k[i] for c in caches], 2) for i in range(n)],
+                       v=[torch.cat([c.v[i] for c in caches], 2) for i in range(n)],
+                       pos=torch.cat([c.pos for c in caches]))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def logits(self, x):
+        x = self.norm(x)
+        return x @ self.embed.weight.T if self.head is None else self.head(x)
+
+    def forward(self, tokens, pos=None, cache: KVCache | None = None, mask=None):
+        """tokens (B, T). pos (T,) defaults to len(cache) + arange(T).
+        mask (T, len(cache) + T) bool defaults to causal over positions.
+        Returns (logits (B, T, vocab), KVCache of cache + these tokens)."""
+        T = tokens.shape[1]
+        start = len(cache) if cache is not None else 0
+        if pos is None:
+            pos = torch.arange(start, start + T)
+        x = self.embed(tokens)
+        ks, vs = [], []
+        for i, blk in enumerate(self.layers):
+            past = cache.layer(i) if cache is not None else None
+            x, k, v = blk(x, pos, past, cache.pos if past else None, mask)
+            ks.append(k if past is None else torch.cat([past[0], k], 2))
+            vs.append(v if past is None else torch.cat([past[1], v], 2))
+        new_pos = pos if cache is None or cache.pos is None else torch.cat([cache.pos, pos])
+        return self.logits(x), KVCache(ks, vs, new_pos)
+
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
