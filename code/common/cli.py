@@ -1,0 +1,77 @@
+"""What every numbered script shares: argument parsing with one-line errors, aligned tables,
+the figures folder and `--json` output. Nothing here computes a lecture figure."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+FIGURES = REPO / "figures"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error and exit code 2 (no usage dump, no traceback)."""
+
+    def __init__(self, doc: str, **kw):
+        # the module docstring's first paragraph is the description
+        super().__init__(description=doc.strip().split("\n\n")[0],
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
+        self.add_argument("--json", metavar="PATH", help="write the headline figures to this JSON file")
+
+    def error(self, message):
+        fail(message, prog=self.prog)
+
+
+def fail(message: str, prog: str | None = None) -> None:
+    """Report bad input in one line on stderr and exit with code 2."""
+    prog = prog or Path(sys.argv[0]).name
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _check(kind, ok, what):
+    def parse(s):
+        try:
+            x = kind(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not a number")
+        if not (math.isfinite(x) and ok(x)):
+            raise argparse.ArgumentTypeError(f"{s!r} must be {what}")
+        return x
+    return parse
+
+
+positive_int = _check(int, lambda x: x > 0, "a positive integer")
+positive_float = _check(float, lambda x: x > 0, "positive")
+nonneg_float = _check(float, lambda x: x >= 0, "zero or positive")
+fraction = _check(float, lambda x: 0 <= x <= 1, "between 0 and 1")
+
+
+def table(headers: list[str], rows: list[list], title: str | None = None) -> str:
+    """Aligned text table. Cells are printed with str(); format numbers before passing them.
+    The first column is left-aligned, the others right-aligned."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    out = [title] if title else []
+    out += [line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]]
+    return "\n".join(out)
+
+
+def figure_path(name: str) -> Path:
+    """figures/<name>, folder created on demand."""
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    return FIGURES / name
+
+
+def write_json(path: str | None, data: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        print(f"wrote {path}")
