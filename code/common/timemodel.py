@@ -21,7 +21,8 @@ Prefill of n_new tokens after n_cached cached ones, per layer:
   TP comm time    = 2 all-reduces (after attention, after the MLP) of the n_new x d_model BF16
                     activations; a ring all-reduce moves 2(n-1)/n of the message over each GPU's link
   layer time      = compute + comm
-Not counted: embeddings and the LM head (one token's logits), norms, RoPE, softmax (all small).
+Not counted: embeddings and the LM head (one token's logits), norms, RoPE, softmax (all small), and
+per-call overheads (kernel launches, scheduling).
 
 Decode is memory-bound: one step reads the weights (split over the GPUs) and every sequence's KV
 (split over min(n_gpus, n_kv_heads) GPUs) from HBM at the datasheet bandwidth (no fitted constant:
@@ -163,8 +164,9 @@ def prefill_layer_time(model, gpu, n_new, n_cached=0, n_gpus=1) -> float:
 
 def prefill_time(model, gpu, n_new, n_cached=0, n_gpus=1) -> float:
     """Seconds to prefill n_new tokens after n_cached cached ones (all layers).
-    n_cached=0 is a full prefill; a chunk of a longer context is (chunk, tokens before it), so
-    prefilling a context chunk by chunk costs the same as at once (up to communication rounding)."""
+    n_cached=0 is a full prefill; a chunk of a longer context is (chunk, tokens before it). With no
+    per-call overhead in the model, prefilling a context chunk by chunk costs exactly as much as at once
+    (e.g. CacheGen's text fallback: recompute chunk i given the KV of chunks 0..i-1 already received)."""
     return get_model(model).n_layers * prefill_layer_time(model, gpu, n_new, n_cached, n_gpus)
 
 
