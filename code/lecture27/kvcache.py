@@ -108,6 +108,178 @@ def context_economics(model, gpu, n_gpus, n_ctx, gpu_hour_usd, storage_usd_per_t
 
 # ========================================================================= 2. Arithmetic coder
 # (section 3.3: owned by the codec work)
+# A range coder: integer arithmetic coding that emits whole bytes. The code value is a number in
+# [0, 1) written in base 256; the coder keeps an interval [low, low + rng) of it, seen through a
+# AC_STATE_BITS-wide window. Each symbol narrows the interval to its slice of the table's CDF (width
+# rng * p, so it costs -log2 p bits). When the top byte of the window is settled it is shifted out
+# and the window slides 8 bits. "Settled" has one catch, the carry: low + something can still
+# overflow into bytes already shifted out. So the last settled byte is held back (`cache`) together
+# with a run of 0xFF bytes after it (`pending`, the byte-wise form of the pending bits of
+# bit-wise coders); a carry turns them into cache + 1, 0x00, 0x00, ...
+#
+# API. Symbols are integers 0..K-1 of a table's alphabet (map signed values with an offset first).
+#   table = make_table(counts)               counts or probabilities -> FreqTable (16-bit CDF)
+#   data = encode(symbols, table)            one table for every symbol -> bytes
+#   syms = decode(data, table, n)            -> int64 array of n symbols
+#   encode(symbols, tables, table_ids)       per-symbol tables: symbol i uses tables[table_ids[i]]
+#   decode(data, tables, n, table_ids)       (e.g. one table per (channel, layer) group)
+#   ideal_bits(symbols, table[s], [ids])     -sum log2 p under the same quantized tables
+# The bytes are the bare code value: the decoder must be given n, the tables and the table ids.
+import bisect  # noqa: E402
+import math  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+AC_PRECISION = 16       # a table's frequencies sum to 2^16: the rarest symbol has p = 2^-16
+AC_TOTAL = 1 << AC_PRECISION
+AC_STATE_BITS = 48      # rng stays in [2^40, 2^48], so `rng >> AC_PRECISION` loses < 2^-24 of
+_AC_SHIFT = AC_STATE_BITS - 8  # the interval per symbol (< 1e-7 bits)
+_AC_TOP, _AC_MASK, _AC_FF = 1 << _AC_SHIFT, (1 << AC_STATE_BITS) - 1, 0xFF << _AC_SHIFT
+
+
+class CorruptStream(ValueError):
+    """The bytes cannot have come from `encode` with these tables."""
+
+
+@dataclass(frozen=True)
+class FreqTable:
+    """A static quantized CDF: symbol s (0 <= s < size) owns [cdf[s], cdf[s+1]) of [0, AC_TOTAL)."""
+    cdf: tuple
+
+    @property
+    def size(self) -> int:
+        return len(self.cdf) - 1
+
+    def probs(self) -> np.ndarray:
+        return np.diff(self.cdf) / AC_TOTAL
+
+
+def make_table(counts) -> FreqTable:
+    """Quantize counts or probabilities of symbols 0..K-1 to integer frequencies that sum to AC_TOTAL,
+    each at least 1 (no symbol is impossible, so any symbol of the alphabet can be coded)."""
+    p = np.asarray(counts, dtype=np.float64).ravel()
+    if not 0 < p.size <= AC_TOTAL or not np.all(np.isfinite(p)) or np.any(p < 0) or p.sum() <= 0:
+        raise ValueError(f"need 1..{AC_TOTAL} finite non-negative counts, not all zero")
+    f = np.maximum(1, np.round(p / p.sum() * AC_TOTAL)).astype(np.int64)
+    excess = int(f.sum()) - AC_TOTAL              # rounding error: settle it on the largest entries
+    for s in np.argsort(-f, kind="stable"):
+        take = min(excess, int(f[s]) - 1)         # a shortfall (excess < 0) all goes to the largest
+        f[s] -= take
+        excess -= take
+        if excess == 0:
+            break
+    return FreqTable(tuple([0] + np.cumsum(f).tolist()))
+
+
+def _ac_inputs(symbols, tables, table_ids):
+    """`tables` is one FreqTable for every symbol, or a list of FreqTables with `table_ids[i]`
+    naming the table of symbol i. -> (symbols, table ids, list of tables) as arrays, validated."""
+    syms = np.asarray(symbols).ravel()
+    if isinstance(tables, FreqTable):
+        if table_ids is not None:
+            raise ValueError("table_ids given with a single table")
+        tables, ids = [tables], np.zeros(syms.size, np.int64)
+    else:
+        ids = np.asarray(table_ids).ravel()
+        if ids.size != syms.size or (ids.size and (ids.min() < 0 or ids.max() >= len(tables))):
+            raise ValueError("table_ids must give one valid table index per symbol")
+    sizes = np.array([t.size for t in tables])
+    if syms.size and (syms.dtype.kind not in "iu" or syms.min() < 0 or np.any(syms >= sizes[ids])):
+        raise ValueError("symbols must be integers within their table's alphabet")
+    return syms, ids, tables
+
+
+def _shift_low(low, cache, pending, out):
+    """Shift the top byte of `low` out of the window (held back until no carry can reach it)."""
+    if low < _AC_FF or low > _AC_MASK:            # top byte below 0xFF, or a carry just came
+        carry = low >> AC_STATE_BITS
+        out.append(cache + carry)
+        out.extend(((0xFF + carry) & 0xFF,) * pending)
+        cache, pending = (low >> _AC_SHIFT) & 0xFF, 0
+    else:                                         # top byte 0xFF: a carry could still flip it
+        pending += 1
+    return (low << 8) & _AC_MASK, cache, pending
+
+
+def encode(symbols, tables, table_ids=None) -> bytes:
+    """Code integer symbols with one table, or with per-symbol tables (tables[table_ids[i]]).
+    The bytes hold only the code value: decoding needs n and the same tables and ids."""
+    syms, ids, tables = _ac_inputs(symbols, tables, table_ids)
+    cdfs, out = [t.cdf for t in tables], bytearray()
+    low, rng, cache, pending = 0, 1 << AC_STATE_BITS, 0, 0
+    for s, t in zip(syms.tolist(), ids.tolist()):
+        cdf = cdfs[t]
+        r = rng >> AC_PRECISION
+        low += r * cdf[s]                         # move to the symbol's slice ...
+        rng = r * (cdf[s + 1] - cdf[s])           # ... of width rng * p
+        while rng < _AC_TOP:
+            low, cache, pending = _shift_low(low, cache, pending, out)
+            rng <<= 8
+    # finish with the value in [low, low + rng) that has the most trailing zero bits (rng >= 2^40
+    # guarantees a multiple of 2^40); the decoder reads bytes past the end as zeros, so strip them
+    for b in range(AC_STATE_BITS, _AC_SHIFT - 1, -1):
+        v = -(-low >> b) << b                     # low rounded up to a multiple of 2^b
+        if v < low + rng:
+            break
+    low = v
+    for _ in range(2):
+        low, cache, pending = _shift_low(low, cache, pending, out)
+    return bytes(out[1:]).rstrip(b"\0")           # out[0] is the byte above the window: always 0
+
+
+def decode(data: bytes, tables, n: int, table_ids=None) -> np.ndarray:
+    """Inverse of `encode`: the n symbols (int64). Corrupted or truncated data raises CorruptStream
+    or gives a deterministic wrong result; it always stops after n symbols."""
+    if not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError("n must be a non-negative integer")
+    _, ids, tables = _ac_inputs(np.zeros(n, np.int64), tables, table_ids)
+    cdfs, buf, out = [t.cdf for t in tables], bytes(data), [0] * n
+    pos, end = AC_STATE_BITS // 8, len(buf)
+    code = int.from_bytes(buf[:pos].ljust(pos, b"\0"), "big")  # code value minus low, in the window
+    rng = 1 << AC_STATE_BITS
+    for i, t in enumerate(ids.tolist()):
+        cdf = cdfs[t]
+        r = rng >> AC_PRECISION
+        v = code // r                             # where the code value falls in [0, AC_TOTAL)
+        if v >= AC_TOTAL:
+            raise CorruptStream(f"symbol {i}: the code value lies outside every symbol's slice")
+        s = bisect.bisect_right(cdf, v) - 1
+        code -= r * cdf[s]
+        rng = r * (cdf[s + 1] - cdf[s])
+        while rng < _AC_TOP:
+            code = (code << 8) | (buf[pos] if pos < end else 0)
+            pos += 1
+            rng <<= 8
+        out[i] = s
+    return np.array(out, dtype=np.int64)
+
+
+def ideal_bits(symbols, tables, table_ids=None) -> float:
+    """The ideal code length -sum log2 p(symbol) under the quantized tables, in bits (vectorized)."""
+    syms, ids, tables = _ac_inputs(symbols, tables, table_ids)
+    logp = np.zeros((len(tables), max(t.size for t in tables)))
+    for j, t in enumerate(tables):
+        logp[j, :t.size] = np.log2(t.probs())
+    return float(-logp[ids, syms.astype(np.int64)].sum()) if syms.size else 0.0
+
+
+EX4_PROBS = {0: 0.70, 1: 0.12, -1: 0.12, 2: 0.03, -2: 0.03}  # handout, exercise 4
+
+
+def exercise4(n: int = 100_000, seed: int = 0) -> dict:
+    """Exercise 4: entropy of EX4_PROBS (1.40 bits), what the coder spends per value on n samples,
+    and the fixed-length code (3 bits for 5 values)."""
+    values = sorted(EX4_PROBS)
+    p = np.array([EX4_PROBS[x] for x in values])
+    table = make_table(p)
+    syms = np.random.default_rng(seed).choice(len(p), size=n, p=p)
+    data = encode(syms, table)
+    return {"entropy_bits": float(-(p * np.log2(p)).sum()),
+            "ideal_bits_per_symbol": ideal_bits(syms, table) / n,
+            "coded_bits_per_symbol": 8 * len(data) / n,
+            "fixed_bits": math.ceil(math.log2(len(p))),
+            "roundtrip_exact": bool(np.array_equal(decode(data, table, n), syms))}
 
 
 # ===================================================================== 3. CacheGen-style codec

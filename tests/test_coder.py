@@ -1,0 +1,160 @@
+"""The arithmetic (range) coder of kvcache.py, section 2: quantized tables, bit-exact round trips,
+length against the ideal -sum log2 p and against constriction, exercise 4, damaged input."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import kvcache as kv
+
+
+def _table_and_symbols(seed, K, n, skew, uniform_symbols):
+    """A random table whose smallest entries sit at the coder's minimum (frequency 1 of 2^16), and
+    n symbols drawn from it or uniformly (so rare symbols are coded often)."""
+    rng = np.random.default_rng(seed)
+    counts = rng.dirichlet(np.full(K, skew)) * rng.integers(0, 2, K)  # some zero counts
+    counts[rng.integers(K)] += 1.0                                     # not all zero
+    table = kv.make_table(counts)
+    p = np.full(K, 1 / K) if uniform_symbols else table.probs()
+    return table, rng.choice(K, size=n, p=p)
+
+
+def _roundtrip_and_length(table_or_tables, syms, ids=None):
+    data = kv.encode(syms, table_or_tables, ids)
+    back = kv.decode(data, table_or_tables, len(syms), ids)
+    assert back.dtype == np.int64 and np.array_equal(back, syms)     # bit-exact
+    ideal = kv.ideal_bits(syms, table_or_tables, ids) / 8
+    assert len(data) <= ideal + 2
+    return len(data), ideal
+
+
+# ---------------------------------------------------------------------------------- tables
+def test_make_table_quantizes_to_total_with_no_zero():
+    t = kv.make_table([0, 1e-12, 5, 0.5, 1e6])
+    f = np.diff(t.cdf)
+    assert t.cdf[0] == 0 and t.cdf[-1] == kv.AC_TOTAL == 2 ** 16
+    assert f.min() == 1 and f[0] == 1 and f[1] == 1                  # zero counts still codable
+    assert kv.make_table([2, 1, 1]).probs().tolist() == [0.5, 0.25, 0.25]
+    assert kv.make_table(np.ones(kv.AC_TOTAL)).probs().min() == 1 / kv.AC_TOTAL
+
+
+@pytest.mark.parametrize("bad", [[], [0, 0], [1, -1], [1, np.nan], [1, np.inf],
+                                 np.ones(kv.AC_TOTAL + 1)])
+def test_make_table_rejects_bad_counts(bad):
+    with pytest.raises(ValueError):
+        kv.make_table(bad)
+
+
+def test_encode_rejects_symbols_outside_the_alphabet():
+    t = kv.make_table([1, 1, 1])
+    for syms in ([3], [-1], [0.5]):
+        with pytest.raises(ValueError):
+            kv.encode(syms, t)
+    with pytest.raises(ValueError):                                  # symbol 2 but its table has 2
+        kv.encode([0, 2], [t, kv.make_table([1, 1])], [0, 1])
+    with pytest.raises(ValueError):
+        kv.encode([0, 1], [t], [0])                                  # one table id per symbol
+
+
+# ------------------------------------------------------------------------------ round trips
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2 ** 32 - 1), K=st.integers(1, 300), skew=st.sampled_from([0.05, 0.3, 3.0]),
+       n=st.one_of(st.integers(0, 40), st.integers(0, 100_000)), uniform_symbols=st.booleans())
+def test_roundtrip_single_table(seed, K, skew, n, uniform_symbols):
+    table, syms = _table_and_symbols(seed, K, n, skew, uniform_symbols)
+    _roundtrip_and_length(table, syms)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2 ** 32 - 1), n_tables=st.integers(1, 40), n=st.integers(0, 20_000))
+def test_roundtrip_per_symbol_tables(seed, n_tables, n):
+    rng = np.random.default_rng(seed)
+    tables = [_table_and_symbols(seed + j, int(rng.integers(1, 64)), 0, 0.2, False)[0]
+              for j in range(n_tables)]
+    ids = rng.integers(n_tables, size=n)
+    sizes = np.array([t.size for t in tables])
+    syms = (rng.random(n) * sizes[ids]).astype(np.int64)              # uniform within each alphabet
+    _roundtrip_and_length(tables, syms, ids)
+
+
+@pytest.mark.parametrize("case", ["top", "bottom", "alternate"])
+def test_long_carry_runs(case):
+    """The near-certain symbol at the top of the CDF keeps low near the top of the window: long
+    runs of 0xFF bytes that a later carry must flip (the pending bytes)."""
+    n = 100_000
+    if case == "top":
+        table, syms = kv.make_table([1e-9, 1]), np.ones(n, np.int64)
+    elif case == "bottom":
+        table, syms = kv.make_table([1, 1e-9]), np.zeros(n, np.int64)
+    else:
+        table = kv.make_table([1e-9, 1, 1e-9])
+        syms = np.where(np.arange(n) % 5000 == 4999, 2, 1)
+        syms[::7919] = 0
+    _roundtrip_and_length(table, syms)
+
+
+def test_long_sequences_are_close_to_ideal():
+    for seed, K in [(1, 5), (2, 256)]:
+        table, syms = _table_and_symbols(seed, K, 100_000, 0.3, False)
+        actual, ideal = _roundtrip_and_length(table, syms)
+        assert abs(actual - ideal) <= 1.5
+
+
+def test_empty_and_single_symbol():
+    t = kv.make_table([1, 3])
+    assert kv.encode([], t) == b"" and kv.decode(b"", t, 0).size == 0
+    one = kv.make_table([5])                           # a one-symbol alphabet costs 0 bits
+    assert kv.encode(np.zeros(1000, int), one) == b""
+    assert np.array_equal(kv.decode(b"", one, 1000), np.zeros(1000))
+
+
+def test_length_matches_constriction():
+    constriction = pytest.importorskip("constriction")
+    table, syms = _table_and_symbols(7, 16, 100_000, 0.5, False)
+    model = constriction.stream.model.Categorical(table.probs(), perfect=False)
+    enc = constriction.stream.queue.RangeEncoder()
+    enc.encode(syms.astype(np.int32), model)
+    theirs = 4 * enc.get_compressed().size                            # 32-bit words
+    ours = len(kv.encode(syms, table))
+    assert abs(ours - theirs) <= 0.005 * theirs
+
+
+# ----------------------------------------------------------------------------- exercise 4
+def test_exercise4_numbers():
+    r = kv.exercise4(n=100_000, seed=0)
+    assert round(r["entropy_bits"], 2) == 1.40
+    assert r["fixed_bits"] == 3
+    assert abs(r["coded_bits_per_symbol"] - r["entropy_bits"]) < 0.02
+    assert r["coded_bits_per_symbol"] <= r["ideal_bits_per_symbol"] + 16 / 100_000
+    assert r["roundtrip_exact"]
+
+
+# --------------------------------------------------------------------------- damaged input
+def _decode_or_error(data, table, n):
+    try:
+        return kv.decode(data, table, n)
+    except kv.CorruptStream:
+        return "error"
+
+
+def test_corrupted_and_truncated_input_ends():
+    rng = np.random.default_rng(3)
+    table, syms = _table_and_symbols(3, 40, 20_000, 0.3, False)
+    data = kv.encode(syms, table)
+    damaged = [data[:k] for k in (0, 1, len(data) // 2, len(data) - 1)]
+    for _ in range(20):
+        b = bytearray(data)
+        b[rng.integers(len(b))] ^= 1 << int(rng.integers(8))
+        damaged.append(bytes(b))
+    damaged += [bytes(rng.integers(0, 256, 3000, dtype=np.uint8)), b"\xff" * 100]
+    for d in damaged:
+        first, again = _decode_or_error(d, table, len(syms)), _decode_or_error(d, table, len(syms))
+        if isinstance(first, str):
+            assert again == "error"
+        else:                                                         # deterministic, n symbols
+            assert len(first) == len(syms) and np.array_equal(first, again)
+            assert first.min() >= 0 and first.max() < table.size
+    # a value no encoder can produce is reported, not decoded into nonsense
+    with pytest.raises(kv.CorruptStream, match="outside every symbol"):
+        kv.decode(b"\xff" * 64, kv.make_table([3, 5, 7]), 1000)
+    with pytest.raises(ValueError):
+        kv.decode(data, table, -1)
