@@ -99,13 +99,15 @@ def ctx_name(n):
 
 
 def print_part1(rows, day, a):
-    print("\n== Part 1. KV size (BF16 unless noted) " + "=" * 50)
+    bf16 = a.bytes_per_value == 2
+    print(f"\n== Part 1. KV size ({'BF16; FP16 for the small models' if bf16 else f'{a.bytes_per_value:g} bytes per value'}) "
+          + "=" * 40)
     body = []
     for key, r in rows.items():
         heads = f"latent {r['mla_latent']}" if r["mla_latent"] else str(r["kv_heads"])
         body.append([r["name"], r["tag"], r["layers"], heads, r["head_dim"] or "-", f"{r['bytes_per_token']:,}",
                      f"{r['bytes_per_token'] / 1024:.1f}"] + [fmt_bytes(b) for b in r["sizes"].values()]
-                    + [HANDOUT["kib"].get(key, "-")])
+                    + [HANDOUT["kib"].get(key, "-") if bf16 else "-"])
     print(table(["model", "attention", "layers", "KV heads", "head dim", "bytes/token", "KiB/token"]
                 + [ctx_name(n) for n in SIZE_CONTEXTS] + ["handout"], body))
     print("  (KV heads x head dim x 2 (K and V) x layers x 2 bytes; MLA caches one latent + one RoPE key per layer)")
@@ -113,8 +115,8 @@ def print_part1(rows, day, a):
     per_tok = tm.kv_bytes_per_token(DAY_MODEL, a.bytes_per_value)
     print(f"\nOne GPU's day: {tm.GPUS[DAY_GPU].name} serving {tm.MODELS[DAY_MODEL].name} at {DAY_TOKENS_PER_S:,} tokens/s")
     print(table(["quantity", "ours", "handout"], [
-        ["KV per token", f"{per_tok / 1024:.1f} KiB ({per_tok:,} B)", "68.6 KiB"],
-        ["KV per day (decimal TB)", f"{day / 1e12:.1f} TB", HANDOUT["day_tb"]],
+        ["KV per token", f"{per_tok / 1024:.1f} KiB ({per_tok:,} B)", "68.6 KiB" if bf16 else "-"],
+        ["KV per day (decimal TB)", f"{day / 1e12:.1f} TB", HANDOUT["day_tb"] if bf16 else "-"],
         ["KV per day (binary TiB)", f"{day / 2**40:.1f} TiB", "-"],
     ]))
 
@@ -140,7 +142,7 @@ def print_part2(rows, ex2, a):
         ref = []
         if is_ref and r["context"] == 16 * K:
             ref.append("0.97 s")
-        if is_ref and 4 * K <= r["context"] <= 64 * K:
+        if is_ref and a.bytes_per_value == 2 and 4 * K <= r["context"] <= 64 * K:
             ref.append("4-6 GB/s")
         body.append([ctx_name(r["context"]), fmt_bytes(r["kv_bytes"]), f"{r['recompute_s']:.3f}",
                      f"{r['breakeven_bytes_per_s'] / 1e9:.2f}"]
@@ -173,21 +175,26 @@ def print_part3(slides, ours, a):
         ["hit rate, fleet, period", f"{a.hit_rate:.0%}, {a.nodes:,} nodes, {a.years:g} years = {slides['hours']:,.0f} h", "slides p.9"],
     ]))
     M = 1e6
+    slides_inputs = (a.gpu_hour_usd, a.storage_usd_per_tb_hour, a.hit_saves, a.hit_rate, a.nodes, a.years)
+    h = HANDOUT if slides_inputs == (GPU_HOUR_USD, STORAGE_USD_PER_TB_HOUR, HIT_SAVES, HIT_RATE, NODES, YEARS) \
+        else {k: "-" for k in HANDOUT}  # the handout's figures hold for the slides' inputs only
     print(table(["quantity", "ours", "handout"], [
         ["break-even hit rate if a hit saves 100%", f"{slides['breakeven_if_hit_saves_all']:.2%}", "-"],
-        [f"break-even hit rate (a hit saves {a.hit_saves:.0%})", f"{slides['breakeven_hit_rate']:.2%}", HANDOUT["breakeven_pct"]],
+        [f"break-even hit rate (a hit saves {a.hit_saves:.0%})", f"{slides['breakeven_hit_rate']:.2%}", h["breakeven_pct"]],
         ["GPU time saved (gross)", f"${slides['gpu_time_saved_usd'] / M:.1f}M", "-"],
-        ["storage paid", f"${slides['storage_usd'] / M:.1f}M", HANDOUT["storage"]],
-        ["reading 1 (§1.3): saved net of storage", f"${slides['net_usd'] / M:.1f}M", HANDOUT["savings"]],
+        ["storage paid", f"${slides['storage_usd'] / M:.1f}M", h["storage"]],
+        ["reading 1 (§1.3): saved net of storage", f"${slides['net_usd'] / M:.1f}M", h["savings"]],
         ["reading 2 (navigation): net read as gross, minus storage again",
-         f"${slides['net_if_33m_read_as_gross_usd'] / M:.1f}M", HANDOUT["navigation"]],
+         f"${slides['net_if_33m_read_as_gross_usd'] / M:.1f}M", h["navigation"]],
     ]))
-    print("  The two readings disagree: $33M is already net of storage; subtracting storage from it again gives $29M.")
+    print("  The two readings disagree: the $33M of §1.3 is already net of storage; the navigation paragraph's\n"
+          "  $29M subtracts the storage from it a second time.")
 
     m = tm.MODELS[a.model]
     print(f"\n(b) our account: {m.name} on {a.n_gpus} x {tm.GPUS[a.gpu].name} at ${a.gpu_hour_usd:g}/GPU-hour, "
           f"storage ${a.storage_usd_per_tb_hour:g}/TB-hour; a hit saves the recompute")
-    is_ref = a.model == "llama-3.1-70b" and a.gpu == "H100" and a.n_gpus == 8
+    is_ref = a.model == "llama-3.1-70b" and a.gpu == "H100" and a.n_gpus == 8 and a.bytes_per_value == 2 \
+        and a.gpu_hour_usd == GPU_HOUR_USD and a.storage_usd_per_tb_hour == STORAGE_USD_PER_TB_HOUR
     body = []
     for r in ours:
         ref = ", ".join(HANDOUT["ctx10k"]) if (is_ref and r["context"] == STORE_CONTEXT) else "-"
