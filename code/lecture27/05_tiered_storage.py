@@ -1,0 +1,332 @@
+"""LMCache's two ideas in numbers: zero-copy sharing, tiered KV storage for multi-turn chat, and the
+narrow waist (handout §6.2, §6.3, §7; pitfall 7; exercises 9-10).
+
+    python code/lecture27/05_tiered_storage.py [--json out.json] [--cpu-gb 150] [--rate 10] ...
+
+Part 1  hand 16K tokens of LLaMA-3.1-70B KV from GPU A to GPU B three ways, each a sum of its hops.
+Part 2  a discrete-event simulation of 200 users x 12 turns of chat on LLaMA-3-8B, one H100, with the
+        KV kept in GPU only / + a CPU tier read slowly or fast / + an SSD tier (the tiers: tiers.py).
+Part 3  the narrow waist: documents that come back again and again mixed with one-shot long prompts;
+        a cache that sees only tokens (LRU) vs the same cache told "this will be reused".
+Runs in a few seconds; the TTFT distribution is saved to figures/05_ttft_cdf.png.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
+
+import numpy as np
+
+from common.cli import Parser, fail, figure_path, nonneg_float, positive_float, positive_int, table, write_json
+from common.timemodel import kv_bytes_per_token, prefill_time
+from tiers import Tier, TieredStore
+
+GB = 1e9
+
+# ------------------------------------------------------------------ Part 1: GPU A -> GPU B handoff
+HANDOFF_MODEL = "llama-3.1-70b"
+HANDOFF_TOKENS = 16_000      # "16K tokens, about 5.2 GB" (handout §6.2; 16,000 x 320 KiB, as in exercise 2)
+PCIE_GBPS = 50.0             # PCIe Gen5 x16 is 64 GB/s each way; pinned cudaMemcpy reaches ~50 GB/s on H100
+MEMCPY_GBPS = 10.0           # one CPU core copying DRAM to DRAM: ~10 GB/s (STREAM "copy", single thread)
+NET_GBPS = 12.5              # a 100 Gb/s Ethernet link to a remote KV pool (100 / 8 GB/s)
+
+# ------------------------------------------------------------------ Part 2: multi-turn chat (§6.3)
+MODEL, GPU = "llama-3-8b", "H100"
+USERS = 200                  # handout §6.3
+TURNS = 12                   # handout §6.3
+RATE = 10.0                  # requests/s, Poisson (handout §6.3)
+USER_TOKENS = 256            # new tokens a user sends per turn (our choice: a short chat message)
+ANSWER_TOKENS = 512          # tokens the model answers per turn; they join the history (our choice)
+#   -> after 12 turns a history is 12 x 768 = 9,216 tokens x 128 KiB = 1.21 GB; 200 users = 241.6 GB
+CHUNK = 256                  # tokens per cached chunk (LMCache's default chunk size)
+GPU_GB = 58.0                # H100 80 GB - 16 GB of BF16 weights - activations/workspace (handout: ~58 GB)
+CPU_GB = 150.0               # CPU DRAM tier. A DGX H100 has 2 TB of DRAM for 8 GPUs (256 GB each).
+#   Write-through tiers are inclusive: a CPU tier no bigger than the GPU's 58 GB adds nothing (row cpu50).
+CPU_SLOW_GBPS = 10.0         # CPU -> GPU through an extra CPU copy: memcpy-bound (= MEMCPY_GBPS, pitfall 7)
+CPU_FAST_GBPS = 50.0         # zero-copy, large DMA transfers: PCIe-bound (= PCIE_GBPS)
+SSD_GB = 2000.0              # a 2 TB NVMe drive
+SSD_GBPS = 7.0               # PCIe Gen4 x4 NVMe sequential read, ~7 GB/s (e.g. Samsung 990 Pro: 7.45 GB/s)
+SEED = 0
+
+# ------------------------------------------------------------------ Part 3: the narrow waist (§7)
+DOC_REQUESTS = 2000          # requests in the trace
+DOCS = 10                    # documents many requests reference (a RAG corpus's hot set)
+DOC_TOKENS = 4096            # tokens per document
+ONESHOT_TOKENS = 8192        # a one-shot long prompt (a pasted log, a transcript) never seen again
+ONESHOT_SHARE = 0.5          # share of requests that are one-shot
+DOC_CACHE_GB = 9.0           # KV room for this application (documents alone: 10 x 4096 x 128 KiB = 5.4 GB)
+
+# the slides' LMCache benchmarks (handout §6.3), printed for reference only
+SLIDES = [("DP-EP serving, Qwen3-235B FP8, 4 x MI300", "mean TTFT", "0.33 s", "0.80 s", "2.4x"),
+          ("CPU+disk offload, LLaMA-3.1-70B, MI300X", "TTFT", "0.15 s", "1.63 s", "10.8x"),
+          ("CPU+disk offload, LLaMA-3.1-70B, MI300X", "decode", "25.59 tok/s", "11.64 tok/s", "2.19x")]
+HANDOUT_RATIO = 5.0          # handout §6.3 / pitfall 7: fast vs slow CPU tier, mean TTFT 5x apart
+HANDOUT_LRU, HANDOUT_HINTED = 0.45, 0.99   # handout §7
+
+
+# ================================================================================ Part 1
+def handoff_paths(model=HANDOFF_MODEL, tokens=HANDOFF_TOKENS, pcie=PCIE_GBPS, memcpy=MEMCPY_GBPS,
+                  net=NET_GBPS) -> dict:
+    """Each path from GPU A to GPU B as its list of hops (what, link, GB/s); store and forward, so the
+    time is the sum of bytes / bandwidth over the hops."""
+    nbytes = tokens * kv_bytes_per_token(model)
+    paths = {
+        # a library inside each engine cannot see the other's CPU memory: relay through a remote pool
+        "remote_pool": [("GPU A->CPU A", "PCIe", pcie), ("CPU A->pool", "network", net),
+                        ("pool->CPU B", "network", net), ("CPU B->GPU B", "PCIe", pcie)],
+        # or copy once more between the two processes' buffers (shared memory / IPC)
+        "library_copy": [("GPU A->CPU A", "PCIe", pcie), ("CPU A->CPU B", "memcpy", memcpy),
+                         ("CPU B->GPU B", "PCIe", pcie)],
+        # one KV service process owns a CPU pool both engines map: zero CPU copies
+        "shared_pool": [("GPU A->pool", "PCIe", pcie), ("pool->GPU B", "PCIe", pcie)],
+    }
+    return {"bytes": nbytes,
+            "paths": {name: {"hops": hops, "seconds": sum(nbytes / (bw * GB) for _, _, bw in hops)}
+                      for name, hops in paths.items()}}
+
+
+# ================================================================================ Part 2
+def chat_trace(users=USERS, turns=TURNS, rate=RATE, seed=SEED):
+    """Poisson arrivals at `rate`; every user is in the conversation from the start and their turns
+    are shuffled into the stream (turn k of a user always after turn k-1). Returns arrays
+    (arrival_s, user, turn) in arrival order."""
+    rng = np.random.default_rng(seed)
+    arrival = np.cumsum(rng.exponential(1.0 / rate, users * turns))
+    user = rng.permutation(np.repeat(np.arange(users), turns))
+    turn = np.zeros_like(user)
+    seen = np.zeros(users, dtype=int)
+    for i, u in enumerate(user):          # the k-th time a user appears is their turn k
+        turn[i] = seen[u]
+        seen[u] += 1
+    return arrival, user, turn
+
+
+def make_store(config: dict) -> TieredStore:
+    """config: {"tiers": [(name, GB, GB/s), ...]}, fastest first (the GPU's bandwidth is ignored)."""
+    return TieredStore([Tier(name, gb * GB, (bw or float("inf")) * GB if i else float("inf"))
+                        for i, (name, gb, bw) in enumerate(config["tiers"])])
+
+
+def serve(trace, store: TieredStore, model=MODEL, gpu=GPU, user_tokens=USER_TOKENS,
+          answer_tokens=ANSWER_TOKENS, chunk=CHUNK) -> dict:
+    """The multi-turn chat of §6.3 on one GPU.
+
+    Turn k of a user sends the whole history (k earlier turns of question + answer) plus a new message.
+    The engine looks up the longest cached prefix tier by tier, loads what it found below the GPU
+    (bytes / tier bandwidth; the engine waits for it, as LMCache's non-layer-wise retrieve does),
+    prefills the rest with the time model, and writes the turn's KV (prompt + answer) through to every
+    tier. One GPU serves prefills first come, first served: the only events are arrivals and prefill
+    completions, so the next request starts at max(its arrival, the GPU's last completion).
+    Decode is not charged to the GPU (TTFT is the figure; GPU time freed from prefill is what decoding
+    gets, see `busy_share`); the answer's KV is written at the end of the turn.
+    """
+    bpt = kv_bytes_per_token(model)
+    arrival, user, turn = trace
+    n = len(arrival)
+    out = {k: np.zeros(n) for k in ("start", "finish", "load_s", "compute_s", "recompute_s")}
+    hit_tokens = np.zeros(len(store.tiers))
+    history_tokens = 0
+    gpu_free = 0.0
+    for i in range(n):
+        u, k = int(user[i]), int(turn[i])
+        history = k * (user_tokens + answer_tokens)       # tokens computed in earlier turns
+        prompt = history + user_tokens
+        keys = [(u, c) for c in range(history // chunk)]  # chunk c of user u's conversation
+        found = store.fetch(keys, [chunk * bpt] * len(keys))
+        cached = found.n_chunks * chunk
+        hit_tokens += np.array(found.bytes_per_tier) / bpt
+        history_tokens += history
+
+        compute = prefill_time(model, gpu, prompt - cached, cached)
+        recompute = prefill_time(model, gpu, history - cached, cached) if history > cached else 0.0
+        start = max(arrival[i], gpu_free)
+        gpu_free = start + found.load_s + compute
+        for key, v in (("start", start), ("finish", gpu_free), ("load_s", found.load_s),
+                       ("compute_s", compute), ("recompute_s", recompute)):
+            out[key][i] = v
+
+        done = (history + user_tokens + answer_tokens) // chunk   # the turn's KV, write-through
+        store.store([(u, c) for c in range(done)], [chunk * bpt] * done)
+
+    ttft = out["finish"] - arrival
+    busy = out["load_s"] + out["compute_s"]
+    out.update(
+        ttft=ttft,
+        hit_rate_per_tier=(hit_tokens / max(history_tokens, 1)).tolist(),  # share of history tokens
+        hit_rate=float(hit_tokens.sum() / max(history_tokens, 1)),
+        mean_ttft_s=float(ttft.mean()), p50_ttft_s=float(np.median(ttft)),
+        p99_ttft_s=float(np.percentile(ttft, 99)),
+        recompute_share=float(out["recompute_s"].sum() / busy.sum()),    # of the GPU's busy time
+        busy_share=float(busy.sum() / (out["finish"][-1] - arrival[0])),  # GPU busy over the run
+    )
+    return out
+
+
+def chat_configs(gpu_gb=GPU_GB, cpu_gb=CPU_GB, slow=CPU_SLOW_GBPS, fast=CPU_FAST_GBPS,
+                 ssd_gb=SSD_GB, ssd_gbps=SSD_GBPS) -> dict:
+    return {
+        "gpu_only": {"tiers": [("GPU", gpu_gb, None)]},
+        "cpu50": {"tiers": [("GPU", gpu_gb, None), ("CPU", 50.0, fast)]},
+        "cpu_slow": {"tiers": [("GPU", gpu_gb, None), ("CPU", cpu_gb, slow)]},
+        "cpu_fast": {"tiers": [("GPU", gpu_gb, None), ("CPU", cpu_gb, fast)]},
+        "cpu_ssd": {"tiers": [("GPU", gpu_gb, None), ("CPU", cpu_gb, fast), ("SSD", ssd_gb, ssd_gbps)]},
+    }
+
+
+# ================================================================================ Part 3
+def doc_trace(n=DOC_REQUESTS, docs=DOCS, oneshot_share=ONESHOT_SHARE, seed=SEED):
+    """Per request: a document id (0..docs-1), or -1 for a one-shot prompt."""
+    rng = np.random.default_rng(seed + 1)
+    doc = rng.integers(0, docs, n)
+    doc[rng.random(n) < oneshot_share] = -1
+    return doc
+
+
+def doc_hit_rate(trace, hinted: bool, cache_gb=DOC_CACHE_GB, doc_tokens=DOC_TOKENS,
+                 oneshot_tokens=ONESHOT_TOKENS, chunk=CHUNK, model=MODEL) -> float:
+    """Share of document tokens found cached. Every request's KV is stored. With the hint, document
+    chunks are marked "will be reused" and one-shot prompts are evicted before them."""
+    bpt = kv_bytes_per_token(model)
+    store = TieredStore([Tier("cache", cache_gb * GB, hinted=hinted)])
+    hit = total = 0
+    for r, d in enumerate(trace):
+        if d >= 0:
+            keys = [("doc", int(d), c) for c in range(doc_tokens // chunk)]
+        else:
+            keys = [("oneshot", r, c) for c in range(oneshot_tokens // chunk)]
+        sizes = [chunk * bpt] * len(keys)
+        found = store.fetch(keys, sizes)
+        if d >= 0:
+            hit += found.n_chunks
+            total += len(keys)
+        store.store(keys, sizes, reuse=d >= 0)   # the hint: only an application knows this
+    return hit / total
+
+
+# what the application would have to tell the backend, and cannot through the OpenAI API (exercise 10)
+HINT_API_EXAMPLE = """\
+POST /v1/chat/completions            (today: only "messages" -> tokens; the backend guesses with LRU)
+  "messages": [...],
+  "kv_hints": [                       (hypothetical extension)
+    {"span": "system+doc:manual-7", "doc_id": "manual-7", "reuse": true,  "ttl_s": 86400},
+    {"span": "user paste (log)",                          "reuse": false},
+    {"span": "answer",                                    "reuse": true,  "ttl_s": 600}]
+POST /v1/kv/prefetch {"doc_id": "manual-7"}   warm the cache before the requests come
+POST /v1/kv/release  {"doc_id": "manual-7"}   the application is done with it"""
+
+
+# ================================================================================ output
+def plot_ttft(results: dict, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, r in results.items():
+        x = np.sort(r["ttft"])
+        ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", label=name,
+                linestyle="--" if name == "cpu50" else "-")  # cpu50 lies on gpu_only
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (s)")
+    ax.set_ylabel("share of requests")
+    ax.set_title("Multi-turn chat, LLaMA-3-8B on one H100: TTFT by KV storage tiers")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = Parser(__doc__)
+    p.add_argument("--users", type=positive_int, default=USERS)
+    p.add_argument("--turns", type=positive_int, default=TURNS)
+    p.add_argument("--rate", type=positive_float, default=RATE, help="requests/s")
+    p.add_argument("--user-tokens", type=positive_int, default=USER_TOKENS)
+    p.add_argument("--answer-tokens", type=positive_int, default=ANSWER_TOKENS)
+    p.add_argument("--gpu-gb", type=nonneg_float, default=GPU_GB)
+    p.add_argument("--cpu-gb", type=nonneg_float, default=CPU_GB)
+    p.add_argument("--cpu-slow-gbps", type=positive_float, default=CPU_SLOW_GBPS)
+    p.add_argument("--cpu-fast-gbps", type=positive_float, default=CPU_FAST_GBPS)
+    p.add_argument("--ssd-gb", type=nonneg_float, default=SSD_GB)
+    p.add_argument("--ssd-gbps", type=positive_float, default=SSD_GBPS)
+    p.add_argument("--doc-cache-gb", type=nonneg_float, default=DOC_CACHE_GB)
+    p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument("--no-plot", action="store_true", help="skip the figure")
+    a = p.parse_args(argv)
+    if a.user_tokens + a.answer_tokens > 128 * 1024 // a.turns:
+        fail(f"{a.turns} turns of {a.user_tokens + a.answer_tokens} tokens exceed a 128K context")
+
+    # ---- Part 1
+    h = handoff_paths()
+    zero = h["paths"]["shared_pool"]["seconds"]
+    rows = [[name, ", ".join(f"{what} ({link} {bw:g})" for what, link, bw in v["hops"]),
+             f"{v['seconds']:.3f}", f"{v['seconds'] / zero:.1f}x"] for name, v in h["paths"].items()]
+    print(table(["path", "hops (GB/s)", "seconds", "vs zero-copy"], rows,
+                f"Part 1 (§6.2): hand {HANDOFF_TOKENS:,} tokens of LLaMA-3.1-70B KV "
+                f"({h['bytes'] / GB:.2f} GB; handout: about 5.2 GB) from GPU A to GPU B"))
+
+    # ---- Part 2
+    trace = chat_trace(a.users, a.turns, a.rate, a.seed)
+    configs = chat_configs(a.gpu_gb, a.cpu_gb, a.cpu_slow_gbps, a.cpu_fast_gbps, a.ssd_gb, a.ssd_gbps)
+    results = {name: serve(trace, make_store(cfg), user_tokens=a.user_tokens, answer_tokens=a.answer_tokens)
+               for name, cfg in configs.items()}
+    total_gb = a.users * a.turns * (a.user_tokens + a.answer_tokens) * kv_bytes_per_token(MODEL) / GB
+    rows = []
+    for name, r in results.items():
+        tiers = configs[name]["tiers"]
+        per = [f"{t[0]} {x:.0%}" for t, x in zip(tiers, r["hit_rate_per_tier"])]
+        rows.append([name, " + ".join(f"{t[0]} {t[1]:g}" + (f" @{t[2]:g}" if t[2] else "") for t in tiers),
+                     ", ".join(per), f"{r['hit_rate']:.0%}", f"{r['mean_ttft_s']:.3f}",
+                     f"{r['p50_ttft_s']:.3f}", f"{r['p99_ttft_s']:.3f}",
+                     f"{r['recompute_share']:.0%}", f"{r['busy_share']:.0%}"])
+    print()
+    print(table(["config", "tiers GB @GB/s", "token hits per tier", "hits", "mean TTFT s", "p50 s", "p99 s",
+                 "recompute", "GPU busy"], rows,
+                f"Part 2 (§6.3): {a.users} users x {a.turns} turns ({a.user_tokens} + {a.answer_tokens} tokens "
+                f"a turn), {a.rate:g} req/s, LLaMA-3-8B on one H100; all histories {total_gb:.1f} GB of KV "
+                f"(handout: 241 GB), GPU room {a.gpu_gb:g} GB (handout: ~58 GB)"))
+    print("  hits = share of history tokens found cached; recompute = share of the GPU's busy time spent "
+          "recomputing history; GPU busy = (load + prefill) / run time. Decode is not simulated.")
+    print("  cpu50: a 50 GB CPU tier is smaller than the GPU's room; written through, an LRU tier holds a subset "
+          "of the GPU's chunks (inclusion), so it never hits.")
+    ratio = results["cpu_slow"]["mean_ttft_s"] / results["cpu_fast"]["mean_ttft_s"]
+    print(f"  cpu_slow / cpu_fast mean TTFT: {ratio:.1f}x (handout: {HANDOUT_RATIO:g}x, pitfall 7)   "
+          f"gpu_only / cpu_ssd: {results['gpu_only']['mean_ttft_s'] / results['cpu_ssd']['mean_ttft_s']:.0f}x")
+    print(table(["slides' LMCache benchmark", "metric", "LMCache", "engine's own offload", "ratio"],
+                [list(s) for s in SLIDES], "  for reference (handout §6.3, not simulated here):"))
+    if not a.no_plot:
+        path = figure_path("05_ttft_cdf.png")
+        plot_ttft(results, path)
+        print(f"  figure: {path}")
+
+    # ---- Part 3
+    docs = doc_trace(seed=a.seed)
+    lru = doc_hit_rate(docs, hinted=False, cache_gb=a.doc_cache_gb)
+    hinted = doc_hit_rate(docs, hinted=True, cache_gb=a.doc_cache_gb)
+    print()
+    print(table(["policy", "document hit rate", "handout"],
+                [["LRU (sees only tokens)", f"{lru:.0%}", f"{HANDOUT_LRU:.0%}"],
+                 ['hinted ("will be reused")', f"{hinted:.0%}", f"{HANDOUT_HINTED:.0%}"]],
+                f"Part 3 (§7): {DOC_REQUESTS} requests, {1 - ONESHOT_SHARE:.0%} on {DOCS} documents of "
+                f"{DOC_TOKENS} tokens, {ONESHOT_SHARE:.0%} one-shot prompts of {ONESHOT_TOKENS} tokens; "
+                f"cache {a.doc_cache_gb:g} GB"))
+    print("  what the hint needs an API to carry (exercise 10):")
+    print("\n".join("    " + line for line in HINT_API_EXAMPLE.splitlines()))
+
+    write_json(a.json, {
+        "handoff_s": {k: v["seconds"] for k, v in h["paths"].items()},
+        "configs": {name: {"hit_rate": r["hit_rate"], "hit_rate_per_tier": r["hit_rate_per_tier"],
+                           "mean_ttft_s": r["mean_ttft_s"], "p50_ttft_s": r["p50_ttft_s"],
+                           "p99_ttft_s": r["p99_ttft_s"], "recompute_share": r["recompute_share"]}
+                    for name, r in results.items()},
+        "cpu_fast_vs_slow_ttft_ratio": ratio,
+        "lru_doc_hit_rate": lru,
+        "hinted_doc_hit_rate": hinted,
+    })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""tiers.py (capacity, LRU, hints, write-through, copy-up, longest prefix) and 05_tiered_storage.py
+(the chat simulation, the narrow-waist experiment, the command line)."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tiers import Tier, TieredStore
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "code" / "lecture27" / "05_tiered_storage.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("tiered_storage", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+ts = load_script()
+
+
+# ------------------------------------------------------------------------------------- tiers.py
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(1, 40), st.booleans()), max_size=200),
+       st.integers(0, 100), st.booleans())
+def test_capacity_never_exceeded(ops, capacity, hinted):
+    tier = Tier("t", capacity, hinted=hinted)
+    sizes = {}
+    for key, nbytes, reuse in ops:
+        nbytes = sizes.setdefault(key, nbytes)   # a key always names the same bytes
+        stored = tier.put(key, nbytes, reuse)
+        assert stored == (nbytes <= capacity)
+        assert tier.used <= capacity
+        assert tier.used == sum(sizes[k] for k in tier.keys_lru_order())
+
+
+def test_lru_order_and_touch():
+    tier = Tier("t", 3)
+    for k in "abc":
+        tier.put(k, 1)
+    tier.touch("a")                      # b is now the least recently used
+    tier.put("d", 1)
+    assert "b" not in tier and set(tier.keys_lru_order()) == {"a", "c", "d"}
+    assert tier.keys_lru_order() == ["c", "a", "d"]
+    tier.put("c", 1)                     # writing a present chunk touches it
+    tier.put("e", 1)
+    assert "a" not in tier and tier.evictions == 2
+
+
+def test_hint_keeps_marked_chunks():
+    plain, hinted = Tier("lru", 3), Tier("hint", 3, hinted=True)
+    for tier in (plain, hinted):
+        tier.put("doc", 1, reuse=True)
+        tier.put("x", 1)
+        tier.put("y", 1)
+        tier.put("z", 1)                 # full: someone must go
+    assert "doc" not in plain            # LRU evicts the oldest, the document
+    assert "doc" in hinted and "x" not in hinted
+
+
+def test_write_through_and_copy_up():
+    gpu, cpu, ssd = Tier("gpu", 2), Tier("cpu", 4, bandwidth=2.0), Tier("ssd", 100, bandwidth=0.5)
+    store = TieredStore([gpu, cpu, ssd])
+    store.store(["a0", "a1"], [1, 1])
+    assert all(k in t for k in ("a0", "a1") for t in (gpu, cpu, ssd))   # written through
+    store.store(["b0", "b1"], [1, 1])
+    store.store(["c0", "c1"], [1, 1])
+    # GPU holds 2, CPU 4, SSD all: a is only on the SSD, b on CPU + SSD
+    assert store.lookup(["a0", "a1"]) == [2, 2]
+    assert store.lookup(["b0", "b1"]) == [1, 1]
+    found = store.fetch(["a0", "a1", "zz"], [1, 1, 1])
+    assert found.tier_of_chunk == [2, 2] and found.bytes_per_tier == [0, 0, 2]
+    assert found.load_s == pytest.approx(2 / 0.5)                       # bytes / SSD bandwidth
+    assert "a0" in gpu and "a1" in gpu and "a0" in cpu and "a1" in cpu   # copied up
+    assert gpu.used <= gpu.capacity and cpu.used <= cpu.capacity
+
+
+def test_longest_prefix_stops_at_first_gap_and_mixes_tiers():
+    gpu, cpu = Tier("gpu", 10), Tier("cpu", 10, bandwidth=1.0)
+    store = TieredStore([gpu, cpu])
+    store.store(["p0", "p1", "p2", "p3"], [1] * 4)
+    gpu.plain.pop("p1"); gpu.used -= 1           # p1 left the GPU but is still on the CPU
+    cpu.plain.pop("p2"); cpu.used -= 1
+    gpu.plain.pop("p2"); gpu.used -= 1           # p2 is nowhere: p3 is unreachable
+    assert store.lookup(["p0", "p1", "p2", "p3"]) == [0, 1]
+    found = store.fetch(["p0", "p1", "p2", "p3"], [1] * 4)
+    assert found.load_s == pytest.approx(1.0)    # only p1 is loaded; p0 is already on the GPU
+
+
+def test_a_prefix_is_evicted_from_its_tail():
+    tier = Tier("gpu", 3)
+    store = TieredStore([tier])
+    store.store(["h0", "h1", "h2"], [1, 1, 1])
+    tier.put("other", 1)                        # one chunk must go: the tail h2, not the head h0
+    assert store.lookup(["h0", "h1", "h2"]) == [0, 0]
+
+
+# ------------------------------------------------------------------------- the chat simulation
+SMALL = dict(users=30, turns=6, rate=20.0, seed=3)
+
+
+def small_configs():
+    # scaled down: 30 users x 6 turns x 768 tokens x 128 KiB = 18 GB of history in all
+    return ts.chat_configs(gpu_gb=3.0, cpu_gb=10.0, ssd_gb=100.0)
+
+
+def run(name, seed=3):
+    trace = ts.chat_trace(**{**SMALL, "seed": seed})
+    return trace, ts.serve(trace, ts.make_store(small_configs()[name]))
+
+
+def test_every_request_completes_once_in_order():
+    (arrival, user, turn), r = run("cpu_slow")
+    n = SMALL["users"] * SMALL["turns"]
+    assert len(arrival) == len(r["finish"]) == n
+    assert len(set(zip(user.tolist(), turn.tolist()))) == n              # each (user, turn) once
+    for u in range(SMALL["users"]):                                      # turns in order per user
+        assert turn[user == u].tolist() == list(range(SMALL["turns"]))
+    assert np.all(np.diff(r["start"]) >= 0) and np.all(r["start"] >= arrival)   # FCFS
+    assert np.all(r["start"][1:] >= r["finish"][:-1] - 1e-12)            # one GPU: no overlap
+
+
+def test_ttft_covers_load_and_compute():
+    for name in ("gpu_only", "cpu_slow", "cpu_ssd"):
+        _, r = run(name)
+        assert np.all(r["ttft"] >= r["load_s"] + r["compute_s"] - 1e-12)
+        assert np.all(r["compute_s"] > 0) and np.all(r["recompute_s"] <= r["compute_s"] + 1e-12)
+
+
+def test_tiers_hit_more_than_gpu_only():
+    res = {name: run(name)[1] for name in ("gpu_only", "cpu_slow", "cpu_fast", "cpu_ssd")}
+    assert res["gpu_only"]["hit_rate"] < res["cpu_slow"]["hit_rate"] <= res["cpu_ssd"]["hit_rate"]
+    assert res["cpu_slow"]["hit_rate"] == res["cpu_fast"]["hit_rate"]    # bandwidth changes time only
+    assert res["cpu_fast"]["mean_ttft_s"] < res["cpu_slow"]["mean_ttft_s"]
+    assert res["cpu_ssd"]["hit_rate"] == pytest.approx(1.0)              # the SSD holds everything
+    assert res["gpu_only"]["load_s"].sum() == 0
+
+
+def test_small_write_through_tier_adds_nothing():
+    # inclusion: an LRU tier no bigger than the GPU's, written through, never holds what the GPU lacks
+    trace = ts.chat_trace(**SMALL)
+    base = ts.serve(trace, ts.make_store({"tiers": [("GPU", 3.0, None)]}))
+    small = ts.serve(trace, ts.make_store({"tiers": [("GPU", 3.0, None), ("CPU", 2.5, 50.0)]}))
+    assert small["hit_rate_per_tier"][1] == 0 and small["mean_ttft_s"] == base["mean_ttft_s"]
+
+
+def test_same_seed_same_numbers():
+    _, a = run("cpu_ssd", seed=5)
+    _, b = run("cpu_ssd", seed=5)
+    _, c = run("cpu_ssd", seed=6)
+    assert np.array_equal(a["ttft"], b["ttft"]) and a["hit_rate_per_tier"] == b["hit_rate_per_tier"]
+    assert not np.array_equal(a["ttft"], c["ttft"])
+
+
+def test_hint_hits_at_least_as_often_as_lru():
+    for seed in (0, 1):
+        docs = ts.doc_trace(n=600, seed=seed)
+        lru = ts.doc_hit_rate(docs, hinted=False)
+        hinted = ts.doc_hit_rate(docs, hinted=True)
+        assert hinted >= lru and hinted > 0.9 and lru < 0.8
+    docs = ts.doc_trace(n=600)
+    assert ts.doc_hit_rate(docs, hinted=True, cache_gb=100) == ts.doc_hit_rate(docs, hinted=False, cache_gb=100)
+
+
+def test_handoff_paths_are_sums_of_hops():
+    h = ts.handoff_paths()
+    assert h["bytes"] == 16_000 * 327_680
+    for v in h["paths"].values():
+        assert v["seconds"] == pytest.approx(sum(h["bytes"] / (bw * 1e9) for _, _, bw in v["hops"]))
+    s = {k: v["seconds"] for k, v in h["paths"].items()}
+    assert s["shared_pool"] < s["library_copy"] and s["shared_pool"] < s["remote_pool"]
+
+
+# ---------------------------------------------------------------------------- the command line
+def test_script_json(tmp_path):
+    out = tmp_path / "o.json"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--no-plot", "--json", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(out.read_text())
+    assert set(d["handoff_s"]) == {"remote_pool", "library_copy", "shared_pool"}
+    c = d["configs"]
+    for name in ("gpu_only", "cpu_slow", "cpu_fast", "cpu_ssd"):
+        assert {"hit_rate", "mean_ttft_s", "p99_ttft_s"} <= set(c[name])
+    # the handout's shape: GPU only collapses, each tier helps, fast beats slow severalfold
+    assert c["gpu_only"]["mean_ttft_s"] > 5 * c["cpu_slow"]["mean_ttft_s"]
+    assert c["cpu_slow"]["mean_ttft_s"] > c["cpu_fast"]["mean_ttft_s"] > c["cpu_ssd"]["mean_ttft_s"]
+    assert d["cpu_fast_vs_slow_ttft_ratio"] == pytest.approx(
+        c["cpu_slow"]["mean_ttft_s"] / c["cpu_fast"]["mean_ttft_s"])
+    assert 3 < d["cpu_fast_vs_slow_ttft_ratio"] < 10
+    assert 0.3 < d["lru_doc_hit_rate"] < 0.6 and d["hinted_doc_hit_rate"] > 0.95
+
+
+@pytest.mark.parametrize("args", [["--rate", "-1"], ["--turns", "0"], ["--cpu-gb", "x"], ["--bogus"]])
+def test_bad_flag_one_line_exit_2(args):
+    r = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
