@@ -284,6 +284,246 @@ def exercise4(n: int = 100_000, seed: int = 0) -> dict:
 
 # ===================================================================== 3. CacheGen-style codec
 # (section 3.3-3.4: owned by the codec work)
+# A context's KV seen as one array X of shape (T, L, 2, C): token x layer x {K, V} x channel, where
+# C = n_kv_heads * head_dim (channel c = head * head_dim + dim). The codec follows CacheGen §5.2:
+#   1. change-based coding: tokens in groups of CODEC_GROUP. The first token of a group, the anchor, is
+#      quantized alone to 8 bits (a step per channel); the others code only their delta to the
+#      *decoded* anchor. Every token refers to the same anchor, so a group decodes alone, and each of
+#      its tokens needs only the anchor (exercise 3). delta=False is the variant without deltas.
+#   2. per-layer quantization: a delta (or a raw value) is rounded to a multiple of steps[layer, K/V].
+#   3. arithmetic coding with one table per (layer, K/V, channel) -- and one more per channel for the
+#      anchors -- fitted once per model on calibration contexts; encoder and decoder share them.
+# Everything an encoder and a decoder must agree on is a CodecSpec. The loss is in `quantize` alone:
+# decode(encode(X)) == quantize(X) bit for bit, and dequantize() turns the integers back into KV.
+# Bitstream: header (magic, version, level, flags, group, tokens, spec fingerprint), each group's
+# byte length (varint), then one arithmetic-coded payload per group.
+import functools  # noqa: E402
+import struct  # noqa: E402
+import zlib  # noqa: E402
+from dataclasses import replace  # noqa: E402
+
+CODEC_VERSION = 1
+CODEC_GROUP = 10           # tokens per group; the first is the anchor (CacheGen §5.2)
+ANCHOR_BITS = 8            # the anchor is quantized alone to 8 bits (CacheGen §5.2)
+ANCHOR_MAX = (1 << (ANCHOR_BITS - 1)) - 1      # symmetric: -127..127
+CODEC_MAX_RADIUS = 2047    # delta / raw symbols are clipped to [-R, R], R fitted, at most this
+CODEC_MAGIC = b"KV"
+_CODEC_HEADER = struct.Struct("<2sBBBBHI")     # magic, version, level, flags, group, tokens, fingerprint
+
+
+def kv_to_array(cache) -> np.ndarray:
+    """KVCache (per layer (B, Hkv, T, hd)) -> float32 array (B, T, L, 2, C)."""
+    import torch
+    kv = torch.stack([torch.stack(cache.k, 1), torch.stack(cache.v, 1)], 2)  # (B, L, 2, H, T, hd)
+    B, L, _, H, T, hd = kv.shape
+    return kv.permute(0, 4, 1, 2, 3, 5).reshape(B, T, L, 2, H * hd).float().numpy()
+
+
+def array_to_kv(X, n_kv_heads: int, pos=None):
+    """Inverse of kv_to_array: (B, T, L, 2, C) or (T, L, 2, C) -> KVCache at positions pos (0..T-1)."""
+    import torch
+    from common.llama import KVCache
+    X = torch.as_tensor(np.asarray(X, np.float32))
+    X = X[None] if X.dim() == 4 else X
+    B, T, L, _, C = X.shape
+    t = X.reshape(B, T, L, 2, n_kv_heads, C // n_kv_heads).permute(2, 3, 0, 4, 1, 5)  # (L, 2, B, H, T, hd)
+    return KVCache(k=[t[i, 0].contiguous() for i in range(L)], v=[t[i, 1].contiguous() for i in range(L)],
+                   pos=torch.arange(T) if pos is None else pos)
+
+
+@dataclass(frozen=True, eq=False)
+class CodecSpec:
+    """What the encoder and the decoder share: fitted once per model (and level) by `fit_codec`."""
+    steps: np.ndarray          # (L, 2) float32: quantization step of deltas (or raw values), per layer and K/V
+    delta: bool                # anchor + delta (True), or every token quantized alone (False)
+    anchor_scale: np.ndarray   # (L, 2, C) float32: the anchors' 8-bit step, per channel
+    radius: np.ndarray         # (L, 2) int: delta / raw symbols lie in [-R, R]
+    tables: tuple = ()         # FreqTables: per (layer, K/V, channel), then the anchors' (if delta)
+    level: int = 0
+    group: int = CODEC_GROUP
+
+    @functools.cached_property
+    def fingerprint(self) -> int:
+        """CRC-32 of everything above: the bitstream names the spec it was coded with."""
+        h = zlib.crc32(np.asarray(self.steps, np.float32).tobytes())
+        for part in (np.asarray(self.anchor_scale, np.float32), np.asarray(self.radius, np.int64),
+                     np.array([self.delta, self.level, self.group], np.int64)):
+            h = zlib.crc32(part.tobytes(), h)
+        for t in self.tables:
+            h = zlib.crc32(np.asarray(t.cdf, np.int64).tobytes(), h)
+        return h
+
+    @property
+    def shape(self):
+        return self.anchor_scale.shape    # (L, 2, C)
+
+
+def _anchor_mask(T: int, group: int) -> np.ndarray:
+    return np.arange(T) % group == 0
+
+
+def _anchor_values(a: np.ndarray, spec: CodecSpec) -> np.ndarray:
+    return a.astype(np.float32) * spec.anchor_scale   # the decoded anchors; the encoder uses the same
+
+
+def quantize(X, spec: CodecSpec) -> np.ndarray:
+    """KV (..., T, L, 2, C) -> integers of the same shape: the codec's only lossy step.
+    With deltas, anchor rows hold the anchor's 8-bit value and the other rows their delta to the
+    decoded anchor, in steps of steps[layer, K/V]; without deltas every row is a raw value in steps."""
+    X = np.asarray(X, np.float32)
+    step, R = spec.steps[:, :, None].astype(np.float32), spec.radius[:, :, None]
+    if not spec.delta:
+        return np.clip(np.rint(X / step), -R, R).astype(np.int32)
+    T = X.shape[-4]
+    anchors = _anchor_mask(T, spec.group)
+    a = np.clip(np.rint(X[..., anchors, :, :, :] / spec.anchor_scale), -ANCHOR_MAX, ANCHOR_MAX)
+    owner = np.arange(T) // spec.group                  # the group (and so the anchor) of each token
+    q = np.clip(np.rint((X - _anchor_values(a, spec)[..., owner, :, :, :]) / step), -R, R).astype(np.int32)
+    q[..., anchors, :, :, :] = a
+    return q
+
+
+def dequantize(q, spec: CodecSpec) -> np.ndarray:
+    """Integers from `quantize` (or the decoder) -> float32 KV of the same shape."""
+    q = np.asarray(q)
+    x = q.astype(np.float32) * spec.steps[:, :, None].astype(np.float32)
+    if spec.delta:
+        T = q.shape[-4]
+        anchors = _anchor_mask(T, spec.group)
+        anchor = _anchor_values(q[..., anchors, :, :, :], spec)
+        x = x + anchor[..., np.arange(T) // spec.group, :, :, :]
+        x[..., anchors, :, :, :] = anchor
+    return x
+
+
+def _symbols(q: np.ndarray, spec: CodecSpec):
+    """Integers (..., T, L, 2, C) -> (symbols, table ids), same shape: value tables are numbered
+    (layer, K/V, channel); anchor tables follow them."""
+    L, _, C = spec.shape
+    n = L * 2 * C
+    ids = np.broadcast_to(np.arange(n).reshape(L, 2, C), q.shape).copy()
+    syms = q + spec.radius[:, :, None]
+    if spec.delta:
+        anchors = _anchor_mask(q.shape[-4], spec.group)
+        ids[..., anchors, :, :, :] += n
+        syms[..., anchors, :, :, :] = q[..., anchors, :, :, :] + ANCHOR_MAX
+    return syms, ids
+
+
+def _table_sizes(spec: CodecSpec) -> np.ndarray:
+    L, _, C = spec.shape
+    sizes = np.repeat(2 * np.asarray(spec.radius).ravel() + 1, C)
+    return np.concatenate([sizes, np.full(L * 2 * C, 2 * ANCHOR_MAX + 1)]) if spec.delta else sizes
+
+
+def fit_codec(calib, steps, delta: bool, level: int = 0, group: int = CODEC_GROUP) -> CodecSpec:
+    """Fit a codec on calibration KV (N, T, L, 2, C): the anchors' per-channel 8-bit step (largest
+    |value| / 127), the symbol radius (largest |symbol| seen, plus a margin, then clipped), and one
+    table per (layer, K/V, channel) from the counts of each symbol."""
+    calib = np.asarray(calib, np.float32)
+    L, C = calib.shape[-3], calib.shape[-1]
+    steps = np.broadcast_to(np.asarray(steps, np.float32), (L, 2)).copy()
+    if not np.all(steps > 0):
+        raise ValueError("quantization steps must be positive")
+    anchor_scale = np.maximum(np.abs(calib).max(axis=tuple(range(calib.ndim - 3))), 1e-8) / ANCHOR_MAX
+    spec = CodecSpec(steps, bool(delta), anchor_scale.astype(np.float32),
+                     np.full((L, 2), CODEC_MAX_RADIUS), (), int(level), int(group))
+    q = quantize(calib, spec)
+    free = q if not delta else q[..., ~_anchor_mask(q.shape[-4], group), :, :, :]
+    seen = np.abs(free).max(axis=tuple(range(free.ndim - 3)) + (free.ndim - 1,)) if free.size else np.zeros((L, 2))
+    spec = replace(spec, radius=np.minimum(CODEC_MAX_RADIUS, np.ceil(seen * 1.25) + 2).astype(np.int64))
+    syms, ids = _symbols(quantize(calib, spec), spec)
+    sizes = _table_sizes(spec)
+    M = int(sizes.max())
+    counts = np.bincount((ids * M + syms).ravel(), minlength=len(sizes) * M).reshape(len(sizes), M)
+    tables = tuple(make_table(counts[j, :sizes[j]] + (counts[j, :sizes[j]].sum() == 0)) for j in range(len(sizes)))
+    return replace(spec, tables=tables)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def codec_encode(X, spec: CodecSpec) -> bytes:
+    """One context's KV (T, L, 2, C) -> bitstream: header, group lengths, one payload per group."""
+    X = np.asarray(X, np.float32)
+    if X.ndim != 4 or X.shape[1:] != spec.shape or not 0 < X.shape[0] < 1 << 16:
+        raise ValueError(f"need KV of shape (T, {', '.join(map(str, spec.shape))}) with 0 < T < 65536")
+    T = X.shape[0]
+    syms, ids = _symbols(quantize(X, spec), spec)
+    per_group = spec.group * syms[0].size
+    payloads = [encode(syms.ravel()[i:i + per_group], spec.tables, ids.ravel()[i:i + per_group])
+                for i in range(0, syms.size, per_group)]
+    header = _CODEC_HEADER.pack(CODEC_MAGIC, CODEC_VERSION, spec.level, int(spec.delta), spec.group, T,
+                                spec.fingerprint)
+    return header + b"".join(_varint(len(p)) for p in payloads) + b"".join(payloads)
+
+
+def codec_header(data: bytes) -> dict:
+    """Parse the header and the group lengths: what a decoder learns from the bitstream alone."""
+    if len(data) < _CODEC_HEADER.size:
+        raise CorruptStream("shorter than a codec header")
+    magic, version, level, flags, group, T, fp = _CODEC_HEADER.unpack_from(data)
+    if magic != CODEC_MAGIC or version != CODEC_VERSION or flags > 1 or group == 0 or T == 0:
+        raise CorruptStream("not a codec bitstream of this version")
+    pos, lengths = _CODEC_HEADER.size, []
+    for _ in range(-(-T // group)):
+        n = shift = 0
+        while True:
+            if pos >= len(data) or shift > 28:
+                raise CorruptStream("truncated group lengths")
+            b = data[pos]
+            pos += 1
+            n |= (b & 0x7F) << shift
+            shift += 7
+            if b < 0x80:
+                break
+        lengths.append(n)
+    if pos + sum(lengths) != len(data):
+        raise CorruptStream(f"payload is {len(data) - pos} bytes, the header announces {sum(lengths)}")
+    return {"level": level, "delta": bool(flags), "group": group, "tokens": T, "fingerprint": fp,
+            "group_bytes": lengths, "payload_start": pos}
+
+
+def codec_decode(data: bytes, specs, groups=None) -> np.ndarray:
+    """Bitstream -> the quantized integers (T, L, 2, C), exactly as `quantize` made them.
+    `specs`: one CodecSpec or several (e.g. every level of a model); the header's fingerprint picks
+    the one the data was coded with. `groups`: decode only these groups (the other rows stay 0)."""
+    h = codec_header(data)
+    specs = [specs] if isinstance(specs, CodecSpec) else list(specs)
+    spec = next((s for s in specs if s.fingerprint == h["fingerprint"]), None)
+    if spec is None:
+        raise ValueError(f"no codec spec with fingerprint {h['fingerprint']:08x} (another model or level)")
+    T, L, C, G = h["tokens"], spec.shape[0], spec.shape[2], spec.group
+    q = np.zeros((T, L, 2, C), np.int64)
+    _, ids = _symbols(q, spec)
+    offsets = np.cumsum([h["payload_start"]] + h["group_bytes"])
+    for g in range(len(h["group_bytes"])) if groups is None else groups:
+        rows = slice(g * G, min(T, (g + 1) * G))
+        gid = ids[rows]
+        syms = decode(data[offsets[g]:offsets[g + 1]], spec.tables, gid.size, gid.ravel()).reshape(gid.shape)
+        q[rows] = syms - spec.radius[:, :, None]
+        if spec.delta:
+            q[g * G] = syms[0] - ANCHOR_MAX
+    return q.astype(np.int32)
+
+
+def codec_roundtrip(X, spec: CodecSpec) -> tuple[bytes, np.ndarray]:
+    """Encode one context and decode it again: (bitstream, decoded float32 KV)."""
+    data = codec_encode(X, spec)
+    return data, dequantize(codec_decode(data, spec), spec)
+
+
+def uniform_quantize(X, bits: int, scale: np.ndarray) -> np.ndarray:
+    """The baselines: fixed-length symmetric `bits`-bit codes with a step per channel
+    (scale = largest |value| on calibration / (2^(bits-1) - 1)). Returns the dequantized KV."""
+    m = (1 << (bits - 1)) - 1
+    return (np.clip(np.rint(np.asarray(X, np.float32) / scale), -m, m) * scale).astype(np.float32)
 
 
 # ============================================================================== 4. shift_kv

@@ -1,0 +1,151 @@
+"""The CacheGen-style codec of kvcache.py, section 3: bit-exact round trips through the bitstream,
+groups that decode alone (exercise 3), a bitstream that names what decoding needs, levels that shrink,
+and (with the record-world model) the accuracy claims of 02_cachegen_codec.py."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import kvcache as kv
+from common.llama import Llama, LlamaConfig
+
+L, C = 4, 32   # the record-world model's shape: 4 layers x (K, V) x 2 heads x 16 dims
+
+
+def synthetic_kv(seed, n, T, walk=False):
+    """n contexts (n, T, L, 2, C): i.i.d. values, or a random walk along tokens (token locality)."""
+    scale = np.random.default_rng(123).uniform(0.2, 3.0, (L, 2, C))   # the same channels in every call
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, T, L, 2, C))
+    if walk:
+        x = np.cumsum(0.2 * x, axis=1) + rng.standard_normal((n, 1, L, 2, C))
+    return (x * scale).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def calib():
+    return synthetic_kv(0, 60, 24)
+
+
+def specs_for(calib, delta, levels=1):
+    rms = np.sqrt((calib ** 2).mean(axis=(0, 1, 4)))
+    return [kv.fit_codec(calib, rms / 8 * 2 ** i, delta, level=i) for i in range(levels)]
+
+
+# ---------------------------------------------------------------------------------- round trip
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10 ** 6), T=st.integers(1, 45), delta=st.booleans(), scale=st.sampled_from([0.3, 1, 30]))
+def test_roundtrip_equals_quantized_exactly(calib, seed, T, delta, scale):
+    spec = specs_for(calib, delta)[0]
+    X = synthetic_kv(seed, 1, T)[0] * scale          # scale 30: far outside calibration, clipped
+    data = kv.codec_encode(X, spec)
+    q = kv.codec_decode(data, spec)
+    assert q.shape == (T, L, 2, C) and np.array_equal(q, kv.quantize(X, spec))
+    assert np.array_equal(kv.dequantize(q, spec), kv.dequantize(kv.quantize(X, spec), spec))
+
+
+@pytest.mark.parametrize("delta", [True, False])
+def test_error_is_half_a_step_inside_the_range(calib, delta):
+    spec = specs_for(calib, delta)[0]
+    X = synthetic_kv(7, 1, 30)[0] * 0.5                 # well inside the fitted range: no clipping
+    err = np.abs(kv.codec_roundtrip(X, spec)[1] - X)
+    anchors = np.arange(30) % kv.CODEC_GROUP == 0
+    half_step = spec.steps[:, :, None] / 2 * (1 + 1e-5)
+    if delta:
+        assert np.all(err[anchors] <= spec.anchor_scale / 2 * (1 + 1e-5))   # 8-bit anchors
+        assert np.all(err[~anchors] <= half_step)      # deltas to the *decoded* anchor: no drift
+    else:
+        assert np.all(err <= half_step)
+
+
+def test_array_layout_roundtrips_a_llama_cache():
+    torch.manual_seed(0)
+    m = Llama(LlamaConfig(vocab_size=30)).eval()
+    with torch.no_grad():
+        logits, cache = m(torch.randint(0, 30, (3, 13)))
+        X = kv.kv_to_array(cache)
+        assert X.shape == (3, 13, 4, 2, 32)
+        back = kv.array_to_kv(X, 2)
+        q = torch.randint(0, 30, (3, 2))
+        a, _ = m(q, cache=cache)
+        b, _ = m(q, cache=back)
+    assert all(torch.equal(x, y) for x, y in zip(cache.k + cache.v, back.k + back.v))
+    assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------ exercise 3
+def test_groups_decode_alone_and_damage_stays_in_its_group(calib):
+    """Anchor-relative deltas: every group decodes from its own bytes, each token needs only its
+    anchor, and a damaged payload spoils its own group, not the others."""
+    spec = specs_for(calib, True)[0]
+    X = synthetic_kv(3, 1, 35)[0]
+    data = kv.codec_encode(X, spec)
+    full = kv.codec_decode(data, spec)
+    for g in [3, 0, 2, 1]:                               # any order, one at a time
+        rows = slice(10 * g, 10 * g + 10)
+        assert np.array_equal(kv.codec_decode(data, spec, groups=[g])[rows], full[rows])
+    # a token's value depends on its own integer and its group's anchor only
+    q2 = full.copy()
+    q2[:10] += 1
+    q2[21:30] -= 3
+    assert np.array_equal(kv.dequantize(q2, spec)[20], kv.dequantize(full, spec)[20])
+    assert np.array_equal(kv.dequantize(q2, spec)[10:20], kv.dequantize(full, spec)[10:20])
+    # flip bytes inside group 1's payload
+    h = kv.codec_header(data)
+    start = h["payload_start"] + h["group_bytes"][0]
+    bad = bytearray(data)
+    for i in range(start + 2, start + h["group_bytes"][1] - 2, 7):
+        bad[i] ^= 0x5A
+    try:
+        back = kv.codec_decode(bytes(bad), spec)
+    except kv.CorruptStream:
+        back = None
+    if back is not None:
+        assert not np.array_equal(back[10:20], full[10:20])
+        keep = np.r_[0:10, 20:35]
+        assert np.array_equal(back[keep], full[keep])
+
+
+# ------------------------------------------------------------------------------ bitstream
+def test_bitstream_names_its_spec_and_length(calib):
+    specs = specs_for(calib, True, levels=4) + specs_for(calib, False, levels=2)
+    assert len({s.fingerprint for s in specs}) == len(specs)
+    X = synthetic_kv(5, 1, 23)[0]
+    for s in specs:
+        data = kv.codec_encode(X, s)
+        h = kv.codec_header(data)
+        assert (h["level"], h["delta"], h["tokens"], h["group"]) == (s.level, s.delta, 23, 10)
+        q = kv.codec_decode(data, specs)               # the decoder is not told level, mode or length
+        assert np.array_equal(q, kv.quantize(X, s))
+    with pytest.raises(ValueError, match="fingerprint"):
+        kv.codec_decode(kv.codec_encode(X, specs[1]), [specs[0], specs[2]])
+
+
+def test_damaged_bitstreams_end_with_a_clear_error(calib):
+    spec = specs_for(calib, False)[0]
+    data = kv.codec_encode(synthetic_kv(6, 1, 20)[0], spec)
+    for bad in [b"", data[:5], data[:-1], data + b"\0", b"XX" + data[2:]]:
+        with pytest.raises(kv.CorruptStream):
+            kv.codec_decode(bad, spec)
+    with pytest.raises(ValueError):
+        kv.codec_encode(np.zeros((5, L, 2, C + 1), np.float32), spec)
+
+
+# ----------------------------------------------------------------------------- levels, deltas
+def test_levels_shrink_and_lose_precision(calib):
+    specs = specs_for(calib, False, levels=4)
+    X = synthetic_kv(9, 1, 40)[0]
+    sizes = [len(kv.codec_encode(X, s)) for s in specs]
+    errs = [np.abs(kv.codec_roundtrip(X, s)[1] - X).mean() for s in specs]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > 1.5 * sizes[3]
+    assert errs == sorted(errs)
+
+
+def test_deltas_pay_only_where_tokens_are_local():
+    """Token locality (a random walk along tokens): anchor deltas are smaller than raw values.
+    Independent tokens: deltas are larger (variance of a difference of two i.i.d. values is 2x)."""
+    for walk, delta_wins in [(True, True), (False, False)]:
+        cal, X = synthetic_kv(1, 40, 30, walk), synthetic_kv(2, 1, 30, walk)[0]
+        step = np.sqrt((cal ** 2).mean(axis=(0, 1, 4))) / 16
+        size = {d: len(kv.codec_encode(X, kv.fit_codec(cal, step, d))) for d in (True, False)}
+        assert (size[True] < size[False]) == delta_wins
