@@ -1,0 +1,218 @@
+"""streaming.py (trace, link simulation, CacheGen's adaptive policy, oracle) and 03_streaming.py (the
+command line). Levels here are synthetic: the tests check the mechanism, not the codec's numbers."""
+import importlib.util
+import itertools
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st_
+
+import streaming as st
+from common import timemodel as tm
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "code" / "lecture27" / "03_streaming.py"
+LEVELS = [dict(level=i, bits_per_value=b, accuracy=a) for i, (b, a) in
+          enumerate([(4.8, 0.99), (3.6, 0.96), (2.9, 0.88), (2.2, 0.74)])]
+HANDOUT_TRACE = st.Trace((0.0, 0.3, 3.0), (10.0, 1.0, 5.0))
+
+
+def setup(chunk=1536, context=12 * 1024, levels=LEVELS):
+    return st.make_setup("llama-3.1-70b", "A100-80GB", 4, context, chunk, levels, 0.99)
+
+
+# ------------------------------------------------------------------------------------------- trace
+def test_transfer_end_across_segments():
+    tr = HANDOUT_TRACE
+    assert tr.transfer_end(0.0, 1e9) == pytest.approx(0.1)            # 1 Gb at 10 Gb/s
+    assert tr.transfer_end(0.2, 2e9) == pytest.approx(0.3 + 1.0)      # 1 Gb by 0.3 s, then 1 Gb at 1 Gb/s
+    assert tr.transfer_end(2.5, 3e9) == pytest.approx(3.0 + 0.5)      # 0.5 Gb by 3 s, 2.5 Gb at 5 Gb/s
+    assert tr.bits_by(4.0) == pytest.approx((3 + 2.7 + 5) * 1e9)
+    assert tr.rate_at(0.0) == 10 and tr.rate_at(0.3) == 1 and tr.rate_at(99) == 5
+
+
+def test_parse_trace_accepts_header_and_comments():
+    tr = st.parse_trace("# the handout's trace\ntime,gbps\n0,10\n0.3, 1\n\n3,5\n")
+    assert tr == HANDOUT_TRACE
+
+
+@pytest.mark.parametrize("text, words", [
+    ("", "empty"), ("# nothing\n", "empty"), ("0,10\n0.3,-1\n", "negative"), ("0,ten\n", "not"),
+    ("0,1\n0,2\n", "increase"), ("0.5,1\n", "time 0"), ("0,1\n1,0\n", "positive"), ("0,1,2\n", "not"),
+    ("0,nan\n", "finite")])
+def test_parse_trace_rejects(text, words):
+    with pytest.raises(ValueError, match=words):
+        st.parse_trace(text)
+
+
+# ---------------------------------------------------------------------------------- small pieces
+def test_options_apply_bits_per_value_to_the_big_model():
+    values = tm.kv_bytes_per_token("llama-3.1-70b") / 2
+    assert values == 163_840
+    opts = st.kv_options(LEVELS, "llama-3.1-70b", 0.99, with_raw=True)
+    assert [o.name for o in opts] == ["raw", "level0", "level1", "level2", "level3", "text"]
+    assert opts[0].bits_per_token == 16 * values
+    assert opts[1].bits_per_token == pytest.approx(4.8 * values)
+    assert opts[-1].recompute and not any(o.recompute for o in opts[:-1])
+
+
+def test_batch_slowdown():
+    assert st.batch_slowdown(12 * 1024) == 1.0                      # the time model's fitted batch
+    assert st.batch_slowdown(20_000) == 1.0                         # never faster than the model
+    s = [st.batch_slowdown(n) for n in (256, 512, 1536, 6144)]
+    assert s == sorted(s, reverse=True) and s[0] > 1.3
+    # recomputing a context chunk by chunk costs more than in one batch, more for smaller chunks
+    whole = tm.prefill_time("llama-3.1-70b", "A100-80GB", 12 * 1024, 0, 4)
+    text = [st.fixed(setup(c), st.Trace.steady(100), "text").gpu_s for c in (512, 1536, 6144)]
+    assert whole < text[2] < text[1] < text[0]
+
+
+def test_replay_times_add_up():
+    s = setup()
+    r = st.fixed(s, st.Trace.steady(10), "text")
+    link = sum(st.TEXT_BYTES_PER_TOKEN * 8 * n / 10e9 for _, n in s.plan)   # token ids at 10 Gb/s
+    assert r.ttft_s == pytest.approx(sum(s.recompute_s(f, n) for f, n in s.plan) + link)
+    assert r.text_tokens == 12 * 1024 and r.quality == pytest.approx(0.99)
+
+
+# ------------------------------------------------------------------------------------ the policy
+@settings(max_examples=200, deadline=None)
+@given(st_.floats(0.001, 200), st_.floats(0, 3), st_.integers(0, 7))
+def test_never_picks_a_config_that_misses_when_a_cheaper_one_fits(est, budget, i):
+    s = setup()
+    chunk = s.plan[i]
+    name, pred = st.choose(s, chunk, est, budget)
+    preds = {o.name: st.predict_s(s, chunk, o, est) for o in s.options}
+    fits = [o.name for o in s.options if preds[o.name] <= budget]
+    if fits:
+        assert name == fits[0]                     # the least lossy option that fits: none skipped, none missing
+        assert pred <= budget
+    else:
+        assert pred == min(preds.values())         # nothing fits: the fastest
+
+
+@pytest.mark.parametrize("gbps", [25, 100])
+def test_steady_fast_link_gives_the_finest_level(gbps):
+    for chunk in (512, 1536, 3072):
+        r = st.adaptive(setup(chunk), st.Trace.steady(gbps), 4.0)
+        assert set(r.choices) == {"level0"}
+
+
+def test_dead_link_falls_back_to_text():
+    r = st.adaptive(setup(), st.Trace.steady(0.001), 4.0)
+    assert set(r.choices) == {"text"}
+    # a link that collapses mid-stream: once a chunk has measured the collapse, everything after is text
+    tr = st.Trace((0.0, 0.2), (10.0, 0.001))
+    r = st.adaptive(setup(), tr, 4.0)
+    slow = next(i for i, row in enumerate(r.rows) if row["measured_gbps"] is not None and row["measured_gbps"] < 0.01)
+    assert r.choices[0] == "level0" and set(r.choices[slow + 1:]) == {"text"}
+
+
+def test_handout_trace_mechanism():
+    """The adaptive policy on §4.2's trace: finest first, and once the drop is measured it leaves level 0."""
+    r = st.adaptive(setup(), HANDOUT_TRACE, 4.0)
+    assert r.choices[:2] == ["level0", "level0"]
+    after_drop = [c for row, c in zip(r.rows, r.choices) if row["est_gbps"] < 1.5]   # the drop measured
+    assert after_drop and "level0" not in after_drop
+    assert all(row["predicted"] <= row["start"] + row["budget_s"] + 1e-12 for row in r.rows)
+
+
+# ------------------------------------------------------------------------------------ the oracle
+def brute_force(s, trace, slo):
+    names = [o.name for o in s.options]
+    runs = (st.replay(s, trace, list(c)) for c in itertools.product(names, repeat=len(s.plan)))
+    return min(runs, key=lambda r: st.outcome_key(r, slo))
+
+
+@pytest.mark.parametrize("slo", [0.5, 2.0, 4.0, 8.0])
+def test_oracle_matches_brute_force(slo):
+    s = setup(chunk=3072)                                  # 4 chunks x 5 options = 625 schedules
+    for trace in (HANDOUT_TRACE, st.Trace((0.0, 0.5, 1.0), (2.0, 20.0, 0.5))):
+        o, b = st.oracle(s, trace, slo), brute_force(s, trace, slo)
+        assert st.outcome_key(o, slo) == st.outcome_key(b, slo)
+
+
+traces = st_.lists(st_.tuples(st_.floats(0.05, 2.0), st_.floats(0.0, 40.0)), min_size=0, max_size=4).map(
+    lambda segs: st.Trace(tuple(itertools.accumulate([0.0] + [d for d, _ in segs]))[:len(segs) + 1],
+                          tuple([g for _, g in segs] + [1.0])))
+
+
+@settings(max_examples=40, deadline=None)
+@given(traces, st_.floats(0.5, 8.0), st_.sampled_from([1536, 3072]))
+def test_oracle_never_worse_than_any_policy(trace, slo, chunk):
+    s = setup(chunk)
+    key = st.outcome_key(st.oracle(s, trace, slo), slo)
+    for r in (st.adaptive(s, trace, slo), st.fixed(s, trace, "level0"), st.fixed(s, trace, "text"),
+              st.fixed(s, trace, "level3")):
+        assert key <= st.outcome_key(r, slo)
+
+
+# ---------------------------------------------------------------------------------- the script
+def load_script():
+    spec = importlib.util.spec_from_file_location("streaming_script", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_part1_text_on_slow_links_kv_on_fast_ones():
+    s3 = load_script()
+    opts, no_loss, rows, recompute, breakeven = s3.part1(LEVELS, 0.99, [0.5, 100])
+    assert rows[0]["best"] == "text" and rows[1]["best"] == "level0"
+    assert breakeven["raw"] == pytest.approx(tm.kv_bytes_per_token("llama-3.1-70b") * 8 * 12 * 1024 / recompute / 1e9)
+    note = s3.note_8b(LEVELS)
+    assert note["recompute_s"] == pytest.approx(0.36)
+    assert note["raw_breakeven_gbit"] * 1e9 * 0.36 == pytest.approx(131072 * 8 * 12 * 1024)
+
+
+def run(*args, tmp_path=None):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def levels_file(tmp_path):
+    p = tmp_path / "levels.json"
+    p.write_text(json.dumps(LEVELS))
+    return p
+
+
+def test_smoke_json(tmp_path, levels_file):
+    out = tmp_path / "o.json"
+    r = run("--levels", str(levels_file), "--no-plot", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    d = json.loads(out.read_text())
+    allowed = {"text", "raw", "level0", "level1", "level2", "level3"}
+    assert set(d["best_at_gbit_per_s"].values()) <= allowed and d["best_at_gbit_per_s"]["0.5"] == "text"
+    assert d["llama31_8b_12k_recompute_s"] == pytest.approx(0.36)
+    assert len(d["trace_choices"]) == 8 and set(d["trace_choices"]) <= allowed
+    assert d["trace_ttft_s"] <= 4.0
+    assert d["steady25_choices"] == ["level0"] * 8
+    assert "Part 3" in r.stdout
+
+
+def test_trace_file(tmp_path, levels_file):
+    good = tmp_path / "t.csv"
+    good.write_text("time,gbps\n0,100\n")
+    out = tmp_path / "o.json"
+    r = run("--levels", str(levels_file), "--no-plot", "--trace", str(good), "--chunk-tokens", "3072", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["trace_choices"] == ["level0"] * 4
+
+
+@pytest.mark.parametrize("args, content", [
+    (["--slo", "-1"], None), (["--chunk-tokens", "0"], None), (["--bogus"], None),
+    (["--chunk-tokens", "99999"], None), (["--trace", "TRACE"], "0,10\n1,-2\n"), (["--trace", "TRACE"], ""),
+    (["--trace", "missing.csv"], None)])
+def test_bad_input_one_line_exit_2(tmp_path, levels_file, args, content):
+    if content is not None:
+        (tmp_path / "t.csv").write_text(content)
+        args = [str(tmp_path / "t.csv") if a == "TRACE" else a for a in args]
+    else:
+        args = [str(tmp_path / a) if a == "missing.csv" else a for a in args]
+    r = run("--levels", str(levels_file), "--no-plot", *args)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and "error" in r.stderr and "Traceback" not in r.stderr
