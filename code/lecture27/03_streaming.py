@@ -185,7 +185,9 @@ def print_part2(setup, runs, steady, trace, slo, chunk_tokens):
     print(f"== Part 2 (§4.2): adaptive streaming, chunks of {chunk_tokens:,} tokens, SLO {slo:g} s; trace: {segs}")
     print("Each chunk: the throughput measured on the previous KV chunk is assumed to hold; its budget is its token\n"
           "share of the time left; it takes the finest level predicted to fit, else text (recompute on the GPU,\n"
-          "attending to the KV received), else the fastest option. No overlap: the link waits while the GPU recomputes.")
+          "attending to the KV received), else the fastest option. No overlap: the link waits while the GPU recomputes.\n"
+          "Configurations: the codec's levels (each chunk encoded offline at every level) and text; raw FP16 KV is\n"
+          "not streamed (CacheGen streams its levels only).")
     a = runs["adaptive"]
     rows = []
     for i, (r, (first, n)) in enumerate(zip(a.rows, setup.plan)):
