@@ -82,7 +82,7 @@ def cached_model(name: str, model_cfg: LlamaConfig, train_cfg: dict, data_versio
     t0 = time.time()
     metrics = train_fn(model)
     meta = {"ident": json.loads(json.dumps(ident)), "metrics": metrics, "train_seconds": time.time() - t0,
-            "torch": torch.__version__, "n_params": model.n_params()}
+            "torch": str(torch.__version__), "n_params": model.n_params()}
     atomic_save({"state_dict": model.state_dict(), "meta": meta}, path)
     print(f"[checkpoints] trained {name} in {meta['train_seconds']:.1f} s -> {path}")
     return model.eval(), meta

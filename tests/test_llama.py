@@ -1,0 +1,119 @@
+"""The LLaMA's one forward pass, driven four ways: full prefill, prefill continued from a cache,
+one-token decode and the block-diagonal "each chunk alone" prefill (float32, max |diff| <= 1e-5)."""
+import torch
+
+from common.llama import KVCache, Llama, LlamaConfig, causal_mask, rope
+from kvcache import shift_kv
+
+TOL = 1e-5
+
+
+def make_model(seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=40, **kw)
+    m = Llama(cfg).eval()
+    # larger weights than the 0.02 init, so attention patterns are far from uniform
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.mul_(8.0)
+    return m
+
+
+def test_kv_bytes_per_token_matches_handout():
+    # 4 layers x (K, V) x 2 KV heads x 16 dims x 2 bytes = 512 B/token in FP16
+    assert LlamaConfig(vocab_size=10).kv_bytes_per_token(2) == 512
+
+
+@torch.no_grad()
+def test_cached_decode_equals_full_forward():
+    m = make_model()
+    t = torch.randint(0, 40, (3, 24))
+    full, _ = m(t)
+    logits, cache = m(t[:, :8])
+    outs = [logits]
+    for i in range(8, 24):
+        logits, cache = m(t[:, i:i + 1], cache=cache)
+        outs.append(logits)
+    assert len(cache) == 24
+    assert (torch.cat(outs, 1) - full).abs().max() <= TOL
+
+
+@torch.no_grad()
+def test_prefill_in_two_halves_equals_one_prefill():
+    m = make_model(1)
+    t = torch.randint(0, 40, (2, 30))
+    full, full_cache = m(t)
+    a, cache = m(t[:, :13])
+    b, cache = m(t[:, 13:], cache=cache)
+    assert (torch.cat([a, b], 1) - full).abs().max() <= TOL
+    for i in range(m.cfg.n_layers):
+        assert (cache.k[i] - full_cache.k[i]).abs().max() <= TOL
+        assert (cache.v[i] - full_cache.v[i]).abs().max() <= TOL
+
+
+@torch.no_grad()
+def test_full_reuse_by_hand_equals_block_diagonal_mask():
+    """3 chunks of 8 tokens, each run alone at positions 0..7, K moved to its real position by
+    shift_kv, caches concatenated == one forward with a block-diagonal mask."""
+    m = make_model(2)
+    n, L = 3, 8
+    t = torch.randint(0, 40, (2, n * L))
+    pos = torch.arange(n * L)
+    chunk = pos // L
+    block_logits, block_cache = m(t, mask=causal_mask(pos, pos, chunk, chunk))
+
+    caches, logits = [], []
+    for c in range(n):
+        lg, cc = m(t[:, c * L:(c + 1) * L])  # alone, positions 0..7
+        cc.k = [shift_kv(k, c * L, m.cfg.rope_theta) for k in cc.k]
+        cc.pos = cc.pos + c * L
+        caches.append(cc)
+        logits.append(lg)
+    reuse = KVCache.cat(caches)
+    assert (torch.cat(logits, 1) - block_logits).abs().max() <= TOL
+    for i in range(m.cfg.n_layers):
+        assert (reuse.k[i] - block_cache.k[i]).abs().max() <= TOL
+        assert torch.equal(reuse.v[i], torch.cat([c.v[i] for c in caches], 2))
+        assert (reuse.v[i] - block_cache.v[i]).abs().max() <= TOL
+    # and a question appended after the reused chunks sees the same thing either way
+    q = torch.randint(0, 40, (2, 5))
+    a, _ = m(q, cache=reuse)
+    b, _ = m(q, cache=block_cache)
+    assert (a - b).abs().max() <= TOL
+
+
+@torch.no_grad()
+def test_rope_shift_equals_recompute_at_new_position():
+    """Exercise 5: K computed at position 0 and rotated by p == K computed at position p; V unchanged."""
+    m = make_model(3)
+    t = torch.randint(0, 40, (1, 6))
+    x = m.embed(t)
+    blk = m.layers[0]
+    for p in (1, 7, 1000):
+        _, k0, v0 = blk.qkv(x, torch.arange(6))
+        _, kp, vp = blk.qkv(x, torch.arange(6) + p)
+        assert (shift_kv(k0, p, m.cfg.rope_theta) - kp).abs().max() <= TOL
+        assert torch.equal(v0, vp)
+    # a rotation preserves norms, and rotating by 0 is the identity
+    k = torch.randn(2, 3, 5, 16)
+    assert torch.allclose(rope(k, torch.full((5,), 123.0), 1e4).norm(dim=-1), k.norm(dim=-1), atol=1e-5)
+    assert torch.equal(rope(k, torch.zeros(5), 1e4), k)
+
+
+@torch.no_grad()
+def test_block_diagonal_mask_changes_later_chunks_only():
+    """The mask really cuts cross-chunk attention: the first chunk is identical, later ones differ."""
+    m = make_model(4)
+    t = torch.randint(0, 40, (1, 16))
+    pos = torch.arange(16)
+    causal, _ = m(t)
+    block, _ = m(t, mask=causal_mask(pos, pos, pos // 8, pos // 8))
+    assert (causal[:, :8] - block[:, :8]).abs().max() <= TOL
+    assert (causal[:, 8:] - block[:, 8:]).abs().max() > 1e-3
+
+
+def test_gqa_shapes():
+    m = make_model(5, n_heads=4, n_kv_heads=1)
+    _, cache = m(torch.randint(0, 40, (2, 7)))
+    assert cache.k[0].shape == (2, 1, 7, 16) and cache.pos.tolist() == list(range(7))
