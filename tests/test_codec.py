@@ -149,3 +149,51 @@ def test_deltas_pay_only_where_tokens_are_local():
         step = np.sqrt((cal ** 2).mean(axis=(0, 1, 4))) / 16
         size = {d: len(kv.codec_encode(X, kv.fit_codec(cal, step, d))) for d in (True, False)}
         assert (size[True] < size[False]) == delta_wins
+
+
+# ------------------------------------------------------------------------ the step search, recipe
+def test_search_finds_the_coarsest_steps_that_keep_the_answers():
+    """A made-up sensitivity: the answers hold while each step stays at or below its own limit."""
+    rms = np.ones((4, 2))
+    limit = kv.STEP_START * kv.STEP_NOTCH ** np.array([[1, 4], [2, 2], [0, 6], [3, 8]])
+    calls = []
+
+    def evaluate(steps):
+        calls.append(steps)
+        ok = np.all(steps <= limit * (1 + 1e-9))
+        return {"acc": 1.0 if ok else 0.9, "nll": float(np.sum(steps))}
+
+    steps, trace = kv.search_steps(evaluate, rms, target=1.0)
+    assert np.allclose(steps, limit) and len(calls) < 60 and trace
+
+
+def test_recipe_is_finer_in_shallow_layers():
+    rms = np.array([[1.0, 2.0], [1.0, 2.0], [1.0, 2.0], [1.0, 2.0]])
+    s = kv.recipe_steps(rms, 0.1) / rms
+    assert np.allclose(s[:, 0], s[:, 1]) and np.allclose(s[:, 0], [0.1, 0.1, 0.2, 0.4])
+
+
+def test_spec_survives_the_cache_format(calib):
+    spec = specs_for(calib, True)[0]
+    back = kv.spec_from_dict(kv.spec_to_dict(spec))
+    X = synthetic_kv(4, 1, 12)[0]
+    assert back.fingerprint == spec.fingerprint
+    assert kv.codec_encode(X, back) == kv.codec_encode(X, spec)
+
+
+def test_codec_study_runs_on_an_untrained_model():
+    """The whole pipeline on an untrained LLaMA and random documents (accuracy near chance)."""
+    torch.manual_seed(0)
+    m = Llama(LlamaConfig(vocab_size=20)).eval()
+    rng = np.random.default_rng(0)
+
+    def docs(n):
+        ctx = rng.integers(0, 19, (n, 14))
+        return ctx, np.stack([np.full(n, 19), ctx[:, 4]], 1), ctx[:, 5]
+
+    torch.set_num_threads(1)
+    s = kv.codec_study(m, docs(60), docs(80), progress=False)
+    b = [lv["bytes_per_token"] for lv in s["levels"]]
+    assert len(b) == kv.N_LEVELS and b == sorted(b, reverse=True)
+    assert all(lv["roundtrip_exact"] for lv in s["levels"]) and s["recipe"]["roundtrip_exact"]
+    assert np.all(np.diff(np.array(s["recipe"]["steps_over_rms"])[:, 0]) >= 0)

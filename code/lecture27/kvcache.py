@@ -299,6 +299,7 @@ def exercise4(n: int = 100_000, seed: int = 0) -> dict:
 # byte length (varint), then one arithmetic-coded payload per group.
 import functools  # noqa: E402
 import struct  # noqa: E402
+import time  # noqa: E402
 import zlib  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
@@ -524,6 +525,236 @@ def uniform_quantize(X, bits: int, scale: np.ndarray) -> np.ndarray:
     (scale = largest |value| on calibration / (2^(bits-1) - 1)). Returns the dequantized KV."""
     m = (1 << (bits - 1)) - 1
     return (np.clip(np.rint(np.asarray(X, np.float32) / scale), -m, m) * scale).astype(np.float32)
+
+
+# ---- measuring a codec on a model: answers read from decoded KV, the step search, the quality levels
+# Accuracy of a codec = answer accuracy when the question's tokens attend to the decoded (lossy) context
+# KV instead of the exact one: model(question_tokens, cache=decoded context KV).
+MEASURE_TOL = 0.0          # the step search keeps calibration accuracy >= FP16's - this
+STEP_NOTCH = 2.0           # the search coarsens one (layer, K/V) step by this factor at a time
+STEP_START = 2.0 ** -5     # ... starting from steps of this x the RMS of that (layer, K/V)
+STEP_MAX_NOTCHES = 8       # ... up to STEP_START x STEP_NOTCH^8 = 8 x RMS (where nothing is left)
+LEVEL_FACTOR = 2.0         # level i uses the measured steps x LEVEL_FACTOR^i (level 0 finest)
+N_LEVELS = 4
+RECIPE_GROUP_FACTOR = 2.0  # recipe: layers in 3 groups (shallow, middle, deep), each step 2x the one
+                           # before (LMCache's CacheGen config: 32 bins early, 16 bins later layers)
+
+
+def answer_accuracy(model, X, questions, answers, batch: int = 1000) -> dict:
+    """Questions (N, Tq) attend to context KV X (N, T, L, 2, C); the last position must predict
+    answers (N,). -> {"acc", "nll"} (mean over the N documents)."""
+    import torch
+    import torch.nn.functional as F
+    n_kv = model.cfg.n_kv_heads
+    correct, nll = 0, 0.0
+    with torch.no_grad():
+        for i in range(0, len(answers), batch):
+            logits, _ = model(torch.as_tensor(questions[i:i + batch]), cache=array_to_kv(X[i:i + batch], n_kv))
+            last, ans = logits[:, -1].float(), torch.as_tensor(answers[i:i + batch])
+            correct += int((last.argmax(-1) == ans).sum())
+            nll += float(F.cross_entropy(last, ans, reduction="sum"))
+    return {"acc": correct / len(answers), "nll": nll / len(answers)}
+
+
+def kv_rms(X) -> np.ndarray:
+    """RMS of each (layer, K/V) over every token and channel: (L, 2)."""
+    X = np.asarray(X, np.float64)
+    return np.sqrt((X ** 2).mean(axis=tuple(range(X.ndim - 3)) + (X.ndim - 1,)))
+
+
+def codec_bits(spec: CodecSpec, X) -> float:
+    """Ideal arithmetic-coded bits of contexts X (N, T, L, 2, C) under the spec's tables."""
+    syms, ids = _symbols(quantize(X, spec), spec)
+    return ideal_bits(syms.ravel(), list(spec.tables), ids.ravel())
+
+
+def search_steps(evaluate, rms, target: float, start: float = STEP_START, notch: float = STEP_NOTCH,
+                 max_notches: int = STEP_MAX_NOTCHES, progress=None):
+    """Greedy search for the coarsest steps that keep the answers: steps = rms * start * notch^e.
+    Each round tries coarsening each (layer, K/V) by one notch alone; a try whose accuracy drops below
+    `target` freezes that entry (as does reaching max_notches). Of the tries that pass, all are taken together if that passes too,
+    else only the one that hurts the answers least (lowest NLL): every notch saves about one bit per
+    value, so the least harmful is the best buy. evaluate(steps) -> {"acc", "nll"}.
+    Returns (steps, trace of accepted moves)."""
+    rms = np.asarray(rms, np.float64)
+    e = np.zeros(rms.shape, int)
+    frozen = np.zeros(rms.shape, bool)
+    trace = []
+    while not (frozen := frozen | (e >= max_notches)).all():
+        passing = []
+        for lk in zip(*np.nonzero(~frozen)):
+            e2 = e.copy()
+            e2[lk] += 1
+            r = evaluate(rms * start * notch ** e2)
+            if progress is not None:
+                progress.update(1)
+            if r["acc"] >= target:
+                passing.append((r["nll"], lk, r))
+            else:
+                frozen[lk] = True
+        if not passing:
+            break
+        passing.sort(key=lambda p: p[0])
+        e_all = e.copy()
+        for _, lk, _ in passing:
+            e_all[lk] += 1
+        r_all = evaluate(rms * start * notch ** e_all) if len(passing) > 1 else passing[0][2]
+        if r_all["acc"] >= target:
+            e, r, moved = e_all, r_all, [lk for _, lk, _ in passing]
+        else:
+            e[passing[0][1]] += 1
+            r, moved = passing[0][2], [passing[0][1]]
+        trace.append({"moved": [[int(a), int(b)] for a, b in moved], "acc": r["acc"], "nll": r["nll"]})
+    return rms * start * notch ** e, trace
+
+
+def recipe_steps(rms, base: float) -> np.ndarray:
+    """CacheGen's layer-wise quantization as published: layers in three groups, shallow to deep, the
+    step (in units of each (layer, K/V)'s RMS) growing by RECIPE_GROUP_FACTOR per group. (L, 2)."""
+    rms = np.asarray(rms, np.float64)
+    groups = np.array_split(np.arange(len(rms)), 3)
+    g = np.concatenate([np.full(len(layers), i) for i, layers in enumerate(groups)])
+    return rms * base * RECIPE_GROUP_FACTOR ** g[:, None]
+
+
+def match_bytes(make_spec, X, target_bits: float, lo: float = 1e-4, hi: float = 1e2, iters: int = 30):
+    """The base step whose codec (make_spec(base) -> CodecSpec) codes X in target_bits (bisection in log)."""
+    for _ in range(iters):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if codec_bits(make_spec(mid), X) > target_bits else (lo, mid)
+    return math.sqrt(lo * hi)
+
+
+def context_kv(model, contexts, batch: int = 1000) -> np.ndarray:
+    """Prefill each context (N, T) from position 0 and return its exact KV (N, T, L, 2, C), float32."""
+    import torch
+    with torch.no_grad():
+        return np.concatenate([kv_to_array(model(torch.as_tensor(contexts[i:i + batch]))[1])
+                               for i in range(0, len(contexts), batch)])
+
+
+def spec_to_dict(spec: CodecSpec) -> dict:
+    return {"steps": spec.steps.tolist(), "delta": spec.delta, "anchor_scale": spec.anchor_scale.tolist(),
+            "radius": spec.radius.tolist(), "tables": [list(t.cdf) for t in spec.tables],
+            "level": spec.level, "group": spec.group}
+
+
+def spec_from_dict(d: dict) -> CodecSpec:
+    return CodecSpec(np.array(d["steps"], np.float32), bool(d["delta"]), np.array(d["anchor_scale"], np.float32),
+                     np.array(d["radius"], np.int64), tuple(FreqTable(tuple(c)) for c in d["tables"]),
+                     int(d["level"]), int(d["group"]))
+
+
+CODEC_N_CALIB = 1000       # calibration documents: tables, anchor scales, the step search
+CODEC_N_EVAL = 2000        # evaluation documents (another seed): the accuracy reported
+CODEC_N_CODED = 200        # evaluation contexts really coded to bytes (bytes/token); the coder is exact,
+                           # so accuracy is computed from quantize() on all CODEC_N_EVAL
+CODEC_CALIB_SEED, CODEC_EVAL_SEED = 27_001, 27_002
+
+
+def codec_study(model, calib, evalset, progress: bool = True) -> dict:
+    """Fit and measure the record model's codecs. calib / evalset: (contexts (N, T), questions (N, Tq),
+    answers (N,)) from different seeds. Returns JSON-able results: the measured steps and their search,
+    the chosen mode (deltas or not), every level's spec, bytes/token and accuracy, the recipe's steps."""
+    from tqdm import tqdm
+    Xc, Xe = context_kv(model, calib[0]), context_kv(model, evalset[0])
+    T = Xe.shape[1]
+    fp16_c = answer_accuracy(model, Xc.astype(np.float16).astype(np.float32), *calib[1:])
+    fp16_e = answer_accuracy(model, Xe.astype(np.float16).astype(np.float32), *evalset[1:])
+    rms = kv_rms(Xc)
+    L, C = Xc.shape[2], Xc.shape[4]
+    bar = tqdm(desc="codec: step search", disable=not progress, leave=False)
+
+    def evaluate(steps):  # raw quantization at these steps, answers on calibration documents
+        spec = CodecSpec(np.asarray(steps, np.float32), False, np.ones((L, 2, C), np.float32),
+                         np.full((L, 2), CODEC_MAX_RADIUS))
+        return answer_accuracy(model, dequantize(quantize(Xc, spec), spec), *calib[1:])
+
+    steps, trace = search_steps(evaluate, rms, fp16_c["acc"] - MEASURE_TOL, progress=bar)
+    bar.close()
+    # deltas or raw values: whichever codes the calibration contexts in fewer bits at these steps
+    bits = {d: codec_bits(fit_codec(Xc, steps, d), Xc) for d in (True, False)}
+    delta = bits[True] < bits[False]
+
+    def measure(spec):
+        acc = answer_accuracy(model, dequantize(quantize(Xe, spec), spec), *evalset[1:])
+        coded = [codec_encode(x, spec) for x in Xe[:CODEC_N_CODED]]
+        exact = all(np.array_equal(codec_decode(d, spec), quantize(x, spec)) for d, x in zip(coded, Xe))
+        n_bytes = sum(map(len, coded)) / (len(coded) * T)
+        return {"bytes_per_token": n_bytes, "bits_per_value": 8 * n_bytes / (L * 2 * C),
+                "accuracy": acc["acc"], "nll": acc["nll"], "roundtrip_exact": exact}
+
+    levels, specs = [], []
+    for i in tqdm(range(N_LEVELS), desc="codec: levels", disable=not progress, leave=False):
+        spec = fit_codec(Xc, steps * LEVEL_FACTOR ** i, delta, level=i)
+        specs.append(spec_to_dict(spec))
+        levels.append({"level": i, **measure(spec), "fp16_accuracy": fp16_e["acc"]})
+    variants = {"delta" if delta else "raw": levels[0],
+                "raw" if delta else "delta": measure(fit_codec(Xc, steps, not delta))}
+    # the recipe as published, at the size of level 0: deltas, 3 layer groups, finer steps in shallow layers
+    target = codec_bits(fit_codec(Xc, steps, delta), Xc)
+    base = match_bytes(lambda b: fit_codec(Xc, recipe_steps(rms, b), True), Xc, target)
+    recipe = fit_codec(Xc, recipe_steps(rms, base), True)
+    recipe_out = {**measure(recipe), "steps_over_rms": (recipe.steps / rms).tolist(), "spec": spec_to_dict(recipe)}
+    return {"acc_fp16_calib": fp16_c["acc"], "acc_fp16": fp16_e["acc"], "nll_fp16": fp16_e["nll"],
+            "rms": rms.tolist(), "steps": steps.tolist(), "steps_over_rms": (steps / rms).tolist(),
+            "search": trace, "delta": bool(delta), "calib_bits": {"delta": bits[True], "raw": bits[False]},
+            "levels": levels, "specs": specs, "variants": variants, "recipe": recipe_out,
+            "tokens_per_context": T, "n_calib": len(calib[2]), "n_eval": len(evalset[2])}
+
+
+def record_world() -> dict:
+    """The record-world model of blend_world.py and its documents, as the codec study uses them:
+    {"model", "ident" (the checkpoint's identity), "docs": docs(n, seed) -> (contexts (n, T),
+    questions (n, Tq), answers (n,)) as numpy arrays}."""
+    raise NotImplementedError("blend_world.py is not there yet")
+
+
+def record_codec_study(retrain: bool = False, progress: bool = True) -> dict:
+    """codec_study() on the record-world model, cached in code/checkpoints/ under a key made of the
+    model checkpoint's identity, CODEC_VERSION and every constant above (refit when one changes)."""
+    import json
+    import torch
+    from common.checkpoints import atomic_save, cache_key, checkpoint_dir
+    world = record_world()
+    ident = json.loads(json.dumps({
+        "model": world["ident"], "codec": CODEC_VERSION, "group": CODEC_GROUP, "anchor_bits": ANCHOR_BITS,
+        "max_radius": CODEC_MAX_RADIUS, "search": [MEASURE_TOL, STEP_NOTCH, STEP_START, STEP_MAX_NOTCHES],
+        "levels": [LEVEL_FACTOR, N_LEVELS], "recipe": RECIPE_GROUP_FACTOR,
+        "docs": [CODEC_N_CALIB, CODEC_N_EVAL, CODEC_N_CODED, CODEC_CALIB_SEED, CODEC_EVAL_SEED]}, default=str))
+    path = checkpoint_dir() / f"codec-record-{cache_key(ident)}.pt"
+    if path.exists() and not retrain:
+        try:
+            blob = torch.load(path, weights_only=True)
+            if blob["ident"] != ident:
+                raise ValueError("stored identity differs")
+            return blob["study"]
+        except Exception as e:  # a broken or foreign file is never used silently
+            print(f"[codec] {path.name} is unusable ({type(e).__name__}: {e}); refitting")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)        # tiny batches: one thread is faster (and the machine is shared)
+    try:
+        t0 = time.time()
+        study = codec_study(world["model"], world["docs"](CODEC_N_CALIB, CODEC_CALIB_SEED),
+                            world["docs"](CODEC_N_EVAL, CODEC_EVAL_SEED), progress)
+        study["fit_seconds"] = time.time() - t0
+    finally:
+        torch.set_num_threads(threads)
+    atomic_save({"ident": ident, "study": study}, path)
+    print(f"[codec] fitted the record-world codec in {study['fit_seconds']:.0f} s -> {path}")
+    return study
+
+
+def codec_levels(retrain: bool = False) -> list[dict]:
+    """The measured codec's quality levels on the record-world model, level 0 finest .. level 3 coarsest:
+    [{"level", "bytes_per_token", "bits_per_value", "accuracy", "fp16_accuracy"}, ...] (cached)."""
+    keys = ("level", "bytes_per_token", "bits_per_value", "accuracy", "fp16_accuracy")
+    return [{k: lv[k] for k in keys} for lv in record_codec_study(retrain)["levels"]]
+
+
+def record_codecs(retrain: bool = False) -> list[CodecSpec]:
+    """The record-world codec's specs, one per level: the tables its encoder and decoder share."""
+    return [spec_from_dict(d) for d in record_codec_study(retrain)["specs"]]
 
 
 # ============================================================================== 4. shift_kv
