@@ -60,7 +60,12 @@ def load_levels(path: str | None) -> list[dict]:
     """The codec's levels: kvcache.codec_levels() (measured by 02, cached), or a JSON file of
     [{"level", "bits_per_value", "accuracy"}, ...] (for exercises and tests)."""
     if path is None:
-        return kv.codec_levels()
+        try:
+            return kv.codec_levels()
+        except (AttributeError, NotImplementedError) as e:   # the codec (issue 5) or its model is missing
+            print(f"03_streaming.py: the codec's levels are not available ({e}); "
+                  f"pass --levels FILE meanwhile", file=sys.stderr)
+            sys.exit(1)
     try:
         levels = json.loads(Path(path).read_text())
         for lv in levels:
