@@ -197,3 +197,54 @@ def test_codec_study_runs_on_an_untrained_model():
     assert len(b) == kv.N_LEVELS and b == sorted(b, reverse=True)
     assert all(lv["roundtrip_exact"] for lv in s["levels"]) and s["recipe"]["roundtrip_exact"]
     assert np.all(np.diff(np.array(s["recipe"]["steps_over_rms"])[:, 0]) >= 0)
+
+
+# ----------------------------------------------------------- the record-world model (trains if not cached)
+@pytest.fixture(scope="module")
+def record():
+    """The cached study, the model, and evaluation/calibration KV (first run: trains the record model
+    via blend_world's cached loader and fits the codec, about two minutes)."""
+    import importlib.util
+    from pathlib import Path
+    torch.set_num_threads(1)
+    study = kv.record_codec_study(progress=False)
+    world = kv.record_world()
+    calib = world["docs"](kv.CODEC_N_CALIB, kv.CODEC_CALIB_SEED)
+    ev = world["docs"](kv.CODEC_N_EVAL, kv.CODEC_EVAL_SEED)
+    path = Path(kv.__file__).with_name("02_cachegen_codec.py")
+    spec = importlib.util.spec_from_file_location("cachegen02", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return {"study": study, "model": world["model"], "ev": ev, "script": script,
+            "Xc": kv.context_kv(world["model"], calib[0]), "Xe": kv.context_kv(world["model"], ev[0])}
+
+
+def test_codec_levels_contract(record):
+    levels = kv.codec_levels()
+    assert [lv["level"] for lv in levels] == [0, 1, 2, 3]
+    for lv in levels:
+        assert {"level", "bytes_per_token", "bits_per_value", "accuracy"} <= set(lv)
+        assert lv["bits_per_value"] == pytest.approx(8 * lv["bytes_per_token"] / 256)
+    b = [lv["bytes_per_token"] for lv in levels]
+    assert b == sorted(b, reverse=True)
+    assert levels[3]["accuracy"] < levels[0]["accuracy"]
+    assert all(lv["roundtrip_exact"] for lv in record["study"]["levels"])
+
+
+def test_codec_table_acceptance(record):
+    """Measured codec >= 1.5x smaller than 8-bit within 0.5 points of FP16; the recipe below 6-bit's
+    accuracy; zlib on FP16 between 1.0x and 1.3x."""
+    s, m = record["study"], record["model"]
+    rows = record["script"].baseline_rows(m, record["Xc"], record["Xe"], record["ev"][1:], record["Xe"].shape[1])
+    measured = s["variants"]["delta" if s["delta"] else "raw"]
+    assert rows["8-bit"][0] / measured["bytes_per_token"] >= 1.5
+    assert measured["accuracy"] >= rows["FP16"][1] - 0.005
+    assert s["recipe"]["accuracy"] < rows["6-bit"][1]
+    assert 1.0 < rows["FP16"][0] / rows["zlib on FP16"][0] < 1.3
+
+
+def test_coder_on_a_whole_context(record):
+    spec = kv.record_codecs()[0]
+    one, many = record["script"].coder_check(spec, record["Xe"], 5)
+    assert one["roundtrip_exact"] and many["roundtrip_exact"]
+    assert one["ideal_bytes"] <= one["actual_bytes"] <= one["ideal_bytes"] + 1

@@ -534,26 +534,31 @@ MEASURE_TOL = 0.0          # the step search keeps calibration accuracy >= FP16'
 STEP_NOTCH = 2.0           # the search coarsens one (layer, K/V) step by this factor at a time
 STEP_START = 2.0 ** -5     # ... starting from steps of this x the RMS of that (layer, K/V)
 STEP_MAX_NOTCHES = 8       # ... up to STEP_START x STEP_NOTCH^8 = 8 x RMS (where nothing is left)
-LEVEL_FACTOR = 2.0         # level i uses the measured steps x LEVEL_FACTOR^i (level 0 finest)
+LEVEL_FACTOR = 2 ** 0.5    # level i uses the measured steps x LEVEL_FACTOR^i (level 0 finest): each level
+                           # about half a bit per value cheaper
 N_LEVELS = 4
 RECIPE_GROUP_FACTOR = 2.0  # recipe: layers in 3 groups (shallow, middle, deep), each step 2x the one
                            # before (LMCache's CacheGen config: 32 bins early, 16 bins later layers)
 
 
-def answer_accuracy(model, X, questions, answers, batch: int = 1000) -> dict:
-    """Questions (N, Tq) attend to context KV X (N, T, L, 2, C); the last position must predict
-    answers (N,). -> {"acc", "nll"} (mean over the N documents)."""
+def answer_accuracy(model, X, questions, answers, slots=None, batch: int = 250) -> dict:
+    """Question tokens (N, Tq) attend to context KV X (N, T, L, 2, C); the positions `slots` of the
+    question tokens must predict answers (N, len(slots)) (default: the last position, answers (N,)).
+    -> {"acc", "nll"}: mean over every answer."""
     import torch
     import torch.nn.functional as F
     n_kv = model.cfg.n_kv_heads
-    correct, nll = 0, 0.0
+    slots = torch.tensor([-1] if slots is None else slots)
+    correct, nll, n = 0, 0.0, 0
     with torch.no_grad():
         for i in range(0, len(answers), batch):
             logits, _ = model(torch.as_tensor(questions[i:i + batch]), cache=array_to_kv(X[i:i + batch], n_kv))
-            last, ans = logits[:, -1].float(), torch.as_tensor(answers[i:i + batch])
-            correct += int((last.argmax(-1) == ans).sum())
-            nll += float(F.cross_entropy(last, ans, reduction="sum"))
-    return {"acc": correct / len(answers), "nll": nll / len(answers)}
+            out = logits[:, slots].float().flatten(0, 1)
+            ans = torch.as_tensor(answers[i:i + batch]).reshape(-1)
+            correct += int((out.argmax(-1) == ans).sum())
+            nll += float(F.cross_entropy(out, ans, reduction="sum"))
+            n += ans.numel()
+    return {"acc": correct / n, "nll": nll / n}
 
 
 def kv_rms(X) -> np.ndarray:
@@ -654,7 +659,7 @@ CODEC_CALIB_SEED, CODEC_EVAL_SEED = 27_001, 27_002
 
 def codec_study(model, calib, evalset, progress: bool = True) -> dict:
     """Fit and measure the record model's codecs. calib / evalset: (contexts (N, T), questions (N, Tq),
-    answers (N,)) from different seeds. Returns JSON-able results: the measured steps and their search,
+    answers (N, Q) [, slots (Q,): the question positions that predict them]) from different seeds. Returns JSON-able results: the measured steps and their search,
     the chosen mode (deltas or not), every level's spec, bytes/token and accuracy, the recipe's steps."""
     from tqdm import tqdm
     Xc, Xe = context_kv(model, calib[0]), context_kv(model, evalset[0])
@@ -705,9 +710,21 @@ def codec_study(model, calib, evalset, progress: bool = True) -> dict:
 
 def record_world() -> dict:
     """The record-world model of blend_world.py and its documents, as the codec study uses them:
-    {"model", "ident" (the checkpoint's identity), "docs": docs(n, seed) -> (contexts (n, T),
-    questions (n, Tq), answers (n,)) as numpy arrays}."""
-    raise NotImplementedError("blend_world.py is not there yet")
+    {"model", "ident" (the checkpoint's identity), "docs": docs(n, seed) -> (contexts (n, 24),
+    questions (n, 24): "? k" for all 12 records, answers (n, 12), slots: the 12 key positions)}."""
+    import torch
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import blend_world as bw
+    model, meta = bw.record_model()
+    slots = bw.answer_slots(bw.N_RECORDS).numpy()
+
+    def docs(n, seed):
+        rec = bw.sample_records(n, torch.Generator().manual_seed(seed))
+        return rec.doc.numpy(), rec.question.numpy(), rec.answers.numpy(), slots
+
+    return {"model": model.eval(), "ident": meta["ident"], "docs": docs}
 
 
 def record_codec_study(retrain: bool = False, progress: bool = True) -> dict:

@@ -1,0 +1,407 @@
+"""02 -- CacheGen part one (handout §3): compress KV like video, measured on the record-world model.
+
+    python code/lecture27/02_cachegen_codec.py                  # Parts 1-3, the levels, exercises 3-4, two figures
+    python code/lecture27/02_cachegen_codec.py --json out.json  # + headline figures as JSON
+    python code/lecture27/02_cachegen_codec.py --sensitivity-step 0.5   # Part 1b with finer coarse steps
+    python code/lecture27/02_cachegen_codec.py --refit          # redo the codec's step search and tables
+
+Part 1: CacheGen's three observations (§3.2) measured on the record-world model (blend_world.py):
+        (a) token locality: variance of raw K/V over variance of deltas (to the group's anchor, to the
+        previous token), per layer; (b) layer sensitivity: one layer quantized coarsely, the others
+        exact -> answer accuracy; (c) entropy of the quantized values with tables grouped by channel,
+        layer, channel x layer, token position, or one global table.
+Part 2: the codec table: FP16, zlib on FP16, 8-bit, 6-bit, CacheGen's recipe as published (anchor +
+        delta, finer steps in shallow layers, arithmetic coding), and the "measured" codec (steps from a
+        greedy search for the coarsest steps that keep the answers, per-(channel, layer) arithmetic
+        coding); bytes/token, ratio to FP16, accuracy on documents never seen in training.
+Part 3: the arithmetic coder on a whole context: actual length vs the ideal -sum log2 p, bit-exact
+        round trip, throughput. Then the four quality levels 03_streaming.py reads, exercises 3 and 4.
+
+Accuracy of a codec: the question's tokens attend to the decoded context KV instead of the exact one.
+The codec (kvcache.py, section 3) is fitted once per model on calibration documents (one seed) and
+evaluated on other documents (another seed); its step search and tables are cached in code/checkpoints/.
+Every figure is computed here; the "handout" column is the reference the handout prints.
+"""
+from __future__ import annotations
+
+import sys
+import time
+import zlib
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import kvcache as kv  # noqa: E402
+from common.cli import Parser, figure_path, positive_float, table, write_json  # noqa: E402
+
+SENSITIVITY_STEPS = (1, 2, 4, 8)  # Part 1b: coarse steps for one layer's K+V, in units of its RMS
+SENSITIVITY_STEP = 4.0      # Part 1b: the coarse step for K alone and V alone
+ENTROPY_LEVEL = 0           # Part 1c: the values quantized at this level's steps
+ZLIB_LEVEL = 9              # Part 2: zlib's best compression
+EX4_SAMPLES = 100_000       # exercise 4: symbols drawn from the handout's distribution
+EX3_CONTEXTS = 200          # exercise 3: contexts for the error-by-position comparison
+FP16_BYTES = 2
+
+# The handout's figures, printed beside ours (reference only; nothing below is computed from them)
+HANDOUT = {
+    "delta_ratio": "2.4-2.9x (LLaMA)",         # §3.2: deltas' variance 2.4-2.9x smaller
+    "entropy": "up to 53% below one global table (LLaMA)",   # §3.3
+    "fp16": "512 B", "zlib": "1.08x", "6bit_acc": "no loss", "recipe": "worst accuracy",
+    "measured": "no loss; 1.66x < 8-bit, 1.28x < 6-bit",
+    "coder": "a fraction of a byte", "level3": "74%",
+    "ex4_entropy": 1.40, "ex4_fixed": 3,
+}
+KV_NAMES = ("K", "V")
+
+
+# ------------------------------------------------------------------------------------- calculators
+def delta_variance_ratios(X, group):
+    """Part 1a. X (N, T, L, 2, C). Per (layer, K/V): sum of per-channel variances of the raw values over
+    that of the deltas to the group's anchor (non-anchor tokens) and to the previous token."""
+    T = X.shape[1]
+    anchors = np.arange(T) % group == 0
+    owner = np.arange(T) // group * group
+    raw = X.var(axis=(0, 1)).sum(-1)
+    to_anchor = (X - X[:, owner])[:, ~anchors].var(axis=(0, 1)).sum(-1)
+    to_prev = (X[:, 1:] - X[:, :-1]).var(axis=(0, 1)).sum(-1)
+    return {"anchor": raw / to_anchor, "previous": raw / to_prev}
+
+
+def layer_sensitivity(model, X, ev, rms, kv_steps, one_step):
+    """Part 1b: one layer's K and V rounded to steps of s x RMS for each s in kv_steps, and its K alone
+    or V alone at one_step x RMS; all other layers exact. -> {(layer, "K+V" | "K" | "V", s): accuracy}."""
+    out = {}
+    for layer in range(X.shape[2]):
+        for name, kinds, rel_steps in (("K+V", [0, 1], kv_steps), ("K", [0], [one_step]), ("V", [1], [one_step])):
+            for s in rel_steps:
+                Xq = X.copy()
+                for k in kinds:
+                    step = np.float32(s * rms[layer, k])
+                    Xq[:, :, layer, k] = np.rint(X[:, :, layer, k] / step) * step
+                out[(layer, name, s)] = kv.answer_accuracy(model, Xq, *ev)["acc"]
+    return out
+
+
+GROUPINGS = {  # table id of each value (t, l, k, c) of a (T, L, 2, C) context
+    "one global table": lambda t, l, k, c, C, T: 0 * t,
+    "by token position": lambda t, l, k, c, C, T: t,
+    "by layer (and K/V)": lambda t, l, k, c, C, T: l * 2 + k,
+    "by channel (and K/V)": lambda t, l, k, c, C, T: k * C + c,
+    "by channel x layer": lambda t, l, k, c, C, T: (l * 2 + k) * C + c,
+}
+
+
+def grouping_entropy(Qc, Qe):
+    """Part 1c: bits per value of integers Qe (N, T, L, 2, C) coded with tables fitted on Qc (the
+    calibration contexts), one table per group of each grouping (ideal length under the coder's tables)."""
+    lo = min(Qc.min(), Qe.min())
+    K = int(max(Qc.max(), Qe.max()) - lo + 1)
+    T, L, _, C = Qc.shape[1:]
+    t, l, k, c = np.meshgrid(np.arange(T), np.arange(L), np.arange(2), np.arange(C), indexing="ij")
+    out = {}
+    for name, fn in GROUPINGS.items():
+        gid = fn(t, l, k, c, C, T)
+        n = int(gid.max()) + 1
+        ids_c = np.broadcast_to(gid, Qc.shape).ravel()
+        counts = np.bincount(ids_c * K + (Qc.ravel() - lo), minlength=n * K).reshape(n, K)
+        tables = [kv.make_table(row + (row.sum() == 0)) for row in counts]
+        bits = kv.ideal_bits((Qe - lo).ravel(), tables, np.broadcast_to(gid, Qe.shape).ravel())
+        out[name] = bits / Qe.size
+    return out
+
+
+def baseline_rows(model, Xc, Xe, ev, T):
+    """Part 2: FP16, zlib on FP16, 8-bit and 6-bit (fixed-length, one step per channel from calibration)."""
+    fp16 = Xe.astype(np.float16)
+    acc16 = kv.answer_accuracy(model, fp16.astype(np.float32), *ev)["acc"]
+    # zlib on each context's FP16 bytes in the cache's own order (layer, K/V, head, token, dim)
+    L, C = Xe.shape[2], Xe.shape[4]
+    per_ctx = [np.ascontiguousarray(x.transpose(1, 2, 0, 3)).tobytes() for x in fp16]
+    zbytes = sum(len(zlib.compress(b, ZLIB_LEVEL)) for b in per_ctx) / (len(per_ctx) * T)
+    rows = {"FP16": (L * 2 * C * FP16_BYTES, acc16), "zlib on FP16": (zbytes, acc16)}
+    absmax = np.abs(Xc).max(axis=(0, 1))
+    for bits in (8, 6):
+        scale = absmax / ((1 << (bits - 1)) - 1)
+        rows[f"{bits}-bit"] = (L * 2 * C * bits / 8, kv.answer_accuracy(model, kv.uniform_quantize(Xe, bits, scale), *ev)["acc"])
+    return rows
+
+
+def coder_check(spec, Xe, n_contexts):
+    """Part 3: one whole context's symbols as one arithmetic-coded stream: actual vs ideal bytes and a
+    bit-exact round trip; then the codec's bitstreams of n_contexts contexts, timed."""
+    syms, ids = kv._symbols(kv.quantize(Xe[0], spec), spec)
+    syms, ids = syms.ravel(), ids.ravel()
+    data = kv.encode(syms, list(spec.tables), ids)
+    back = kv.decode(data, list(spec.tables), syms.size, ids)
+    one = {"symbols": syms.size, "ideal_bytes": kv.ideal_bits(syms, list(spec.tables), ids) / 8,
+           "actual_bytes": len(data), "roundtrip_exact": bool(np.array_equal(back, syms))}
+    t0 = time.perf_counter()
+    streams = [kv.codec_encode(x, spec) for x in Xe[:n_contexts]]
+    t1 = time.perf_counter()
+    decoded = [kv.codec_decode(d, spec) for d in streams]
+    t2 = time.perf_counter()
+    n_sym = n_contexts * Xe[0].size
+    exact = all(np.array_equal(q, kv.quantize(x, spec)) for q, x in zip(decoded, Xe))
+    ideal = sum(kv.codec_bits(spec, x[None]) for x in Xe[:n_contexts]) / 8
+    return one, {"contexts": n_contexts, "symbols": n_sym, "encode_sym_per_s": n_sym / (t1 - t0),
+                 "decode_sym_per_s": n_sym / (t2 - t1), "bytes": sum(map(len, streams)), "ideal_bytes": ideal,
+                 "roundtrip_exact": exact}
+
+
+def exercise3(spec_delta, Xe, n):
+    """Exercise 3. (a) every group decodes alone from its own bytes, in any order; a damaged group
+    spoils only itself. (b) error by position in the group: deltas to the (decoded) anchor vs a chain of
+    deltas to the previous token, each quantized with the same steps (decoded by summing the chain)."""
+    x = Xe[0]
+    data = kv.codec_encode(x, spec_delta)
+    full = kv.codec_decode(data, spec_delta)
+    G, T = spec_delta.group, x.shape[0]
+    n_groups = -(-T // G)
+    alone = all(np.array_equal(kv.codec_decode(data, spec_delta, groups=[g])[g * G:(g + 1) * G], full[g * G:(g + 1) * G])
+                for g in reversed(range(n_groups)))
+    h = kv.codec_header(data)
+    bad = bytearray(data)
+    start = h["payload_start"] + h["group_bytes"][0]
+    bad[start + h["group_bytes"][1] // 2] ^= 0xFF         # one byte in the middle of group 1
+    try:
+        damaged = kv.codec_decode(bytes(bad), spec_delta)
+        spoiled = [g for g in range(n_groups) if not np.array_equal(damaged[g * G:(g + 1) * G], full[g * G:(g + 1) * G])]
+    except kv.CorruptStream:
+        spoiled = ["stream rejected"]
+    # (b) anchor-relative (the codec) vs previous-token chain
+    X = Xe[:n]
+    step = spec_delta.steps[:, :, None]
+    anchor_err = np.abs(kv.dequantize(kv.quantize(X, spec_delta), spec_delta) - X)
+    chain = np.empty_like(X)
+    for t in range(T):
+        if t % G == 0:
+            chain[:, t] = kv.dequantize(kv.quantize(X, spec_delta), spec_delta)[:, t]   # the same 8-bit anchor
+        else:
+            chain[:, t] = chain[:, t - 1] + np.rint((X[:, t] - X[:, t - 1]) / step) * step
+    chain_err = np.abs(chain - X)
+    pos = np.arange(T) % G
+    by_pos = [(int(p), float((anchor_err[:, pos == p] / step).mean()), float((chain_err[:, pos == p] / step).mean()))
+              for p in range(G)]
+    return {"groups": n_groups, "alone_equal": alone, "damaged_group": 1, "spoiled_groups": spoiled,
+            "error_by_position": by_pos}
+
+
+def compute(args):
+    torch.set_num_threads(1)        # tiny batches: one thread is faster, and the machine is shared
+    world = kv.record_world()
+    model = world["model"]
+    study = kv.record_codec_study(retrain=args.refit)
+    calib = world["docs"](kv.CODEC_N_CALIB, kv.CODEC_CALIB_SEED)
+    ev = world["docs"](kv.CODEC_N_EVAL, kv.CODEC_EVAL_SEED)
+    Xc, Xe = kv.context_kv(model, calib[0]), kv.context_kv(model, ev[0])
+    T = Xe.shape[1]
+    specs = [kv.spec_from_dict(d) for d in study["specs"]]
+    rms = kv.kv_rms(Xc)
+    r = {"study": study, "tokens": T, "values_per_token": int(np.prod(Xe.shape[2:]))}
+    r["delta_ratio"] = delta_variance_ratios(Xe, kv.CODEC_GROUP)
+    r["sens_steps"] = sorted({*SENSITIVITY_STEPS, args.sensitivity_step})
+    r["sensitivity"] = layer_sensitivity(model, Xe, ev[1:], rms, r["sens_steps"], args.sensitivity_step)
+    raw_spec = kv.fit_codec(Xc, specs[ENTROPY_LEVEL].steps, False)
+    r["entropy"] = grouping_entropy(kv.quantize(Xc, raw_spec), kv.quantize(Xe, raw_spec))
+    r["baselines"] = baseline_rows(model, Xc, Xe, ev[1:], T)
+    r["coder_one"], r["coder_many"] = coder_check(specs[0], Xe, kv.CODEC_N_CODED)
+    r["ex3"] = exercise3(kv.fit_codec(Xc, specs[0].steps, True), Xe, EX3_CONTEXTS)
+    r["ex4"] = kv.exercise4(EX4_SAMPLES)
+    return r
+
+
+# ------------------------------------------------------------------------------------------ output
+def codec_rows(r):
+    """Every codec of Part 2 and the levels: (name, bytes/token, accuracy, handout)."""
+    s = r["study"]
+    rows = [(name, b, a, HANDOUT.get({"FP16": "fp16", "zlib on FP16": "zlib"}.get(name, ""), ""))
+            for name, (b, a) in r["baselines"].items()]
+    rows[3] = rows[3][:3] + (HANDOUT["6bit_acc"],)
+    rows.append(("recipe (anchor+delta, finer shallow)", s["recipe"]["bytes_per_token"], s["recipe"]["accuracy"],
+                 HANDOUT["recipe"]))
+    for v in ("delta", "raw"):
+        m = s["variants"][v]
+        tag = "measured" if v == ("delta" if s["delta"] else "raw") else "  same steps"
+        rows.append((f"{tag} ({'anchor+delta' if v == 'delta' else 'no deltas'})", m["bytes_per_token"],
+                     m["accuracy"], HANDOUT["measured"] if tag == "measured" else ""))
+    return rows
+
+
+def report(r, args):
+    s = r["study"]
+    L = len(s["rms"])
+    print(f"Record-world model: {s['n_calib']} calibration documents (seed {kv.CODEC_CALIB_SEED}), {s['n_eval']} "
+          f"evaluation documents (seed {kv.CODEC_EVAL_SEED}), {r['tokens']} context tokens each, "
+          f"{r['values_per_token']} K/V values per token.\n")
+
+    # Part 1a
+    d = r["delta_ratio"]
+    rows = [[f"layer {l} {KV_NAMES[k]}", f"{d['anchor'][l, k]:.2f}x", f"{d['previous'][l, k]:.2f}x",
+             HANDOUT["delta_ratio"] if l == 0 and k == 0 else ""] for l in range(L) for k in range(2)]
+    print(table(["", "raw/delta var (anchor)", "raw/delta var (previous)", "CacheGen"], rows,
+                "Part 1a. Token locality: variance of raw values over variance of deltas (>1: deltas are smaller)"))
+    # Part 1b
+    sens, a = r["sensitivity"], args.sensitivity_step
+    rows = [[f"layer {l}", *(f"{100 * sens[(l, 'K+V', x)]:.1f}%" for x in r["sens_steps"]),
+             f"{100 * sens[(l, 'K', a)]:.1f}%", f"{100 * sens[(l, 'V', a)]:.1f}%",
+             " / ".join(f"{x:.3g}" for x in s["steps_over_rms"][l])] for l in range(L)]
+    print()
+    print(table(["", *(f"K+V @{x:g}" for x in r["sens_steps"]), f"K @{a:g}", f"V @{a:g}",
+                 "measured steps K / V"], rows,
+                f"Part 1b. Layer sensitivity: one layer rounded to steps of @ x its RMS, the rest exact (FP16: "
+                f"{100 * s['acc_fp16']:.2f}%); last column: the coarsest steps (x RMS) the search kept.\n"
+                f"CacheGen: shallow layers are the most sensitive."))
+    # Part 1c
+    ent = r["entropy"]
+    g0 = ent["one global table"]
+    rows = [[name, f"{b:.3f}", f"{100 * (1 - b / g0):+.1f}%" if name != "one global table" else ""] for name, b in ent.items()]
+    print()
+    print(table(["tables", "bits/value", "smaller than global"], rows,
+                f"Part 1c. Entropy of the values quantized at level {ENTROPY_LEVEL}'s steps, tables fitted on calibration "
+                f"contexts, measured on evaluation contexts. CacheGen: {HANDOUT['entropy']}; by token position hardly helps."))
+
+    # Part 2
+    fp16_b, acc16 = r["baselines"]["FP16"]
+    rows = [[name, f"{b:.1f}", f"{fp16_b / b:.2f}x", f"{100 * a:.2f}%", h] for name, b, a, h in codec_rows(r)]
+    print()
+    print(table(["codec", "bytes/token", "ratio to FP16", "accuracy", "handout"], rows,
+                "Part 2. The codec table (accuracy on unseen records; the arithmetic-coded rows count every byte of "
+                f"the bitstream, header included, on {kv.CODEC_N_CODED} coded contexts)"))
+    m = s["variants"]["delta" if s["delta"] else "raw"]
+    b8, b6 = r["baselines"]["8-bit"][0], r["baselines"]["6-bit"][0]
+    print(f"Measured codec: {b8 / m['bytes_per_token']:.2f}x smaller than 8-bit (handout 1.66x), "
+          f"{b6 / m['bytes_per_token']:.2f}x smaller than 6-bit (handout 1.28x), accuracy "
+          f"{100 * (m['accuracy'] - acc16):+.2f} points vs FP16. Mode chosen on calibration bits: "
+          f"{'anchor+delta' if s['delta'] else 'no deltas'} (calibration: {s['calib_bits']['delta'] / 8 / s['n_calib'] / r['tokens']:.1f} "
+          f"vs {s['calib_bits']['raw'] / 8 / s['n_calib'] / r['tokens']:.1f} B/token with / without deltas). "
+          f"Recipe: steps / RMS by layer {', '.join(f'{x[0]:.3g}' for x in s['recipe']['steps_over_rms'])}, "
+          f"sized to the measured codec's bytes.")
+
+    # Part 3
+    one, many = r["coder_one"], r["coder_many"]
+    print()
+    rows = [["one whole context, one stream", f"{one['symbols']:,}", f"{one['ideal_bytes']:.2f}", f"{one['actual_bytes']:,}",
+             f"{one['actual_bytes'] - one['ideal_bytes']:+.2f}", str(one["roundtrip_exact"]), HANDOUT["coder"]],
+            [f"{many['contexts']} contexts, codec bitstreams", f"{many['symbols']:,}", f"{many['ideal_bytes']:.1f}",
+             f"{many['bytes']:,}", f"{many['bytes'] - many['ideal_bytes']:+.1f}", str(many["roundtrip_exact"]),
+             "(headers, per-group streams)"]]
+    print(table(["Part 3. Arithmetic coder (level 0)", "symbols", "ideal bytes", "actual bytes", "actual - ideal",
+                 "bit-exact", "handout"], rows))
+    print(f"Coder throughput (pure Python, this run): encode {many['encode_sym_per_s']:,.0f} symbols/s, "
+          f"decode {many['decode_sym_per_s']:,.0f} symbols/s. Lossless: the loss is only in quantization.")
+
+    # Levels
+    print()
+    rows = [[f"level {lv['level']}", f"{kv.LEVEL_FACTOR ** lv['level']:g}x", f"{lv['bytes_per_token']:.1f}",
+             f"{lv['bits_per_value']:.2f}", f"{fp16_b / lv['bytes_per_token']:.2f}x", f"{100 * lv['accuracy']:.2f}%",
+             HANDOUT["level3"] if lv["level"] == 3 else ""] for lv in s["levels"]]
+    print(table(["level (for 03)", "steps", "bytes/token", "bits/value", "ratio to FP16", "accuracy", "handout"], rows,
+                "Quality levels of the measured codec (kvcache.codec_levels(), read by 03_streaming.py)"))
+
+    # Exercises
+    e3 = r["ex3"]
+    print(f"\nExercise 3. The {e3['groups']} groups of a context decode one at a time, last first, each from its own "
+          f"bytes: equal to the full decode = {e3['alone_equal']}. One byte flipped in group {e3['damaged_group']}'s "
+          f"payload spoils groups {e3['spoiled_groups']} only. A token needs only its anchor; with deltas to the previous "
+          f"token, position p needs all p tokens before it (serial), and errors add up along the chain:")
+    rows = [[p, f"{a:.3f}", f"{c:.3f}"] for p, a, c in e3["error_by_position"]]
+    print(table(["position in group", "|error|/step, anchor", "|error|/step, previous-token chain"], rows))
+    e4 = r["ex4"]
+    print(f"\nExercise 4. Entropy of {{0: 0.7, +-1: 0.12, +-2: 0.03}} = {e4['entropy_bits']:.3f} bits (handout "
+          f"{HANDOUT['ex4_entropy']:.2f}); the coder spends {e4['coded_bits_per_symbol']:.3f} bits/value on "
+          f"{EX4_SAMPLES:,} samples (ideal under its table {e4['ideal_bits_per_symbol']:.3f}); a fixed-length code needs "
+          f"{e4['fixed_bits']} bits (handout {HANDOUT['ex4_fixed']}); round trip exact: {e4['roundtrip_exact']}.")
+
+
+def figures(r):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    d, L = r["delta_ratio"], len(r["study"]["rms"])
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    x = np.arange(L)
+    for i, (ref, k) in enumerate([(ref, k) for ref in ("anchor", "previous") for k in range(2)]):
+        ax.bar(x + (i - 1.5) * 0.2, d[ref][:, k], 0.2, label=f"{KV_NAMES[k]}, delta to {ref}")
+    ax.axhspan(2.4, 2.9, color="0.85", label="CacheGen on LLaMA: 2.4-2.9x", zorder=0)
+    ax.axhline(1, color="k", lw=0.8)
+    ax.set_xticks(x, [f"layer {l}" for l in range(L)])
+    ax.set_ylabel("var(raw) / var(delta)")
+    ax.set_title("Token locality on the record-world model (>1: deltas smaller)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    p1 = figure_path("02_delta_variance.png")
+    fig.savefig(p1, dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    pts = [(n, b, a) for n, b, a, _ in codec_rows(r)] + [(f"level {lv['level']}", lv["bytes_per_token"], lv["accuracy"])
+                                                        for lv in r["study"]["levels"][1:]]
+    markers = "osD^v<>pP*Xh"
+    for i, (n, b, a) in enumerate(pts):
+        ax.scatter(b, 100 * a, s=30, marker=markers[i % len(markers)], label=f"{n.strip()}: {b:.0f} B, {100 * a:.1f}%")
+    front, best = [], -1
+    for n, b, a in sorted(pts, key=lambda p: (p[1], -p[2])):
+        if a > best:
+            front.append((b, 100 * a))
+            best = a
+    ax.plot(*zip(*front), "k--", lw=0.8, label="Pareto front")
+    ax.set_xscale("log")
+    ticks = [8, 16, 32, 64, 128, 256, 512]
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("bytes / token (log)")
+    ax.set_ylabel("answer accuracy (%)")
+    ax.set_title("Every codec on the record-world model")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    p2 = figure_path("02_codec_pareto.png")
+    fig.savefig(p2, dpi=120)
+    plt.close(fig)
+    print(f"\nfigures: {p1}, {p2}")
+
+
+def to_json(r, args):
+    s, L = r["study"], len(r["study"]["rms"])
+    d = r["delta_ratio"]
+    out = {"delta_var_ratio": [{f"{KV_NAMES[k]}_{ref}": float(d[ref][l, k]) for ref in d for k in range(2)}
+                               for l in range(L)],
+           "layer_sensitivity_acc": [float(r["sensitivity"][(l, "K+V", args.sensitivity_step)]) for l in range(L)],
+           "layer_sensitivity_step_over_rms": args.sensitivity_step,
+           "layer_sensitivity_detail": [{f"{n}@{x:g}": float(a) for (ll, n, x), a in r["sensitivity"].items() if ll == l}
+                                        for l in range(L)],
+           "measured_steps_over_rms": s["steps_over_rms"],
+           "entropy_bits": {k: float(v) for k, v in r["entropy"].items()},
+           "fp16_bytes_per_token": r["baselines"]["FP16"][0], "acc_fp16": r["baselines"]["FP16"][1],
+           "zlib_ratio": r["baselines"]["FP16"][0] / r["baselines"]["zlib on FP16"][0]}
+    for key, name in (("8bit", "8-bit"), ("6bit", "6-bit")):
+        out[f"bytes_{key}"], out[f"acc_{key}"] = r["baselines"][name]
+    m = s["variants"]["delta" if s["delta"] else "raw"]
+    out.update(bytes_recipe=s["recipe"]["bytes_per_token"], acc_recipe=s["recipe"]["accuracy"],
+               bytes_measured=m["bytes_per_token"], acc_measured=m["accuracy"], measured_uses_deltas=s["delta"],
+               ac_ideal_bytes=r["coder_one"]["ideal_bytes"], ac_actual_bytes=r["coder_one"]["actual_bytes"],
+               ac_roundtrip_exact=r["coder_one"]["roundtrip_exact"],
+               coder_encode_sym_per_s=r["coder_many"]["encode_sym_per_s"],
+               coder_decode_sym_per_s=r["coder_many"]["decode_sym_per_s"],
+               levels=[{"level": lv["level"], "bytes_per_token": lv["bytes_per_token"],
+                        "bits_per_value": lv["bits_per_value"], "accuracy": lv["accuracy"]} for lv in s["levels"]],
+               exercise4=r["ex4"])
+    return out
+
+
+def main():
+    p = Parser(__doc__)
+    p.add_argument("--sensitivity-step", type=positive_float, default=SENSITIVITY_STEP,
+                   help="Part 1b: coarse step, in units of a layer's RMS")
+    p.add_argument("--refit", action="store_true", help="redo the codec's step search and tables (cached otherwise)")
+    args = p.parse_args()
+    r = compute(args)
+    report(r, args)
+    figures(r)
+    write_json(args.json, to_json(r, args))
+
+
+if __name__ == "__main__":
+    main()
