@@ -4,6 +4,7 @@
     python code/lecture27/02_cachegen_codec.py --json out.json  # + headline figures as JSON
     python code/lecture27/02_cachegen_codec.py --sensitivity-step 0.5   # Part 1b with finer coarse steps
     python code/lecture27/02_cachegen_codec.py --refit          # redo the codec's step search and tables
+    python code/lecture27/02_cachegen_codec.py --model smollm2  # Parts 1a, 1c, 2 on a real model (SmolLM2-135M)
 
 Part 1: CacheGen's three observations (§3.2) measured on the record-world model (blend_world.py):
         (a) token locality: variance of raw K/V over variance of deltas (to the group's anchor, to the
@@ -391,12 +392,156 @@ def to_json(r, args):
     return out
 
 
+# ---------------------------------------------------------------- a real model: --model smollm2
+REAL_CONTEXT, REAL_CONTINUATION = 100, 30   # tokens of each paragraph: context (coded) and continuation (scored)
+REAL_CODED = 2              # evaluation contexts really coded to bytes (11,520 symbols per token: pure Python is slow)
+REAL_MAX_KL = 0.01          # the step search keeps the continuation's KL(FP16 || codec) below this (nats/token)
+REAL_ENTROPY_STEP = 0.25    # Part 1c on the real model: values quantized at this x each layer's RMS
+
+
+def real_setup(gguf):
+    """SmolLM2-135M and the project's own prose (common/english.py): CALIBRATION paragraphs fit the
+    codec, EVALUATION paragraphs measure it. Each paragraph: REAL_CONTEXT tokens of context, coded,
+    then REAL_CONTINUATION tokens whose NLL is computed attending to the decoded context KV."""
+    from common import english
+    from common.gguf_llama import load_gguf_llama
+    model, tok, info = load_gguf_llama(gguf)
+
+    def split(paragraphs):
+        ids = [tok.encode(t).ids for t in paragraphs]
+        ids = [i for i in ids if len(i) >= REAL_CONTEXT + REAL_CONTINUATION]
+        ctx = torch.tensor([i[:REAL_CONTEXT] for i in ids])
+        cont = torch.tensor([i[REAL_CONTEXT:REAL_CONTEXT + REAL_CONTINUATION] for i in ids])
+        return ctx, cont
+
+    return model, info, split(english.CALIBRATION), split(english.EVALUATION)
+
+
+def continuation_quality(model, X, cont, ref=None):
+    """Continuation tokens attend to context KV X: mean NLL (nats/token) of cont[1:]; against `ref` (the
+    same with FP16 KV): mean KL(ref || this) per token and the share of positions with ref's arg-max."""
+    import torch.nn.functional as F
+    with torch.no_grad():
+        logits, _ = model(cont, cache=kv.array_to_kv(X, model.cfg.n_kv_heads))
+    logp = logits[:, :-1].float().log_softmax(-1)
+    out = {"nll": float(F.nll_loss(logp.flatten(0, 1), cont[:, 1:].flatten())), "logp": logp, "kl": 0.0, "agree": 1.0}
+    if ref is not None:
+        out["kl"] = float((ref["logp"].exp() * (ref["logp"] - logp)).sum(-1).mean())
+        out["agree"] = float((logp.argmax(-1) == ref["logp"].argmax(-1)).float().mean())
+    return out
+
+
+def compute_real(args):
+    torch.set_num_threads(1)
+    model, info, (cc, ccont), (ec, econt) = real_setup(args.gguf)
+    Xc, Xe = kv.context_kv(model, cc.numpy(), batch=4), kv.context_kv(model, ec.numpy(), batch=4)
+    L, C, T = Xe.shape[2], Xe.shape[4], Xe.shape[1]
+    ref = continuation_quality(model, Xe.astype(np.float16).astype(np.float32), econt)
+    refc = continuation_quality(model, Xc.astype(np.float16).astype(np.float32), ccont)
+
+    def quality(Xhat, on_calib=False):
+        q = continuation_quality(model, Xhat, ccont if on_calib else econt, refc if on_calib else ref)
+        return {k: q[k] for k in ("nll", "kl", "agree")}
+
+    rms = kv.kv_rms(Xc)
+    third = np.concatenate([np.full(len(g), i) for i, g in enumerate(np.array_split(np.arange(L), 3))])
+    bar = __import__("tqdm").tqdm(desc="smollm2: step search (layer thirds x K/V)", leave=False)
+
+    def evaluate(rel):  # rel (3, 2): steps / RMS for the shallow, middle, deep thirds, K and V
+        steps = rms * np.asarray(rel)[third]
+        spec = kv.CodecSpec(steps.astype(np.float32), False, np.ones((L, 2, C), np.float32),
+                            np.full((L, 2), kv.CODEC_MAX_RADIUS))
+        d = quality(kv.dequantize(kv.quantize(Xc, spec), spec), on_calib=True)["kl"]
+        return {"acc": -d, "nll": d}       # search_steps keeps "acc" >= target: here -KL
+
+    rel, _ = kv.search_steps(evaluate, np.ones((3, 2)), -REAL_MAX_KL, start=2.0 ** -4, progress=bar)
+    bar.close()
+    steps = rms * rel[third]
+    bits = {d: kv.codec_bits(kv.fit_codec(Xc, steps, d), Xc) for d in (True, False)}
+    delta = bits[True] < bits[False]
+
+    def measure(spec):
+        data = [kv.codec_encode(x, spec) for x in Xe[:REAL_CODED]]
+        assert all(np.array_equal(kv.codec_decode(b, spec), kv.quantize(x, spec)) for b, x in zip(data, Xe))
+        return sum(map(len, data)) / (len(data) * T), quality(kv.dequantize(kv.quantize(Xe, spec), spec))
+
+    measured = kv.fit_codec(Xc, steps, delta)
+    target = kv.codec_bits(measured, Xc)
+    base = kv.match_bytes(lambda b: kv.fit_codec(Xc, kv.recipe_steps(rms, b), True), Xc, target)
+    rows = {"FP16": (L * 2 * C * FP16_BYTES, {"nll": ref["nll"], "kl": 0.0, "agree": 1.0})}
+    fp16 = Xe.astype(np.float16)
+    rows["zlib on FP16"] = (sum(len(zlib.compress(np.ascontiguousarray(x.transpose(1, 2, 0, 3)).tobytes(), ZLIB_LEVEL))
+                                for x in fp16) / (len(fp16) * T), rows["FP16"][1])
+    absmax = np.abs(Xc).max(axis=(0, 1))
+    for b in (8, 6, 4):
+        rows[f"{b}-bit"] = (L * 2 * C * b / 8, quality(kv.uniform_quantize(Xe, b, absmax / ((1 << (b - 1)) - 1))))
+    rows["recipe (anchor+delta, finer shallow)"] = measure(kv.fit_codec(Xc, kv.recipe_steps(rms, base), True))
+    rows[f"measured ({'anchor+delta' if delta else 'no deltas'})"] = measure(measured)
+    raw_spec = kv.fit_codec(Xc, rms * REAL_ENTROPY_STEP, False)
+    return {"info": info, "tokens": T, "n_eval": len(Xe), "n_calib": len(Xc), "L": L, "C": C,
+            "delta_ratio": delta_variance_ratios(Xe, kv.CODEC_GROUP), "rows": rows, "rel_steps": rel.tolist(),
+            "delta": bool(delta), "calib_bits": bits,
+            "entropy": grouping_entropy(kv.quantize(Xc, raw_spec), kv.quantize(Xe, raw_spec))}
+
+
+def report_real(r):
+    d, L = r["delta_ratio"], r["L"]
+    print(f"\n{r['info']['name']} ({L} layers, {r['C'] // 64} KV heads x 64): {r['n_calib']} calibration and "
+          f"{r['n_eval']} evaluation paragraphs of the project's own prose, {r['tokens']} context tokens each.\n")
+    thirds = np.array_split(np.arange(L), 3)
+    rows = [[f"layers {g[0]}-{g[-1]} {KV_NAMES[k]}", f"{d['anchor'][g, k].mean():.2f}x",
+             f"{d['anchor'][g, k].min():.2f}-{d['anchor'][g, k].max():.2f}x", f"{d['previous'][g, k].mean():.2f}x",
+             f"{d['previous'][g, k].min():.2f}-{d['previous'][g, k].max():.2f}x", HANDOUT["delta_ratio"] if i == k == 0 else ""]
+            for i, g in enumerate(thirds) for k in range(2)]
+    print(table(["", "anchor: mean", "range", "previous: mean", "range", "CacheGen"], rows,
+                "Part 1a (real model). Variance of raw values over variance of deltas, by thirds of the layers (>1: deltas smaller)"))
+    ent = r["entropy"]
+    g0 = ent["one global table"]
+    print()
+    print(table(["tables", "bits/value", "smaller than global"],
+                [[n, f"{b:.3f}", f"{100 * (1 - b / g0):+.1f}%" if n != "one global table" else ""] for n, b in ent.items()],
+                f"Part 1c (real model). Entropy at steps of {REAL_ENTROPY_STEP:g} x RMS, tables fitted on calibration prose"))
+    fp16_b = r["rows"]["FP16"][0]
+    rows = [[n, f"{b:,.0f}", f"{fp16_b / b:.2f}x", f"{q['nll']:.4f}", f"{q['kl']:.4f}",
+             f"{100 * q['agree']:.1f}%"] for n, (b, q) in r["rows"].items()]
+    print()
+    print(table(["codec", "bytes/token", "ratio to FP16", "NLL (nats/token)", "KL from FP16", "top-1 = FP16's"], rows,
+                f"Part 2 (real model). Continuations of {REAL_CONTINUATION} tokens attending to the decoded context KV "
+                f"(coded rows: bytes of {REAL_CODED} contexts really coded, bit-exact round trip checked)"))
+    print(f"Measured steps / RMS (shallow, middle, deep thirds; K / V): "
+          + ", ".join(f"{k:.3g} / {v:.3g}" for k, v in r["rel_steps"])
+          + f"; KL from FP16 kept below {REAL_MAX_KL} nats/token on calibration prose; recipe sized to the same bytes.")
+
+
+def to_json_real(r):
+    out = {"model": r["info"]["name"], "delta_var_ratio": [{f"{KV_NAMES[k]}_{ref}": float(r["delta_ratio"][ref][l, k])
+                                                            for ref in r["delta_ratio"] for k in range(2)} for l in range(r["L"])],
+           "entropy_bits": r["entropy"], "fp16_bytes_per_token": r["rows"]["FP16"][0],
+           "zlib_ratio": r["rows"]["FP16"][0] / r["rows"]["zlib on FP16"][0], "nll_fp16": r["rows"]["FP16"][1]["nll"]}
+    for name, (b, q) in r["rows"].items():
+        key = name.split(" ")[0].replace("-", "").lower()
+        out[f"bytes_{key}"], out[f"nll_{key}"], out[f"kl_{key}"], out[f"top1_agree_{key}"] = b, q["nll"], q["kl"], q["agree"]
+    return out
+
+
 def main():
     p = Parser(__doc__)
     p.add_argument("--sensitivity-step", type=positive_float, default=SENSITIVITY_STEP,
                    help="Part 1b: coarse step, in units of a layer's RMS")
     p.add_argument("--refit", action="store_true", help="redo the codec's step search and tables (cached otherwise)")
+    p.add_argument("--model", choices=["record", "smollm2"], default="record",
+                   help="record: the record-world model (every part); smollm2: Parts 1a, 1c and 2 on SmolLM2-135M")
+    p.add_argument("--gguf", metavar="PATH", help="with --model smollm2: another LLaMA GGUF file")
     args = p.parse_args()
+    if args.model == "smollm2":
+        from common.gguf_llama import smollm2_or_explain
+        args.gguf = smollm2_or_explain(args.gguf)
+        if args.gguf is None:
+            return
+        r = compute_real(args)
+        report_real(r)
+        write_json(args.json, to_json_real(r))
+        return
     r = compute(args)
     report(r, args)
     figures(r)

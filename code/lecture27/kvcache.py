@@ -622,7 +622,7 @@ def recipe_steps(rms, base: float) -> np.ndarray:
     return rms * base * RECIPE_GROUP_FACTOR ** g[:, None]
 
 
-def match_bytes(make_spec, X, target_bits: float, lo: float = 1e-4, hi: float = 1e2, iters: int = 30):
+def match_bytes(make_spec, X, target_bits: float, lo: float = 1e-4, hi: float = 1e2, iters: int = 16):
     """The base step whose codec (make_spec(base) -> CodecSpec) codes X in target_bits (bisection in log)."""
     for _ in range(iters):
         mid = math.sqrt(lo * hi)
