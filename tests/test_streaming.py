@@ -18,6 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "code" / "lecture27" / "03_streaming.py"
 LEVELS = [dict(level=i, bits_per_value=b, accuracy=a) for i, (b, a) in
           enumerate([(4.8, 0.99), (3.6, 0.96), (2.9, 0.88), (2.2, 0.74)])]
+# the sizes of the codec's real levels (about 4x smaller than the handout's), fixed here so the tests do
+# not depend on the cached codec
+SMALL_LEVELS = [dict(level=i, bits_per_value=b, accuracy=a) for i, (b, a) in
+                enumerate([(1.26, 0.9999), (0.98, 0.9993), (0.76, 0.991), (0.55, 0.876)])]
 HANDOUT_TRACE = st.Trace((0.0, 0.3, 3.0), (10.0, 1.0, 5.0))
 
 
@@ -169,6 +173,48 @@ def test_part1_text_on_slow_links_kv_on_fast_ones():
     assert note["raw_breakeven_gbit"] * 1e9 * 0.36 == pytest.approx(131072 * 8 * 12 * 1024)
 
 
+def test_small_levels_arrive_before_the_drop_and_the_explanation_says_so():
+    s3 = load_script()
+    setup_, runs, _ = s3.part2(SMALL_LEVELS, 1.0, HANDOUT_TRACE, 4.0, 1536)
+    assert runs["adaptive"].choices == ["level0"] * 8 and runs["adaptive"].ttft_s < 0.3
+    ex = s3.explain(setup_, runs, HANDOUT_TRACE)
+    assert ex["drop"] == (0.3, 10.0, 1.0)
+    assert ex["shape"] == {"complete before the drop": True, "finest level while the link is good": True,
+                           "text after the drop": False, "a coarser level after the drop": False}
+    assert ex["finest_gb"] == pytest.approx(1.26 * 163_840 * 12 * 1024 / 8e9)
+    assert ex["finest_s"] == pytest.approx(ex["finest_gb"] * 8 / 10)          # all of it at 10 Gb/s
+    assert ex["vs_8bit"] == pytest.approx(8 / 1.26)
+    assert ex["handout_over_ours"] == pytest.approx(8 / 1.66 / 1.26)
+    # text beats level3 only where level3's bits take longer than recomputing: well below 1 Gb/s
+    w = ex["text_breakeven_gbit"]
+    assert 0.1 < w < 1
+    s = setup(levels=SMALL_LEVELS)
+    for g, better in ((w * 0.9, "text"), (w * 1.1, "level3")):
+        t = {n: st.fixed(s, st.Trace.steady(g), n).ttft_s for n in ("text", "level3")}
+        assert min(t, key=t.get) == better
+
+
+def test_long_context_adapts_with_small_levels():
+    """Part 2b: 48K tokens are still streaming when the link drops; the policy, taking 1 Gb/s to last,
+    leaves level0 for coarser levels, while the oracle (5 Gb/s at 3 s) can stay at level0."""
+    s3 = load_script()
+    setup_, runs = s3.part2_long(SMALL_LEVELS, 1.0, HANDOUT_TRACE, 4.0, 1536, 48 * 1024)
+    ad, orc = runs["adaptive"], runs["oracle"]
+    assert len(ad.choices) == 32 and ad.ttft_s <= 4.0
+    after = [r["choice"] for r in ad.rows if r["start"] >= 0.3]
+    assert any(c in ("level1", "level2", "level3") for c in after)
+    assert ad.choices[0] == "level0" and "text" not in ad.choices
+    assert orc.choices == ["level0"] * 32 and orc.ttft_s <= 4.0 and orc.quality > ad.quality
+    ex = s3.explain(setup_, runs, HANDOUT_TRACE)
+    assert not ex["shape"]["complete before the drop"] and ex["shape"]["a coarser level after the drop"]
+
+
+def test_runs_of():
+    s3 = load_script()
+    assert s3.runs_of(["level0"] * 10 + ["level1"] + ["text"] * 2 + ["level0"]) == "L0 x10, L1, T x2, L0"
+    assert s3.runs_of([]) == ""
+
+
 def run(*args, tmp_path=None):
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
 
@@ -191,7 +237,20 @@ def test_smoke_json(tmp_path, levels_file):
     assert len(d["trace_choices"]) == 8 and set(d["trace_choices"]) <= allowed
     assert d["trace_ttft_s"] <= 4.0
     assert d["steady25_choices"] == ["level0"] * 8
-    assert "Part 3" in r.stdout
+    assert len(d["long_trace_choices"]) == 32 and set(d["long_trace_choices"]) <= allowed
+    assert d["long_trace_ttft_s"] == d["long_policies"]["adaptive"]["ttft_s"] > 0
+    assert "Part 3" in r.stdout and "Part 2b" in r.stdout and "Why:" in r.stdout
+
+
+def test_long_context_flag(tmp_path):
+    levels = tmp_path / "small.json"
+    levels.write_text(json.dumps(SMALL_LEVELS))
+    out = tmp_path / "o.json"
+    r = run("--levels", str(levels), "--no-plot", "--long-context", "24576", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    d = json.loads(out.read_text())
+    assert len(d["long_trace_choices"]) == 16 and d["setup"]["long_context"] == 24576
+    assert "before the drop at 0.3 s" in r.stdout          # the 12K run, explained
 
 
 def test_trace_file(tmp_path, levels_file):
@@ -206,7 +265,7 @@ def test_trace_file(tmp_path, levels_file):
 @pytest.mark.parametrize("args, content", [
     (["--slo", "-1"], None), (["--chunk-tokens", "0"], None), (["--bogus"], None),
     (["--chunk-tokens", "99999"], None), (["--trace", "TRACE"], "0,10\n1,-2\n"), (["--trace", "TRACE"], ""),
-    (["--trace", "missing.csv"], None)])
+    (["--trace", "missing.csv"], None), (["--long-context", "0"], None), (["--long-context", "200000"], None)])
 def test_bad_input_one_line_exit_2(tmp_path, levels_file, args, content):
     if content is not None:
         (tmp_path / "t.csv").write_text(content)

@@ -4,12 +4,16 @@ whose bandwidth changes while a context streams in.
     python code/lecture27/03_streaming.py                       # Parts 1-3, two figures
     python code/lecture27/03_streaming.py --json out.json       # + headline figures as JSON
     python code/lecture27/03_streaming.py --trace my.csv --slo 3 --chunk-tokens 1024
+    python code/lecture27/03_streaming.py --long-context 65536  # Part 2b with a 64K-token context
 
 Part 1 (§4.1, pitfall 1): LLaMA-3.1-70B on 4 x A100 fetching a 12K-token context over a steady link:
         time to first token sending text (then recomputing), raw KV, or KV at each codec level; the
         8B-on-H100 note.
 Part 2 (§4.2): the adaptive policy chunk by chunk on a trace (10 -> 1 -> 5 Gb/s, SLO 4 s), against
-        always-finest, always-text and an oracle that knows the trace; a steady 25 Gb/s link.
+        always-finest, always-text and an oracle that knows the trace; a steady 25 Gb/s link; why the run
+        looks as it does (sizes, the drop, text's break-even).
+Part 2b: the same trace and SLO with a longer context (48K tokens), which is still streaming when the
+        link drops, so the policy has something to adapt to.
 Part 3 (§4.2): the chunk-size trade-off on the same trace.
 The codec's four levels come from kvcache.codec_levels() (measured by 02 on the record-world model);
 the simulation, the policy and the oracle are in streaming.py. Recompute times: common/timemodel.py.
@@ -39,6 +43,8 @@ CHUNK_TOKENS = 1536      # §4.2: chunks of 1.5K tokens (CacheGen's default)
 TRACE = [(0.0, 10.0), (0.3, 1.0), (3.0, 5.0)]  # §4.2: (from time s, Gb/s): 10 Gb/s for 0-0.3 s, 1 Gb/s to 3 s, then 5
 SLO = 4.0                # §4.2: seconds
 STEADY_GBPS = 25.0       # §4.2: "a steady 25 Gb/s link picks the finest level throughout"
+LONG_CONTEXT = 48 * K    # Part 2b: long enough to still be streaming when the link drops (not in the handout)
+MAX_CONTEXT = 128 * K    # LLaMA-3.1's context window (Meta's model card: 128K tokens)
 # ---- Part 3 (§4.2)
 CHUNK_SIZES = [512, 1536, 3072, 6144]                  # about 0.5K, 1.5K, 3K, 6K tokens
 HALF_EFFICIENCY_TOKENS = st.HALF_EFFICIENCY_TOKENS     # recompute batch at half speed (assumption, streaming.py)
@@ -49,6 +55,7 @@ HANDOUT = {
     "8b_recompute_s": 0.36, "8b_breakeven_gbit": 25,
     "trace": "finest level while the link is good, text after the drop, a coarser level at the end "
              "chosen by the time left (this small model's level 3 answers only 74%)",
+    "codec_vs_8bit": 1.66,   # §3: the handout's lossless codec is 1.66x smaller than 8-bit quantization
     "steady": "the finest level throughout",
     "chunks": "large chunks react late; small chunks recompute in small GPU batches",
 }
@@ -136,6 +143,55 @@ def part2(levels, lossless, trace, slo, chunk_tokens):
     return setup, runs, steady
 
 
+def part2_long(levels, lossless, trace, slo, chunk_tokens, context):
+    """Part 2b: the same policies on a longer context (the same trace, SLO and chunk size)."""
+    setup = st.make_setup(MODEL, GPU, N_GPUS, context, chunk_tokens, levels, lossless)
+    finest = setup.options[0].name
+    runs = {"adaptive": st.adaptive(setup, trace, slo), f"always {finest}": st.fixed(setup, trace, finest),
+            "always text": st.fixed(setup, trace, "text"), "oracle": st.oracle(setup, trace, slo)}
+    return setup, runs
+
+
+def first_drop(trace):
+    """(time, rate before, rate after) of the trace's first fall in bandwidth, or None."""
+    for k in range(1, len(trace.times)):
+        if trace.gbps[k] < trace.gbps[k - 1]:
+            return trace.times[k], trace.gbps[k - 1], trace.gbps[k]
+    return None
+
+
+def explain(setup, runs, trace):
+    """Why a run looks as it does, from the data: how big the context is at the finest level and when it
+    arrives, against the trace's first drop; how our codec compares with the handout's; the bandwidth
+    below which text (recompute chunk by chunk) beats the coarsest level; and which parts of the
+    handout's shape the adaptive run shows."""
+    values = tm.kv_bytes_per_token(MODEL) / 2
+    finest, coarsest, text = setup.options[0], setup.options[-2], setup.option("text")
+    ctx = setup.context_tokens
+    recompute_s = sum(setup.recompute_s(f, n) for f, n in setup.plan)      # all text, chunk by chunk
+    drop = first_drop(trace)
+    ad = runs["adaptive"]
+    after = [r["choice"] for r in ad.rows if drop and r["start"] >= drop[0]]
+    before = [r["choice"] for r in ad.rows if drop and r["start"] < drop[0]]
+    ours_bits = finest.bits_per_token / values
+    handout_bits = 8 / HANDOUT["codec_vs_8bit"]
+    return {
+        "context": ctx, "finest": finest.name, "coarsest": coarsest.name, "coarsest_accuracy": coarsest.accuracy,
+        "finest_gb": finest.bits_per_token * ctx / 8e9,
+        "finest_s": runs[f"always {finest.name}"].ttft_s,
+        "drop": drop,
+        "finest_bits_per_value": ours_bits, "vs_8bit": 8 / ours_bits,
+        "handout_bits_per_value": handout_bits, "handout_over_ours": handout_bits / ours_bits,
+        "text_recompute_s": recompute_s,
+        # text beats the coarsest level when its bits take longer than recomputing (token ids included)
+        "text_breakeven_gbit": (coarsest.bits_per_token - text.bits_per_token) * ctx / recompute_s / st.GBIT,
+        "shape": {"complete before the drop": bool(drop) and ad.ttft_s <= drop[0],
+                  "finest level while the link is good": bool(before) and set(before) == {finest.name},
+                  "text after the drop": "text" in after,
+                  "a coarser level after the drop": any(c not in (finest.name, "text") for c in after)},
+    }
+
+
 def part3(levels, lossless, trace, slo, sizes):
     rows = []
     for n in sizes:
@@ -152,6 +208,54 @@ def part3(levels, lossless, trace, slo, sizes):
 # ---------------------------------------------------------------------------------------- printing
 def compact(choices):
     return " ".join(SHORT.get(c, c) for c in choices)
+
+
+def runs_of(choices):
+    """["level0"] * 10 + ["level1"] -> "L0 x10, L1" (long runs of chunks)."""
+    out = []
+    for c in choices:
+        if out and out[-1][0] == c:
+            out[-1][1] += 1
+        else:
+            out.append([c, 1])
+    return ", ".join(SHORT.get(c, c) + (f" x{n}" if n > 1 else "") for c, n in out)
+
+
+def print_policies(runs, slo, fmt=compact, title=None):
+    print(table(["policy", "choices", "TTFT s", f"SLO {slo:g} s", "quality", "recomputed tokens", "GPU s"],
+                [[name, fmt(r.choices), f"{r.ttft_s:.2f}", "met" if r.ttft_s <= slo else "MISSED",
+                  f"{r.quality:.3f}", f"{r.text_tokens:,}", f"{r.gpu_s:.2f}"] for name, r in runs.items()],
+                title=title))
+
+
+def print_shape(ex):
+    """The handout's expected shape, part by part, against the adaptive run."""
+    print(f"handout: {HANDOUT['trace']}")
+    if ex["drop"] is None:
+        print("ours:    the trace has no drop in bandwidth, so the handout's shape cannot appear")
+        return
+    parts = [k for k in ex["shape"] if k != "complete before the drop"]
+    print("ours:    " + "; ".join(f"{k}: {'yes' if ex['shape'][k] else 'NO'}" for k in parts)
+          + f" (our {ex['coarsest']} answers {ex['coarsest_accuracy']:.1%})")
+
+
+def print_why(ex, trace, codec=True):
+    """Two or three lines on why the run looks as it does, all computed (the 1.66x is the handout's)."""
+    name = ex["finest"]
+    where = "the trace never drops" if ex["drop"] is None else (
+        f"{'before' if ex['shape']['complete before the drop'] else 'after'} the drop at {ex['drop'][0]:g} s "
+        f"({ex['drop'][1]:g} -> {ex['drop'][2]:g} Gb/s)")
+    print(f"Why: at {name} the {ex['context']:,}-token context is {ex['finest_gb']:.3f} GB and arrives "
+          f"(always {name}) in {ex['finest_s']:.2f} s, {where}.")
+    if codec:
+        print(f"  The handout's codec was {HANDOUT['codec_vs_8bit']}x smaller than 8-bit quantization (about "
+              f"{ex['handout_bits_per_value']:.1f} bits/value); ours is {ex['vs_8bit']:.1f}x smaller "
+              f"({ex['finest_bits_per_value']:.2f} bits/value at {name}): the handout's levels were about "
+              f"{ex['handout_over_ours']:.1f}x larger.")
+    low = min(trace.gbps)
+    print(f"  Text (recompute chunk by chunk, {ex['text_recompute_s']:.2f} s of GPU) beats {ex['coarsest']} only "
+          f"below {ex['text_breakeven_gbit']:.2f} Gb/s; the trace's slowest rate is {low:g} Gb/s"
+          + (", so text never pays." if low > ex["text_breakeven_gbit"] else "."))
 
 
 def print_part1(levels, lossless, lossless_src, opts, no_loss, rows, recompute, breakeven, note):
@@ -201,18 +305,43 @@ def print_part2(setup, runs, steady, trace, slo, chunk_tokens):
                      f"{r['measured_gbps']:.2f}" if r["measured_gbps"] is not None else "- (text)"])
     print(table(["chunk", "tokens", "start s", "est Gb/s", "budget s", "choice", "predicted s", "finish s",
                  "measured Gb/s"], rows))
-    print(f"handout: {HANDOUT['trace']}")
+    ex = explain(setup, runs, trace)
+    print_shape(ex)
+    print_why(ex, trace)
     print()
-    print(table(["policy", "choices", "TTFT s", f"SLO {slo:g} s", "quality", "recomputed tokens", "GPU s"],
-                [[name, compact(r.choices), f"{r.ttft_s:.2f}", "met" if r.ttft_s <= slo else "MISSED",
-                  f"{r.quality:.3f}", f"{r.text_tokens:,}", f"{r.gpu_s:.2f}"] for name, r in runs.items()],
-                title="Whole context: quality = token-weighted accuracy (text chunks exact); GPU s = recompute time "
-                      f"on {N_GPUS} GPUs.\nThe oracle knows the trace: meet the SLO, then recompute least, then lose least."))
+    print_policies(runs, slo, title="Whole context: quality = token-weighted accuracy (text chunks exact); GPU s = "
+                   f"recompute time on {N_GPUS} GPUs.\nThe oracle knows the trace: meet the SLO, then recompute "
+                   "least, then lose least.")
     print(f"\nSteady {STEADY_GBPS:g} Gb/s: {compact(steady.choices)} (TTFT {steady.ttft_s:.2f} s); "
           f"handout: {HANDOUT['steady']}")
 
 
-def print_part3(rows, slo):
+def print_part2_long(setup, runs, trace, slo):
+    print()
+    print(f"== Part 2b (not in the handout): the same trace and SLO with a {setup.context_tokens:,}-token context "
+          f"(--long-context; LLaMA-3.1 reads up to {MAX_CONTEXT // K}K)")
+    print_policies(runs, slo, fmt=runs_of)
+    ex = explain(setup, runs, trace)
+    print_shape(ex)
+    print_why(ex, trace, codec=False)
+    ad, orc, finest = runs["adaptive"], runs["oracle"], setup.options[0].name
+    coarser = sorted({c for c in ad.choices if c not in (finest, "text")})
+    drop_t = ex["drop"][0] if ex["drop"] else None
+    seen = next((r["measured_gbps"] for r in ad.rows
+                 if drop_t is not None and r["measured_gbps"] is not None and r["start"] >= drop_t), None)
+    later = [(t, g) for t, g in zip(trace.times, trace.gbps) if drop_t is not None and t > drop_t]
+    knowing = f", knowing {later[0][1]:g} Gb/s comes at {later[0][0]:g} s," if later else ", knowing the trace,"
+    oracle_says = (f"The oracle{knowing} picks {runs_of(orc.choices)}: TTFT {orc.ttft_s:.2f} s, "
+                   f"quality {orc.quality:.3f}.")
+    if seen is not None and coarser:
+        print(f"So: the adaptive policy measured {seen:.2f} Gb/s after the drop, assumed it would last and moved to "
+              f"coarser levels ({', '.join(coarser)}): TTFT {ad.ttft_s:.2f} s, quality {ad.quality:.3f}.\n    "
+              + oracle_says)
+    else:
+        print(f"So: adaptive {runs_of(ad.choices)}: TTFT {ad.ttft_s:.2f} s, quality {ad.quality:.3f}. " + oracle_says)
+
+
+def print_part3(rows, slo, trace):
     print()
     print(f"== Part 3 (§4.2): chunk size on the same trace. Recompute of a chunk of n tokens runs "
           f"(1 + {HALF_EFFICIENCY_TOKENS}/n) / (1 + {HALF_EFFICIENCY_TOKENS}/12K) times slower than the time model\n"
@@ -228,6 +357,15 @@ def print_part3(rows, slo):
                       "batches cost); worst overrun: a chunk's finish minus its predicted finish (large chunks react late);\n"
                       "TTFT ... choices: the adaptive policy."))
     print(f"handout: {HANDOUT['chunks']}")
+    text = [r["text_ttft_s"] for r in rows]
+    late = max(rows, key=lambda r: r["overrun_s"])
+    drop = first_drop(trace)
+    early = drop is not None and all(r["adaptive"].ttft_s <= drop[0] for r in rows)
+    print(f"ours:    small batches cost: all-text TTFT {min(text):.2f}-{max(text):.2f} s across chunk sizes; "
+          + (f"reacting late: worst overrun {late['overrun_s']:.2f} s with {late['chunk_tokens']:,}-token chunks"
+             if late["overrun_s"] > 1e-9 else
+             "reacting late costs nothing here: no chunk ran past its predicted finish"
+             + (f" (at every size the context is in before the drop at {drop[0]:g} s)" if early else "")))
 
 
 # ----------------------------------------------------------------------------------------- figures
@@ -284,11 +422,15 @@ def main(argv=None):
                                                    "default: the TRACE constant (§4.2)")
     p.add_argument("--slo", type=positive_float, default=SLO, help="seconds until the context must be on the GPU")
     p.add_argument("--chunk-tokens", type=positive_int, default=CHUNK_TOKENS, help="tokens per chunk (Part 2)")
+    p.add_argument("--long-context", type=positive_int, default=LONG_CONTEXT,
+                   help=f"tokens of context in Part 2b (at most {MAX_CONTEXT}, LLaMA-3.1's window)")
     p.add_argument("--levels", metavar="FILE", help="JSON list of codec levels instead of kvcache.codec_levels()")
     p.add_argument("--no-plot", action="store_true", help="skip the figures")
     a = p.parse_args(argv)
     if a.chunk_tokens > CONTEXT:
         p.error(f"argument --chunk-tokens: at most the context, {CONTEXT}")
+    if a.long_context > MAX_CONTEXT:
+        p.error(f"argument --long-context: at most {MAX_CONTEXT} (LLaMA-3.1's context window)")
     trace = load_trace(a.trace)
     levels = load_levels(a.levels)
     lossless, lossless_src = lossless_accuracy(levels)
@@ -296,11 +438,13 @@ def main(argv=None):
     opts, no_loss, rows, recompute, breakeven = part1(levels, lossless, BANDWIDTHS)
     note = note_8b(levels)
     setup, runs, steady = part2(levels, lossless, trace, a.slo, a.chunk_tokens)
+    long_setup, long_runs = part2_long(levels, lossless, trace, a.slo, a.chunk_tokens, a.long_context)
     sizes = part3(levels, lossless, trace, a.slo, CHUNK_SIZES)
 
     print_part1(levels, lossless, lossless_src, opts, no_loss, rows, recompute, breakeven, note)
     print_part2(setup, runs, steady, trace, a.slo, a.chunk_tokens)
-    print_part3(sizes, a.slo)
+    print_part2_long(long_setup, long_runs, trace, a.slo)
+    print_part3(sizes, a.slo, trace)
     if not a.no_plot:
         for path in plot(opts, rows, runs, trace, a.slo):
             print(f"figure: {path}")
@@ -324,6 +468,10 @@ def main(argv=None):
         "policies": {name: {"choices": r.choices, "ttft_s": r.ttft_s, "quality": r.quality,
                             "text_tokens": r.text_tokens, "gpu_s": r.gpu_s} for name, r in runs.items()},
         "steady25_choices": steady.choices,
+        "long_trace_choices": long_runs["adaptive"].choices,
+        "long_trace_ttft_s": long_runs["adaptive"].ttft_s,
+        "long_policies": {name: {"choices": r.choices, "ttft_s": r.ttft_s, "quality": r.quality,
+                                 "text_tokens": r.text_tokens, "gpu_s": r.gpu_s} for name, r in long_runs.items()},
         "chunk_sizes": {str(r["chunk_tokens"]): {"ttft_s": r["adaptive"].ttft_s, "quality": r["adaptive"].quality,
                                                  "slo_met": r["adaptive"].ttft_s <= a.slo,
                                                  "choices": r["adaptive"].choices,
@@ -332,7 +480,8 @@ def main(argv=None):
                                                  "all_text_ttft_s": r["text_ttft_s"],
                                                  "worst_overrun_s": r["overrun_s"]} for r in sizes},
         "setup": {"model": MODEL, "gpu": GPU, "n_gpus": N_GPUS, "context": CONTEXT, "slo_s": a.slo,
-                  "chunk_tokens": a.chunk_tokens, "trace": list(zip(trace.times, trace.gbps))},
+                  "chunk_tokens": a.chunk_tokens, "long_context": a.long_context,
+                  "trace": list(zip(trace.times, trace.gbps))},
     })
 
 
