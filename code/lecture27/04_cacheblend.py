@@ -1,0 +1,464 @@
+"""04 -- CacheBlend (handout §5): reusing chunks' KV that are not a prefix, and recomputing the few
+tokens that matter.
+
+    python code/lecture27/04_cacheblend.py                    # Parts 1-4, three figures
+    python code/lecture27/04_cacheblend.py --chunk-len 6      # exercise 6: no record is split
+    python code/lecture27/04_cacheblend.py --ratio 0.1        # another recompute ratio
+    python code/lecture27/04_cacheblend.py --layers 32 --read-ms 10 --prefill-ms 20   # exercise 8
+    python code/lecture27/04_cacheblend.py --json out.json
+
+Part 1 (§5.2): the city language, 3 chunks x 8 tokens + an 8-token question: full prefill vs full KV
+        reuse (each chunk precomputed alone, K moved by shift_kv). Sentences are independent: no loss.
+Part 2 (§5.2-5.3): the record world (blend_world.py), chunks of 5: accuracy on split and unsplit
+        records under full prefill, full reuse, CacheBlend and a random selection of the same size.
+Part 3 (§5.3): the two insights (deviation is concentrated; adjacent layers agree), layer 0's picks,
+        shorter chunks, and the compute-quality curve.
+Part 4 (§5.4, exercise 8): hiding recompute behind loading, from common/timemodel.py: per layer
+        load vs recompute per storage device, the controller's ratio, pipelined TTFT; LLaMA-7B vs 70B.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import blend_world as bw  # noqa: E402
+from common import timemodel as tm  # noqa: E402
+from common.checkpoints import TrainingFailed  # noqa: E402
+from common.cli import (Parser, fail, figure_path, fraction, positive_float, positive_int,  # noqa: E402
+                        table, write_json)
+
+# ---- Part 1 (§5.2)
+CITY_CHUNKS, CITY_CHUNK_LEN = 3, 8        # 3 chunks x 8 tokens, then an 8-token question
+CITY_DOCS = 1000
+# ---- Parts 2-3 (§5.2-5.3)
+CHUNK_LEN = 5                             # odd: the records whose values sit at positions 5 and 15 are split
+RATIO = 0.20                              # CacheBlend's recompute ratio r
+N_DOCS = 1000                             # held-out documents (x 12 questions; 2,000 on split records)
+TOP_SHARE = 0.15                          # "the top 15% of tokens hold ... of the deviation"
+CURVE_RATIOS = [0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8, 1.0]
+CURVE_CHUNK_LENS = [3, 5]
+# ---- Part 4 (§5.4): RAG with 6 chunks x 512 tokens + a 32-token question on A40
+RAG_CHUNKS, RAG_CHUNK_TOKENS, RAG_QUESTION = 6, 512, 32
+GPU = "A40"
+MIN_RATIO = 0.15                          # CacheBlend: never recompute less than 15% (quality floor, §5.4)
+SYSTEMS = [("llama-2-7b", 1), ("llama-3.1-70b", 2)]  # (model, A40s): the slides' 70B runs on 2 x A40
+DEVICES = {  # storage device -> read bandwidth, bytes/s
+    # pinned CPU memory over each GPU's PCIe 4.0 x16 link (timemodel's A40 pcie_bw, 32 GB/s each way)
+    "CPU RAM": ("per_gpu", tm.GPUS[GPU].pcie_bw),
+    # CacheBlend §7: NVMe read of one LLaMA-7B layer's 4K-token KV (64 MiB) in about 16 ms -> ~4 GB/s
+    "NVMe SSD": ("shared", 4.2e9),
+    # a SATA SSD: the SATA III link is 6 Gb/s, about 0.55 GB/s of data after 8b/10b coding
+    "SATA SSD": ("shared", 0.55e9),
+}
+PAPER_CONTEXT = 4096                      # CacheBlend's per-layer example: 4K context
+# ---- exercise 8 (§10): the controller's inputs
+EX8_LAYERS, EX8_READ_MS, EX8_PREFILL_MS = 32, 10.0, 20.0
+
+# The handout's figures, printed beside ours (reference only; nothing is computed from them)
+HANDOUT = {
+    "city_ce_full": 0.6940, "city_ce_reuse": 0.6941, "city_kl": 0.00003,
+    "split_acc_full": 1.0, "split_acc_reuse": 0.088, "unsplit_acc_reuse": "unaffected",
+    "split_acc_blend20": 0.994, "split_acc_random20": 0.21,
+    "top15_deviation_share": 0.98, "adjacent_layer_rank_corr": "0.88-0.93", "layer0_pick_coverage": 0.99,
+    "chunk3_blend20": 0.81, "train": "12,000 steps, ~6 min, drop near step 5,000",
+    "7b_recompute15_ms": 3, "7b_nvme_ms": 16, "70b_recompute15_ms": 7, "70b_nvme_ms": 4,
+    "llama70b_nvme_vs_recompute": 4.6, "ttft_speedup": "2.2-3.3x",
+    "ex8_ratio": 0.5, "ex8_ttft_ms": 320, "ex8_full_ms": 640,
+}
+
+
+def pct(x):
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def href(x):
+    return x if isinstance(x, str) else pct(x)
+
+
+# ============================================================================ Part 1: the city
+def city_experiment(n_docs: int = CITY_DOCS, seed: int = 0, retrain: bool = False) -> dict:
+    """Cross-entropy of the question's tokens (each predicted from everything before it) under full
+    prefill and under full reuse of the three precomputed sentence chunks, and KL(full || reuse)."""
+    from common.city import city_model
+
+    model, lang = city_model(retrain=retrain)
+    with torch.no_grad():
+        return _city(model, lang, n_docs, seed)
+
+
+def _city(model, lang, n_docs, seed):
+    n_ctx = CITY_CHUNKS * CITY_CHUNK_LEN
+    x = lang.sample_text(n_docs, CITY_CHUNKS + 1, torch.Generator().manual_seed(seed + 11))
+    ctx, q = x[:, :n_ctx], x[:, n_ctx:]
+    full, _ = model(x)
+    full = full[:, n_ctx:-1]                                  # predicts question tokens 2..8
+    reuse, _ = model(q, cache=bw.precompute_chunks(model, ctx, CITY_CHUNK_LEN))
+    reuse = reuse[:, :-1]
+    lp_full, lp_reuse = full.log_softmax(-1), reuse.log_softmax(-1)
+    tgt = q[:, 1:, None]
+    return {"city_ce_full": float(-lp_full.gather(-1, tgt).mean()),
+            "city_ce_reuse": float(-lp_reuse.gather(-1, tgt).mean()),
+            "city_kl": float((lp_full.exp() * (lp_full - lp_reuse)).sum(-1).mean()),
+            "city_entropy": lang.entropy_per_token()}
+
+
+# ============================================================================ Part 2: records
+def methods(model, rec, chunk_len: int, ratio: float, seed: int, pre=None) -> dict:
+    """(B, Q) correctness of each way to prefill."""
+    pre = pre if pre is not None else bw.precompute_chunks(model, rec.doc, chunk_len)
+    g = torch.Generator().manual_seed(seed + 7)
+    return {"full prefill": bw.answer_correct(bw.full_prefill(model, rec), rec),
+            "full reuse": bw.answer_correct(bw.full_reuse(model, rec, chunk_len), rec),
+            f"CacheBlend {ratio:.0%}": bw.answer_correct(bw.blend(model, rec, chunk_len, ratio, pre=pre), rec),
+            f"random {ratio:.0%}": bw.answer_correct(
+                bw.blend(model, rec, chunk_len, ratio, select="random", generator=g, pre=pre), rec)}
+
+
+def acc_or_none(correct, mask):
+    return bw.accuracy(correct, mask) if mask.any() else None
+
+
+def record_experiment(model, rec, chunk_len: int, ratio: float, seed: int) -> dict:
+    split = bw.split_mask(rec, chunk_len)
+    res = {}
+    for name, ok in methods(model, rec, chunk_len, ratio, seed).items():
+        res[name] = {"split": acc_or_none(ok, split), "unsplit": acc_or_none(ok, ~split), "all": bw.accuracy(ok)}
+    return res
+
+
+# ============================================================================ Part 3: insights
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean over rows of the rank correlation of a and b (B, N); ties share their average rank."""
+    from scipy.stats import spearmanr
+
+    vals = [spearmanr(x, y).statistic for x, y in zip(a.tolist(), b.tolist())]
+    vals = [v for v in vals if not math.isnan(v)]
+    return float(sum(vals) / len(vals))
+
+
+def top_share(dev: torch.Tensor, frac: float) -> float:
+    """Mean over rows of the share of the row's total held by its top ceil(frac N) entries."""
+    k = math.ceil(frac * dev.shape[1] - 1e-9)
+    tot = dev.sum(1)
+    ok = tot > 0
+    return float((dev.sort(1, descending=True).values[:, :k].sum(1)[ok] / tot[ok]).mean())
+
+
+@torch.no_grad()
+def insights(model, rec, chunk_len: int, ratio: float, seed: int) -> dict:
+    pre = bw.precompute_chunks(model, rec.doc, chunk_len)
+    dev = bw.kv_deviation(model, rec, chunk_len, pre)          # (L, B, N)
+    L = dev.shape[0]
+    per_layer_top = [top_share(dev[i], TOP_SHARE) for i in range(1, L)]
+    corr = [spearman(dev[i], dev[i + 1]) for i in range(1, L - 1)]
+    _, trace = bw.blend(model, rec, chunk_len, ratio, pre=pre, trace=True)
+    corr0 = spearman(trace.attn_dev0, dev[1])                 # layer 0's attention deviation vs layer 1's KV deviation
+    # layer 0's picks vs the chunk-initial values (the split records' values)
+    firsts = [2 * i + 1 for i in bw.split_records(chunk_len)]
+    picks = trace.recomputed[0]
+    if firsts:
+        hit = torch.stack([(picks == p).any(1) for p in firsts], 1)
+        coverage = float(hit.float().mean())
+    else:
+        coverage = None
+    # where is the deviation? share held by chunk-initial values, per layer
+    first_share = [float(dev[i][:, firsts].sum() / dev[i].sum()) if firsts else None for i in range(1, L)]
+    return {"top15_deviation_share": sum(per_layer_top) / len(per_layer_top),
+            "top15_per_layer": per_layer_top, "adjacent_layer_rank_corr": corr,
+            "layer0_attn_vs_layer1_kv_rank_corr": corr0, "layer0_pick_coverage": coverage,
+            "chunk_initial_value_share": first_share, "deviation": dev}
+
+
+def curve(model, rec, seed: int, ratios=CURVE_RATIOS, chunk_lens=CURVE_CHUNK_LENS) -> dict:
+    """Split-record accuracy against the recompute ratio, CacheBlend and random, per chunk length."""
+    out = {}
+    for c in chunk_lens:
+        pre = bw.precompute_chunks(model, rec.doc, c)
+        split = bw.split_mask(rec, c)
+        for how in ("deviation", "random"):
+            g = torch.Generator().manual_seed(seed + 7)
+            out[(c, how)] = [bw.accuracy(bw.answer_correct(
+                bw.blend(model, rec, c, r, select=how, generator=g, pre=pre), rec), split) for r in ratios]
+    return out
+
+
+# ============================================================================ Part 4: timing
+def controller_ratio(load_s: float, full_recompute_s: float, min_ratio: float = MIN_RATIO) -> float:
+    """CacheBlend's loading controller: recompute as much as loading the layer hides (recompute time
+    is proportional to the ratio), but never less than the quality floor, never more than all."""
+    return min(1.0, max(min_ratio, load_s / full_recompute_s))
+
+
+def pipelined_ttft(n_layers: int, load_s: float, recompute_s: float, extra_s: float = 0.0) -> float:
+    """Layer l's recompute overlaps layer l+1's load: each layer costs max(load, recompute)."""
+    return n_layers * max(load_s, recompute_s) + extra_s
+
+
+def exercise8(layers=EX8_LAYERS, read_ms=EX8_READ_MS, prefill_ms=EX8_PREFILL_MS, min_ratio=MIN_RATIO) -> dict:
+    r = controller_ratio(read_ms, prefill_ms, min_ratio)
+    return {"ex8_ratio": r, "ex8_ttft_ms": pipelined_ttft(layers, read_ms, r * prefill_ms),
+            "ex8_full_ms": layers * prefill_ms}
+
+
+def load_time(model, n_tokens: int, device: str, n_gpus: int) -> float:
+    """Seconds to read one layer's KV for n_tokens from `device`."""
+    how, bw_ = DEVICES[device]
+    m = tm.get_model(model)
+    nbytes = tm.kv_bytes_per_token(m) / m.n_layers * n_tokens
+    return nbytes / (bw_ * (n_gpus if how == "per_gpu" else 1))
+
+
+def timing(min_ratio: float = MIN_RATIO) -> dict:
+    n_ctx = RAG_CHUNKS * RAG_CHUNK_TOKENS
+    out = {}
+    for model, n_gpus in SYSTEMS:
+        m = tm.get_model(model)
+        full_layer = tm.recompute_time(model, GPU, n_ctx, 1.0, n_gpus) / m.n_layers
+        r15_layer = tm.recompute_time(model, GPU, n_ctx, MIN_RATIO, n_gpus) / m.n_layers
+        question = tm.prefill_time(model, GPU, RAG_QUESTION, n_ctx, n_gpus)
+        prefill = tm.prefill_time(model, GPU, n_ctx + RAG_QUESTION, 0, n_gpus)
+        rows = {}
+        for dev in DEVICES:
+            load = load_time(model, n_ctx, dev, n_gpus)
+            r = controller_ratio(load, full_layer, min_ratio)
+            rec = tm.recompute_time(model, GPU, n_ctx, r, n_gpus) / m.n_layers
+            ttft = pipelined_ttft(m.n_layers, load, rec, question)
+            rows[dev] = {"load_ms": 1e3 * load, "ratio": r, "recompute_ms": 1e3 * rec, "ttft_s": ttft,
+                         "speedup": prefill / ttft, "load_vs_full": full_layer / load}
+        paper = {"recompute15_ms": 1e3 * tm.recompute_time(model, GPU, PAPER_CONTEXT, 0.15, n_gpus) / m.n_layers,
+                 "nvme_ms": 1e3 * load_time(model, PAPER_CONTEXT, "NVMe SSD", n_gpus)}
+        out[model] = {"n_gpus": n_gpus, "tag": m.tag, "full_layer_ms": 1e3 * full_layer,
+                      "r15_layer_ms": 1e3 * r15_layer, "prefill_s": prefill, "devices": rows, "paper": paper}
+    return out
+
+
+# ============================================================================ figures
+def plot_curve(cv: dict, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    colors = {3: "tab:purple", 5: "tab:blue"}
+    for (c, how), accs in sorted(cv.items()):
+        ax.plot([100 * r for r in CURVE_RATIOS], [100 * a for a in accs], marker="o" if how == "deviation" else "x",
+                ls="-" if how == "deviation" else "--", color=colors.get(c, "gray"),
+                label=f"chunk length {c}, {'CacheBlend (deviation)' if how == 'deviation' else 'random tokens'}")
+    ax.axhline(100 / 12, color="gray", ls=":", lw=1, label="chance (1/12)")
+    ax.axvline(100 * MIN_RATIO, color="gray", ls="-.", lw=0.8)
+    ax.set_xlabel("recompute ratio r (% of context tokens)")
+    ax.set_ylabel("accuracy on split records (%)")
+    ax.set_title("compute vs quality: recomputing the right tokens")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_concentration(dev: torch.Tensor, path) -> None:
+    """Per layer: share of the KV deviation held by the top x% of tokens (a Lorenz-style curve)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.6, 4))
+    N = dev.shape[2]
+    xs = [100 * k / N for k in range(N + 1)]
+    for i in range(1, dev.shape[0]):
+        d = dev[i].sort(1, descending=True).values
+        cum = torch.cat([torch.zeros(d.shape[0], 1), d.cumsum(1)], 1) / d.sum(1, keepdim=True).clamp_min(1e-30)
+        ax.plot(xs, 100 * cum.mean(0), marker=".", label=f"layer {i}")
+    ax.plot([0, 100], [0, 100], color="gray", ls=":", lw=1, label="evenly spread")
+    ax.axvline(100 * TOP_SHARE, color="gray", ls="--", lw=0.8)
+    ax.set_xlabel("top x% of context tokens (by KV deviation)")
+    ax.set_ylabel("% of the layer's KV deviation")
+    ax.set_title("KV deviation of full reuse is concentrated")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_timing(tim: dict, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(tim), figsize=(5 * len(tim), 3.8))
+    for ax, (model, t) in zip(axes, tim.items()):
+        names = ["full recompute", f"{MIN_RATIO:.0%} recompute"] + [f"load: {d}" for d in t["devices"]]
+        vals = [t["full_layer_ms"], t["r15_layer_ms"]] + [r["load_ms"] for r in t["devices"].values()]
+        colors = ["tab:red", "tab:orange"] + ["tab:blue"] * len(t["devices"])
+        ax.barh(names, vals, color=colors)
+        ax.set_xscale("log")
+        ax.invert_yaxis()
+        for y, v in enumerate(vals):
+            ax.text(v, y, f" {v:.1f} ms", va="center", fontsize=8)
+        ax.set_xlabel("ms per layer (log scale)")
+        ax.set_title(f"{tm.get_model(model).name} ({t['tag']}), {t['n_gpus']} x {GPU}", fontsize=10)
+    fig.suptitle(f"one layer of a {RAG_CHUNKS} x {RAG_CHUNK_TOKENS}-token RAG context: recompute vs load", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ============================================================================ main
+def main():
+    p = Parser(__doc__)
+    p.add_argument("--chunk-len", type=positive_int, default=CHUNK_LEN, help="record-world chunk length (tokens)")
+    p.add_argument("--ratio", type=fraction, default=RATIO, help="CacheBlend's recompute ratio r")
+    p.add_argument("--docs", type=positive_int, default=N_DOCS, help="held-out record-world documents (x 12 questions)")
+    p.add_argument("--min-ratio", type=fraction, default=MIN_RATIO, help="the controller's quality floor")
+    p.add_argument("--layers", type=positive_int, default=EX8_LAYERS, help="exercise 8: number of layers")
+    p.add_argument("--read-ms", type=positive_float, default=EX8_READ_MS, help="exercise 8: read one layer's KV (ms)")
+    p.add_argument("--prefill-ms", type=positive_float, default=EX8_PREFILL_MS, help="exercise 8: prefill one layer (ms)")
+    p.add_argument("--retrain", action="store_true", help="train the record-world model again")
+    p.add_argument("--seed", type=int, default=0, help="training seed of the record-world model")
+    a = p.parse_args()
+    if a.chunk_len > bw.DOC_LEN:
+        fail(f"--chunk-len must be at most the document length ({bw.DOC_LEN})")
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    t_start = time.time()
+    out = {"chunk_len": a.chunk_len, "ratio": a.ratio}
+
+    # ---------------------------------------------------------------- Part 1
+    city = city_experiment()
+    out.update({k: city[k] for k in ("city_ce_full", "city_ce_reuse", "city_kl")})
+    print(table(["city language", "ours", "handout"], [
+        ["cross-entropy, full prefill (nats/token)", f"{city['city_ce_full']:.4f}", f"{HANDOUT['city_ce_full']:.4f}"],
+        ["cross-entropy, full reuse (nats/token)", f"{city['city_ce_reuse']:.4f}", f"{HANDOUT['city_ce_reuse']:.4f}"],
+        ["KL(full prefill || full reuse)", f"{city['city_kl']:.5f}", f"{HANDOUT['city_kl']:.5f}"],
+        ["the language's true entropy (nats/token)", f"{city['city_entropy']:.4f}", "-"]],
+        title=f"Part 1. City language: {CITY_CHUNKS} chunks x {CITY_CHUNK_LEN} tokens + an "
+              f"{CITY_CHUNK_LEN}-token question, {CITY_DOCS} documents. Independent sentences: reuse loses nothing."))
+
+    # ---------------------------------------------------------------- Part 2
+    try:
+        model, meta = bw.record_model(a.retrain, a.seed)
+    except TrainingFailed as e:
+        print(f"\n!!! {e}\n", file=sys.stderr)
+        sys.exit(1)
+    m = meta["metrics"]
+    print(f"\nrecord world model: trained {meta['ident']['train']['steps']} steps in {m['train_seconds']:.0f} s, "
+          f"accuracy crossed 50% at step {m['drop_step']} (handout: {HANDOUT['train']}); "
+          f"held-out {m['heldout_acc']:.2%} on {m['heldout_questions']} questions")
+    bw.plot_training(meta, figure_path("04_record_world_training.png"))
+    rec = bw.heldout(a.docs)
+    split_ids = bw.split_records(a.chunk_len)
+    res = record_experiment(model, rec, a.chunk_len, a.ratio, a.seed)
+    names = list(res)
+    hkeys = {names[0]: ("split_acc_full", "-"), names[1]: ("split_acc_reuse", "unsplit_acc_reuse"),
+             names[2]: ("split_acc_blend20", "-"), names[3]: ("split_acc_random20", "-")}
+    rows = []
+    for name in names:
+        hs, hu = hkeys[name]
+        rows.append([name, pct(res[name]["split"]), pct(res[name]["unsplit"]),
+                     href(HANDOUT.get(hs, "-")) if a.chunk_len == CHUNK_LEN and (math.isclose(a.ratio, RATIO) or name == names[1])
+                     else "-", href(HANDOUT.get(hu, "-"))])
+    n_split = int(bw.split_mask(rec, a.chunk_len).sum())
+    print()
+    print(table(["method", "split records", "unsplit records", "handout split", "handout unsplit"], rows,
+                title=f"Part 2. Record world, chunks of {a.chunk_len}: split records {split_ids} "
+                      f"(values at positions {[2 * i + 1 for i in split_ids]}); {n_split} questions on split "
+                      f"records, {rec.answers.numel() - n_split} on unsplit; chance 1/12 = 8.3%."))
+    if not split_ids:
+        same = bool((bw.full_reuse(model, rec, a.chunk_len)[:, bw.answer_slots(12)].argmax(-1)
+                     == bw.full_prefill(model, rec)[:, bw.answer_slots(12)].argmax(-1)).all())
+        print(f"exercise 6: chunk length {a.chunk_len} splits no record; full reuse answers "
+              f"{'exactly as' if same else 'NOT as'} full prefill does ({pct(res[names[1]]['all'])} vs "
+              f"{pct(res[names[0]]['all'])}).")
+    out.update({"split_acc_full": res[names[0]]["split"], "split_acc_reuse": res[names[1]]["split"],
+                "unsplit_acc_reuse": res[names[1]]["unsplit"], "split_acc_blend20": res[names[2]]["split"],
+                "split_acc_random20": res[names[3]]["split"], "unsplit_acc_full": res[names[0]]["unsplit"],
+                "train_seconds": m["train_seconds"], "drop_step": m["drop_step"], "heldout_acc": m["heldout_acc"]})
+
+    # ---------------------------------------------------------------- Part 3
+    ins = insights(model, rec, a.chunk_len, a.ratio, a.seed)
+    cv = curve(model, rec, a.seed)
+    chunk3 = cv[(3, "deviation")][CURVE_RATIOS.index(0.2)]
+    corr = ins["adjacent_layer_rank_corr"]
+    rows = [
+        [f"top {TOP_SHARE:.0%} of tokens: share of KV deviation (layers 1-3)", pct(ins["top15_deviation_share"]),
+         pct(HANDOUT["top15_deviation_share"])],
+        ["  per layer 1, 2, 3", " ".join(pct(x) for x in ins["top15_per_layer"]), "-"],
+        ["rank correlation of deviation, layers 1-2, 2-3", " ".join(f"{c:.2f}" for c in corr),
+         HANDOUT["adjacent_layer_rank_corr"]],
+        ["  layer-0 attention dev. vs layer-1 KV dev.", f"{ins['layer0_attn_vs_layer1_kv_rank_corr']:.2f}", "-"],
+        [f"layer-0 picks ({a.ratio:.0%}) covering chunk-initial values", pct(ins["layer0_pick_coverage"]),
+         pct(HANDOUT["layer0_pick_coverage"])],
+        ["chunk-initial values' share of the deviation, layers 1-3",
+         " ".join(pct(x) for x in ins["chunk_initial_value_share"]), "-"],
+        ["chunk length 3: CacheBlend 20% on split records", pct(chunk3), pct(HANDOUT["chunk3_blend20"])],
+        ["chunk length 5: CacheBlend 20% on split records", pct(cv[(5, "deviation")][CURVE_RATIOS.index(0.2)]),
+         pct(HANDOUT["split_acc_blend20"])],
+    ]
+    print()
+    print(table(["insight", "ours", "handout"], rows,
+                title=f"Part 3. The two insights (chunks of {a.chunk_len}; deviation = precomputed chunks' KV "
+                      f"minus full prefill's, per layer)"))
+    print()
+    print(table(["ratio"] + [f"c={c} {'blend' if h == 'deviation' else 'random'}" for c, h in cv],
+                [[f"{r:.0%}"] + [pct(cv[k][i]) for k in cv] for i, r in enumerate(CURVE_RATIOS)],
+                title="compute-quality curve: accuracy on split records"))
+    plot_curve(cv, figure_path("04_compute_quality.png"))
+    plot_concentration(ins["deviation"], figure_path("04_deviation_concentration.png"))
+    out.update({"top15_deviation_share": ins["top15_deviation_share"], "adjacent_layer_rank_corr": corr,
+                "layer0_pick_coverage": ins["layer0_pick_coverage"], "chunk3_blend20": chunk3,
+                "top15_per_layer": ins["top15_per_layer"],
+                "curve": {f"c{c}_{h}": v for (c, h), v in cv.items()}, "curve_ratios": CURVE_RATIOS})
+
+    # ---------------------------------------------------------------- Part 4
+    tim = timing(a.min_ratio)
+    for model_name, t in tim.items():
+        rows = [["full recompute of the layer", f"{t['full_layer_ms']:.1f}", "-", "-", "-"],
+                [f"recompute {MIN_RATIO:.0%}", f"{t['r15_layer_ms']:.1f}", "-", "-", "-"]]
+        for dev, r in t["devices"].items():
+            rows.append([f"load from {dev}", f"{r['load_ms']:.1f}", f"{r['ratio']:.0%}",
+                         f"{1e3 * r['ttft_s']:.0f}", f"{r['speedup']:.2f}x"])
+        print()
+        print(table(["per layer", "ms", "controller ratio", "TTFT CacheBlend (ms)", "vs full prefill"], rows,
+                    title=f"Part 4. {tm.get_model(model_name).name} ({t['tag']}) on {t['n_gpus']} x {GPU}: "
+                          f"{RAG_CHUNKS} x {RAG_CHUNK_TOKENS} tokens + {RAG_QUESTION}-token question; "
+                          f"full prefill TTFT {1e3 * t['prefill_s']:.0f} ms"))
+    s7, s70 = tim["llama-2-7b"], tim["llama-3.1-70b"]
+    nvme70 = s70["devices"]["NVMe SSD"]["load_vs_full"]
+    print()
+    print(table(["comparison", "ours", "handout"], [
+        ["LLaMA-7B: full recompute / NVMe load per layer", f"{s7['devices']['NVMe SSD']['load_vs_full']:.2f}x",
+         "~1x (NVMe almost as slow)"],
+        ["LLaMA-70B: full recompute / NVMe load per layer", f"{nvme70:.1f}x", f"{HANDOUT['llama70b_nvme_vs_recompute']}x"],
+        [f"paper point, 7B, {PAPER_CONTEXT} tokens: 15% recompute per layer (ms)", f"{s7['paper']['recompute15_ms']:.1f}",
+         f"~{HANDOUT['7b_recompute15_ms']}"],
+        ["paper point, 7B: NVMe read per layer (ms)", f"{s7['paper']['nvme_ms']:.1f}", f"~{HANDOUT['7b_nvme_ms']}"],
+        ["paper point, 70B: 15% recompute per layer (ms)", f"{s70['paper']['recompute15_ms']:.1f}",
+         f"~{HANDOUT['70b_recompute15_ms']}"],
+        ["paper point, 70B: NVMe read per layer (ms)", f"{s70['paper']['nvme_ms']:.1f}", f"~{HANDOUT['70b_nvme_ms']}"],
+        ["TTFT speed-up over full prefill (NVMe, 7B / 70B)",
+         f"{s7['devices']['NVMe SSD']['speedup']:.1f}x / {s70['devices']['NVMe SSD']['speedup']:.1f}x",
+         HANDOUT["ttft_speedup"]]], title="Part 4. Load vs recompute (A40; paper points on the same GPU)"))
+    ex8 = exercise8(a.layers, a.read_ms, a.prefill_ms, a.min_ratio)
+    print()
+    print(table(["exercise 8", "ours", "handout"], [
+        ["controller's recompute ratio", f"{ex8['ex8_ratio']:.0%}", f"{HANDOUT['ex8_ratio']:.0%}"],
+        ["TTFT, CacheBlend pipelined (ms)", f"{ex8['ex8_ttft_ms']:.0f}", f"~{HANDOUT['ex8_ttft_ms']}"],
+        ["TTFT, full prefill (ms)", f"{ex8['ex8_full_ms']:.0f}", f"{HANDOUT['ex8_full_ms']}"]],
+        title=f"{a.layers} layers, read {a.read_ms:g} ms/layer, prefill {a.prefill_ms:g} ms/layer, "
+              f"floor {a.min_ratio:.0%}"))
+    plot_timing(tim, figure_path("04_load_vs_recompute.png"))
+    out.update(ex8)
+    out["llama70b_nvme_vs_recompute"] = nvme70
+    out["timing"] = {k: {kk: vv for kk, vv in v.items()} for k, v in tim.items()}
+    print(f"\nfigures: {figure_path('04_compute_quality.png')}, {figure_path('04_deviation_concentration.png')}, "
+          f"{figure_path('04_load_vs_recompute.png')}, {figure_path('04_record_world_training.png')}")
+    print(f"({time.time() - t_start:.0f} s)")
+    write_json(a.json, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""CacheBlend mechanics (blend_world.py) and the 04 script's controller.
+
+Mechanics tests use an untrained model with weights at the training scale (attention far from uniform);
+one test trains (or loads) the record-world model and checks it learned the task."""
+import importlib
+import math
+
+import pytest
+import torch
+
+import blend_world as bw
+from common.llama import Llama, rope
+from kvcache import shift_kv
+
+TOL = 1e-4  # logits here are O(10): float32 rounding of two different summation orders
+
+
+def untrained(seed=0):
+    torch.manual_seed(seed)
+    m = Llama(bw.model_config()).eval()
+    bw._init(m, torch.Generator().manual_seed(seed), bw.TRAIN["embed_std"], bw.TRAIN["linear_std"])
+    return m
+
+
+@pytest.fixture(scope="module")
+def model():
+    return untrained()
+
+
+@pytest.fixture(scope="module")
+def rec():
+    return bw.heldout(8)
+
+
+@pytest.mark.parametrize("chunk_len", [3, 5, 6])
+def test_blend_full_ratio_is_full_prefill(model, rec, chunk_len):
+    full = bw.full_prefill(model, rec)
+    assert (bw.blend(model, rec, chunk_len, 1.0) - full).abs().max() <= TOL
+    # and full reuse really differs from it (so the test above can fail)
+    assert (bw.full_reuse(model, rec, chunk_len) - full).abs().max() > 1.0
+
+
+@pytest.mark.parametrize("chunk_len", [3, 5, 6])
+def test_blend_zero_ratio_is_full_reuse(model, rec, chunk_len):
+    assert (bw.blend(model, rec, chunk_len, 0.0) - bw.full_reuse(model, rec, chunk_len)).abs().max() <= TOL
+
+
+def test_blend_in_between_moves_towards_full_prefill(model, rec):
+    full = bw.full_prefill(model, rec)
+    err = [float((bw.blend(model, rec, 5, r) - full).abs().mean()) for r in (0.0, 0.3, 1.0)]
+    assert err[0] > err[1] > err[2]
+
+
+def test_blend_counts_follow_the_progressive_filter():
+    assert bw.blend_counts(24, 0.2, 4) == [6, 5, 4]      # ceil(1.25 r N), ceil(r N), ceil(0.75 r N)
+    assert bw.blend_counts(24, 0.0, 4) == [0, 0, 0]
+    assert bw.blend_counts(24, 1.0, 4) == [24, 24, 24]
+    assert bw.blend_counts(24, 0.9, 4) == [24, 22, 17]   # capped at N, never growing
+
+
+def test_blend_trace_recomputes_nested_sets(model, rec):
+    _, tr = bw.blend(model, rec, 5, 0.2, trace=True)
+    assert [t.shape[1] for t in tr.recomputed] == [6, 5, 4]
+    for a, b in zip(tr.recomputed, tr.recomputed[1:]):
+        assert all(set(y.tolist()) <= set(x.tolist()) for x, y in zip(a, b))
+    # layer 0's picks are the largest attention deviations; the first chunk never deviates
+    assert torch.equal(tr.attn_dev0[:, :5], torch.zeros(len(rec.tokens), 5))
+    top = tr.attn_dev0.topk(6, 1).indices.sort(1).values
+    assert torch.equal(top, tr.recomputed[0])
+
+
+def test_random_selection_uses_the_same_counts(model, rec):
+    _, tr = bw.blend(model, rec, 5, 0.2, select="random", generator=torch.Generator().manual_seed(0), trace=True)
+    assert [t.shape[1] for t in tr.recomputed] == [6, 5, 4]
+
+
+def test_shift_kv_equals_recompute_at_new_position(model):
+    """Exercise 5: K computed at positions 0..n-1 and rotated by 1000 theta equals K computed at
+    1000..1000+n-1; V is the same at any position."""
+    blk = model.layers[0]
+    x = model.embed(torch.randint(0, len(bw.VOCAB), (2, 7)))
+    _, k0, v0 = blk.qkv(x, torch.arange(7))
+    _, k1, v1 = blk.qkv(x, torch.arange(1000, 1007))
+    assert (shift_kv(k0, 1000, model.cfg.rope_theta) - k1).abs().max() <= 1e-4
+    assert torch.equal(v0, v1)
+    # and the rotation is not the identity
+    assert (k0 - k1).abs().max() > 0.1
+    assert torch.allclose(rope(k0, torch.full((7,), 0.0), model.cfg.rope_theta), k0)
+
+
+@pytest.mark.parametrize("chunk_len,expected", [(3, [1, 4, 7, 10]), (5, [2, 7]), (6, []), (4, []), (1, list(range(12)))])
+def test_split_records(chunk_len, expected):
+    assert bw.split_records(chunk_len) == expected
+
+
+def test_split_records_by_brute_force():
+    for c in range(1, 25):
+        ids = bw.chunk_ids(bw.DOC_LEN, c)
+        assert bw.split_records(c) == [i for i in range(12) if ids[2 * i] != ids[2 * i + 1]]
+
+
+def test_documents_are_well_formed():
+    rec = bw.sample_records(64, torch.Generator().manual_seed(1))
+    doc = rec.doc
+    keys, vals = doc[:, 0::2], doc[:, 1::2]
+    assert ((keys >= 1) & (keys <= bw.N_KEYS)).all() and (vals > bw.N_KEYS).all()
+    assert all(len(set(r.tolist())) == 12 for r in keys) and all(len(set(r.tolist())) == 12 for r in vals)
+    q = rec.question
+    assert (q[:, 0::2] == bw.MARK).all()
+    assert torch.equal(q[:, 1::2], keys.gather(1, rec.asked))
+    assert torch.equal(rec.answers, vals.gather(1, rec.asked))
+
+
+def test_exercise8_controller():
+    cb = importlib.import_module("04_cacheblend")
+    ex = cb.exercise8(32, 10.0, 20.0)
+    assert ex["ex8_ratio"] == 0.5
+    assert ex["ex8_ttft_ms"] == 320.0 and ex["ex8_full_ms"] == 640.0
+    # the floor: a fast read never drops the ratio below 15%; a slow read recomputes everything
+    assert cb.controller_ratio(1.0, 20.0) == 0.15
+    assert cb.controller_ratio(50.0, 20.0) == 1.0
+    assert cb.pipelined_ttft(32, 10.0, 0.15 * 20.0) == 320.0
+
+
+def test_trained_model_reads_records_from_context():
+    """The cached (or freshly trained) record-world model answers >= 99.5% of 2,000+ unseen-record
+    questions under full prefill, loses the split records under full reuse and recovers them with
+    CacheBlend at 20%."""
+    model, meta = bw.record_model()
+    rec = bw.heldout(200)
+    ok = bw.answer_correct(bw.full_prefill(model, rec), rec)
+    assert ok.numel() >= 2000 and bw.accuracy(ok) >= bw.TARGET_ACC
+    split = bw.split_mask(rec, 5)
+    assert bw.accuracy(bw.answer_correct(bw.full_reuse(model, rec, 5), rec), split) <= 0.2
+    assert bw.accuracy(bw.answer_correct(bw.blend(model, rec, 5, 0.2), rec), split) >= 0.95
+    assert meta["metrics"]["drop_step"] is not None and not math.isnan(meta["metrics"]["heldout_acc"])
