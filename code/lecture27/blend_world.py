@@ -107,8 +107,20 @@ def answer_slots(n_questions: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------ chunks
-def chunk_ids(n_tokens: int, chunk_len: int) -> torch.Tensor:
-    return torch.arange(n_tokens) // chunk_len
+PREFIX = -1  # chunk id of a shared prefix (a system prompt): precomputed once, seen by every chunk
+
+
+def chunk_ids(n_tokens: int, chunks) -> torch.Tensor:
+    """(N,) chunk id of each context token. `chunks` is a chunk length (chunks 0, 1, ... of equal
+    length, the record world) or already a (N,) tensor of ids: 0, 1, ... per chunk in order (any
+    lengths), with PREFIX (-1) on leading tokens that every chunk is precomputed after."""
+    return chunks if isinstance(chunks, torch.Tensor) else torch.arange(n_tokens) // chunks
+
+
+def chunk_spans(ids: torch.Tensor) -> list[tuple[int, int]]:
+    """[(start, end), ...] of each chunk (not the prefix), in order; a chunk is a run of equal ids."""
+    edges = [0] + ((ids[1:] != ids[:-1]).nonzero().squeeze(1) + 1).tolist() + [len(ids)]
+    return [(a, b) for a, b in zip(edges[:-1], edges[1:]) if ids[a] != PREFIX]
 
 
 def split_records(chunk_len: int, n_records: int = N_RECORDS) -> list[int]:
@@ -116,15 +128,19 @@ def split_records(chunk_len: int, n_records: int = N_RECORDS) -> list[int]:
     return [i for i in range(n_records) if (2 * i + 1) % chunk_len == 0]
 
 
-def precompute_chunks(model: Llama, doc: torch.Tensor, chunk_len: int) -> KVCache:
+def precompute_chunks(model: Llama, doc: torch.Tensor, chunks) -> KVCache:
     """Full KV reuse's cache: each chunk prefilled alone at positions 0..c-1 (as if stored earlier),
-    its K moved to the chunk's real place by shift_kv (V carries no position), caches concatenated."""
-    caches = []
-    for start in range(0, doc.shape[1], chunk_len):
-        _, c = model(doc[:, start:start + chunk_len])
-        c.k = [shift_kv(k, start, model.cfg.rope_theta) for k in c.k]
-        c.pos = c.pos + start
-        caches.append(c)
+    its K moved to the chunk's real place by shift_kv (V carries no position), caches concatenated.
+    With a shared prefix of P tokens (chunk id PREFIX) the prefix is prefilled once and every chunk
+    after it, at positions P..P+c-1, as chunks stored behind the same system prompt would be."""
+    ids = chunk_ids(doc.shape[1], chunks)
+    n_pre = int((ids == PREFIX).sum())
+    prefix = model(doc[:, :n_pre])[1] if n_pre else None
+    caches = [prefix] if n_pre else []
+    for start, end in chunk_spans(ids):
+        _, c = model(doc[:, start:end], cache=prefix)  # the prefix's rows come back first: drop them
+        caches.append(KVCache(k=[shift_kv(k[:, :, n_pre:], start - n_pre, model.cfg.rope_theta) for k in c.k],
+                              v=[v[:, :, n_pre:] for v in c.v], pos=c.pos[n_pre:] + start - n_pre))
     return KVCache.cat(caches)
 
 
@@ -180,14 +196,23 @@ def _keep(score: torch.Tensor, n: int, how: str, g: torch.Generator | None) -> t
 @dataclass
 class BlendTrace:
     """What blend() did: the doc tokens recomputed at each layer 1..L-1 (B, n_l) (indices into the
-    document), the layer-0 attention deviation (B, N) and each later layer's KV deviation (B, n_l)."""
+    document), the layer-0 attention deviation (B, N), each later layer's KV deviation (B, n_l), and
+    the blended cache (context and question, every layer) from which decoding continues."""
     recomputed: list[torch.Tensor]
     attn_dev0: torch.Tensor
     kv_dev: list[torch.Tensor]
+    cache: KVCache | None = None
+
+
+def own_chunk_mask(ids: torch.Tensor) -> torch.Tensor:
+    """(N, N) mask of "each chunk precomputed alone": causal, within the token's own chunk, plus the
+    shared prefix (at its real positions; its precompute saw it just before the chunk)."""
+    pos = torch.arange(len(ids))
+    return causal_mask(pos, pos, ids, ids) | causal_mask(pos, pos) & (ids == PREFIX)[None, :]
 
 
 @torch.no_grad()
-def blend(model: Llama, rec: Records, chunk_len: int, ratio: float, select: str = "deviation",
+def blend(model: Llama, rec: Records, chunks, ratio: float, select: str = "deviation",
           generator: torch.Generator | None = None, pre: KVCache | None = None,
           trace: bool = False):
     """CacheBlend (§5.3): start from the precomputed chunks' KV and recompute a few tokens per layer.
@@ -200,30 +225,36 @@ def blend(model: Llama, rec: Records, chunk_len: int, ratio: float, select: str 
       fresh K, V for selected tokens, precomputed for the rest), rank them by ||dK||^2 + ||dV||^2
       against the precomputed K, V, and keep fewer for the next layer (r N, then 0.75 r N).
     The question's tokens are computed in full at every layer. select="random" keeps the same numbers
-    of tokens chosen at random (the baseline). Returns question logits (B, 2Q, vocab) [, BlendTrace].
+    of tokens chosen at random (the baseline). Returns question logits (B, Tq, vocab) [, BlendTrace].
+
+    rec: anything with .doc (B, N) and .question (B, Tq) tokens (a Records batch, a RAG input);
+    chunks: a chunk length, or (N,) chunk ids with PREFIX on a shared prefix (see chunk_ids).
     """
     doc, question = rec.doc, rec.question
     B, N = doc.shape
     Tq = question.shape[1]
     if pre is None:
-        pre = precompute_chunks(model, doc, chunk_len)
+        pre = precompute_chunks(model, doc, chunks)
     counts = blend_counts(N, ratio, model.cfg.n_layers)
     pos_doc, pos_q = torch.arange(N), torch.arange(N, N + Tq)
     pos_all = torch.arange(N + Tq)
-    chunk = chunk_ids(N, chunk_len)
+    ids = chunk_ids(N, chunks)
 
     # ---- layer 0: every token computed; attention deviation picks the first set
     blk = model.layers[0]
     x_doc, x_q = model.embed(doc), model.embed(question)
     q, k, v = blk.qkv(x_doc, pos_doc)  # equals pre.k[0], pre.v[0] (to rounding): layer 0 sees no context
-    own = blk.attention(q, k, v, causal_mask(pos_doc, pos_doc, chunk, chunk))
+    own = blk.attention(q, k, v, own_chunk_mask(ids))
     full = blk.attention(q, k, v, causal_mask(pos_doc, pos_doc))
     attn_dev0 = (full - own).pow(2).sum(-1)  # (B, N)
     qq, kq, vq = blk.qkv(x_q, pos_q)
     K, V = torch.cat([k, kq], 2), torch.cat([v, vq], 2)
+    ks, vs = [K], [V]
     x_q = blk.attend(x_q, qq, K, V, causal_mask(pos_q, pos_all))
     sel = _keep(attn_dev0, counts[0], select, generator)  # (B, n1) doc indices
-    x_sel = _take(blk.attend(x_doc, q, k, v, causal_mask(pos_doc, pos_doc)), sel, 1)  # full-attention output
+    # the selected tokens' full-attention output (only their rows: the attention again, m of N queries)
+    x_sel = blk.attend(_take(x_doc, sel, 1), _take(q, sel, 2), k, v,
+                       (pos_doc[None, None, :] <= sel[:, :, None])[:, None]) if sel.shape[1] else x_doc[:, :0]
 
     recomputed, kv_dev = [], []
     for layer in range(1, model.cfg.n_layers):
@@ -239,6 +270,8 @@ def blend(model: Llama, rec: Records, chunk_len: int, ratio: float, select: str 
         idx = sel[:, None, :, None].expand(B, k.shape[1], m, k.shape[3])
         K = torch.cat([pre.k[layer].scatter(2, idx, k[:, :, :m]), k[:, :, m:]], 2)
         V = torch.cat([pre.v[layer].scatter(2, idx, v[:, :, :m]), v[:, :, m:]], 2)
+        ks.append(K)
+        vs.append(V)
         mask = (pos_all[None, None, :] <= ps[:, :, None])[:, None]  # (B, 1, m + Tq, N + Tq)
         xs = blk.attend(xs, q, K, V, mask)
         x_sel, x_q = xs[:, :m], xs[:, m:]
@@ -248,7 +281,7 @@ def blend(model: Llama, rec: Records, chunk_len: int, ratio: float, select: str 
             keep = _keep(dev, counts[layer], select, generator)
             sel, x_sel = sel.gather(1, keep), _take(x_sel, keep, 1)
     logits = model.logits(x_q)
-    return (logits, BlendTrace(recomputed, attn_dev0, kv_dev)) if trace else logits
+    return (logits, BlendTrace(recomputed, attn_dev0, kv_dev, KVCache(ks, vs, pos_all))) if trace else logits
 
 
 # ------------------------------------------------------------------------------------ measuring
@@ -274,13 +307,16 @@ def heldout(n_docs: int, seed: int = HELDOUT_SEED) -> Records:
 
 
 @torch.no_grad()
-def kv_deviation(model: Llama, rec: Records, chunk_len: int, pre: KVCache | None = None) -> torch.Tensor:
+def kv_deviation(model: Llama, rec: Records, chunks, pre: KVCache | None = None,
+                 full: KVCache | None = None) -> torch.Tensor:
     """(L, B, N): per layer and context token, ||K_reuse - K_full||^2 + ||V_reuse - V_full||^2, the
-    KV deviation of the precomputed chunks from a full prefill (zero at layer 0 by construction)."""
-    pre = pre if pre is not None else precompute_chunks(model, rec.doc, chunk_len)
-    _, full = model(rec.doc)
-    return torch.stack([(pre.k[i] - full.k[i]).pow(2).sum((1, 3)) + (pre.v[i] - full.v[i]).pow(2).sum((1, 3))
-                        for i in range(model.cfg.n_layers)])
+    KV deviation of the precomputed chunks from a full prefill (zero at layer 0 by construction).
+    `full` may be a full prefill's cache already at hand (its first N rows are the context's)."""
+    pre = pre if pre is not None else precompute_chunks(model, rec.doc, chunks)
+    full = full if full is not None else model(rec.doc)[1]
+    N = rec.doc.shape[1]
+    return torch.stack([(pre.k[i] - full.k[i][:, :, :N]).pow(2).sum((1, 3))
+                        + (pre.v[i] - full.v[i][:, :, :N]).pow(2).sum((1, 3)) for i in range(model.cfg.n_layers)])
 
 
 # ------------------------------------------------------------------------------------ the model
