@@ -25,6 +25,9 @@ def test_entropy_is_exact():
     g = torch.Generator().manual_seed(1)
     idx = torch.multinomial(lang.probs, 20000, replacement=True, generator=g)
     assert abs(-lang.probs[idx].log().mean().item() / 8 - lang.entropy_per_token()) < 0.01
+    # words 2..8: the first word is "the" (1/2), "in" (1/4) or one of the 24 cities (1/96 each)
+    h_first = 0.5 * math.log(2) + 0.25 * math.log(4) + 0.25 * math.log(96)
+    assert abs(lang.entropy_after_first_word() - (h - h_first) / 7) < 1e-12
 
 
 def test_sentences_are_independent():

@@ -103,6 +103,16 @@ class CityLanguage:
         p = self.probs
         return float(-(p * p.log()).sum()) / SENTENCE_LEN
 
+    def entropy_after_first_word(self) -> float:
+        """True entropy (nats/token) of words 2..8 of a sentence given the words before them:
+        (H(sentence) - H(first word)) / 7. What a perfect model scores on a sentence whose first word
+        it cannot predict (e.g. a question right after independent context sentences)."""
+        p = self.probs
+        first = torch.zeros(self.vocab_size, dtype=torch.float64).index_add_(0, self.table[:, 0], p)
+        first = first[first > 0]
+        h_first = float(-(first * first.log()).sum())
+        return (float(-(p * p.log()).sum()) - h_first) / (SENTENCE_LEN - 1)
+
 
 # --------------------------------------------------------------------------- the city LLaMA
 # 4 layers, d = 64, 4 query heads of 16, 2 KV heads: K,V = 4 layers x 2 x 32 values x 2 B = 512 B/token.
