@@ -389,7 +389,8 @@ def plot_training(meta: dict, path) -> None:
     ax.plot(h["step"], h["loss"], color="tab:blue", lw=1, label="training loss (answers)")
     ax.axhline(math.log(N_RECORDS), color="tab:blue", ls=":", lw=1, label="ln 12: uniform over the values in context")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats)")
+    ax.set_ylabel("loss (nats, log scale)")
+    ax.set_yscale("log")  # the first steps start near 30 nats (unit-scale tied embeddings)
     ax2 = ax.twinx()
     ev = h["evals"]
     ax2.plot([e["step"] for e in ev], [e["acc"] for e in ev], color="tab:red", lw=1.5, label="held-out accuracy")
