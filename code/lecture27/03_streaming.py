@@ -67,12 +67,7 @@ def load_levels(path: str | None) -> list[dict]:
     """The codec's levels: kvcache.codec_levels() (measured by 02, cached), or a JSON file of
     [{"level", "bits_per_value", "accuracy"}, ...] (for exercises and tests)."""
     if path is None:
-        try:
-            return kv.codec_levels()
-        except (AttributeError, NotImplementedError) as e:   # the codec (issue 5) or its model is missing
-            print(f"03_streaming.py: the codec's levels are not available ({e}); "
-                  f"pass --levels FILE meanwhile", file=sys.stderr)
-            sys.exit(1)
+        return kv.codec_levels()  # trains the record model and fits the codec on first use
     try:
         levels = json.loads(Path(path).read_text())
         for lv in levels:
