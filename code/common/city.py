@@ -64,7 +64,7 @@ class CityLanguage:
             sentences.append((f"the town {c} stands on river {self.river_of[c]} .".split(), TEMPLATE_PROB[1] * pc))
             for n in SIZES[self.size_of[c]]:
                 for y in YEARS:
-                    p = TEMPLATE_PROB[2] * pc / len(SIZES["big"]) / len(YEARS)
+                    p = TEMPLATE_PROB[2] * pc / len(SIZES[self.size_of[c]]) / len(YEARS)
                     sentences.append((f"{c} had {n} thousand people in {y} .".split(), p))
             lang = self.languages[self.countries.index(k)]
             sentences.append((f"in the city {c} people speak {lang} .".split(), TEMPLATE_PROB[3] * pc))

@@ -260,9 +260,11 @@ def _main():
     print(json.dumps({k: v for k, v in info.items() if k != "config"}, indent=1))
     print(json.dumps(info["config"]))
     ids = tok.encode("The capital of France is").ids
-    with torch.no_grad():
+    with torch.no_grad():  # greedy decode: prefill once, then one token at a time from the KV cache
+        logits, cache = model(torch.tensor([ids]))
         for _ in range(8):
-            ids.append(int(model(torch.tensor([ids]))[0][0, -1].argmax()))
+            ids.append(int(logits[0, -1].argmax()))
+            logits, cache = model(torch.tensor([ids[-1:]]), cache=cache)
     print(repr(tok.decode(ids)))
 
 

@@ -17,7 +17,6 @@ Q/K rows are permuted back to this layout by the loader.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -119,10 +118,8 @@ class Block(nn.Module):
     def attention(self, q, k, v, mask):
         """Grouped-query attention: each KV head serves n_heads / n_kv_heads query heads.
         Returns the per-head outputs (B, T, H*hd), before the output projection."""
-        rep = self.cfg.n_heads // self.cfg.n_kv_heads
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # enable_gqa: query head h reads KV head h // (n_heads / n_kv_heads), without copying K, V
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         B, H, T, hd = a.shape
         return a.transpose(1, 2).reshape(B, T, H * hd)
 
@@ -135,16 +132,16 @@ class Block(nn.Module):
     def forward(self, x, pos, past_kv=None, past_pos=None, mask=None):
         """x (B, T, d) at positions pos (T,); past_kv = (k, v) of earlier tokens at past_pos.
         mask (T, S+T) bool, True = may attend; default: causal over positions.
-        Returns (new hidden states, k, v of these T tokens)."""
+        Returns (new hidden states, k and v of the past and these T tokens: the layer's new cache)."""
         q, k, v = self.qkv(x, pos)
-        k_all, v_all, k_pos = k, v, pos
+        k_pos = pos
         if past_kv is not None:
-            k_all = torch.cat([past_kv[0], k], dim=2)
-            v_all = torch.cat([past_kv[1], v], dim=2)
+            k = torch.cat([past_kv[0], k], dim=2)
+            v = torch.cat([past_kv[1], v], dim=2)
             k_pos = torch.cat([past_pos, pos])
         if mask is None:
             mask = causal_mask(pos, k_pos)
-        return self.attend(x, q, k_all, v_all, mask), k, v
+        return self.attend(x, q, k, v, mask), k, v
 
 
 @dataclass
@@ -196,14 +193,16 @@ class Llama(nn.Module):
         start = len(cache) if cache is not None else 0
         if pos is None:
             pos = torch.arange(start, start + T)
+        new_pos = pos if cache is None or cache.pos is None else torch.cat([cache.pos, pos])
+        if mask is None:
+            mask = causal_mask(pos, new_pos)  # built once, shared by every layer
         x = self.embed(tokens)
         ks, vs = [], []
         for i, blk in enumerate(self.layers):
             past = cache.layer(i) if cache is not None else None
             x, k, v = blk(x, pos, past, cache.pos if past else None, mask)
-            ks.append(k if past is None else torch.cat([past[0], k], 2))
-            vs.append(v if past is None else torch.cat([past[1], v], 2))
-        new_pos = pos if cache is None or cache.pos is None else torch.cat([cache.pos, pos])
+            ks.append(k)
+            vs.append(v)
         return self.logits(x), KVCache(ks, vs, new_pos)
 
     def n_params(self) -> int:

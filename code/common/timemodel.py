@@ -110,9 +110,10 @@ MODELS = {
     # qk_nope 128 (+64 rope = 192 per head for Q.K), v_head 128, vocab 129280; paper: 671B total, 37B active
     "deepseek-r1": _moe("DeepSeek-R1", 61, 7168, 128, 1, 128, 129280, 671e9, 37e9,
                         kv_latent=512 + 64, qk_dim=192, tag="MLA, MoE"),
-    # this lecture's two small LLaMAs (common.llama.LlamaConfig defaults): 4 layers, d 64, 4 heads, 2 KV heads, head 16
-    "city": _dense("city LLaMA", 4, 64, 4, 2, 16, 192, 64, tied=True, tag="GQA, lecture 19"),
-    "record": _dense("record world", 4, 64, 4, 2, 16, 192, 64, tied=True, tag="GQA, blend_world"),
+    # this lecture's two small LLaMAs (common.city.city_config, blend_world.model_config): 4 layers, d 64,
+    # 4 heads, 2 KV heads, head 16, FFN 192; vocabularies: city language 72 words, record world 29 tokens
+    "city": _dense("city LLaMA", 4, 64, 4, 2, 16, 192, 72, tied=True, tag="GQA, lecture 19"),
+    "record": _dense("record world", 4, 64, 4, 2, 16, 192, 29, tied=True, tag="GQA, blend_world"),
 }
 
 

@@ -23,6 +23,7 @@ Part 5 (--model smollm2; blend_real.py): the same blend() on SmolLM2-135M-Instru
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -284,18 +285,17 @@ def report_real(res: dict, ratio: float) -> dict:
         for n, t in r["text"].items():
             print(f"  {n:16s} {t.strip()!r}")
     toy = res.get("toy") or {}
-    corr = res["corr"]
+    corr, per_layer = res["corr"], res["top15_per_layer"]
     print()
     print(table(["insight", "SmolLM2-135M", "record world", "handout / paper"], [
         [f"top {TOP_SHARE:.0%} of tokens: share of KV deviation", pct(res["top15"]), pct(toy.get("top15")),
          pct(HANDOUT["top15_deviation_share"])],
         ["  per layer: min / median / max",
-         " / ".join(pct(x) for x in (min(res["top15_per_layer"]), sorted(res["top15_per_layer"])[len(corr) // 2],
-                                      max(res["top15_per_layer"]))), "-", "-"],
+         " / ".join(pct(x) for x in (min(per_layer), statistics.median(per_layer), max(per_layer))), "-", "-"],
         ["rank correlation of deviation, adjacent layers: min / median / max",
-         f"{min(corr):.2f} / {sorted(corr)[len(corr) // 2]:.2f} / {max(corr):.2f}",
+         f"{min(corr):.2f} / {statistics.median(corr):.2f} / {max(corr):.2f}",
          " ".join(f"{c:.2f}" for c in toy.get("corr", [])) or "-", HANDOUT["adjacent_layer_rank_corr"]]],
-        title="Part 5. The two insights on a real model (deviation = full reuse's KV minus full prefill's, layers 1-29)"))
+        title=f"Part 5. The two insights on a real model (deviation = full reuse's KV minus full prefill's, layers 1-{len(per_layer)})"))
     speed = res["ttft_speedup"]
     print()
     print(table(["TTFT, CPU wall clock", "seconds", "speed-up", "paper (GPU)"], [
@@ -389,7 +389,8 @@ def plot_timing(tim: dict, path) -> None:
 def main():
     p = Parser(__doc__)
     p.add_argument("--chunk-len", type=positive_int, default=CHUNK_LEN, help="record-world chunk length (tokens)")
-    p.add_argument("--ratio", type=fraction, default=RATIO, help="CacheBlend's recompute ratio r")
+    p.add_argument("--ratio", type=fraction, default=None,
+                   help=f"CacheBlend's recompute ratio r (default {RATIO}; {REAL_RATIO} with --model smollm2)")
     p.add_argument("--docs", type=positive_int, default=N_DOCS, help="held-out record-world documents (x 12 questions)")
     p.add_argument("--min-ratio", type=fraction, default=MIN_RATIO, help="the controller's quality floor")
     p.add_argument("--layers", type=positive_int, default=EX8_LAYERS, help="exercise 8: number of layers")
@@ -410,13 +411,15 @@ def main():
         if smollm2_or_explain(a.gguf) is None:
             return
         torch.set_num_threads(min(2, torch.get_num_threads()))
-        ratio = a.ratio if "--ratio" in sys.argv else REAL_RATIO
-        a.ratio = ratio
+        if a.ratio is None:
+            a.ratio = REAL_RATIO
         t_start = time.time()
-        out = report_real(real_model_part(a), ratio)
+        out = report_real(real_model_part(a), a.ratio)
         print(f"({time.time() - t_start:.0f} s)")
         write_json(a.json, out)
         return
+    if a.ratio is None:
+        a.ratio = RATIO
     if a.chunk_len > bw.DOC_LEN:
         fail(f"--chunk-len must be at most the document length ({bw.DOC_LEN})")
     torch.set_num_threads(min(2, torch.get_num_threads()))

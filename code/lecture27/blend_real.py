@@ -166,26 +166,3 @@ def real_experiment(model, tok, n_items: int = N_ITEMS, ratio: float = RATIO, se
             "same_answer": {n: sum(r["answers"][n] == r["answers"]["full prefill"] for r in items) for n in names},
             "t_full": t_full, "t_blend": t_blend, "ttft_speedup": t_full / t_blend,
             "deviation": torch.stack([r["deviation"] for r in items], 1)}  # (L, items, N)
-
-
-def main():
-    from common.gguf_llama import load_gguf_llama, smollm2_or_explain
-
-    if smollm2_or_explain() is None:
-        return
-    torch.set_num_threads(min(2, torch.get_num_threads()))
-    model, tok, _ = load_gguf_llama()
-    res = real_experiment(model, tok, n_items=int(sys.argv[1]) if len(sys.argv) > 1 else N_ITEMS)
-    for n in res["names"]:
-        print(f"{n:16s} KL first {res['kl_first'][n]:.4f}  KL answer {res['kl_answer'][n]:.4f}  "
-              f"same greedy answer {res['same_answer'][n]}/{len(res['items'])}")
-    for r in res["items"]:
-        print(r["item"].question)
-        for n, t in r["text"].items():
-            print(f"  {n:16s} {t!r}")
-    print(f"TTFT full {res['t_full']:.2f} s, CacheBlend {res['t_blend']:.2f} s -> {res['ttft_speedup']:.2f}x "
-          f"({res['threads']} threads)")
-
-
-if __name__ == "__main__":
-    main()

@@ -433,7 +433,7 @@ def fit_codec(calib, steps, delta: bool, level: int = 0, group: int = CODEC_GROU
     free = q if not delta else q[..., ~_anchor_mask(q.shape[-4], group), :, :, :]
     seen = np.abs(free).max(axis=tuple(range(free.ndim - 3)) + (free.ndim - 1,)) if free.size else np.zeros((L, 2))
     spec = replace(spec, radius=np.minimum(CODEC_MAX_RADIUS, np.ceil(seen * 1.25) + 2).astype(np.int64))
-    syms, ids = _symbols(quantize(calib, spec), spec)
+    syms, ids = _symbols(q, spec)  # the radius covers every value seen, so q is unchanged by it
     sizes = _table_sizes(spec)
     M = int(sizes.max())
     counts = np.bincount((ids * M + syms).ravel(), minlength=len(sizes) * M).reshape(len(sizes), M)
