@@ -122,7 +122,7 @@ def methods(model, rec, chunk_len: int, ratio: float, seed: int, pre=None) -> di
     pre = pre if pre is not None else bw.precompute_chunks(model, rec.doc, chunk_len)
     g = torch.Generator().manual_seed(seed + 7)
     return {"full prefill": bw.answer_correct(bw.full_prefill(model, rec), rec),
-            "full reuse": bw.answer_correct(bw.full_reuse(model, rec, chunk_len), rec),
+            "full reuse": bw.answer_correct(bw.full_reuse(model, rec, chunk_len, pre), rec),
             f"CacheBlend {ratio:.0%}": bw.answer_correct(bw.blend(model, rec, chunk_len, ratio, pre=pre), rec),
             f"random {ratio:.0%}": bw.answer_correct(
                 bw.blend(model, rec, chunk_len, ratio, select="random", generator=g, pre=pre), rec)}

@@ -153,9 +153,12 @@ def full_prefill(model: Llama, rec: Records) -> torch.Tensor:
 
 
 @torch.no_grad()
-def full_reuse(model: Llama, rec: Records, chunk_len: int) -> torch.Tensor:
-    """Question logits when the question attends to the concatenated precomputed chunks."""
-    logits, _ = model(rec.question, cache=precompute_chunks(model, rec.doc, chunk_len))
+def full_reuse(model: Llama, rec: Records, chunk_len: int, pre: KVCache | None = None) -> torch.Tensor:
+    """Question logits when the question attends to the concatenated precomputed chunks
+    (`pre`, if the caller has already precomputed them)."""
+    if pre is None:
+        pre = precompute_chunks(model, rec.doc, chunk_len)
+    logits, _ = model(rec.question, cache=pre)
     return logits
 
 
