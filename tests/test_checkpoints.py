@@ -102,3 +102,29 @@ def test_failed_training_is_not_cached(ckdir):
     with pytest.raises(TrainingFailed):
         cached_model("toy", CFG, {}, "v1", bad)
     assert not list(ckdir.glob("toy-*.pt"))
+
+
+def test_train_lm_adds_the_extra_loss():
+    """extra_loss(model, step) is added to the loss: a penalty on one weight's size shrinks it."""
+    import torch
+    from common.checkpoints import train_lm
+    from common.llama import Llama, LlamaConfig
+
+    def batch_fn(step, g):
+        x = torch.randint(0, 8, (4, 6), generator=g)
+        return x, x, torch.ones(x.shape)
+
+    norms = {}
+    for weight in (0.0, 10.0):
+        torch.manual_seed(0)
+        m = Llama(LlamaConfig(vocab_size=8))
+        seen = []
+
+        def extra(model, step, weight=weight):
+            seen.append(step)
+            return weight * model.layers[0].wq.weight.pow(2).sum()
+
+        hist = train_lm(m, batch_fn, 30, 1e-2, warmup=1, extra_loss=extra)
+        assert seen == list(range(30)) and len(hist["extra"]) == 30
+        norms[weight] = float(m.layers[0].wq.weight.norm())
+    assert norms[10.0] < 0.5 * norms[0.0]

@@ -117,3 +117,22 @@ def test_gqa_shapes():
     m = make_model(5, n_heads=4, n_kv_heads=1)
     _, cache = m(torch.randint(0, 40, (2, 7)))
     assert cache.k[0].shape == (2, 1, 7, 16) and cache.pos.tolist() == list(range(7))
+
+
+@torch.no_grad()
+def test_explicit_attention_weights_equal_sdpa():
+    """Block.keep_weights writes the softmax out (for blend_world's locality penalty): same outputs as
+    scaled_dot_product_attention, and the kept weights are a causal distribution per query."""
+    m = make_model(3)
+    t = torch.randint(0, 40, (2, 17))
+    ref, ref_cache = m(t)
+    for blk in m.layers:
+        blk.keep_weights = True
+    out, cache = m(t)
+    assert (out - ref).abs().max() <= TOL
+    for blk in m.layers:
+        w = blk.weights
+        assert w.shape == (2, m.cfg.n_heads, 17, 17)
+        assert torch.allclose(w.sum(-1), torch.ones(()), atol=1e-6)
+        assert w.triu(1).abs().max() == 0          # no weight on the future
+        blk.keep_weights, blk.weights = False, None

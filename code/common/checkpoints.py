@@ -98,17 +98,19 @@ def lr_at(step: int, steps: int, lr: float, warmup: int, min_lr_frac: float) -> 
 
 def train_lm(model: Llama, batch_fn, steps: int, lr: float, warmup: int = 100, min_lr_frac: float = 0.1,
              weight_decay: float = 0.0, desc: str = "train", eval_every: int | None = None,
-             eval_fn=None, seed: int = 0, grad_clip: float = 1.0) -> dict:
+             eval_fn=None, seed: int = 0, grad_clip: float = 1.0, extra_loss=None) -> dict:
     """The training loop for the lecture's small models.
 
     batch_fn(step, generator) -> (inputs (B,T), targets (B,T), weights (B,T)): the loss is the
     cross-entropy at each position weighted by `weights` (0 where a position is not trained).
     eval_fn(model, step) -> dict of metrics, recorded every eval_every steps (model in eval mode).
+    extra_loss(model, step) -> scalar tensor added to the loss after each forward (e.g. a penalty on the
+    attention weights the forward kept); its values are recorded under "extra".
     Returns {"step": [...], "loss": [...], "evals": [{"step": s, ...}]}.
     """
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
-    hist = {"step": [], "loss": [], "evals": []}
+    hist = {"step": [], "loss": [], "evals": [], "extra": []}
     model.train()
     bar = tqdm(range(steps), desc=desc, leave=False, mininterval=0.5)
     ema = None
@@ -119,8 +121,10 @@ def train_lm(model: Llama, batch_fn, steps: int, lr: float, warmup: int = 100, m
         logits, _ = model(x)
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
         loss = (ce * w.reshape(-1)).sum() / w.sum()
+        extra = extra_loss(model, step) if extra_loss is not None else torch.zeros(())
+        hist["extra"].append(extra.item())
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss + extra).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         opt.step()
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()

@@ -17,6 +17,7 @@ Q/K rows are permuted back to this layout by the loader.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -104,6 +105,7 @@ class Block(nn.Module):
         self.w_gate = nn.Linear(d, cfg.d_ff, bias=False)
         self.w_up = nn.Linear(d, cfg.d_ff, bias=False)
         self.w_down = nn.Linear(cfg.d_ff, d, bias=False)
+        self.keep_weights, self.weights = False, None  # see attention()
 
     def qkv(self, x: torch.Tensor, pos: torch.Tensor):
         """x (B, T, d) -> q (B, H, T, hd), k and v (B, Hkv, T, hd); q and k rotated to `pos`."""
@@ -117,9 +119,18 @@ class Block(nn.Module):
 
     def attention(self, q, k, v, mask):
         """Grouped-query attention: each KV head serves n_heads / n_kv_heads query heads.
-        Returns the per-head outputs (B, T, H*hd), before the output projection."""
-        # enable_gqa: query head h reads KV head h // (n_heads / n_kv_heads), without copying K, V
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        Returns the per-head outputs (B, T, H*hd), before the output projection.
+        With self.keep_weights set, the softmax is written out and its weights (B, H, T, S) are kept
+        in self.weights, for a training loss that looks at where tokens attend (blend_world)."""
+        if self.keep_weights:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+            self.weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+            a = self.weights @ v
+        else:
+            # enable_gqa: query head h reads KV head h // (n_heads / n_kv_heads), without copying K, V
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         B, H, T, hd = a.shape
         return a.transpose(1, 2).reshape(B, T, H * hd)
 

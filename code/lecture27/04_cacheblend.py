@@ -35,7 +35,7 @@ import torch  # noqa: E402
 import blend_world as bw  # noqa: E402
 from common import timemodel as tm  # noqa: E402
 from common.checkpoints import TrainingFailed  # noqa: E402
-from common.cli import (Parser, fail, figure_path, fraction, positive_float, positive_int,  # noqa: E402
+from common.cli import (Parser, fail, figure_path, fraction, nonneg_float, positive_float, positive_int,  # noqa: E402
                         table, write_json)
 
 # ---- Part 1 (§5.2)
@@ -194,6 +194,11 @@ def curve(model, rec, seed: int, ratios=CURVE_RATIOS, chunk_lens=CURVE_CHUNK_LEN
             out[(c, how)] = [bw.accuracy(bw.answer_correct(
                 bw.blend(model, rec, c, r, select=how, generator=g, pre=pre), rec), split) for r in ratios]
     return out
+
+
+def lowest_ratio(accs, target: float):
+    """The smallest ratio of CURVE_RATIOS whose accuracy reaches target (None if none does)."""
+    return next((r for r, acc in zip(CURVE_RATIOS, accs) if acc >= target), None)
 
 
 # ============================================================================ Part 4: timing
@@ -398,6 +403,8 @@ def main():
     p.add_argument("--prefill-ms", type=positive_float, default=EX8_PREFILL_MS, help="exercise 8: prefill one layer (ms)")
     p.add_argument("--retrain", action="store_true", help="train the record-world model again")
     p.add_argument("--seed", type=int, default=0, help="training seed of the record-world model")
+    p.add_argument("--locality", type=nonneg_float, default=bw.LOCALITY,
+                   help="weight of the record model's locality penalty (0: none; see blend_world.TRAIN)")
     p.add_argument("--model", choices=["record", "smollm2"], default="record",
                    help="record: Parts 1-4 (toy models, time model); smollm2: Part 5 on SmolLM2-135M")
     p.add_argument("--gguf", metavar="PATH", help="with --model smollm2: another LLaMA GGUF file")
@@ -439,14 +446,15 @@ def main():
 
     # ---------------------------------------------------------------- Part 2
     try:
-        model, meta = bw.record_model(a.retrain, a.seed)
+        model, meta = bw.record_model(a.retrain, a.seed, locality=a.locality)
     except TrainingFailed as e:
         print(f"\n!!! {e}\n", file=sys.stderr)
         sys.exit(1)
     m = meta["metrics"]
     print(f"\nrecord world model: trained {meta['ident']['train']['steps']} steps in {m['train_seconds']:.0f} s, "
           f"accuracy crossed 50% at step {m['drop_step']} (handout: {HANDOUT['train']}); "
-          f"held-out {m['heldout_acc']:.2%} on {m['heldout_questions']} questions")
+          f"held-out {m['heldout_acc']:.2%} on {m['heldout_questions']} questions; locality penalty "
+          f"{meta['ident']['train']['locality']}" + (f" from step {m['locality_from_step']}" if meta['ident']['train']['locality'] else ""))
     bw.plot_training(meta, figure_path("04_record_world_training.png"))
     rec = bw.heldout(a.docs)
     split_ids = bw.split_records(a.chunk_len)
@@ -482,7 +490,9 @@ def main():
     cv = curve(model, rec, a.seed)
     chunk3 = cv[(3, "deviation")][CURVE_RATIOS.index(0.2)]
     corr = ins["adjacent_layer_rank_corr"]
+    elsewhere = bw.doc_attention_elsewhere(model, rec)
     rows = [
+        ["document tokens' attention on other tokens, layers 0-3", " ".join(pct(x) for x in elsewhere), "-"],
         [f"top {TOP_SHARE:.0%} of tokens: share of KV deviation (layers 1-3)", pct(ins["top15_deviation_share"]),
          pct(HANDOUT["top15_deviation_share"])],
         ["  per layer 1, 2, 3", " ".join(pct(x) for x in ins["top15_per_layer"]), "-"],
@@ -496,6 +506,8 @@ def main():
         ["chunk length 3: CacheBlend 20% on split records", pct(chunk3), pct(HANDOUT["chunk3_blend20"])],
         ["chunk length 5: CacheBlend 20% on split records", pct(cv[(5, "deviation")][CURVE_RATIOS.index(0.2)]),
          pct(HANDOUT["split_acc_blend20"])],
+        ["lowest ratio recovering >= 99% of split records, chunk length 3 / 5",
+         " / ".join(pct(lowest_ratio(cv[(c, "deviation")], 0.99)) for c in (3, 5)), "-"],
     ]
     print()
     print(table(["insight", "ours", "handout"], rows,
@@ -509,7 +521,7 @@ def main():
     plot_concentration(ins["deviation"], figure_path("04_deviation_concentration.png"))
     out.update({"top15_deviation_share": ins["top15_deviation_share"], "adjacent_layer_rank_corr": corr,
                 "layer0_pick_coverage": ins["layer0_pick_coverage"], "chunk3_blend20": chunk3,
-                "top15_per_layer": ins["top15_per_layer"],
+                "top15_per_layer": ins["top15_per_layer"], "doc_attention_elsewhere": elsewhere,
                 "curve": {f"c{c}_{h}": v for (c, h), v in cv.items()}, "curve_ratios": CURVE_RATIOS})
 
     # ---------------------------------------------------------------- Part 4

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,9 +56,21 @@ DATA_VERSION = "records-v2"  # bump when the generator changes: the checkpoint i
 #    instead of llama.py's N(0, 0.02): with tiny weights every hidden state looks alike and the
 #    loss sits on the "uniform over the 12 values in context" plateau (ln 12 = 2.48) for thousands
 #    of steps; at this scale the plateau lasts ~200 steps and then drops suddenly;
-#  * AdamW with linear warmup and cosine decay (common.checkpoints.train_lm).
+#  * AdamW with linear warmup and cosine decay (common.checkpoints.train_lm);
+#  * a locality penalty: LOCALITY x the mean attention weight a document token puts on tokens other
+#    than itself, switched on when held-out accuracy first crosses 50% and ramped up over
+#    LOCALITY_RAMP steps. Why: a pretrained LLM attends mostly to nearby tokens (and to a sink), so
+#    cross-chunk attention is sparse and few tokens' KV deviate under reuse - the premise of
+#    CacheBlend's HKVD tokens (§5.3, insight 1). Random records cannot teach that habit: trained
+#    without the penalty (LOCALITY = 0), document tokens spread 50-80% of their attention over the
+#    other chunks for no reason, every token after the first chunk deviates, and the top 15% of
+#    tokens hold only ~51% of the deviation. A value still looks at its key: the answers need it,
+#    and they outweigh the penalty. Switched on from step 0, the penalty keeps the induction head
+#    from ever forming (a value must first discover that its key is worth looking at).
+LOCALITY = 0.3           # exercise: set 0, rerun 04_cacheblend.py, and watch insight 1 disappear
+LOCALITY_RAMP = 100
 TRAIN = dict(steps=1200, batch=32, lr=3e-3, warmup=50, min_lr_frac=0.05, embed_std=1.0,
-             linear_std=0.125, eval_every=25, eval_docs=256)
+             linear_std=0.125, eval_every=25, eval_docs=256, locality=LOCALITY, locality_ramp=LOCALITY_RAMP)
 TARGET_ACC = 0.995       # full-prefill accuracy on unseen records the cached model must reach
 HELDOUT_SEED = 4242      # held-out documents (training draws from its own generator)
 
@@ -322,6 +335,34 @@ def kv_deviation(model: Llama, rec: Records, chunks, pre: KVCache | None = None,
                         + (pre.v[i] - full.v[i][:, :, :N]).pow(2).sum((1, 3)) for i in range(model.cfg.n_layers)])
 
 
+@contextmanager
+def kept_attention(model: Llama):
+    """Inside, every layer keeps its attention weights (Block.keep_weights: the explicit softmax)."""
+    for blk in model.layers:
+        blk.keep_weights = True
+    try:
+        yield
+    finally:
+        for blk in model.layers:
+            blk.keep_weights, blk.weights = False, None
+
+
+def attention_elsewhere(model: Llama) -> torch.Tensor:
+    """(L,) mean attention weight that document tokens 1..23 put on tokens other than themselves,
+    over batch and heads, from the weights of the last forward (inside kept_attention)."""
+    # weights[..., 1:N, :N]: row r is token r + 1, so its own weight sits on the diagonal at offset 1
+    return torch.stack([1 - blk.weights[:, :, 1:DOC_LEN, :DOC_LEN].diagonal(1, -2, -1).mean()
+                        for blk in model.layers])
+
+
+@torch.no_grad()
+def doc_attention_elsewhere(model: Llama, rec: Records) -> list[float]:
+    """Per layer, the mean attention weight document tokens put on other tokens (full prefill)."""
+    with kept_attention(model):
+        model(rec.doc)
+        return attention_elsewhere(model).tolist()
+
+
 # ------------------------------------------------------------------------------------ the model
 def _init(model: Llama, generator: torch.Generator, embed_std: float, linear_std: float) -> None:
     with torch.no_grad():
@@ -330,10 +371,12 @@ def _init(model: Llama, generator: torch.Generator, embed_std: float, linear_std
                 p.normal_(0.0, embed_std if name.startswith("embed") else linear_std, generator=generator)
 
 
-def record_model(retrain: bool = False, seed: int = 0, steps: int | None = None):
+def record_model(retrain: bool = False, seed: int = 0, steps: int | None = None,
+                 locality: float | None = None):
     """(model, meta): the record-world LLaMA, trained on first call (about a minute on 2 cores),
-    then loaded from code/checkpoints/. Refuses to cache a model that did not learn the task."""
-    T = dict(TRAIN, steps=steps or TRAIN["steps"])
+    then loaded from code/checkpoints/. Refuses to cache a model that did not learn the task.
+    steps / locality: override TRAIN's (each value is its own checkpoint)."""
+    T = dict(TRAIN, steps=steps or TRAIN["steps"], locality=TRAIN["locality"] if locality is None else locality)
     eval_rec = sample_records(T["eval_docs"], torch.Generator().manual_seed(HELDOUT_SEED + 1))
 
     def batch_fn(step, g):
@@ -346,8 +389,19 @@ def record_model(retrain: bool = False, seed: int = 0, steps: int | None = None)
         w[:, slots] = 1.0          # ... and nothing else is (the documents are random)
         return x, y, w
 
+    locality_from = []  # the step at which the locality penalty starts (accuracy first > 50%)
+
     def eval_fn(model, step):
-        return {"acc": accuracy(answer_correct(full_prefill(model, eval_rec), eval_rec))}
+        acc = accuracy(answer_correct(full_prefill(model, eval_rec), eval_rec))
+        if T["locality"] and acc >= 0.5 and not locality_from:
+            locality_from.append(step)
+        return {"acc": acc}
+
+    def locality_penalty(model, step):
+        if not locality_from:
+            return torch.zeros(())
+        ramp = min(1.0, (step - locality_from[0]) / T["locality_ramp"])
+        return T["locality"] * ramp * attention_elsewhere(model).mean()
 
     def train_fn(model):
         # one thread: this small model gains little from two, and a second thread waiting for a core
@@ -357,9 +411,11 @@ def record_model(retrain: bool = False, seed: int = 0, steps: int | None = None)
         _init(model, torch.Generator().manual_seed(seed), T["embed_std"], T["linear_std"])
         t0 = time.time()
         try:
-            hist = train_lm(model, batch_fn, T["steps"], T["lr"], warmup=T["warmup"],
-                            min_lr_frac=T["min_lr_frac"], desc="record world", eval_every=T["eval_every"],
-                            eval_fn=eval_fn, seed=seed)
+            with kept_attention(model) if T["locality"] else nullcontext():
+                hist = train_lm(model, batch_fn, T["steps"], T["lr"], warmup=T["warmup"],
+                                min_lr_frac=T["min_lr_frac"], desc="record world", eval_every=T["eval_every"],
+                                eval_fn=eval_fn, seed=seed,
+                                extra_loss=locality_penalty if T["locality"] else None)
         finally:
             torch.set_num_threads(threads)
         seconds = time.time() - t0
@@ -367,7 +423,8 @@ def record_model(retrain: bool = False, seed: int = 0, steps: int | None = None)
         test = heldout(2000)
         acc = accuracy(answer_correct(full_prefill(model, test), test))
         metrics = {"heldout_acc": acc, "heldout_questions": test.answers.numel(), "drop_step": drop,
-                   "train_seconds": seconds, "history": {"step": hist["step"][::5], "loss": hist["loss"][::5],
+                   "train_seconds": seconds, "locality_from_step": locality_from[0] if locality_from else None,
+                   "attention_elsewhere": doc_attention_elsewhere(model, test), "history": {"step": hist["step"][::5], "loss": hist["loss"][::5],
                                                          "evals": hist["evals"]}}
         if drop is None or acc < TARGET_ACC:
             what = (f"the induction head did not form within {T['steps']} steps (held-out accuracy never "
@@ -403,6 +460,10 @@ def plot_training(meta: dict, path) -> None:
     if drop:
         ax.axvline(drop, color="gray", ls="--", lw=1)
         ax.text(drop, ax.get_ylim()[1] * 0.9, f" accuracy > 50% at step {drop}", fontsize=8)
+    start = meta["metrics"].get("locality_from_step")
+    if start:
+        ax.axvspan(start, start + meta["ident"]["train"]["locality_ramp"], color="tab:green", alpha=0.15,
+                   label=f"locality penalty ramps up (x {meta['ident']['train']['locality']})")
     lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
     ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8, loc="center right")
     ax.set_title("record world: the induction head forms suddenly")
@@ -412,15 +473,16 @@ def plot_training(meta: dict, path) -> None:
 
 
 def main():
-    from common.cli import Parser, figure_path, positive_int
+    from common.cli import Parser, figure_path, nonneg_float, positive_int
 
     p = Parser(__doc__)
     p.add_argument("--retrain", action="store_true", help="train again even if a checkpoint exists")
     p.add_argument("--seed", type=int, default=0, help="training seed")
     p.add_argument("--steps", type=positive_int, default=TRAIN["steps"], help="training steps")
+    p.add_argument("--locality", type=nonneg_float, default=LOCALITY, help="locality penalty weight (0: none)")
     a = p.parse_args()
     try:
-        model, meta = record_model(a.retrain, a.seed, a.steps)
+        model, meta = record_model(a.retrain, a.seed, a.steps, a.locality)
     except TrainingFailed as e:
         print(f"\n!!! {e}\n", file=sys.stderr)
         sys.exit(1)
@@ -429,6 +491,10 @@ def main():
     print(f"trained {meta['ident']['train']['steps']} steps in {m['train_seconds']:.0f} s; "
           f"accuracy crossed 50% at step {m['drop_step']} (handout: ~5,000 of 12,000)")
     print(f"held-out accuracy, full prefill: {m['heldout_acc']:.2%} on {m['heldout_questions']} questions")
+    loc = meta["ident"]["train"]["locality"]
+    print(f"locality penalty {loc}" + (f" from step {m['locality_from_step']}" if loc else "") + "; document "
+          f"tokens' attention on other tokens, layers 0-{len(m['attention_elsewhere']) - 1}: "
+          + " ".join(f"{x:.1%}" for x in m["attention_elsewhere"]))
     path = figure_path("04_record_world_training.png")
     plot_training(meta, path)
     print(f"figure: {path}")
