@@ -126,5 +126,5 @@ def test_train_lm_adds_the_extra_loss():
 
         hist = train_lm(m, batch_fn, 30, 1e-2, warmup=1, extra_loss=extra)
         assert seen == list(range(30)) and len(hist["extra"]) == 30
-        norms[weight] = float(m.layers[0].wq.weight.norm())
+        norms[weight] = float(m.layers[0].wq.weight.detach().norm())
     assert norms[10.0] < 0.5 * norms[0.0]

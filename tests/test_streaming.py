@@ -22,6 +22,9 @@ LEVELS = [dict(level=i, bits_per_value=b, accuracy=a) for i, (b, a) in
 # not depend on the cached codec
 SMALL_LEVELS = [dict(level=i, bits_per_value=b, accuracy=a) for i, (b, a) in
                 enumerate([(1.26, 0.9999), (0.98, 0.9993), (0.76, 0.991), (0.55, 0.876)])]
+# the sizes of the levels measured on SmolLM2 (codec_real, Part 2c): a real LLaMA needs 2.6-4.1 bits/value
+REAL_SIZE_LEVELS = [dict(level=i, bits_per_value=b, accuracy=a) for i, (b, a) in
+                    enumerate([(4.12, 0.934), (3.62, 0.945), (3.13, 0.876), (2.65, 0.883)])]
 HANDOUT_TRACE = st.Trace((0.0, 0.3, 3.0), (10.0, 1.0, 5.0))
 
 
@@ -209,6 +212,27 @@ def test_long_context_adapts_with_small_levels():
     assert not ex["shape"]["complete before the drop"] and ex["shape"]["a coarser level after the drop"]
 
 
+def test_real_size_levels_give_the_handouts_shape():
+    """Part 2c: with levels as large as a real LLaMA's, the 12K context is still streaming when the link
+    drops; the policy keeps level0 while the link is good, recomputes (text) when no level fits the
+    budget at 1 Gb/s, then takes a coarser level the time left allows, and meets the SLO."""
+    s3 = load_script()
+    setup_, runs, steady = s3.part2(REAL_SIZE_LEVELS, 1.0, HANDOUT_TRACE, 4.0, 1536)
+    ad = runs["adaptive"]
+    ex = s3.explain(setup_, runs, HANDOUT_TRACE)
+    assert ex["shape"] == {"complete before the drop": False, "finest level while the link is good": True,
+                           "text after the drop": True, "a coarser level after the drop": True}
+    first_text = ad.choices.index("text")
+    assert set(ad.choices[:first_text]) == {"level0"}
+    assert any(c in ("level1", "level2", "level3") for c in ad.choices[first_text + 1:])
+    assert ad.ttft_s <= 4.0 and steady.choices == ["level0"] * 8
+    # text was chosen only where no level was predicted to fit its budget
+    for row, (first, n) in zip(ad.rows, setup_.plan):
+        if row["choice"] == "text":
+            assert all(st.predict_s(setup_, (first, n), o, row["est_gbps"]) > row["budget_s"]
+                       for o in setup_.options if not o.recompute)
+
+
 def test_runs_of():
     s3 = load_script()
     assert s3.runs_of(["level0"] * 10 + ["level1"] + ["text"] * 2 + ["level0"]) == "L0 x10, L1, T x2, L0"
@@ -216,7 +240,9 @@ def test_runs_of():
 
 
 def run(*args, tmp_path=None):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
+    # --no-real: Part 2c needs the SmolLM2 codec (tests/test_codec_real.py runs it)
+    return subprocess.run([sys.executable, str(SCRIPT), "--no-real", *args], capture_output=True, text=True,
+                          timeout=120)
 
 
 @pytest.fixture

@@ -54,6 +54,28 @@ def atomic_save(obj, path: Path) -> None:
             os.remove(tmp)
 
 
+def cached_result(name: str, ident: dict, compute: Callable[[], dict], refit: bool = False,
+                  tag: str = "cache") -> dict:
+    """A computed result (JSON-able dict) cached like a checkpoint: file <name>-<hash of ident>.pt.
+    A stored file whose identity differs, or that fails to load, is recomputed with a message."""
+    ident = json.loads(json.dumps({"format": FORMAT, **ident}, default=str))
+    path = checkpoint_dir() / f"{name}-{cache_key(ident)}.pt"
+    if path.exists() and not refit:
+        try:
+            blob = torch.load(path, weights_only=True)
+            if blob["ident"] != ident:
+                raise ValueError("stored identity differs")
+            return blob["result"]
+        except Exception as e:  # a broken or foreign file is never used silently
+            print(f"[{tag}] {path.name} is unusable ({type(e).__name__}: {e}); recomputing")
+    t0 = time.time()
+    result = compute()
+    result["compute_seconds"] = time.time() - t0
+    atomic_save({"ident": ident, "result": result}, path)
+    print(f"[{tag}] computed {name} in {result['compute_seconds']:.0f} s -> {path}")
+    return result
+
+
 def cached_model(name: str, model_cfg: LlamaConfig, train_cfg: dict, data_version: str,
                  train_fn: Callable[[Llama], dict], retrain: bool = False,
                  seed: int = 0) -> tuple[Llama, dict]:

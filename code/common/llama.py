@@ -136,7 +136,12 @@ class Block(nn.Module):
 
     def attend(self, x, q, k, v, mask):
         """Residual attention over (k, v) with `mask`, then the residual SwiGLU MLP."""
-        x = x + self.wo(self.attention(q, k, v, mask))
+        return self.after_attention(x, self.attention(q, k, v, mask))
+
+    def after_attention(self, x, a):
+        """The rest of the layer, given the per-head attention outputs a (B, T, H*hd): output projection
+        and residual, then the residual SwiGLU MLP."""
+        x = x + self.wo(a)
         h = self.mlp_norm(x)
         return x + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
 

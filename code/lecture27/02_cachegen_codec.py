@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import codec_real as cr  # noqa: E402
 import kvcache as kv  # noqa: E402
 from common.cli import Parser, figure_path, positive_float, table, write_json  # noqa: E402
 
@@ -393,94 +394,36 @@ def to_json(r, args):
 
 
 # ---------------------------------------------------------------- a real model: --model smollm2
-REAL_CONTEXT, REAL_CONTINUATION = 100, 30   # tokens of each paragraph: context (coded) and continuation (scored)
-REAL_CODED = 2              # evaluation contexts really coded to bytes (11,520 symbols per token: pure Python is slow)
-REAL_MAX_KL = 0.01          # the step search keeps the continuation's KL(FP16 || codec) below this (nats/token)
 REAL_ENTROPY_STEP = 0.25    # Part 1c on the real model: values quantized at this x each layer's RMS
 
 
-def real_setup(gguf):
-    """SmolLM2-135M and the project's own prose (common/english.py): CALIBRATION paragraphs fit the
-    codec, EVALUATION paragraphs measure it. Each paragraph: REAL_CONTEXT tokens of context, coded,
-    then REAL_CONTINUATION tokens whose NLL is computed attending to the decoded context KV."""
-    from common import english
-    from common.gguf_llama import load_gguf_llama
-    model, tok, info = load_gguf_llama(gguf)
-
-    def split(paragraphs):
-        ids = [tok.encode(t).ids for t in paragraphs]
-        ids = [i for i in ids if len(i) >= REAL_CONTEXT + REAL_CONTINUATION]
-        ctx = torch.tensor([i[:REAL_CONTEXT] for i in ids])
-        cont = torch.tensor([i[REAL_CONTEXT:REAL_CONTEXT + REAL_CONTINUATION] for i in ids])
-        return ctx, cont
-
-    return model, info, split(english.CALIBRATION), split(english.EVALUATION)
-
-
-def continuation_quality(model, X, cont, ref=None):
-    """Continuation tokens attend to context KV X: mean NLL (nats/token) of cont[1:]; against `ref` (the
-    same with FP16 KV): mean KL(ref || this) per token and the share of positions with ref's arg-max."""
-    import torch.nn.functional as F
-    with torch.no_grad():
-        logits, _ = model(cont, cache=kv.array_to_kv(X, model.cfg.n_kv_heads))
-    logp = logits[:, :-1].float().log_softmax(-1)
-    out = {"nll": float(F.nll_loss(logp.flatten(0, 1), cont[:, 1:].flatten())), "logp": logp, "kl": 0.0, "agree": 1.0}
-    if ref is not None:
-        out["kl"] = float((ref["logp"].exp() * (ref["logp"] - logp)).sum(-1).mean())
-        out["agree"] = float((logp.argmax(-1) == ref["logp"].argmax(-1)).float().mean())
-    return out
-
-
 def compute_real(args):
+    """SmolLM2: the measured codec (codec_real: step search under a KL budget, cached), the baselines
+    and the recipe at the same size, all on the evaluation prose."""
     torch.set_num_threads(1)
-    model, info, (cc, ccont), (ec, econt) = real_setup(args.gguf)
-    Xc, Xe = kv.context_kv(model, cc.numpy(), batch=4), kv.context_kv(model, ec.numpy(), batch=4)
+    prose = cr.Prose(args.gguf)
+    study = cr.real_codec_study(args.gguf, refit=args.refit, prose=prose)
+    Xc, Xe = prose.Xc, prose.Xe
     L, C, T = Xe.shape[2], Xe.shape[4], Xe.shape[1]
-    ref = continuation_quality(model, Xe.astype(np.float16).astype(np.float32), econt)
-    refc = continuation_quality(model, Xc.astype(np.float16).astype(np.float32), ccont)
-
-    def quality(Xhat, on_calib=False):
-        q = continuation_quality(model, Xhat, ccont if on_calib else econt, refc if on_calib else ref)
-        return {k: q[k] for k in ("nll", "kl", "agree")}
-
     rms = kv.kv_rms(Xc)
-    third = np.concatenate([np.full(len(g), i) for i, g in enumerate(np.array_split(np.arange(L), 3))])
-    bar = __import__("tqdm").tqdm(desc="smollm2: step search (layer thirds x K/V)", leave=False)
-
-    def evaluate(rel):  # rel (3, 2): steps / RMS for the shallow, middle, deep thirds, K and V
-        steps = rms * np.asarray(rel)[third]
-        spec = kv.CodecSpec(steps.astype(np.float32), False, np.ones((L, 2, C), np.float32),
-                            np.full((L, 2), kv.CODEC_MAX_RADIUS))
-        d = quality(kv.dequantize(kv.quantize(Xc, spec), spec), on_calib=True)["kl"]
-        return {"acc": -d, "nll": d}       # search_steps keeps "acc" >= target: here -KL
-
-    rel, _ = kv.search_steps(evaluate, np.ones((3, 2)), -REAL_MAX_KL, start=2.0 ** -4, progress=bar)
-    bar.close()
-    steps = rms * rel[third]
-    bits = {d: kv.codec_bits(kv.fit_codec(Xc, steps, d), Xc) for d in (True, False)}
-    delta = bits[True] < bits[False]
-
-    def measure(spec):
-        data = [kv.codec_encode(x, spec) for x in Xe[:REAL_CODED]]
-        assert all(np.array_equal(kv.codec_decode(b, spec), kv.quantize(x, spec)) for b, x in zip(data, Xe))
-        return sum(map(len, data)) / (len(data) * T), quality(kv.dequantize(kv.quantize(Xe, spec), spec))
-
-    measured = kv.fit_codec(Xc, steps, delta)
-    target = kv.codec_bits(measured, Xc)
+    steps, delta = np.asarray(study["steps"]), study["delta"]
+    target = kv.codec_bits(kv.fit_codec(Xc, steps, delta), Xc)
     base = kv.match_bytes(lambda b: kv.fit_codec(Xc, kv.recipe_steps(rms, b), True), Xc, target)
-    rows = {"FP16": (L * 2 * C * FP16_BYTES, {"nll": ref["nll"], "kl": 0.0, "agree": 1.0})}
+    rows = {"FP16": (L * 2 * C * FP16_BYTES, {"nll": prose.ref_e["nll"], "kl": 0.0, "agree": 1.0})}
     fp16 = Xe.astype(np.float16)
     rows["zlib on FP16"] = (sum(len(zlib.compress(np.ascontiguousarray(x.transpose(1, 2, 0, 3)).tobytes(), ZLIB_LEVEL))
                                 for x in fp16) / (len(fp16) * T), rows["FP16"][1])
     absmax = np.abs(Xc).max(axis=(0, 1))
     for b in (8, 6, 4):
-        rows[f"{b}-bit"] = (L * 2 * C * b / 8, quality(kv.uniform_quantize(Xe, b, absmax / ((1 << (b - 1)) - 1))))
-    rows["recipe (anchor+delta, finer shallow)"] = measure(kv.fit_codec(Xc, kv.recipe_steps(rms, base), True))
-    rows[f"measured ({'anchor+delta' if delta else 'no deltas'})"] = measure(measured)
+        rows[f"{b}-bit"] = (L * 2 * C * b / 8, prose.quality(kv.uniform_quantize(Xe, b, absmax / ((1 << (b - 1)) - 1))))
+    recipe = cr.measure(prose, kv.fit_codec(Xc, kv.recipe_steps(rms, base), True))
+    rows["recipe (anchor+delta, finer shallow)"] = (recipe["bytes_per_token"], recipe)
+    level0 = study["levels"][0]
+    rows[f"measured ({'anchor+delta' if delta else 'no deltas'})"] = (level0["bytes_per_token"], level0)
     raw_spec = kv.fit_codec(Xc, rms * REAL_ENTROPY_STEP, False)
-    return {"info": info, "tokens": T, "n_eval": len(Xe), "n_calib": len(Xc), "L": L, "C": C,
-            "delta_ratio": delta_variance_ratios(Xe, kv.CODEC_GROUP), "rows": rows, "rel_steps": rel.tolist(),
-            "delta": bool(delta), "calib_bits": bits,
+    return {"info": prose.info, "tokens": T, "n_eval": len(Xe), "n_calib": len(Xc), "L": L, "C": C,
+            "delta_ratio": delta_variance_ratios(Xe, kv.CODEC_GROUP), "rows": rows, "rel_steps": study["rel_steps"],
+            "delta": bool(delta), "calib_bits": study["calib_bits"], "levels": study["levels"],
             "entropy": grouping_entropy(kv.quantize(Xc, raw_spec), kv.quantize(Xe, raw_spec))}
 
 
@@ -506,18 +449,24 @@ def report_real(r):
              f"{100 * q['agree']:.1f}%"] for n, (b, q) in r["rows"].items()]
     print()
     print(table(["codec", "bytes/token", "ratio to FP16", "NLL (nats/token)", "KL from FP16", "top-1 = FP16's"], rows,
-                f"Part 2 (real model). Continuations of {REAL_CONTINUATION} tokens attending to the decoded context KV "
-                f"(coded rows: bytes of {REAL_CODED} contexts really coded, bit-exact round trip checked)"))
+                f"Part 2 (real model). Continuations of {cr.REAL_CONTINUATION} tokens attending to the decoded context KV "
+                f"(coded rows: bytes of {cr.REAL_CODED} contexts really coded, bit-exact round trip checked)"))
     print(f"Measured steps / RMS (shallow, middle, deep thirds; K / V): "
           + ", ".join(f"{k:.3g} / {v:.3g}" for k, v in r["rel_steps"])
-          + f"; KL from FP16 kept below {REAL_MAX_KL} nats/token on calibration prose; recipe sized to the same bytes.")
+          + f"; KL from FP16 kept below {cr.REAL_MAX_KL} nats/token on calibration prose; recipe sized to the same bytes.")
+    print()
+    print(table(["level (03 Part 2c)", "steps", "bytes/token", "bits/value", "KL from FP16", "top-1 = FP16's"],
+                [[f"level {lv['level']}", f"{kv.LEVEL_FACTOR ** lv['level']:.3g}x", f"{lv['bytes_per_token']:,.0f}",
+                  f"{lv['bits_per_value']:.2f}", f"{lv['kl']:.4f}", f"{100 * lv['agree']:.1f}%"] for lv in r["levels"]],
+                "Quality levels of the measured codec on the real model (codec_real.real_codec_levels(), read by 03)"))
 
 
 def to_json_real(r):
     out = {"model": r["info"]["name"], "delta_var_ratio": [{f"{KV_NAMES[k]}_{ref}": float(r["delta_ratio"][ref][l, k])
                                                             for ref in r["delta_ratio"] for k in range(2)} for l in range(r["L"])],
            "entropy_bits": r["entropy"], "fp16_bytes_per_token": r["rows"]["FP16"][0],
-           "zlib_ratio": r["rows"]["FP16"][0] / r["rows"]["zlib on FP16"][0], "nll_fp16": r["rows"]["FP16"][1]["nll"]}
+           "zlib_ratio": r["rows"]["FP16"][0] / r["rows"]["zlib on FP16"][0], "nll_fp16": r["rows"]["FP16"][1]["nll"],
+           "levels": [{k: lv[k] for k in ("bytes_per_token", "bits_per_value", "kl", "agree")} for lv in r["levels"]]}
     for name, (b, q) in r["rows"].items():
         key = name.split(" ")[0].replace("-", "").lower()
         out[f"bytes_{key}"], out[f"nll_{key}"], out[f"kl_{key}"], out[f"top1_agree_{key}"] = b, q["nll"], q["kl"], q["agree"]

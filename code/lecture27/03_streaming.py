@@ -5,6 +5,7 @@ whose bandwidth changes while a context streams in.
     python code/lecture27/03_streaming.py --json out.json       # + headline figures as JSON
     python code/lecture27/03_streaming.py --trace my.csv --slo 3 --chunk-tokens 1024
     python code/lecture27/03_streaming.py --long-context 65536  # Part 2b with a 64K-token context
+    python code/lecture27/03_streaming.py --no-real             # without Part 2c (no SmolLM2 needed)
 
 Part 1 (§4.1, pitfall 1): LLaMA-3.1-70B on 4 x A100 fetching a 12K-token context over a steady link:
         time to first token sending text (then recomputing), raw KV, or KV at each codec level; the
@@ -14,9 +15,13 @@ Part 2 (§4.2): the adaptive policy chunk by chunk on a trace (10 -> 1 -> 5 Gb/s
         looks as it does (sizes, the drop, text's break-even).
 Part 2b: the same trace and SLO with a longer context (48K tokens), which is still streaming when the
         link drops, so the policy has something to adapt to.
+Part 2c: Part 2 again with the levels measured on a real LLaMA (SmolLM2-135M, codec_real.py). The
+        record-world model tolerates about 1.8 bits per value, a real LLaMA needs 2.6-4.1: with levels that
+        large the handout's shape appears (finest level, text after the drop, a coarser level).
 Part 3 (§4.2): the chunk-size trade-off on the same trace.
-The codec's four levels come from kvcache.codec_levels() (measured by 02 on the record-world model);
-the simulation, the policy and the oracle are in streaming.py. Recompute times: common/timemodel.py.
+The codec's four levels come from kvcache.codec_levels() (measured by 02 on the record-world model) and,
+for Part 2c, codec_real.real_codec_levels() (fitted on first use, about 2 minutes, then cached); the
+simulation, the policy and the oracle are in streaming.py. Recompute times: common/timemodel.py.
 """
 from __future__ import annotations
 
@@ -26,10 +31,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import codec_real as cr  # noqa: E402
 import kvcache as kv  # noqa: E402
 import streaming as st  # noqa: E402
 from common import timemodel as tm  # noqa: E402
 from common.cli import Parser, fail, figure_path, positive_float, positive_int, table, write_json  # noqa: E402
+from common.gguf_llama import smollm2_or_explain  # noqa: E402
 
 K = 1024
 # ---- Part 1 (§4.1)
@@ -129,22 +136,22 @@ def note_8b(levels):
                                       for lv in levels}}
 
 
+def policies(setup, trace, slo) -> dict:
+    """The adaptive policy against always-finest, always-text and the oracle."""
+    finest = setup.options[0].name
+    return {"adaptive": st.adaptive(setup, trace, slo), f"always {finest}": st.fixed(setup, trace, finest),
+            "always text": st.fixed(setup, trace, "text"), "oracle": st.oracle(setup, trace, slo)}
+
+
 def part2(levels, lossless, trace, slo, chunk_tokens):
     setup = st.make_setup(MODEL, GPU, N_GPUS, CONTEXT, chunk_tokens, levels, lossless)
-    finest = setup.options[0].name
-    runs = {"adaptive": st.adaptive(setup, trace, slo), f"always {finest}": st.fixed(setup, trace, finest),
-            "always text": st.fixed(setup, trace, "text"), "oracle": st.oracle(setup, trace, slo)}
-    steady = st.adaptive(setup, st.Trace.steady(STEADY_GBPS), slo)
-    return setup, runs, steady
+    return setup, policies(setup, trace, slo), st.adaptive(setup, st.Trace.steady(STEADY_GBPS), slo)
 
 
 def part2_long(levels, lossless, trace, slo, chunk_tokens, context):
     """Part 2b: the same policies on a longer context (the same trace, SLO and chunk size)."""
     setup = st.make_setup(MODEL, GPU, N_GPUS, context, chunk_tokens, levels, lossless)
-    finest = setup.options[0].name
-    runs = {"adaptive": st.adaptive(setup, trace, slo), f"always {finest}": st.fixed(setup, trace, finest),
-            "always text": st.fixed(setup, trace, "text"), "oracle": st.oracle(setup, trace, slo)}
-    return setup, runs
+    return setup, policies(setup, trace, slo)
 
 
 def first_drop(trace):
@@ -223,7 +230,7 @@ def print_policies(runs, slo, fmt=compact, title=None):
                 title=title))
 
 
-def print_shape(ex):
+def print_shape(ex, answers="answers"):
     """The handout's expected shape, part by part, against the adaptive run."""
     print(f"handout: {HANDOUT['trace']}")
     if ex["drop"] is None:
@@ -231,7 +238,7 @@ def print_shape(ex):
         return
     parts = [k for k in ex["shape"] if k != "complete before the drop"]
     print("ours:    " + "; ".join(f"{k}: {'yes' if ex['shape'][k] else 'NO'}" for k in parts)
-          + f" (our {ex['coarsest']} answers {ex['coarsest_accuracy']:.1%})")
+          + f" (our {ex['coarsest']} {answers} {ex['coarsest_accuracy']:.1%})")
 
 
 def print_why(ex, trace, codec=True):
@@ -283,6 +290,17 @@ def print_part1(levels, lossless, lossless_src, opts, no_loss, rows, recompute, 
           + ", ".join(f"{k} {v:.1f} Gb/s" for k, v in note["levels_breakeven_gbit"].items()) + ".")
 
 
+def print_chunks(setup, run):
+    """One row per chunk of an adaptive run: what it expected, chose, and got."""
+    rows = []
+    for i, (r, (first, n)) in enumerate(zip(run.rows, setup.plan)):
+        rows.append([i, f"{first:,}-{first + n - 1:,}", f"{r['start']:.3f}", f"{r['est_gbps']:.2f}",
+                     f"{r['budget_s']:.3f}", r["choice"], f"{r['predicted']:.3f}", f"{r['finish']:.3f}",
+                     f"{r['measured_gbps']:.2f}" if r["measured_gbps"] is not None else "- (text)"])
+    print(table(["chunk", "tokens", "start s", "est Gb/s", "budget s", "choice", "predicted s", "finish s",
+                 "measured Gb/s"], rows))
+
+
 def print_part2(setup, runs, steady, trace, slo, chunk_tokens):
     print()
     segs = ", ".join(f"{g:g} Gb/s from {t:g} s" for t, g in zip(trace.times, trace.gbps))
@@ -292,14 +310,7 @@ def print_part2(setup, runs, steady, trace, slo, chunk_tokens):
           "attending to the KV received), else the fastest option. No overlap: the link waits while the GPU recomputes.\n"
           "Configurations: the codec's levels (each chunk encoded offline at every level) and text; raw FP16 KV is\n"
           "not streamed (CacheGen streams its levels only).")
-    a = runs["adaptive"]
-    rows = []
-    for i, (r, (first, n)) in enumerate(zip(a.rows, setup.plan)):
-        rows.append([i, f"{first:,}-{first + n - 1:,}", f"{r['start']:.3f}", f"{r['est_gbps']:.2f}",
-                     f"{r['budget_s']:.3f}", r["choice"], f"{r['predicted']:.3f}", f"{r['finish']:.3f}",
-                     f"{r['measured_gbps']:.2f}" if r["measured_gbps"] is not None else "- (text)"])
-    print(table(["chunk", "tokens", "start s", "est Gb/s", "budget s", "choice", "predicted s", "finish s",
-                 "measured Gb/s"], rows))
+    print_chunks(setup, runs["adaptive"])
     ex = explain(setup, runs, trace)
     print_shape(ex)
     print_why(ex, trace)
@@ -334,6 +345,29 @@ def print_part2_long(setup, runs, trace, slo):
               + oracle_says)
     else:
         print(f"So: adaptive {runs_of(ad.choices)}: TTFT {ad.ttft_s:.2f} s, quality {ad.quality:.3f}. " + oracle_says)
+
+
+def print_part2_real(levels, setup, runs, steady, trace, slo):
+    print()
+    print(f"== Part 2c: Part 2 again, with the codec's levels measured on a real LLaMA (SmolLM2-135M; codec_real.py,\n"
+          f"the same codec with its steps searched under a KL budget of {cr.REAL_MAX_KL} nats/token on prose)")
+    print(table(["level", "bits/value", "GB / context", "KL from FP16", "top-1 = FP16's"],
+                [[f"level{lv['level']}", f"{lv['bits_per_value']:.2f}",
+                  f"{lv['bits_per_value'] * tm.kv_bytes_per_token(MODEL) / 2 * setup.context_tokens / 8e9:.3f}",
+                  f"{lv['kl']:.4f}", f"{lv['accuracy']:.1%}"] for lv in levels]))
+    n = levels[0]["positions"]
+    p = levels[0]["accuracy"]
+    print(f"(top-1 agreement measured on {n} next-token positions of evaluation prose: about +-"
+          f"{100 * (p * (1 - p) / n) ** 0.5:.1f} points of sampling noise, so neighbouring levels can swap)")
+    print_chunks(setup, runs["adaptive"])
+    ex = explain(setup, runs, trace)
+    print_shape(ex, answers="agrees with FP16's next token")
+    print_why(ex, trace, codec=False)
+    print()
+    print_policies(runs, slo, title="Whole context: quality = token-weighted share of next tokens equal to FP16's "
+                                    "(text chunks exact).")
+    print(f"\nSteady {STEADY_GBPS:g} Gb/s: {compact(steady.choices)} (TTFT {steady.ttft_s:.2f} s); "
+          f"handout: {HANDOUT['steady']}")
 
 
 def print_part3(rows, slo, trace):
@@ -387,11 +421,21 @@ def plot(opts, rows, runs, trace, slo):
     fig.savefig(p1, dpi=120)
     plt.close(fig)
 
+    p2 = figure_path("03_trace_choices.png")
+    plot_trace(runs, trace, slo, p2, "Trace and each chunk's choice (record-world levels)")
+    return [p1, p2]
+
+
+def plot_trace(runs, trace, slo, path, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     end = max(max(r.ttft_s for r in runs.values()), slo) * 1.05
     fig, (top, bot) = plt.subplots(2, 1, figsize=(8, 5), sharex=True, gridspec_kw={"height_ratios": [1, 1.3]})
     ts = list(trace.times) + [end]
     top.step(ts, list(trace.gbps) + [trace.gbps[-1]], where="post", color="k")
-    top.set(ylabel="link, Gb/s", ylim=(0, max(trace.gbps) * 1.1), title="Trace and each chunk's choice")
+    top.set(ylabel="link, Gb/s", ylim=(0, max(trace.gbps) * 1.1), title=title)
     for i, (name, r) in enumerate(runs.items()):
         for row in r.rows:
             bot.barh(i, row["finish"] - row["start"], left=row["start"], color=COLORS.get(row["choice"]),
@@ -404,10 +448,13 @@ def plot(opts, rows, runs, trace, slo):
         a.axvline(slo, color="r", ls="--", lw=1)
     bot.set(xlabel="time, s (red: SLO)", xlim=(0, end))
     fig.tight_layout()
-    p2 = figure_path("03_trace_choices.png")
-    fig.savefig(p2, dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return [p1, p2]
+
+
+def policy_json(runs) -> dict:
+    return {name: {"choices": r.choices, "ttft_s": r.ttft_s, "quality": r.quality, "text_tokens": r.text_tokens,
+                   "gpu_s": r.gpu_s} for name, r in runs.items()}
 
 
 # -------------------------------------------------------------------------------------------- main
@@ -420,6 +467,7 @@ def main(argv=None):
     p.add_argument("--long-context", type=positive_int, default=LONG_CONTEXT,
                    help=f"tokens of context in Part 2b (at most {MAX_CONTEXT}, LLaMA-3.1's window)")
     p.add_argument("--levels", metavar="FILE", help="JSON list of codec levels instead of kvcache.codec_levels()")
+    p.add_argument("--no-real", action="store_true", help="skip Part 2c (levels measured on SmolLM2)")
     p.add_argument("--no-plot", action="store_true", help="skip the figures")
     a = p.parse_args(argv)
     if a.chunk_tokens > CONTEXT:
@@ -435,13 +483,23 @@ def main(argv=None):
     setup, runs, steady = part2(levels, lossless, trace, a.slo, a.chunk_tokens)
     long_setup, long_runs = part2_long(levels, lossless, trace, a.slo, a.chunk_tokens, a.long_context)
     sizes = part3(levels, lossless, trace, a.slo, CHUNK_SIZES)
+    real = None
+    if not a.no_real and smollm2_or_explain(say=lambda msg: print(f"Part 2c skipped: {msg}")) is not None:
+        real_levels = cr.real_codec_levels()  # fits the codec on SmolLM2 on first use (about 2 minutes)
+        real = (real_levels, *part2(real_levels, 1.0, trace, a.slo, a.chunk_tokens))
 
     print_part1(levels, lossless, lossless_src, opts, no_loss, rows, recompute, breakeven, note)
     print_part2(setup, runs, steady, trace, a.slo, a.chunk_tokens)
     print_part2_long(long_setup, long_runs, trace, a.slo)
+    if real:
+        print_part2_real(*real, trace, a.slo)
     print_part3(sizes, a.slo, trace)
     if not a.no_plot:
         for path in plot(opts, rows, runs, trace, a.slo):
+            print(f"figure: {path}")
+        if real:
+            path = figure_path("03_trace_choices_smollm2_levels.png")
+            plot_trace(real[2], trace, a.slo, path, "Trace and each chunk's choice, levels measured on SmolLM2")
             print(f"figure: {path}")
 
     ad = runs["adaptive"]
@@ -460,13 +518,15 @@ def main(argv=None):
         "trace_ttft_s": ad.ttft_s,
         "trace_quality": ad.quality,
         "trace_rows": ad.rows,
-        "policies": {name: {"choices": r.choices, "ttft_s": r.ttft_s, "quality": r.quality,
-                            "text_tokens": r.text_tokens, "gpu_s": r.gpu_s} for name, r in runs.items()},
+        "policies": policy_json(runs),
         "steady25_choices": steady.choices,
         "long_trace_choices": long_runs["adaptive"].choices,
         "long_trace_ttft_s": long_runs["adaptive"].ttft_s,
-        "long_policies": {name: {"choices": r.choices, "ttft_s": r.ttft_s, "quality": r.quality,
-                                 "text_tokens": r.text_tokens, "gpu_s": r.gpu_s} for name, r in long_runs.items()},
+        "long_policies": policy_json(long_runs),
+        **({"real_levels": real[0], "real_trace_choices": real[2]["adaptive"].choices,
+            "real_trace_ttft_s": real[2]["adaptive"].ttft_s, "real_trace_quality": real[2]["adaptive"].quality,
+            "real_steady25_choices": real[3].choices,
+            "real_policies": policy_json(real[2])} if real else {}),
         "chunk_sizes": {str(r["chunk_tokens"]): {"ttft_s": r["adaptive"].ttft_s, "quality": r["adaptive"].quality,
                                                  "slo_met": r["adaptive"].ttft_s <= a.slo,
                                                  "choices": r["adaptive"].choices,

