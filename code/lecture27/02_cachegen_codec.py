@@ -115,19 +115,20 @@ def grouping_entropy(Qc, Qe):
     return out
 
 
-def baseline_rows(model, Xc, Xe, ev, T):
-    """Part 2: FP16, zlib on FP16, 8-bit and 6-bit (fixed-length, one step per channel from calibration)."""
+def baseline_rows(Xc, Xe, quality, bits=(8, 6)):
+    """Part 2's baselines: FP16, zlib on FP16, and n-bit fixed-length codes (one step per channel from the
+    calibration contexts' absmax). quality(decoded KV) -> the codec's quality on the evaluation contexts.
+    Returns {name: (bytes/token, quality)}."""
+    T, L, C = Xe.shape[1], Xe.shape[2], Xe.shape[4]
     fp16 = Xe.astype(np.float16)
-    acc16 = kv.answer_accuracy(model, fp16.astype(np.float32), *ev)["acc"]
+    q16 = quality(fp16.astype(np.float32))
     # zlib on each context's FP16 bytes in the cache's own order (layer, K/V, head, token, dim)
-    L, C = Xe.shape[2], Xe.shape[4]
     per_ctx = [np.ascontiguousarray(x.transpose(1, 2, 0, 3)).tobytes() for x in fp16]
     zbytes = sum(len(zlib.compress(b, ZLIB_LEVEL)) for b in per_ctx) / (len(per_ctx) * T)
-    rows = {"FP16": (L * 2 * C * FP16_BYTES, acc16), "zlib on FP16": (zbytes, acc16)}
+    rows = {"FP16": (L * 2 * C * FP16_BYTES, q16), "zlib on FP16": (zbytes, q16)}
     absmax = np.abs(Xc).max(axis=(0, 1))
-    for bits in (8, 6):
-        scale = absmax / ((1 << (bits - 1)) - 1)
-        rows[f"{bits}-bit"] = (L * 2 * C * bits / 8, kv.answer_accuracy(model, kv.uniform_quantize(Xe, bits, scale), *ev)["acc"])
+    for b in bits:
+        rows[f"{b}-bit"] = (L * 2 * C * b / 8, quality(kv.uniform_quantize(Xe, b, absmax / ((1 << (b - 1)) - 1))))
     return rows
 
 
@@ -208,7 +209,7 @@ def compute(args):
     r["sensitivity"] = layer_sensitivity(model, Xe, ev[1:], rms, r["sens_steps"], args.sensitivity_step)
     raw_spec = kv.fit_codec(Xc, specs[ENTROPY_LEVEL].steps, False)
     r["entropy"] = grouping_entropy(kv.quantize(Xc, raw_spec), kv.quantize(Xe, raw_spec))
-    r["baselines"] = baseline_rows(model, Xc, Xe, ev[1:], T)
+    r["baselines"] = baseline_rows(Xc, Xe, lambda X: kv.answer_accuracy(model, X, *ev[1:])["acc"])
     r["coder_one"], r["coder_many"] = coder_check(specs[0], Xe, kv.CODEC_N_CODED)
     r["ex3"] = exercise3(kv.fit_codec(Xc, specs[0].steps, True), Xe, EX3_CONTEXTS)
     r["ex4"] = kv.exercise4(EX4_SAMPLES)
@@ -409,13 +410,7 @@ def compute_real(args):
     steps, delta = np.asarray(study["steps"]), study["delta"]
     target = kv.codec_bits(kv.fit_codec(Xc, steps, delta), Xc)
     base = kv.match_bytes(lambda b: kv.fit_codec(Xc, kv.recipe_steps(rms, b), True), Xc, target)
-    rows = {"FP16": (L * 2 * C * FP16_BYTES, {"nll": prose.ref_e["nll"], "kl": 0.0, "agree": 1.0})}
-    fp16 = Xe.astype(np.float16)
-    rows["zlib on FP16"] = (sum(len(zlib.compress(np.ascontiguousarray(x.transpose(1, 2, 0, 3)).tobytes(), ZLIB_LEVEL))
-                                for x in fp16) / (len(fp16) * T), rows["FP16"][1])
-    absmax = np.abs(Xc).max(axis=(0, 1))
-    for b in (8, 6, 4):
-        rows[f"{b}-bit"] = (L * 2 * C * b / 8, prose.quality(kv.uniform_quantize(Xe, b, absmax / ((1 << (b - 1)) - 1))))
+    rows = baseline_rows(Xc, Xe, prose.quality, bits=(8, 6, 4))
     recipe = cr.measure(prose, kv.fit_codec(Xc, kv.recipe_steps(rms, base), True))
     rows["recipe (anchor+delta, finer shallow)"] = (recipe["bytes_per_token"], recipe)
     level0 = study["levels"][0]

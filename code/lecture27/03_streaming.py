@@ -167,7 +167,6 @@ def explain(setup, runs, trace):
     arrives, against the trace's first drop; how our codec compares with the handout's; the bandwidth
     below which text (recompute chunk by chunk) beats the coarsest level; and which parts of the
     handout's shape the adaptive run shows."""
-    values = tm.kv_bytes_per_token(MODEL) / 2
     finest, coarsest, text = setup.options[0], setup.options[-2], setup.option("text")
     ctx = setup.context_tokens
     recompute_s = sum(setup.recompute_s(f, n) for f, n in setup.plan)      # all text, chunk by chunk
@@ -175,7 +174,7 @@ def explain(setup, runs, trace):
     ad = runs["adaptive"]
     after = [r["choice"] for r in ad.rows if drop and r["start"] >= drop[0]]
     before = [r["choice"] for r in ad.rows if drop and r["start"] < drop[0]]
-    ours_bits = finest.bits_per_token / values
+    ours_bits = finest.bits_per_value
     handout_bits = 8 / HANDOUT["codec_vs_8bit"]
     return {
         "context": ctx, "finest": finest.name, "coarsest": coarsest.name, "coarsest_accuracy": coarsest.accuracy,
@@ -269,7 +268,7 @@ def print_part1(levels, lossless, lossless_src, opts, no_loss, rows, recompute, 
           f"({recompute:.2f} s for the whole context in one batch, time model).\n"
           f"Lossless accuracy (raw, text) = {lossless:.3f}, {lossless_src}.")
     print(table(["option", "bits/value", "GB / context", "accuracy", "break-even vs text"],
-                [[o.name, f"{o.bits_per_token / values:.2f}" if not o.recompute else "-",
+                [[o.name, f"{o.bits_per_value:.2f}" if not o.recompute else "-",
                   f"{o.bits_per_token * CONTEXT / 8e9:.3f}", f"{o.accuracy:.3f}",
                   f"{breakeven[o.name]:.1f} Gb/s" if o.name in breakeven else "-"] for o in opts]))
     print()
@@ -351,10 +350,11 @@ def print_part2_real(levels, setup, runs, steady, trace, slo):
     print()
     print(f"== Part 2c: Part 2 again, with the codec's levels measured on a real LLaMA (SmolLM2-135M; codec_real.py,\n"
           f"the same codec with its steps searched under a KL budget of {cr.REAL_MAX_KL} nats/token on prose)")
+    kv_opts = [o for o in setup.options if not o.recompute]          # the levels, finest first
     print(table(["level", "bits/value", "GB / context", "KL from FP16", "top-1 = FP16's"],
-                [[f"level{lv['level']}", f"{lv['bits_per_value']:.2f}",
-                  f"{lv['bits_per_value'] * tm.kv_bytes_per_token(MODEL) / 2 * setup.context_tokens / 8e9:.3f}",
-                  f"{lv['kl']:.4f}", f"{lv['accuracy']:.1%}"] for lv in levels]))
+                [[o.name, f"{o.bits_per_value:.2f}", f"{o.bits_per_token * setup.context_tokens / 8e9:.3f}",
+                  f"{lv['kl']:.4f}", f"{o.accuracy:.1%}"]
+                 for o, lv in zip(kv_opts, sorted(levels, key=lambda d: d["level"]))]))
     n = levels[0]["positions"]
     p = levels[0]["accuracy"]
     print(f"(top-1 agreement measured on {n} next-token positions of evaluation prose: about +-"
@@ -509,8 +509,7 @@ def main(argv=None):
         "ttft_s_at_gbit_per_s": {f"{r['gbps']:g}": r["ttft"] for r in rows},
         "breakeven_gbit_per_s": breakeven,
         "llama31_70b_12k_recompute_s": recompute,
-        "levels_bits_per_value": {o.name: o.bits_per_token / (tm.kv_bytes_per_token(MODEL) / 2)
-                                  for o in opts if not o.recompute},
+        "levels_bits_per_value": {o.name: o.bits_per_value for o in opts if not o.recompute},
         "llama31_8b_12k_recompute_s": note["recompute_s"],
         "llama31_8b_raw_breakeven_gbit_per_s": note["raw_breakeven_gbit"],
         "llama31_8b_compression_for_25gbit": note["compression_for_handout"],

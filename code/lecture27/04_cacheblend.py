@@ -4,6 +4,8 @@ tokens that matter.
     python code/lecture27/04_cacheblend.py                    # Parts 1-4, three figures
     python code/lecture27/04_cacheblend.py --chunk-len 6      # exercise 6: no record is split
     python code/lecture27/04_cacheblend.py --ratio 0.1        # another recompute ratio
+    python code/lecture27/04_cacheblend.py --locality 0       # a record model trained without the locality
+                                                              # penalty: insight 1 disappears (~80 s to train)
     python code/lecture27/04_cacheblend.py --layers 32 --read-ms 10 --prefill-ms 20   # exercise 8
     python code/lecture27/04_cacheblend.py --json out.json
     python code/lecture27/04_cacheblend.py --model smollm2    # Part 5 only: a real LLaMA (SmolLM2-135M), ~3 min
@@ -13,7 +15,9 @@ Part 1 (§5.2): the city language, 3 chunks x 8 tokens + an 8-token question: fu
 Part 2 (§5.2-5.3): the record world (blend_world.py), chunks of 5: accuracy on split and unsplit
         records under full prefill, full reuse, CacheBlend and a random selection of the same size.
 Part 3 (§5.3): the two insights (deviation is concentrated; adjacent layers agree), layer 0's picks,
-        shorter chunks, and the compute-quality curve.
+        shorter chunks, and the compute-quality curve. The deviation is concentrated because document
+        tokens attend almost only to themselves (and a value to its key): the record model learned that
+        locality from a small penalty (blend_world.LOCALITY), as a pretrained LLM learns it from language.
 Part 4 (§5.4, exercise 8): hiding recompute behind loading, from common/timemodel.py: per layer
         load vs recompute per storage device, the controller's ratio, pipelined TTFT; LLaMA-7B vs 70B.
 Part 5 (--model smollm2; blend_real.py): the same blend() on SmolLM2-135M-Instruct, RAG items of
@@ -132,10 +136,10 @@ def acc_or_none(correct, mask):
     return bw.accuracy(correct, mask) if mask.any() else None
 
 
-def record_experiment(model, rec, chunk_len: int, ratio: float, seed: int) -> dict:
+def record_experiment(model, rec, chunk_len: int, ratio: float, seed: int, pre=None) -> dict:
     split = bw.split_mask(rec, chunk_len)
     res = {}
-    for name, ok in methods(model, rec, chunk_len, ratio, seed).items():
+    for name, ok in methods(model, rec, chunk_len, ratio, seed, pre).items():
         res[name] = {"split": acc_or_none(ok, split), "unsplit": acc_or_none(ok, ~split), "all": bw.accuracy(ok)}
     return res
 
@@ -159,8 +163,8 @@ def top_share(dev: torch.Tensor, frac: float) -> float:
 
 
 @torch.no_grad()
-def insights(model, rec, chunk_len: int, ratio: float, seed: int) -> dict:
-    pre = bw.precompute_chunks(model, rec.doc, chunk_len)
+def insights(model, rec, chunk_len: int, ratio: float, seed: int, pre=None) -> dict:
+    pre = pre if pre is not None else bw.precompute_chunks(model, rec.doc, chunk_len)
     dev = bw.kv_deviation(model, rec, chunk_len, pre)          # (L, B, N)
     L = dev.shape[0]
     per_layer_top = [top_share(dev[i], TOP_SHARE) for i in range(1, L)]
@@ -183,16 +187,18 @@ def insights(model, rec, chunk_len: int, ratio: float, seed: int) -> dict:
             "chunk_initial_value_share": first_share, "deviation": dev}
 
 
-def curve(model, rec, seed: int, ratios=CURVE_RATIOS, chunk_lens=CURVE_CHUNK_LENS) -> dict:
-    """Split-record accuracy against the recompute ratio, CacheBlend and random, per chunk length."""
+def curve(model, rec, seed: int, ratios=CURVE_RATIOS, chunk_lens=CURVE_CHUNK_LENS, pre: dict | None = None) -> dict:
+    """Split-record accuracy against the recompute ratio, CacheBlend and random, per chunk length
+    (pre: chunk length -> its precomputed chunks, where already at hand)."""
     out = {}
     for c in chunk_lens:
-        pre = bw.precompute_chunks(model, rec.doc, c)
+        pre_c = (pre or {}).get(c)
+        pre_c = pre_c if pre_c is not None else bw.precompute_chunks(model, rec.doc, c)
         split = bw.split_mask(rec, c)
         for how in ("deviation", "random"):
             g = torch.Generator().manual_seed(seed + 7)
             out[(c, how)] = [bw.accuracy(bw.answer_correct(
-                bw.blend(model, rec, c, r, select=how, generator=g, pre=pre), rec), split) for r in ratios]
+                bw.blend(model, rec, c, r, select=how, generator=g, pre=pre_c), rec), split) for r in ratios]
     return out
 
 
@@ -458,7 +464,8 @@ def main():
     bw.plot_training(meta, figure_path("04_record_world_training.png"))
     rec = bw.heldout(a.docs)
     split_ids = bw.split_records(a.chunk_len)
-    res = record_experiment(model, rec, a.chunk_len, a.ratio, a.seed)
+    pre = bw.precompute_chunks(model, rec.doc, a.chunk_len)   # the chunks, precomputed once for Parts 2-3
+    res = record_experiment(model, rec, a.chunk_len, a.ratio, a.seed, pre)
     names = list(res)
     hkeys = {names[0]: ("split_acc_full", "-"), names[1]: ("split_acc_reuse", "unsplit_acc_reuse"),
              names[2]: ("split_acc_blend20", "-"), names[3]: ("split_acc_random20", "-")}
@@ -475,7 +482,7 @@ def main():
                       f"(values at positions {[2 * i + 1 for i in split_ids]}); {n_split} questions on split "
                       f"records, {rec.answers.numel() - n_split} on unsplit; chance 1/12 = 8.3%."))
     if not split_ids:
-        same = bool((bw.full_reuse(model, rec, a.chunk_len)[:, bw.answer_slots(12)].argmax(-1)
+        same = bool((bw.full_reuse(model, rec, a.chunk_len, pre)[:, bw.answer_slots(12)].argmax(-1)
                      == bw.full_prefill(model, rec)[:, bw.answer_slots(12)].argmax(-1)).all())
         print(f"exercise 6: chunk length {a.chunk_len} splits no record; full reuse answers "
               f"{'exactly as' if same else 'NOT as'} full prefill does ({pct(res[names[1]]['all'])} vs "
@@ -486,8 +493,8 @@ def main():
                 "train_seconds": m["train_seconds"], "drop_step": m["drop_step"], "heldout_acc": m["heldout_acc"]})
 
     # ---------------------------------------------------------------- Part 3
-    ins = insights(model, rec, a.chunk_len, a.ratio, a.seed)
-    cv = curve(model, rec, a.seed)
+    ins = insights(model, rec, a.chunk_len, a.ratio, a.seed, pre)
+    cv = curve(model, rec, a.seed, pre={a.chunk_len: pre})
     chunk3 = cv[(3, "deviation")][CURVE_RATIOS.index(0.2)]
     corr = ins["adjacent_layer_rank_corr"]
     elsewhere = bw.doc_attention_elsewhere(model, rec)

@@ -678,7 +678,8 @@ def codec_study(model, calib, evalset, progress: bool = True) -> dict:
     steps, trace = search_steps(evaluate, rms, fp16_c["acc"] - MEASURE_TOL, progress=bar)
     bar.close()
     # deltas or raw values: whichever codes the calibration contexts in fewer bits at these steps
-    bits = {d: codec_bits(fit_codec(Xc, steps, d), Xc) for d in (True, False)}
+    fitted = {d: fit_codec(Xc, steps, d) for d in (True, False)}     # level 0 both ways
+    bits = {d: codec_bits(spec, Xc) for d, spec in fitted.items()}
     delta = bits[True] < bits[False]
 
     def measure(spec):
@@ -691,14 +692,13 @@ def codec_study(model, calib, evalset, progress: bool = True) -> dict:
 
     levels, specs = [], []
     for i in tqdm(range(N_LEVELS), desc="codec: levels", disable=not progress, leave=False):
-        spec = fit_codec(Xc, steps * LEVEL_FACTOR ** i, delta, level=i)
+        spec = fitted[delta] if i == 0 else fit_codec(Xc, steps * LEVEL_FACTOR ** i, delta, level=i)
         specs.append(spec_to_dict(spec))
         levels.append({"level": i, **measure(spec), "fp16_accuracy": fp16_e["acc"]})
     variants = {"delta" if delta else "raw": levels[0],
-                "raw" if delta else "delta": measure(fit_codec(Xc, steps, not delta))}
+                "raw" if delta else "delta": measure(fitted[not delta])}
     # the recipe as published, at the size of level 0: deltas, 3 layer groups, finer steps in shallow layers
-    target = codec_bits(fit_codec(Xc, steps, delta), Xc)
-    base = match_bytes(lambda b: fit_codec(Xc, recipe_steps(rms, b), True), Xc, target)
+    base = match_bytes(lambda b: fit_codec(Xc, recipe_steps(rms, b), True), Xc, bits[delta])
     recipe = fit_codec(Xc, recipe_steps(rms, base), True)
     recipe_out = {**measure(recipe), "steps_over_rms": (recipe.steps / rms).tolist(), "spec": spec_to_dict(recipe)}
     return {"acc_fp16_calib": fp16_c["acc"], "acc_fp16": fp16_e["acc"], "nll_fp16": fp16_e["nll"],

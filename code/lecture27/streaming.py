@@ -129,6 +129,7 @@ class Option:
     bits_per_token: float  # on the link
     accuracy: float      # answer accuracy of a chunk fetched this way
     recompute: bool = False
+    bits_per_value: float | None = None  # KV options: the codec's bits per K/V value (raw: 16)
 
 
 def kv_options(levels: list[dict], model, lossless_accuracy: float, with_raw=False) -> list[Option]:
@@ -136,9 +137,9 @@ def kv_options(levels: list[dict], model, lossless_accuracy: float, with_raw=Fal
     values per token (K and V, all layers: kv_bytes_per_token / 2 at 2 bytes each); text last.
     Level order (finest first) is the policy's preference order."""
     values = tm.kv_bytes_per_token(model) / 2
-    opts = [Option("raw", 16 * values, lossless_accuracy)] if with_raw else []
-    opts += [Option(f"level{lv['level']}", lv["bits_per_value"] * values, lv["accuracy"])
-             for lv in sorted(levels, key=lambda d: d["level"])]
+    opts = [Option("raw", 16 * values, lossless_accuracy, bits_per_value=16.0)] if with_raw else []
+    opts += [Option(f"level{lv['level']}", lv["bits_per_value"] * values, lv["accuracy"],
+                    bits_per_value=lv["bits_per_value"]) for lv in sorted(levels, key=lambda d: d["level"])]
     return opts + [Option("text", 8 * TEXT_BYTES_PER_TOKEN, lossless_accuracy, recompute=True)]
 
 
@@ -316,11 +317,7 @@ def oracle(setup: Setup, trace: Trace, slo_s: float) -> Result:
 
 # ---------------------------------------------------------------------------- Part 1: one shot
 def whole_context_ttft(model, gpu, n_gpus, n_ctx, gbps, options, half_tokens=HALF_EFFICIENCY_TOKENS) -> dict:
-    """Seconds until n_ctx tokens of context are on the GPU over a steady link, per option (one batch)."""
-    out = {}
-    for o in options:
-        t = o.bits_per_token * n_ctx / (gbps * GBIT)
-        if o.recompute:
-            t += tm.prefill_time(model, gpu, n_ctx, 0, n_gpus) * batch_slowdown(n_ctx, half_tokens)
-        out[o.name] = t
-    return out
+    """Seconds until n_ctx tokens of context are on the GPU over a steady link, per option: the whole
+    context as one chunk (one transfer, or one recompute batch)."""
+    setup = Setup(model, gpu, n_gpus, ((0, n_ctx),), tuple(options), half_tokens)
+    return {o.name: predict_s(setup, (0, n_ctx), o, gbps) for o in options}
