@@ -235,7 +235,8 @@ def test_codec_table_acceptance(record):
     """Measured codec >= 1.5x smaller than 8-bit within 0.5 points of FP16; the recipe below 6-bit's
     accuracy; zlib on FP16 between 1.0x and 1.3x."""
     s, m = record["study"], record["model"]
-    rows = record["script"].baseline_rows(m, record["Xc"], record["Xe"], record["ev"][1:], record["Xe"].shape[1])
+    rows = record["script"].baseline_rows(record["Xc"], record["Xe"],
+                                          lambda X: kv.answer_accuracy(m, X, *record["ev"][1:])["acc"])
     measured = s["variants"]["delta" if s["delta"] else "raw"]
     assert rows["8-bit"][0] / measured["bytes_per_token"] >= 1.5
     assert measured["accuracy"] >= rows["FP16"][1] - 0.005
