@@ -3,7 +3,6 @@ command line). Levels here are synthetic: the tests check the mechanism, not the
 import importlib.util
 import itertools
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path

@@ -128,7 +128,7 @@ def train_lm(model: Llama, batch_fn, steps: int, lr: float, warmup: int = 100, m
     eval_fn(model, step) -> dict of metrics, recorded every eval_every steps (model in eval mode).
     extra_loss(model, step) -> scalar tensor added to the loss after each forward (e.g. a penalty on the
     attention weights the forward kept); its values are recorded under "extra".
-    Returns {"step": [...], "loss": [...], "evals": [{"step": s, ...}]}.
+    Returns {"step": [...], "loss": [...], "evals": [{"step": s, ...}], "extra": [...]}.
     """
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))

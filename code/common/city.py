@@ -15,7 +15,6 @@ it, and the tests check how close.
 """
 from __future__ import annotations
 
-import math
 import random
 
 import torch

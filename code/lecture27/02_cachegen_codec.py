@@ -446,7 +446,7 @@ def report_real(r):
     print(table(["codec", "bytes/token", "ratio to FP16", "NLL (nats/token)", "KL from FP16", "top-1 = FP16's"], rows,
                 f"Part 2 (real model). Continuations of {cr.REAL_CONTINUATION} tokens attending to the decoded context KV "
                 f"(coded rows: bytes of {cr.REAL_CODED} contexts really coded, bit-exact round trip checked)"))
-    print(f"Measured steps / RMS (shallow, middle, deep thirds; K / V): "
+    print("Measured steps / RMS (shallow, middle, deep thirds; K / V): "
           + ", ".join(f"{k:.3g} / {v:.3g}" for k, v in r["rel_steps"])
           + f"; KL from FP16 kept below {cr.REAL_MAX_KL} nats/token on calibration prose; recipe sized to the same bytes.")
     print()

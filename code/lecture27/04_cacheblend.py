@@ -456,11 +456,11 @@ def main():
     except TrainingFailed as e:
         print(f"\n!!! {e}\n", file=sys.stderr)
         sys.exit(1)
-    m = meta["metrics"]
+    m, loc = meta["metrics"], meta["ident"]["train"]["locality"]
     print(f"\nrecord world model: trained {meta['ident']['train']['steps']} steps in {m['train_seconds']:.0f} s, "
           f"accuracy crossed 50% at step {m['drop_step']} (handout: {HANDOUT['train']}); "
-          f"held-out {m['heldout_acc']:.2%} on {m['heldout_questions']} questions; locality penalty "
-          f"{meta['ident']['train']['locality']}" + (f" from step {m['locality_from_step']}" if meta['ident']['train']['locality'] else ""))
+          f"held-out {m['heldout_acc']:.2%} on {m['heldout_questions']} questions; locality penalty {loc}"
+          + (f" from step {m['locality_from_step']}" if loc else ""))
     bw.plot_training(meta, figure_path("04_record_world_training.png"))
     rec = bw.heldout(a.docs)
     split_ids = bw.split_records(a.chunk_len)

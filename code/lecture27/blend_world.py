@@ -62,9 +62,9 @@ DATA_VERSION = "records-v2"  # bump when the generator changes: the checkpoint i
 #    LOCALITY_RAMP steps. Why: a pretrained LLM attends mostly to nearby tokens (and to a sink), so
 #    cross-chunk attention is sparse and few tokens' KV deviate under reuse - the premise of
 #    CacheBlend's HKVD tokens (§5.3, insight 1). Random records cannot teach that habit: trained
-#    without the penalty (LOCALITY = 0), document tokens spread 50-80% of their attention over the
-#    other chunks for no reason, every token after the first chunk deviates, and the top 15% of
-#    tokens hold only about half of the deviation. A value still looks at its key: the answers need it,
+#    without the penalty (LOCALITY = 0), document tokens put 80-90% of their attention on other
+#    tokens, much of it in other chunks, for no reason; every token after the first chunk deviates,
+#    and the top 15% of tokens hold only about half of the deviation. A value still looks at its key: the answers need it,
 #    and they outweigh the penalty. Switched on from step 0, the penalty keeps the induction head
 #    from ever forming (a value must first discover that its key is worth looking at).
 LOCALITY = 0.3           # exercise: set 0, rerun 04_cacheblend.py, and watch insight 1 disappear

@@ -121,6 +121,7 @@ def measure(prose: Prose, spec) -> dict:
     T, values = Xe.shape[1], Xe.shape[2] * 2 * Xe.shape[4]
     data = [kv.codec_encode(x, spec) for x in Xe[:REAL_CODED]]
     exact = all(np.array_equal(kv.codec_decode(b, spec), kv.quantize(x, spec)) for b, x in zip(data, Xe))
+    assert exact, "the arithmetic-coded bitstream did not decode bit for bit"   # a bug, never a tuning matter
     n_bytes = sum(map(len, data)) / (len(data) * T)
     return {"bytes_per_token": n_bytes, "bits_per_value": 8 * n_bytes / values, "roundtrip_exact": exact,
             **prose.quality(kv.dequantize(kv.quantize(Xe, spec), spec))}

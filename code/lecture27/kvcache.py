@@ -299,7 +299,6 @@ def exercise4(n: int = 100_000, seed: int = 0) -> dict:
 # byte length (varint), then one arithmetic-coded payload per group.
 import functools  # noqa: E402
 import struct  # noqa: E402
-import time  # noqa: E402
 import zlib  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
@@ -422,7 +421,7 @@ def fit_codec(calib, steps, delta: bool, level: int = 0, group: int = CODEC_GROU
     |value| / 127), the symbol radius (largest |symbol| seen, plus a margin, then clipped), and one
     table per (layer, K/V, channel) from the counts of each symbol."""
     calib = np.asarray(calib, np.float32)
-    L, C = calib.shape[-3], calib.shape[-1]
+    L = calib.shape[-3]
     steps = np.broadcast_to(np.asarray(steps, np.float32), (L, 2)).copy()
     if not np.all(steps > 0):
         raise ValueError("quantization steps must be positive")
