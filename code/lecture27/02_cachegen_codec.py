@@ -407,8 +407,8 @@ def compute_real(args):
     Xc, Xe = prose.Xc, prose.Xe
     L, C, T = Xe.shape[2], Xe.shape[4], Xe.shape[1]
     rms = kv.kv_rms(Xc)
-    steps, delta = np.asarray(study["steps"]), study["delta"]
-    target = kv.codec_bits(kv.fit_codec(Xc, steps, delta), Xc)
+    delta = study["delta"]
+    target = study["calib_bits"]["delta" if delta else "raw"]   # the measured codec's bits on calibration KV
     base = kv.match_bytes(lambda b: kv.fit_codec(Xc, kv.recipe_steps(rms, b), True), Xc, target)
     rows = baseline_rows(Xc, Xe, prose.quality, bits=(8, 6, 4))
     recipe = cr.measure(prose, kv.fit_codec(Xc, kv.recipe_steps(rms, base), True))

@@ -103,13 +103,9 @@ def fit(prose: Prose, progress: bool = True) -> dict:
     rel, _ = kv.search_steps(evaluate, np.ones((3, 2)), -REAL_MAX_KL, start=REAL_STEP_START, progress=bar)
     bar.close()
     steps = rms * rel[third]
-    bits = {d: kv.codec_bits(kv.fit_codec(Xc, steps, d), Xc) for d in (True, False)}
-    delta = bool(bits[True] < bits[False])
-    levels = []
-    for i in range(kv.N_LEVELS):
-        spec = kv.fit_codec(Xc, steps * kv.LEVEL_FACTOR ** i, delta, level=i)
-        levels.append({"level": i, **measure(prose, spec)})
-    return {"rel_steps": rel.tolist(), "steps": steps.tolist(), "delta": delta,
+    specs, bits, _ = kv.level_specs(Xc, steps)
+    levels = [{"level": i, **measure(prose, spec)} for i, spec in enumerate(specs)]
+    return {"rel_steps": rel.tolist(), "steps": steps.tolist(), "delta": specs[0].delta,
             "calib_bits": {"delta": bits[True], "raw": bits[False]}, "levels": levels,
             "tokens_per_context": T, "values_per_token": L * 2 * C}
 

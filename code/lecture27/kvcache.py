@@ -1,5 +1,5 @@
-"""The lecture's KV toolbox: the KV ledger (sections 1), the arithmetic coder and the CacheGen-style
-codec (section 3), and `shift_kv` (section 5). Pure functions that return data; the numbered
+"""The lecture's KV toolbox: the KV ledger (section 1), the arithmetic coder and the CacheGen-style
+codec (sections 2-3), and `shift_kv` (section 4). Pure functions that return data; the numbered
 scripts print and plot.
 
 Sections of this file (each owned by one part of the lecture):
@@ -649,6 +649,17 @@ def spec_from_dict(d: dict) -> CodecSpec:
                      int(d["level"]), int(d["group"]))
 
 
+def level_specs(Xc, steps):
+    """The measured codec's N_LEVELS specs fitted on calibration KV Xc at level 0's steps: deltas or raw
+    values, whichever codes Xc in fewer bits; level i uses steps x LEVEL_FACTOR^i.
+    -> (specs finest first, {delta: calibration bits at level 0}, level 0's spec in the other mode)."""
+    fitted = {d: fit_codec(Xc, steps, d) for d in (True, False)}
+    bits = {d: codec_bits(spec, Xc) for d, spec in fitted.items()}
+    delta = bool(bits[True] < bits[False])
+    specs = [fitted[delta]] + [fit_codec(Xc, steps * LEVEL_FACTOR ** i, delta, level=i) for i in range(1, N_LEVELS)]
+    return specs, bits, fitted[not delta]
+
+
 CODEC_N_CALIB = 1000       # calibration documents: tables, anchor scales, the step search
 CODEC_N_EVAL = 2000        # evaluation documents (another seed): the accuracy reported
 CODEC_N_CODED = 200        # evaluation contexts really coded to bytes (bytes/token); the coder is exact,
@@ -676,10 +687,8 @@ def codec_study(model, calib, evalset, progress: bool = True) -> dict:
 
     steps, trace = search_steps(evaluate, rms, fp16_c["acc"] - MEASURE_TOL, progress=bar)
     bar.close()
-    # deltas or raw values: whichever codes the calibration contexts in fewer bits at these steps
-    fitted = {d: fit_codec(Xc, steps, d) for d in (True, False)}     # level 0 both ways
-    bits = {d: codec_bits(spec, Xc) for d, spec in fitted.items()}
-    delta = bits[True] < bits[False]
+    specs_fit, bits, other = level_specs(Xc, steps)
+    delta = specs_fit[0].delta
 
     def measure(spec):
         acc = answer_accuracy(model, dequantize(quantize(Xe, spec), spec), *evalset[1:])
@@ -691,11 +700,11 @@ def codec_study(model, calib, evalset, progress: bool = True) -> dict:
 
     levels, specs = [], []
     for i in tqdm(range(N_LEVELS), desc="codec: levels", disable=not progress, leave=False):
-        spec = fitted[delta] if i == 0 else fit_codec(Xc, steps * LEVEL_FACTOR ** i, delta, level=i)
+        spec = specs_fit[i]
         specs.append(spec_to_dict(spec))
         levels.append({"level": i, **measure(spec), "fp16_accuracy": fp16_e["acc"]})
     variants = {"delta" if delta else "raw": levels[0],
-                "raw" if delta else "delta": measure(fitted[not delta])}
+                "raw" if delta else "delta": measure(other)}
     # the recipe as published, at the size of level 0: deltas, 3 layer groups, finer steps in shallow layers
     base = match_bytes(lambda b: fit_codec(Xc, recipe_steps(rms, b), True), Xc, bits[delta])
     recipe = fit_codec(Xc, recipe_steps(rms, base), True)
