@@ -166,3 +166,16 @@ def test_trained_model_concentrates_kv_deviation():
     assert float(dev[1][:, firsts].sum() / dev[1].sum()) >= 0.9
     assert max(bw.doc_attention_elsewhere(model, rec)[1:]) <= 0.05
     assert meta["metrics"]["locality_from_step"] == meta["metrics"]["drop_step"]
+
+
+def test_spearman_hand_worked():
+    """Rank correlation on cases worked by hand: perfect, reversed, and ties sharing their mean rank
+    (a = 1 2 2 3 -> ranks 1 2.5 2.5 4 against 1 2 3 4: 4.5 / sqrt(4.5 * 5) = 0.94868)."""
+    up = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    assert bw.spearman(up, up * 10) == pytest.approx(1.0)
+    assert bw.spearman(up, -up) == pytest.approx(-1.0)
+    assert bw.average_ranks(torch.tensor([[1.0, 2.0, 2.0, 3.0]])).tolist() == [[1.0, 2.5, 2.5, 4.0]]
+    assert bw.spearman(torch.tensor([[1.0, 2.0, 2.0, 3.0]]), up) == pytest.approx(4.5 / math.sqrt(22.5), abs=1e-12)
+    # a monotone but non-linear map keeps rho = 1 (ranks, not values); a constant row is left out
+    x = torch.tensor([[0.1, 5.0, 0.3, 2.0], [1.0, 1.0, 1.0, 1.0]])
+    assert bw.spearman(x, x.exp()) == pytest.approx(1.0)

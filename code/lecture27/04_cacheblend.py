@@ -145,15 +145,6 @@ def record_experiment(model, rec, chunk_len: int, ratio: float, seed: int, pre=N
 
 
 # ============================================================================ Part 3: insights
-def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Mean over rows of the rank correlation of a and b (B, N); ties share their average rank."""
-    from scipy.stats import spearmanr
-
-    vals = [spearmanr(x, y).statistic for x, y in zip(a.tolist(), b.tolist())]
-    vals = [v for v in vals if not math.isnan(v)]
-    return float(sum(vals) / len(vals))
-
-
 def top_share(dev: torch.Tensor, frac: float) -> float:
     """Mean over rows of the share of the row's total held by its top ceil(frac N) entries."""
     k = math.ceil(frac * dev.shape[1] - 1e-9)
@@ -168,9 +159,9 @@ def insights(model, rec, chunk_len: int, ratio: float, seed: int, pre=None) -> d
     dev = bw.kv_deviation(model, rec, chunk_len, pre)          # (L, B, N)
     L = dev.shape[0]
     per_layer_top = [top_share(dev[i], TOP_SHARE) for i in range(1, L)]
-    corr = [spearman(dev[i], dev[i + 1]) for i in range(1, L - 1)]
+    corr = [bw.spearman(dev[i], dev[i + 1]) for i in range(1, L - 1)]
     _, trace = bw.blend(model, rec, chunk_len, ratio, pre=pre, trace=True)
-    corr0 = spearman(trace.attn_dev0, dev[1])                 # layer 0's attention deviation vs layer 1's KV deviation
+    corr0 = bw.spearman(trace.attn_dev0, dev[1])                 # layer 0's attention deviation vs layer 1's KV deviation
     # layer 0's picks vs the chunk-initial values (the split records' values)
     firsts = [2 * i + 1 for i in bw.split_records(chunk_len)]
     picks = trace.recomputed[0]
@@ -269,7 +260,7 @@ def real_model_part(a) -> dict:
     L = dev.shape[0]
     res["top15_per_layer"] = [top_share(dev[i], TOP_SHARE) for i in range(1, L)]
     res["top15"] = sum(res["top15_per_layer"]) / (L - 1)
-    res["corr"] = [spearman(dev[i], dev[i + 1]) for i in range(1, L - 1)]
+    res["corr"] = [bw.spearman(dev[i], dev[i + 1]) for i in range(1, L - 1)]
     res["model_name"], res["n_layers"] = Path(info["path"]).stem, L
     try:  # the toy model's figures beside the real one's (the cached record-world model, 200 documents)
         toy, _ = bw.record_model()

@@ -328,6 +328,24 @@ def kv_deviation(model: Llama, rec: Records, chunks, pre: KVCache | None = None,
                         + (pre.v[i] - full.v[i][:, :, :N]).pow(2).sum((1, 3)) for i in range(model.cfg.n_layers)])
 
 
+def average_ranks(x: torch.Tensor) -> torch.Tensor:
+    """Ranks 1..N of each row of x (B, N); tied values share the mean of the ranks they span:
+    rank(x_i) = #{j: x_j < x_i} + (#{j: x_j = x_i} + 1) / 2."""
+    rows = [((r[None, :] < r[:, None]).sum(1) + ((r[None, :] == r[:, None]).sum(1) + 1) / 2) for r in x]
+    return torch.stack(rows).to(torch.float64)
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean over rows of Spearman's rank correlation of a and b (B, N): the Pearson correlation of
+    their average ranks (ties share their mean rank). Rows where either side is constant have no
+    correlation and are left out."""
+    ra, rb = average_ranks(a), average_ranks(b)
+    ra, rb = ra - ra.mean(-1, keepdim=True), rb - rb.mean(-1, keepdim=True)
+    den = (ra.pow(2).sum(-1) * rb.pow(2).sum(-1)).sqrt()
+    ok = den > 0
+    return float(((ra * rb).sum(-1)[ok] / den[ok]).mean())
+
+
 @contextmanager
 def kept_attention(model: Llama):
     """Inside, every layer keeps its attention weights (Block.keep_weights: the explicit softmax)."""
