@@ -130,3 +130,35 @@ def test_shift_kv_equals_recomputing_at_the_new_position(smol):
     wrong = (shift_kv(at0.k[0], delta, theta=10000.0) - moved.k[0]).norm() / moved.k[0].norm()
     assert wrong > 0.1  # the theta matters: LLaMA-2's 10000 is not this model's
     torch.testing.assert_close(at0.v[-1], moved.v[-1], atol=1e-4, rtol=1e-4)  # V never moves
+
+
+def _gguf_of_arch(path, arch):
+    """A tiny, valid GGUF file whose metadata names another architecture."""
+    import numpy as np
+    from gguf import GGUFWriter
+    w = GGUFWriter(str(path), arch)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("script", ["02_cachegen_codec", "04_cacheblend"])
+@pytest.mark.parametrize("kind", ["missing", "not gguf", "gpt2", "truncated"])
+def test_bad_gguf_is_one_line_and_exit_2(script, kind, tmp_path, monkeypatch, capsys):
+    """Every --gguf that cannot be loaded: one line on stderr, exit code 2, no traceback."""
+    import importlib
+    import sys
+    path = {"missing": lambda: tmp_path / "nope.gguf",
+            "not gguf": lambda: (tmp_path / "passwd").write_text("root:x:0:0\n") and tmp_path / "passwd",
+            "gpt2": lambda: _gguf_of_arch(tmp_path / "gpt2.gguf", "gpt2"),
+            "truncated": lambda: (tmp_path / "t.gguf").write_bytes(b"GGUF\x03\x00") and tmp_path / "t.gguf"}[kind]()
+    mod = importlib.import_module(script)
+    monkeypatch.setattr(sys, "argv", [script + ".py", "--model", "smollm2", "--gguf", str(path)])
+    with pytest.raises(SystemExit) as e:
+        mod.main()
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(path) in err and "Traceback" not in err

@@ -53,15 +53,34 @@ def find_smollm2_gguf() -> Path | None:
     return None
 
 
+def gguf_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be loaded as a LLaMA (one line), or None when it can: the file must exist,
+    start with the GGUF magic, and describe a plain LLaMA (read_config's checks)."""
+    path = Path(path)
+    if not path.is_file():
+        return f"no such GGUF file: {path}"
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            return f"{path} is not a GGUF file (it does not begin with the bytes 'GGUF')"
+    try:
+        from gguf import GGUFReader
+        read_config(GGUFReader(path))
+    except Exception as e:  # truncated file, foreign architecture, unsupported RoPE, ...
+        return f"{path} is not a LLaMA GGUF file this loader can read ({type(e).__name__}: {e})"
+    return None
+
+
 def smollm2_or_explain(gguf_path: str | Path | None = None, say=print) -> Path | None:
-    """The GGUF file to use (an explicit `--gguf PATH`, else the wheel's), or None after saying
-    how to install it. Scripts call this and skip their real-model part on None."""
+    """The GGUF file to use, for a script's `--model smollm2 [--gguf PATH]`.
+    An explicit PATH that cannot be loaded is bad input: one line on stderr and exit code 2.
+    Without one, the wheel's file, or None after saying how to install it (the script then skips
+    its real-model part)."""
     if gguf_path is not None:
-        path = Path(gguf_path)
-        if path.is_file():
-            return path
-        say(f"GGUF file not found: {path}")
-        return None
+        from .cli import fail
+        problem = gguf_problem(gguf_path)
+        if problem:
+            fail(problem)
+        return Path(gguf_path)
     path = find_smollm2_gguf()
     if path is None:
         say(f"SmolLM2 {INSTALL_HINT}  (the real-model part is skipped)")
