@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import kvcache as kv  # noqa: E402
+import ledger  # noqa: E402
 from common import timemodel as tm  # noqa: E402
 from common.cli import Parser, figure_path, nonneg_float, positive_float, positive_int, fraction, table, write_json  # noqa: E402
 
@@ -63,25 +63,25 @@ HANDOUT = {
 def part1(bpv, contexts):
     rows = {}
     for key, m in tm.MODELS.items():
-        rows[key] = {**kv.kv_layout(m), "tag": m.tag, "name": m.name,
+        rows[key] = {**ledger.kv_layout(m), "tag": m.tag, "name": m.name,
                      "bytes_per_token": tm.kv_bytes_per_token(m, bpv),
-                     "sizes": {n: kv.kv_bytes(m, n, bpv) for n in contexts}}
-    day = kv.gpu_day_bytes(DAY_MODEL, DAY_TOKENS_PER_S, bpv)
+                     "sizes": {n: ledger.kv_bytes(m, n, bpv) for n in contexts}}
+    day = ledger.gpu_day_bytes(DAY_MODEL, DAY_TOKENS_PER_S, bpv)
     return rows, day
 
 
 def part2(model, gpu, n_gpus, contexts, recompute_ctx, compression, bpv):
-    rows = kv.fetch_or_recompute(model, gpu, n_gpus, contexts, kv.TIERS, 1.0, bpv)
+    rows = ledger.fetch_or_recompute(model, gpu, n_gpus, contexts, ledger.TIERS, 1.0, bpv)
     ex2 = {"context": recompute_ctx, "recompute_s": tm.prefill_time(model, gpu, recompute_ctx, 0, n_gpus),
-           "raw_bytes": kv.kv_bytes(model, recompute_ctx, bpv),
-           "threshold_bytes_per_s": kv.breakeven_bandwidth(model, gpu, recompute_ctx, n_gpus, compression, bpv)}
+           "raw_bytes": ledger.kv_bytes(model, recompute_ctx, bpv),
+           "threshold_bytes_per_s": ledger.breakeven_bandwidth(model, gpu, recompute_ctx, n_gpus, compression, bpv)}
     return rows, ex2
 
 
 def part3(a, bpv):
-    slides = kv.slides_economics(a.gpu_hour_usd, GPUS_PER_NODE, STORAGE_TB_PER_NODE, a.storage_usd_per_tb_hour,
+    slides = ledger.slides_economics(a.gpu_hour_usd, GPUS_PER_NODE, STORAGE_TB_PER_NODE, a.storage_usd_per_tb_hour,
                                  a.hit_saves, a.hit_rate, a.nodes, a.years)
-    ours = [kv.context_economics(a.model, a.gpu, a.n_gpus, n, a.gpu_hour_usd, a.storage_usd_per_tb_hour, bpv)
+    ours = [ledger.context_economics(a.model, a.gpu, a.n_gpus, n, a.gpu_hour_usd, a.storage_usd_per_tb_hour, bpv)
             for n in sorted(set(ECON_CONTEXTS + [STORE_CONTEXT]))]
     return slides, ours
 
@@ -135,7 +135,7 @@ def print_part2(rows, ex2, a):
     print(f"time model: MFU {tm.MFU:.3f} (fitted to {tm.ANCHOR_1GPU[0]} {tm.ANCHOR_1GPU[2]:,} tokens on 1 {tm.ANCHOR_1GPU[1]} "
           f"= {tm.ANCHOR_1GPU[4]} s), TP all-reduce efficiency {tm.TP_COMM_EFFICIENCY:.3f} (fitted to "
           f"{tm.ANCHOR_TP[0]} {tm.ANCHOR_TP[2]:,} tokens on {tm.ANCHOR_TP[3]} {tm.ANCHOR_TP[1]} = {tm.ANCHOR_TP[4]} s)")
-    print("tiers: " + ", ".join(f"{k} {bw / 1e9:g} GB/s" for k, bw in kv.TIERS.items()))
+    print("tiers: " + ", ".join(f"{k} {bw / 1e9:g} GB/s" for k, bw in ledger.TIERS.items()))
     is_ref = a.model == "llama-3.1-70b" and a.gpu == "H100" and a.n_gpus == 8
     body = []
     for r in rows:
@@ -148,7 +148,7 @@ def print_part2(rows, ex2, a):
                      f"{r['breakeven_bytes_per_s'] / 1e9:.2f}"]
                     + [f"{t:.3f}" + ("*" if t > r["recompute_s"] else " ") for t in r["fetch_s"].values()]
                     + [", ".join(ref) or "-"])
-    print(table(["context", "KV", "recompute s", "break-even GB/s"] + [f"{k} s" for k in kv.TIERS] + ["handout"], body))
+    print(table(["context", "KV", "recompute s", "break-even GB/s"] + [f"{k} s" for k in ledger.TIERS] + ["handout"], body))
     print("  * slower than recomputing: storing it there was wasted")
 
     thr = ex2["threshold_bytes_per_s"]
@@ -220,7 +220,7 @@ def plot(a, bpv):
     for key, m in tm.MODELS.items():
         b = tm.kv_bytes_per_token(m, bpv)
         label = f"{m.name} ({m.tag.split(',')[0]})" + (f" = {seen[b]}" if b in seen else "")
-        ax.plot(ctx, [kv.kv_bytes(m, n, bpv) for n in ctx], "--" if b in seen else "-", marker=".", label=label)
+        ax.plot(ctx, [ledger.kv_bytes(m, n, bpv) for n in ctx], "--" if b in seen else "-", marker=".", label=label)
         seen.setdefault(b, m.name)
     ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="KV bytes",
            title="KV size vs context length (handout §1.2)")
@@ -231,11 +231,11 @@ def plot(a, bpv):
 
     ctx = [2 ** i for i in range(9, 18)]  # 512 .. 128K
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(ctx, [kv.breakeven_bandwidth(a.model, a.gpu, n, a.n_gpus, 1.0, bpv) / 1e9 for n in ctx],
+    ax.plot(ctx, [ledger.breakeven_bandwidth(a.model, a.gpu, n, a.n_gpus, 1.0, bpv) / 1e9 for n in ctx],
             "k-o", label="break-even (raw KV)")
-    ax.plot(ctx, [kv.breakeven_bandwidth(a.model, a.gpu, n, a.n_gpus, a.compression, bpv) / 1e9 for n in ctx],
+    ax.plot(ctx, [ledger.breakeven_bandwidth(a.model, a.gpu, n, a.n_gpus, a.compression, bpv) / 1e9 for n in ctx],
             "k--", label=f"break-even ({a.compression:g}x compressed)")
-    for (name, bw), c in zip(kv.TIERS.items(), ["C0", "C1", "C2", "C3"]):
+    for (name, bw), c in zip(ledger.TIERS.items(), ["C0", "C1", "C2", "C3"]):
         ax.axhline(bw / 1e9, color=c, lw=1.5, label=f"{name} ({bw / 1e9:g} GB/s)")
     ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="GB/s",
            title=f"A tier above the black line fetches faster than recomputing\n{tm.MODELS[a.model].name}, {a.n_gpus} x {a.gpu} (handout §1.4)")
@@ -283,12 +283,12 @@ def main(argv=None):
     write_json(a.json, {
         # Part 1 (fixed models, whatever --model says)
         "llama31_70b_bytes_per_token": sizes["llama-3.1-70b"]["bytes_per_token"],
-        "llama31_70b_32k_gb": kv.kv_bytes("llama-3.1-70b", 32 * K, bpv) / 1e9,
+        "llama31_70b_32k_gb": ledger.kv_bytes("llama-3.1-70b", 32 * K, bpv) / 1e9,
         "deepseek_r1_kib_per_token": sizes["deepseek-r1"]["bytes_per_token"] / 1024,
         "gpu_day_tb": day / 1e12,
         "bytes_per_token": {k: r["bytes_per_token"] for k, r in sizes.items()},
         "ex1_bytes_per_token": tm.kv_bytes_per_token(a.model, bpv),
-        "ex1_context_gb": kv.kv_bytes(a.model, a.context, bpv) / 1e9,
+        "ex1_context_gb": ledger.kv_bytes(a.model, a.context, bpv) / 1e9,
         # Part 2 (--model on --n-gpus x --gpu)
         "part2_setup": {"model": a.model, "gpu": a.gpu, "n_gpus": a.n_gpus},
         "contexts": CONTEXTS,

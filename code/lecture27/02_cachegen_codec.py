@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import codec_real as cr  # noqa: E402
+import codec_study as cs  # noqa: E402
 import kvcache as kv  # noqa: E402
 from common.cli import Parser, figure_path, positive_float, table, write_json  # noqa: E402
 
@@ -83,7 +84,7 @@ def layer_sensitivity(model, X, ev, rms, kv_steps, one_step):
                 for k in kinds:
                     step = np.float32(s * rms[layer, k])
                     Xq[:, :, layer, k] = np.rint(X[:, :, layer, k] / step) * step
-                out[(layer, name, s)] = kv.answer_accuracy(model, Xq, *ev)["acc"]
+                out[(layer, name, s)] = cs.answer_accuracy(model, Xq, *ev)["acc"]
     return out
 
 
@@ -194,12 +195,12 @@ def exercise3(spec_delta, Xe, n):
 
 def compute(args):
     torch.set_num_threads(1)        # tiny batches: one thread is faster, and the machine is shared
-    world = kv.record_world()
+    world = cs.record_world()
     model = world["model"]
-    study = kv.record_codec_study(retrain=args.refit)
-    calib = world["docs"](kv.CODEC_N_CALIB, kv.CODEC_CALIB_SEED)
-    ev = world["docs"](kv.CODEC_N_EVAL, kv.CODEC_EVAL_SEED)
-    Xc, Xe = kv.context_kv(model, calib[0]), kv.context_kv(model, ev[0])
+    study = cs.record_codec_study(refit=args.refit)
+    calib = world["docs"](cs.CODEC_N_CALIB, cs.CODEC_CALIB_SEED)
+    ev = world["docs"](cs.CODEC_N_EVAL, cs.CODEC_EVAL_SEED)
+    Xc, Xe = cs.context_kv(model, calib[0]), cs.context_kv(model, ev[0])
     T = Xe.shape[1]
     specs = [kv.spec_from_dict(d) for d in study["specs"]]
     rms = kv.kv_rms(Xc)
@@ -209,8 +210,8 @@ def compute(args):
     r["sensitivity"] = layer_sensitivity(model, Xe, ev[1:], rms, r["sens_steps"], args.sensitivity_step)
     raw_spec = kv.fit_codec(Xc, specs[ENTROPY_LEVEL].steps, False)
     r["entropy"] = grouping_entropy(kv.quantize(Xc, raw_spec), kv.quantize(Xe, raw_spec))
-    r["baselines"] = baseline_rows(Xc, Xe, lambda X: kv.answer_accuracy(model, X, *ev[1:])["acc"])
-    r["coder_one"], r["coder_many"] = coder_check(specs[0], Xe, kv.CODEC_N_CODED)
+    r["baselines"] = baseline_rows(Xc, Xe, lambda X: cs.answer_accuracy(model, X, *ev[1:])["acc"])
+    r["coder_one"], r["coder_many"] = coder_check(specs[0], Xe, cs.CODEC_N_CODED)
     r["ex3"] = exercise3(kv.fit_codec(Xc, specs[0].steps, True), Xe, EX3_CONTEXTS)
     r["ex4"] = kv.exercise4(EX4_SAMPLES)
     return r
@@ -236,8 +237,8 @@ def codec_rows(r):
 def report(r, args):
     s = r["study"]
     L = len(s["rms"])
-    print(f"Record-world model: {s['n_calib']} calibration documents (seed {kv.CODEC_CALIB_SEED}), {s['n_eval']} "
-          f"evaluation documents (seed {kv.CODEC_EVAL_SEED}), {r['tokens']} context tokens each, "
+    print(f"Record-world model: {s['n_calib']} calibration documents (seed {cs.CODEC_CALIB_SEED}), {s['n_eval']} "
+          f"evaluation documents (seed {cs.CODEC_EVAL_SEED}), {r['tokens']} context tokens each, "
           f"{r['values_per_token']} K/V values per token.\n")
 
     # Part 1a
@@ -272,7 +273,7 @@ def report(r, args):
     print()
     print(table(["codec", "bytes/token", "ratio to FP16", "accuracy", "handout"], rows,
                 "Part 2. The codec table (accuracy on unseen records; the arithmetic-coded rows count every byte of "
-                f"the bitstream, header included, on {kv.CODEC_N_CODED} coded contexts)"))
+                f"the bitstream, header included, on {cs.CODEC_N_CODED} coded contexts)"))
     m = s["variants"]["delta" if s["delta"] else "raw"]
     b8, b6 = r["baselines"]["8-bit"][0], r["baselines"]["6-bit"][0]
     print(f"Measured codec: {b8 / m['bytes_per_token']:.2f}x smaller than 8-bit (handout 1.66x), "

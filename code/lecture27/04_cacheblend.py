@@ -39,6 +39,7 @@ import torch  # noqa: E402
 import blend_world as bw  # noqa: E402
 from common import timemodel as tm  # noqa: E402
 from common.checkpoints import TrainingFailed  # noqa: E402
+from common.llama import kl_divergence  # noqa: E402
 from common.cli import (Parser, fail, figure_path, fraction, nonneg_float, positive_float, positive_int,  # noqa: E402
                         table, write_json)
 
@@ -116,7 +117,7 @@ def _city(model, lang, n_docs, seed):
     tgt = q[:, 1:, None]
     return {"city_ce_full": float(-lp_full.gather(-1, tgt).mean()),
             "city_ce_reuse": float(-lp_reuse.gather(-1, tgt).mean()),
-            "city_kl": float((lp_full.exp() * (lp_full - lp_reuse)).sum(-1).mean()),
+            "city_kl": float(kl_divergence(lp_full, lp_reuse).mean()),
             "city_entropy": lang.entropy_after_first_word()}
 
 

@@ -1,4 +1,4 @@
-"""CacheBlend on a real pretrained LLaMA: SmolLM2-135M-Instruct on RAG inputs (handout §5, issue 8).
+"""CacheBlend on a real pretrained LLaMA: SmolLM2-135M-Instruct on RAG inputs (handout §5).
 
 The same functions as the record world (blend_world.py: precompute_chunks, blend, kv_deviation),
 driven with a RAG input instead of a Records batch:
@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 import blend_world as bw  # noqa: E402
 from common.english import RAG_ITEMS, RagInput, rag_chunks  # noqa: E402
-from kvcache import shift_kv  # noqa: E402
+from common.llama import kl_divergence, shift_kv  # noqa: E402
 
 RATIO = 0.15          # CacheBlend's default recompute ratio (and the controller's floor)
 N_ITEMS = 4           # RAG items (of 8) measured: ~45 s each on 2 cores
@@ -94,11 +94,6 @@ def answer_logprobs(model, logits: torch.Tensor, cache, answer: list[int]) -> to
     return torch.cat(rows).log_softmax(-1)
 
 
-def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
-    """KL(p || q) per row, in nats."""
-    return (p_log.exp() * (p_log - q_log)).sum(-1)
-
-
 # ------------------------------------------------------------------------------------ one item
 def _timed(fn):
     t = time.perf_counter()
@@ -128,8 +123,8 @@ def run_item(model, rd: RagDoc, ratio: float = RATIO, seed: int = SEED, answer_t
     answers = {name: greedy(model, lgt, cache, answer_tokens, eos) for name, (lgt, cache) in first.items()}
     ref = answers["full prefill"][:kl_tokens]
     lp = {name: answer_logprobs(model, lgt, cache, ref) for name, (lgt, cache) in first.items()}
-    out = {"kl_first": {n: float(kl(lp["full prefill"][0], v[0])) for n, v in lp.items()},
-           "kl_answer": {n: float(kl(lp["full prefill"], v).mean()) for n, v in lp.items()},
+    out = {"kl_first": {n: float(kl_divergence(lp["full prefill"][0], v[0])) for n, v in lp.items()},
+           "kl_answer": {n: float(kl_divergence(lp["full prefill"], v).mean()) for n, v in lp.items()},
            "answers": answers,
            "deviation": bw.kv_deviation(model, rd, rd.chunks, pre, full_cache)[:, 0],  # (L, N)
            "n_context": N, "n_question": rd.question.shape[1],
