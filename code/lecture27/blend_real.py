@@ -23,7 +23,7 @@ greedy answer, of the first KL_TOKENS answer tokens; greedy answers; the KV devi
 in memory. The question is used at its natural length (not padded to 32 tokens; it is < 1% of the
 3,100 tokens, so this changes the TTFT ratio by < 1%); the lengths are reported.
 
-    cd code && python lecture27/blend_real.py        # prints a short summary (04 prints the tables)
+    python code/lecture27/04_cacheblend.py --model smollm2    # runs it and prints the tables (Part 5)
 """
 from __future__ import annotations
 
@@ -41,8 +41,6 @@ import blend_world as bw  # noqa: E402
 from common.english import RAG_ITEMS, RagInput, rag_chunks  # noqa: E402
 from common.llama import kl_divergence, shift_kv  # noqa: E402
 
-RATIO = 0.15          # CacheBlend's default recompute ratio (and the controller's floor)
-N_ITEMS = 4           # RAG items (of 8) measured: ~45 s each on 2 cores
 ANSWER_TOKENS = 20    # greedy answer length
 KL_TOKENS = 8         # answer tokens over which the KL is also averaged (teacher-forced)
 SEED = 0
@@ -102,7 +100,7 @@ def _timed(fn):
 
 
 @torch.no_grad()
-def run_item(model, rd: RagDoc, ratio: float = RATIO, seed: int = SEED, answer_tokens: int = ANSWER_TOKENS,
+def run_item(model, rd: RagDoc, ratio: float, seed: int = SEED, answer_tokens: int = ANSWER_TOKENS,
              kl_tokens: int = KL_TOKENS, eos: int | None = None) -> dict:
     """The four prefills of one RAG input: KLs to full prefill, greedy answers, deviation, timings."""
     N = rd.doc.shape[1]
@@ -132,7 +130,7 @@ def run_item(model, rd: RagDoc, ratio: float = RATIO, seed: int = SEED, answer_t
     return out
 
 
-def real_experiment(model, tok, n_items: int = N_ITEMS, ratio: float = RATIO, seed: int = SEED,
+def real_experiment(model, tok, n_items: int, ratio: float, seed: int = SEED,
                     n_chunks: int | None = None, chunk_tokens: int | None = None, progress: bool = True) -> dict:
     """run_item on the first n_items RAG items (english.RAG_ITEMS); per-item results and summaries.
     TTFT: median over the items of full prefill and of CacheBlend (shift_kv + blend), measured in
