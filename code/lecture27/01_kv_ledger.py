@@ -56,7 +56,13 @@ HANDOUT = {
     "70b_32k": "10.7 GB", "day_tb": "15.9 TB (slides: ~15 TB)", "recompute_16k": "0.97 s",
     "breakeven": "4-6 GB/s", "ex2_gbit": "14.4 Gb/s", "breakeven_pct": "1.06%", "savings": "$33M",
     "storage": "~$4M", "navigation": "$29M", "ctx10k": ("3.3 GB", "$0.0005", "$0.0026", "0.19"),
+    "ex1_per_token": "327,680 B = 320 KiB",
 }
+# The inputs the handout's figures hold for (a figure is printed only when the run's inputs are these)
+HANDOUT_SLIDES = {"gpu_hour_usd": 2.0, "gpus_per_node": 8, "storage_tb_per_node": 1.0,
+                  "storage_usd_per_tb_hour": 0.15, "hit_saves": 0.88, "hit_rate": 0.10, "nodes": 1000, "years": 3}
+HANDOUT_DAY = {"model": "deepseek-r1", "tokens_per_s": 2625}
+HANDOUT_STORE_CONTEXT = 10_000
 
 
 # ------------------------------------------------------------------------------------- calculators
@@ -115,8 +121,10 @@ def print_part1(rows, day, a):
     per_tok = tm.kv_bytes_per_token(DAY_MODEL, a.bytes_per_value)
     print(f"\nOne GPU's day: {tm.GPUS[DAY_GPU].name} serving {tm.MODELS[DAY_MODEL].name} at {DAY_TOKENS_PER_S:,} tokens/s")
     print(table(["quantity", "ours", "handout"], [
-        ["KV per token", f"{per_tok / 1024:.1f} KiB ({per_tok:,} B)", "68.6 KiB" if bf16 else "-"],
-        ["KV per day (decimal TB)", f"{day / 1e12:.1f} TB", HANDOUT["day_tb"] if bf16 else "-"],
+        ["KV per token", f"{per_tok / 1024:.1f} KiB ({per_tok:,} B)",
+         HANDOUT["kib"]["deepseek-r1"] if bf16 and DAY_MODEL == HANDOUT_DAY["model"] else "-"],
+        ["KV per day (decimal TB)", f"{day / 1e12:.1f} TB",
+         HANDOUT["day_tb"] if bf16 and (DAY_MODEL, DAY_TOKENS_PER_S) == tuple(HANDOUT_DAY.values()) else "-"],
         ["KV per day (binary TiB)", f"{day / 2**40:.1f} TiB", "-"],
     ]))
 
@@ -124,7 +132,7 @@ def print_part1(rows, day, a):
     is_ref = a.model == "llama-3.1-70b" and a.context == 32 * K and a.bytes_per_value == 2
     print(f"\nExercise 1: {tm.MODELS[a.model].name}, {a.context:,} tokens, {a.bytes_per_value} bytes/value")
     print(table(["quantity", "ours", "handout"], [
-        ["KV bytes per token", f"{b:,} B = {b / 1024:g} KiB", "327,680 B = 320 KiB" if is_ref else "-"],
+        ["KV bytes per token", f"{b:,} B = {b / 1024:g} KiB", HANDOUT["ex1_per_token"] if is_ref else "-"],
         [f"KV of {a.context:,} tokens", fmt_bytes(b * a.context), HANDOUT["70b_32k"] if is_ref else "-"],
     ]))
 
@@ -141,9 +149,9 @@ def print_part2(rows, ex2, a):
     for r in rows:
         ref = []
         if is_ref and r["context"] == 16 * K:
-            ref.append("0.97 s")
+            ref.append(HANDOUT["recompute_16k"])
         if is_ref and a.bytes_per_value == 2 and 4 * K <= r["context"] <= 64 * K:
-            ref.append("4-6 GB/s")
+            ref.append(HANDOUT["breakeven"])
         body.append([ctx_name(r["context"]), fmt_bytes(r["kv_bytes"]), f"{r['recompute_s']:.3f}",
                      f"{r['breakeven_bytes_per_s'] / 1e9:.2f}"]
                     + [f"{t:.3f}" + ("*" if t > r["recompute_s"] else " ") for t in r["fetch_s"].values()]
@@ -175,9 +183,10 @@ def print_part3(slides, ours, a):
         ["hit rate, fleet, period", f"{a.hit_rate:.0%}, {a.nodes:,} nodes, {a.years:g} years = {slides['hours']:,.0f} h", "slides p.9"],
     ]))
     M = 1e6
-    slides_inputs = (a.gpu_hour_usd, a.storage_usd_per_tb_hour, a.hit_saves, a.hit_rate, a.nodes, a.years)
-    h = HANDOUT if slides_inputs == (GPU_HOUR_USD, STORAGE_USD_PER_TB_HOUR, HIT_SAVES, HIT_RATE, NODES, YEARS) \
-        else {k: "-" for k in HANDOUT}  # the handout's figures hold for the slides' inputs only
+    slides_inputs = {"gpu_hour_usd": a.gpu_hour_usd, "gpus_per_node": GPUS_PER_NODE,
+                     "storage_tb_per_node": STORAGE_TB_PER_NODE, "storage_usd_per_tb_hour": a.storage_usd_per_tb_hour,
+                     "hit_saves": a.hit_saves, "hit_rate": a.hit_rate, "nodes": a.nodes, "years": a.years}
+    h = HANDOUT if slides_inputs == HANDOUT_SLIDES else {k: "-" for k in HANDOUT}
     print(table(["quantity", "ours", "handout"], [
         ["break-even hit rate if a hit saves 100%", f"{slides['breakeven_if_hit_saves_all']:.2%}", "-"],
         [f"break-even hit rate (a hit saves {a.hit_saves:.0%})", f"{slides['breakeven_hit_rate']:.2%}", h["breakeven_pct"]],
@@ -194,10 +203,11 @@ def print_part3(slides, ours, a):
     print(f"\n(b) our account: {m.name} on {a.n_gpus} x {tm.GPUS[a.gpu].name} at ${a.gpu_hour_usd:g}/GPU-hour, "
           f"storage ${a.storage_usd_per_tb_hour:g}/TB-hour; a hit saves the recompute")
     is_ref = a.model == "llama-3.1-70b" and a.gpu == "H100" and a.n_gpus == 8 and a.bytes_per_value == 2 \
-        and a.gpu_hour_usd == GPU_HOUR_USD and a.storage_usd_per_tb_hour == STORAGE_USD_PER_TB_HOUR
+        and a.gpu_hour_usd == HANDOUT_SLIDES["gpu_hour_usd"] \
+        and a.storage_usd_per_tb_hour == HANDOUT_SLIDES["storage_usd_per_tb_hour"]
     body = []
     for r in ours:
-        ref = ", ".join(HANDOUT["ctx10k"]) if (is_ref and r["context"] == STORE_CONTEXT) else "-"
+        ref = ", ".join(HANDOUT["ctx10k"]) if (is_ref and r["context"] == HANDOUT_STORE_CONTEXT) else "-"
         body.append([f"{r['context']:,}", fmt_bytes(r["kv_bytes"]), f"{r['storage_usd_per_h']:.5f}",
                      f"{r['recompute_s']:.3f}", f"{r['hit_saves_usd']:.5f}", f"{r['breakeven_hits_per_h']:.3f}",
                      f"{r['breakeven_hits_per_h'] * 168:.1f}", ref])
