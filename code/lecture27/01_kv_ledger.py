@@ -257,6 +257,37 @@ def plot(a, bpv):
     return p1, p2
 
 
+def to_json(a, bpv, sizes, day, rows, ex2, slides, ours) -> dict:
+    ctx10k = next(r for r in ours if r["context"] == STORE_CONTEXT)
+    return {
+        # Part 1 (fixed models, whatever --model says)
+        "llama31_70b_bytes_per_token": sizes["llama-3.1-70b"]["bytes_per_token"],
+        "llama31_70b_32k_gb": ledger.kv_bytes("llama-3.1-70b", 32 * K, bpv) / 1e9,
+        "deepseek_r1_kib_per_token": sizes["deepseek-r1"]["bytes_per_token"] / 1024,
+        "gpu_day_tb": day / 1e12,
+        "bytes_per_token": {k: r["bytes_per_token"] for k, r in sizes.items()},
+        "ex1_bytes_per_token": tm.kv_bytes_per_token(a.model, bpv),
+        "ex1_context_gb": ledger.kv_bytes(a.model, a.context, bpv) / 1e9,
+        # Part 2 (--model on --n-gpus x --gpu)
+        "part2_setup": {"model": a.model, "gpu": a.gpu, "n_gpus": a.n_gpus},
+        "contexts": CONTEXTS,
+        "recompute_16k_s": tm.prefill_time(a.model, a.gpu, 16 * K, 0, a.n_gpus),
+        "breakeven_gbytes_per_s": [r["breakeven_bytes_per_s"] / 1e9 for r in rows],
+        "ex2_threshold_gbit_per_s": ex2["threshold_bytes_per_s"] * 8 / 1e9,
+        "mfu": tm.MFU, "tp_comm_efficiency": tm.TP_COMM_EFFICIENCY,
+        # Part 3
+        "slides_breakeven_hit_rate_pct": slides["breakeven_hit_rate"] * 100,
+        "slides_breakeven_if_hit_saves_all_pct": slides["breakeven_if_hit_saves_all"] * 100,
+        "slides_gross_savings_musd": slides["gpu_time_saved_usd"] / 1e6,
+        "slides_savings_musd": slides["net_usd"] / 1e6,
+        "slides_storage_musd": slides["storage_usd"] / 1e6,
+        "slides_navigation_reading_musd": slides["net_if_33m_read_as_gross_usd"] / 1e6,
+        "ctx10k_storage_usd_per_h": ctx10k["storage_usd_per_h"],
+        "ctx10k_hit_saves_usd": ctx10k["hit_saves_usd"],
+        "ctx10k_breakeven_hits_per_h": ctx10k["breakeven_hits_per_h"],
+    }
+
+
 def main(argv=None):
     p = Parser(__doc__)
     p.add_argument("--model", default=MODEL, choices=sorted(tm.MODELS), help="model of Parts 2-3 and exercises")
@@ -289,34 +320,7 @@ def main(argv=None):
         for path in plot(a, bpv):
             print(f"figure: {path}")
 
-    ctx10k = next(r for r in ours if r["context"] == STORE_CONTEXT)
-    write_json(a.json, {
-        # Part 1 (fixed models, whatever --model says)
-        "llama31_70b_bytes_per_token": sizes["llama-3.1-70b"]["bytes_per_token"],
-        "llama31_70b_32k_gb": ledger.kv_bytes("llama-3.1-70b", 32 * K, bpv) / 1e9,
-        "deepseek_r1_kib_per_token": sizes["deepseek-r1"]["bytes_per_token"] / 1024,
-        "gpu_day_tb": day / 1e12,
-        "bytes_per_token": {k: r["bytes_per_token"] for k, r in sizes.items()},
-        "ex1_bytes_per_token": tm.kv_bytes_per_token(a.model, bpv),
-        "ex1_context_gb": ledger.kv_bytes(a.model, a.context, bpv) / 1e9,
-        # Part 2 (--model on --n-gpus x --gpu)
-        "part2_setup": {"model": a.model, "gpu": a.gpu, "n_gpus": a.n_gpus},
-        "contexts": CONTEXTS,
-        "recompute_16k_s": tm.prefill_time(a.model, a.gpu, 16 * K, 0, a.n_gpus),
-        "breakeven_gbytes_per_s": [r["breakeven_bytes_per_s"] / 1e9 for r in rows],
-        "ex2_threshold_gbit_per_s": ex2["threshold_bytes_per_s"] * 8 / 1e9,
-        "mfu": tm.MFU, "tp_comm_efficiency": tm.TP_COMM_EFFICIENCY,
-        # Part 3
-        "slides_breakeven_hit_rate_pct": slides["breakeven_hit_rate"] * 100,
-        "slides_breakeven_if_hit_saves_all_pct": slides["breakeven_if_hit_saves_all"] * 100,
-        "slides_gross_savings_musd": slides["gpu_time_saved_usd"] / 1e6,
-        "slides_savings_musd": slides["net_usd"] / 1e6,
-        "slides_storage_musd": slides["storage_usd"] / 1e6,
-        "slides_navigation_reading_musd": slides["net_if_33m_read_as_gross_usd"] / 1e6,
-        "ctx10k_storage_usd_per_h": ctx10k["storage_usd_per_h"],
-        "ctx10k_hit_saves_usd": ctx10k["hit_saves_usd"],
-        "ctx10k_breakeven_hits_per_h": ctx10k["breakeven_hits_per_h"],
-    })
+    write_json(a.json, to_json(a, bpv, sizes, day, rows, ex2, slides, ours))
 
 
 if __name__ == "__main__":
