@@ -223,7 +223,7 @@ def compute(args):
     r["baselines"] = baseline_rows(Xc, Xe, lambda X: cs.answer_accuracy(model, X, *ev[1:])["acc"])
     r["coder_one"], r["coder_many"] = coder_check(specs[0], Xe, cs.CODEC_N_CODED)
     r["ex3"] = exercise3(kv.fit_codec(Xc, specs[0].steps, True), Xe, EX3_CONTEXTS)
-    r["ex4"] = kv.exercise4(EX4_PROBS, EX4_SAMPLES)
+    r["ex4"] = exercise4()
     return r
 
 
@@ -319,7 +319,7 @@ def print_levels(r):
                 "Quality levels of the measured codec (codec_study.codec_levels(), read by 03_streaming.py)"))
 
 
-def print_exercises(r):
+def print_exercise3(r):
     e3 = r["ex3"]
     print(f"\nExercise 3. The {e3['groups']} groups of a context decode one at a time, last first, each from its own "
           f"bytes: equal to the full decode = {e3['alone_equal']}. One byte flipped in group {e3['damaged_group']}'s "
@@ -327,7 +327,14 @@ def print_exercises(r):
           f"token, position p needs all p tokens before it (serial), and errors add up along the chain:")
     rows = [[p, f"{a:.3f}", f"{c:.3f}"] for p, a, c in e3["error_by_position"]]
     print(table(["position in group", "|error|/step, anchor", "|error|/step, previous-token chain"], rows))
-    e4 = r["ex4"]
+
+
+def exercise4() -> dict:
+    """Exercise 4 on EX4_PROBS: entropy, the coder's bits per value on EX4_SAMPLES samples, the fixed code."""
+    return kv.exercise4(EX4_PROBS, EX4_SAMPLES)
+
+
+def print_exercise4(e4):
     same = EX4_PROBS == HANDOUT_EX4_PROBS
     probs = ", ".join(f"{v:+d}: {p:g}" if v else f"0: {p:g}" for v, p in sorted(EX4_PROBS.items(), key=lambda vp: -vp[1]))
     print(f"\nExercise 4. Entropy of {{{probs}}} = {e4['entropy_bits']:.3f} bits (handout "
@@ -346,7 +353,8 @@ def report(r, args):
     print_part2(r)
     print_part3(r)
     print_levels(r)
-    print_exercises(r)
+    print_exercise3(r)
+    print_exercise4(r["ex4"])
 
 
 def figures(r):

@@ -288,8 +288,8 @@ def real_model_part(a) -> dict:
     res["model_name"], res["n_layers"] = Path(info["path"]).stem, L
     try:  # the toy model's figures beside the real one's (the cached record-world model, 200 documents)
         toy, _ = bw.record_model()
-        ins = insights(toy, bw.heldout(200), CHUNK_LEN, RATIO, 0)
-        res["toy"] = {"top15": ins["top15_deviation_share"], "corr": ins["adjacent_layer_rank_corr"]}
+        found = insights(toy, bw.heldout(200), CHUNK_LEN, RATIO, 0)
+        res["toy"] = {"top15": found["top15_deviation_share"], "corr": found["adjacent_layer_rank_corr"]}
     except TrainingFailed:
         res["toy"] = None
     return res
@@ -376,10 +376,10 @@ def part2(model, a) -> dict:
 def part3(model, p2, a) -> dict:
     """The insights at the run's chunk length, and the compute-quality curve (CURVE_RATIOS and r)."""
     ratios = sorted(set(CURVE_RATIOS) | {a.ratio})
-    cv = curve(model, p2["rec"], a.seed, ratios, CURVE_CHUNK_LENS, pre={a.chunk_len: p2["pre"]})
-    return {"insights": insights(model, p2["rec"], a.chunk_len, a.ratio, a.seed, p2["pre"]), "curve": cv,
+    accuracy_curve = curve(model, p2["rec"], a.seed, ratios, CURVE_CHUNK_LENS, pre={a.chunk_len: p2["pre"]})
+    return {"insights": insights(model, p2["rec"], a.chunk_len, a.ratio, a.seed, p2["pre"]), "curve": accuracy_curve,
             "ratios": ratios, "elsewhere": bw.doc_attention_elsewhere(model, p2["rec"]),
-            "blend_at_ratio": {c: cv[(c, "deviation")][ratios.index(a.ratio)] for c in CURVE_CHUNK_LENS}}
+            "blend_at_ratio": {c: accuracy_curve[(c, "deviation")][ratios.index(a.ratio)] for c in CURVE_CHUNK_LENS}}
 
 
 def part4(a) -> dict:
@@ -432,43 +432,43 @@ def print_part2(p2, a):
 
 
 def print_part3(p3, a):
-    ins, cv, ratios = p3["insights"], p3["curve"], p3["ratios"]
+    found, accuracy_curve, ratios = p3["insights"], p3["curve"], p3["ratios"]
     as_handout = is_handout_setup("records", chunk_len=a.chunk_len, ratio=a.ratio)
     top_as_handout = is_handout_setup("top_share", top_share=TOP_SHARE)
     rows = [
         ["document tokens' attention on other tokens, layers 0-3", " ".join(pct(x) for x in p3["elsewhere"]), "-"],
-        [f"top {TOP_SHARE:.0%} of tokens: share of KV deviation (layers 1-3)", pct(ins["top15_deviation_share"]),
+        [f"top {TOP_SHARE:.0%} of tokens: share of KV deviation (layers 1-3)", pct(found["top15_deviation_share"]),
          handout("top15_deviation_share", top_as_handout)],
-        ["  per layer 1, 2, 3", " ".join(pct(x) for x in ins["top15_per_layer"]), "-"],
-        ["rank correlation of deviation, layers 1-2, 2-3", " ".join(f"{c:.2f}" for c in ins["adjacent_layer_rank_corr"]),
+        ["  per layer 1, 2, 3", " ".join(pct(x) for x in found["top15_per_layer"]), "-"],
+        ["rank correlation of deviation, layers 1-2, 2-3", " ".join(f"{c:.2f}" for c in found["adjacent_layer_rank_corr"]),
          handout("adjacent_layer_rank_corr")],
-        ["  layer-0 attention dev. vs layer-1 KV dev.", f"{ins['layer0_attn_vs_layer1_kv_rank_corr']:.2f}", "-"],
-        [f"layer-0 picks ({a.ratio:.0%}) covering chunk-initial values", pct(ins["layer0_pick_coverage"]),
+        ["  layer-0 attention dev. vs layer-1 KV dev.", f"{found['layer0_attn_vs_layer1_kv_rank_corr']:.2f}", "-"],
+        [f"layer-0 picks ({a.ratio:.0%}) covering chunk-initial values", pct(found["layer0_pick_coverage"]),
          handout("layer0_pick_coverage", as_handout)],
         ["chunk-initial values' share of the deviation, layers 1-3",
-         " ".join(pct(x) for x in ins["chunk_initial_value_share"]), "-"],
+         " ".join(pct(x) for x in found["chunk_initial_value_share"]), "-"],
     ]
     rows += [[f"chunk length {c}: CacheBlend {a.ratio:.0%} on split records", pct(acc),
               handout(HANDOUT_BLEND20.get(c), c in HANDOUT_BLEND20 and a.ratio == HANDOUT_INPUTS["records"]["ratio"])]
              for c, acc in p3["blend_at_ratio"].items()]
     lens = " / ".join(map(str, CURVE_CHUNK_LENS))
     rows.append([f"lowest ratio recovering >= {RECOVER:.0%} of split records, chunk length {lens}",
-                 " / ".join(pct(lowest_ratio(ratios, cv[(c, "deviation")], RECOVER)) for c in CURVE_CHUNK_LENS), "-"])
+                 " / ".join(pct(lowest_ratio(ratios, accuracy_curve[(c, "deviation")], RECOVER)) for c in CURVE_CHUNK_LENS), "-"])
     print()
     print(table(["insight", "ours", "handout"], rows,
                 title=f"Part 3. The two insights (chunks of {a.chunk_len}; deviation = precomputed chunks' KV "
                       f"minus full prefill's, per layer)"))
     print()
-    print(table(["ratio"] + [f"c={c} {'blend' if h == 'deviation' else 'random'}" for c, h in cv],
-                [[f"{r:.0%}"] + [pct(cv[k][i]) for k in cv] for i, r in enumerate(ratios)],
+    print(table(["ratio"] + [f"c={c} {'blend' if h == 'deviation' else 'random'}" for c, h in accuracy_curve],
+                [[f"{r:.0%}"] + [pct(accuracy_curve[k][i]) for k in accuracy_curve] for i, r in enumerate(ratios)],
                 title="compute-quality curve: accuracy on split records"))
 
 
 def print_part4(p4, a):
-    tim = p4["timing"]
+    timings = p4["timing"]
     rag = is_handout_setup("rag", gpu=GPU, chunks=RAG_CHUNKS, chunk_tokens=RAG_CHUNK_TOKENS, question=RAG_QUESTION)
     paper = is_handout_setup("paper", gpu=GPU, context=PAPER_CONTEXT, ratio=PAPER_RATIO, device=PAPER_DEVICE)
-    for model_name, t in tim.items():
+    for model_name, t in timings.items():
         rows = [["full recompute of the layer", f"{t['full_layer_ms']:.1f}", "-", "-", "-"],
                 [f"recompute {a.min_ratio:.0%}", f"{t['floor_layer_ms']:.1f}", "-", "-", "-"]]
         rows += [[f"load from {device}", f"{r['load_ms']:.1f}", f"{r['ratio']:.0%}", f"{1e3 * r['ttft_s']:.0f}",
@@ -479,7 +479,7 @@ def print_part4(p4, a):
                           f"{RAG_CHUNKS} x {RAG_CHUNK_TOKENS} tokens + {RAG_QUESTION}-token question; "
                           f"full prefill TTFT {1e3 * t['prefill_s']:.0f} ms"))
     rows = []
-    for model_name, t in tim.items():
+    for model_name, t in timings.items():
         name, h = tm.get_model(model_name).name, HANDOUT["systems"].get(model_name, {})
         rows += [[f"{name}: full recompute / {PAPER_DEVICE} load per layer",
                   f"{t['devices'][PAPER_DEVICE]['load_vs_full']:.3g}x", h.get("nvme_vs_recompute", "-") if rag else "-"],
@@ -487,8 +487,8 @@ def print_part4(p4, a):
                   f"{t['paper']['recompute_ms']:.1f}", h.get("recompute_ms", "-") if paper else "-"],
                  [f"paper point, {name}: {PAPER_DEVICE} read per layer (ms)", f"{t['paper']['load_ms']:.1f}",
                   h.get("load_ms", "-") if paper else "-"]]
-    rows.append([f"TTFT speed-up over full prefill ({PAPER_DEVICE}, {' / '.join(tm.get_model(m).name for m in tim)})",
-                 " / ".join(f"{t['devices'][PAPER_DEVICE]['speedup']:.1f}x" for t in tim.values()),
+    rows.append([f"TTFT speed-up over full prefill ({PAPER_DEVICE}, {' / '.join(tm.get_model(m).name for m in timings)})",
+                 " / ".join(f"{t['devices'][PAPER_DEVICE]['speedup']:.1f}x" for t in timings.values()),
                  handout("ttft_speedup", rag)])
     print()
     print(table(["comparison", "ours", "handout"], rows, title=f"Part 4. Load vs recompute ({GPU}; paper points on the same GPU)"))
@@ -504,24 +504,24 @@ def print_part4(p4, a):
 
 
 def to_json(a, city, meta, p2, p3, p4) -> dict:
-    res, ins, cv, m = p2["methods"], p3["insights"], p3["curve"], meta["metrics"]
+    res, found, accuracy_curve, m = p2["methods"], p3["insights"], p3["curve"], meta["metrics"]
     blend, rand = res[f"CacheBlend {a.ratio:.0%}"], res[f"random {a.ratio:.0%}"]
-    tim = p4["timing"]
+    timings = p4["timing"]
     return {"chunk_len": a.chunk_len, "ratio": a.ratio,
             **{k: city[k] for k in ("city_ce_full", "city_ce_reuse", "city_kl")},
             "split_acc_full": res["full prefill"]["split"], "split_acc_reuse": res["full reuse"]["split"],
             "unsplit_acc_reuse": res["full reuse"]["unsplit"], "split_acc_blend20": blend["split"],
             "split_acc_random20": rand["split"], "unsplit_acc_full": res["full prefill"]["unsplit"],
             "train_seconds": m["train_seconds"], "drop_step": m["drop_step"], "heldout_acc": m["heldout_acc"],
-            "top15_deviation_share": ins["top15_deviation_share"],
-            "adjacent_layer_rank_corr": ins["adjacent_layer_rank_corr"],
-            "layer0_pick_coverage": ins["layer0_pick_coverage"], "chunk3_blend20": p3["blend_at_ratio"].get(3),
-            "top15_per_layer": ins["top15_per_layer"], "doc_attention_elsewhere": p3["elsewhere"],
-            "curve": {f"c{c}_{h}": v for (c, h), v in cv.items()}, "curve_ratios": p3["ratios"],
+            "top15_deviation_share": found["top15_deviation_share"],
+            "adjacent_layer_rank_corr": found["adjacent_layer_rank_corr"],
+            "layer0_pick_coverage": found["layer0_pick_coverage"], "chunk3_blend20": p3["blend_at_ratio"].get(3),
+            "top15_per_layer": found["top15_per_layer"], "doc_attention_elsewhere": p3["elsewhere"],
+            "curve": {f"c{c}_{h}": v for (c, h), v in accuracy_curve.items()}, "curve_ratios": p3["ratios"],
             **p4["ex8"],
-            "llama70b_nvme_vs_recompute": tim["llama-3.1-70b"]["devices"][PAPER_DEVICE]["load_vs_full"]
-            if "llama-3.1-70b" in tim else None,
-            "timing": tim}
+            "llama70b_nvme_vs_recompute": timings["llama-3.1-70b"]["devices"][PAPER_DEVICE]["load_vs_full"]
+            if "llama-3.1-70b" in timings else None,
+            "timing": timings}
 
 
 def run_record_world(a) -> dict:
@@ -546,14 +546,14 @@ def run_record_world(a) -> dict:
 
 
 # ============================================================================ figures
-def plot_curve(cv: dict, ratios, path) -> None:
+def plot_curve(accuracy_curve: dict, ratios, path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
     colors = {3: "tab:purple", 5: "tab:blue"}
-    for (c, how), accs in sorted(cv.items()):
+    for (c, how), accs in sorted(accuracy_curve.items()):
         ax.plot([100 * r for r in ratios], [math.nan if a is None else 100 * a for a in accs],
                 marker="o" if how == "deviation" else "x",
                 ls="-" if how == "deviation" else "--", color=colors.get(c, "gray"),
@@ -593,13 +593,13 @@ def plot_concentration(dev: torch.Tensor, path) -> None:
     plt.close(fig)
 
 
-def plot_timing(tim: dict, min_ratio: float, path) -> None:
+def plot_timing(timings: dict, min_ratio: float, path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(tim), figsize=(5 * len(tim), 3.8), squeeze=False)
-    for ax, (model, t) in zip(axes[0], tim.items()):
+    fig, axes = plt.subplots(1, len(timings), figsize=(5 * len(timings), 3.8), squeeze=False)
+    for ax, (model, t) in zip(axes[0], timings.items()):
         names = ["full recompute", f"{min_ratio:.0%} recompute"] + [f"load: {d}" for d in t["devices"]]
         vals = [t["full_layer_ms"], t["floor_layer_ms"]] + [r["load_ms"] for r in t["devices"].values()]
         colors = ["tab:red", "tab:orange"] + ["tab:blue"] * len(t["devices"])

@@ -293,10 +293,12 @@ def _table_sizes(spec: CodecSpec) -> np.ndarray:
     return np.concatenate([sizes, np.full(L * 2 * C, 2 * ANCHOR_MAX + 1)]) if spec.delta else sizes
 
 
-def fit_codec(calib, steps, delta: bool, level: int = 0, group: int = CODEC_GROUP) -> CodecSpec:
+def fit_codec(calib, steps, delta: bool, level: int = 0, group: int | None = None) -> CodecSpec:
     """Fit a codec on calibration KV (N, T, L, 2, C): the anchors' per-channel 8-bit step (largest
     |value| / 127), the symbol radius (largest |symbol| seen, plus a margin, then clipped), and one
-    table per (layer, K/V, channel) from the counts of each symbol."""
+    table per (layer, K/V, channel) from the counts of each symbol. group: tokens per anchor group
+    (CODEC_GROUP unless given)."""
+    group = CODEC_GROUP if group is None else group
     calib = np.asarray(calib, np.float32)
     L = calib.shape[-3]
     steps = np.broadcast_to(np.asarray(steps, np.float32), (L, 2)).copy()
