@@ -227,7 +227,7 @@ def plot(a, bpv):
     ctx = [2 ** i for i in range(7, 18)]  # 128 .. 128K tokens
     fig, ax = plt.subplots(figsize=(7, 4.5))
     seen = {}  # models with the same KV layout draw the same line: dash the second one
-    for key, m in tm.MODELS.items():
+    for m in tm.MODELS.values():
         b = tm.kv_bytes_per_token(m, bpv)
         label = f"{m.name} ({m.tag.split(',')[0]})" + (f" = {seen[b]}" if b in seen else "")
         ax.plot(ctx, [ledger.kv_bytes(m, n, bpv) for n in ctx], "--" if b in seen else "-", marker=".", label=label)
