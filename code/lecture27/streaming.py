@@ -20,6 +20,7 @@ it counts as lossless (the FP16 accuracy).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ from common import timemodel as tm
 GBIT = 1e9
 TEXT_BYTES_PER_TOKEN = 4      # a token id sent as int32 (a 128K vocabulary needs 17 bits)
 HALF_EFFICIENCY_TOKENS = 128  # assumption (see batch_slowdown): a prefill batch this small runs at half speed
+TEXT_FLOOR_GBPS = 0.01        # adaptive's give-up deadline assumes token ids may crawl at 10 Mb/s (safety margin)
 
 
 # ------------------------------------------------------------------------------------------- trace
@@ -258,22 +260,54 @@ def choose(setup: Setup, chunk: tuple, est_gbps: float, budget_s: float):
     return min(preds, key=lambda x: x[1])
 
 
-def adaptive(setup: Setup, trace: Trace, slo_s: float, first_est_gbps: float | None = None) -> Result:
-    """Chunk by chunk: the throughput measured on the previous KV chunk is assumed to hold; each chunk
-    gets its token share of the time left before the SLO, budget = (SLO - now) * n_chunk / n_left,
-    i.e. "if every remaining chunk took this long, the context would arrive on time".
-    The first chunk uses first_est_gbps (default: a probe of the link at t = 0). After a text chunk the
-    estimate is kept: token ids are too few bytes to measure a link."""
+def adaptive(setup: Setup, trace: Trace, slo_s: float, first_est_gbps: float | None = None,
+             probe: bool = True, give_up: bool = True) -> Result:
+    """Chunk by chunk: the throughput measured on the previous chunk is assumed to hold; each chunk gets
+    its token share of the time left before the SLO, budget = (SLO - now) * n_chunk / n_left, i.e. "if
+    every remaining chunk took this long, the context would arrive on time", and choose() picks its
+    configuration. The first chunk uses first_est_gbps (default: a probe of the link at t = 0).
+
+    Two rules keep the policy measuring, so that it can never get stuck:
+    - probe (keep measuring during text): token ids are too few bytes to measure a link, but while the
+      GPU recomputes a text chunk the link is idle anyway; the policy fills it with probe bytes and
+      takes the throughput they got as its estimate. A link that recovers during the recompute is
+      therefore seen at the next chunk, which goes back to KV. (Without it the estimate would stay at
+      the rate measured before the text began, and the policy could recompute to the end.)
+    - give_up (never stuck in a KV transfer): a KV chunk is started with a deadline, the last moment at
+      which recomputing it and every later chunk (text) still meets the SLO. If the link collapses
+      mid-transfer and the chunk is not in by then, the policy stops waiting, measures the link from the
+      bits that did arrive, and recomputes the chunk instead: whenever "always text" would meet the
+      SLO, so does the adaptive policy (the recompute of a chunk costs the same whoever does it).
+      When even all-text cannot meet the SLO there is no deadline: the chunk is waited for.
+    Each row records the choice actually fetched; a chunk given up on has choice "text" and
+    gave_up = the level it abandoned (those link seconds are lost)."""
     est = trace.rate_at(0.0) if first_est_gbps is None else first_est_gbps
     res, t = Result("adaptive"), 0.0
     left = setup.context_tokens
-    for chunk in setup.plan:
+    text = setup.option("text")
+    rest_text = list(itertools.accumulate(setup.recompute_s(f, n) for f, n in reversed(setup.plan)))[::-1]
+    for i, chunk in enumerate(setup.plan):
         budget = max(0.0, slo_s - t) * chunk[1] / left
         name, pred = choose(setup, chunk, est, budget)
-        fin, link_s, gpu_s = fetch_chunk(setup, trace, t, chunk, setup.option(name))
-        measured = _measured(setup, chunk, name, link_s)
-        res.rows.append(dict(start=t, est_gbps=est, budget_s=budget, choice=name, predicted=t + pred,
-                             finish=fin, gpu_s=gpu_s, measured_gbps=measured))
+        row = dict(start=t, est_gbps=est, budget_s=budget, predicted=t + pred, gave_up=None, probe=False)
+        measured, t_go = None, t
+        # the last moment from which all-text still meets the SLO (token ids at the floor rate)
+        deadline = slo_s - rest_text[i] - text.bits_per_token * left / (TEXT_FLOOR_GBPS * GBIT)
+        if give_up and not setup.option(name).recompute and deadline - 1e-9 <= t <= deadline:
+            name = "text"                               # no time left to try KV: recompute from here on
+        if not setup.option(name).recompute:
+            fin, link_s, gpu_s = fetch_chunk(setup, trace, t, chunk, setup.option(name))
+            measured = _measured(setup, chunk, name, link_s)
+            if give_up and t < deadline < fin:          # the link collapsed mid-chunk: stop waiting
+                measured = (trace.bits_by(deadline) - trace.bits_by(t)) / (deadline - t) / GBIT
+                row["gave_up"], name, t_go = name, "text", deadline
+        if setup.option(name).recompute:
+            fin, link_s, gpu_s = fetch_chunk(setup, trace, t_go, chunk, text)
+            if probe:                                   # the link's throughput while the GPU recomputed
+                measured = (trace.bits_by(fin) - trace.bits_by(fin - gpu_s)) / gpu_s / GBIT
+                row["probe"] = True
+        row.update(choice=name, finish=fin, gpu_s=gpu_s, measured_gbps=measured)
+        res.rows.append(row)
         est = measured if measured is not None else est
         t, left = fin, left - chunk[1]
     return _finish(res, setup)
@@ -321,3 +355,82 @@ def whole_context_ttft(model, gpu, n_gpus, n_ctx, gbps, options, half_tokens=HAL
     context as one chunk (one transfer, or one recompute batch)."""
     setup = Setup(model, gpu, n_gpus, ((0, n_ctx),), tuple(options), half_tokens)
     return {o.name: predict_s(setup, (0, n_ctx), o, gbps) for o in options}
+
+
+# ------------------------------------------------------------------------------------ trace suite
+SUITE_GBPS = (0.1, 0.3, 1.0, 3.0, 10.0, 25.0)   # the Markov chain's bandwidth states, Gb/s
+SUITE_DWELL_S = (0.1, 2.0)                      # each state lasts a uniform time in this range
+SUITE_JUMP = 0.2                                # chance a change jumps to any state (else to a neighbour)
+SUITE_HORIZON_S = 30.0                          # traces are drawn this far; the last rate holds forever
+
+
+def random_trace(rng, states=SUITE_GBPS, dwell=SUITE_DWELL_S, jump=SUITE_JUMP,
+                 horizon=SUITE_HORIZON_S) -> Trace:
+    """One bandwidth trace from a Markov chain over `states` (like the throughput traces CacheGen replays):
+    a uniform first state; each state lasts a uniform time in `dwell`, then the link moves to a
+    neighbouring state (up or down, equally likely) or, with probability `jump`, to any other state."""
+    k = rng.randrange(len(states))
+    times, gbps, t = [0.0], [states[k]], 0.0
+    while t < horizon:
+        t += rng.uniform(*dwell)
+        if rng.random() < jump:
+            k = rng.choice([i for i in range(len(states)) if i != k])
+        else:
+            k = min(len(states) - 1, max(0, k + rng.choice((-1, 1))))
+            if states[k] == gbps[-1]:
+                continue                        # bounced off an end: the same rate lasts longer
+        times.append(round(t, 6))
+        gbps.append(states[k])
+    return Trace(tuple(times), tuple(gbps))
+
+
+def trace_suite(n: int, seed: int = 0) -> list[Trace]:
+    """n traces from random_trace, reproducible from the seed."""
+    import random
+    rng = random.Random(seed)
+    return [random_trace(rng) for _ in range(n)]
+
+
+SUITE_POLICIES = ("adaptive", "always level0", "always text", "oracle")
+
+
+def run_suite(setup: Setup, traces: list, slo_s: float, policies=SUITE_POLICIES) -> dict:
+    """{policy: [Result per trace]} for the adaptive policy, the fixed ones and the oracle."""
+    run = {"adaptive": lambda tr: adaptive(setup, tr, slo_s), "oracle": lambda tr: oracle(setup, tr, slo_s)}
+    return {p: [run[p](tr) if p in run else fixed(setup, tr, p.removeprefix("always "))
+                for tr in traces] for p in policies}
+
+
+def suite_summary(results: list, slo_s: float) -> dict:
+    """One policy over a suite: SLO-violation rate, mean TTFT, mean quality (of what arrived, late or not),
+    mean quality on time (a context past the SLO counts 0: the user has given up), mean text tokens."""
+    n = len(results)
+    late = [r.ttft_s > slo_s + 1e-12 for r in results]
+    return {"violation_rate": sum(late) / n, "mean_ttft_s": sum(r.ttft_s for r in results) / n,
+            "mean_quality": sum(r.quality for r in results) / n,
+            "mean_quality_on_time": sum(0.0 if x else r.quality for r, x in zip(results, late)) / n,
+            "mean_text_tokens": sum(r.text_tokens for r in results) / n}
+
+
+def ttft_percentile(results: list, q: float) -> float:
+    """The q-quantile (0..1) of TTFT over a suite (nearest rank)."""
+    xs = sorted(r.ttft_s for r in results)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+
+def promise_exceptions(runs: dict, traces: list, slo_s: float, fixed_names=("always level0", "always text")):
+    """Traces where a fixed policy meets the SLO and the adaptive one does not, each with its reason: the
+    adaptive chunk that overran its prediction most (what it expected, what the link did meanwhile)."""
+    out = []
+    for i, tr in enumerate(traces):
+        ad = runs["adaptive"][i]
+        met = [p for p in fixed_names if runs[p][i].ttft_s <= slo_s + 1e-12]
+        if not met or ad.ttft_s <= slo_s + 1e-12:
+            continue
+        k, row = max(enumerate(ad.rows), key=lambda kr: kr[1]["finish"] - kr[1]["predicted"])
+        seg = [g for t, g in zip(tr.times, tr.gbps) if row["start"] <= t < row["finish"]]
+        low = min([tr.rate_at(row["start"])] + seg)
+        out.append({"trace": i, "fixed_met": met, "adaptive_ttft_s": ad.ttft_s, "chunk": k,
+                    "choice": row["choice"], "est_gbps": row["est_gbps"], "start_s": row["start"],
+                    "predicted_s": row["predicted"], "finish_s": row["finish"], "lowest_gbps": low})
+    return out
