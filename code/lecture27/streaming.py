@@ -341,12 +341,17 @@ def oracle(setup: Setup, trace: Trace, slo_s: float) -> Result:
                 nxt.append((fin, txt + (chunk[1] if o.recompute else 0), negq - o.accuracy * chunk[1], ch + (o.name,)))
         late = [s for s in nxt if s[0] > slo_s]
         keep = sorted([s for s in nxt if s[0] <= slo_s]) + ([min(late)] if late else [])
-        states = []
+        states, least = [], {}                 # least[text tokens] = least -quality mass kept with them
         for s in keep:                         # sorted by time: a state survives unless an earlier one dominates it
-            if not any(p[1] <= s[1] and p[2] <= s[2] + 1e-9 for p in states):
+            if not any(txt <= s[1] and q <= s[2] + 1e-9 for txt, q in least.items()):
                 states.append(s)
-    results = [replay(setup, trace, list(s[3]), policy="oracle") for s in states]
-    return min(results, key=lambda r: outcome_key(r, slo_s))
+                least[s[1]] = min(least.get(s[1], math.inf), s[2])
+
+    def key(s):                                # outcome_key from a state's own sums
+        late = s[0] > slo_s + 1e-12
+        return (late, s[0] if late else 0.0, s[1], round(s[2] / setup.context_tokens, 12), s[0])
+    best = sorted(states, key=key)[:4]         # replayed, so that float sums in a different order cannot decide
+    return min((replay(setup, trace, list(s[3]), policy="oracle") for s in best), key=lambda r: outcome_key(r, slo_s))
 
 
 # ---------------------------------------------------------------------------- Part 1: one shot
