@@ -3,6 +3,13 @@
 Pure logic for 03_streaming.py (which prints and plots): the bandwidth trace, the chunk-by-chunk
 link/GPU simulation, CacheGen's adaptive policy, fixed policies, and an oracle that knows the trace.
 
+The adaptive policy is the rule of §4.2 (previous chunk's throughput assumed to hold, least lossy
+configuration predicted to finish in time, text when nothing fits) with two rules that keep it measuring:
+a probe of the idle link while the GPU recomputes a text chunk, and a deadline after which a KV chunk
+stuck on a collapsed link is given up and recomputed (see adaptive()). trace_suite() draws many traces
+from a Markov chain of bandwidths, as CacheGen's evaluation replays many throughput traces, and
+run_suite() / suite_summary() give each policy's SLO-violation rate, TTFT and quality over them.
+
 The simulation, in one paragraph. The context is cut into chunks; each chunk is fetched either as KV at
 one of the codec's levels (it occupies the link for bits / bandwidth) or as text (its token ids cross
 the link, then the GPU recomputes the chunk attending to the KV of every earlier chunk). Chunks go
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 from dataclasses import dataclass, field
 
 from common import timemodel as tm
@@ -363,17 +371,11 @@ def whole_context_ttft(model, gpu, n_gpus, n_ctx, gbps, options, half_tokens=HAL
 
 
 # ------------------------------------------------------------------------------------ trace suite
-SUITE_GBPS = (0.1, 0.3, 1.0, 3.0, 10.0, 25.0)   # the Markov chain's bandwidth states, Gb/s
-SUITE_DWELL_S = (0.1, 2.0)                      # each state lasts a uniform time in this range
-SUITE_JUMP = 0.2                                # chance a change jumps to any state (else to a neighbour)
-SUITE_HORIZON_S = 30.0                          # traces are drawn this far; the last rate holds forever
-
-
-def random_trace(rng, states=SUITE_GBPS, dwell=SUITE_DWELL_S, jump=SUITE_JUMP,
-                 horizon=SUITE_HORIZON_S) -> Trace:
+def random_trace(rng, states, dwell, jump, horizon) -> Trace:
     """One bandwidth trace from a Markov chain over `states` (like the throughput traces CacheGen replays):
     a uniform first state; each state lasts a uniform time in `dwell`, then the link moves to a
-    neighbouring state (up or down, equally likely) or, with probability `jump`, to any other state."""
+    neighbouring state (up or down, equally likely) or, with probability `jump`, to any other state.
+    Drawn until `horizon` seconds; the last rate holds forever."""
     k = rng.randrange(len(states))
     times, gbps, t = [0.0], [states[k]], 0.0
     while t < horizon:
@@ -389,19 +391,20 @@ def random_trace(rng, states=SUITE_GBPS, dwell=SUITE_DWELL_S, jump=SUITE_JUMP,
     return Trace(tuple(times), tuple(gbps))
 
 
-def trace_suite(n: int, seed: int = 0) -> list[Trace]:
+def trace_suite(n: int, seed: int, states, dwell, jump, horizon) -> list[Trace]:
     """n traces from random_trace, reproducible from the seed."""
-    import random
     rng = random.Random(seed)
-    return [random_trace(rng) for _ in range(n)]
+    return [random_trace(rng, states, dwell, jump, horizon) for _ in range(n)]
 
 
 SUITE_POLICIES = ("adaptive", "always level0", "always text", "oracle")
 
 
 def run_suite(setup: Setup, traces: list, slo_s: float, policies=SUITE_POLICIES) -> dict:
-    """{policy: [Result per trace]} for the adaptive policy, the fixed ones and the oracle."""
-    run = {"adaptive": lambda tr: adaptive(setup, tr, slo_s), "oracle": lambda tr: oracle(setup, tr, slo_s)}
+    """{policy: [Result per trace]} for the adaptive policy, the fixed ones ("always <option>"), the oracle
+    and "naive adaptive" (the same rule without the probe and the give-up deadline)."""
+    run = {"adaptive": lambda tr: adaptive(setup, tr, slo_s), "oracle": lambda tr: oracle(setup, tr, slo_s),
+           "naive adaptive": lambda tr: adaptive(setup, tr, slo_s, probe=False, give_up=False)}
     return {p: [run[p](tr) if p in run else fixed(setup, tr, p.removeprefix("always "))
                 for tr in traces] for p in policies}
 
