@@ -455,16 +455,18 @@ def print_part3(rows, slo, trace, half=HALF_EFFICIENCY_TOKENS):
           f"(1 + {half:g}/n) / (1 + {half:g}/12K) times slower than the time model (a batch of n tokens at "
           f"n/(n+{half:g}) of large-batch speed;\nan assumption, --half-tokens, see streaming.batch_slowdown).")
     print(table(["chunk", "chunks", "slowdown", "all-text s", "overrun s", "TTFT s", "SLO", "quality", "GPU s",
-                 "oracle s", "oracle q", "choices"],
+                 "oracle s", "oracle q"],
                 [[f"{r['chunk_tokens']:,}", r["chunks"], f"{r['slowdown']:.3f}", f"{r['text_ttft_s']:.2f}",
                   f"{r['overrun_s']:.2f}", f"{r['adaptive'].ttft_s:.2f}",
                   "met" if r["adaptive"].ttft_s <= slo else "MISSED", f"{r['adaptive'].quality:.3f}",
-                  f"{r['adaptive'].gpu_s:.2f}", f"{r['oracle'].ttft_s:.2f}", f"{r['oracle'].quality:.3f}",
-                  runs_of(r["adaptive"].choices)] for r in rows],
+                  f"{r['adaptive'].gpu_s:.2f}", f"{r['oracle'].ttft_s:.2f}", f"{r['oracle'].quality:.3f}"]
+                 for r in rows],
                 title="chunk: tokens per chunk; slowdown: recompute of one chunk vs the time model; all-text s: TTFT with\n"
                       "every chunk recomputed (small batches cost); overrun s: the worst chunk's finish minus its predicted\n"
-                      "finish (large chunks react late); TTFT ... choices: the adaptive policy; oracle s, q: the oracle's "
+                      "finish (large chunks react late); TTFT ... GPU s: the adaptive policy; oracle s, q: the oracle's "
                       "TTFT, quality."))
+    for r in rows:
+        say(f"adaptive's choices, {r['chunk_tokens']:,}-token chunks: {runs_of(r['adaptive'].choices)}")
     print(f"handout: {HANDOUT['chunks']}")
     text = [r["text_ttft_s"] for r in rows]
     late = max(rows, key=lambda r: r["overrun_s"])
@@ -652,7 +654,7 @@ def main(argv=None):
         real = (real_levels, *part2(real_levels, 1.0, trace, a.slo, a.chunk_tokens, half))
     suite = None
     if a.trace_suite:
-        sets = {"record-world": (levels, lossless)} | ({"SmolLM2": (real[0], 1.0)} if real else {})
+        sets = {"record-world" if a.levels is None else Path(a.levels).name: (levels, lossless)} | ({"SmolLM2": (real[0], 1.0)} if real else {})
         suite = part4(sets, a.trace_suite, a.suite_seed, a.slo, a.chunk_tokens, half)
 
     print_part1(levels, lossless, lossless_src, opts, no_loss, rows, recompute, breakeven, note)
