@@ -136,11 +136,15 @@ def test_returns_to_kv_when_the_link_recovers():
     (seen by the probe while the GPU recomputes) it returns to the finest level for the rest. Without the
     probe, the last KV measurement (0.95 Gb/s) is kept: chunk after chunk is recomputed on a 20 Gb/s link."""
     s = setup(levels=REAL_SIZE_LEVELS)
-    tr = st.Trace((0.0, 0.2, 1.5), (10.0, 0.3, 20.0))
+    tr = st.Trace((0.0, 0.2, 1.7), (10.0, 0.3, 20.0))
     r = st.adaptive(s, tr, 4.0)
     assert r.choices[0] == "level0" and "text" in r.choices
-    back = next(i for i, row in enumerate(r.rows) if row["start"] >= 1.5 and row["measured_gbps"] == pytest.approx(20))
-    assert set(r.choices[back + 1:]) == {"level0"} and len(r.choices[back + 1:]) >= 2
+    k = r.choices.index("text")
+    row = r.rows[k]
+    a, b = row["finish"] - row["gpu_s"], row["finish"]       # the recompute, during which the link recovers
+    assert a < 1.7 < b and row["probe"]
+    assert row["measured_gbps"] == pytest.approx((0.3 * (1.7 - a) + 20 * (b - 1.7)) / (b - a))
+    assert set(r.choices[k + 1:]) == {"level0"} and len(r.choices[k + 1:]) >= 2
     assert r.ttft_s <= 4.0
     stuck = st.adaptive(s, tr, 4.0, probe=False)      # the estimate kept through text
     assert r.text_tokens == 1536 and stuck.text_tokens >= 4 * 1536 and stuck.ttft_s > r.ttft_s + 0.8
@@ -174,10 +178,16 @@ traces_above_floor = st_.lists(st_.tuples(st_.floats(0.05, 2.0), st_.floats(0.02
 @given(traces_above_floor, st_.floats(3.2, 8.0), st_.sampled_from([LEVELS, REAL_SIZE_LEVELS]))
 def test_meets_the_slo_whenever_always_text_does(trace, slo, levels):
     """The give-up deadline's guarantee, on links never slower than 20 Mb/s (above the 10 Mb/s the deadline
-    assumes for token ids)."""
+    assumes for token ids): adaptive misses an SLO that always-text meets only after a risked chunk during
+    which the link fell below half the rate the chunk was started with."""
     s = setup(levels=levels)
-    if st.fixed(s, trace, "text").ttft_s <= slo:
-        assert st.adaptive(s, trace, slo).ttft_s <= slo + 1e-9
+    r = st.adaptive(s, trace, slo)
+    if st.fixed(s, trace, "text").ttft_s <= slo and r.ttft_s > slo + 1e-9:
+        def fell(row):
+            rates = [trace.rate_at(row["start"])] + [g for t, g in zip(trace.times, trace.gbps)
+                                                       if row["start"] <= t < row["finish"]]
+            return min(rates) < row["est_gbps"] / st.RISK_FACTOR
+        assert any(row["risked"] and fell(row) for row in r.rows)
 
 
 SUITE = dict(states=(0.1, 0.3, 1.0, 3.0, 10.0, 25.0), dwell=(0.1, 2.0), jump=0.2, horizon=30.0)
@@ -226,6 +236,8 @@ def test_suite_summary_by_hand():
     assert m["violation_rate"] == 0.5 and m["mean_ttft_s"] == pytest.approx((0.0966368 + 19.32736) / 2, rel=1e-5)
     assert m["mean_quality"] == pytest.approx(0.99) and m["mean_quality_on_time"] == pytest.approx(0.495)
     assert st.ttft_percentile(res, 0.5) == res[0].ttft_s and st.ttft_percentile(res, 0.95) == res[1].ttft_s
+    edge = [st.Result("x", ttft_s=4.0, quality=0.9), st.Result("x", ttft_s=4.0005, quality=0.9)]
+    assert st.suite_summary(edge, 4.0)["violation_rate"] == 0.5        # arriving at the SLO meets it
 
 
 # ------------------------------------------------------------------------------------ the oracle

@@ -38,6 +38,7 @@ GBIT = 1e9
 TEXT_BYTES_PER_TOKEN = 4      # a token id sent as int32 (a 128K vocabulary needs 17 bits)
 HALF_EFFICIENCY_TOKENS = 128  # assumption (see batch_slowdown): a prefill batch this small runs at half speed
 TEXT_FLOOR_GBPS = 0.01        # adaptive's give-up deadline assumes token ids may crawl at 10 Mb/s (safety margin)
+RISK_FACTOR = 2.0             # a KV chunk tried past that deadline must be predicted in time at half the measured rate
 
 
 # ------------------------------------------------------------------------------------------- trace
@@ -256,12 +257,14 @@ def _measured(setup, chunk, name, link_s):
 
 
 # ----------------------------------------------------------------------------------- the policy
-def choose(setup: Setup, chunk: tuple, est_gbps: float, budget_s: float):
+def choose(setup: Setup, chunk: tuple, est_gbps: float, budget_s: float, allowed=None):
     """CacheGen's rule for one chunk: the least lossy configuration predicted to finish within its
     budget; levels finest first, then text (recompute costs the GPU time the cache exists to save, so
     it is the fallback, as in §4.2). If nothing fits, the fastest predicted option (on a collapsing link
-    that is text). Returns (option name, predicted seconds)."""
-    preds = [(o.name, predict_s(setup, chunk, o, est_gbps)) for o in setup.options]
+    that is text). `allowed` (option names; text always) narrows the candidates. Returns (option name,
+    predicted seconds)."""
+    preds = [(o.name, predict_s(setup, chunk, o, est_gbps)) for o in setup.options
+             if allowed is None or o.recompute or o.name in allowed]
     for name, p in preds:
         if p <= budget_s:
             return name, p
@@ -275,17 +278,23 @@ def adaptive(setup: Setup, trace: Trace, slo_s: float, first_est_gbps: float | N
     every remaining chunk took this long, the context would arrive on time", and choose() picks its
     configuration. The first chunk uses first_est_gbps (default: a probe of the link at t = 0).
 
-    Two rules keep the policy measuring, so that it can never get stuck:
+    Two rules keep the policy measuring, so that it never gets stuck:
     - probe (keep measuring during text): token ids are too few bytes to measure a link, but while the
       GPU recomputes a text chunk the link is idle anyway; the policy fills it with probe bytes and
       takes the throughput they got as its estimate. A link that recovers during the recompute is
       therefore seen at the next chunk, which goes back to KV. (Without it the estimate would stay at
       the rate measured before the text began, and the policy could recompute to the end.)
-    - give_up (never stuck in a KV transfer): a KV chunk is started with a deadline, the last moment at
-      which recomputing it and every later chunk (text) still meets the SLO. If the link collapses
-      mid-transfer and the chunk is not in by then, the policy stops waiting, measures the link from the
-      bits that did arrive, and recomputes the chunk instead: whenever "always text" would meet the
-      SLO, so does the adaptive policy (the recompute of a chunk costs the same whoever does it).
+    - give_up (never stuck in a KV transfer): while recomputing everything left (all-text) would still
+      meet the SLO, a KV chunk is started with a deadline, the last moment from which all-text still
+      meets it (token ids counted at TEXT_FLOOR_GBPS). If the link collapses mid-transfer and the chunk
+      is not in by then, the policy stops waiting, measures the link from the bits that did arrive,
+      and recomputes the chunk instead (the recompute of a chunk costs the same whoever does it).
+      One exception: a chunk predicted to miss that deadline, but to arrive RISK_FACTOR times faster
+      than needed for the chunks after it to still be recomputed in time, is waited for
+      (row["risked"]). Without it a policy that once gave up would sit on the deadline, where every
+      KV try is given up at once, and recompute every later chunk even on a fast link.
+      So: whenever "always text" meets the SLO, the adaptive policy does too, unless the link fell
+      below 1/RISK_FACTOR of its measured rate during a risked chunk.
       When even all-text cannot meet the SLO there is no deadline: the chunk is waited for.
     Each row records the choice actually fetched; a chunk given up on has choice "text" and
     gave_up = the level it abandoned (those link seconds are lost)."""
@@ -293,22 +302,28 @@ def adaptive(setup: Setup, trace: Trace, slo_s: float, first_est_gbps: float | N
     res, t = Result("adaptive"), 0.0
     left = setup.context_tokens
     text = setup.option("text")
-    rest_text = list(itertools.accumulate(setup.recompute_s(f, n) for f, n in reversed(setup.plan)))[::-1]
+    ids_s = text.bits_per_token / (TEXT_FLOOR_GBPS * GBIT)     # a token id's link time at the floor rate
+    rest_text = list(itertools.accumulate(setup.recompute_s(f, n) for f, n in reversed(setup.plan)))[::-1] + [0.0]
     for i, chunk in enumerate(setup.plan):
         budget = max(0.0, slo_s - t) * chunk[1] / left
-        name, pred = choose(setup, chunk, est, budget)
-        row = dict(start=t, est_gbps=est, budget_s=budget, predicted=t + pred, gave_up=None, probe=False)
+        give_up_at = slo_s - rest_text[i] - ids_s * left       # all-text from this chunk on still in time
+        kv_due = slo_s - rest_text[i + 1] - ids_s * (left - chunk[1])  # ... from the next chunk on
+        guard = give_up and t <= give_up_at + 1e-9
+        allowed, risky = None, set()
+        if guard:
+            kv = {o.name: predict_s(setup, chunk, o, est) for o in setup.options if not o.recompute}
+            risky = {nm for nm, p in kv.items() if t + p > give_up_at and t + RISK_FACTOR * p <= kv_due}
+            allowed = set(kv) if give_up_at - t > 1e-9 else risky   # no time to try: only what is worth a risk
+        name, pred = choose(setup, chunk, est, budget, allowed)
+        row = dict(start=t, est_gbps=est, budget_s=budget, predicted=t + pred, gave_up=None, probe=False,
+                   risked=name in risky)
         measured, t_go = None, t
-        # the last moment from which all-text still meets the SLO (token ids at the floor rate)
-        deadline = slo_s - rest_text[i] - text.bits_per_token * left / (TEXT_FLOOR_GBPS * GBIT)
-        if give_up and not setup.option(name).recompute and deadline - 1e-9 <= t <= deadline:
-            name = "text"                               # no time left to try KV: recompute from here on
         if not setup.option(name).recompute:
             fin, link_s, gpu_s = fetch_chunk(setup, trace, t, chunk, setup.option(name))
             measured = _measured(setup, chunk, name, link_s)
-            if give_up and t < deadline < fin:          # the link collapsed mid-chunk: stop waiting
-                measured = (trace.bits_by(deadline) - trace.bits_by(t)) / (deadline - t) / GBIT
-                row["gave_up"], name, t_go = name, "text", deadline
+            if guard and name not in risky and fin > give_up_at:   # the link collapsed mid-chunk: stop waiting
+                measured = (trace.bits_by(give_up_at) - trace.bits_by(t)) / (give_up_at - t) / GBIT
+                row["gave_up"], name, t_go = name, "text", give_up_at
         if setup.option(name).recompute:
             fin, link_s, gpu_s = fetch_chunk(setup, trace, t_go, chunk, text)
             if probe:                                   # the link's throughput while the GPU recomputed
