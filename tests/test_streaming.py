@@ -382,6 +382,31 @@ def test_half_tokens_reaches_every_setup():
     assert runs_b["always text"].ttft_s > runs_a["always text"].ttft_s
 
 
+def test_level_noise_by_hand():
+    """codec_real's noise: standard errors over paragraphs and paired steps between neighbouring levels."""
+    import codec_real as cr
+    assert cr.standard_error([0.01, 0.03]) == pytest.approx(0.01)        # sd 0.01414 / sqrt(2)
+    levels = [{"kl_para": [0.01, 0.03], "agree_para": [0.9, 1.0]}, {"kl_para": [0.02, 0.06], "agree_para": [1.0, 0.9]}]
+    n0, n1 = cr.level_noise(levels)
+    assert n0 == {"kl_se": pytest.approx(0.01), "agree_se": pytest.approx(0.05)}
+    assert n1["kl_step"] == pytest.approx(0.02) and n1["kl_step_se"] == pytest.approx(0.01)
+    assert n1["agree_step"] == pytest.approx(0.0) and n1["agree_step_se"] == pytest.approx(0.1)
+
+
+def test_part2c_prints_the_noise_and_which_measure_to_trust(capsys):
+    s3 = load_script()
+    noisy = [dict(lv, kl=0.01 * (i + 1), kl_se=0.001, agree_se=0.01, positions=864, paragraphs=16,
+                  **({"kl_step": 0.01, "kl_step_se": 0.001, "agree_step": 0.011 if i == 1 else -0.05,
+                      "agree_step_se": 0.009} if i else {}))
+             for i, lv in enumerate(REAL_SIZE_LEVELS)]
+    setup_, runs, steady = s3.part2(noisy, 1.0, HANDOUT_TRACE, 4.0, 1536)
+    s3.print_part2_real(noisy, setup_, runs, steady, HANDOUT_TRACE, 4.0)
+    out = capsys.readouterr().out
+    assert "0.0100 +- 0.0010" in out and "93.4 +- 1.0%" in out and "+1.1 +- 0.9" in out
+    assert "beyond two standard errors" in out and "within two standard errors at level1:" in out
+    assert max(map(len, out.splitlines())) <= 120
+
+
 def test_runs_of():
     s3 = load_script()
     assert s3.runs_of(["level0"] * 10 + ["level1"] + ["text"] * 2 + ["level0"]) == "L0 x10, L1, T x2, L0"

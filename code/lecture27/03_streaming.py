@@ -429,14 +429,27 @@ def print_part2_real(levels, setup, runs, steady, trace, slo):
     print(f"== Part 2c (§4.2 with real levels): Part 2 again, the codec's levels measured on a real LLaMA\n(SmolLM2-135M; codec_real.py, "
           f"the same codec with its steps searched under a KL budget of {cr.REAL_MAX_KL} nats/token on prose)")
     kv_opts = [o for o in setup.options if not o.recompute]          # the levels, finest first
-    print(table(["level", "bits/value", "GB / context", "KL from FP16", "top-1 = FP16's"],
+    lvs = sorted(levels, key=lambda d: d["level"])
+    pm = lambda x, se, f: f"{x:{f}} +- {se:{f.lstrip('+')}}" if se == se else f"{x:{f}}"  # noqa: E731  (nan: no noise known)
+    print(table(["level", "bits/value", "GB / context", "KL from FP16", "top-1 = FP16's", "KL step", "top-1 step"],
                 [[o.name, f"{o.bits_per_value:.2f}", f"{o.bits_per_token * setup.context_tokens / 8e9:.3f}",
-                  f"{lv['kl']:.4f}", f"{o.accuracy:.1%}"]
-                 for o, lv in zip(kv_opts, sorted(levels, key=lambda d: d["level"]))]))
-    n = levels[0]["positions"]
-    p = levels[0]["accuracy"]
-    say(f"(top-1 agreement measured on {n} next-token positions of evaluation prose: about +-"
-          f"{100 * (p * (1 - p) / n) ** 0.5:.1f} points of sampling noise, so neighbouring levels can swap)")
+                  pm(lv["kl"], lv.get("kl_se", float("nan")), ".4f"),
+                  pm(100 * o.accuracy, 100 * lv.get("agree_se", float("nan")), ".1f") + "%",
+                  pm(lv["kl_step"], lv["kl_step_se"], "+.4f") if "kl_step" in lv else "",
+                  pm(100 * lv["agree_step"], 100 * lv["agree_step_se"], "+.1f") if "agree_step" in lv else ""]
+                 for o, lv in zip(kv_opts, lvs)],
+                title=f"Measured on {lvs[0]['positions']:,} next-token positions of evaluation prose"
+                      + (f" ({lvs[0]['paragraphs']} paragraphs; +- one standard error over paragraphs;\nstep: "
+                         "the paired change from the finer level, each paragraph scored at both)."
+                         if "paragraphs" in lvs[0] else ".")))
+    steps = [lv for lv in lvs[1:] if "agree_step" in lv]
+    if steps:
+        kl_clear = all(lv["kl_step"] > 2 * lv["kl_step_se"] for lv in steps)
+        unclear = [f"level{lv['level']}" for lv in steps if abs(lv["agree_step"]) <= 2 * lv["agree_step_se"]]
+        say(f"KL grows level by level {'beyond' if kl_clear else 'NOT beyond'} two standard errors; top-1 agreement "
+            + (f"changes within two standard errors at {', '.join(unclear)}: a coarser level can score as well "
+               "or better there by chance, so KL is the measure to trust." if unclear else
+               "falls level by level beyond two standard errors."))
     print_chunks(setup, runs["adaptive"])
     ex = explain(setup, runs, trace)
     print_shape(ex, answers="agrees with FP16's next token")
