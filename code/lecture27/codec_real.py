@@ -3,8 +3,8 @@ codec's step search and quality levels, cached. Used by 02 (--model smollm2) and
 
 The record-world model answers from a 12-way arg-max with huge margins, so it tolerates about 1.8 bits
 per value; a real LLaMA is far less tolerant. Its quality is measured on prose: the project's own
-paragraphs (common/english.py), REAL_CONTEXT tokens of context whose KV is coded, then
-REAL_CONTINUATION tokens that attend to the decoded KV. Quality of a codec = mean KL(FP16 || codec) of
+paragraphs (common/english.py), REAL_CONTEXT tokens of context whose KV is coded, then the tokens that
+attend to the decoded KV (REAL_CALIB_CONTINUATION on calibration prose, REAL_CONTINUATION on evaluation). Quality of a codec = mean KL(FP16 || codec) of
 the continuation's next-token distributions, and the share of positions whose arg-max is FP16's; both
 with their noise, the standard error over the evaluation paragraphs (positions within one paragraph
 are not independent), and for neighbouring levels the paired difference (level_noise).
@@ -26,8 +26,9 @@ import torch.nn.functional as F  # noqa: E402
 
 import kvcache as kv  # noqa: E402
 
-REAL_CONTEXT, REAL_CONTINUATION = 100, 55   # tokens of each paragraph: context (coded) and continuation (scored);
-#   every paragraph of common/english.py has at least 155 tokens, so all of its prose is scored
+REAL_CONTEXT = 100          # tokens of each paragraph whose KV is coded
+REAL_CONTINUATION = 55      # evaluation: the next tokens, scored (every paragraph has at least 155 tokens)
+REAL_CALIB_CONTINUATION = 30  # calibration: the step search scores this many (about 20 evaluations of the codec)
 REAL_MAX_KL = 0.01          # the step search keeps the continuation's KL(FP16 || codec) below this (nats/token)
 REAL_STEP_START = 2.0 ** -4  # ... starting from steps of this x each layer's RMS
 REAL_CODED = 2              # evaluation contexts really coded to bytes (11,520 symbols per token: pure Python is slow)
@@ -36,19 +37,21 @@ REAL_CODED = 2              # evaluation contexts really coded to bytes (11,520 
 def setup(gguf=None):
     """(model, info, (calibration contexts, continuations), (evaluation contexts, continuations)):
     SmolLM2 (or another LLaMA GGUF) and the project's prose, CALIBRATION paragraphs to fit the codec,
-    EVALUATION paragraphs to measure it, each cut into REAL_CONTEXT + REAL_CONTINUATION tokens."""
+    EVALUATION paragraphs to measure it, each cut into REAL_CONTEXT tokens of context and a continuation
+    (REAL_CALIB_CONTINUATION, REAL_CONTINUATION tokens)."""
     from common import english
     from common.gguf_llama import load_gguf_llama
     model, tok, info = load_gguf_llama(gguf)
 
-    def split(paragraphs):
+    def split(paragraphs, n_cont):
         ids = [tok.encode(t).ids for t in paragraphs]
-        ids = [i for i in ids if len(i) >= REAL_CONTEXT + REAL_CONTINUATION]
+        ids = [i for i in ids if len(i) >= REAL_CONTEXT + n_cont]
         ctx = torch.tensor([i[:REAL_CONTEXT] for i in ids])
-        cont = torch.tensor([i[REAL_CONTEXT:REAL_CONTEXT + REAL_CONTINUATION] for i in ids])
+        cont = torch.tensor([i[REAL_CONTEXT:REAL_CONTEXT + n_cont] for i in ids])
         return ctx, cont
 
-    return model, info, split(english.CALIBRATION), split(english.EVALUATION)
+    return (model, info, split(english.CALIBRATION, REAL_CALIB_CONTINUATION),
+            split(english.EVALUATION, REAL_CONTINUATION))
 
 
 def continuation_quality(model, X, cont, ref=None) -> dict:
@@ -139,7 +142,7 @@ def real_codec_study(gguf=None, refit: bool = False, progress: bool = True, pros
     ident = {"gguf": [path.name, path.stat().st_size], "codec": kv.CODEC_VERSION, "group": kv.CODEC_GROUP,
              "anchor_bits": kv.ANCHOR_BITS, "max_radius": kv.CODEC_MAX_RADIUS,
              "search": [REAL_MAX_KL, kv.STEP_NOTCH, REAL_STEP_START, kv.STEP_MAX_NOTCHES],
-             "levels": [kv.LEVEL_FACTOR, kv.N_LEVELS], "prose": [REAL_CONTEXT, REAL_CONTINUATION, REAL_CODED],
+             "levels": [kv.LEVEL_FACTOR, kv.N_LEVELS], "prose": [REAL_CONTEXT, REAL_CALIB_CONTINUATION, REAL_CONTINUATION, REAL_CODED],
              "text": prose_digest(), "layout": 3}
 
     def compute():
