@@ -609,11 +609,11 @@ def plot_suite(cells, slo, path):
             xs = sorted(r.ttft_s for r in runs)
             ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", color=styles[p][0],
                     ls=styles[p][1], label=p)
-        ax.axvline(slo, color="r", lw=1)
+        ax.axvline(slo, color="0.5", ls="--", lw=1)
         ax.set(xscale="log", title=f"{c['levels']} levels, {c['context'] // K}K tokens", ylim=(0, 1.02))
         ax.grid(alpha=0.3, which="both")
     for ax in axes[-1]:
-        ax.set_xlabel("TTFT (context on GPU), s (red: SLO)")
+        ax.set_xlabel("TTFT (context on GPU), s (grey dashes: SLO)")
     for row in axes:
         row[0].set_ylabel("share of traces")
     axes[0][0].legend(fontsize=7, loc="lower right")
