@@ -518,11 +518,11 @@ def print_part2(p2, a):
             "recover about what they touch, deviation picks nearly everything.")
     six = bw.split_records(6)
     if split_ids:
-        say(f"  exercise 6 (§10): chunk length 6 (even) splits {len(six)} records {six}: "
+        say(f"  exercise 6: chunk length 6 (even, §10) splits {len(six)} records {six}: "
             + ("every boundary falls on a key, so full reuse answers as full prefill does" if not six else
                "some records are split") + " (run --chunk-len 6 to see it).")
     else:
-        print(f"exercise 6 (§10): chunk length {a.chunk_len} splits no record; full reuse answers "
+        print(f"exercise 6: chunk length {a.chunk_len} splits no record (§10); full reuse answers "
               f"{'exactly as' if p2['reuse_equals_full'] else 'NOT as'} full prefill does "
               f"({pct(res['full reuse']['all'])} vs {pct(res['full prefill']['all'])}).")
 
