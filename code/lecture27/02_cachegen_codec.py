@@ -450,7 +450,9 @@ def figures(r):
     p2 = figure_path("02_codec_pareto.png")
     fig.savefig(p2, dpi=120)
     plt.close(fig)
-    print(f"\nfigures: {p1}, {p2}")
+    print()
+    for path in (p1, p2):
+        print(f"figure: {path}")
 
 
 def to_json(r, args):

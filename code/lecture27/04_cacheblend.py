@@ -662,7 +662,7 @@ def to_json(a, city, meta, p2, p3, p4) -> dict:
             "layer0_pick_coverage": found["layer0_pick_coverage"], "chunk3_blend20": p3["blend_at_ratio"].get(3),
             "top15_per_layer": found["top15_per_layer"], "doc_attention_elsewhere": p3["elsewhere"],
             "curve": {f"c{c}_{h}": v for (c, h), v in accuracy_curve.items()}, "curve_ratios": p3["ratios"],
-            **p4["ex8"],
+            **p4["ex8"], "ex5": city["ex5"], "ex7": p3["ex7"],
             "llama70b_nvme_vs_recompute": timings["llama-3.1-70b"]["devices"][PAPER_DEVICE]["load_vs_full"]
             if "llama-3.1-70b" in timings else None,
             "timing": timings}
