@@ -512,8 +512,10 @@ def compute_real(args):
 
 def report_real(r):
     d, L = r["delta_ratio"], r["L"]
-    print(f"\n{r['info']['name']} ({L} layers, {r['C'] // 64} KV heads x 64): {r['n_calib']} calibration and "
-          f"{r['n_eval']} evaluation paragraphs of the project's own prose, {r['tokens']} context tokens each.\n")
+    print()
+    say(f"{r['info']['name']} ({L} layers, {r['C'] // 64} KV heads x 64): {r['n_calib']} calibration and "
+        f"{r['n_eval']} evaluation paragraphs of the project's own prose, {r['tokens']} context tokens each.")
+    print()
     group = kv.layer_groups(L)
     thirds = [np.flatnonzero(group == i) for i in range(3)]
     rows = [[f"layers {g[0]}-{g[-1]} {KV_NAMES[k]}", f"{d['anchor'][g, k].mean():.2f}x",
