@@ -307,7 +307,7 @@ def plot_handoff(h: dict, path) -> None:
     ax.set_xlabel("seconds to hand the KV from GPU A to GPU B")
     ax.set_title(f"{h['bytes'] / GB:.2f} GB of KV: one shared CPU pool needs no CPU copy (handout §6.2)", fontsize=9)
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()],
-              labels=[f"{k} copy" for k in colors], fontsize=7, loc="lower right")
+              labels=[f"{k} copy" for k in colors], fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
