@@ -12,14 +12,19 @@ tokens that matter.
 
 Part 1 (§5.2): the city language, 3 chunks x 8 tokens + an 8-token question: full prefill vs full KV
         reuse (each chunk precomputed alone, K moved by shift_kv). Sentences are independent: no loss.
+        Exercise 5: a chunk's K computed at 0 and rotated to 1000 vs computed at 1000, V unchanged, and
+        full reuse with the K left unrotated.
 Part 2 (§5.2-5.3): the record world (blend_world.py), chunks of 5: accuracy on split and unsplit
-        records under full prefill, full reuse, CacheBlend and a random selection of the same size.
+        records under full prefill, full reuse, CacheBlend and a random selection of the same size;
+        exercise 6 (how many records chunk length 6 splits).
 Part 3 (§5.3): the two insights (deviation is concentrated; adjacent layers agree), layer 0's picks,
         shorter chunks, and the compute-quality curve. The deviation is concentrated because document
         tokens attend almost only to themselves (and a value to its key): the record model learned that
         locality from a small penalty (blend_world.LOCALITY), as a pretrained LLM learns it from language.
+        Exercise 7: the check's cost at layer 0 vs layer 1 (time model).
 Part 4 (§5.4, exercise 8): hiding recompute behind loading, from common/timemodel.py: per layer
-        load vs recompute per storage device, the controller's ratio, pipelined TTFT; LLaMA-7B vs 70B.
+        load vs recompute per storage device, the controller's ratio, pipelined TTFT; LLaMA-7B vs 70B;
+        requests/s of a busy server, full prefill vs CacheBlend (the paper's 2.8-5x throughput).
 Part 5 (--model smollm2; blend_real.py): the same blend() on SmolLM2-135M-Instruct, RAG items of
         6 chunks x 512 tokens + the question: KL of the answer to full prefill, greedy answers, the two
         insights on a real model, and measured CPU TTFT of full prefill vs CacheBlend 15%.
