@@ -179,3 +179,48 @@ def test_spearman_hand_worked():
     # a monotone but non-linear map keeps rho = 1 (ranks, not values); a constant row is left out
     x = torch.tensor([[0.1, 5.0, 0.3, 2.0], [1.0, 1.0, 1.0, 1.0]])
     assert bw.spearman(x, x.exp()) == pytest.approx(1.0)
+
+
+def test_parse_seeds():
+    assert bw.parse_seeds("0-3") == [0, 1, 2, 3]
+    assert bw.parse_seeds("0,12-13, 19") == [0, 12, 13, 19]
+    for bad in ("3-1", "a", "-2", "1-"):
+        with pytest.raises(ValueError):
+            bw.parse_seeds(bad)
+
+
+def test_a_stuck_attempt_starts_again_then_gives_up(tmp_path, monkeypatch, capsys):
+    """A training attempt that is not going anywhere (here: no drop by step 25, as the recipe is cut
+    down to make the test fast) starts over from a fresh initialisation with a one-line message;
+    when every attempt fails nothing is cached and TrainingFailed says so."""
+    monkeypatch.setenv("L27_CHECKPOINTS", str(tmp_path))
+    monkeypatch.setattr(bw, "TRAIN", dict(bw.TRAIN, drop_by=25, after_drop=25, attempts=2))
+    with pytest.raises(bw.TrainingFailed, match="2 initialisations of seed 7 failed"):
+        bw.record_model(seed=7)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("record world, seed 7")]
+    assert len(err) == 2 and "attempt 2 of 2" in err[0] and "no attempts left" in err[1]
+    assert all(len(ln) <= 120 for ln in err)
+    assert not list(tmp_path.glob("records-*.pt"))
+
+
+def test_each_attempt_starts_from_its_own_initialisation(tmp_path, monkeypatch):
+    """Attempt k of seed s is trained from the initialisation of seed s + RESTART_SEED_STRIDE k, with
+    every parameter (norm gains too) reset first: the parameters each attempt starts from are exactly
+    those of a fresh model initialised with that seed."""
+    starts = []
+    real_init = bw._init
+
+    def spy(model, generator, *a):
+        real_init(model, generator, *a)
+        starts.append({k: v.clone() for k, v in model.state_dict().items()})
+    monkeypatch.setenv("L27_CHECKPOINTS", str(tmp_path))
+    monkeypatch.setattr(bw, "_init", spy)
+    monkeypatch.setattr(bw, "TRAIN", dict(bw.TRAIN, drop_by=25, after_drop=25, attempts=2))
+    with pytest.raises(bw.TrainingFailed):
+        bw.record_model(seed=3)
+    assert len(starts) == 2
+    for k, got in enumerate(starts):
+        ref = Llama(bw.model_config())
+        real_init(ref, torch.Generator().manual_seed(3 + bw.RESTART_SEED_STRIDE * k), bw.TRAIN["embed_std"],
+                  bw.TRAIN["linear_std"])
+        assert all(torch.equal(got[n], v) for n, v in ref.state_dict().items())
