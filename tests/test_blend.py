@@ -224,3 +224,47 @@ def test_each_attempt_starts_from_its_own_initialisation(tmp_path, monkeypatch):
         real_init(ref, torch.Generator().manual_seed(3 + bw.RESTART_SEED_STRIDE * k), bw.TRAIN["embed_std"],
                   bw.TRAIN["linear_std"])
         assert all(torch.equal(got[n], v) for n, v in ref.state_dict().items())
+
+
+def test_train_lm_stops_when_asked_and_follows_lr_fn(monkeypatch):
+    """The record trainer decides its own length and learning rate: train_lm ends after the eval
+    whose result holds a true "stop", and sets each step's rate from lr_fn(step)."""
+    from common.checkpoints import train_lm
+
+    def batch_fn(step, g):
+        x = torch.randint(0, len(bw.VOCAB), (2, 6), generator=g)
+        return x, x, torch.ones(x.shape)
+
+    torch.manual_seed(0)
+    m = Llama(bw.model_config())
+    rates = []
+    real_step = torch.optim.AdamW.step
+
+    def spy_step(opt, *a, **k):
+        rates.append(opt.param_groups[0]["lr"])
+        return real_step(opt, *a, **k)
+    monkeypatch.setattr(torch.optim.AdamW, "step", spy_step)
+    hist = train_lm(m, batch_fn, 100, 1.0, eval_every=5, lr_fn=lambda s: 1e-3 / (s + 1),
+                    eval_fn=lambda model, step: {"stop": step == 15})
+    assert hist["step"] == list(range(15)) and [e["step"] for e in hist["evals"]] == [5, 10, 15]
+    assert rates == pytest.approx([1e-3 / (s + 1) for s in range(15)])
+
+
+def test_same_seed_same_weights(tmp_path, monkeypatch):
+    """Training is reproducible on one machine: the same seed and code give bit-identical weights
+    (one thread, every random draw from a seeded generator); another seed gives other weights."""
+    finals = []
+    real_train = bw.train_lm
+
+    def spy(model, *a, **k):
+        hist = real_train(model, *a, **k)
+        finals.append({n: v.clone() for n, v in model.state_dict().items()})
+        return hist
+    monkeypatch.setenv("L27_CHECKPOINTS", str(tmp_path))
+    monkeypatch.setattr(bw, "train_lm", spy)
+    monkeypatch.setattr(bw, "TRAIN", dict(bw.TRAIN, drop_by=25, after_drop=25, attempts=1))
+    for seed in (5, 5, 6):
+        with pytest.raises(bw.TrainingFailed):
+            bw.record_model(seed=seed)
+    assert all(torch.equal(finals[0][n], finals[1][n]) for n in finals[0])
+    assert not all(torch.equal(finals[0][n], finals[2][n]) for n in finals[0])

@@ -21,6 +21,7 @@ Three prefills of [chunks ... | question], all driven through common.llama's Blo
   blend          CacheBlend's selective recompute with the per-layer progressive filter (§5.3)
 
     python code/lecture27/blend_world.py            # train (or load) the model and check it
+    python code/lecture27/blend_world.py --seeds 0-19   # the seed sweep: every seed trains (slow: ~1 min each)
 """
 from __future__ import annotations
 
@@ -414,14 +415,13 @@ def record_model(retrain: bool = False, seed: int = 0, steps: int | None = None,
     then loaded from code/checkpoints/. Refuses to cache a model that did not learn the task.
     steps / locality: override TRAIN's after_drop / locality (each value is its own checkpoint).
 
-    Why an attempt can get stuck (measured on seeds 12 and 13 of a fixed 1,200-step run): layer 0's
-    previous-token head ignores three of the 16 value tokens (seed 12: v3, v9, v12 put 0.00-0.01 of
-    their attention on their key, the others 0.7-0.9), so those values never remember their key, the
-    answer head finds them 0.2% of the time (56% on the right answers) and guesses: every record and
-    question position is ~90% right, the three values 44-50%. At the plateau's start (drop + 100)
-    the locality term (0.12) is as large as the answer loss (0.19) and holds those tokens on
-    themselves; without it (LOCALITY = 0) the same three values stay at 0.11-0.14 (93.6%). train_fn
-    spots this 100 steps after the drop and starts again from a fresh initialisation (one line).
+    Why an attempt gets stuck (seeds 12, 13 of the fixed 1,200-step recipe, ~90% held-out): layer 0's
+    previous-token head ignores three of the 16 values (seed 12: v3, v9, v12 put 0.00-0.01 of their
+    attention on their key, the others 0.7-0.9), so the answer head cannot find them (attention on
+    the asked value 0.002 on wrong answers, 0.56 on right ones): 44-50% right on those three, 100%
+    on the rest, the same ~90% on every record and question position. At drop + 100 the locality
+    term (0.12) rivals the answer loss (0.19) and holds them on themselves; without it they stay at
+    0.11-0.14 (93.6%). train_fn spots this 100 steps after the drop and restarts (one line).
     """
     T = dict(TRAIN, after_drop=steps or TRAIN["after_drop"],
              locality=TRAIN["locality"] if locality is None else locality)
