@@ -80,6 +80,7 @@ TRAIN = dict(after_drop=600, batch=32, lr=3e-3, warmup=50, min_lr_frac=0.05, emb
              linear_std=0.125, eval_every=25, eval_docs=256, locality=LOCALITY, locality_ramp=LOCALITY_RAMP,
              drop_by=600, stuck_after=100, stuck_acc=0.97, attempts=4)
 RESTART_SEED_STRIDE = 1000  # attempt k of seed s starts from the initialisation and data of seed s + 1000 k
+SEED = 0                 # training seed (a model per seed; the tests can run against another: L27_SEED, tests/conftest.py)
 TARGET_ACC = 0.995       # full-prefill accuracy on unseen records the cached model must reach
 HELDOUT_SEED = 4242      # held-out documents (training draws from its own generator)
 
@@ -409,11 +410,12 @@ def _init(model: Llama, generator: torch.Generator, embed_std: float, linear_std
                 p.normal_(0.0, embed_std if name.startswith("embed") else linear_std, generator=generator)
 
 
-def record_model(retrain: bool = False, seed: int = 0, steps: int | None = None,
+def record_model(retrain: bool = False, seed: int | None = None, steps: int | None = None,
                  locality: float | None = None):
     """(model, meta): the record-world LLaMA, trained on first call (under a minute on one core),
     then loaded from code/checkpoints/. Refuses to cache a model that did not learn the task.
-    steps / locality: override TRAIN's after_drop / locality (each value is its own checkpoint).
+    seed: the training seed (default SEED); steps / locality: override TRAIN's after_drop / locality
+    (each value is its own checkpoint).
 
     Why an attempt gets stuck (seeds 12, 13 of the fixed 1,200-step recipe, ~90% held-out): layer 0's
     previous-token head ignores three of the 16 values (seed 12: v3, v9, v12 put 0.00-0.01 of their
@@ -423,6 +425,7 @@ def record_model(retrain: bool = False, seed: int = 0, steps: int | None = None,
     term (0.12) rivals the answer loss (0.19) and holds them on themselves; without it they stay at
     0.11-0.14 (93.6%). train_fn spots this 100 steps after the drop and restarts (one line).
     """
+    seed = SEED if seed is None else seed
     T = dict(TRAIN, after_drop=steps or TRAIN["after_drop"],
              locality=TRAIN["locality"] if locality is None else locality)
     eval_rec = sample_records(T["eval_docs"], torch.Generator().manual_seed(HELDOUT_SEED + 1))
@@ -606,7 +609,7 @@ def main():
 
     p = Parser(__doc__)
     p.add_argument("--retrain", action="store_true", help="train again even if a checkpoint exists")
-    p.add_argument("--seed", type=int, default=0, help="training seed")
+    p.add_argument("--seed", type=int, default=SEED, help="training seed")
     p.add_argument("--seeds", metavar="LIST", help="train (or load) every seed of LIST (e.g. 0-19 or 0,12-13) "
                    "and print one row each: the seed sweep")
     p.add_argument("--steps", type=positive_int, default=TRAIN["after_drop"],
