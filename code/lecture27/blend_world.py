@@ -62,7 +62,7 @@ DATA_VERSION = "records-v2"  # bump when the generator changes: the checkpoint i
 #    accuracy first above 50%), then cosine decay over the `after_drop` steps that follow: the rate never
 #    decays while the answers are still being learned, and a run lasts only as long as it needs;
 #  * a restart when an attempt is stuck: no drop by `drop_by`, or below `stuck_acc` `stuck_after` steps
-#    after the drop (about one initialisation in seven; record_model's docstring says what goes wrong),
+#    after the drop (about one initialisation in three: record_model's docstring says what goes wrong),
 #    from the next initialisation of the seed, with a one-line message, up to `attempts` times;
 #  * a locality penalty: LOCALITY x the mean attention weight a document token puts on tokens other
 #    than itself, switched on when held-out accuracy first crosses 50% and ramped up over
@@ -72,8 +72,8 @@ DATA_VERSION = "records-v2"  # bump when the generator changes: the checkpoint i
 #    without the penalty (LOCALITY = 0), document tokens put 80-90% of their attention on other
 #    tokens, much of it in other chunks, for no reason; every token after the first chunk deviates,
 #    and the top 15% of tokens hold only about half of the deviation. A value still looks at its key:
-#    the answers need it, and they outweigh the penalty. Switched on from step 0, the penalty keeps the induction head
-#    from ever forming (a value must first discover that its key is worth looking at).
+#    the answers need it, and they outweigh the penalty. Switched on from step 0, the penalty keeps the
+#    induction head from ever forming (a value must first discover that its key is worth looking at).
 LOCALITY = 0.3           # exercise: set 0, rerun 04_cacheblend.py, and watch insight 1 disappear
 LOCALITY_RAMP = 100
 TRAIN = dict(after_drop=600, batch=32, lr=3e-3, warmup=50, min_lr_frac=0.05, embed_std=1.0,
