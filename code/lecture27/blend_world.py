@@ -596,7 +596,8 @@ def print_sweep(rows: list[dict]) -> None:
                 [[r["seed"], "-", "failed", "-", "-", "-", "-", "-"] if "failed" in r else
                  [r["seed"], r["drop_step"], r["attempts"], r["steps"], f"{r['heldout_acc']:.2%}",
                   f"{r['top15_share']:.1%}", f"{r['train_seconds']:.0f}", f"{r['ms_per_step']:.0f}"] for r in rows],
-                title=f"record model over {len(rows)} seeds (share: chunks of 5, layers 1-3, {SWEEP_DOCS} held-out docs)"))
+                title=f"record model over {len(rows)} seeds (top-15% share of the KV deviation: chunks of 5, "
+                      f"layers 1-3, {SWEEP_DOCS} held-out documents)"))
     if ok:
         secs = [r["train_seconds"] for r in ok]
         print(f"held-out >= {TARGET_ACC:.1%}: {sum(r['heldout_acc'] >= TARGET_ACC for r in ok)}/{len(rows)}; "
