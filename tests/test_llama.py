@@ -2,8 +2,7 @@
 one-token decode and the block-diagonal "each chunk alone" prefill (float32, max |diff| <= 1e-5)."""
 import torch
 
-from common.llama import KVCache, Llama, LlamaConfig, causal_mask, rope
-from kvcache import shift_kv
+from common.llama import KVCache, Llama, LlamaConfig, causal_mask, rope, shift_kv
 
 TOL = 1e-5
 
