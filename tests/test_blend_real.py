@@ -55,7 +55,7 @@ def test_precompute_with_prefix_equals_prefilling_each_chunk_behind_it():
 import importlib.util  # noqa: E402
 
 from common.english import RAG_ITEMS, rag_chunks  # noqa: E402
-from common.gguf_llama import INSTALL_HINT, find_smollm2_gguf, load_gguf_llama  # noqa: E402
+from common.gguf_llama import INSTALL_HINT, find_smollm2_gguf  # noqa: E402
 
 GGUF = find_smollm2_gguf() if all(importlib.util.find_spec(m) for m in ("gguf", "tokenizers")) else None
 needs_model = pytest.mark.skipif(GGUF is None, reason=INSTALL_HINT)
@@ -63,10 +63,10 @@ TOL = 2e-3  # logits O(10-30) after 30 layers: float32 rounding of different sum
 
 
 @pytest.fixture(scope="module")
-def real():
+def real(smollm2):
     import blend_real as br
 
-    model, tok, _ = load_gguf_llama(GGUF)
+    model, tok, _ = smollm2
     rd = br.rag_doc(rag_chunks(RAG_ITEMS[0], tok, n_chunks=3, chunk_tokens=64, key_chunks=(1, 2)))
     with torch.no_grad():
         full_logits, full_cache = model(rd.tokens)

@@ -1,5 +1,8 @@
 """The LLaMA's one forward pass, driven four ways: full prefill, prefill continued from a cache,
-one-token decode and the block-diagonal "each chunk alone" prefill (float32, max |diff| <= 1e-5)."""
+one-token decode and the block-diagonal "each chunk alone" prefill (float32, max |diff| <= 1e-5), and
+against logits recorded from Hugging Face transformers' LlamaForCausalLM (tests/data/make_reference.py)."""
+from pathlib import Path
+
 import torch
 
 from common.llama import KVCache, Llama, LlamaConfig, causal_mask, rope
@@ -111,6 +114,49 @@ def test_block_diagonal_mask_changes_later_chunks_only():
     block, _ = m(t, mask=causal_mask(pos, pos, pos // 8, pos // 8))
     assert (causal[:, :8] - block[:, :8]).abs().max() <= TOL
     assert (causal[:, 8:] - block[:, 8:]).abs().max() > 1e-3
+
+
+REFERENCE = Path(__file__).resolve().parent / "data" / "hf_llama_tiny.pt"
+HF_NAMES = {"self_attn.q_proj": "wq", "self_attn.k_proj": "wk", "self_attn.v_proj": "wv", "self_attn.o_proj": "wo",
+            "mlp.gate_proj": "w_gate", "mlp.up_proj": "w_up", "mlp.down_proj": "w_down",
+            "input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"}
+
+
+def hf_reference():
+    """A tiny random LLaMA (GQA 4 query / 2 KV heads, half-split RoPE, tied embeddings) and the logits
+    Hugging Face transformers' LlamaForCausalLM computed for it (tests/data/make_reference.py)."""
+    ref = torch.load(REFERENCE, weights_only=True)
+    c = ref["config"]
+    assert c["tie_word_embeddings"] and c["num_key_value_heads"] < c["num_attention_heads"]
+    cfg = LlamaConfig(vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
+                      n_heads=c["num_attention_heads"], n_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
+                      d_ff=c["intermediate_size"], rope_theta=c["rope_theta"], norm_eps=c["rms_norm_eps"])
+    ours = {}
+    for name, w in ref["state_dict"].items():
+        name = name.removeprefix("model.").replace("embed_tokens", "embed")
+        for hf, mine in HF_NAMES.items():
+            name = name.replace(hf, mine)
+        ours[name] = w
+    m = Llama(cfg).eval()
+    m.load_state_dict(ours, strict=True)
+    return m, ref
+
+
+@torch.no_grad()
+def test_logits_equal_hugging_face_llama():
+    """Same weights, same tokens: our forward reproduces transformers' logits (float32, logits O(5)), in
+    one prefill, in a prefill continued from a cache, and with the attention weights written out."""
+    m, ref = hf_reference()
+    t, expected = ref["tokens"], ref["logits"]
+    assert float(expected.abs().max()) > 1.0
+    logits, _ = m(t)
+    assert (logits - expected).abs().max() <= 1e-4
+    a, cache = m(t[:, :17])
+    b, _ = m(t[:, 17:], cache=cache)
+    assert (torch.cat([a, b], 1) - expected).abs().max() <= 1e-4
+    for blk in m.layers:
+        blk.keep_weights = True
+    assert (m(t)[0] - expected).abs().max() <= 1e-4
 
 
 def test_gqa_shapes():
