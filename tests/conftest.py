@@ -24,3 +24,19 @@ def smollm2():
     if path is None:
         pytest.skip(INSTALL_HINT)
     return load_gguf_llama(path)
+
+
+@pytest.fixture
+def cli_exit(monkeypatch, capsys):
+    """Run a numbered script's main() in this process with the given command-line arguments and return
+    (exit code, stderr), for input the script must refuse (so main() must end in SystemExit)."""
+    import importlib
+
+    def run(script: str, *args: str):
+        mod = importlib.import_module(script)
+        monkeypatch.setattr(sys, "argv", [script + ".py", *args])
+        with pytest.raises(SystemExit) as e:
+            mod.main()
+        return e.value.code, capsys.readouterr().err
+
+    return run

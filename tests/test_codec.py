@@ -295,10 +295,6 @@ def test_coder_on_a_whole_context(record):
 
 
 @pytest.mark.parametrize("args", [["--sensitivity-step", "0"], ["--model", "gpt5"], ["--sensitivity-step", "x"]])
-def test_02_rejects_bad_input_in_one_line(args):
-    import subprocess
-    import sys
-    from pathlib import Path
-    script = Path(kv.__file__).with_name("02_cachegen_codec.py")
-    p = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+def test_02_rejects_bad_input_in_one_line(args, cli_exit):
+    code, err = cli_exit("02_cachegen_codec", *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -159,10 +159,27 @@ def test_logits_equal_hugging_face_llama():
     assert (m(t)[0] - expected).abs().max() <= 1e-4
 
 
-def test_gqa_shapes():
-    m = make_model(5, n_heads=4, n_kv_heads=1)
-    _, cache = m(torch.randint(0, 40, (2, 7)))
-    assert cache.k[0].shape == (2, 1, 7, 16) and cache.pos.tolist() == list(range(7))
+@torch.no_grad()
+def test_gqa_is_multi_head_with_shared_kv_heads():
+    """Query head h reads KV head h // (n_heads / n_kv_heads): a GQA model (4 query, 2 KV heads) equals
+    the multi-head model whose K and V projections repeat each KV head for its two query heads; the
+    cache holds only the 2 KV heads."""
+    g = make_model(5, n_heads=4, n_kv_heads=2)
+    m = make_model(6, n_heads=4, n_kv_heads=4)
+    sd = g.state_dict()
+    for name, w in sd.items():
+        if name.endswith(("wk.weight", "wv.weight")):
+            sd[name] = w.view(2, 16, -1).repeat_interleave(2, 0).reshape(64, -1)  # heads 0,0,1,1
+    m.load_state_dict(sd)
+    t = torch.randint(0, 40, (2, 7))
+    (lg, cache), (lm, _) = g(t), m(t)
+    assert cache.k[0].shape == (2, 2, 7, 16) and cache.pos.tolist() == list(range(7))
+    assert (lg - lm).abs().max() <= TOL
+    for name, w in g.state_dict().items():   # the other pairing (heads 0,1,0,1) is a different model
+        if name.endswith(("wk.weight", "wv.weight")):
+            sd[name] = w.view(2, 16, -1).repeat(2, 1, 1).reshape(64, -1)
+    m.load_state_dict(sd)
+    assert (m(t)[0] - lg).abs().max() > 1e-2
 
 
 @torch.no_grad()
