@@ -74,9 +74,10 @@ class DictTier:
         return [it[0] for it in self.items if not it[2]] + [it[0] for it in self.items if it[2]]
 
 
-@settings(max_examples=80, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["put", "touch"]), st.integers(0, 12), st.integers(1, 9), st.booleans()),
-                max_size=120), st.integers(0, 30), st.booleans())
+@pytest.mark.parametrize("hinted", [False, True])
+@settings(max_examples=100, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["put", "touch"]), st.integers(0, 12), st.integers(1, 9),
+                               st.booleans()), max_size=120), capacity=st.integers(0, 30))
 def test_tier_equals_a_dictionary_model(ops, capacity, hinted):
     """Any sequence of puts and touches: the same contents, eviction order, bytes and eviction count."""
     tier, model = Tier("t", capacity, hinted=hinted), DictTier(capacity, hinted)
