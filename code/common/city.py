@@ -121,6 +121,7 @@ def city_config(lang: CityLanguage) -> LlamaConfig:
 
 
 TRAIN = dict(steps=700, batch=32, n_sentences=8, lr=3e-3, warmup=50)
+SEED = 0  # training seed (a model per seed; the tests can run against another: L27_SEED, tests/conftest.py)
 
 
 def heldout_ce(model, lang: CityLanguage, n_seq: int = 256, seed: int = 1234) -> float:
@@ -134,9 +135,11 @@ def heldout_ce(model, lang: CityLanguage, n_seq: int = 256, seed: int = 1234) ->
     return float(-lp.gather(-1, x[:, SENTENCE_LEN:, None]).mean())
 
 
-def city_model(retrain: bool = False, seed: int = 0):
+def city_model(retrain: bool = False, seed: int | None = None):
     """(model, lang): the trained city LLaMA (trained on first call, then loaded from
-    code/checkpoints/) and its language. model.train_meta holds the checkpoint's metadata."""
+    code/checkpoints/) and its language. model.train_meta holds the checkpoint's metadata.
+    seed: the training seed (default SEED)."""
+    seed = SEED if seed is None else seed
     lang = CityLanguage()
     T = TRAIN
 

@@ -399,7 +399,7 @@ def main():
     p.add_argument("--read-ms", type=positive_float, default=EX8_READ_MS, help="exercise 8: read one layer's KV (ms)")
     p.add_argument("--prefill-ms", type=positive_float, default=EX8_PREFILL_MS, help="exercise 8: prefill one layer (ms)")
     p.add_argument("--retrain", action="store_true", help="train the record-world model again")
-    p.add_argument("--seed", type=int, default=0, help="training seed of the record-world model")
+    p.add_argument("--seed", type=int, default=bw.SEED, help="training seed of the record-world model")
     p.add_argument("--locality", type=nonneg_float, default=bw.LOCALITY,
                    help="weight of the record model's locality penalty (0: none; see blend_world.TRAIN)")
     p.add_argument("--model", choices=["record", "smollm2"], default="record",
