@@ -3,12 +3,20 @@
 
 L27_SEED=S python -m pytest -q tests  runs the whole suite against the small models trained with seed S
 (the record-world model and the city LLaMA): every bound a test puts on a trained model's figure must
-hold for any model the training recipe produces, not only for the one on this disk."""
+hold for any model the training recipe produces, not only for the one on this disk.
+
+Torch runs on one thread here (L27_TEST_THREADS=N to change): the suite is mostly small tensors, and on
+a machine whose cores are busy a second thread that waits for a core slows each op down several times
+(measured on 2 shared cores: 15 s instead of 80 s for the real-model tests, 8 s instead of 37 s for
+test_blend + test_llama + test_checkpoints)."""
 import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+torch.set_num_threads(int(os.environ.get("L27_TEST_THREADS", "1")))
 
 ROOT = Path(__file__).resolve().parents[1]
 for p in (ROOT / "code", ROOT / "code" / "lecture27"):
