@@ -4,16 +4,17 @@ and 1, with and without a shared prefix.
 The reference is written row by row from the definitions, in float64, using only the model's weights:
   * its own RMSNorm, RoPE (half-split pairs, angle p * theta^(-2i/hd)), grouped-query attention (query
     head h reads KV head h // (H / Hkv)) with an explicit list of the keys each row may see, SwiGLU;
-  * the precomputed chunks: every context token computed at its real position seeing only its own chunk
-    and the shared prefix (RoPE is relative, so this is what "prefill alone, then move K" must equal);
+  * the precomputed chunks: each chunk computed seeing only itself and the shared prefix, at the
+    positions it had when stored (0, 1, ... without a prefix; P, P+1, ... behind a P-token prefix),
+    its K then rotated to the real position (what "prefill alone, then shift_kv" must equal);
   * the blend for a FIXED selection S_1 >= S_2 >= ... (the sets the blend reports in its trace):
     layer 0 is computed in full; at layer l >= 1 the tokens of S_l and the question get fresh K, V from
     their own hidden states, every other context token keeps its precomputed K, V, and each computed row
     attends, causally by position, to that mixed cache.
-It also recomputes the scores the selection is made from (the layer-0 attention deviation and the
-per-layer ||dK||^2 + ||dV||^2) and checks that each set is the top-count of the previous one's scores."""
+It also recomputes the scores the selection is made from (the layer-0 attention deviation: full causal
+attention minus attention to the own chunk and the prefix, both at real positions, as blend defines it;
+and the per-layer ||dK||^2 + ||dV||^2) and checks that each set is the top-count of those scores."""
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -126,15 +127,6 @@ def ref_blend(model, doc, question, ids, sels):
     x = torch.stack([h[i] for i in range(N, N + Tq)])
     x = torch.stack([rms(r, model.norm.weight, model.cfg.norm_eps) for r in x])
     return x @ model.embed.weight.T, torch.tensor(dev0), devs
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Thousands of tiny ops: one thread avoids the worker hand-offs that dominate them on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
