@@ -99,3 +99,22 @@ def test_04_city_kl_and_cross_entropies():
     tgt = q[:, 1:].flatten()
     assert got["city_ce_full"] == pytest.approx(float(F.cross_entropy(full.flatten(0, 1), tgt)), rel=1e-5)
     assert got["city_ce_reuse"] == pytest.approx(float(F.cross_entropy(reuse.flatten(0, 1), tgt)), rel=1e-5)
+
+
+@torch.no_grad()
+def test_blend_real_run_item_reports_kl_from_full_prefill():
+    """run_item's kl_first: KL(full prefill || method) of the first answer token's distribution, here
+    for full reuse on a small random model with a 2-token prefix and three chunks."""
+    import blend_real as br
+    import blend_world as bw
+    m = random_model(50, 4)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.tensor([bw.PREFIX] * 2 + [0] * 5 + [1] * 4 + [2] * 6)
+    rd = br.RagDoc(torch.randint(0, 50, (1, len(ids)), generator=g), torch.randint(0, 50, (1, 4), generator=g),
+                   ids, None)
+    out = br.run_item(m, rd, ratio=0.3, answer_tokens=3, kl_tokens=2)
+    full = m(rd.tokens)[0][0, -1].log_softmax(-1)
+    reuse = m(rd.question, cache=bw.precompute_chunks(m, rd.doc, ids))[0][0, -1].log_softmax(-1)
+    expect, swapped = float(reference_kl(full, reuse)), float(reference_kl(reuse, full))
+    assert out["kl_first"]["full reuse"] == pytest.approx(expect, rel=1e-4) and abs(expect - swapped) > 1e-3 * expect
+    assert out["kl_first"]["full prefill"] == pytest.approx(0.0, abs=1e-6)
