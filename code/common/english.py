@@ -310,6 +310,62 @@ scratching bows, whispered chords and sudden silences. A few listeners looked pu
 by the end the applause was loud and long, and the composer, called up onto the stage, bowed \
 awkwardly in her trainers. The concert will be repeated on Sunday afternoon, and tickets are still \
 available.""",
+    # science
+    """Sound is a wave of pressure that travels through air, water or solid matter. When a guitar \
+string vibrates, it pushes the nearby air molecules together and then lets them spread apart, many \
+hundreds of times each second. Each squeeze passes to the next layer of air, so the disturbance moves \
+outward while the air itself stays more or less where it was. In air at room temperature the wave \
+covers about three hundred and forty metres every second, which is why the thunder of a distant storm \
+arrives several seconds after the flash. In water sound travels more than four times faster, and in \
+steel faster still, because the particles are packed closely and push on one another quickly. The \
+number of vibrations per second sets the pitch we hear, and the size of each squeeze sets the \
+loudness.""",
+    # how-to
+    """Repairing a puncture on a bicycle takes about twenty minutes once you have done it twice. \
+Start by removing the wheel and letting out whatever air is left in the tube. Slide a tyre lever \
+under the edge of the tyre, hook it onto a spoke, and run a second lever around the rim until one \
+side of the tyre comes free. Pull out the tube, pump a little air into it and listen, or pass it \
+slowly near your cheek, to find the hole. Before you fix anything, run your fingers carefully around \
+the inside of the tyre, because a small thorn or piece of glass left there will cause the next \
+puncture within a mile. Roughen the area around the hole with sandpaper, spread a thin layer of glue, \
+wait until it turns dull, and press the patch on firmly. Refit the tube and tyre, and inflate slowly.""",
+    # history
+    """For most of human history, the time of day was a local matter. Each town set its clocks by the \
+sun, so noon in a city to the west came a few minutes later than noon in a city to the east. Nobody \
+minded while travel was slow, but the railways changed that. A train timetable that listed dozens of \
+stations, each keeping its own time, was confusing for passengers and dangerous for drivers sharing a \
+single track. Railway companies began to run all their trains on one standard time, usually that of \
+their main city, and station clocks sometimes showed two faces, local and railway. Over the following \
+decades countries adopted national standard times, and in the end the world was divided into time \
+zones, most of them one hour wide. The change was practical, not scientific, and a few places still \
+keep unusual offsets today.""",
+    # story
+    """The lighthouse keeper had lived alone on the island for eleven years when the letter arrived. \
+It came with the monthly supply boat, tucked between a box of candles and a sack of flour, and it was \
+addressed in a handwriting he had not seen since he was a young man. He did not open it at once. He \
+carried the supplies up the steep path, lit the stove, made tea, and only then sat down at the table \
+by the window with the envelope in front of him. Outside, the gulls were arguing over something on \
+the rocks and the sea was the colour of slate. He turned the letter over twice. Then he remembered \
+the lamp had to be checked before dark, and he put the letter on the shelf beside the clock, where \
+it stayed, unopened, for another three days.""",
+    # explanation
+    """A bank does not keep most of the money that people deposit with it in a vault. It keeps a \
+fraction in reserve, enough to pay the customers who want cash on an ordinary day, and lends the rest \
+to households and businesses that want to buy a house, build a factory or pay wages before their own \
+customers have paid them. The borrowers pay interest, and part of that interest becomes the small \
+return the bank pays its depositors. This arrangement works because, on most days, only a few \
+depositors ask for their money back at once. If many people fear that a bank is in trouble and all \
+try to withdraw at the same time, even a healthy bank cannot pay them all immediately. That is why \
+governments insure deposits up to a limit and central banks stand ready to lend in a crisis.""",
+    # nature
+    """Early on a spring morning the wood is louder than most people expect. Before the sun is up, a \
+single robin begins, and within a few minutes wrens, blackbirds and thrushes have joined in, each \
+repeating its own phrases from a favourite branch. The males are singing to claim a patch of ground \
+and to attract a mate, and they sing hardest at dawn, when the air is still and sound carries \
+furthest, and when it is still too dark to search for insects. As the light grows the chorus thins \
+out. The birds drop to the ground to feed, the wind picks up in the tops of the trees, and the first \
+dog walkers appear on the path. By the time most of the town is having breakfast, the wood sounds \
+quiet and ordinary again, and few of them ever know what they missed.""",
 ]
 
 

@@ -6,6 +6,7 @@ whose bandwidth changes while a context streams in.
     python code/lecture27/03_streaming.py --trace my.csv --slo 3 --chunk-tokens 1024
     python code/lecture27/03_streaming.py --long-context 65536  # Part 2b with a 64K-token context
     python code/lecture27/03_streaming.py --no-real             # without Part 2c (no SmolLM2 needed)
+    python code/lecture27/03_streaming.py --trace-suite 200     # + Part 4: 200 random traces, CDF figure
 
 Part 1 (§4.1, pitfall 1): LLaMA-3.1-70B on 4 x A100 fetching a 12K-token context over a steady link:
         time to first token sending text (then recomputing), raw KV, or KV at each codec level; the
@@ -13,20 +14,27 @@ Part 1 (§4.1, pitfall 1): LLaMA-3.1-70B on 4 x A100 fetching a 12K-token contex
 Part 2 (§4.2): the adaptive policy chunk by chunk on a trace (10 -> 1 -> 5 Gb/s, SLO 4 s), against
         always-finest, always-text and an oracle that knows the trace; a steady 25 Gb/s link; why the run
         looks as it does (sizes, the drop, text's break-even).
-Part 2b: the same trace and SLO with a longer context (48K tokens), which is still streaming when the
-        link drops, so the policy has something to adapt to.
-Part 2c: Part 2 again with the levels measured on a real LLaMA (SmolLM2-135M, codec_real.py). The
-        record-world model tolerates about 1.8 bits per value, a real LLaMA needs 2.6-4.1: with levels that
-        large the handout's shape appears (finest level, text after the drop, a coarser level).
+Part 2b (§4.2, longer context): the same trace and SLO with 48K tokens, still streaming when the link
+        drops, so the policy has something to adapt to.
+Part 2c (§4.2, real levels): Part 2 again with the levels measured on a real LLaMA (SmolLM2-135M,
+        codec_real.py). The record-world model tolerates about 1.8 bits per value, a real LLaMA needs
+        2.6-4.1: with levels that large the handout's shape appears (finest level, text after the drop, a
+        coarser level).
 Part 3 (§4.2): the chunk-size trade-off on the same trace.
+Part 4 (§4.2 on many traces, --trace-suite N): one trace shows a mechanism, not whether a policy is good.
+        CacheGen's evaluation replays many bandwidth traces; here N seeded Markov-chain traces x two
+        contexts x both level sets, and per policy the SLO-violation rate, TTFT, quality and recomputed
+        tokens, a CDF of TTFT, and the promise checked: adaptive meets the SLO wherever a fixed policy does.
 The codec's four levels come from kvcache.codec_levels() (measured by 02 on the record-world model) and,
 for Part 2c, codec_real.real_codec_levels() (fitted on first use, about 2 minutes, then cached); the
 simulation, the policy and the oracle are in streaming.py. Recompute times: common/timemodel.py.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -36,6 +44,7 @@ import kvcache as kv  # noqa: E402
 import streaming as st  # noqa: E402
 from common import timemodel as tm  # noqa: E402
 from common.cli import Parser, fail, figure_path, positive_float, positive_int, table, write_json  # noqa: E402
+
 from common.gguf_llama import smollm2_or_explain  # noqa: E402
 
 K = 1024
@@ -54,7 +63,16 @@ LONG_CONTEXT = 48 * K    # Part 2b: long enough to still be streaming when the l
 MAX_CONTEXT = 128 * K    # LLaMA-3.1's context window (Meta's model card: 128K tokens)
 # ---- Part 3 (§4.2)
 CHUNK_SIZES = [512, 1536, 3072, 6144]                  # about 0.5K, 1.5K, 3K, 6K tokens
-HALF_EFFICIENCY_TOKENS = st.HALF_EFFICIENCY_TOKENS     # recompute batch at half speed (assumption, streaming.py)
+HALF_EFFICIENCY_TOKENS = 128   # a recompute batch this small runs at half speed (assumption: streaming.batch_slowdown)
+# ---- Part 4 (§4.2 on a suite of traces, like CacheGen's evaluation)
+SUITE_TRACES = 0               # --trace-suite N (0: no Part 4); 200 is the study in the README
+SUITE_SEED = 0                 # the suite's random seed
+SUITE_CONTEXTS = [12 * K, 48 * K]
+SUITE_GBPS = [0.1, 0.3, 1.0, 3.0, 10.0, 25.0]   # the Markov chain's bandwidth states, Gb/s
+SUITE_DWELL_S = (0.1, 2.0)     # each state lasts a uniform time in this range
+SUITE_JUMP = 0.2               # chance that a change jumps to any state (else to a neighbouring one)
+SUITE_HORIZON_S = 30.0         # traces are drawn this far; the last rate then holds
+SUITE_EXCEPTIONS_SHOWN = 10    # at most this many broken promises printed per context and level set
 
 # The handout's statements, printed beside ours (reference only; nothing is computed from them)
 HANDOUT = {
@@ -66,10 +84,22 @@ HANDOUT = {
     "steady": "the finest level throughout",
     "chunks": "large chunks react late; small chunks recompute in small GPU batches",
 }
+SUITE_SHOWN = ["adaptive", "naive adaptive", "always level0", "always text", "oracle"]
 SHORT = {"text": "T", "raw": "R", "level0": "L0", "level1": "L1", "level2": "L2", "level3": "L3"}
 
 
 # ------------------------------------------------------------------------------------------ inputs
+def nonneg_int(text: str) -> int:
+    """argparse type: a whole number >= 0."""
+    try:
+        x = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be zero or positive")
+    return x
+
+
 def load_levels(path: str | None) -> list[dict]:
     """The codec's levels: kvcache.codec_levels() (measured by 02, cached), or a JSON file of
     [{"level", "bits_per_value", "accuracy"}, ...] (for exercises and tests)."""
@@ -110,12 +140,12 @@ def load_trace(path: str | None) -> st.Trace:
 
 
 # ------------------------------------------------------------------------------------- calculators
-def part1(levels, lossless, bandwidths):
+def part1(levels, lossless, bandwidths, half=HALF_EFFICIENCY_TOKENS):
     opts = st.kv_options(levels, MODEL, lossless, with_raw=True)
     no_loss = {o.name for o in opts if o.accuracy >= lossless - NO_LOSS_POINTS}
     rows = []
     for g in bandwidths:
-        ttft = st.whole_context_ttft(MODEL, GPU, N_GPUS, CONTEXT, g, opts)
+        ttft = st.whole_context_ttft(MODEL, GPU, N_GPUS, CONTEXT, g, opts, half)
         rows.append({"gbps": g, "ttft": ttft, "fastest": min(ttft, key=ttft.get),
                      "best": min(no_loss, key=ttft.get)})
     recompute = tm.prefill_time(MODEL, GPU, CONTEXT, 0, N_GPUS)
@@ -143,14 +173,14 @@ def policies(setup, trace, slo) -> dict:
             "always text": st.fixed(setup, trace, "text"), "oracle": st.oracle(setup, trace, slo)}
 
 
-def part2(levels, lossless, trace, slo, chunk_tokens):
-    setup = st.make_setup(MODEL, GPU, N_GPUS, CONTEXT, chunk_tokens, levels, lossless)
+def part2(levels, lossless, trace, slo, chunk_tokens, half=HALF_EFFICIENCY_TOKENS):
+    setup = st.make_setup(MODEL, GPU, N_GPUS, CONTEXT, chunk_tokens, levels, lossless, half)
     return setup, policies(setup, trace, slo), st.adaptive(setup, st.Trace.steady(STEADY_GBPS), slo)
 
 
-def part2_long(levels, lossless, trace, slo, chunk_tokens, context):
+def part2_long(levels, lossless, trace, slo, chunk_tokens, context, half=HALF_EFFICIENCY_TOKENS):
     """Part 2b: the same policies on a longer context (the same trace, SLO and chunk size)."""
-    setup = st.make_setup(MODEL, GPU, N_GPUS, context, chunk_tokens, levels, lossless)
+    setup = st.make_setup(MODEL, GPU, N_GPUS, context, chunk_tokens, levels, lossless, half)
     return setup, policies(setup, trace, slo)
 
 
@@ -193,12 +223,12 @@ def explain(setup, runs, trace):
     }
 
 
-def part3(levels, lossless, trace, slo, sizes):
+def part3(levels, lossless, trace, slo, sizes, half=HALF_EFFICIENCY_TOKENS):
     rows = []
     for n in sizes:
-        setup = st.make_setup(MODEL, GPU, N_GPUS, CONTEXT, n, levels, lossless)
+        setup = st.make_setup(MODEL, GPU, N_GPUS, CONTEXT, n, levels, lossless, half)
         ad = st.adaptive(setup, trace, slo)
-        rows.append({"chunk_tokens": n, "chunks": len(setup.plan), "slowdown": st.batch_slowdown(n),
+        rows.append({"chunk_tokens": n, "chunks": len(setup.plan), "slowdown": st.batch_slowdown(n, half),
                      "adaptive": ad, "oracle": st.oracle(setup, trace, slo),
                      "text_ttft_s": st.fixed(setup, trace, "text").ttft_s,
                      # reacting late: how far past its predicted finish the worst chunk ran
@@ -206,7 +236,38 @@ def part3(levels, lossless, trace, slo, sizes):
     return rows
 
 
+def part4(level_sets, n, seed, slo, chunk_tokens, half=HALF_EFFICIENCY_TOKENS):
+    """The trace suite: n traces from the Markov chain (SUITE_*), each context of SUITE_CONTEXTS and each
+    level set {name: (levels, lossless accuracy)}; per policy a summary over the traces, and the traces
+    where a fixed policy met the SLO and the adaptive one did not (with the reason)."""
+    traces = st.trace_suite(n, seed, SUITE_GBPS, SUITE_DWELL_S, SUITE_JUMP, SUITE_HORIZON_S)
+    cells = []
+    for name, (levels, lossless) in level_sets.items():
+        for ctx in SUITE_CONTEXTS:
+            setup = st.make_setup(MODEL, GPU, N_GPUS, ctx, chunk_tokens, levels, lossless, half)
+            runs = st.run_suite(setup, traces, slo, SUITE_SHOWN)
+            summary = {p: st.suite_summary(r, slo) | {"p95_ttft_s": st.ttft_percentile(r, 0.95)}
+                       for p, r in runs.items()}
+            fixed = {p: summary[p]["violation_rate"] for p in ("always level0", "always text")}
+            ad = summary["adaptive"]
+            cells.append({"levels": name, "context": ctx, "runs": runs, "summary": summary,
+                          "exceptions": st.promise_exceptions(runs, traces, slo),
+                          "best_fixed": min(fixed, key=fixed.get),
+                          "rate_ok": ad["violation_rate"] <= min(fixed.values()) + 1e-12,
+                          "quality_on_time_ok": ad["mean_quality_on_time"]
+                          >= summary["always level0"]["mean_quality_on_time"] - 1e-12})
+    return traces, cells
+
+
 # ---------------------------------------------------------------------------------------- printing
+def say(text: str, indent: int | None = None) -> None:
+    """Print a paragraph wrapped at 120 characters; continuation lines indented by `indent` (default: the
+    paragraph's own indent + 4)."""
+    lead = len(text) - len(text.lstrip(" "))
+    print(textwrap.fill(text, 120, subsequent_indent=" " * (lead + 4 if indent is None else indent),
+                        break_long_words=False, break_on_hyphens=False))
+
+
 def compact(choices):
     return " ".join(SHORT.get(c, c) for c in choices)
 
@@ -222,6 +283,39 @@ def runs_of(choices):
     return ", ".join(SHORT.get(c, c) + (f" x{n}" if n > 1 else "") for c, n in out)
 
 
+def did(setup, run) -> str:
+    """What a run fetched, counted: "level0 x5, text x1 (1,536 tokens recomputed), level3 x2"."""
+    counts = {o.name: run.choices.count(o.name) for o in setup.options}
+    parts = [f"{name} x{k}" + (f" ({run.text_tokens:,} tokens recomputed)" if name == "text" else "")
+             for name, k in counts.items() if k]
+    gave_up = sum(1 for r in run.rows if r.get("gave_up"))
+    probes = sum(1 for r in run.rows if r.get("probe"))
+    extra = [f"{gave_up} KV transfer{'s' * (gave_up != 1)} given up"] if gave_up else []
+    extra += [f"the link probed during {probes} recompute{'s' * (probes != 1)}"] if probes else []
+    return ", ".join(parts) + (f"; {', '.join(extra)}" if extra else "")
+
+
+def print_so(setup, runs, slo):
+    """The "So:" lines: what the adaptive policy did (counted from its choices), its outcome, the oracle's,
+    and what "always text" trades when it arrives sooner."""
+    ad, orc, text = runs["adaptive"], runs["oracle"], runs["always text"]
+    met = lambda r: "SLO met" if r.ttft_s <= slo else "SLO MISSED"  # noqa: E731
+    say(f"So: adaptive fetched {did(setup, ad)}: TTFT {ad.ttft_s:.2f} s ({met(ad)}), quality {ad.quality:.3f}.")
+    say(f"    The oracle, knowing the trace, fetched {did(setup, orc)}: TTFT {orc.ttft_s:.2f} s "
+          f"({met(orc)}), quality {orc.quality:.3f}.")
+    for name, r in runs.items():
+        if name.startswith("always") and name != "always text" and r.ttft_s < ad.ttft_s:
+            note = ("both miss the SLO" if r.ttft_s > slo else
+                    "it meets the SLO, adaptive does not" if ad.ttft_s > slo else "both meet the SLO")
+            say(f"    {name.capitalize()} arrives sooner here ({r.ttft_s:.2f} s vs {ad.ttft_s:.2f} s; {note}): adaptive "
+                "chose by the rates it had measured, and the link then changed.")
+    if text.ttft_s < ad.ttft_s:
+        say(f"    Always text arrives sooner ({text.ttft_s:.2f} s vs {ad.ttft_s:.2f} s) and exact (quality "
+              f"{text.quality:.3f}), but the GPUs recompute {text.text_tokens:,} tokens ({text.gpu_s:.2f} s on "
+              f"{N_GPUS} GPUs) against adaptive's {ad.text_tokens:,} ({ad.gpu_s:.2f} s): adaptive trades "
+              f"{text.quality - ad.quality:.3f} of quality for that GPU time, which the cache exists to save.")
+
+
 def print_policies(runs, slo, fmt=compact, title=None):
     print(table(["policy", "choices", "TTFT s", f"SLO {slo:g} s", "quality", "recomputed tokens", "GPU s"],
                 [[name, fmt(r.choices), f"{r.ttft_s:.2f}", "met" if r.ttft_s <= slo else "MISSED",
@@ -231,13 +325,13 @@ def print_policies(runs, slo, fmt=compact, title=None):
 
 def print_shape(ex, answers="answers"):
     """The handout's expected shape, part by part, against the adaptive run."""
-    print(f"handout: {HANDOUT['trace']}")
+    say(f"handout: {HANDOUT['trace']}", indent=9)
     if ex["drop"] is None:
         print("ours:    the trace has no drop in bandwidth, so the handout's shape cannot appear")
         return
     parts = [k for k in ex["shape"] if k != "complete before the drop"]
-    print("ours:    " + "; ".join(f"{k}: {'yes' if ex['shape'][k] else 'NO'}" for k in parts)
-          + f" (our {ex['coarsest']} {answers} {ex['coarsest_accuracy']:.1%})")
+    say("ours:    " + "; ".join(f"{k}: {'yes' if ex['shape'][k] else 'NO'}" for k in parts)
+          + f" (our {ex['coarsest']} {answers} {ex['coarsest_accuracy']:.1%})", indent=9)
 
 
 def print_why(ex, trace, codec=True):
@@ -246,15 +340,15 @@ def print_why(ex, trace, codec=True):
     where = "the trace never drops" if ex["drop"] is None else (
         f"{'before' if ex['shape']['complete before the drop'] else 'after'} the drop at {ex['drop'][0]:g} s "
         f"({ex['drop'][1]:g} -> {ex['drop'][2]:g} Gb/s)")
-    print(f"Why: at {name} the {ex['context']:,}-token context is {ex['finest_gb']:.3f} GB and arrives "
+    say(f"Why: at {name} the {ex['context']:,}-token context is {ex['finest_gb']:.3f} GB and arrives "
           f"(always {name}) in {ex['finest_s']:.2f} s, {where}.")
     if codec:
-        print(f"  The handout's codec was {HANDOUT['codec_vs_8bit']}x smaller than 8-bit quantization (about "
+        say(f"  The handout's codec was {HANDOUT['codec_vs_8bit']}x smaller than 8-bit quantization (about "
               f"{ex['handout_bits_per_value']:.1f} bits/value); ours is {ex['vs_8bit']:.1f}x smaller "
               f"({ex['finest_bits_per_value']:.2f} bits/value at {name}): the handout's levels were about "
               f"{ex['handout_over_ours']:.1f}x larger.")
     low = min(trace.gbps)
-    print(f"  Text (recompute chunk by chunk, {ex['text_recompute_s']:.2f} s of GPU) beats {ex['coarsest']} only "
+    say(f"  Text (recompute chunk by chunk, {ex['text_recompute_s']:.2f} s of GPU) beats {ex['coarsest']} only "
           f"below {ex['text_breakeven_gbit']:.2f} Gb/s; the trace's slowest rate is {low:g} Gb/s"
           + (", so text never pays." if low > ex["text_breakeven_gbit"] else "."))
 
@@ -276,15 +370,15 @@ def print_part1(levels, lossless, lossless_src, opts, no_loss, rows, recompute, 
     print(table(["Gb/s"] + [f"{n} s" for n in names] + ["best (no loss)", "fastest"],
                 [[f"{r['gbps']:g}"] + [f"{r['ttft'][n]:.2f}" for n in names] + [r["best"], r["fastest"]]
                  for r in rows],
-                title=f"TTFT (context on the GPU), seconds. 'best' = fastest of {sorted(no_loss)} "
+                title=f"TTFT (context on the GPU), seconds.\n'best' = fastest of {sorted(no_loss)} "
                       f"(within {NO_LOSS_POINTS * 100:.1f} points of lossless)."))
     print(f"handout: {HANDOUT['part1']}")
     print()
-    print(f"Note (§4.1, pitfall 1): {tm.MODELS[NOTE_MODEL].name} on one {NOTE_GPU} recomputes {CONTEXT:,} tokens in "
+    say(f"Note (§4.1, pitfall 1): {tm.MODELS[NOTE_MODEL].name} on one {NOTE_GPU} recomputes {CONTEXT:,} tokens in "
           f"{note['recompute_s']:.2f} s (handout {HANDOUT['8b_recompute_s']} s; the time model's anchor).")
-    print(f"  raw KV ({tm.kv_bytes_per_token(NOTE_MODEL) // K} KiB/token) beats recomputing only above "
+    say(f"  raw KV ({tm.kv_bytes_per_token(NOTE_MODEL) // K} KiB/token) beats recomputing only above "
           f"{note['raw_breakeven_gbit']:.1f} Gb/s; handout: below {HANDOUT['8b_breakeven_gbit']} Gb/s every link loses.")
-    print(f"  {HANDOUT['8b_breakeven_gbit']} Gb/s is the break-even of KV compressed {note['compression_for_handout']:.2f}x "
+    say(f"  {HANDOUT['8b_breakeven_gbit']} Gb/s is the break-even of KV compressed {note['compression_for_handout']:.2f}x "
           f"({16 / note['compression_for_handout']:.1f} bits/value); with the codec's levels: "
           + ", ".join(f"{k} {v:.1f} Gb/s" for k, v in note["levels_breakeven_gbit"].items()) + ".")
 
@@ -293,9 +387,10 @@ def print_chunks(setup, run):
     """One row per chunk of an adaptive run: what it expected, chose, and got."""
     rows = []
     for i, (r, (first, n)) in enumerate(zip(run.rows, setup.plan)):
+        choice = r["choice"] + (f" ({r['gave_up']} given up)" if r.get("gave_up") else "")
+        measured = "-" if r["measured_gbps"] is None else f"{r['measured_gbps']:.2f}" + (" (probe)" if r.get("probe") else "")
         rows.append([i, f"{first:,}-{first + n - 1:,}", f"{r['start']:.3f}", f"{r['est_gbps']:.2f}",
-                     f"{r['budget_s']:.3f}", r["choice"], f"{r['predicted']:.3f}", f"{r['finish']:.3f}",
-                     f"{r['measured_gbps']:.2f}" if r["measured_gbps"] is not None else "- (text)"])
+                     f"{r['budget_s']:.3f}", choice, f"{r['predicted']:.3f}", f"{r['finish']:.3f}", measured])
     print(table(["chunk", "tokens", "start s", "est Gb/s", "budget s", "choice", "predicted s", "finish s",
                  "measured Gb/s"], rows))
 
@@ -303,12 +398,14 @@ def print_chunks(setup, run):
 def print_part2(setup, runs, steady, trace, slo, chunk_tokens):
     print()
     segs = ", ".join(f"{g:g} Gb/s from {t:g} s" for t, g in zip(trace.times, trace.gbps))
-    print(f"== Part 2 (§4.2): adaptive streaming, chunks of {chunk_tokens:,} tokens, SLO {slo:g} s; trace: {segs}")
-    print("Each chunk: the throughput measured on the previous KV chunk is assumed to hold; its budget is its token\n"
+    print(f"== Part 2 (§4.2): adaptive streaming, chunks of {chunk_tokens:,} tokens, SLO {slo:g} s")
+    print(f"Trace: {segs}.")
+    print("Each chunk: the throughput measured on the previous chunk is assumed to hold; its budget is its token\n"
           "share of the time left; it takes the finest level predicted to fit, else text (recompute on the GPU,\n"
-          "attending to the KV received), else the fastest option. No overlap: the link waits while the GPU recomputes.\n"
-          "Configurations: the codec's levels (each chunk encoded offline at every level) and text; raw FP16 KV is\n"
-          "not streamed (CacheGen streams its levels only).")
+          "attending to the KV received), else the fastest option. The link is idle while the GPU recomputes: a\n"
+          "probe measures it then, so a link that recovers is seen. A KV chunk still arriving when only all-text\n"
+          "could meet the SLO is given up and recomputed. Configurations: the codec's levels (each chunk encoded\n"
+          "offline at every level) and text; raw FP16 KV is not streamed (CacheGen streams its levels only).")
     print_chunks(setup, runs["adaptive"])
     ex = explain(setup, runs, trace)
     print_shape(ex)
@@ -317,48 +414,48 @@ def print_part2(setup, runs, steady, trace, slo, chunk_tokens):
     print_policies(runs, slo, title="Whole context: quality = token-weighted accuracy (text chunks exact); GPU s = "
                    f"recompute time on {N_GPUS} GPUs.\nThe oracle knows the trace: meet the SLO, then recompute "
                    "least, then lose least.")
+    print_so(setup, runs, slo)
     print(f"\nSteady {STEADY_GBPS:g} Gb/s: {compact(steady.choices)} (TTFT {steady.ttft_s:.2f} s); "
           f"handout: {HANDOUT['steady']}")
 
 
 def print_part2_long(setup, runs, trace, slo):
     print()
-    print(f"== Part 2b (not in the handout): the same trace and SLO with a {setup.context_tokens:,}-token context "
-          f"(--long-context; LLaMA-3.1 reads up to {MAX_CONTEXT // K}K)")
+    print(f"== Part 2b (§4.2's trace and SLO, a longer context; not in the handout): {setup.context_tokens:,} tokens "
+          f"(--long-context;\nLLaMA-3.1 reads up to {MAX_CONTEXT // K}K)")
     print_policies(runs, slo, fmt=runs_of)
     ex = explain(setup, runs, trace)
     print_shape(ex)
     print_why(ex, trace, codec=False)
-    ad, orc, finest = runs["adaptive"], runs["oracle"], setup.options[0].name
-    coarser = sorted({c for c in ad.choices if c not in (finest, "text")})
-    drop_t = ex["drop"][0] if ex["drop"] else None
-    seen = next((r["measured_gbps"] for r in ad.rows
-                 if drop_t is not None and r["measured_gbps"] is not None and r["start"] >= drop_t), None)
-    later = [(t, g) for t, g in zip(trace.times, trace.gbps) if drop_t is not None and t > drop_t]
-    knowing = f", knowing {later[0][1]:g} Gb/s comes at {later[0][0]:g} s," if later else ", knowing the trace,"
-    oracle_says = (f"The oracle{knowing} picks {runs_of(orc.choices)}: TTFT {orc.ttft_s:.2f} s, "
-                   f"quality {orc.quality:.3f}.")
-    if seen is not None and coarser:
-        print(f"So: the adaptive policy measured {seen:.2f} Gb/s after the drop, assumed it would last and moved to "
-              f"coarser levels ({', '.join(coarser)}): TTFT {ad.ttft_s:.2f} s, quality {ad.quality:.3f}.\n    "
-              + oracle_says)
-    else:
-        print(f"So: adaptive {runs_of(ad.choices)}: TTFT {ad.ttft_s:.2f} s, quality {ad.quality:.3f}. " + oracle_says)
+    print_so(setup, runs, slo)
 
 
 def print_part2_real(levels, setup, runs, steady, trace, slo):
     print()
-    print(f"== Part 2c: Part 2 again, with the codec's levels measured on a real LLaMA (SmolLM2-135M; codec_real.py,\n"
+    print(f"== Part 2c (§4.2 with real levels): Part 2 again, the codec's levels measured on a real LLaMA\n(SmolLM2-135M; codec_real.py, "
           f"the same codec with its steps searched under a KL budget of {cr.REAL_MAX_KL} nats/token on prose)")
     kv_opts = [o for o in setup.options if not o.recompute]          # the levels, finest first
-    print(table(["level", "bits/value", "GB / context", "KL from FP16", "top-1 = FP16's"],
+    lvs = sorted(levels, key=lambda d: d["level"])
+    pm = lambda x, se, f: f"{x:{f}} +- {se:{f.lstrip('+')}}" if se == se else f"{x:{f}}"  # noqa: E731  (nan: no noise known)
+    print(table(["level", "bits/value", "GB / context", "KL from FP16", "top-1 = FP16's", "KL step", "top-1 step"],
                 [[o.name, f"{o.bits_per_value:.2f}", f"{o.bits_per_token * setup.context_tokens / 8e9:.3f}",
-                  f"{lv['kl']:.4f}", f"{o.accuracy:.1%}"]
-                 for o, lv in zip(kv_opts, sorted(levels, key=lambda d: d["level"]))]))
-    n = levels[0]["positions"]
-    p = levels[0]["accuracy"]
-    print(f"(top-1 agreement measured on {n} next-token positions of evaluation prose: about +-"
-          f"{100 * (p * (1 - p) / n) ** 0.5:.1f} points of sampling noise, so neighbouring levels can swap)")
+                  pm(lv["kl"], lv.get("kl_se", float("nan")), ".4f"),
+                  pm(100 * o.accuracy, 100 * lv.get("agree_se", float("nan")), ".1f") + "%",
+                  pm(lv["kl_step"], lv["kl_step_se"], "+.4f") if "kl_step" in lv else "",
+                  pm(100 * lv["agree_step"], 100 * lv["agree_step_se"], "+.1f") if "agree_step" in lv else ""]
+                 for o, lv in zip(kv_opts, lvs)],
+                title=f"Measured on {lvs[0]['positions']:,} next-token positions of evaluation prose"
+                      + (f" ({lvs[0]['paragraphs']} paragraphs; +- one standard error over paragraphs;\nstep: "
+                         "the paired change from the finer level, each paragraph scored at both)."
+                         if "paragraphs" in lvs[0] else ".")))
+    steps = [lv for lv in lvs[1:] if "agree_step" in lv]
+    if steps:
+        kl_clear = all(lv["kl_step"] > 2 * lv["kl_step_se"] for lv in steps)
+        unclear = [f"level{lv['level']}" for lv in steps if abs(lv["agree_step"]) <= 2 * lv["agree_step_se"]]
+        say(f"KL grows level by level {'beyond' if kl_clear else 'NOT beyond'} two standard errors; top-1 agreement "
+            + (f"changes within two standard errors at {', '.join(unclear)}: a coarser level can score as well "
+               "or better there by chance, so KL is the measure to trust." if unclear else
+               "falls level by level beyond two standard errors."))
     print_chunks(setup, runs["adaptive"])
     ex = explain(setup, runs, trace)
     print_shape(ex, answers="agrees with FP16's next token")
@@ -366,35 +463,78 @@ def print_part2_real(levels, setup, runs, steady, trace, slo):
     print()
     print_policies(runs, slo, title="Whole context: quality = token-weighted share of next tokens equal to FP16's "
                                     "(text chunks exact).")
+    print_so(setup, runs, slo)
     print(f"\nSteady {STEADY_GBPS:g} Gb/s: {compact(steady.choices)} (TTFT {steady.ttft_s:.2f} s); "
           f"handout: {HANDOUT['steady']}")
 
 
-def print_part3(rows, slo, trace):
+def print_part3(rows, slo, trace, half=HALF_EFFICIENCY_TOKENS):
     print()
-    print(f"== Part 3 (§4.2): chunk size on the same trace. Recompute of a chunk of n tokens runs "
-          f"(1 + {HALF_EFFICIENCY_TOKENS}/n) / (1 + {HALF_EFFICIENCY_TOKENS}/12K) times slower than the time model\n"
-          f"(a batch of n tokens at n/(n+{HALF_EFFICIENCY_TOKENS}) of large-batch speed; an assumption, see streaming.batch_slowdown).")
-    print(table(["chunk tokens", "chunks", "slowdown", "all-text TTFT s", "worst overrun s", "TTFT s", "SLO",
-                 "quality", "GPU s", "oracle TTFT s", "oracle quality", "adaptive choices"],
+    print(f"== Part 3 (§4.2): chunk size on the same trace. Recompute of a chunk of n tokens runs\n"
+          f"(1 + {half:g}/n) / (1 + {half:g}/12K) times slower than the time model (a batch of n tokens at "
+          f"n/(n+{half:g}) of large-batch speed;\nan assumption, --half-tokens, see streaming.batch_slowdown).")
+    print(table(["chunk", "chunks", "slowdown", "all-text s", "overrun s", "TTFT s", "SLO", "quality", "GPU s",
+                 "oracle s", "oracle q"],
                 [[f"{r['chunk_tokens']:,}", r["chunks"], f"{r['slowdown']:.3f}", f"{r['text_ttft_s']:.2f}",
                   f"{r['overrun_s']:.2f}", f"{r['adaptive'].ttft_s:.2f}",
                   "met" if r["adaptive"].ttft_s <= slo else "MISSED", f"{r['adaptive'].quality:.3f}",
-                  f"{r['adaptive'].gpu_s:.2f}", f"{r['oracle'].ttft_s:.2f}", f"{r['oracle'].quality:.3f}",
-                  compact(r["adaptive"].choices)] for r in rows],
-                title="slowdown: recompute of one chunk vs the time model; all-text TTFT: every chunk recomputed (small\n"
-                      "batches cost); worst overrun: a chunk's finish minus its predicted finish (large chunks react late);\n"
-                      "TTFT ... choices: the adaptive policy."))
+                  f"{r['adaptive'].gpu_s:.2f}", f"{r['oracle'].ttft_s:.2f}", f"{r['oracle'].quality:.3f}"]
+                 for r in rows],
+                title="chunk: tokens per chunk; slowdown: recompute of one chunk vs the time model; all-text s: TTFT with\n"
+                      "every chunk recomputed (small batches cost); overrun s: the worst chunk's finish minus its predicted\n"
+                      "finish (large chunks react late); TTFT ... GPU s: the adaptive policy; oracle s, q: the oracle's "
+                      "TTFT, quality."))
+    for r in rows:
+        say(f"adaptive's choices, {r['chunk_tokens']:,}-token chunks: {runs_of(r['adaptive'].choices)}")
     print(f"handout: {HANDOUT['chunks']}")
     text = [r["text_ttft_s"] for r in rows]
     late = max(rows, key=lambda r: r["overrun_s"])
     drop = first_drop(trace)
     early = drop is not None and all(r["adaptive"].ttft_s <= drop[0] for r in rows)
-    print(f"ours:    small batches cost: all-text TTFT {min(text):.2f}-{max(text):.2f} s across chunk sizes; "
+    print(f"ours:    small batches cost: all-text TTFT {min(text):.2f}-{max(text):.2f} s across chunk sizes;\n         "
           + (f"reacting late: worst overrun {late['overrun_s']:.2f} s with {late['chunk_tokens']:,}-token chunks"
              if late["overrun_s"] > 1e-9 else
              "reacting late costs nothing here: no chunk ran past its predicted finish"
              + (f" (at every size the context is in before the drop at {drop[0]:g} s)" if early else "")))
+
+
+def print_part4(traces, cells, slo, chunk_tokens, seed):
+    print()
+    print(f"== Part 4 (§4.2 on many traces, as CacheGen's evaluation replays throughput traces): {len(traces)} traces, "
+          f"seed {seed},\nSLO {slo:g} s, chunks of {chunk_tokens:,} tokens. Each trace: a Markov chain over "
+          f"{', '.join(f'{g:g}' for g in SUITE_GBPS)} Gb/s,\neach rate held {SUITE_DWELL_S[0]:g}-{SUITE_DWELL_S[1]:g} s, "
+          f"then a neighbouring rate (or any rate, chance {SUITE_JUMP:g}).")
+    rows = []
+    for c in cells:
+        for p in SUITE_SHOWN:
+            m = c["summary"][p]
+            rows.append([f"{c['levels']} {c['context'] // K}K", p, f"{m['violation_rate']:.1%}", f"{m['mean_ttft_s']:.2f}",
+                         f"{m['p95_ttft_s']:.2f}", f"{m['mean_quality']:.4f}", f"{m['mean_quality_on_time']:.4f}",
+                         f"{m['mean_text_tokens']:,.0f}"])
+    print(table(["levels, context", "policy", "SLO missed", "mean TTFT s", "p95 TTFT s", "quality",
+                 "on-time quality", "recomputed tokens"], rows,
+                title="quality: of what arrived, late or not; on-time quality: a context past the SLO counts 0. "
+                      "naive adaptive: the\nsame rule keeping its last KV measurement through text and waiting for "
+                      "every KV chunk (no probe, no give-up)."))
+    print("The promise, per levels and context: wherever always level0 or always text meets the SLO, adaptive does;")
+    print("its SLO-miss rate is at most the best fixed policy's; its on-time quality at least always level0's.")
+    for c in cells:
+        ad, l0 = c["summary"]["adaptive"], c["summary"]["always level0"]
+        best = c["summary"][c["best_fixed"]]
+        ex = c["exceptions"]
+        say(f"  {c['levels']} {c['context'] // K}K: broken on {len(ex)} of {len(traces)} traces; misses "
+              f"{ad['violation_rate']:.1%} vs {c['best_fixed']}'s {best['violation_rate']:.1%}: "
+              f"{'yes' if c['rate_ok'] else 'NO'}; on-time quality {ad['mean_quality_on_time']:.4f} vs "
+              f"{l0['mean_quality_on_time']:.4f}: {'yes' if c['quality_on_time_ok'] else 'NO'}")
+        for e in ex[:SUITE_EXCEPTIONS_SHOWN]:
+            print(f"    trace {e['trace']}: {' and '.join(e['fixed_met'])} met it, adaptive took {e['adaptive_ttft_s']:.2f} s: "
+                  f"chunk {e['chunk']} ({e['choice']}) was due at {e['predicted_s']:.2f} s at {e['est_gbps']:.2f} "
+                  f"Gb/s,\n      ended at {e['finish_s']:.2f} s (the link fell to {e['lowest_gbps']:g} Gb/s)")
+        if len(ex) > SUITE_EXCEPTIONS_SHOWN:
+            print(f"    ... and {len(ex) - SUITE_EXCEPTIONS_SHOWN} more (--json lists them all)")
+        if ad["mean_quality"] < l0["mean_quality"]:
+            print(f"    quality of what arrived: adaptive {ad['mean_quality']:.4f} < always level0's "
+                  f"{l0['mean_quality']:.4f}: the coarser levels it takes to arrive in time")
 
 
 # ----------------------------------------------------------------------------------------- figures
@@ -452,6 +592,44 @@ def plot_trace(runs, trace, slo, path, title):
     plt.close(fig)
 
 
+def plot_suite(cells, slo, path):
+    """CDF of TTFT over the suite, one panel per level set and context, one line per policy."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    styles = {"adaptive": ("C3", "-"), "naive adaptive": ("C3", ":"), "always level0": ("#1a9850", "-"),
+              "always text": ("#4575b4", "-"), "oracle": ("k", "--")}
+    names = list(dict.fromkeys(c["levels"] for c in cells))
+    fig, axes = plt.subplots(len(names), len(SUITE_CONTEXTS), figsize=(4.2 * len(SUITE_CONTEXTS), 3.2 * len(names)),
+                             squeeze=False, sharex=True)
+    for c in cells:
+        ax = axes[names.index(c["levels"])][SUITE_CONTEXTS.index(c["context"])]
+        for p, runs in c["runs"].items():
+            xs = sorted(r.ttft_s for r in runs)
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", color=styles[p][0],
+                    ls=styles[p][1], label=p)
+        ax.axvline(slo, color="0.5", ls="--", lw=1)
+        ax.set(xscale="log", title=f"{c['levels']} levels, {c['context'] // K}K tokens", ylim=(0, 1.02))
+        ax.grid(alpha=0.3, which="both")
+    for ax in axes[-1]:
+        ax.set_xlabel("TTFT (context on GPU), s (grey dashes: SLO)")
+    for row in axes:
+        row[0].set_ylabel("share of traces")
+    axes[0][0].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def suite_json(traces, cells, slo, seed) -> dict:
+    return {"traces": len(traces), "seed": seed, "slo_s": slo, "contexts": SUITE_CONTEXTS,
+            "cells": [{"levels": c["levels"], "context": c["context"], "policies": c["summary"],
+                       "best_fixed": c["best_fixed"], "rate_ok": c["rate_ok"],
+                       "quality_on_time_ok": c["quality_on_time_ok"], "exceptions": c["exceptions"]}
+                      for c in cells]}
+
+
 def policy_json(runs) -> dict:
     return {name: {"choices": r.choices, "ttft_s": r.ttft_s, "quality": r.quality, "text_tokens": r.text_tokens,
                    "gpu_s": r.gpu_s} for name, r in runs.items()}
@@ -467,6 +645,11 @@ def main(argv=None):
     p.add_argument("--long-context", type=positive_int, default=LONG_CONTEXT,
                    help=f"tokens of context in Part 2b (at most {MAX_CONTEXT}, LLaMA-3.1's window)")
     p.add_argument("--levels", metavar="FILE", help="JSON list of codec levels instead of kvcache.codec_levels()")
+    p.add_argument("--half-tokens", type=positive_float, default=HALF_EFFICIENCY_TOKENS,
+                   help="recompute batch size that runs at half speed (the small-batch assumption)")
+    p.add_argument("--trace-suite", type=nonneg_int, default=SUITE_TRACES, metavar="N",
+                   help="Part 4: N random traces (0: skip)")
+    p.add_argument("--suite-seed", type=nonneg_int, default=SUITE_SEED, help="the trace suite's random seed")
     p.add_argument("--no-real", action="store_true", help="skip Part 2c (levels measured on SmolLM2)")
     p.add_argument("--no-plot", action="store_true", help="skip the figures")
     a = p.parse_args(argv)
@@ -478,28 +661,39 @@ def main(argv=None):
     levels = load_levels(a.levels)
     lossless, lossless_src = lossless_accuracy(levels)
 
-    opts, no_loss, rows, recompute, breakeven = part1(levels, lossless, BANDWIDTHS)
+    half = a.half_tokens
+    opts, no_loss, rows, recompute, breakeven = part1(levels, lossless, BANDWIDTHS, half)
     note = note_8b(levels)
-    setup, runs, steady = part2(levels, lossless, trace, a.slo, a.chunk_tokens)
-    long_setup, long_runs = part2_long(levels, lossless, trace, a.slo, a.chunk_tokens, a.long_context)
-    sizes = part3(levels, lossless, trace, a.slo, CHUNK_SIZES)
+    setup, runs, steady = part2(levels, lossless, trace, a.slo, a.chunk_tokens, half)
+    long_setup, long_runs = part2_long(levels, lossless, trace, a.slo, a.chunk_tokens, a.long_context, half)
+    sizes = part3(levels, lossless, trace, a.slo, CHUNK_SIZES, half)
     real = None
     if not a.no_real and smollm2_or_explain(say=lambda msg: print(f"Part 2c skipped: {msg}")) is not None:
         real_levels = cr.real_codec_levels()  # fits the codec on SmolLM2 on first use (about 2 minutes)
-        real = (real_levels, *part2(real_levels, 1.0, trace, a.slo, a.chunk_tokens))
+        real = (real_levels, *part2(real_levels, 1.0, trace, a.slo, a.chunk_tokens, half))
+    suite = None
+    if a.trace_suite:
+        sets = {"record-world" if a.levels is None else Path(a.levels).name: (levels, lossless)} | ({"SmolLM2": (real[0], 1.0)} if real else {})
+        suite = part4(sets, a.trace_suite, a.suite_seed, a.slo, a.chunk_tokens, half)
 
     print_part1(levels, lossless, lossless_src, opts, no_loss, rows, recompute, breakeven, note)
     print_part2(setup, runs, steady, trace, a.slo, a.chunk_tokens)
     print_part2_long(long_setup, long_runs, trace, a.slo)
     if real:
         print_part2_real(*real, trace, a.slo)
-    print_part3(sizes, a.slo, trace)
+    print_part3(sizes, a.slo, trace, half)
+    if suite:
+        print_part4(*suite, a.slo, a.chunk_tokens, a.suite_seed)
     if not a.no_plot:
         for path in plot(opts, rows, runs, trace, a.slo):
             print(f"figure: {path}")
         if real:
             path = figure_path("03_trace_choices_smollm2_levels.png")
             plot_trace(real[2], trace, a.slo, path, "Trace and each chunk's choice, levels measured on SmolLM2")
+            print(f"figure: {path}")
+        if suite:
+            path = figure_path("03_trace_suite_ttft_cdf.png")
+            plot_suite(suite[1], a.slo, path)
             print(f"figure: {path}")
 
     ad = runs["adaptive"]
@@ -533,8 +727,9 @@ def main(argv=None):
                                                  "oracle_quality": r["oracle"].quality,
                                                  "all_text_ttft_s": r["text_ttft_s"],
                                                  "worst_overrun_s": r["overrun_s"]} for r in sizes},
+        **({"suite": suite_json(*suite, a.slo, a.suite_seed)} if suite else {}),
         "setup": {"model": MODEL, "gpu": GPU, "n_gpus": N_GPUS, "context": CONTEXT, "slo_s": a.slo,
-                  "chunk_tokens": a.chunk_tokens, "long_context": a.long_context,
+                  "chunk_tokens": a.chunk_tokens, "long_context": a.long_context, "half_tokens": half,
                   "trace": list(zip(trace.times, trace.gbps))},
     })
 

@@ -3,9 +3,11 @@ codec's step search and quality levels, cached. Used by 02 (--model smollm2) and
 
 The record-world model answers from a 12-way arg-max with huge margins, so it tolerates about 1.8 bits
 per value; a real LLaMA is far less tolerant. Its quality is measured on prose: the project's own
-paragraphs (common/english.py), REAL_CONTEXT tokens of context whose KV is coded, then
-REAL_CONTINUATION tokens that attend to the decoded KV. Quality of a codec = mean KL(FP16 || codec) of
-the continuation's next-token distributions, and the share of positions whose arg-max is FP16's.
+paragraphs (common/english.py), REAL_CONTEXT tokens of context whose KV is coded, then the tokens that
+attend to the decoded KV (REAL_CALIB_CONTINUATION on calibration prose, REAL_CONTINUATION on evaluation). Quality of a codec = mean KL(FP16 || codec) of
+the continuation's next-token distributions, and the share of positions whose arg-max is FP16's; both
+with their noise, the standard error over the evaluation paragraphs (positions within one paragraph
+are not independent), and for neighbouring levels the paired difference (level_noise).
 The step search (kvcache.search_steps) keeps the KL below REAL_MAX_KL on calibration paragraphs with one
 step per (third of the layers, K/V); level i multiplies those steps by kvcache.LEVEL_FACTOR ** i.
 
@@ -24,7 +26,9 @@ import torch.nn.functional as F  # noqa: E402
 
 import kvcache as kv  # noqa: E402
 
-REAL_CONTEXT, REAL_CONTINUATION = 100, 30   # tokens of each paragraph: context (coded) and continuation (scored)
+REAL_CONTEXT = 100          # tokens of each paragraph whose KV is coded
+REAL_CONTINUATION = 55      # evaluation: the next tokens, scored (every paragraph has at least 155 tokens)
+REAL_CALIB_CONTINUATION = 30  # calibration: the step search scores this many (about 20 evaluations of the codec)
 REAL_MAX_KL = 0.01          # the step search keeps the continuation's KL(FP16 || codec) below this (nats/token)
 REAL_STEP_START = 2.0 ** -4  # ... starting from steps of this x each layer's RMS
 REAL_CODED = 2              # evaluation contexts really coded to bytes (11,520 symbols per token: pure Python is slow)
@@ -33,19 +37,21 @@ REAL_CODED = 2              # evaluation contexts really coded to bytes (11,520 
 def setup(gguf=None):
     """(model, info, (calibration contexts, continuations), (evaluation contexts, continuations)):
     SmolLM2 (or another LLaMA GGUF) and the project's prose, CALIBRATION paragraphs to fit the codec,
-    EVALUATION paragraphs to measure it, each cut into REAL_CONTEXT + REAL_CONTINUATION tokens."""
+    EVALUATION paragraphs to measure it, each cut into REAL_CONTEXT tokens of context and a continuation
+    (REAL_CALIB_CONTINUATION, REAL_CONTINUATION tokens)."""
     from common import english
     from common.gguf_llama import load_gguf_llama
     model, tok, info = load_gguf_llama(gguf)
 
-    def split(paragraphs):
+    def split(paragraphs, n_cont):
         ids = [tok.encode(t).ids for t in paragraphs]
-        ids = [i for i in ids if len(i) >= REAL_CONTEXT + REAL_CONTINUATION]
+        ids = [i for i in ids if len(i) >= REAL_CONTEXT + n_cont]
         ctx = torch.tensor([i[:REAL_CONTEXT] for i in ids])
-        cont = torch.tensor([i[REAL_CONTEXT:REAL_CONTEXT + REAL_CONTINUATION] for i in ids])
+        cont = torch.tensor([i[REAL_CONTEXT:REAL_CONTEXT + n_cont] for i in ids])
         return ctx, cont
 
-    return model, info, split(english.CALIBRATION), split(english.EVALUATION)
+    return (model, info, split(english.CALIBRATION, REAL_CALIB_CONTINUATION),
+            split(english.EVALUATION, REAL_CONTINUATION))
 
 
 def continuation_quality(model, X, cont, ref=None) -> dict:
@@ -55,10 +61,12 @@ def continuation_quality(model, X, cont, ref=None) -> dict:
         logits, _ = model(cont, cache=kv.array_to_kv(X, model.cfg.n_kv_heads))
     logp = logits[:, :-1].float().log_softmax(-1)
     out = {"nll": float(F.nll_loss(logp.flatten(0, 1), cont[:, 1:].flatten())), "logp": logp, "kl": 0.0, "agree": 1.0,
-           "positions": cont[:, 1:].numel()}
+           "positions": cont[:, 1:].numel(), "kl_para": [0.0] * len(cont), "agree_para": [1.0] * len(cont)}
     if ref is not None:
-        out["kl"] = float((ref["logp"].exp() * (ref["logp"] - logp)).sum(-1).mean())
-        out["agree"] = float((logp.argmax(-1) == ref["logp"].argmax(-1)).float().mean())
+        kl = (ref["logp"].exp() * (ref["logp"] - logp)).sum(-1)          # (paragraphs, positions)
+        agree = (logp.argmax(-1) == ref["logp"].argmax(-1)).float()
+        out.update(kl=float(kl.mean()), agree=float(agree.mean()),
+                   kl_para=kl.mean(1).tolist(), agree_para=agree.mean(1).tolist())
     return out
 
 
@@ -81,7 +89,7 @@ class Prose:
         """{"nll", "kl", "agree"} of decoded context KV Xhat (calibration or evaluation prose)."""
         q = (continuation_quality(self.model, Xhat, self.ccont, self.ref_c) if on_calib
              else continuation_quality(self.model, Xhat, self.econt, self.ref_e))
-        return {k: q[k] for k in ("nll", "kl", "agree", "positions")}
+        return {k: q[k] for k in ("nll", "kl", "agree", "positions", "kl_para", "agree_para")}
 
 
 def fit(prose: Prose, progress: bool = True) -> dict:
@@ -134,7 +142,8 @@ def real_codec_study(gguf=None, refit: bool = False, progress: bool = True, pros
     ident = {"gguf": [path.name, path.stat().st_size], "codec": kv.CODEC_VERSION, "group": kv.CODEC_GROUP,
              "anchor_bits": kv.ANCHOR_BITS, "max_radius": kv.CODEC_MAX_RADIUS,
              "search": [REAL_MAX_KL, kv.STEP_NOTCH, REAL_STEP_START, kv.STEP_MAX_NOTCHES],
-             "levels": [kv.LEVEL_FACTOR, kv.N_LEVELS], "prose": [REAL_CONTEXT, REAL_CONTINUATION, REAL_CODED], "layout": 2}
+             "levels": [kv.LEVEL_FACTOR, kv.N_LEVELS], "prose": [REAL_CONTEXT, REAL_CALIB_CONTINUATION, REAL_CONTINUATION, REAL_CODED],
+             "text": prose_digest(), "layout": 3}
 
     def compute():
         threads = torch.get_num_threads()
@@ -147,12 +156,43 @@ def real_codec_study(gguf=None, refit: bool = False, progress: bool = True, pros
     return cached_result("codec-smollm2", ident, compute, refit, tag="codec")
 
 
+def prose_digest() -> str:
+    """A short hash of the project's prose: the fitted codec is refitted when the prose changes."""
+    import hashlib
+    from common import english
+    return hashlib.sha256("\n".join(english.CALIBRATION + english.EVALUATION).encode()).hexdigest()[:12]
+
+
+def standard_error(xs) -> float:
+    """Standard error of the mean of xs (one value per paragraph)."""
+    xs = np.asarray(xs, dtype=float)
+    return float(xs.std(ddof=1) / np.sqrt(len(xs))) if len(xs) > 1 else float("nan")
+
+
+def level_noise(levels: list[dict]) -> list[dict]:
+    """Per level: KL and top-1 agreement with their standard errors over paragraphs, and against the
+    previous (finer) level the paired differences, each paragraph scored at both levels, with theirs."""
+    out = []
+    for i, lv in enumerate(levels):
+        d = {"kl_se": standard_error(lv["kl_para"]), "agree_se": standard_error(lv["agree_para"])}
+        if i:
+            prev = levels[i - 1]
+            dkl = np.subtract(lv["kl_para"], prev["kl_para"])
+            dag = np.subtract(lv["agree_para"], prev["agree_para"])
+            d |= {"kl_step": float(dkl.mean()), "kl_step_se": standard_error(dkl),
+                  "agree_step": float(dag.mean()), "agree_step_se": standard_error(dag)}
+        out.append(d)
+    return out
+
+
 def real_codec_levels(gguf=None) -> list[dict]:
     """The levels in 03_streaming's format: bits per value, and as "accuracy" the share of next-token
-    arg-maxes equal to FP16's (also kl)."""
+    arg-maxes equal to FP16's; also kl, the noise of both (level_noise) and the paragraphs scored."""
+    levels = real_codec_study(gguf)["levels"]
     return [{"level": lv["level"], "bytes_per_token": lv["bytes_per_token"], "bits_per_value": lv["bits_per_value"],
-             "accuracy": lv["agree"], "kl": lv["kl"], "positions": lv["positions"]}
-            for lv in real_codec_study(gguf)["levels"]]
+             "accuracy": lv["agree"], "kl": lv["kl"], "positions": lv["positions"],
+             "paragraphs": len(lv["kl_para"]), **noise}
+            for lv, noise in zip(levels, level_noise(levels))]
 
 
 def main():

@@ -3,6 +3,13 @@
 Pure logic for 03_streaming.py (which prints and plots): the bandwidth trace, the chunk-by-chunk
 link/GPU simulation, CacheGen's adaptive policy, fixed policies, and an oracle that knows the trace.
 
+The adaptive policy is the rule of §4.2 (previous chunk's throughput assumed to hold, least lossy
+configuration predicted to finish in time, text when nothing fits) with two rules that keep it measuring:
+a probe of the idle link while the GPU recomputes a text chunk, and a deadline after which a KV chunk
+stuck on a collapsed link is given up and recomputed (see adaptive()). trace_suite() draws many traces
+from a Markov chain of bandwidths, as CacheGen's evaluation replays many throughput traces, and
+run_suite() / suite_summary() give each policy's SLO-violation rate, TTFT and quality over them.
+
 The simulation, in one paragraph. The context is cut into chunks; each chunk is fetched either as KV at
 one of the codec's levels (it occupies the link for bits / bandwidth) or as text (its token ids cross
 the link, then the GPU recomputes the chunk attending to the KV of every earlier chunk). Chunks go
@@ -20,7 +27,9 @@ it counts as lossless (the FP16 accuracy).
 """
 from __future__ import annotations
 
+import itertools
 import math
+import random
 from dataclasses import dataclass, field
 
 from common import timemodel as tm
@@ -28,6 +37,8 @@ from common import timemodel as tm
 GBIT = 1e9
 TEXT_BYTES_PER_TOKEN = 4      # a token id sent as int32 (a 128K vocabulary needs 17 bits)
 HALF_EFFICIENCY_TOKENS = 128  # assumption (see batch_slowdown): a prefill batch this small runs at half speed
+TEXT_FLOOR_GBPS = 0.01        # adaptive's give-up deadline assumes token ids may crawl at 10 Mb/s (safety margin)
+RISK_FACTOR = 2.0             # a KV chunk tried past that deadline must be predicted in time at half the measured rate
 
 
 # ------------------------------------------------------------------------------------------- trace
@@ -246,34 +257,80 @@ def _measured(setup, chunk, name, link_s):
 
 
 # ----------------------------------------------------------------------------------- the policy
-def choose(setup: Setup, chunk: tuple, est_gbps: float, budget_s: float):
+def choose(setup: Setup, chunk: tuple, est_gbps: float, budget_s: float, allowed=None):
     """CacheGen's rule for one chunk: the least lossy configuration predicted to finish within its
     budget; levels finest first, then text (recompute costs the GPU time the cache exists to save, so
     it is the fallback, as in §4.2). If nothing fits, the fastest predicted option (on a collapsing link
-    that is text). Returns (option name, predicted seconds)."""
-    preds = [(o.name, predict_s(setup, chunk, o, est_gbps)) for o in setup.options]
+    that is text). `allowed` (option names; text always) narrows the candidates. Returns (option name,
+    predicted seconds)."""
+    preds = [(o.name, predict_s(setup, chunk, o, est_gbps)) for o in setup.options
+             if allowed is None or o.recompute or o.name in allowed]
     for name, p in preds:
         if p <= budget_s:
             return name, p
     return min(preds, key=lambda x: x[1])
 
 
-def adaptive(setup: Setup, trace: Trace, slo_s: float, first_est_gbps: float | None = None) -> Result:
-    """Chunk by chunk: the throughput measured on the previous KV chunk is assumed to hold; each chunk
-    gets its token share of the time left before the SLO, budget = (SLO - now) * n_chunk / n_left,
-    i.e. "if every remaining chunk took this long, the context would arrive on time".
-    The first chunk uses first_est_gbps (default: a probe of the link at t = 0). After a text chunk the
-    estimate is kept: token ids are too few bytes to measure a link."""
+def adaptive(setup: Setup, trace: Trace, slo_s: float, first_est_gbps: float | None = None,
+             probe: bool = True, give_up: bool = True) -> Result:
+    """Chunk by chunk: the throughput measured on the previous chunk is assumed to hold; each chunk gets
+    its token share of the time left before the SLO, budget = (SLO - now) * n_chunk / n_left, i.e. "if
+    every remaining chunk took this long, the context would arrive on time", and choose() picks its
+    configuration. The first chunk uses first_est_gbps (default: a probe of the link at t = 0).
+
+    Two rules keep the policy measuring, so that it never gets stuck:
+    - probe (keep measuring during text): token ids are too few bytes to measure a link, but while the
+      GPU recomputes a text chunk the link is idle anyway; the policy fills it with probe bytes and
+      takes the throughput they got as its estimate. A link that recovers during the recompute is
+      therefore seen at the next chunk, which goes back to KV. (Without it the estimate would stay at
+      the rate measured before the text began, and the policy could recompute to the end.)
+    - give_up (never stuck in a KV transfer): while recomputing everything left (all-text) would still
+      meet the SLO, a KV chunk is started with a deadline, the last moment from which all-text still
+      meets it (token ids counted at TEXT_FLOOR_GBPS). If the link collapses mid-transfer and the chunk
+      is not in by then, the policy stops waiting, measures the link from the bits that did arrive,
+      and recomputes the chunk instead (the recompute of a chunk costs the same whoever does it).
+      One exception: a chunk predicted to miss that deadline, but to arrive RISK_FACTOR times faster
+      than needed for the chunks after it to still be recomputed in time, is waited for
+      (row["risked"]). Without it a policy that once gave up would sit on the deadline, where every
+      KV try is given up at once, and recompute every later chunk even on a fast link.
+      So: whenever "always text" meets the SLO, the adaptive policy does too, unless the link fell
+      below 1/RISK_FACTOR of its measured rate during a risked chunk.
+      When even all-text cannot meet the SLO there is no deadline: the chunk is waited for.
+    Each row records the choice actually fetched; a chunk given up on has choice "text" and
+    gave_up = the level it abandoned (those link seconds are lost)."""
     est = trace.rate_at(0.0) if first_est_gbps is None else first_est_gbps
     res, t = Result("adaptive"), 0.0
     left = setup.context_tokens
-    for chunk in setup.plan:
+    text = setup.option("text")
+    ids_s = text.bits_per_token / (TEXT_FLOOR_GBPS * GBIT)     # a token id's link time at the floor rate
+    rest_text = list(itertools.accumulate(setup.recompute_s(f, n) for f, n in reversed(setup.plan)))[::-1] + [0.0]
+    for i, chunk in enumerate(setup.plan):
         budget = max(0.0, slo_s - t) * chunk[1] / left
-        name, pred = choose(setup, chunk, est, budget)
-        fin, link_s, gpu_s = fetch_chunk(setup, trace, t, chunk, setup.option(name))
-        measured = _measured(setup, chunk, name, link_s)
-        res.rows.append(dict(start=t, est_gbps=est, budget_s=budget, choice=name, predicted=t + pred,
-                             finish=fin, gpu_s=gpu_s, measured_gbps=measured))
+        give_up_at = slo_s - rest_text[i] - ids_s * left       # all-text from this chunk on still in time
+        kv_due = slo_s - rest_text[i + 1] - ids_s * (left - chunk[1])  # ... from the next chunk on
+        guard = give_up and t <= give_up_at + 1e-9
+        allowed, risky = None, set()
+        if guard:
+            kv = {o.name: predict_s(setup, chunk, o, est) for o in setup.options if not o.recompute}
+            risky = {nm for nm, p in kv.items() if t + p > give_up_at and t + RISK_FACTOR * p <= kv_due}
+            allowed = set(kv) if give_up_at - t > 1e-9 else risky   # no time to try: only what is worth a risk
+        name, pred = choose(setup, chunk, est, budget, allowed)
+        row = dict(start=t, est_gbps=est, budget_s=budget, predicted=t + pred, gave_up=None, probe=False,
+                   risked=name in risky)
+        measured, t_go = None, t
+        if not setup.option(name).recompute:
+            fin, link_s, gpu_s = fetch_chunk(setup, trace, t, chunk, setup.option(name))
+            measured = _measured(setup, chunk, name, link_s)
+            if guard and name not in risky and fin > give_up_at:   # the link collapsed mid-chunk: stop waiting
+                measured = (trace.bits_by(give_up_at) - trace.bits_by(t)) / (give_up_at - t) / GBIT
+                row["gave_up"], name, t_go = name, "text", give_up_at
+        if setup.option(name).recompute:
+            fin, link_s, gpu_s = fetch_chunk(setup, trace, t_go, chunk, text)
+            if probe:                                   # the link's throughput while the GPU recomputed
+                measured = (trace.bits_by(fin) - trace.bits_by(fin - gpu_s)) / gpu_s / GBIT
+                row["probe"] = True
+        row.update(choice=name, finish=fin, gpu_s=gpu_s, measured_gbps=measured)
+        res.rows.append(row)
         est = measured if measured is not None else est
         t, left = fin, left - chunk[1]
     return _finish(res, setup)
@@ -307,12 +364,17 @@ def oracle(setup: Setup, trace: Trace, slo_s: float) -> Result:
                 nxt.append((fin, txt + (chunk[1] if o.recompute else 0), negq - o.accuracy * chunk[1], ch + (o.name,)))
         late = [s for s in nxt if s[0] > slo_s]
         keep = sorted([s for s in nxt if s[0] <= slo_s]) + ([min(late)] if late else [])
-        states = []
+        states, least = [], {}                 # least[text tokens] = least -quality mass kept with them
         for s in keep:                         # sorted by time: a state survives unless an earlier one dominates it
-            if not any(p[1] <= s[1] and p[2] <= s[2] + 1e-9 for p in states):
+            if not any(txt <= s[1] and q <= s[2] + 1e-9 for txt, q in least.items()):
                 states.append(s)
-    results = [replay(setup, trace, list(s[3]), policy="oracle") for s in states]
-    return min(results, key=lambda r: outcome_key(r, slo_s))
+                least[s[1]] = min(least.get(s[1], math.inf), s[2])
+
+    def key(s):                                # outcome_key from a state's own sums
+        late = s[0] > slo_s + 1e-12
+        return (late, s[0] if late else 0.0, s[1], round(s[2] / setup.context_tokens, 12), s[0])
+    best = sorted(states, key=key)[:4]         # replayed, so that float sums in a different order cannot decide
+    return min((replay(setup, trace, list(s[3]), policy="oracle") for s in best), key=lambda r: outcome_key(r, slo_s))
 
 
 # ---------------------------------------------------------------------------- Part 1: one shot
@@ -321,3 +383,77 @@ def whole_context_ttft(model, gpu, n_gpus, n_ctx, gbps, options, half_tokens=HAL
     context as one chunk (one transfer, or one recompute batch)."""
     setup = Setup(model, gpu, n_gpus, ((0, n_ctx),), tuple(options), half_tokens)
     return {o.name: predict_s(setup, (0, n_ctx), o, gbps) for o in options}
+
+
+# ------------------------------------------------------------------------------------ trace suite
+def random_trace(rng, states, dwell, jump, horizon) -> Trace:
+    """One bandwidth trace from a Markov chain over `states` (like the throughput traces CacheGen replays):
+    a uniform first state; each state lasts a uniform time in `dwell`, then the link moves to a
+    neighbouring state (up or down, equally likely) or, with probability `jump`, to any other state.
+    Drawn until `horizon` seconds; the last rate holds forever."""
+    k = rng.randrange(len(states))
+    times, gbps, t = [0.0], [states[k]], 0.0
+    while t < horizon:
+        t += rng.uniform(*dwell)
+        if rng.random() < jump:
+            k = rng.choice([i for i in range(len(states)) if i != k])
+        else:
+            k = min(len(states) - 1, max(0, k + rng.choice((-1, 1))))
+            if states[k] == gbps[-1]:
+                continue                        # bounced off an end: the same rate lasts longer
+        times.append(round(t, 6))
+        gbps.append(states[k])
+    return Trace(tuple(times), tuple(gbps))
+
+
+def trace_suite(n: int, seed: int, states, dwell, jump, horizon) -> list[Trace]:
+    """n traces from random_trace, reproducible from the seed."""
+    rng = random.Random(seed)
+    return [random_trace(rng, states, dwell, jump, horizon) for _ in range(n)]
+
+
+SUITE_POLICIES = ("adaptive", "always level0", "always text", "oracle")
+
+
+def run_suite(setup: Setup, traces: list, slo_s: float, policies=SUITE_POLICIES) -> dict:
+    """{policy: [Result per trace]} for the adaptive policy, the fixed ones ("always <option>"), the oracle
+    and "naive adaptive" (the same rule without the probe and the give-up deadline)."""
+    run = {"adaptive": lambda tr: adaptive(setup, tr, slo_s), "oracle": lambda tr: oracle(setup, tr, slo_s),
+           "naive adaptive": lambda tr: adaptive(setup, tr, slo_s, probe=False, give_up=False)}
+    return {p: [run[p](tr) if p in run else fixed(setup, tr, p.removeprefix("always "))
+                for tr in traces] for p in policies}
+
+
+def suite_summary(results: list, slo_s: float) -> dict:
+    """One policy over a suite: SLO-violation rate, mean TTFT, mean quality (of what arrived, late or not),
+    mean quality on time (a context past the SLO counts 0: the user has given up), mean text tokens."""
+    n = len(results)
+    late = [r.ttft_s > slo_s + 1e-12 for r in results]
+    return {"violation_rate": sum(late) / n, "mean_ttft_s": sum(r.ttft_s for r in results) / n,
+            "mean_quality": sum(r.quality for r in results) / n,
+            "mean_quality_on_time": sum(0.0 if x else r.quality for r, x in zip(results, late)) / n,
+            "mean_text_tokens": sum(r.text_tokens for r in results) / n}
+
+
+def ttft_percentile(results: list, q: float) -> float:
+    """The q-quantile (0..1) of TTFT over a suite (nearest rank)."""
+    xs = sorted(r.ttft_s for r in results)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+
+def promise_exceptions(runs: dict, traces: list, slo_s: float, fixed_names=("always level0", "always text")):
+    """Traces where a fixed policy meets the SLO and the adaptive one does not, each with its reason: the
+    adaptive chunk that overran its prediction most (what it expected, what the link did meanwhile)."""
+    out = []
+    for i, tr in enumerate(traces):
+        ad = runs["adaptive"][i]
+        met = [p for p in fixed_names if runs[p][i].ttft_s <= slo_s + 1e-12]
+        if not met or ad.ttft_s <= slo_s + 1e-12:
+            continue
+        k, row = max(enumerate(ad.rows), key=lambda kr: kr[1]["finish"] - kr[1]["predicted"])
+        seg = [g for t, g in zip(tr.times, tr.gbps) if row["start"] <= t < row["finish"]]
+        low = min([tr.rate_at(row["start"])] + seg)
+        out.append({"trace": i, "fixed_met": met, "adaptive_ttft_s": ad.ttft_s, "chunk": k,
+                    "choice": row["choice"], "est_gbps": row["est_gbps"], "start_s": row["start"],
+                    "predicted_s": row["predicted"], "finish_s": row["finish"], "lowest_gbps": low})
+    return out
