@@ -107,8 +107,8 @@ def test_logits_equal_hugging_face_on_a_fixed_prompt(smol):
     assert tok.encode(ref["prompt"]).ids == ref["ids"][0].tolist()
     with torch.no_grad():
         logits = model(ref["ids"])[0][0]
-    assert (logits.gather(-1, ref["top_indices"]) - ref["top_values"]).abs().max() <= 2e-3
-    assert (logits.logsumexp(-1) - ref["logsumexp"]).abs().max() <= 2e-3
+    assert (logits.gather(-1, ref["top_indices"]) - ref["top_values"]).abs().max() <= 5e-4
+    assert (logits.logsumexp(-1) - ref["logsumexp"]).abs().max() <= 5e-4
     ours = logits.topk(5, -1).indices
     assert torch.equal(ours, ref["top_indices"][:, :5])
 
