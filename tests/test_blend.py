@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import blend_world as bw
-from common.llama import Llama, rope
-from kvcache import shift_kv
+from common.llama import Llama, rope, shift_kv
 
 TOL = 1e-4  # logits here are O(10): float32 rounding of two different summation orders
 

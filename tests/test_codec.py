@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+import codec_study as cs
 import kvcache as kv
 from common.llama import Llama, LlamaConfig
 
@@ -48,7 +49,7 @@ def test_roundtrip_equals_quantized_exactly(calib, seed, T, delta, scale):
 def test_error_is_half_a_step_inside_the_range(calib, delta):
     spec = specs_for(calib, delta)[0]
     X = synthetic_kv(7, 1, 30)[0] * 0.5                 # well inside the fitted range: no clipping
-    err = np.abs(kv.codec_roundtrip(X, spec)[1] - X)
+    err = np.abs(kv.dequantize(kv.codec_decode(kv.codec_encode(X, spec), spec), spec) - X)
     anchors = np.arange(30) % kv.CODEC_GROUP == 0
     half_step = spec.steps[:, :, None] / 2 * (1 + 1e-5)
     if delta:
@@ -63,9 +64,9 @@ def test_array_layout_roundtrips_a_llama_cache():
     m = Llama(LlamaConfig(vocab_size=30)).eval()
     with torch.no_grad():
         logits, cache = m(torch.randint(0, 30, (3, 13)))
-        X = kv.kv_to_array(cache)
+        X = cs.kv_to_array(cache)
         assert X.shape == (3, 13, 4, 2, 32)
-        back = kv.array_to_kv(X, 2)
+        back = cs.array_to_kv(X, 2)
         q = torch.randint(0, 30, (3, 2))
         a, _ = m(q, cache=cache)
         b, _ = m(q, cache=back)
@@ -136,7 +137,7 @@ def test_levels_shrink_and_lose_precision(calib):
     specs = specs_for(calib, False, levels=4)
     X = synthetic_kv(9, 1, 40)[0]
     sizes = [len(kv.codec_encode(X, s)) for s in specs]
-    errs = [np.abs(kv.codec_roundtrip(X, s)[1] - X).mean() for s in specs]
+    errs = [np.abs(kv.dequantize(kv.codec_decode(kv.codec_encode(X, s), s), s) - X).mean() for s in specs]
     assert sizes == sorted(sizes, reverse=True) and sizes[0] > 1.5 * sizes[3]
     assert errs == sorted(errs)
 
@@ -155,7 +156,7 @@ def test_deltas_pay_only_where_tokens_are_local():
 def test_search_finds_the_coarsest_steps_that_keep_the_answers():
     """A made-up sensitivity: the answers hold while each step stays at or below its own limit."""
     rms = np.ones((4, 2))
-    limit = kv.STEP_START * kv.STEP_NOTCH ** np.array([[1, 4], [2, 2], [0, 6], [3, 8]])
+    limit = cs.STEP_START * cs.STEP_NOTCH ** np.array([[1, 4], [2, 2], [0, 6], [3, 8]])
     calls = []
 
     def evaluate(steps):
@@ -163,7 +164,7 @@ def test_search_finds_the_coarsest_steps_that_keep_the_answers():
         ok = np.all(steps <= limit * (1 + 1e-9))
         return {"acc": 1.0 if ok else 0.9, "nll": float(np.sum(steps))}
 
-    steps, trace = kv.search_steps(evaluate, rms, target=1.0)
+    steps, trace = cs.search_steps(evaluate, rms, target=1.0)
     assert np.allclose(steps, limit) and len(calls) < 60 and trace
 
 
@@ -213,7 +214,7 @@ def test_match_bytes_hits_its_target(calib, target_frac):
 def test_codec_study_runs_on_an_untrained_model(monkeypatch):
     """The whole pipeline on an untrained LLaMA and random documents (accuracy near chance); a few
     contexts coded to bytes per measurement instead of CODEC_N_CODED."""
-    monkeypatch.setattr(kv, "CODEC_N_CODED", 6)
+    monkeypatch.setattr(cs, "CODEC_N_CODED", 6)
     torch.manual_seed(0)
     m = Llama(LlamaConfig(vocab_size=20)).eval()
     rng = np.random.default_rng(0)
@@ -222,12 +223,7 @@ def test_codec_study_runs_on_an_untrained_model(monkeypatch):
         ctx = rng.integers(0, 19, (n, 14))
         return ctx, np.stack([np.full(n, 19), ctx[:, 4]], 1), ctx[:, 5]
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        s = kv.codec_study(m, docs(60), docs(80), progress=False)
-    finally:
-        torch.set_num_threads(threads)
+    s = cs.codec_study(m, docs(60), docs(80), progress=False)
     b = [lv["bytes_per_token"] for lv in s["levels"]]
     assert len(b) == kv.N_LEVELS and b == sorted(b, reverse=True)
     assert all(lv["roundtrip_exact"] for lv in s["levels"]) and s["recipe"]["roundtrip_exact"]
@@ -242,26 +238,26 @@ def record():
     import importlib.util
     from pathlib import Path
     torch.set_num_threads(1)
-    study = kv.record_codec_study(progress=False)
-    world = kv.record_world()
-    calib = world["docs"](kv.CODEC_N_CALIB, kv.CODEC_CALIB_SEED)
-    ev = world["docs"](kv.CODEC_N_EVAL, kv.CODEC_EVAL_SEED)
+    study = cs.record_codec_study(progress=False)
+    world = cs.record_world()
+    calib = world["docs"](cs.CODEC_N_CALIB, cs.CODEC_CALIB_SEED)
+    ev = world["docs"](cs.CODEC_N_EVAL, cs.CODEC_EVAL_SEED)
     path = Path(kv.__file__).with_name("02_cachegen_codec.py")
     spec = importlib.util.spec_from_file_location("cachegen02", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     return {"study": study, "model": world["model"], "ev": ev, "script": script,
-            "Xc": kv.context_kv(world["model"], calib[0]), "Xe": kv.context_kv(world["model"], ev[0])}
+            "Xc": cs.context_kv(world["model"], calib[0]), "Xe": cs.context_kv(world["model"], ev[0])}
 
 
 def test_codec_levels_contract(record):
-    levels = kv.codec_levels()
+    levels = cs.codec_levels()
     assert [lv["level"] for lv in levels] == [0, 1, 2, 3]
     # bytes/token as measured again here: 30 evaluation contexts coded to bytes by the stored specs; and
     # the ideal (entropy) bits of the same symbols, per value (4 layers x K, V x 2 heads x 16 = 256 a token)
     Xe = record["Xe"][-30:]
     T = Xe.shape[1]
-    for lv, spec in zip(levels, kv.record_codecs()):
+    for lv, spec in zip(levels, map(kv.spec_from_dict, record["study"]["specs"])):
         assert {"level", "bytes_per_token", "bits_per_value", "accuracy"} <= set(lv)
         coded = np.mean([len(kv.codec_encode(x, spec)) for x in Xe]) / T
         assert coded == pytest.approx(lv["bytes_per_token"], rel=0.1)
@@ -279,7 +275,7 @@ def test_codec_table_acceptance(record):
     accuracy; zlib on FP16 between 1.0x and 1.3x."""
     s, m = record["study"], record["model"]
     rows = record["script"].baseline_rows(record["Xc"], record["Xe"],
-                                          lambda X: kv.answer_accuracy(m, X, *record["ev"][1:])["acc"])
+                                          lambda X: cs.answer_accuracy(m, X, *record["ev"][1:])["acc"])
     measured = s["variants"]["delta" if s["delta"] else "raw"]
     assert rows["8-bit"][0] / measured["bytes_per_token"] >= 1.5
     assert measured["accuracy"] >= rows["FP16"][1] - 0.005
@@ -288,7 +284,7 @@ def test_codec_table_acceptance(record):
 
 
 def test_coder_on_a_whole_context(record):
-    spec = kv.record_codecs()[0]
+    spec = kv.spec_from_dict(cs.record_codec_study()["specs"][0])
     one, many = record["script"].coder_check(spec, record["Xe"], 5)
     assert one["roundtrip_exact"] and many["roundtrip_exact"]
     # the coder's law (test_coder.test_length_law_over_many_streams): within a byte above the ideal

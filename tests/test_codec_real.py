@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import codec_real as cr
+import codec_study as cs
 import kvcache as kv
 from common.gguf_llama import find_smollm2_gguf
 
@@ -34,7 +35,7 @@ def test_levels_trade_bits_for_kl(study):
 
 def test_a_real_llama_needs_more_bits_than_the_record_model(study):
     """The point of Part 2c: the record-world model's lossless level is far smaller than a real LLaMA's."""
-    record = kv.codec_levels()
+    record = cs.codec_levels()
     assert study["levels"][0]["bits_per_value"] > 1.5 * record[0]["bits_per_value"]
 
 

@@ -1,7 +1,8 @@
-"""The three hand-written KL(full || other) formulas (04's city part, codec_real's continuation quality,
-blend_real.kl) against torch.nn.functional.kl_div with log_target=True and against a 2-symbol case
-worked by hand, in both argument orders: KL is not symmetric, so a formula with its arguments swapped
-(or its sign flipped) fails here."""
+"""KL(full || other) as the scripts compute it (common.llama.kl_divergence, and where 04's city part,
+codec_real's continuation quality and blend_real's run_item call it) against
+torch.nn.functional.kl_div with log_target=True and against a 2-symbol case worked by hand, in both
+argument orders: KL is not symmetric, so a formula or a call with its arguments swapped (or its sign
+flipped) fails here."""
 import importlib
 import math
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.llama import Llama, LlamaConfig
+from common.llama import Llama, LlamaConfig, kl_divergence
 
 # p = (1/2, 1/2), q = (9/10, 1/10):
 #   KL(p || q) = 1/2 ln(5/9) + 1/2 ln 5            = 0.5108256
@@ -32,15 +33,14 @@ def test_hand_worked_values_and_the_reference_agree():
     assert float(reference_kl(Q2, P2)) == pytest.approx(KL_QP, abs=1e-6)
 
 
-def test_blend_real_kl():
-    import blend_real as br
-    assert float(br.kl(P2, Q2)) == pytest.approx(KL_PQ, abs=1e-6)
-    assert float(br.kl(Q2, P2)) == pytest.approx(KL_QP, abs=1e-6)
+def test_kl_divergence():
+    assert float(kl_divergence(P2, Q2)) == pytest.approx(KL_PQ, abs=1e-6)
+    assert float(kl_divergence(Q2, P2)) == pytest.approx(KL_QP, abs=1e-6)
     g = torch.Generator().manual_seed(0)
     p, q = (3 * torch.randn(5, 50, generator=g)).log_softmax(-1), (3 * torch.randn(5, 50, generator=g)).log_softmax(-1)
-    assert torch.allclose(br.kl(p, q), reference_kl(p, q), atol=1e-5)
-    assert torch.allclose(br.kl(q, p), reference_kl(q, p), atol=1e-5)
-    assert (br.kl(p, q) - br.kl(q, p)).abs().max() > 0.1   # so the order is really tested
+    assert torch.allclose(kl_divergence(p, q), reference_kl(p, q), atol=1e-5)
+    assert torch.allclose(kl_divergence(q, p), reference_kl(q, p), atol=1e-5)
+    assert (kl_divergence(p, q) - kl_divergence(q, p)).abs().max() > 0.1   # so the order is really tested
 
 
 def random_model(vocab, seed, std=0.3, **kw):
@@ -58,18 +58,18 @@ def test_codec_real_continuation_kl_and_nll():
     """continuation_quality(X', ref=quality(X)) reports KL(ref || X') per token, averaged; its NLL is the
     cross-entropy of the continuation and `agree` the share of equal arg-maxes."""
     import codec_real as cr
-    import kvcache as kv
+    import codec_study as cs
     m = random_model(40, 1)
     g = torch.Generator().manual_seed(2)
     ctx, cont = torch.randint(0, 40, (3, 12), generator=g), torch.randint(0, 40, (3, 9), generator=g)
-    X = kv.context_kv(m, ctx.numpy())
+    X = cs.context_kv(m, ctx.numpy())
     Xn = X + np.random.default_rng(0).normal(0, 0.5, X.shape).astype(np.float32)  # a lossy codec's KV
     ref = cr.continuation_quality(m, X, cont)
     got = cr.continuation_quality(m, Xn, cont, ref)
     expect = float(reference_kl(ref["logp"], got["logp"]).mean())
     swapped = float(reference_kl(got["logp"], ref["logp"]).mean())
     assert got["kl"] == pytest.approx(expect, rel=1e-4) and abs(expect - swapped) > 1e-3 * expect > 0
-    logits, _ = m(cont, cache=kv.array_to_kv(Xn, m.cfg.n_kv_heads))
+    logits, _ = m(cont, cache=cs.array_to_kv(Xn, m.cfg.n_kv_heads))
     assert got["nll"] == pytest.approx(float(F.cross_entropy(logits[:, :-1].flatten(0, 1), cont[:, 1:].flatten())),
                                        rel=1e-5)
     assert got["agree"] == pytest.approx(float((logits[:, :-1].argmax(-1) == ref["logp"].argmax(-1)).float().mean()))

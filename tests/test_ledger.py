@@ -1,33 +1,33 @@
 """The KV ledger (kvcache.py section 1) against the handout's §1 figures and exercises 1-2."""
 import pytest
 
-import kvcache as kv
+import ledger
 from common import timemodel as tm
 
 K = 1024
 
 
 def test_32k_context_of_70b_is_10_7_gb():  # exercise 1
-    assert kv.kv_bytes("llama-3.1-70b", 32 * K) / 1e9 == pytest.approx(10.7, abs=0.05)
+    assert ledger.kv_bytes("llama-3.1-70b", 32 * K) / 1e9 == pytest.approx(10.7, abs=0.05)
 
 
 def test_gpu_day_is_15_9_tb():  # slides p.8: MI300X, DeepSeek-R1, 2,625 tok/s
-    assert round(kv.gpu_day_bytes("deepseek-r1", 2625) / 1e12, 1) == 15.9
+    assert round(ledger.gpu_day_bytes("deepseek-r1", 2625) / 1e12, 1) == 15.9
 
 
 @pytest.mark.parametrize("n", [4 * K, 8 * K, 16 * K, 32 * K, 64 * K])
 def test_breakeven_bandwidth_4_to_6_gbytes_per_s(n):
-    assert 4e9 <= kv.breakeven_bandwidth("llama-3.1-70b", "H100", n, 8) <= 6e9
+    assert 4e9 <= ledger.breakeven_bandwidth("llama-3.1-70b", "H100", n, 8) <= 6e9
 
 
 def test_exercise2_threshold_14_4_gbit_per_s():
-    thr = kv.breakeven_bandwidth("llama-3.1-70b", "H100", 16 * K, 8, compression=3)
+    thr = ledger.breakeven_bandwidth("llama-3.1-70b", "H100", 16 * K, 8, compression=3)
     assert thr * 8 / 1e9 == pytest.approx(14.4, rel=0.05)
-    assert thr == pytest.approx(kv.breakeven_bandwidth("llama-3.1-70b", "H100", 16 * K, 8) / 3)
+    assert thr == pytest.approx(ledger.breakeven_bandwidth("llama-3.1-70b", "H100", 16 * K, 8) / 3)
 
 
 def test_tiers_cross_cloud_loses_cpu_wins():
-    rows = kv.fetch_or_recompute("llama-3.1-70b", "H100", 8, [4 * K, 16 * K, 64 * K])
+    rows = ledger.fetch_or_recompute("llama-3.1-70b", "H100", 8, [4 * K, 16 * K, 64 * K])
     for r in rows:
         assert r["fetch_s"]["cross-cloud 10 Gb/s"] > r["recompute_s"]  # handout §1.4
         assert r["fetch_s"]["CPU DRAM"] < r["recompute_s"] / 5
@@ -40,7 +40,7 @@ SLIDES = dict(gpu_hour_usd=2.0, gpus_per_node=8, storage_tb_per_node=1.0, storag
 
 
 def test_slides_economics_within_5_percent():
-    e = kv.slides_economics(**SLIDES)
+    e = ledger.slides_economics(**SLIDES)
     assert e["breakeven_if_hit_saves_all"] == pytest.approx(0.15 / 16)
     assert e["breakeven_hit_rate"] * 100 == pytest.approx(1.06, rel=0.05)
     assert e["net_usd"] / 1e6 == pytest.approx(33, rel=0.05)                        # §1.3
@@ -55,7 +55,7 @@ def test_slides_economics_within_5_percent():
 
 
 def test_own_account_10k_context():
-    r = kv.context_economics("llama-3.1-70b", "H100", 8, 10_000, 2.0, 0.15)
+    r = ledger.context_economics("llama-3.1-70b", "H100", 8, 10_000, 2.0, 0.15)
     assert r["kv_bytes"] / 1e9 == pytest.approx(3.3, abs=0.05)
     assert r["storage_usd_per_h"] == pytest.approx(0.0005, rel=0.05)
     assert r["hit_saves_usd"] == pytest.approx(0.0026, rel=0.05)
@@ -63,7 +63,7 @@ def test_own_account_10k_context():
 
 
 def test_longer_contexts_pay_off_sooner():
-    hits = [kv.context_economics("llama-3.1-70b", "H100", 8, n, 2.0, 0.15)["breakeven_hits_per_h"]
+    hits = [ledger.context_economics("llama-3.1-70b", "H100", 8, n, 2.0, 0.15)["breakeven_hits_per_h"]
             for n in (1 * K, 4 * K, 16 * K, 64 * K, 128 * K)]
     assert all(a > b for a, b in zip(hits, hits[1:]))
 
@@ -76,10 +76,10 @@ def test_longer_contexts_pay_off_sooner():
     ("deepseek-r1", 100_000, 61 * (512 + 64) * 2 * 100_000),    # MLA: one latent + RoPE key per layer
 ])
 def test_kv_bytes_by_hand_for_model_cards(model, n, by_hand):
-    assert kv.kv_bytes(model, n) == by_hand
-    assert kv.kv_bytes(model, n, bytes_per_value=1) == by_hand // 2
+    assert ledger.kv_bytes(model, n) == by_hand
+    assert ledger.kv_bytes(model, n, bytes_per_value=1) == by_hand // 2
 
 
 def test_layout():
-    assert kv.kv_layout("deepseek-r1")["mla_latent"] == 576
-    assert kv.kv_layout("llama-2-7b")["kv_heads"] == tm.MODELS["llama-2-7b"].n_heads
+    assert ledger.kv_layout("deepseek-r1")["mla_latent"] == 576
+    assert ledger.kv_layout("llama-2-7b")["kv_heads"] == tm.MODELS["llama-2-7b"].n_heads

@@ -5,8 +5,7 @@ from pathlib import Path
 
 import torch
 
-from common.llama import KVCache, Llama, LlamaConfig, causal_mask, rope
-from kvcache import shift_kv
+from common.llama import KVCache, Llama, LlamaConfig, causal_mask, rope, shift_kv
 
 TOL = 1e-5
 

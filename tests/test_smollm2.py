@@ -133,7 +133,7 @@ def test_shift_kv_equals_recomputing_at_the_new_position(smol):
     """A chunk prefilled at positions 0.. then rotated by shift_kv (theta 100000) equals the same chunk
     prefilled at positions delta..: every layer, because attention inside the chunk sees only
     relative positions."""
-    from kvcache import shift_kv
+    from common.llama import shift_kv
     model, tok, _ = smol
     ids = torch.tensor([tok.encode("Lake Varna lies in a narrow valley carved by glaciers, 212 metres deep.").ids])
     T, delta = ids.shape[1], 1000

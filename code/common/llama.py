@@ -9,7 +9,7 @@ Full prefill, prefill continued from a cache, one-token decode and CacheBlend's 
 Cache layout: the cache stores K *after* RoPE, as inference engines do. RoPE is a rotation per
 channel pair, and rotations compose: R(p + d) = R(d) R(p). So a chunk's K computed at positions
 0..n-1 is moved to positions p..p+n-1 by rotating it once more by p (`rope(k, p)`,
-`kvcache.shift_kv`), without recomputing anything. V never sees RoPE, so it does not move.
+`shift_kv`), without recomputing anything. V never sees RoPE, so it does not move.
 
 RoPE pairing: the "half-split" layout of GPT-NeoX / Hugging Face LLaMA (channel i is paired with
 channel i + head_dim/2), not the interleaved (2i, 2i+1) layout of the original paper; a GGUF file's
@@ -18,6 +18,7 @@ Q/K rows are permuted back to this layout by the loader.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -61,6 +62,15 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
     rotated_half = torch.cat([-x2, x1], dim=-1)
     return x * cos + rotated_half * sin
+
+
+def shift_kv(k: torch.Tensor, delta, theta: float) -> torch.Tensor:
+    """Move K (..., T, head_dim), cached after RoPE, by `delta` positions (an int, or a tensor of
+    T per-token offsets): rotate once more by delta * theta^(-2i/d) (CacheBlend, appendix A).
+    V carries no position and is reused as it is."""
+    T = k.shape[-2]
+    d = delta if isinstance(delta, torch.Tensor) else torch.full((T,), float(delta))
+    return rope(k, d, theta)
 
 
 # ----------------------------------------------------------------------------------- masks
@@ -223,3 +233,22 @@ class Llama(nn.Module):
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+# ----------------------------------------------------------------------------------- comparing and running
+def kl_divergence(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) in nats over the last axis, from log-probabilities (e.g. a full prefill's next-token
+    distribution p against a method's q); one value per row."""
+    return (p_log.exp() * (p_log - q_log)).sum(-1)
+
+
+@contextmanager
+def single_thread():
+    """Run the block on one torch thread, then restore the count: small batches gain little from a
+    second thread, and a thread waiting for a core another process holds slows every step down."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

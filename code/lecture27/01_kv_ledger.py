@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import kvcache as kv  # noqa: E402
+import ledger  # noqa: E402
 from common import timemodel as tm  # noqa: E402
 from common.cli import Parser, figure_path, nonneg_float, positive_float, positive_int, fraction, table, write_json  # noqa: E402
 
@@ -56,32 +56,38 @@ HANDOUT = {
     "70b_32k": "10.7 GB", "day_tb": "15.9 TB (slides: ~15 TB)", "recompute_16k": "0.97 s",
     "breakeven": "4-6 GB/s", "ex2_gbit": "14.4 Gb/s", "breakeven_pct": "1.06%", "savings": "$33M",
     "storage": "~$4M", "navigation": "$29M", "ctx10k": ("3.3 GB", "$0.0005", "$0.0026", "0.19"),
+    "ex1_per_token": "327,680 B = 320 KiB",
 }
+# The inputs the handout's figures hold for (a figure is printed only when the run's inputs are these)
+HANDOUT_SLIDES = {"gpu_hour_usd": 2.0, "gpus_per_node": 8, "storage_tb_per_node": 1.0,
+                  "storage_usd_per_tb_hour": 0.15, "hit_saves": 0.88, "hit_rate": 0.10, "nodes": 1000, "years": 3}
+HANDOUT_DAY = {"model": "deepseek-r1", "tokens_per_s": 2625}
+HANDOUT_STORE_CONTEXT = 10_000
 
 
 # ------------------------------------------------------------------------------------- calculators
 def part1(bpv, contexts):
     rows = {}
     for key, m in tm.MODELS.items():
-        rows[key] = {**kv.kv_layout(m), "tag": m.tag, "name": m.name,
+        rows[key] = {**ledger.kv_layout(m), "tag": m.tag, "name": m.name,
                      "bytes_per_token": tm.kv_bytes_per_token(m, bpv),
-                     "sizes": {n: kv.kv_bytes(m, n, bpv) for n in contexts}}
-    day = kv.gpu_day_bytes(DAY_MODEL, DAY_TOKENS_PER_S, bpv)
+                     "sizes": {n: ledger.kv_bytes(m, n, bpv) for n in contexts}}
+    day = ledger.gpu_day_bytes(DAY_MODEL, DAY_TOKENS_PER_S, bpv)
     return rows, day
 
 
 def part2(model, gpu, n_gpus, contexts, recompute_ctx, compression, bpv):
-    rows = kv.fetch_or_recompute(model, gpu, n_gpus, contexts, kv.TIERS, 1.0, bpv)
+    rows = ledger.fetch_or_recompute(model, gpu, n_gpus, contexts, ledger.TIERS, 1.0, bpv)
     ex2 = {"context": recompute_ctx, "recompute_s": tm.prefill_time(model, gpu, recompute_ctx, 0, n_gpus),
-           "raw_bytes": kv.kv_bytes(model, recompute_ctx, bpv),
-           "threshold_bytes_per_s": kv.breakeven_bandwidth(model, gpu, recompute_ctx, n_gpus, compression, bpv)}
+           "raw_bytes": ledger.kv_bytes(model, recompute_ctx, bpv),
+           "threshold_bytes_per_s": ledger.breakeven_bandwidth(model, gpu, recompute_ctx, n_gpus, compression, bpv)}
     return rows, ex2
 
 
 def part3(a, bpv):
-    slides = kv.slides_economics(a.gpu_hour_usd, GPUS_PER_NODE, STORAGE_TB_PER_NODE, a.storage_usd_per_tb_hour,
+    slides = ledger.slides_economics(a.gpu_hour_usd, GPUS_PER_NODE, STORAGE_TB_PER_NODE, a.storage_usd_per_tb_hour,
                                  a.hit_saves, a.hit_rate, a.nodes, a.years)
-    ours = [kv.context_economics(a.model, a.gpu, a.n_gpus, n, a.gpu_hour_usd, a.storage_usd_per_tb_hour, bpv)
+    ours = [ledger.context_economics(a.model, a.gpu, a.n_gpus, n, a.gpu_hour_usd, a.storage_usd_per_tb_hour, bpv)
             for n in sorted(set(ECON_CONTEXTS + [STORE_CONTEXT]))]
     return slides, ours
 
@@ -115,8 +121,10 @@ def print_part1(rows, day, a):
     per_tok = tm.kv_bytes_per_token(DAY_MODEL, a.bytes_per_value)
     print(f"\nOne GPU's day: {tm.GPUS[DAY_GPU].name} serving {tm.MODELS[DAY_MODEL].name} at {DAY_TOKENS_PER_S:,} tokens/s")
     print(table(["quantity", "ours", "handout"], [
-        ["KV per token", f"{per_tok / 1024:.1f} KiB ({per_tok:,} B)", "68.6 KiB" if bf16 else "-"],
-        ["KV per day (decimal TB)", f"{day / 1e12:.1f} TB", HANDOUT["day_tb"] if bf16 else "-"],
+        ["KV per token", f"{per_tok / 1024:.1f} KiB ({per_tok:,} B)",
+         HANDOUT["kib"]["deepseek-r1"] if bf16 and DAY_MODEL == HANDOUT_DAY["model"] else "-"],
+        ["KV per day (decimal TB)", f"{day / 1e12:.1f} TB",
+         HANDOUT["day_tb"] if bf16 and (DAY_MODEL, DAY_TOKENS_PER_S) == tuple(HANDOUT_DAY.values()) else "-"],
         ["KV per day (binary TiB)", f"{day / 2**40:.1f} TiB", "-"],
     ]))
 
@@ -124,7 +132,7 @@ def print_part1(rows, day, a):
     is_ref = a.model == "llama-3.1-70b" and a.context == 32 * K and a.bytes_per_value == 2
     print(f"\nExercise 1: {tm.MODELS[a.model].name}, {a.context:,} tokens, {a.bytes_per_value} bytes/value")
     print(table(["quantity", "ours", "handout"], [
-        ["KV bytes per token", f"{b:,} B = {b / 1024:g} KiB", "327,680 B = 320 KiB" if is_ref else "-"],
+        ["KV bytes per token", f"{b:,} B = {b / 1024:g} KiB", HANDOUT["ex1_per_token"] if is_ref else "-"],
         [f"KV of {a.context:,} tokens", fmt_bytes(b * a.context), HANDOUT["70b_32k"] if is_ref else "-"],
     ]))
 
@@ -135,20 +143,20 @@ def print_part2(rows, ex2, a):
     print(f"time model: MFU {tm.MFU:.3f} (fitted to {tm.ANCHOR_1GPU[0]} {tm.ANCHOR_1GPU[2]:,} tokens on 1 {tm.ANCHOR_1GPU[1]} "
           f"= {tm.ANCHOR_1GPU[4]} s), TP all-reduce efficiency {tm.TP_COMM_EFFICIENCY:.3f} (fitted to "
           f"{tm.ANCHOR_TP[0]} {tm.ANCHOR_TP[2]:,} tokens on {tm.ANCHOR_TP[3]} {tm.ANCHOR_TP[1]} = {tm.ANCHOR_TP[4]} s)")
-    print("tiers: " + ", ".join(f"{k} {bw / 1e9:g} GB/s" for k, bw in kv.TIERS.items()))
+    print("tiers: " + ", ".join(f"{k} {bw / 1e9:g} GB/s" for k, bw in ledger.TIERS.items()))
     is_ref = a.model == "llama-3.1-70b" and a.gpu == "H100" and a.n_gpus == 8
     body = []
     for r in rows:
         ref = []
         if is_ref and r["context"] == 16 * K:
-            ref.append("0.97 s")
+            ref.append(HANDOUT["recompute_16k"])
         if is_ref and a.bytes_per_value == 2 and 4 * K <= r["context"] <= 64 * K:
-            ref.append("4-6 GB/s")
+            ref.append(HANDOUT["breakeven"])
         body.append([ctx_name(r["context"]), fmt_bytes(r["kv_bytes"]), f"{r['recompute_s']:.3f}",
                      f"{r['breakeven_bytes_per_s'] / 1e9:.2f}"]
                     + [f"{t:.3f}" + ("*" if t > r["recompute_s"] else " ") for t in r["fetch_s"].values()]
                     + [", ".join(ref) or "-"])
-    print(table(["context", "KV", "recompute s", "break-even GB/s"] + [f"{k} s" for k in kv.TIERS] + ["handout"], body))
+    print(table(["context", "KV", "recompute s", "break-even GB/s"] + [f"{k} s" for k in ledger.TIERS] + ["handout"], body))
     print("  * slower than recomputing: storing it there was wasted")
 
     thr = ex2["threshold_bytes_per_s"]
@@ -175,9 +183,10 @@ def print_part3(slides, ours, a):
         ["hit rate, fleet, period", f"{a.hit_rate:.0%}, {a.nodes:,} nodes, {a.years:g} years = {slides['hours']:,.0f} h", "slides p.9"],
     ]))
     M = 1e6
-    slides_inputs = (a.gpu_hour_usd, a.storage_usd_per_tb_hour, a.hit_saves, a.hit_rate, a.nodes, a.years)
-    h = HANDOUT if slides_inputs == (GPU_HOUR_USD, STORAGE_USD_PER_TB_HOUR, HIT_SAVES, HIT_RATE, NODES, YEARS) \
-        else {k: "-" for k in HANDOUT}  # the handout's figures hold for the slides' inputs only
+    slides_inputs = {"gpu_hour_usd": a.gpu_hour_usd, "gpus_per_node": GPUS_PER_NODE,
+                     "storage_tb_per_node": STORAGE_TB_PER_NODE, "storage_usd_per_tb_hour": a.storage_usd_per_tb_hour,
+                     "hit_saves": a.hit_saves, "hit_rate": a.hit_rate, "nodes": a.nodes, "years": a.years}
+    h = HANDOUT if slides_inputs == HANDOUT_SLIDES else {k: "-" for k in HANDOUT}
     print(table(["quantity", "ours", "handout"], [
         ["break-even hit rate if a hit saves 100%", f"{slides['breakeven_if_hit_saves_all']:.2%}", "-"],
         [f"break-even hit rate (a hit saves {a.hit_saves:.0%})", f"{slides['breakeven_hit_rate']:.2%}", h["breakeven_pct"]],
@@ -194,10 +203,11 @@ def print_part3(slides, ours, a):
     print(f"\n(b) our account: {m.name} on {a.n_gpus} x {tm.GPUS[a.gpu].name} at ${a.gpu_hour_usd:g}/GPU-hour, "
           f"storage ${a.storage_usd_per_tb_hour:g}/TB-hour; a hit saves the recompute")
     is_ref = a.model == "llama-3.1-70b" and a.gpu == "H100" and a.n_gpus == 8 and a.bytes_per_value == 2 \
-        and a.gpu_hour_usd == GPU_HOUR_USD and a.storage_usd_per_tb_hour == STORAGE_USD_PER_TB_HOUR
+        and a.gpu_hour_usd == HANDOUT_SLIDES["gpu_hour_usd"] \
+        and a.storage_usd_per_tb_hour == HANDOUT_SLIDES["storage_usd_per_tb_hour"]
     body = []
     for r in ours:
-        ref = ", ".join(HANDOUT["ctx10k"]) if (is_ref and r["context"] == STORE_CONTEXT) else "-"
+        ref = ", ".join(HANDOUT["ctx10k"]) if (is_ref and r["context"] == HANDOUT_STORE_CONTEXT) else "-"
         body.append([f"{r['context']:,}", fmt_bytes(r["kv_bytes"]), f"{r['storage_usd_per_h']:.5f}",
                      f"{r['recompute_s']:.3f}", f"{r['hit_saves_usd']:.5f}", f"{r['breakeven_hits_per_h']:.3f}",
                      f"{r['breakeven_hits_per_h'] * 168:.1f}", ref])
@@ -217,10 +227,10 @@ def plot(a, bpv):
     ctx = [2 ** i for i in range(7, 18)]  # 128 .. 128K tokens
     fig, ax = plt.subplots(figsize=(7, 4.5))
     seen = {}  # models with the same KV layout draw the same line: dash the second one
-    for key, m in tm.MODELS.items():
+    for m in tm.MODELS.values():
         b = tm.kv_bytes_per_token(m, bpv)
         label = f"{m.name} ({m.tag.split(',')[0]})" + (f" = {seen[b]}" if b in seen else "")
-        ax.plot(ctx, [kv.kv_bytes(m, n, bpv) for n in ctx], "--" if b in seen else "-", marker=".", label=label)
+        ax.plot(ctx, [ledger.kv_bytes(m, n, bpv) for n in ctx], "--" if b in seen else "-", marker=".", label=label)
         seen.setdefault(b, m.name)
     ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="KV bytes",
            title="KV size vs context length (handout §1.2)")
@@ -231,11 +241,11 @@ def plot(a, bpv):
 
     ctx = [2 ** i for i in range(9, 18)]  # 512 .. 128K
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(ctx, [kv.breakeven_bandwidth(a.model, a.gpu, n, a.n_gpus, 1.0, bpv) / 1e9 for n in ctx],
+    ax.plot(ctx, [ledger.breakeven_bandwidth(a.model, a.gpu, n, a.n_gpus, 1.0, bpv) / 1e9 for n in ctx],
             "k-o", label="break-even (raw KV)")
-    ax.plot(ctx, [kv.breakeven_bandwidth(a.model, a.gpu, n, a.n_gpus, a.compression, bpv) / 1e9 for n in ctx],
+    ax.plot(ctx, [ledger.breakeven_bandwidth(a.model, a.gpu, n, a.n_gpus, a.compression, bpv) / 1e9 for n in ctx],
             "k--", label=f"break-even ({a.compression:g}x compressed)")
-    for (name, bw), c in zip(kv.TIERS.items(), ["C0", "C1", "C2", "C3"]):
+    for (name, bw), c in zip(ledger.TIERS.items(), ["C0", "C1", "C2", "C3"]):
         ax.axhline(bw / 1e9, color=c, lw=1.5, label=f"{name} ({bw / 1e9:g} GB/s)")
     ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="GB/s",
            title=f"A tier above the black line fetches faster than recomputing\n{tm.MODELS[a.model].name}, {a.n_gpus} x {a.gpu} (handout §1.4)")
@@ -245,6 +255,37 @@ def plot(a, bpv):
     p2 = figure_path("01_breakeven_bandwidth.png")
     fig.tight_layout(); fig.savefig(p2, dpi=120); plt.close(fig)
     return p1, p2
+
+
+def to_json(a, bpv, sizes, day, rows, ex2, slides, ours) -> dict:
+    ctx10k = next(r for r in ours if r["context"] == STORE_CONTEXT)
+    return {
+        # Part 1 (fixed models, whatever --model says)
+        "llama31_70b_bytes_per_token": sizes["llama-3.1-70b"]["bytes_per_token"],
+        "llama31_70b_32k_gb": ledger.kv_bytes("llama-3.1-70b", 32 * K, bpv) / 1e9,
+        "deepseek_r1_kib_per_token": sizes["deepseek-r1"]["bytes_per_token"] / 1024,
+        "gpu_day_tb": day / 1e12,
+        "bytes_per_token": {k: r["bytes_per_token"] for k, r in sizes.items()},
+        "ex1_bytes_per_token": tm.kv_bytes_per_token(a.model, bpv),
+        "ex1_context_gb": ledger.kv_bytes(a.model, a.context, bpv) / 1e9,
+        # Part 2 (--model on --n-gpus x --gpu)
+        "part2_setup": {"model": a.model, "gpu": a.gpu, "n_gpus": a.n_gpus},
+        "contexts": CONTEXTS,
+        "recompute_16k_s": tm.prefill_time(a.model, a.gpu, 16 * K, 0, a.n_gpus),
+        "breakeven_gbytes_per_s": [r["breakeven_bytes_per_s"] / 1e9 for r in rows],
+        "ex2_threshold_gbit_per_s": ex2["threshold_bytes_per_s"] * 8 / 1e9,
+        "mfu": tm.MFU, "tp_comm_efficiency": tm.TP_COMM_EFFICIENCY,
+        # Part 3
+        "slides_breakeven_hit_rate_pct": slides["breakeven_hit_rate"] * 100,
+        "slides_breakeven_if_hit_saves_all_pct": slides["breakeven_if_hit_saves_all"] * 100,
+        "slides_gross_savings_musd": slides["gpu_time_saved_usd"] / 1e6,
+        "slides_savings_musd": slides["net_usd"] / 1e6,
+        "slides_storage_musd": slides["storage_usd"] / 1e6,
+        "slides_navigation_reading_musd": slides["net_if_33m_read_as_gross_usd"] / 1e6,
+        "ctx10k_storage_usd_per_h": ctx10k["storage_usd_per_h"],
+        "ctx10k_hit_saves_usd": ctx10k["hit_saves_usd"],
+        "ctx10k_breakeven_hits_per_h": ctx10k["breakeven_hits_per_h"],
+    }
 
 
 def main(argv=None):
@@ -279,34 +320,7 @@ def main(argv=None):
         for path in plot(a, bpv):
             print(f"figure: {path}")
 
-    ctx10k = next(r for r in ours if r["context"] == STORE_CONTEXT)
-    write_json(a.json, {
-        # Part 1 (fixed models, whatever --model says)
-        "llama31_70b_bytes_per_token": sizes["llama-3.1-70b"]["bytes_per_token"],
-        "llama31_70b_32k_gb": kv.kv_bytes("llama-3.1-70b", 32 * K, bpv) / 1e9,
-        "deepseek_r1_kib_per_token": sizes["deepseek-r1"]["bytes_per_token"] / 1024,
-        "gpu_day_tb": day / 1e12,
-        "bytes_per_token": {k: r["bytes_per_token"] for k, r in sizes.items()},
-        "ex1_bytes_per_token": tm.kv_bytes_per_token(a.model, bpv),
-        "ex1_context_gb": kv.kv_bytes(a.model, a.context, bpv) / 1e9,
-        # Part 2 (--model on --n-gpus x --gpu)
-        "part2_setup": {"model": a.model, "gpu": a.gpu, "n_gpus": a.n_gpus},
-        "contexts": CONTEXTS,
-        "recompute_16k_s": tm.prefill_time(a.model, a.gpu, 16 * K, 0, a.n_gpus),
-        "breakeven_gbytes_per_s": [r["breakeven_bytes_per_s"] / 1e9 for r in rows],
-        "ex2_threshold_gbit_per_s": ex2["threshold_bytes_per_s"] * 8 / 1e9,
-        "mfu": tm.MFU, "tp_comm_efficiency": tm.TP_COMM_EFFICIENCY,
-        # Part 3
-        "slides_breakeven_hit_rate_pct": slides["breakeven_hit_rate"] * 100,
-        "slides_breakeven_if_hit_saves_all_pct": slides["breakeven_if_hit_saves_all"] * 100,
-        "slides_gross_savings_musd": slides["gpu_time_saved_usd"] / 1e6,
-        "slides_savings_musd": slides["net_usd"] / 1e6,
-        "slides_storage_musd": slides["storage_usd"] / 1e6,
-        "slides_navigation_reading_musd": slides["net_if_33m_read_as_gross_usd"] / 1e6,
-        "ctx10k_storage_usd_per_h": ctx10k["storage_usd_per_h"],
-        "ctx10k_hit_saves_usd": ctx10k["hit_saves_usd"],
-        "ctx10k_breakeven_hits_per_h": ctx10k["breakeven_hits_per_h"],
-    })
+    write_json(a.json, to_json(a, bpv, sizes, day, rows, ex2, slides, ours))
 
 
 if __name__ == "__main__":

@@ -19,9 +19,18 @@ Part 3: the arithmetic coder on a whole context: actual length vs the ideal -sum
         round trip, throughput. Then the four quality levels 03_streaming.py reads, exercises 3 and 4.
 
 Accuracy of a codec: the question's tokens attend to the decoded context KV instead of the exact one.
-The codec (kvcache.py, section 3) is fitted once per model on calibration documents (one seed) and
-evaluated on other documents (another seed); its step search and tables are cached in code/checkpoints/.
+The codec is fitted once per model on calibration documents (one seed) and evaluated on other
+documents (another seed); its step search and tables are cached in code/checkpoints/ (computed again
+when a setting below changes, or with --refit).
 Every figure is computed here; the "handout" column is the reference the handout prints.
+
+Settings of the codec itself live in the library, because 03_streaming.py reads the same codec:
+  kvcache.py      CODEC_GROUP (tokens per anchor group), ANCHOR_BITS, LEVEL_FACTOR and N_LEVELS (the
+                  quality levels), RECIPE_GROUP_FACTOR (the published recipe's step growth)
+  codec_study.py  MEASURE_TOL and STEP_* (the step search), CODEC_N_CALIB / CODEC_N_EVAL / CODEC_N_CODED
+                  (documents) and their seeds
+  codec_real.py   REAL_MAX_KL (the real model's quality budget), REAL_CONTEXT / REAL_CONTINUATION
+The settings at the top of this file are the measurements' own.
 """
 from __future__ import annotations
 
@@ -36,6 +45,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import codec_real as cr  # noqa: E402
+import codec_study as cs  # noqa: E402
 import kvcache as kv  # noqa: E402
 from common.cli import Parser, figure_path, positive_float, table, write_json  # noqa: E402
 
@@ -43,7 +53,8 @@ SENSITIVITY_STEPS = (1, 2, 4, 8)  # Part 1b: coarse steps for one layer's K+V, i
 SENSITIVITY_STEP = 4.0      # Part 1b: the coarse step for K alone and V alone
 ENTROPY_LEVEL = 0           # Part 1c: the values quantized at this level's steps
 ZLIB_LEVEL = 9              # Part 2: zlib's best compression
-EX4_SAMPLES = 100_000       # exercise 4: symbols drawn from the handout's distribution
+EX4_PROBS = {0: 0.70, 1: 0.12, -1: 0.12, 2: 0.03, -2: 0.03}   # exercise 4: a distribution of quantized values
+EX4_SAMPLES = 100_000       # exercise 4: symbols drawn from EX4_PROBS
 EX3_CONTEXTS = 200          # exercise 3: contexts for the error-by-position comparison
 FP16_BYTES = 2
 
@@ -52,10 +63,11 @@ HANDOUT = {
     "delta_ratio": "2.4-2.9x (LLaMA)",         # §3.2: deltas' variance 2.4-2.9x smaller
     "entropy": "up to 53% below one global table (LLaMA)",   # §3.3
     "fp16": "512 B", "zlib": "1.08x", "6bit_acc": "no loss", "recipe": "worst accuracy",
-    "measured": "no loss; 1.66x < 8-bit, 1.28x < 6-bit",
+    "measured": "no loss; 1.66x < 8-bit, 1.28x < 6-bit", "vs_8bit": "1.66x", "vs_6bit": "1.28x",
     "coder": "a fraction of a byte", "level3": "74%",
-    "ex4_entropy": 1.40, "ex4_fixed": 3,
+    "ex4_entropy": "1.40", "ex4_fixed": "3",
 }
+HANDOUT_EX4_PROBS = {0: 0.70, 1: 0.12, -1: 0.12, 2: 0.03, -2: 0.03}   # the distribution of exercise 4
 KV_NAMES = ("K", "V")
 
 
@@ -83,7 +95,7 @@ def layer_sensitivity(model, X, ev, rms, kv_steps, one_step):
                 for k in kinds:
                     step = np.float32(s * rms[layer, k])
                     Xq[:, :, layer, k] = np.rint(X[:, :, layer, k] / step) * step
-                out[(layer, name, s)] = kv.answer_accuracy(model, Xq, *ev)["acc"]
+                out[(layer, name, s)] = cs.answer_accuracy(model, Xq, *ev)["acc"]
     return out
 
 
@@ -193,13 +205,12 @@ def exercise3(spec_delta, Xe, n):
 
 
 def compute(args):
-    torch.set_num_threads(1)        # tiny batches: one thread is faster, and the machine is shared
-    world = kv.record_world()
+    world = cs.record_world()
     model = world["model"]
-    study = kv.record_codec_study(retrain=args.refit)
-    calib = world["docs"](kv.CODEC_N_CALIB, kv.CODEC_CALIB_SEED)
-    ev = world["docs"](kv.CODEC_N_EVAL, kv.CODEC_EVAL_SEED)
-    Xc, Xe = kv.context_kv(model, calib[0]), kv.context_kv(model, ev[0])
+    study = cs.record_codec_study(refit=args.refit)
+    calib = world["docs"](cs.CODEC_N_CALIB, cs.CODEC_CALIB_SEED)
+    ev = world["docs"](cs.CODEC_N_EVAL, cs.CODEC_EVAL_SEED)
+    Xc, Xe = cs.context_kv(model, calib[0]), cs.context_kv(model, ev[0])
     T = Xe.shape[1]
     specs = [kv.spec_from_dict(d) for d in study["specs"]]
     rms = kv.kv_rms(Xc)
@@ -209,10 +220,10 @@ def compute(args):
     r["sensitivity"] = layer_sensitivity(model, Xe, ev[1:], rms, r["sens_steps"], args.sensitivity_step)
     raw_spec = kv.fit_codec(Xc, specs[ENTROPY_LEVEL].steps, False)
     r["entropy"] = grouping_entropy(kv.quantize(Xc, raw_spec), kv.quantize(Xe, raw_spec))
-    r["baselines"] = baseline_rows(Xc, Xe, lambda X: kv.answer_accuracy(model, X, *ev[1:])["acc"])
-    r["coder_one"], r["coder_many"] = coder_check(specs[0], Xe, kv.CODEC_N_CODED)
+    r["baselines"] = baseline_rows(Xc, Xe, lambda X: cs.answer_accuracy(model, X, *ev[1:])["acc"])
+    r["coder_one"], r["coder_many"] = coder_check(specs[0], Xe, cs.CODEC_N_CODED)
     r["ex3"] = exercise3(kv.fit_codec(Xc, specs[0].steps, True), Xe, EX3_CONTEXTS)
-    r["ex4"] = kv.exercise4(EX4_SAMPLES)
+    r["ex4"] = exercise4()
     return r
 
 
@@ -220,9 +231,8 @@ def compute(args):
 def codec_rows(r):
     """Every codec of Part 2 and the levels: (name, bytes/token, accuracy, handout)."""
     s = r["study"]
-    rows = [(name, b, a, HANDOUT.get({"FP16": "fp16", "zlib on FP16": "zlib"}.get(name, ""), ""))
-            for name, (b, a) in r["baselines"].items()]
-    rows[3] = rows[3][:3] + (HANDOUT["6bit_acc"],)
+    refs = {"FP16": HANDOUT["fp16"], "zlib on FP16": HANDOUT["zlib"], "6-bit": HANDOUT["6bit_acc"]}
+    rows = [(name, b, a, refs.get(name, "")) for name, (b, a) in r["baselines"].items()]
     rows.append(("recipe (anchor+delta, finer shallow)", s["recipe"]["bytes_per_token"], s["recipe"]["accuracy"],
                  HANDOUT["recipe"]))
     for v in ("delta", "raw"):
@@ -233,20 +243,14 @@ def codec_rows(r):
     return rows
 
 
-def report(r, args):
+def print_part1(r, args):
     s = r["study"]
     L = len(s["rms"])
-    print(f"Record-world model: {s['n_calib']} calibration documents (seed {kv.CODEC_CALIB_SEED}), {s['n_eval']} "
-          f"evaluation documents (seed {kv.CODEC_EVAL_SEED}), {r['tokens']} context tokens each, "
-          f"{r['values_per_token']} K/V values per token.\n")
-
-    # Part 1a
     d = r["delta_ratio"]
     rows = [[f"layer {l} {KV_NAMES[k]}", f"{d['anchor'][l, k]:.2f}x", f"{d['previous'][l, k]:.2f}x",
              HANDOUT["delta_ratio"] if l == 0 and k == 0 else ""] for l in range(L) for k in range(2)]
     print(table(["", "raw/delta var (anchor)", "raw/delta var (previous)", "CacheGen"], rows,
                 "Part 1a. Token locality: variance of raw values over variance of deltas (>1: deltas are smaller)"))
-    # Part 1b
     sens, a = r["sensitivity"], args.sensitivity_step
     rows = [[f"layer {l}", *(f"{100 * sens[(l, 'K+V', x)]:.1f}%" for x in r["sens_steps"]),
              f"{100 * sens[(l, 'K', a)]:.1f}%", f"{100 * sens[(l, 'V', a)]:.1f}%",
@@ -257,37 +261,45 @@ def report(r, args):
                 f"Part 1b. Layer sensitivity: one layer rounded to steps of @ x its RMS, the rest exact (FP16: "
                 f"{100 * s['acc_fp16']:.2f}%); last column: the coarsest steps (x RMS) the search kept.\n"
                 f"CacheGen: shallow layers are the most sensitive."))
-    # Part 1c
-    ent = r["entropy"]
-    g0 = ent["one global table"]
-    rows = [[name, f"{b:.3f}", f"{100 * (1 - b / g0):+.1f}%" if name != "one global table" else ""] for name, b in ent.items()]
     print()
-    print(table(["tables", "bits/value", "smaller than global"], rows,
-                f"Part 1c. Entropy of the values quantized at level {ENTROPY_LEVEL}'s steps, tables fitted on calibration "
-                f"contexts, measured on evaluation contexts. CacheGen: {HANDOUT['entropy']}; by token position hardly helps."))
+    print_entropy(r["entropy"], f"Part 1c. Entropy of the values quantized at level {ENTROPY_LEVEL}'s steps, tables "
+                  f"fitted on calibration contexts, measured on evaluation contexts. CacheGen: {HANDOUT['entropy']}; "
+                  f"by token position hardly helps.")
 
-    # Part 2
+
+def print_entropy(ent, title):
+    g0 = ent["one global table"]
+    rows = [[name, f"{b:.3f}", f"{100 * (1 - b / g0):+.1f}%" if name != "one global table" else ""]
+            for name, b in ent.items()]
+    print(table(["tables", "bits/value", "smaller than global"], rows, title))
+
+
+def print_part2(r):
+    s = r["study"]
     fp16_b, acc16 = r["baselines"]["FP16"]
     rows = [[name, f"{b:.1f}", f"{fp16_b / b:.2f}x", f"{100 * a:.2f}%", h] for name, b, a, h in codec_rows(r)]
     print()
     print(table(["codec", "bytes/token", "ratio to FP16", "accuracy", "handout"], rows,
                 "Part 2. The codec table (accuracy on unseen records; the arithmetic-coded rows count every byte of "
-                f"the bitstream, header included, on {kv.CODEC_N_CODED} coded contexts)"))
+                f"the bitstream, header included, on {cs.CODEC_N_CODED} coded contexts)"))
     m = s["variants"]["delta" if s["delta"] else "raw"]
     b8, b6 = r["baselines"]["8-bit"][0], r["baselines"]["6-bit"][0]
-    print(f"Measured codec: {b8 / m['bytes_per_token']:.2f}x smaller than 8-bit (handout 1.66x), "
-          f"{b6 / m['bytes_per_token']:.2f}x smaller than 6-bit (handout 1.28x), accuracy "
+    per_token = {k: s["calib_bits"][k] / 8 / s["n_calib"] / r["tokens"] for k in ("delta", "raw")}
+    print(f"Measured codec: {b8 / m['bytes_per_token']:.2f}x smaller than 8-bit (handout {HANDOUT['vs_8bit']}), "
+          f"{b6 / m['bytes_per_token']:.2f}x smaller than 6-bit (handout {HANDOUT['vs_6bit']}), accuracy "
           f"{100 * (m['accuracy'] - acc16):+.2f} points vs FP16. Mode chosen on calibration bits: "
-          f"{'anchor+delta' if s['delta'] else 'no deltas'} (calibration: {s['calib_bits']['delta'] / 8 / s['n_calib'] / r['tokens']:.1f} "
-          f"vs {s['calib_bits']['raw'] / 8 / s['n_calib'] / r['tokens']:.1f} B/token with / without deltas). "
+          f"{'anchor+delta' if s['delta'] else 'no deltas'} (calibration: {per_token['delta']:.1f} "
+          f"vs {per_token['raw']:.1f} B/token with / without deltas). "
           f"Recipe: steps / RMS by layer {', '.join(f'{x[0]:.3g}' for x in s['recipe']['steps_over_rms'])}, "
           f"sized to the measured codec's bytes.")
 
-    # Part 3
+
+def print_part3(r):
     one, many = r["coder_one"], r["coder_many"]
     print()
-    rows = [["one whole context, one stream", f"{one['symbols']:,}", f"{one['ideal_bytes']:.2f}", f"{one['actual_bytes']:,}",
-             f"{one['actual_bytes'] - one['ideal_bytes']:+.2f}", str(one["roundtrip_exact"]), HANDOUT["coder"]],
+    rows = [["one whole context, one stream", f"{one['symbols']:,}", f"{one['ideal_bytes']:.2f}",
+             f"{one['actual_bytes']:,}", f"{one['actual_bytes'] - one['ideal_bytes']:+.2f}",
+             str(one["roundtrip_exact"]), HANDOUT["coder"]],
             [f"{many['contexts']} contexts, codec bitstreams", f"{many['symbols']:,}", f"{many['ideal_bytes']:.1f}",
              f"{many['bytes']:,}", f"{many['bytes'] - many['ideal_bytes']:+.1f}", str(many["roundtrip_exact"]),
              "(headers, per-group streams)"]]
@@ -296,15 +308,18 @@ def report(r, args):
     print(f"Coder throughput (pure Python, this run): encode {many['encode_sym_per_s']:,.0f} symbols/s, "
           f"decode {many['decode_sym_per_s']:,.0f} symbols/s. Lossless: the loss is only in quantization.")
 
-    # Levels
+
+def print_levels(r):
+    fp16_b = r["baselines"]["FP16"][0]
     print()
     rows = [[f"level {lv['level']}", f"{kv.LEVEL_FACTOR ** lv['level']:g}x", f"{lv['bytes_per_token']:.1f}",
              f"{lv['bits_per_value']:.2f}", f"{fp16_b / lv['bytes_per_token']:.2f}x", f"{100 * lv['accuracy']:.2f}%",
-             HANDOUT["level3"] if lv["level"] == 3 else ""] for lv in s["levels"]]
+             HANDOUT["level3"] if lv["level"] == 3 else ""] for lv in r["study"]["levels"]]
     print(table(["level (for 03)", "steps", "bytes/token", "bits/value", "ratio to FP16", "accuracy", "handout"], rows,
-                "Quality levels of the measured codec (kvcache.codec_levels(), read by 03_streaming.py)"))
+                "Quality levels of the measured codec (codec_study.codec_levels(), read by 03_streaming.py)"))
 
-    # Exercises
+
+def print_exercise3(r):
     e3 = r["ex3"]
     print(f"\nExercise 3. The {e3['groups']} groups of a context decode one at a time, last first, each from its own "
           f"bytes: equal to the full decode = {e3['alone_equal']}. One byte flipped in group {e3['damaged_group']}'s "
@@ -312,11 +327,34 @@ def report(r, args):
           f"token, position p needs all p tokens before it (serial), and errors add up along the chain:")
     rows = [[p, f"{a:.3f}", f"{c:.3f}"] for p, a, c in e3["error_by_position"]]
     print(table(["position in group", "|error|/step, anchor", "|error|/step, previous-token chain"], rows))
-    e4 = r["ex4"]
-    print(f"\nExercise 4. Entropy of {{0: 0.7, +-1: 0.12, +-2: 0.03}} = {e4['entropy_bits']:.3f} bits (handout "
-          f"{HANDOUT['ex4_entropy']:.2f}); the coder spends {e4['coded_bits_per_symbol']:.3f} bits/value on "
+
+
+def exercise4() -> dict:
+    """Exercise 4 on EX4_PROBS: entropy, the coder's bits per value on EX4_SAMPLES samples, the fixed code."""
+    return kv.exercise4(EX4_PROBS, EX4_SAMPLES)
+
+
+def print_exercise4(e4):
+    same = EX4_PROBS == HANDOUT_EX4_PROBS
+    probs = ", ".join(f"{v:+d}: {p:g}" if v else f"0: {p:g}" for v, p in sorted(EX4_PROBS.items(), key=lambda vp: -vp[1]))
+    print(f"\nExercise 4. Entropy of {{{probs}}} = {e4['entropy_bits']:.3f} bits (handout "
+          f"{HANDOUT['ex4_entropy'] if same else '-'}); the coder spends {e4['coded_bits_per_symbol']:.3f} bits/value on "
           f"{EX4_SAMPLES:,} samples (ideal under its table {e4['ideal_bits_per_symbol']:.3f}); a fixed-length code needs "
-          f"{e4['fixed_bits']} bits (handout {HANDOUT['ex4_fixed']}); round trip exact: {e4['roundtrip_exact']}.")
+          f"{e4['fixed_bits']} bits (handout {HANDOUT['ex4_fixed'] if same else '-'}); round trip exact: "
+          f"{e4['roundtrip_exact']}.")
+
+
+def report(r, args):
+    s = r["study"]
+    print(f"Record-world model: {s['n_calib']} calibration documents (seed {cs.CODEC_CALIB_SEED}), {s['n_eval']} "
+          f"evaluation documents (seed {cs.CODEC_EVAL_SEED}), {r['tokens']} context tokens each, "
+          f"{r['values_per_token']} K/V values per token.\n")
+    print_part1(r, args)
+    print_part2(r)
+    print_part3(r)
+    print_levels(r)
+    print_exercise3(r)
+    print_exercise4(r["ex4"])
 
 
 def figures(r):
@@ -401,7 +439,6 @@ REAL_ENTROPY_STEP = 0.25    # Part 1c on the real model: values quantized at thi
 def compute_real(args):
     """SmolLM2: the measured codec (codec_real: step search under a KL budget, cached), the baselines
     and the recipe at the same size, all on the evaluation prose."""
-    torch.set_num_threads(1)
     prose = cr.Prose(args.gguf)
     study = cr.real_codec_study(args.gguf, refit=args.refit, prose=prose)
     Xc, Xe = prose.Xc, prose.Xe
@@ -426,19 +463,17 @@ def report_real(r):
     d, L = r["delta_ratio"], r["L"]
     print(f"\n{r['info']['name']} ({L} layers, {r['C'] // 64} KV heads x 64): {r['n_calib']} calibration and "
           f"{r['n_eval']} evaluation paragraphs of the project's own prose, {r['tokens']} context tokens each.\n")
-    thirds = np.array_split(np.arange(L), 3)
+    group = kv.layer_groups(L)
+    thirds = [np.flatnonzero(group == i) for i in range(3)]
     rows = [[f"layers {g[0]}-{g[-1]} {KV_NAMES[k]}", f"{d['anchor'][g, k].mean():.2f}x",
              f"{d['anchor'][g, k].min():.2f}-{d['anchor'][g, k].max():.2f}x", f"{d['previous'][g, k].mean():.2f}x",
              f"{d['previous'][g, k].min():.2f}-{d['previous'][g, k].max():.2f}x", HANDOUT["delta_ratio"] if i == k == 0 else ""]
             for i, g in enumerate(thirds) for k in range(2)]
     print(table(["", "anchor: mean", "range", "previous: mean", "range", "CacheGen"], rows,
                 "Part 1a (real model). Variance of raw values over variance of deltas, by thirds of the layers (>1: deltas smaller)"))
-    ent = r["entropy"]
-    g0 = ent["one global table"]
     print()
-    print(table(["tables", "bits/value", "smaller than global"],
-                [[n, f"{b:.3f}", f"{100 * (1 - b / g0):+.1f}%" if n != "one global table" else ""] for n, b in ent.items()],
-                f"Part 1c (real model). Entropy at steps of {REAL_ENTROPY_STEP:g} x RMS, tables fitted on calibration prose"))
+    print_entropy(r["entropy"], f"Part 1c (real model). Entropy at steps of {REAL_ENTROPY_STEP:g} x RMS, tables fitted "
+                                f"on calibration prose")
     fp16_b = r["rows"]["FP16"][0]
     rows = [[n, f"{b:,.0f}", f"{fp16_b / b:.2f}x", f"{q['nll']:.4f}", f"{q['kl']:.4f}",
              f"{100 * q['agree']:.1f}%"] for n, (b, q) in r["rows"].items()]
@@ -468,7 +503,7 @@ def to_json_real(r):
     return out
 
 
-def main():
+def parse(argv):
     p = Parser(__doc__)
     p.add_argument("--sensitivity-step", type=positive_float, default=SENSITIVITY_STEP,
                    help="Part 1b: coarse step, in units of a layer's RMS")
@@ -476,7 +511,12 @@ def main():
     p.add_argument("--model", choices=["record", "smollm2"], default="record",
                    help="record: the record-world model (every part); smollm2: Parts 1a, 1c and 2 on SmolLM2-135M")
     p.add_argument("--gguf", metavar="PATH", help="with --model smollm2: another LLaMA GGUF file")
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse(argv)
+    torch.set_num_threads(1)        # tiny batches: one thread is faster, and the machine is shared
     if args.model == "smollm2":
         from common.gguf_llama import smollm2_or_explain
         args.gguf = smollm2_or_explain(args.gguf)

@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import codec_real as cr  # noqa: E402
-import kvcache as kv  # noqa: E402
+import codec_study as kv  # noqa: E402
 import streaming as st  # noqa: E402
 from common import timemodel as tm  # noqa: E402
 from common.cli import Parser, fail, figure_path, positive_float, positive_int, table, write_json  # noqa: E402

@@ -39,6 +39,7 @@ import torch  # noqa: E402
 import blend_world as bw  # noqa: E402
 from common import timemodel as tm  # noqa: E402
 from common.checkpoints import TrainingFailed  # noqa: E402
+from common.llama import kl_divergence  # noqa: E402
 from common.cli import (Parser, fail, figure_path, fraction, nonneg_float, positive_float, positive_int,  # noqa: E402
                         table, write_json)
 
@@ -50,8 +51,9 @@ CHUNK_LEN = 5                             # odd: the records whose values sit at
 RATIO = 0.20                              # CacheBlend's recompute ratio r
 N_DOCS = 1000                             # held-out documents (x 12 questions; 2,000 on split records)
 TOP_SHARE = 0.15                          # "the top 15% of tokens hold ... of the deviation"
-CURVE_RATIOS = [0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8, 1.0]
-CURVE_CHUNK_LENS = [3, 5]
+CURVE_RATIOS = [0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8, 1.0]   # the curve also gets r (--ratio)
+CURVE_CHUNK_LENS = [3, 5]                 # the curve's chunk lengths (the one of Part 2 is precomputed once)
+RECOVER = 0.99                            # "the lowest ratio recovering 99% of split records"
 # ---- Part 4 (§5.4): RAG with 6 chunks x 512 tokens + a 32-token question on A40
 RAG_CHUNKS, RAG_CHUNK_TOKENS, RAG_QUESTION = 6, 512, 32
 GPU = "A40"
@@ -65,36 +67,55 @@ DEVICES = {  # storage device -> read bandwidth, bytes/s
     # a SATA SSD: the SATA III link is 6 Gb/s, about 0.55 GB/s of data after 8b/10b coding
     "SATA SSD": ("shared", 0.55e9),
 }
-PAPER_CONTEXT = 4096                      # CacheBlend's per-layer example: 4K context
+PAPER_CONTEXT, PAPER_RATIO, PAPER_DEVICE = 4096, 0.15, "NVMe SSD"   # CacheBlend's per-layer example
 # ---- Part 5: the real model (blend_real.py)
 REAL_ITEMS = 4                            # RAG items (of 8): ~40 s each on 2 cores
 REAL_RATIO = 0.15                         # CacheBlend's default recompute ratio
 # ---- exercise 8 (§10): the controller's inputs
 EX8_LAYERS, EX8_READ_MS, EX8_PREFILL_MS = 32, 10.0, 20.0
 
-# The handout's figures, printed beside ours (reference only; nothing is computed from them)
+# The handout's figures, printed beside ours (reference only; nothing is computed from them), and the
+# inputs they hold for: a figure is printed only when the run's inputs are these, "-" otherwise
 HANDOUT = {
     "city_ce_full": 0.6940, "city_ce_reuse": 0.6941, "city_kl": 0.00003,
     "split_acc_full": 1.0, "split_acc_reuse": 0.088, "unsplit_acc_reuse": "unaffected",
     "split_acc_blend20": 0.994, "split_acc_random20": 0.21,
     "top15_deviation_share": 0.98, "adjacent_layer_rank_corr": "0.88-0.93", "layer0_pick_coverage": 0.99,
     "chunk3_blend20": 0.81, "train": "12,000 steps, ~6 min, drop near step 5,000",
-    "7b_recompute15_ms": 3, "7b_nvme_ms": 16, "70b_recompute15_ms": 7, "70b_nvme_ms": 4,
-    "llama70b_nvme_vs_recompute": 4.6, "ttft_speedup": "2.2-3.3x",
+    "systems": {"llama-2-7b": {"nvme_vs_recompute": "~1x (NVMe almost as slow)", "recompute_ms": "~3",
+                               "load_ms": "~16"},
+                "llama-3.1-70b": {"nvme_vs_recompute": "4.6x", "recompute_ms": "~7", "load_ms": "~4"}},
+    "ttft_speedup": "2.2-3.3x",
     "ex8_ratio": 0.5, "ex8_ttft_ms": 320, "ex8_full_ms": 640,
 }
+HANDOUT_INPUTS = {
+    "city": {"chunks": 3, "chunk_len": 8},
+    "records": {"chunk_len": 5, "ratio": 0.20},
+    "top_share": {"top_share": 0.15},
+    "rag": {"gpu": "A40", "chunks": 6, "chunk_tokens": 512, "question": 32},
+    "paper": {"gpu": "A40", "context": 4096, "ratio": 0.15, "device": "NVMe SSD"},
+    "ex8": {"layers": 32, "read_ms": 10.0, "prefill_ms": 20.0, "min_ratio": 0.15},
+}
+HANDOUT_BLEND20 = {3: "chunk3_blend20", 5: "split_acc_blend20"}  # CacheBlend 20% on split records, by chunk length
 
 
 def pct(x):
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def href(x):
+def handout(key, applies: bool = True) -> str:
+    """The handout's figure as text (a share as a percentage), or "-" where the run's inputs differ."""
+    x = HANDOUT.get(key, "-") if applies else "-"
     return x if isinstance(x, str) else pct(x)
 
 
+def is_handout_setup(part: str, **inputs) -> bool:
+    """Are the inputs of this part the ones the handout's figures hold for?"""
+    return all(inputs[k] == v for k, v in HANDOUT_INPUTS[part].items())
+
+
 # ============================================================================ Part 1: the city
-def city_experiment(n_docs: int = CITY_DOCS, seed: int = 0, retrain: bool = False) -> dict:
+def city_experiment(n_docs: int, seed: int = 0, retrain: bool = False) -> dict:
     """Cross-entropy of the question's tokens (each predicted from everything before it) under full
     prefill and under full reuse of the three precomputed sentence chunks, and KL(full || reuse)."""
     from common.city import city_model
@@ -116,7 +137,7 @@ def _city(model, lang, n_docs, seed):
     tgt = q[:, 1:, None]
     return {"city_ce_full": float(-lp_full.gather(-1, tgt).mean()),
             "city_ce_reuse": float(-lp_reuse.gather(-1, tgt).mean()),
-            "city_kl": float((lp_full.exp() * (lp_full - lp_reuse)).sum(-1).mean()),
+            "city_kl": float(kl_divergence(lp_full, lp_reuse).mean()),
             "city_entropy": lang.entropy_after_first_word()}
 
 
@@ -178,9 +199,10 @@ def insights(model, rec, chunk_len: int, ratio: float, seed: int, pre=None) -> d
             "chunk_initial_value_share": first_share, "deviation": dev}
 
 
-def curve(model, rec, seed: int, ratios=CURVE_RATIOS, chunk_lens=CURVE_CHUNK_LENS, pre: dict | None = None) -> dict:
+def curve(model, rec, seed: int, ratios, chunk_lens, pre: dict | None = None) -> dict:
     """Split-record accuracy against the recompute ratio, CacheBlend and random, per chunk length
-    (pre: chunk length -> its precomputed chunks, where already at hand)."""
+    (None where a chunk length splits no record; pre: chunk length -> its precomputed chunks, where
+    already at hand)."""
     out = {}
     for c in chunk_lens:
         pre_c = (pre or {}).get(c)
@@ -188,14 +210,14 @@ def curve(model, rec, seed: int, ratios=CURVE_RATIOS, chunk_lens=CURVE_CHUNK_LEN
         split = bw.split_mask(rec, c)
         for how in ("deviation", "random"):
             g = torch.Generator().manual_seed(seed + 7)
-            out[(c, how)] = [bw.accuracy(bw.answer_correct(
+            out[(c, how)] = [acc_or_none(bw.answer_correct(
                 bw.blend(model, rec, c, r, select=how, generator=g, pre=pre_c), rec), split) for r in ratios]
     return out
 
 
-def lowest_ratio(accs, target: float):
-    """The smallest ratio of CURVE_RATIOS whose accuracy reaches target (None if none does)."""
-    return next((r for r, acc in zip(CURVE_RATIOS, accs) if acc >= target), None)
+def lowest_ratio(ratios, accs, target: float):
+    """The smallest ratio whose accuracy reaches target (None if none does)."""
+    return next((r for r, acc in zip(ratios, accs) if acc is not None and acc >= target), None)
 
 
 # ============================================================================ Part 4: timing
@@ -210,7 +232,7 @@ def pipelined_ttft(n_layers: int, load_s: float, recompute_s: float, extra_s: fl
     return n_layers * max(load_s, recompute_s) + extra_s
 
 
-def exercise8(layers=EX8_LAYERS, read_ms=EX8_READ_MS, prefill_ms=EX8_PREFILL_MS, min_ratio=MIN_RATIO) -> dict:
+def exercise8(layers: int, read_ms: float, prefill_ms: float, min_ratio: float = MIN_RATIO) -> dict:
     r = controller_ratio(read_ms, prefill_ms, min_ratio)
     return {"ex8_ratio": r, "ex8_ttft_ms": pipelined_ttft(layers, read_ms, r * prefill_ms),
             "ex8_full_ms": layers * prefill_ms}
@@ -218,33 +240,35 @@ def exercise8(layers=EX8_LAYERS, read_ms=EX8_READ_MS, prefill_ms=EX8_PREFILL_MS,
 
 def load_time(model, n_tokens: int, device: str, n_gpus: int) -> float:
     """Seconds to read one layer's KV for n_tokens from `device`."""
-    how, bw_ = DEVICES[device]
+    how, bandwidth = DEVICES[device]
     m = tm.get_model(model)
     nbytes = tm.kv_bytes_per_token(m) / m.n_layers * n_tokens
-    return nbytes / (bw_ * (n_gpus if how == "per_gpu" else 1))
+    return nbytes / (bandwidth * (n_gpus if how == "per_gpu" else 1))
 
 
-def timing(min_ratio: float = MIN_RATIO) -> dict:
+def timing(min_ratio: float) -> dict:
+    """Per system of SYSTEMS: one layer's full and floor-ratio recompute, and per device of DEVICES the
+    load, the controller's ratio, the pipelined TTFT; CacheBlend's per-layer paper point."""
     n_ctx = RAG_CHUNKS * RAG_CHUNK_TOKENS
     out = {}
     for model, n_gpus in SYSTEMS:
         m = tm.get_model(model)
         full_layer = tm.recompute_time(model, GPU, n_ctx, 1.0, n_gpus) / m.n_layers
-        r15_layer = tm.recompute_time(model, GPU, n_ctx, MIN_RATIO, n_gpus) / m.n_layers
+        floor_layer = tm.recompute_time(model, GPU, n_ctx, min_ratio, n_gpus) / m.n_layers
         question = tm.prefill_time(model, GPU, RAG_QUESTION, n_ctx, n_gpus)
         prefill = tm.prefill_time(model, GPU, n_ctx + RAG_QUESTION, 0, n_gpus)
         rows = {}
-        for dev in DEVICES:
-            load = load_time(model, n_ctx, dev, n_gpus)
+        for device in DEVICES:
+            load = load_time(model, n_ctx, device, n_gpus)
             r = controller_ratio(load, full_layer, min_ratio)
-            rec = tm.recompute_time(model, GPU, n_ctx, r, n_gpus) / m.n_layers
-            ttft = pipelined_ttft(m.n_layers, load, rec, question)
-            rows[dev] = {"load_ms": 1e3 * load, "ratio": r, "recompute_ms": 1e3 * rec, "ttft_s": ttft,
-                         "speedup": prefill / ttft, "load_vs_full": full_layer / load}
-        paper = {"recompute15_ms": 1e3 * tm.recompute_time(model, GPU, PAPER_CONTEXT, 0.15, n_gpus) / m.n_layers,
-                 "nvme_ms": 1e3 * load_time(model, PAPER_CONTEXT, "NVMe SSD", n_gpus)}
+            recompute = tm.recompute_time(model, GPU, n_ctx, r, n_gpus) / m.n_layers
+            ttft = pipelined_ttft(m.n_layers, load, recompute, question)
+            rows[device] = {"load_ms": 1e3 * load, "ratio": r, "recompute_ms": 1e3 * recompute, "ttft_s": ttft,
+                            "speedup": prefill / ttft, "load_vs_full": full_layer / load}
+        paper = {"recompute_ms": 1e3 * tm.recompute_time(model, GPU, PAPER_CONTEXT, PAPER_RATIO, n_gpus) / m.n_layers,
+                 "load_ms": 1e3 * load_time(model, PAPER_CONTEXT, PAPER_DEVICE, n_gpus)}
         out[model] = {"n_gpus": n_gpus, "tag": m.tag, "full_layer_ms": 1e3 * full_layer,
-                      "r15_layer_ms": 1e3 * r15_layer, "prefill_s": prefill, "devices": rows, "paper": paper}
+                      "floor_layer_ms": 1e3 * floor_layer, "prefill_s": prefill, "devices": rows, "paper": paper}
     return out
 
 
@@ -264,14 +288,14 @@ def real_model_part(a) -> dict:
     res["model_name"], res["n_layers"] = Path(info["path"]).stem, L
     try:  # the toy model's figures beside the real one's (the cached record-world model, 200 documents)
         toy, _ = bw.record_model()
-        ins = insights(toy, bw.heldout(200), CHUNK_LEN, RATIO, 0)
-        res["toy"] = {"top15": ins["top15_deviation_share"], "corr": ins["adjacent_layer_rank_corr"]}
+        found = insights(toy, bw.heldout(200), CHUNK_LEN, RATIO, 0)
+        res["toy"] = {"top15": found["top15_deviation_share"], "corr": found["adjacent_layer_rank_corr"]}
     except TrainingFailed:
         res["toy"] = None
     return res
 
 
-def report_real(res: dict, ratio: float) -> dict:
+def print_real(res: dict, ratio: float) -> None:
     items, names = res["items"], res["names"]
     it0 = items[0]
     print(table(["method", "KL first answer token", "KL first answer tokens", "same greedy answer"],
@@ -308,29 +332,234 @@ def report_real(res: dict, ratio: float) -> dict:
         title=f"Part 5. Measured time to first token, median of {len(items)} items, {res['threads']} threads "
               f"(torch.set_num_threads), the same run; KL blend {res['kl_first'][names[2]]:.4f} vs full reuse "
               f"{res['kl_first'][names[1]]:.4f}"))
+
+
+def real_json(res: dict) -> dict:
+    names, corr = res["names"], res["corr"]
+    speed = res["ttft_speedup"]
     return {"real_ttft_speedup": speed, "real_kl_reuse": res["kl_first"][names[1]],
             "real_kl_blend15": res["kl_first"][names[2]], "real_kl_random15": res["kl_first"][names[3]],
             "real_kl_answer": res["kl_answer"], "real_same_answer": res["same_answer"],
             "real_ttft_full_s": res["t_full"], "real_ttft_blend_s": res["t_blend"], "real_threads": res["threads"],
-            "real_items": len(items), "real_top15_deviation_share": res["top15"],
+            "real_items": len(res["items"]), "real_top15_deviation_share": res["top15"],
             "real_top15_per_layer": res["top15_per_layer"], "real_adjacent_layer_rank_corr": corr,
-            "real_answers": [r["text"] for r in items]}
+            "real_answers": [r["text"] for r in res["items"]]}
+
+
+# ============================================================================ the four parts: compute
+def part1() -> dict:
+    return city_experiment(CITY_DOCS)
+
+
+def record_model_or_exit(a):
+    try:
+        return bw.record_model(a.retrain, a.seed, locality=a.locality)
+    except TrainingFailed as e:
+        print(f"\n!!! {e}\n", file=sys.stderr)
+        sys.exit(1)
+
+
+def part2(model, a) -> dict:
+    """The four prefills on held-out records; exercise 6 when the chunk length splits no record."""
+    rec = bw.heldout(a.docs)
+    pre = bw.precompute_chunks(model, rec.doc, a.chunk_len)   # the chunks, precomputed once for Parts 2-3
+    res = record_experiment(model, rec, a.chunk_len, a.ratio, a.seed, pre)
+    out = {"rec": rec, "pre": pre, "methods": res, "split_ids": bw.split_records(a.chunk_len),
+           "n_split": int(bw.split_mask(rec, a.chunk_len).sum()), "reuse_equals_full": None}
+    if not out["split_ids"]:
+        slots = bw.answer_slots(bw.N_RECORDS)
+        out["reuse_equals_full"] = bool((bw.full_reuse(model, rec, a.chunk_len, pre)[:, slots].argmax(-1)
+                                         == bw.full_prefill(model, rec)[:, slots].argmax(-1)).all())
+    return out
+
+
+def part3(model, p2, a) -> dict:
+    """The insights at the run's chunk length, and the compute-quality curve (CURVE_RATIOS and r)."""
+    ratios = sorted(set(CURVE_RATIOS) | {a.ratio})
+    accuracy_curve = curve(model, p2["rec"], a.seed, ratios, CURVE_CHUNK_LENS, pre={a.chunk_len: p2["pre"]})
+    return {"insights": insights(model, p2["rec"], a.chunk_len, a.ratio, a.seed, p2["pre"]), "curve": accuracy_curve,
+            "ratios": ratios, "elsewhere": bw.doc_attention_elsewhere(model, p2["rec"]),
+            "blend_at_ratio": {c: accuracy_curve[(c, "deviation")][ratios.index(a.ratio)] for c in CURVE_CHUNK_LENS}}
+
+
+def part4(a) -> dict:
+    return {"timing": timing(a.min_ratio), "ex8": exercise8(a.layers, a.read_ms, a.prefill_ms, a.min_ratio)}
+
+
+# ============================================================================ the four parts: print
+def print_part1(city):
+    same = is_handout_setup("city", chunks=CITY_CHUNKS, chunk_len=CITY_CHUNK_LEN)
+    h = {k: f"{HANDOUT[k]:.{d}f}" if same else "-" for k, d in (("city_ce_full", 4), ("city_ce_reuse", 4),
+                                                                ("city_kl", 5))}
+    print(table(["city language", "ours", "handout"], [
+        ["cross-entropy, full prefill (nats/token)", f"{city['city_ce_full']:.4f}", h["city_ce_full"]],
+        ["cross-entropy, full reuse (nats/token)", f"{city['city_ce_reuse']:.4f}", h["city_ce_reuse"]],
+        ["KL(full prefill || full reuse)", f"{city['city_kl']:.5f}", h["city_kl"]],
+        ["true entropy of words 2-8 (nats/token)", f"{city['city_entropy']:.4f}", "-"]],
+        title=f"Part 1. City language: {CITY_CHUNKS} chunks x {CITY_CHUNK_LEN} tokens + an "
+              f"{CITY_CHUNK_LEN}-token question, {CITY_DOCS} documents. Independent sentences: reuse loses nothing."))
+
+
+def print_record_model(meta):
+    m, loc = meta["metrics"], meta["ident"]["train"]["locality"]
+    print(f"\nrecord world model: trained {meta['ident']['train']['steps']} steps in {m['train_seconds']:.0f} s, "
+          f"accuracy crossed 50% at step {m['drop_step']} (handout: {HANDOUT['train']}); "
+          f"held-out {m['heldout_acc']:.2%} on {m['heldout_questions']} questions; locality penalty {loc}"
+          + (f" from step {m['locality_from_step']}" if loc else ""))
+
+
+def print_part2(p2, a):
+    res, split_ids = p2["methods"], p2["split_ids"]
+    chunks_as_handout = a.chunk_len == HANDOUT_INPUTS["records"]["chunk_len"]
+    as_handout = is_handout_setup("records", chunk_len=a.chunk_len, ratio=a.ratio)
+    # (method's handout key on split records, on unsplit records, whether the split figure applies)
+    refs = {"full prefill": ("split_acc_full", None, chunks_as_handout),
+            "full reuse": ("split_acc_reuse", "unsplit_acc_reuse", chunks_as_handout),
+            f"CacheBlend {a.ratio:.0%}": ("split_acc_blend20", None, as_handout),
+            f"random {a.ratio:.0%}": ("split_acc_random20", None, as_handout)}
+    rows = [[name, pct(r["split"]), pct(r["unsplit"]), handout(refs[name][0], refs[name][2]),
+             handout(refs[name][1], refs[name][1] is not None)] for name, r in res.items()]
+    n_split = p2["n_split"]
+    print()
+    print(table(["method", "split records", "unsplit records", "handout split", "handout unsplit"], rows,
+                title=f"Part 2. Record world, chunks of {a.chunk_len}: split records {split_ids} "
+                      f"(values at positions {[2 * i + 1 for i in split_ids]}); {n_split} questions on split "
+                      f"records, {p2['rec'].answers.numel() - n_split} on unsplit; chance 1/12 = 8.3%."))
+    if not split_ids:
+        print(f"exercise 6: chunk length {a.chunk_len} splits no record; full reuse answers "
+              f"{'exactly as' if p2['reuse_equals_full'] else 'NOT as'} full prefill does "
+              f"({pct(res['full reuse']['all'])} vs {pct(res['full prefill']['all'])}).")
+
+
+def print_part3(p3, a):
+    found, accuracy_curve, ratios = p3["insights"], p3["curve"], p3["ratios"]
+    as_handout = is_handout_setup("records", chunk_len=a.chunk_len, ratio=a.ratio)
+    top_as_handout = is_handout_setup("top_share", top_share=TOP_SHARE)
+    rows = [
+        ["document tokens' attention on other tokens, layers 0-3", " ".join(pct(x) for x in p3["elsewhere"]), "-"],
+        [f"top {TOP_SHARE:.0%} of tokens: share of KV deviation (layers 1-3)", pct(found["top15_deviation_share"]),
+         handout("top15_deviation_share", top_as_handout)],
+        ["  per layer 1, 2, 3", " ".join(pct(x) for x in found["top15_per_layer"]), "-"],
+        ["rank correlation of deviation, layers 1-2, 2-3", " ".join(f"{c:.2f}" for c in found["adjacent_layer_rank_corr"]),
+         handout("adjacent_layer_rank_corr")],
+        ["  layer-0 attention dev. vs layer-1 KV dev.", f"{found['layer0_attn_vs_layer1_kv_rank_corr']:.2f}", "-"],
+        [f"layer-0 picks ({a.ratio:.0%}) covering chunk-initial values", pct(found["layer0_pick_coverage"]),
+         handout("layer0_pick_coverage", as_handout)],
+        ["chunk-initial values' share of the deviation, layers 1-3",
+         " ".join(pct(x) for x in found["chunk_initial_value_share"]), "-"],
+    ]
+    rows += [[f"chunk length {c}: CacheBlend {a.ratio:.0%} on split records", pct(acc),
+              handout(HANDOUT_BLEND20.get(c), c in HANDOUT_BLEND20 and a.ratio == HANDOUT_INPUTS["records"]["ratio"])]
+             for c, acc in p3["blend_at_ratio"].items()]
+    lens = " / ".join(map(str, CURVE_CHUNK_LENS))
+    rows.append([f"lowest ratio recovering >= {RECOVER:.0%} of split records, chunk length {lens}",
+                 " / ".join(pct(lowest_ratio(ratios, accuracy_curve[(c, "deviation")], RECOVER)) for c in CURVE_CHUNK_LENS), "-"])
+    print()
+    print(table(["insight", "ours", "handout"], rows,
+                title=f"Part 3. The two insights (chunks of {a.chunk_len}; deviation = precomputed chunks' KV "
+                      f"minus full prefill's, per layer)"))
+    print()
+    print(table(["ratio"] + [f"c={c} {'blend' if h == 'deviation' else 'random'}" for c, h in accuracy_curve],
+                [[f"{r:.0%}"] + [pct(accuracy_curve[k][i]) for k in accuracy_curve] for i, r in enumerate(ratios)],
+                title="compute-quality curve: accuracy on split records"))
+
+
+def print_part4(p4, a):
+    timings = p4["timing"]
+    rag = is_handout_setup("rag", gpu=GPU, chunks=RAG_CHUNKS, chunk_tokens=RAG_CHUNK_TOKENS, question=RAG_QUESTION)
+    paper = is_handout_setup("paper", gpu=GPU, context=PAPER_CONTEXT, ratio=PAPER_RATIO, device=PAPER_DEVICE)
+    for model_name, t in timings.items():
+        rows = [["full recompute of the layer", f"{t['full_layer_ms']:.1f}", "-", "-", "-"],
+                [f"recompute {a.min_ratio:.0%}", f"{t['floor_layer_ms']:.1f}", "-", "-", "-"]]
+        rows += [[f"load from {device}", f"{r['load_ms']:.1f}", f"{r['ratio']:.0%}", f"{1e3 * r['ttft_s']:.0f}",
+                  f"{r['speedup']:.2f}x"] for device, r in t["devices"].items()]
+        print()
+        print(table(["per layer", "ms", "controller ratio", "TTFT CacheBlend (ms)", "vs full prefill"], rows,
+                    title=f"Part 4. {tm.get_model(model_name).name} ({t['tag']}) on {t['n_gpus']} x {GPU}: "
+                          f"{RAG_CHUNKS} x {RAG_CHUNK_TOKENS} tokens + {RAG_QUESTION}-token question; "
+                          f"full prefill TTFT {1e3 * t['prefill_s']:.0f} ms"))
+    rows = []
+    for model_name, t in timings.items():
+        name, h = tm.get_model(model_name).name, HANDOUT["systems"].get(model_name, {})
+        rows += [[f"{name}: full recompute / {PAPER_DEVICE} load per layer",
+                  f"{t['devices'][PAPER_DEVICE]['load_vs_full']:.3g}x", h.get("nvme_vs_recompute", "-") if rag else "-"],
+                 [f"paper point, {name}, {PAPER_CONTEXT} tokens: {PAPER_RATIO:.0%} recompute per layer (ms)",
+                  f"{t['paper']['recompute_ms']:.1f}", h.get("recompute_ms", "-") if paper else "-"],
+                 [f"paper point, {name}: {PAPER_DEVICE} read per layer (ms)", f"{t['paper']['load_ms']:.1f}",
+                  h.get("load_ms", "-") if paper else "-"]]
+    rows.append([f"TTFT speed-up over full prefill ({PAPER_DEVICE}, {' / '.join(tm.get_model(m).name for m in timings)})",
+                 " / ".join(f"{t['devices'][PAPER_DEVICE]['speedup']:.1f}x" for t in timings.values()),
+                 handout("ttft_speedup", rag)])
+    print()
+    print(table(["comparison", "ours", "handout"], rows, title=f"Part 4. Load vs recompute ({GPU}; paper points on the same GPU)"))
+    ex8 = p4["ex8"]
+    same = is_handout_setup("ex8", layers=a.layers, read_ms=a.read_ms, prefill_ms=a.prefill_ms, min_ratio=a.min_ratio)
+    print()
+    print(table(["exercise 8", "ours", "handout"], [
+        ["controller's recompute ratio", f"{ex8['ex8_ratio']:.0%}", f"{HANDOUT['ex8_ratio']:.0%}" if same else "-"],
+        ["TTFT, CacheBlend pipelined (ms)", f"{ex8['ex8_ttft_ms']:.0f}", f"~{HANDOUT['ex8_ttft_ms']}" if same else "-"],
+        ["TTFT, full prefill (ms)", f"{ex8['ex8_full_ms']:.0f}", f"{HANDOUT['ex8_full_ms']}" if same else "-"]],
+        title=f"{a.layers} layers, read {a.read_ms:g} ms/layer, prefill {a.prefill_ms:g} ms/layer, "
+              f"floor {a.min_ratio:.0%}"))
+
+
+def to_json(a, city, meta, p2, p3, p4) -> dict:
+    res, found, accuracy_curve, m = p2["methods"], p3["insights"], p3["curve"], meta["metrics"]
+    blend, rand = res[f"CacheBlend {a.ratio:.0%}"], res[f"random {a.ratio:.0%}"]
+    timings = p4["timing"]
+    return {"chunk_len": a.chunk_len, "ratio": a.ratio,
+            **{k: city[k] for k in ("city_ce_full", "city_ce_reuse", "city_kl")},
+            "split_acc_full": res["full prefill"]["split"], "split_acc_reuse": res["full reuse"]["split"],
+            "unsplit_acc_reuse": res["full reuse"]["unsplit"], "split_acc_blend20": blend["split"],
+            "split_acc_random20": rand["split"], "unsplit_acc_full": res["full prefill"]["unsplit"],
+            "train_seconds": m["train_seconds"], "drop_step": m["drop_step"], "heldout_acc": m["heldout_acc"],
+            "top15_deviation_share": found["top15_deviation_share"],
+            "adjacent_layer_rank_corr": found["adjacent_layer_rank_corr"],
+            "layer0_pick_coverage": found["layer0_pick_coverage"], "chunk3_blend20": p3["blend_at_ratio"].get(3),
+            "top15_per_layer": found["top15_per_layer"], "doc_attention_elsewhere": p3["elsewhere"],
+            "curve": {f"c{c}_{h}": v for (c, h), v in accuracy_curve.items()}, "curve_ratios": p3["ratios"],
+            **p4["ex8"],
+            "llama70b_nvme_vs_recompute": timings["llama-3.1-70b"]["devices"][PAPER_DEVICE]["load_vs_full"]
+            if "llama-3.1-70b" in timings else None,
+            "timing": timings}
+
+
+def run_record_world(a) -> dict:
+    """Parts 1-4: compute, print, draw; returns the JSON."""
+    city = part1()
+    print_part1(city)
+    model, meta = record_model_or_exit(a)
+    print_record_model(meta)
+    bw.plot_training(meta, figure_path("04_record_world_training.png"))
+    p2 = part2(model, a)
+    print_part2(p2, a)
+    p3 = part3(model, p2, a)
+    print_part3(p3, a)
+    plot_curve(p3["curve"], p3["ratios"], figure_path("04_compute_quality.png"))
+    plot_concentration(p3["insights"]["deviation"], figure_path("04_deviation_concentration.png"))
+    p4 = part4(a)
+    print_part4(p4, a)
+    plot_timing(p4["timing"], a.min_ratio, figure_path("04_load_vs_recompute.png"))
+    print(f"\nfigures: {figure_path('04_compute_quality.png')}, {figure_path('04_deviation_concentration.png')}, "
+          f"{figure_path('04_load_vs_recompute.png')}, {figure_path('04_record_world_training.png')}")
+    return to_json(a, city, meta, p2, p3, p4)
 
 
 # ============================================================================ figures
-def plot_curve(cv: dict, path) -> None:
+def plot_curve(accuracy_curve: dict, ratios, path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
     colors = {3: "tab:purple", 5: "tab:blue"}
-    for (c, how), accs in sorted(cv.items()):
-        ax.plot([100 * r for r in CURVE_RATIOS], [100 * a for a in accs], marker="o" if how == "deviation" else "x",
+    for (c, how), accs in sorted(accuracy_curve.items()):
+        ax.plot([100 * r for r in ratios], [math.nan if a is None else 100 * a for a in accs],
+                marker="o" if how == "deviation" else "x",
                 ls="-" if how == "deviation" else "--", color=colors.get(c, "gray"),
                 label=f"chunk length {c}, {'CacheBlend (deviation)' if how == 'deviation' else 'random tokens'}")
     ax.axhline(100 / 12, color="gray", ls=":", lw=1, label="chance (1/12)")
-    ax.axvline(100 * MIN_RATIO, color="gray", ls="-.", lw=0.8)
+    ax.axvline(100 * MIN_RATIO, color="gray", ls="-.", lw=0.8)   # CacheBlend's quality floor
     ax.set_xlabel("recompute ratio r (% of context tokens)")
     ax.set_ylabel("accuracy on split records (%)")
     ax.set_title("compute vs quality: recomputing the right tokens")
@@ -364,15 +593,15 @@ def plot_concentration(dev: torch.Tensor, path) -> None:
     plt.close(fig)
 
 
-def plot_timing(tim: dict, path) -> None:
+def plot_timing(timings: dict, min_ratio: float, path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(tim), figsize=(5 * len(tim), 3.8))
-    for ax, (model, t) in zip(axes, tim.items()):
-        names = ["full recompute", f"{MIN_RATIO:.0%} recompute"] + [f"load: {d}" for d in t["devices"]]
-        vals = [t["full_layer_ms"], t["r15_layer_ms"]] + [r["load_ms"] for r in t["devices"].values()]
+    fig, axes = plt.subplots(1, len(timings), figsize=(5 * len(timings), 3.8), squeeze=False)
+    for ax, (model, t) in zip(axes[0], timings.items()):
+        names = ["full recompute", f"{min_ratio:.0%} recompute"] + [f"load: {d}" for d in t["devices"]]
+        vals = [t["full_layer_ms"], t["floor_layer_ms"]] + [r["load_ms"] for r in t["devices"].values()]
         colors = ["tab:red", "tab:orange"] + ["tab:blue"] * len(t["devices"])
         ax.barh(names, vals, color=colors)
         ax.set_xscale("log")
@@ -388,7 +617,7 @@ def plot_timing(tim: dict, path) -> None:
 
 
 # ============================================================================ main
-def main():
+def parse(argv):
     p = Parser(__doc__)
     p.add_argument("--chunk-len", type=positive_int, default=CHUNK_LEN, help="record-world chunk length (tokens)")
     p.add_argument("--ratio", type=fraction, default=None,
@@ -406,165 +635,32 @@ def main():
                    help="record: Parts 1-4 (toy models, time model); smollm2: Part 5 on SmolLM2-135M")
     p.add_argument("--gguf", metavar="PATH", help="with --model smollm2: another LLaMA GGUF file")
     p.add_argument("--items", type=positive_int, default=REAL_ITEMS, help="with --model smollm2: RAG items (max 8)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.model == "smollm2":
         from common.english import RAG_ITEMS
-        from common.gguf_llama import smollm2_or_explain
         if a.items > len(RAG_ITEMS):
             fail(f"--items must be at most {len(RAG_ITEMS)} (the RAG items in common/english.py)")
+    elif a.chunk_len > bw.DOC_LEN:
+        fail(f"--chunk-len must be at most the document length ({bw.DOC_LEN})")
+    if a.ratio is None:
+        a.ratio = REAL_RATIO if a.model == "smollm2" else RATIO
+    return a
+
+
+def main(argv=None):
+    a = parse(argv)
+    if a.model == "smollm2":
+        from common.gguf_llama import smollm2_or_explain
         if smollm2_or_explain(a.gguf) is None:
             return
-        torch.set_num_threads(min(2, torch.get_num_threads()))
-        if a.ratio is None:
-            a.ratio = REAL_RATIO
-        t_start = time.time()
-        out = report_real(real_model_part(a), a.ratio)
-        print(f"({time.time() - t_start:.0f} s)")
-        write_json(a.json, out)
-        return
-    if a.ratio is None:
-        a.ratio = RATIO
-    if a.chunk_len > bw.DOC_LEN:
-        fail(f"--chunk-len must be at most the document length ({bw.DOC_LEN})")
     torch.set_num_threads(min(2, torch.get_num_threads()))
     t_start = time.time()
-    out = {"chunk_len": a.chunk_len, "ratio": a.ratio}
-
-    # ---------------------------------------------------------------- Part 1
-    city = city_experiment()
-    out.update({k: city[k] for k in ("city_ce_full", "city_ce_reuse", "city_kl")})
-    print(table(["city language", "ours", "handout"], [
-        ["cross-entropy, full prefill (nats/token)", f"{city['city_ce_full']:.4f}", f"{HANDOUT['city_ce_full']:.4f}"],
-        ["cross-entropy, full reuse (nats/token)", f"{city['city_ce_reuse']:.4f}", f"{HANDOUT['city_ce_reuse']:.4f}"],
-        ["KL(full prefill || full reuse)", f"{city['city_kl']:.5f}", f"{HANDOUT['city_kl']:.5f}"],
-        ["true entropy of words 2-8 (nats/token)", f"{city['city_entropy']:.4f}", "-"]],
-        title=f"Part 1. City language: {CITY_CHUNKS} chunks x {CITY_CHUNK_LEN} tokens + an "
-              f"{CITY_CHUNK_LEN}-token question, {CITY_DOCS} documents. Independent sentences: reuse loses nothing."))
-
-    # ---------------------------------------------------------------- Part 2
-    try:
-        model, meta = bw.record_model(a.retrain, a.seed, locality=a.locality)
-    except TrainingFailed as e:
-        print(f"\n!!! {e}\n", file=sys.stderr)
-        sys.exit(1)
-    m, loc = meta["metrics"], meta["ident"]["train"]["locality"]
-    print(f"\nrecord world model: trained {meta['ident']['train']['steps']} steps in {m['train_seconds']:.0f} s, "
-          f"accuracy crossed 50% at step {m['drop_step']} (handout: {HANDOUT['train']}); "
-          f"held-out {m['heldout_acc']:.2%} on {m['heldout_questions']} questions; locality penalty {loc}"
-          + (f" from step {m['locality_from_step']}" if loc else ""))
-    bw.plot_training(meta, figure_path("04_record_world_training.png"))
-    rec = bw.heldout(a.docs)
-    split_ids = bw.split_records(a.chunk_len)
-    pre = bw.precompute_chunks(model, rec.doc, a.chunk_len)   # the chunks, precomputed once for Parts 2-3
-    res = record_experiment(model, rec, a.chunk_len, a.ratio, a.seed, pre)
-    names = list(res)
-    hkeys = {names[0]: ("split_acc_full", "-"), names[1]: ("split_acc_reuse", "unsplit_acc_reuse"),
-             names[2]: ("split_acc_blend20", "-"), names[3]: ("split_acc_random20", "-")}
-    rows = []
-    for name in names:
-        hs, hu = hkeys[name]
-        rows.append([name, pct(res[name]["split"]), pct(res[name]["unsplit"]),
-                     href(HANDOUT.get(hs, "-")) if a.chunk_len == CHUNK_LEN and (math.isclose(a.ratio, RATIO) or name == names[1])
-                     else "-", href(HANDOUT.get(hu, "-"))])
-    n_split = int(bw.split_mask(rec, a.chunk_len).sum())
-    print()
-    print(table(["method", "split records", "unsplit records", "handout split", "handout unsplit"], rows,
-                title=f"Part 2. Record world, chunks of {a.chunk_len}: split records {split_ids} "
-                      f"(values at positions {[2 * i + 1 for i in split_ids]}); {n_split} questions on split "
-                      f"records, {rec.answers.numel() - n_split} on unsplit; chance 1/12 = 8.3%."))
-    if not split_ids:
-        same = bool((bw.full_reuse(model, rec, a.chunk_len, pre)[:, bw.answer_slots(12)].argmax(-1)
-                     == bw.full_prefill(model, rec)[:, bw.answer_slots(12)].argmax(-1)).all())
-        print(f"exercise 6: chunk length {a.chunk_len} splits no record; full reuse answers "
-              f"{'exactly as' if same else 'NOT as'} full prefill does ({pct(res[names[1]]['all'])} vs "
-              f"{pct(res[names[0]]['all'])}).")
-    out.update({"split_acc_full": res[names[0]]["split"], "split_acc_reuse": res[names[1]]["split"],
-                "unsplit_acc_reuse": res[names[1]]["unsplit"], "split_acc_blend20": res[names[2]]["split"],
-                "split_acc_random20": res[names[3]]["split"], "unsplit_acc_full": res[names[0]]["unsplit"],
-                "train_seconds": m["train_seconds"], "drop_step": m["drop_step"], "heldout_acc": m["heldout_acc"]})
-
-    # ---------------------------------------------------------------- Part 3
-    ins = insights(model, rec, a.chunk_len, a.ratio, a.seed, pre)
-    cv = curve(model, rec, a.seed, pre={a.chunk_len: pre})
-    chunk3 = cv[(3, "deviation")][CURVE_RATIOS.index(0.2)]
-    corr = ins["adjacent_layer_rank_corr"]
-    elsewhere = bw.doc_attention_elsewhere(model, rec)
-    rows = [
-        ["document tokens' attention on other tokens, layers 0-3", " ".join(pct(x) for x in elsewhere), "-"],
-        [f"top {TOP_SHARE:.0%} of tokens: share of KV deviation (layers 1-3)", pct(ins["top15_deviation_share"]),
-         pct(HANDOUT["top15_deviation_share"])],
-        ["  per layer 1, 2, 3", " ".join(pct(x) for x in ins["top15_per_layer"]), "-"],
-        ["rank correlation of deviation, layers 1-2, 2-3", " ".join(f"{c:.2f}" for c in corr),
-         HANDOUT["adjacent_layer_rank_corr"]],
-        ["  layer-0 attention dev. vs layer-1 KV dev.", f"{ins['layer0_attn_vs_layer1_kv_rank_corr']:.2f}", "-"],
-        [f"layer-0 picks ({a.ratio:.0%}) covering chunk-initial values", pct(ins["layer0_pick_coverage"]),
-         pct(HANDOUT["layer0_pick_coverage"])],
-        ["chunk-initial values' share of the deviation, layers 1-3",
-         " ".join(pct(x) for x in ins["chunk_initial_value_share"]), "-"],
-        ["chunk length 3: CacheBlend 20% on split records", pct(chunk3), pct(HANDOUT["chunk3_blend20"])],
-        ["chunk length 5: CacheBlend 20% on split records", pct(cv[(5, "deviation")][CURVE_RATIOS.index(0.2)]),
-         pct(HANDOUT["split_acc_blend20"])],
-        ["lowest ratio recovering >= 99% of split records, chunk length 3 / 5",
-         " / ".join(pct(lowest_ratio(cv[(c, "deviation")], 0.99)) for c in (3, 5)), "-"],
-    ]
-    print()
-    print(table(["insight", "ours", "handout"], rows,
-                title=f"Part 3. The two insights (chunks of {a.chunk_len}; deviation = precomputed chunks' KV "
-                      f"minus full prefill's, per layer)"))
-    print()
-    print(table(["ratio"] + [f"c={c} {'blend' if h == 'deviation' else 'random'}" for c, h in cv],
-                [[f"{r:.0%}"] + [pct(cv[k][i]) for k in cv] for i, r in enumerate(CURVE_RATIOS)],
-                title="compute-quality curve: accuracy on split records"))
-    plot_curve(cv, figure_path("04_compute_quality.png"))
-    plot_concentration(ins["deviation"], figure_path("04_deviation_concentration.png"))
-    out.update({"top15_deviation_share": ins["top15_deviation_share"], "adjacent_layer_rank_corr": corr,
-                "layer0_pick_coverage": ins["layer0_pick_coverage"], "chunk3_blend20": chunk3,
-                "top15_per_layer": ins["top15_per_layer"], "doc_attention_elsewhere": elsewhere,
-                "curve": {f"c{c}_{h}": v for (c, h), v in cv.items()}, "curve_ratios": CURVE_RATIOS})
-
-    # ---------------------------------------------------------------- Part 4
-    tim = timing(a.min_ratio)
-    for model_name, t in tim.items():
-        rows = [["full recompute of the layer", f"{t['full_layer_ms']:.1f}", "-", "-", "-"],
-                [f"recompute {MIN_RATIO:.0%}", f"{t['r15_layer_ms']:.1f}", "-", "-", "-"]]
-        for dev, r in t["devices"].items():
-            rows.append([f"load from {dev}", f"{r['load_ms']:.1f}", f"{r['ratio']:.0%}",
-                         f"{1e3 * r['ttft_s']:.0f}", f"{r['speedup']:.2f}x"])
-        print()
-        print(table(["per layer", "ms", "controller ratio", "TTFT CacheBlend (ms)", "vs full prefill"], rows,
-                    title=f"Part 4. {tm.get_model(model_name).name} ({t['tag']}) on {t['n_gpus']} x {GPU}: "
-                          f"{RAG_CHUNKS} x {RAG_CHUNK_TOKENS} tokens + {RAG_QUESTION}-token question; "
-                          f"full prefill TTFT {1e3 * t['prefill_s']:.0f} ms"))
-    s7, s70 = tim["llama-2-7b"], tim["llama-3.1-70b"]
-    nvme70 = s70["devices"]["NVMe SSD"]["load_vs_full"]
-    print()
-    print(table(["comparison", "ours", "handout"], [
-        ["LLaMA-7B: full recompute / NVMe load per layer", f"{s7['devices']['NVMe SSD']['load_vs_full']:.2f}x",
-         "~1x (NVMe almost as slow)"],
-        ["LLaMA-70B: full recompute / NVMe load per layer", f"{nvme70:.1f}x", f"{HANDOUT['llama70b_nvme_vs_recompute']}x"],
-        [f"paper point, 7B, {PAPER_CONTEXT} tokens: 15% recompute per layer (ms)", f"{s7['paper']['recompute15_ms']:.1f}",
-         f"~{HANDOUT['7b_recompute15_ms']}"],
-        ["paper point, 7B: NVMe read per layer (ms)", f"{s7['paper']['nvme_ms']:.1f}", f"~{HANDOUT['7b_nvme_ms']}"],
-        ["paper point, 70B: 15% recompute per layer (ms)", f"{s70['paper']['recompute15_ms']:.1f}",
-         f"~{HANDOUT['70b_recompute15_ms']}"],
-        ["paper point, 70B: NVMe read per layer (ms)", f"{s70['paper']['nvme_ms']:.1f}", f"~{HANDOUT['70b_nvme_ms']}"],
-        ["TTFT speed-up over full prefill (NVMe, 7B / 70B)",
-         f"{s7['devices']['NVMe SSD']['speedup']:.1f}x / {s70['devices']['NVMe SSD']['speedup']:.1f}x",
-         HANDOUT["ttft_speedup"]]], title="Part 4. Load vs recompute (A40; paper points on the same GPU)"))
-    ex8 = exercise8(a.layers, a.read_ms, a.prefill_ms, a.min_ratio)
-    print()
-    print(table(["exercise 8", "ours", "handout"], [
-        ["controller's recompute ratio", f"{ex8['ex8_ratio']:.0%}", f"{HANDOUT['ex8_ratio']:.0%}"],
-        ["TTFT, CacheBlend pipelined (ms)", f"{ex8['ex8_ttft_ms']:.0f}", f"~{HANDOUT['ex8_ttft_ms']}"],
-        ["TTFT, full prefill (ms)", f"{ex8['ex8_full_ms']:.0f}", f"{HANDOUT['ex8_full_ms']}"]],
-        title=f"{a.layers} layers, read {a.read_ms:g} ms/layer, prefill {a.prefill_ms:g} ms/layer, "
-              f"floor {a.min_ratio:.0%}"))
-    plot_timing(tim, figure_path("04_load_vs_recompute.png"))
-    out.update(ex8)
-    out["llama70b_nvme_vs_recompute"] = nvme70
-    out["timing"] = {k: {kk: vv for kk, vv in v.items()} for k, v in tim.items()}
-    print(f"\nfigures: {figure_path('04_compute_quality.png')}, {figure_path('04_deviation_concentration.png')}, "
-          f"{figure_path('04_load_vs_recompute.png')}, {figure_path('04_record_world_training.png')}")
+    if a.model == "smollm2":
+        res = real_model_part(a)
+        print_real(res, a.ratio)
+        out = real_json(res)
+    else:
+        out = run_record_world(a)
     print(f"({time.time() - t_start:.0f} s)")
     write_json(a.json, out)
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `com
 import numpy as np
 
 from common.cli import Parser, fail, figure_path, nonneg_float, positive_float, positive_int, table, write_json
-from common.timemodel import kv_bytes_per_token, prefill_time
+from common.timemodel import get_model, kv_bytes_per_token, prefill_time
 from tiers import Tier, TieredStore
 
 GB = 1e9
@@ -45,8 +45,8 @@ GPU_GB = 58.0                # H100 80 GB - 16 GB of BF16 weights - activations/
 CPU_GB = 150.0               # CPU DRAM tier. A DGX H100 has 2 TB of DRAM for 8 GPUs (256 GB each).
 #   Write-through tiers are inclusive: a CPU tier no bigger than the GPU's 58 GB adds nothing (row cpu50).
 CPU_SMALL_GB = 50.0          # the handout's CPU tier size (§6.3), kept as row cpu50
-CPU_SLOW_GBPS = 10.0         # CPU -> GPU through an extra CPU copy: memcpy-bound (= MEMCPY_GBPS, pitfall 7)
-CPU_FAST_GBPS = 50.0         # zero-copy, large DMA transfers: PCIe-bound (= PCIE_GBPS)
+CPU_SLOW_GBPS = MEMCPY_GBPS  # CPU -> GPU through an extra CPU copy: memcpy-bound (pitfall 7)
+CPU_FAST_GBPS = PCIE_GBPS    # zero-copy, large DMA transfers: PCIe-bound
 SSD_GB = 2000.0              # a 2 TB NVMe drive
 SSD_GBPS = 7.0               # PCIe Gen4 x4 NVMe sequential read, ~7 GB/s (e.g. Samsung 990 Pro: 7.45 GB/s)
 SEED = 0
@@ -63,8 +63,17 @@ DOC_CACHE_GB = 9.0           # KV room for this application (documents alone: 10
 SLIDES = [("DP-EP serving, Qwen3-235B FP8, 4 x MI300", "mean TTFT", "0.33 s", "0.80 s", "2.4x"),
           ("CPU+disk offload, LLaMA-3.1-70B, MI300X", "TTFT", "0.15 s", "1.63 s", "10.8x"),
           ("CPU+disk offload, LLaMA-3.1-70B, MI300X", "decode", "25.59 tok/s", "11.64 tok/s", "2.19x")]
-HANDOUT_RATIO = 5.0          # handout §6.3 / pitfall 7: fast vs slow CPU tier, mean TTFT 5x apart
-HANDOUT_LRU, HANDOUT_HINTED = 0.45, 0.99   # handout §7
+# The handout's figures (reference only; nothing is computed from them), and the inputs they hold for:
+# a figure is printed only when the run's inputs are these, "-" otherwise
+HANDOUT = {"handoff_gb": "about 5.2 GB", "all_kv_gb": "241 GB", "gpu_room_gb": "~58 GB",
+           "slow_vs_fast": "5x", "lru": "45%", "hinted": "99%"}
+HANDOUT_INPUTS = {
+    "handoff": {"model": "llama-3.1-70b", "tokens": 16_000},
+    "chat": {"model": "llama-3-8b", "gpu": "H100", "users": 200, "turns": 12, "turn_tokens": 768},
+    "tiers": {"rate": 10.0, "cpu_slow_gbps": 10.0, "cpu_fast_gbps": 50.0},
+    "waist": {"requests": 2000, "docs": 10, "doc_tokens": 4096, "oneshot_tokens": 8192, "oneshot_share": 0.5,
+              "cache_gb": 9.0},
+}
 
 
 # ================================================================================ Part 1
@@ -219,7 +228,7 @@ POST /v1/kv/release  {"doc_id": "manual-7"}   the application is done with it"""
 
 
 # ================================================================================ output
-def plot_ttft(results: dict, path) -> None:
+def plot_ttft(results: dict, path, model: str, gpu: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -232,7 +241,7 @@ def plot_ttft(results: dict, path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("time to first token (s)")
     ax.set_ylabel("share of requests")
-    ax.set_title("Multi-turn chat, LLaMA-3-8B on one H100: TTFT by KV storage tiers")
+    ax.set_title(f"Multi-turn chat, {get_model(model).name} on one {gpu}: TTFT by KV storage tiers")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -240,55 +249,67 @@ def plot_ttft(results: dict, path) -> None:
     plt.close(fig)
 
 
-def main(argv=None):
-    p = Parser(__doc__)
-    p.add_argument("--users", type=positive_int, default=USERS)
-    p.add_argument("--turns", type=positive_int, default=TURNS)
-    p.add_argument("--rate", type=positive_float, default=RATE, help="requests/s")
-    p.add_argument("--user-tokens", type=positive_int, default=USER_TOKENS)
-    p.add_argument("--answer-tokens", type=positive_int, default=ANSWER_TOKENS)
-    p.add_argument("--gpu-gb", type=nonneg_float, default=GPU_GB)
-    p.add_argument("--cpu-gb", type=nonneg_float, default=CPU_GB)
-    p.add_argument("--cpu-slow-gbps", type=positive_float, default=CPU_SLOW_GBPS)
-    p.add_argument("--cpu-fast-gbps", type=positive_float, default=CPU_FAST_GBPS)
-    p.add_argument("--ssd-gb", type=nonneg_float, default=SSD_GB)
-    p.add_argument("--ssd-gbps", type=positive_float, default=SSD_GBPS)
-    p.add_argument("--doc-cache-gb", type=nonneg_float, default=DOC_CACHE_GB)
-    p.add_argument("--seed", type=int, default=SEED)
-    p.add_argument("--no-plot", action="store_true", help="skip the figure")
-    a = p.parse_args(argv)
-    if a.user_tokens + a.answer_tokens > 128 * 1024 // a.turns:
-        fail(f"{a.turns} turns of {a.user_tokens + a.answer_tokens} tokens exceed a 128K context")
+# ================================================================================ the three parts
+def part1():
+    return handoff_paths(HANDOFF_MODEL, HANDOFF_TOKENS, PCIE_GBPS, MEMCPY_GBPS, NET_GBPS)
 
-    # ---- Part 1
-    h = handoff_paths()
+
+def part2(a) -> dict:
+    """Every storage configuration serving the same chat trace."""
+    trace = chat_trace(a.users, a.turns, a.rate, a.seed)
+    configs = chat_configs(a.gpu_gb, a.cpu_gb, a.cpu_slow_gbps, a.cpu_fast_gbps, a.ssd_gb, a.ssd_gbps)
+    results = {name: serve(trace, make_store(cfg), MODEL, GPU, a.user_tokens, a.answer_tokens, CHUNK)
+               for name, cfg in configs.items()}
+    return {"configs": configs, "results": results,
+            "total_gb": a.users * a.turns * (a.user_tokens + a.answer_tokens) * kv_bytes_per_token(MODEL) / GB,
+            "slow_vs_fast": results["cpu_slow"]["mean_ttft_s"] / results["cpu_fast"]["mean_ttft_s"]}
+
+
+def part3(a) -> dict:
+    """Document hit rates of one cache, blind (LRU) and told which KV will be reused."""
+    docs = doc_trace(DOC_REQUESTS, DOCS, ONESHOT_SHARE, a.seed)
+    return {hint: doc_hit_rate(docs, hint == "hinted", a.doc_cache_gb, DOC_TOKENS, ONESHOT_TOKENS, CHUNK, MODEL)
+            for hint in ("lru", "hinted")}
+
+
+def is_handout_setup(part: str, **inputs) -> bool:
+    """Are the inputs of this part the ones the handout's figures hold for?"""
+    return all(inputs[k] == v for k, v in HANDOUT_INPUTS[part].items())
+
+
+def ref(key: str, applies: bool) -> str:
+    return HANDOUT[key] if applies else "-"
+
+
+def print_part1(h):
     zero = h["paths"]["shared_pool"]["seconds"]
     rows = [[name, ", ".join(f"{what} ({link} {bw:g})" for what, link, bw in v["hops"]),
              f"{v['seconds']:.3f}", f"{v['seconds'] / zero:.1f}x"] for name, v in h["paths"].items()]
+    same = is_handout_setup("handoff", model=HANDOFF_MODEL, tokens=HANDOFF_TOKENS)
     print(table(["path", "hops (GB/s)", "seconds", "vs zero-copy"], rows,
-                f"Part 1 (§6.2): hand {HANDOFF_TOKENS:,} tokens of LLaMA-3.1-70B KV "
-                f"({h['bytes'] / GB:.2f} GB; handout: about 5.2 GB) from GPU A to GPU B"))
+                f"Part 1 (§6.2): hand {HANDOFF_TOKENS:,} tokens of {get_model(HANDOFF_MODEL).name} KV "
+                f"({h['bytes'] / GB:.2f} GB; handout: {ref('handoff_gb', same)}) from GPU A to GPU B"))
 
-    # ---- Part 2
-    trace = chat_trace(a.users, a.turns, a.rate, a.seed)
-    configs = chat_configs(a.gpu_gb, a.cpu_gb, a.cpu_slow_gbps, a.cpu_fast_gbps, a.ssd_gb, a.ssd_gbps)
-    results = {name: serve(trace, make_store(cfg), user_tokens=a.user_tokens, answer_tokens=a.answer_tokens)
-               for name, cfg in configs.items()}
-    total_gb = a.users * a.turns * (a.user_tokens + a.answer_tokens) * kv_bytes_per_token(MODEL) / GB
+
+def print_part2(p2, a):
     rows = []
-    for name, r in results.items():
-        tiers = configs[name]["tiers"]
+    for name, r in p2["results"].items():
+        tiers = p2["configs"][name]["tiers"]
         per = [f"{t[0]} {x:.0%}" for t, x in zip(tiers, r["hit_rate_per_tier"])]
         rows.append([name, " + ".join(f"{t[0]} {t[1]:g}" + (f" @{t[2]:g}" if t[2] else "") for t in tiers),
                      ", ".join(per), f"{r['hit_rate']:.0%}", f"{r['mean_ttft_s']:.3f}",
                      f"{r['p50_ttft_s']:.3f}", f"{r['p99_ttft_s']:.3f}",
                      f"{r['recompute_share']:.0%}", f"{r['busy_share']:.0%}"])
+    chat = is_handout_setup("chat", model=MODEL, gpu=GPU, users=a.users, turns=a.turns,
+                            turn_tokens=a.user_tokens + a.answer_tokens)
+    tiers = chat and is_handout_setup("tiers", rate=a.rate, cpu_slow_gbps=a.cpu_slow_gbps, cpu_fast_gbps=a.cpu_fast_gbps)
     print()
     print(table(["config", "tiers GB @GB/s", "token hits per tier", "hits", "mean TTFT s", "p50 s", "p99 s",
                  "recompute", "GPU busy"], rows,
                 f"Part 2 (§6.3): {a.users} users x {a.turns} turns ({a.user_tokens} + {a.answer_tokens} tokens "
-                f"a turn), {a.rate:g} req/s, LLaMA-3-8B on one H100; all histories {total_gb:.1f} GB of KV "
-                f"(handout: 241 GB), GPU room {a.gpu_gb:g} GB (handout: ~58 GB)"))
+                f"a turn), {a.rate:g} req/s, {get_model(MODEL).name} on one {GPU}; all histories "
+                f"{p2['total_gb']:.1f} GB of KV (handout: {ref('all_kv_gb', chat)}), GPU room {a.gpu_gb:g} GB "
+                f"(handout: {ref('gpu_room_gb', chat)})"))
     print("  hits = share of history tokens found cached; recompute = share of the GPU's busy time spent "
           "recomputing history; GPU busy = (load + prefill) / run time. Decode is not simulated.")
     if CPU_SMALL_GB <= a.gpu_gb:
@@ -297,40 +318,74 @@ def main(argv=None):
     else:
         print(f"  cpu50: a {CPU_SMALL_GB:g} GB CPU tier is bigger than the GPU's room ({a.gpu_gb:g} GB) here, so it "
               "keeps some chunks the GPU evicted and can hit.")
-    ratio = results["cpu_slow"]["mean_ttft_s"] / results["cpu_fast"]["mean_ttft_s"]
-    print(f"  cpu_slow / cpu_fast mean TTFT: {ratio:.1f}x (handout: {HANDOUT_RATIO:g}x, pitfall 7)   "
-          f"gpu_only / cpu_ssd: {results['gpu_only']['mean_ttft_s'] / results['cpu_ssd']['mean_ttft_s']:.0f}x")
+    res = p2["results"]
+    print(f"  cpu_slow / cpu_fast mean TTFT: {p2['slow_vs_fast']:.1f}x (handout: {ref('slow_vs_fast', tiers)}, "
+          f"pitfall 7)   gpu_only / cpu_ssd: {res['gpu_only']['mean_ttft_s'] / res['cpu_ssd']['mean_ttft_s']:.0f}x")
     print(table(["slides' LMCache benchmark", "metric", "LMCache", "engine's own offload", "ratio"],
                 [list(s) for s in SLIDES], "  for reference (handout §6.3, not simulated here):"))
-    if not a.no_plot:
-        path = figure_path("05_ttft_cdf.png")
-        plot_ttft(results, path)
-        print(f"  figure: {path}")
 
-    # ---- Part 3
-    docs = doc_trace(seed=a.seed)
-    lru = doc_hit_rate(docs, hinted=False, cache_gb=a.doc_cache_gb)
-    hinted = doc_hit_rate(docs, hinted=True, cache_gb=a.doc_cache_gb)
+
+def print_part3(hits, a):
+    same = is_handout_setup("waist", requests=DOC_REQUESTS, docs=DOCS, doc_tokens=DOC_TOKENS,
+                            oneshot_tokens=ONESHOT_TOKENS, oneshot_share=ONESHOT_SHARE, cache_gb=a.doc_cache_gb)
     print()
     print(table(["policy", "document hit rate", "handout"],
-                [["LRU (sees only tokens)", f"{lru:.0%}", f"{HANDOUT_LRU:.0%}"],
-                 ['hinted ("will be reused")', f"{hinted:.0%}", f"{HANDOUT_HINTED:.0%}"]],
+                [["LRU (sees only tokens)", f"{hits['lru']:.0%}", ref("lru", same)],
+                 ['hinted ("will be reused")', f"{hits['hinted']:.0%}", ref("hinted", same)]],
                 f"Part 3 (§7): {DOC_REQUESTS} requests, {1 - ONESHOT_SHARE:.0%} on {DOCS} documents of "
                 f"{DOC_TOKENS} tokens, {ONESHOT_SHARE:.0%} one-shot prompts of {ONESHOT_TOKENS} tokens; "
                 f"cache {a.doc_cache_gb:g} GB"))
     print("  what the hint needs an API to carry (exercise 10):")
     print("\n".join("    " + line for line in HINT_API_EXAMPLE.splitlines()))
 
-    write_json(a.json, {
+
+def to_json(h, p2, hits) -> dict:
+    return {
         "handoff_s": {k: v["seconds"] for k, v in h["paths"].items()},
         "configs": {name: {"hit_rate": r["hit_rate"], "hit_rate_per_tier": r["hit_rate_per_tier"],
                            "mean_ttft_s": r["mean_ttft_s"], "p50_ttft_s": r["p50_ttft_s"],
                            "p99_ttft_s": r["p99_ttft_s"], "recompute_share": r["recompute_share"]}
-                    for name, r in results.items()},
-        "cpu_fast_vs_slow_ttft_ratio": ratio,
-        "lru_doc_hit_rate": lru,
-        "hinted_doc_hit_rate": hinted,
-    })
+                    for name, r in p2["results"].items()},
+        "cpu_fast_vs_slow_ttft_ratio": p2["slow_vs_fast"],
+        "lru_doc_hit_rate": hits["lru"],
+        "hinted_doc_hit_rate": hits["hinted"],
+    }
+
+
+def parse(argv):
+    p = Parser(__doc__)
+    p.add_argument("--users", type=positive_int, default=USERS, help="chat users")
+    p.add_argument("--turns", type=positive_int, default=TURNS, help="turns per user")
+    p.add_argument("--rate", type=positive_float, default=RATE, help="requests/s")
+    p.add_argument("--user-tokens", type=positive_int, default=USER_TOKENS, help="new tokens a user sends a turn")
+    p.add_argument("--answer-tokens", type=positive_int, default=ANSWER_TOKENS, help="tokens answered a turn")
+    p.add_argument("--gpu-gb", type=nonneg_float, default=GPU_GB, help="GPU memory left for KV, GB")
+    p.add_argument("--cpu-gb", type=nonneg_float, default=CPU_GB, help="CPU DRAM tier, GB")
+    p.add_argument("--cpu-slow-gbps", type=positive_float, default=CPU_SLOW_GBPS,
+                   help="CPU tier read through an extra CPU copy, GB/s")
+    p.add_argument("--cpu-fast-gbps", type=positive_float, default=CPU_FAST_GBPS, help="zero-copy CPU tier read, GB/s")
+    p.add_argument("--ssd-gb", type=nonneg_float, default=SSD_GB, help="SSD tier, GB")
+    p.add_argument("--ssd-gbps", type=positive_float, default=SSD_GBPS, help="SSD tier read, GB/s")
+    p.add_argument("--doc-cache-gb", type=nonneg_float, default=DOC_CACHE_GB, help="Part 3: the KV cache, GB")
+    p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument("--no-plot", action="store_true", help="skip the figure")
+    a = p.parse_args(argv)
+    if a.user_tokens + a.answer_tokens > 128 * 1024 // a.turns:
+        fail(f"{a.turns} turns of {a.user_tokens + a.answer_tokens} tokens exceed a 128K context")
+    return a
+
+
+def main(argv=None):
+    a = parse(argv)
+    h, p2, hits = part1(), part2(a), part3(a)
+    print_part1(h)
+    print_part2(p2, a)
+    if not a.no_plot:
+        path = figure_path("05_ttft_cdf.png")
+        plot_ttft(p2["results"], path, MODEL, GPU)
+        print(f"  figure: {path}")
+    print_part3(hits, a)
+    write_json(a.json, to_json(h, p2, hits))
 
 
 if __name__ == "__main__":

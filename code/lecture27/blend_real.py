@@ -1,4 +1,4 @@
-"""CacheBlend on a real pretrained LLaMA: SmolLM2-135M-Instruct on RAG inputs (handout §5, issue 8).
+"""CacheBlend on a real pretrained LLaMA: SmolLM2-135M-Instruct on RAG inputs (handout §5).
 
 The same functions as the record world (blend_world.py: precompute_chunks, blend, kv_deviation),
 driven with a RAG input instead of a Records batch:
@@ -23,7 +23,7 @@ greedy answer, of the first KL_TOKENS answer tokens; greedy answers; the KV devi
 in memory. The question is used at its natural length (not padded to 32 tokens; it is < 1% of the
 3,100 tokens, so this changes the TTFT ratio by < 1%); the lengths are reported.
 
-    cd code && python lecture27/blend_real.py        # prints a short summary (04 prints the tables)
+    python code/lecture27/04_cacheblend.py --model smollm2    # runs it and prints the tables (Part 5)
 """
 from __future__ import annotations
 
@@ -39,10 +39,8 @@ import torch  # noqa: E402
 
 import blend_world as bw  # noqa: E402
 from common.english import RAG_ITEMS, RagInput, rag_chunks  # noqa: E402
-from kvcache import shift_kv  # noqa: E402
+from common.llama import kl_divergence, shift_kv  # noqa: E402
 
-RATIO = 0.15          # CacheBlend's default recompute ratio (and the controller's floor)
-N_ITEMS = 4           # RAG items (of 8) measured: ~45 s each on 2 cores
 ANSWER_TOKENS = 20    # greedy answer length
 KL_TOKENS = 8         # answer tokens over which the KL is also averaged (teacher-forced)
 SEED = 0
@@ -94,11 +92,6 @@ def answer_logprobs(model, logits: torch.Tensor, cache, answer: list[int]) -> to
     return torch.cat(rows).log_softmax(-1)
 
 
-def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
-    """KL(p || q) per row, in nats."""
-    return (p_log.exp() * (p_log - q_log)).sum(-1)
-
-
 # ------------------------------------------------------------------------------------ one item
 def _timed(fn):
     t = time.perf_counter()
@@ -107,7 +100,7 @@ def _timed(fn):
 
 
 @torch.no_grad()
-def run_item(model, rd: RagDoc, ratio: float = RATIO, seed: int = SEED, answer_tokens: int = ANSWER_TOKENS,
+def run_item(model, rd: RagDoc, ratio: float, seed: int = SEED, answer_tokens: int = ANSWER_TOKENS,
              kl_tokens: int = KL_TOKENS, eos: int | None = None) -> dict:
     """The four prefills of one RAG input: KLs to full prefill, greedy answers, deviation, timings."""
     N = rd.doc.shape[1]
@@ -128,8 +121,8 @@ def run_item(model, rd: RagDoc, ratio: float = RATIO, seed: int = SEED, answer_t
     answers = {name: greedy(model, lgt, cache, answer_tokens, eos) for name, (lgt, cache) in first.items()}
     ref = answers["full prefill"][:kl_tokens]
     lp = {name: answer_logprobs(model, lgt, cache, ref) for name, (lgt, cache) in first.items()}
-    out = {"kl_first": {n: float(kl(lp["full prefill"][0], v[0])) for n, v in lp.items()},
-           "kl_answer": {n: float(kl(lp["full prefill"], v).mean()) for n, v in lp.items()},
+    out = {"kl_first": {n: float(kl_divergence(lp["full prefill"][0], v[0])) for n, v in lp.items()},
+           "kl_answer": {n: float(kl_divergence(lp["full prefill"], v).mean()) for n, v in lp.items()},
            "answers": answers,
            "deviation": bw.kv_deviation(model, rd, rd.chunks, pre, full_cache)[:, 0],  # (L, N)
            "n_context": N, "n_question": rd.question.shape[1],
@@ -137,7 +130,7 @@ def run_item(model, rd: RagDoc, ratio: float = RATIO, seed: int = SEED, answer_t
     return out
 
 
-def real_experiment(model, tok, n_items: int = N_ITEMS, ratio: float = RATIO, seed: int = SEED,
+def real_experiment(model, tok, n_items: int, ratio: float, seed: int = SEED,
                     n_chunks: int | None = None, chunk_tokens: int | None = None, progress: bool = True) -> dict:
     """run_item on the first n_items RAG items (english.RAG_ITEMS); per-item results and summaries.
     TTFT: median over the items of full prefill and of CacheBlend (shift_kv + blend), measured in

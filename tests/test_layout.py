@@ -1,0 +1,54 @@
+"""Dependencies flow one way: code/common <- code/lecture27 library modules <- numbered scripts; no two
+modules import each other (directly or around a circle); the codec needs only numpy."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "code"
+MODULES = {p.stem: p for p in [*ROOT.glob("common/*.py"), *ROOT.glob("lecture27/*.py")] if p.stem != "__init__"}
+
+
+def imports(path: Path) -> set[str]:
+    """Every module of code/ that `path` imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            module = ("common." if path.parent.name == "common" else "") + node.module if node.level else node.module
+            names = [module] + [f"{module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            stem = name.removeprefix("common.")
+            if stem in MODULES and (name.startswith("common.") == (MODULES[stem].parent.name == "common")):
+                found.add(stem)
+    return found - {path.stem}
+
+
+GRAPH = {name: imports(path) for name, path in MODULES.items()}
+
+
+def test_no_import_circle():
+    def visit(name, stack):
+        assert name not in stack, f"import circle: {' -> '.join(stack + [name])}"
+        for dep in GRAPH[name]:
+            visit(dep, stack + [name])
+
+    for name in GRAPH:
+        visit(name, [])
+
+
+def test_dependencies_flow_one_way():
+    for name, deps in GRAPH.items():
+        layer = 0 if MODULES[name].parent.name == "common" else 2 if name[:2].isdigit() or name == "run_all" else 1
+        for dep in deps:
+            dep_layer = 0 if MODULES[dep].parent.name == "common" else 2 if dep[:2].isdigit() else 1
+            assert dep_layer < layer or (dep_layer == layer == 1) or (dep_layer == layer == 0), (name, dep)
+            assert dep_layer != 2, f"{name} imports the script {dep}"
+
+
+def test_the_codec_needs_only_numpy():
+    tree = ast.parse(MODULES["kvcache"].read_text())
+    top = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    top |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert "torch" not in top and GRAPH["kvcache"] == set()

@@ -1,0 +1,221 @@
+"""A student answers an exercise by changing a constant at the top of a script (or the library setting
+its docstring names). Each test makes that edit (monkeypatch, small sizes), runs the script or the part
+the constant drives, and checks that the figure moves the way the lecture says, and that the handout
+column goes blank ("-") once the inputs are no longer the handout's."""
+import importlib
+import json
+
+import numpy as np
+import pytest
+
+
+def script(name):
+    return importlib.import_module(name)
+
+
+def run(mod, tmp_path, capsys, *argv):
+    """mod.main(argv) with --json; -> (printed text, JSON)."""
+    path = tmp_path / "out.json"
+    mod.main([*argv, "--json", str(path)])
+    return capsys.readouterr().out, json.loads(path.read_text())
+
+
+def line_with(text, start):
+    return next(ln for ln in text.splitlines() if ln.strip().startswith(start))
+
+
+# ------------------------------------------------------------------------------------ 01
+@pytest.fixture
+def ledger01():
+    return script("01_kv_ledger")
+
+
+def test_01_context_scales_the_kv_and_blanks_the_handout(ledger01, tmp_path, capsys, monkeypatch):
+    _, base = run(ledger01, tmp_path, capsys, "--no-plot")
+    monkeypatch.setattr(ledger01, "CONTEXT", 64 * 1024)            # exercise 1 with a 64K context
+    out, edited = run(ledger01, tmp_path, capsys, "--no-plot")
+    assert edited["ex1_context_gb"] == pytest.approx(2 * base["ex1_context_gb"], rel=1e-12)
+    assert line_with(out, "KV of 65,536 tokens").split()[-1] == "-"
+
+
+def test_01_compression_lowers_the_threshold(ledger01, tmp_path, capsys, monkeypatch):
+    _, base = run(ledger01, tmp_path, capsys, "--no-plot")
+    monkeypatch.setattr(ledger01, "COMPRESSION", 6.0)               # exercise 2: twice the compression
+    out, edited = run(ledger01, tmp_path, capsys, "--no-plot")
+    assert edited["ex2_threshold_gbit_per_s"] == pytest.approx(base["ex2_threshold_gbit_per_s"] / 2, rel=1e-12)
+    assert line_with(out, "break-even bandwidth (compressed)").split()[-1] == "-"
+
+
+def test_01_day_throughput_and_hit_rate(ledger01, tmp_path, capsys, monkeypatch):
+    _, base = run(ledger01, tmp_path, capsys, "--no-plot")
+    monkeypatch.setattr(ledger01, "DAY_TOKENS_PER_S", 2 * ledger01.DAY_TOKENS_PER_S)
+    monkeypatch.setattr(ledger01, "HIT_RATE", 0.20)                 # twice the hits save twice the GPU time
+    out, edited = run(ledger01, tmp_path, capsys, "--no-plot")
+    assert edited["gpu_day_tb"] == pytest.approx(2 * base["gpu_day_tb"], rel=1e-12)
+    assert edited["slides_gross_savings_musd"] == pytest.approx(2 * base["slides_gross_savings_musd"], rel=1e-12)
+    assert line_with(out, "KV per day (decimal TB)").split()[-1] == "-"
+    assert line_with(out, "reading 1 (§1.3)").split()[-1] == "-"
+
+
+# ------------------------------------------------------------------------------------ 02
+def test_02_exercise4_distribution(monkeypatch, capsys):
+    mod = script("02_cachegen_codec")
+    monkeypatch.setattr(mod, "EX4_PROBS", {0: 0.25, 1: 0.25, -1: 0.25, 2: 0.25})
+    monkeypatch.setattr(mod, "EX4_SAMPLES", 4000)
+    e4 = mod.exercise4()
+    mod.print_exercise4(e4)
+    out = capsys.readouterr().out
+    assert e4["entropy_bits"] == pytest.approx(2.0, abs=1e-12) and e4["fixed_bits"] == 2
+    assert "{0: 0.25, +1: 0.25, -1: 0.25, +2: 0.25}" in out
+    assert "(handout -)" in out and "handout 1.40" not in out
+
+
+def test_02_codec_group_is_read_where_the_codec_is_fitted(monkeypatch):
+    import kvcache as kv
+    rng = np.random.default_rng(0)
+    X = np.cumsum(rng.normal(size=(4, 30, 2, 2, 8)), axis=1).astype(np.float32)
+    steps = np.full((2, 2), 0.5)
+    monkeypatch.setattr(kv, "CODEC_GROUP", 5)
+    spec = kv.fit_codec(X, steps, True)
+    h = kv.codec_header(kv.codec_encode(X[0], spec))
+    assert spec.group == 5 and len(h["group_bytes"]) == 6          # 30 tokens in groups of 5
+    mod = script("02_cachegen_codec")
+    anchors = mod.delta_variance_ratios(X, kv.CODEC_GROUP)["anchor"]
+    assert anchors.shape == (2, 2) and np.all(anchors > 1)          # a random walk: deltas are smaller
+
+
+def test_02_level_factor_spaces_the_levels(monkeypatch):
+    import kvcache as kv
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(3, 20, 2, 2, 8)).astype(np.float32)
+    steps = np.full((2, 2), 0.25)
+    monkeypatch.setattr(kv, "LEVEL_FACTOR", 2.0)
+    monkeypatch.setattr(kv, "N_LEVELS", 3)
+    specs, _, _ = kv.level_specs(X, steps)
+    assert len(specs) == 3
+    for i, s in enumerate(specs):
+        assert np.allclose(s.steps, steps * 2.0 ** i)
+    bits = [kv.codec_bits(s, X) for s in specs]
+    assert bits[0] > bits[1] > bits[2]                               # coarser levels code in fewer bits
+
+
+def test_02_a_library_edit_refits_the_cached_study(monkeypatch):
+    """Editing a codec setting changes the cache key, so the study is fitted again (not read stale)."""
+    import codec_study as cs
+    import kvcache as kv
+    keys = []
+    monkeypatch.setattr(cs, "cached_study", lambda name, ident, compute, refit=False: keys.append(ident) or {})
+    cs.record_codec_study()
+    monkeypatch.setattr(kv, "CODEC_GROUP", 5)
+    monkeypatch.setattr(kv, "LEVEL_FACTOR", 2.0)
+    monkeypatch.setattr(cs, "CODEC_N_CALIB", 500)
+    cs.record_codec_study()
+    assert keys[0] != keys[1]
+    assert keys[1]["group"] == 5 and keys[1]["levels"][0] == 2.0 and keys[1]["docs"][0] == 500
+
+
+def test_02_sensitivity_coarser_steps_cost_accuracy():
+    """Part 1b (--sensitivity-step): a layer rounded to 8 x its RMS answers worse than at 1/4 x RMS."""
+    import codec_study as cs
+    import kvcache as kv
+    world = cs.record_world()
+    ctx, q, ans, slots = world["docs"](150, 5)
+    X = cs.context_kv(world["model"], ctx)
+    mod = script("02_cachegen_codec")
+    sens = mod.layer_sensitivity(world["model"], X, (q, ans, slots), kv.kv_rms(X), [0.25, 8.0], 8.0)
+    L = X.shape[2]
+    assert all(sens[(layer, "K+V", 8.0)] <= sens[(layer, "K+V", 0.25)] for layer in range(L))
+    assert min(sens[(layer, "K+V", 8.0)] for layer in range(L)) < min(sens[(layer, "K+V", 0.25)] for layer in range(L))
+
+
+# ------------------------------------------------------------------------------------ 04
+def test_04_runs_with_other_curve_ratio_and_chunk_len(tmp_path, capsys, monkeypatch):
+    """The issue's edit: CURVE_RATIOS = [0.0, 0.1, 0.3, 1.0], CURVE_CHUNK_LENS = [4, 5]; with RATIO 0.1
+    and CHUNK_LEN 6 (exercise 6) in the same run, and small sizes."""
+    mod = script("04_cacheblend")
+    for name, value in (("CURVE_RATIOS", [0.0, 0.1, 0.3, 1.0]), ("CURVE_CHUNK_LENS", [4, 5]), ("RATIO", 0.1),
+                        ("CHUNK_LEN", 6), ("N_DOCS", 60), ("CITY_DOCS", 100)):
+        monkeypatch.setattr(mod, name, value)
+    out, res = run(mod, tmp_path, capsys)
+    assert res["ratio"] == 0.1 and res["chunk_len"] == 6 and res["curve_ratios"] == [0.0, 0.1, 0.3, 1.0]
+    assert set(res["curve"]) == {"c4_deviation", "c4_random", "c5_deviation", "c5_random"}
+    assert all(x is None for x in res["curve"]["c4_deviation"])   # chunks of 4 split no record
+    c5 = res["curve"]["c5_deviation"]
+    assert c5[0] <= 0.5 and c5[-1] >= 0.95                          # full reuse loses split records; r = 1 recovers
+    assert res["chunk3_blend20"] is None
+    assert "exercise 6: chunk length 6 splits no record" in out
+    assert res["unsplit_acc_reuse"] >= 0.95
+    assert line_with(out, "CacheBlend 10%").split()[-2:] == ["-", "-"]   # the handout's r was 20%
+    assert line_with(out, "chunk length 4: CacheBlend 10%").split()[-1] == "-"
+
+
+def test_04_min_ratio_and_exercise8_inputs(capsys, monkeypatch):
+    mod = script("04_cacheblend")
+    monkeypatch.setattr(mod, "MIN_RATIO", 0.6)
+    a = mod.parse([])
+    p4 = mod.part4(a)
+    mod.print_part4(p4, a)
+    out = capsys.readouterr().out
+    assert p4["ex8"]["ex8_ratio"] == 0.6 and p4["ex8"]["ex8_ttft_ms"] == pytest.approx(32 * 12.0)
+    assert all(d["ratio"] >= 0.6 for t in p4["timing"].values() for d in t["devices"].values())
+    assert "recompute 60%" in out and "recompute 15%" not in out
+    assert line_with(out, "controller's recompute ratio").split()[-1] == "-"
+    monkeypatch.setattr(mod, "MIN_RATIO", 0.15)
+    monkeypatch.setattr(mod, "EX8_READ_MS", 5.0)                    # a faster read hides less recompute
+    a = mod.parse([])
+    ex8 = mod.part4(a)["ex8"]
+    assert ex8["ex8_ratio"] == 0.25 and ex8["ex8_ttft_ms"] == pytest.approx(32 * 5.0)
+
+
+def test_04_min_ratio_flag_reaches_every_row(capsys):
+    """--min-ratio (not only the constant) sets the floor the rows and labels report."""
+    mod = script("04_cacheblend")
+    base = mod.part4(mod.parse([]))["timing"]
+    a = mod.parse(["--min-ratio", "0.3"])
+    p4 = mod.part4(a)
+    mod.print_part4(p4, a)
+    out = capsys.readouterr().out
+    assert "recompute 30%" in out
+    for model, t in p4["timing"].items():
+        assert t["floor_layer_ms"] > base[model]["floor_layer_ms"]
+
+
+def test_04_systems_and_paper_point(capsys, monkeypatch):
+    mod = script("04_cacheblend")
+    monkeypatch.setattr(mod, "SYSTEMS", [("llama-3.1-8b", 1)])
+    monkeypatch.setattr(mod, "PAPER_CONTEXT", 8192)
+    a = mod.parse([])
+    p4 = mod.part4(a)
+    mod.print_part4(p4, a)
+    out = capsys.readouterr().out
+    assert list(p4["timing"]) == ["llama-3.1-8b"]
+    assert line_with(out, "paper point, LLaMA-3.1-8B, 8192 tokens").split()[-1] == "-"
+
+
+# ------------------------------------------------------------------------------------ 05
+@pytest.fixture
+def tiers05():
+    return script("05_tiered_storage")
+
+
+def test_05_more_documents_than_the_cache_holds(tiers05, tmp_path, capsys, monkeypatch):
+    _, base = run(tiers05, tmp_path, capsys, "--no-plot", "--users", "20")
+    monkeypatch.setattr(tiers05, "DOCS", 20)                        # 20 x 4096 tokens x 128 KiB > 9 GB
+    out, edited = run(tiers05, tmp_path, capsys, "--no-plot", "--users", "20")
+    assert edited["hinted_doc_hit_rate"] < base["hinted_doc_hit_rate"]
+    assert line_with(out, "LRU (sees only tokens)").split()[-1] == "-"
+    assert line_with(out, 'hinted ("will be reused")').split()[-1] == "-"
+
+
+def test_05_slower_cpu_tier_and_another_model(tiers05, tmp_path, capsys, monkeypatch):
+    _, base = run(tiers05, tmp_path, capsys, "--no-plot")
+    monkeypatch.setattr(tiers05, "CPU_SLOW_GBPS", 5.0)              # an even slower copy path (pitfall 7)
+    out, edited = run(tiers05, tmp_path, capsys, "--no-plot")
+    assert edited["configs"]["cpu_slow"]["mean_ttft_s"] > base["configs"]["cpu_slow"]["mean_ttft_s"]
+    assert edited["cpu_fast_vs_slow_ttft_ratio"] > base["cpu_fast_vs_slow_ttft_ratio"]
+    assert "(handout: -, pitfall 7)" in out
+    monkeypatch.setattr(tiers05, "MODEL", "llama-3.1-8b")
+    monkeypatch.setattr(tiers05, "HANDOFF_MODEL", "llama-3.1-8b")
+    out, _ = run(tiers05, tmp_path, capsys, "--no-plot", "--users", "20")
+    assert "LLaMA-3.1-8B on one H100" in out and "LLaMA-3-8B" not in out
+    assert "tokens of LLaMA-3.1-8B KV" in out and "handout: -)" in out
