@@ -64,8 +64,10 @@ def test_blend_trace_recomputes_nested_sets(model, rec):
         assert all(set(y.tolist()) <= set(x.tolist()) for x, y in zip(a, b))
     # layer 0's picks are the largest attention deviations; the first chunk never deviates
     assert torch.equal(tr.attn_dev0[:, :5], torch.zeros(len(rec.tokens), 5))
-    top = tr.attn_dev0.topk(6, 1).indices.sort(1).values
-    assert torch.equal(top, tr.recomputed[0])
+    # the six picked hold the largest deviations: none left out deviates more than any picked one
+    picked = torch.zeros_like(tr.attn_dev0, dtype=torch.bool).scatter(1, tr.recomputed[0], True)
+    for row, p in zip(tr.attn_dev0, picked):
+        assert int(p.sum()) == 6 and float(row[p].min()) >= float(row[~p].max()) and float(row[p].min()) > 0
 
 
 def test_random_selection_uses_the_same_counts(model, rec):
@@ -164,7 +166,11 @@ def test_trained_model_concentrates_kv_deviation():
     firsts = [2 * i + 1 for i in bw.split_records(5)]
     assert float(dev[1][:, firsts].sum() / dev[1].sum()) >= 0.9
     assert max(bw.doc_attention_elsewhere(model, rec)[1:]) <= 0.05
-    assert meta["metrics"]["locality_from_step"] == meta["metrics"]["drop_step"]
+    # the penalty came on at the first evaluation at >= 50% held-out accuracy, after a plateau below it
+    evals = meta["metrics"]["history"]["evals"]
+    first = next(e["step"] for e in evals if e["acc"] >= 0.5)
+    assert meta["metrics"]["locality_from_step"] == first > 0
+    assert all(e["acc"] < 0.5 for e in evals if e["step"] < first)
 
 
 def test_spearman_hand_worked():
