@@ -54,10 +54,23 @@ def atomic_save(obj, path: Path) -> None:
             os.remove(tmp)
 
 
+def plain(x):
+    """x with numpy arrays and scalars turned into lists and Python numbers, tuples into lists: the
+    plain data a cached result is stored as (and what a later run loads back)."""
+    if isinstance(x, dict):
+        return {k: plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [plain(v) for v in x]
+    if hasattr(x, "tolist"):  # numpy arrays and scalars, tensors
+        return x.tolist()
+    return x
+
+
 def cached_result(name: str, ident: dict, compute: Callable[[], dict], refit: bool = False,
-                  tag: str = "cache") -> dict:
-    """A computed result (JSON-able dict) cached like a checkpoint: file <name>-<hash of ident>.pt.
-    A stored file whose identity differs, or that fails to load, is recomputed with a message."""
+                  tag: str = "cache", flag: str = "--refit") -> dict:
+    """A computed result (a dict of plain data) cached like a checkpoint: file <name>-<hash of ident>.pt.
+    A stored file whose identity differs, or that fails to load, is recomputed with a message; a
+    loaded one says so in one line, with the script flag (`flag`) that computes it again."""
     ident = json.loads(json.dumps({"format": FORMAT, **ident}, default=str))
     path = checkpoint_dir() / f"{name}-{cache_key(ident)}.pt"
     if path.exists() and not refit:
@@ -65,11 +78,14 @@ def cached_result(name: str, ident: dict, compute: Callable[[], dict], refit: bo
             blob = torch.load(path, weights_only=True)
             if blob["ident"] != ident:
                 raise ValueError("stored identity differs")
-            return blob["result"]
+            result = blob["result"]
+            print(f"[{tag}] {name}: loaded from {path.name} (computed in {result['compute_seconds']:.0f} s; "
+                  f"{flag} computes it again)")
+            return result
         except Exception as e:  # a broken or foreign file is never used silently
             print(f"[{tag}] {path.name} is unusable ({type(e).__name__}: {e}); recomputing")
     t0 = time.time()
-    result = compute()
+    result = plain(compute())
     result["compute_seconds"] = time.time() - t0
     atomic_save({"ident": ident, "result": result}, path)
     print(f"[{tag}] computed {name} in {result['compute_seconds']:.0f} s -> {path}")
