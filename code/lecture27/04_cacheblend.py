@@ -198,12 +198,7 @@ def record_experiment(model, rec, chunk_len: int, ratio: float, seed: int, pre=N
 
 
 # ============================================================================ Part 3: insights
-def top_share(dev: torch.Tensor, frac: float) -> float:
-    """Mean over rows of the share of the row's total held by its top ceil(frac N) entries."""
-    k = math.ceil(frac * dev.shape[1] - 1e-9)
-    tot = dev.sum(1)
-    ok = tot > 0
-    return float((dev.sort(1, descending=True).values[:, :k].sum(1)[ok] / tot[ok]).mean())
+top_share = bw.top_share  # insight 1's measure lives with the record world (its seed sweep uses it)
 
 
 @torch.no_grad()
@@ -489,7 +484,7 @@ def print_part1(city):
 def print_record_model(meta):
     m, loc = meta["metrics"], meta["ident"]["train"]["locality"]
     print()
-    say(f"record world model: trained {meta['ident']['train']['steps']} steps in {m['train_seconds']:.0f} s, "
+    say(f"record world model: trained {m['steps']} steps in {m['train_seconds']:.0f} s, "
           f"accuracy crossed 50% at step {m['drop_step']} (handout: {HANDOUT['train']}); "
           f"held-out {m['heldout_acc']:.2%} on {m['heldout_questions']} questions; locality penalty {loc}"
           + (f" from step {m['locality_from_step']}" if loc else ""))
