@@ -497,11 +497,11 @@ def print_part3(rows, slo, trace, half=HALF_EFFICIENCY_TOKENS):
     late = max(rows, key=lambda r: r["overrun_s"])
     drop = first_drop(trace)
     early = drop is not None and all(r["adaptive"].ttft_s <= drop[0] for r in rows)
-    print(f"ours:    small batches cost: all-text TTFT {min(text):.2f}-{max(text):.2f} s across chunk sizes;\n         "
-          + (f"reacting late: worst overrun {late['overrun_s']:.2f} s with {late['chunk_tokens']:,}-token chunks"
+    print(f"ours:    small batches cost: all-text TTFT {min(text):.2f}-{max(text):.2f} s across chunk sizes;")
+    say("         " + (f"reacting late: worst overrun {late['overrun_s']:.2f} s with {late['chunk_tokens']:,}-token chunks"
              if late["overrun_s"] > 1e-9 else
              "reacting late costs nothing here: no chunk ran past its predicted finish"
-             + (f" (at every size the context is in before the drop at {drop[0]:g} s)" if early else "")))
+             + (f" (at every size the context is in before the drop at {drop[0]:g} s)" if early else "")), indent=9)
 
 
 def print_part4(traces, cells, slo, chunk_tokens, seed):
