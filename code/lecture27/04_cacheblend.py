@@ -610,7 +610,8 @@ def print_part4(p4, a):
         ["controller's recompute ratio", f"{ex8['ex8_ratio']:.0%}", f"{HANDOUT['ex8_ratio']:.0%}" if same else "-"],
         ["TTFT, CacheBlend pipelined (ms)", f"{ex8['ex8_ttft_ms']:.0f}", f"~{HANDOUT['ex8_ttft_ms']}" if same else "-"],
         ["TTFT, full prefill (ms)", f"{ex8['ex8_full_ms']:.0f}", f"{HANDOUT['ex8_full_ms']}" if same else "-"]],
-        title=f"{a.layers} layers, read {a.read_ms:g} ms/layer, prefill {a.prefill_ms:g} ms/layer, "
+        title=f"Exercise 8 (§5.4, §10): {a.layers} layers, read {a.read_ms:g} ms/layer, "
+              f"prefill {a.prefill_ms:g} ms/layer, "
               f"floor {a.min_ratio:.0%}"))
 
 
