@@ -68,7 +68,9 @@ EX9_ENGINES = 4              # inference engines (processes) on one node sharing
 EX9_IPC_US = 30.0            # one request/response over a Unix socket between processes, ~10-50 us (our assumption)
 EX9_CALLS = 2                # calls a request makes to the KV service: look up + retrieve (store is asynchronous)
 
-# the slides' table (handout §7): the LLM inference stack beside the classic computer system; reference text
+# handout §7: the inference stack's four layers (engine, data store, orchestrator, API, as the handout names
+# them) beside the classic computer system. The handout's own table was lost: the right-hand column is this
+# companion's reading of the mapping, anchored only where the handout says it (the API is a narrow waist "like IPv4")
 STACK_VS_CLASSIC = [("inference engine (vLLM, SGLang)", "processor / compute", "04 Part 4, 05 Part 2 (prefill)"),
                     ("KV cache store (LMCache)", "memory hierarchy / storage system", "05 Parts 1-2"),
                     ("orchestrator (production stack, llm-d, Dynamo)", "operating system / cluster scheduler",
@@ -434,7 +436,7 @@ def print_part3(hits, a):
     print()
     print(table(["LLM inference stack", "classic computer system", "in this lecture's code"],
                 [list(r) for r in STACK_VS_CLASSIC],
-                "§7: the inference stack beside the classic computer system (the slides' table, reference text)"))
+                "§7: the inference stack's layers (handout) beside the classic computer system (our reading; the table was lost)"))
     print("  what the hint needs an API to carry (exercise 10):")
     print("\n".join("    " + line for line in HINT_API_EXAMPLE.splitlines()))
 
