@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import blend_world as bw
+from common.checkpoints import init_weights
 from common.llama import Llama, rope, shift_kv
 
 TOL = 1e-4  # logits here are O(10): float32 rounding of two different summation orders
@@ -17,7 +18,7 @@ TOL = 1e-4  # logits here are O(10): float32 rounding of two different summation
 def untrained(seed=0):
     torch.manual_seed(seed)
     m = Llama(bw.model_config()).eval()
-    bw._init(m, torch.Generator().manual_seed(seed), bw.TRAIN["embed_std"], bw.TRAIN["linear_std"])
+    init_weights(m, torch.Generator().manual_seed(seed), bw.TRAIN["embed_std"], bw.TRAIN["linear_std"])
     return m
 
 
@@ -213,13 +214,13 @@ def test_each_attempt_starts_from_its_own_initialisation(tmp_path, monkeypatch):
     every parameter (norm gains too) reset first: the parameters each attempt starts from are exactly
     those of a fresh model initialised with that seed."""
     starts = []
-    real_init = bw._init
+    real_init = bw.init_weights
 
     def spy(model, generator, *a):
         real_init(model, generator, *a)
         starts.append({k: v.clone() for k, v in model.state_dict().items()})
     monkeypatch.setenv("L27_CHECKPOINTS", str(tmp_path))
-    monkeypatch.setattr(bw, "_init", spy)
+    monkeypatch.setattr(bw, "init_weights", spy)
     monkeypatch.setattr(bw, "TRAIN", dict(bw.TRAIN, drop_by=25, after_drop=25, attempts=2))
     with pytest.raises(bw.TrainingFailed):
         bw.record_model(seed=3)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import blend_world as bw
+from common.checkpoints import init_weights
 
 P = bw.PREFIX
 TOL = 1e-5
@@ -133,7 +134,7 @@ def ref_blend(model, doc, question, ids, sels):
 def model64():
     torch.manual_seed(0)
     m = bw.Llama(bw.model_config()).eval()
-    bw._init(m, torch.Generator().manual_seed(0), bw.TRAIN["embed_std"], bw.TRAIN["linear_std"])
+    init_weights(m, torch.Generator().manual_seed(0), bw.TRAIN["embed_std"], bw.TRAIN["linear_std"])
     return m.double()
 
 

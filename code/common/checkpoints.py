@@ -126,6 +126,18 @@ def cached_model(name: str, model_cfg: LlamaConfig, train_cfg: dict, data_versio
     return model.eval(), meta
 
 
+def init_weights(model: Llama, generator: torch.Generator, embed_std: float, linear_std: float) -> None:
+    """Every matrix drawn from N(0, std^2): embeddings at embed_std, linear layers at linear_std (the
+    usual 1/sqrt(fan_in) scale for the lecture's d = 64 models is 0.125); norm gains untouched.
+    llama.py's own N(0, 0.02) leaves every hidden state alike at the start, and these tiny models then
+    sit on a plateau for a long time: the record model for thousands of steps, the city model (for
+    about half of the seeds) for the whole run."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, embed_std if name.startswith("embed") else linear_std, generator=generator)
+
+
 def lr_at(step: int, steps: int, lr: float, warmup: int, min_lr_frac: float) -> float:
     """Linear warmup, then cosine decay to min_lr_frac * lr."""
     if step < warmup:

@@ -19,7 +19,7 @@ import random
 
 import torch
 
-from .checkpoints import cached_model, train_lm
+from .checkpoints import cached_model, init_weights, train_lm
 from .llama import LlamaConfig
 
 SENTENCE_LEN = 8
@@ -120,7 +120,10 @@ def city_config(lang: CityLanguage) -> LlamaConfig:
                        head_dim=16, d_ff=192)
 
 
-TRAIN = dict(steps=700, batch=32, n_sentences=8, lr=3e-3, warmup=50)
+# Initialised like the record model (common.checkpoints.init_weights): at llama.py's N(0, 0.02) about half
+# of the seeds stayed on a plateau 0.13-0.19 nats above the entropy for the whole run (the city facts
+# unlearned); at this scale each of seeds 0-6 ends within 0.004 nats of it (the held-out estimate's own noise).
+TRAIN = dict(steps=700, batch=32, n_sentences=8, lr=3e-3, warmup=50, embed_std=1.0, linear_std=0.125)
 SEED = 0  # training seed (a model per seed; the tests can run against another: L27_SEED, tests/conftest.py)
 
 
@@ -148,6 +151,7 @@ def city_model(retrain: bool = False, seed: int | None = None):
         return x[:, :-1], x[:, 1:], torch.ones(x.shape[0], x.shape[1] - 1)
 
     def train_fn(model):
+        init_weights(model, torch.Generator().manual_seed(seed), T["embed_std"], T["linear_std"])
         train_lm(model, batch_fn, T["steps"], T["lr"], warmup=T["warmup"], desc="city LLaMA", seed=seed)
         return {"heldout_ce": heldout_ce(model, lang), "entropy": lang.entropy_per_token()}
 

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `com
 
 import torch  # noqa: E402
 
-from common.checkpoints import TrainingFailed, cached_model, train_lm  # noqa: E402
+from common.checkpoints import TrainingFailed, cached_model, init_weights, train_lm  # noqa: E402
 from common.llama import KVCache, Llama, LlamaConfig, causal_mask, shift_kv  # noqa: E402
 
 # ------------------------------------------------------------------------------------ the world
@@ -53,8 +53,8 @@ DATA_VERSION = "records-v2"  # bump when the generator changes: the checkpoint i
 # The recipe that makes the induction head form in a few hundred steps (see train_fn):
 #  * dense signal: every document is followed by 12 questions (all its keys, shuffled), and every
 #    answer position is in the loss (12 targets per 48-token sequence, not 1);
-#  * initialisation at the usual 1/sqrt(fan_in) scale (embeddings N(0, 1), matrices N(0, 1/64))
-#    instead of llama.py's N(0, 0.02): with tiny weights every hidden state looks alike and the
+#  * initialisation at the usual 1/sqrt(fan_in) scale (common.checkpoints.init_weights: embeddings N(0, 1),
+#    matrices N(0, 1/64)) instead of llama.py's N(0, 0.02): with tiny weights every hidden state looks alike and the
 #    loss sits on the "uniform over the 12 values in context" plateau (ln 12 = 2.48) for thousands
 #    of steps; at this scale the plateau lasts ~200 steps and then drops suddenly;
 #  * AdamW (common.checkpoints.train_lm) at the full rate, after a short warmup, until the drop (held-out
@@ -402,13 +402,6 @@ def doc_attention_elsewhere(model: Llama, rec: Records) -> list[float]:
 
 
 # ------------------------------------------------------------------------------------ the model
-def _init(model: Llama, generator: torch.Generator, embed_std: float, linear_std: float) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, embed_std if name.startswith("embed") else linear_std, generator=generator)
-
-
 def record_model(retrain: bool = False, seed: int | None = None, steps: int | None = None,
                  locality: float | None = None):
     """(model, meta): the record-world LLaMA, trained on first call (under a minute on one core),
@@ -468,7 +461,7 @@ def record_model(retrain: bool = False, seed: int | None = None, steps: int | No
             ramp = min(1.0, (step - drop[0]) / T["locality_ramp"])
             return T["locality"] * ramp * attention_elsewhere(model).mean()
 
-        _init(model, torch.Generator().manual_seed(run_seed), T["embed_std"], T["linear_std"])
+        init_weights(model, torch.Generator().manual_seed(run_seed), T["embed_std"], T["linear_std"])
         with kept_attention(model) if T["locality"] else nullcontext():
             hist = train_lm(model, batch_fn, T["drop_by"] + T["after_drop"], T["lr"], desc="record world",
                             eval_every=T["eval_every"], eval_fn=eval_fn, seed=run_seed, lr_fn=lr_fn,
