@@ -27,6 +27,8 @@ in memory. The question is used at its natural length (not padded to 32 tokens; 
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import statistics
 import sys
 import time
@@ -38,12 +40,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `com
 import torch  # noqa: E402
 
 import blend_world as bw  # noqa: E402
-from common.english import RAG_ITEMS, RagInput, rag_chunks  # noqa: E402
+from common.english import CHAT_PREFIX, RAG_ITEMS, RagInput, RagItem, question_text, rag_chunks  # noqa: E402
 from common.llama import kl_divergence, shift_kv  # noqa: E402
 
 ANSWER_TOKENS = 20    # greedy answer length
 KL_TOKENS = 8         # answer tokens over which the KL is also averaged (teacher-forced)
 SEED = 0
+CURVE_RATIOS = (0.05, 0.15, 0.30, 0.50)   # the quality curve's recompute ratios (and the --ratio asked)
+RULE_NAMES = tuple(bw.RULES)                          # blend()'s selection rules, all measured
+RANDOM_RULE = "flat"  # the random baseline: r N tokens at every layer chosen at random (the oracle's budget)
+CURVE_VERSION = "blend-curve-v1"  # the cached curve is keyed by this, the model file and the inputs
 
 
 @dataclass
@@ -58,6 +64,42 @@ class RagDoc:
     @property
     def tokens(self):
         return torch.cat([self.doc, self.question], 1)
+
+
+def passage_input(item: RagItem, tok) -> RagInput:
+    """The student's own passages as a RAG input: chat prefix, each passage one chunk tokenized alone at
+    its natural length (its text + a blank line, as the built-in chunks' paragraphs), the question."""
+    chunks = [tok.encode(p.strip() + "\n\n").ids for p in item.distractors]
+    return RagInput(tok.encode(CHAT_PREFIX).ids, chunks, tok.encode(question_text(item)).ids,
+                    list(item.distractors), (), item)
+
+
+def load_passages(path) -> list[RagItem]:
+    """Items from a JSON file: [{"question": str, "passages": [str, ...], "answer": str (optional)}, ...].
+    The passages are kept in order (in RagItem.distractors: no key passages are marked). ValueError
+    with a one-line reason on anything else."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON: {e}") from None
+    if not isinstance(data, list) or not data:
+        raise ValueError(f"{path}: expected a non-empty JSON list of items")
+    items = []
+    for n, it in enumerate(data):
+        where = f"{path}: item {n}"
+        if not isinstance(it, dict) or set(it) - {"question", "passages", "answer"}:
+            raise ValueError(f"{where}: expected an object with keys question, passages, answer (optional)")
+        q, ps, ans = it.get("question"), it.get("passages"), it.get("answer", "")
+        if not isinstance(q, str) or not q.strip():
+            raise ValueError(f"{where}: \"question\" must be a non-empty string")
+        if not isinstance(ps, list) or len(ps) < 2 or not all(isinstance(x, str) and x.strip() for x in ps):
+            raise ValueError(f"{where}: \"passages\" must be a list of at least 2 non-empty strings")
+        if not isinstance(ans, str):
+            raise ValueError(f"{where}: \"answer\" must be a string")
+        items.append(RagItem(q.strip(), ans, (), tuple(ps)))
+    return items
 
 
 def rag_doc(rag: RagInput) -> RagDoc:
@@ -99,62 +141,139 @@ def _timed(fn):
     return out, time.perf_counter() - t
 
 
-@torch.no_grad()
-def run_item(model, rd: RagDoc, ratio: float, seed: int = SEED, answer_tokens: int = ANSWER_TOKENS,
-             kl_tokens: int = KL_TOKENS, eos: int | None = None) -> dict:
-    """The four prefills of one RAG input: KLs to full prefill, greedy answers, deviation, timings."""
-    N = rd.doc.shape[1]
-    (lg, full_cache), t_full = _timed(lambda: model(rd.tokens))
-    first = {"full prefill": (lg[:, -1], full_cache)}
-    pre, t_pre = _timed(lambda: bw.precompute_chunks(model, rd.doc, rd.chunks))
-    # placing the stored chunks: shift_kv of every layer's K (already done inside precompute_chunks;
-    # timed again here so that the blend's TTFT includes it)
-    _, t_shift = _timed(lambda: [shift_kv(k, 1000, model.cfg.rope_theta) for k in pre.k])
-    lg, c = model(rd.question, cache=pre)
-    first["full reuse"] = (lg[:, -1], c)
-    (lg, tr), t_blend = _timed(lambda: bw.blend(model, rd, rd.chunks, ratio, pre=pre, trace=True))
-    first[f"CacheBlend {ratio:.0%}"] = (lg[:, -1], tr.cache)
-    g = torch.Generator().manual_seed(seed)
-    lg, trr = bw.blend(model, rd, rd.chunks, ratio, select="random", generator=g, pre=pre, trace=True)
-    first[f"random {ratio:.0%}"] = (lg[:, -1], trr.cache)
+def _key(r: float) -> str:
+    return f"{r:g}"
 
-    answers = {name: greedy(model, lgt, cache, answer_tokens, eos) for name, (lgt, cache) in first.items()}
-    ref = answers["full prefill"][:kl_tokens]
-    lp = {name: answer_logprobs(model, lgt, cache, ref) for name, (lgt, cache) in first.items()}
-    out = {"kl_first": {n: float(kl_divergence(lp["full prefill"][0], v[0])) for n, v in lp.items()},
-           "kl_answer": {n: float(kl_divergence(lp["full prefill"], v).mean()) for n, v in lp.items()},
-           "answers": answers,
-           "deviation": bw.kv_deviation(model, rd, rd.chunks, pre, full_cache)[:, 0],  # (L, N)
-           "n_context": N, "n_question": rd.question.shape[1],
-           "t_full": t_full, "t_blend": t_blend + t_shift, "t_precompute": t_pre}
+
+@torch.no_grad()
+def item_curve(model, rd: RagDoc, ratios=CURVE_RATIOS, rules=RULE_NAMES, at: float = 0.15, seed: int = SEED,
+               answer_tokens: int = ANSWER_TOKENS, kl_tokens: int = KL_TOKENS, eos: int | None = None) -> dict:
+    """Every rule at every ratio on one RAG input, sharing one full prefill and one precompute.
+    Methods: full reuse; each rule of blend(); "random" (RANDOM_RULE's counts, tokens at random, seeded);
+    "oracle" (oracle_cache: the true full-prefill K, V of the top r N tokens by true deviation, per layer).
+    kl_first / kl_answer: {method: {ratio: KL}} (full reuse under the key "0"): KL(full || method) of the
+    first answer token and its mean over the first kl_tokens, teacher-forced on full prefill's greedy
+    answer. answers: greedy answers of full prefill, full reuse and every method at ratio `at`."""
+    lg, full_cache = model(rd.tokens)
+    first = lg[:, -1]
+    pre = bw.precompute_chunks(model, rd.doc, rd.chunks)
+    answer = greedy(model, first, full_cache, answer_tokens, eos)
+    ref = answer[:kl_tokens]
+    lp_full = answer_logprobs(model, first, full_cache, ref)
+    kl_first, kl_answer, answers = {}, {}, {"full prefill": answer}
+
+    def score(method, r, logits, cache):
+        lp = answer_logprobs(model, logits, cache, ref)
+        kl_first.setdefault(method, {})[_key(r)] = float(kl_divergence(lp_full[0], lp[0]))
+        kl_answer.setdefault(method, {})[_key(r)] = float(kl_divergence(lp_full, lp).mean())
+        if abs(r - at) < 1e-9 or method == "full reuse":
+            answers[method] = greedy(model, logits, cache, answer_tokens, eos)
+
+    lg, c = model(rd.question, cache=pre)
+    score("full reuse", 0.0, lg[:, -1], c)
+    for r in ratios:
+        for rule in rules:
+            lg, tr = bw.blend(model, rd, rd.chunks, r, pre=pre, trace=True, rule=rule)
+            score(rule, r, lg[:, -1], tr.cache)
+        g = torch.Generator().manual_seed(seed)
+        lg, tr = bw.blend(model, rd, rd.chunks, r, select="random", generator=g, pre=pre, trace=True,
+                          rule=RANDOM_RULE)
+        score("random", r, lg[:, -1], tr.cache)
+        lg, c = model(rd.question, cache=bw.oracle_cache(pre, full_cache, r))
+        score("oracle", r, lg[:, -1], c)
+    return {"kl_first": kl_first, "kl_answer": kl_answer, "answers": answers,
+            "deviation": bw.kv_deviation(model, rd, rd.chunks, pre, full_cache)[:, 0],  # (L, N)
+            "n_context": rd.doc.shape[1], "n_question": rd.question.shape[1],
+            "chunk_lens": [b - a for a, b in bw.chunk_spans(rd.chunks)]}
+
+
+@torch.no_grad()
+def item_ttft(model, rd: RagDoc, ratio: float, rules=RULE_NAMES) -> dict:
+    """Wall-clock TTFT of one input: full prefill, and per rule shift_kv of every layer's K (placing the
+    stored chunks, timed apart because precompute_chunks already did it) + blend(), chunks' KV in memory."""
+    _, t_full = _timed(lambda: model(rd.tokens))
+    pre = bw.precompute_chunks(model, rd.doc, rd.chunks)
+    _, t_shift = _timed(lambda: [shift_kv(k, 1000, model.cfg.rope_theta) for k in pre.k])
+    out = {"full prefill": t_full}
+    for rule in rules:
+        out[rule] = t_shift + _timed(lambda: bw.blend(model, rd, rd.chunks, ratio, pre=pre, rule=rule))[1]
     return out
 
 
-def real_experiment(model, tok, n_items: int, ratio: float, seed: int = SEED,
-                    n_chunks: int | None = None, chunk_tokens: int | None = None, progress: bool = True) -> dict:
-    """run_item on the first n_items RAG items (english.RAG_ITEMS); per-item results and summaries.
-    TTFT: median over the items of full prefill and of CacheBlend (shift_kv + blend), measured in
-    this run at torch.get_num_threads() threads."""
+def recompute_share(n_context: int, ratio: float, n_layers: int, rule: str) -> float:
+    """Context-token layers recomputed by `rule` at `ratio`, as a share of a full prefill's (layer 0 in full)."""
+    r = bw.RULES[rule]
+    return (n_context + sum(bw.blend_counts(n_context, ratio, n_layers, r.schedule, r.check))) / (n_layers * n_context)
+
+
+# ------------------------------------------------------------------------------------ the experiment
+def built_in_inputs(tok, n_items: int) -> list[RagInput]:
+    return [rag_chunks(it, tok) for it in RAG_ITEMS[:n_items]]
+
+
+def inputs_digest(rags: list[RagInput]) -> str:
+    """A hash of the inputs' tokens: the cached curve is recomputed when any input changes."""
+    h = hashlib.sha256()
+    for r in rags:
+        h.update(json.dumps([r.prefix, r.chunks, r.question]).encode())
+    return h.hexdigest()[:16]
+
+
+def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, ratios=CURVE_RATIOS,
+                    seed: int = SEED, ttft_items: int = 2, recompute: bool = False, progress: bool = True) -> dict:
+    """The quality curve of every rule on `rags` (cached: checkpoints.cached_result, keyed by the model file,
+    the inputs' tokens, ratios, rules and CURVE_VERSION) and the TTFT of every rule at ratio `at`, always
+    measured live, median over the first `ttft_items` inputs, at torch.get_num_threads() threads."""
     from tqdm import tqdm
 
-    kw = {k: v for k, v in (("n_chunks", n_chunks), ("chunk_tokens", chunk_tokens)) if v is not None}
-    if n_chunks is not None:  # the key passages in the second and the last chunk
-        kw["key_chunks"] = (1, n_chunks - 1)
+    from common.checkpoints import cached_result
+
     eos = tok.token_to_id("<|im_end|>")
-    items = []
-    for it in tqdm(RAG_ITEMS[:n_items], desc="SmolLM2 RAG items", disable=not progress):
-        rd = rag_doc(rag_chunks(it, tok, **kw))
-        r = run_item(model, rd, ratio, seed, eos=eos)
-        r["item"] = it
-        r["text"] = {n: tok.decode(a) for n, a in r["answers"].items()}
-        items.append(r)
-    names = list(items[0]["kl_first"])
-    mean = lambda key, n: statistics.fmean(r[key][n] for r in items)  # noqa: E731
-    t_full = statistics.median(r["t_full"] for r in items)
-    t_blend = statistics.median(r["t_blend"] for r in items)
-    return {"items": items, "names": names, "threads": torch.get_num_threads(), "kl_tokens": KL_TOKENS,
-            "kl_first": {n: mean("kl_first", n) for n in names},
-            "kl_answer": {n: mean("kl_answer", n) for n in names},
-            "same_answer": {n: sum(r["answers"][n] == r["answers"]["full prefill"] for r in items) for n in names},
-            "t_full": t_full, "t_blend": t_blend, "ttft_speedup": t_full / t_blend,
-            "deviation": torch.stack([r["deviation"] for r in items], 1)}  # (L, items, N)
+    ratios = tuple(sorted(set(ratios) | {at}))
+    ident = {"version": CURVE_VERSION, "model": model_id, "inputs": inputs_digest(rags), "ratios": ratios,
+             "rules": RULE_NAMES, "random": RANDOM_RULE, "seed": seed, "at": at,
+             "tokens": [ANSWER_TOKENS, KL_TOKENS]}
+
+    def compute():
+        items = []
+        for rag in tqdm(rags, desc="SmolLM2 RAG items (curve)", disable=not progress):
+            r = item_curve(model, rag_doc(rag), ratios, RULE_NAMES, at, seed, eos=eos)
+            r["text"] = {n: tok.decode(a) for n, a in r.pop("answers").items()}
+            r["question"], r["reference"] = rag.item.question, rag.item.answer
+            items.append(r)
+        return {"items": items}
+
+    computed = []  # compute() ran in this call (else the curve came from the cache)
+    res = cached_result("blend-smollm2-curve", ident, lambda: computed.append(1) or compute(),
+                        refit=recompute, tag="04")
+    items = res["items"]
+    methods = ["full reuse", *RULE_NAMES, "random", "oracle"]
+    mean = lambda key, m, r: statistics.fmean(it[key][m][r] for it in items)  # noqa: E731
+    curve = {m: {_key(r): mean("kl_first", m, _key(r)) for r in ratios} for m in methods[1:]}
+    curve_answer = {m: {_key(r): mean("kl_answer", m, _key(r)) for r in ratios} for m in methods[1:]}
+    reuse = mean("kl_first", "full reuse", "0")
+    reuse_answer = mean("kl_answer", "full reuse", "0")
+
+    times = [item_ttft(model, rag_doc(rag), at) for rag in tqdm(rags[:ttft_items], desc="TTFT (live)",
+                                                                   disable=not progress)]
+    ttft = {m: statistics.median(t[m] for t in times) for m in times[0]}
+    n_ctx = items[0]["n_context"]
+    L = items[0]["deviation"].shape[0]
+    counts = {rule: bw.blend_counts(n_ctx, at, L, bw.RULES[rule].schedule, bw.RULES[rule].check) for rule in RULE_NAMES}
+    names = ["full prefill", "full reuse"] + [m for m in methods[1:] if m != "oracle"]
+    same = {m: sum(it["text"][m] == it["text"]["full prefill"] for it in items) for m in names if m in items[0]["text"]}
+    return {"items": items, "ratios": ratios, "at": at, "methods": methods, "curve": curve,
+            "curve_answer": curve_answer, "kl_reuse": reuse, "kl_answer_reuse": reuse_answer,
+            "ttft": ttft, "ttft_items": len(times), "threads": torch.get_num_threads(), "counts": counts,
+            "share": {rule: recompute_share(n_ctx, at, L, rule) for rule in RULE_NAMES},
+            "same_answer": same, "kl_tokens": KL_TOKENS, "loaded_from_cache": not computed,
+            "compute_seconds": res.get("compute_seconds"),
+            "deviation": [it["deviation"] for it in items]}  # per item (L, N_i)
+
+
+def best_rule(res: dict) -> tuple[str, dict]:
+    """The rule with the most quality per measured TTFT at ratio `at`: the largest share of full reuse's
+    first-token KL removed, (KL_reuse - KL_rule) / KL_reuse, per second of TTFT. Returns (name, scores)."""
+    k = _key(res["at"])
+    scores = {rule: (1 - res["curve"][rule][k] / res["kl_reuse"]) / res["ttft"][rule] for rule in RULE_NAMES}
+    return max(scores, key=scores.get), scores
