@@ -121,3 +121,62 @@ def test_04_model_smollm2_rejects_too_many_items():
     r = subprocess.run([sys.executable, str(script), "--model", "smollm2", "--items", "99"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--items" in r.stderr and "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------------------------ the student's passages
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "code" / "lecture27" / "passages_example.json"
+
+
+def test_load_passages_reads_the_example_in_order():
+    import blend_real as br
+
+    items = br.load_passages(EXAMPLE)
+    raw = json.loads(EXAMPLE.read_text())
+    assert len(items) == len(raw) >= 1
+    for it, r in zip(items, raw):
+        assert it.question == r["question"] and it.distractors == tuple(r["passages"]) and it.answer == r["answer"]
+
+
+@pytest.mark.parametrize("content,why", [
+    ("not json", "not JSON"), ("[]", "non-empty"), ('{"question": "q"}', "list"),
+    ('[{"question": "q", "passages": ["a"]}]', "at least 2"),
+    ('[{"question": "", "passages": ["a", "b"]}]', "question"),
+    ('[{"question": "q", "passages": ["a", 3]}]', "passages"),
+    ('[{"question": "q", "passages": ["a", "b"], "answer": 1}]', "answer"),
+    ('[{"question": "q", "passages": ["a", "b"], "extra": 1}]', "keys")])
+def test_load_passages_rejects_bad_files_with_a_reason(tmp_path, content, why):
+    import blend_real as br
+
+    f = tmp_path / "p.json"
+    f.write_text(content)
+    with pytest.raises(ValueError, match=why):
+        br.load_passages(f)
+
+
+def test_04_passages_bad_file_is_one_line_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    f = tmp_path / "p.json"
+    f.write_text('[{"question": "q", "passages": ["only one"]}]')
+    script = Path(__file__).resolve().parents[1] / "code" / "lecture27" / "04_cacheblend.py"
+    r = subprocess.run([sys.executable, str(script), "--model", "smollm2", "--passages", str(f)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--passages" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@needs_model
+def test_passage_input_one_chunk_per_passage_at_natural_length(real):
+    import blend_real as br
+    from common.gguf_llama import load_gguf_llama as load
+
+    _, tok, _ = load(GGUF)
+    it = br.load_passages(EXAMPLE)[0]
+    rd = br.rag_doc(br.passage_input(it, tok))
+    lens = [b - a for a, b in bw.chunk_spans(rd.chunks)]
+    assert lens == [len(tok.encode(p.strip() + "\n\n").ids) for p in it.distractors]
+    assert len(set(lens)) > 1  # natural lengths, not padded to one size
+    assert rd.chunks.tolist().count(P) == 3 and tok.decode(rd.question[0].tolist()).startswith("Question:")
