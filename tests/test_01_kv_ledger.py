@@ -64,8 +64,8 @@ def test_exercise_flags_change_the_answer(tmp_path):
 
 @pytest.mark.parametrize("args", [["--context", "-5"], ["--model", "llama-9000"], ["--compression", "0"],
                                   ["--hit-rate", "2"], ["--no-such-flag"]])
-def test_bad_flags_one_line_exit_2(args):
-    r = run(*args)
-    assert r.returncode == 2
-    assert len(r.stderr.strip().splitlines()) == 1
-    assert "error" in r.stderr and "Traceback" not in r.stderr
+def test_bad_flags_one_line_exit_2(args, cli_exit):
+    code, err = cli_exit("01_kv_ledger", *args)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1
+    assert "error" in err and "Traceback" not in err

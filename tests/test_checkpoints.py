@@ -128,3 +128,47 @@ def test_train_lm_adds_the_extra_loss():
         assert seen == list(range(30)) and len(hist["extra"]) == 30
         norms[weight] = float(m.layers[0].wq.weight.detach().norm())
     assert norms[10.0] < 0.5 * norms[0.0]
+
+
+# ------------------------------------------------------------------------------ cached_result
+def counting_compute(value):
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return {"value": value}
+    return compute, calls
+
+
+def test_cached_result_computes_once_then_loads(ckdir):
+    compute, calls = counting_compute(3)
+    a = checkpoints.cached_result("study", {"n": 1}, compute)
+    b = checkpoints.cached_result("study", {"n": 1}, compute)
+    assert calls == [1] and a["value"] == b["value"] == 3 and "compute_seconds" in b
+    checkpoints.cached_result("study", {"n": 2}, compute)   # another identity: another file
+    assert calls == [1, 1] and len(list(ckdir.glob("study-*.pt"))) == 2
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "foreign", "no result"])
+def test_cached_result_recomputes_a_corrupted_or_foreign_file(ckdir, capsys, damage):
+    """A file that does not load, or that holds another identity (a file copied over from elsewhere),
+    is never used: the result is recomputed with a message and the file rewritten."""
+    compute, calls = counting_compute(3)
+    checkpoints.cached_result("study", {"n": 1}, compute)
+    path, = ckdir.glob("study-*.pt")
+    if damage == "garbage":
+        path.write_bytes(b"not a checkpoint at all")
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[:40])
+    elif damage == "foreign":   # a valid file whose stored identity is not this one's
+        torch.save({"ident": {"format": checkpoints.FORMAT, "n": 99}, "result": {"value": -1}}, path)
+    else:
+        blob = torch.load(path, weights_only=True)
+        torch.save({"ident": blob["ident"]}, path)
+    capsys.readouterr()
+    compute2, calls2 = counting_compute(4)
+    out = checkpoints.cached_result("study", {"n": 1}, compute2)
+    assert calls2 == [1] and out["value"] == 4
+    assert "unusable" in capsys.readouterr().out
+    again, calls3 = counting_compute(5)
+    assert checkpoints.cached_result("study", {"n": 1}, again)["value"] == 4 and calls3 == []  # rewritten

@@ -46,7 +46,12 @@ def test_slides_economics_within_5_percent():
     assert e["net_usd"] / 1e6 == pytest.approx(33, rel=0.05)                        # §1.3
     assert e["storage_usd"] / 1e6 == pytest.approx(4, rel=0.05)
     assert e["net_if_33m_read_as_gross_usd"] / 1e6 == pytest.approx(29, rel=0.05)   # navigation
-    assert e["gpu_time_saved_usd"] - e["storage_usd"] == pytest.approx(e["net_usd"])
+    # by hand: 3 years = 26,280 h; 1,000 nodes x 8 GPUs x $2/h x 10% hits x 88% saved,
+    # and 1,000 nodes x 1 TB x $0.15/TB/h
+    hours = 3 * 365 * 24
+    assert e["gpu_time_saved_usd"] == pytest.approx(1000 * 8 * 2.0 * 0.10 * 0.88 * hours, rel=1e-9)
+    assert e["storage_usd"] == pytest.approx(1000 * 1.0 * 0.15 * hours, rel=1e-9)
+    assert e["net_usd"] == pytest.approx(1000 * hours * (8 * 2.0 * 0.10 * 0.88 - 0.15), rel=1e-9)
 
 
 def test_own_account_10k_context():
@@ -61,6 +66,18 @@ def test_longer_contexts_pay_off_sooner():
     hits = [ledger.context_economics("llama-3.1-70b", "H100", 8, n, 2.0, 0.15)["breakeven_hits_per_h"]
             for n in (1 * K, 4 * K, 16 * K, 64 * K, 128 * K)]
     assert all(a > b for a, b in zip(hits, hits[1:]))
+
+
+@pytest.mark.parametrize("model,n,by_hand", [
+    # model card shapes: layers x (K, V) x KV heads x head dim x 2 bytes x tokens
+    ("llama-3.1-8b", 1000, 32 * 2 * 8 * 128 * 2 * 1000),        # 131,072,000 B: 128 KiB per token
+    ("llama-2-7b", 4096, 32 * 2 * 32 * 128 * 2 * 4096),         # 2 GiB: multi-head, 4x LLaMA-3's
+    ("qwen3-235b-a22b", 32 * K, 94 * 2 * 4 * 128 * 2 * 32 * K),  # 6.3 GB
+    ("deepseek-r1", 100_000, 61 * (512 + 64) * 2 * 100_000),    # MLA: one latent + RoPE key per layer
+])
+def test_kv_bytes_by_hand_for_model_cards(model, n, by_hand):
+    assert ledger.kv_bytes(model, n) == by_hand
+    assert ledger.kv_bytes(model, n, bytes_per_value=1) == by_hand // 2
 
 
 def test_layout():

@@ -1,5 +1,8 @@
 """The LLaMA's one forward pass, driven four ways: full prefill, prefill continued from a cache,
-one-token decode and the block-diagonal "each chunk alone" prefill (float32, max |diff| <= 1e-5)."""
+one-token decode and the block-diagonal "each chunk alone" prefill (float32, max |diff| <= 1e-5), and
+against logits recorded from Hugging Face transformers' LlamaForCausalLM (tests/data/make_reference.py)."""
+from pathlib import Path
+
 import torch
 
 from common.llama import KVCache, Llama, LlamaConfig, causal_mask, rope, shift_kv
@@ -112,10 +115,70 @@ def test_block_diagonal_mask_changes_later_chunks_only():
     assert (causal[:, 8:] - block[:, 8:]).abs().max() > 1e-3
 
 
-def test_gqa_shapes():
-    m = make_model(5, n_heads=4, n_kv_heads=1)
-    _, cache = m(torch.randint(0, 40, (2, 7)))
-    assert cache.k[0].shape == (2, 1, 7, 16) and cache.pos.tolist() == list(range(7))
+REFERENCE = Path(__file__).resolve().parent / "data" / "hf_llama_tiny.pt"
+HF_NAMES = {"self_attn.q_proj": "wq", "self_attn.k_proj": "wk", "self_attn.v_proj": "wv", "self_attn.o_proj": "wo",
+            "mlp.gate_proj": "w_gate", "mlp.up_proj": "w_up", "mlp.down_proj": "w_down",
+            "input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"}
+
+
+def hf_reference():
+    """A tiny random LLaMA (GQA 4 query / 2 KV heads, half-split RoPE, tied embeddings) and the logits
+    Hugging Face transformers' LlamaForCausalLM computed for it (tests/data/make_reference.py)."""
+    ref = torch.load(REFERENCE, weights_only=True)
+    c = ref["config"]
+    assert c["tie_word_embeddings"] and c["num_key_value_heads"] < c["num_attention_heads"]
+    cfg = LlamaConfig(vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
+                      n_heads=c["num_attention_heads"], n_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
+                      d_ff=c["intermediate_size"], rope_theta=c["rope_theta"], norm_eps=c["rms_norm_eps"])
+    ours = {}
+    for name, w in ref["state_dict"].items():
+        name = name.removeprefix("model.").replace("embed_tokens", "embed")
+        for hf, mine in HF_NAMES.items():
+            name = name.replace(hf, mine)
+        ours[name] = w
+    m = Llama(cfg).eval()
+    m.load_state_dict(ours, strict=True)
+    return m, ref
+
+
+@torch.no_grad()
+def test_logits_equal_hugging_face_llama():
+    """Same weights, same tokens: our forward reproduces transformers' logits (float32, logits O(5)), in
+    one prefill, in a prefill continued from a cache, and with the attention weights written out."""
+    m, ref = hf_reference()
+    t, expected = ref["tokens"], ref["logits"]
+    assert float(expected.abs().max()) > 1.0
+    logits, _ = m(t)
+    assert (logits - expected).abs().max() <= 1e-4
+    a, cache = m(t[:, :17])
+    b, _ = m(t[:, 17:], cache=cache)
+    assert (torch.cat([a, b], 1) - expected).abs().max() <= 1e-4
+    for blk in m.layers:
+        blk.keep_weights = True
+    assert (m(t)[0] - expected).abs().max() <= 1e-4
+
+
+@torch.no_grad()
+def test_gqa_is_multi_head_with_shared_kv_heads():
+    """Query head h reads KV head h // (n_heads / n_kv_heads): a GQA model (4 query, 2 KV heads) equals
+    the multi-head model whose K and V projections repeat each KV head for its two query heads; the
+    cache holds only the 2 KV heads."""
+    g = make_model(5, n_heads=4, n_kv_heads=2)
+    m = make_model(6, n_heads=4, n_kv_heads=4)
+    sd = g.state_dict()
+    for name, w in sd.items():
+        if name.endswith(("wk.weight", "wv.weight")):
+            sd[name] = w.view(2, 16, -1).repeat_interleave(2, 0).reshape(64, -1)  # heads 0,0,1,1
+    m.load_state_dict(sd)
+    t = torch.randint(0, 40, (2, 7))
+    (lg, cache), (lm, _) = g(t), m(t)
+    assert cache.k[0].shape == (2, 2, 7, 16) and cache.pos.tolist() == list(range(7))
+    assert (lg - lm).abs().max() <= TOL
+    for name, w in g.state_dict().items():   # the other pairing (heads 0,1,0,1) is a different model
+        if name.endswith(("wk.weight", "wv.weight")):
+            sd[name] = w.view(2, 16, -1).repeat(2, 1, 1).reshape(64, -1)
+    m.load_state_dict(sd)
+    assert (m(t)[0] - lg).abs().max() > 1e-2
 
 
 @torch.no_grad()

@@ -21,9 +21,8 @@ needs_model = pytest.mark.skipif(GGUF is None, reason=INSTALL_HINT)
 
 
 @pytest.fixture(scope="module")
-def smol():
-    model, tok, info = load_gguf_llama(GGUF)
-    return model, tok, info
+def smol(smollm2):
+    return smollm2
 
 
 def test_unpermute_qk_inverts_the_converters_permutation():
@@ -95,6 +94,23 @@ def test_greedy_capital_of_france(smol):
     with torch.no_grad():
         logits, _ = model(torch.tensor([tok.encode("The capital of France is").ids]))
     assert tok.decode([int(logits[0, -1].argmax())]) == " Paris"
+
+
+@needs_model
+def test_logits_equal_hugging_face_on_a_fixed_prompt(smol):
+    """Against transformers' LlamaForCausalLM on the same GGUF file (tests/data/make_reference.py, which
+    dequantizes with its own code): the same token ids for the prompt, and at every position the same
+    top-32 tokens with the same logits and the same log-sum-exp over all 49,152 (float32, logits O(30))."""
+    from pathlib import Path
+    model, tok, _ = smol
+    ref = torch.load(Path(__file__).resolve().parent / "data" / "hf_smollm2_prompt.pt", weights_only=True)
+    assert tok.encode(ref["prompt"]).ids == ref["ids"][0].tolist()
+    with torch.no_grad():
+        logits = model(ref["ids"])[0][0]
+    assert (logits.gather(-1, ref["top_indices"]) - ref["top_values"]).abs().max() <= 5e-4
+    assert (logits.logsumexp(-1) - ref["logsumexp"]).abs().max() <= 5e-4
+    ours = logits.topk(5, -1).indices
+    assert torch.equal(ours, ref["top_indices"][:, :5])
 
 
 @needs_model

@@ -41,6 +41,63 @@ def test_capacity_never_exceeded(ops, capacity, hinted):
         assert tier.used == sum(sizes[k] for k in tier.keys_lru_order())
 
 
+class DictTier:
+    """The obviously-correct model of a Tier: one list in recency order (oldest first) of
+    [key, nbytes, marked]; a victim is the oldest unmarked chunk, else the oldest marked one."""
+
+    def __init__(self, capacity, hinted):
+        self.capacity, self.hinted, self.items, self.evictions = capacity, hinted, [], 0
+
+    def find(self, key):
+        return next((i for i, it in enumerate(self.items) if it[0] == key), None)
+
+    def touch(self, key):
+        i = self.find(key)
+        if i is None:
+            raise KeyError(key)
+        self.items.append(self.items.pop(i))
+
+    def put(self, key, nbytes, reuse):
+        if self.find(key) is not None:
+            self.touch(key)
+            return True
+        if nbytes > self.capacity:
+            return False
+        while sum(it[1] for it in self.items) + nbytes > self.capacity:
+            unmarked = [i for i, it in enumerate(self.items) if not it[2]]
+            self.items.pop(unmarked[0] if unmarked else 0)
+            self.evictions += 1
+        self.items.append([key, nbytes, reuse and self.hinted])
+        return True
+
+    def order(self):
+        return [it[0] for it in self.items if not it[2]] + [it[0] for it in self.items if it[2]]
+
+
+@pytest.mark.parametrize("hinted", [False, True])
+@settings(max_examples=100, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["put", "touch"]), st.integers(0, 12), st.integers(1, 9),
+                               st.booleans()), max_size=120), capacity=st.integers(0, 30))
+def test_tier_equals_a_dictionary_model(ops, capacity, hinted):
+    """Any sequence of puts and touches: the same contents, eviction order, bytes and eviction count."""
+    tier, model = Tier("t", capacity, hinted=hinted), DictTier(capacity, hinted)
+    sizes = {}
+    for op, key, nbytes, reuse in ops:
+        nbytes = sizes.setdefault(key, nbytes)
+        if op == "put":
+            assert tier.put(key, nbytes, reuse) == model.put(key, nbytes, reuse)
+        elif key in tier:
+            tier.touch(key)
+            model.touch(key)
+        else:
+            with pytest.raises(KeyError):
+                tier.touch(key)
+            assert model.find(key) is None
+        assert tier.keys_lru_order() == model.order()
+        assert tier.used == sum(it[1] for it in model.items) and len(tier) == len(model.items)
+        assert tier.evictions == model.evictions
+
+
 def test_lru_order_and_touch():
     tier = Tier("t", 3)
     for k in "abc":
@@ -192,14 +249,12 @@ def test_script_json(tmp_path):
     # the handout's shape: GPU only collapses, each tier helps, fast beats slow severalfold
     assert c["gpu_only"]["mean_ttft_s"] > 5 * c["cpu_slow"]["mean_ttft_s"]
     assert c["cpu_slow"]["mean_ttft_s"] > c["cpu_fast"]["mean_ttft_s"] > c["cpu_ssd"]["mean_ttft_s"]
-    assert d["cpu_fast_vs_slow_ttft_ratio"] == pytest.approx(
-        c["cpu_slow"]["mean_ttft_s"] / c["cpu_fast"]["mean_ttft_s"])
-    assert 3 < d["cpu_fast_vs_slow_ttft_ratio"] < 10
+    assert 3 < c["cpu_slow"]["mean_ttft_s"] / c["cpu_fast"]["mean_ttft_s"] < 10
     assert 0.3 < d["lru_doc_hit_rate"] < 0.6 and d["hinted_doc_hit_rate"] > 0.95
 
 
 @pytest.mark.parametrize("args", [["--rate", "-1"], ["--turns", "0"], ["--cpu-gb", "x"], ["--bogus"]])
-def test_bad_flag_one_line_exit_2(args):
-    r = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2
-    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+def test_bad_flag_one_line_exit_2(args, cli_exit):
+    code, err = cli_exit("05_tiered_storage", *args)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -54,10 +54,23 @@ def atomic_save(obj, path: Path) -> None:
             os.remove(tmp)
 
 
+def plain(x):
+    """x with numpy arrays and scalars turned into lists and Python numbers, tuples into lists: the
+    plain data a cached result is stored as (and what a later run loads back)."""
+    if isinstance(x, dict):
+        return {k: plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [plain(v) for v in x]
+    if hasattr(x, "tolist"):  # numpy arrays and scalars, tensors
+        return x.tolist()
+    return x
+
+
 def cached_result(name: str, ident: dict, compute: Callable[[], dict], refit: bool = False,
-                  tag: str = "cache") -> dict:
-    """A computed result (JSON-able dict) cached like a checkpoint: file <name>-<hash of ident>.pt.
-    A stored file whose identity differs, or that fails to load, is recomputed with a message."""
+                  tag: str = "cache", flag: str = "--refit") -> dict:
+    """A computed result (a dict of plain data) cached like a checkpoint: file <name>-<hash of ident>.pt.
+    A stored file whose identity differs, or that fails to load, is recomputed with a message; a
+    loaded one says so in one line, with the script flag (`flag`) that computes it again."""
     ident = json.loads(json.dumps({"format": FORMAT, **ident}, default=str))
     path = checkpoint_dir() / f"{name}-{cache_key(ident)}.pt"
     if path.exists() and not refit:
@@ -65,11 +78,14 @@ def cached_result(name: str, ident: dict, compute: Callable[[], dict], refit: bo
             blob = torch.load(path, weights_only=True)
             if blob["ident"] != ident:
                 raise ValueError("stored identity differs")
-            return blob["result"]
+            result = blob["result"]
+            print(f"[{tag}] {name}: loaded from {path.name} (computed in {result['compute_seconds']:.0f} s; "
+                  f"{flag} computes it again)")
+            return result
         except Exception as e:  # a broken or foreign file is never used silently
             print(f"[{tag}] {path.name} is unusable ({type(e).__name__}: {e}); recomputing")
     t0 = time.time()
-    result = compute()
+    result = plain(compute())
     result["compute_seconds"] = time.time() - t0
     atomic_save({"ident": ident, "result": result}, path)
     print(f"[{tag}] computed {name} in {result['compute_seconds']:.0f} s -> {path}")
@@ -120,12 +136,14 @@ def lr_at(step: int, steps: int, lr: float, warmup: int, min_lr_frac: float) -> 
 
 def train_lm(model: Llama, batch_fn, steps: int, lr: float, warmup: int = 100, min_lr_frac: float = 0.1,
              weight_decay: float = 0.0, desc: str = "train", eval_every: int | None = None,
-             eval_fn=None, seed: int = 0, grad_clip: float = 1.0, extra_loss=None) -> dict:
+             eval_fn=None, seed: int = 0, grad_clip: float = 1.0, extra_loss=None, lr_fn=None) -> dict:
     """The training loop for the lecture's small models.
 
     batch_fn(step, generator) -> (inputs (B,T), targets (B,T), weights (B,T)): the loss is the
     cross-entropy at each position weighted by `weights` (0 where a position is not trained).
-    eval_fn(model, step) -> dict of metrics, recorded every eval_every steps (model in eval mode).
+    eval_fn(model, step) -> dict of metrics, recorded every eval_every steps (model in eval mode); a
+    true "stop" in it ends training after that step (a trainer that decides its own length).
+    lr_fn(step) -> learning rate of that step, instead of lr_at's warmup and cosine over `steps`.
     extra_loss(model, step) -> scalar tensor added to the loss after each forward (e.g. a penalty on the
     attention weights the forward kept); its values are recorded under "extra".
     Returns {"step": [...], "loss": [...], "evals": [{"step": s, ...}], "extra": [...]}.
@@ -138,7 +156,7 @@ def train_lm(model: Llama, batch_fn, steps: int, lr: float, warmup: int = 100, m
     ema = None
     for step in bar:
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, lr, warmup, min_lr_frac)
+            group["lr"] = lr_fn(step) if lr_fn is not None else lr_at(step, steps, lr, warmup, min_lr_frac)
         x, y, w = batch_fn(step, g)
         logits, _ = model(x)
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
@@ -157,6 +175,8 @@ def train_lm(model: Llama, batch_fn, steps: int, lr: float, warmup: int = 100, m
             with torch.no_grad():
                 hist["evals"].append({"step": step + 1, **eval_fn(model, step + 1)})
             model.train()
+            if hist["evals"][-1].get("stop"):
+                break
         if step % 20 == 0:
             bar.set_postfix(loss=f"{ema:.3f}")
     bar.close()

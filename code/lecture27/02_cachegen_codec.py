@@ -436,18 +436,32 @@ def to_json(r, args):
 REAL_ENTROPY_STEP = 0.25    # Part 1c on the real model: values quantized at this x each layer's RMS
 
 
+REAL_BASELINE_BITS = (8, 6, 4)   # Part 2 on the real model: plain n-bit quantization rows
+REAL_VERSION = 1            # bump when compute_real's measurements change: its cached result is keyed by it
+
+
 def compute_real(args):
-    """SmolLM2: the measured codec (codec_real: step search under a KL budget, cached), the baselines
-    and the recipe at the same size, all on the evaluation prose."""
-    prose = cr.Prose(args.gguf)
-    study = cr.real_codec_study(args.gguf, refit=args.refit, prose=prose)
+    """SmolLM2: the measured codec (codec_real: step search under a KL budget), the baselines and the
+    recipe at the same size, all on the evaluation prose. Cached in code/checkpoints/ like the study it
+    builds on (several minutes of forwards and codec fits); --refit measures again."""
+    path = cr.gguf_path(args.gguf)
+    ident = {**cr.study_ident(path), "measure": [REAL_VERSION, REAL_ENTROPY_STEP, REAL_BASELINE_BITS, ZLIB_LEVEL,
+                                                kv.RECIPE_GROUP_FACTOR]}
+    r = cs.cached_study("codec-smollm2-02", ident, lambda: measure_real(path, args.refit), args.refit)
+    r["delta_ratio"] = {k: np.asarray(v) for k, v in r["delta_ratio"].items()}
+    return r
+
+
+def measure_real(path, refit: bool) -> dict:
+    prose = cr.Prose(path)
+    study = cr.real_codec_study(path, refit=refit, prose=prose)
     Xc, Xe = prose.Xc, prose.Xe
     L, C, T = Xe.shape[2], Xe.shape[4], Xe.shape[1]
     rms = kv.kv_rms(Xc)
     delta = study["delta"]
     target = study["calib_bits"]["delta" if delta else "raw"]   # the measured codec's bits on calibration KV
     base = kv.match_bytes(lambda b: kv.fit_codec(Xc, kv.recipe_steps(rms, b), True), Xc, target)
-    rows = baseline_rows(Xc, Xe, prose.quality, bits=(8, 6, 4))
+    rows = baseline_rows(Xc, Xe, prose.quality, bits=REAL_BASELINE_BITS)
     recipe = cr.measure(prose, kv.fit_codec(Xc, kv.recipe_steps(rms, base), True))
     rows["recipe (anchor+delta, finer shallow)"] = (recipe["bytes_per_token"], recipe)
     level0 = study["levels"][0]

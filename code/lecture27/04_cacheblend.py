@@ -171,12 +171,7 @@ def record_experiment(model, rec, chunk_len: int, ratio: float, seed: int, pre=N
 
 
 # ============================================================================ Part 3: insights
-def top_share(dev: torch.Tensor, frac: float) -> float:
-    """Mean over rows of the share of the row's total held by its top ceil(frac N) entries."""
-    k = math.ceil(frac * dev.shape[1] - 1e-9)
-    tot = dev.sum(1)
-    ok = tot > 0
-    return float((dev.sort(1, descending=True).values[:, :k].sum(1)[ok] / tot[ok]).mean())
+top_share = bw.top_share  # insight 1's measure lives with the record world (its seed sweep uses it)
 
 
 @torch.no_grad()
@@ -320,9 +315,8 @@ def print_real(res: dict) -> None:
           f"3-token chat prefix + {min(len(it['chunk_lens']) for it in items)}-{max(len(it['chunk_lens']) for it in items)} "
           f"chunks of {min(lens)}-{max(lens)} tokens (each precomputed alone behind the prefix) +\n  a "
           f"{min(qs)}-{max(qs)}-token question")
-    print("  " + ("curve loaded from the cache (checkpoints.cached_result; --recompute computes it again); "
-                  if res["loaded_from_cache"] else f"curve computed in {res['compute_seconds']:.0f} s and cached; ")
-          + "TTFT measured live")
+    print("  " + ("curve loaded from the cache (--recompute computes it again); " if res["loaded_from_cache"]
+                  else f"curve computed in {res['compute_seconds']:.0f} s and cached; ") + "TTFT measured live")
     print()
     rows = [[m] + [f"{curve[m][f'{r:g}']:.4f}" for r in ratios] + [f"{curve[m][k] / reuse:.2f}x"]
             for m in res["methods"][1:]]
@@ -481,7 +475,7 @@ def print_part1(city):
 
 def print_record_model(meta):
     m, loc = meta["metrics"], meta["ident"]["train"]["locality"]
-    print(f"\nrecord world model: trained {meta['ident']['train']['steps']} steps in {m['train_seconds']:.0f} s, "
+    print(f"\nrecord world model: trained {m['steps']} steps in {m['train_seconds']:.0f} s, "
           f"accuracy crossed 50% at step {m['drop_step']} (handout: {HANDOUT['train']}); "
           f"held-out {m['heldout_acc']:.2%} on {m['heldout_questions']} questions; locality penalty {loc}"
           + (f" from step {m['locality_from_step']}" if loc else ""))

@@ -245,7 +245,7 @@ def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, 
 
     computed = []  # compute() ran in this call (else the curve came from the cache)
     res = cached_result("blend-smollm2-curve", ident, lambda: computed.append(1) or compute(),
-                        refit=recompute, tag="04")
+                        refit=recompute, tag="04", flag="--recompute")
     items = res["items"]
     methods = ["full reuse", *RULE_NAMES, "random", "oracle"]
     mean = lambda key, m, r: statistics.fmean(it[key][m][r] for it in items)  # noqa: E731
@@ -258,7 +258,7 @@ def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, 
                                                                    disable=not progress)]
     ttft = {m: statistics.median(t[m] for t in times) for m in times[0]}
     n_ctx = items[0]["n_context"]
-    L = items[0]["deviation"].shape[0]
+    L = len(items[0]["deviation"])
     counts = {rule: bw.blend_counts(n_ctx, at, L, bw.RULES[rule].schedule, bw.RULES[rule].check) for rule in RULE_NAMES}
     names = ["full prefill", "full reuse"] + [m for m in methods[1:] if m != "oracle"]
     same = {m: sum(it["text"][m] == it["text"]["full prefill"] for it in items) for m in names if m in items[0]["text"]}
@@ -268,7 +268,7 @@ def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, 
             "share": {rule: recompute_share(n_ctx, at, L, rule) for rule in RULE_NAMES},
             "same_answer": same, "kl_tokens": KL_TOKENS, "loaded_from_cache": not computed,
             "compute_seconds": res.get("compute_seconds"),
-            "deviation": [it["deviation"] for it in items]}  # per item (L, N_i)
+            "deviation": [torch.as_tensor(it["deviation"]) for it in items]}  # per item (L, N_i); cached as lists
 
 
 def best_rule(res: dict) -> tuple[str, dict]:

