@@ -348,9 +348,9 @@ def print_real(res: dict) -> None:
     gain = lambda r: 1 - curve[r][k] / reuse  # noqa: E731
     print(f"  quality per TTFT = share of full reuse's KL removed / TTFT; best in this run: {best} "
           f"({gain(best):.0%} removed in {t[best]:.2f} s).\n  CacheBlend below = --rule {rule}. The default, "
-          f"{REAL_RULE}, removed the most KL per measured second on the built-in items: a set\n  ranked once at "
-          f"check layer 1 removes about as much KL as the flat filter and more than the handout's schedule,\n"
-          f"  at about the same time (column 'recomputed'); on this shared CPU one run's timings can reorder them")
+          f"{REAL_RULE}, removed the most KL per measured second on the built-in\n  items: a set ranked once at "
+          f"check layer 1 removes about as much KL as the flat filter and more than the handout's\n  schedule, "
+          f"at about the same cost (column 'recomputed'); on this shared CPU one run's timings can reorder them")
     orc, bestq = curve["oracle"][k] / reuse, min(curve[r][k] for r in br.RULE_NAMES) / reuse
     verdict = (f"the best rule reaches {bestq:.2f}x full reuse's KL at {at:.0%}; the oracle {orc:.2f}x:\n  "
                + ("the selection rule, not the model, is what is left" if orc < 0.5 * bestq else
