@@ -745,7 +745,7 @@ def main(argv=None):
     if a.model == "smollm2":
         res = real_model_part(a)
         print_real(res)
-        path = figure_path("04_real_curve.png")
+        path = figure_path("04_real_curve_passages.png" if a.passages else "04_real_curve.png")
         plot_real_curve(res, path)
         print(f"figure: {path}")
         out = real_json(res)
