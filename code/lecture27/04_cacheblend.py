@@ -342,14 +342,14 @@ def print_real(res: dict) -> None:
     print(table(["rule", "TTFT s", "speed-up", "recomputed", "KL first token", "KL removed / s",
                  "tokens at layers 1 2 3 4 ... last"], rows,
                 title=f"Part 5c. Time to first token at r = {at:.0%}, CPU wall clock, median of {res['ttft_items']} "
-                      f"input(s), {res['threads']} threads,\n  chunks' KV in memory (shift_kv + blend); noisy on a "
+                      f"input(s), {res['threads']} torch thread(s),\n  chunks' KV in memory (shift_kv + blend); noisy on a "
                       f"shared machine. Paper (GPU): {HANDOUT['ttft_speedup']}"))
     best, rule = res["best"], res["rule"]
     gain = lambda r: 1 - curve[r][k] / reuse  # noqa: E731
     print(f"  quality per TTFT = share of full reuse's KL removed / TTFT; best in this run: {best} "
           f"({gain(best):.0%} removed in {t[best]:.2f} s).\n  CacheBlend below = --rule {rule}. The default, "
           f"{REAL_RULE}, removed the most KL per measured second on the built-in\n  items: r N tokens at every "
-          f"layer remove about as much KL as a set ranked at a check layer, at a smaller recomputed\n  share (no "
+          f"layer remove about as much KL as a set ranked at a check layer, at a smaller\n  recomputed share (no "
           f"layer in full), and more than the handout's schedule (0.75 r N from layer 3 on); on this shared\n  CPU "
           f"one run's timings can reorder rules whose recomputed shares are close")
     orc, bestq = curve["oracle"][k] / reuse, min(curve[r][k] for r in br.RULE_NAMES) / reuse

@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 import blend_world as bw  # noqa: E402
 from common.english import CHAT_PREFIX, RAG_ITEMS, RagInput, RagItem, question_text, rag_chunks  # noqa: E402
-from common.llama import kl_divergence, shift_kv  # noqa: E402
+from common.llama import kl_divergence, shift_kv, single_thread  # noqa: E402
 
 ANSWER_TOKENS = 20    # greedy answer length
 KL_TOKENS = 8         # answer tokens over which the KL is also averaged (teacher-forced)
@@ -189,8 +189,15 @@ def item_curve(model, rd: RagDoc, ratios=CURVE_RATIOS, rules=RULE_NAMES, at: flo
 
 @torch.no_grad()
 def item_ttft(model, rd: RagDoc, ratio: float, rules=RULE_NAMES) -> dict:
-    """Wall-clock TTFT of one input: full prefill, and per rule shift_kv of every layer's K (placing the
-    stored chunks, timed apart because precompute_chunks already did it) + blend(), chunks' KV in memory."""
+    """Wall-clock TTFT of one input on one torch thread (on shared cores a second thread that waits for
+    a core slows blend's many small steps far more than a prefill's large ones): full prefill, and per
+    rule shift_kv of every layer's K (placing the stored chunks, timed apart because precompute_chunks
+    already did it) + blend(), chunks' KV in memory."""
+    with single_thread():
+        return _item_ttft(model, rd, ratio, rules)
+
+
+def _item_ttft(model, rd: RagDoc, ratio: float, rules) -> dict:
     _, t_full = _timed(lambda: model(rd.tokens))
     pre = bw.precompute_chunks(model, rd.doc, rd.chunks)
     _, t_shift = _timed(lambda: [shift_kv(k, 1000, model.cfg.rope_theta) for k in pre.k])
@@ -223,7 +230,7 @@ def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, 
                     seed: int = SEED, ttft_items: int = 2, recompute: bool = False, progress: bool = True) -> dict:
     """The quality curve of every rule on `rags` (cached: checkpoints.cached_result, keyed by the model file,
     the inputs' tokens, ratios, rules and CURVE_VERSION) and the TTFT of every rule at ratio `at`, always
-    measured live, median over the first `ttft_items` inputs, at torch.get_num_threads() threads."""
+    measured live (item_ttft: one thread), median over the first `ttft_items` inputs."""
     from tqdm import tqdm
 
     from common.checkpoints import cached_result
@@ -264,7 +271,7 @@ def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, 
     same = {m: sum(it["text"][m] == it["text"]["full prefill"] for it in items) for m in names if m in items[0]["text"]}
     return {"items": items, "ratios": ratios, "at": at, "methods": methods, "curve": curve,
             "curve_answer": curve_answer, "kl_reuse": reuse, "kl_answer_reuse": reuse_answer,
-            "ttft": ttft, "ttft_items": len(times), "threads": torch.get_num_threads(), "counts": counts,
+            "ttft": ttft, "ttft_items": len(times), "threads": 1, "counts": counts,
             "share": {rule: recompute_share(n_ctx, at, L, rule) for rule in RULE_NAMES},
             "same_answer": same, "kl_tokens": KL_TOKENS, "loaded_from_cache": not computed,
             "compute_seconds": res.get("compute_seconds"),
