@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import sys
+import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,6 +63,17 @@ def table(headers: list[str], rows: list[list], title: str | None = None) -> str
     out = [title] if title else []
     out += [line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]]
     return "\n".join(out)
+
+
+WIDTH = 120  # no printed line is wider
+
+
+def say(text: str, indent: int | None = None) -> None:
+    """Print a paragraph wrapped at WIDTH characters; continuation lines indented by `indent` (default: the
+    paragraph's own indent + 4)."""
+    lead = len(text) - len(text.lstrip(" "))
+    print(textwrap.fill(text, WIDTH, subsequent_indent=" " * (lead + 4 if indent is None else indent),
+                        break_long_words=False, break_on_hyphens=False))
 
 
 def figure_path(name: str) -> Path:

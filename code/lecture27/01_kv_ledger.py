@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ledger  # noqa: E402
 from common import timemodel as tm  # noqa: E402
-from common.cli import Parser, figure_path, nonneg_float, positive_float, positive_int, fraction, table, write_json  # noqa: E402
+from common.cli import (Parser, figure_path, nonneg_float, positive_float, positive_int, fraction, say, table,  # noqa: E402
+                        write_json)
 
 K = 1024
 # ---- Part 1 and exercise 1
@@ -51,7 +52,7 @@ ECON_CONTEXTS = [1 * K, 4 * K, 10_000, 32 * K, 128 * K]
 
 # The handout's figures, printed beside ours (reference only; nothing below is computed from them)
 HANDOUT = {
-    "kib": {"llama-3.1-8b": "128 KiB", "llama-3.1-70b": "320 KiB (327,680 B)", "llama-2-7b": "512 KiB",
+    "kib": {"llama-3.1-8b": "128 KiB", "llama-3.1-70b": "320 KiB", "llama-2-7b": "512 KiB",
             "deepseek-r1": "68.6 KiB", "city": "512 B (FP16)", "record": "512 B (FP16)"},
     "70b_32k": "10.7 GB", "day_tb": "15.9 TB (slides: ~15 TB)", "recompute_16k": "0.97 s",
     "breakeven": "4-6 GB/s", "ex2_gbit": "14.4 Gb/s", "breakeven_pct": "1.06%", "savings": "$33M",
@@ -106,7 +107,7 @@ def ctx_name(n):
 
 def print_part1(rows, day, a):
     bf16 = a.bytes_per_value == 2
-    print(f"\n== Part 1. KV size ({'BF16; FP16 for the small models' if bf16 else f'{a.bytes_per_value:g} bytes per value'}) "
+    print(f"\n== Part 1 (§1.2). KV size ({'BF16; FP16 for the small models' if bf16 else f'{a.bytes_per_value:g} bytes per value'}) "
           + "=" * 40)
     body = []
     for key, r in rows.items():
@@ -114,12 +115,12 @@ def print_part1(rows, day, a):
         body.append([r["name"], r["tag"], r["layers"], heads, r["head_dim"] or "-", f"{r['bytes_per_token']:,}",
                      f"{r['bytes_per_token'] / 1024:.1f}"] + [fmt_bytes(b) for b in r["sizes"].values()]
                     + [HANDOUT["kib"].get(key, "-") if bf16 else "-"])
-    print(table(["model", "attention", "layers", "KV heads", "head dim", "bytes/token", "KiB/token"]
+    print(table(["model", "attention", "layers", "KV heads", "hd", "B/token", "KiB/tok"]
                 + [ctx_name(n) for n in SIZE_CONTEXTS] + ["handout"], body))
-    print("  (KV heads x head dim x 2 (K and V) x layers x 2 bytes; MLA caches one latent + one RoPE key per layer)")
+    say("  (KV heads x head dim (hd) x 2 (K and V) x layers x 2 bytes; MLA caches one latent + one RoPE key per layer)")
 
     per_tok = tm.kv_bytes_per_token(DAY_MODEL, a.bytes_per_value)
-    print(f"\nOne GPU's day: {tm.GPUS[DAY_GPU].name} serving {tm.MODELS[DAY_MODEL].name} at {DAY_TOKENS_PER_S:,} tokens/s")
+    print(f"\nOne GPU's day (§1.2): {tm.GPUS[DAY_GPU].name} serving {tm.MODELS[DAY_MODEL].name} at {DAY_TOKENS_PER_S:,} tokens/s")
     print(table(["quantity", "ours", "handout"], [
         ["KV per token", f"{per_tok / 1024:.1f} KiB ({per_tok:,} B)",
          HANDOUT["kib"]["deepseek-r1"] if bf16 and DAY_MODEL == HANDOUT_DAY["model"] else "-"],
@@ -130,7 +131,7 @@ def print_part1(rows, day, a):
 
     b = tm.kv_bytes_per_token(a.model, a.bytes_per_value)
     is_ref = a.model == "llama-3.1-70b" and a.context == 32 * K and a.bytes_per_value == 2
-    print(f"\nExercise 1: {tm.MODELS[a.model].name}, {a.context:,} tokens, {a.bytes_per_value} bytes/value")
+    print(f"\nExercise 1 (§1.2, §10): {tm.MODELS[a.model].name}, {a.context:,} tokens, {a.bytes_per_value} bytes/value")
     print(table(["quantity", "ours", "handout"], [
         ["KV bytes per token", f"{b:,} B = {b / 1024:g} KiB", HANDOUT["ex1_per_token"] if is_ref else "-"],
         [f"KV of {a.context:,} tokens", fmt_bytes(b * a.context), HANDOUT["70b_32k"] if is_ref else "-"],
@@ -139,10 +140,10 @@ def print_part1(rows, day, a):
 
 def print_part2(rows, ex2, a):
     g, m = tm.GPUS[a.gpu], tm.MODELS[a.model]
-    print(f"\n== Part 2. Fetch or recompute: {m.name} on {a.n_gpus} x {g.name} " + "=" * 30)
-    print(f"time model: MFU {tm.MFU:.3f} (fitted to {tm.ANCHOR_1GPU[0]} {tm.ANCHOR_1GPU[2]:,} tokens on 1 {tm.ANCHOR_1GPU[1]} "
-          f"= {tm.ANCHOR_1GPU[4]} s), TP all-reduce efficiency {tm.TP_COMM_EFFICIENCY:.3f} (fitted to "
-          f"{tm.ANCHOR_TP[0]} {tm.ANCHOR_TP[2]:,} tokens on {tm.ANCHOR_TP[3]} {tm.ANCHOR_TP[1]} = {tm.ANCHOR_TP[4]} s)")
+    print(f"\n== Part 2 (§1.3, §1.4). Fetch or recompute: {m.name} on {a.n_gpus} x {g.name} " + "=" * 30)
+    say(f"time model: MFU {tm.MFU:.3f} (fitted to {tm.ANCHOR_1GPU[0]} {tm.ANCHOR_1GPU[2]:,} tokens on 1 {tm.ANCHOR_1GPU[1]} "
+        f"= {tm.ANCHOR_1GPU[4]} s), TP all-reduce efficiency {tm.TP_COMM_EFFICIENCY:.3f} (fitted to "
+        f"{tm.ANCHOR_TP[0]} {tm.ANCHOR_TP[2]:,} tokens on {tm.ANCHOR_TP[3]} {tm.ANCHOR_TP[1]} = {tm.ANCHOR_TP[4]} s)")
     print("tiers: " + ", ".join(f"{k} {bw / 1e9:g} GB/s" for k, bw in ledger.TIERS.items()))
     is_ref = a.model == "llama-3.1-70b" and a.gpu == "H100" and a.n_gpus == 8
     body = []
@@ -156,12 +157,14 @@ def print_part2(rows, ex2, a):
                      f"{r['breakeven_bytes_per_s'] / 1e9:.2f}"]
                     + [f"{t:.3f}" + ("*" if t > r["recompute_s"] else " ") for t in r["fetch_s"].values()]
                     + [", ".join(ref) or "-"])
-    print(table(["context", "KV", "recompute s", "break-even GB/s"] + [f"{k} s" for k in ledger.TIERS] + ["handout"], body))
+    print(table(["context", "KV", "recompute s", "break-even"] + list(ledger.TIERS) + ["handout"], body,
+                "break-even: GB/s at which fetching the KV takes as long as recomputing it; then the seconds to fetch "
+                "it from each tier"))
     print("  * slower than recomputing: storing it there was wasted")
 
     thr = ex2["threshold_bytes_per_s"]
     is_ref2 = is_ref and a.compression == 3 and a.recompute_context == 16 * K and a.bytes_per_value == 2
-    print(f"\nExercise 2: {ex2['context']:,} tokens, KV {fmt_bytes(ex2['raw_bytes'])} compressed {a.compression:g}x "
+    print(f"\nExercise 2 (§1.4, §10): {ex2['context']:,} tokens, KV {fmt_bytes(ex2['raw_bytes'])} compressed {a.compression:g}x "
           f"-> {fmt_bytes(ex2['raw_bytes'] / a.compression)}, recompute {ex2['recompute_s']:.3f} s")
     print(table(["quantity", "ours", "handout"], [
         ["break-even bandwidth (raw KV)", f"{ex2['raw_bytes'] / ex2['recompute_s'] / 1e9:.2f} GB/s", "-"],
@@ -169,12 +172,12 @@ def print_part2(rows, ex2, a):
          HANDOUT["ex2_gbit"] if is_ref2 else "-"],
     ]))
     if is_ref2:
-        print("  (the handout's 14.4 takes the bytes of 16,000 tokens but the time of 16K = 16,384; "
-              "either length alone gives the figure above)")
+        say("  (the handout's 14.4 takes the bytes of 16,000 tokens but the time of 16K = 16,384; "
+            "either length alone gives the figure above)")
 
 
 def print_part3(slides, ours, a):
-    print("\n== Part 3. Is storing KV worth it? " + "=" * 54)
+    print("\n== Part 3 (§1.3). Is storing KV worth it? " + "=" * 47)
     print("(a) the slides' account. Assumptions:")
     print(table(["assumption", "value", "source"], [
         ["GPU price", f"${a.gpu_hour_usd:g}/GPU-hour x {GPUS_PER_NODE} GPUs = ${slides['node_usd_per_h']:g}/node-hour", "slides p.9"],
@@ -200,8 +203,9 @@ def print_part3(slides, ours, a):
           "  $29M subtracts the storage from it a second time.")
 
     m = tm.MODELS[a.model]
-    print(f"\n(b) our account: {m.name} on {a.n_gpus} x {tm.GPUS[a.gpu].name} at ${a.gpu_hour_usd:g}/GPU-hour, "
-          f"storage ${a.storage_usd_per_tb_hour:g}/TB-hour; a hit saves the recompute")
+    print()
+    say(f"(b) our account: {m.name} on {a.n_gpus} x {tm.GPUS[a.gpu].name} at ${a.gpu_hour_usd:g}/GPU-hour, "
+        f"storage ${a.storage_usd_per_tb_hour:g}/TB-hour; a hit saves the recompute")
     is_ref = a.model == "llama-3.1-70b" and a.gpu == "H100" and a.n_gpus == 8 and a.bytes_per_value == 2 \
         and a.gpu_hour_usd == HANDOUT_SLIDES["gpu_hour_usd"] \
         and a.storage_usd_per_tb_hour == HANDOUT_SLIDES["storage_usd_per_tb_hour"]
@@ -214,8 +218,8 @@ def print_part3(slides, ours, a):
     print(table(["context", "KV", "storage $/h", "recompute s", "hit saves $", "break-even hits/h",
                  "hits/week", "handout"], body))
     print("  longer contexts pay off sooner: recompute grows faster than linearly (attention), storage linearly.")
-    print("  (the slides' 'a cached prompt reused 2-3 times a week' depends on a request mix they do not give;"
-          " this account needs the weekly hits above)")
+    say("  (the slides' 'a cached prompt reused 2-3 times a week' depends on a request mix they do not give;"
+        " this account needs the weekly hits above)")
 
 
 # ----------------------------------------------------------------------------------------- figures

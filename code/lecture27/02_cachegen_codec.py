@@ -47,7 +47,8 @@ import torch  # noqa: E402
 import codec_real as cr  # noqa: E402
 import codec_study as cs  # noqa: E402
 import kvcache as kv  # noqa: E402
-from common.cli import Parser, figure_path, positive_float, table, write_json  # noqa: E402
+import blend_world as bw  # noqa: E402
+from common.cli import Parser, figure_path, positive_float, say, table, write_json  # noqa: E402
 
 SENSITIVITY_STEPS = (1, 2, 4, 8)  # Part 1b: coarse steps for one layer's K+V, in units of its RMS
 SENSITIVITY_STEP = 4.0      # Part 1b: the coarse step for K alone and V alone
@@ -66,6 +67,8 @@ HANDOUT = {
     "measured": "no loss; 1.66x < 8-bit, 1.28x < 6-bit", "vs_8bit": "1.66x", "vs_6bit": "1.28x",
     "coder": "a fraction of a byte", "level3": "74%",
     "ex4_entropy": "1.40", "ex4_fixed": "3",
+    # §3.4: CacheGen on LLaMA, and the slides' ranges
+    "cachegen_vs_8bit": "3.5-4.3x", "slides_kv": "3-10x smaller KV", "slides_transfer": "2-8x faster transfer",
 }
 HANDOUT_EX4_PROBS = {0: 0.70, 1: 0.12, -1: 0.12, 2: 0.03, -2: 0.03}   # the distribution of exercise 4
 KV_NAMES = ("K", "V")
@@ -250,7 +253,7 @@ def print_part1(r, args):
     rows = [[f"layer {l} {KV_NAMES[k]}", f"{d['anchor'][l, k]:.2f}x", f"{d['previous'][l, k]:.2f}x",
              HANDOUT["delta_ratio"] if l == 0 and k == 0 else ""] for l in range(L) for k in range(2)]
     print(table(["", "raw/delta var (anchor)", "raw/delta var (previous)", "CacheGen"], rows,
-                "Part 1a. Token locality: variance of raw values over variance of deltas (>1: deltas are smaller)"))
+                "Part 1a (§3.2). Token locality: variance of raw values over variance of deltas (>1: deltas are smaller)"))
     sens, a = r["sensitivity"], args.sensitivity_step
     rows = [[f"layer {l}", *(f"{100 * sens[(l, 'K+V', x)]:.1f}%" for x in r["sens_steps"]),
              f"{100 * sens[(l, 'K', a)]:.1f}%", f"{100 * sens[(l, 'V', a)]:.1f}%",
@@ -258,13 +261,13 @@ def print_part1(r, args):
     print()
     print(table(["", *(f"K+V @{x:g}" for x in r["sens_steps"]), f"K @{a:g}", f"V @{a:g}",
                  "measured steps K / V"], rows,
-                f"Part 1b. Layer sensitivity: one layer rounded to steps of @ x its RMS, the rest exact (FP16: "
-                f"{100 * s['acc_fp16']:.2f}%); last column: the coarsest steps (x RMS) the search kept.\n"
+                f"Part 1b (§3.2). Layer sensitivity: one layer rounded to steps of @ x its RMS, the rest exact (FP16: "
+                f"{100 * s['acc_fp16']:.2f}%);\nlast column: the coarsest steps (x RMS) the search kept. "
                 f"CacheGen: shallow layers are the most sensitive."))
     print()
-    print_entropy(r["entropy"], f"Part 1c. Entropy of the values quantized at level {ENTROPY_LEVEL}'s steps, tables "
-                  f"fitted on calibration contexts, measured on evaluation contexts. CacheGen: {HANDOUT['entropy']}; "
-                  f"by token position hardly helps.")
+    print_entropy(r["entropy"], f"Part 1c (§3.2, §3.3). Entropy of the values quantized at level {ENTROPY_LEVEL}'s "
+                  f"steps, tables fitted on calibration contexts,\nmeasured on evaluation contexts. CacheGen: "
+                  f"{HANDOUT['entropy']}; by token position hardly helps.")
 
 
 def print_entropy(ent, title):
@@ -280,18 +283,29 @@ def print_part2(r):
     rows = [[name, f"{b:.1f}", f"{fp16_b / b:.2f}x", f"{100 * a:.2f}%", h] for name, b, a, h in codec_rows(r)]
     print()
     print(table(["codec", "bytes/token", "ratio to FP16", "accuracy", "handout"], rows,
-                "Part 2. The codec table (accuracy on unseen records; the arithmetic-coded rows count every byte of "
-                f"the bitstream, header included, on {cs.CODEC_N_CODED} coded contexts)"))
+                "Part 2 (§3.4). The codec table (accuracy on unseen records; the arithmetic-coded rows count\n"
+                f"every byte of the bitstream, header included, on {cs.CODEC_N_CODED} coded contexts)"))
     m = s["variants"]["delta" if s["delta"] else "raw"]
     b8, b6 = r["baselines"]["8-bit"][0], r["baselines"]["6-bit"][0]
     per_token = {k: s["calib_bits"][k] / 8 / s["n_calib"] / r["tokens"] for k in ("delta", "raw")}
-    print(f"Measured codec: {b8 / m['bytes_per_token']:.2f}x smaller than 8-bit (handout {HANDOUT['vs_8bit']}), "
-          f"{b6 / m['bytes_per_token']:.2f}x smaller than 6-bit (handout {HANDOUT['vs_6bit']}), accuracy "
-          f"{100 * (m['accuracy'] - acc16):+.2f} points vs FP16. Mode chosen on calibration bits: "
-          f"{'anchor+delta' if s['delta'] else 'no deltas'} (calibration: {per_token['delta']:.1f} "
-          f"vs {per_token['raw']:.1f} B/token with / without deltas). "
-          f"Recipe: steps / RMS by layer {', '.join(f'{x[0]:.3g}' for x in s['recipe']['steps_over_rms'])}, "
-          f"sized to the measured codec's bytes.")
+    say(f"Measured codec: {b8 / m['bytes_per_token']:.2f}x smaller than 8-bit (handout {HANDOUT['vs_8bit']}), "
+        f"{b6 / m['bytes_per_token']:.2f}x smaller than 6-bit (handout {HANDOUT['vs_6bit']}), accuracy "
+        f"{100 * (m['accuracy'] - acc16):+.2f} points vs FP16.")
+    say(f"Mode chosen on calibration bits: {'anchor+delta' if s['delta'] else 'no deltas'} (calibration: "
+        f"{per_token['delta']:.1f} vs {per_token['raw']:.1f} B/token with / without deltas). Recipe: steps / RMS by "
+        f"layer {', '.join(f'{x[0]:.3g}' for x in s['recipe']['steps_over_rms'])}, sized to the measured codec's bytes.")
+    print_headline(b8, fp16_b, m["bytes_per_token"], "record-world model")
+
+
+def print_headline(b8, fp16_b, measured_b, model_name):
+    """§3.4's headline: CacheGen's size against 8-bit quantization and the slides' ranges, ours beside them."""
+    print(table(["§3.4 headline", "ours", "CacheGen / slides"], [
+        ["smaller than 8-bit quantization", f"{b8 / measured_b:.2f}x", f"{HANDOUT['cachegen_vs_8bit']} (LLaMA)"],
+        ["KV smaller than FP16", f"{fp16_b / measured_b:.2f}x", HANDOUT["slides_kv"]],
+        ["transfer faster than FP16 KV, same link", f"{fp16_b / measured_b:.2f}x", HANDOUT["slides_transfer"]]],
+        f"  {model_name}: the measured codec (level 0) beside CacheGen's figures"))
+    say("  At a fixed bandwidth transfer time is bytes / bandwidth, so our transfer speed-up is the size ratio; "
+        "the slides' transfer range is end to end (decoding and network included).")
 
 
 def print_part3(r):
@@ -302,29 +316,62 @@ def print_part3(r):
              str(one["roundtrip_exact"]), HANDOUT["coder"]],
             [f"{many['contexts']} contexts, codec bitstreams", f"{many['symbols']:,}", f"{many['ideal_bytes']:.1f}",
              f"{many['bytes']:,}", f"{many['bytes'] - many['ideal_bytes']:+.1f}", str(many["roundtrip_exact"]),
-             "(headers, per-group streams)"]]
-    print(table(["Part 3. Arithmetic coder (level 0)", "symbols", "ideal bytes", "actual bytes", "actual - ideal",
-                 "bit-exact", "handout"], rows))
-    print(f"Coder throughput (pure Python, this run): encode {many['encode_sym_per_s']:,.0f} symbols/s, "
-          f"decode {many['decode_sym_per_s']:,.0f} symbols/s. Lossless: the loss is only in quantization.")
+             "(headers, groups)"]]
+    print(table(["stream", "symbols", "ideal bytes", "actual bytes", "actual - ideal",
+                 "bit-exact", "handout"], rows, "Part 3 (§3.3). Arithmetic coder (level 0)"))
+    say(f"Coder throughput (pure Python, this run): encode {many['encode_sym_per_s']:,.0f} symbols/s, "
+        f"decode {many['decode_sym_per_s']:,.0f} symbols/s. Lossless: the loss is only in quantization.")
+    say(f"  ideal = -sum log2 p of the symbols under the coder's own tables, in bytes; actual = the whole bytes "
+        f"written. The coder ends by writing just enough bits to name one number inside its final interval (whose "
+        f"width is the message's probability): usually a bit or two over the ideal, and a fraction of a byte below "
+        f"it when that interval holds a short binary fraction (here {one['actual_bytes'] - one['ideal_bytes']:+.2f} "
+        f"B). The codec's bitstreams add headers and one stream per group.")
+
+
+def handout_share(text: str) -> float:
+    """"74%" -> 0.74 (a handout figure, for a comparison in the printed explanation only)."""
+    return float(text.rstrip("%")) / 100
+
+
+def level_noise(levels, n_answers: int) -> list[float]:
+    """Binomial standard error of each level's accuracy over n_answers answers (answers of one document
+    share its context, so this is a lower bound on the noise)."""
+    return [(lv["accuracy"] * (1 - lv["accuracy"]) / n_answers) ** 0.5 for lv in levels]
 
 
 def print_levels(r):
     fp16_b = r["baselines"]["FP16"][0]
+    levels = r["study"]["levels"]
+    n = r["study"]["n_eval"] * bw.N_RECORDS
+    se = level_noise(levels, n)
     print()
     rows = [[f"level {lv['level']}", f"{kv.LEVEL_FACTOR ** lv['level']:g}x", f"{lv['bytes_per_token']:.1f}",
              f"{lv['bits_per_value']:.2f}", f"{fp16_b / lv['bytes_per_token']:.2f}x", f"{100 * lv['accuracy']:.2f}%",
-             HANDOUT["level3"] if lv["level"] == 3 else ""] for lv in r["study"]["levels"]]
-    print(table(["level (for 03)", "steps", "bytes/token", "bits/value", "ratio to FP16", "accuracy", "handout"], rows,
-                "Quality levels of the measured codec (codec_study.codec_levels(), read by 03_streaming.py)"))
+             f"{100 * e:.2f}", HANDOUT["level3"] if lv["level"] == 3 else ""] for lv, e in zip(levels, se)]
+    print(table(["level (for 03)", "steps", "bytes/token", "bits/value", "ratio to FP16", "accuracy", "+- SE pts",
+                 "handout"], rows,
+                "Quality levels (§4.2) of the measured codec (codec_study.codec_levels(), read by 03_streaming.py)"))
+    top, last = levels[0], levels[-1]
+    gap = top["accuracy"] - last["accuracy"]
+    noise = (se[0] ** 2 + se[-1] ** 2) ** 0.5
+    say(f"  +- SE: binomial standard error over {n:,} answers. Level {last['level']} answers "
+        f"{100 * gap:.2f} points below level {top['level']}, "
+        + (f"within two standard errors ({200 * noise:.2f}): the levels' accuracies are within noise"
+           if gap <= 2 * noise else f"{gap / noise:.0f} standard errors: a real loss")
+        + f". The handout's small model answered {HANDOUT['level3']} at level 3"
+        + ("; this record-world model tolerates coarse steps where Part 1b finds it insensitive, and the levels "
+           "scale the steps the search measured on it." if last["accuracy"] > handout_share(HANDOUT["level3"])
+           else "."))
 
 
 def print_exercise3(r):
     e3 = r["ex3"]
-    print(f"\nExercise 3. The {e3['groups']} groups of a context decode one at a time, last first, each from its own "
-          f"bytes: equal to the full decode = {e3['alone_equal']}. One byte flipped in group {e3['damaged_group']}'s "
-          f"payload spoils groups {e3['spoiled_groups']} only. A token needs only its anchor; with deltas to the previous "
-          f"token, position p needs all p tokens before it (serial), and errors add up along the chain:")
+    print()
+    say(f"Exercise 3 (§3.3, §10). The {e3['groups']} groups of a context decode one at a time, last first, each "
+        f"from its own bytes: equal to the full decode = {e3['alone_equal']}. One byte flipped in group "
+        f"{e3['damaged_group']}'s payload spoils groups {e3['spoiled_groups']} only. A token needs only its anchor; "
+        f"with deltas to the previous token, position p needs all p tokens before it (serial), and errors add up "
+        f"along the chain:", indent=4)
     rows = [[p, f"{a:.3f}", f"{c:.3f}"] for p, a, c in e3["error_by_position"]]
     print(table(["position in group", "|error|/step, anchor", "|error|/step, previous-token chain"], rows))
 
@@ -337,18 +384,20 @@ def exercise4() -> dict:
 def print_exercise4(e4):
     same = EX4_PROBS == HANDOUT_EX4_PROBS
     probs = ", ".join(f"{v:+d}: {p:g}" if v else f"0: {p:g}" for v, p in sorted(EX4_PROBS.items(), key=lambda vp: -vp[1]))
-    print(f"\nExercise 4. Entropy of {{{probs}}} = {e4['entropy_bits']:.3f} bits (handout "
-          f"{HANDOUT['ex4_entropy'] if same else '-'}); the coder spends {e4['coded_bits_per_symbol']:.3f} bits/value on "
-          f"{EX4_SAMPLES:,} samples (ideal under its table {e4['ideal_bits_per_symbol']:.3f}); a fixed-length code needs "
-          f"{e4['fixed_bits']} bits (handout {HANDOUT['ex4_fixed'] if same else '-'}); round trip exact: "
-          f"{e4['roundtrip_exact']}.")
+    print()
+    say(f"Exercise 4 (§3.3, §10). Entropy of {{{probs}}} = {e4['entropy_bits']:.3f} bits (handout "
+        f"{HANDOUT['ex4_entropy'] if same else '-'}); the coder spends {e4['coded_bits_per_symbol']:.3f} bits/value on "
+        f"{EX4_SAMPLES:,} samples (ideal under its table {e4['ideal_bits_per_symbol']:.3f}); a fixed-length code needs "
+        f"{e4['fixed_bits']} bits (handout {HANDOUT['ex4_fixed'] if same else '-'}); round trip exact: "
+        f"{e4['roundtrip_exact']}.", indent=4)
 
 
 def report(r, args):
     s = r["study"]
-    print(f"Record-world model: {s['n_calib']} calibration documents (seed {cs.CODEC_CALIB_SEED}), {s['n_eval']} "
-          f"evaluation documents (seed {cs.CODEC_EVAL_SEED}), {r['tokens']} context tokens each, "
-          f"{r['values_per_token']} K/V values per token.\n")
+    say(f"Record-world model: {s['n_calib']} calibration documents (seed {cs.CODEC_CALIB_SEED}), {s['n_eval']} "
+        f"evaluation documents (seed {cs.CODEC_EVAL_SEED}), {r['tokens']} context tokens each, "
+        f"{r['values_per_token']} K/V values per token.")
+    print()
     print_part1(r, args)
     print_part2(r)
     print_part3(r)
@@ -401,7 +450,9 @@ def figures(r):
     p2 = figure_path("02_codec_pareto.png")
     fig.savefig(p2, dpi=120)
     plt.close(fig)
-    print(f"\nfigures: {p1}, {p2}")
+    print()
+    for path in (p1, p2):
+        print(f"figure: {path}")
 
 
 def to_json(r, args):
@@ -475,8 +526,10 @@ def measure_real(path, refit: bool) -> dict:
 
 def report_real(r):
     d, L = r["delta_ratio"], r["L"]
-    print(f"\n{r['info']['name']} ({L} layers, {r['C'] // 64} KV heads x 64): {r['n_calib']} calibration and "
-          f"{r['n_eval']} evaluation paragraphs of the project's own prose, {r['tokens']} context tokens each.\n")
+    print()
+    say(f"{r['info']['name']} ({L} layers, {r['C'] // 64} KV heads x 64): {r['n_calib']} calibration and "
+        f"{r['n_eval']} evaluation paragraphs of the project's own prose, {r['tokens']} context tokens each.")
+    print()
     group = kv.layer_groups(L)
     thirds = [np.flatnonzero(group == i) for i in range(3)]
     rows = [[f"layers {g[0]}-{g[-1]} {KV_NAMES[k]}", f"{d['anchor'][g, k].mean():.2f}x",
@@ -484,25 +537,28 @@ def report_real(r):
              f"{d['previous'][g, k].min():.2f}-{d['previous'][g, k].max():.2f}x", HANDOUT["delta_ratio"] if i == k == 0 else ""]
             for i, g in enumerate(thirds) for k in range(2)]
     print(table(["", "anchor: mean", "range", "previous: mean", "range", "CacheGen"], rows,
-                "Part 1a (real model). Variance of raw values over variance of deltas, by thirds of the layers (>1: deltas smaller)"))
+                "Part 1a (§3.2, real model). Variance of raw values over variance of deltas, by thirds of the layers\n"
+                "(>1: deltas smaller)"))
     print()
-    print_entropy(r["entropy"], f"Part 1c (real model). Entropy at steps of {REAL_ENTROPY_STEP:g} x RMS, tables fitted "
+    print_entropy(r["entropy"], f"Part 1c (§3.2, real model). Entropy at steps of {REAL_ENTROPY_STEP:g} x RMS, tables fitted "
                                 f"on calibration prose")
     fp16_b = r["rows"]["FP16"][0]
     rows = [[n, f"{b:,.0f}", f"{fp16_b / b:.2f}x", f"{q['nll']:.4f}", f"{q['kl']:.4f}",
              f"{100 * q['agree']:.1f}%"] for n, (b, q) in r["rows"].items()]
     print()
     print(table(["codec", "bytes/token", "ratio to FP16", "NLL (nats/token)", "KL from FP16", "top-1 = FP16's"], rows,
-                f"Part 2 (real model). Continuations of {cr.REAL_CONTINUATION} tokens attending to the decoded context KV "
-                f"(coded rows: bytes of {cr.REAL_CODED} contexts really coded, bit-exact round trip checked)"))
-    print("Measured steps / RMS (shallow, middle, deep thirds; K / V): "
-          + ", ".join(f"{k:.3g} / {v:.3g}" for k, v in r["rel_steps"])
-          + f"; KL from FP16 kept below {cr.REAL_MAX_KL} nats/token on calibration prose; recipe sized to the same bytes.")
+                f"Part 2 (§3.4, real model). Continuations of {cr.REAL_CONTINUATION} tokens attending to the decoded "
+                f"context KV\n(coded rows: bytes of {cr.REAL_CODED} contexts really coded, bit-exact round trip checked)"))
+    say("Measured steps / RMS (shallow, middle, deep thirds; K / V): "
+        + ", ".join(f"{k:.3g} / {v:.3g}" for k, v in r["rel_steps"])
+        + f"; KL from FP16 kept below {cr.REAL_MAX_KL} nats/token on calibration prose; recipe sized to the same bytes.")
+    measured = next(b for n, (b, _) in r["rows"].items() if n.startswith("measured"))
+    print_headline(r["rows"]["8-bit"][0], fp16_b, measured, r["info"]["name"])
     print()
     print(table(["level (03 Part 2c)", "steps", "bytes/token", "bits/value", "KL from FP16", "top-1 = FP16's"],
                 [[f"level {lv['level']}", f"{kv.LEVEL_FACTOR ** lv['level']:.3g}x", f"{lv['bytes_per_token']:,.0f}",
                   f"{lv['bits_per_value']:.2f}", f"{lv['kl']:.4f}", f"{100 * lv['agree']:.1f}%"] for lv in r["levels"]],
-                "Quality levels of the measured codec on the real model (codec_real.real_codec_levels(), read by 03)"))
+                "Quality levels (§4.2) of the measured codec on the real model (codec_real.real_codec_levels(), read by 03)"))
 
 
 def to_json_real(r):

@@ -1,7 +1,7 @@
 """03 -- CacheGen part two (handout §4): when to send KV and when to send text, and adapting to a link
 whose bandwidth changes while a context streams in.
 
-    python code/lecture27/03_streaming.py                       # Parts 1-3, two figures
+    python code/lecture27/03_streaming.py                       # Parts 1-3, four figures
     python code/lecture27/03_streaming.py --json out.json       # + headline figures as JSON
     python code/lecture27/03_streaming.py --trace my.csv --slo 3 --chunk-tokens 1024
     python code/lecture27/03_streaming.py --long-context 65536  # Part 2b with a 64K-token context
@@ -25,7 +25,7 @@ Part 4 (§4.2 on many traces, --trace-suite N): one trace shows a mechanism, not
         CacheGen's evaluation replays many bandwidth traces; here N seeded Markov-chain traces x two
         contexts x both level sets, and per policy the SLO-violation rate, TTFT, quality and recomputed
         tokens, a CDF of TTFT, and the promise checked: adaptive meets the SLO wherever a fixed policy does.
-The codec's four levels come from kvcache.codec_levels() (measured by 02 on the record-world model) and,
+The codec's four levels come from codec_study.codec_levels() (measured by 02 on the record-world model) and,
 for Part 2c, codec_real.real_codec_levels() (fitted on first use, about 2 minutes, then cached); the
 simulation, the policy and the oracle are in streaming.py. Recompute times: common/timemodel.py.
 """
@@ -34,16 +34,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import codec_real as cr  # noqa: E402
-import codec_study as kv  # noqa: E402
+import codec_study  # noqa: E402
 import streaming as st  # noqa: E402
 from common import timemodel as tm  # noqa: E402
-from common.cli import Parser, fail, figure_path, positive_float, positive_int, table, write_json  # noqa: E402
+from common.cli import Parser, fail, figure_path, positive_float, positive_int, say, table, write_json  # noqa: E402
 
 from common.gguf_llama import smollm2_or_explain  # noqa: E402
 
@@ -82,6 +81,7 @@ HANDOUT = {
              "chosen by the time left (this small model's level 3 answers only 74%)",
     "codec_vs_8bit": 1.66,   # §3: the handout's lossless codec is 1.66x smaller than 8-bit quantization
     "steady": "the finest level throughout",
+    "cachegen_delay": "3.2-3.7x",   # §4.1: CacheGen's delay to fetch and process a context vs quantization
     "chunks": "large chunks react late; small chunks recompute in small GPU batches",
 }
 SUITE_SHOWN = ["adaptive", "naive adaptive", "always level0", "always text", "oracle"]
@@ -104,7 +104,7 @@ def load_levels(path: str | None) -> list[dict]:
     """The codec's levels: kvcache.codec_levels() (measured by 02, cached), or a JSON file of
     [{"level", "bits_per_value", "accuracy"}, ...] (for exercises and tests)."""
     if path is None:
-        return kv.codec_levels()  # trains the record model and fits the codec on first use
+        return codec_study.codec_levels()  # trains the record model and fits the codec on first use
     try:
         levels = json.loads(Path(path).read_text())
         for lv in levels:
@@ -148,6 +148,11 @@ def part1(levels, lossless, bandwidths, half=HALF_EFFICIENCY_TOKENS):
         ttft = st.whole_context_ttft(MODEL, GPU, N_GPUS, CONTEXT, g, opts, half)
         rows.append({"gbps": g, "ttft": ttft, "fastest": min(ttft, key=ttft.get),
                      "best": min(no_loss, key=ttft.get)})
+    eight = st.Option("8-bit", 8 * tm.kv_bytes_per_token(MODEL) / 2, lossless, bits_per_value=8.0)
+    finest = next(o for o in opts if not o.recompute and o.name != "raw")
+    for r in rows:   # §4.1's headline: CacheGen's delay against the quantization baseline
+        r["vs_8bit"] = st.whole_context_ttft(MODEL, GPU, N_GPUS, CONTEXT, r["gbps"], [eight], half)["8-bit"] \
+            / r["ttft"][finest.name]
     recompute = tm.prefill_time(MODEL, GPU, CONTEXT, 0, N_GPUS)
     # break-even: the bandwidth at which fetching an option's bits takes as long as recomputing
     breakeven = {o.name: o.bits_per_token * CONTEXT / recompute / st.GBIT for o in opts if not o.recompute}
@@ -260,14 +265,6 @@ def part4(level_sets, n, seed, slo, chunk_tokens, half=HALF_EFFICIENCY_TOKENS):
 
 
 # ---------------------------------------------------------------------------------------- printing
-def say(text: str, indent: int | None = None) -> None:
-    """Print a paragraph wrapped at 120 characters; continuation lines indented by `indent` (default: the
-    paragraph's own indent + 4)."""
-    lead = len(text) - len(text.lstrip(" "))
-    print(textwrap.fill(text, 120, subsequent_indent=" " * (lead + 4 if indent is None else indent),
-                        break_long_words=False, break_on_hyphens=False))
-
-
 def compact(choices):
     return " ".join(SHORT.get(c, c) for c in choices)
 
@@ -373,6 +370,15 @@ def print_part1(levels, lossless, lossless_src, opts, no_loss, rows, recompute, 
                 title=f"TTFT (context on the GPU), seconds.\n'best' = fastest of {sorted(no_loss)} "
                       f"(within {NO_LOSS_POINTS * 100:.1f} points of lossless)."))
     print(f"handout: {HANDOUT['part1']}")
+    vs = [r["vs_8bit"] for r in rows]
+    finest = next(o.name for o in opts if not o.recompute and o.name != "raw")
+    say(f"§4.1 headline: CacheGen fetches and processes a context {HANDOUT['cachegen_delay']} faster than the "
+        f"8-bit quantization baseline (LLaMA, measured end to end). Ours, 8-bit KV TTFT / {finest} TTFT over "
+        f"{BANDWIDTHS[0]:g}-{BANDWIDTHS[-1]:g} Gb/s: " + (f"{min(vs):.1f}x" if f"{min(vs):.1f}" == f"{max(vs):.1f}"
+                                                          else f"{min(vs):.1f}-{max(vs):.1f}x")
+        + f". With the transfer alone in the model it is the size ratio, 8 bits over {finest}'s "
+        f"{next(o.bits_per_value for o in opts if o.name == finest):.2f} bits per value (a record-world level); "
+        "CacheGen's figure also pays decoding, and its levels were fitted on LLaMA.")
     print()
     say(f"Note (§4.1, pitfall 1): {tm.MODELS[NOTE_MODEL].name} on one {NOTE_GPU} recomputes {CONTEXT:,} tokens in "
           f"{note['recompute_s']:.2f} s (handout {HANDOUT['8b_recompute_s']} s; the time model's anchor).")
@@ -421,8 +427,8 @@ def print_part2(setup, runs, steady, trace, slo, chunk_tokens):
 
 def print_part2_long(setup, runs, trace, slo):
     print()
-    print(f"== Part 2b (§4.2's trace and SLO, a longer context; not in the handout): {setup.context_tokens:,} tokens "
-          f"(--long-context;\nLLaMA-3.1 reads up to {MAX_CONTEXT // K}K)")
+    print(f"== Part 2b (§4.2's trace and SLO, a longer context; not in the handout): {setup.context_tokens:,} tokens\n"
+          f"(--long-context; LLaMA-3.1 reads up to {MAX_CONTEXT // K}K)")
     print_policies(runs, slo, fmt=runs_of)
     ex = explain(setup, runs, trace)
     print_shape(ex)
@@ -491,11 +497,11 @@ def print_part3(rows, slo, trace, half=HALF_EFFICIENCY_TOKENS):
     late = max(rows, key=lambda r: r["overrun_s"])
     drop = first_drop(trace)
     early = drop is not None and all(r["adaptive"].ttft_s <= drop[0] for r in rows)
-    print(f"ours:    small batches cost: all-text TTFT {min(text):.2f}-{max(text):.2f} s across chunk sizes;\n         "
-          + (f"reacting late: worst overrun {late['overrun_s']:.2f} s with {late['chunk_tokens']:,}-token chunks"
+    print(f"ours:    small batches cost: all-text TTFT {min(text):.2f}-{max(text):.2f} s across chunk sizes;")
+    say("         " + (f"reacting late: worst overrun {late['overrun_s']:.2f} s with {late['chunk_tokens']:,}-token chunks"
              if late["overrun_s"] > 1e-9 else
              "reacting late costs nothing here: no chunk ran past its predicted finish"
-             + (f" (at every size the context is in before the drop at {drop[0]:g} s)" if early else "")))
+             + (f" (at every size the context is in before the drop at {drop[0]:g} s)" if early else "")), indent=9)
 
 
 def print_part4(traces, cells, slo, chunk_tokens, seed):
@@ -575,7 +581,8 @@ def plot_trace(runs, trace, slo, path, title):
     fig, (top, bot) = plt.subplots(2, 1, figsize=(8, 5), sharex=True, gridspec_kw={"height_ratios": [1, 1.3]})
     ts = list(trace.times) + [end]
     top.step(ts, list(trace.gbps) + [trace.gbps[-1]], where="post", color="k")
-    top.set(ylabel="link, Gb/s", ylim=(0, max(trace.gbps) * 1.1), title=title)
+    top.set(ylabel="link, Gb/s", ylim=(0, max(trace.gbps) * 1.1))
+    top.set_title(title, fontsize=9)
     for i, (name, r) in enumerate(runs.items()):
         for row in r.rows:
             bot.barh(i, row["finish"] - row["start"], left=row["start"], color=COLORS.get(row["choice"]),
@@ -636,7 +643,7 @@ def policy_json(runs) -> dict:
 
 
 # -------------------------------------------------------------------------------------------- main
-def main(argv=None):
+def parse(argv):
     p = Parser(__doc__)
     p.add_argument("--trace", metavar="FILE", help="CSV 'time_s,gbit_per_s' per line (rate from that time on); "
                                                    "default: the TRACE constant (§4.2)")
@@ -644,7 +651,7 @@ def main(argv=None):
     p.add_argument("--chunk-tokens", type=positive_int, default=CHUNK_TOKENS, help="tokens per chunk (Part 2)")
     p.add_argument("--long-context", type=positive_int, default=LONG_CONTEXT,
                    help=f"tokens of context in Part 2b (at most {MAX_CONTEXT}, LLaMA-3.1's window)")
-    p.add_argument("--levels", metavar="FILE", help="JSON list of codec levels instead of kvcache.codec_levels()")
+    p.add_argument("--levels", metavar="FILE", help="JSON list of codec levels instead of codec_study.codec_levels()")
     p.add_argument("--half-tokens", type=positive_float, default=HALF_EFFICIENCY_TOKENS,
                    help="recompute batch size that runs at half speed (the small-batch assumption)")
     p.add_argument("--trace-suite", type=nonneg_int, default=SUITE_TRACES, metavar="N",
@@ -657,50 +664,72 @@ def main(argv=None):
         p.error(f"argument --chunk-tokens: at most the context, {CONTEXT}")
     if a.long_context > MAX_CONTEXT:
         p.error(f"argument --long-context: at most {MAX_CONTEXT} (LLaMA-3.1's context window)")
-    trace = load_trace(a.trace)
-    levels = load_levels(a.levels)
-    lossless, lossless_src = lossless_accuracy(levels)
+    return a
 
+
+def compute(a) -> dict:
+    """Every Part's numbers: the levels, Parts 1-3, Part 2c's real levels if SmolLM2 is at hand, Part 4."""
+    trace, levels = load_trace(a.trace), load_levels(a.levels)
+    lossless, lossless_src = lossless_accuracy(levels)
     half = a.half_tokens
-    opts, no_loss, rows, recompute, breakeven = part1(levels, lossless, BANDWIDTHS, half)
-    note = note_8b(levels)
-    setup, runs, steady = part2(levels, lossless, trace, a.slo, a.chunk_tokens, half)
-    long_setup, long_runs = part2_long(levels, lossless, trace, a.slo, a.chunk_tokens, a.long_context, half)
-    sizes = part3(levels, lossless, trace, a.slo, CHUNK_SIZES, half)
-    real = None
+    r = {"trace": trace, "levels": levels, "lossless": lossless, "lossless_src": lossless_src,
+         "part1": part1(levels, lossless, BANDWIDTHS, half), "note": note_8b(levels),
+         "part2": part2(levels, lossless, trace, a.slo, a.chunk_tokens, half),
+         "long": part2_long(levels, lossless, trace, a.slo, a.chunk_tokens, a.long_context, half),
+         "sizes": part3(levels, lossless, trace, a.slo, CHUNK_SIZES, half), "real": None, "suite": None}
     if not a.no_real and smollm2_or_explain(say=lambda msg: print(f"Part 2c skipped: {msg}")) is not None:
         real_levels = cr.real_codec_levels()  # fits the codec on SmolLM2 on first use (about 2 minutes)
-        real = (real_levels, *part2(real_levels, 1.0, trace, a.slo, a.chunk_tokens, half))
-    suite = None
+        r["real"] = (real_levels, *part2(real_levels, 1.0, trace, a.slo, a.chunk_tokens, half))
     if a.trace_suite:
-        sets = {"record-world" if a.levels is None else Path(a.levels).name: (levels, lossless)} | ({"SmolLM2": (real[0], 1.0)} if real else {})
-        suite = part4(sets, a.trace_suite, a.suite_seed, a.slo, a.chunk_tokens, half)
+        sets = {"record-world" if a.levels is None else Path(a.levels).name: (levels, lossless)}
+        sets |= {"SmolLM2": (r["real"][0], 1.0)} if r["real"] else {}
+        r["suite"] = part4(sets, a.trace_suite, a.suite_seed, a.slo, a.chunk_tokens, half)
+    return r
 
-    print_part1(levels, lossless, lossless_src, opts, no_loss, rows, recompute, breakeven, note)
-    print_part2(setup, runs, steady, trace, a.slo, a.chunk_tokens)
-    print_part2_long(long_setup, long_runs, trace, a.slo)
+
+def report(r, a):
+    print_part1(r["levels"], r["lossless"], r["lossless_src"], *r["part1"], r["note"])
+    print_part2(*r["part2"], r["trace"], a.slo, a.chunk_tokens)
+    print_part2_long(*r["long"], r["trace"], a.slo)
+    if r["real"]:
+        print_part2_real(*r["real"], r["trace"], a.slo)
+    print_part3(r["sizes"], a.slo, r["trace"], a.half_tokens)
+    if r["suite"]:
+        print_part4(*r["suite"], a.slo, a.chunk_tokens, a.suite_seed)
+
+
+def figures(r, a):
+    opts, _, rows, _, _ = r["part1"]
+    _, runs, _ = r["part2"]
+    trace, real = r["trace"], r["real"]
+    paths = plot(opts, rows, runs, trace, a.slo)
+    long_setup, long_runs = r["long"]
+    paths.append(figure_path("03_trace_choices_long.png"))
+    ad, l0 = long_runs["adaptive"], long_runs["always level0"]
+    plot_trace(long_runs, trace, a.slo, paths[-1],
+               f"Part 2b, {long_setup.context_tokens // K}K tokens: adaptive coarsens after the drop\n"
+               f"(TTFT {ad.ttft_s:.2f} s vs always level0 {l0.ttft_s:.2f} s; SLO {a.slo:g} s)")
     if real:
-        print_part2_real(*real, trace, a.slo)
-    print_part3(sizes, a.slo, trace, half)
-    if suite:
-        print_part4(*suite, a.slo, a.chunk_tokens, a.suite_seed)
-    if not a.no_plot:
-        for path in plot(opts, rows, runs, trace, a.slo):
-            print(f"figure: {path}")
-        if real:
-            path = figure_path("03_trace_choices_smollm2_levels.png")
-            plot_trace(real[2], trace, a.slo, path, "Trace and each chunk's choice, levels measured on SmolLM2")
-            print(f"figure: {path}")
-        if suite:
-            path = figure_path("03_trace_suite_ttft_cdf.png")
-            plot_suite(suite[1], a.slo, path)
-            print(f"figure: {path}")
+        paths.append(figure_path("03_trace_choices_smollm2_levels.png"))
+        plot_trace(real[2], trace, a.slo, paths[-1], "Trace and each chunk's choice, levels measured on SmolLM2")
+    if r["suite"]:
+        paths.append(figure_path("03_trace_suite_ttft_cdf.png"))
+        plot_suite(r["suite"][1], a.slo, paths[-1])
+    for path in paths:
+        print(f"figure: {path}")
 
+
+def to_json(r, a) -> dict:
+    opts, _, rows, recompute, breakeven = r["part1"]
+    _, runs, steady = r["part2"]
+    _, long_runs = r["long"]
+    note, real, suite, trace = r["note"], r["real"], r["suite"], r["trace"]
     ad = runs["adaptive"]
-    write_json(a.json, {
-        "best_at_gbit_per_s": {f"{r['gbps']:g}": r["best"] for r in rows},
-        "fastest_at_gbit_per_s": {f"{r['gbps']:g}": r["fastest"] for r in rows},
-        "ttft_s_at_gbit_per_s": {f"{r['gbps']:g}": r["ttft"] for r in rows},
+    return {
+        "best_at_gbit_per_s": {f"{x['gbps']:g}": x["best"] for x in rows},
+        "fastest_at_gbit_per_s": {f"{x['gbps']:g}": x["fastest"] for x in rows},
+        "ttft_s_at_gbit_per_s": {f"{x['gbps']:g}": x["ttft"] for x in rows},
+        "vs_8bit_at_gbit_per_s": {f"{x['gbps']:g}": x["vs_8bit"] for x in rows},
         "breakeven_gbit_per_s": breakeven,
         "llama31_70b_12k_recompute_s": recompute,
         "levels_bits_per_value": {o.name: o.bits_per_value for o in opts if not o.recompute},
@@ -720,18 +749,27 @@ def main(argv=None):
             "real_trace_ttft_s": real[2]["adaptive"].ttft_s, "real_trace_quality": real[2]["adaptive"].quality,
             "real_steady25_choices": real[3].choices,
             "real_policies": policy_json(real[2])} if real else {}),
-        "chunk_sizes": {str(r["chunk_tokens"]): {"ttft_s": r["adaptive"].ttft_s, "quality": r["adaptive"].quality,
-                                                 "slo_met": r["adaptive"].ttft_s <= a.slo,
-                                                 "choices": r["adaptive"].choices,
-                                                 "oracle_ttft_s": r["oracle"].ttft_s,
-                                                 "oracle_quality": r["oracle"].quality,
-                                                 "all_text_ttft_s": r["text_ttft_s"],
-                                                 "worst_overrun_s": r["overrun_s"]} for r in sizes},
+        "chunk_sizes": {str(x["chunk_tokens"]): {"ttft_s": x["adaptive"].ttft_s, "quality": x["adaptive"].quality,
+                                                 "slo_met": x["adaptive"].ttft_s <= a.slo,
+                                                 "choices": x["adaptive"].choices,
+                                                 "oracle_ttft_s": x["oracle"].ttft_s,
+                                                 "oracle_quality": x["oracle"].quality,
+                                                 "all_text_ttft_s": x["text_ttft_s"],
+                                                 "worst_overrun_s": x["overrun_s"]} for x in r["sizes"]},
         **({"suite": suite_json(*suite, a.slo, a.suite_seed)} if suite else {}),
         "setup": {"model": MODEL, "gpu": GPU, "n_gpus": N_GPUS, "context": CONTEXT, "slo_s": a.slo,
-                  "chunk_tokens": a.chunk_tokens, "long_context": a.long_context, "half_tokens": half,
+                  "chunk_tokens": a.chunk_tokens, "long_context": a.long_context, "half_tokens": a.half_tokens,
                   "trace": list(zip(trace.times, trace.gbps))},
-    })
+    }
+
+
+def main(argv=None):
+    a = parse(argv)
+    r = compute(a)
+    report(r, a)
+    if not a.no_plot:
+        figures(r, a)
+    write_json(a.json, to_json(r, a))
 
 
 if __name__ == "__main__":

@@ -13,14 +13,19 @@ tokens that matter.
 
 Part 1 (§5.2): the city language, 3 chunks x 8 tokens + an 8-token question: full prefill vs full KV
         reuse (each chunk precomputed alone, K moved by shift_kv). Sentences are independent: no loss.
+        Exercise 5: a chunk's K computed at 0 and rotated to 1000 vs computed at 1000, V unchanged, and
+        full reuse with the K left unrotated.
 Part 2 (§5.2-5.3): the record world (blend_world.py), chunks of 5: accuracy on split and unsplit
-        records under full prefill, full reuse, CacheBlend and a random selection of the same size.
+        records under full prefill, full reuse, CacheBlend and a random selection of the same size;
+        exercise 6 (how many records chunk length 6 splits).
 Part 3 (§5.3): the two insights (deviation is concentrated; adjacent layers agree), layer 0's picks,
         shorter chunks, and the compute-quality curve. The deviation is concentrated because document
         tokens attend almost only to themselves (and a value to its key): the record model learned that
         locality from a small penalty (blend_world.LOCALITY), as a pretrained LLM learns it from language.
+        Exercise 7: the check's cost at layer 0 vs layer 1 (time model).
 Part 4 (§5.4, exercise 8): hiding recompute behind loading, from common/timemodel.py: per layer
-        load vs recompute per storage device, the controller's ratio, pipelined TTFT; LLaMA-7B vs 70B.
+        load vs recompute per storage device, the controller's ratio, pipelined TTFT; LLaMA-7B vs 70B;
+        requests/s of a busy server, full prefill vs CacheBlend (the paper's 2.8-5x throughput).
 Part 5 (--model smollm2; blend_real.py): the same blend() on SmolLM2-135M-Instruct, RAG items of
         6 chunks x 512 tokens + the question (or --passages FILE: your own, one chunk per passage):
         KL to full prefill vs recompute ratio for each selection rule of blend() (blend_world.RULES),
@@ -42,13 +47,14 @@ import torch  # noqa: E402
 import blend_world as bw  # noqa: E402
 from common import timemodel as tm  # noqa: E402
 from common.checkpoints import TrainingFailed  # noqa: E402
-from common.llama import kl_divergence  # noqa: E402
+from common.llama import KVCache, kl_divergence, shift_kv, single_thread  # noqa: E402
 from common.cli import (Parser, fail, figure_path, fraction, nonneg_float, positive_float, positive_int,  # noqa: E402
-                        table, write_json)
+                        say, table, write_json)
 
 # ---- Part 1 (§5.2)
 CITY_CHUNKS, CITY_CHUNK_LEN = 3, 8        # 3 chunks x 8 tokens, then an 8-token question
 CITY_DOCS = 1000
+EX5_SHIFT = 1000                          # exercise 5: move a chunk's KV from position 0 to this position
 # ---- Parts 2-3 (§5.2-5.3)
 CHUNK_LEN = 5                             # odd: the records whose values sit at positions 5 and 15 are split
 RATIO = 0.20                              # CacheBlend's recompute ratio r
@@ -143,7 +149,33 @@ def _city(model, lang, n_docs, seed):
     return {"city_ce_full": float(-lp_full.gather(-1, tgt).mean()),
             "city_ce_reuse": float(-lp_reuse.gather(-1, tgt).mean()),
             "city_kl": float(kl_divergence(lp_full, lp_reuse).mean()),
-            "city_entropy": lang.entropy_after_first_word()}
+            "city_entropy": lang.entropy_after_first_word(),
+            "ex5": exercise5(model, ctx, q, lp_full, tgt)}
+
+
+def exercise5(model, ctx, q, lp_full, tgt, shift: int = EX5_SHIFT) -> dict:
+    """Exercise 5 on the city model: a chunk prefilled at positions 0.. and one prefilled at shift..;
+    K of the first rotated by `shift` (shift_kv) against K of the second, V of both, every layer.
+    Then full reuse with every chunk's K left where it was computed (position 0..): the question's
+    cross-entropy and KL from full prefill."""
+    c = CITY_CHUNK_LEN
+    chunk = ctx[:, :c]
+    _, at0 = model(chunk)
+    _, at_s = model(chunk, pos=torch.arange(shift, shift + c))
+    theta = model.cfg.rope_theta
+    k_rot = max(float((shift_kv(k0, shift, theta) - k1).abs().max()) for k0, k1 in zip(at0.k, at_s.k))
+    k_raw = max(float((k0 - k1).abs().max()) for k0, k1 in zip(at0.k, at_s.k))
+    v_diff = max(float((v0 - v1).abs().max()) for v0, v1 in zip(at0.v, at_s.v))
+    k_scale = max(float(k.abs().max()) for k in at_s.k)
+    caches = []
+    for start in range(0, ctx.shape[1], c):         # each chunk at 0..c-1, K not moved, at its real place
+        _, kv = model(ctx[:, start:start + c])
+        caches.append(KVCache(k=kv.k, v=kv.v, pos=kv.pos + start))
+    unrot, _ = model(q, cache=KVCache.cat(caches))
+    lp_unrot = unrot[:, :-1].log_softmax(-1)
+    return {"shift": shift, "k_rotated_max_diff": k_rot, "k_unrotated_max_diff": k_raw, "v_max_diff": v_diff,
+            "k_max_abs": k_scale, "ce_unrotated": float(-lp_unrot.gather(-1, tgt).mean()),
+            "kl_unrotated": float(kl_divergence(lp_full, lp_unrot).mean())}
 
 
 # ============================================================================ Part 2: records
@@ -220,6 +252,24 @@ def lowest_ratio(ratios, accs, target: float):
     return next((r for r, acc in zip(ratios, accs) if acc is not None and acc >= target), None)
 
 
+def exercise7(model: str, n_gpus: int, n_ctx: int) -> dict:
+    """Exercise 7: what CacheBlend's check costs at layer 0 and at layer 1, on the time model.
+    Layer 0: K, V depend only on token and position, so the precomputed ones are exact; the check is one
+    more attention pass (queries of every token against every earlier key) beside the own-chunk one.
+    Layer 1: its true K, V need layer 0's output with full attention, for every token: a whole layer of
+    prefill, then the same attention pass."""
+    m = tm.get_model(model)
+    attn = m.attn_pair_flops * tm.causal_pairs(n_ctx)
+    q_proj = 2 * m.d_model * m.n_heads * m.head_dim * n_ctx
+    layer0 = tm.prefill_layer_time(model, GPU, n_ctx, 0, n_gpus)            # a full layer, all tokens
+    layer_flops = 2 * m.linear_params / m.n_layers * n_ctx + attn
+    per_flop = layer0 / layer_flops                                        # the time model's s/FLOP here
+    return {"model": model, "n_gpus": n_gpus, "n_ctx": n_ctx,
+            "layer0_gflop": (attn + q_proj) / 1e9, "layer1_gflop": (layer_flops + attn + q_proj) / 1e9,
+            "layer0_ms": 1e3 * (attn + q_proj) * per_flop, "layer1_ms": 1e3 * (layer0 + (attn + q_proj) * per_flop),
+            "full_layer_ms": 1e3 * layer0, "full_prefill_ms": 1e3 * m.n_layers * layer0}
+
+
 # ============================================================================ Part 4: timing
 def controller_ratio(load_s: float, full_recompute_s: float, min_ratio: float = MIN_RATIO) -> float:
     """CacheBlend's loading controller: recompute as much as loading the layer hides (recompute time
@@ -236,6 +286,21 @@ def exercise8(layers: int, read_ms: float, prefill_ms: float, min_ratio: float =
     r = controller_ratio(read_ms, prefill_ms, min_ratio)
     return {"ex8_ratio": r, "ex8_ttft_ms": pipelined_ttft(layers, read_ms, r * prefill_ms),
             "ex8_full_ms": layers * prefill_ms}
+
+
+def throughput(model, n_gpus: int, ratio: float, device: str) -> dict:
+    """Requests/s of one server on the RAG requests of Part 4 when it is busy all the time: full prefill
+    spends the GPUs' prefill of the whole prompt per request; CacheBlend spends the recompute at `ratio`
+    plus the question, its loads overlapping other requests' compute, so the device's bandwidth caps it
+    (KV bytes per request / bandwidth)."""
+    n_ctx = RAG_CHUNKS * RAG_CHUNK_TOKENS
+    m = tm.get_model(model)
+    full = tm.prefill_time(model, GPU, n_ctx + RAG_QUESTION, 0, n_gpus)
+    gpu_s = tm.recompute_time(model, GPU, n_ctx, ratio, n_gpus) + tm.prefill_time(model, GPU, RAG_QUESTION, n_ctx,
+                                                                                  n_gpus)
+    load_s = load_time(model, n_ctx, device, n_gpus) * m.n_layers
+    return {"full_rps": 1 / full, "blend_rps": 1 / max(gpu_s, load_s), "gpu_s": gpu_s, "load_s": load_s,
+            "bound": "GPU" if gpu_s >= load_s else device}
 
 
 def load_time(model, n_tokens: int, device: str, n_gpus: int) -> float:
@@ -267,8 +332,11 @@ def timing(min_ratio: float) -> dict:
                             "speedup": prefill / ttft, "load_vs_full": full_layer / load}
         paper = {"recompute_ms": 1e3 * tm.recompute_time(model, GPU, PAPER_CONTEXT, PAPER_RATIO, n_gpus) / m.n_layers,
                  "load_ms": 1e3 * load_time(model, PAPER_CONTEXT, PAPER_DEVICE, n_gpus)}
+        tput = {r: throughput(model, n_gpus, r, PAPER_DEVICE)
+                for r in sorted({rows[PAPER_DEVICE]["ratio"], min_ratio})}
         out[model] = {"n_gpus": n_gpus, "tag": m.tag, "full_layer_ms": 1e3 * full_layer,
-                      "floor_layer_ms": 1e3 * floor_layer, "prefill_s": prefill, "devices": rows, "paper": paper}
+                      "floor_layer_ms": 1e3 * floor_layer, "prefill_s": prefill, "devices": rows, "paper": paper,
+                      "throughput": tput}
     return out
 
 
@@ -453,7 +521,8 @@ def part3(model, p2, a) -> dict:
     accuracy_curve = curve(model, p2["rec"], a.seed, ratios, CURVE_CHUNK_LENS, pre={a.chunk_len: p2["pre"]})
     return {"insights": insights(model, p2["rec"], a.chunk_len, a.ratio, a.seed, p2["pre"]), "curve": accuracy_curve,
             "ratios": ratios, "elsewhere": bw.doc_attention_elsewhere(model, p2["rec"]),
-            "blend_at_ratio": {c: accuracy_curve[(c, "deviation")][ratios.index(a.ratio)] for c in CURVE_CHUNK_LENS}}
+            "blend_at_ratio": {c: accuracy_curve[(c, "deviation")][ratios.index(a.ratio)] for c in CURVE_CHUNK_LENS},
+            "ex7": [exercise7(m, g, RAG_CHUNKS * RAG_CHUNK_TOKENS) for m, g in SYSTEMS]}
 
 
 def part4(a) -> dict:
@@ -470,13 +539,31 @@ def print_part1(city):
         ["cross-entropy, full reuse (nats/token)", f"{city['city_ce_reuse']:.4f}", h["city_ce_reuse"]],
         ["KL(full prefill || full reuse)", f"{city['city_kl']:.5f}", h["city_kl"]],
         ["true entropy of words 2-8 (nats/token)", f"{city['city_entropy']:.4f}", "-"]],
-        title=f"Part 1. City language: {CITY_CHUNKS} chunks x {CITY_CHUNK_LEN} tokens + an "
-              f"{CITY_CHUNK_LEN}-token question, {CITY_DOCS} documents. Independent sentences: reuse loses nothing."))
+        title=f"Part 1 (§5.2). City language: {CITY_CHUNKS} chunks x {CITY_CHUNK_LEN} tokens + an "
+              f"{CITY_CHUNK_LEN}-token question, {CITY_DOCS} documents.\n"
+              "Independent sentences: reuse loses nothing."))
+    say(f"  Our city language is not the handout's, so the cross-entropies differ: each model sits on its own "
+        f"language's entropy (ours {city['city_ce_full']:.4f} vs a true {city['city_entropy']:.4f} nats/token; "
+        f"the handout's {HANDOUT['city_ce_full']:.4f} is near ln 2 = {math.log(2):.4f}, one coin flip a word). "
+        f"What carries over is reuse = prefill: KL {city['city_kl']:.5f}.")
+    e5 = city["ex5"]
+    print(f"\nExercise 5 (§5.2, §10): a chunk's KV computed at position 0, moved to position {e5['shift']} "
+          f"(city model, all layers)")
+    print(table(["quantity", "max |difference|"], [
+        [f"K at 0 rotated by {e5['shift']} (shift_kv) vs K computed at {e5['shift']}", f"{e5['k_rotated_max_diff']:.1e}"],
+        [f"K at 0, not rotated, vs K computed at {e5['shift']}", f"{e5['k_unrotated_max_diff']:.2f}"],
+        [f"V at 0 vs V computed at {e5['shift']}", f"{e5['v_max_diff']:.1e}"],
+        ["(largest |K| value, for scale)", f"{e5['k_max_abs']:.2f}"]]))
+    say(f"  K must rotate once more by {e5['shift']} x theta (RoPE rotations add); V never passes through RoPE, so "
+        f"it is reused as it is. Full reuse with unrotated K: question cross-entropy {e5['ce_unrotated']:.4f} "
+        f"(rotated: {city['city_ce_reuse']:.4f}), KL from full prefill {e5['kl_unrotated']:.4f} "
+        f"(rotated: {city['city_kl']:.5f}).")
 
 
 def print_record_model(meta):
     m, loc = meta["metrics"], meta["ident"]["train"]["locality"]
-    print(f"\nrecord world model: trained {m['steps']} steps in {m['train_seconds']:.0f} s, "
+    print()
+    say(f"record world model: trained {m['steps']} steps in {m['train_seconds']:.0f} s, "
           f"accuracy crossed 50% at step {m['drop_step']} (handout: {HANDOUT['train']}); "
           f"held-out {m['heldout_acc']:.2%} on {m['heldout_questions']} questions; locality penalty {loc}"
           + (f" from step {m['locality_from_step']}" if loc else ""))
@@ -496,11 +583,25 @@ def print_part2(p2, a):
     n_split = p2["n_split"]
     print()
     print(table(["method", "split records", "unsplit records", "handout split", "handout unsplit"], rows,
-                title=f"Part 2. Record world, chunks of {a.chunk_len}: split records {split_ids} "
-                      f"(values at positions {[2 * i + 1 for i in split_ids]}); {n_split} questions on split "
-                      f"records, {p2['rec'].answers.numel() - n_split} on unsplit; chance 1/12 = 8.3%."))
-    if not split_ids:
-        print(f"exercise 6: chunk length {a.chunk_len} splits no record; full reuse answers "
+                title=f"Part 2 (§5.2, §5.3). Record world, chunks of {a.chunk_len}: split records {split_ids} "
+                      f"(values at positions {[2 * i + 1 for i in split_ids]});\n"
+                      f"{n_split} questions on split records, {p2['rec'].answers.numel() - n_split} on unsplit; "
+                      "chance 1/12 = 8.3%."))
+    rand, reuse = res[f"random {a.ratio:.0%}"]["split"], res["full reuse"]["split"]
+    if split_ids and rand is not None and reuse is not None:
+        guess = a.ratio + (1 - a.ratio) * reuse
+        say(f"  random {a.ratio:.0%}: a split record is repaired when its value token is among the picks; if "
+            f"nothing else helped, {a.ratio:.0%} + {1 - a.ratio:.0%} x {pct(reuse)} (full reuse) = {pct(guess)}. "
+            f"Ours: {pct(rand)}; the handout's {pct(HANDOUT['split_acc_random20'])} (for 20%) lies "
+            f"{'below' if HANDOUT['split_acc_random20'] < guess else 'above'} that estimate. Either way random picks "
+            "recover about what they touch, deviation picks nearly everything.")
+    six = bw.split_records(6)
+    if split_ids:
+        say(f"  exercise 6: chunk length 6 (even, §10) splits {len(six)} records {six}: "
+            + ("every boundary falls on a key, so full reuse answers as full prefill does" if not six else
+               "some records are split") + " (run --chunk-len 6 to see it).")
+    else:
+        print(f"exercise 6: chunk length {a.chunk_len} splits no record (§10); full reuse answers "
               f"{'exactly as' if p2['reuse_equals_full'] else 'NOT as'} full prefill does "
               f"({pct(res['full reuse']['all'])} vs {pct(res['full prefill']['all'])}).")
 
@@ -530,12 +631,24 @@ def print_part3(p3, a):
                  " / ".join(pct(lowest_ratio(ratios, accuracy_curve[(c, "deviation")], RECOVER)) for c in CURVE_CHUNK_LENS), "-"])
     print()
     print(table(["insight", "ours", "handout"], rows,
-                title=f"Part 3. The two insights (chunks of {a.chunk_len}; deviation = precomputed chunks' KV "
+                title=f"Part 3 (§5.3). The two insights (chunks of {a.chunk_len}; deviation = precomputed chunks' KV "
                       f"minus full prefill's, per layer)"))
     print()
     print(table(["ratio"] + [f"c={c} {'blend' if h == 'deviation' else 'random'}" for c, h in accuracy_curve],
                 [[f"{r:.0%}"] + [pct(accuracy_curve[k][i]) for k in accuracy_curve] for i, r in enumerate(ratios)],
                 title="compute-quality curve: accuracy on split records"))
+    print()
+    print(table(["check of the deviation (all tokens)", "GFLOP", "ms", "one full layer, ms"],
+                [[f"{tm.get_model(e['model']).name}, at layer {i}", f"{e[f'layer{i}_gflop']:.0f}",
+                  f"{e[f'layer{i}_ms']:.1f}", f"{e['full_layer_ms']:.1f}"] for e in p3["ex7"] for i in (0, 1)],
+                title=f"Exercise 7 (§5.3, §10): the cost of CacheBlend's check at layer 0 vs layer 1 "
+                      f"({p3['ex7'][0]['n_ctx']:,} context tokens, {GPU}, time model)"))
+    found = p3["insights"]
+    say("  Layer 0's K, V depend only on token and position, so the precomputed ones are exact: one more attention "
+        "pass over them (all keys instead of the chunk's) gives the deviation, a fraction of a layer. Layer 1's "
+        "true K, V need layer 0's output for every token, a whole layer of prefill: at layer 1 and above CacheBlend "
+        "can afford to recompute only the tokens it picked. Ours: layer-0 attention deviation ranks like layer-1 KV "
+        f"deviation (rank correlation {found['layer0_attn_vs_layer1_kv_rank_corr']:.2f}).")
 
 
 def print_part4(p4, a):
@@ -549,7 +662,7 @@ def print_part4(p4, a):
                   f"{r['speedup']:.2f}x"] for device, r in t["devices"].items()]
         print()
         print(table(["per layer", "ms", "controller ratio", "TTFT CacheBlend (ms)", "vs full prefill"], rows,
-                    title=f"Part 4. {tm.get_model(model_name).name} ({t['tag']}) on {t['n_gpus']} x {GPU}: "
+                    title=f"Part 4 (§5.4). {tm.get_model(model_name).name} ({t['tag']}) on {t['n_gpus']} x {GPU}: "
                           f"{RAG_CHUNKS} x {RAG_CHUNK_TOKENS} tokens + {RAG_QUESTION}-token question; "
                           f"full prefill TTFT {1e3 * t['prefill_s']:.0f} ms"))
     rows = []
@@ -565,7 +678,10 @@ def print_part4(p4, a):
                  " / ".join(f"{t['devices'][PAPER_DEVICE]['speedup']:.1f}x" for t in timings.values()),
                  handout("ttft_speedup", rag)])
     print()
-    print(table(["comparison", "ours", "handout"], rows, title=f"Part 4. Load vs recompute ({GPU}; paper points on the same GPU)"))
+    print(table(["comparison", "ours", "handout"], rows,
+                title=f"Part 4 (§5.4). Load vs recompute ({GPU}; paper points on the same GPU)"))
+    explain_speedups(timings, a)
+    print_throughput(timings, rag)
     ex8 = p4["ex8"]
     same = is_handout_setup("ex8", layers=a.layers, read_ms=a.read_ms, prefill_ms=a.prefill_ms, min_ratio=a.min_ratio)
     print()
@@ -573,8 +689,42 @@ def print_part4(p4, a):
         ["controller's recompute ratio", f"{ex8['ex8_ratio']:.0%}", f"{HANDOUT['ex8_ratio']:.0%}" if same else "-"],
         ["TTFT, CacheBlend pipelined (ms)", f"{ex8['ex8_ttft_ms']:.0f}", f"~{HANDOUT['ex8_ttft_ms']}" if same else "-"],
         ["TTFT, full prefill (ms)", f"{ex8['ex8_full_ms']:.0f}", f"{HANDOUT['ex8_full_ms']}" if same else "-"]],
-        title=f"{a.layers} layers, read {a.read_ms:g} ms/layer, prefill {a.prefill_ms:g} ms/layer, "
+        title=f"Exercise 8 (§5.4, §10): {a.layers} layers, read {a.read_ms:g} ms/layer, "
+              f"prefill {a.prefill_ms:g} ms/layer, "
               f"floor {a.min_ratio:.0%}"))
+
+
+def explain_speedups(timings, a):
+    """Why the time model's speed-ups and load/recompute ratios differ from the paper's, from the rows above."""
+    nvme = {name: t["devices"][PAPER_DEVICE] for name, t in timings.items()}
+    parts = [f"{tm.get_model(name).name} recomputes {r['ratio']:.0%} of every layer "
+             f"(speed-up about 1/{r['ratio']:.2f} = {1 / r['ratio']:.1f}x)" for name, r in nvme.items()]
+    say(f"  Why our speed-ups are not the paper's 2.2-3.3x: the controller sets recompute = load, so "
+        + " and ".join(parts) + f"; the floor is {a.min_ratio:.0%}. The paper's are measured end to end in vLLM "
+        "(kernels, scheduling, real disks), ours are a roofline with no overheads.")
+    if "llama-3.1-70b" in timings:
+        t = timings["llama-3.1-70b"]
+        implied = t["paper"]["recompute_ms"] / PAPER_RATIO / t["paper"]["load_ms"]
+        say(f"  Full recompute / NVMe load for LLaMA-3.1-70B is {t['devices'][PAPER_DEVICE]['load_vs_full']:.1f}x "
+            f"here; the paper's own per-layer points (the rows above, which ours match) imply "
+            f"{t['paper']['recompute_ms']:.1f} / {PAPER_RATIO:.2f} / {t['paper']['load_ms']:.1f} = {implied:.1f}x at "
+            f"{PAPER_CONTEXT} tokens, so the handout's 4.6x does not follow from them.")
+
+
+def print_throughput(timings, rag):
+    """§5.4's throughput headline: requests/s of full prefill vs CacheBlend, one server kept busy."""
+    rows = []
+    for name, t in timings.items():
+        for r, x in t["throughput"].items():
+            rows.append([f"{tm.get_model(name).name}, {PAPER_DEVICE}, recompute {r:.0%}", f"{x['full_rps']:.2f}",
+                         f"{x['blend_rps']:.2f}", x["bound"], f"{x['blend_rps'] / x['full_rps']:.1f}x",
+                         "2.8-5x" if rag else "-"])
+    print()
+    print(table(["throughput (requests/s)", "full prefill", "CacheBlend", "bound by", "ratio", "handout"], rows,
+                title=f"Part 4 (§5.4). Throughput of one server kept busy by RAG requests ({GPU})"))
+    say("  A busy server's GPUs do only the recompute and the question per request; loading the KV overlaps "
+        "other requests' compute, until the device's bandwidth runs out. The controller's ratio (recompute = load) "
+        "is the latency choice; the 15% floor is what throughput wants.")
 
 
 def to_json(a, city, meta, p2, p3, p4) -> dict:
@@ -592,7 +742,7 @@ def to_json(a, city, meta, p2, p3, p4) -> dict:
             "layer0_pick_coverage": found["layer0_pick_coverage"], "chunk3_blend20": p3["blend_at_ratio"].get(3),
             "top15_per_layer": found["top15_per_layer"], "doc_attention_elsewhere": p3["elsewhere"],
             "curve": {f"c{c}_{h}": v for (c, h), v in accuracy_curve.items()}, "curve_ratios": p3["ratios"],
-            **p4["ex8"],
+            **p4["ex8"], "ex5": city["ex5"], "ex7": p3["ex7"],
             "llama70b_nvme_vs_recompute": timings["llama-3.1-70b"]["devices"][PAPER_DEVICE]["load_vs_full"]
             if "llama-3.1-70b" in timings else None,
             "timing": timings}
@@ -614,8 +764,10 @@ def run_record_world(a) -> dict:
     p4 = part4(a)
     print_part4(p4, a)
     plot_timing(p4["timing"], a.min_ratio, figure_path("04_load_vs_recompute.png"))
-    print(f"\nfigures: {figure_path('04_compute_quality.png')}, {figure_path('04_deviation_concentration.png')}, "
-          f"{figure_path('04_load_vs_recompute.png')}, {figure_path('04_record_world_training.png')}")
+    print()
+    for name in ("04_compute_quality.png", "04_deviation_concentration.png", "04_load_vs_recompute.png",
+                 "04_record_world_training.png"):
+        print(f"figure: {figure_path(name)}")
     return to_json(a, city, meta, p2, p3, p4)
 
 
@@ -741,9 +893,9 @@ def main(argv=None):
         from common.gguf_llama import smollm2_or_explain
         if smollm2_or_explain(a.gguf) is None:
             return
-    torch.set_num_threads(min(2, torch.get_num_threads()))
     t_start = time.time()
     if a.model == "smollm2":
+        torch.set_num_threads(min(2, torch.get_num_threads()))
         res = real_model_part(a)
         print_real(res)
         path = figure_path("04_real_curve_passages.png" if a.passages else "04_real_curve.png")
@@ -751,7 +903,8 @@ def main(argv=None):
         print(f"figure: {path}")
         out = real_json(res)
     else:
-        out = run_record_world(a)
+        with single_thread():  # models of d = 64: a second thread gains little, and waits when a core is busy
+            out = run_record_world(a)
     print(f"({time.time() - t_start:.0f} s)")
     write_json(a.json, out)
 

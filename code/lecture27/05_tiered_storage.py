@@ -7,8 +7,11 @@ Part 1  hand 16K tokens of LLaMA-3.1-70B KV from GPU A to GPU B three ways, each
 Part 2  a discrete-event simulation of 200 users x 12 turns of chat on LLaMA-3-8B, one H100, with the
         KV kept in GPU only / + a CPU tier read slowly or fast / + an SSD tier (the tiers: tiers.py).
 Part 3  the narrow waist: documents that come back again and again mixed with one-shot long prompts;
-        a cache that sees only tokens (LRU) vs the same cache told "this will be reused".
-Runs in a few seconds; the TTFT distribution is saved to figures/05_ttft_cdf.png.
+        a cache that sees only tokens (LRU) vs the same cache told "this will be reused"; exercise 10 (an
+        API that carries the hint) and the slides' table of the inference stack beside classic systems.
+Exercise 9  a KV service process vs a KV library in every engine, in numbers: copies and handoff time,
+        memory for N engines sharing one document set, what an engine restart loses, IPC per request.
+Runs in a few seconds; figures/05_handoff.png (Part 1) and figures/05_ttft_cdf.png (Part 2).
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `com
 
 import numpy as np
 
-from common.cli import Parser, fail, figure_path, nonneg_float, positive_float, positive_int, table, write_json
+from common.cli import (Parser, fail, figure_path, nonneg_float, positive_float, positive_int, say, table,
+                        write_json)
 from common.timemodel import get_model, kv_bytes_per_token, prefill_time
 from tiers import Tier, TieredStore
 
@@ -58,6 +62,20 @@ DOC_TOKENS = 4096            # tokens per document
 ONESHOT_TOKENS = 8192        # a one-shot long prompt (a pasted log, a transcript) never seen again
 ONESHOT_SHARE = 0.5          # share of requests that are one-shot
 DOC_CACHE_GB = 9.0           # KV room for this application (documents alone: 10 x 4096 x 128 KiB = 5.4 GB)
+
+# ------------------------------------------------------------------ exercise 9 (§10): service vs library
+EX9_ENGINES = 4              # inference engines (processes) on one node sharing Part 3's documents
+EX9_IPC_US = 30.0            # one request/response over a Unix socket between processes, ~10-50 us (our assumption)
+EX9_CALLS = 2                # calls a request makes to the KV service: look up + retrieve (store is asynchronous)
+
+# handout §7: the inference stack's four layers (engine, data store, orchestrator, API, as the handout names
+# them) beside the classic computer system. The handout's own table was lost: the right-hand column is this
+# companion's reading of the mapping, anchored only where the handout says it (the API is a narrow waist "like IPv4")
+STACK_VS_CLASSIC = [("inference engine (vLLM, SGLang)", "processor / compute", "04 Part 4, 05 Part 2 (prefill)"),
+                    ("KV cache store (LMCache)", "memory hierarchy / storage system", "05 Parts 1-2"),
+                    ("orchestrator (production stack, llm-d, Dynamo)", "operating system / cluster scheduler",
+                     "-"),
+                    ("OpenAI API", "narrow waist (IP, POSIX)", "05 Part 3, exercise 10")]
 
 # the slides' LMCache benchmarks (handout §6.3), printed for reference only
 SLIDES = [("DP-EP serving, Qwen3-235B FP8, 4 x MI300", "mean TTFT", "0.33 s", "0.80 s", "2.4x"),
@@ -169,6 +187,7 @@ def serve(trace, store: TieredStore, model=MODEL, gpu=GPU, user_tokens=USER_TOKE
         mean_ttft_s=float(ttft.mean()), p50_ttft_s=float(np.median(ttft)),
         p99_ttft_s=float(np.percentile(ttft, 99)),
         recompute_share=float(out["recompute_s"].sum() / busy.sum()),    # of the GPU's busy time
+        busy_s=float(busy.sum()),
         busy_share=float(busy.sum() / (out["finish"][-1] - arrival[0])),  # GPU busy over the run
     )
     return out
@@ -227,7 +246,76 @@ POST /v1/kv/prefetch {"doc_id": "manual-7"}   warm the cache before the requests
 POST /v1/kv/release  {"doc_id": "manual-7"}   the application is done with it"""
 
 
+# ================================================================================ exercise 9
+def exercise9(h: dict, chat: dict, engines=EX9_ENGINES, docs=DOCS, doc_tokens=DOC_TOKENS, model=MODEL, gpu=GPU,
+              ipc_us=EX9_IPC_US, calls=EX9_CALLS, pcie=PCIE_GBPS) -> dict:
+    """A KV service process vs a KV library inside every engine, each cost computed:
+    copies and time of Part 1's handoff; memory for `engines` engines that all serve the same `docs`
+    documents (a library keeps a copy per engine, the service one); what an engine restart costs (the
+    library's CPU-memory KV dies with the process and is recomputed, the service's is read back over PCIe);
+    the IPC a request pays to reach the service, against Part 2's mean TTFT with the fast CPU tier."""
+    doc_bytes = docs * doc_tokens * kv_bytes_per_token(model)
+    lib, svc = h["paths"]["library_copy"], h["paths"]["shared_pool"]
+    recompute_docs = docs * prefill_time(model, gpu, doc_tokens, 0)
+    ipc_s = calls * ipc_us * 1e-6
+    return {
+        "engines": engines, "doc_gb": doc_bytes / GB,
+        "copies": {"library": len(lib["hops"]), "service": len(svc["hops"])},
+        "handoff_s": {"library": lib["seconds"], "service": svc["seconds"]},
+        "memory_gb": {"library": engines * doc_bytes / GB, "service": doc_bytes / GB},
+        "restart_s": {"library": recompute_docs, "service": doc_bytes / (pcie * GB)},
+        "ipc_ms": ipc_s * 1e3, "ipc_share_of_ttft": ipc_s / chat["results"]["cpu_fast"]["mean_ttft_s"],
+    }
+
+
+def print_exercise9(e9):
+    n, gb = e9["engines"], e9["doc_gb"]
+    rows = [["copies to hand KV from GPU A to GPU B (Part 1)", e9["copies"]["library"], e9["copies"]["service"]],
+            ["handoff time, s (Part 1)", f"{e9['handoff_s']['library']:.3f}", f"{e9['handoff_s']['service']:.3f}"],
+            [f"CPU memory for {n} engines sharing {DOCS} documents, GB",
+             f"{e9['memory_gb']['library']:.1f}", f"{e9['memory_gb']['service']:.1f}"],
+            ["an engine restarts: its KV back after, s", f"{e9['restart_s']['library']:.2f} (recompute)",
+             f"{e9['restart_s']['service']:.3f} (PCIe read)"],
+            ["IPC a request adds, ms", "0", f"{e9['ipc_ms']:.3f}"]]
+    print()
+    print(table(["exercise 9: KV library in each engine vs one KV service", "library", "service"], rows,
+                f"Exercise 9 (§6.1, §10): what a separate KV service process buys and costs\n"
+                f"  ({n} engines on a node; the documents of Part 3, {gb:.1f} GB of KV)"))
+    say(f"  The service keeps the documents' KV once ({e9['memory_gb']['service']:.1f} GB, not "
+        f"{e9['memory_gb']['library']:.1f}), survives an engine's restart or upgrade, and lets researchers add "
+        f"plugins without touching the engine. It costs an IPC round trip per call ({EX9_IPC_US:g} us assumed, "
+        f"{EX9_CALLS} calls: {e9['ipc_share_of_ttft']:.2%} of Part 2's mean TTFT with the fast CPU tier), a shared-"
+        "memory interface agreed with every engine, and one more service to run and keep alive.")
+
+
 # ================================================================================ output
+def plot_handoff(h: dict, path) -> None:
+    """One bar per path, one segment per copy (seconds): the handout's point is the shared pool's two copies."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 3))
+    colors = {"PCIe": "tab:blue", "network": "tab:red", "memcpy": "tab:orange"}
+    names = list(h["paths"])
+    for y, name in enumerate(names):
+        left = 0.0
+        for what, link, bw in h["paths"][name]["hops"]:
+            dt = h["bytes"] / (bw * GB)
+            ax.barh(y, dt, left=left, color=colors[link], edgecolor="white")
+            ax.text(left + dt / 2, y, what, ha="center", va="center", fontsize=6, color="white")
+            left += dt
+    ax.set_yticks(range(len(names)), names)
+    ax.set_xlabel("seconds to hand the KV from GPU A to GPU B")
+    ax.set_title(f"{h['bytes'] / GB:.2f} GB of KV: one shared CPU pool needs no CPU copy (handout §6.2)", fontsize=9)
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()],
+              labels=[f"{k} copy" for k in colors], fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+
 def plot_ttft(results: dict, path, model: str, gpu: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -283,44 +371,54 @@ def ref(key: str, applies: bool) -> str:
 
 def print_part1(h):
     zero = h["paths"]["shared_pool"]["seconds"]
-    rows = [[name, ", ".join(f"{what} ({link} {bw:g})" for what, link, bw in v["hops"]),
+    rows = [[name, " > ".join(f"{link} {bw:g}" for _, link, bw in v["hops"]), len(v["hops"]),
              f"{v['seconds']:.3f}", f"{v['seconds'] / zero:.1f}x"] for name, v in h["paths"].items()]
     same = is_handout_setup("handoff", model=HANDOFF_MODEL, tokens=HANDOFF_TOKENS)
-    print(table(["path", "hops (GB/s)", "seconds", "vs zero-copy"], rows,
+    print(table(["path", "links (GB/s)", "copies", "seconds", "vs zero-copy"], rows,
                 f"Part 1 (§6.2): hand {HANDOFF_TOKENS:,} tokens of {get_model(HANDOFF_MODEL).name} KV "
                 f"({h['bytes'] / GB:.2f} GB; handout: {ref('handoff_gb', same)}) from GPU A to GPU B"))
+    for name, v in h["paths"].items():
+        print(f"  {name}: " + " -> ".join([v["hops"][0][0].split("->")[0]] + [w.split("->")[1] for w, _, _ in v["hops"]]))
+    say("  Store and forward: each copy moves all the bytes once over its link. A library inside each engine "
+        "cannot map the other process's CPU memory, so it relays through a remote pool or copies once more; "
+        "one service process owns a CPU pool both engines map (handout §6.2).")
 
 
 def print_part2(p2, a):
     rows = []
     for name, r in p2["results"].items():
         tiers = p2["configs"][name]["tiers"]
-        per = [f"{t[0]} {x:.0%}" for t, x in zip(tiers, r["hit_rate_per_tier"])]
-        rows.append([name, " + ".join(f"{t[0]} {t[1]:g}" + (f" @{t[2]:g}" if t[2] else "") for t in tiers),
-                     ", ".join(per), f"{r['hit_rate']:.0%}", f"{r['mean_ttft_s']:.3f}",
+        per = [f"{x:.0%}" for t, x in zip(tiers, r["hit_rate_per_tier"])]
+        rows.append([name, ", ".join(f"{t[0]} {t[1]:g}" + (f"@{t[2]:g}" if t[2] else "") for t in tiers),
+                     " ".join(per), f"{r['hit_rate']:.0%}", f"{r['mean_ttft_s']:.3f}",
                      f"{r['p50_ttft_s']:.3f}", f"{r['p99_ttft_s']:.3f}",
                      f"{r['recompute_share']:.0%}", f"{r['busy_share']:.0%}"])
     chat = is_handout_setup("chat", model=MODEL, gpu=GPU, users=a.users, turns=a.turns,
                             turn_tokens=a.user_tokens + a.answer_tokens)
     tiers = chat and is_handout_setup("tiers", rate=a.rate, cpu_slow_gbps=a.cpu_slow_gbps, cpu_fast_gbps=a.cpu_fast_gbps)
     print()
-    print(table(["config", "tiers GB @GB/s", "token hits per tier", "hits", "mean TTFT s", "p50 s", "p99 s",
-                 "recompute", "GPU busy"], rows,
-                f"Part 2 (§6.3): {a.users} users x {a.turns} turns ({a.user_tokens} + {a.answer_tokens} tokens "
-                f"a turn), {a.rate:g} req/s, {get_model(MODEL).name} on one {GPU}; all histories "
-                f"{p2['total_gb']:.1f} GB of KV (handout: {ref('all_kv_gb', chat)}), GPU room {a.gpu_gb:g} GB "
-                f"(handout: {ref('gpu_room_gb', chat)})"))
-    print("  hits = share of history tokens found cached; recompute = share of the GPU's busy time spent "
-          "recomputing history; GPU busy = (load + prefill) / run time. Decode is not simulated.")
-    if CPU_SMALL_GB <= a.gpu_gb:
-        print(f"  cpu50: a {CPU_SMALL_GB:g} GB CPU tier is no bigger than the GPU's room ({a.gpu_gb:g} GB); written "
-              "through, an LRU tier holds a subset of the GPU's chunks (inclusion), so it never hits.")
-    else:
-        print(f"  cpu50: a {CPU_SMALL_GB:g} GB CPU tier is bigger than the GPU's room ({a.gpu_gb:g} GB) here, so it "
-              "keeps some chunks the GPU evicted and can hit.")
+    print(f"Part 2 (§6.3): {a.users} users x {a.turns} turns ({a.user_tokens} + {a.answer_tokens} tokens "
+          f"a turn), {a.rate:g} req/s, {get_model(MODEL).name} on one {GPU};")
+    print(table(["config", "tiers GB@GB/s", "hits by tier", "hits", "mean TTFT s", "p50 s", "p99 s",
+                 "recompute/busy", "GPU busy"], rows,
+                f"  all histories {p2['total_gb']:.1f} GB of KV (handout: {ref('all_kv_gb', chat)}), "
+                f"GPU room {a.gpu_gb:g} GB (handout: {ref('gpu_room_gb', chat)})"))
+    say("  hits = share of history tokens found cached; recompute/busy = the GPU's seconds recomputing history "
+        "over its busy seconds (load + prefill); GPU busy = busy seconds / run time. Decode is not simulated.")
     res = p2["results"]
-    print(f"  cpu_slow / cpu_fast mean TTFT: {p2['slow_vs_fast']:.1f}x (handout: {ref('slow_vs_fast', tiers)}, "
-          f"pitfall 7)   gpu_only / cpu_ssd: {res['gpu_only']['mean_ttft_s'] / res['cpu_ssd']['mean_ttft_s']:.0f}x")
+    slow, fast = res["cpu_slow"], res["cpu_fast"]
+    say(f"  recompute/busy is a share, not an amount: cpu_slow recomputes {slow['recompute_s'].sum():.0f} GPU "
+        f"seconds, cpu_fast {fast['recompute_s'].sum():.0f}, but faster loading "
+        f"shrinks the busy time ({slow['busy_s']:.0f} -> {fast['busy_s']:.0f} s), so the share rises "
+        f"({slow['recompute_share']:.0%} -> {fast['recompute_share']:.0%}).")
+    if CPU_SMALL_GB <= a.gpu_gb:
+        say(f"  cpu50: a {CPU_SMALL_GB:g} GB CPU tier is no bigger than the GPU's room ({a.gpu_gb:g} GB); written "
+            "through, an LRU tier holds a subset of the GPU's chunks (inclusion), so it never hits.")
+    else:
+        say(f"  cpu50: a {CPU_SMALL_GB:g} GB CPU tier is bigger than the GPU's room ({a.gpu_gb:g} GB) here, so it "
+            "keeps some chunks the GPU evicted and can hit.")
+    say(f"  cpu_slow / cpu_fast mean TTFT: {p2['slow_vs_fast']:.1f}x (handout: {ref('slow_vs_fast', tiers)}, "
+        f"pitfall 7)   gpu_only / cpu_ssd: {res['gpu_only']['mean_ttft_s'] / res['cpu_ssd']['mean_ttft_s']:.0f}x")
     print(table(["slides' LMCache benchmark", "metric", "LMCache", "engine's own offload", "ratio"],
                 [list(s) for s in SLIDES], "  for reference (handout §6.3, not simulated here):"))
 
@@ -335,12 +433,17 @@ def print_part3(hits, a):
                 f"Part 3 (§7): {DOC_REQUESTS} requests, {1 - ONESHOT_SHARE:.0%} on {DOCS} documents of "
                 f"{DOC_TOKENS} tokens, {ONESHOT_SHARE:.0%} one-shot prompts of {ONESHOT_TOKENS} tokens; "
                 f"cache {a.doc_cache_gb:g} GB"))
+    print()
+    print(table(["LLM inference stack", "classic computer system", "in this lecture's code"],
+                [list(r) for r in STACK_VS_CLASSIC],
+                "§7: the inference stack's layers (handout) beside the classic computer system (our reading; the table was lost)"))
     print("  what the hint needs an API to carry (exercise 10):")
     print("\n".join("    " + line for line in HINT_API_EXAMPLE.splitlines()))
 
 
-def to_json(h, p2, hits) -> dict:
+def to_json(h, p2, hits, e9) -> dict:
     return {
+        "exercise9": e9,
         "handoff_s": {k: v["seconds"] for k, v in h["paths"].items()},
         "configs": {name: {"hit_rate": r["hit_rate"], "hit_rate_per_tier": r["hit_rate_per_tier"],
                            "mean_ttft_s": r["mean_ttft_s"], "p50_ttft_s": r["p50_ttft_s"],
@@ -378,14 +481,20 @@ def parse(argv):
 def main(argv=None):
     a = parse(argv)
     h, p2, hits = part1(), part2(a), part3(a)
+    e9 = exercise9(h, p2)
     print_part1(h)
+    if not a.no_plot:
+        path = figure_path("05_handoff.png")
+        plot_handoff(h, path)
+        print(f"  figure: {path}")
     print_part2(p2, a)
     if not a.no_plot:
         path = figure_path("05_ttft_cdf.png")
         plot_ttft(p2["results"], path, MODEL, GPU)
         print(f"  figure: {path}")
     print_part3(hits, a)
-    write_json(a.json, to_json(h, p2, hits))
+    print_exercise9(e9)
+    write_json(a.json, to_json(h, p2, hits, e9))
 
 
 if __name__ == "__main__":

