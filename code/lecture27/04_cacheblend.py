@@ -435,7 +435,7 @@ def print_real(res: dict) -> None:
                   f"{res['same_answer'][n]}/{len(items)}"] for n in res["same_answer"]],
                 title=f"Part 5d. Greedy answers at r = {at:.0%} (the default rule's shown below)"))
     for it in items:
-        print(f"\n{it['question']}" + (f"   (reference: {it['reference']})" if it["reference"] else ""))
+        print(f"\n{it['question']}" + (f"\n  (reference: {it['reference']})" if it["reference"] else ""))
         for n in ("full prefill", "full reuse", rule, "random"):
             print(f"  {n:14s} {it['text'][n].strip()!r}")
     toy = res.get("toy") or {}
