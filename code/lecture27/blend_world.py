@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `com
 import torch  # noqa: E402
 
 from common.checkpoints import TrainingFailed, cached_model, init_weights, train_lm  # noqa: E402
-from common.llama import KVCache, Llama, LlamaConfig, causal_mask, shift_kv  # noqa: E402
+from common.llama import KVCache, Llama, LlamaConfig, causal_mask, shift_kv, single_thread  # noqa: E402
 
 # ------------------------------------------------------------------------------------ the world
 N_RECORDS = 12           # records per document
@@ -469,14 +469,10 @@ def record_model(retrain: bool = False, seed: int | None = None, steps: int | No
         return hist, (drop[0] if drop else None), hist["evals"][-1].get("stop") or "done"
 
     def train_fn(model):
-        # one thread: this small model gains little from two, and a second thread waiting for a core
-        # that another process holds slows every step down many times over
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
         fresh = {k: v.clone() for k, v in model.state_dict().items()}
         t0, steps_done, restarts = time.time(), 0, []
         test = heldout(2000)
-        try:
+        with single_thread():  # a model of d = 64 gains little from a second thread
             for k in range(T["attempts"]):
                 run_seed = seed + RESTART_SEED_STRIDE * k
                 model.load_state_dict(fresh)
@@ -497,8 +493,6 @@ def record_model(retrain: bool = False, seed: int | None = None, steps: int | No
                 if not more:
                     raise TrainingFailed(f"record world: {T['attempts']} initialisations of seed {seed} failed "
                                          f"(last: {what}). NOT caching a model. Try another --seed.")
-        finally:
-            torch.set_num_threads(threads)
         seconds = time.time() - t0
         metrics = {"heldout_acc": acc, "heldout_questions": test.answers.numel(), "drop_step": drop,
                    "train_seconds": seconds, "locality_from_step": drop if T["locality"] else None,
