@@ -620,7 +620,7 @@ def explain_speedups(timings, a):
     nvme = {name: t["devices"][PAPER_DEVICE] for name, t in timings.items()}
     parts = [f"{tm.get_model(name).name} recomputes {r['ratio']:.0%} of every layer "
              f"(speed-up about 1/{r['ratio']:.2f} = {1 / r['ratio']:.1f}x)" for name, r in nvme.items()]
-    say(f"  Why our speed-ups are not the paper's 2.2-3.3x: the controller sets recompute = load, so "
+    say("  Why our speed-ups are not the paper's 2.2-3.3x: the controller sets recompute = load, so "
         + " and ".join(parts) + f"; the floor is {a.min_ratio:.0%}. The paper's are measured end to end in vLLM "
         "(kernels, scheduling, real disks), ours are a roofline with no overheads.")
     if "llama-3.1-70b" in timings:
