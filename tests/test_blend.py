@@ -274,3 +274,60 @@ def test_same_seed_same_weights(tmp_path, monkeypatch):
             bw.record_model(seed=seed)
     assert all(torch.equal(finals[0][n], finals[1][n]) for n in finals[0])
     assert not all(torch.equal(finals[0][n], finals[2][n]) for n in finals[0])
+
+
+# ------------------------------------------------------------------------------------ selection rules
+def test_blend_counts_of_a_check_layer_and_of_the_flat_schedule():
+    assert bw.blend_counts(100, 0.15, 5, bw.FLAT, check=1) == [100, 15, 15, 15]
+    assert bw.blend_counts(100, 0.15, 5, bw.FLAT) == [15, 15, 15, 15]
+    assert bw.blend_counts(100, 0.2, 4, check=2) == [100, 100, 15]  # after the check: the schedule's 0.75 r N
+    assert bw.blend_counts(100, 1.0, 4, bw.FLAT, check=1) == [100, 100, 100]
+
+
+def test_default_rule_is_the_progressive_filter(model, rec):
+    a = bw.blend(model, rec, 5, 0.2)
+    assert torch.equal(a, bw.blend(model, rec, 5, 0.2, rule="progressive"))
+    assert not torch.equal(a, bw.blend(model, rec, 5, 0.2, rule="flat"))  # the rule is really read
+
+
+@pytest.mark.parametrize("rule", list(bw.RULES))
+def test_every_rule_is_full_prefill_at_ratio_one(model, rec, rule):
+    full = bw.full_prefill(model, rec)
+    assert (bw.blend(model, rec, 3, 1.0, rule=rule) - full).abs().max() <= TOL
+
+
+def test_flat_rule_at_ratio_zero_is_full_reuse(model, rec):
+    assert (bw.blend(model, rec, 3, 0.0, rule="flat") - bw.full_reuse(model, rec, 3)).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("rule,score", [("check-k", "k"), ("check-v", "v"), ("check-kv", "kv")])
+@torch.no_grad()
+def test_check_rule_keeps_the_set_ranked_at_layer_one(model, rec, rule, score):
+    """Layers 0 and 1 are computed in full, so layer 1's K, V are the full prefill's: the set is the top
+    ceil(r N) tokens by that deviation from the precomputed K, V, recomputed unchanged at every later layer."""
+    r, N = 0.25, bw.DOC_LEN
+    _, tr = bw.blend(model, rec, 3, r, trace=True, rule=rule)
+    pre, full = bw.precompute_chunks(model, rec.doc, 3), model(rec.doc)[1]
+    dk = (pre.k[1] - full.k[1]).pow(2).sum((1, 3))
+    dv = (pre.v[1] - full.v[1]).pow(2).sum((1, 3))
+    want = {"k": dk, "v": dv, "kv": dk + dv}[score].topk(math.ceil(r * N), 1).indices.sort(1).values
+    assert torch.equal(tr.recomputed[0], torch.arange(N).expand(rec.doc.shape[0], N))
+    for sel in tr.recomputed[1:]:
+        assert torch.equal(sel, want)
+
+
+@torch.no_grad()
+def test_oracle_patches_the_most_deviated_rows_with_full_prefill(model, rec):
+    pre, full = bw.precompute_chunks(model, rec.doc, 3), model(rec.doc)[1]
+    dev = bw.kv_deviation(model, rec, 3, pre, full)  # (L, B, N)
+    for r, n in [(0.0, 0), (0.25, 6), (1.0, bw.DOC_LEN)]:
+        o = bw.oracle_cache(pre, full, r)
+        for i in range(model.cfg.n_layers):
+            top = torch.zeros_like(dev[i], dtype=torch.bool).scatter(1, dev[i].topk(n, 1).indices, True)
+            same_full = ((o.k[i] == full.k[i]).all(-1) & (o.v[i] == full.v[i]).all(-1)).all(1)  # (B, N)
+            same_pre = ((o.k[i] == pre.k[i]).all(-1) & (o.v[i] == pre.v[i]).all(-1)).all(1)
+            assert bool(same_full[top].all()) and bool(same_pre[~top].all())
+    # the oracle's cache moves the answer towards full prefill
+    def err(c):
+        return float((model(rec.question, cache=c)[0] - bw.full_prefill(model, rec)).abs().mean())
+    assert err(bw.oracle_cache(pre, full, 0.5)) < err(pre)

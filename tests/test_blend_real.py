@@ -17,6 +17,25 @@ def test_chunk_spans_skip_the_prefix():
     assert bw.chunk_spans(bw.chunk_ids(7, 3)) == [(0, 3), (3, 6), (6, 7)]
 
 
+@torch.no_grad()
+def test_greedy_of_a_batch_equals_each_input_alone():
+    """greedy() decodes the stacked caches of several inputs at once: each row must be the answer that
+    input gets alone, a row that meets `stop` ending there while the others go on."""
+    import blend_real as br
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=50)).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
+    prompts = torch.randint(0, 50, (3, 9))
+    outs = [model(prompts[i:i + 1]) for i in range(3)]
+    alone = [br.greedy(model, lg[:, -1], c, 8)[0] for lg, c in outs]
+    stop = alone[1][2]  # row 1 stops after its third token
+    alone = [br.greedy(model, lg[:, -1], c, 8, stop)[0] for lg, c in outs]
+    batch = br.greedy(model, torch.cat([lg[:, -1] for lg, _ in outs]), br.stack_caches([c for _, c in outs]), 8, stop)
+    assert batch == alone and len(alone[1]) <= 3 and max(map(len, alone)) == 8
+
+
 def test_own_chunk_mask_sees_own_chunk_and_prefix():
     ids = torch.tensor([P, 0, 0, 1, 1])
     m = bw.own_chunk_mask(ids)
@@ -115,3 +134,62 @@ def test_kl_is_zero_for_itself_and_positive_for_reuse(real):
 def test_04_model_smollm2_rejects_too_many_items(cli_exit):
     code, err = cli_exit("04_cacheblend", "--model", "smollm2", "--items", "99")
     assert code == 2 and "--items" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------------ the student's passages
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "code" / "lecture27" / "passages_example.json"
+
+
+def test_load_passages_reads_the_example_in_order():
+    import blend_real as br
+
+    items = br.load_passages(EXAMPLE)
+    raw = json.loads(EXAMPLE.read_text())
+    assert len(items) == len(raw) >= 1
+    for it, r in zip(items, raw):
+        assert it.question == r["question"] and it.distractors == tuple(r["passages"]) and it.answer == r["answer"]
+
+
+@pytest.mark.parametrize("content,why", [
+    ("not json", "not JSON"), ("[]", "non-empty"), ('{"question": "q"}', "list"),
+    ('[{"question": "q", "passages": ["a"]}]', "at least 2"),
+    ('[{"question": "", "passages": ["a", "b"]}]', "question"),
+    ('[{"question": "q", "passages": ["a", 3]}]', "passages"),
+    ('[{"question": "q", "passages": ["a", "b"], "answer": 1}]', "answer"),
+    ('[{"question": "q", "passages": ["a", "b"], "extra": 1}]', "keys")])
+def test_load_passages_rejects_bad_files_with_a_reason(tmp_path, content, why):
+    import blend_real as br
+
+    f = tmp_path / "p.json"
+    f.write_text(content)
+    with pytest.raises(ValueError, match=why):
+        br.load_passages(f)
+
+
+def test_04_passages_bad_file_is_one_line_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    f = tmp_path / "p.json"
+    f.write_text('[{"question": "q", "passages": ["only one"]}]')
+    script = Path(__file__).resolve().parents[1] / "code" / "lecture27" / "04_cacheblend.py"
+    r = subprocess.run([sys.executable, str(script), "--model", "smollm2", "--passages", str(f)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--passages" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@needs_model
+def test_passage_input_one_chunk_per_passage_at_natural_length(real):
+    import blend_real as br
+    from common.gguf_llama import load_gguf_llama as load
+
+    _, tok, _ = load(GGUF)
+    it = br.load_passages(EXAMPLE)[0]
+    rd = br.rag_doc(br.passage_input(it, tok))
+    lens = [b - a for a, b in bw.chunk_spans(rd.chunks)]
+    assert lens == [len(tok.encode(p.strip() + "\n\n").ids) for p in it.distractors]
+    assert len(set(lens)) > 1  # natural lengths, not padded to one size
+    assert rd.chunks.tolist().count(P) == 3 and tok.decode(rd.question[0].tolist()).startswith("Question:")

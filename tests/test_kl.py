@@ -1,5 +1,5 @@
 """KL(full || other) as the scripts compute it (common.llama.kl_divergence, and where 04's city part,
-codec_real's continuation quality and blend_real's run_item call it) against
+codec_real's continuation quality and blend_real's item_curve call it) against
 torch.nn.functional.kl_div with log_target=True and against a 2-symbol case worked by hand, in both
 argument orders: KL is not symmetric, so a formula or a call with its arguments swapped (or its sign
 flipped) fails here."""
@@ -102,8 +102,8 @@ def test_04_city_kl_and_cross_entropies():
 
 
 @torch.no_grad()
-def test_blend_real_run_item_reports_kl_from_full_prefill():
-    """run_item's kl_first: KL(full prefill || method) of the first answer token's distribution, here
+def test_blend_real_item_curve_reports_kl_from_full_prefill():
+    """item_curve's kl_first: KL(full prefill || method) of the first answer token's distribution, here
     for full reuse on a small random model with a 2-token prefix and three chunks."""
     import blend_real as br
     import blend_world as bw
@@ -112,9 +112,33 @@ def test_blend_real_run_item_reports_kl_from_full_prefill():
     ids = torch.tensor([bw.PREFIX] * 2 + [0] * 5 + [1] * 4 + [2] * 6)
     rd = br.RagDoc(torch.randint(0, 50, (1, len(ids)), generator=g), torch.randint(0, 50, (1, 4), generator=g),
                    ids, None)
-    out = br.run_item(m, rd, ratio=0.3, answer_tokens=3, kl_tokens=2)
+    out = br.item_curve(m, rd, ratios=(1.0,), at=1.0, answer_tokens=3, kl_tokens=2)
     full = m(rd.tokens)[0][0, -1].log_softmax(-1)
     reuse = m(rd.question, cache=bw.precompute_chunks(m, rd.doc, ids))[0][0, -1].log_softmax(-1)
     expect, swapped = float(reference_kl(full, reuse)), float(reference_kl(reuse, full))
-    assert out["kl_first"]["full reuse"] == pytest.approx(expect, rel=1e-4) and abs(expect - swapped) > 1e-3 * expect
-    assert out["kl_first"]["full prefill"] == pytest.approx(0.0, abs=1e-6)
+    assert out["kl_first"]["full reuse"]["0"] == pytest.approx(expect, rel=1e-4) and abs(expect - swapped) > 1e-3 * expect
+    assert out["kl_first"]["oracle"]["1"] == pytest.approx(0.0, abs=1e-6)  # the full prefill's own K, V
+
+
+@torch.no_grad()
+def test_blend_real_item_curve_every_method_at_every_ratio():
+    """item_curve shares one full prefill and one precompute across rules and ratios: every rule, random
+    and the oracle get a KL at every ratio; at r = 1 every one of them is full prefill (KL 0), and the flat
+    rule at r = 0 is full reuse. The greedy answers at `at` are those of the stacked (batched) decode."""
+    import blend_real as br
+    import blend_world as bw
+    m = random_model(50, 4)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.tensor([bw.PREFIX] * 2 + [0] * 6 + [1] * 5 + [2] * 7)
+    rd = br.RagDoc(torch.randint(0, 50, (1, len(ids)), generator=g), torch.randint(0, 50, (1, 4), generator=g),
+                   ids, None)
+    out = br.item_curve(m, rd, ratios=(0.0, 0.3, 1.0), at=0.3, answer_tokens=4, kl_tokens=2)
+    for method in [*bw.RULES, "random", "oracle"]:
+        assert set(out["kl_first"][method]) == set(out["kl_answer"][method]) == {"0", "0.3", "1"}
+        assert out["kl_first"][method]["1"] == pytest.approx(0.0, abs=1e-6)
+        assert out["kl_answer"][method]["1"] == pytest.approx(0.0, abs=1e-6)
+    reuse = out["kl_first"]["full reuse"]["0"]
+    assert reuse > 1e-4 and out["kl_first"]["flat"]["0"] == pytest.approx(reuse, rel=1e-4)
+    assert set(out["answers"]) == {"full prefill", "full reuse", *bw.RULES, "random", "oracle"}
+    lg, c = m(rd.question, cache=bw.precompute_chunks(m, rd.doc, ids))
+    assert out["answers"]["full reuse"] == br.greedy(m, lg[:, -1], c, 4)[0]

@@ -25,7 +25,9 @@ RUNS = {
     "05": ("05_tiered_storage", ["--users", "20", "--turns", "4", "--no-plot"],
            ["handoff_s", "configs", "cpu_fast_vs_slow_ttft_ratio", "lru_doc_hit_rate", "hinted_doc_hit_rate"]),
     "02 smollm2": ("02_cachegen_codec", ["--model", "smollm2"], ["levels", "zlib_ratio"]),
-    "04 smollm2": ("04_cacheblend", ["--model", "smollm2", "--items", "1"], ["real_kl_reuse"]),
+    "04 smollm2": ("04_cacheblend", ["--model", "smollm2", "--items", "1"],
+                   ["real_kl_reuse", "real_kl_random15", "real_kl_blend15", "real_kl_curve", "real_ttft_speedup",
+                    "real_rule"]),
 }
 
 

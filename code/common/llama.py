@@ -211,9 +211,11 @@ class Llama(nn.Module):
         x = self.norm(x)
         return x @ self.embed.weight.T if self.head is None else self.head(x)
 
-    def forward(self, tokens, pos=None, cache: KVCache | None = None, mask=None):
+    def forward(self, tokens, pos=None, cache: KVCache | None = None, mask=None, last: bool = False):
         """tokens (B, T). pos (T,) defaults to len(cache) + arange(T).
         mask (T, len(cache) + T) bool defaults to causal over positions.
+        last: logits of the last position only (B, 1, vocab), all a prefill needs to pick the next token;
+        with SmolLM2's 49,152-token vocabulary the other positions' logits cost ~10% of a long prefill.
         Returns (logits (B, T, vocab), KVCache of cache + these tokens)."""
         T = tokens.shape[1]
         start = len(cache) if cache is not None else 0
@@ -229,7 +231,7 @@ class Llama(nn.Module):
             x, k, v = blk(x, pos, past, cache.pos if past else None, mask)
             ks.append(k)
             vs.append(v)
-        return self.logits(x), KVCache(ks, vs, new_pos)
+        return self.logits(x[:, -1:] if last else x), KVCache(ks, vs, new_pos)
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

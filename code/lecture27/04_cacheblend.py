@@ -8,7 +8,9 @@ tokens that matter.
                                                               # penalty: insight 1 disappears (~80 s to train)
     python code/lecture27/04_cacheblend.py --layers 32 --read-ms 10 --prefill-ms 20   # exercise 8
     python code/lecture27/04_cacheblend.py --json out.json
-    python code/lecture27/04_cacheblend.py --model smollm2    # Part 5 only: a real LLaMA (SmolLM2-135M), ~3 min
+    python code/lecture27/04_cacheblend.py --model smollm2    # Part 5 only: a real LLaMA (SmolLM2-135M)
+    python code/lecture27/04_cacheblend.py --model smollm2 --curve   # every selection rule at 5-50%, the oracle
+    python code/lecture27/04_cacheblend.py --model smollm2 --passages code/lecture27/passages_example.json
 
 Part 1 (§5.2): the city language, 3 chunks x 8 tokens + an 8-token question: full prefill vs full KV
         reuse (each chunk precomputed alone, K moved by shift_kv). Sentences are independent: no loss.
@@ -26,8 +28,11 @@ Part 4 (§5.4, exercise 8): hiding recompute behind loading, from common/timemod
         load vs recompute per storage device, the controller's ratio, pipelined TTFT; LLaMA-7B vs 70B;
         requests/s of a busy server, full prefill vs CacheBlend (the paper's 2.8-5x throughput).
 Part 5 (--model smollm2; blend_real.py): the same blend() on SmolLM2-135M-Instruct, RAG items of
-        6 chunks x 512 tokens + the question: KL of the answer to full prefill, greedy answers, the two
-        insights on a real model, and measured CPU TTFT of full prefill vs CacheBlend 15%.
+        6 chunks x 256 tokens + the question (or --passages FILE: your own, one chunk per passage):
+        KL to full prefill of CacheBlend (REAL_RULE), random and an oracle at 15% (cached), each
+        selection rule's measured CPU TTFT at 15% (live), greedy answers, the two insights on a real
+        model. --curve: KL vs recompute ratio for every selection rule of blend() (blend_world.RULES),
+        random and the oracle, and a figure.
 """
 from __future__ import annotations
 
@@ -75,8 +80,12 @@ DEVICES = {  # storage device -> read bandwidth, bytes/s
 }
 PAPER_CONTEXT, PAPER_RATIO, PAPER_DEVICE = 4096, 0.15, "NVMe SSD"   # CacheBlend's per-layer example
 # ---- Part 5: the real model (blend_real.py)
-REAL_ITEMS = 4                            # RAG items (of 8): ~40 s each on 2 cores
+REAL_ITEMS = 4                            # RAG items (of 8); their KL is cached, the TTFT measured live
+REAL_CHUNK_TOKENS = 256                   # tokens per retrieved chunk (6 chunks + the question per item)
 REAL_RATIO = 0.15                         # CacheBlend's default recompute ratio
+REAL_RULE = "flat"                        # blend()'s selection rule: the most quality per measured TTFT (--curve)
+REAL_CURVE_RATIOS = [0.05, 0.15, 0.30, 0.50]  # --curve: every rule, random and the oracle at these ratios
+REAL_TTFT_ITEMS = 1                       # inputs whose TTFT is measured live (a full prefill: ~5-10 s on 2 cores)
 # ---- exercise 8 (§10): the controller's inputs
 EX8_LAYERS, EX8_READ_MS, EX8_PREFILL_MS = 32, 10.0, 20.0
 
@@ -337,18 +346,28 @@ def timing(min_ratio: float) -> dict:
 
 # ============================================================================ Part 5: a real model
 def real_model_part(a) -> dict:
-    """SmolLM2-135M on RAG items (blend_real.py), and the record world's insights for comparison."""
+    """SmolLM2-135M on RAG inputs (blend_real.py): KL to full prefill of one rule, random and the oracle at
+    r (or, with --curve, of every selection rule at REAL_CURVE_RATIOS); live TTFT per rule; the record
+    world's insights for comparison."""
     import blend_real as br
     from common.gguf_llama import load_gguf_llama
 
     model, tok, info = load_gguf_llama(a.gguf, progress=True)
-    res = br.real_experiment(model, tok, n_items=a.items, ratio=a.ratio)
-    dev = res["deviation"]                                       # (L, items, N)
-    L = dev.shape[0]
-    res["top15_per_layer"] = [top_share(dev[i], TOP_SHARE) for i in range(1, L)]
-    res["top15"] = sum(res["top15_per_layer"]) / (L - 1)
-    res["corr"] = [bw.spearman(dev[i], dev[i + 1]) for i in range(1, L - 1)]
-    res["model_name"], res["n_layers"] = Path(info["path"]).stem, L
+    if a.passages:
+        rags, source = [br.passage_input(it, tok) for it in a.passage_items], a.passages
+    else:
+        rags, source = br.built_in_inputs(tok, a.items, a.chunk_tokens), "built-in RAG items (common/english.py)"
+    path = Path(info["path"])
+    res = br.real_experiment(model, tok, rags, a.ratio, f"{path.name}:{path.stat().st_size}", a.rule, a.curve,
+                             REAL_CURVE_RATIOS, ttft_items=min(REAL_TTFT_ITEMS, len(rags)), recompute=a.recompute)
+    res["source"] = source
+    res["best"], res["score"] = br.best_rule(res)
+    L = res["deviation"][0].shape[0]
+    per_layer = [statistics.fmean(top_share(d[i][None], TOP_SHARE) for d in res["deviation"]) for i in range(1, L)]
+    res["top15_per_layer"], res["top15"] = per_layer, statistics.fmean(per_layer)
+    res["corr"] = [statistics.fmean(bw.spearman(d[i][None], d[i + 1][None]) for d in res["deviation"])
+                   for i in range(1, L - 1)]
+    res["model_name"], res["n_layers"] = path.stem, L
     try:  # the toy model's figures beside the real one's (the cached record-world model, 200 documents)
         toy, _ = bw.record_model()
         found = insights(toy, bw.heldout(200), CHUNK_LEN, RATIO, 0)
@@ -358,21 +377,81 @@ def real_model_part(a) -> dict:
     return res
 
 
-def print_real(res: dict, ratio: float) -> None:
-    items, names = res["items"], res["names"]
-    it0 = items[0]
-    print(table(["method", "KL first answer token", "KL first answer tokens", "same greedy answer"],
-                [[n, f"{res['kl_first'][n]:.4f}", f"{res['kl_answer'][n]:.4f}", f"{res['same_answer'][n]}/{len(items)}"]
-                 for n in names],
-                title=f"Part 5. {res['model_name']} ({res['n_layers']} layers), {len(items)} RAG items: "
-                      f"{it0['n_context']} context tokens (3-token chat prefix + 6 x 512, each chunk precomputed "
-                      f"behind the prefix) + a {min(r['n_question'] for r in items)}-{max(r['n_question'] for r in items)}"
-                      f"-token question. KL(full prefill || method) in nats; 'answer tokens' = mean over the first "
-                      f"{res['kl_tokens']}, teacher-forced on full prefill's greedy answer"))
-    for r in items:
-        print(f"\n{r['item'].question}   (reference: {r['item'].answer})")
-        for n, t in r["text"].items():
-            print(f"  {n:16s} {t.strip()!r}")
+def print_real(res: dict) -> None:
+    import blend_real as br
+
+    items, at, k = res["items"], res["at"], f"{res['at']:g}"
+    ratios, curve, reuse, rule = res["ratios"], res["curve"], res["kl_reuse"], res["rule"]
+    lens = [n for it in items for n in it["chunk_lens"]]
+    qs = [it["n_question"] for it in items]
+    n_chunks = sorted({len(it["chunk_lens"]) for it in items})
+    print(f"Part 5. {res['model_name']} ({res['n_layers']} layers), {len(items)} inputs from {res['source']}:\n  "
+          f"3-token chat prefix + {n_chunks[0]}-{n_chunks[-1]} chunks of {min(lens)}-{max(lens)} tokens (each "
+          f"precomputed alone behind the prefix) +\n  a {min(qs)}-{max(qs)}-token question")
+    what = "the curve" if res["curve_mode"] else "KL"
+    print("  " + (f"{what} loaded from the cache (--recompute computes it again); " if res["loaded_from_cache"]
+                  else f"{what} computed in {res['compute_seconds']:.0f} s and cached; ") + "TTFT measured live")
+    ca = res["curve_answer"]
+    if res["curve_mode"]:
+        print()
+        rows = [[m] + [f"{curve[m][f'{r:g}']:.4f}" for r in ratios] + [f"{curve[m][k] / reuse:.2f}x"]
+                for m in res["methods"][1:]]
+        print(table(["rule"] + [f"r={r:.0%}" for r in ratios] + [f"{at:.0%} / reuse"], rows,
+                    title=f"Part 5a. Mean KL(full prefill || method) of the first answer token, nats, vs recompute "
+                          f"ratio r\n  (full reuse: {reuse:.4f}; random: {br.RANDOM_RULE}'s counts, tokens at random; "
+                          f"oracle: the\n  full prefill's K, V of the top r N tokens by true deviation, at every layer)"))
+        print()
+        print(table(["rule"] + [f"r={r:.0%}" for r in ratios],
+                    [[m] + [f"{ca[m][f'{r:g}']:.4f}" for r in ratios] for m in res["methods"][1:]],
+                    title=f"Part 5b. The same, mean over the first {res['kl_tokens']} answer tokens, teacher-forced on\n"
+                          f"  full prefill's greedy answer (full reuse: {res['kl_answer_reuse']:.4f})"))
+    else:
+        print(f"  Parts 5a-b, the quality curve of every selection rule, random and the oracle at "
+              f"{', '.join(f'{r:.0%}' for r in REAL_CURVE_RATIOS)}:\n  --curve (about a minute per item on one "
+              f"core the first time, then cached; --items 8 for all eight)")
+    t, score, share, counts = res["ttft"], res["score"], res["share"], res["counts"]
+    print()
+    rows = [["full prefill", f"{t['full prefill']:.2f}", "1.00x", "100%", "-", "-", "-"]]
+    for r in br.RULE_NAMES:
+        c = counts[r]
+        rows.append([r, f"{t[r]:.2f}", f"{t['full prefill'] / t[r]:.2f}x", pct(share[r]),
+                     f"{curve[r][k]:.4f}" if r in curve else "-", f"{score[r]:.2f}" if r in score else "-",
+                     " ".join(str(x) for x in c[:4]) + f" ... {c[-1]}"])
+    print(table(["rule", "TTFT s", "speed-up", "recomputed", "KL first token", "KL removed / s",
+                 "tokens at layers 1 2 3 4 ... last"], rows,
+                title=f"Part 5c. Time to first token at r = {at:.0%}, CPU wall clock, median of {res['ttft_items']} "
+                      f"input(s), {res['threads']} torch thread(s),\n  chunks' KV in memory (shift_kv + blend); noisy on a "
+                      f"shared machine. Paper (GPU): {HANDOUT['ttft_speedup']}"))
+    gain = lambda r: 1 - curve[r][k] / reuse  # noqa: E731
+    if res["curve_mode"]:
+        best = res["best"]
+        print(f"  quality per TTFT = share of full reuse's KL removed / TTFT; best in this run: {best} "
+              f"({gain(best):.0%} removed in {t[best]:.2f} s).")
+    print(f"  CacheBlend below = --rule {rule} ({gain(rule):.0%} of full reuse's KL removed in {t[rule]:.2f} s). "
+          f"The default,\n  {REAL_RULE}, removed the most KL per measured second on the built-in items (--curve "
+          f"measures it): at 15%,\n  r N tokens re-ranked at every layer removed more KL than one set ranked at a "
+          f"check layer (which also\n  computes layers 0-1 in full) and than the handout's schedule (0.75 r N from "
+          f"layer 3 on); on a shared CPU\n  one run's timings can reorder rules whose recomputed shares are close")
+    measured = [r for r in br.RULE_NAMES if r in curve]
+    bestr = min(measured, key=lambda r: curve[r][k])
+    orc, bestq = curve["oracle"][k] / reuse, curve[bestr][k] / reuse
+    verdict = (f"{bestr} reaches {bestq:.2f}x full reuse's KL at {at:.0%}; the oracle {orc:.2f}x:\n  "
+               + ("a better selection rule could still gain, the model is not the limit" if orc < 0.5 * bestq else
+                  "the rule is near (or past) the oracle, so a better ranking by KV deviation would not help:\n"
+                  "  the limit is the model and the measure (the largest KV deviations are not the tokens the answer "
+                  "needs)"))
+    print("  " + verdict)
+    print()
+    print(table(["method", "KL first token", f"KL first {res['kl_tokens']} tokens", "same greedy answer"],
+                [[n, "0" if n == "full prefill" else f"{reuse if n == 'full reuse' else curve[n][k]:.4f}",
+                  "0" if n == "full prefill" else
+                  f"{res['kl_answer_reuse'] if n == 'full reuse' else ca[n][k]:.4f}",
+                  f"{res['same_answer'][n]}/{len(items)}"] for n in res["same_answer"]],
+                title=f"Part 5d. KL and greedy answers at r = {at:.0%} (the answers of --rule {rule} shown below)"))
+    for it in items:
+        print(f"\n{it['question']}" + (f"\n  (reference: {it['reference']})" if it["reference"] else ""))
+        for n in ("full prefill", "full reuse", rule, "random"):
+            print(f"  {n:14s} {it['text'][n].strip()!r}")
     toy = res.get("toy") or {}
     corr, per_layer = res["corr"], res["top15_per_layer"]
     print()
@@ -384,29 +463,44 @@ def print_real(res: dict, ratio: float) -> None:
         ["rank correlation of deviation, adjacent layers: min / median / max",
          f"{min(corr):.2f} / {statistics.median(corr):.2f} / {max(corr):.2f}",
          " ".join(f"{c:.2f}" for c in toy.get("corr", [])) or "-", HANDOUT["adjacent_layer_rank_corr"]]],
-        title=f"Part 5. The two insights on a real model (deviation = full reuse's KV minus full prefill's, layers 1-{len(per_layer)})"))
-    speed = res["ttft_speedup"]
-    print()
-    print(table(["TTFT, CPU wall clock", "seconds", "speed-up", "paper (GPU)"], [
-        ["full prefill", f"{res['t_full']:.2f}", "1.00x", "-"],
-        [f"CacheBlend {ratio:.0%} (chunks' KV in memory; shift_kv + blend)", f"{res['t_blend']:.2f}",
-         f"{speed:.2f}x", HANDOUT["ttft_speedup"]],
-        [f"compute bound 1/{ratio:g}", "-", f"{1 / ratio:.2f}x", "-"]],
-        title=f"Part 5. Measured time to first token, median of {len(items)} items, {res['threads']} threads "
-              f"(torch.set_num_threads), the same run; KL blend {res['kl_first'][names[2]]:.4f} vs full reuse "
-              f"{res['kl_first'][names[1]]:.4f}"))
+        title=f"Part 5e. The two insights on a real model\n  (deviation = full reuse's KV minus full "
+              f"prefill's, layers 1-{len(per_layer)})"))
 
 
 def real_json(res: dict) -> dict:
-    names, corr = res["names"], res["corr"]
-    speed = res["ttft_speedup"]
-    return {"real_ttft_speedup": speed, "real_kl_reuse": res["kl_first"][names[1]],
-            "real_kl_blend15": res["kl_first"][names[2]], "real_kl_random15": res["kl_first"][names[3]],
-            "real_kl_answer": res["kl_answer"], "real_same_answer": res["same_answer"],
-            "real_ttft_full_s": res["t_full"], "real_ttft_blend_s": res["t_blend"], "real_threads": res["threads"],
-            "real_items": len(res["items"]), "real_top15_deviation_share": res["top15"],
-            "real_top15_per_layer": res["top15_per_layer"], "real_adjacent_layer_rank_corr": corr,
-            "real_answers": [r["text"] for r in res["items"]]}
+    k, rule, t = f"{res['at']:g}", res["rule"], res["ttft"]
+    return {"real_rule": rule, "real_best_rule_this_run": res["best"], "real_curve_measured": res["curve_mode"],
+            "real_kl_reuse": res["kl_reuse"], "real_kl_blend15": res["curve"][rule][k],
+            "real_kl_random15": res["curve"]["random"][k], "real_kl_oracle15": res["curve"]["oracle"][k],
+            "real_kl_curve": res["curve"],
+            "real_kl_answer_curve": res["curve_answer"], "real_kl_answer_reuse": res["kl_answer_reuse"],
+            "real_ttft_speedup": t["full prefill"] / t[rule], "real_ttft_s": t, "real_threads": res["threads"],
+            "real_counts": res["counts"], "real_same_answer": res["same_answer"], "real_items": len(res["items"]),
+            "real_source": res["source"], "real_top15_deviation_share": res["top15"],
+            "real_top15_per_layer": res["top15_per_layer"], "real_adjacent_layer_rank_corr": res["corr"],
+            "real_answers": [it["text"] for it in res["items"]]}
+
+
+def plot_real_curve(res: dict, path) -> None:
+    """First-answer-token KL against the recompute ratio, one line per rule, random and the oracle."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = [100 * r for r in res["ratios"]]
+    for m in res["methods"][1:]:
+        style = dict(color="gray", ls="--") if m == "random" else dict(color="black", ls=":") if m == "oracle" else {}
+        ax.plot(xs, [res["curve"][m][f"{r:g}"] for r in res["ratios"]], marker="o", ms=3, label=m, **style)
+    ax.axhline(res["kl_reuse"], color="tab:red", lw=1, label="full reuse")
+    ax.set_yscale("log")
+    ax.set_xlabel("recompute ratio r (%)")
+    ax.set_ylabel("KL(full prefill || method), first answer token (nats)")
+    ax.set_title(f"{res['model_name']}: which tokens to recompute ({len(res['items'])} inputs)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 # ============================================================================ the four parts: compute
@@ -782,11 +876,29 @@ def parse(argv):
                    help="record: Parts 1-4 (toy models, time model); smollm2: Part 5 on SmolLM2-135M")
     p.add_argument("--gguf", metavar="PATH", help="with --model smollm2: another LLaMA GGUF file")
     p.add_argument("--items", type=positive_int, default=REAL_ITEMS, help="with --model smollm2: RAG items (max 8)")
+    p.add_argument("--rule", choices=list(bw.RULES), default=REAL_RULE,
+                   help="with --model smollm2: blend()'s selection rule reported as CacheBlend (JSON real_kl_blend15)")
+    p.add_argument("--passages", metavar="FILE",
+                   help='with --model smollm2: your own inputs, JSON [{"question": str, "passages": [str, ...], '
+                        '"answer": str (optional)}, ...]; each passage is one chunk')
+    p.add_argument("--chunk-tokens", type=positive_int, default=REAL_CHUNK_TOKENS,
+                   help="with --model smollm2: tokens per chunk of the built-in RAG items")
+    p.add_argument("--curve", action="store_true",
+                   help="with --model smollm2: every selection rule, random and the oracle at 5-50%% (cached)")
+    p.add_argument("--recompute", action="store_true", help="with --model smollm2: compute the cached KL again")
     a = p.parse_args(argv)
     if a.model == "smollm2":
         from common.english import RAG_ITEMS
         if a.items > len(RAG_ITEMS):
             fail(f"--items must be at most {len(RAG_ITEMS)} (the RAG items in common/english.py)")
+        if a.passages:
+            import blend_real as br
+            try:
+                a.passage_items = br.load_passages(a.passages)
+            except ValueError as e:
+                fail(f"--passages: {e}")
+    elif a.passages:
+        fail("--passages needs --model smollm2")
     elif a.chunk_len > bw.DOC_LEN:
         fail(f"--chunk-len must be at most the document length ({bw.DOC_LEN})")
     if a.ratio is None:
@@ -802,9 +914,13 @@ def main(argv=None):
             return
     t_start = time.time()
     if a.model == "smollm2":
-        torch.set_num_threads(min(2, torch.get_num_threads()))
-        res = real_model_part(a)
-        print_real(res, a.ratio)
+        with single_thread():  # a waiting second thread on busy cores slowed these forwards up to 8x
+            res = real_model_part(a)
+        print_real(res)
+        if a.curve:
+            path = figure_path("04_real_curve_passages.png" if a.passages else "04_real_curve.png")
+            plot_real_curve(res, path)
+            print(f"figure: {path}")
         out = real_json(res)
     else:
         with single_thread():  # models of d = 64: a second thread gains little, and waits when a core is busy

@@ -153,10 +153,10 @@ def precompute_chunks(model: Llama, doc: torch.Tensor, chunks) -> KVCache:
     after it, at positions P..P+c-1, as chunks stored behind the same system prompt would be."""
     ids = chunk_ids(doc.shape[1], chunks)
     n_pre = int((ids == PREFIX).sum())
-    prefix = model(doc[:, :n_pre])[1] if n_pre else None
+    prefix = model(doc[:, :n_pre], last=True)[1] if n_pre else None
     caches = [prefix] if n_pre else []
     for start, end in chunk_spans(ids):
-        _, c = model(doc[:, start:end], cache=prefix)  # the prefix's rows come back first: drop them
+        _, c = model(doc[:, start:end], cache=prefix, last=True)  # the prefix's rows come back first: drop them
         caches.append(KVCache(k=[shift_kv(k[:, :, n_pre:], start - n_pre, model.cfg.rope_theta) for k in c.k],
                               v=[v[:, :, n_pre:] for v in c.v], pos=c.pos[n_pre:] + start - n_pre))
     return KVCache.cat(caches)
@@ -181,16 +181,46 @@ def full_reuse(model: Llama, rec: Records, chunk_len: int, pre: KVCache | None =
 
 
 SCHEDULE = (1.25, 1.0, 0.75)  # CacheBlend's progressive filter: tokens recomputed at layers 1, 2, 3.. as r*N multiples
+FLAT = (1.0,)                 # r*N at every layer
 
 
-def blend_counts(n_tokens: int, ratio: float, n_layers: int, schedule=SCHEDULE) -> list[int]:
+@dataclass(frozen=True)
+class Rule:
+    """How blend() chooses the tokens it recomputes.
+    schedule: multiples of r*N recomputed at layers 1, 2, ... (the last one repeats);
+    check: None -> the progressive filter (every layer ranks the tokens it recomputed and keeps the
+      next layer's count); c -> layers 1..c recompute every token, layer c ranks them once and that
+      set is recomputed at every later layer;
+    score: which deviation from the precomputed cache ranks the tokens: "k", "v" or "kv" (the sum)."""
+    schedule: tuple = SCHEDULE
+    check: int | None = None
+    score: str = "kv"
+
+
+# The selection rules blend() knows, by name:
+#  progressive  the handout's CacheBlend (§5.3): layer 0 ranks by attention deviation, then every layer
+#               keeps the tokens with the largest K+V deviation, 1.25 r N -> r N -> 0.75 r N ...
+#  flat         the same filter recomputing r N tokens at every layer
+#  check-k/-v/-kv  one fixed set chosen at one check layer, as the released systems do: LMCache's blender
+#               ranks by the *key* deviation at check layer 1 (BLEND_CHECK_LAYERS = 1, recompute ratio
+#               0.15) and keeps that set; the CacheBlend repository ranks by the *value* deviation at one
+#               check layer (ratio 0.16), the query always recomputed. Layers 0..1 are computed in full.
+RULES = {"progressive": Rule(), "flat": Rule(FLAT),
+         "check-k": Rule(FLAT, 1, "k"), "check-v": Rule(FLAT, 1, "v"), "check-kv": Rule(FLAT, 1, "kv")}
+
+
+def blend_counts(n_tokens: int, ratio: float, n_layers: int, schedule=SCHEDULE, check: int | None = None) -> list[int]:
     """How many context tokens are recomputed at layers 1..L-1 (layer 0 is always computed in full).
-    ceil(f * r * N) with f = 1.25, 1.0, 0.75, 0.75, ..., never more than N and never growing;
-    ratio >= 1 recomputes every token at every layer (the filter is off)."""
+    ceil(f * r * N) with f = 1.25, 1.0, 0.75, 0.75, ... (the schedule), never more than N and never
+    growing; with a check layer c, N at layers 1..c and ceil(f r N) after it; ratio >= 1 recomputes
+    every token at every layer (the filter is off)."""
     if ratio >= 1:
         return [n_tokens] * (n_layers - 1)
     out, prev = [], n_tokens
     for layer in range(1, n_layers):
+        if check is not None and layer <= check:
+            out.append(n_tokens)
+            continue
         f = schedule[min(layer - 1, len(schedule) - 1)]
         prev = min(prev, math.ceil(f * ratio * n_tokens - 1e-9))
         out.append(prev)
@@ -234,7 +264,7 @@ def own_chunk_mask(ids: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def blend(model: Llama, rec: Records, chunks, ratio: float, select: str = "deviation",
           generator: torch.Generator | None = None, pre: KVCache | None = None,
-          trace: bool = False):
+          trace: bool = False, rule: str | Rule = "progressive"):
     """CacheBlend (§5.3): start from the precomputed chunks' KV and recompute a few tokens per layer.
 
     Layer 0: K, V depend only on token and position, so the precomputed ones are already right. The
@@ -247,6 +277,11 @@ def blend(model: Llama, rec: Records, chunks, ratio: float, select: str = "devia
     The question's tokens are computed in full at every layer. select="random" keeps the same numbers
     of tokens chosen at random (the baseline). Returns question logits (B, Tq, vocab) [, BlendTrace].
 
+    rule: a name in RULES (or a Rule): how many tokens each layer recomputes and how they are ranked.
+    "progressive" (the default) is the filter above; "flat" keeps r N at every layer; "check-k",
+    "check-v", "check-kv" compute layers 0 and 1 in full, rank by the K, V or K+V deviation at layer 1
+    and recompute that one set at every later layer (LMCache's blender, the CacheBlend repository).
+
     rec: anything with .doc (B, N) and .question (B, Tq) tokens (a Records batch, a RAG input);
     chunks: a chunk length, or (N,) chunk ids with PREFIX on a shared prefix (see chunk_ids).
     """
@@ -255,7 +290,8 @@ def blend(model: Llama, rec: Records, chunks, ratio: float, select: str = "devia
     Tq = question.shape[1]
     if pre is None:
         pre = precompute_chunks(model, doc, chunks)
-    counts = blend_counts(N, ratio, model.cfg.n_layers)
+    rule = RULES[rule] if isinstance(rule, str) else rule
+    counts = blend_counts(N, ratio, model.cfg.n_layers, rule.schedule, rule.check)
     pos_doc, pos_q = torch.arange(N), torch.arange(N, N + Tq)
     pos_all = torch.arange(N + Tq)
     ids = chunk_ids(N, chunks)
@@ -284,7 +320,8 @@ def blend(model: Llama, rec: Records, chunks, ratio: float, select: str = "devia
         ps = torch.cat([sel, pos_q.expand(B, Tq)], 1)  # (B, m + Tq) positions
         q, k, v = blk.qkv(xs, ps[:, None, :])
         k_pre, v_pre = _take(pre.k[layer], sel, 2), _take(pre.v[layer], sel, 2)
-        dev = (k[:, :, :m] - k_pre).pow(2).sum((1, 3)) + (v[:, :, :m] - v_pre).pow(2).sum((1, 3))  # (B, m)
+        dev_k, dev_v = (k[:, :, :m] - k_pre).pow(2).sum((1, 3)), (v[:, :, :m] - v_pre).pow(2).sum((1, 3))  # (B, m)
+        dev = {"k": dev_k, "v": dev_v, "kv": dev_k + dev_v}[rule.score]
         # the mixed cache: precomputed K, V with the selected tokens' rows replaced, then the question
         idx = sel[:, None, :, None].expand(B, k.shape[1], m, k.shape[3])
         K = torch.cat([pre.k[layer].scatter(2, idx, k[:, :, :m]), k[:, :, m:]], 2)
@@ -300,6 +337,23 @@ def blend(model: Llama, rec: Records, chunks, ratio: float, select: str = "devia
             sel, x_sel = sel.gather(1, keep), _take(x_sel, keep, 1)
     logits = model.logits(x_q)
     return (logits, BlendTrace(recomputed, attn_dev0, KVCache(ks, vs, pos_all))) if trace else logits
+
+
+def oracle_cache(pre: KVCache, full: KVCache, ratio: float) -> KVCache:
+    """The ceiling of any selection rule at ratio r: at every layer, the ceil(r N) context tokens whose
+    precomputed K, V deviate most (||dK||^2 + ||dV||^2) from the full prefill's get the full prefill's
+    K, V. No compute model: a perfect selector that also recomputed them exactly. `full` may hold more
+    rows than the context (a prefill of context + question): its first N are used."""
+    N = pre.k[0].shape[2]
+    n = min(N, math.ceil(ratio * N - 1e-9))
+    ks, vs = [], []
+    for kp, vp, kf, vf in zip(pre.k, pre.v, full.k, full.v):
+        kf, vf = kf[:, :, :N], vf[:, :, :N]
+        dev = (kp - kf).pow(2).sum((1, 3)) + (vp - vf).pow(2).sum((1, 3))  # (B, N)
+        idx = dev.topk(n, dim=1).indices[:, None, :, None].expand(kp.shape[0], kp.shape[1], n, kp.shape[3])
+        ks.append(kp.scatter(2, idx, kf.gather(2, idx)))
+        vs.append(vp.scatter(2, idx, vf.gather(2, idx)))
+    return KVCache(ks, vs, pre.pos)
 
 
 # ------------------------------------------------------------------------------------ measuring
@@ -331,7 +385,7 @@ def kv_deviation(model: Llama, rec: Records, chunks, pre: KVCache | None = None,
     KV deviation of the precomputed chunks from a full prefill (zero at layer 0 by construction).
     `full` may be a full prefill's cache already at hand (its first N rows are the context's)."""
     pre = pre if pre is not None else precompute_chunks(model, rec.doc, chunks)
-    full = full if full is not None else model(rec.doc)[1]
+    full = full if full is not None else model(rec.doc, last=True)[1]
     N = rec.doc.shape[1]
     return torch.stack([(pre.k[i] - full.k[i][:, :, :N]).pow(2).sum((1, 3))
                         + (pre.v[i] - full.v[i][:, :, :N]).pow(2).sum((1, 3)) for i in range(model.cfg.n_layers)])

@@ -58,7 +58,7 @@ def array_to_kv(X, n_kv_heads: int, pos=None) -> KVCache:
 def context_kv(model, contexts, batch: int = 1000) -> np.ndarray:
     """Prefill each context (N, T) from position 0 and return its exact KV (N, T, L, 2, C), float32."""
     with torch.no_grad():
-        return np.concatenate([kv_to_array(model(torch.as_tensor(contexts[i:i + batch]))[1])
+        return np.concatenate([kv_to_array(model(torch.as_tensor(contexts[i:i + batch]), last=True)[1])
                                for i in range(0, len(contexts), batch)])
 
 
