@@ -193,3 +193,9 @@ def test_passage_input_one_chunk_per_passage_at_natural_length(real):
     assert lens == [len(tok.encode(p.strip() + "\n\n").ids) for p in it.distractors]
     assert len(set(lens)) > 1  # natural lengths, not padded to one size
     assert rd.chunks.tolist().count(P) == 3 and tok.decode(rd.question[0].tolist()).startswith("Question:")
+
+
+@pytest.mark.parametrize("flags", [["--curve"], ["--chunk-tokens", "128"], ["--passages", str(EXAMPLE)]])
+def test_04_real_model_flags_need_model_smollm2(cli_exit, flags):
+    code, err = cli_exit("04_cacheblend", *flags)
+    assert code == 2 and "--model smollm2" in err and "Traceback" not in err

@@ -897,8 +897,8 @@ def parse(argv):
                 a.passage_items = br.load_passages(a.passages)
             except ValueError as e:
                 fail(f"--passages: {e}")
-    elif a.passages:
-        fail("--passages needs --model smollm2")
+    elif a.passages or a.curve or a.chunk_tokens != REAL_CHUNK_TOKENS:
+        fail("--passages, --curve and --chunk-tokens need --model smollm2")
     elif a.chunk_len > bw.DOC_LEN:
         fail(f"--chunk-len must be at most the document length ({bw.DOC_LEN})")
     if a.ratio is None:
