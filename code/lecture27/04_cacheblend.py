@@ -384,10 +384,11 @@ def print_real(res: dict) -> None:
     ratios, curve, reuse, rule = res["ratios"], res["curve"], res["kl_reuse"], res["rule"]
     lens = [n for it in items for n in it["chunk_lens"]]
     qs = [it["n_question"] for it in items]
-    n_chunks = sorted({len(it["chunk_lens"]) for it in items})
+    n_chunks = [len(it["chunk_lens"]) for it in items]
+    span = lambda xs: f"{min(xs)}" if min(xs) == max(xs) else f"{min(xs)}-{max(xs)}"  # noqa: E731
     print(f"Part 5. {res['model_name']} ({res['n_layers']} layers), {len(items)} inputs from {res['source']}:\n  "
-          f"3-token chat prefix + {n_chunks[0]}-{n_chunks[-1]} chunks of {min(lens)}-{max(lens)} tokens (each "
-          f"precomputed alone behind the prefix) +\n  a {min(qs)}-{max(qs)}-token question")
+          f"3-token chat prefix + {span(n_chunks)} chunks of {span(lens)} tokens (each precomputed alone behind "
+          f"the prefix) +\n  a {span(qs)}-token question")
     what = "the curve" if res["curve_mode"] else "KL"
     print("  " + (f"{what} loaded from the cache (--recompute computes it again); " if res["loaded_from_cache"]
                   else f"{what} computed in {res['compute_seconds']:.0f} s and cached; ") + "TTFT measured live")
