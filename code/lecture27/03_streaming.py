@@ -26,7 +26,7 @@ Part 4 (§4.2 on many traces, --trace-suite N): one trace shows a mechanism, not
         contexts x both level sets, and per policy the SLO-violation rate, TTFT, quality and recomputed
         tokens, a CDF of TTFT, and the promise checked: adaptive meets the SLO wherever a fixed policy does.
 The codec's four levels come from codec_study.codec_levels() (measured by 02 on the record-world model) and,
-for Part 2c, codec_real.real_codec_levels() (fitted on first use, about 2 minutes, then cached); the
+for Part 2c, codec_real.real_codec_levels() (fitted on first use, about a minute, then cached); the
 simulation, the policy and the oracle are in streaming.py. Recompute times: common/timemodel.py.
 """
 from __future__ import annotations
@@ -678,7 +678,7 @@ def compute(a) -> dict:
          "long": part2_long(levels, lossless, trace, a.slo, a.chunk_tokens, a.long_context, half),
          "sizes": part3(levels, lossless, trace, a.slo, CHUNK_SIZES, half), "real": None, "suite": None}
     if not a.no_real and smollm2_or_explain(say=lambda msg: print(f"Part 2c skipped: {msg}")) is not None:
-        real_levels = cr.real_codec_levels()  # fits the codec on SmolLM2 on first use (about 2 minutes)
+        real_levels = cr.real_codec_levels()  # fits the codec on SmolLM2 on first use (about a minute)
         r["real"] = (real_levels, *part2(real_levels, 1.0, trace, a.slo, a.chunk_tokens, half))
     if a.trace_suite:
         sets = {"record-world" if a.levels is None else Path(a.levels).name: (levels, lossless)}

@@ -398,14 +398,16 @@ def print_real(res: dict) -> None:
         rows = [[m] + [f"{curve[m][f'{r:g}']:.4f}" for r in ratios] + [f"{curve[m][k] / reuse:.2f}x"]
                 for m in res["methods"][1:]]
         print(table(["rule"] + [f"r={r:.0%}" for r in ratios] + [f"{at:.0%} / reuse"], rows,
-                    title=f"Part 5a. Mean KL(full prefill || method) of the first answer token, nats, vs recompute "
-                          f"ratio r\n  (full reuse: {reuse:.4f}; random: {br.RANDOM_RULE}'s counts, tokens at random; "
-                          f"oracle: the\n  full prefill's K, V of the top r N tokens by true deviation, at every layer)"))
+                    title=f"Part 5a. Mean KL(full prefill || method) of the first answer token, nats, vs "
+                          f"recompute ratio r\n  (full reuse: {reuse:.4f}; random: {br.RANDOM_RULE}'s counts, "
+                          f"tokens at random; oracle: the\n  full prefill's K, V of the top r N tokens by true "
+                          f"deviation, at every layer)"))
         print()
         print(table(["rule"] + [f"r={r:.0%}" for r in ratios],
                     [[m] + [f"{ca[m][f'{r:g}']:.4f}" for r in ratios] for m in res["methods"][1:]],
-                    title=f"Part 5b. The same, mean over the first {res['kl_tokens']} answer tokens, teacher-forced on\n"
-                          f"  full prefill's greedy answer (full reuse: {res['kl_answer_reuse']:.4f})"))
+                    title=f"Part 5b. The same, mean over the first {res['kl_tokens']} answer tokens, "
+                          f"teacher-forced on\n  full prefill's greedy answer (full reuse: "
+                          f"{res['kl_answer_reuse']:.4f})"))
     else:
         print(f"  Parts 5a-b, the quality curve of every selection rule, random and the oracle at "
               f"{', '.join(f'{r:.0%}' for r in REAL_CURVE_RATIOS)}:\n  --curve (about a minute per item on one "
@@ -420,9 +422,9 @@ def print_real(res: dict) -> None:
                      " ".join(str(x) for x in c[:4]) + f" ... {c[-1]}"])
     print(table(["rule", "TTFT s", "speed-up", "recomputed", "KL first token", "KL removed / s",
                  "tokens at layers 1 2 3 4 ... last"], rows,
-                title=f"Part 5c. Time to first token at r = {at:.0%}, CPU wall clock, median of {res['ttft_items']} "
-                      f"input(s), {res['threads']} torch thread(s),\n  chunks' KV in memory (shift_kv + blend); noisy on a "
-                      f"shared machine. Paper (GPU): {HANDOUT['ttft_speedup']}"))
+                title=f"Part 5c. Time to first token at r = {at:.0%}, CPU wall clock, median of "
+                      f"{res['ttft_items']} input(s), {res['threads']} torch thread(s),\n  chunks' KV in memory "
+                      f"(shift_kv + blend); noisy on a shared machine. Paper (GPU): {HANDOUT['ttft_speedup']}"))
     gain = lambda r: 1 - curve[r][k] / reuse  # noqa: E731
     if res["curve_mode"]:
         best = res["best"]
