@@ -472,7 +472,8 @@ def print_real(res: dict) -> None:
 
 def real_json(res: dict) -> dict:
     k, rule, t = f"{res['at']:g}", res["rule"], res["ttft"]
-    return {"real_rule": rule, "real_best_rule_this_run": res["best"], "real_curve_measured": res["curve_mode"],
+    return {"real_rule": rule, "real_curve_measured": res["curve_mode"],
+            "real_best_rule_this_run": res["best"] if res["curve_mode"] else None,  # of every rule: --curve only
             "real_kl_reuse": res["kl_reuse"], "real_kl_blend15": res["curve"][rule][k],
             "real_kl_random15": res["curve"]["random"][k], "real_kl_oracle15": res["curve"]["oracle"][k],
             "real_kl_curve": res["curve"],
