@@ -498,7 +498,7 @@ def compute_real(args):
     from common.gguf_llama import gguf_file
     path = gguf_file(args.gguf)
     ident = {**cr.study_ident(path), "measure": [REAL_VERSION, REAL_ENTROPY_STEP, REAL_BASELINE_BITS, ZLIB_LEVEL,
-                                                kv.RECIPE_GROUP_FACTOR]}
+                                                kv.RECIPE_GROUP_FACTOR, kv.MATCH_HALVINGS]}
     r = cs.cached_study("codec-smollm2-02", ident, lambda: measure_real(path, args.refit), args.refit)
     r["delta_ratio"] = {k: np.asarray(v) for k, v in r["delta_ratio"].items()}
     return r

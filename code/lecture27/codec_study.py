@@ -196,7 +196,7 @@ def record_codec_study(refit: bool = False, progress: bool = True) -> dict:
     ident = {
         "model": world["ident"], "codec": kv.CODEC_VERSION, "group": kv.CODEC_GROUP, "anchor_bits": kv.ANCHOR_BITS,
         "max_radius": kv.CODEC_MAX_RADIUS, "search": [MEASURE_TOL, STEP_NOTCH, STEP_START, STEP_MAX_NOTCHES],
-        "levels": [kv.LEVEL_FACTOR, kv.N_LEVELS], "recipe": kv.RECIPE_GROUP_FACTOR,
+        "levels": [kv.LEVEL_FACTOR, kv.N_LEVELS], "recipe": [kv.RECIPE_GROUP_FACTOR, kv.MATCH_HALVINGS],
         "docs": [CODEC_N_CALIB, CODEC_N_EVAL, CODEC_N_CODED, CODEC_CALIB_SEED, CODEC_EVAL_SEED]}
     return cached_study("codec-record", ident, lambda: codec_study(
         world["model"], world["docs"](CODEC_N_CALIB, CODEC_CALIB_SEED), world["docs"](CODEC_N_EVAL, CODEC_EVAL_SEED),

@@ -488,7 +488,10 @@ def recipe_steps(rms, base: float) -> np.ndarray:
     return rms * base * RECIPE_GROUP_FACTOR ** layer_groups(len(rms))[:, None]
 
 
-def match_bytes(make_spec, X, target_bits: float, lo: float = 1e-4, hi: float = 1e2, iters: int = 12):
+MATCH_HALVINGS = 12        # match_bytes: halvings of log(step)'s bracket (cached studies are keyed by it)
+
+
+def match_bytes(make_spec, X, target_bits: float, lo: float = 1e-4, hi: float = 1e2, iters: int = MATCH_HALVINGS):
     """The base step whose codec (make_spec(base) -> CodecSpec) codes X in target_bits: bisection of
     log(base) in [lo, hi]. A halved step costs about one bit per value; 12 halvings of the bracket (its
     20 octaves down to 0.005 of one) put the size within about 0.005 bits per value of the target.
