@@ -21,7 +21,7 @@ Three prefills of [chunks ... | question], all driven through common.llama's Blo
   blend          CacheBlend's selective recompute with the per-layer progressive filter (§5.3)
 
     python code/lecture27/blend_world.py            # train (or load) the model and check it
-    python code/lecture27/blend_world.py --seeds 0-19   # the seed sweep: every seed trains (slow: ~1 min each)
+    python code/lecture27/blend_world.py --seeds 0-19   # the seed sweep: every seed trains (slow: ~45 s each)
 """
 from __future__ import annotations
 
