@@ -460,7 +460,7 @@ def record_model(retrain: bool = False, seed: int | None = None, steps: int | No
 
     def attempt(model, run_seed):
         """One training run from the initialisation of run_seed. Returns (history, drop step or None,
-        why it stopped: "done", "no drop" or "stuck")."""
+        why it stopped: "done", "no drop" or "stuck", the re-seeds of dead values on the way)."""
         drop = []  # the step at which accuracy first crosses 50%: the locality penalty and the decay start
         reseeded = []  # {"step", "acc", "values"} of each re-seed of dead values
         mix_gen = torch.Generator().manual_seed(run_seed)
