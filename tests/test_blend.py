@@ -209,6 +209,54 @@ def test_a_stuck_attempt_starts_again_then_gives_up(tmp_path, monkeypatch, capsy
     assert not list(tmp_path.glob("records-*.pt"))
 
 
+def test_reseed_values_mixes_the_answered_rows():
+    """A dead value's new embedding row is a positive mix of the alive values' rows at their mean norm;
+    every other row (keys, "?", the alive values) is left as it was."""
+    m = untrained(5)
+    before = m.embed.weight.detach().clone()
+    dead, alive = torch.tensor([2, 9]), torch.tensor([i for i in range(bw.N_VALUES) if i not in (2, 9)])
+    bw.reseed_values(m, dead, alive, torch.Generator().manual_seed(0))
+    E = m.embed.weight.detach()
+    rows = before[bw.VALUE_TOKENS[alive]]
+    changed = bw.VALUE_TOKENS[dead]
+    keep = torch.ones(len(bw.VOCAB), dtype=torch.bool)
+    keep[changed] = False
+    assert torch.equal(E[keep], before[keep])
+    for t in changed:
+        assert not torch.allclose(E[t], before[t])
+        assert float(E[t].norm()) == pytest.approx(float(rows.norm(dim=1).mean()), rel=1e-5)
+        # 14 random rows in 64 dimensions are independent: the mix's weights are exact, and all positive
+        w = torch.linalg.lstsq(rows.T, E[t][:, None]).solution[:, 0]
+        assert float((rows.T @ w - E[t]).abs().max()) < 1e-4 and bool((w > 0).all())
+    assert not torch.allclose(E[changed[0]], E[changed[1]])  # each dead value gets its own mix
+
+
+def test_a_stuck_run_reseeds_its_dead_values_and_goes_on(tmp_path, monkeypatch, capsys):
+    """When held-out accuracy sits below stuck_acc stuck_after steps after the drop, the values answered
+    below dead_acc (here: v3, made always wrong) get new rows, with one line, and the run goes on; still
+    stuck at the next check, it is given up (here: no attempts left, nothing cached)."""
+    calls = []
+    real_reseed = bw.reseed_values
+
+    def always_wrong_on_v3(q_logits, rec):
+        return rec.answers != bw.VALUE_TOKENS[2]
+
+    def spy(model, dead, alive, g):
+        calls.append((dead.tolist(), alive.tolist()))
+        real_reseed(model, dead, alive, g)
+    monkeypatch.setenv("L27_CHECKPOINTS", str(tmp_path))
+    monkeypatch.setattr(bw, "answer_correct", always_wrong_on_v3)
+    monkeypatch.setattr(bw, "reseed_values", spy)
+    monkeypatch.setattr(bw, "TRAIN", dict(bw.TRAIN, eval_every=5, stuck_after=10, after_drop=40, attempts=1))
+    with pytest.raises(bw.TrainingFailed):
+        bw.record_model(seed=4)
+    assert calls == [([2], [i for i in range(bw.N_VALUES) if i != 2])]
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("record world, seed 4")]
+    assert len(err) == 2 and "at step 15, v3 answered 0%: new" in err[0] and "goes on" in err[0]
+    assert "stuck at" in err[1] and "20 steps after the drop" in err[1] and "no attempts left" in err[1]
+    assert all(len(ln) <= 120 for ln in err)
+
+
 def test_each_attempt_starts_from_its_own_initialisation(tmp_path, monkeypatch):
     """Attempt k of seed s is trained from the initialisation of seed s + RESTART_SEED_STRIDE k, with
     every parameter (norm gains too) reset first: the parameters each attempt starts from are exactly
