@@ -198,3 +198,31 @@ def test_explicit_attention_weights_equal_sdpa():
         assert torch.allclose(w.sum(-1), torch.ones(()), atol=1e-6)
         assert w.triu(1).abs().max() == 0          # no weight on the future
         blk.keep_weights, blk.weights = False, None
+
+
+def test_idle_threads_gives_one_thread_per_idle_core(monkeypatch):
+    """idle_threads: one torch thread per idle core (rounded down, with a quarter core of slack), never more
+    than the count before it, at least one, and one where idle cores cannot be read; restored after."""
+    import common.llama as llama
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for idle, want in [(1.9, 2), (1.75, 2), (1.5, 1), (1.2, 1), (0.1, 1), (None, 1), (5.0, 2)]:
+            monkeypatch.setattr(llama, "idle_cores", lambda window=0.2, v=idle: v)
+            with llama.idle_threads():
+                assert torch.get_num_threads() == want
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_idle_cores_reads_a_share_of_the_machine():
+    import os
+
+    from common.llama import cpu_times, idle_cores
+
+    # /proc/stat: cpu user nice system idle iowait irq softirq steal guest guest_nice
+    assert cpu_times("cpu  100 5 45 800 50 0 0 0 0 0") == (850, 1000)
+    idle = idle_cores(0.05)
+    assert idle is None or 0.0 <= idle <= (os.cpu_count() or 1) + 1e-9

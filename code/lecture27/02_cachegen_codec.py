@@ -49,6 +49,7 @@ import codec_study as cs  # noqa: E402
 import kvcache as kv  # noqa: E402
 import blend_world as bw  # noqa: E402
 from common.cli import Parser, figure_path, positive_float, say, table, write_json  # noqa: E402
+from common.llama import idle_threads  # noqa: E402
 
 SENSITIVITY_STEPS = (1, 2, 4, 8)  # Part 1b: coarse steps for one layer's K+V, in units of its RMS
 SENSITIVITY_STEP = 4.0      # Part 1b: the coarse step for K alone and V alone
@@ -499,7 +500,7 @@ def compute_real(args):
     path = gguf_file(args.gguf)
     ident = {**cr.study_ident(path), "measure": [REAL_VERSION, REAL_ENTROPY_STEP, REAL_BASELINE_BITS, ZLIB_LEVEL,
                                                 kv.RECIPE_GROUP_FACTOR, kv.MATCH_HALVINGS]}
-    r = cs.cached_study("codec-smollm2-02", ident, lambda: measure_real(path, args.refit), args.refit)
+    r = cs.cached_study("codec-smollm2-02", ident, lambda: measure_real(path, args.refit), args.refit, idle_threads)
     r["delta_ratio"] = {k: np.asarray(v) for k, v in r["delta_ratio"].items()}
     return r
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import codec_study as cs  # noqa: E402
 import kvcache as kv  # noqa: E402
-from common.llama import kl_divergence  # noqa: E402
+from common.llama import idle_threads, kl_divergence  # noqa: E402
 
 REAL_CONTEXT = 100          # tokens of each paragraph whose KV is coded
 REAL_CONTINUATION = 55      # evaluation: the next tokens, scored (every paragraph has at least 155 tokens)
@@ -131,7 +131,7 @@ def real_codec_study(gguf=None, refit: bool = False, progress: bool = True, pros
     from common.gguf_llama import gguf_file
     path = gguf_file(gguf)
     return cs.cached_study("codec-smollm2", study_ident(path),
-                           lambda: fit(prose if prose is not None else Prose(path), progress), refit)
+                           lambda: fit(prose if prose is not None else Prose(path), progress), refit, idle_threads)
 
 
 def study_ident(path: Path) -> dict:

@@ -121,14 +121,15 @@ def search_steps(evaluate, rms, target: float, start: float = STEP_START, notch:
     return rms * start * notch ** e, trace
 
 
-def cached_study(name: str, ident: dict, compute, refit: bool = False) -> dict:
-    """compute() run on one thread (tiny batches: one thread is faster, and the machine is shared),
-    its JSON-able result cached in code/checkpoints/ under `ident` (computed again when it changes)."""
-    def on_one_thread():
-        with single_thread():
+def cached_study(name: str, ident: dict, compute, refit: bool = False, threads=single_thread) -> dict:
+    """compute() run under `threads` (one thread by default: the small models' batches are tiny, and the
+    machine may be shared; idle_threads for a real model's long forwards), its JSON-able result cached in
+    code/checkpoints/ under `ident` (computed again when it changes)."""
+    def run():
+        with threads():
             return compute()
 
-    return cached_result(name, ident, on_one_thread, refit, tag="codec")
+    return cached_result(name, ident, run, refit, tag="codec")
 
 
 # ------------------------------------------------------------------ the record-world model's codec
