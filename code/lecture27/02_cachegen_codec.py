@@ -42,14 +42,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
 import codec_real as cr  # noqa: E402
 import codec_study as cs  # noqa: E402
 import kvcache as kv  # noqa: E402
 import blend_world as bw  # noqa: E402
 from common.cli import Parser, figure_path, positive_float, say, table, write_json  # noqa: E402
-from common.llama import idle_threads  # noqa: E402
+from common.llama import idle_threads, single_thread  # noqa: E402
 
 SENSITIVITY_STEPS = (1, 2, 4, 8)  # Part 1b: coarse steps for one layer's K+V, in units of its RMS
 SENSITIVITY_STEP = 4.0      # Part 1b: the coarse step for K alone and V alone
@@ -588,8 +587,7 @@ def parse(argv):
 
 def main(argv=None):
     args = parse(argv)
-    torch.set_num_threads(1)        # tiny batches: one thread is faster, and the machine is shared
-    if args.model == "smollm2":
+    if args.model == "smollm2":  # its long forwards run on the idle cores (compute_real: idle_threads)
         from common.gguf_llama import smollm2_or_explain
         args.gguf = smollm2_or_explain(args.gguf)
         if args.gguf is None:
@@ -598,7 +596,8 @@ def main(argv=None):
         report_real(r)
         write_json(args.json, to_json_real(r))
         return
-    r = compute(args)
+    with single_thread():  # the record model's batches are tiny: one thread is faster, and cores may be shared
+        r = compute(args)
     report(r, args)
     figures(r)
     write_json(args.json, to_json(r, args))

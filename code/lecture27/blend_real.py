@@ -210,18 +210,15 @@ def item_ttft(model, rd: RagDoc, ratio: float, rules=RULE_NAMES) -> dict:
     """Wall-clock TTFT of one input on one torch thread (on shared cores a second thread that waits for
     a core slows blend's many small steps far more than a prefill's large ones): full prefill, and per
     rule shift_kv of every layer's K (placing the stored chunks, timed apart because precompute_chunks
-    already did it) + blend(), chunks' KV in memory."""
-    with single_thread():
-        return _item_ttft(model, rd, ratio, rules)
-
-
-def _item_ttft(model, rd: RagDoc, ratio: float, rules) -> dict:
-    _, t_full = _timed(lambda: model(rd.tokens, last=True))
+    already did it) + blend(), chunks' KV in memory. The chunks' precompute is not timed: it runs
+    before, on the caller's threads."""
     pre = bw.precompute_chunks(model, rd.doc, rd.chunks)
-    _, t_shift = _timed(lambda: [shift_kv(k, 1000, model.cfg.rope_theta) for k in pre.k])
-    out = {"full prefill": t_full}
-    for rule in rules:
-        out[rule] = t_shift + _timed(lambda: bw.blend(model, rd, rd.chunks, ratio, pre=pre, rule=rule))[1]
+    with single_thread():
+        _, t_full = _timed(lambda: model(rd.tokens, last=True))
+        _, t_shift = _timed(lambda: [shift_kv(k, 1000, model.cfg.rope_theta) for k in pre.k])
+        out = {"full prefill": t_full}
+        for rule in rules:
+            out[rule] = t_shift + _timed(lambda: bw.blend(model, rd, rd.chunks, ratio, pre=pre, rule=rule))[1]
     return out
 
 
