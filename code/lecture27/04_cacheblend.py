@@ -410,8 +410,8 @@ def print_real(res: dict) -> None:
                           f"{res['kl_answer_reuse']:.4f})"))
     else:
         print(f"  Parts 5a-b, the quality curve of every selection rule, random and the oracle at "
-              f"{', '.join(f'{r:.0%}' for r in REAL_CURVE_RATIOS)}:\n  --curve (about a minute per item on one "
-              f"core the first time, then cached; --items 8 for all eight)")
+              f"{', '.join(f'{r:.0%}' for r in REAL_CURVE_RATIOS)}:\n  --curve (the first time about 35 s per "
+              f"item on two idle cores, a minute on one; then cached; --items 8 for all eight)")
     t, score, share, counts = res["ttft"], res["score"], res["share"], res["counts"]
     print()
     rows = [["full prefill", f"{t['full prefill']:.2f}", "1.00x", "100%", "-", "-", "-"]]
