@@ -18,6 +18,8 @@ Q/K rows are permuted back to this layout by the loader.
 from __future__ import annotations
 
 import math
+import os
+import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
@@ -254,9 +256,6 @@ def cpu_times(stat_line: str) -> tuple[int, int]:
 def idle_cores(window: float = 0.2) -> float | None:
     """How many cores are idle right now: the idle share of two reads of /proc/stat `window` seconds
     apart, times the core count. None where that cannot be read (not Linux)."""
-    import os
-    import time
-
     def read():
         with open("/proc/stat") as f:
             return cpu_times(f.readline())

@@ -85,7 +85,7 @@ REAL_CHUNK_TOKENS = 256                   # tokens per retrieved chunk (6 chunks
 REAL_RATIO = 0.15                         # CacheBlend's default recompute ratio
 REAL_RULE = "flat"                        # blend()'s selection rule: the most quality per measured TTFT (--curve)
 REAL_CURVE_RATIOS = [0.05, 0.15, 0.30, 0.50]  # --curve: every rule, random and the oracle at these ratios
-REAL_TTFT_ITEMS = 1                       # inputs whose TTFT is measured live (a full prefill: ~5-10 s on 2 cores)
+REAL_TTFT_ITEMS = 1                       # inputs whose TTFT is measured live (a full prefill: ~5.5 s, one thread)
 # ---- exercise 8 (§10): the controller's inputs
 EX8_LAYERS, EX8_READ_MS, EX8_PREFILL_MS = 32, 10.0, 20.0
 
