@@ -351,9 +351,7 @@ def oracle_cache(pre: KVCache, full: KVCache, ratio: float) -> KVCache:
     N = pre.k[0].shape[2]
     n = min(N, math.ceil(ratio * N - 1e-9))
     ks, vs = [], []
-    for kp, vp, kf, vf in zip(pre.k, pre.v, full.k, full.v):
-        kf, vf = kf[:, :, :N], vf[:, :, :N]
-        dev = (kp - kf).pow(2).sum((1, 3)) + (vp - vf).pow(2).sum((1, 3))  # (B, N)
+    for kp, vp, kf, vf, dev in zip(pre.k, pre.v, full.k, full.v, cache_deviation(pre, full)):
         idx = dev.topk(n, dim=1).indices[:, None, :, None].expand(kp.shape[0], kp.shape[1], n, kp.shape[3])
         ks.append(kp.scatter(2, idx, kf.gather(2, idx)))
         vs.append(vp.scatter(2, idx, vf.gather(2, idx)))
@@ -414,9 +412,15 @@ def kv_deviation(model: Llama, rec: Records, chunks, pre: KVCache | None = None,
     `full` may be a full prefill's cache already at hand (its first N rows are the context's)."""
     pre = pre if pre is not None else precompute_chunks(model, rec.doc, chunks)
     full = full if full is not None else model(rec.doc, last=True)[1]
-    N = rec.doc.shape[1]
-    return torch.stack([(pre.k[i] - full.k[i][:, :, :N]).pow(2).sum((1, 3))
-                        + (pre.v[i] - full.v[i][:, :, :N]).pow(2).sum((1, 3)) for i in range(model.cfg.n_layers)])
+    return cache_deviation(pre, full)
+
+
+def cache_deviation(pre: KVCache, full: KVCache) -> torch.Tensor:
+    """(L, B, N): ||K_pre - K_full||^2 + ||V_pre - V_full||^2 per layer and token of pre's N tokens,
+    against the first N rows of `full` (which may also hold a question's)."""
+    N = pre.k[0].shape[2]
+    return torch.stack([(kp - kf[:, :, :N]).pow(2).sum((1, 3)) + (vp - vf[:, :, :N]).pow(2).sum((1, 3))
+                        for kp, vp, kf, vf in zip(pre.k, pre.v, full.k, full.v)])
 
 
 def average_ranks(x: torch.Tensor) -> torch.Tensor:
