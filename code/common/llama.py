@@ -270,27 +270,26 @@ def idle_cores(window: float = 0.2) -> float | None:
 
 
 @contextmanager
+def torch_threads(n: int):
+    """Run the block on n torch threads, then restore the count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def idle_threads():
     """Run the block on one torch thread per idle core, at most torch's current count, at least one.
     A real model's long prefills run 1.9x faster on two idle cores than on one (SmolLM2, 1,570 tokens),
     but a thread whose core another process holds stalls every parallel step: with one of two cores
     busy, two threads made SmolLM2's CacheBlend runs 8x slower than one. Unknown (not Linux): one."""
-    threads = torch.get_num_threads()
     idle = idle_cores()
-    torch.set_num_threads(max(1, min(threads, int(idle + 0.25) if idle is not None else 1)))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    return torch_threads(max(1, min(torch.get_num_threads(), int(idle + 0.25) if idle is not None else 1)))
 
 
-@contextmanager
 def single_thread():
     """Run the block on one torch thread, then restore the count: small batches gain little from a
     second thread, and a thread waiting for a core another process holds slows every step down."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    return torch_threads(1)
