@@ -11,12 +11,15 @@ a machine whose cores are busy a second thread that waits for a core slows each 
 test_blend + test_llama + test_checkpoints)."""
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(int(os.environ.get("L27_TEST_THREADS", "1")))
+# the scripts run here draw into a temporary folder, never into the student's figures/
+os.environ["L27_FIGURES"] = tempfile.mkdtemp(prefix="l27-test-figures-")
 
 ROOT = Path(__file__).resolve().parents[1]
 for p in (ROOT / "code", ROOT / "code" / "lecture27"):

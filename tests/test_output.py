@@ -11,7 +11,6 @@ import re
 
 import pytest
 
-from common import cli
 
 SCRIPTS = {
     "01": ("01_kv_ledger", [], {}),
@@ -28,24 +27,20 @@ EXERCISES = {1: "01", 2: "01", 3: "02", 4: "02", 5: "04", 6: "04", 7: "04", 8: "
 def runs(tmp_path_factory):
     """{script key: (printed text, JSON)}, each script run once."""
     tmp = tmp_path_factory.mktemp("output")
-    saved, out = cli.FIGURES, {}
-    cli.FIGURES = tmp / "figures"
-    try:
-        for key, (name, args, constants) in SCRIPTS.items():
-            mod = importlib.import_module(name)
-            old = {k: getattr(mod, k) for k in constants}
-            for k, v in constants.items():
+    out = {}
+    for key, (name, args, constants) in SCRIPTS.items():
+        mod = importlib.import_module(name)
+        old = {k: getattr(mod, k) for k in constants}
+        for k, v in constants.items():
+            setattr(mod, k, v)
+        buf, path = io.StringIO(), tmp / f"{key}.json"
+        try:
+            with contextlib.redirect_stdout(buf):
+                mod.main([*args, "--json", str(path)])
+        finally:
+            for k, v in old.items():
                 setattr(mod, k, v)
-            buf, path = io.StringIO(), tmp / f"{key}.json"
-            try:
-                with contextlib.redirect_stdout(buf):
-                    mod.main([*args, "--json", str(path)])
-            finally:
-                for k, v in old.items():
-                    setattr(mod, k, v)
-            out[key] = (buf.getvalue(), json.loads(path.read_text()))
-    finally:
-        cli.FIGURES = saved
+        out[key] = (buf.getvalue(), json.loads(path.read_text()))
     return out
 
 

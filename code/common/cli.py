@@ -1,16 +1,17 @@
-"""What every numbered script shares: argument parsing with one-line errors, aligned tables,
-the figures folder and `--json` output. Nothing here computes a lecture figure."""
+"""What every numbered script shares: argument parsing with one-line errors, the output paths checked
+before any work starts, and the frozen settings object a script builds from its constants and the command
+line. Tables, figures and `--json` are common/present.py's. Nothing here computes a lecture figure."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
 import textwrap
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-FIGURES = REPO / "figures"
+from .present import check_writable_dir, check_writable_file, figures_dir
 
 
 class Parser(argparse.ArgumentParser):
@@ -21,9 +22,30 @@ class Parser(argparse.ArgumentParser):
         super().__init__(description=doc.strip().split("\n\n")[0],
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
         self.add_argument("--json", metavar="PATH", help="write the headline figures to this JSON file")
+        self.add_argument("--no-plot", action="store_true", help="draw no figures")
+
+    def parse_args(self, args=None, namespace=None):
+        """Parse, then refuse an unwritable --json path or figures/ folder before any work starts."""
+        a = super().parse_args(args, namespace)
+        if a.json:
+            why = check_writable_file(a.json)
+            if why:
+                self.error(f"argument --json: {why}")
+        why = check_writable_dir(figures_dir())
+        if why:
+            self.error(f"the figures folder: {why} (set L27_FIGURES=/another/folder)")
+        return a
 
     def error(self, message):
         fail(message, prog=self.prog)
+
+
+def settings_from(cls, ns: argparse.Namespace, **more):
+    """The frozen settings dataclass `cls` with each field taken from the parsed command line (a field
+    the command line has no flag for keeps its default, the script's constant), or from `more`."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in vars(ns).items() if k in names}
+    return cls(**{**values, **more})
 
 
 def fail(message: str, prog: str | None = None) -> None:
@@ -78,8 +100,8 @@ def say(text: str, indent: int | None = None) -> None:
 
 def figure_path(name: str) -> Path:
     """figures/<name>, folder created on demand."""
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    return FIGURES / name
+    figures_dir().mkdir(parents=True, exist_ok=True)
+    return figures_dir() / name
 
 
 def write_json(path: str | None, data: dict) -> None:

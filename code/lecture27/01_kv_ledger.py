@@ -307,7 +307,6 @@ def main(argv=None):
     p.add_argument("--hit-rate", type=fraction, default=HIT_RATE)
     p.add_argument("--nodes", type=positive_int, default=NODES)
     p.add_argument("--years", type=positive_float, default=YEARS)
-    p.add_argument("--no-plot", action="store_true", help="skip the figures")
     a = p.parse_args(argv)
     if a.hit_saves == 0:
         p.error("argument --hit-saves: must be above 0")

@@ -658,7 +658,6 @@ def parse(argv):
                    help="Part 4: N random traces (0: skip)")
     p.add_argument("--suite-seed", type=nonneg_int, default=SUITE_SEED, help="the trace suite's random seed")
     p.add_argument("--no-real", action="store_true", help="skip Part 2c (levels measured on SmolLM2)")
-    p.add_argument("--no-plot", action="store_true", help="skip the figures")
     a = p.parse_args(argv)
     if a.chunk_tokens > CONTEXT:
         p.error(f"argument --chunk-tokens: at most the context, {CONTEXT}")

@@ -471,7 +471,6 @@ def parse(argv):
     p.add_argument("--ssd-gbps", type=positive_float, default=SSD_GBPS, help="SSD tier read, GB/s")
     p.add_argument("--doc-cache-gb", type=nonneg_float, default=DOC_CACHE_GB, help="Part 3: the KV cache, GB")
     p.add_argument("--seed", type=int, default=SEED)
-    p.add_argument("--no-plot", action="store_true", help="skip the figure")
     a = p.parse_args(argv)
     if a.user_tokens + a.answer_tokens > 128 * 1024 // a.turns:
         fail(f"{a.turns} turns of {a.user_tokens + a.answer_tokens} tokens exceed a 128K context")

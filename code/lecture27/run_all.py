@@ -16,7 +16,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from common.cli import FIGURES, Parser  # noqa: E402
+from common.cli import Parser  # noqa: E402
+from common.present import figures_dir  # noqa: E402
 
 SCRIPTS = ["01_kv_ledger.py", "02_cachegen_codec.py", "03_streaming.py", "04_cacheblend.py",
            "05_tiered_storage.py"]
@@ -76,7 +77,7 @@ def main():
         profiler = ["-m", "cProfile", "-o", str(prof_dir / f"{tag}.prof")] if args.profile else []
         t0 = time.time()
         rc = subprocess.call([sys.executable, *profiler, str(HERE / run[0]), *run[1:],
-                              "--json", str(FIGURES / f"{tag}.json")])
+                              "--json", str(figures_dir() / f"{tag}.json")])
         timings.append((name, time.time() - t0))
         if args.profile and rc == 0:
             profiles[name] = phase_seconds(prof_dir / f"{tag}.prof")

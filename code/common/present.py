@@ -1,0 +1,423 @@
+"""What a result looks like on the page. A table is data: its title and handout section, its columns and
+rows, our value in each cell with its format, the handout's figure where there is one (with the inputs it
+holds for) and the note that explains a difference. From that one structure three renderers make the
+aligned text of the terminal, the `--json` keys and the HTML of the report.
+
+A script writes through a `Page`: `page.part(...)`, `page.say(...)`, `page.table(...)`, `page.figure(...)`,
+`page.exercise(...)`. The page prints as it goes, and at the end (`page.finish`) writes the script's
+`--json` and the file `figures/pages/NN.json` the report is built from (`report.py`). Nothing here
+computes a lecture figure.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import textwrap
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+WIDTH = 120          # no printed line is wider
+DASH = "-"           # an empty cell: no value, or no handout figure for this run's inputs
+
+
+# ----------------------------------------------------------------------------- the handout's figures
+@dataclass(frozen=True)
+class Ref:
+    """A figure the handout prints, the inputs it holds for (setting name -> the handout's value), and,
+    where ours differs for a reason worth knowing, that reason (shown beside it)."""
+    figure: str
+    inputs: dict = field(default_factory=dict)
+    why: str = ""
+
+
+class Handout:
+    """A script's one reference table of the handout's figures: name -> Ref. Calling it with a name and
+    the run's settings gives the Ref when every input it holds for has the handout's value, else None:
+    a student's edit blanks the handout column instead of printing a figure for other inputs."""
+
+    def __init__(self, refs: dict[str, Ref], **common_inputs):
+        # inputs every figure of the script holds for (for example the bytes per value)
+        self.refs = {k: Ref(r.figure, {**common_inputs, **r.inputs}, r.why) for k, r in refs.items()}
+
+    def __call__(self, name: str, settings) -> Ref | None:
+        ref = self.refs[name]
+        return ref if holds(ref.inputs, settings) else None
+
+    def figure(self, name: str, settings) -> str:
+        ref = self(name, settings)
+        return ref.figure if ref else DASH
+
+
+def holds(inputs: dict, settings) -> bool:
+    """True when `settings` (a dataclass or a dict) has each of `inputs`' values."""
+    get = settings.get if isinstance(settings, dict) else (lambda k, d=None: getattr(settings, k, d))
+    missing = object()
+    for k, v in inputs.items():
+        have = get(k, missing)
+        if have is missing:
+            raise KeyError(f"the handout's inputs name {k!r}, which is not a setting")
+        if isinstance(v, float) or isinstance(have, float):
+            if not (isinstance(have, (int, float)) and math.isclose(have, v, rel_tol=1e-9, abs_tol=1e-12)):
+                return False
+        elif have != v:
+            return False
+    return True
+
+
+# ----------------------------------------------------------------------------- a table as data
+Fmt = str | Callable[[Any], str]
+
+
+@dataclass(frozen=True)
+class Col:
+    """A column: its header, how a value is written (a format string such as "{:.3f}", or a function),
+    and, for `--json`, the key its values go to: "name" gives a list over the rows (in order, rows whose
+    value is None left out), "name.{row}" or "configs.{row}.hit_rate" a dict keyed by each row's key.
+    `scale` multiplies the value written to JSON (for example bytes on screen, GB in JSON: 1e-9)."""
+    header: str
+    fmt: Fmt = "{}"
+    key: str | None = None
+    scale: float | None = None
+
+
+@dataclass
+class Val:
+    """One cell whose value has a `--json` key of its own (a scalar key of the spec), and optionally a
+    format of its own and a different JSON value (for example a figure printed in KiB, stored in bytes)."""
+    value: Any
+    key: str | None = None
+    fmt: Fmt | None = None
+    json: Any = None                # None: the JSON value is `value`
+
+
+@dataclass
+class Row:
+    cells: list                     # one value per column; a value may be a Val
+    handout: Ref | str | None = None  # the handout's figure for this row, when the run's inputs are its
+    key: str | None = None          # this row's name in JSON dicts ("{row}" of a column's key)
+
+
+@dataclass
+class Table:
+    title: str
+    section: str                    # the handout's section, for example "§1.2"
+    cols: list[Col]
+    rows: list[Row]
+    source: str = ""                # the function that computed it, "module.function"
+    notes: list[str] = field(default_factory=list)  # sentences computed from the result, printed under it
+    json: dict = field(default_factory=dict)        # keys this table states in its title or notes
+
+    def has_handout(self) -> bool:
+        return any(r.handout is not None for r in self.rows)
+
+
+def cols(*specs) -> list[Col]:
+    """Columns from (header, fmt[, key[, scale]]) tuples or plain headers."""
+    return [s if isinstance(s, Col) else Col(s) if isinstance(s, str) else Col(*s) for s in specs]
+
+
+def fmt_cell(value, fmt: Fmt) -> str:
+    if isinstance(value, Val):
+        return fmt_cell(value.value, value.fmt or fmt)
+    if value is None:
+        return DASH
+    if isinstance(value, str):
+        return value
+    return fmt(value) if callable(fmt) else fmt.format(value)
+
+
+def handout_text(h) -> str:
+    if h is None:
+        return DASH
+    if isinstance(h, Ref):
+        return h.figure + (" *" if h.why else "")
+    return str(h)
+
+
+def grid(t: Table) -> tuple[list[str], list[list[str]]]:
+    """The table's header and cells as strings, with the handout column last when it has one."""
+    headers = [c.header for c in t.cols]
+    body = [[fmt_cell(v, c.fmt) for v, c in zip(r.cells, t.cols)] for r in t.rows]
+    if t.has_handout():
+        headers.append("handout")
+        for cells, r in zip(body, t.rows):
+            cells.append(handout_text(r.handout))
+    return headers, body
+
+
+def why_notes(t: Table) -> list[str]:
+    """The reason beside each handout figure ours differs from, once per reason."""
+    seen = []
+    for r in t.rows:
+        if isinstance(r.handout, Ref) and r.handout.why and r.handout.why not in seen:
+            seen.append(r.handout.why)
+    return seen
+
+
+# ----------------------------------------------------------------------------- renderer 1: text
+def render_text(t: Table) -> str:
+    headers, body = grid(t)
+    widths = [max(len(x) for x in col) for col in zip(headers, *body)]
+
+    def line(r):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    out = [wrap(t.title)] if t.title else []
+    out += [line(headers), "  ".join("-" * w for w in widths)] + [line(r) for r in body]
+    out += [wrap("  " + n) for n in t.notes]
+    out += [wrap(f"  * handout: {w}") for w in why_notes(t)]
+    return "\n".join(out)
+
+
+def wrap(text: str, indent: int | None = None) -> str:
+    """A paragraph wrapped at WIDTH; continuation lines indented by `indent` (default: its own + 4).
+    Lines of a multi-line text are wrapped one by one."""
+    out = []
+    for para in text.split("\n"):
+        lead = len(para) - len(para.lstrip(" "))
+        out.append(textwrap.fill(para, WIDTH, subsequent_indent=" " * (lead + 4 if indent is None else indent),
+                                 break_long_words=False, break_on_hyphens=False) if para.strip() else "")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- renderer 2: --json
+def plain(x):
+    """Numbers, strings, lists and dicts only: numpy and torch scalars and arrays become Python ones."""
+    if isinstance(x, dict):
+        return {str(k): plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [plain(v) for v in x]
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return plain(dataclasses.asdict(x))
+    return x
+
+
+def _put(out: dict, path: str, value) -> None:
+    *heads, last = path.split(".")
+    d = out
+    for h in heads:
+        d = d.setdefault(h, {})
+    if last in d and d[last] != value:
+        raise ValueError(f"--json key {path!r} written twice with different values")
+    d[last] = value
+
+
+def _scaled(v, scale):
+    return v * scale if scale is not None and v is not None else v
+
+
+def table_json(t: Table) -> dict:
+    """The `--json` keys of one table: its columns' keys over the rows, its cells' own keys, its extras."""
+    out: dict = {}
+    for j, c in enumerate(t.cols):
+        if c.key is None:
+            continue
+        values = [(r, r.cells[j].value if isinstance(r.cells[j], Val) else r.cells[j]) for r in t.rows]
+        if "{row}" in c.key:
+            for r, v in values:
+                if r.key is not None:
+                    _put(out, c.key.replace("{row}", r.key), plain(_scaled(v, c.scale)))
+        else:
+            _put(out, c.key, [plain(_scaled(v, c.scale)) for _, v in values if v is not None])
+    for r in t.rows:
+        for c, v in zip(t.cols, r.cells):
+            if isinstance(v, Val) and v.key:
+                _put(out, v.key, plain(v.value if v.json is None else v.json))
+    for k, v in t.json.items():
+        _put(out, k, plain(v))
+    return out
+
+
+def merge_json(parts: list[dict]) -> dict:
+    out: dict = {}
+
+    def merge(dst, src, prefix=""):
+        for k, v in src.items():
+            if isinstance(v, dict) and isinstance(dst.get(k), dict):
+                merge(dst[k], v, prefix + k + ".")
+            elif k in dst and dst[k] != v:
+                raise ValueError(f"--json key {prefix + k!r} written twice with different values")
+            else:
+                dst[k] = v
+    for p in parts:
+        merge(out, p)
+    return out
+
+
+# ----------------------------------------------------------------------------- output paths
+def check_writable_file(path: str | Path) -> str | None:
+    """None when `path` can be written (its folder created if need be), else why not, in a few words."""
+    p = Path(path)
+    if p.is_dir():
+        return f"{path} is a folder"
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot create the folder {p.parent}: {e.strerror or e}"
+    existed = p.exists()
+    try:
+        with open(p, "a"):
+            pass
+    except OSError as e:
+        return f"cannot write {path}: {e.strerror or e}"
+    if not existed:
+        p.unlink()
+    return None
+
+
+def check_writable_dir(path: str | Path) -> str | None:
+    """None when files can be written in the folder `path` (created if need be), else why not."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        return f"{path} is a file, not a folder"
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot create the folder {path}: {e.strerror or e}"
+    if not os.access(p, os.W_OK | os.X_OK):
+        return f"cannot write in the folder {path}"
+    return None
+
+
+# ----------------------------------------------------------------------------- the page
+REPO = Path(__file__).resolve().parents[2]
+
+
+def figures_dir() -> Path:
+    """figures/ at the clone's root, or $L27_FIGURES (the tests draw into a temporary folder)."""
+    return Path(os.environ.get("L27_FIGURES", REPO / "figures"))
+
+
+def edited(settings, defaults) -> dict:
+    """The settings a run changed from the script's defaults: name -> value (both frozen dataclasses)."""
+    a, b = dataclasses.asdict(settings), dataclasses.asdict(defaults)
+    return {k: v for k, v in a.items() if b.get(k) != v}
+
+
+def run_tag(changes: dict) -> str:
+    """A folder name that carries a run's edited inputs, for example 'chunk_len=6,ratio=0.1'."""
+    def short(v):
+        s = f"{v:g}" if isinstance(v, float) else str(v)
+        return "".join(ch if ch.isalnum() or ch in ".-_" else "_" for ch in s)[:40]
+    return ",".join(f"{k}={short(v)}" for k, v in sorted(changes.items()))[:150]
+
+
+class Page:
+    """What one script shows, in order: parts, paragraphs, tables, figures, exercises. Each call prints
+    at once and keeps a record, so the same page is the terminal output, the `--json` and the report's
+    section. A run whose settings differ from the defaults draws its figures into a folder named after
+    the edited inputs, so the default figures stay the default's."""
+
+    def __init__(self, script: str, title: str, section: str, settings=None, defaults=None,
+                 plot: bool = True, figures: Path | None = None):
+        self.script, self.title, self.section = script, title, section
+        self.settings = settings
+        self.changes = edited(settings, defaults) if settings is not None and defaults is not None else {}
+        base = Path(figures) if figures is not None else figures_dir()
+        self.figures = base / "whatif" / f"{script}_{run_tag(self.changes)}" if self.changes else base
+        self.pages = base / "pages"
+        self.plot = plot
+        self.blocks: list[dict] = []
+        self.tables: list[Table] = []
+        self.json_extra: list[dict] = []
+        self.t0 = time.time()
+
+    # -- writing
+    def part(self, name: str, section: str, title: str) -> None:
+        """A Part's heading: '== Part 2 (§5.2). Full reuse vs CacheBlend ====='."""
+        head = f"\n== {name} ({section}). {title} "
+        print(head + "=" * max(3, WIDTH - len(head)))
+        self.blocks.append({"kind": "part", "name": name, "section": section, "title": title})
+
+    def exercise(self, n: int, section: str, title: str) -> None:
+        """An exercise's heading, 'Exercise N (§x, §10): ...', on screen and in the report."""
+        print(wrap(f"\nExercise {n} ({section}, §10): {title}"))
+        self.blocks.append({"kind": "exercise", "n": n, "section": section, "title": title})
+
+    def say(self, text: str, indent: int | None = None) -> None:
+        print(wrap(text, indent))
+        self.blocks.append({"kind": "text", "text": text})
+
+    def table(self, t: Table) -> Table:
+        print(render_text(t))
+        headers, body = grid(t)
+        self.blocks.append({"kind": "table", "title": t.title, "section": t.section, "source": t.source,
+                            "headers": headers, "rows": body, "notes": t.notes, "why": why_notes(t),
+                            "handout_col": t.has_handout(),
+                            "differs": [isinstance(r.handout, Ref) and bool(r.handout.why) for r in t.rows]})
+        self.tables.append(t)
+        return t
+
+    def data(self, **keys) -> None:
+        """`--json` keys that no table holds (for example a setup the headings state)."""
+        self.json_extra.append(keys)
+
+    def figure_path(self, name: str) -> Path:
+        self.figures.mkdir(parents=True, exist_ok=True)
+        return self.figures / name
+
+    @contextmanager
+    def figure(self, name: str, title: str = "", figsize=(7, 4.5), ncols: int = 1, nrows: int = 1, **kw):
+        """Draw one figure: `with page.figure("04_curve.png", "...") as (fig, ax): ax.plot(...)`. Styled,
+        saved under the page's figure folder at 120 dpi, its path printed and kept for the report. With
+        plotting off (`--no-plot`) the body is skipped."""
+        if not self.plot:
+            yield None, None
+            return
+        plt = pyplot()
+        fig, ax = plt.subplots(nrows, ncols, figsize=figsize, **kw)
+        try:
+            yield fig, ax
+            if title:
+                fig.suptitle(title, fontsize=10)
+            fig.tight_layout()
+            path = self.figure_path(name)
+            fig.savefig(path, dpi=120)
+        finally:
+            plt.close(fig)
+        self.add_figure(path)
+
+    def add_figure(self, path: Path) -> None:
+        print(f"figure: {path}")
+        self.blocks.append({"kind": "figure", "path": str(path)})
+
+    # -- the end
+    def json(self) -> dict:
+        return merge_json([table_json(t) for t in self.tables] + self.json_extra)
+
+    def finish(self, json_path: str | None = None, cache_events: list | None = None) -> dict:
+        """Write `--json` (when asked) and this page's record for the report; return the JSON."""
+        data = self.json()
+        if json_path:
+            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(json_path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+            print(f"wrote {json_path}")
+        if cache_events is None:
+            from . import checkpoints
+            cache_events = list(checkpoints.EVENTS)
+        record = {"script": self.script, "title": self.title, "section": self.section,
+                  "changes": plain(self.changes), "seconds": time.time() - self.t0,
+                  "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "cache": cache_events, "blocks": self.blocks}
+        try:
+            self.pages.mkdir(parents=True, exist_ok=True)
+            (self.pages / f"{self.script}.json").write_text(json.dumps(plain(record), indent=1) + "\n")
+        except OSError:
+            pass  # the report is a convenience; the run's output and --json are what count
+        return data
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, with this project's style."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    plt.rcParams.update({"axes.grid": True, "grid.alpha": 0.3, "axes.titlesize": 10, "legend.fontsize": 8,
+                         "figure.dpi": 120})
+    return plt
