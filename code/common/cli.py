@@ -17,17 +17,18 @@ from .present import check_writable_dir, check_writable_file, figures_dir
 class Parser(argparse.ArgumentParser):
     """argparse with a one-line error and exit code 2 (no usage dump, no traceback)."""
 
-    def __init__(self, doc: str, **kw):
+    def __init__(self, doc: str, json: bool = True, **kw):
         # the module docstring's first paragraph is the description
         super().__init__(description=doc.strip().split("\n\n")[0],
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
-        self.add_argument("--json", metavar="PATH", help="write the headline figures to this JSON file")
+        if json:
+            self.add_argument("--json", metavar="PATH", help="write the headline figures to this JSON file")
         self.add_argument("--no-plot", action="store_true", help="draw no figures")
 
     def parse_args(self, args=None, namespace=None):
         """Parse, then refuse an unwritable --json path or figures/ folder before any work starts."""
         a = super().parse_args(args, namespace)
-        if a.json:
+        if getattr(a, "json", None):
             why = check_writable_file(a.json)
             if why:
                 self.error(f"argument --json: {why}")

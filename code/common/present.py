@@ -185,6 +185,15 @@ def wrap(text: str, indent: int | None = None) -> str:
     return "\n".join(out)
 
 
+def table_block(t: Table) -> dict:
+    """The table as the report keeps it: its cells as printed, the handout column marked, the rows whose
+    handout figure differs from ours marked, with the reasons (report.table_html lays it out)."""
+    headers, body = grid(t)
+    return {"kind": "table", "title": t.title, "section": t.section, "source": t.source, "headers": headers,
+            "rows": body, "notes": t.notes, "why": why_notes(t), "handout_col": t.has_handout(),
+            "differs": [isinstance(r.handout, Ref) and bool(r.handout.why) for r in t.rows]}
+
+
 # ----------------------------------------------------------------------------- renderer 2: --json
 def plain(x):
     """Numbers, strings, lists and dicts only: numpy and torch scalars and arrays become Python ones."""
@@ -347,11 +356,7 @@ class Page:
 
     def table(self, t: Table) -> Table:
         print(render_text(t))
-        headers, body = grid(t)
-        self.blocks.append({"kind": "table", "title": t.title, "section": t.section, "source": t.source,
-                            "headers": headers, "rows": body, "notes": t.notes, "why": why_notes(t),
-                            "handout_col": t.has_handout(),
-                            "differs": [isinstance(r.handout, Ref) and bool(r.handout.why) for r in t.rows]})
+        self.blocks.append(table_block(t))
         self.tables.append(t)
         return t
 
@@ -402,8 +407,9 @@ class Page:
         if cache_events is None:
             from . import checkpoints
             cache_events = list(checkpoints.EVENTS)
+        settings = dataclasses.asdict(self.settings) if dataclasses.is_dataclass(self.settings) else {}
         record = {"script": self.script, "title": self.title, "section": self.section,
-                  "changes": plain(self.changes), "seconds": time.time() - self.t0,
+                  "settings": plain(settings), "changes": plain(self.changes), "seconds": time.time() - self.t0,
                   "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "cache": cache_events, "blocks": self.blocks}
         try:
             self.pages.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,179 @@
+"""figures/report.html: one self-contained page with every table of the lecture beside the handout's figure,
+every figure next to its table and every exercise in its section, built from what the scripts saved
+(figures/pages/NN.json, written by present.Page.finish). Opens offline in any browser: the figures are
+embedded, the page loads nothing.
+
+    python code/lecture27/run_all.py --report     # rebuild it from the saved pages, running nothing
+"""
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+import platform
+import time
+from importlib import metadata
+from pathlib import Path
+
+# the handout's order: §1, §3, §4, §5, §6-7, then the real-model sections
+ORDER = ["01", "02", "03", "04", "05", "02_smollm2", "04_smollm2"]
+
+CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0 auto; max-width: 1240px;
+       padding: 0 16px 48px; color: #1d1d1f; line-height: 1.45; font-size: 15px; }
+header { border-bottom: 2px solid #444; margin-bottom: 12px; }
+h1 { font-size: 24px; margin: 16px 0 4px; } h2 { font-size: 20px; margin: 36px 0 6px; border-bottom: 1px solid #bbb; }
+h3 { font-size: 16px; margin: 22px 0 6px; } h3.exercise { color: #7a3e00; }
+.facts { font-size: 13px; color: #333; } .facts td { padding: 1px 10px 1px 0; vertical-align: top; }
+.whatif { background: #fff3cd; border: 1px solid #e0c36a; padding: 6px 10px; margin: 8px 0; font-size: 14px; }
+.pair { display: flex; flex-wrap: wrap; gap: 18px; align-items: flex-start; margin: 10px 0 16px; }
+.tbl { flex: 1 1 560px; min-width: 0; max-width: 100%; overflow-x: auto; }
+.fig { flex: 0 1 560px; max-width: 100%; } .fig img { width: 100%; height: auto; border: 1px solid #ddd; }
+table.data { border-collapse: collapse; font-size: 13px; font-variant-numeric: tabular-nums; }
+table.data caption { text-align: left; font-weight: 600; padding-bottom: 4px; }
+table.data th, table.data td { border-bottom: 1px solid #e4e4e4; padding: 2px 8px; text-align: right;
+                               white-space: nowrap; }
+table.data th:first-child, table.data td:first-child { text-align: left; white-space: normal; }
+table.data th { background: #f3f3f3; } td.handout { background: #eef5ff; } tr.differs td.handout { background: #ffe9d6; }
+.src { font-size: 12px; color: #666; } .src code { font-size: 12px; }
+.note { font-size: 13px; margin: 2px 0; } .why { font-size: 13px; margin: 2px 0; color: #8a3b00; }
+p.text { margin: 4px 0; white-space: pre-wrap; } nav { font-size: 14px; } nav a { margin-right: 10px; }
+code { background: #f4f4f4; padding: 0 3px; }
+"""
+
+
+def load_pages(pages_dir: Path) -> dict[str, dict]:
+    pages = {}
+    for p in sorted(Path(pages_dir).glob("*.json")):
+        try:
+            rec = json.loads(p.read_text())
+            pages[rec["script"]] = rec
+        except (OSError, ValueError, KeyError):
+            continue  # a page that cannot be read is left out and said in the header
+    return pages
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def version(pkg: str) -> str:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def esc(s) -> str:
+    return html.escape(str(s))
+
+
+def image_tag(path: str) -> str:
+    p = Path(path)
+    try:
+        data = base64.b64encode(p.read_bytes()).decode()
+    except OSError:
+        return f'<p class="why">figure missing: {esc(p.name)}</p>'
+    return f'<img alt="{esc(p.name)}" src="data:image/png;base64,{data}">'
+
+
+def table_html(b: dict) -> str:
+    """One table block as HTML: caption, header, rows (the handout's column marked, a differing figure
+    marked and its reason beside it), notes, and the function that computed it."""
+    n = len(b["headers"])
+    head = "".join(f"<th>{esc(h)}</th>" for h in b["headers"])
+    rows = []
+    for r, differs in zip(b["rows"], b.get("differs", [False] * len(b["rows"]))):
+        cells = [f'<td class="handout">{esc(c)}</td>' if b.get("handout_col") and i == n - 1 else f"<td>{esc(c)}</td>"
+                 for i, c in enumerate(r)]
+        rows.append('<tr class="differs">' if differs else "<tr>")
+        rows.append("".join(cells) + "</tr>")
+    parts = [f'<table class="data"><caption>{esc(b["title"])}</caption><thead><tr>{head}</tr></thead>'
+             f'<tbody>{"".join(rows)}</tbody></table>']
+    parts += [f'<p class="note">{esc(t)}</p>' for t in b.get("notes", [])]
+    parts += [f'<p class="why">* where ours differs from the handout: {esc(w)}</p>' for w in b.get("why", [])]
+    src = f'{esc(b.get("section", ""))}' + (f' &middot; computed by <code>{esc(b["source"])}</code>'
+                                            if b.get("source") else "")
+    parts.append(f'<p class="src">{src}</p>')
+    return "".join(parts)
+
+
+def section_html(rec: dict) -> str:
+    out = [f'<h2 id="s{esc(rec["script"])}">{esc(rec["section"])} &middot; {esc(rec["title"])}</h2>']
+    if rec.get("changes"):
+        edits = ", ".join(f"{k} = {v}" for k, v in rec["changes"].items())
+        out.append(f'<p class="whatif">This run changed the defaults ({esc(edits)}): the handout column is blank '
+                   f'wherever the handout\'s figure holds for other inputs.</p>')
+    blocks, i = rec["blocks"], 0
+    while i < len(blocks):
+        b = blocks[i]
+        if b["kind"] == "part":
+            out.append(f'<h3>{esc(b["name"])} ({esc(b["section"])}). {esc(b["title"])}</h3>')
+        elif b["kind"] == "exercise":
+            out.append(f'<h3 class="exercise" id="ex{b["n"]}">Exercise {b["n"]} ({esc(b["section"])}, §10): '
+                       f'{esc(b["title"])}</h3>')
+        elif b["kind"] == "text":
+            out.append(f'<p class="text">{esc(b["text"].strip())}</p>')
+        elif b["kind"] in ("table", "figure"):
+            # a table and the figures right after it sit side by side
+            tables, figs = [], []
+            while i < len(blocks) and blocks[i]["kind"] == "table" and not figs:
+                tables.append(blocks[i])
+                i += 1
+            while i < len(blocks) and blocks[i]["kind"] == "figure":
+                figs.append(blocks[i])
+                i += 1
+            tbl = "".join(f'<div class="tbl">{table_html(t)}</div>' for t in tables)
+            fig = "".join(f'<div class="fig">{image_tag(f["path"])}</div>' for f in figs)
+            out.append(f'<div class="pair">{tbl}{fig}</div>')
+            continue
+        i += 1
+    return "\n".join(out)
+
+
+def header_html(pages: dict[str, dict], missing: list[str]) -> str:
+    facts = [("built", time.strftime("%Y-%m-%d %H:%M")),
+             ("machine", f"{cpu_name()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"),
+             ("software", f"Python {platform.python_version()}, torch {version('torch')}, numpy {version('numpy')}")]
+    seeds = sorted({f"{k} = {v}" for r in pages.values() for k, v in r.get("settings", {}).items() if "seed" in k})
+    if seeds:
+        facts.append(("seeds", ", ".join(seeds)))
+    runs = [f"{r['script']}: {r['seconds']:.1f} s (finished {r.get('finished', '?')})"
+            for r in (pages[s] for s in ORDER if s in pages)]
+    facts.append(("each script's time", "; ".join(runs)))
+    loaded = [f"{e['name']} ({r['script']})" for r in pages.values() for e in r.get("cache", []) if e.get("loaded")]
+    computed = [f"{e['name']} ({r['script']})" for r in pages.values() for e in r.get("cache", []) if not e.get("loaded")]
+    facts.append(("loaded from code/checkpoints/", ", ".join(dict.fromkeys(loaded)) or "nothing"))
+    facts.append(("computed in this run", ", ".join(dict.fromkeys(computed)) or "nothing"))
+    if missing:
+        facts.append(("not run yet", ", ".join(missing)))
+    rows = "".join(f"<tr><td><b>{esc(k)}</b></td><td>{esc(v)}</td></tr>" for k, v in facts)
+    nav = " ".join(f'<a href="#s{s}">{esc(pages[s]["section"])} {esc(s)}</a>' for s in ORDER if s in pages)
+    exercises = sorted({b["n"] for r in pages.values() for b in r["blocks"] if b["kind"] == "exercise"})
+    nav += " &middot; " + " ".join(f'<a href="#ex{n}">ex. {n}</a>' for n in exercises)
+    return (f'<header><h1>Lecture 27: KV cache as data (CacheGen, CacheBlend, LMCache)</h1>'
+            f'<p>Every table the scripts print, our figure beside the handout\'s; a row marked * differs from the '
+            f'handout, with the reason beside it. Each table names the function that computed it.</p>'
+            f'<table class="facts">{rows}</table><nav>{nav}</nav></header>')
+
+
+def build_report(pages_dir: Path, out: Path, extra_html: str = "") -> Path:
+    """Write the report from the saved pages (and `extra_html`, a closing section) to `out`."""
+    pages = load_pages(pages_dir)
+    order = [s for s in ORDER if s in pages] + sorted(s for s in pages if s not in ORDER)
+    missing = [s for s in ORDER if s not in pages]
+    body = "\n".join(section_html(pages[s]) for s in order)
+    doc = (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+           f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+           f'<title>Lecture 27 report</title><style>{CSS}</style></head><body>'
+           f'{header_html(pages, missing)}\n{body}\n{extra_html}</body></html>\n')
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(doc)
+    return out

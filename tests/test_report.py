@@ -1,0 +1,123 @@
+"""The report (common/report.py) built from saved pages: every table, figure and exercise of the pages is
+in it, every embedded image decodes, a what-if run is flagged, and a headless Chromium (Debian's
+`chromium`) loads it without errors, renders every image and shows nothing wider than 1280 px."""
+import base64
+import io
+import json
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+import matplotlib.image
+import pytest
+
+from common import report
+from common.present import Col, Handout, Page, Ref, Row, Table
+
+
+@dataclass(frozen=True)
+class Settings:
+    context: int = 32
+    seed: int = 0
+
+
+HANDOUT = Handout({"kv": Ref("10.7 GB", {"context": 32}), "bw": Ref("14.4 Gb/s", {}, why="bytes of 16,000")})
+
+
+def make_page(tmp, script, settings, title="KV size"):
+    page = Page(script, f"the ledger {script}", "§1", settings, Settings(), figures=tmp)
+    page.part("Part 1", "§1.2", title)
+    page.say("a paragraph that explains")
+    page.table(Table(title, "§1.2", [Col("quantity"), Col("ours", "{:.2f}", "ours")],
+                     [Row(["KV", 10.74], HANDOUT("kv", settings)), Row(["bandwidth", 14.8], HANDOUT("bw", settings))],
+                     source="ledger.kv_bytes", notes=["a note computed from the rows"]))
+    with page.figure(f"{script}_size.png", "KV size") as (fig, ax):
+        ax.plot([1, 2, 3], [1, 4, 9])
+    page.exercise(1, "§1.2", "how big is a context")
+    page.table(Table("Exercise 1", "§1.2", [Col("quantity"), Col("ours")], [Row(["KV bytes", "327,680 B"])],
+                     source="ledger.kv_bytes"))
+    page.finish()
+    return page
+
+
+@pytest.fixture
+def built(tmp_path):
+    make_page(tmp_path, "01", Settings())
+    make_page(tmp_path, "04", Settings(context=6), title="Deviation")
+    out = report.build_report(tmp_path / "pages", tmp_path / "report.html", "<h2>Going further</h2>")
+    return out, out.read_text()
+
+
+def test_every_table_figure_and_exercise_is_in_the_report(built):
+    path, doc = built
+    for title in ("KV size", "Deviation", "Exercise 1", "Going further"):
+        assert title in doc
+    assert doc.count('<h3 class="exercise"') == 2
+    assert "computed by <code>ledger.kv_bytes</code>" in doc
+    images = re.findall(r'src="data:image/png;base64,([^"]+)"', doc)
+    assert len(images) == 2
+    for data in images:
+        pixels = matplotlib.image.imread(io.BytesIO(base64.b64decode(data)), format="png")
+        assert pixels.shape[0] > 100 and pixels.shape[1] > 100
+    assert "<script" not in doc and "http" not in doc.split("</style>")[0]  # loads nothing
+
+
+def test_handout_column_marks_differences_and_what_if_runs(built):
+    _, doc = built
+    assert doc.count('<tr class="differs">') == 2          # the 14.4 Gb/s row of each page
+    assert "bytes of 16,000" in doc
+    sec01, sec04 = doc.split('id="s01"')[1].split('id="s04"')
+    assert "10.7 GB" in sec01 and "10.7 GB" not in sec04  # context 6 is not the handout's input
+    assert 'class="whatif"' in sec04 and 'class="whatif"' not in sec01
+
+
+def test_what_if_figures_do_not_overwrite_the_defaults(tmp_path):
+    make_page(tmp_path, "01", Settings())
+    make_page(tmp_path, "01", Settings(context=6))
+    assert (tmp_path / "01_size.png").exists()
+    assert (tmp_path / "whatif" / "01_context=6" / "01_size.png").exists()
+    rec = json.loads((tmp_path / "pages" / "01.json").read_text())
+    assert rec["changes"] == {"context": 6} and rec["settings"]["seed"] == 0
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+# run inside the page after load: errors seen, images not rendered, widest element beyond 1280 px
+PROBE = """<script>
+window.__errors = [];
+window.addEventListener('error', e => window.__errors.push(String(e.message || e.target && e.target.src)), true);
+window.addEventListener('load', () => {
+  const bad = [...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.alt);
+  const wide = [...document.querySelectorAll('body *')].filter(e => e.getBoundingClientRect().right > 1281)
+                 .map(e => e.tagName + '.' + e.className).slice(0, 5);
+  const out = {errors: window.__errors, images: document.images.length, unrendered: bad,
+               scrollWidth: document.documentElement.scrollWidth, wide: wide};
+  document.body.setAttribute('data-probe', JSON.stringify(out));
+});
+</script>"""
+
+
+def browser_probe(html_path, tmp_path):
+    """Open a copy of the report with PROBE in headless Chromium at 1280 px and read PROBE's verdict."""
+    probed = tmp_path / "probed.html"
+    probed.write_text(html_path.read_text().replace("<head>", "<head>" + PROBE, 1))
+    dom = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1280,2000",
+                          "--virtual-time-budget=5000", "--dump-dom", probed.as_uri()],
+                         capture_output=True, text=True, timeout=120).stdout
+    m = re.search(r"data-probe=\"([^\"]*)\"", dom)
+    assert m, "the page never finished loading in Chromium"
+    return json.loads(m.group(1).replace("&quot;", '"').replace("&amp;", "&"))
+
+
+def report_in_browser(path, tmp_path):
+    if not CHROMIUM:
+        pytest.skip("no Chromium on this machine (apt-get install chromium): the report's browser check is skipped")
+    probe = browser_probe(path, tmp_path)
+    assert probe["errors"] == []
+    assert probe["images"] > 0 and probe["unrendered"] == []
+    assert probe["scrollWidth"] <= 1280 and probe["wide"] == [], probe
+
+
+def test_report_opens_in_a_real_browser(built, tmp_path):
+    report_in_browser(built[0], tmp_path)
