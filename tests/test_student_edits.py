@@ -30,31 +30,40 @@ def ledger01():
     return script("01_kv_ledger")
 
 
+def handout_beside(page, label):
+    """The handout column of the row labelled `label` (a Ref, or "-" when the run's inputs are not its)."""
+    return next(r.handout for t in page.tables for r in t.rows if str(r.cells[0]).startswith(label))
+
+
 def test_01_context_scales_the_kv_and_blanks_the_handout(ledger01, tmp_path, capsys, monkeypatch):
     _, base = run(ledger01, tmp_path, capsys, "--no-plot")
     monkeypatch.setattr(ledger01, "CONTEXT", 64 * 1024)            # exercise 1 with a 64K context
-    out, edited = run(ledger01, tmp_path, capsys, "--no-plot")
-    assert edited["ex1_context_gb"] == pytest.approx(2 * base["ex1_context_gb"], rel=1e-12)
-    assert line_with(out, "KV of 65,536 tokens").split()[-1] == "-"
+    page = ledger01.main(["--no-plot"])
+    assert page.json()["ex1_context_gb"] == pytest.approx(2 * base["ex1_context_gb"], rel=1e-12)
+    assert handout_beside(page, "KV of 65,536 tokens") == "-"
+    assert handout_beside(page, "KV bytes per token").figure == "327,680 B = 320 KiB"   # per token: still 70B's
 
 
 def test_01_compression_lowers_the_threshold(ledger01, tmp_path, capsys, monkeypatch):
     _, base = run(ledger01, tmp_path, capsys, "--no-plot")
     monkeypatch.setattr(ledger01, "COMPRESSION", 6.0)               # exercise 2: twice the compression
-    out, edited = run(ledger01, tmp_path, capsys, "--no-plot")
+    page = ledger01.main(["--no-plot"])
+    edited = page.json()
     assert edited["ex2_threshold_gbit_per_s"] == pytest.approx(base["ex2_threshold_gbit_per_s"] / 2, rel=1e-12)
-    assert line_with(out, "break-even bandwidth (compressed)").split()[-1] == "-"
+    assert handout_beside(page, "break-even bandwidth (compressed)") == "-"
 
 
 def test_01_day_throughput_and_hit_rate(ledger01, tmp_path, capsys, monkeypatch):
     _, base = run(ledger01, tmp_path, capsys, "--no-plot")
     monkeypatch.setattr(ledger01, "DAY_TOKENS_PER_S", 2 * ledger01.DAY_TOKENS_PER_S)
     monkeypatch.setattr(ledger01, "HIT_RATE", 0.20)                 # twice the hits save twice the GPU time
-    out, edited = run(ledger01, tmp_path, capsys, "--no-plot")
+    page = ledger01.main(["--no-plot"])
+    edited = page.json()
     assert edited["gpu_day_tb"] == pytest.approx(2 * base["gpu_day_tb"], rel=1e-12)
     assert edited["slides_gross_savings_musd"] == pytest.approx(2 * base["slides_gross_savings_musd"], rel=1e-12)
-    assert line_with(out, "KV per day (decimal TB)").split()[-1] == "-"
-    assert line_with(out, "reading 1 (§1.3)").split()[-1] == "-"
+    assert handout_beside(page, "KV per day (decimal TB)") == "-"
+    assert handout_beside(page, "reading 1 (§1.3)") == "-"
+    assert handout_beside(page, "break-even hit rate (a hit saves").figure == "1.06%"   # needs no hit rate
 
 
 # ------------------------------------------------------------------------------------ 02
