@@ -210,21 +210,22 @@ def tiers05():
 def test_05_more_documents_than_the_cache_holds(tiers05, tmp_path, capsys, monkeypatch):
     _, base = run(tiers05, tmp_path, capsys, "--no-plot", "--users", "20")
     monkeypatch.setattr(tiers05, "DOCS", 20)                        # 20 x 4096 tokens x 128 KiB > 9 GB
-    out, edited = run(tiers05, tmp_path, capsys, "--no-plot", "--users", "20")
-    assert edited["hinted_doc_hit_rate"] < base["hinted_doc_hit_rate"]
-    assert line_with(out, "LRU (sees only tokens)").split()[-1] == "-"
-    assert line_with(out, 'hinted ("will be reused")').split()[-1] == "-"
+    page = tiers05.main(["--no-plot", "--users", "20"])
+    assert page.json()["hinted_doc_hit_rate"] < base["hinted_doc_hit_rate"]
+    assert handout_beside(page, "LRU (sees only tokens)") == "-"
+    assert handout_beside(page, 'hinted ("will be reused")') == "-"
 
 
 def test_05_slower_cpu_tier_and_another_model(tiers05, tmp_path, capsys, monkeypatch):
     _, base = run(tiers05, tmp_path, capsys, "--no-plot")
     monkeypatch.setattr(tiers05, "CPU_SLOW_GBPS", 5.0)              # an even slower copy path (pitfall 7)
-    out, edited = run(tiers05, tmp_path, capsys, "--no-plot")
+    page = tiers05.main(["--no-plot"])
+    edited = page.json()
     assert edited["configs"]["cpu_slow"]["mean_ttft_s"] > base["configs"]["cpu_slow"]["mean_ttft_s"]
     assert edited["cpu_fast_vs_slow_ttft_ratio"] > base["cpu_fast_vs_slow_ttft_ratio"]
-    assert "(handout: -, pitfall 7)" in out
+    assert tiers05.HANDOUT("slow_vs_fast", page.settings) is None
     monkeypatch.setattr(tiers05, "MODEL", "llama-3.1-8b")
     monkeypatch.setattr(tiers05, "HANDOFF_MODEL", "llama-3.1-8b")
-    out, _ = run(tiers05, tmp_path, capsys, "--no-plot", "--users", "20")
-    assert "LLaMA-3.1-8B on one H100" in out and "LLaMA-3-8B" not in out
-    assert "tokens of LLaMA-3.1-8B KV" in out and "handout: -)" in out
+    page = tiers05.main(["--no-plot", "--users", "20"])
+    assert page.settings.model == page.settings.handoff_model == "llama-3.1-8b"
+    assert all(tiers05.HANDOUT(k, page.settings) is None for k in ("handoff_gb", "all_kv_gb", "lru", "hinted"))
