@@ -199,13 +199,14 @@ def plain(x):
     return x
 
 
-def _put(out: dict, path: str, value) -> None:
-    *heads, last = path.split(".")
+def _put(out: dict, path: str | list, value) -> None:
+    """Set out[a][b][c] = value for the path "a.b.c" (or the parts [a, b, c])."""
+    *heads, last = path.split(".") if isinstance(path, str) else path
     d = out
     for h in heads:
         d = d.setdefault(h, {})
     if last in d and d[last] != value:
-        raise ValueError(f"--json key {path!r} written twice with different values")
+        raise ValueError(f"--json key {'.'.join(heads + [last])!r} written twice with different values")
     d[last] = value
 
 
@@ -222,8 +223,9 @@ def table_json(t: Table) -> dict:
         values = [(r, r.cells[j].value if isinstance(r.cells[j], Val) else r.cells[j]) for r in t.rows]
         if "{row}" in c.key:
             for r, v in values:
-                if r.key is not None:
-                    _put(out, c.key.replace("{row}", r.key), plain(_scaled(v, c.scale)))
+                if r.key is not None:   # a row key may hold a dot ("0.5"): it stays one part of the path
+                    path = [p.replace("{row}", r.key) for p in c.key.split(".")]
+                    _put(out, path, plain(_scaled(v, c.scale)))
         else:
             _put(out, c.key, [plain(_scaled(v, c.scale)) for _, v in values if v is not None])
     for r in t.rows:
