@@ -25,10 +25,11 @@ SMALL_LEVELS = [dict(level=i, bits_per_value=b, accuracy=a) for i, (b, a) in
 REAL_SIZE_LEVELS = [dict(level=i, bits_per_value=b, accuracy=a) for i, (b, a) in
                     enumerate([(4.12, 0.934), (3.62, 0.945), (3.13, 0.876), (2.65, 0.883)])]
 HANDOUT_TRACE = st.Trace((0.0, 0.3, 3.0), (10.0, 1.0, 5.0))
+HALF = 128          # batch_slowdown's half-speed batch size (03's HALF_EFFICIENCY_TOKENS), passed explicitly
 
 
 def setup(chunk=1536, context=12 * 1024, levels=LEVELS):
-    return st.make_setup("llama-3.1-70b", "A100-80GB", 4, context, chunk, levels, 0.99)
+    return st.make_setup("llama-3.1-70b", "A100-80GB", 4, context, chunk, levels, 0.99, HALF)
 
 
 # ------------------------------------------------------------------------------------------- trace
@@ -67,9 +68,9 @@ def test_options_apply_bits_per_value_to_the_big_model():
 
 
 def test_batch_slowdown():
-    assert st.batch_slowdown(12 * 1024) == 1.0                      # the time model's fitted batch
-    assert st.batch_slowdown(20_000) == 1.0                         # never faster than the model
-    s = [st.batch_slowdown(n) for n in (256, 512, 1536, 6144)]
+    assert st.batch_slowdown(12 * 1024, HALF) == 1.0                # the time model's fitted batch
+    assert st.batch_slowdown(20_000, HALF) == 1.0                   # never faster than the model
+    s = [st.batch_slowdown(n, HALF) for n in (256, 512, 1536, 6144)]
     assert s == sorted(s, reverse=True) and s[0] > 1.3
     # recomputing a context chunk by chunk costs more than in one batch, more for smaller chunks
     whole = tm.prefill_time("llama-3.1-70b", "A100-80GB", 12 * 1024, 0, 4)
@@ -284,7 +285,7 @@ def test_part1_text_on_slow_links_kv_on_fast_ones():
     assert rows[0]["best"] == "text" and rows[1]["best"] == "level0"
     # at its break-even bandwidth, raw KV arrives exactly when one batch would have recomputed the context
     raw = next(o for o in opts if o.name == "raw")
-    ttft = st.whole_context_ttft("llama-3.1-70b", "A100-80GB", 4, 12 * 1024, breakeven["raw"], [raw])
+    ttft = st.whole_context_ttft("llama-3.1-70b", "A100-80GB", 4, 12 * 1024, breakeven["raw"], [raw], HALF)
     assert ttft["raw"] == pytest.approx(recompute, rel=1e-9)
     assert 8 < breakeven["raw"] < 14        # 32.2 Gb of raw KV against about 3 s of recompute
     note = s3.note_8b(LEVELS)
@@ -471,7 +472,8 @@ def test_trace_file(tmp_path, levels_file):
     good = tmp_path / "t.csv"
     good.write_text("time,gbps\n0,100\n")
     out = tmp_path / "o.json"
-    r = run("--levels", str(levels_file), "--no-plot", "--trace", str(good), "--chunk-tokens", "3072", "--json", str(out))
+    r = run("--levels", str(levels_file), "--no-plot", "--trace", str(good), "--chunk-tokens", "3072",
+            "--json", str(out))
     assert r.returncode == 0, r.stderr
     assert json.loads(out.read_text())["trace_choices"] == ["level0"] * 4
 
