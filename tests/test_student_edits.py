@@ -137,6 +137,48 @@ def test_02_sensitivity_coarser_steps_cost_accuracy():
     assert min(sens[(layer, "K+V", 8.0)] for layer in range(L)) < min(sens[(layer, "K+V", 0.25)] for layer in range(L))
 
 
+# ------------------------------------------------------------------------------------ 03
+@pytest.fixture
+def streaming03():
+    return script("03_streaming")
+
+
+def test_03_a_longer_context_recomputes_longer_and_blanks_the_handout(streaming03, tmp_path, capsys, monkeypatch):
+    _, base = run(streaming03, tmp_path, capsys, "--no-real", "--no-plot")
+    monkeypatch.setattr(streaming03, "CONTEXT", 24 * 1024)          # §4.1 with a 24K-token context
+    out, edited = run(streaming03, tmp_path, capsys, "--no-real", "--no-plot")
+    assert edited["llama31_70b_12k_recompute_s"] > 2 * base["llama31_70b_12k_recompute_s"]   # attention grows too
+    assert edited["setup"]["context"] == 24 * 1024 and len(edited["trace_choices"]) == 16
+    assert line_with(out, "recompute the context, s").split()[-1] == "-"
+    assert "handout: text wins at low bandwidth" not in out
+
+
+def test_03_a_slow_steady_link_leaves_the_finest_level(streaming03, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(streaming03, "STEADY_GBPS", 0.5)            # level0 alone would take 6.5 s of a 4 s SLO
+    out, edited = run(streaming03, tmp_path, capsys, "--no-real", "--no-plot")
+    assert edited["steady25_choices"] != ["level0"] * 8
+    assert "Steady 0.5 Gb/s:" in out and "the finest level throughout" not in out
+
+
+def test_03_half_efficiency_tokens_slows_small_recompute_batches(streaming03, tmp_path, capsys, monkeypatch):
+    _, base = run(streaming03, tmp_path, capsys, "--no-real", "--no-plot")
+    monkeypatch.setattr(streaming03, "HALF_EFFICIENCY_TOKENS", 1024)
+    _, edited = run(streaming03, tmp_path, capsys, "--no-real", "--no-plot")
+    assert edited["setup"]["half_tokens"] == 1024
+    small, large = (edited["chunk_sizes"][k]["all_text_ttft_s"] / base["chunk_sizes"][k]["all_text_ttft_s"]
+                    for k in ("512", "6144"))
+    assert small > large > 1                                       # the smaller the batch, the more it costs
+
+
+def test_03_chunk_sizes_and_slo(streaming03, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(streaming03, "CHUNK_SIZES", [768, 3072])
+    monkeypatch.setattr(streaming03, "SLO", 3.0)
+    out, edited = run(streaming03, tmp_path, capsys, "--no-real", "--no-plot")
+    assert set(edited["chunk_sizes"]) == {"768", "3072"} and edited["setup"]["slo_s"] == 3.0
+    assert all(c["slo_met"] == (c["ttft_s"] <= 3.0) for c in edited["chunk_sizes"].values())
+    assert "SLO 3 s" in line_with(out, "policy ")
+
+
 # ------------------------------------------------------------------------------------ 04
 def test_04_runs_with_other_curve_ratio_and_chunk_len(tmp_path, capsys, monkeypatch):
     """The issue's edit: CURVE_RATIOS = [0.0, 0.1, 0.3, 1.0], CURVE_CHUNK_LENS = [4, 5]; with RATIO 0.1
