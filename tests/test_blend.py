@@ -357,7 +357,7 @@ def test_blend_recomputes_what_its_rule_says(model, rec):
     """blend() asks its rule how many tokens each layer recomputes and which go on: a rule that keeps
     the n last of the tokens before it recomputes exactly those, layer by layer."""
     class Last(bw.Filter):
-        def keep(self, score, n):
+        def keep(self, score, n, tokens, layer):
             return torch.arange(score.shape[1] - n, score.shape[1]).expand(score.shape[0], n)
 
     _, tr = bw.blend(model, rec, 5, 0.25, rule=Last(schedule=(1.0, 0.5)), trace=True)

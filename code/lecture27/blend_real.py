@@ -17,7 +17,12 @@ decode from, all sharing one full prefill and one precompute of the chunks:
   full reuse     the precomputed chunks' KV as they are; only the question is computed
   CacheBlend r   blend() with one of its selection rules (blend_rules.RULES)
   random r       r N tokens at every layer, chosen at random
-  oracle r       the full prefill's own K, V for the r N most deviated tokens of every layer (a ceiling)
+  ranking-oracle r  the rule's counts and nesting, the tokens picked by their true deviation, then
+                 recomputed by blend() (blend_rules.RankingOracle): the ceiling of the rule's ranking
+  oracle r       the full prefill's own K, V for the r N most deviated tokens of every layer (the patch
+                 oracle, a ceiling of any recompute)
+The rule's distance to the ranking oracle is what its ranking loses, the ranking oracle's distance to the
+patch oracle what recomputing from a partly stale cache loses (decompose: a Decomposition per input set).
 
 Measured: KL(full || method) of the first answer token and, teacher-forced on the full prefill's
 greedy answer, of the first KL_TOKENS answer tokens; greedy answers; the KV deviation of full reuse
@@ -52,7 +57,7 @@ KL_TOKENS = 8         # answer tokens over which the KL is also averaged (teache
 SEED = 0
 RULE_NAMES = tuple(blend_rules.RULES)  # blend()'s selection rules, all measured
 RANDOM_RULE = "flat"  # the random baseline: r N tokens at every layer chosen at random (the oracle's budget)
-CURVE_VERSION = "blend-curve-v2"  # the cached curve is keyed by this, the model file and the inputs
+CURVE_VERSION = "blend-curve-v3"  # the cached curve is keyed by this, the model file and the inputs
 
 
 @dataclass
@@ -159,18 +164,28 @@ def _key(r: float) -> str:
     return f"{r:g}"
 
 
+def ranking_name(rule: str, ranked: tuple) -> str:
+    """The method name of `rule`'s ranking oracle: "ranking-oracle" for the run's rule (ranked[0]),
+    "ranking-oracle <rule>" for the others measured beside it."""
+    return "ranking-oracle" if rule == ranked[0] else f"ranking-oracle {rule}"
+
+
 @torch.no_grad()
-def item_curve(model, rd: RagDoc, *, ratios, at: float, rules=RULE_NAMES, seed: int = SEED,
-               answer_tokens: int = ANSWER_TOKENS, kl_tokens: int = KL_TOKENS, eos: int | None = None) -> dict:
+def item_curve(model, rd: RagDoc, *, ratios, at: float, rules=RULE_NAMES, ranked=(),
+               seed: int = SEED, answer_tokens: int = ANSWER_TOKENS, kl_tokens: int = KL_TOKENS,
+               eos: int | None = None) -> dict:
     """Every rule at every ratio on one RAG input, sharing one full prefill and one precompute.
     Methods: full reuse; each rule of blend(); "random" (RANDOM_RULE's counts, tokens at random, seeded);
-    "oracle" (oracle_cache: the true full-prefill K, V of the top r N tokens by true deviation, per layer).
+    the ranking oracle of each rule in `ranked` (ranking_name; the run's rule first); "oracle"
+    (oracle_cache: the true full-prefill K, V of the top r N tokens by true deviation, per layer).
     kl_first / kl_answer: {method: {ratio: KL}} (full reuse under the key "0"): KL(full || method) of the
     first answer token and its mean over the first kl_tokens, teacher-forced on full prefill's greedy
-    answer. answers: greedy answers of full prefill, full reuse and every method at ratio `at`."""
+    answer. answers: greedy answers of full prefill, full reuse and every method at ratio `at` (of the
+    ranking oracles only the run's rule's)."""
     lg, full_cache = model(rd.tokens, last=True)
     first = lg[:, -1]
     pre = bw.precompute_chunks(model, rd.doc, rd.chunks)
+    deviation = bw.kv_deviation(model, rd, rd.chunks, pre, full_cache)  # (L, 1, N)
     answer = greedy(model, first, full_cache, answer_tokens, eos)[0]
     ref = answer[:kl_tokens]
     lp_full = answer_logprobs(model, first, full_cache, ref)
@@ -180,7 +195,7 @@ def item_curve(model, rd: RagDoc, *, ratios, at: float, rules=RULE_NAMES, seed: 
         lp = answer_logprobs(model, logits, cache, ref)
         kl_first.setdefault(method, {})[_key(r)] = float(kl_divergence(lp_full[0], lp[0]))
         kl_answer.setdefault(method, {})[_key(r)] = float(kl_divergence(lp_full, lp).mean())
-        if abs(r - at) < 1e-9 or method == "full reuse":
+        if (abs(r - at) < 1e-9 and not method.startswith("ranking-oracle ")) or method == "full reuse":
             to_decode.append((method, logits, cache))
 
     lg, c = model(rd.question, cache=pre, last=True)
@@ -193,6 +208,10 @@ def item_curve(model, rd: RagDoc, *, ratios, at: float, rules=RULE_NAMES, seed: 
         by_chance = blend_rules.Random(g, like=blend_rules.RULES[RANDOM_RULE])
         lg, tr = bw.blend(model, rd, rd.chunks, r, rule=by_chance, pre=pre, trace=True)
         score("random", r, lg[:, -1], tr.cache)
+        for rule in ranked:
+            best = blend_rules.RankingOracle(blend_rules.RULES[rule], deviation)
+            lg, tr = bw.blend(model, rd, rd.chunks, r, rule=best, pre=pre, trace=True)
+            score(ranking_name(rule, ranked), r, lg[:, -1], tr.cache)
         lg, c = model(rd.question, cache=blend_rules.oracle_cache(pre, full_cache, r), last=True)
         score("oracle", r, lg[:, -1], c)
     # the greedy answers at ratio `at`, decoded together (one batch)
@@ -200,7 +219,7 @@ def item_curve(model, rd: RagDoc, *, ratios, at: float, rules=RULE_NAMES, seed: 
                   answer_tokens, eos)
     answers = {"full prefill": answer, **{m: row for (m, _, _), row in zip(to_decode, rows)}}
     return {"kl_first": kl_first, "kl_answer": kl_answer, "answers": answers,
-            "deviation": bw.kv_deviation(model, rd, rd.chunks, pre, full_cache)[:, 0],  # (L, N)
+            "deviation": deviation[:, 0],  # (L, N)
             "n_context": rd.doc.shape[1], "n_question": rd.question.shape[1],
             "chunk_lens": [b - a for a, b in bw.chunk_spans(rd.chunks)]}
 
@@ -242,42 +261,77 @@ def inputs_digest(rags: list[RagInput]) -> str:
     return h.hexdigest()[:16]
 
 
-def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, rule: str, curve: bool, ratios, *,
-                    ttft_items: int, seed: int = SEED, recompute: bool = False, progress: bool = True) -> dict:
-    """KL to full prefill on `rags` (cached: checkpoints.cached_result, keyed by the model file, the inputs'
-    tokens, the rules, ratios and CURVE_VERSION) and the TTFT of every rule at ratio `at`, always measured
-    live (item_ttft: one thread), median over the first `ttft_items` inputs.
-    curve=False: `rule`, random and the oracle at `at` only (one blend per method and input);
-    curve=True: every rule of RULE_NAMES, random and the oracle at each of `ratios` and `at`."""
+@dataclass
+class Curves:
+    """Mean over the inputs of KL(full prefill || method), first answer token (`kl`) and over the first
+    KL_TOKENS answer tokens (`kl_answer`), {method: {ratio: KL}}; full reuse apart (`reuse`,
+    `reuse_answer`). methods: full reuse, the rules, random, the ranking oracle of the run's rule, the
+    patch oracle; ranking: the ranking oracle of every rule measured, {rule: {ratio: KL}}. items: each
+    input's measurement as item_curve returns it (plain data, as cached)."""
+    ratios: tuple
+    methods: list
+    kl: dict
+    kl_answer: dict
+    reuse: float
+    reuse_answer: float
+    ranking: dict
+    items: list
+    loaded_from_cache: bool
+    compute_seconds: float
+
+
+def kl_curves(model, tok, rags: list[RagInput], *, ratios, at: float, rules, ranked, model_id: str,
+              seed: int = SEED, recompute: bool = False, progress: bool = True, name: str = "blend-smollm2") -> Curves:
+    """item_curve on every input, cached (checkpoints.cached_result `name`, keyed by the model file, the
+    inputs' tokens, the rules, the ranked rules (ranked[0]: the run's rule), ratios and CURVE_VERSION)."""
     from tqdm import tqdm
 
     from common.checkpoints import cached_result
 
     eos = tok.token_to_id("<|im_end|>")
-    ratios = tuple(sorted(set(ratios) | {at})) if curve else (at,)
-    rules = RULE_NAMES if curve else (rule,)
     ident = {"version": CURVE_VERSION, "model": model_id, "inputs": inputs_digest(rags), "ratios": ratios,
-             "rules": rules, "random": RANDOM_RULE, "seed": seed, "at": at,
+             "rules": rules, "ranked": ranked, "random": RANDOM_RULE, "seed": seed, "at": at,
              "tokens": [ANSWER_TOKENS, KL_TOKENS]}
 
     def compute():
         items = []
-        for rag in tqdm(rags, desc="SmolLM2 RAG items" + (" (curve)" if curve else ""), disable=not progress):
-            r = item_curve(model, rag_doc(rag), ratios=ratios, at=at, rules=rules, seed=seed, eos=eos)
+        for rag in tqdm(rags, desc=f"SmolLM2 RAG items ({len(rules)} rules, {len(ratios)} ratios)", disable=not progress):
+            r = item_curve(model, rag_doc(rag), ratios=ratios, at=at, rules=rules, ranked=ranked, seed=seed, eos=eos)
             r["text"] = {n: tok.decode(a) for n, a in r.pop("answers").items()}
             r["question"], r["reference"] = rag.item.question, rag.item.answer
             items.append(r)
         return {"items": items}
 
     computed = []  # compute() ran in this call (else the KL came from the cache)
-    res = cached_result("blend-smollm2-curve" if curve else "blend-smollm2", ident,
-                        lambda: computed.append(1) or compute(), refit=recompute, tag="04", flag="--recompute")
+    res = cached_result(name, ident, lambda: computed.append(1) or compute(), refit=recompute, tag="04",
+                        flag="--recompute")
     items = res["items"]
-    methods = ["full reuse", *rules, "random", "oracle"]
-    mean = lambda key, m, r: statistics.fmean(it[key][m][r] for it in items)  # noqa: E731
-    kl = {m: {_key(r): mean("kl_first", m, _key(r)) for r in ratios} for m in methods[1:]}
-    kl_answer = {m: {_key(r): mean("kl_answer", m, _key(r)) for r in ratios} for m in methods[1:]}
+    mean = lambda key, m, r: statistics.fmean(it[key][m][_key(r)] for it in items)  # noqa: E731
+    measured = [*rules, "random", *(ranking_name(r, ranked) for r in ranked), "oracle"]
+    kl = {m: {r: mean("kl_first", m, r) for r in ratios} for m in measured}
+    return Curves(ratios=tuple(ratios), methods=["full reuse", *rules, "random", "ranking-oracle", "oracle"],
+                  kl=kl, kl_answer={m: {r: mean("kl_answer", m, r) for r in ratios} for m in measured},
+                  reuse=mean("kl_first", "full reuse", 0), reuse_answer=mean("kl_answer", "full reuse", 0),
+                  ranking={r: kl[ranking_name(r, ranked)] for r in ranked}, items=items,
+                  loaded_from_cache=not computed, compute_seconds=res.get("compute_seconds"))
 
+
+def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, rule: str, curve: bool, ratios, *,
+                    ttft_items: int, seed: int = SEED, recompute: bool = False, progress: bool = True) -> dict:
+    """KL to full prefill on `rags` (kl_curves, cached) and the TTFT of every rule at ratio `at`, always
+    measured live (item_ttft: one thread), median over the first `ttft_items` inputs.
+    curve=False: `rule`, random, its ranking oracle and the patch oracle at `at` only (one blend per method
+    and input); curve=True: every rule of RULE_NAMES, random, every rule's ranking oracle and the patch
+    oracle at each of `ratios` and `at`."""
+    from tqdm import tqdm
+
+    ratios = tuple(sorted(set(ratios) | {at})) if curve else (at,)
+    rules = RULE_NAMES if curve else (rule,)
+    ranked = (rule, *(r for r in rules if r != rule))
+    c = kl_curves(model, tok, rags, ratios=ratios, at=at, rules=rules, ranked=ranked, model_id=model_id, seed=seed,
+                  recompute=recompute, progress=progress, name="blend-smollm2-curve" if curve else "blend-smollm2")
+    items, methods = c.items, c.methods
+    by_key = lambda d: {_key(r): v for r, v in d.items()}  # noqa: E731
     times = [item_ttft(model, rag_doc(rag), at) for rag in tqdm(rags[:ttft_items], desc="TTFT (live)",
                                                                    disable=not progress)]
     ttft = {m: statistics.median(t[m] for t in times) for m in times[0]}
@@ -286,12 +340,13 @@ def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, 
     counts = {r: blend_rules.RULES[r].counts(n_ctx, at, L) for r in RULE_NAMES}
     same = {m: sum(it["text"][m] == it["text"]["full prefill"] for it in items) for m in ["full prefill", *methods]}
     return {"items": items, "ratios": ratios, "at": at, "rule": rule, "curve_mode": curve, "methods": methods,
-            "curve": kl, "curve_answer": kl_answer,
-            "kl_reuse": mean("kl_first", "full reuse", "0"), "kl_answer_reuse": mean("kl_answer", "full reuse", "0"),
+            "curve": {m: by_key(c.kl[m]) for m in methods[1:]},
+            "curve_answer": {m: by_key(c.kl_answer[m]) for m in methods[1:]}, "ranking": {r: by_key(v) for r, v in c.ranking.items()},
+            "kl_reuse": c.reuse, "kl_answer_reuse": c.reuse_answer,
             "ttft": ttft, "ttft_items": len(times), "threads": 1, "counts": counts,
             "share": {r: recompute_share(n_ctx, at, L, r) for r in RULE_NAMES},
-            "same_answer": same, "kl_tokens": KL_TOKENS, "loaded_from_cache": not computed,
-            "compute_seconds": res.get("compute_seconds"),
+            "same_answer": same, "kl_tokens": KL_TOKENS, "loaded_from_cache": c.loaded_from_cache,
+            "compute_seconds": c.compute_seconds,
             "deviation": [torch.as_tensor(it["deviation"]) for it in items]}  # per item (L, N_i); cached as lists
 
 

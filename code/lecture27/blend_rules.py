@@ -10,7 +10,16 @@ changes one of the three:
                0.15) and keeps that set; the CacheBlend repository ranks by the *value* deviation at one
                check layer (ratio 0.16), the query always recomputed. Layers 0..1 are computed in full.
   Random       another rule's counts, the tokens drawn at random (the baseline: picking matters)
-  oracle_cache not a rule but a ceiling: the full prefill's own K, V for the most deviated tokens
+  Adaptive     one check layer whose count adapts to the input: the smallest set holding a fixed share
+               of the deviation measured there (at least r N tokens)
+
+Two ceilings split a rule's distance from full prefill in two:
+  RankingOracle  another rule's counts and nesting, the tokens picked by their true deviation from a
+               full prefill; recomputed as blend() does, from the mixed cache. Rule -> ranking oracle is
+               what the rule's ranking loses.
+  oracle_cache   the patch oracle: the full prefill's own K, V for the most deviated tokens of every
+               layer, no recompute. Ranking oracle -> patch oracle is what recomputing from a partly
+               stale cache loses (a recomputed token attends to neighbours that kept their stale K, V).
 """
 from __future__ import annotations
 
@@ -46,6 +55,24 @@ class CheckLayer(bw.Filter):
         return {"k": dev_k, "v": dev_v, "kv": dev_k + dev_v}[self.by]
 
 
+@dataclass(frozen=True)
+class Adaptive(CheckLayer):
+    """A check layer whose count adapts to the input: at `layer` the tokens are ranked by their
+    measured deviation (`by`, as CheckLayer; `layer` 0 ranks by layer 0's attention deviation, at no
+    extra cost) and the smallest set holding `share` of the total, never fewer than ceil(r N), is
+    recomputed at every later layer. An input whose deviation is spread over many tokens (short chunks:
+    more boundaries) gets more of them. With a batch, every row keeps the largest row's count."""
+    share: float = 0.9
+
+    def keep(self, score: torch.Tensor, n: int, tokens: torch.Tensor, layer: int) -> torch.Tensor:
+        B, m = score.shape
+        if layer == self.layer + 1:  # the check: as many as the share needs, at least the floor n
+            held = score.sort(1, descending=True).values.cumsum(1) / score.sum(1, keepdim=True).clamp_min(1e-30)
+            n = max(n, int((held < self.share - 1e-9).sum(1).max()) + 1)
+            return super().keep(score, min(n, m), tokens, layer)
+        return torch.arange(m).expand(B, m)  # before the check every token, after it the check's set
+
+
 # blend()'s rules by name (blend_real measures every one; 04 --rule picks one)
 RULES = {"progressive": bw.PROGRESSIVE, "flat": FLAT,
          "check-k": CheckLayer(by="k"), "check-v": CheckLayer(by="v"), "check-kv": CheckLayer(by="kv")}
@@ -64,8 +91,30 @@ class Random:
     def score(self, dev_k: torch.Tensor, dev_v: torch.Tensor) -> torch.Tensor:
         return self.like.score(dev_k, dev_v)  # only its shape is read
 
-    def keep(self, score: torch.Tensor, n: int) -> torch.Tensor:
+    def keep(self, score: torch.Tensor, n: int, tokens: torch.Tensor, layer: int) -> torch.Tensor:
         return torch.rand(score.shape, generator=self.generator).argsort(1)[:, :n].sort(1).values
+
+
+@dataclass(frozen=True)
+class RankingOracle:
+    """`like`'s counts and nesting (a layer recomputes only tokens the layer below recomputed: only those
+    have fresh hidden states), but wherever `like` picks or narrows its set, the n tokens kept are those
+    with the largest true deviation still ahead of them: ||dK||^2 + ||dV||^2 of the precomputed K, V
+    against a full prefill's, summed over the layers the set goes on to (`layer` to the last).
+    deviation (L, B, N): blend_world.kv_deviation of the same input. blend() then recomputes them from
+    the mixed cache as for any rule."""
+    like: bw.Filter
+    deviation: torch.Tensor
+
+    def counts(self, n_tokens: int, ratio: float, n_layers: int) -> list[int]:
+        return self.like.counts(n_tokens, ratio, n_layers)
+
+    def score(self, dev_k: torch.Tensor, dev_v: torch.Tensor) -> torch.Tensor:
+        return self.like.score(dev_k, dev_v)  # only its shape is read
+
+    def keep(self, score: torch.Tensor, n: int, tokens: torch.Tensor, layer: int) -> torch.Tensor:
+        ahead = self.deviation[layer:].sum(0).gather(1, tokens)  # (B, m) true deviation still to remove
+        return ahead.topk(n, dim=1).indices.sort(1).values
 
 
 def oracle_cache(pre: KVCache, full: KVCache, ratio: float) -> KVCache:

@@ -22,7 +22,7 @@ Three prefills of [chunks ... | question], all driven through common.llama's Blo
   blend          CacheBlend's selective recompute with the handout's progressive filter (§5.3)
 
 blend() takes its selection rule as an argument (PROGRESSIVE by default); the other rules (flat, one
-check layer, random) and the oracle are built on it in blend_rules.py.
+check layer, random), the ranking oracle and the patch oracle are built on it in blend_rules.py.
 """
 from __future__ import annotations
 
@@ -165,9 +165,11 @@ class Filter:
                        growing; r >= 1 recomputes every token at every layer (the filter is off);
       score(dK, dV)    what ranks the tokens a layer has just recomputed: ||dK||^2 + ||dV||^2 against
                        their precomputed K, V;
-      keep(score, n)   which n go on (the first set is kept from layer 0's attention deviation): the n
-                       largest, in document order.
-    blend_rules.py builds the other rules on these three: a flat schedule, one check layer, random picks."""
+      keep(score, n, tokens, layer)  which n of `tokens` (B, m: the document indices that score's
+                       columns rank) go on to be recomputed at `layer` (the first set is kept from layer
+                       0's attention deviation): the n largest, in document order.
+    blend_rules.py builds the other rules on these three: a flat schedule, one check layer, random picks,
+    and the ranking oracle (which ranks `tokens` by their true deviation at `layer` and after)."""
     schedule: tuple = (1.25, 1.0, 0.75)
 
     def counts(self, n_tokens: int, ratio: float, n_layers: int) -> list[int]:
@@ -183,7 +185,7 @@ class Filter:
     def score(self, dev_k: torch.Tensor, dev_v: torch.Tensor) -> torch.Tensor:
         return dev_k + dev_v
 
-    def keep(self, score: torch.Tensor, n: int) -> torch.Tensor:
+    def keep(self, score: torch.Tensor, n: int, tokens: torch.Tensor, layer: int) -> torch.Tensor:
         """Columns (B, n) of score (B, m) that go on: the n largest, sorted."""
         return score.topk(n, dim=1).indices.sort(1).values
 
@@ -234,7 +236,7 @@ def blend(model: Llama, rec: Records, chunks, ratio: float, *, rule=PROGRESSIVE,
     own = blk.attention(q, k, v, own_chunk_mask(chunk_ids(N, chunks)))
     full = blk.attention(q, k, v, causal_mask(pos_doc, pos_doc))
     attn_dev0 = (full - own).pow(2).sum(-1)  # (B, N)
-    sel = rule.keep(attn_dev0, counts[0])  # (B, n1) doc indices
+    sel = rule.keep(attn_dev0, counts[0], pos_doc.expand(B, N), 1)  # (B, n1) doc indices
     x_sel = blk.after_attention(_take(x_doc, sel, 1), _take(full, sel, 1))  # their full-attention output
     qq, kq, vq = blk.qkv(x_q, pos_q)
     ks, vs = [torch.cat([k, kq], 2)], [torch.cat([v, vq], 2)]
@@ -256,7 +258,7 @@ def blend(model: Llama, rec: Records, chunks, ratio: float, *, rule=PROGRESSIVE,
         recomputed.append(sel)
         # ---- keep fewer: the largest deviations go on to the next layer
         if layer + 1 < L:
-            keep = rule.keep(dev, counts[layer])
+            keep = rule.keep(dev, counts[layer], sel, layer + 1)
             sel, x_sel = sel.gather(1, keep), _take(x_sel, keep, 1)
     logits = model.logits(x_q)
     return (logits, BlendTrace(recomputed, attn_dev0, KVCache(ks, vs, pos_all))) if trace else logits

@@ -1,0 +1,121 @@
+"""The ranking oracle (blend_rules.RankingOracle) and the adaptive rule (blend_rules.Adaptive) on the record
+world's blend(), with an untrained model at the training scale (as tests/test_blend.py): the oracle keeps
+its rule's counts and nesting and picks by the true deviation from a full prefill."""
+import math
+
+import pytest
+import torch
+
+import blend_rules as rules
+import blend_world as bw
+from test_blend import TOL, untrained
+
+
+@pytest.fixture(scope="module")
+def model():
+    return untrained()
+
+
+@pytest.fixture(scope="module")
+def rec():
+    return bw.heldout(8)
+
+
+def true_deviation(model, rec, chunk_len):
+    pre = bw.precompute_chunks(model, rec.doc, chunk_len)
+    return pre, bw.kv_deviation(model, rec, chunk_len, pre)  # (L, B, N)
+
+
+@pytest.mark.parametrize("like", list(rules.RULES))
+def test_ranking_oracle_at_ratio_one_is_full_prefill(model, rec, like):
+    pre, dev = true_deviation(model, rec, 3)
+    oracle = rules.RankingOracle(rules.RULES[like], dev)
+    assert (bw.blend(model, rec, 3, 1.0, rule=oracle, pre=pre) - bw.full_prefill(model, rec)).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("like", ["flat", "progressive"])
+def test_ranking_oracle_at_ratio_zero_is_full_reuse(model, rec, like):
+    pre, dev = true_deviation(model, rec, 3)
+    oracle = rules.RankingOracle(rules.RULES[like], dev)
+    reuse = bw.full_reuse(model, rec, 3, pre)
+    assert (bw.blend(model, rec, 3, 0.0, rule=oracle, pre=pre) - reuse).abs().max() <= TOL
+
+
+def ahead(dev, layer):
+    """(B, N) true deviation of each token summed over layers `layer`.. (what recomputing it there removes)."""
+    return dev[layer:].sum(0)
+
+
+@pytest.mark.parametrize("like", list(rules.RULES))
+@pytest.mark.parametrize("ratio", [0.1, 0.25, 0.5])
+@torch.no_grad()
+def test_ranking_oracle_recomputes_the_true_top_deviation_sets(model, rec, like, ratio):
+    """Layer l recomputes counts[l-1] tokens, a subset of layer l-1's set (all tokens below layer 1), and
+    every token kept there has at least the true deviation ahead of any token of that set left out."""
+    rule = rules.RULES[like]
+    pre, dev = true_deviation(model, rec, 3)
+    _, tr = bw.blend(model, rec, 3, ratio, rule=rules.RankingOracle(rule, dev), pre=pre, trace=True)
+    N, L = bw.DOC_LEN, model.cfg.n_layers
+    assert [t.shape[1] for t in tr.recomputed] == rule.counts(N, ratio, L)
+    below = [torch.arange(N)] * len(rec.tokens)
+    for layer, sel in enumerate(tr.recomputed, start=1):
+        for b in range(len(rec.tokens)):
+            kept, pool = set(sel[b].tolist()), set(below[b].tolist())
+            assert kept <= pool
+            score = ahead(dev, layer)[b]
+            out = pool - kept
+            if kept and out:
+                assert min(float(score[i]) for i in kept) >= max(float(score[i]) for i in out)
+        below = list(sel)
+
+
+@torch.no_grad()
+def test_flat_ranking_oracle_keeps_one_set_the_top_by_total_deviation(model, rec):
+    pre, dev = true_deviation(model, rec, 3)
+    n = math.ceil(0.25 * bw.DOC_LEN)
+    _, tr = bw.blend(model, rec, 3, 0.25, rule=rules.RankingOracle(rules.FLAT, dev), pre=pre, trace=True)
+    want = ahead(dev, 1).topk(n, 1).indices.sort(1).values
+    assert all(torch.equal(sel, want) for sel in tr.recomputed)
+
+
+@torch.no_grad()
+def test_ranking_oracle_ranks_better_than_the_rule_on_its_own_measure(model, rec):
+    """With the same counts, the oracle's first set holds at least as much true deviation as the rule's."""
+    pre, dev = true_deviation(model, rec, 3)
+    _, mine = bw.blend(model, rec, 3, 0.25, rule=rules.FLAT, pre=pre, trace=True)
+    _, best = bw.blend(model, rec, 3, 0.25, rule=rules.RankingOracle(rules.FLAT, dev), pre=pre, trace=True)
+    held = lambda sel: float(ahead(dev, 1).gather(1, sel).sum())  # noqa: E731
+    assert held(best.recomputed[0]) >= held(mine.recomputed[0])
+
+
+# ------------------------------------------------------------------------------------ the adaptive rule
+@pytest.mark.parametrize("layer", [0, 1])
+@torch.no_grad()
+def test_adaptive_keeps_the_smallest_set_holding_its_share(model, rec, layer):
+    """At the check the kept set is the smallest prefix of the ranking that holds `share` of the
+    measured score (for the row that needs most), never below ceil(r N); later layers keep it."""
+    N, ratio = bw.DOC_LEN, 0.05
+    seen = {}
+
+    class Spy(rules.Adaptive):
+        def keep(self, score, n, tokens, layer):
+            out = super().keep(score, n, tokens, layer)
+            seen.setdefault(layer, (score.clone(), out))
+            return out
+
+    rule = Spy(layer=layer, share=0.6)
+    _, tr = bw.blend(model, rec, 3, ratio, rule=rule, trace=True)
+    score, out = seen[layer + 1]
+    ordered = score.sort(1, descending=True).values
+    share = ordered.cumsum(1) / ordered.sum(1, keepdim=True)
+    need = int((share < 0.6).sum(1).max()) + 1
+    assert out.shape[1] == max(need, math.ceil(ratio * N))
+    assert (score.gather(1, out).sum(1) / score.sum(1) >= 0.6 - 1e-6).all()
+    assert torch.equal(out, score.topk(out.shape[1], 1).indices.sort(1).values)
+    sizes = [t.shape[1] for t in tr.recomputed]
+    assert sizes[:layer] == [N] * layer and set(sizes[layer:]) == {out.shape[1]}
+
+
+def test_adaptive_at_ratio_one_is_full_prefill(model, rec):
+    out = bw.blend(model, rec, 3, 1.0, rule=rules.Adaptive(layer=1, share=0.5))
+    assert (out - bw.full_prefill(model, rec)).abs().max() <= TOL
