@@ -119,3 +119,36 @@ def test_adaptive_keeps_the_smallest_set_holding_its_share(model, rec, layer):
 def test_adaptive_at_ratio_one_is_full_prefill(model, rec):
     out = bw.blend(model, rec, 3, 1.0, rule=rules.Adaptive(layer=1, share=0.5))
     assert (out - bw.full_prefill(model, rec)).abs().max() <= TOL
+
+
+# ------------------------------------------------------------------------------------ the studies' results
+def decomposition(rule_kl, ranking, patch, reuse=1.0):
+    import blend_real as br
+    return br.Decomposition("test", "flat", 2, reuse, rule_kl, ranking, patch)
+
+
+def test_decomposition_splits_the_distance_to_the_patch_oracle():
+    d = decomposition({0.15: 0.2, 0.3: 0.05}, {0.15: 0.15, 0.3: 0.01}, {0.15: 0.05, 0.3: 0.008})
+    assert d.ratios == (0.15, 0.3)
+    assert d.ranking_part(0.15) == pytest.approx(0.05) and d.recompute_part(0.15) == pytest.approx(0.1)
+    assert d.dominant(0.15) == "recompute" and d.dominant(0.3) == "ranking"
+    assert d.ranking_part(0.3) + d.recompute_part(0.3) == pytest.approx(d.rule_kl[0.3] - d.patch[0.3])
+
+
+def test_chunk_lengths_needed_is_the_first_ratio_reaching_the_long_chunks_kl():
+    import blend_real as br
+    long = br.ChunkLength(256, 1539, decomposition({0.05: 0.3, 0.15: 0.1, 0.3: 0.05}, {}, {}), 0.6)
+    short = br.ChunkLength(64, 387, decomposition({0.05: 0.4, 0.15: 0.2, 0.3: 0.09}, {}, {}), 0.4)
+    never = br.ChunkLength(32, 195, decomposition({0.05: 0.4, 0.15: 0.3, 0.3: 0.2}, {}, {}), 0.3)
+    study = br.ChunkLengths("flat", 0.15, 0.15, [never, short, long])
+    assert study.needed(long) == 0.15 and study.needed(short) == 0.3 and study.needed(never) is None
+
+
+def test_flat_ratio_for_matches_the_mean_recomputed_share():
+    import blend_real as br
+    L, sizes = 30, [83, 67]
+    for share in (0.15, 0.23, 0.4):
+        r = br.flat_ratio_for(share, sizes, L)
+        got = sum(br.flat_share(n, r, L) for n in sizes) / len(sizes)
+        assert abs(got - share) <= 1 / min(sizes)  # one token's step at most
+    assert br.flat_share(100, 0.15, L) == pytest.approx((100 + 29 * 15) / 3000)

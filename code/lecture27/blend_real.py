@@ -358,3 +358,157 @@ def best_rule(res: dict) -> tuple[str, dict]:
     rules = [m for m in res["methods"] if m in blend_rules.RULES]
     scores = {rule: (1 - res["curve"][rule][k] / res["kl_reuse"]) / res["ttft"][rule] for rule in rules}
     return max(scores, key=scores.get), scores
+
+
+# ------------------------------------------------------------------------------------ where the error comes from
+@dataclass(frozen=True)
+class Decomposition:
+    """A rule's mean first-token KL to full prefill split in two at each recompute ratio (numbers as keys):
+    rule -> ranking oracle (its counts, the true ranking) is what its ranking loses; ranking oracle ->
+    patch oracle (the full prefill's own K, V for as many tokens) is what recomputing from a partly stale
+    cache loses. `reuse`: full reuse's KL, where every curve starts."""
+    source: str
+    rule: str
+    n_inputs: int
+    reuse: float
+    rule_kl: dict
+    ranking: dict
+    patch: dict
+
+    @property
+    def ratios(self) -> tuple:
+        return tuple(self.rule_kl)
+
+    def ranking_part(self, r: float) -> float:
+        return self.rule_kl[r] - self.ranking[r]
+
+    def recompute_part(self, r: float) -> float:
+        return self.ranking[r] - self.patch[r]
+
+    def dominant(self, r: float) -> str:
+        """"ranking" or "recompute": the larger part of the rule's distance to the patch oracle at r."""
+        return "ranking" if self.ranking_part(r) > self.recompute_part(r) else "recompute"
+
+
+def decompose(c: Curves, rule: str, source: str) -> Decomposition:
+    """`rule`'s decomposition from curves that measured it and its ranking oracle (kl_curves)."""
+    return Decomposition(source, rule, len(c.items), c.reuse, dict(c.kl[rule]), dict(c.ranking[rule]),
+                         dict(c.kl["oracle"]))
+
+
+def deviation_top_share(c: Curves, frac: float) -> float:
+    """Share of full reuse's KV deviation held by the top ceil(frac N) tokens, mean over layers 1.. and inputs."""
+    devs = [torch.as_tensor(it["deviation"]) for it in c.items]
+    return statistics.fmean(bw.top_share(d[i][None], frac) for d in devs for i in range(1, len(d)))
+
+
+@dataclass(frozen=True)
+class ChunkLength:
+    """One chunk length of the built-in items: the decomposition and how concentrated the deviation is."""
+    chunk_tokens: int
+    n_context: int    # context tokens of each input (prefix + chunks)
+    split: Decomposition
+    top_share: float  # share of the KV deviation held by the top `ChunkLengths.top` of the tokens
+
+
+@dataclass(frozen=True)
+class ChunkLengths:
+    """The same items and rule at several chunk lengths (rows, longest last)."""
+    rule: str
+    at: float   # the ratio the question is asked at (15%)
+    top: float  # the token share top_share is measured for (also 15%)
+    rows: list
+
+    def needed(self, row: ChunkLength) -> float | None:
+        """The smallest measured ratio at which `row`'s rule is as close to full prefill as the rule is at
+        `at` with the longest chunks; None when no measured ratio gets there."""
+        target = self.rows[-1].split.rule_kl[self.at]
+        return next((r for r in sorted(row.split.ratios) if row.split.rule_kl[r] <= target * (1 + 1e-9)), None)
+
+
+def chunk_length_study(model, tok, *, n_items: int, lengths, ratios, at: float, rule: str, model_id: str,
+                       top: float, recompute: bool = False, progress: bool = True) -> ChunkLengths:
+    """The built-in items cut to each of `lengths` tokens per chunk, every rule and its ranking oracle at
+    `ratios` (kl_curves with --curve's settings: the longest length shares --curve's cached result)."""
+    rows = []
+    for n in sorted(lengths):
+        rags = built_in_inputs(tok, n_items, n)
+        c = kl_curves(model, tok, rags, ratios=ratios, at=at, rules=RULE_NAMES,
+                      ranked=(rule, *(r for r in RULE_NAMES if r != rule)), model_id=model_id,
+                      recompute=recompute, progress=progress, name="blend-smollm2-curve")
+        rows.append(ChunkLength(n, c.items[0]["n_context"], decompose(c, rule, f"built-in items, {n}-token chunks"),
+                                deviation_top_share(c, top)))
+    return ChunkLengths(rule, at, top, rows)
+
+
+# ------------------------------------------------------------------------------------ a rule whose count adapts
+@dataclass(frozen=True)
+class Matched:
+    """The adaptive rule at one share target beside flat recomputing the same mean share (means over inputs)."""
+    target: float          # share of the deviation measured at the check layer that the kept set holds
+    recomputed: float      # its recomputed share of a full prefill's context-token layers
+    spread: tuple          # (least, most) recomputed share over the inputs: how far the count adapted
+    kl: float
+    flat_ratio: float      # flat's r for the same mean share
+    flat_recomputed: float
+    flat_kl: float
+
+
+@dataclass(frozen=True)
+class RuleComparison:
+    source: str
+    layer: int   # the adaptive rule's check layer (0: layer 0's attention deviation)
+    floor: float  # its least ratio
+    rows: list   # Matched, one per target
+
+
+@torch.no_grad()
+def _first_token_kl(model, rd: RagDoc, lp_full: torch.Tensor, pre, rule, ratio: float) -> tuple[float, float]:
+    """(first-token KL(full || blend), recomputed share of the context-token layers) of one blend."""
+    lg, tr = bw.blend(model, rd, rd.chunks, ratio, rule=rule, pre=pre, trace=True)
+    N, L = rd.doc.shape[1], model.cfg.n_layers
+    return float(kl_divergence(lp_full, lg[0, -1].log_softmax(-1))), (N + sum(t.shape[1] for t in tr.recomputed)) / (L * N)
+
+
+def flat_share(n_context: int, ratio: float, n_layers: int) -> float:
+    """Flat's recomputed share of the context-token layers at r: layer 0 in full, ceil(r N) after it."""
+    return recompute_share(n_context, ratio, n_layers, "flat")
+
+
+def flat_ratio_for(share: float, sizes: list[int], n_layers: int) -> float:
+    """The r (one of the ratios at which some input's count steps) whose mean flat_share over inputs of
+    `sizes` context tokens is nearest to `share`."""
+    steps = sorted({k / n for n in sizes for k in range(n + 1)})
+    return min(steps, key=lambda r: abs(statistics.fmean(flat_share(n, r, n_layers) for n in sizes) - share))
+
+
+def compare_rules(model, tok, rags: list[RagInput], *, targets, layer: int, floor: float, model_id: str,
+                  source: str, recompute: bool = False, progress: bool = True) -> RuleComparison:
+    """Adaptive(layer, share=t) at ratio `floor` for each target t, then flat at the ratio recomputing the
+    same mean share over the inputs (flat_ratio_for); first-token KL to full prefill (cached)."""
+    from tqdm import tqdm
+
+    from common.checkpoints import cached_result
+
+    def compute():
+        inputs = []
+        with torch.no_grad():
+            for rag in tqdm(rags, desc="adaptive rule", disable=not progress):
+                rd = rag_doc(rag)
+                lp = model(rd.tokens, last=True)[0][0, -1].log_softmax(-1)
+                inputs.append((rd, lp, bw.precompute_chunks(model, rd.doc, rd.chunks)))
+        adaptive = [[_first_token_kl(model, rd, lp, pre, blend_rules.Adaptive(layer=layer, share=t), floor)
+                     for rd, lp, pre in inputs] for t in targets]
+        L = model.cfg.n_layers
+        sizes = [rd.doc.shape[1] for rd, _, _ in inputs]
+        ratios = [flat_ratio_for(statistics.fmean(s for _, s in runs), sizes, L) for runs in adaptive]
+        flat = [[_first_token_kl(model, rd, lp, pre, blend_rules.FLAT, r) for rd, lp, pre in inputs] for r in ratios]
+        return {"adaptive": adaptive, "flat": flat, "ratios": ratios}
+
+    ident = {"version": CURVE_VERSION, "model": model_id, "inputs": inputs_digest(rags), "targets": targets,
+             "layer": layer, "floor": floor}
+    res = cached_result("blend-smollm2-adaptive", ident, compute, refit=recompute, tag="04", flag="--recompute")
+    mean = lambda runs, i: statistics.fmean(x[i] for x in runs)  # noqa: E731
+    rows = [Matched(t, mean(a, 1), (min(s for _, s in a), max(s for _, s in a)), mean(a, 0), r, mean(f, 1), mean(f, 0))
+            for t, a, f, r in zip(targets, res["adaptive"], res["flat"], res["ratios"])]
+    return RuleComparison(source, layer, floor, rows)
