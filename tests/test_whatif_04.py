@@ -190,3 +190,28 @@ def test_exercise8_other_read_time(cb):
     assert res["ex8_ratio"] == 0.25 and res["ex8_ttft_ms"] == pytest.approx(32 * 5.0)
     assert all(cells(page, row)["handout"] == DASH for row in ("controller's recompute ratio", "TTFT, CacheBlend"))
     assert cells(page, "TTFT, full prefill")["handout"] == "640"      # the read time is not in it
+
+
+# ------------------------------------------------------------------------------------ the city and the command line
+def test_another_city_chunking_blanks_the_city_figures(cb, monkeypatch):
+    """Chunks of 4 words cut the city's 8-word sentences: the handout's 3 x 8 figures go blank, and the
+    verdict in the title follows the KL."""
+    from common.city import city_model
+
+    monkeypatch.setattr(cb, "CITY_CHUNK_LEN", 4)
+    monkeypatch.setattr(cb, "CITY_DOCS", 100)
+    s, page = part_settings(cb), Page("04", "", "§5", plot=False)
+    model, lang = city_model()
+    cb.part1_city(cb.city_docs(model, lang, s.city_docs, 0, s.city_chunks, s.city_chunk_len), lang, s, page)
+    for row in ("cross-entropy, full prefill", "cross-entropy, full reuse", "KL(full prefill"):
+        assert cells(page, row)["handout"] == DASH, row
+    t = page.tables[0]
+    assert not any("handout" in n for n in t.notes)
+    assert ("loses nothing" in t.title) == (page.json()["city_kl"] < 1e-3)
+
+
+@pytest.mark.parametrize("argv,flag", [(["--model", "smollm2", "--ratio", "0.3"], "--real-ratio"),
+                                       (["--real-ratio", "0.3"], "--model smollm2")])
+def test_each_ratio_flag_belongs_to_its_model(cli_exit, argv, flag):
+    code, err = cli_exit("04_cacheblend", *argv)
+    assert code == 2 and flag in err and len(err.strip().splitlines()) == 1

@@ -57,6 +57,7 @@ from blend_world import (DOC_LEN, N_RECORDS, RULES, accuracy, answer_correct, an
                          precompute_chunks, record_model, spearman, split_mask, split_records, top_share)
 from common import checkpoints, timemodel as tm  # noqa: E402
 from common.checkpoints import TrainingFailed  # noqa: E402
+from common.city import city_model  # noqa: E402
 from common.cli import (Parser, fail, fraction, nonneg_float, positive_float, positive_int,  # noqa: E402
                         settings_from)
 from common.llama import KVCache, idle_threads, kl_divergence, shift_kv, single_thread  # noqa: E402
@@ -885,13 +886,12 @@ def exercise8(s: Settings, page: Page) -> None:
 
 # ============================================================================ Parts 1-4, in the handout's order
 def record_world(s: Settings, page: Page) -> None:
-    from common.city import city_model
-
+    """Parts 1-4 and exercises 5-8, each computed and then shown, as the handout poses them."""
     city, lang = city_model()
     docs = city_docs(city, lang, s.city_docs, 0, s.city_chunks, s.city_chunk_len)
     # §5.1 (prefix caching is not enough) goes here
     exercise5(docs, lang, s, page)                  # §5.1: moving a chunk's KV
-    part1_city(docs, lang, s, page)                 # §5.2: the city language loses nothing
+    part1_city(docs, lang, s, page)                 # §5.2: the city language, full reuse vs full prefill
     model = record_world_model(s, page)
     run = part2_records(model, s, page)             # §5.2-5.3: split records, CacheBlend, random
     exercise6(model, run, s, page)                  # §5.2: an even chunk length
@@ -1163,7 +1163,9 @@ def main(argv=None) -> Page | None:
         if smollm2_or_explain(s.gguf) is None:
             return None
     t_start = time.time()
-    page = Page("04", "CacheBlend: non-prefix KV reuse, selective recompute", "§5", s, unedited(s), not a.no_plot)
+    # the real model's page is a section of its own (figures/pages/04_smollm2.json beside 04.json)
+    page = Page("04" if s.model == "record" else "04_smollm2", "CacheBlend: non-prefix KV reuse, selective recompute"
+                + ("" if s.model == "record" else ", on a real LLaMA"), "§5", s, unedited(s), not a.no_plot)
     if s.model == "smollm2":
         real_model(s, page)
     else:
