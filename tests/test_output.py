@@ -90,12 +90,19 @@ def explained_under(text, table_start, words, within=12):
 
 
 def test_the_differences_are_explained_under_their_tables(runs):
-    t02, t04 = runs["02"][0], runs["04"][0]
-    assert explained_under(t04, "true entropy of words", "not the handout's")
-    assert explained_under(t04, "random 20%", "a split record is repaired")
-    assert explained_under(t04, "TTFT speed-up over full prefill", "Why our speed-ups")
+    t02 = runs["02"][0]
     assert explained_under(t02, "one whole context, one stream", "ideal = -sum log2 p")
     assert explained_under(t02, "level 3", "standard error")
+
+
+def test_04_differences_are_explained_under_their_tables(runs):
+    """04's tables whose figures differ from the handout's carry notes (the page's record of the run)."""
+    from common.present import figures_dir
+    blocks = json.loads((figures_dir() / "pages" / "04.json").read_text())["blocks"]
+    tables = [b for b in blocks if b["kind"] == "table"]
+    for first in ("true entropy of words", "random 20%", "TTFT speed-up over full prefill"):
+        t = next(t for t in tables if any(r[0].strip().startswith(first) for r in t["rows"]))
+        assert t["notes"] and any(h.startswith("handout") for h in t["headers"]), first
 
 
 def test_exercise5_k_rotates_v_stays(runs):
