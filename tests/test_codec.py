@@ -235,17 +235,13 @@ def test_codec_study_runs_on_an_untrained_model(monkeypatch):
 def record():
     """The cached study, the model, and evaluation/calibration KV (first run: trains the record model
     via blend_world's cached loader and fits the codec, about two minutes)."""
-    import importlib.util
-    from pathlib import Path
+    import importlib
     torch.set_num_threads(1)
     study = cs.record_codec_study(progress=False)
     world = cs.record_world()
     calib = world["docs"](cs.CODEC_N_CALIB, cs.CODEC_CALIB_SEED)
     ev = world["docs"](cs.CODEC_N_EVAL, cs.CODEC_EVAL_SEED)
-    path = Path(kv.__file__).with_name("02_cachegen_codec.py")
-    spec = importlib.util.spec_from_file_location("cachegen02", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = importlib.import_module("02_cachegen_codec")
     return {"study": study, "model": world["model"], "ev": ev, "script": script,
             "Xc": cs.context_kv(world["model"], calib[0]), "Xe": cs.context_kv(world["model"], ev[0])}
 
