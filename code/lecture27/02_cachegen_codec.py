@@ -427,19 +427,15 @@ def compute(s: Settings, refit: bool) -> Record:
 pct1, pct2, times2 = "{:.1%}".format, "{:.2%}".format, "{:.2f}x".format
 
 
-def handout_figure(name: str, s: Settings) -> Ref | None:
-    """The handout's figure `name` for this run's inputs; None for other inputs, or where it has none."""
-    return HANDOUT(name, s) if name in HANDOUT.refs else None
-
-
-def cited(name: str, s: Settings, text: str) -> str:
-    """`text` holding the handout's figure `name`, or "" when the run's inputs are not the handout's."""
-    ref = handout_figure(name, s)
-    return text.format(ref.figure) if ref else ""
+def handout_figure(name: str, s: Settings, text: str | None = None):
+    """The handout's figure `name` for this run's inputs: its Ref, or `text` holding it; None (or "") for
+    other inputs, or where the handout has no such figure."""
+    ref = HANDOUT(name, s) if name in HANDOUT.refs else None
+    return ref if text is None else text.format(ref.figure) if ref else ""
 
 
 def codec_cells(c: Codec, fp16: float) -> list:
-    """A codec row's name, bytes/token and ratio to FP16 (with the spec's keys for FP16 and zlib)."""
+    """A codec row's name, bytes/token and ratio to FP16 (with the spec's keys for FP16's and zlib's)."""
     return [c.name, Val(c.bytes_per_token, "fp16_bytes_per_token" if c.key == "fp16" else None),
             Val(fp16 / c.bytes_per_token, "zlib_ratio" if c.key == "zlib" else None)]
 
@@ -447,8 +443,8 @@ def codec_cells(c: Codec, fp16: float) -> list:
 def entropy_table(entropy: dict, title: str) -> Table:
     g0 = entropy["one global table"]
     return Table(title, "§3.2", cols("tables", ("bits/value", "{:.3f}", "entropy_bits.{row}"),
-                                     ("smaller than global", "{:+.1%}")),
-                 [Row([k, b, None if k == "one global table" else 1 - b / g0], key=k) for k, b in entropy.items()],
+                                     ("smaller than global", "{:+.1%}")), [Row(
+        [k, b, None if k == "one global table" else 1 - b / g0], key=k) for k, b in entropy.items()],
                  f"{SCRIPT}.grouping_entropy")
 
 
@@ -460,30 +456,33 @@ def headline_table(codecs: Codecs, model_name: str, s: Settings) -> Table:
             ("transfer faster than FP16 KV, same link", c["fp16"] / c["measured"], "slides_transfer")]
     return Table(f"  {model_name}: the measured codec (level 0) beside CacheGen's figures", "§3.4",
                  cols("§3.4 headline", ("ours", times2)), [Row([what, x], HANDOUT(name, s)) for what, x, name in rows],
-                 f"{SCRIPT}.baseline_rows",
-                 ["At a fixed bandwidth transfer time is bytes / bandwidth, so our transfer speed-up is the size "
-                  "ratio; the slides' transfer range is end to end (decoding and network included)."])
+                 f"{SCRIPT}.baseline_rows", ["At a fixed bandwidth transfer time is bytes / bandwidth, so our transfer "
+                                             "speed-up is the size ratio; the slides' transfer range is end to end "
+                                             "(decoding and network included)."])
 
 
 def present_part1(page: Page, r: Record, s: Settings) -> None:
+    page.say(f"Record-world model: {r.n_calib} calibration documents (seed {cs.CODEC_CALIB_SEED}), {r.n_eval} "
+             f"evaluation documents (seed {cs.CODEC_EVAL_SEED}), {r.tokens} context tokens each, "
+             f"{r.values_per_token} K/V values per token.")
     page.part("Part 1", "§3.2", "CacheGen's three observations, measured on the record-world model")
     page.table(Table(
         "Part 1a (§3.2). Token locality: variance of raw values over variance of deltas (>1: deltas are smaller)",
         "§3.2", cols("", ("raw/delta var (anchor)", times2), ("raw/delta var (previous)", times2)),
-        [Row([f"layer {i} {k}", lv.ratio(k, "anchor"), lv.ratio(k, "previous")],
-             HANDOUT("delta_ratio", s) if (i, k) == (0, "K") else None)
-         for i, lv in enumerate(r.locality) for k in KV_NAMES],
+        [Row([f"layer {i} {k}", lv.ratio(k, "anchor"), lv.ratio(k, "previous")], HANDOUT("delta_ratio", s)
+             if (i, k) == (0, "K") else None) for i, lv in enumerate(r.locality) for k in KV_NAMES],
         f"{SCRIPT}.delta_variance_ratios", json={"delta_var_ratio": r.locality}))
     sens, a, d = r.sensitivity, r.sensitivity.step, "layer_sensitivity_detail[]."
     acc = [x.kv[a] for x in sens.layers]
     low = int(np.argmin(acc))
-    verdict = (f"At steps of {a:g} x RMS every layer answers alike ({acc[0]:.1%})." if min(acc) == max(acc) else
-               f"At steps of {a:g} x RMS layer {low} loses the most ({acc[low]:.1%} answered): "
-               + ("the shallowest, as on LLaMA." if low == 0 else "not the shallowest, unlike LLaMA."))
+    verdict = f"At steps of {a:g} x RMS " + (f"every layer answers alike ({acc[0]:.1%})." if min(acc) == max(acc) else
+                                             f"layer {low} loses the most ({acc[low]:.1%} answered): " +
+                                             ("the shallowest, as on LLaMA." if low == 0 else
+                                              "not the shallowest, unlike LLaMA."))
     page.table(Table(
         f"Part 1b (§3.2). Layer sensitivity: one layer rounded to steps of @ x its RMS, the rest exact (FP16: "
         f"{sens.fp16_accuracy:.2%});\nlast column: the coarsest steps (x RMS) the search kept."
-        + cited("sensitivity", s, " CacheGen: {}."), "§3.2",
+        + handout_figure("sensitivity", s, " CacheGen: {}."), "§3.2",
         cols("", *((f"K+V @{x:g}", pct1, f"{d}K+V@{x:g}") for x in sens.steps), (f"K @{a:g}", pct1, f"{d}K@{a:g}"),
              (f"V @{a:g}", pct1, f"{d}V@{a:g}"),
              ("measured steps K / V", lambda v: " / ".join(f"{x:.3g}" for x in v), "measured_steps_over_rms")),
@@ -492,24 +491,20 @@ def present_part1(page: Page, r: Record, s: Settings) -> None:
         json={"layer_sensitivity_acc": acc, "layer_sensitivity_step_over_rms": a}))
     page.table(entropy_table(r.entropy, f"Part 1c (§3.2, §3.3). Entropy of the values quantized at level "
                              f"{s.entropy_level}'s steps, tables fitted on calibration contexts,\nmeasured on "
-                             f"evaluation contexts." + cited("entropy", s, " CacheGen: {}; by token position hardly "
-                                                                           "helps.")))
+                             f"evaluation contexts." + handout_figure("entropy", s, " CacheGen: {}; by token position "
+                                                                                   "hardly helps.")))
     with page.figure("02_delta_variance.png", "Token locality on the record-world model (>1: deltas smaller)",
                      figsize=(7, 3.6)) as (fig, ax):
-        if ax is not None:
-            locality_figure(ax, r.locality, HANDOUT("delta_ratio", s))
-
-
-def locality_figure(ax, locality: list, ref: Ref | None) -> None:
-    x = np.arange(len(locality))
-    for i, (to, k) in enumerate((to, k) for to in ("anchor", "previous") for k in KV_NAMES):
-        ax.bar(x + (i - 1.5) * 0.2, [lv.ratio(k, to) for lv in locality], 0.2, label=f"{k}, delta to {to}")
-    if ref is not None:   # the handout's band, "2.4-2.9x (LLaMA)"
-        band = ref.figure.split("x")[0]
-        ax.axhspan(*map(float, band.split("-")), color="0.85", label=f"CacheGen on LLaMA: {band}x", zorder=0)
-    ax.axhline(1, color="k", lw=0.8)
-    ax.set(xticks=x, xticklabels=[f"layer {i}" for i in x], ylabel="var(raw) / var(delta)")
-    ax.legend(fontsize=7)
+        if ax is None:
+            return
+        x = np.arange(len(r.locality))
+        for i, (to, k) in enumerate((to, k) for to in ("anchor", "previous") for k in KV_NAMES):
+            ax.bar(x + (i - 1.5) * 0.2, [lv.ratio(k, to) for lv in r.locality], 0.2, label=f"{k}, delta to {to}")
+        if band := handout_figure("delta_ratio", s, "{}").split("x")[0]:   # the handout's "2.4-2.9x (LLaMA)"
+            ax.axhspan(*map(float, band.split("-")), color="0.85", label=f"CacheGen on LLaMA: {band}x", zorder=0)
+        ax.axhline(1, color="k", lw=0.8)
+        ax.set(xticks=x, xticklabels=[f"layer {i}" for i in x], ylabel="var(raw) / var(delta)")
+        ax.legend(fontsize=7)
 
 
 def present_part2(page: Page, r: Record, s: Settings) -> None:
@@ -517,35 +512,36 @@ def present_part2(page: Page, r: Record, s: Settings) -> None:
     c, by = r.codecs, r.codecs.by_key()
     fp16, m = by["fp16"], by["measured"]
     vs = [(f"{x:.2f}x smaller" if x >= 1 else f"{1 / x:.2f}x larger") + f" than {by[k].name}"
-          + cited(f"vs_{k}", s, " (handout {})")
+          + handout_figure(f"vs_{k}", s, " (handout {})")
           for k, x in ((k, by[k].bytes_per_token / m.bytes_per_token) for k in (f"{b}bit" for b in s.baseline_bits))]
-    notes = [f"Measured codec: {', '.join(vs)}, accuracy {100 * (m.quality - fp16.quality):+.2f} points vs FP16.",
-             f"Mode chosen on calibration bits: {'anchor+delta' if c.uses_deltas else 'no deltas'} (calibration: "
-             f"{c.calib_bytes_per_token['delta']:.1f} vs {c.calib_bytes_per_token['raw']:.1f} B/token with / without "
-             f"deltas). Recipe: steps / RMS by layer {', '.join(f'{x:.3g}' for x in c.recipe_steps)}, sized to the "
-             f"measured codec's bytes."]
-    page.table(Table("Part 2 (§3.4). The codec table (accuracy on unseen records; the arithmetic-coded rows count\n"
-                     f"every byte of the bitstream, header included, on {cs.CODEC_N_CODED} coded contexts)", "§3.4",
-                     cols("codec", ("bytes/token", "{:.1f}", "bytes_{row}"), ("ratio to FP16", times2),
-                          ("accuracy", pct2, "acc_{row}")),
-                     [Row([*codec_cells(x, fp16.bytes_per_token), Val(x.quality, "acc_fp16" if x is fp16 else None)],
-                          handout_figure(x.key, s), None if x.key in ("fp16", "zlib") else x.key) for x in c.codecs],
-                     f"{SCRIPT}.codecs", notes, json={"measured_uses_deltas": c.uses_deltas}))
+    page.table(Table(
+        "Part 2 (§3.4). The codec table (accuracy on unseen records; the arithmetic-coded rows count\nevery byte of "
+        f"the bitstream, header included, on {cs.CODEC_N_CODED} coded contexts)", "§3.4",
+        cols("codec", ("bytes/token", "{:.1f}", "bytes_{row}"), ("ratio to FP16", times2),
+             ("accuracy", pct2, "acc_{row}")),
+        [Row([*codec_cells(x, fp16.bytes_per_token), Val(x.quality, "acc_fp16" if x is fp16 else None)],
+             handout_figure(x.key, s), None if x.key in ("fp16", "zlib") else x.key) for x in c.codecs],
+        f"{SCRIPT}.codecs",
+        [f"Measured codec: {', '.join(vs)}, accuracy {100 * (m.quality - fp16.quality):+.2f} points vs FP16.",
+         f"Mode chosen on calibration bits: {'anchor+delta' if c.uses_deltas else 'no deltas'} (calibration: "
+         f"{c.calib_bytes_per_token['delta']:.1f} vs {c.calib_bytes_per_token['raw']:.1f} B/token with / without "
+         f"deltas). Recipe: steps / RMS by layer {', '.join(f'{x:.3g}' for x in c.recipe_steps)}, sized to the "
+         f"measured codec's bytes."], json={"measured_uses_deltas": c.uses_deltas}))
     page.table(headline_table(c, "record-world model", s))
     with page.figure("02_codec_pareto.png", "Every codec on the record-world model", figsize=(8, 5)) as (fig, ax):
         if ax is not None:
-            pareto_figure(ax, [(x.name.strip(), x.bytes_per_token, x.quality) for x in c.codecs]
-                          + [(f"level {lv.level}", lv.bytes_per_token, lv.accuracy) for lv in c.levels[1:]])
+            pareto_figure(ax, [(x.name.strip(), x.bytes_per_token, 100 * x.quality) for x in c.codecs]
+                          + [(f"level {lv.level}", lv.bytes_per_token, 100 * lv.accuracy) for lv in c.levels[1:]])
 
 
 def pareto_figure(ax, points: list) -> None:
-    """points: (name, bytes/token, accuracy); the dashed front joins those no smaller codec beats."""
+    """points: (name, bytes/token, accuracy %); the dashed front joins those no smaller codec beats."""
     for (n, b, a), marker in zip(points, "osD^v<>pP*Xh" * 2):
-        ax.scatter(b, 100 * a, s=30, marker=marker, label=f"{n}: {b:.0f} B, {100 * a:.1f}%")
-    by_size = sorted(points, key=lambda p: (p[1], -p[2]))
-    best = np.maximum.accumulate([a for _, _, a in by_size])
-    front = [(b, 100 * a) for i, (_, b, a) in enumerate(by_size) if i == 0 or a > best[i - 1]]
-    ax.plot(*zip(*front), "k--", lw=0.8, label="Pareto front")
+        ax.scatter(b, a, s=30, marker=marker, label=f"{n}: {b:.0f} B, {a:.1f}%")
+    front = sorted(points, key=lambda p: (p[1], -p[2]))
+    best = np.maximum.accumulate([a for *_, a in front])
+    ax.plot(*zip(*[(b, a) for i, (_, b, a) in enumerate(front) if i == 0 or a > best[i - 1]]), "k--", lw=0.8,
+            label="Pareto front")
     ticks = [8, 16, 32, 64, 128, 256, 512]
     ax.set(xscale="log", xticks=ticks, xticklabels=ticks, xlabel="bytes / token (log)", ylabel="answer accuracy (%)")
     ax.minorticks_off()
@@ -555,45 +551,38 @@ def pareto_figure(ax, points: list) -> None:
 def present_part3(page: Page, r: Record, s: Settings) -> None:
     page.part("Part 3", "§3.3", "The arithmetic coder, and the quality levels 03 reads")
     one, many = r.one, r.many
-    gap = one.actual_bytes - one.ideal_bytes
-    exact = one.roundtrip_exact and many.roundtrip_exact
-    notes = [f"Coder throughput (pure Python, this run): encode {many.encode_sym_per_s:,.0f} symbols/s, decode "
-             f"{many.decode_sym_per_s:,.0f} symbols/s. " + ("Lossless: the loss is only in quantization." if exact
-                                                           else "A round trip differs: a coder bug."),
-             f"ideal = -sum log2 p of the symbols under the coder's own tables; actual = the bytes written. The coder "
-             f"ends with just enough bits to name one number inside its final interval (as wide as the message's "
-             f"probability): usually a bit or two over the ideal, a fraction of a byte below it when that interval "
-             f"holds a short binary fraction (here {abs(gap):.2f} B {'below' if gap < 0 else 'over'}). The codec's "
-             f"bitstreams add headers and one stream per group."]
-    page.table(Table("Part 3 (§3.3). Arithmetic coder (level 0)", "§3.3",
-                     cols("stream", ("symbols", "{:,}"), "ideal bytes", ("actual bytes", "{:,}"), "actual - ideal",
-                          ("bit-exact", str)),
-                     [Row(["one whole context, one stream", one.symbols,
-                           Val(one.ideal_bytes, "ac_ideal_bytes", "{:.2f}"), Val(one.actual_bytes, "ac_actual_bytes"),
-                           Val(gap, fmt="{:+.2f}"), Val(one.roundtrip_exact, "ac_roundtrip_exact")],
-                          HANDOUT("coder", s)),
-                      Row([f"{many.contexts} contexts, codec bitstreams", many.symbols,
-                           Val(many.ideal_bytes, fmt="{:.1f}"), many.bytes,
-                           Val(many.bytes - many.ideal_bytes, fmt="{:+.1f}"), many.roundtrip_exact])],
-                     f"{SCRIPT}.coder_check", notes, json={"coder_encode_sym_per_s": many.encode_sym_per_s,
-                                                          "coder_decode_sym_per_s": many.decode_sym_per_s}))
-    present_levels(page, r.codecs, s)
-
-
-def present_levels(page: Page, c: Codecs, s: Settings) -> None:
+    gap, exact = one.actual_bytes - one.ideal_bytes, one.roundtrip_exact and many.roundtrip_exact
+    page.table(Table("Part 3 (§3.3). Arithmetic coder (level 0)", "§3.3", cols(
+        "stream", ("symbols", "{:,}"), ("ideal bytes", "{:.2f}"), ("actual bytes", "{:,}"),
+        ("actual - ideal", "{:+.2f}"), ("bit-exact", str)), [
+        Row(["one whole context, one stream", one.symbols, Val(one.ideal_bytes, "ac_ideal_bytes"),
+             Val(one.actual_bytes, "ac_actual_bytes"), gap, Val(one.roundtrip_exact, "ac_roundtrip_exact")],
+            HANDOUT("coder", s)),
+        Row([f"{many.contexts} contexts, codec bitstreams", many.symbols, Val(many.ideal_bytes, fmt="{:.1f}"),
+             many.bytes, Val(many.bytes - many.ideal_bytes, fmt="{:+.1f}"), many.roundtrip_exact])],
+        f"{SCRIPT}.coder_check", [
+        f"Coder throughput (pure Python, this run): encode {many.encode_sym_per_s:,.0f} symbols/s, decode "
+        f"{many.decode_sym_per_s:,.0f} symbols/s. "
+        + ("Lossless: the loss is only in quantization." if exact else "A round trip differs: a coder bug."),
+        f"ideal = -sum log2 p of the symbols under the coder's own tables; actual = the bytes written. The coder ends "
+        f"with just enough bits to name one number inside its final interval (as wide as the message's probability): "
+        f"usually a bit or two over the ideal, a fraction of a byte below it when that interval holds a short binary "
+        f"fraction (here {abs(gap):.2f} B {'below' if gap < 0 else 'over'}). The codec's bitstreams add headers and "
+        f"one stream per group."],
+        json={"coder_encode_sym_per_s": many.encode_sym_per_s, "coder_decode_sym_per_s": many.decode_sym_per_s}))
+    c = r.codecs
     levels, fp16_b, se = c.levels, c.by_key()["fp16"].bytes_per_token, level_noise(c.levels, c.n_answers)
-    top, last = levels[0], levels[-1]
-    gap, noise, ref = top.accuracy - last.accuracy, (se[0] ** 2 + se[-1] ** 2) ** 0.5, handout_figure("level3", s)
+    top, last, ref = levels[0], levels[-1], handout_figure(f"level{levels[-1].level}", s)
+    gap, noise = top.accuracy - last.accuracy, (se[0] ** 2 + se[-1] ** 2) ** 0.5
     note = (f"+- SE: binomial standard error over {c.n_answers:,} answers. Level {last.level} answers "
             f"{100 * abs(gap):.2f} points {'below' if gap >= 0 else 'above'} level {top.level}, "
             + (f"within two standard errors ({200 * noise:.2f}): the levels' accuracies are within noise."
                if abs(gap) <= 2 * noise else f"{abs(gap) / noise:.0f} standard errors: a real "
-                                             f"{'loss' if gap > 0 else 'gain'}."))
-    if ref and last.level == 3:
-        note += (f" The handout's small model answered {ref.figure} at level 3"
-                 + ("; this record-world model tolerates coarse steps where Part 1b finds it insensitive, and the "
-                    "levels scale the steps the search measured on it." if last.accuracy > float(ref.figure[:-1]) / 100
-                    else "; ours answers no more."))
+                                             f"{'loss' if gap > 0 else 'gain'}.")
+            + (f" The handout's small model answered {ref.figure} at level {last.level}" + (
+                "; this record-world model tolerates coarse steps where Part 1b finds it insensitive, and the levels "
+                "scale the steps the search measured on it." if last.accuracy > float(ref.figure[:-1]) / 100 else
+                "; ours answers no more.") if ref else ""))
     page.table(Table(
         "Quality levels (§4.2) of the measured codec (codec_study.codec_levels(), read by 03_streaming.py)", "§4.2",
         cols(("level (for 03)", "level {}", "levels[].level"), ("steps", "{:g}x"),
@@ -604,51 +593,42 @@ def present_levels(page: Page, c: Codecs, s: Settings) -> None:
         "codec_study.codec_study", [note]))
 
 
-def present_exercise3(page: Page, r: Record, s: Settings) -> None:
+def present_exercises(page: Page, r: Record, s: Settings) -> None:
     e = r.ex3
     page.exercise(3, "§3.3", "why every token of a group refers to one anchor, not to the previous token")
     damage = "makes the decoder reject the stream" if e.rejected else (
         f"spoils group{'s' * (len(e.spoiled_groups) != 1)} {', '.join(map(str, e.spoiled_groups)) or 'none'}"
         + " only" * (e.spoiled_groups == [e.damaged_group]))
-    page.say(f"The {e.groups} groups of a context decode one at a time, last first, each from its own bytes: equal "
-             f"to the full decode = {e.alone_equal}. One byte flipped in group {e.damaged_group}'s payload {damage}. "
-             f"A token needs only its anchor; with deltas to the previous token, position p needs all p tokens before "
-             f"it (serial):", indent=4)
     first, end, anchor = e.by_position[1], e.by_position[-1], [p.anchor for p in e.by_position[1:]]
-    note = (f"The chain's error grows from {first.chain:.3f} to {end.chain:.3f} steps (positions {first.position}-"
-            f"{end.position}), the anchor's stays at {min(anchor):.3f}-{max(anchor):.3f}: errors add up along the "
-            f"chain." if end.chain > max(first.chain, max(anchor)) else f"Here the chain's error does not grow past "
-            f"the anchor's ({first.chain:.3f} -> {end.chain:.3f} steps; anchor {min(anchor):.3f}-{max(anchor):.3f}).")
-    page.table(Table("", "§3.3", cols("position in group", ("|error|/step, anchor", "{:.3f}"),
-                                      ("|error|/step, previous-token chain", "{:.3f}")),
-                     [Row([p.position, p.anchor, p.chain]) for p in e.by_position], f"{SCRIPT}.exercise3", [note]))
-
-
-def present_exercise4(page: Page, r: Record, s: Settings) -> None:
+    page.table(Table(
+        f"The {e.groups} groups of a context decode one at a time, last first, each from its own bytes: equal to the "
+        f"full decode = {e.alone_equal}. One byte flipped in group {e.damaged_group}'s payload {damage}. A token needs "
+        f"only its anchor; with deltas to the previous token, position p needs all p tokens before it (serial):",
+        "§3.3", cols("position in group", ("|error|/step, anchor", "{:.3f}"),
+                     ("|error|/step, previous-token chain", "{:.3f}")),
+        [Row([p.position, p.anchor, p.chain]) for p in e.by_position], f"{SCRIPT}.exercise3",
+        [f"The chain's error grows from {first.chain:.3f} to {end.chain:.3f} steps (positions {first.position}-"
+         f"{end.position}), the anchor's stays at {min(anchor):.3f}-{max(anchor):.3f}: errors add up along the chain."
+         if end.chain > max(first.chain, max(anchor)) else f"Here the chain's error does not grow past the anchor's "
+         f"({first.chain:.3f} -> {end.chain:.3f} steps; anchor {min(anchor):.3f}-{max(anchor):.3f})."]))
     e = r.ex4
     page.exercise(4, "§3.3", "the entropy of a channel's quantized values, and a fixed-length code's bits")
     probs = ", ".join(f"{v:+d}: {p:g}" if v else f"0: {p:g}"
                       for v, p in sorted(s.ex4_probs.items(), key=lambda x: -x[1]))
     saving = e.fixed_bits - e.coded_bits_per_symbol
-    note = (f"Arithmetic coding saves {saving:.2f} of the fixed-length code's {e.fixed_bits} bits per value ("
-            f"{saving / e.fixed_bits:.0%}), within {abs(e.coded_bits_per_symbol - e.entropy_bits):.3f} bits of the "
-            f"entropy." if saving > 0.005 else f"Arithmetic coding saves nothing over the fixed-length code's "
-            f"{e.fixed_bits} bits per value here: the entropy is {e.entropy_bits:.3f} bits.")
-    rows = {"entropy_bits": "entropy (bits/value)", "coded_bits_per_symbol": f"the coder on {s.ex4_samples:,} samples "
-            "(bits/value)", "ideal_bits_per_symbol": "ideal under the coder's table (bits/value)",
-            "fixed_bits": "fixed-length code (bits/value)", "roundtrip_exact": "round trip exact"}
-    page.table(Table(f"Entropy coding of {{{probs}}}", "§3.3",
-                     cols("", ("ours", lambda v: f"{v:.3f}" if isinstance(v, float) else str(v), "exercise4.{row}")),
-                     [Row([label, getattr(e, k)], handout_figure(f"ex4_{k}", s), k) for k, label in rows.items()],
-                     f"{SCRIPT}.exercise4", [note]))
+    labels = {"entropy_bits": "entropy (bits/value)", "coded_bits_per_symbol": f"the coder on {s.ex4_samples:,} "
+              "samples (bits/value)", "ideal_bits_per_symbol": "ideal under the coder's table (bits/value)",
+              "fixed_bits": "fixed-length code (bits/value)", "roundtrip_exact": "round trip exact"}
+    page.table(Table(
+        f"Entropy coding of {{{probs}}}", "§3.3",
+        cols("", ("ours", lambda v: f"{v:.3f}" if isinstance(v, float) else str(v), "exercise4.{row}")),
+        [Row([label, getattr(e, k)], handout_figure(f"ex4_{k}", s), k) for k, label in labels.items()],
+        f"{SCRIPT}.exercise4",
+        [f"Arithmetic coding saves {saving:.2f} of the fixed-length code's {e.fixed_bits} bits per value ("
+         f"{saving / e.fixed_bits:.0%}), within {abs(e.coded_bits_per_symbol - e.entropy_bits):.3f} bits of the "
+         f"entropy." if saving > 0.005 else f"Arithmetic coding saves nothing over the fixed-length code's "
+         f"{e.fixed_bits} bits per value here: the entropy is {e.entropy_bits:.3f} bits."]))
 
-
-def present(page: Page, r: Record, s: Settings) -> None:
-    page.say(f"Record-world model: {r.n_calib} calibration documents (seed {cs.CODEC_CALIB_SEED}), {r.n_eval} "
-             f"evaluation documents (seed {cs.CODEC_EVAL_SEED}), {r.tokens} context tokens each, "
-             f"{r.values_per_token} K/V values per token.")
-    for part in (present_part1, present_part2, present_part3, present_exercise3, present_exercise4):
-        part(page, r, s)
 
 
 # ---------------------------------------------------------------- a real model: --model smollm2
@@ -717,27 +697,26 @@ def present_real(page: Page, r: Real, s: Settings) -> None:
     page.data(model=r.name)
     page.part("Part 1", "§3.2", f"CacheGen's observations on {r.name}")
     ratio = {to: np.array([[lv.ratio(k, to) for k in KV_NAMES] for lv in r.locality]) for to in ("anchor", "previous")}
-    group = kv.layer_groups(r.layers)
-    rows = [Row([f"layers {g[0]}-{g[-1]} {KV_NAMES[k]}", *(f for to in ("anchor", "previous") for f in (
-                ratio[to][g, k].mean(), f"{ratio[to][g, k].min():.2f}-{ratio[to][g, k].max():.2f}x"))],
-                HANDOUT("delta_ratio", s) if i == k == 0 else None)
-            for i, g in enumerate(np.flatnonzero(group == i) for i in range(3)) for k in range(2)]
-    page.table(Table("Part 1a (§3.2, real model). Variance of raw values over variance of deltas, by thirds of the "
-                     "layers\n(>1: deltas smaller)", "§3.2",
-                     cols("", ("anchor: mean", times2), "range", ("previous: mean", times2), "range"), rows,
-                     f"{SCRIPT}.delta_variance_ratios", json={"delta_var_ratio": r.locality}))
+    thirds = [np.flatnonzero(kv.layer_groups(r.layers) == i) for i in range(3)]
+    page.table(Table(
+        "Part 1a (§3.2, real model). Variance of raw values over variance of deltas, by thirds of the layers\n(>1: "
+        "deltas smaller)", "§3.2", cols("", ("anchor: mean", times2), "range", ("previous: mean", times2), "range"),
+        [Row([f"layers {g[0]}-{g[-1]} {KV_NAMES[k]}", *(f for x in (ratio["anchor"][g, k], ratio["previous"][g, k])
+                                                        for f in (x.mean(), f"{x.min():.2f}-{x.max():.2f}x"))],
+             HANDOUT("delta_ratio", s) if i == k == 0 else None) for i, g in enumerate(thirds) for k in range(2)],
+        f"{SCRIPT}.delta_variance_ratios", json={"delta_var_ratio": r.locality}))
     page.table(entropy_table(r.entropy, f"Part 1c (§3.2, real model). Entropy at steps of {s.real_entropy_step:g} "
                                         f"x RMS, tables fitted on calibration prose"))
     page.part("Part 2", "§3.4", f"The codec table on {r.name}, and its quality levels")
-    fp16 = r.codecs.by_key()["fp16"].bytes_per_token
+    fp16, quality = r.codecs.by_key()["fp16"].bytes_per_token, lambda q: [q["nll"], q["kl"], q["agree"]]
     page.table(Table(
         f"Part 2 (§3.4, real model). Continuations of {cr.REAL_CONTINUATION} tokens attending to the decoded context "
         f"KV\n(coded rows: bytes of {cr.REAL_CODED} contexts really coded, bit-exact round trip checked)", "§3.4",
         cols("codec", ("bytes/token", "{:,.0f}", "bytes_{row}"), ("ratio to FP16", times2),
              ("NLL (nats/token)", "{:.4f}", "nll_{row}"), ("KL from FP16", "{:.4f}", "kl_{row}"),
              ("top-1 = FP16's", pct1, "top1_agree_{row}")),
-        [Row([*codec_cells(c, fp16), c.quality["nll"], c.quality["kl"], c.quality["agree"]], key=c.key)
-         for c in r.codecs.codecs], f"{SCRIPT}.measure_real",
+        [Row([*codec_cells(c, fp16), *quality(c.quality)], key=c.key) for c in r.codecs.codecs],
+        f"{SCRIPT}.measure_real",
         ["Measured steps / RMS (shallow, middle, deep thirds; K / V): " + ", ".join(f"{k:.3g} / {v:.3g}" for k, v in
          r.rel_steps) + f"; KL from FP16 kept below {cr.REAL_MAX_KL} nats/token on calibration prose; recipe sized to "
          "the same bytes."]))
@@ -789,7 +768,8 @@ def main(argv=None):
     page = Page("02", TITLE, "§3", s, Settings(), plot=not args.no_plot)
     with single_thread():  # the record model's batches are tiny: one thread is faster, and cores may be shared
         r = compute(s, args.refit)
-    present(page, r, s)
+    for part in (present_part1, present_part2, present_part3, present_exercises):
+        part(page, r, s)
     return page.finish(args.json)
 
 
