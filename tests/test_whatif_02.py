@@ -53,7 +53,7 @@ def test_a_handout_figure_only_beside_its_inputs(runs, name):
             if shown != "-":
                 refs = [r for r in mod.HANDOUT.refs.values() if r.figure == shown]
                 assert refs and any(holds(r.inputs, s) for r in refs), (t["title"], shown)
-    ex4 = tables["02_cachegen_codec.exercise4"]["rows"]
+    ex4 = tables["kvcache.exercise4"]["rows"]
     handout_probs = mod.HANDOUT.refs["ex4_entropy_bits"].inputs["ex4_probs"]
     assert (s.ex4_probs == handout_probs) == (ex4[0][-1] == "1.40") == (ex4[3][-1] == "3")
 
@@ -94,7 +94,7 @@ def test_verdicts_say_what_the_numbers_say(runs, name):
     # exercise 4: a saving over the fixed-length code is claimed only where there is one
     e4 = d["exercise4"]
     saves = e4["fixed_bits"] - e4["coded_bits_per_symbol"] > 0.005
-    assert ("saves nothing" not in tables["02_cachegen_codec.exercise4"]["notes"][0]) == saves
+    assert ("saves nothing" not in tables["kvcache.exercise4"]["notes"][0]) == saves
 
 
 def test_the_edits_reach_the_results(runs):

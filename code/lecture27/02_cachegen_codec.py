@@ -448,7 +448,7 @@ def entropy_table(entropy: dict, title: str) -> Table:
                  f"{SCRIPT}.grouping_entropy")
 
 
-def headline_table(codecs: Codecs, model_name: str, s: Settings) -> Table:
+def headline_table(codecs: Codecs, model_name: str, source: str, s: Settings) -> Table:
     """§3.4's headline: CacheGen's size against 8-bit quantization and the slides' ranges, ours beside them."""
     c = {k: x.bytes_per_token for k, x in codecs.by_key().items()}
     rows = [("smaller than 8-bit quantization", c["8bit"] / c["measured"] if "8bit" in c else None, "cachegen_vs_8bit"),
@@ -456,7 +456,7 @@ def headline_table(codecs: Codecs, model_name: str, s: Settings) -> Table:
             ("transfer faster than FP16 KV, same link", c["fp16"] / c["measured"], "slides_transfer")]
     return Table(f"  {model_name}: the measured codec (level 0) beside CacheGen's figures", "§3.4",
                  cols("§3.4 headline", ("ours", times2)), [Row([what, x], HANDOUT(name, s)) for what, x, name in rows],
-                 f"{SCRIPT}.baseline_rows", ["At a fixed bandwidth transfer time is bytes / bandwidth, so our transfer "
+                 source, ["At a fixed bandwidth transfer time is bytes / bandwidth, so our transfer "
                                              "speed-up is the size ratio; the slides' transfer range is end to end "
                                              "(decoding and network included)."])
 
@@ -527,7 +527,7 @@ def present_part2(page: Page, r: Record, s: Settings) -> None:
          f"{c.calib_bytes_per_token['delta']:.1f} vs {c.calib_bytes_per_token['raw']:.1f} B/token with / without "
          f"deltas). Recipe: steps / RMS by layer {', '.join(f'{x:.3g}' for x in c.recipe_steps)}, sized to the "
          f"measured codec's bytes."], json={"measured_uses_deltas": c.uses_deltas}))
-    page.table(headline_table(c, "record-world model", s))
+    page.table(headline_table(c, "record-world model", f"{SCRIPT}.codecs", s))
     with page.figure("02_codec_pareto.png", "Every codec on the record-world model", figsize=(8, 5)) as (fig, ax):
         if ax is not None:
             pareto_figure(ax, [(x.name.strip(), x.bytes_per_token, 100 * x.quality) for x in c.codecs]
@@ -593,7 +593,7 @@ def present_part3(page: Page, r: Record, s: Settings) -> None:
         "codec_study.codec_study", [note]))
 
 
-def present_exercises(page: Page, r: Record, s: Settings) -> None:
+def present_exercise3(page: Page, r: Record, s: Settings) -> None:
     e = r.ex3
     page.exercise(3, "§3.3", "why every token of a group refers to one anchor, not to the previous token")
     damage = "makes the decoder reject the stream" if e.rejected else (
@@ -611,6 +611,9 @@ def present_exercises(page: Page, r: Record, s: Settings) -> None:
          f"{end.position}), the anchor's stays at {min(anchor):.3f}-{max(anchor):.3f}: errors add up along the chain."
          if end.chain > max(first.chain, max(anchor)) else f"Here the chain's error does not grow past the anchor's "
          f"({first.chain:.3f} -> {end.chain:.3f} steps; anchor {min(anchor):.3f}-{max(anchor):.3f})."]))
+
+
+def present_exercise4(page: Page, r: Record, s: Settings) -> None:
     e = r.ex4
     page.exercise(4, "§3.3", "the entropy of a channel's quantized values, and a fixed-length code's bits")
     probs = ", ".join(f"{v:+d}: {p:g}" if v else f"0: {p:g}"
@@ -623,7 +626,7 @@ def present_exercises(page: Page, r: Record, s: Settings) -> None:
         f"Entropy coding of {{{probs}}}", "§3.3",
         cols("", ("ours", lambda v: f"{v:.3f}" if isinstance(v, float) else str(v), "exercise4.{row}")),
         [Row([label, getattr(e, k)], handout_figure(f"ex4_{k}", s), k) for k, label in labels.items()],
-        f"{SCRIPT}.exercise4",
+        "kvcache.exercise4",
         [f"Arithmetic coding saves {saving:.2f} of the fixed-length code's {e.fixed_bits} bits per value ("
          f"{saving / e.fixed_bits:.0%}), within {abs(e.coded_bits_per_symbol - e.entropy_bits):.3f} bits of the "
          f"entropy." if saving > 0.005 else f"Arithmetic coding saves nothing over the fixed-length code's "
@@ -720,7 +723,7 @@ def present_real(page: Page, r: Real, s: Settings) -> None:
         ["Measured steps / RMS (shallow, middle, deep thirds; K / V): " + ", ".join(f"{k:.3g} / {v:.3g}" for k, v in
          r.rel_steps) + f"; KL from FP16 kept below {cr.REAL_MAX_KL} nats/token on calibration prose; recipe sized to "
          "the same bytes."]))
-    page.table(headline_table(r.codecs, r.name, s))
+    page.table(headline_table(r.codecs, r.name, f"{SCRIPT}.measure_real", s))
     page.table(Table(
         "Quality levels (§4.2) of the measured codec on the real model (codec_real.real_codec_levels(), read by 03)",
         "§4.2", cols("level (03 Part 2c)", ("steps", "{:.3g}x"),
@@ -768,7 +771,7 @@ def main(argv=None):
     page = Page("02", TITLE, "§3", s, Settings(), plot=not args.no_plot)
     with single_thread():  # the record model's batches are tiny: one thread is faster, and cores may be shared
         r = compute(s, args.refit)
-    for part in (present_part1, present_part2, present_part3, present_exercises):
+    for part in (present_part1, present_part2, present_part3, present_exercise3, present_exercise4):
         part(page, r, s)
     return page.finish(args.json)
 
