@@ -6,6 +6,7 @@ draws its figures into a folder of its own. Each run reads the cached codec stud
 import importlib
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,7 +23,7 @@ RUNS = {  # name: (constants edited, command line)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{name: (settings, JSON, the page's blocks by kind)} for each run."""
+    """{name: the run's settings, JSON, page blocks, tables by source, figure paths, figures folder}."""
     mod = importlib.import_module("02_cachegen_codec")
     out = {}
     for name, (constants, argv) in RUNS.items():
@@ -34,8 +35,12 @@ def runs(tmp_path_factory):
             data = mod.main([*argv, "--json", str(figs / "out.json")])
             settings = mod.settings(mod.parse(argv))
         blocks = json.loads((figs / "pages" / "02.json").read_text())["blocks"]
-        tables = {b["source"]: b for b in blocks if b["kind"] == "table"}
-        out[name] = settings, data, tables, [b["path"] for b in blocks if b["kind"] == "figure"], figs
+        tables = {}
+        for b in blocks:   # each source's first table (the headline shares the codec table's source)
+            if b["kind"] == "table":
+                tables.setdefault(b["source"], b)
+        out[name] = SimpleNamespace(s=settings, json=data, blocks=blocks, tables=tables, figs=figs,
+                                    paths=[b["path"] for b in blocks if b["kind"] == "figure"])
     return mod, out
 
 
@@ -44,8 +49,8 @@ def test_a_handout_figure_only_beside_its_inputs(runs, name):
     """Each handout cell is the figure of a reference whose inputs the run has; exercise 4's go blank
     on another distribution, and stay on the handout's."""
     mod, out = runs
-    s, _, tables, _, _ = out[name]
-    for t in tables.values():
+    s, tables = out[name].s, out[name].tables
+    for t in (b for b in out[name].blocks if b["kind"] == "table"):
         if not t["handout_col"]:
             continue
         for row in t["rows"]:
@@ -61,7 +66,7 @@ def test_a_handout_figure_only_beside_its_inputs(runs, name):
 @pytest.mark.parametrize("name", list(RUNS))
 def test_verdicts_say_what_the_numbers_say(runs, name):
     mod, out = runs
-    s, d, tables, _, _ = out[name]
+    d, tables = out[name].json, out[name].tables
     # Part 1b: the layer named as losing the most has the lowest accuracy at the chosen step
     acc = d["layer_sensitivity_acc"]
     note = tables["02_cachegen_codec.layer_sensitivity"]["notes"][0]
@@ -99,7 +104,7 @@ def test_verdicts_say_what_the_numbers_say(runs, name):
 
 def test_the_edits_reach_the_results(runs):
     mod, out = runs
-    base, four, three = (out[k][1] for k in ("default", "uniform4", "three"))
+    base, four, three = (out[k].json for k in ("default", "uniform4", "three"))
     assert four["exercise4"]["entropy_bits"] == pytest.approx(2.0) and four["exercise4"]["fixed_bits"] == 2
     assert three["exercise4"]["entropy_bits"] == pytest.approx(1.5) and three["exercise4"]["fixed_bits"] == 2
     assert three["exercise4"]["coded_bits_per_symbol"] < 2                 # 3 values: the coder saves
@@ -111,10 +116,10 @@ def test_the_edits_reach_the_results(runs):
 
 def test_what_if_figures_go_to_a_folder_of_their_own(runs):
     _, out = runs
-    for name, (_, _, _, paths, figs) in out.items():
-        assert len(paths) == 2
-        for p in paths:
+    for name, run in out.items():
+        assert len(run.paths) == 2
+        for p in run.paths:
             if name == "default":
-                assert p.startswith(str(figs)) and "whatif" not in p
+                assert p.startswith(str(run.figs)) and "whatif" not in p
             else:
                 assert re.search(r"whatif/02_[^/]*sensitivity_step=", p), p

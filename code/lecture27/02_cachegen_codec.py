@@ -1,7 +1,7 @@
 """02 -- CacheGen part one (handout §3): compress KV like video, measured on the record-world model.
 
     python code/lecture27/02_cachegen_codec.py                  # Parts 1-3, the levels, exercises 3-4, two figures
-    python code/lecture27/02_cachegen_codec.py --json out.json  # + headline figures as JSON
+    python code/lecture27/02_cachegen_codec.py --json out.json  # + headline figures as JSON (--no-plot: no figures)
     python code/lecture27/02_cachegen_codec.py --sensitivity-step 0.5   # Part 1b with finer coarse steps
     python code/lecture27/02_cachegen_codec.py --refit          # redo the codec's step search and tables
     python code/lecture27/02_cachegen_codec.py --model smollm2  # Parts 1a, 1c, 2 on a real model (SmolLM2-135M)
