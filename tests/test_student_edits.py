@@ -4,6 +4,7 @@ the constant drives, and checks that the figure moves the way the lecture says, 
 column goes blank ("-") once the inputs are no longer the handout's."""
 import importlib
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -67,16 +68,20 @@ def test_01_day_throughput_and_hit_rate(ledger01, tmp_path, capsys, monkeypatch)
 
 
 # ------------------------------------------------------------------------------------ 02
-def test_02_exercise4_distribution(monkeypatch, capsys):
+def test_02_exercise4_distribution(monkeypatch):
+    """Exercise 4 on another distribution (the constant, read through the run's settings): four equally
+    likely values need 2 bits, and the handout's 1.40 and 3 bits are no longer beside them."""
+    from common.present import Page
     mod = script("02_cachegen_codec")
     monkeypatch.setattr(mod, "EX4_PROBS", {0: 0.25, 1: 0.25, -1: 0.25, 2: 0.25})
     monkeypatch.setattr(mod, "EX4_SAMPLES", 4000)
-    e4 = mod.exercise4()
-    mod.print_exercise4(e4)
-    out = capsys.readouterr().out
-    assert e4["entropy_bits"] == pytest.approx(2.0, abs=1e-12) and e4["fixed_bits"] == 2
-    assert "{0: 0.25, +1: 0.25, -1: 0.25, +2: 0.25}" in out
-    assert "(handout -)" in out and "handout 1.40" not in out
+    s = mod.settings(mod.parse([]))
+    e4 = mod.exercise4(s)
+    assert s.ex4_samples == 4000 and e4.entropy_bits == pytest.approx(2.0, abs=1e-12) and e4.fixed_bits == 2
+    page = Page("02", "", "", s, mod.Settings(), plot=False)
+    mod.present_exercise4(page, SimpleNamespace(ex4=e4), s)
+    assert page.json()["exercise4"]["entropy_bits"] == e4.entropy_bits
+    assert [r.handout for r in page.tables[-1].rows] == [None] * 5
 
 
 def test_02_codec_group_is_read_where_the_codec_is_fitted(monkeypatch):
@@ -89,7 +94,7 @@ def test_02_codec_group_is_read_where_the_codec_is_fitted(monkeypatch):
     h = kv.codec_header(kv.codec_encode(X[0], spec))
     assert spec.group == 5 and len(h["group_bytes"]) == 6          # 30 tokens in groups of 5
     mod = script("02_cachegen_codec")
-    anchors = mod.delta_variance_ratios(X, kv.CODEC_GROUP)["anchor"]
+    anchors = np.array([[lv.K_anchor, lv.V_anchor] for lv in mod.delta_variance_ratios(X, kv.CODEC_GROUP)])
     assert anchors.shape == (2, 2) and np.all(anchors > 1)          # a random walk: deltas are smaller
 
 
@@ -132,9 +137,9 @@ def test_02_sensitivity_coarser_steps_cost_accuracy():
     X = cs.context_kv(world["model"], ctx)
     mod = script("02_cachegen_codec")
     sens = mod.layer_sensitivity(world["model"], X, (q, ans, slots), kv.kv_rms(X), [0.25, 8.0], 8.0)
-    L = X.shape[2]
-    assert all(sens[(layer, "K+V", 8.0)] <= sens[(layer, "K+V", 0.25)] for layer in range(L))
-    assert min(sens[(layer, "K+V", 8.0)] for layer in range(L)) < min(sens[(layer, "K+V", 0.25)] for layer in range(L))
+    assert [x.layer for x in sens] == list(range(X.shape[2]))
+    assert all(x.kv[8.0] <= x.kv[0.25] for x in sens)
+    assert min(x.kv[8.0] for x in sens) < min(x.kv[0.25] for x in sens)
 
 
 # ------------------------------------------------------------------------------------ 03
