@@ -488,7 +488,6 @@ REAL_ENTROPY_STEP = 0.25    # Part 1c on the real model: values quantized at thi
 
 
 REAL_BASELINE_BITS = (8, 6, 4)   # Part 2 on the real model: plain n-bit quantization rows
-REAL_VERSION = 1            # bump when compute_real's measurements change: its cached result is keyed by it
 
 
 def compute_real(args):
@@ -497,7 +496,7 @@ def compute_real(args):
     builds on (several minutes of forwards and codec fits); --refit measures again."""
     from common.gguf_llama import gguf_file
     path = gguf_file(args.gguf)
-    ident = {**cr.study_ident(path), "measure": [REAL_VERSION, REAL_ENTROPY_STEP, REAL_BASELINE_BITS, ZLIB_LEVEL,
+    ident = {**cr.study_ident(path), "measure": [REAL_ENTROPY_STEP, REAL_BASELINE_BITS, ZLIB_LEVEL,
                                                 kv.RECIPE_GROUP_FACTOR, kv.MATCH_HALVINGS]}
     r = cs.cached_study("codec-smollm2-02", ident, lambda: measure_real(path, args.refit), args.refit, idle_threads)
     r["delta_ratio"] = {k: np.asarray(v) for k, v in r["delta_ratio"].items()}

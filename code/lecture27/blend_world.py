@@ -48,7 +48,6 @@ N_VALUES = 16            # value tokens v1..v16 (12 distinct ones per document)
 DOC_LEN = 2 * N_RECORDS  # 24 tokens: k v k v ...
 MARK = 0                 # the question marker "?"
 VOCAB = ["?"] + [f"k{i + 1}" for i in range(N_KEYS)] + [f"v{i + 1}" for i in range(N_VALUES)]
-DATA_VERSION = "records-v2"  # bump when the generator changes: the checkpoint is keyed by it
 
 # ------------------------------------------------------------------------------------ training
 # The recipe that makes the induction head form in a few hundred steps (see train_fn):
@@ -605,7 +604,7 @@ def record_model(retrain: bool = False, seed: int | None = None, steps: int | No
                                "evals": [{k: v for k, v in e.items() if k != "stop"} for e in hist["evals"]]}}
         return metrics
 
-    model, meta = cached_model("records", model_config(), T, DATA_VERSION, train_fn, retrain, seed)
+    model, meta = cached_model("records", model_config(), T, train_fn, retrain, seed)
     return model, meta
 
 
