@@ -57,7 +57,6 @@ KL_TOKENS = 8         # answer tokens over which the KL is also averaged (teache
 SEED = 0
 RULE_NAMES = tuple(blend_rules.RULES)  # blend()'s selection rules, all measured
 RANDOM_RULE = "flat"  # the random baseline: r N tokens at every layer chosen at random (the oracle's budget)
-CURVE_VERSION = "blend-curve-v3"  # the cached curve is keyed by this, the model file and the inputs
 
 
 @dataclass
@@ -283,13 +282,13 @@ class Curves:
 def kl_curves(model, tok, rags: list[RagInput], *, ratios, at: float, rules, ranked, model_id: str,
               seed: int = SEED, recompute: bool = False, progress: bool = True, name: str = "blend-smollm2") -> Curves:
     """item_curve on every input, cached (checkpoints.cached_result `name`, keyed by the model file, the
-    inputs' tokens, the rules, the ranked rules (ranked[0]: the run's rule), ratios and CURVE_VERSION)."""
+    inputs' tokens, the rules, the ranked rules (ranked[0]: the run's rule), ratios and the code)."""
     from tqdm import tqdm
 
     from common.checkpoints import cached_result
 
     eos = tok.token_to_id("<|im_end|>")
-    ident = {"version": CURVE_VERSION, "model": model_id, "inputs": inputs_digest(rags), "ratios": ratios,
+    ident = {"model": model_id, "inputs": inputs_digest(rags), "ratios": ratios,
              "rules": rules, "ranked": ranked, "random": RANDOM_RULE, "seed": seed, "at": at,
              "tokens": [ANSWER_TOKENS, KL_TOKENS]}
 
@@ -505,7 +504,7 @@ def compare_rules(model, tok, rags: list[RagInput], *, targets, layer: int, floo
         flat = [[_first_token_kl(model, rd, lp, pre, blend_rules.FLAT, r) for rd, lp, pre in inputs] for r in ratios]
         return {"adaptive": adaptive, "flat": flat, "ratios": ratios}
 
-    ident = {"version": CURVE_VERSION, "model": model_id, "inputs": inputs_digest(rags), "targets": targets,
+    ident = {"model": model_id, "inputs": inputs_digest(rags), "targets": targets,
              "layer": layer, "floor": floor}
     res = cached_result("blend-smollm2-adaptive", ident, compute, refit=recompute, tag="04", flag="--recompute")
     mean = lambda runs, i: statistics.fmean(x[i] for x in runs)  # noqa: E731
