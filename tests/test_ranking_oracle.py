@@ -137,10 +137,10 @@ def test_decomposition_splits_the_distance_to_the_patch_oracle():
 
 def test_chunk_lengths_needed_is_the_first_ratio_reaching_the_long_chunks_kl():
     import blend_real as br
-    long = br.ChunkLength(256, 1539, decomposition({0.05: 0.3, 0.15: 0.1, 0.3: 0.05}, {}, {}), 0.6)
-    short = br.ChunkLength(64, 387, decomposition({0.05: 0.4, 0.15: 0.2, 0.3: 0.09}, {}, {}), 0.4)
-    never = br.ChunkLength(32, 195, decomposition({0.05: 0.4, 0.15: 0.3, 0.3: 0.2}, {}, {}), 0.3)
-    study = br.ChunkLengths("flat", 0.15, 0.15, [never, short, long])
+    long = br.ChunkLength(256, 1539, 6, decomposition({0.05: 0.3, 0.15: 0.1, 0.3: 0.05}, {}, {}), 0.6)
+    short = br.ChunkLength(64, 387, 6, decomposition({0.05: 0.4, 0.15: 0.2, 0.3: 0.09}, {}, {}), 0.4)
+    never = br.ChunkLength(32, 195, 6, decomposition({0.05: 0.4, 0.15: 0.3, 0.3: 0.2}, {}, {}), 0.3)
+    study = br.ChunkLengths("flat", 0.15, 0.15, 256, [never, short, long])
     assert study.needed(long) == 0.15 and study.needed(short) == 0.3 and study.needed(never) is None
 
 

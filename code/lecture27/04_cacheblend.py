@@ -98,7 +98,11 @@ REAL_ITEMS = 4                            # RAG items (of 8); their KL is cached
 REAL_CHUNK_TOKENS = 256                   # tokens per retrieved chunk (6 chunks + the question per item)
 REAL_RATIO = 0.15                         # CacheBlend's default recompute ratio
 REAL_RULE = "flat"                        # blend()'s selection rule: the most quality per measured TTFT (--curve)
-REAL_CURVE_RATIOS = [0.05, 0.15, 0.30, 0.50]  # --curve: every rule, random and the oracle at these ratios
+REAL_CURVE_RATIOS = [0.05, 0.15, 0.30, 0.50]  # --curve: every rule, random and the two oracles at these ratios
+REAL_SHORT_CHUNKS = [64, 128]             # --curve, built-in items: also cut to these chunk lengths (as --passages')
+ADAPTIVE_TARGETS = [0.5, 0.7, 0.85]       # --curve: the adaptive rule keeps the smallest set holding these shares
+ADAPTIVE_LAYER = 1                        # ... of the deviation measured at this layer (computed in full up to it)
+ADAPTIVE_FLOOR = 0.05                     # ... and never fewer than this ratio of the tokens
 REAL_TTFT_ITEMS = 1                       # inputs whose TTFT is measured live (a full prefill: ~5.5 s, one thread)
 
 
@@ -141,6 +145,10 @@ class Settings:
     chunk_tokens: int
     real_ratio: float
     real_curve_ratios: tuple
+    real_short_chunks: tuple
+    adaptive_targets: tuple
+    adaptive_layer: int
+    adaptive_floor: float
     real_ttft_items: int
     curve: bool
     recompute: bool
@@ -923,6 +931,10 @@ class Real:
     top_share: float
     rank_corr: list[float]
     toy: ToyInsights | None         # the record world's, beside it
+    split: br.Decomposition         # the run's rule, its ranking oracle and the patch oracle at each ratio
+    splits: dict                    # every rule measured: its Decomposition (--curve: every rule)
+    chunks: br.ChunkLengths | None  # --curve on the built-in items: the same items with shorter chunks
+    adaptive: br.RuleComparison | None  # --curve: a rule whose count adapts, beside flat
 
 
 def real_study(s: Settings) -> Real:
@@ -937,8 +949,9 @@ def real_study(s: Settings) -> Real:
     else:
         rags, source = br.built_in_inputs(tok, s.items, s.chunk_tokens), "built-in RAG items (common/english.py)"
     path = Path(info["path"])
-    res = br.real_experiment(model, tok, rags, s.real_ratio, f"{path.name}:{path.stat().st_size}", s.rule, s.curve,
-                             s.real_curve_ratios, ttft_items=min(s.real_ttft_items, len(rags)), recompute=s.recompute)
+    model_id = f"{path.name}:{path.stat().st_size}"
+    res = br.real_experiment(model, tok, rags, s.real_ratio, model_id, s.rule, s.curve, s.real_curve_ratios,
+                             ttft_items=min(s.real_ttft_items, len(rags)), recompute=s.recompute)
     best, score = br.best_rule(res)
     dev, L = res["deviation"], res["deviation"][0].shape[0]
     per_layer = [statistics.fmean(top_share(d[i][None], s.top_share) for d in dev) for i in range(1, L)]
@@ -949,7 +962,21 @@ def real_study(s: Settings) -> Real:
         toy_insights = ToyInsights(found.top_share, found.rank_corr)
     except TrainingFailed:
         toy_insights = None
-    return Real(res, source, path.stem, L, best, score, per_layer, statistics.fmean(per_layer), corr, toy_insights)
+    splits = {m: br.decompose(res["curves"], m, source) for m in res["curves"].ranking}
+    chunks, adaptive = real_curve_studies(model, tok, rags, res, model_id, source, s) if s.curve else (None, None)
+    return Real(res, source, path.stem, L, best, score, per_layer, statistics.fmean(per_layer), corr, toy_insights,
+                splits[s.rule], splits, chunks, adaptive)
+
+
+def real_curve_studies(model, tok, rags, res: dict, model_id: str, source: str, s: Settings):
+    """With --curve: the built-in items with shorter chunks (not for --passages) and the adaptive rule beside
+    flat at the same mean recomputed share (both cached)."""
+    chunks = None if s.passages else br.chunk_length_study(
+        model, tok, n_items=s.items, lengths=s.real_short_chunks, reference=s.chunk_tokens, ratios=res["ratios"],
+        at=s.real_ratio, rule=s.rule, model_id=model_id, top=s.top_share, recompute=s.recompute)
+    adaptive = br.compare_rules(model, tok, rags, targets=s.adaptive_targets, layer=s.adaptive_layer,
+                                floor=s.adaptive_floor, model_id=model_id, source=source, recompute=s.recompute)
+    return chunks, adaptive
 
 
 def real_model(s: Settings, page: Page) -> None:
@@ -969,12 +996,20 @@ def real_model(s: Settings, page: Page) -> None:
     if st["curve_mode"]:
         present_real_curve(r, page)
     else:
-        page.say(f"  Parts 5a-b, the quality curve of every selection rule, random and the oracle at "
-                 f"{', '.join(f'{x:.0%}' for x in s.real_curve_ratios)}: --curve (the first time about 35 s per item "
-                 "on two idle cores, a minute on one; then cached; --items 8 for all eight)")
+        blends = len(s.real_curve_ratios) * (2 * len(br.RULE_NAMES) + 1)
+        page.say(f"  Parts 5a-b and 5g-i, the quality curve of every selection rule, random and the two oracles at "
+                 f"{', '.join(f'{x:.0%}' for x in s.real_curve_ratios)}, every rule's ranking oracle, shorter chunks "
+                 f"and a rule whose count adapts: --curve ({blends} blends per item the first time, then cached; "
+                 "--items 8 for all eight)")
     present_real_ttft(r, s, page)
     present_real_answers(r, page)
     present_real_insights(r, s, page)
+    present_real_split(r, page)
+    if st["curve_mode"]:
+        present_rule_splits(r, page)
+        if r.chunks:
+            present_chunk_lengths(r.chunks, page)
+        present_adaptive(r, page)
     if page.plot and st["curve_mode"]:
         real_curve_figure(r, s, page)
 
@@ -1014,9 +1049,9 @@ def present_real_ttft(r: Real, s: Settings, page: Page) -> None:
 
 
 def real_notes(r: Real) -> list[str]:
-    """The rule reported as CacheBlend, the best rule of this run, and how far the oracle is."""
+    """The rule reported as CacheBlend and the best rule of this run (how far the oracles are: Part 5f)."""
     st = r.study
-    t, k, at, rule, reuse, kl = st["ttft"], f"{st['at']:g}", st["at"], st["rule"], st["kl_reuse"], st["curve"]
+    t, k, rule, reuse, kl = st["ttft"], f"{st['at']:g}", st["rule"], st["kl_reuse"], st["curve"]
     gain = lambda m: f"{1 - kl[m][k] / reuse:.0%} of full reuse's KL removed in {t[m]:.2f} s"  # noqa: E731
     notes = []
     if st["curve_mode"]:                # every rule measured: the one with the most quality per second
@@ -1028,12 +1063,6 @@ def real_notes(r: Real) -> list[str]:
     notes.append(f"CacheBlend below = --rule {rule} ({gain(rule)})." + (
         "" if st["curve_mode"] else f" The default, {REAL_RULE}, removed the most KL per measured second on the "
                                     "built-in items at 15% (--curve measures every rule)."))
-    closest = min((m for m in br.RULE_NAMES if m in kl), key=lambda m: kl[m][k])
-    orc, ours = kl["oracle"][k] / reuse, kl[closest][k] / reuse
-    notes.append(f"{closest} reaches {ours:.2f}x full reuse's KL at {at:.0%}; the oracle {orc:.2f}x: " + (
-        "a better selection rule could still gain, the model is not the limit" if orc < 0.5 * ours else
-        "the rule is near (or past) the oracle, so a better ranking by KV deviation would not help: the limit is "
-        "the model and the measure (the largest KV deviations are not the tokens the answer needs)"))
     return notes
 
 
@@ -1074,15 +1103,123 @@ def present_real_insights(r: Real, s: Settings, page: Page) -> None:
         "04_cacheblend.real_study"))
 
 
+SPLIT_COLS = (("ranking oracle", "{:.4f}"), ("patch oracle", "{:.4f}"), ("ranking's part", "{:+.4f}"),
+              ("recompute's part", "{:+.4f}"), "larger part")
+
+
+def split_cells(d: br.Decomposition, x: float) -> list:
+    return [d.rule_kl[x], d.ranking[x], d.patch[x], d.ranking_part(x), d.recompute_part(x), d.dominant(x)]
+
+
+def present_real_split(r: Real, page: Page) -> None:
+    """The run's rule, its ranking oracle and the patch oracle at each measured ratio."""
+    d, at = r.split, r.study["at"]
+    show(page, Table(f"Part 5f (§5.3). Where {d.rule}'s distance from full prefill comes from, mean first-token KL (nats)\n"
+                     f"  ranking oracle: {d.rule}'s counts and nesting, its tokens picked by their true deviation, "
+                     "recomputed by blend();\n  patch oracle: the full prefill's own K, V for as many tokens of "
+                     "every layer, no recompute", "§5.3",
+                     cols(("r", "{:.0%}"), (d.rule, "{:.4f}"), *SPLIT_COLS),
+                     [Row([x, *split_cells(d, x)]) for x in d.ratios], "blend_real.decompose", [split_verdict(d, at)],
+                     {f"real_dominant{pk(at)}": d.dominant(at)}))
+
+
+def split_verdict(d: br.Decomposition, at: float) -> str:
+    """Which part of the rule's distance to the patch oracle dominates at `at`, in the words the numbers allow."""
+    gap, rank, rec = d.rule_kl[at] - d.patch[at], d.ranking_part(at), d.recompute_part(at)
+    head = (f"at {at:.0%}: {d.rule} {d.rule_kl[at]:.4f}, its ranking oracle {d.ranking[at]:.4f}, the patch oracle "
+            f"{d.patch[at]:.4f}: ")
+    if gap <= 0:
+        return head + f"{d.rule} is at or past the patch oracle for these inputs; neither part is left."
+    if rank <= 0:
+        return head + ("the true ranking gains nothing over the rule's for these inputs: the whole distance is the "
+                       "recompute's (recomputed tokens attend to neighbours that kept their stale K, V).")
+    if rec <= 0:
+        return head + "the whole distance is the ranking's: the rule picks the wrong tokens for these inputs."
+    big = max(rank, rec)
+    return head + (f"the {d.dominant(at)} dominates for these inputs ({big / gap:.0%} of the distance): " + (
+        "a better ranking could remove it" if d.dominant(at) == "ranking" else
+        "a better ranking could remove at most the rest; recomputed tokens attend to neighbours that kept their "
+        "stale K, V") + ".")
+
+
+def present_rule_splits(r: Real, page: Page) -> None:
+    """Every rule measured, its ranking oracle (same counts) and the patch oracle at the run's ratio."""
+    at = r.study["at"]
+    show(page, Table(f"Part 5g (§5.3). Every rule at r = {at:.0%} beside its own ranking oracle (the check-layer "
+                     "rules compute layers 0-1 in full)", "§5.3", cols("rule", ("KL", "{:.4f}"), *SPLIT_COLS),
+                     [Row([m, *split_cells(d, at)]) for m, d in r.splits.items()], "blend_real.decompose",
+                     json={"real_kl_ranking_oracle": {m: d.ranking for m, d in r.splits.items()}}))
+
+
+def present_chunk_lengths(c: br.ChunkLengths, page: Page) -> None:
+    """The built-in items at several chunk lengths: the rule's curve, the two oracles at `at`, how spread
+    the deviation is, and the ratio that matches the reference length's quality at `at`."""
+    at, ref = c.at, c.row(c.reference)
+    ratios = ref.split.ratios
+    rows = [Row([x.chunk_tokens, x.n_context, 1000 * (x.n_chunks - 1) / x.n_context,
+                 *[x.split.rule_kl[q] for q in ratios], x.split.ranking[at], x.split.patch[at], x.top_share,
+                 c.needed(x)]) for x in c.rows]
+    show(page, Table(f"Part 5h (§5.3). Shorter chunks: the built-in items cut to each chunk length, {c.rule}'s mean "
+                     f"first-token KL\n  (last column: the least measured r at which {c.rule} gets as close to full "
+                     f"prefill as at {at:.0%} with {c.reference}-token chunks)", "§5.3",
+                     cols(("chunk tokens", "{}"), ("context", "{}"), ("boundaries / 1k tokens", "{:.1f}"),
+                          *[(f"r={q:.0%}", "{:.4f}") for q in ratios], (f"ranking oracle {at:.0%}", "{:.4f}"),
+                          (f"patch oracle {at:.0%}", "{:.4f}"), (f"top {c.top:.0%} hold", pct),
+                          (f"r as good as {c.reference} at {at:.0%}", lambda x: f"{x:.0%}")),
+                     rows, "blend_real.chunk_length_study", chunk_notes(c),
+                     {"real_chunk_kl": {str(x.chunk_tokens): x.split.rule_kl for x in c.rows},
+                      "real_chunk_top_share": {str(x.chunk_tokens): x.top_share for x in c.rows}}))
+
+
+def chunk_notes(c: br.ChunkLengths) -> list[str]:
+    """Whether the ratio is enough at each other length, and why, from the table's numbers."""
+    at, ref, notes = c.at, c.row(c.reference), []
+    for x in c.rows:
+        if x is ref:
+            continue
+        need = c.needed(x)
+        enough = (f"{at:.0%} is enough" if need is not None and need <= at else
+                  f"{at:.0%} is not enough: {c.rule} needs {need:.0%}" if need is not None else
+                  f"{at:.0%} is not enough: no measured ratio up to {max(x.split.ratios):.0%} gets there")
+        spread = ("more spread" if x.top_share < ref.top_share else "no more spread")
+        notes.append(f"{x.chunk_tokens}-token chunks: {enough}; {1000 * (x.n_chunks - 1) / x.n_context:.1f} chunk "
+                     f"boundaries per 1,000 tokens against {1000 * (ref.n_chunks - 1) / ref.n_context:.1f}, and the "
+                     f"deviation is {spread} (the top {c.top:.0%} of tokens hold {x.top_share:.0%} of it against "
+                     f"{ref.top_share:.0%}).")
+    return notes
+
+
+def present_adaptive(r: Real, page: Page) -> None:
+    """The adaptive rule at each share target beside flat recomputing the same mean share."""
+    a, d, at = r.adaptive, r.split, r.study["at"]
+    closer = lambda m: "adaptive" if m.kl < m.flat_kl else "flat" if m.flat_kl < m.kl else "same"  # noqa: E731
+    rows = [Row([m.target, m.recomputed, m.spread, m.kl, m.flat_ratio, m.flat_recomputed, m.flat_kl, closer(m)])
+            for m in a.rows]
+    wins = sum(closer(m) == "adaptive" for m in a.rows)
+    share = max(0.0, d.ranking_part(at)) / (d.rule_kl[at] - d.patch[at]) if d.rule_kl[at] > d.patch[at] else 0.0
+    show(page, Table(f"Part 5i (§5.3). A rule whose count adapts: layers up to {a.layer} in full, then the smallest "
+                     f"set holding a share of layer {a.layer}'s\n  measured deviation (at least {a.floor:.0%} of the "
+                     "tokens), beside flat recomputing the same mean share; mean first-token KL", "§5.3",
+                     cols(("share held", pct), ("recomputed", pct), ("min-max over inputs", lambda x: f"{pct(x[0])}-{pct(x[1])}"),
+                          ("KL adaptive", "{:.4f}"), ("flat r", pct), ("flat recomputed", pct), ("KL flat", "{:.4f}"),
+                          "closer"), rows, "blend_real.compare_rules",
+                     [f"the adaptive rule is closer to full prefill than flat at {wins} of {len(a.rows)} matched shares; "
+                      f"at {at:.0%} the true ranking removes {share:.0%} of {d.rule}'s distance to the patch oracle (Part 5f)."],
+                     {"real_adaptive": [dataclasses.asdict(m) for m in a.rows]}))
+
+
 def real_curve_figure(r: Real, s: Settings, page: Page) -> None:
-    """First-answer-token KL against the recompute ratio, one line per rule, random and the oracle."""
+    """First-answer-token KL against the recompute ratio, one line per rule, random, the ranking oracle of
+    the run's rule and the patch oracle."""
     st = r.study
     with page.figure("04_real_curve_passages.png" if s.passages else "04_real_curve.png",
                      f"{r.model_name}: which tokens to recompute ({len(st['items'])} inputs)", (7, 4)) as (_, ax):
         for m in st["methods"][1:]:
-            style = {"random": dict(color="gray", ls="--"), "oracle": dict(color="black", ls=":")}.get(m, {})
+            style = {"random": dict(color="gray", ls="--"), "oracle": dict(color="black", ls=":"),
+                     "ranking-oracle": dict(color="black", ls="-.")}.get(m, {})
+            label = {"ranking-oracle": f"ranking oracle ({st['rule']})", "oracle": "patch oracle"}.get(m, m)
             ax.plot([100 * x for x in st["ratios"]], [st["curve"][m][f"{x:g}"] for x in st["ratios"]], marker="o",
-                    ms=3, label=m, **style)
+                    ms=3, label=label, **style)
         ax.axhline(st["kl_reuse"], color="tab:red", lw=1, label="full reuse")
         ax.set(yscale="log", xlabel="recompute ratio r (%)",
                ylabel="KL(full prefill || method), first answer token (nats)")
@@ -1148,7 +1285,8 @@ def settings(a) -> Settings:
                          rag_chunks=RAG_CHUNKS, rag_chunk_tokens=RAG_CHUNK_TOKENS, rag_question=RAG_QUESTION, gpu=GPU,
                          systems=tuple(map(tuple, SYSTEMS)), devices=dict(DEVICES), paper_context=PAPER_CONTEXT,
                          paper_ratio=PAPER_RATIO, paper_device=PAPER_DEVICE, real_curve_ratios=tuple(REAL_CURVE_RATIOS),
-                         real_ttft_items=REAL_TTFT_ITEMS)
+                         real_short_chunks=tuple(REAL_SHORT_CHUNKS), adaptive_targets=tuple(ADAPTIVE_TARGETS),
+                         adaptive_layer=ADAPTIVE_LAYER, adaptive_floor=ADAPTIVE_FLOOR, real_ttft_items=REAL_TTFT_ITEMS)
 
 
 def unedited(s: Settings) -> Settings:

@@ -345,7 +345,7 @@ def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, 
             "ttft": ttft, "ttft_items": len(times), "threads": 1, "counts": counts,
             "share": {r: recompute_share(n_ctx, at, L, r) for r in RULE_NAMES},
             "same_answer": same, "kl_tokens": KL_TOKENS, "loaded_from_cache": c.loaded_from_cache,
-            "compute_seconds": c.compute_seconds,
+            "compute_seconds": c.compute_seconds, "curves": c,
             "deviation": [torch.as_tensor(it["deviation"]) for it in items]}  # per item (L, N_i); cached as lists
 
 
@@ -406,38 +406,43 @@ class ChunkLength:
     """One chunk length of the built-in items: the decomposition and how concentrated the deviation is."""
     chunk_tokens: int
     n_context: int    # context tokens of each input (prefix + chunks)
+    n_chunks: int
     split: Decomposition
     top_share: float  # share of the KV deviation held by the top `ChunkLengths.top` of the tokens
 
 
 @dataclass(frozen=True)
 class ChunkLengths:
-    """The same items and rule at several chunk lengths (rows, longest last)."""
+    """The same items and rule at several chunk lengths (rows, shortest first)."""
     rule: str
-    at: float   # the ratio the question is asked at (15%)
-    top: float  # the token share top_share is measured for (also 15%)
+    at: float       # the ratio the question is asked at (15%)
+    top: float      # the token share top_share is measured for (also 15%)
+    reference: int  # the chunk length the others are held against (the run's)
     rows: list
+
+    def row(self, chunk_tokens: int) -> ChunkLength:
+        return next(r for r in self.rows if r.chunk_tokens == chunk_tokens)
 
     def needed(self, row: ChunkLength) -> float | None:
         """The smallest measured ratio at which `row`'s rule is as close to full prefill as the rule is at
-        `at` with the longest chunks; None when no measured ratio gets there."""
-        target = self.rows[-1].split.rule_kl[self.at]
+        `at` with the reference chunks; None when no measured ratio gets there."""
+        target = self.row(self.reference).split.rule_kl[self.at]
         return next((r for r in sorted(row.split.ratios) if row.split.rule_kl[r] <= target * (1 + 1e-9)), None)
 
 
-def chunk_length_study(model, tok, *, n_items: int, lengths, ratios, at: float, rule: str, model_id: str,
-                       top: float, recompute: bool = False, progress: bool = True) -> ChunkLengths:
-    """The built-in items cut to each of `lengths` tokens per chunk, every rule and its ranking oracle at
-    `ratios` (kl_curves with --curve's settings: the longest length shares --curve's cached result)."""
+def chunk_length_study(model, tok, *, n_items: int, lengths, reference: int, ratios, at: float, rule: str,
+                       model_id: str, top: float, recompute: bool = False, progress: bool = True) -> ChunkLengths:
+    """The built-in items cut to `reference` and to each of `lengths` tokens per chunk, every rule and its
+    ranking oracle at `ratios` (kl_curves with --curve's settings: the reference shares --curve's result)."""
     rows = []
-    for n in sorted(lengths):
+    for n in sorted({*lengths, reference}):
         rags = built_in_inputs(tok, n_items, n)
         c = kl_curves(model, tok, rags, ratios=ratios, at=at, rules=RULE_NAMES,
                       ranked=(rule, *(r for r in RULE_NAMES if r != rule)), model_id=model_id,
                       recompute=recompute, progress=progress, name="blend-smollm2-curve")
-        rows.append(ChunkLength(n, c.items[0]["n_context"], decompose(c, rule, f"built-in items, {n}-token chunks"),
-                                deviation_top_share(c, top)))
-    return ChunkLengths(rule, at, top, rows)
+        rows.append(ChunkLength(n, c.items[0]["n_context"], len(c.items[0]["chunk_lens"]),
+                                decompose(c, rule, f"built-in items, {n}-token chunks"), deviation_top_share(c, top)))
+    return ChunkLengths(rule, at, top, reference, rows)
 
 
 # ------------------------------------------------------------------------------------ a rule whose count adapts
