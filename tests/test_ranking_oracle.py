@@ -152,3 +152,61 @@ def test_flat_ratio_for_matches_the_mean_recomputed_share():
         got = sum(br.flat_share(n, r, L) for n in sizes) / len(sizes)
         assert abs(got - share) <= 1 / min(sizes)  # one token's step at most
     assert br.flat_share(100, 0.15, L) == pytest.approx((100 + 29 * 15) / 3000)
+
+
+# ------------------------------------------------------------------------------------ 04's verdicts on them
+@pytest.fixture(scope="module")
+def cb():
+    import importlib
+    return importlib.import_module("04_cacheblend")
+
+
+def page_of(tables_fn, tmp_path, monkeypatch):
+    from common.present import Page
+    monkeypatch.setenv("L27_FIGURES", str(tmp_path))
+    page = Page("04_smollm2", "test", "§5", plot=False)
+    tables_fn(page)
+    return page
+
+
+@pytest.mark.parametrize("rule_kl,ranking,patch,word", [
+    (0.12, 0.055, 0.029, "ranking dominates"),     # a rule far from its ranking oracle (the six passages)
+    (0.030, 0.025, 0.011, "recompute dominates"),  # the ranking oracle far from the patch oracle
+    (0.084, 0.118, 0.087, "at or past the patch oracle"),
+    (0.050, 0.060, 0.020, "gains nothing"),
+    (0.050, 0.020, 0.021, "whole distance is the ranking's")])
+def test_split_verdict_says_what_the_numbers_say(cb, tmp_path, monkeypatch, rule_kl, ranking, patch, word):
+    from types import SimpleNamespace
+    d = decomposition({0.05: 0.3, 0.15: rule_kl}, {0.05: 0.2, 0.15: ranking}, {0.05: 0.1, 0.15: patch})
+    page = page_of(lambda p: cb.present_real_split(SimpleNamespace(split=d, study={"at": 0.15}), p), tmp_path,
+                   monkeypatch)
+    (t,) = page.tables
+    assert word in t.notes[0]
+    assert page.json()["real_dominant15"] == d.dominant(0.15)
+    assert [row.cells[-1] for row in t.rows] == [d.dominant(0.05), d.dominant(0.15)]
+    big = max(d.ranking_part(0.15), d.recompute_part(0.15))
+    assert d.dominant(0.15) == ("ranking" if big == d.ranking_part(0.15) else "recompute")
+
+
+def test_chunk_notes_say_enough_only_where_the_ratio_matches(cb):
+    import blend_real as br
+    long = br.ChunkLength(256, 1539, 6, decomposition({0.05: 0.3, 0.15: 0.084, 0.3: 0.07}, {}, {}), 0.57)
+    mid = br.ChunkLength(128, 771, 6, decomposition({0.05: 0.25, 0.15: 0.057, 0.3: 0.036}, {}, {}), 0.55)
+    short = br.ChunkLength(64, 387, 6, decomposition({0.05: 0.1, 0.15: 0.086, 0.3: 0.075}, {}, {}), 0.45)
+    notes = cb.chunk_notes(br.ChunkLengths("flat", 0.15, 0.15, 256, [short, mid, long]))
+    assert len(notes) == 2
+    assert "15% is not enough: flat needs 30%" in notes[0] and "more spread" in notes[0]
+    assert "15% is enough" in notes[1] and "no more spread" not in notes[0]
+
+
+def test_adaptive_table_marks_the_closer_rule(cb, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import blend_real as br
+    rows = [br.Matched(0.5, 0.15, (0.14, 0.16), 0.068, 0.12, 0.156, 0.032),
+            br.Matched(0.7, 0.23, (0.22, 0.23), 0.020, 0.19, 0.226, 0.029)]
+    d = decomposition({0.15: 0.12}, {0.15: 0.055}, {0.15: 0.029})
+    r = SimpleNamespace(adaptive=br.RuleComparison("test", 1, 0.05, rows), split=d, study={"at": 0.15})
+    (t,) = page_of(lambda p: cb.present_adaptive(r, p), tmp_path, monkeypatch).tables
+    assert [row.cells[-1] for row in t.rows] == ["flat", "adaptive"]
+    assert "at 1 of 2 matched shares" in t.notes[0]

@@ -1129,7 +1129,9 @@ def split_verdict(d: br.Decomposition, at: float) -> str:
     head = (f"at {at:.0%}: {d.rule} {d.rule_kl[at]:.4f}, its ranking oracle {d.ranking[at]:.4f}, the patch oracle "
             f"{d.patch[at]:.4f}: ")
     if gap <= 0:
-        return head + f"{d.rule} is at or past the patch oracle for these inputs; neither part is left."
+        return head + f"{d.rule} is at or past the patch oracle for these inputs; neither part is left" + (
+            "; the true ranking is further from full prefill than the rule's: here the tokens that deviate most are "
+            "not the ones the answer needs most." if rank < 0 else ".")
     if rank <= 0:
         return head + ("the true ranking gains nothing over the rule's for these inputs: the whole distance is the "
                        "recompute's (recomputed tokens attend to neighbours that kept their stale K, V).")
