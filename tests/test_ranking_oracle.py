@@ -8,17 +8,10 @@ import torch
 
 import blend_rules as rules
 import blend_world as bw
-from test_blend import TOL, untrained
+import test_blend
 
-
-@pytest.fixture(scope="module")
-def model():
-    return untrained()
-
-
-@pytest.fixture(scope="module")
-def rec():
-    return bw.heldout(8)
+TOL = test_blend.TOL
+model, rec = test_blend.model, test_blend.rec  # fixtures: the untrained model, 8 documents
 
 
 def true_deviation(model, rec, chunk_len):
