@@ -185,7 +185,7 @@ def test_chunk_notes_say_enough_only_where_the_ratio_matches(cb):
     import blend_real as br
     long = br.ChunkLength(256, 1539, 6, decomposition({0.05: 0.3, 0.15: 0.084, 0.3: 0.07}, {}, {}), 0.57)
     mid = br.ChunkLength(128, 771, 6, decomposition({0.05: 0.25, 0.15: 0.057, 0.3: 0.036}, {}, {}), 0.55)
-    short = br.ChunkLength(64, 387, 6, decomposition({0.05: 0.1, 0.15: 0.086, 0.3: 0.075}, {}, {}), 0.45)
+    short = br.ChunkLength(64, 387, 6, decomposition({0.05: 0.1, 0.15: 0.086, 0.3: 0.075}, {}, {0.15: 0.082}), 0.45)
     notes = cb.chunk_notes(br.ChunkLengths("flat", 0.15, 0.15, 256, [short, mid, long]))
     assert len(notes) == 2
     assert "15% is not enough: flat needs 30%" in notes[0] and "more spread" in notes[0]
@@ -202,4 +202,7 @@ def test_adaptive_table_marks_the_closer_rule(cb, tmp_path, monkeypatch):
     r = SimpleNamespace(adaptive=br.RuleComparison("test", 1, 0.05, rows), split=d, study={"at": 0.15})
     (t,) = page_of(lambda p: cb.present_adaptive(r, p), tmp_path, monkeypatch).tables
     assert [row.cells[-1] for row in t.rows] == ["flat", "adaptive"]
-    assert "at 1 of 2 matched shares" in t.notes[0]
+    assert "at 1 of 2 matched shares" in t.notes[0] and "removes 71% of flat's distance" in t.notes[0]
+    past = decomposition({0.15: 0.084}, {0.15: 0.118}, {0.15: 0.087})
+    assert "no ranking has a gap to close" in cb.ranking_room(past, 0.15)
+    assert "removes none" in cb.ranking_room(decomposition({0.15: 0.05}, {0.15: 0.06}, {0.15: 0.02}), 0.15)
