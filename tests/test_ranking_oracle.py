@@ -199,10 +199,16 @@ def test_adaptive_table_marks_the_closer_rule(cb, tmp_path, monkeypatch):
     rows = [br.Matched(0.5, 0.15, (0.14, 0.16), 0.068, 0.12, 0.156, 0.032),
             br.Matched(0.7, 0.23, (0.22, 0.23), 0.020, 0.19, 0.226, 0.029)]
     d = decomposition({0.15: 0.12}, {0.15: 0.055}, {0.15: 0.029})
-    r = SimpleNamespace(adaptive=br.RuleComparison("test", 1, 0.05, rows), split=d, study={"at": 0.15})
+    check = br.Decomposition("test", "check-kv", 2, 1.0, {0.15: 0.096}, {0.15: 0.053}, {0.15: 0.029})
+    r = SimpleNamespace(adaptive=br.RuleComparison("test", 1, 0.05, rows), split=d, study={"at": 0.15},
+                        splits={"flat": d, "check-kv": check})
     (t,) = page_of(lambda p: cb.present_adaptive(r, p), tmp_path, monkeypatch).tables
     assert [row.cells[-1] for row in t.rows] == ["flat", "adaptive"]
-    assert "at 1 of 2 matched shares" in t.notes[0] and "removes 71% of flat's distance" in t.notes[0]
+    assert "at 1 of 2 matched shares" in t.notes[0] and "remove 71% of flat's distance" in t.notes[0]
+    assert "no rule measured gets there (closest: check-kv 0.0960" in t.notes[0]
+    good = br.Decomposition("test", "check-kv", 2, 1.0, {0.15: 0.05}, {0.15: 0.053}, {0.15: 0.029})
+    assert "check-kv gets there" in cb.ranking_room(d, 0.15, {"flat": d, "check-kv": good})
     past = decomposition({0.15: 0.084}, {0.15: 0.118}, {0.15: 0.087})
-    assert "no ranking has a gap to close" in cb.ranking_room(past, 0.15)
-    assert "removes none" in cb.ranking_room(decomposition({0.15: 0.05}, {0.15: 0.06}, {0.15: 0.02}), 0.15)
+    assert "no ranking has a gap to close" in cb.ranking_room(past, 0.15, {"flat": past})
+    none = decomposition({0.15: 0.05}, {0.15: 0.06}, {0.15: 0.02})
+    assert "removes none" in cb.ranking_room(none, 0.15, {"flat": none})
