@@ -125,6 +125,7 @@ def test_decomposition_splits_the_distance_to_the_patch_oracle():
     assert d.ratios == (0.15, 0.3)
     assert d.ranking_part(0.15) == pytest.approx(0.05) and d.recompute_part(0.15) == pytest.approx(0.1)
     assert d.dominant(0.15) == "recompute" and d.dominant(0.3) == "ranking"
+    assert decomposition({0.15: 0.08}, {0.15: 0.12}, {0.15: 0.09}).dominant(0.15) == "none"
     assert d.ranking_part(0.3) + d.recompute_part(0.3) == pytest.approx(d.rule_kl[0.3] - d.patch[0.3])
 
 
@@ -178,7 +179,8 @@ def test_split_verdict_says_what_the_numbers_say(cb, tmp_path, monkeypatch, rule
     assert page.json()["real_dominant15"] == d.dominant(0.15)
     assert [row.cells[-1] for row in t.rows] == [d.dominant(0.05), d.dominant(0.15)]
     big = max(d.ranking_part(0.15), d.recompute_part(0.15))
-    assert d.dominant(0.15) == ("ranking" if big == d.ranking_part(0.15) else "recompute")
+    assert d.dominant(0.15) == ("none" if rule_kl <= patch else "ranking" if big == d.ranking_part(0.15)
+                                else "recompute")
 
 
 def test_chunk_notes_say_enough_only_where_the_ratio_matches(cb):

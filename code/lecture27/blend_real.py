@@ -385,7 +385,10 @@ class Decomposition:
         return self.ranking[r] - self.patch[r]
 
     def dominant(self, r: float) -> str:
-        """"ranking" or "recompute": the larger part of the rule's distance to the patch oracle at r."""
+        """"ranking" or "recompute": the larger part of the rule's distance to the patch oracle at r;
+        "none" when the rule is at or past the patch oracle (no distance to split)."""
+        if self.rule_kl[r] <= self.patch[r]:
+            return "none"
         return "ranking" if self.ranking_part(r) > self.recompute_part(r) else "recompute"
 
 
