@@ -10,7 +10,7 @@ from common.present import Col, Row, Table
 
 # the command that would start vLLM with LMCache behind it: it needs a GPU and is never run here
 SERVE_COMMAND = ("LMCACHE_CONFIG_FILE=lmcache.yaml vllm serve meta-llama/Llama-3.1-8B-Instruct "
-                 "--enable-prefix-caching --block-size 16 "
+                 "--enable-prefix-caching "
                  "--kv-transfer-config '{\"kv_connector\":\"LMCacheConnectorV1\",\"kv_role\":\"kv_both\"}'")
 
 # (mechanism, where it is here, the setting that holds our value: (script, field[, another script, field]),
