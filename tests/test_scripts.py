@@ -102,3 +102,21 @@ def test_the_report_holds_every_table_figure_and_exercise(run, figures, tmp_path
         assert matplotlib.image.imread(io.BytesIO(base64.b64decode(data)), format="png").shape[1] > 100
     assert {int(n) for n in re.findall(r'<h3 class="exercise" id="ex(\d+)"', doc)} == set(range(1, 11))
     report_in_browser(path, tmp_path)
+
+
+SCRIPTS = sorted({script for script, _, _ in RUNS.values()})
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("bad", [("--json", "/proc/x.json"), ("L27_FIGURES", "/proc/nope"),
+                                 ("L27_FIGURES", "/etc/passwd")], ids=["json", "figures-unwritable", "figures-a-file"])
+def test_a_bad_output_path_is_refused_before_any_work(script, bad, cli_exit, monkeypatch):
+    """One line on stderr, exit 2, and nothing loaded or computed (the refusal comes with the parsing)."""
+    from common import checkpoints
+    flag, path = bad
+    if flag == "L27_FIGURES":
+        monkeypatch.setenv(flag, path)
+    events = len(checkpoints.EVENTS)
+    code, err = cli_exit(script, *((flag, path) if flag == "--json" else ()))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and path in err
+    assert len(checkpoints.EVENTS) == events
