@@ -127,6 +127,7 @@ def test_blend_real_item_curve_every_method_at_every_ratio():
     and the oracle get a KL at every ratio; at r = 1 every one of them is full prefill (KL 0), and the flat
     rule at r = 0 is full reuse. The greedy answers at `at` are those of the stacked (batched) decode."""
     import blend_real as br
+    import blend_rules
     import blend_world as bw
     m = random_model(50, 4)
     g = torch.Generator().manual_seed(7)
@@ -134,12 +135,12 @@ def test_blend_real_item_curve_every_method_at_every_ratio():
     rd = br.RagDoc(torch.randint(0, 50, (1, len(ids)), generator=g), torch.randint(0, 50, (1, 4), generator=g),
                    ids, None)
     out = br.item_curve(m, rd, ratios=(0.0, 0.3, 1.0), at=0.3, answer_tokens=4, kl_tokens=2)
-    for method in [*bw.RULES, "random", "oracle"]:
+    for method in [*blend_rules.RULES, "random", "oracle"]:
         assert set(out["kl_first"][method]) == set(out["kl_answer"][method]) == {"0", "0.3", "1"}
         assert out["kl_first"][method]["1"] == pytest.approx(0.0, abs=1e-6)
         assert out["kl_answer"][method]["1"] == pytest.approx(0.0, abs=1e-6)
     reuse = out["kl_first"]["full reuse"]["0"]
     assert reuse > 1e-4 and out["kl_first"]["flat"]["0"] == pytest.approx(reuse, rel=1e-4)
-    assert set(out["answers"]) == {"full prefill", "full reuse", *bw.RULES, "random", "oracle"}
+    assert set(out["answers"]) == {"full prefill", "full reuse", *blend_rules.RULES, "random", "oracle"}
     lg, c = m(rd.question, cache=bw.precompute_chunks(m, rd.doc, ids))
     assert out["answers"]["full reuse"] == br.greedy(m, lg[:, -1], c, 4)[0]

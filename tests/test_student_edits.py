@@ -30,31 +30,40 @@ def ledger01():
     return script("01_kv_ledger")
 
 
+def handout_beside(page, label):
+    """The handout column of the row labelled `label` (a Ref, or "-" when the run's inputs are not its)."""
+    return next(r.handout for t in page.tables for r in t.rows if str(r.cells[0]).startswith(label))
+
+
 def test_01_context_scales_the_kv_and_blanks_the_handout(ledger01, tmp_path, capsys, monkeypatch):
     _, base = run(ledger01, tmp_path, capsys, "--no-plot")
     monkeypatch.setattr(ledger01, "CONTEXT", 64 * 1024)            # exercise 1 with a 64K context
-    out, edited = run(ledger01, tmp_path, capsys, "--no-plot")
-    assert edited["ex1_context_gb"] == pytest.approx(2 * base["ex1_context_gb"], rel=1e-12)
-    assert line_with(out, "KV of 65,536 tokens").split()[-1] == "-"
+    page = ledger01.main(["--no-plot"])
+    assert page.json()["ex1_context_gb"] == pytest.approx(2 * base["ex1_context_gb"], rel=1e-12)
+    assert handout_beside(page, "KV of 65,536 tokens") == "-"
+    assert handout_beside(page, "KV bytes per token").figure == "327,680 B = 320 KiB"   # per token: still 70B's
 
 
 def test_01_compression_lowers_the_threshold(ledger01, tmp_path, capsys, monkeypatch):
     _, base = run(ledger01, tmp_path, capsys, "--no-plot")
     monkeypatch.setattr(ledger01, "COMPRESSION", 6.0)               # exercise 2: twice the compression
-    out, edited = run(ledger01, tmp_path, capsys, "--no-plot")
+    page = ledger01.main(["--no-plot"])
+    edited = page.json()
     assert edited["ex2_threshold_gbit_per_s"] == pytest.approx(base["ex2_threshold_gbit_per_s"] / 2, rel=1e-12)
-    assert line_with(out, "break-even bandwidth (compressed)").split()[-1] == "-"
+    assert handout_beside(page, "break-even bandwidth (compressed)") == "-"
 
 
 def test_01_day_throughput_and_hit_rate(ledger01, tmp_path, capsys, monkeypatch):
     _, base = run(ledger01, tmp_path, capsys, "--no-plot")
     monkeypatch.setattr(ledger01, "DAY_TOKENS_PER_S", 2 * ledger01.DAY_TOKENS_PER_S)
     monkeypatch.setattr(ledger01, "HIT_RATE", 0.20)                 # twice the hits save twice the GPU time
-    out, edited = run(ledger01, tmp_path, capsys, "--no-plot")
+    page = ledger01.main(["--no-plot"])
+    edited = page.json()
     assert edited["gpu_day_tb"] == pytest.approx(2 * base["gpu_day_tb"], rel=1e-12)
     assert edited["slides_gross_savings_musd"] == pytest.approx(2 * base["slides_gross_savings_musd"], rel=1e-12)
-    assert line_with(out, "KV per day (decimal TB)").split()[-1] == "-"
-    assert line_with(out, "reading 1 (§1.3)").split()[-1] == "-"
+    assert handout_beside(page, "KV per day (decimal TB)") == "-"
+    assert handout_beside(page, "reading 1 (§1.3)") == "-"
+    assert handout_beside(page, "break-even hit rate (a hit saves").figure == "1.06%"   # needs no hit rate
 
 
 # ------------------------------------------------------------------------------------ 02
@@ -126,6 +135,48 @@ def test_02_sensitivity_coarser_steps_cost_accuracy():
     L = X.shape[2]
     assert all(sens[(layer, "K+V", 8.0)] <= sens[(layer, "K+V", 0.25)] for layer in range(L))
     assert min(sens[(layer, "K+V", 8.0)] for layer in range(L)) < min(sens[(layer, "K+V", 0.25)] for layer in range(L))
+
+
+# ------------------------------------------------------------------------------------ 03
+@pytest.fixture
+def streaming03():
+    return script("03_streaming")
+
+
+def test_03_a_longer_context_recomputes_longer_and_blanks_the_handout(streaming03, tmp_path, capsys, monkeypatch):
+    _, base = run(streaming03, tmp_path, capsys, "--no-real", "--no-plot")
+    monkeypatch.setattr(streaming03, "CONTEXT", 24 * 1024)          # §4.1 with a 24K-token context
+    out, edited = run(streaming03, tmp_path, capsys, "--no-real", "--no-plot")
+    assert edited["llama31_70b_12k_recompute_s"] > 2 * base["llama31_70b_12k_recompute_s"]   # attention grows too
+    assert edited["setup"]["context"] == 24 * 1024 and len(edited["trace_choices"]) == 16
+    assert line_with(out, "recompute the context, s").split()[-1] == "-"
+    assert "handout: text wins at low bandwidth" not in out
+
+
+def test_03_a_slow_steady_link_leaves_the_finest_level(streaming03, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(streaming03, "STEADY_GBPS", 0.5)            # level0 alone would take 6.5 s of a 4 s SLO
+    out, edited = run(streaming03, tmp_path, capsys, "--no-real", "--no-plot")
+    assert edited["steady25_choices"] != ["level0"] * 8
+    assert "Steady 0.5 Gb/s:" in out and "the finest level throughout" not in out
+
+
+def test_03_half_efficiency_tokens_slows_small_recompute_batches(streaming03, tmp_path, capsys, monkeypatch):
+    _, base = run(streaming03, tmp_path, capsys, "--no-real", "--no-plot")
+    monkeypatch.setattr(streaming03, "HALF_EFFICIENCY_TOKENS", 1024)
+    _, edited = run(streaming03, tmp_path, capsys, "--no-real", "--no-plot")
+    assert edited["setup"]["half_tokens"] == 1024
+    small, large = (edited["chunk_sizes"][k]["all_text_ttft_s"] / base["chunk_sizes"][k]["all_text_ttft_s"]
+                    for k in ("512", "6144"))
+    assert small > large > 1                                       # the smaller the batch, the more it costs
+
+
+def test_03_chunk_sizes_and_slo(streaming03, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(streaming03, "CHUNK_SIZES", [768, 3072])
+    monkeypatch.setattr(streaming03, "SLO", 3.0)
+    out, edited = run(streaming03, tmp_path, capsys, "--no-real", "--no-plot")
+    assert set(edited["chunk_sizes"]) == {"768", "3072"} and edited["setup"]["slo_s"] == 3.0
+    assert all(c["slo_met"] == (c["ttft_s"] <= 3.0) for c in edited["chunk_sizes"].values())
+    assert "SLO 3 s" in line_with(out, "policy ")
 
 
 # ------------------------------------------------------------------------------------ 04
@@ -201,21 +252,22 @@ def tiers05():
 def test_05_more_documents_than_the_cache_holds(tiers05, tmp_path, capsys, monkeypatch):
     _, base = run(tiers05, tmp_path, capsys, "--no-plot", "--users", "20")
     monkeypatch.setattr(tiers05, "DOCS", 20)                        # 20 x 4096 tokens x 128 KiB > 9 GB
-    out, edited = run(tiers05, tmp_path, capsys, "--no-plot", "--users", "20")
-    assert edited["hinted_doc_hit_rate"] < base["hinted_doc_hit_rate"]
-    assert line_with(out, "LRU (sees only tokens)").split()[-1] == "-"
-    assert line_with(out, 'hinted ("will be reused")').split()[-1] == "-"
+    page = tiers05.main(["--no-plot", "--users", "20"])
+    assert page.json()["hinted_doc_hit_rate"] < base["hinted_doc_hit_rate"]
+    assert handout_beside(page, "LRU (sees only tokens)") == "-"
+    assert handout_beside(page, 'hinted ("will be reused")') == "-"
 
 
 def test_05_slower_cpu_tier_and_another_model(tiers05, tmp_path, capsys, monkeypatch):
     _, base = run(tiers05, tmp_path, capsys, "--no-plot")
     monkeypatch.setattr(tiers05, "CPU_SLOW_GBPS", 5.0)              # an even slower copy path (pitfall 7)
-    out, edited = run(tiers05, tmp_path, capsys, "--no-plot")
+    page = tiers05.main(["--no-plot"])
+    edited = page.json()
     assert edited["configs"]["cpu_slow"]["mean_ttft_s"] > base["configs"]["cpu_slow"]["mean_ttft_s"]
     assert edited["cpu_fast_vs_slow_ttft_ratio"] > base["cpu_fast_vs_slow_ttft_ratio"]
-    assert "(handout: -, pitfall 7)" in out
+    assert tiers05.HANDOUT("slow_vs_fast", page.settings) is None
     monkeypatch.setattr(tiers05, "MODEL", "llama-3.1-8b")
     monkeypatch.setattr(tiers05, "HANDOFF_MODEL", "llama-3.1-8b")
-    out, _ = run(tiers05, tmp_path, capsys, "--no-plot", "--users", "20")
-    assert "LLaMA-3.1-8B on one H100" in out and "LLaMA-3-8B" not in out
-    assert "tokens of LLaMA-3.1-8B KV" in out and "handout: -)" in out
+    page = tiers05.main(["--no-plot", "--users", "20"])
+    assert page.settings.model == page.settings.handoff_model == "llama-3.1-8b"
+    assert all(tiers05.HANDOUT(k, page.settings) is None for k in ("handoff_gb", "all_kv_gb", "lru", "hinted"))

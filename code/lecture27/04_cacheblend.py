@@ -46,7 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+import blend_rules  # noqa: E402
 import blend_world as bw  # noqa: E402
+import record_trainer as rt  # noqa: E402
 from common import timemodel as tm  # noqa: E402
 from common.checkpoints import TrainingFailed  # noqa: E402
 from common.llama import KVCache, idle_threads, kl_divergence, shift_kv, single_thread  # noqa: E402
@@ -191,7 +193,7 @@ def methods(model, rec, chunk_len: int, ratio: float, seed: int, pre=None) -> di
             "full reuse": bw.answer_correct(bw.full_reuse(model, rec, chunk_len, pre), rec),
             f"CacheBlend {ratio:.0%}": bw.answer_correct(bw.blend(model, rec, chunk_len, ratio, pre=pre), rec),
             f"random {ratio:.0%}": bw.answer_correct(
-                bw.blend(model, rec, chunk_len, ratio, select="random", generator=g, pre=pre), rec)}
+                bw.blend(model, rec, chunk_len, ratio, rule=blend_rules.Random(g), pre=pre), rec)}
 
 
 def acc_or_none(correct, mask):
@@ -247,7 +249,8 @@ def curve(model, rec, seed: int, ratios, chunk_lens, pre: dict | None = None) ->
         for how in ("deviation", "random"):
             g = torch.Generator().manual_seed(seed + 7)
             out[(c, how)] = [acc_or_none(bw.answer_correct(
-                bw.blend(model, rec, c, r, select=how, generator=g, pre=pre_c), rec), split) for r in ratios]
+                bw.blend(model, rec, c, r, rule=blend_rules.Random(g) if how == "random" else bw.PROGRESSIVE,
+                         pre=pre_c), rec), split) for r in ratios]
     return out
 
 
@@ -369,7 +372,7 @@ def real_model_part(a) -> dict:
                    for i in range(1, L - 1)]
     res["model_name"], res["n_layers"] = path.stem, L
     try:  # the toy model's figures beside the real one's (the cached record-world model, 200 documents)
-        toy, _ = bw.record_model()
+        toy, _ = rt.record_model()
         found = insights(toy, bw.heldout(200), CHUNK_LEN, RATIO, 0)
         res["toy"] = {"top15": found["top15_deviation_share"], "corr": found["adjacent_layer_rank_corr"]}
     except TrainingFailed:
@@ -514,7 +517,7 @@ def part1() -> dict:
 
 def record_model_or_exit(a):
     try:
-        return bw.record_model(a.retrain, a.seed, locality=a.locality)
+        return rt.record_model(a.retrain, a.seed, locality=a.locality)
     except TrainingFailed as e:
         print(f"\n!!! {e}\n", file=sys.stderr)
         sys.exit(1)
@@ -539,7 +542,7 @@ def part3(model, p2, a) -> dict:
     ratios = sorted(set(CURVE_RATIOS) | {a.ratio})
     accuracy_curve = curve(model, p2["rec"], a.seed, ratios, CURVE_CHUNK_LENS, pre={a.chunk_len: p2["pre"]})
     return {"insights": insights(model, p2["rec"], a.chunk_len, a.ratio, a.seed, p2["pre"]), "curve": accuracy_curve,
-            "ratios": ratios, "elsewhere": bw.doc_attention_elsewhere(model, p2["rec"]),
+            "ratios": ratios, "elsewhere": rt.doc_attention_elsewhere(model, p2["rec"]),
             "blend_at_ratio": {c: accuracy_curve[(c, "deviation")][ratios.index(a.ratio)] for c in CURVE_CHUNK_LENS},
             "ex7": [exercise7(m, g, RAG_CHUNKS * RAG_CHUNK_TOKENS) for m, g in SYSTEMS]}
 
@@ -773,7 +776,7 @@ def run_record_world(a) -> dict:
     print_part1(city)
     model, meta = record_model_or_exit(a)
     print_record_model(meta)
-    bw.plot_training(meta, figure_path("04_record_world_training.png"))
+    rt.plot_training(meta, figure_path("04_record_world_training.png"))
     p2 = part2(model, a)
     print_part2(p2, a)
     p3 = part3(model, p2, a)
@@ -873,14 +876,14 @@ def parse(argv):
     p.add_argument("--read-ms", type=positive_float, default=EX8_READ_MS, help="exercise 8: read one layer's KV (ms)")
     p.add_argument("--prefill-ms", type=positive_float, default=EX8_PREFILL_MS, help="exercise 8: prefill one layer (ms)")
     p.add_argument("--retrain", action="store_true", help="train the record-world model again")
-    p.add_argument("--seed", type=int, default=bw.SEED, help="training seed of the record-world model")
-    p.add_argument("--locality", type=nonneg_float, default=bw.LOCALITY,
+    p.add_argument("--seed", type=int, default=rt.SEED, help="training seed of the record-world model")
+    p.add_argument("--locality", type=nonneg_float, default=rt.LOCALITY,
                    help="weight of the record model's locality penalty (0: none; see blend_world.TRAIN)")
     p.add_argument("--model", choices=["record", "smollm2"], default="record",
                    help="record: Parts 1-4 (toy models, time model); smollm2: Part 5 on SmolLM2-135M")
     p.add_argument("--gguf", metavar="PATH", help="with --model smollm2: another LLaMA GGUF file")
     p.add_argument("--items", type=positive_int, default=REAL_ITEMS, help="with --model smollm2: RAG items (max 8)")
-    p.add_argument("--rule", choices=list(bw.RULES), default=REAL_RULE,
+    p.add_argument("--rule", choices=list(blend_rules.RULES), default=REAL_RULE,
                    help="with --model smollm2: blend()'s selection rule reported as CacheBlend (JSON real_kl_blend15)")
     p.add_argument("--passages", metavar="FILE",
                    help='with --model smollm2: your own inputs, JSON [{"question": str, "passages": [str, ...], '

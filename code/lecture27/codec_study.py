@@ -23,6 +23,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import blend_world as bw  # noqa: E402
 import kvcache as kv  # noqa: E402
+import record_trainer as rt  # noqa: E402
 from common.checkpoints import cached_result  # noqa: E402
 from common.llama import KVCache, single_thread  # noqa: E402
 
@@ -179,7 +180,7 @@ def record_world() -> dict:
     """The record-world model of blend_world.py and its documents, as the codec study uses them:
     {"model", "ident" (the checkpoint's identity), "docs": docs(n, seed) -> (contexts (n, 24),
     questions (n, 24): "? k" for all 12 records, answers (n, 12), slots: the 12 key positions)}."""
-    model, meta = bw.record_model()
+    model, meta = rt.record_model()
     slots = bw.answer_slots(bw.N_RECORDS).numpy()
 
     def docs(n, seed):
