@@ -493,12 +493,12 @@ def _greedy(setup: Setup, trace: Trace, parallel: bool) -> list[str]:
 
 def oracle(setup: Setup, trace: Trace, slo_s: float, parallel: bool = True) -> Result:
     """The best configurations knowing the trace in advance (outcome_key). A few simple schedules first
-    (every fixed policy, _greedy, the adaptive policy's choices); if none meets the SLO, also the earliest schedule of all (searched
-    by the two clocks alone, a much smaller search). If one of them meets the SLO, the search keeps only
-    what can beat it on time; else the best schedule is among those that arrive as early as the
-    earliest. A schedule's TTFT is the later of its two clocks."""
-    guesses = [[o.name] * len(setup.plan) for o in setup.options] + [_greedy(setup, trace, parallel),
-                                                                     adaptive(setup, trace, slo_s, parallel=parallel).choices]
+    (every fixed policy, _greedy, the adaptive policy's choices); if none meets the SLO, also the earliest
+    schedule of all (searched by the two clocks alone, a much smaller search). If one of them meets the
+    SLO, the search keeps only what can beat it on time; else the best schedule is among those that
+    arrive as early as the earliest. A schedule's TTFT is the later of its two clocks."""
+    guesses = [[o.name] * len(setup.plan) for o in setup.options]
+    guesses += [_greedy(setup, trace, parallel), adaptive(setup, trace, slo_s, parallel=parallel).choices]
     by_key = lambda r: outcome_key(r, slo_s)  # noqa: E731
     simple = min((replay(setup, trace, g, "oracle", parallel) for g in guesses), key=by_key)
     if simple.ttft_s > slo_s + 1e-12:
