@@ -75,13 +75,13 @@ def test_batch_slowdown():
     assert s == sorted(s, reverse=True) and s[0] > 1.3
     # recomputing a context chunk by chunk costs more than in one batch, more for smaller chunks
     whole = tm.prefill_time("llama-3.1-70b", "A100-80GB", 12 * 1024, 0, 4)
-    text = [st.fixed(setup(c), st.Trace.steady(100), "text").gpu_s for c in (512, 1536, 6144)]
+    text = [st.fixed(setup(c), st.Trace.steady(100), "text", parallel=True).gpu_s for c in (512, 1536, 6144)]
     assert whole < text[2] < text[1] < text[0]
 
 
 def test_replay_times_add_up():
     s = setup()
-    r10, r100 = (st.fixed(s, st.Trace.steady(g), "text") for g in (10, 100))
+    r10, r100 = (st.fixed(s, st.Trace.steady(g), "text", parallel=True) for g in (10, 100))
     # the link only carries token ids (32 bits each), the next chunk's while the GPU recomputes: only the first
     # chunk's 1,536 ids come before a recompute (4.9 us at 10 Gb/s, 0.5 us at 100)
     assert r10.ttft_s - r100.ttft_s == pytest.approx(1536 * 32 * (1 / 10e9 - 1 / 100e9), rel=1e-6)
@@ -115,23 +115,23 @@ def test_never_picks_a_config_that_misses_when_a_cheaper_one_fits(est, budget, i
 @pytest.mark.parametrize("gbps", [25, 100])
 def test_steady_fast_link_gives_the_finest_level(gbps):
     for chunk in (512, 1536, 3072):
-        r = st.adaptive(setup(chunk), st.Trace.steady(gbps), 4.0)
+        r = st.adaptive(setup(chunk), st.Trace.steady(gbps), 4.0, parallel=True)
         assert set(r.choices) == {"level0"}
 
 
 def test_dead_link_falls_back_to_text():
-    r = st.adaptive(setup(), st.Trace.steady(0.001), 4.0)
+    r = st.adaptive(setup(), st.Trace.steady(0.001), 4.0, parallel=True)
     assert set(r.choices) == {"text"}
     # a link that collapses mid-stream: once a chunk has measured the collapse, everything after is text
     tr = st.Trace((0.0, 0.2), (10.0, 0.001))
-    r = st.adaptive(setup(), tr, 4.0)
+    r = st.adaptive(setup(), tr, 4.0, parallel=True)
     slow = next(i for i, row in enumerate(r.rows) if row["measured_gbps"] is not None and row["measured_gbps"] < 0.01)
     assert r.choices[0] == "level0" and set(r.choices[slow + 1:]) == {"text"}
 
 
 def test_handout_trace_mechanism():
     """The adaptive policy on §4.2's trace: finest first, and once the drop is measured it leaves level 0."""
-    r = st.adaptive(setup(), HANDOUT_TRACE, 4.0)
+    r = st.adaptive(setup(), HANDOUT_TRACE, 4.0, parallel=True)
     assert r.choices[:2] == ["level0", "level0"]
     after_drop = [c for row, c in zip(r.rows, r.choices) if row["est_gbps"] < 1.5]   # the drop measured
     assert after_drop and "level0" not in after_drop
@@ -164,8 +164,8 @@ def test_gives_up_a_kv_chunk_when_the_link_collapses_mid_transfer():
     (give_up=False) misses the SLO that always-text meets."""
     s = setup()
     tr = st.Trace((0.0, 0.05, 60.0), (10.0, 0.02, 10.0))
-    r = st.adaptive(s, tr, 4.0)
-    assert st.fixed(s, tr, "text").ttft_s <= 4.0 and r.ttft_s <= 4.0
+    r = st.adaptive(s, tr, 4.0, parallel=True)
+    assert st.fixed(s, tr, "text", parallel=True).ttft_s <= 4.0 and r.ttft_s <= 4.0
     k = next(i for i, row in enumerate(r.rows) if row["gave_up"])
     row = r.rows[k]
     assert row["gave_up"] == "level0" and row["choice"] == "text"
@@ -173,7 +173,7 @@ def test_gives_up_a_kv_chunk_when_the_link_collapses_mid_transfer():
     rest = sum(tm.prefill_time("llama-3.1-70b", "A100-80GB", 1536, f, 4) for f in range(1536 * k, 12_288, 1536))
     deadline = 4.0 - rest * 1.0721649 - (12_288 - 1536 * k) * 32 / 0.01e9
     assert row["finish"] - row["gpu_s"] == pytest.approx(deadline + 1536 * 32 / 0.02e9, rel=1e-4)
-    assert st.adaptive(s, tr, 4.0, give_up=False).ttft_s > 4.0
+    assert st.adaptive(s, tr, 4.0, give_up=False, parallel=True).ttft_s > 4.0
 
 
 traces_above_floor = st_.lists(st_.tuples(st_.floats(0.05, 2.0), st_.floats(0.02, 40.0)), min_size=0,
@@ -190,7 +190,7 @@ def test_meets_the_slo_whenever_always_text_does(trace, slo, levels, parallel):
     which the link fell below half the rate the chunk was started with. In either model."""
     s = setup(levels=levels)
     r = st.adaptive(s, trace, slo, parallel=parallel)
-    if st.fixed(s, trace, "text", parallel).ttft_s <= slo and r.ttft_s > slo + 1e-9:
+    if st.fixed(s, trace, "text", parallel=parallel).ttft_s <= slo and r.ttft_s > slo + 1e-9:
         def fell(row):
             rates = [trace.rate_at(row["start"])] + [g for t, g in zip(trace.times, trace.gbps)
                                                        if row["start"] <= t < row["finish"]]
@@ -242,7 +242,7 @@ def test_the_promise_on_a_small_suite(levels, context, parallel):
 def test_suite_summary_by_hand():
     s = setup(chunk=6144)
     fast, slow = st.Trace.steady(100), st.Trace.steady(0.5)
-    res = [st.fixed(s, tr, "level0") for tr in (fast, slow)]   # 4.8 bits x 163,840 x 12,288 = 9.66 Gb
+    res = [st.fixed(s, tr, "level0", parallel=True) for tr in (fast, slow)]   # 4.8 bits x 163,840 x 12,288 = 9.66 Gb
     assert res[0].ttft_s == pytest.approx(0.0966368, rel=1e-5) and res[1].ttft_s == pytest.approx(19.32736, rel=1e-5)
     m = st.suite_summary(res, 4.0)
     assert m["violation_rate"] == 0.5 and m["mean_ttft_s"] == pytest.approx((0.0966368 + 19.32736) / 2, rel=1e-5)
@@ -264,7 +264,7 @@ def brute_force(s, trace, slo, parallel=True):
 def test_oracle_matches_brute_force(slo, parallel):
     s = setup(chunk=3072)                                  # 4 chunks x 5 options = 625 schedules
     for trace in (HANDOUT_TRACE, st.Trace((0.0, 0.5, 1.0), (2.0, 20.0, 0.5))):
-        o, b = st.oracle(s, trace, slo, parallel), brute_force(s, trace, slo, parallel)
+        o, b = st.oracle(s, trace, slo, parallel=parallel), brute_force(s, trace, slo, parallel)
         assert st.outcome_key(o, slo) == st.outcome_key(b, slo)
 
 
@@ -277,9 +277,9 @@ traces = st_.lists(st_.tuples(st_.floats(0.05, 2.0), st_.floats(0.0, 40.0)), min
 @given(traces, st_.floats(0.5, 8.0), st_.sampled_from([1536, 3072]), st_.booleans())
 def test_oracle_never_worse_than_any_policy(trace, slo, chunk, parallel):
     s = setup(chunk)
-    key = st.outcome_key(st.oracle(s, trace, slo, parallel), slo)
-    for r in (st.adaptive(s, trace, slo, parallel=parallel), st.fixed(s, trace, "level0", parallel),
-              st.fixed(s, trace, "text", parallel), st.fixed(s, trace, "level3", parallel)):
+    key = st.outcome_key(st.oracle(s, trace, slo, parallel=parallel), slo)
+    for r in (st.adaptive(s, trace, slo, parallel=parallel), st.fixed(s, trace, "level0", parallel=parallel),
+              st.fixed(s, trace, "text", parallel=parallel), st.fixed(s, trace, "level3", parallel=parallel)):
         assert key <= st.outcome_key(r, slo)
 
 
@@ -329,7 +329,7 @@ def test_small_levels_arrive_before_the_drop_and_the_explanation_says_so():
     assert 0.1 < b < 1 and w.slowest_gbps == 1.0
     s = setup(levels=SMALL_LEVELS)
     for g, better in ((b * 0.9, "text"), (b * 1.1, "level3")):
-        t = {n: st.fixed(s, st.Trace.steady(g), n).ttft_s for n in ("text", "level3")}
+        t = {n: st.fixed(s, st.Trace.steady(g), n, parallel=True).ttft_s for n in ("text", "level3")}
         assert min(t, key=t.get) == better
 
 

@@ -31,13 +31,13 @@ def test_two_chunks_the_first_as_text(gbps, by_hand):
     s = setup(context=3072)
     trace = st.Trace.steady(gbps)
     assert RC0 == pytest.approx(0.3631603012, rel=1e-9)
-    text, kv = st.replay(s, trace, ["text", "level0"]).rows
+    text, kv = st.replay(s, trace, ["text", "level0"], parallel=True).rows
     ids_s, kv_s = IDS_BITS / (gbps * 1e9), L0_BITS / (gbps * 1e9)
     assert text["link_end"] == text["gpu_start"] == pytest.approx(ids_s, rel=1e-12)
     assert kv["start"] == text["gpu_start"] < text["finish"]
     assert text["finish"] == pytest.approx(ids_s + RC0, rel=1e-12) and text["gpu_s"] == pytest.approx(RC0)
     assert kv["finish"] == pytest.approx(ids_s + kv_s, rel=1e-12) and kv["gpu_s"] == 0
-    r = st.replay(s, trace, ["text", "level0"])
+    r = st.replay(s, trace, ["text", "level0"], parallel=True)
     assert r.ttft_s == pytest.approx(by_hand, rel=1e-9) == max(ids_s + RC0, ids_s + kv_s)
     serial = st.replay(s, trace, ["text", "level0"], parallel=False)
     assert serial.rows[1]["start"] == serial.rows[0]["finish"]          # serially it waits for the recompute
@@ -78,7 +78,7 @@ def test_the_two_resources(trace, names):
     the GPU recomputes text chunks in order, each once its ids are in and the recompute before it is
     done; TTFT is the last chunk ready. The serial model runs the same choices no faster."""
     s = setup()
-    r = st.replay(s, trace, names)
+    r = st.replay(s, trace, names, parallel=True)
     gpu_free = 0.0
     for k, row in enumerate(r.rows):
         assert row["start"] == (r.rows[k - 1]["link_end"] if k else 0.0)
@@ -101,7 +101,7 @@ def test_the_burst_is_used_during_the_recompute():
     fetched during that recompute, in the burst, and the SLO is met."""
     s = setup(context=48 * 1024, levels=RECORD_SIZE_LEVELS)
     par, ser = (st.adaptive(s, BURST_TRACE, 4.0, parallel=p) for p in (True, False))
-    assert st.fixed(s, BURST_TRACE, "level0").ttft_s <= 4.0 < ser.ttft_s
+    assert st.fixed(s, BURST_TRACE, "level0", parallel=True).ttft_s <= 4.0 < ser.ttft_s
     assert par.ttft_s <= 4.0
     k = par.choices.index("text")
     text, after = par.rows[k], par.rows[k + 1]
@@ -118,7 +118,7 @@ def test_a_recovery_is_seen_while_the_gpu_recomputes():
     the GPU still recomputes; without the probe the text chunks queue up on the stale estimate."""
     s = setup(levels=REAL_SIZE_LEVELS)
     tr = st.Trace((0.0, 0.2, 1.7), (10.0, 0.3, 20.0))
-    r = st.adaptive(s, tr, 4.0)
+    r = st.adaptive(s, tr, 4.0, parallel=True)
     k = r.choices.index("text")
     given_up, nxt = r.rows[k], r.rows[k + 1]
     assert given_up["gave_up"] == "level0" and given_up["gpu_start"] < 1.7 < given_up["finish"]
@@ -126,7 +126,7 @@ def test_a_recovery_is_seen_while_the_gpu_recomputes():
     assert nxt["est_gbps"] == pytest.approx(20) and nxt["start"] < given_up["finish"]
     assert r.choices[k + 1:] == ["level0"] * (8 - k - 1) and r.text_tokens == 1536
     assert r.ttft_s < st.adaptive(s, tr, 4.0, parallel=False).ttft_s
-    queued = st.adaptive(s, tr, 4.0, probe=False)
+    queued = st.adaptive(s, tr, 4.0, probe=False, parallel=True)
     assert queued.text_tokens >= 4 * 1536 and queued.ttft_s > r.ttft_s + 1
 
 
@@ -150,7 +150,7 @@ def test_a_text_chunk_waits_for_the_gpu_in_the_prediction(levels):
 def test_oracle_is_the_best_schedule(trace, slo, levels, parallel):
     """Against every one of the 5^3 schedules of a 3-chunk context, in either model."""
     s = setup(chunk=2048, context=6144, levels=levels)
-    o, b = st.oracle(s, trace, slo, parallel), brute_force(s, trace, slo, parallel)
+    o, b = st.oracle(s, trace, slo, parallel=parallel), brute_force(s, trace, slo, parallel)
     assert st.outcome_key(o, slo) == st.outcome_key(b, slo)
 
 
@@ -163,7 +163,7 @@ def test_oracle_is_the_best_schedule_of_five_chunks(slo, levels):
     s = setup(chunk=1024, context=4 * 1024 + 512, levels=levels)
     for trace in (HANDOUT_TRACE, BURST_TRACE, st.Trace((0.0, 0.1, 0.6), (5.0, 0.05, 2.0)),
                   st.Trace((0.0, 0.3846441702059365), (0.05, 1.0))):
-        o, b = st.oracle(s, trace, slo), brute_force(s, trace, slo, True)
+        o, b = st.oracle(s, trace, slo, parallel=True), brute_force(s, trace, slo, True)
         assert st.outcome_key(o, slo) == st.outcome_key(b, slo)
 
 
@@ -171,6 +171,6 @@ def test_oracle_of_the_burst():
     """On the burst at 48K the oracle streams level0 throughout and meets the SLO; the parallel model cannot
     make the best schedule worse (it only lets work overlap)."""
     s = setup(context=48 * 1024, levels=RECORD_SIZE_LEVELS)
-    par, ser = (st.oracle(s, BURST_TRACE, 4.0, p) for p in (True, False))
+    par, ser = (st.oracle(s, BURST_TRACE, 4.0, parallel=p) for p in (True, False))
     assert par.choices == ["level0"] * 32 and par.ttft_s <= 4.0
     assert st.outcome_key(par, 4.0) <= st.outcome_key(ser, 4.0)

@@ -327,8 +327,9 @@ def policies(setup, trace, slo, parallel) -> dict:
     the GPU (streaming.advance)."""
     finest = setup.options[0].name
     return {"adaptive": st.adaptive(setup, trace, slo, parallel=parallel),
-            f"always {finest}": st.fixed(setup, trace, finest, parallel),
-            "always text": st.fixed(setup, trace, "text", parallel), "oracle": st.oracle(setup, trace, slo, parallel)}
+            f"always {finest}": st.fixed(setup, trace, finest, parallel=parallel),
+            "always text": st.fixed(setup, trace, "text", parallel=parallel),
+            "oracle": st.oracle(setup, trace, slo, parallel=parallel)}
 
 
 def setup_for(s: Settings, context, chunk_tokens, levels, lossless) -> st.Setup:
@@ -428,8 +429,8 @@ def part3(s: Settings, levels, lossless, trace) -> ChunkSizes:
         setup = setup_for(s, s.context, n, levels, lossless)
         ad = st.adaptive(setup, trace, s.slo, parallel=s.parallel)
         rows.append(ChunkSize(n, len(setup.plan), st.batch_slowdown(n, s.half_efficiency_tokens), ad,
-                              st.oracle(setup, trace, s.slo, s.parallel),
-                              st.fixed(setup, trace, "text", s.parallel).ttft_s,
+                              st.oracle(setup, trace, s.slo, parallel=s.parallel),
+                              st.fixed(setup, trace, "text", parallel=s.parallel).ttft_s,
                               max(r["finish"] - r["predicted"] for r in ad.rows)))
     by_size, drop = sorted(rows, key=lambda c: c.chunk_tokens), first_drop(trace)
     return ChunkSizes(rows, by_size[0].text_ttft_s > by_size[-1].text_ttft_s * 1.001,
@@ -463,7 +464,7 @@ class Suite:
 
 def suite_runs(s: Settings, setup, traces, parallel) -> tuple[dict, dict]:
     """({policy: [st.Result per trace]}, {policy: suite_summary + p95 TTFT}) in one model."""
-    runs = st.run_suite(setup, traces, s.slo, SUITE_SHOWN, parallel)
+    runs = st.run_suite(setup, traces, s.slo, SUITE_SHOWN, parallel=parallel)
     return runs, {p: st.suite_summary(r, s.slo) | {"p95_ttft_s": st.ttft_percentile(r, 0.95)} for p, r in runs.items()}
 
 

@@ -13,7 +13,7 @@ suite_summary() give each policy's SLO-violation rate, TTFT and quality over the
 The simulation, in one paragraph. The context is cut into chunks; each chunk is fetched either as KV at
 one of the codec's levels (it occupies the link for bits / bandwidth) or as text (its token ids cross
 the link, then the GPU recomputes the chunk attending to the KV of every earlier chunk). The link and
-the GPU are two resources that work at once (parallel=True, the default): the link carries the chunks
+the GPU are two resources that work at once (parallel=True, 03's default): the link carries the chunks
 in order, one transfer at a time, and starts the next chunk as soon as the previous one's bits or token
 ids are across; the GPU recomputes the text chunks in order, each as soon as its token ids are in and
 the GPU is free. A text chunk needs only the chunks before it, and the link delivered those first, so
@@ -276,7 +276,7 @@ def _finish(res: Result, setup: Setup) -> Result:
     return res
 
 
-def replay(setup: Setup, trace: Trace, choices: list[str], policy="fixed", parallel: bool = True) -> Result:
+def replay(setup: Setup, trace: Trace, choices: list[str], policy="fixed", *, parallel: bool) -> Result:
     """Fetch the chunks in order with the given configurations (see advance() for when each starts)."""
     res, link, gpu = Result(policy), 0.0, 0.0
     for chunk, name in zip(setup.plan, choices):
@@ -316,7 +316,7 @@ PROBE_WINDOW_S = 0.01   # probe bytes are timed over windows this long: a change
 
 
 def adaptive(setup: Setup, trace: Trace, slo_s: float, first_est_gbps: float | None = None,
-             probe: bool = True, give_up: bool = True, parallel: bool = True) -> Result:
+             probe: bool = True, give_up: bool = True, *, parallel: bool) -> Result:
     """Chunk by chunk, as soon as the link is free: the throughput measured on the previous KV chunk is
     assumed to hold; each chunk gets its token share of the time left before the SLO, budget = (SLO -
     now) * n_chunk / n_left, i.e. "if every remaining chunk took this long, the context would arrive on
@@ -389,7 +389,7 @@ def adaptive(setup: Setup, trace: Trace, slo_s: float, first_est_gbps: float | N
     return _finish(res, setup)
 
 
-def fixed(setup: Setup, trace: Trace, name: str, parallel: bool = True) -> Result:
+def fixed(setup: Setup, trace: Trace, name: str, *, parallel: bool) -> Result:
     return replay(setup, trace, [name] * len(setup.plan), policy=f"always {name}", parallel=parallel)
 
 
@@ -491,7 +491,7 @@ def _greedy(setup: Setup, trace: Trace, parallel: bool) -> list[str]:
     return out
 
 
-def oracle(setup: Setup, trace: Trace, slo_s: float, parallel: bool = True) -> Result:
+def oracle(setup: Setup, trace: Trace, slo_s: float, *, parallel: bool) -> Result:
     """The best configurations knowing the trace in advance (outcome_key). A few simple schedules first
     (every fixed policy, _greedy, the adaptive policy's choices); if none meets the SLO, also the earliest
     schedule of all (searched by the two clocks alone, a much smaller search). If one of them meets the
@@ -500,10 +500,10 @@ def oracle(setup: Setup, trace: Trace, slo_s: float, parallel: bool = True) -> R
     guesses = [[o.name] * len(setup.plan) for o in setup.options]
     guesses += [_greedy(setup, trace, parallel), adaptive(setup, trace, slo_s, parallel=parallel).choices]
     by_key = lambda r: outcome_key(r, slo_s)  # noqa: E731
-    simple = min((replay(setup, trace, g, "oracle", parallel) for g in guesses), key=by_key)
+    simple = min((replay(setup, trace, g, "oracle", parallel=parallel) for g in guesses), key=by_key)
     if simple.ttft_s > slo_s + 1e-12:
         fastest = min(_schedules(setup, trace, simple.ttft_s, parallel, clocks_only=True), key=lambda s: max(s[:2]))
-        simple = min(simple, replay(setup, trace, list(fastest[4]), "oracle", parallel), key=by_key)
+        simple = min(simple, replay(setup, trace, list(fastest[4]), "oracle", parallel=parallel), key=by_key)
     on_time = simple.ttft_s <= slo_s + 1e-12
     states = _schedules(setup, trace, slo_s if on_time else simple.ttft_s, parallel, simple if on_time else None)
 
@@ -512,7 +512,7 @@ def oracle(setup: Setup, trace: Trace, slo_s: float, parallel: bool = True) -> R
         late = ttft > slo_s + 1e-12
         return (late, ttft if late else 0.0, s[2], round(s[3] / setup.context_tokens, 12), ttft)
     best = sorted(states, key=key)[:4]         # replayed, so that float sums in a different order cannot decide
-    return min([replay(setup, trace, list(s[4]), "oracle", parallel) for s in best] + [simple], key=by_key)
+    return min([replay(setup, trace, list(s[4]), "oracle", parallel=parallel) for s in best] + [simple], key=by_key)
 
 
 # ---------------------------------------------------------------------------- Part 1: one shot
@@ -553,14 +553,14 @@ def trace_suite(n: int, seed: int, states, dwell, jump, horizon) -> list[Trace]:
 SUITE_POLICIES = ("adaptive", "always level0", "always text", "oracle")
 
 
-def run_suite(setup: Setup, traces: list, slo_s: float, policies=SUITE_POLICIES, parallel: bool = True) -> dict:
+def run_suite(setup: Setup, traces: list, slo_s: float, policies=SUITE_POLICIES, *, parallel: bool) -> dict:
     """{policy: [Result per trace]} for the adaptive policy, the fixed ones ("always <option>"), the oracle
     and "naive adaptive" (the same rule without the probe and the give-up deadline), all in the parallel
     or the serial model (advance())."""
     run = {"adaptive": lambda tr: adaptive(setup, tr, slo_s, parallel=parallel),
-           "oracle": lambda tr: oracle(setup, tr, slo_s, parallel),
+           "oracle": lambda tr: oracle(setup, tr, slo_s, parallel=parallel),
            "naive adaptive": lambda tr: adaptive(setup, tr, slo_s, probe=False, give_up=False, parallel=parallel)}
-    return {p: [run[p](tr) if p in run else fixed(setup, tr, p.removeprefix("always "), parallel)
+    return {p: [run[p](tr) if p in run else fixed(setup, tr, p.removeprefix("always "), parallel=parallel)
                 for tr in traces] for p in policies}
 
 
