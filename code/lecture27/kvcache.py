@@ -5,8 +5,9 @@ quality levels. numpy only: pure functions on arrays that return data. Measuring
 
 Sections of this file:
   1. Arithmetic coder        -- static-table integer arithmetic coding (§3.3), exercise 4
-  2. CacheGen-style codec    -- anchor + delta, per-layer quantization, per-(channel, layer) tables (§3.3)
-  3. Levels and the recipe   -- a codec at coarser steps for streaming (§4), CacheGen's published recipe
+  2. Parallel coder          -- the same coder on many independent streams at once (exercise 3)
+  3. CacheGen-style codec    -- anchor + delta, per-layer quantization, per-(channel, layer) tables (§3.3)
+  4. Levels and the recipe   -- a codec at coarser steps for streaming (§4), CacheGen's published recipe
 """
 from __future__ import annotations
 
@@ -100,19 +101,21 @@ def _quantized_cdfs(p: np.ndarray) -> np.ndarray:
     return np.concatenate([np.zeros((len(f), 1), np.int64), np.cumsum(f, 1)], 1)
 
 
-def _ac_inputs(symbols, tables, table_ids):
-    """`tables` is one FreqTable for every symbol, or a list of FreqTables with `table_ids[i]`
-    naming the table of symbol i. -> (symbols, table ids, list of tables) as arrays, validated."""
+def _ac_inputs(symbols, tables, table_ids, n: int | None = None):
+    """`tables` is one FreqTable for every symbol, or a list of FreqTables (or a TableStack) with
+    `table_ids[i]` naming the table of symbol i. -> (symbols, table ids, list of tables) as arrays, validated.
+    A decoder passes no symbols and their number n."""
     syms = np.asarray(symbols).ravel()
+    n = syms.size if n is None else n
     if isinstance(tables, FreqTable):
         if table_ids is not None:
             raise ValueError("table_ids given with a single table")
-        tables, ids = [tables], np.zeros(syms.size, np.int64)
+        tables, ids = [tables], np.zeros(n, np.int64)
     else:
         ids = np.asarray(table_ids).ravel()
-        if ids.size != syms.size or (ids.size and (ids.min() < 0 or ids.max() >= len(tables))):
+        if ids.size != n or (ids.size and (ids.min() < 0 or ids.max() >= len(tables))):
             raise ValueError("table_ids must give one valid table index per symbol")
-    sizes = np.array([t.size for t in tables])
+    sizes = tables.size if isinstance(tables, TableStack) else np.array([t.size for t in tables])
     if syms.size and (syms.dtype.kind not in "iu" or syms.min() < 0 or np.any(syms >= sizes[ids])):
         raise ValueError("symbols must be integers within their table's alphabet")
     return syms, ids, tables
@@ -141,6 +144,8 @@ def encode(symbols, tables, table_ids=None) -> bytes:
         r = rng >> AC_PRECISION
         low += r * cdf[s]                         # move to the symbol's slice ...
         rng = r * (cdf[s + 1] - cdf[s])           # ... of width rng * p
+        if rng <= 0:                              # nothing can narrow to an empty slice
+            raise ValueError(f"symbol {s} has a slice of zero width in its table")
         while rng < _AC_TOP:
             low, cache, pending = _shift_low(low, cache, pending, out)
             rng <<= 8
@@ -161,7 +166,7 @@ def decode(data: bytes, tables, n: int, table_ids=None) -> np.ndarray:
     or gives a deterministic wrong result; it always stops after n symbols."""
     if not isinstance(n, (int, np.integer)) or n < 0:
         raise ValueError("n must be a non-negative integer")
-    _, ids, tables = _ac_inputs(np.zeros(n, np.int64), tables, table_ids)
+    _, ids, tables = _ac_inputs((), tables, table_ids, n)
     cdfs, buf, out = [t.cdf for t in tables], bytes(data), [0] * n
     pos, end = AC_STATE_BITS // 8, len(buf)
     code = int.from_bytes(buf[:pos].ljust(pos, b"\0"), "big")  # code value minus low, in the window
@@ -172,7 +177,9 @@ def decode(data: bytes, tables, n: int, table_ids=None) -> np.ndarray:
         v = code // r                             # where the code value falls in [0, AC_TOTAL)
         if v >= AC_TOTAL:
             raise CorruptStream(f"symbol {i}: the code value lies outside every symbol's slice")
-        s = bisect.bisect_right(cdf, v) - 1
+        s = min(max(bisect.bisect_right(cdf, v) - 1, 0), len(cdf) - 2)   # the slice that holds v ...
+        if not cdf[s] <= v < cdf[s + 1]:          # ... unless v fell on one of zero width (a bad table)
+            raise CorruptStream(f"symbol {i}: the code value lies in no symbol's slice (symbol {s}'s is empty)")
         code -= r * cdf[s]
         rng = r * (cdf[s + 1] - cdf[s])
         while rng < _AC_TOP:
@@ -187,10 +194,9 @@ def ideal_bits(symbols, tables, table_ids=None) -> float:
     """The ideal code length -sum log2 p(symbol) under the quantized tables, in bits (vectorized: every
     table's CDF laid end to end, each symbol's frequency read as cdf[s + 1] - cdf[s] of its table)."""
     syms, ids, tables = _ac_inputs(symbols, tables, table_ids)
-    start = np.cumsum([0] + [len(t.cdf) for t in tables])[:-1]
-    cdf = np.fromiter(itertools.chain.from_iterable(t.cdf for t in tables), np.int64)
-    at = start[ids] + syms.astype(np.int64)
-    return float(-np.log2((cdf[at + 1] - cdf[at]) / AC_TOTAL).sum()) if syms.size else 0.0
+    stack = stack_tables(tables)
+    at = stack.start[ids] + syms.astype(np.int64)
+    return float(-np.log2((stack.cdf[at + 1] - stack.cdf[at]) / AC_TOTAL).sum()) if syms.size else 0.0
 
 
 def exercise4(probs: dict, n: int = 100_000, seed: int = 0) -> dict:
@@ -208,7 +214,319 @@ def exercise4(probs: dict, n: int = 100_000, seed: int = 0) -> dict:
             "roundtrip_exact": bool(np.array_equal(decode(data, table, n), syms))}
 
 
-# ========================================================================= 2. CacheGen-style codec
+# ========================================================================= 2. Parallel coder
+# CacheGen's GPU coder runs one stream per (layer, channel), thousands of them side by side. This is
+# section 1's coder written for arrays: many independent streams advance one symbol per step together,
+# each stream a lane of numpy arrays (low and rng when encoding; code, rng and a read position when
+# decoding). Each stream's bytes are exactly what `encode` makes of that stream alone. A step costs a
+# few dozen numpy operations whatever the number of lanes, so the coder is fast only with many streams;
+# and each stream ends with its own flush, so many short streams cost bytes.
+#   stack = stack_tables(tables)            tables as arrays (build once per set of tables, reuse)
+#   data, nbytes = encode_streams(symbols, lengths, stack, table_ids)
+#                                           streams laid end to end (lengths[j] symbols each) -> their
+#                                           bytes laid end to end and each stream's byte count
+#   syms = decode_streams(data, nbytes, lengths, stack, table_ids)
+# The encoder's one sequential detail, the carry, is settled after the loop: each step records low as
+# it was before its shifts, carry bit included, and the carries of all streams are then added to the
+# bytes before them at once. The decoder finds a symbol in a lookup of 256 buckets per table (the
+# symbol where each bucket starts, with its slice) and steps on only where a boundary falls inside.
+_BUCKET_SHIFT = 8                         # a bucket is 2^8 of the AC_TOTAL code values
+_BUCKETS = AC_TOTAL >> _BUCKET_SHIFT      # + 1 more, for a code value of AC_TOTAL (a corrupt stream)
+_AC_TOP2 = 1 << (_AC_SHIFT - 8)           # rng below this: two bytes to shift (rng >= 2^24 after a symbol)
+_LOOKUP_MAX_SIZE = 1 << 12               # the parallel decoder's tables: at most 4096 symbols
+PARALLEL_BLOCK = 16384                    # lanes coded together: a block's arrays stay in the CPU cache
+
+
+@dataclass(frozen=True, eq=False)
+class TableStack:
+    """Tables as arrays for the parallel coder: every table's CDF laid end to end."""
+    cdf: np.ndarray        # int64: table t's cdf is cdf[start[t] : start[t] + size[t] + 1]
+    start: np.ndarray
+    size: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.size)
+
+    @functools.cached_property
+    def cdf32(self) -> np.ndarray:
+        return self.cdf.astype(np.int32)
+
+    @functools.cached_property
+    def width32(self) -> np.ndarray:
+        """cdf[i + 1] - cdf[i]: the width of the slice that starts at cdf[i] (after a table's last
+        entry: the next table's first, never read for a symbol)."""
+        return np.diff(self.cdf32, append=np.int32(0))
+
+    @functools.cached_property
+    def empty_slices(self) -> bool:
+        """Whether any table has a slice of zero width (make_table never makes one)."""
+        inner = np.ones(self.cdf.size, bool)
+        inner[self.start + self.size] = False
+        return bool(np.any(self.width32[inner] <= 0))
+
+    @functools.cached_property
+    def lookup(self) -> np.ndarray:
+        """(n_tables * (_BUCKETS + 1),) int64: for table t and bucket b, the last symbol s whose slice
+        starts at or below the bucket's first code value (at most the table's last symbol), with the
+        slices of s and s + 1: s | cdf[s] << 12 | cdf[s + 1] << 28 | cdf[s + 2] << 45 (the last 0 when
+        s is the last symbol). A bucket with at most one boundary inside is decoded from it alone."""
+        if self.size.max(initial=0) > _LOOKUP_MAX_SIZE:
+            raise ValueError(f"the parallel decoder takes tables of at most {_LOOKUP_MAX_SIZE} symbols")
+        n, nb = len(self.size), _BUCKETS + 1
+        upper = np.ones(self.cdf.size, bool)
+        upper[self.start] = False                                          # cdf[1..K] of every table
+        bucket = np.clip(-(-self.cdf[upper] >> _BUCKET_SHIFT), 0, _BUCKETS)  # first bucket at or above
+        table = np.repeat(np.arange(n), self.size)
+        below = np.bincount(table * nb + bucket, minlength=n * nb).reshape(n, nb).cumsum(1)
+        s = np.minimum(below, self.size[:, None] - 1)
+        at, cdf = self.start[:, None] + s, np.append(self.cdf, 0)
+        after = np.where(s + 1 < self.size[:, None], cdf[at + 2], 0)
+        return (s | np.minimum(cdf[at], 0xFFFF) << 12 | cdf[at + 1] << 28 | after << 45).ravel()
+
+
+def stack_tables(tables) -> TableStack:
+    """A FreqTable, a sequence of FreqTables, or a TableStack (returned as it is) -> TableStack."""
+    if isinstance(tables, TableStack):
+        return tables
+    tables = [tables] if isinstance(tables, FreqTable) else tables
+    size = np.array([len(t.cdf) - 1 for t in tables], np.int64)
+    cdf = np.fromiter(itertools.chain.from_iterable(t.cdf for t in tables), np.int64, int((size + 1).sum()))
+    return TableStack(cdf, np.cumsum(size + 1) - (size + 1), size)
+
+
+@dataclass(frozen=True)
+class _Lanes:
+    """Streams as lanes, longest first, so that the streams still running at step i are the first
+    active[i] lanes. Values of the streams laid end to end go to a (steps, lanes) matrix and back."""
+    lengths: np.ndarray
+    order: np.ndarray      # the stream in each lane
+    active: list
+
+    @staticmethod
+    def of(lengths):
+        order = np.argsort(-lengths, kind="stable")
+        n_steps = int(lengths[order[0]]) if len(order) else 0
+        return _Lanes(lengths, order, np.searchsorted(-lengths[order], -np.arange(n_steps), "left").tolist())
+
+    @functools.cached_property
+    def equal(self) -> bool:
+        return bool(np.all(self.lengths == len(self.active)))
+
+    @functools.cached_property
+    def where(self) -> np.ndarray:
+        """Where the q-th symbol of the streams laid end to end sits in the flattened matrix."""
+        lane = np.empty_like(self.order)
+        lane[self.order] = np.arange(len(self.order))
+        step = np.arange(self.lengths.sum()) - np.repeat(np.cumsum(self.lengths) - self.lengths, self.lengths)
+        return step * len(self.order) + np.repeat(lane, self.lengths)
+
+    def to_steps(self, values) -> np.ndarray:
+        S = len(self.lengths)
+        if self.equal:
+            return np.ascontiguousarray(values.reshape(S, -1).T)
+        out = np.zeros((len(self.active), S), values.dtype)
+        out.reshape(-1)[self.where] = values
+        return out
+
+    def from_steps(self, matrix) -> np.ndarray:
+        return matrix.T.ravel() if self.equal else matrix.reshape(-1)[self.where]
+
+    def blocks(self):
+        """(lane slice, running lanes at each step within it) of each block of PARALLEL_BLOCK lanes."""
+        S = len(self.lengths)
+        for b in range(0, S, PARALLEL_BLOCK):
+            e = min(S, b + PARALLEL_BLOCK)
+            yield slice(b, e), [min(max(a - b, 0), e - b) for a in self.active]
+
+
+def _stream_lengths(lengths, total: int | None = None) -> np.ndarray:
+    lengths = np.asarray(lengths).ravel()
+    if lengths.dtype.kind not in "iu" or np.any(lengths < 0) or total not in (None, lengths.sum()):
+        raise ValueError("lengths must be non-negative integers that add up to the number of symbols")
+    return lengths.astype(np.int64)
+
+
+def encode_streams(symbols, lengths, tables, table_ids=None):
+    """Code the streams laid end to end in `symbols` (stream j: the next lengths[j] symbols), all at
+    once. -> (their bytes laid end to end, each stream's byte count): stream j's bytes are
+    encode(its symbols, tables, its table ids)."""
+    syms, ids, tables = _ac_inputs(symbols, tables, table_ids)
+    lengths, stack = _stream_lengths(lengths, syms.size), stack_tables(tables)
+    at = stack.start[ids] + syms
+    lo, width = stack.cdf32[at], stack.width32[at]
+    if stack.empty_slices and np.any(width <= 0):
+        raise ValueError(f"symbol {syms[np.argmax(width <= 0)]} has a slice of zero width in its table")
+    lanes = _Lanes.of(lengths)
+    LO, W = lanes.to_steps(lo), lanes.to_steps(width)
+    tops, shifts = np.zeros(LO.shape, np.int32), np.zeros(LO.shape, np.int8)
+    low, rng = np.zeros(len(lengths), np.int64), np.full(len(lengths), 1 << AC_STATE_BITS, np.int64)
+    for b, counts in lanes.blocks():
+        _encode_block(low[b], rng[b], LO[:, b], W[:, b], tops[:, b], shifts[:, b], counts)
+    return _settle(tops, shifts, _final_value(low, rng), lanes.order)
+
+
+def _encode_block(low, rng, LO, W, tops, shifts, counts):
+    """Section 1's encoding loop, one step for every running lane at once. Each step records the top
+    17 bits of low before its shifts (0, 1 or 2 bytes): the carry bit that `encode` would pass on to
+    the byte before, then the two bytes it may shift out. The carry bit then leaves low at once."""
+    for i, a in enumerate(counts):
+        if a == 0:
+            break
+        low_, rng_ = low[:a], rng[:a]
+        r = rng_ >> AC_PRECISION
+        low_ += r * LO[i, :a]
+        np.multiply(r, W[i, :a], out=rng_)
+        k = _shifts(rng_)
+        shifts[i, :a] = k
+        np.right_shift(low_, _AC_SHIFT - 8, out=tops[i, :a], casting="unsafe")
+        bits = k << 3
+        low_ <<= bits
+        low_ &= _AC_MASK
+        rng_ <<= bits
+
+
+def _shifts(rng) -> np.ndarray:
+    """Bytes to shift after a symbol (int64): 2 below 2^32, 1 below 2^40, else 0."""
+    return ((rng < _AC_TOP).view(np.int8) + (rng < _AC_TOP2).view(np.int8)).astype(np.int64)
+
+
+def _final_value(low, rng) -> np.ndarray:
+    """Each lane's final value, as `encode` picks it: the number in [low, low + rng) with the most
+    trailing zero bits, of at least 2^40 and at most 2^48: the multiple of 2^b at or above low, where
+    bit b is the highest in which low - 1 and low + rng - 1 differ (frexp gives the bit length)."""
+    differ = np.where(low > 0, (low - 1) ^ (low + rng - 1), 1 << 60)
+    b = np.clip(np.frexp(differ.astype(np.float64))[1] - 1, _AC_SHIFT, AC_STATE_BITS)
+    return -(-low >> b) << b
+
+
+def _settle(tops, shifts, final, order):
+    """Each lane's bytes: each step's shifted bytes, then the final value's top byte; every carry
+    added to the byte before its step (and on through a run of 0xFF: between two shifts low can
+    carry only once, so a byte gets at most one); trailing zeros stripped as `encode` does.
+    -> (bytes of the lanes in stream order, laid end to end; counts)."""
+    S, n = len(order), tops.shape[0]
+    lane = np.empty_like(order)
+    lane[order] = np.arange(S)
+    if np.any(lane != np.arange(S)):                           # lanes back in stream order
+        tops, shifts, final = tops[:, lane], shifts[:, lane], final[lane]
+    top, k = tops.T, shifts.T                                 # (lanes, steps)
+    slots, taken = np.zeros((S, n + 1, 2), np.uint8), np.zeros((S, n + 1, 2), bool)
+    slots[:, :n, 0], slots[:, :n, 1], slots[:, n, 0] = top >> 8, top, final >> _AC_SHIFT   # bytes (mod 256)
+    taken[:, :n, 0], taken[:, :n, 1], taken[:, n, 0] = k >= 1, k == 2, True
+    out = slots[taken]
+    steps = np.ones((S, n + 1), np.int8)                       # bytes of each step, the final one's 1
+    steps[:, :n] = k
+    carry = np.ones((S, n + 1), bool)
+    carry[:, :n], carry[:, n] = top >> 16, final >> AC_STATE_BITS
+    c = np.flatnonzero(carry)
+    before = np.cumsum(steps.ravel(), dtype=np.int64)[c] - steps.ravel()[c] - 1   # the byte before each
+    out[before] += 1                                           # (mod 256: 0 means it was 0xFF)
+    _carry_through_ff(out, before[out[before] == 0])
+    count = steps.sum(1, dtype=np.int64)
+    last = np.cumsum(count) - 1
+    end = last.copy()
+    for _ in range(4):                                         # a few zeros at most, as a rule ...
+        zero = (end > last - count) & (out[end] == 0)
+        end[zero] -= 1
+    for j in np.flatnonzero((end > last - count) & (out[end] == 0)):   # ... but a stream can end in a run
+        nz = np.flatnonzero(out[last[j] - count[j] + 1:end[j] + 1])
+        end[j] = last[j] - count[j] + (nz[-1] + 1 if nz.size else 0)
+    keep = np.ones(out.size, bool)
+    gone = np.repeat(end + 1, last - end) + np.arange(int((last - end).sum())) - np.repeat(
+        np.cumsum(last - end) - (last - end), last - end)
+    keep[gone] = False
+    return out[keep].tobytes(), end - (last - count)
+
+
+def _carry_through_ff(out, wrapped):
+    """Bytes that wrapped from 0xFF to 0 pass the carry on to the byte before them."""
+    while wrapped.size:
+        wrapped = wrapped - 1
+        out[wrapped] += 1
+        wrapped = wrapped[out[wrapped] == 0]
+
+
+def decode_streams(data: bytes, nbytes, lengths, tables, table_ids=None) -> np.ndarray:
+    """Inverse of `encode_streams`: stream j's bytes are the next nbytes[j] of `data`, and it decodes
+    to lengths[j] symbols. -> the symbols laid end to end (int64). A stream whose code value falls in
+    no symbol's slice raises CorruptStream; every stream stops after its symbols."""
+    lengths = _stream_lengths(lengths)
+    _, ids, tables = _ac_inputs((), tables, table_ids, int(lengths.sum()))
+    stack, nbytes = stack_tables(tables), np.asarray(nbytes, np.int64).ravel()
+    if nbytes.size != lengths.size or np.any(nbytes < 0) or nbytes.sum() != len(data):
+        raise ValueError("nbytes must give each stream's byte count, adding up to len(data)")
+    lanes = _Lanes.of(lengths)
+    # each stream followed by two zero bytes: a read position stops at the first (bytes past a
+    # stream's end are zeros, as in `decode`); buf16[p] holds bytes p and p + 1
+    start = np.cumsum(nbytes + 2) - (nbytes + 2)
+    buf = np.zeros(len(data) + 2 * len(lengths) + 1, np.int64)
+    buf[np.arange(len(data)) + 2 * np.repeat(np.arange(len(lengths)), nbytes)] = np.frombuffer(bytes(data), np.uint8)
+    buf16 = (buf[:-1] << 8) | buf[1:]
+    start, end = start[lanes.order], (start + nbytes)[lanes.order]
+    code = np.zeros(len(lengths), np.int64)
+    for q in range(0, AC_STATE_BITS // 8, 2):
+        code = (code << 16) | buf16[np.minimum(start + q, end)]
+    pos, rng = np.minimum(start + AC_STATE_BITS // 8, end), np.full(len(lengths), 1 << AC_STATE_BITS, np.int64)
+    base = lanes.to_steps(ids * (_BUCKETS + 1))
+    found = np.empty(base.shape, np.int16)
+    for b, counts in lanes.blocks():
+        _decode_block(code[b], rng[b], pos[b], end[b], base[:, b], found[:, b], counts, stack, buf16)
+    return lanes.from_steps(found).astype(np.int64)
+
+
+def _decode_block(code, rng, pos, end, base, found, counts, stack, buf16):
+    """Section 1's decoding loop, one step for every running lane at once; found[i] gets each lane's
+    i-th symbol."""
+    lookup = stack.lookup
+    for i, a in enumerate(counts):
+        if a == 0:
+            break
+        code_, rng_, pos_ = code[:a], rng[:a], pos[:a]
+        r = rng_ >> AC_PRECISION
+        v = (code_ / r).astype(np.int64)   # exact: code < 2^48, and code / r is >= 2^-32 from an integer
+        try:
+            e = lookup[base[i, :a] + (v >> _BUCKET_SHIFT)]
+        except IndexError:                  # far beyond AC_TOTAL
+            raise CorruptStream(f"step {i}: a code value lies outside every symbol's slice") from None
+        s, lo, hi = e & 0xFFF, (e >> 12) & 0xFFFF, (e >> 28) & 0x1FFFF
+        second = v >= hi                    # v lies past the bucket's first boundary
+        s += second
+        np.copyto(lo, hi, where=second)
+        np.copyto(hi, e >> 45, where=second)
+        miss = v >= hi                      # more than one boundary in the bucket, or a corrupt stream
+        if miss.any():
+            j = np.flatnonzero(miss)
+            s[j], lo[j], hi[j] = _search(v[j], base[i, j], stack, i)
+        found[i, :a] = s
+        code_ -= r * lo
+        np.multiply(r, hi - lo, out=rng_)
+        k = _shifts(rng_)
+        bits = k << 3
+        code_ <<= bits
+        code_ |= buf16[pos_] >> (16 - bits)
+        rng_ <<= bits
+        pos_ += k
+        np.minimum(pos_, end[:a], out=pos_)
+
+
+def _search(v, base, stack, step):
+    """(symbol, slice start, slice end) of the slice that holds v: a binary search between the first
+    symbols of v's bucket and of the next one."""
+    t = base // (_BUCKETS + 1)
+    first, last, b = stack.start[t], stack.size[t] - 1, base + (v >> _BUCKET_SHIFT)
+    lo = np.minimum(stack.lookup[b] & 0xFFF, last)
+    hi = np.minimum(stack.lookup[np.minimum(b + 1, base + _BUCKETS)] & 0xFFF, last)
+    for _ in range(int(max(0, (hi - lo).max())).bit_length()):   # the last symbol starting <= v
+        mid = (lo + hi + 1) >> 1
+        up = stack.cdf[first + mid] <= v
+        lo, hi = np.where(up, mid, lo), np.where(up, hi, mid - 1)
+    start, end = stack.cdf[first + lo], stack.cdf[first + lo + 1]
+    if np.any(end <= v) or np.any(start > v):
+        raise CorruptStream(f"step {step}: a code value lies in no symbol's slice (or in an empty one)")
+    return lo, start, end
+
+
+# ========================================================================= 3. CacheGen-style codec
 # A context's KV seen as one array X of shape (T, L, 2, C): token x layer x {K, V} x channel, where
 # C = n_kv_heads * head_dim (channel c = head * head_dim + dim). The codec follows CacheGen §5.2:
 #   1. change-based coding: tokens in groups of CODEC_GROUP. The first token of a group, the anchor, is
@@ -457,7 +775,7 @@ def spec_from_dict(d: dict) -> CodecSpec:
                      int(d["level"]), int(d["group"]))
 
 
-# ====================================================================== 3. Levels and the recipe
+# ====================================================================== 4. Levels and the recipe
 LEVEL_FACTOR = 2 ** 0.5    # level i uses the measured steps x LEVEL_FACTOR^i (level 0 finest): each level
                            # about half a bit per value cheaper
 N_LEVELS = 4
