@@ -1,10 +1,28 @@
-"""The arithmetic (range) coder of kvcache.py, section 2: quantized tables, bit-exact round trips,
-length against the ideal -sum log2 p and against constriction, exercise 4, damaged input."""
+"""The arithmetic (range) coder of kvcache.py, section 1: quantized tables, bit-exact round trips,
+length against the ideal -sum log2 p and against constriction, exercise 4, damaged input, tables with
+an empty slice."""
+import contextlib
+import signal
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 import kvcache as kv
+
+
+@contextlib.contextmanager
+def within(seconds: float):
+    """Fail a block that runs longer than `seconds` (a coder loop that never ends) instead of hanging."""
+    def stop(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s: a loop that never ends")
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _table_and_symbols(seed, K, n, skew, uniform_symbols):
@@ -221,3 +239,17 @@ def test_corrupted_and_truncated_input_ends():
         kv.decode(b"\xff" * 64, kv.make_table([3, 5, 7]), 1000)
     with pytest.raises(ValueError):
         kv.decode(data, table, -1)
+
+
+# ------------------------------------------------------------------------------ empty slices
+def test_a_zero_width_slice_is_an_error_not_a_hang():
+    """encode(np.array([0]), FreqTable((0, 0, 65536))): symbol 0 has nothing to narrow to. It is
+    refused (ValueError), as is a code value that falls on an empty slice (CorruptStream), in bounded
+    time (the parallel coder: test_coder_parallel)."""
+    with within(10):
+        with pytest.raises(ValueError, match="zero width"):
+            kv.encode(np.array([0]), kv.FreqTable((0, 0, kv.AC_TOTAL)))
+        with pytest.raises(ValueError, match="zero width"):
+            kv.encode([1, 1, 2], [kv.make_table([1, 1]), kv.FreqTable((0, 9, 9, kv.AC_TOTAL))], [0, 1, 1])
+        with pytest.raises(kv.CorruptStream, match="no symbol's slice"):
+            kv.decode(b"\xff" * 8, kv.FreqTable((0, 40000, 40000)), 3)

@@ -16,6 +16,7 @@ import functools
 import itertools
 import math
 import struct
+import time
 import zlib
 from dataclasses import dataclass, replace
 
@@ -323,7 +324,7 @@ class _Lanes:
     def to_steps(self, values) -> np.ndarray:
         S = len(self.lengths)
         if self.equal:
-            return np.ascontiguousarray(values.reshape(S, -1).T)
+            return np.ascontiguousarray(values.reshape(S, len(self.active)).T)
         out = np.zeros((len(self.active), S), values.dtype)
         out.reshape(-1)[self.where] = values
         return out
@@ -483,11 +484,10 @@ def _decode_block(code, rng, pos, end, base, found, counts, stack, buf16):
             break
         code_, rng_, pos_ = code[:a], rng[:a], pos[:a]
         r = rng_ >> AC_PRECISION
+        if (code_ >= rng_).any():           # the code value lies outside the interval: `decode` stops here too
+            raise CorruptStream(f"step {i}: the code value lies outside every symbol's slice")
         v = (code_ / r).astype(np.int64)   # exact: code < 2^48, and code / r is >= 2^-32 from an integer
-        try:
-            e = lookup[base[i, :a] + (v >> _BUCKET_SHIFT)]
-        except IndexError:                  # far beyond AC_TOTAL
-            raise CorruptStream(f"step {i}: a code value lies outside every symbol's slice") from None
+        e = np.take(lookup, base[i, :a] + (v >> _BUCKET_SHIFT))   # (np.take: faster than lookup[...])
         s, lo, hi = e & 0xFFF, (e >> 12) & 0xFFFF, (e >> 28) & 0x1FFFF
         second = v >= hi                    # v lies past the bucket's first boundary
         s += second
@@ -503,7 +503,7 @@ def _decode_block(code, rng, pos, end, base, found, counts, stack, buf16):
         k = _shifts(rng_)
         bits = k << 3
         code_ <<= bits
-        code_ |= buf16[pos_] >> (16 - bits)
+        code_ |= np.take(buf16, pos_) >> (16 - bits)
         rng_ <<= bits
         pos_ += k
         np.minimum(pos_, end[:a], out=pos_)
@@ -526,6 +526,100 @@ def _search(v, base, stack, step):
     return lo, start, end
 
 
+
+# Exercise 3 measured: the same symbols through the serial coder, the parallel coder at several stream
+# counts, and constriction's range coder (a compiled one, for scale).
+THROUGHPUT_MAX_STEPS = 5_000    # the parallel coder is timed on at most this many symbols of each stream
+
+
+@dataclass(frozen=True)
+class CoderThroughput:
+    """Symbols per second (wall clock) of each coder on the same symbols, and what streams cost."""
+    symbols: int                   # symbols in all
+    one_stream_bytes: int          # the serial coder's bytes for all of them as one stream
+    serial_encode: float
+    serial_decode: float
+    streams: tuple                 # the parallel coder's stream counts ...
+    parallel_encode: tuple         # ... its symbols/s at each
+    parallel_decode: tuple
+    added_bytes: tuple             # ... and the bytes each adds to one stream: the streams' ends and lengths
+    constriction_encode: float | None = None   # None: constriction is not installed
+    constriction_decode: float | None = None
+
+
+def _best_time(f, repeats: int):
+    best, out = math.inf, None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = f()
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def coder_throughput(symbols, table_ids, tables, stream_counts, repeats: int = 1) -> CoderThroughput:
+    """symbols, table_ids (R, n): R independent rows, e.g. one per (layer, K/V, channel) of a context;
+    tables: the FreqTables the ids name. The serial coder codes all R x n symbols as one stream; the
+    parallel coder as k streams for each k in stream_counts (the rows in k runs, each run a stream; k
+    at most R); constriction's range coder table by table. Best of `repeats`. A stream longer than
+    THROUGHPUT_MAX_STEPS is timed on its first THROUGHPUT_MAX_STEPS symbols, its bytes counted from the
+    serial coder's (which are the parallel coder's)."""
+    syms, ids = np.asarray(symbols), np.asarray(table_ids)
+    R, n = syms.shape
+    flat, flat_ids, stack = syms.ravel(), ids.ravel(), stack_tables(tables)
+    t_enc, one = _best_time(lambda: encode(flat, tables, flat_ids), repeats)
+    t_dec, back = _best_time(lambda: decode(one, tables, flat.size, flat_ids), repeats)
+    assert np.array_equal(back, flat), "the serial coder did not decode bit for bit"
+    counts = sorted({min(int(k), R) for k in stream_counts})
+    enc, dec, added = [], [], []
+    for k in counts:
+        lengths = np.array([len(r) * n for r in np.array_split(np.arange(R), k)])
+        keep = np.arange(flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths) < THROUGHPUT_MAX_STEPS
+        sub, sub_ids, sub_len = flat[keep], flat_ids[keep], np.minimum(lengths, THROUGHPUT_MAX_STEPS)
+        te, (data, nbytes) = _best_time(lambda: encode_streams(sub, sub_len, stack, sub_ids), repeats)
+        td, back = _best_time(lambda: decode_streams(data, nbytes, sub_len, stack, sub_ids), repeats)
+        assert np.array_equal(back, sub), "the parallel coder did not decode bit for bit"
+        if keep.all():
+            sizes = nbytes.tolist()
+        else:
+            ends = np.cumsum(lengths).tolist()
+            sizes = [len(encode(flat[e - m:e], tables, flat_ids[e - m:e])) for e, m in zip(ends, lengths.tolist())]
+        enc.append(sub.size / te)
+        dec.append(sub.size / td)
+        added.append(sum(sizes) + sum(len(_varint(b)) for b in sizes[:-1]) - len(one))
+    c_enc, c_dec = _constriction_throughput(flat, flat_ids, tables, repeats)
+    return CoderThroughput(int(flat.size), len(one), flat.size / t_enc, flat.size / t_dec, tuple(counts),
+                           tuple(enc), tuple(dec), tuple(added), c_enc, c_dec)
+
+
+def _constriction_throughput(syms, ids, tables, repeats: int):
+    """constriction's range coder on the same symbols, table by table (one call per table, its model
+    built beforehand, as our tables are) -> (encode, decode) symbols/s, or (None, None)."""
+    try:
+        import constriction
+    except ImportError:
+        return None, None
+    order = np.argsort(ids, kind="stable")
+    cuts = np.flatnonzero(np.diff(ids[order])) + 1
+    runs = np.split(syms[order].astype(np.int32), cuts)
+    models = [constriction.stream.model.Categorical(tables[t].probs(), perfect=False)
+              for t in ids[order][np.r_[0, cuts]].tolist()] if syms.size else []
+
+    def enc():
+        coder = constriction.stream.queue.RangeEncoder()
+        for run, model in zip(runs, models):
+            coder.encode(run, model)
+        return coder.get_compressed()
+
+    te, data = _best_time(enc, repeats)
+
+    def dec():
+        coder = constriction.stream.queue.RangeDecoder(data)
+        return [coder.decode(model, len(run)) for run, model in zip(runs, models)]
+
+    td, back = _best_time(dec, repeats)
+    assert all(np.array_equal(a, b) for a, b in zip(back, runs)), "constriction did not decode bit for bit"
+    return syms.size / te, syms.size / td
+
 # ========================================================================= 3. CacheGen-style codec
 # A context's KV seen as one array X of shape (T, L, 2, C): token x layer x {K, V} x channel, where
 # C = n_kv_heads * head_dim (channel c = head * head_dim + dim). The codec follows CacheGen §5.2:
@@ -539,7 +633,9 @@ def _search(v, base, stack, step):
 # Everything an encoder and a decoder must agree on is a CodecSpec. The loss is in `quantize` alone:
 # decode(encode(X)) == quantize(X) bit for bit, and dequantize() turns the integers back into KV.
 # Bitstream: header (magic, version, level, flags, group, tokens, spec fingerprint), each group's
-# byte length (varint), then one arithmetic-coded payload per group.
+# byte length (varint), then one payload per group. A payload is the group's independent streams (what
+# one holds: STREAM_LAYOUTS, chosen by stream_plan, named in the flags): the byte length of each but the
+# last (varint), then their arithmetic-coded bytes. A group of one stream is coded in token order.
 CODEC_VERSION = 1
 CODEC_GROUP = 10           # tokens per group; the first is the anchor (CacheGen §5.2)
 ANCHOR_BITS = 8            # the anchor is quantized alone to 8 bits (CacheGen §5.2)
@@ -547,6 +643,11 @@ ANCHOR_MAX = (1 << (ANCHOR_BITS - 1)) - 1      # symmetric: -127..127
 CODEC_MAX_RADIUS = 2047    # delta / raw symbols are clipped to [-R, R], R fitted, at most this
 CODEC_MAGIC = b"KV"
 _CODEC_HEADER = struct.Struct("<2sBBBBHI")     # magic, version, level, flags, group, tokens, fingerprint
+STREAM_LAYOUTS = ("group", "K/V", "layer", "channel")   # one stream per group, per K/V of a group, per
+                                                        # (layer, K/V) or per (layer, K/V, channel) of a group
+STREAM_BUDGET = 0.005      # a group is cut into more streams only while they add at most 0.5% to its bytes
+STREAM_END_BYTES = 1 / 3   # a stream's end costs about a third of a byte over its ideal length (test_coder)
+PARALLEL_MIN_STREAMS = 256  # fewer streams side by side: the serial coder is faster (it makes the same bytes)
 
 
 @dataclass(frozen=True, eq=False)
@@ -574,6 +675,10 @@ class CodecSpec:
     @property
     def shape(self):
         return self.anchor_scale.shape    # (L, 2, C)
+
+    @functools.cached_property
+    def stack(self) -> TableStack:
+        return stack_tables(self.tables)
 
 
 def _anchor_mask(T: int, group: int) -> np.ndarray:
@@ -670,19 +775,138 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def codec_encode(X, spec: CodecSpec) -> bytes:
-    """One context's KV (T, L, 2, C) -> bitstream: header, group lengths, one payload per group."""
+def _read_varints(data: bytes, pos: int, count: int, what: str):
+    """count varints from data[pos:] -> (values, position after them)."""
+    out = []
+    for _ in range(count):
+        n = shift = 0
+        while True:
+            if pos >= len(data) or shift > 28:
+                raise CorruptStream(f"truncated {what}")
+            b = data[pos]
+            pos += 1
+            n |= (b & 0x7F) << shift
+            shift += 7
+            if b < 0x80:
+                break
+        out.append(n)
+    return out, pos
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """How a codec cuts each group into independent streams (exercise 3), and what the cut costs."""
+    layout: str            # what one stream holds: one of STREAM_LAYOUTS
+    streams: int           # streams per group
+    group_bytes: float     # a full group's expected payload: its symbols' entropy under the tables
+    added_bytes: float     # expected bytes the extra streams add to it: their ends and their lengths
+
+    @property
+    def added_share(self) -> float:
+        return self.added_bytes / self.group_bytes if self.group_bytes else 0.0
+
+
+def _layout_streams(spec: CodecSpec) -> dict:
+    L, _, C = spec.shape
+    return {"group": 1, "K/V": 2, "layer": 2 * L, "channel": 2 * L * C}
+
+
+def stream_plans(spec: CodecSpec) -> list:
+    """Every layout's StreamPlan: a full group's expected bytes (the entropy of each table times the
+    symbols it codes in a group) and, for S streams, (S - 1) x (STREAM_END_BYTES + the bytes of a
+    stream's length)."""
+    st = spec.stack
+    inner = np.ones(st.cdf.size - 1, bool)
+    inner[(st.start + st.size)[:-1]] = False                    # entries that cross into the next table
+    p = np.diff(st.cdf) / AC_TOTAL
+    h = np.where(inner & (p > 0), -p * np.log2(np.where(p > 0, p, 1)), 0)
+    table_bits = np.bincount(np.repeat(np.arange(len(st.size)), st.size + 1)[:-1], h, len(st.size))
+    n_value = table_bits.size // 2 if spec.delta else table_bits.size
+    group_bits = table_bits[:n_value].sum() * (spec.group - spec.delta) + table_bits[n_value:].sum()
+    out = []
+    for layout, S in _layout_streams(spec).items():
+        length_bytes = len(_varint(int(group_bits / 8 / S)))
+        out.append(StreamPlan(layout, S, group_bits / 8, (S - 1) * (STREAM_END_BYTES + length_bytes)))
+    return out
+
+
+def stream_plan(spec: CodecSpec, tokens: int) -> StreamPlan:
+    """The layout the codec uses for a context of `tokens` tokens: the one with the most streams whose
+    expected added bytes stay within STREAM_BUDGET of a group's payload; but one stream per group when
+    even those would leave the context fewer than PARALLEL_MIN_STREAMS streams (the serial coder codes
+    it then, and more streams would only add bytes)."""
+    plans = stream_plans(spec)
+    best = [p for p in plans if p.streams == 1 or p.added_share <= STREAM_BUDGET][-1]
+    return best if coder_for(best.streams * -(-tokens // spec.group)) == "parallel" else plans[0]
+
+
+def coder_for(n_streams: int) -> str:
+    """The coder that codes n_streams side by side fastest: "parallel" or "serial" (equal bytes)."""
+    return "parallel" if n_streams >= PARALLEL_MIN_STREAMS else "serial"
+
+
+def _stream_order(T: int, spec: CodecSpec, layout: str):
+    """A context's symbols in stream order, group by group: -> (the flat (T, L, 2, C) index of each,
+    each stream's length, streams per group)."""
+    L, _, C = spec.shape
+    S = _layout_streams(spec)[layout]
+    axes = {"group": (0, 1, 2, 3), "K/V": (2, 0, 1, 3), "layer": (1, 2, 0, 3), "channel": (1, 2, 3, 0)}[layout]
+    idx = np.arange(T * L * 2 * C).reshape(T, L, 2, C)
+    blocks = [idx[g:g + spec.group] for g in range(0, T, spec.group)]
+    return (np.concatenate([b.transpose(axes).ravel() for b in blocks]),
+            np.concatenate([np.full(S, b.size // S) for b in blocks]), S)
+
+
+def _encode_any(syms, lengths, spec: CodecSpec, ids):
+    """encode_streams, or the serial coder stream by stream where that is faster (the same bytes)."""
+    if coder_for(len(lengths)) == "parallel":
+        return encode_streams(syms, lengths, spec.stack, ids)
+    ends = np.cumsum(lengths)
+    parts = [encode(syms[e - n:e], spec.tables, ids[e - n:e]) for e, n in zip(ends, lengths)]
+    return b"".join(parts), np.array([len(p) for p in parts], np.int64)
+
+
+def _decode_any(data, nbytes, lengths, spec: CodecSpec, ids):
+    if coder_for(len(lengths)) == "parallel":
+        return decode_streams(data, nbytes, lengths, spec.stack, ids)
+    ends, bends = np.cumsum(lengths), np.cumsum(nbytes)
+    return np.concatenate([np.zeros(0, np.int64)] + [
+        decode(data[be - nb:be], spec.tables, int(n), ids[e - n:e])
+        for e, n, be, nb in zip(ends, lengths, bends, nbytes)])
+
+
+def codec_encode_many(X, spec: CodecSpec, layout: str | None = None) -> list:
+    """Contexts' KV (N, T, L, 2, C) -> one bitstream per context: header, group lengths, one payload
+    per group; a payload is its streams (stream_plan's layout unless `layout` names another): the byte
+    length of each but the last, then their bytes. Every stream of every context is coded side by side."""
     X = np.asarray(X, np.float32)
-    if X.ndim != 4 or X.shape[1:] != spec.shape or not 0 < X.shape[0] < 1 << 16:
-        raise ValueError(f"need KV of shape (T, {', '.join(map(str, spec.shape))}) with 0 < T < 65536")
-    T = X.shape[0]
+    if X.ndim != 5 or X.shape[2:] != spec.shape or not 0 < X.shape[1] < 1 << 16:
+        raise ValueError(f"need KV of shape (N, T, {', '.join(map(str, spec.shape))}) with 0 < T < 65536")
+    N, T = X.shape[:2]
+    layout = stream_plan(spec, T).layout if layout is None else layout
     syms, ids = _symbols(quantize(X, spec), spec)
-    per_group = spec.group * syms[0].size
-    payloads = [encode(syms.ravel()[i:i + per_group], spec.tables, ids.ravel()[i:i + per_group])
-                for i in range(0, syms.size, per_group)]
-    header = _CODEC_HEADER.pack(CODEC_MAGIC, CODEC_VERSION, spec.level, int(spec.delta), spec.group, T,
-                                spec.fingerprint)
-    return header + b"".join(_varint(len(p)) for p in payloads) + b"".join(payloads)
+    order, lengths, S = _stream_order(T, spec, layout)
+    at = (np.arange(N)[:, None] * order.size + order).ravel()
+    data, nbytes = _encode_any(syms.ravel()[at], np.tile(lengths, N), spec, ids.ravel()[at])
+    ends = np.cumsum(nbytes)
+    header = _CODEC_HEADER.pack(CODEC_MAGIC, CODEC_VERSION, spec.level,
+                                int(spec.delta) | STREAM_LAYOUTS.index(layout) << 1, spec.group, T, spec.fingerprint)
+    out = []
+    for c in range(N):
+        payloads = []
+        for j in range(c * lengths.size, (c + 1) * lengths.size, S):   # the group's streams j .. j+S-1
+            payloads.append(b"".join(_varint(int(n)) for n in nbytes[j:j + S - 1])
+                            + data[ends[j] - nbytes[j]:ends[j + S - 1]])
+        out.append(header + b"".join(_varint(len(p)) for p in payloads) + b"".join(payloads))
+    return out
+
+
+def codec_encode(X, spec: CodecSpec, layout: str | None = None) -> bytes:
+    """One context's KV (T, L, 2, C) -> its bitstream (codec_encode_many)."""
+    X = np.asarray(X, np.float32)
+    if X.ndim != 4:
+        raise ValueError(f"need KV of shape (T, {', '.join(map(str, spec.shape))}) with 0 < T < 65536")
+    return codec_encode_many(X[None], spec, layout)[0]
 
 
 def codec_header(data: bytes) -> dict:
@@ -690,48 +914,71 @@ def codec_header(data: bytes) -> dict:
     if len(data) < _CODEC_HEADER.size:
         raise CorruptStream("shorter than a codec header")
     magic, version, level, flags, group, T, fp = _CODEC_HEADER.unpack_from(data)
-    if magic != CODEC_MAGIC or version != CODEC_VERSION or flags > 1 or group == 0 or T == 0:
+    if (magic != CODEC_MAGIC or version != CODEC_VERSION or flags >> 1 >= len(STREAM_LAYOUTS) or group == 0
+            or T == 0):
         raise CorruptStream("not a codec bitstream of this version")
-    pos, lengths = _CODEC_HEADER.size, []
-    for _ in range(-(-T // group)):
-        n = shift = 0
-        while True:
-            if pos >= len(data) or shift > 28:
-                raise CorruptStream("truncated group lengths")
-            b = data[pos]
-            pos += 1
-            n |= (b & 0x7F) << shift
-            shift += 7
-            if b < 0x80:
-                break
-        lengths.append(n)
+    lengths, pos = _read_varints(data, _CODEC_HEADER.size, -(-T // group), "group lengths")
     if pos + sum(lengths) != len(data):
         raise CorruptStream(f"payload is {len(data) - pos} bytes, the header announces {sum(lengths)}")
-    return {"level": level, "delta": bool(flags), "group": group, "tokens": T, "fingerprint": fp,
-            "group_bytes": lengths, "payload_start": pos}
+    return {"level": level, "delta": bool(flags & 1), "layout": STREAM_LAYOUTS[flags >> 1], "group": group,
+            "tokens": T, "fingerprint": fp, "group_bytes": lengths, "payload_start": pos}
+
+
+def codec_decode_many(datas, specs, groups=None) -> list:
+    """Bitstreams -> the quantized integers (T, L, 2, C) of each, exactly as `quantize` made them.
+    `specs`: one CodecSpec or several (e.g. every level of a model); each header's fingerprint picks
+    the one its data was coded with. `groups`: decode only these groups (the other rows stay 0).
+    The streams of every bitstream coded with one spec are decoded side by side."""
+    specs = [specs] if isinstance(specs, CodecSpec) else list(specs)
+    out, jobs = [], {}                               # spec fingerprint -> (spec, streams to decode)
+    for data in datas:
+        h = codec_header(data)
+        spec = next((s for s in specs if s.fingerprint == h["fingerprint"]), None)
+        if spec is None:
+            raise ValueError(f"no codec spec with fingerprint {h['fingerprint']:08x} (another model or level)")
+        q = np.zeros((h["tokens"], *spec.shape), np.int64)
+        out.append(q)
+        jobs.setdefault(spec.fingerprint, (spec, []))[1].extend(_group_streams(data, h, spec, q, groups))
+    for spec, job in jobs.values():
+        if job:
+            _decode_job(spec, job)
+    return [q.astype(np.int32) for q in out]
+
+
+def _group_streams(data: bytes, h: dict, spec: CodecSpec, q, groups):
+    """The streams of each group to decode: (q's values, where they go, their tables, their symbol
+    counts, their byte counts, their bytes)."""
+    order, lengths, S = _stream_order(h["tokens"], spec, h["layout"])
+    _, ids = _symbols(q, spec)
+    flat, ids = q.reshape(-1), ids.reshape(-1)
+    start, first = np.cumsum([h["payload_start"]] + h["group_bytes"]), np.cumsum(np.r_[0, lengths])
+    out = []
+    for g in range(len(h["group_bytes"])) if groups is None else groups:
+        counts, pos = _read_varints(data, start[g], S - 1, "stream lengths")
+        counts.append(start[g + 1] - pos - sum(counts))
+        if counts[-1] < 0:
+            raise CorruptStream(f"group {g}: its streams are longer than the group")
+        where = order[first[g * S]:first[(g + 1) * S]]
+        out.append((flat, where, ids[where], lengths[g * S:(g + 1) * S], counts, data[pos:start[g + 1]]))
+    return out
+
+
+def _decode_job(spec: CodecSpec, job):
+    """Decode the streams of several groups (of one or more bitstreams) at once, into their arrays."""
+    ids = np.concatenate([j[2] for j in job])
+    syms = _decode_any(b"".join(j[5] for j in job), np.concatenate([j[4] for j in job]),
+                       np.concatenate([j[3] for j in job]), spec, ids)
+    L, _, C = spec.shape
+    offset = np.concatenate([np.repeat(np.asarray(spec.radius).ravel(), C), np.full(L * 2 * C, ANCHOR_MAX)])
+    values, at = syms - offset[ids], 0
+    for flat, where, *_ in job:
+        flat[where] = values[at:at + where.size]
+        at += where.size
 
 
 def codec_decode(data: bytes, specs, groups=None) -> np.ndarray:
-    """Bitstream -> the quantized integers (T, L, 2, C), exactly as `quantize` made them.
-    `specs`: one CodecSpec or several (e.g. every level of a model); the header's fingerprint picks
-    the one the data was coded with. `groups`: decode only these groups (the other rows stay 0)."""
-    h = codec_header(data)
-    specs = [specs] if isinstance(specs, CodecSpec) else list(specs)
-    spec = next((s for s in specs if s.fingerprint == h["fingerprint"]), None)
-    if spec is None:
-        raise ValueError(f"no codec spec with fingerprint {h['fingerprint']:08x} (another model or level)")
-    T, L, C, G = h["tokens"], spec.shape[0], spec.shape[2], spec.group
-    q = np.zeros((T, L, 2, C), np.int64)
-    _, ids = _symbols(q, spec)
-    offsets = np.cumsum([h["payload_start"]] + h["group_bytes"])
-    for g in range(len(h["group_bytes"])) if groups is None else groups:
-        rows = slice(g * G, min(T, (g + 1) * G))
-        gid = ids[rows]
-        syms = decode(data[offsets[g]:offsets[g + 1]], spec.tables, gid.size, gid.ravel()).reshape(gid.shape)
-        q[rows] = syms - spec.radius[:, :, None]
-        if spec.delta:
-            q[g * G] = syms[0] - ANCHOR_MAX
-    return q.astype(np.int32)
+    """One bitstream -> its quantized integers (T, L, 2, C) (codec_decode_many)."""
+    return codec_decode_many([data], specs, groups)[0]
 
 
 def uniform_quantize(X, bits: int, scale: np.ndarray) -> np.ndarray:
@@ -745,8 +992,8 @@ def coded_size(spec: CodecSpec, X) -> dict:
     """Contexts X (N, T, L, 2, C) really coded to bitstreams, one per context: bytes per token (every
     byte, header included), bits per value, and whether each decodes bit for bit to quantize(X)."""
     X = np.asarray(X, np.float32)
-    streams = [codec_encode(x, spec) for x in X]
-    exact = all(np.array_equal(codec_decode(d, spec), quantize(x, spec)) for d, x in zip(streams, X))
+    streams = codec_encode_many(X, spec)
+    exact = all(np.array_equal(q, x) for q, x in zip(codec_decode_many(streams, spec), quantize(X, spec)))
     n_bytes = sum(map(len, streams)) / (len(streams) * X.shape[1])
     return {"bytes_per_token": n_bytes, "bits_per_value": 8 * n_bytes / X[0, 0].size, "roundtrip_exact": exact}
 
