@@ -27,10 +27,10 @@ for p in (ROOT / "code", ROOT / "code" / "lecture27"):
         sys.path.insert(0, str(p))
 
 if os.environ.get("L27_SEED"):
-    import blend_world
+    import record_trainer
     from common import city
 
-    blend_world.SEED = city.SEED = int(os.environ["L27_SEED"])
+    record_trainer.SEED = city.SEED = int(os.environ["L27_SEED"])
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""CacheBlend mechanics (blend_world.py) and the 04 script's controller.
+"""CacheBlend mechanics (blend_world.py), the selection rules built on it (blend_rules.py), the record
+model's trainer (record_trainer.py) and the 04 script's controller.
 
 Mechanics tests use an untrained model with weights at the training scale (attention far from uniform);
 one test trains (or loads) the record-world model and checks it learned the task."""
@@ -8,7 +9,9 @@ import math
 import pytest
 import torch
 
+import blend_rules as rules
 import blend_world as bw
+import record_trainer as rt
 from common.checkpoints import init_weights
 from common.llama import Llama, rope, shift_kv
 
@@ -18,7 +21,7 @@ TOL = 1e-4  # logits here are O(10): float32 rounding of two different summation
 def untrained(seed=0):
     torch.manual_seed(seed)
     m = Llama(bw.model_config()).eval()
-    init_weights(m, torch.Generator().manual_seed(seed), bw.TRAIN["embed_std"], bw.TRAIN["linear_std"])
+    init_weights(m, torch.Generator().manual_seed(seed), rt.TRAIN["embed_std"], rt.TRAIN["linear_std"])
     return m
 
 
@@ -52,10 +55,12 @@ def test_blend_in_between_moves_towards_full_prefill(model, rec):
 
 
 def test_blend_counts_follow_the_progressive_filter():
-    assert bw.blend_counts(24, 0.2, 4) == [6, 5, 4]      # ceil(1.25 r N), ceil(r N), ceil(0.75 r N)
-    assert bw.blend_counts(24, 0.0, 4) == [0, 0, 0]
-    assert bw.blend_counts(24, 1.0, 4) == [24, 24, 24]
-    assert bw.blend_counts(24, 0.9, 4) == [24, 22, 17]   # capped at N, never growing
+    counts = bw.PROGRESSIVE.counts
+    assert counts(24, 0.2, 4) == [6, 5, 4]      # ceil(1.25 r N), ceil(r N), ceil(0.75 r N)
+    assert counts(24, 0.0, 4) == [0, 0, 0]
+    assert counts(24, 1.0, 4) == [24, 24, 24]
+    assert counts(24, 0.9, 4) == [24, 22, 17]   # capped at N, never growing
+    assert counts(100, 0.2, 6) == [25, 20, 15, 15, 15]  # the schedule's last entry repeats
 
 
 def test_blend_trace_recomputes_nested_sets(model, rec):
@@ -72,8 +77,15 @@ def test_blend_trace_recomputes_nested_sets(model, rec):
 
 
 def test_random_selection_uses_the_same_counts(model, rec):
-    _, tr = bw.blend(model, rec, 5, 0.2, select="random", generator=torch.Generator().manual_seed(0), trace=True)
+    _, tr = bw.blend(model, rec, 5, 0.2, rule=rules.Random(torch.Generator().manual_seed(0)), trace=True)
     assert [t.shape[1] for t in tr.recomputed] == [6, 5, 4]
+    _, tr = bw.blend(model, rec, 5, 0.2, rule=rules.Random(torch.Generator().manual_seed(0), like=rules.FLAT),
+                     trace=True)
+    assert [t.shape[1] for t in tr.recomputed] == [5, 5, 5]
+    # random picks are not the deviation's, and the generator's draws go on from call to call
+    g = torch.Generator().manual_seed(0)
+    a, b = (bw.blend(model, rec, 5, 0.2, rule=rules.Random(g), trace=True)[1].recomputed[0] for _ in range(2))
+    assert not torch.equal(a, b) and not torch.equal(a, bw.blend(model, rec, 5, 0.2, trace=True)[1].recomputed[0])
 
 
 def test_shift_kv_equals_recompute_at_new_position(model):
@@ -115,9 +127,9 @@ def test_documents_are_well_formed():
 
 def test_exercise8_controller():
     cb = importlib.import_module("04_cacheblend")
-    ex = cb.exercise8(32, 10.0, 20.0)
-    assert ex["ex8_ratio"] == 0.5
-    assert ex["ex8_ttft_ms"] == 320.0 and ex["ex8_full_ms"] == 640.0
+    ex = cb.controller_example(32, 10.0, 20.0, 0.15)
+    assert ex.ratio == 0.5
+    assert ex.ttft_ms == 320.0 and ex.full_ms == 640.0
     # the floor: a fast read never drops the ratio below 15%; a slow read recomputes everything
     assert cb.controller_ratio(1.0, 20.0) == 0.15
     assert cb.controller_ratio(50.0, 20.0) == 1.0
@@ -128,10 +140,10 @@ def test_trained_model_reads_records_from_context():
     """The cached (or freshly trained) record-world model answers >= 99.5% of 2,000+ unseen-record
     questions under full prefill, loses the split records under full reuse and recovers them with
     CacheBlend at 20%."""
-    model, meta = bw.record_model()
+    model, meta = rt.record_model()
     rec = bw.heldout(200)
     ok = bw.answer_correct(bw.full_prefill(model, rec), rec)
-    assert ok.numel() >= 2000 and bw.accuracy(ok) >= bw.TARGET_ACC
+    assert ok.numel() >= 2000 and bw.accuracy(ok) >= rt.TARGET_ACC
     split = bw.split_mask(rec, 5)
     assert bw.accuracy(bw.answer_correct(bw.full_reuse(model, rec, 5), rec), split) <= 0.2
     assert bw.accuracy(bw.answer_correct(bw.blend(model, rec, 5, 0.2), rec), split) >= 0.95
@@ -143,30 +155,29 @@ def test_attention_elsewhere_is_one_minus_the_self_weight(model):
     """attention_elsewhere reads the kept weights: per layer, 1 - (a document token's weight on
     itself), averaged over tokens 1..23, heads and batch; the context manager clears the weights."""
     rec = bw.sample_records(3, torch.Generator().manual_seed(5))
-    with bw.kept_attention(model):
+    with rt.kept_attention(model):
         model(rec.doc)
-        got = bw.attention_elsewhere(model)
+        got = rt.attention_elsewhere(model)
         for i, blk in enumerate(model.layers):
             w = blk.weights
             own = torch.stack([w[:, :, t, t] for t in range(1, bw.DOC_LEN)])
             assert abs(float(got[i]) - float(1 - own.mean())) <= 1e-6
     assert all(not blk.keep_weights and blk.weights is None for blk in model.layers)
-    assert bw.doc_attention_elsewhere(model, rec) == pytest.approx(got.tolist(), abs=1e-6)
+    assert rt.doc_attention_elsewhere(model, rec) == pytest.approx(got.tolist(), abs=1e-6)
 
 
 def test_trained_model_concentrates_kv_deviation():
     """Insight 1 (§5.3) on the trained record model (chunks of 5): the top 15% of document tokens hold
     >= 85% of the KV deviation in layers 1-3, and the deviation sits on the chunk-initial values; the
     locality penalty it was trained with keeps document tokens' attention on themselves in layers 1-3."""
-    cb = importlib.import_module("04_cacheblend")
-    model, meta = bw.record_model()
+    model, meta = rt.record_model()
     rec = bw.heldout(200)
     dev = bw.kv_deviation(model, rec, 5)
-    shares = [cb.top_share(dev[i], 0.15) for i in range(1, model.cfg.n_layers)]
+    shares = [bw.top_share(dev[i], 0.15) for i in range(1, model.cfg.n_layers)]
     assert min(shares) >= 0.85, shares
     firsts = [2 * i + 1 for i in bw.split_records(5)]
     assert float(dev[1][:, firsts].sum() / dev[1].sum()) >= 0.9
-    assert max(bw.doc_attention_elsewhere(model, rec)[1:]) <= 0.05
+    assert max(rt.doc_attention_elsewhere(model, rec)[1:]) <= 0.05
     # the penalty came on at the first evaluation at >= 50% held-out accuracy, after a plateau below it
     evals = meta["metrics"]["history"]["evals"]
     first = next(e["step"] for e in evals if e["acc"] >= 0.5)
@@ -188,11 +199,11 @@ def test_spearman_hand_worked():
 
 
 def test_parse_seeds():
-    assert bw.parse_seeds("0-3") == [0, 1, 2, 3]
-    assert bw.parse_seeds("0,12-13, 19") == [0, 12, 13, 19]
+    assert rt.parse_seeds("0-3") == [0, 1, 2, 3]
+    assert rt.parse_seeds("0,12-13, 19") == [0, 12, 13, 19]
     for bad in ("3-1", "a", "-2", "1-"):
         with pytest.raises(ValueError):
-            bw.parse_seeds(bad)
+            rt.parse_seeds(bad)
 
 
 def test_a_stuck_attempt_starts_again_then_gives_up(tmp_path, monkeypatch, capsys):
@@ -200,9 +211,9 @@ def test_a_stuck_attempt_starts_again_then_gives_up(tmp_path, monkeypatch, capsy
     down to make the test fast) starts over from a fresh initialisation with a one-line message;
     when every attempt fails nothing is cached and TrainingFailed says so."""
     monkeypatch.setenv("L27_CHECKPOINTS", str(tmp_path))
-    monkeypatch.setattr(bw, "TRAIN", dict(bw.TRAIN, drop_by=25, after_drop=25, attempts=2))
-    with pytest.raises(bw.TrainingFailed, match="2 initialisations of seed 7 failed"):
-        bw.record_model(seed=7)
+    monkeypatch.setattr(rt, "TRAIN", dict(rt.TRAIN, drop_by=25, after_drop=25, attempts=2))
+    with pytest.raises(rt.TrainingFailed, match="2 initialisations of seed 7 failed"):
+        rt.record_model(seed=7)
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("record world, seed 7")]
     assert len(err) == 2 and "attempt 2 of 2" in err[0] and "no attempts left" in err[1]
     assert all(len(ln) <= 120 for ln in err)
@@ -215,7 +226,7 @@ def test_reseed_values_mixes_the_answered_rows():
     m = untrained(5)
     before = m.embed.weight.detach().clone()
     dead, alive = torch.tensor([2, 9]), torch.tensor([i for i in range(bw.N_VALUES) if i not in (2, 9)])
-    bw.reseed_values(m, dead, alive, torch.Generator().manual_seed(0))
+    rt.reseed_values(m, dead, alive, torch.Generator().manual_seed(0))
     E = m.embed.weight.detach()
     rows = before[bw.VALUE_TOKENS[alive]]
     changed = bw.VALUE_TOKENS[dead]
@@ -236,7 +247,7 @@ def test_a_stuck_run_reseeds_its_dead_values_and_goes_on(tmp_path, monkeypatch, 
     below dead_acc (here: v3, made always wrong) get new rows, with one line, and the run goes on; still
     stuck at the next check, it is given up (here: no attempts left, nothing cached)."""
     calls = []
-    real_reseed = bw.reseed_values
+    real_reseed = rt.reseed_values
 
     def always_wrong_on_v3(q_logits, rec):
         return rec.answers != bw.VALUE_TOKENS[2]
@@ -246,10 +257,10 @@ def test_a_stuck_run_reseeds_its_dead_values_and_goes_on(tmp_path, monkeypatch, 
         real_reseed(model, dead, alive, g)
     monkeypatch.setenv("L27_CHECKPOINTS", str(tmp_path))
     monkeypatch.setattr(bw, "answer_correct", always_wrong_on_v3)
-    monkeypatch.setattr(bw, "reseed_values", spy)
-    monkeypatch.setattr(bw, "TRAIN", dict(bw.TRAIN, eval_every=5, stuck_after=10, after_drop=40, attempts=1))
-    with pytest.raises(bw.TrainingFailed):
-        bw.record_model(seed=4)
+    monkeypatch.setattr(rt, "reseed_values", spy)
+    monkeypatch.setattr(rt, "TRAIN", dict(rt.TRAIN, eval_every=5, stuck_after=10, after_drop=40, attempts=1))
+    with pytest.raises(rt.TrainingFailed):
+        rt.record_model(seed=4)
     assert calls == [([2], [i for i in range(bw.N_VALUES) if i != 2])]
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("record world, seed 4")]
     assert len(err) == 2 and "at step 15, v3 answered 0%: new" in err[0] and "goes on" in err[0]
@@ -262,21 +273,21 @@ def test_each_attempt_starts_from_its_own_initialisation(tmp_path, monkeypatch):
     every parameter (norm gains too) reset first: the parameters each attempt starts from are exactly
     those of a fresh model initialised with that seed."""
     starts = []
-    real_init = bw.init_weights
+    real_init = rt.init_weights
 
     def spy(model, generator, *a):
         real_init(model, generator, *a)
         starts.append({k: v.clone() for k, v in model.state_dict().items()})
     monkeypatch.setenv("L27_CHECKPOINTS", str(tmp_path))
-    monkeypatch.setattr(bw, "init_weights", spy)
-    monkeypatch.setattr(bw, "TRAIN", dict(bw.TRAIN, drop_by=25, after_drop=25, attempts=2))
-    with pytest.raises(bw.TrainingFailed):
-        bw.record_model(seed=3)
+    monkeypatch.setattr(rt, "init_weights", spy)
+    monkeypatch.setattr(rt, "TRAIN", dict(rt.TRAIN, drop_by=25, after_drop=25, attempts=2))
+    with pytest.raises(rt.TrainingFailed):
+        rt.record_model(seed=3)
     assert len(starts) == 2
     for k, got in enumerate(starts):
         ref = Llama(bw.model_config())
-        real_init(ref, torch.Generator().manual_seed(3 + bw.RESTART_SEED_STRIDE * k), bw.TRAIN["embed_std"],
-                  bw.TRAIN["linear_std"])
+        real_init(ref, torch.Generator().manual_seed(3 + rt.RESTART_SEED_STRIDE * k), rt.TRAIN["embed_std"],
+                  rt.TRAIN["linear_std"])
         assert all(torch.equal(got[n], v) for n, v in ref.state_dict().items())
 
 
@@ -308,44 +319,60 @@ def test_same_seed_same_weights(tmp_path, monkeypatch):
     """Training is reproducible on one machine: the same seed and code give bit-identical weights
     (one thread, every random draw from a seeded generator); another seed gives other weights."""
     finals = []
-    real_train = bw.train_lm
+    real_train = rt.train_lm
 
     def spy(model, *a, **k):
         hist = real_train(model, *a, **k)
         finals.append({n: v.clone() for n, v in model.state_dict().items()})
         return hist
     monkeypatch.setenv("L27_CHECKPOINTS", str(tmp_path))
-    monkeypatch.setattr(bw, "train_lm", spy)
-    monkeypatch.setattr(bw, "TRAIN", dict(bw.TRAIN, drop_by=25, after_drop=25, attempts=1))
+    monkeypatch.setattr(rt, "train_lm", spy)
+    monkeypatch.setattr(rt, "TRAIN", dict(rt.TRAIN, drop_by=25, after_drop=25, attempts=1))
     for seed in (5, 5, 6):
-        with pytest.raises(bw.TrainingFailed):
-            bw.record_model(seed=seed)
+        with pytest.raises(rt.TrainingFailed):
+            rt.record_model(seed=seed)
     assert all(torch.equal(finals[0][n], finals[1][n]) for n in finals[0])
     assert not all(torch.equal(finals[0][n], finals[2][n]) for n in finals[0])
 
 
 # ------------------------------------------------------------------------------------ selection rules
 def test_blend_counts_of_a_check_layer_and_of_the_flat_schedule():
-    assert bw.blend_counts(100, 0.15, 5, bw.FLAT, check=1) == [100, 15, 15, 15]
-    assert bw.blend_counts(100, 0.15, 5, bw.FLAT) == [15, 15, 15, 15]
-    assert bw.blend_counts(100, 0.2, 4, check=2) == [100, 100, 15]  # after the check: the schedule's 0.75 r N
-    assert bw.blend_counts(100, 1.0, 4, bw.FLAT, check=1) == [100, 100, 100]
+    assert rules.RULES["check-k"].counts(100, 0.15, 5) == [100, 15, 15, 15]
+    assert rules.FLAT.counts(100, 0.15, 5) == [15, 15, 15, 15]
+    check2 = rules.CheckLayer(schedule=bw.PROGRESSIVE.schedule, layer=2)
+    assert check2.counts(100, 0.2, 4) == [100, 100, 15]  # after the check: the schedule's 0.75 r N
+    assert rules.RULES["check-v"].counts(100, 1.0, 4) == [100, 100, 100]
+    assert rules.CheckLayer(layer=5).counts(100, 0.2, 4) == [100, 100, 100]  # a check past the last layer
 
 
 def test_default_rule_is_the_progressive_filter(model, rec):
     a = bw.blend(model, rec, 5, 0.2)
-    assert torch.equal(a, bw.blend(model, rec, 5, 0.2, rule="progressive"))
-    assert not torch.equal(a, bw.blend(model, rec, 5, 0.2, rule="flat"))  # the rule is really read
+    assert rules.RULES["progressive"] is bw.PROGRESSIVE
+    assert torch.equal(a, bw.blend(model, rec, 5, 0.2, rule=bw.Filter((1.25, 1.0, 0.75))))
+    assert not torch.equal(a, bw.blend(model, rec, 5, 0.2, rule=rules.FLAT))  # the rule is really read
 
 
-@pytest.mark.parametrize("rule", list(bw.RULES))
+@torch.no_grad()
+def test_blend_recomputes_what_its_rule_says(model, rec):
+    """blend() asks its rule how many tokens each layer recomputes and which go on: a rule that keeps
+    the n last of the tokens before it recomputes exactly those, layer by layer."""
+    class Last(bw.Filter):
+        def keep(self, score, n):
+            return torch.arange(score.shape[1] - n, score.shape[1]).expand(score.shape[0], n)
+
+    _, tr = bw.blend(model, rec, 5, 0.25, rule=Last(schedule=(1.0, 0.5)), trace=True)
+    want = [list(range(18, 24)), list(range(21, 24)), list(range(21, 24))]  # counts 6, 3, 3 of N = 24
+    assert [t.tolist() for t in tr.recomputed] == [[w] * len(rec.tokens) for w in want]
+
+
+@pytest.mark.parametrize("rule", list(rules.RULES))
 def test_every_rule_is_full_prefill_at_ratio_one(model, rec, rule):
     full = bw.full_prefill(model, rec)
-    assert (bw.blend(model, rec, 3, 1.0, rule=rule) - full).abs().max() <= TOL
+    assert (bw.blend(model, rec, 3, 1.0, rule=rules.RULES[rule]) - full).abs().max() <= TOL
 
 
 def test_flat_rule_at_ratio_zero_is_full_reuse(model, rec):
-    assert (bw.blend(model, rec, 3, 0.0, rule="flat") - bw.full_reuse(model, rec, 3)).abs().max() <= TOL
+    assert (bw.blend(model, rec, 3, 0.0, rule=rules.FLAT) - bw.full_reuse(model, rec, 3)).abs().max() <= TOL
 
 
 @pytest.mark.parametrize("rule,score", [("check-k", "k"), ("check-v", "v"), ("check-kv", "kv")])
@@ -354,7 +381,7 @@ def test_check_rule_keeps_the_set_ranked_at_layer_one(model, rec, rule, score):
     """Layers 0 and 1 are computed in full, so layer 1's K, V are the full prefill's: the set is the top
     ceil(r N) tokens by that deviation from the precomputed K, V, recomputed unchanged at every later layer."""
     r, N = 0.25, bw.DOC_LEN
-    _, tr = bw.blend(model, rec, 3, r, trace=True, rule=rule)
+    _, tr = bw.blend(model, rec, 3, r, rule=rules.RULES[rule], trace=True)
     pre, full = bw.precompute_chunks(model, rec.doc, 3), model(rec.doc)[1]
     dk = (pre.k[1] - full.k[1]).pow(2).sum((1, 3))
     dv = (pre.v[1] - full.v[1]).pow(2).sum((1, 3))
@@ -369,7 +396,7 @@ def test_oracle_patches_the_most_deviated_rows_with_full_prefill(model, rec):
     pre, full = bw.precompute_chunks(model, rec.doc, 3), model(rec.doc)[1]
     dev = bw.kv_deviation(model, rec, 3, pre, full)  # (L, B, N)
     for r, n in [(0.0, 0), (0.25, 6), (1.0, bw.DOC_LEN)]:
-        o = bw.oracle_cache(pre, full, r)
+        o = rules.oracle_cache(pre, full, r)
         for i in range(model.cfg.n_layers):
             top = torch.zeros_like(dev[i], dtype=torch.bool).scatter(1, dev[i].topk(n, 1).indices, True)
             same_full = ((o.k[i] == full.k[i]).all(-1) & (o.v[i] == full.v[i]).all(-1)).all(1)  # (B, N)
@@ -378,4 +405,26 @@ def test_oracle_patches_the_most_deviated_rows_with_full_prefill(model, rec):
     # the oracle's cache moves the answer towards full prefill
     def err(c):
         return float((model(rec.question, cache=c)[0] - bw.full_prefill(model, rec)).abs().mean())
-    assert err(bw.oracle_cache(pre, full, 0.5)) < err(pre)
+    assert err(rules.oracle_cache(pre, full, 0.5)) < err(pre)
+
+
+# ------------------------------------------------------------------------------------ the seed sweep
+def test_seed_sweep_entry_point_reads_the_cached_model(tmp_path):
+    """record_trainer.py --seeds: one row per seed from the cached model (no training here), with the
+    deviation share measured at the sweep's chunk length, and the same rows in --json."""
+    import json
+
+    out = tmp_path / "sweep.json"
+    rt.main(["--seeds", str(rt.SEED), "--no-plot", "--json", str(out)])
+    rows = json.loads(out.read_text())["sweep"]
+    model, meta = rt.record_model()
+    assert [r["seed"] for r in rows] == [rt.SEED] and rows[0]["heldout_acc"] == meta["metrics"]["heldout_acc"]
+    want = bw.deviation_top_share(model, bw.heldout(rt.SWEEP_DOCS), rt.SWEEP_CHUNK_LEN, rt.SWEEP_TOP)
+    assert rows[0]["top_share"] == pytest.approx(want) and rows[0]["top_share"] >= rt.SWEEP_SHARE_BAR
+    t = rt.sweep_table(rows, rt.SWEEP_CHUNK_LEN, rt.SWEEP_DOCS, rt.SWEEP_TOP)
+    assert len(t.rows) == 1 and f"chunks of {rt.SWEEP_CHUNK_LEN}" in t.title
+
+
+def test_seed_sweep_bad_list_is_one_line_exit_2(cli_exit):
+    code, err = cli_exit("record_trainer", "--seeds", "3-1")
+    assert code == 2 and "--seeds" in err and "Traceback" not in err

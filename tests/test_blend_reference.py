@@ -19,7 +19,9 @@ import math
 import pytest
 import torch
 
+import blend_rules as rules
 import blend_world as bw
+import record_trainer as rt
 from common.checkpoints import init_weights
 
 P = bw.PREFIX
@@ -134,7 +136,7 @@ def ref_blend(model, doc, question, ids, sels):
 def model64():
     torch.manual_seed(0)
     m = bw.Llama(bw.model_config()).eval()
-    init_weights(m, torch.Generator().manual_seed(0), bw.TRAIN["embed_std"], bw.TRAIN["linear_std"])
+    init_weights(m, torch.Generator().manual_seed(0), rt.TRAIN["embed_std"], rt.TRAIN["linear_std"])
     return m.double()
 
 
@@ -144,16 +146,18 @@ CASES = {  # chunk ids of a 24-token context: chunks of 5 / a 3-token prefix and
 }
 
 
+@pytest.mark.parametrize("rule", ["progressive", "flat"])
 @pytest.mark.parametrize("ratio", [0.2, 0.5])
 @pytest.mark.parametrize("case", list(CASES))
 @torch.no_grad()
-def test_blend_equals_the_row_by_row_reference(model64, ratio, case):
+def test_blend_equals_the_row_by_row_reference(model64, ratio, case, rule):
     ids = CASES[case]
     rec = bw.sample_records(2, torch.Generator().manual_seed(3), n_questions=3)
-    logits, tr = bw.blend(model64, rec, ids, ratio, trace=True)
-    counts = bw.blend_counts(bw.DOC_LEN, ratio, model64.cfg.n_layers)
+    logits, tr = bw.blend(model64, rec, ids, ratio, rule=rules.RULES[rule], trace=True)
+    counts = rules.RULES[rule].counts(bw.DOC_LEN, ratio, model64.cfg.n_layers)
     assert [s.shape[1] for s in tr.recomputed] == counts
-    assert 0 < counts[-1] < counts[0] < bw.DOC_LEN  # a partial selection, not an endpoint
+    assert 0 < min(counts) and max(counts) < bw.DOC_LEN  # a partial selection, not an endpoint
+    assert counts[-1] < counts[0] if rule == "progressive" else len(set(counts)) == 1
     for b in range(2):
         sels = [s[b].tolist() for s in tr.recomputed]
         ref, dev0, devs = ref_blend(model64, rec.doc[b].tolist(), rec.question[b].tolist(), ids.tolist(), sels)

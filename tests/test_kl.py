@@ -86,7 +86,7 @@ def test_04_city_kl_and_cross_entropies():
     lang = CityLanguage()
     cfg = city_config(lang)
     m = random_model(cfg.vocab_size, 3, std=0.15, d_model=cfg.d_model, n_layers=cfg.n_layers)
-    got = cb._city(m, lang, 6, 0)
+    got = cb.city_losses(cb.city_docs(m, lang, 6, 0, cb.CITY_CHUNKS, cb.CITY_CHUNK_LEN), lang, cb.CITY_CHUNK_LEN)
     # the same inputs as the script draws them
     n_ctx = cb.CITY_CHUNKS * cb.CITY_CHUNK_LEN
     x = lang.sample_text(6, cb.CITY_CHUNKS + 1, torch.Generator().manual_seed(11))
@@ -95,10 +95,10 @@ def test_04_city_kl_and_cross_entropies():
     reuse = m(q, cache=bw.precompute_chunks(m, ctx, cb.CITY_CHUNK_LEN))[0][:, :-1]
     lf, lr = full.log_softmax(-1), reuse.log_softmax(-1)
     expect, swapped = float(reference_kl(lf, lr).mean()), float(reference_kl(lr, lf).mean())
-    assert got["city_kl"] == pytest.approx(expect, rel=1e-4) and abs(expect - swapped) > 1e-3 * expect > 0
+    assert got.kl == pytest.approx(expect, rel=1e-4) and abs(expect - swapped) > 1e-3 * expect > 0
     tgt = q[:, 1:].flatten()
-    assert got["city_ce_full"] == pytest.approx(float(F.cross_entropy(full.flatten(0, 1), tgt)), rel=1e-5)
-    assert got["city_ce_reuse"] == pytest.approx(float(F.cross_entropy(reuse.flatten(0, 1), tgt)), rel=1e-5)
+    assert got.ce_full == pytest.approx(float(F.cross_entropy(full.flatten(0, 1), tgt)), rel=1e-5)
+    assert got.ce_reuse == pytest.approx(float(F.cross_entropy(reuse.flatten(0, 1), tgt)), rel=1e-5)
 
 
 @torch.no_grad()
@@ -127,6 +127,7 @@ def test_blend_real_item_curve_every_method_at_every_ratio():
     and the oracle get a KL at every ratio; at r = 1 every one of them is full prefill (KL 0), and the flat
     rule at r = 0 is full reuse. The greedy answers at `at` are those of the stacked (batched) decode."""
     import blend_real as br
+    import blend_rules
     import blend_world as bw
     m = random_model(50, 4)
     g = torch.Generator().manual_seed(7)
@@ -134,12 +135,12 @@ def test_blend_real_item_curve_every_method_at_every_ratio():
     rd = br.RagDoc(torch.randint(0, 50, (1, len(ids)), generator=g), torch.randint(0, 50, (1, 4), generator=g),
                    ids, None)
     out = br.item_curve(m, rd, ratios=(0.0, 0.3, 1.0), at=0.3, answer_tokens=4, kl_tokens=2)
-    for method in [*bw.RULES, "random", "oracle"]:
+    for method in [*blend_rules.RULES, "random", "oracle"]:
         assert set(out["kl_first"][method]) == set(out["kl_answer"][method]) == {"0", "0.3", "1"}
         assert out["kl_first"][method]["1"] == pytest.approx(0.0, abs=1e-6)
         assert out["kl_answer"][method]["1"] == pytest.approx(0.0, abs=1e-6)
     reuse = out["kl_first"]["full reuse"]["0"]
     assert reuse > 1e-4 and out["kl_first"]["flat"]["0"] == pytest.approx(reuse, rel=1e-4)
-    assert set(out["answers"]) == {"full prefill", "full reuse", *bw.RULES, "random", "oracle"}
+    assert set(out["answers"]) == {"full prefill", "full reuse", *blend_rules.RULES, "random", "oracle"}
     lg, c = m(rd.question, cache=bw.precompute_chunks(m, rd.doc, ids))
     assert out["answers"]["full reuse"] == br.greedy(m, lg[:, -1], c, 4)[0]

@@ -89,7 +89,10 @@ window.__errors = [];
 window.addEventListener('error', e => window.__errors.push(String(e.message || e.target && e.target.src)), true);
 window.addEventListener('load', () => {
   const bad = [...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.alt);
-  const wide = [...document.querySelectorAll('body *')].filter(e => e.getBoundingClientRect().right > 1281)
+  // an element past 1280 px that no scrolling box of its own holds (a wide table may scroll in its box)
+  const held = e => { for (let p = e.parentElement; p; p = p.parentElement)
+                        if (getComputedStyle(p).overflowX !== 'visible') return true; return false; };
+  const wide = [...document.querySelectorAll('body *')].filter(e => e.getBoundingClientRect().right > 1281 && !held(e))
                  .map(e => e.tagName + '.' + e.className).slice(0, 5);
   const out = {errors: window.__errors, images: document.images.length, unrendered: bad,
                scrollWidth: document.documentElement.scrollWidth, wide: wide};

@@ -1,6 +1,6 @@
 """tiers.py (capacity, LRU, hints, write-through, copy-up, longest prefix) and 05_tiered_storage.py
 (the chat simulation, the narrow-waist experiment, the command line)."""
-import importlib.util
+import importlib
 import json
 import subprocess
 import sys
@@ -16,14 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "code" / "lecture27" / "05_tiered_storage.py"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("tiered_storage", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ts = load_script()
+ts = importlib.import_module("05_tiered_storage")
 
 
 # ------------------------------------------------------------------------------------- tiers.py
@@ -161,77 +154,82 @@ def test_a_prefix_is_evicted_from_its_tail():
 
 # ------------------------------------------------------------------------- the chat simulation
 SMALL = dict(users=30, turns=6, rate=20.0, seed=3)
+SERVE = dict(model=ts.MODEL, gpu=ts.GPU, user_tokens=ts.USER_TOKENS, answer_tokens=ts.ANSWER_TOKENS, chunk=ts.CHUNK)
 
 
 def small_configs():
     # scaled down: 30 users x 6 turns x 768 tokens x 128 KiB = 18 GB of history in all
-    return ts.chat_configs(gpu_gb=3.0, cpu_gb=10.0, ssd_gb=100.0)
+    return ts.chat_configs(gpu_gb=3.0, cpu_gb=10.0, cpu_small_gb=2.5, slow=ts.CPU_SLOW_GBPS, fast=ts.CPU_FAST_GBPS,
+                           ssd_gb=100.0, ssd_gbps=ts.SSD_GBPS)
 
 
 def run(name, seed=3):
     trace = ts.chat_trace(**{**SMALL, "seed": seed})
-    return trace, ts.serve(trace, ts.make_store(small_configs()[name]))
+    return trace, ts.serve(trace, ts.make_store(small_configs()[name]), **SERVE)
 
 
 def test_every_request_completes_once_in_order():
     (arrival, user, turn), r = run("cpu_slow")
     n = SMALL["users"] * SMALL["turns"]
-    assert len(arrival) == len(r["finish"]) == n
+    assert len(arrival) == len(r.finish) == n
     assert len(set(zip(user.tolist(), turn.tolist()))) == n              # each (user, turn) once
     for u in range(SMALL["users"]):                                      # turns in order per user
         assert turn[user == u].tolist() == list(range(SMALL["turns"]))
-    assert np.all(np.diff(r["start"]) >= 0) and np.all(r["start"] >= arrival)   # FCFS
-    assert np.all(r["start"][1:] >= r["finish"][:-1] - 1e-12)            # one GPU: no overlap
+    assert np.all(np.diff(r.start) >= 0) and np.all(r.start >= arrival)  # FCFS
+    assert np.all(r.start[1:] >= r.finish[:-1] - 1e-12)                  # one GPU: no overlap
 
 
 def test_ttft_covers_load_and_compute():
     for name in ("gpu_only", "cpu_slow", "cpu_ssd"):
         _, r = run(name)
-        assert np.all(r["ttft"] >= r["load_s"] + r["compute_s"] - 1e-12)
-        assert np.all(r["compute_s"] > 0) and np.all(r["recompute_s"] <= r["compute_s"] + 1e-12)
+        assert np.all(r.ttft >= r.load_s + r.compute_s - 1e-12)
+        assert np.all(r.compute_s > 0) and np.all(r.recompute_s <= r.compute_s + 1e-12)
 
 
 def test_tiers_hit_more_than_gpu_only():
     res = {name: run(name)[1] for name in ("gpu_only", "cpu_slow", "cpu_fast", "cpu_ssd")}
-    assert res["gpu_only"]["hit_rate"] < res["cpu_slow"]["hit_rate"] <= res["cpu_ssd"]["hit_rate"]
-    assert res["cpu_slow"]["hit_rate"] == res["cpu_fast"]["hit_rate"]    # bandwidth changes time only
-    assert res["cpu_fast"]["mean_ttft_s"] < res["cpu_slow"]["mean_ttft_s"]
-    assert res["cpu_ssd"]["hit_rate"] == pytest.approx(1.0)              # the SSD holds everything
-    assert res["gpu_only"]["load_s"].sum() == 0
+    assert res["gpu_only"].hit_rate < res["cpu_slow"].hit_rate <= res["cpu_ssd"].hit_rate
+    assert res["cpu_slow"].hit_rate == res["cpu_fast"].hit_rate          # bandwidth changes time only
+    assert res["cpu_fast"].mean_ttft_s < res["cpu_slow"].mean_ttft_s
+    assert res["cpu_ssd"].hit_rate == pytest.approx(1.0)                 # the SSD holds everything
+    assert res["gpu_only"].load_s.sum() == 0
 
 
 def test_small_write_through_tier_adds_nothing():
     # inclusion: an LRU tier no bigger than the GPU's, written through, never holds what the GPU lacks
     trace = ts.chat_trace(**SMALL)
-    base = ts.serve(trace, ts.make_store({"tiers": [("GPU", 3.0, None)]}))
-    small = ts.serve(trace, ts.make_store({"tiers": [("GPU", 3.0, None), ("CPU", 2.5, 50.0)]}))
-    assert small["hit_rate_per_tier"][1] == 0 and small["mean_ttft_s"] == base["mean_ttft_s"]
+    base = ts.serve(trace, ts.make_store(small_configs()["gpu_only"]), **SERVE)
+    small = ts.serve(trace, ts.make_store(small_configs()["cpu50"]), **SERVE)
+    assert small.hit_rate_per_tier[1] == 0 and small.mean_ttft_s == base.mean_ttft_s
 
 
 def test_same_seed_same_numbers():
     _, a = run("cpu_ssd", seed=5)
     _, b = run("cpu_ssd", seed=5)
     _, c = run("cpu_ssd", seed=6)
-    assert np.array_equal(a["ttft"], b["ttft"]) and a["hit_rate_per_tier"] == b["hit_rate_per_tier"]
-    assert not np.array_equal(a["ttft"], c["ttft"])
+    assert np.array_equal(a.ttft, b.ttft) and a.hit_rate_per_tier == b.hit_rate_per_tier
+    assert not np.array_equal(a.ttft, c.ttft)
+
+
+DOCS = dict(doc_tokens=ts.DOC_TOKENS, oneshot_tokens=ts.ONESHOT_TOKENS, chunk=ts.CHUNK, model=ts.MODEL)
 
 
 def test_hint_hits_at_least_as_often_as_lru():
     for seed in (0, 1):
-        docs = ts.doc_trace(n=600, seed=seed)
-        lru = ts.doc_hit_rate(docs, hinted=False)
-        hinted = ts.doc_hit_rate(docs, hinted=True)
+        docs = ts.doc_trace(600, ts.DOCS, ts.ONESHOT_SHARE, seed)
+        lru = ts.doc_hit_rate(docs, False, ts.DOC_CACHE_GB, **DOCS)
+        hinted = ts.doc_hit_rate(docs, True, ts.DOC_CACHE_GB, **DOCS)
         assert hinted >= lru and hinted > 0.9 and lru < 0.8
-    docs = ts.doc_trace(n=600)
-    assert ts.doc_hit_rate(docs, hinted=True, cache_gb=100) == ts.doc_hit_rate(docs, hinted=False, cache_gb=100)
+    docs = ts.doc_trace(600, ts.DOCS, ts.ONESHOT_SHARE, 0)
+    assert ts.doc_hit_rate(docs, True, 100, **DOCS) == ts.doc_hit_rate(docs, False, 100, **DOCS)
 
 
 def test_handoff_paths_are_sums_of_hops():
-    h = ts.handoff_paths()
-    assert h["bytes"] == 16_000 * 327_680
-    for v in h["paths"].values():
-        assert v["seconds"] == pytest.approx(sum(h["bytes"] / (bw * 1e9) for _, _, bw in v["hops"]))
-    s = {k: v["seconds"] for k, v in h["paths"].items()}
+    h = ts.handoff_paths(ts.HANDOFF_MODEL, ts.HANDOFF_TOKENS, ts.PCIE_GBPS, ts.MEMCPY_GBPS, ts.NET_GBPS)
+    assert h.nbytes == 16_000 * 327_680
+    for r in h.routes.values():
+        assert r.seconds == pytest.approx(sum(h.nbytes / (bw * 1e9) for _, _, bw in r.hops))
+    s = {k: r.seconds for k, r in h.routes.items()}
     assert s["shared_pool"] < s["library_copy"] and s["shared_pool"] < s["remote_pool"]
 
 

@@ -77,7 +77,8 @@ Fmt = str | Callable[[Any], str]
 class Col:
     """A column: its header, how a value is written (a format string such as "{:.3f}", or a function),
     and, for `--json`, the key its values go to: "name" gives a list over the rows (in order, rows whose
-    value is None left out), "name.{row}" or "configs.{row}.hit_rate" a dict keyed by each row's key.
+    value is None left out), "name.{row}" or "configs.{row}.hit_rate" a dict keyed by each row's key,
+    "levels[].accuracy" a list with one dict per row (the columns with keys "levels[]..." fill it).
     `scale` multiplies the value written to JSON (for example bytes on screen, GB in JSON: 1e-9)."""
     header: str
     fmt: Fmt = "{}"
@@ -159,6 +160,16 @@ def why_notes(t: Table) -> list[str]:
     return seen
 
 
+# ----------------------------------------------------------------------------- sentences from numbers
+def change(before, after, fmt: str = "{}") -> str:
+    """How a figure moved, in the words its printed values allow: 'rises (a -> b)', 'falls (a -> b)', or
+    'stays at a' when both print the same. A sentence built on it cannot say "rises (0% -> 0%)"."""
+    a, b = fmt.format(before), fmt.format(after)
+    if a == b:
+        return f"stays at {a}"
+    return f"{'rises' if after > before else 'falls'} ({a} -> {b})"
+
+
 # ----------------------------------------------------------------------------- renderer 1: text
 def render_text(t: Table) -> str:
     headers, body = grid(t)
@@ -208,8 +219,9 @@ def plain(x):
     return x
 
 
-def _put(out: dict, path: str, value) -> None:
-    *heads, last = path.split(".")
+def _put(out: dict, path: str | list, value) -> None:
+    """Set out[a][b][c] for the path "a.b.c" (or the list [a, b, c], whose parts may hold dots)."""
+    *heads, last = path.split(".") if isinstance(path, str) else path
     d = out
     for h in heads:
         d = d.setdefault(h, {})
@@ -229,10 +241,15 @@ def table_json(t: Table) -> dict:
         if c.key is None:
             continue
         values = [(r, r.cells[j].value if isinstance(r.cells[j], Val) else r.cells[j]) for r in t.rows]
-        if "{row}" in c.key:
+        if "[]." in c.key:
+            name, sub = c.key.split("[].", 1)
+            for d, (_, v) in zip(out.setdefault(name, [{} for _ in values]), values):
+                d[sub] = plain(_scaled(v, c.scale))
+        elif "{row}" in c.key:
             for r, v in values:
                 if r.key is not None:
-                    _put(out, c.key.replace("{row}", r.key), plain(_scaled(v, c.scale)))
+                    # a row's key may hold dots (a model named "llama-3.1-8b"): it stays one part of the path
+                    _put(out, [p.replace("{row}", r.key) for p in c.key.split(".")], plain(_scaled(v, c.scale)))
         else:
             _put(out, c.key, [plain(_scaled(v, c.scale)) for _, v in values if v is not None])
     for r in t.rows:
@@ -355,10 +372,16 @@ class Page:
         self.blocks.append({"kind": "text", "text": text})
 
     def table(self, t: Table) -> Table:
+        if self.blocks and self.blocks[-1]["kind"] in ("table", "text"):
+            print()  # a blank line between a table and what came before it, unless that was a heading
         print(render_text(t))
         self.blocks.append(table_block(t))
         self.tables.append(t)
         return t
+
+    def texts(self) -> list[str]:
+        """Every sentence on the page, as printed: headings, table titles and notes, paragraphs."""
+        return [x for b in self.blocks for x in [b.get("title"), b.get("text"), *b.get("notes", [])] if x]
 
     def data(self, **keys) -> None:
         """`--json` keys that no table holds (for example a setup the headings state)."""

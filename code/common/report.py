@@ -28,13 +28,14 @@ h3 { font-size: 16px; margin: 22px 0 6px; } h3.exercise { color: #7a3e00; }
 .facts { font-size: 13px; color: #333; } .facts td { padding: 1px 10px 1px 0; vertical-align: top; }
 .whatif { background: #fff3cd; border: 1px solid #e0c36a; padding: 6px 10px; margin: 8px 0; font-size: 14px; }
 .pair { display: flex; flex-wrap: wrap; gap: 18px; align-items: flex-start; margin: 10px 0 16px; }
-.tbl { flex: 1 1 560px; min-width: 0; max-width: 100%; overflow-x: auto; }
-.fig { flex: 0 1 560px; max-width: 100%; } .fig img { width: 100%; height: auto; border: 1px solid #ddd; }
+.tbls { flex: 1 1 600px; min-width: 0; max-width: 100%; } .tbl { overflow-x: auto; margin-bottom: 12px; }
+.figs { flex: 0 1 540px; max-width: 100%; } .figs img { width: 100%; height: auto; border: 1px solid #ddd; }
 table.data { border-collapse: collapse; font-size: 13px; font-variant-numeric: tabular-nums; }
 table.data caption { text-align: left; font-weight: 600; padding-bottom: 4px; }
 table.data th, table.data td { border-bottom: 1px solid #e4e4e4; padding: 2px 8px; text-align: right;
                                white-space: nowrap; }
 table.data th:first-child, table.data td:first-child { text-align: left; white-space: normal; }
+table.prose th, table.prose td { white-space: normal; text-align: left; }
 table.data th { background: #f3f3f3; } td.handout { background: #eef5ff; } tr.differs td.handout { background: #ffe9d6; }
 .src { font-size: 12px; color: #666; } .src code { font-size: 12px; }
 .note { font-size: 13px; margin: 2px 0; } .why { font-size: 13px; margin: 2px 0; color: #8a3b00; }
@@ -95,7 +96,8 @@ def table_html(b: dict) -> str:
                  for i, c in enumerate(r)]
         rows.append('<tr class="differs">' if differs else "<tr>")
         rows.append("".join(cells) + "</tr>")
-    parts = [f'<table class="data"><caption>{esc(b["title"])}</caption><thead><tr>{head}</tr></thead>'
+    prose = any(len(str(c)) > 40 for r in b["rows"] for c in r[1:])  # sentences in the cells: let them wrap
+    parts = [f'<table class="data{" prose" if prose else ""}"><caption>{esc(b["title"])}</caption><thead><tr>{head}</tr></thead>'
              f'<tbody>{"".join(rows)}</tbody></table>']
     parts += [f'<p class="note">{esc(t)}</p>' for t in b.get("notes", [])]
     parts += [f'<p class="why">* where ours differs from the handout: {esc(w)}</p>' for w in b.get("why", [])]
@@ -131,8 +133,9 @@ def section_html(rec: dict) -> str:
                 figs.append(blocks[i])
                 i += 1
             tbl = "".join(f'<div class="tbl">{table_html(t)}</div>' for t in tables)
-            fig = "".join(f'<div class="fig">{image_tag(f["path"])}</div>' for f in figs)
-            out.append(f'<div class="pair">{tbl}{fig}</div>')
+            fig = "".join(f'<p>{image_tag(f["path"])}</p>' for f in figs)
+            out.append(f'<div class="pair"><div class="tbls">{tbl}</div>'
+                       + (f'<div class="figs">{fig}</div>' if figs else "") + '</div>')
             continue
         i += 1
     return "\n".join(out)

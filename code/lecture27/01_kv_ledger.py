@@ -16,14 +16,15 @@ Every figure is computed here; the "handout" column is the reference the handout
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ledger  # noqa: E402
 from common import timemodel as tm  # noqa: E402
-from common.cli import (Parser, figure_path, nonneg_float, positive_float, positive_int, fraction, say, table,  # noqa: E402
-                        write_json)
+from common.cli import Parser, fraction, nonneg_float, positive_float, positive_int, settings_from  # noqa: E402
+from common.present import DASH, Handout, Page, Ref, Row, Table, Val, cols  # noqa: E402
 
 K = 1024
 # ---- Part 1 and exercise 1
@@ -50,249 +51,292 @@ NODES, YEARS = 1000, 3           # slides p.9
 STORE_CONTEXT = 10_000           # Part 3b: "a 10K-token context"
 ECON_CONTEXTS = [1 * K, 4 * K, 10_000, 32 * K, 128 * K]
 
-# The handout's figures, printed beside ours (reference only; nothing below is computed from them)
-HANDOUT = {
-    "kib": {"llama-3.1-8b": "128 KiB", "llama-3.1-70b": "320 KiB", "llama-2-7b": "512 KiB",
-            "deepseek-r1": "68.6 KiB", "city": "512 B (FP16)", "record": "512 B (FP16)"},
-    "70b_32k": "10.7 GB", "day_tb": "15.9 TB (slides: ~15 TB)", "recompute_16k": "0.97 s",
-    "breakeven": "4-6 GB/s", "ex2_gbit": "14.4 Gb/s", "breakeven_pct": "1.06%", "savings": "$33M",
-    "storage": "~$4M", "navigation": "$29M", "ctx10k": ("3.3 GB", "$0.0005", "$0.0026", "0.19"),
-    "ex1_per_token": "327,680 B = 320 KiB",
-}
-# The inputs the handout's figures hold for (a figure is printed only when the run's inputs are these)
-HANDOUT_SLIDES = {"gpu_hour_usd": 2.0, "gpus_per_node": 8, "storage_tb_per_node": 1.0,
-                  "storage_usd_per_tb_hour": 0.15, "hit_saves": 0.88, "hit_rate": 0.10, "nodes": 1000, "years": 3}
-HANDOUT_DAY = {"model": "deepseek-r1", "tokens_per_s": 2625}
-HANDOUT_STORE_CONTEXT = 10_000
+
+@dataclass(frozen=True)
+class Settings:
+    """One run's inputs: the constants above, as the command line left them (field = constant's name)."""
+    model: str
+    context: int
+    bytes_per_value: float
+    size_contexts: list
+    day_model: str
+    day_gpu: str
+    day_tokens_per_s: float
+    gpu: str
+    n_gpus: int
+    contexts: list
+    recompute_context: int
+    compression: float
+    gpu_hour_usd: float
+    gpus_per_node: int
+    storage_tb_per_node: float
+    storage_usd_per_tb_hour: float
+    hit_saves: float
+    hit_rate: float
+    nodes: int
+    years: float
+    store_context: int
+    econ_contexts: list
 
 
-# ------------------------------------------------------------------------------------- calculators
-def part1(bpv, contexts):
-    rows = {}
-    for key, m in tm.MODELS.items():
-        rows[key] = {**ledger.kv_layout(m), "tag": m.tag, "name": m.name,
-                     "bytes_per_token": tm.kv_bytes_per_token(m, bpv),
-                     "sizes": {n: ledger.kv_bytes(m, n, bpv) for n in contexts}}
-    day = ledger.gpu_day_bytes(DAY_MODEL, DAY_TOKENS_PER_S, bpv)
-    return rows, day
+# The handout's figures printed beside ours, each with the inputs it holds for: a figure shows only when
+# the run's settings are these. Nothing is computed from them.
+BF16, L70B = {"bytes_per_value": 2}, {"model": "llama-3.1-70b", "gpu": "H100", "n_gpus": 8}  # L70B: Parts 2-3
+P9 = {"gpu_hour_usd": 2.0, "gpus_per_node": 8, "storage_tb_per_node": 1.0, "storage_usd_per_tb_hour": 0.15,
+      "hit_saves": 0.88, "hit_rate": 0.10, "nodes": 1000, "years": 3}   # the slides' account (p.9; 0.88 is ours)
+HANDOUT = Handout({
+    **{f"kib.{m}": Ref(f, BF16) for m, f in [("llama-3.1-8b", "128 KiB"), ("llama-3.1-70b", "320 KiB"), ("llama-2-7b",
+       "512 KiB"), ("deepseek-r1", "68.6 KiB"), ("city", "512 B (FP16)"), ("record", "512 B (FP16)")]},
+    "day_kib": Ref("68.6 KiB", {**BF16, "day_model": "deepseek-r1"}),
+    "day_tb": Ref("15.9 TB (slides: ~15 TB)", {**BF16, "day_model": "deepseek-r1", "day_tokens_per_s": 2625}),
+    "ex1_per_token": Ref("327,680 B = 320 KiB", {**BF16, "model": "llama-3.1-70b"}),
+    "ex1_context": Ref("10.7 GB", {**BF16, "model": "llama-3.1-70b", "context": 32 * K}),
+    "recompute_16k": Ref("0.97 s", L70B), "breakeven": Ref("4-6 GB/s", {**L70B, **BF16}),  # over 4K-64K tokens
+    "ex2": Ref("14.4 Gb/s", {**L70B, **BF16, "compression": 3.0, "recompute_context": 16 * K},
+               "it takes the bytes of 16,000 tokens but the time of 16K = 16,384; either length alone gives ours"),
+    "breakeven_pct": Ref("1.06%", {k: P9[k] for k in P9 if k not in ("hit_rate", "nodes", "years")}),
+    "storage": Ref("~$4M", {k: P9[k] for k in ("storage_tb_per_node", "storage_usd_per_tb_hour", "nodes", "years")}),
+    "savings": Ref("$33M", P9), "navigation": Ref("$29M", P9), "ctx10k": Ref("3.3 GB, $0.0005, $0.0026, 0.19", {
+        **L70B, **BF16, "gpu_hour_usd": 2.0, "storage_usd_per_tb_hour": 0.15, "store_context": 10_000}),
+})
 
 
-def part2(model, gpu, n_gpus, contexts, recompute_ctx, compression, bpv):
-    rows = ledger.fetch_or_recompute(model, gpu, n_gpus, contexts, ledger.TIERS, 1.0, bpv)
-    ex2 = {"context": recompute_ctx, "recompute_s": tm.prefill_time(model, gpu, recompute_ctx, 0, n_gpus),
-           "raw_bytes": ledger.kv_bytes(model, recompute_ctx, bpv),
-           "threshold_bytes_per_s": ledger.breakeven_bandwidth(model, gpu, recompute_ctx, n_gpus, compression, bpv)}
-    return rows, ex2
+def handout(name: str, s: Settings):
+    """The handout's figure `name` for this run's settings, or "-" (no such figure, or other inputs)."""
+    return (HANDOUT(name, s) if name in HANDOUT.refs else None) or DASH
 
 
-def part3(a, bpv):
-    slides = ledger.slides_economics(a.gpu_hour_usd, GPUS_PER_NODE, STORAGE_TB_PER_NODE, a.storage_usd_per_tb_hour,
-                                 a.hit_saves, a.hit_rate, a.nodes, a.years)
-    ours = [ledger.context_economics(a.model, a.gpu, a.n_gpus, n, a.gpu_hour_usd, a.storage_usd_per_tb_hour, bpv)
-            for n in sorted(set(ECON_CONTEXTS + [STORE_CONTEXT]))]
-    return slides, ours
+# ------------------------------------------------------------------------------------- Part 1
+@dataclass(frozen=True)
+class ModelKV:
+    key: str
+    name: str
+    tag: str
+    layout: ledger.Layout
+    bytes_per_token: int
+    sizes: dict                  # context length -> KV bytes
 
 
-# ---------------------------------------------------------------------------------------- printing
+@dataclass(frozen=True)
+class Sizes:
+    models: list                 # one ModelKV per model of common/timemodel.py
+    day_bytes_per_token: int     # DAY_MODEL's KV per token
+    day_bytes: float             # KV one DAY_GPU makes in a day
+    ex1_bytes_per_token: int     # exercise 1: MODEL
+    ex1_bytes: int               # exercise 1: MODEL x CONTEXT
+    llama70b_32k_bytes: int      # the spec's headline, whatever MODEL is
+    curve_contexts: list         # the figure's x axis
+    curves: dict                 # model key -> KV bytes at each curve context
+
+
+def kv_sizes(s: Settings) -> Sizes:
+    bpv = s.bytes_per_value
+    models = [ModelKV(k, m.name, m.tag, ledger.kv_layout(m), tm.kv_bytes_per_token(m, bpv),
+                      {n: ledger.kv_bytes(m, n, bpv) for n in s.size_contexts}) for k, m in tm.MODELS.items()]
+    curve = [2 ** i for i in range(7, 18)]  # 128 .. 128K tokens
+    return Sizes(models, day_bytes_per_token=tm.kv_bytes_per_token(s.day_model, bpv),
+                 day_bytes=ledger.gpu_day_bytes(s.day_model, s.day_tokens_per_s, bpv),
+                 ex1_bytes_per_token=tm.kv_bytes_per_token(s.model, bpv),
+                 ex1_bytes=ledger.kv_bytes(s.model, s.context, bpv),
+                 llama70b_32k_bytes=ledger.kv_bytes("llama-3.1-70b", 32 * K, bpv), curve_contexts=curve,
+                 curves={k: [ledger.kv_bytes(m, n, bpv) for n in curve] for k, m in tm.MODELS.items()})
+
+
+# ------------------------------------------------------------------------------------- Part 2
+@dataclass(frozen=True)
+class FetchOrRecompute:
+    rows: list                   # one ledger.FetchRow per context of CONTEXTS
+    recompute_16k_s: float       # the handout's 16K tokens, whatever CONTEXTS holds
+    ex2_recompute_s: float       # exercise 2: RECOMPUTE_CONTEXT tokens
+    ex2_raw_bytes: int
+    ex2_threshold_bytes_per_s: float  # break-even bandwidth of the KV compressed COMPRESSION x
+    curve_contexts: list         # the figure: break-even raw and compressed
+    curve_raw: list
+    curve_compressed: list
+
+
+def fetch_or_recompute(s: Settings) -> FetchOrRecompute:
+    m, g, n, bpv = s.model, s.gpu, s.n_gpus, s.bytes_per_value
+    curve = [2 ** i for i in range(9, 18)]  # 512 .. 128K tokens
+    return FetchOrRecompute(
+        rows=ledger.fetch_or_recompute(m, g, n, s.contexts, bpv, 1.0),
+        recompute_16k_s=tm.prefill_time(m, g, 16 * K, 0, n),
+        ex2_recompute_s=tm.prefill_time(m, g, s.recompute_context, 0, n),
+        ex2_raw_bytes=ledger.kv_bytes(m, s.recompute_context, bpv),
+        ex2_threshold_bytes_per_s=ledger.breakeven_bandwidth(m, g, s.recompute_context, n, bpv, s.compression),
+        curve_contexts=curve, curve_raw=[ledger.breakeven_bandwidth(m, g, c, n, bpv, 1.0) for c in curve],
+        curve_compressed=[ledger.breakeven_bandwidth(m, g, c, n, bpv, s.compression) for c in curve])
+
+
+# ------------------------------------------------------------------------------------- Part 3
+@dataclass(frozen=True)
+class Worth:
+    slides: ledger.SlidesAccount
+    ours: list                   # one ledger.ContextAccount per context, ECON_CONTEXTS and STORE_CONTEXT
+
+
+def is_storing_worth_it(s: Settings) -> Worth:
+    slides = ledger.slides_economics(s.gpu_hour_usd, s.gpus_per_node, s.storage_tb_per_node,
+                                     s.storage_usd_per_tb_hour, s.hit_saves, s.hit_rate, s.nodes, s.years)
+    ours = [ledger.context_economics(s.model, s.gpu, s.n_gpus, n, s.gpu_hour_usd, s.storage_usd_per_tb_hour,
+                                     s.bytes_per_value) for n in sorted(set(s.econ_contexts + [s.store_context]))]
+    return Worth(slides, ours)
+
+
+# ------------------------------------------------------------------------------------- presenting
 def fmt_bytes(n):
-    for unit, s in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= s:
-            return f"{n / s:.1f} {unit}"
-    return f"{n:.0f} B"
+    unit, scale = next((u, x) for u, x in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 0)) if n >= x)
+    return f"{n / scale:.1f} {unit}" if scale else f"{n:.0f} B"
 
 
 def ctx_name(n):
     return f"{n // K}K" if n % K == 0 else f"{n / 1000:g}k"
 
 
-def print_part1(rows, day, a):
-    bf16 = a.bytes_per_value == 2
-    print(f"\n== Part 1 (§1.2). KV size ({'BF16; FP16 for the small models' if bf16 else f'{a.bytes_per_value:g} bytes per value'}) "
-          + "=" * 40)
-    body = []
-    for key, r in rows.items():
-        heads = f"latent {r['mla_latent']}" if r["mla_latent"] else str(r["kv_heads"])
-        body.append([r["name"], r["tag"], r["layers"], heads, r["head_dim"] or "-", f"{r['bytes_per_token']:,}",
-                     f"{r['bytes_per_token'] / 1024:.1f}"] + [fmt_bytes(b) for b in r["sizes"].values()]
-                    + [HANDOUT["kib"].get(key, "-") if bf16 else "-"])
-    print(table(["model", "attention", "layers", "KV heads", "hd", "B/token", "KiB/tok"]
-                + [ctx_name(n) for n in SIZE_CONTEXTS] + ["handout"], body))
-    say("  (KV heads x head dim (hd) x 2 (K and V) x layers x 2 bytes; MLA caches one latent + one RoPE key per layer)")
-
-    per_tok = tm.kv_bytes_per_token(DAY_MODEL, a.bytes_per_value)
-    print(f"\nOne GPU's day (§1.2): {tm.GPUS[DAY_GPU].name} serving {tm.MODELS[DAY_MODEL].name} at {DAY_TOKENS_PER_S:,} tokens/s")
-    print(table(["quantity", "ours", "handout"], [
-        ["KV per token", f"{per_tok / 1024:.1f} KiB ({per_tok:,} B)",
-         HANDOUT["kib"]["deepseek-r1"] if bf16 and DAY_MODEL == HANDOUT_DAY["model"] else "-"],
-        ["KV per day (decimal TB)", f"{day / 1e12:.1f} TB",
-         HANDOUT["day_tb"] if bf16 and (DAY_MODEL, DAY_TOKENS_PER_S) == tuple(HANDOUT_DAY.values()) else "-"],
-        ["KV per day (binary TiB)", f"{day / 2**40:.1f} TiB", "-"],
-    ]))
-
-    b = tm.kv_bytes_per_token(a.model, a.bytes_per_value)
-    is_ref = a.model == "llama-3.1-70b" and a.context == 32 * K and a.bytes_per_value == 2
-    print(f"\nExercise 1 (§1.2, §10): {tm.MODELS[a.model].name}, {a.context:,} tokens, {a.bytes_per_value} bytes/value")
-    print(table(["quantity", "ours", "handout"], [
-        ["KV bytes per token", f"{b:,} B = {b / 1024:g} KiB", HANDOUT["ex1_per_token"] if is_ref else "-"],
-        [f"KV of {a.context:,} tokens", fmt_bytes(b * a.context), HANDOUT["70b_32k"] if is_ref else "-"],
-    ]))
+def quantities(title: str, section: str, source: str, *rows, notes=()) -> Table:
+    """A table of (quantity, our value, the handout's figure or "-") rows."""
+    return Table(title, section, cols("quantity", "ours"), [Row([q, v], h) for q, v, h in rows], source, list(notes))
 
 
-def print_part2(rows, ex2, a):
-    g, m = tm.GPUS[a.gpu], tm.MODELS[a.model]
-    print(f"\n== Part 2 (§1.3, §1.4). Fetch or recompute: {m.name} on {a.n_gpus} x {g.name} " + "=" * 30)
-    say(f"time model: MFU {tm.MFU:.3f} (fitted to {tm.ANCHOR_1GPU[0]} {tm.ANCHOR_1GPU[2]:,} tokens on 1 {tm.ANCHOR_1GPU[1]} "
-        f"= {tm.ANCHOR_1GPU[4]} s), TP all-reduce efficiency {tm.TP_COMM_EFFICIENCY:.3f} (fitted to "
-        f"{tm.ANCHOR_TP[0]} {tm.ANCHOR_TP[2]:,} tokens on {tm.ANCHOR_TP[3]} {tm.ANCHOR_TP[1]} = {tm.ANCHOR_TP[4]} s)")
-    print("tiers: " + ", ".join(f"{k} {bw / 1e9:g} GB/s" for k, bw in ledger.TIERS.items()))
-    is_ref = a.model == "llama-3.1-70b" and a.gpu == "H100" and a.n_gpus == 8
-    body = []
-    for r in rows:
-        ref = []
-        if is_ref and r["context"] == 16 * K:
-            ref.append(HANDOUT["recompute_16k"])
-        if is_ref and a.bytes_per_value == 2 and 4 * K <= r["context"] <= 64 * K:
-            ref.append(HANDOUT["breakeven"])
-        body.append([ctx_name(r["context"]), fmt_bytes(r["kv_bytes"]), f"{r['recompute_s']:.3f}",
-                     f"{r['breakeven_bytes_per_s'] / 1e9:.2f}"]
-                    + [f"{t:.3f}" + ("*" if t > r["recompute_s"] else " ") for t in r["fetch_s"].values()]
-                    + [", ".join(ref) or "-"])
-    print(table(["context", "KV", "recompute s", "break-even"] + list(ledger.TIERS) + ["handout"], body,
-                "break-even: GB/s at which fetching the KV takes as long as recomputing it; then the seconds to fetch "
-                "it from each tier"))
-    print("  * slower than recomputing: storing it there was wasted")
-
-    thr = ex2["threshold_bytes_per_s"]
-    is_ref2 = is_ref and a.compression == 3 and a.recompute_context == 16 * K and a.bytes_per_value == 2
-    print(f"\nExercise 2 (§1.4, §10): {ex2['context']:,} tokens, KV {fmt_bytes(ex2['raw_bytes'])} compressed {a.compression:g}x "
-          f"-> {fmt_bytes(ex2['raw_bytes'] / a.compression)}, recompute {ex2['recompute_s']:.3f} s")
-    print(table(["quantity", "ours", "handout"], [
-        ["break-even bandwidth (raw KV)", f"{ex2['raw_bytes'] / ex2['recompute_s'] / 1e9:.2f} GB/s", "-"],
-        ["break-even bandwidth (compressed)", f"{thr / 1e9:.2f} GB/s = {thr * 8 / 1e9:.1f} Gb/s",
-         HANDOUT["ex2_gbit"] if is_ref2 else "-"],
-    ]))
-    if is_ref2:
-        say("  (the handout's 14.4 takes the bytes of 16,000 tokens but the time of 16K = 16,384; "
-            "either length alone gives the figure above)")
-
-
-def print_part3(slides, ours, a):
-    print("\n== Part 3 (§1.3). Is storing KV worth it? " + "=" * 47)
-    print("(a) the slides' account. Assumptions:")
-    print(table(["assumption", "value", "source"], [
-        ["GPU price", f"${a.gpu_hour_usd:g}/GPU-hour x {GPUS_PER_NODE} GPUs = ${slides['node_usd_per_h']:g}/node-hour", "slides p.9"],
-        ["storage", f"{STORAGE_TB_PER_NODE:g} TB/node at ${a.storage_usd_per_tb_hour:g}/TB-hour", "slides p.9"],
-        ["a hit saves", f"{a.hit_saves:.0%} of the request's GPU time", "ours: what makes 1.06%"],
-        ["hit rate, fleet, period", f"{a.hit_rate:.0%}, {a.nodes:,} nodes, {a.years:g} years = {slides['hours']:,.0f} h", "slides p.9"],
-    ]))
-    M = 1e6
-    slides_inputs = {"gpu_hour_usd": a.gpu_hour_usd, "gpus_per_node": GPUS_PER_NODE,
-                     "storage_tb_per_node": STORAGE_TB_PER_NODE, "storage_usd_per_tb_hour": a.storage_usd_per_tb_hour,
-                     "hit_saves": a.hit_saves, "hit_rate": a.hit_rate, "nodes": a.nodes, "years": a.years}
-    h = HANDOUT if slides_inputs == HANDOUT_SLIDES else {k: "-" for k in HANDOUT}
-    print(table(["quantity", "ours", "handout"], [
-        ["break-even hit rate if a hit saves 100%", f"{slides['breakeven_if_hit_saves_all']:.2%}", "-"],
-        [f"break-even hit rate (a hit saves {a.hit_saves:.0%})", f"{slides['breakeven_hit_rate']:.2%}", h["breakeven_pct"]],
-        ["GPU time saved (gross)", f"${slides['gpu_time_saved_usd'] / M:.1f}M", "-"],
-        ["storage paid", f"${slides['storage_usd'] / M:.1f}M", h["storage"]],
-        ["reading 1 (§1.3): saved net of storage", f"${slides['net_usd'] / M:.1f}M", h["savings"]],
-        ["reading 2 (navigation): net read as gross, minus storage again",
-         f"${slides['net_if_33m_read_as_gross_usd'] / M:.1f}M", h["navigation"]],
-    ]))
-    print("  The two readings disagree: the $33M of §1.3 is already net of storage; the navigation paragraph's\n"
-          "  $29M subtracts the storage from it a second time.")
-
-    m = tm.MODELS[a.model]
-    print()
-    say(f"(b) our account: {m.name} on {a.n_gpus} x {tm.GPUS[a.gpu].name} at ${a.gpu_hour_usd:g}/GPU-hour, "
-        f"storage ${a.storage_usd_per_tb_hour:g}/TB-hour; a hit saves the recompute")
-    is_ref = a.model == "llama-3.1-70b" and a.gpu == "H100" and a.n_gpus == 8 and a.bytes_per_value == 2 \
-        and a.gpu_hour_usd == HANDOUT_SLIDES["gpu_hour_usd"] \
-        and a.storage_usd_per_tb_hour == HANDOUT_SLIDES["storage_usd_per_tb_hour"]
-    body = []
-    for r in ours:
-        ref = ", ".join(HANDOUT["ctx10k"]) if (is_ref and r["context"] == HANDOUT_STORE_CONTEXT) else "-"
-        body.append([f"{r['context']:,}", fmt_bytes(r["kv_bytes"]), f"{r['storage_usd_per_h']:.5f}",
-                     f"{r['recompute_s']:.3f}", f"{r['hit_saves_usd']:.5f}", f"{r['breakeven_hits_per_h']:.3f}",
-                     f"{r['breakeven_hits_per_h'] * 168:.1f}", ref])
-    print(table(["context", "KV", "storage $/h", "recompute s", "hit saves $", "break-even hits/h",
-                 "hits/week", "handout"], body))
-    print("  longer contexts pay off sooner: recompute grows faster than linearly (attention), storage linearly.")
-    say("  (the slides' 'a cached prompt reused 2-3 times a week' depends on a request mix they do not give;"
-        " this account needs the weekly hits above)")
+def show_sizes(page: Page, r: Sizes, s: Settings) -> None:
+    bpv, by = s.bytes_per_value, {m.key: m for m in r.models}
+    page.part("Part 1", "§1.2", "KV size (" + ("BF16; FP16 for the small models" if bpv == 2 else
+                                              f"{bpv:g} bytes per value") + ")")
+    page.table(Table("", "§1.2", cols("model", "attention", "layers", "KV heads", "hd", ("B/token", "{:,}",
+                                      "bytes_per_token.{row}"), ("KiB/tok", "{:.1f}"),
+                                      *[(ctx_name(n), fmt_bytes) for n in s.size_contexts]),
+                     [Row([m.name, m.tag, m.layout.layers, m.layout.kv_heads or f"latent {m.layout.mla_latent}",
+                           m.layout.head_dim, m.bytes_per_token, m.bytes_per_token / 1024, *m.sizes.values()],
+                          handout(f"kib.{m.key}", s), m.key) for m in r.models], "01_kv_ledger.kv_sizes",
+                     [f"(KV heads x head dim (hd) x 2 (K and V) x layers x {bpv:g} bytes; MLA caches one latent + one "
+                      "RoPE key per layer)"], {"llama31_70b_bytes_per_token": by["llama-3.1-70b"].bytes_per_token,
+                                                "llama31_70b_32k_gb": r.llama70b_32k_bytes / 1e9,
+                                                "deepseek_r1_kib_per_token": by["deepseek-r1"].bytes_per_token / 1024}))
+    tok, day, b = r.day_bytes_per_token, r.day_bytes, r.ex1_bytes_per_token
+    page.table(quantities(f"\nOne GPU's day (§1.2): {tm.GPUS[s.day_gpu].name} serving {tm.MODELS[s.day_model].name} "
+                          f"at {s.day_tokens_per_s:,} tokens/s", "§1.2", "ledger.gpu_day_bytes",
+                          ("KV per token", f"{tok / 1024:.1f} KiB ({tok:,} B)", handout("day_kib", s)),
+                          ("KV per day (decimal TB)", Val(f"{day / 1e12:.1f} TB", "gpu_day_tb", json=day / 1e12),
+                           handout("day_tb", s)), ("KV per day (binary TiB)", f"{day / 2**40:.1f} TiB", DASH)))
+    page.exercise(1, "§1.2", f"{tm.MODELS[s.model].name}, {s.context:,} tokens, {bpv:g} bytes/value")
+    page.table(quantities("", "§1.2", "01_kv_ledger.kv_sizes", ("KV bytes per token", Val(
+        f"{b:,} B = {b / 1024:g} KiB", "ex1_bytes_per_token", json=b), handout("ex1_per_token", s)),
+        (f"KV of {s.context:,} tokens", Val(fmt_bytes(r.ex1_bytes), "ex1_context_gb", json=r.ex1_bytes / 1e9),
+         handout("ex1_context", s))))
+    with page.figure("01_kv_size.png") as (fig, ax):
+        if ax is None:
+            return
+        seen = {}  # models with the same KV layout draw the same line: dash the second one
+        for m in r.models:
+            first = seen.setdefault(m.bytes_per_token, m.name)
+            ax.plot(r.curve_contexts, r.curves[m.key], "-" if first == m.name else "--", marker=".",
+                    label=f"{m.name} ({m.tag.split(',')[0]})" + ("" if first == m.name else f" = {first}"))
+        ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="KV bytes",
+               title="KV size vs context length (handout §1.2)")
+        ax.legend(fontsize=7)
 
 
-# ----------------------------------------------------------------------------------------- figures
-def plot(a, bpv):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ctx = [2 ** i for i in range(7, 18)]  # 128 .. 128K tokens
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    seen = {}  # models with the same KV layout draw the same line: dash the second one
-    for m in tm.MODELS.values():
-        b = tm.kv_bytes_per_token(m, bpv)
-        label = f"{m.name} ({m.tag.split(',')[0]})" + (f" = {seen[b]}" if b in seen else "")
-        ax.plot(ctx, [ledger.kv_bytes(m, n, bpv) for n in ctx], "--" if b in seen else "-", marker=".", label=label)
-        seen.setdefault(b, m.name)
-    ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="KV bytes",
-           title="KV size vs context length (handout §1.2)")
-    ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=7)
-    p1 = figure_path("01_kv_size.png")
-    fig.tight_layout(); fig.savefig(p1, dpi=120); plt.close(fig)
-
-    ctx = [2 ** i for i in range(9, 18)]  # 512 .. 128K
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(ctx, [ledger.breakeven_bandwidth(a.model, a.gpu, n, a.n_gpus, 1.0, bpv) / 1e9 for n in ctx],
-            "k-o", label="break-even (raw KV)")
-    ax.plot(ctx, [ledger.breakeven_bandwidth(a.model, a.gpu, n, a.n_gpus, a.compression, bpv) / 1e9 for n in ctx],
-            "k--", label=f"break-even ({a.compression:g}x compressed)")
-    for (name, bw), c in zip(ledger.TIERS.items(), ["C0", "C1", "C2", "C3"]):
-        ax.axhline(bw / 1e9, color=c, lw=1.5, label=f"{name} ({bw / 1e9:g} GB/s)")
-    ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="GB/s",
-           title=f"A tier above the black line fetches faster than recomputing\n{tm.MODELS[a.model].name}, {a.n_gpus} x {a.gpu} (handout §1.4)")
-    ax.grid(True, which="major", alpha=0.3)
-    ax.set_ylim(0.5, 2000)
-    ax.legend(fontsize=7, loc="upper center", ncol=2)
-    p2 = figure_path("01_breakeven_bandwidth.png")
-    fig.tight_layout(); fig.savefig(p2, dpi=120); plt.close(fig)
-    return p1, p2
+def row_handout(n: int, s: Settings) -> str:
+    """The handout's figures beside the row of n tokens: 0.97 s at 16K, 4-6 GB/s over 4K-64K."""
+    refs = [handout("recompute_16k", s) if n == 16 * K else DASH,
+            handout("breakeven", s) if 4 * K <= n <= 64 * K else DASH]
+    return ", ".join(h.figure for h in refs if h != DASH) or DASH
 
 
-def to_json(a, bpv, sizes, day, rows, ex2, slides, ours) -> dict:
-    ctx10k = next(r for r in ours if r["context"] == STORE_CONTEXT)
-    return {
-        # Part 1 (fixed models, whatever --model says)
-        "llama31_70b_bytes_per_token": sizes["llama-3.1-70b"]["bytes_per_token"],
-        "llama31_70b_32k_gb": ledger.kv_bytes("llama-3.1-70b", 32 * K, bpv) / 1e9,
-        "deepseek_r1_kib_per_token": sizes["deepseek-r1"]["bytes_per_token"] / 1024,
-        "gpu_day_tb": day / 1e12,
-        "bytes_per_token": {k: r["bytes_per_token"] for k, r in sizes.items()},
-        "ex1_bytes_per_token": tm.kv_bytes_per_token(a.model, bpv),
-        "ex1_context_gb": ledger.kv_bytes(a.model, a.context, bpv) / 1e9,
-        # Part 2 (--model on --n-gpus x --gpu)
-        "part2_setup": {"model": a.model, "gpu": a.gpu, "n_gpus": a.n_gpus},
-        "contexts": CONTEXTS,
-        "recompute_16k_s": tm.prefill_time(a.model, a.gpu, 16 * K, 0, a.n_gpus),
-        "breakeven_gbytes_per_s": [r["breakeven_bytes_per_s"] / 1e9 for r in rows],
-        "ex2_threshold_gbit_per_s": ex2["threshold_bytes_per_s"] * 8 / 1e9,
-        "mfu": tm.MFU, "tp_comm_efficiency": tm.TP_COMM_EFFICIENCY,
-        # Part 3
-        "slides_breakeven_hit_rate_pct": slides["breakeven_hit_rate"] * 100,
-        "slides_breakeven_if_hit_saves_all_pct": slides["breakeven_if_hit_saves_all"] * 100,
-        "slides_gross_savings_musd": slides["gpu_time_saved_usd"] / 1e6,
-        "slides_savings_musd": slides["net_usd"] / 1e6,
-        "slides_storage_musd": slides["storage_usd"] / 1e6,
-        "slides_navigation_reading_musd": slides["net_if_33m_read_as_gross_usd"] / 1e6,
-        "ctx10k_storage_usd_per_h": ctx10k["storage_usd_per_h"],
-        "ctx10k_hit_saves_usd": ctx10k["hit_saves_usd"],
-        "ctx10k_breakeven_hits_per_h": ctx10k["breakeven_hits_per_h"],
-    }
+def show_fetch_or_recompute(page: Page, r: FetchOrRecompute, s: Settings) -> None:
+    a1, tp, m = tm.ANCHOR_1GPU, tm.ANCHOR_TP, tm.MODELS[s.model].name
+    page.part("Part 2", "§1.3, §1.4", f"Fetch or recompute: {m} on {s.n_gpus} x {tm.GPUS[s.gpu].name}")
+    page.say(f"time model: MFU {tm.MFU:.3f} (fitted to {a1[0]} {a1[2]:,} tokens on 1 {a1[1]} = {a1[4]} s), TP "
+             f"all-reduce efficiency {tm.TP_COMM_EFFICIENCY:.3f} (fitted to {tp[0]} {tp[2]:,} tokens on {tp[3]} "
+             f"{tp[1]} = {tp[4]} s)")
+    page.say("tiers: " + ", ".join(f"{k} {bw / 1e9:g} GB/s" for k, bw in ledger.TIERS.items()))
+    page.data(mfu=tm.MFU, tp_comm_efficiency=tm.TP_COMM_EFFICIENCY,
+              part2_setup={"model": s.model, "gpu": s.gpu, "n_gpus": s.n_gpus})
+    page.table(Table("break-even: GB/s at which fetching the KV takes as long as recomputing it; then the seconds to "
+                     "fetch it from each tier", "§1.4", cols(("context", ctx_name, "contexts"), ("KV", fmt_bytes),
+                     ("recompute s", "{:.3f}"), ("break-even", "{:.2f}", "breakeven_gbytes_per_s"), *ledger.TIERS),
+                     [Row([x.context, x.kv_bytes, x.recompute_s, x.breakeven_bytes_per_s / 1e9]
+                          + [f"{t:.3f}" + ("*" if t > x.recompute_s else " ") for t in x.fetch_s.values()],
+                          row_handout(x.context, s)) for x in r.rows], "ledger.fetch_or_recompute",
+                     ["* slower than recomputing: storing it there was wasted"],
+                     {"recompute_16k_s": r.recompute_16k_s}))
+    raw, thr, c = r.ex2_raw_bytes, r.ex2_threshold_bytes_per_s, s.compression
+    page.exercise(2, "§1.4", f"{s.recompute_context:,} tokens, KV {fmt_bytes(raw)} compressed {c:g}x -> "
+                             f"{fmt_bytes(raw / c)}, recompute {r.ex2_recompute_s:.3f} s")
+    page.table(quantities("", "§1.4", "ledger.breakeven_bandwidth", ("break-even bandwidth (raw KV)",
+                          f"{raw / r.ex2_recompute_s / 1e9:.2f} GB/s", DASH), ("break-even bandwidth (compressed)", Val(
+                              f"{thr / 1e9:.2f} GB/s = {thr * 8 / 1e9:.1f} Gb/s", "ex2_threshold_gbit_per_s",
+                              json=thr * 8 / 1e9), handout("ex2", s))))
+    with page.figure("01_breakeven_bandwidth.png") as (fig, ax):
+        if ax is None:
+            return
+        ax.plot(r.curve_contexts, [b / 1e9 for b in r.curve_raw], "k-o", label="break-even (raw KV)")
+        ax.plot(r.curve_contexts, [b / 1e9 for b in r.curve_compressed], "k--", label=f"break-even ({c:g}x compressed)")
+        for (name, bw), color in zip(ledger.TIERS.items(), ["C0", "C1", "C2", "C3"]):
+            ax.axhline(bw / 1e9, color=color, lw=1.5, label=f"{name} ({bw / 1e9:g} GB/s)")
+        ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="GB/s", ylim=(0.5, 2000),
+               title=f"A tier above the black line fetches faster than recomputing\n{m}, {s.n_gpus} x {s.gpu} "
+                     "(handout §1.4)")
+        ax.legend(fontsize=7, loc="upper center", ncol=2)
 
 
-def main(argv=None):
+def show_slides_account(page: Page, a: ledger.SlidesAccount, s: Settings) -> None:
+    page.part("Part 3", "§1.3", "Is storing KV worth it?")
+    src = lambda names, said="slides p.9": said if all(getattr(s, k) == P9[k] for k in names.split()) else "edited"
+    page.table(Table("(a) the slides' account. Assumptions:", "§1.3", cols("assumption", "value", "source"), [
+        Row(x) for x in (
+        ["GPU price", f"${s.gpu_hour_usd:g}/GPU-hour x {s.gpus_per_node} GPUs = ${a.node_usd_per_h:g}/node-hour",
+         src("gpu_hour_usd gpus_per_node")],
+        ["storage", f"{s.storage_tb_per_node:g} TB/node at ${s.storage_usd_per_tb_hour:g}/TB-hour",
+         src("storage_tb_per_node storage_usd_per_tb_hour")],
+        ["a hit saves", f"{s.hit_saves:.0%} of the request's GPU time", src("hit_saves", "ours: what makes 1.06%")],
+        ["hit rate, fleet, period", f"{s.hit_rate:.0%}, {s.nodes:,} nodes, {s.years:g} years = {a.hours:,.0f} h",
+         src("hit_rate nodes years")])], "ledger.slides_economics"))
+    usd = lambda key, x: Val(f"${x / 1e6:.1f}M", key, json=x / 1e6)
+    h = {k: handout(k, s) for k in ("breakeven_pct", "storage", "savings", "navigation")}
+    net, nav = ((h["savings"].figure, h["navigation"].figure) if h["savings"] != DASH else
+                (f"${a.net_usd / 1e6:.1f}M", f"${a.net_if_33m_read_as_gross_usd / 1e6:.1f}M"))
+    page.table(quantities("", "§1.3", "ledger.slides_economics", (
+        "break-even hit rate if a hit saves 100%", Val(f"{a.breakeven_if_hit_saves_all:.2%}",
+                                                       "slides_breakeven_if_hit_saves_all_pct",
+                                                       json=a.breakeven_if_hit_saves_all * 100), DASH),
+        (f"break-even hit rate (a hit saves {s.hit_saves:.0%})", Val(f"{a.breakeven_hit_rate:.2%}",
+         "slides_breakeven_hit_rate_pct", json=a.breakeven_hit_rate * 100), h["breakeven_pct"]),
+        ("GPU time saved (gross)", usd("slides_gross_savings_musd", a.gpu_time_saved_usd), DASH),
+        ("storage paid", usd("slides_storage_musd", a.storage_usd), h["storage"]),
+        ("reading 1 (§1.3): saved net of storage", usd("slides_savings_musd", a.net_usd), h["savings"]),
+        ("reading 2 (navigation): net read as gross, minus storage again",
+         usd("slides_navigation_reading_musd", a.net_if_33m_read_as_gross_usd), h["navigation"]),
+        notes=[f"The two readings disagree: the {net} of §1.3 is already net of storage; the navigation paragraph's "
+               f"{nav} subtracts the storage from it a second time." if a.storage_usd else
+               "The two readings agree: storage costs nothing here."]))
+
+
+def show_own_account(page: Page, ours: list, s: Settings) -> None:
+    hits = [x.breakeven_hits_per_h for x in ours]
+    key = lambda x, k: f"ctx10k_{k}" if x.context == s.store_context else None
+    notes = ["storage costs nothing here: any hit pays for it, at every context length." if not any(hits) else
+             "longer contexts pay off sooner: recompute grows faster than linearly (attention), storage linearly."
+             if all(h1 > h2 for h1, h2 in zip(hits, hits[1:])) else
+             "longer contexts do not pay off sooner here: the break-even hits/h do not fall with the length."]
+    if handout("breakeven_pct", s) != DASH:   # the slides' claim, beside the weekly hits of this account
+        notes.append("(the slides' 'a cached prompt reused 2-3 times a week' depends on a request mix they do not "
+                     "give; this account needs the weekly hits above)")
+    page.table(Table(f"\n(b) our account: {tm.MODELS[s.model].name} on {s.n_gpus} x {tm.GPUS[s.gpu].name} at "
+                     f"${s.gpu_hour_usd:g}/GPU-hour, storage ${s.storage_usd_per_tb_hour:g}/TB-hour; a hit saves the "
+                     "recompute", "§1.3", cols(("context", "{:,}"), ("KV", fmt_bytes), ("storage $/h", "{:.5f}"),
+                     ("recompute s", "{:.3f}"), ("hit saves $", "{:.5f}"), ("break-even hits/h", "{:.3f}"),
+                     ("hits/week", "{:.1f}")),
+                     [Row([x.context, x.kv_bytes, Val(x.storage_usd_per_h, key(x, "storage_usd_per_h")), x.recompute_s,
+                           Val(x.hit_saves_usd, key(x, "hit_saves_usd")), Val(x.breakeven_hits_per_h,
+                           key(x, "breakeven_hits_per_h")), x.breakeven_hits_per_h * 168],
+                          handout("ctx10k", s) if x.context == s.store_context else DASH) for x in ours],
+                     "ledger.context_economics", notes))
+
+
+# ------------------------------------------------------------------------------------- the run
+def parse(argv) -> tuple:
+    """(this run's Settings, the defaults' Settings, the parsed command line)."""
     p = Parser(__doc__)
     p.add_argument("--model", default=MODEL, choices=sorted(tm.MODELS), help="model of Parts 2-3 and exercises")
     p.add_argument("--context", type=positive_int, default=CONTEXT, help="exercise 1: context length, tokens")
@@ -310,20 +354,21 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.hit_saves == 0:
         p.error("argument --hit-saves: must be above 0")
-    bpv = a.bytes_per_value
+    defaults = Settings(**{f.name: globals()[f.name.upper()] for f in fields(Settings)})
+    return settings_from(Settings, a, **{f.name: getattr(defaults, f.name) for f in fields(Settings)
+                                         if f.name not in vars(a)}), defaults, a
 
-    sizes, day = part1(bpv, SIZE_CONTEXTS)
-    rows, ex2 = part2(a.model, a.gpu, a.n_gpus, CONTEXTS, a.recompute_context, a.compression, bpv)
-    slides, ours = part3(a, bpv)
 
-    print_part1(sizes, day, a)
-    print_part2(rows, ex2, a)
-    print_part3(slides, ours, a)
-    if not a.no_plot:
-        for path in plot(a, bpv):
-            print(f"figure: {path}")
-
-    write_json(a.json, to_json(a, bpv, sizes, day, rows, ex2, slides, ours))
+def main(argv=None) -> Page:
+    s, defaults, a = parse(argv)
+    sizes, fetch, worth = kv_sizes(s), fetch_or_recompute(s), is_storing_worth_it(s)
+    page = Page("01", "The KV ledger", "§1", s, defaults, plot=not a.no_plot)
+    show_sizes(page, sizes, s)
+    show_fetch_or_recompute(page, fetch, s)
+    show_slides_account(page, worth.slides, s)
+    show_own_account(page, worth.ours, s)
+    page.finish(a.json)
+    return page
 
 
 if __name__ == "__main__":

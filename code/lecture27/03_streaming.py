@@ -32,8 +32,10 @@ simulation, the policy and the oracle are in streaming.py. Recompute times: comm
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,17 +44,18 @@ import codec_real as cr  # noqa: E402
 import codec_study  # noqa: E402
 import streaming as st  # noqa: E402
 from common import timemodel as tm  # noqa: E402
-from common.cli import Parser, fail, figure_path, positive_float, positive_int, say, table, write_json  # noqa: E402
-
+from common.cli import Parser, fail, positive_float, positive_int, settings_from  # noqa: E402
 from common.gguf_llama import smollm2_or_explain  # noqa: E402
+from common.present import DASH, Col, Handout, Page, Ref, Row, Table, Val, cols  # noqa: E402
 
 K = 1024
 # ---- Part 1 (§4.1)
 MODEL, GPU, N_GPUS = "llama-3.1-70b", "A100-80GB", 4   # §4.1: LLaMA-3.1-70B on 4 x A100
 CONTEXT = 12 * K                                       # §4.1: a 12K-token context
-BANDWIDTHS = [0.5, 1, 2, 3, 5, 10, 15, 25, 50, 100]    # Gb/s, the issue's range 0.5-100
+BANDWIDTHS = [0.5, 1, 2, 3, 5, 10, 15, 25, 50, 100]    # Gb/s, a slow link to a fast one
 NOTE_MODEL, NOTE_GPU = "llama-3.1-8b", "H100"          # §4.1 / pitfall 1: 8B on one H100
-NO_LOSS_POINTS = 0.005   # a level counts as lossless within 0.5 accuracy points of FP16 (the codec issue's bar)
+NOTE_LINK_GBPS = 25.0    # §4.1: "every link below 25 Gb/s loses to recomputing": what compression would it take?
+NO_LOSS_POINTS = 0.005   # a level counts as lossless within 0.5 accuracy points of FP16
 # ---- Part 2 (§4.2)
 CHUNK_TOKENS = 1536      # §4.2: chunks of 1.5K tokens (CacheGen's default)
 TRACE = [(0.0, 10.0), (0.3, 1.0), (3.0, 5.0)]  # §4.2: (from time s, Gb/s): 10 Gb/s for 0-0.3 s, 1 Gb/s to 3 s, then 5
@@ -73,19 +76,53 @@ SUITE_JUMP = 0.2               # chance that a change jumps to any state (else t
 SUITE_HORIZON_S = 30.0         # traces are drawn this far; the last rate then holds
 SUITE_EXCEPTIONS_SHOWN = 10    # at most this many broken promises printed per context and level set
 
-# The handout's statements, printed beside ours (reference only; nothing is computed from them)
-HANDOUT = {
-    "part1": "text wins at low bandwidth, compressed KV at high",
-    "8b_recompute_s": 0.36, "8b_breakeven_gbit": 25,
-    "trace": "finest level while the link is good, text after the drop, a coarser level at the end "
-             "chosen by the time left (this small model's level 3 answers only 74%)",
-    "codec_vs_8bit": 1.66,   # §3: the handout's lossless codec is 1.66x smaller than 8-bit quantization
-    "steady": "the finest level throughout",
-    "cachegen_delay": "3.2-3.7x",   # §4.1: CacheGen's delay to fetch and process a context vs quantization
-    "chunks": "large chunks react late; small chunks recompute in small GPU batches",
-}
-SUITE_SHOWN = ["adaptive", "naive adaptive", "always level0", "always text", "oracle"]
-SHORT = {"text": "T", "raw": "R", "level0": "L0", "level1": "L1", "level2": "L2", "level3": "L3"}
+# The handout's figures beside ours, each with the inputs it holds for: an edit of one of them blanks it.
+HANDOUT = Handout({
+    "part1": Ref("text wins at low bandwidth, compressed KV at high",
+                 dict(model="llama-3.1-70b", gpu="A100-80GB", n_gpus=4, context=12 * K)),
+    "cachegen_delay": Ref("3.2-3.7x"),     # CacheGen's measurement (LLaMA), beside ours whatever the inputs
+    "8b_recompute_s": Ref("0.36", dict(note_model="llama-3.1-8b", note_gpu="H100", context=12 * K)),
+    "8b_breakeven": Ref("below 25", dict(note_model="llama-3.1-8b", note_gpu="H100", context=12 * K)),
+    "codec_vs_8bit": Ref("1.66"),          # §3: the handout's lossless codec against 8-bit quantization
+    "trace": Ref("finest level while the link is good, text after the drop, a coarser level at the end chosen by "
+                 "the time left (this small model's level 3 answers only 74%)",
+                 dict(model="llama-3.1-70b", gpu="A100-80GB", n_gpus=4, context=12 * K,
+                      trace=((0.0, 10.0), (0.3, 1.0), (3.0, 5.0)), slo=4.0, chunk_tokens=1536)),
+    "steady": Ref("the finest level throughout", dict(model="llama-3.1-70b", gpu="A100-80GB", n_gpus=4,
+                                                      context=12 * K, steady_gbps=25.0, slo=4.0, chunk_tokens=1536)),
+    "chunks": Ref("large chunks react late; small chunks recompute in small GPU batches"),
+})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One run's inputs: the constants above (lower case), as the command line left them."""
+    model: str = MODEL
+    gpu: str = GPU
+    n_gpus: int = N_GPUS
+    context: int = CONTEXT
+    bandwidths: tuple = tuple(BANDWIDTHS)
+    note_model: str = NOTE_MODEL
+    note_gpu: str = NOTE_GPU
+    note_link_gbps: float = NOTE_LINK_GBPS
+    no_loss_points: float = NO_LOSS_POINTS
+    chunk_tokens: int = CHUNK_TOKENS
+    trace: tuple = tuple(TRACE)        # ((from time s, Gb/s), ...): TRACE, or the --trace file's
+    trace_file: str | None = None
+    slo: float = SLO
+    steady_gbps: float = STEADY_GBPS
+    long_context: int = LONG_CONTEXT
+    chunk_sizes: tuple = tuple(CHUNK_SIZES)
+    half_efficiency_tokens: float = HALF_EFFICIENCY_TOKENS
+    levels_file: str | None = None     # --levels: a JSON file of levels instead of the codec's
+    suite_traces: int = SUITE_TRACES
+    suite_seed: int = SUITE_SEED
+    suite_contexts: tuple = tuple(SUITE_CONTEXTS)
+    suite_gbps: tuple = tuple(SUITE_GBPS)
+    suite_dwell_s: tuple = SUITE_DWELL_S
+    suite_jump: float = SUITE_JUMP
+    suite_horizon_s: float = SUITE_HORIZON_S
+    suite_exceptions_shown: int = SUITE_EXCEPTIONS_SHOWN
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -100,8 +137,50 @@ def nonneg_int(text: str) -> int:
     return x
 
 
+def parse(argv=None) -> tuple[Settings, argparse.Namespace]:
+    """The run's Settings (the constants, then the flags) and the parsed command line (--json, --no-plot,
+    --no-real: how the run is shown and how far it goes, not its inputs)."""
+    p = Parser(__doc__)
+    p.add_argument("--trace", dest="trace_file", metavar="FILE",
+                   help="CSV 'time_s,gbit_per_s' per line (rate from that time on); default: TRACE (§4.2)")
+    p.add_argument("--slo", type=positive_float, default=SLO, help="seconds until the context must be on the GPU")
+    p.add_argument("--chunk-tokens", type=positive_int, default=CHUNK_TOKENS, help="tokens per chunk (Part 2)")
+    p.add_argument("--long-context", type=positive_int, default=LONG_CONTEXT,
+                   help=f"tokens of context in Part 2b (at most {MAX_CONTEXT}, LLaMA-3.1's window)")
+    p.add_argument("--levels", dest="levels_file", metavar="FILE",
+                   help="JSON list of codec levels instead of codec_study.codec_levels()")
+    p.add_argument("--half-tokens", dest="half_efficiency_tokens", type=positive_float, default=HALF_EFFICIENCY_TOKENS,
+                   help="recompute batch size that runs at half speed (the small-batch assumption)")
+    p.add_argument("--trace-suite", dest="suite_traces", type=nonneg_int, default=SUITE_TRACES, metavar="N",
+                   help="Part 4: N random traces (0: skip)")
+    p.add_argument("--suite-seed", type=nonneg_int, default=SUITE_SEED, help="the trace suite's random seed")
+    p.add_argument("--no-real", action="store_true", help="skip Part 2c (levels measured on SmolLM2)")
+    a = p.parse_args(argv)
+    if a.chunk_tokens > CONTEXT:
+        p.error(f"argument --chunk-tokens: at most the context, {CONTEXT}")
+    if a.long_context > MAX_CONTEXT:
+        p.error(f"argument --long-context: at most {MAX_CONTEXT} (LLaMA-3.1's context window)")
+    g = globals()   # each constant without a flag, read now (an edited constant is what the run uses)
+    consts = {f.name: g[f.name.upper()] for f in dataclasses.fields(Settings) if f.name.upper() in g}
+    consts = {k: tuple(v) if isinstance(v, list) else v for k, v in consts.items() if k not in vars(a)}
+    return settings_from(Settings, a, **consts | {"trace": load_trace(a.trace_file)}), a
+
+
+def load_trace(path: str | None) -> tuple:
+    """The trace's (from time s, Gb/s) points: the TRACE constant, or a CSV file (streaming.parse_trace)."""
+    if path is None:
+        return tuple(TRACE)
+    try:
+        trace = st.parse_trace(Path(path).read_text())
+    except OSError as e:
+        fail(f"--trace {path}: {e.strerror}")
+    except ValueError as e:
+        fail(f"--trace {path}: {e}")
+    return tuple(zip(trace.times, trace.gbps))
+
+
 def load_levels(path: str | None) -> list[dict]:
-    """The codec's levels: kvcache.codec_levels() (measured by 02, cached), or a JSON file of
+    """The codec's levels: codec_study.codec_levels() (measured by 02, cached), or a JSON file of
     [{"level", "bits_per_value", "accuracy"}, ...] (for exercises and tests)."""
     if path is None:
         return codec_study.codec_levels()  # trains the record model and fits the codec on first use
@@ -128,47 +207,108 @@ def lossless_accuracy(levels) -> tuple[float, str]:
     return best["accuracy"], f"taken as level {best['level']}'s (the codec reports no FP16 accuracy)"
 
 
-def load_trace(path: str | None) -> st.Trace:
-    if path is None:
-        return st.Trace(tuple(t for t, _ in TRACE), tuple(g for _, g in TRACE))
-    try:
-        return st.parse_trace(Path(path).read_text())
-    except OSError as e:
-        fail(f"--trace {path}: {e.strerror}")
-    except ValueError as e:
-        fail(f"--trace {path}: {e}")
+def trace_of(s: Settings) -> st.Trace:
+    return st.Trace(tuple(t for t, _ in s.trace), tuple(g for _, g in s.trace))
 
 
-# ------------------------------------------------------------------------------------- calculators
-def part1(levels, lossless, bandwidths, half=HALF_EFFICIENCY_TOKENS):
-    opts = st.kv_options(levels, MODEL, lossless, with_raw=True)
-    no_loss = {o.name for o in opts if o.accuracy >= lossless - NO_LOSS_POINTS}
-    rows = []
-    for g in bandwidths:
-        ttft = st.whole_context_ttft(MODEL, GPU, N_GPUS, CONTEXT, g, opts, half)
-        rows.append({"gbps": g, "ttft": ttft, "fastest": min(ttft, key=ttft.get),
-                     "best": min(no_loss, key=ttft.get)})
-    eight = st.Option("8-bit", 8 * tm.kv_bytes_per_token(MODEL) / 2, lossless, bits_per_value=8.0)
+# ------------------------------------------------------------------------- Part 1 (§4.1): one shot
+@dataclass
+class Bandwidth:
+    gbps: float
+    ttft: dict           # option name -> seconds until the context is on the GPU
+    fastest: str
+    best: str            # the fastest option within NO_LOSS_POINTS of lossless
+    vs_8bit: float       # 8-bit quantized KV's TTFT over the finest level's (§4.1's headline)
+
+
+@dataclass
+class Part1:
+    options: list        # st.Option: raw, the levels finest first, text
+    no_loss: list        # the options within NO_LOSS_POINTS of lossless
+    rows: list           # Bandwidth, one per link bandwidth
+    recompute_s: float   # the whole context recomputed in one batch
+    breakeven: dict      # KV option -> the bandwidth at which fetching it takes as long as recomputing
+    finest: st.Option
+    best_ranges: list    # (option, lowest, highest bandwidth) of each run of bandwidths with the same best
+
+
+def part1(s: Settings, levels, lossless) -> Part1:
+    opts = st.kv_options(levels, s.model, lossless, with_raw=True)
+    no_loss = sorted(o.name for o in opts if o.accuracy >= lossless - s.no_loss_points)
     finest = next(o for o in opts if not o.recompute and o.name != "raw")
-    for r in rows:   # §4.1's headline: CacheGen's delay against the quantization baseline
-        r["vs_8bit"] = st.whole_context_ttft(MODEL, GPU, N_GPUS, CONTEXT, r["gbps"], [eight], half)["8-bit"] \
-            / r["ttft"][finest.name]
-    recompute = tm.prefill_time(MODEL, GPU, CONTEXT, 0, N_GPUS)
-    # break-even: the bandwidth at which fetching an option's bits takes as long as recomputing
-    breakeven = {o.name: o.bits_per_token * CONTEXT / recompute / st.GBIT for o in opts if not o.recompute}
-    return opts, no_loss, rows, recompute, breakeven
+    eight = st.Option("8-bit", 8 * tm.kv_bytes_per_token(s.model) / 2, lossless, bits_per_value=8.0)
+    rows, ranges = [], []
+    for g in s.bandwidths:
+        ttft = st.whole_context_ttft(s.model, s.gpu, s.n_gpus, s.context, g, opts, s.half_efficiency_tokens)
+        t8 = st.whole_context_ttft(s.model, s.gpu, s.n_gpus, s.context, g, [eight], s.half_efficiency_tokens)
+        rows.append(Bandwidth(g, ttft, min(ttft, key=ttft.get), min(no_loss, key=ttft.get),
+                              t8["8-bit"] / ttft[finest.name]))
+        if ranges and ranges[-1][0] == rows[-1].best:
+            ranges[-1] = (ranges[-1][0], ranges[-1][1], g)
+        else:
+            ranges.append((rows[-1].best, g, g))
+    recompute = tm.prefill_time(s.model, s.gpu, s.context, 0, s.n_gpus)
+    breakeven = {o.name: o.bits_per_token * s.context / recompute / st.GBIT for o in opts if not o.recompute}
+    return Part1(opts, no_loss, rows, recompute, breakeven, finest, ranges)
 
 
-def note_8b(levels):
+@dataclass
+class Note8B:
+    recompute_s: float
+    raw_breakeven_gbit: float       # raw KV beats recomputing only above this bandwidth
+    compression: float              # the compression that puts the break-even at NOTE_LINK_GBPS
+    levels_breakeven_gbit: dict     # level -> its break-even bandwidth
+
+
+def note_8b(s: Settings, levels) -> Note8B:
     """§4.1's note: 8B on one H100 recomputes 12K tokens in 0.36 s; which links lose to recomputing?"""
-    t = tm.prefill_time(NOTE_MODEL, NOTE_GPU, CONTEXT)
-    raw_bits = tm.kv_bytes_per_token(NOTE_MODEL) * 8 * CONTEXT
-    values = tm.kv_bytes_per_token(NOTE_MODEL) / 2 * CONTEXT
+    t = tm.prefill_time(s.note_model, s.note_gpu, s.context)
+    raw_bits = tm.kv_bytes_per_token(s.note_model) * 8 * s.context
+    values = tm.kv_bytes_per_token(s.note_model) / 2 * s.context
     raw_be = raw_bits / t / st.GBIT
-    return {"recompute_s": t, "raw_breakeven_gbit": raw_be,
-            "compression_for_handout": raw_be / HANDOUT["8b_breakeven_gbit"],
-            "levels_breakeven_gbit": {f"level{lv['level']}": lv["bits_per_value"] * values / t / st.GBIT
-                                      for lv in levels}}
+    return Note8B(t, raw_be, raw_be / s.note_link_gbps,
+                  {f"level{lv['level']}": lv["bits_per_value"] * values / t / st.GBIT for lv in levels})
+
+
+# ------------------------------------------------------------------------- Part 2 (§4.2): one trace
+@dataclass
+class Why:
+    """Why a run looks as it does (explain)."""
+    context: int
+    finest: str
+    coarsest: str
+    coarsest_accuracy: float
+    finest_gb: float                # the context at the finest level
+    finest_s: float                 # always-finest's TTFT
+    drop: tuple | None              # (time, rate before, rate after) of the trace's first fall
+    complete_before_drop: bool
+    coarser_after_drop: bool        # some chunk after the drop took a coarser level
+    finest_bits_per_value: float
+    vs_8bit: float
+    text_recompute_s: float         # all text, chunk by chunk
+    text_breakeven_gbit: float      # below it text beats the coarsest level
+    slowest_gbps: float             # the trace's slowest rate
+    shape: dict                     # the handout's shape, part by part: did the adaptive run show it?
+    on_time: dict                   # policy -> met the SLO
+    worst_chunk: int                # the adaptive chunk that overran its predicted finish most
+
+
+@dataclass
+class Noise:
+    """Part 2c: are the levels' steps larger than their noise (two standard errors over paragraphs)?"""
+    kl_clear: bool                  # KL grows level by level beyond the noise
+    unclear: list                   # levels whose top-1 agreement moved within the noise
+
+
+@dataclass
+class TraceRun:
+    """The policies on one context and trace."""
+    setup: st.Setup
+    runs: dict                      # policy -> st.Result: adaptive, always <finest>, always text, oracle
+    why: Why
+    steady: st.Result | None = None  # the adaptive policy on a steady STEADY_GBPS link
+    levels: list | None = None      # Part 2c: the levels as measured on SmolLM2, with their noise
+    noise: Noise | None = None
 
 
 def policies(setup, trace, slo) -> dict:
@@ -178,15 +318,36 @@ def policies(setup, trace, slo) -> dict:
             "always text": st.fixed(setup, trace, "text"), "oracle": st.oracle(setup, trace, slo)}
 
 
-def part2(levels, lossless, trace, slo, chunk_tokens, half=HALF_EFFICIENCY_TOKENS):
-    setup = st.make_setup(MODEL, GPU, N_GPUS, CONTEXT, chunk_tokens, levels, lossless, half)
-    return setup, policies(setup, trace, slo), st.adaptive(setup, st.Trace.steady(STEADY_GBPS), slo)
+def setup_for(s: Settings, context, chunk_tokens, levels, lossless) -> st.Setup:
+    return st.make_setup(s.model, s.gpu, s.n_gpus, context, chunk_tokens, levels, lossless, s.half_efficiency_tokens)
 
 
-def part2_long(levels, lossless, trace, slo, chunk_tokens, context, half=HALF_EFFICIENCY_TOKENS):
+def part2(s: Settings, levels, lossless, trace) -> TraceRun:
+    setup = setup_for(s, s.context, s.chunk_tokens, levels, lossless)
+    runs = policies(setup, trace, s.slo)
+    return TraceRun(setup, runs, explain(setup, runs, trace, s.slo),
+                    st.adaptive(setup, st.Trace.steady(s.steady_gbps), s.slo))
+
+
+def part2_long(s: Settings, levels, lossless, trace) -> TraceRun:
     """Part 2b: the same policies on a longer context (the same trace, SLO and chunk size)."""
-    setup = st.make_setup(MODEL, GPU, N_GPUS, context, chunk_tokens, levels, lossless, half)
-    return setup, policies(setup, trace, slo)
+    setup = setup_for(s, s.long_context, s.chunk_tokens, levels, lossless)
+    runs = policies(setup, trace, s.slo)
+    return TraceRun(setup, runs, explain(setup, runs, trace, s.slo))
+
+
+def part2_real(s: Settings, trace) -> TraceRun:
+    """Part 2c: Part 2 with the levels measured on SmolLM2, and whether their steps stand out of the noise."""
+    levels = cr.real_codec_levels()  # fits the codec on SmolLM2 on first use (about a minute)
+    return dataclasses.replace(part2(s, levels, 1.0, trace), levels=levels, noise=level_noise_verdict(levels))
+
+
+def level_noise_verdict(levels) -> Noise | None:
+    """Does each level's step from the finer one stand out of the noise? None when no steps were measured."""
+    steps = [lv for lv in sorted(levels, key=lambda d: d["level"])[1:] if "agree_step" in lv]
+    return Noise(all(lv["kl_step"] > 2 * lv["kl_step_se"] for lv in steps),
+                 [f"level{lv['level']}" for lv in steps if abs(lv["agree_step"]) <= 2 * lv["agree_step_se"]]
+                 ) if steps else None
 
 
 def first_drop(trace):
@@ -197,74 +358,156 @@ def first_drop(trace):
     return None
 
 
-def explain(setup, runs, trace):
+def explain(setup, runs, trace, slo) -> Why:
     """Why a run looks as it does, from the data: how big the context is at the finest level and when it
-    arrives, against the trace's first drop; how our codec compares with the handout's; the bandwidth
-    below which text (recompute chunk by chunk) beats the coarsest level; and which parts of the
-    handout's shape the adaptive run shows."""
+    arrives, against the trace's first drop; the bandwidth below which text (recompute chunk by chunk)
+    beats the coarsest level; which policies met the SLO; and which parts of the handout's shape the
+    adaptive run shows. A coarser level counts as "chosen by the time left" when it was predicted to fit
+    its chunk's budget (not taken as the fastest option when nothing fit)."""
     finest, coarsest, text = setup.options[0], setup.options[-2], setup.option("text")
     ctx = setup.context_tokens
     recompute_s = sum(setup.recompute_s(f, n) for f, n in setup.plan)      # all text, chunk by chunk
     drop = first_drop(trace)
     ad = runs["adaptive"]
-    after = [r["choice"] for r in ad.rows if drop and r["start"] >= drop[0]]
+    on_time = {name: r.ttft_s <= slo for name, r in runs.items()}
+    after = [r for r in ad.rows if drop and r["start"] >= drop[0]]
     before = [r["choice"] for r in ad.rows if drop and r["start"] < drop[0]]
-    ours_bits = finest.bits_per_value
-    handout_bits = 8 / HANDOUT["codec_vs_8bit"]
-    return {
-        "context": ctx, "finest": finest.name, "coarsest": coarsest.name, "coarsest_accuracy": coarsest.accuracy,
-        "finest_gb": finest.bits_per_token * ctx / 8e9,
-        "finest_s": runs[f"always {finest.name}"].ttft_s,
-        "drop": drop,
-        "finest_bits_per_value": ours_bits, "vs_8bit": 8 / ours_bits,
-        "handout_bits_per_value": handout_bits, "handout_over_ours": handout_bits / ours_bits,
-        "text_recompute_s": recompute_s,
+    coarser = [r for r in after if r["choice"] not in (finest.name, "text")]
+    by_time_left = [r for r in coarser if r["predicted"] <= r["start"] + r["budget_s"] + 1e-12]
+    return Why(
+        ctx, finest.name, coarsest.name, coarsest.accuracy, finest.bits_per_token * ctx / 8e9,
+        runs[f"always {finest.name}"].ttft_s, drop, bool(drop) and ad.ttft_s <= drop[0], bool(coarser),
+        finest.bits_per_value, 8 / finest.bits_per_value, recompute_s,
         # text beats the coarsest level when its bits take longer than recomputing (token ids included)
-        "text_breakeven_gbit": (coarsest.bits_per_token - text.bits_per_token) * ctx / recompute_s / st.GBIT,
-        "shape": {"complete before the drop": bool(drop) and ad.ttft_s <= drop[0],
-                  "finest level while the link is good": bool(before) and set(before) == {finest.name},
-                  "text after the drop": "text" in after,
-                  "a coarser level after the drop": any(c not in (finest.name, "text") for c in after)},
-    }
+        (coarsest.bits_per_token - text.bits_per_token) * ctx / recompute_s / st.GBIT, min(trace.gbps),
+        {"finest level while the link is good": bool(before) and set(before) == {finest.name},
+         "text after the drop": any(r["choice"] == "text" for r in after),
+         "a coarser level after the drop, chosen by the time left": bool(by_time_left),
+         "the SLO met": on_time["adaptive"]},
+        on_time, max(range(len(ad.rows)), key=lambda k: ad.rows[k]["finish"] - ad.rows[k]["predicted"]))
 
 
-def part3(levels, lossless, trace, slo, sizes, half=HALF_EFFICIENCY_TOKENS):
+# ------------------------------------------------------------------------- Part 3 (§4.2): chunk size
+@dataclass
+class ChunkSize:
+    chunk_tokens: int
+    chunks: int
+    slowdown: float                 # recompute of one chunk against the time model
+    adaptive: st.Result
+    oracle: st.Result
+    text_ttft_s: float              # every chunk recomputed
+    overrun_s: float                # reacting late: how far past its predicted finish the worst chunk ran
+
+
+@dataclass
+class ChunkSizes:
+    rows: list                      # ChunkSize, one per size of CHUNK_SIZES
+    small_batches_cost: bool        # all-text TTFT is longer with the smallest chunks than with the largest
+    latest: ChunkSize               # the size whose worst chunk overran most
+    before_drop: bool               # at every size the context is in before the trace's first drop
+
+
+def part3(s: Settings, levels, lossless, trace) -> ChunkSizes:
     rows = []
-    for n in sizes:
-        setup = st.make_setup(MODEL, GPU, N_GPUS, CONTEXT, n, levels, lossless, half)
-        ad = st.adaptive(setup, trace, slo)
-        rows.append({"chunk_tokens": n, "chunks": len(setup.plan), "slowdown": st.batch_slowdown(n, half),
-                     "adaptive": ad, "oracle": st.oracle(setup, trace, slo),
-                     "text_ttft_s": st.fixed(setup, trace, "text").ttft_s,
-                     # reacting late: how far past its predicted finish the worst chunk ran
-                     "overrun_s": max(r["finish"] - r["predicted"] for r in ad.rows)})
-    return rows
+    for n in s.chunk_sizes:
+        setup = setup_for(s, s.context, n, levels, lossless)
+        ad = st.adaptive(setup, trace, s.slo)
+        rows.append(ChunkSize(n, len(setup.plan), st.batch_slowdown(n, s.half_efficiency_tokens), ad,
+                              st.oracle(setup, trace, s.slo), st.fixed(setup, trace, "text").ttft_s,
+                              max(r["finish"] - r["predicted"] for r in ad.rows)))
+    by_size, drop = sorted(rows, key=lambda c: c.chunk_tokens), first_drop(trace)
+    return ChunkSizes(rows, by_size[0].text_ttft_s > by_size[-1].text_ttft_s * 1.001,
+                      max(rows, key=lambda c: c.overrun_s),
+                      drop is not None and all(c.adaptive.ttft_s <= drop[0] for c in rows))
 
 
-def part4(level_sets, n, seed, slo, chunk_tokens, half=HALF_EFFICIENCY_TOKENS):
-    """The trace suite: n traces from the Markov chain (SUITE_*), each context of SUITE_CONTEXTS and each
-    level set {name: (levels, lossless accuracy)}; per policy a summary over the traces, and the traces
-    where a fixed policy met the SLO and the adaptive one did not (with the reason)."""
-    traces = st.trace_suite(n, seed, SUITE_GBPS, SUITE_DWELL_S, SUITE_JUMP, SUITE_HORIZON_S)
-    cells = []
+# ------------------------------------------------------------------------- Part 4: a suite of traces
+SUITE_SHOWN = ["adaptive", "naive adaptive", "always level0", "always text", "oracle"]
+
+
+@dataclass
+class SuiteCell:
+    """One level set and context over the suite (its fields are the --json's)."""
+    levels: str
+    context: int
+    policies: dict                  # policy -> suite_summary + p95 TTFT
+    best_fixed: str                 # the fixed policy missing the SLO least
+    rate_ok: bool                   # adaptive misses no more often than the best fixed policy
+    quality_on_time_ok: bool        # adaptive's on-time quality at least always level0's
+    exceptions: list                # traces where a fixed policy met the SLO and adaptive did not
+
+
+@dataclass
+class Suite:
+    traces: list
+    cells: list                     # SuiteCell
+    runs: list                      # per cell: policy -> [st.Result per trace]
+
+
+def part4(s: Settings, level_sets) -> Suite:
+    """The trace suite: s.suite_traces traces from the Markov chain (SUITE_*), each context of
+    SUITE_CONTEXTS and each level set {name: (levels, lossless accuracy)}; per policy a summary over the
+    traces, and the traces where a fixed policy met the SLO and the adaptive one did not (with the reason)."""
+    traces = st.trace_suite(s.suite_traces, s.suite_seed, s.suite_gbps, s.suite_dwell_s, s.suite_jump,
+                            s.suite_horizon_s)
+    cells, all_runs = [], []
     for name, (levels, lossless) in level_sets.items():
-        for ctx in SUITE_CONTEXTS:
-            setup = st.make_setup(MODEL, GPU, N_GPUS, ctx, chunk_tokens, levels, lossless, half)
-            runs = st.run_suite(setup, traces, slo, SUITE_SHOWN)
-            summary = {p: st.suite_summary(r, slo) | {"p95_ttft_s": st.ttft_percentile(r, 0.95)}
+        for ctx in s.suite_contexts:
+            setup = setup_for(s, ctx, s.chunk_tokens, levels, lossless)
+            runs = st.run_suite(setup, traces, s.slo, SUITE_SHOWN)
+            summary = {p: st.suite_summary(r, s.slo) | {"p95_ttft_s": st.ttft_percentile(r, 0.95)}
                        for p, r in runs.items()}
             fixed = {p: summary[p]["violation_rate"] for p in ("always level0", "always text")}
-            ad = summary["adaptive"]
-            cells.append({"levels": name, "context": ctx, "runs": runs, "summary": summary,
-                          "exceptions": st.promise_exceptions(runs, traces, slo),
-                          "best_fixed": min(fixed, key=fixed.get),
-                          "rate_ok": ad["violation_rate"] <= min(fixed.values()) + 1e-12,
-                          "quality_on_time_ok": ad["mean_quality_on_time"]
-                          >= summary["always level0"]["mean_quality_on_time"] - 1e-12})
-    return traces, cells
+            ad, l0 = summary["adaptive"], summary["always level0"]
+            cells.append(SuiteCell(name, ctx, summary, min(fixed, key=fixed.get),
+                                   ad["violation_rate"] <= min(fixed.values()) + 1e-12,
+                                   ad["mean_quality_on_time"] >= l0["mean_quality_on_time"] - 1e-12,
+                                   st.promise_exceptions(runs, traces, s.slo)))
+            all_runs.append(runs)
+    return Suite(traces, cells, all_runs)
 
 
-# ---------------------------------------------------------------------------------------- printing
+# ------------------------------------------------------------------------- every Part
+@dataclass
+class Results:
+    levels: list
+    levels_name: str                # where the levels come from: "record-world", or the --levels file
+    lossless: float
+    lossless_src: str
+    trace: st.Trace
+    part1: Part1
+    note: Note8B
+    part2: TraceRun
+    long: TraceRun
+    sizes: ChunkSizes
+    real: TraceRun | None           # Part 2c, or None (with why in real_skipped)
+    real_skipped: list
+    suite: Suite | None
+
+
+def compute(s: Settings, real_levels=True) -> Results:
+    """Every Part's numbers: the levels, Parts 1-3, Part 2c's real levels if asked and SmolLM2 is at hand,
+    Part 4."""
+    trace, levels = trace_of(s), load_levels(s.levels_file)
+    lossless, lossless_src = lossless_accuracy(levels)
+    real, skipped = None, []
+    if real_levels and smollm2_or_explain(say=skipped.append) is not None:
+        real = part2_real(s, trace)
+    name = "record-world" if s.levels_file is None else Path(s.levels_file).name
+    suite = None
+    if s.suite_traces:
+        suite = part4(s, {name: (levels, lossless)} | ({"SmolLM2": (real.levels, 1.0)} if real else {}))
+    return Results(levels, name, lossless, lossless_src, trace, part1(s, levels, lossless), note_8b(s, levels),
+                   part2(s, levels, lossless, trace), part2_long(s, levels, lossless, trace),
+                   part3(s, levels, lossless, trace), real, skipped, suite)
+
+
+# ========================================================================================= present
+SHORT = {"text": "T", "raw": "R", "level0": "L0", "level1": "L1", "level2": "L2", "level3": "L3"}
+COLORS = {"level0": "#1a9850", "level1": "#91cf60", "level2": "#fee08b", "level3": "#fc8d59",
+          "text": "#4575b4", "raw": "#999999"}
+
+
 def compact(choices):
     return " ".join(SHORT.get(c, c) for c in choices)
 
@@ -292,483 +535,367 @@ def did(setup, run) -> str:
     return ", ".join(parts) + (f"; {', '.join(extra)}" if extra else "")
 
 
-def print_so(setup, runs, slo):
-    """The "So:" lines: what the adaptive policy did (counted from its choices), its outcome, the oracle's,
-    and what "always text" trades when it arrives sooner."""
-    ad, orc, text = runs["adaptive"], runs["oracle"], runs["always text"]
-    met = lambda r: "SLO met" if r.ttft_s <= slo else "SLO MISSED"  # noqa: E731
-    say(f"So: adaptive fetched {did(setup, ad)}: TTFT {ad.ttft_s:.2f} s ({met(ad)}), quality {ad.quality:.3f}.")
-    say(f"    The oracle, knowing the trace, fetched {did(setup, orc)}: TTFT {orc.ttft_s:.2f} s "
-          f"({met(orc)}), quality {orc.quality:.3f}.")
-    for name, r in runs.items():
-        if name.startswith("always") and name != "always text" and r.ttft_s < ad.ttft_s:
-            note = ("both miss the SLO" if r.ttft_s > slo else
-                    "it meets the SLO, adaptive does not" if ad.ttft_s > slo else "both meet the SLO")
-            say(f"    {name.capitalize()} arrives sooner here ({r.ttft_s:.2f} s vs {ad.ttft_s:.2f} s; {note}): adaptive "
-                "chose by the rates it had measured, and the link then changed.")
-    if text.ttft_s < ad.ttft_s:
-        say(f"    Always text arrives sooner ({text.ttft_s:.2f} s vs {ad.ttft_s:.2f} s) and exact (quality "
-              f"{text.quality:.3f}), but the GPUs recompute {text.text_tokens:,} tokens ({text.gpu_s:.2f} s on "
-              f"{N_GPUS} GPUs) against adaptive's {ad.text_tokens:,} ({ad.gpu_s:.2f} s): adaptive trades "
-              f"{text.quality - ad.quality:.3f} of quality for that GPU time, which the cache exists to save.")
+def met(ok: bool) -> str:
+    return "met" if ok else "MISSED"
 
 
-def print_policies(runs, slo, fmt=compact, title=None):
-    print(table(["policy", "choices", "TTFT s", f"SLO {slo:g} s", "quality", "recomputed tokens", "GPU s"],
-                [[name, fmt(r.choices), f"{r.ttft_s:.2f}", "met" if r.ttft_s <= slo else "MISSED",
-                  f"{r.quality:.3f}", f"{r.text_tokens:,}", f"{r.gpu_s:.2f}"] for name, r in runs.items()],
-                title=title))
+def said(name: str, s: Settings) -> list[str]:
+    """The handout's statement `name` as a note, when the run's inputs are those it holds for."""
+    ref = HANDOUT(name, s)
+    return ["handout: " + ref.figure] if ref else []
 
 
-def print_shape(ex, answers="answers"):
-    """The handout's expected shape, part by part, against the adaptive run."""
-    say(f"handout: {HANDOUT['trace']}", indent=9)
-    if ex["drop"] is None:
-        print("ours:    the trace has no drop in bandwidth, so the handout's shape cannot appear")
-        return
-    parts = [k for k in ex["shape"] if k != "complete before the drop"]
-    say("ours:    " + "; ".join(f"{k}: {'yes' if ex['shape'][k] else 'NO'}" for k in parts)
-          + f" (our {ex['coarsest']} {answers} {ex['coarsest_accuracy']:.1%})", indent=9)
+def present(page: Page, s: Settings, r: Results) -> None:
+    present_part1(page, s, r)
+    present_part2(page, s, r.part2, r.trace, r.levels_name)
+    present_part2_long(page, s, r.long, r.trace)
+    if r.real:
+        present_part2_real(page, s, r.real, r.trace)
+    for why in r.real_skipped:
+        page.say(f"Part 2c (§4.2 with real levels) skipped: {why}")
+    present_part3(page, s, r.sizes)
+    if r.suite:
+        present_part4(page, s, r.suite)
+    page.data(setup={"model": s.model, "gpu": s.gpu, "n_gpus": s.n_gpus, "context": s.context, "slo_s": s.slo,
+                     "chunk_tokens": s.chunk_tokens, "long_context": s.long_context,
+                     "half_tokens": s.half_efficiency_tokens, "trace": s.trace})
 
 
-def print_why(ex, trace, codec=True):
-    """Two or three lines on why the run looks as it does, all computed (the 1.66x is the handout's)."""
-    name = ex["finest"]
-    where = "the trace never drops" if ex["drop"] is None else (
-        f"{'before' if ex['shape']['complete before the drop'] else 'after'} the drop at {ex['drop'][0]:g} s "
-        f"({ex['drop'][1]:g} -> {ex['drop'][2]:g} Gb/s)")
-    say(f"Why: at {name} the {ex['context']:,}-token context is {ex['finest_gb']:.3f} GB and arrives "
-          f"(always {name}) in {ex['finest_s']:.2f} s, {where}.")
-    if codec:
-        say(f"  The handout's codec was {HANDOUT['codec_vs_8bit']}x smaller than 8-bit quantization (about "
-              f"{ex['handout_bits_per_value']:.1f} bits/value); ours is {ex['vs_8bit']:.1f}x smaller "
-              f"({ex['finest_bits_per_value']:.2f} bits/value at {name}): the handout's levels were about "
-              f"{ex['handout_over_ours']:.1f}x larger.")
-    low = min(trace.gbps)
-    say(f"  Text (recompute chunk by chunk, {ex['text_recompute_s']:.2f} s of GPU) beats {ex['coarsest']} only "
-          f"below {ex['text_breakeven_gbit']:.2f} Gb/s; the trace's slowest rate is {low:g} Gb/s"
-          + (", so text never pays." if low > ex["text_breakeven_gbit"] else "."))
+def present_part1(page, s, r):
+    p1, m, n = r.part1, tm.MODELS[s.model].name, r.note
+    page.part("Part 1", "§4.1", f"{m} on {s.n_gpus} x {s.gpu}, fetching a {s.context:,}-token context")
+    where = ("measured by the codec on the record-world\nmodel (256 values/token)" if s.levels_file is None
+             else f"read from {r.levels_name}")
+    page.table(Table(
+        f"Compressed sizes: each codec level's bits per value, {where}, applied to {m}'s "
+        f"{tm.kv_bytes_per_token(s.model) // 2:,} values/token (kv_bytes_per_token / 2).\nText = "
+        f"{st.TEXT_BYTES_PER_TOKEN} B/token of token ids, then recompute ({p1.recompute_s:.2f} s for the whole "
+        f"context in one batch, time model).\nLossless accuracy (raw, text) = {r.lossless:.3f}, {r.lossless_src}.",
+        "§4.1", cols("option", ("bits/value", "{:.2f}", "levels_bits_per_value.{row}"), ("GB / context", "{:.3f}"),
+                     ("accuracy", "{:.3f}"), ("break-even vs text", "{:.1f} Gb/s", "breakeven_gbit_per_s.{row}")),
+        [Row([o.name, None if o.recompute else o.bits_per_value, o.bits_per_token * s.context / 8e9, o.accuracy,
+              p1.breakeven.get(o.name)], key=None if o.recompute else o.name) for o in p1.options],
+        "03_streaming.part1", json={"llama31_70b_12k_recompute_s": p1.recompute_s}))
+    lo, hi = (f"{f(b.vs_8bit for b in p1.rows):.1f}" for f in (min, max))
+    page.table(Table(
+        f"\nTTFT (context on the GPU), seconds.\n'best' = fastest of {p1.no_loss} (within "
+        f"{s.no_loss_points * 100:.1f} points of lossless).", "§4.1",
+        cols(("Gb/s", "{:g}"), *[(f"{o.name} s", "{:.2f}", "ttft_s_at_gbit_per_s.{row}." + o.name) for o in p1.options],
+             ("best (no loss)", "{}", "best_at_gbit_per_s.{row}"), ("fastest", "{}", "fastest_at_gbit_per_s.{row}")),
+        [Row([b.gbps, *(b.ttft[o.name] for o in p1.options), b.best, b.fastest], key=f"{b.gbps:g}") for b in p1.rows],
+        "03_streaming.part1", json={"vs_8bit_at_gbit_per_s": {f"{b.gbps:g}": b.vs_8bit for b in p1.rows}},
+        notes=[*said("part1", s), "ours:    best " + "; ".join(
+            f"{o} at {a:g}" + (f"-{b:g}" if b != a else "") + " Gb/s" for o, a, b in p1.best_ranges),
+            f"§4.1 headline: CacheGen fetches and processes a context {HANDOUT.figure('cachegen_delay', s)} faster "
+            f"than the 8-bit quantization baseline (LLaMA, measured end to end). Ours, 8-bit KV TTFT / "
+            f"{p1.finest.name} TTFT over {s.bandwidths[0]:g}-{s.bandwidths[-1]:g} Gb/s: "
+            f"{lo}{'' if lo == hi else '-' + hi}x. With the transfer alone in the model it is the size ratio, 8 bits "
+            f"over {p1.finest.name}'s "
+            f"{p1.finest.bits_per_value:.2f} bits per value (a {r.levels_name} level); CacheGen's figure also pays "
+            "decoding, and its levels were fitted on LLaMA."]))
+    page.table(Table(
+        f"\nNote (§4.1, pitfall 1): {tm.MODELS[s.note_model].name} on one {s.note_gpu}, a {s.context:,}-token "
+        "context: recompute it, or fetch its KV?", "§4.1", cols("", ("ours", "{:.1f}")), [
+            Row(["recompute the context, s (the time model's anchor)",
+                 Val(n.recompute_s, "llama31_8b_12k_recompute_s", "{:.2f}")], HANDOUT("8b_recompute_s", s) or DASH),
+            Row([f"links that lose to recomputing, raw KV ({tm.kv_bytes_per_token(s.note_model) // K} KiB/token), "
+                 "Gb/s", Val(n.raw_breakeven_gbit, "llama31_8b_raw_breakeven_gbit_per_s", "below {:.1f}")],
+                HANDOUT("8b_breakeven", s) or DASH),
+            Row([f"KV compression whose break-even is {s.note_link_gbps:g} Gb/s", Val(
+                n.compression, "llama31_8b_compression_for_25gbit", lambda c: f"{c:.2f}x ({16 / c:.1f} bits/value)")]),
+            *[Row([f"{k} KV beats recomputing above, Gb/s", v]) for k, v in n.levels_breakeven_gbit.items()]],
+        "03_streaming.note_8b"))
+    if page.plot:
+        figure_ttft(page, s, p1)
 
 
-def print_part1(levels, lossless, lossless_src, opts, no_loss, rows, recompute, breakeven, note):
-    values = tm.kv_bytes_per_token(MODEL) // 2
-    print(f"== Part 1 (§4.1): {tm.MODELS[MODEL].name} on {N_GPUS} x {GPU}, fetching a {CONTEXT:,}-token context")
-    print(f"Compressed sizes: each codec level's bits per value, measured by the codec on the record-world\n"
-          f"model (256 values/token), applied to {tm.MODELS[MODEL].name}'s {values:,} values/token "
-          f"(kv_bytes_per_token / 2).\nText = {st.TEXT_BYTES_PER_TOKEN} B/token of token ids, then recompute "
-          f"({recompute:.2f} s for the whole context in one batch, time model).\n"
-          f"Lossless accuracy (raw, text) = {lossless:.3f}, {lossless_src}.")
-    print(table(["option", "bits/value", "GB / context", "accuracy", "break-even vs text"],
-                [[o.name, f"{o.bits_per_value:.2f}" if not o.recompute else "-",
-                  f"{o.bits_per_token * CONTEXT / 8e9:.3f}", f"{o.accuracy:.3f}",
-                  f"{breakeven[o.name]:.1f} Gb/s" if o.name in breakeven else "-"] for o in opts]))
-    print()
-    names = [o.name for o in opts]
-    print(table(["Gb/s"] + [f"{n} s" for n in names] + ["best (no loss)", "fastest"],
-                [[f"{r['gbps']:g}"] + [f"{r['ttft'][n]:.2f}" for n in names] + [r["best"], r["fastest"]]
-                 for r in rows],
-                title=f"TTFT (context on the GPU), seconds.\n'best' = fastest of {sorted(no_loss)} "
-                      f"(within {NO_LOSS_POINTS * 100:.1f} points of lossless)."))
-    print(f"handout: {HANDOUT['part1']}")
-    vs = [r["vs_8bit"] for r in rows]
-    finest = next(o.name for o in opts if not o.recompute and o.name != "raw")
-    say(f"§4.1 headline: CacheGen fetches and processes a context {HANDOUT['cachegen_delay']} faster than the "
-        f"8-bit quantization baseline (LLaMA, measured end to end). Ours, 8-bit KV TTFT / {finest} TTFT over "
-        f"{BANDWIDTHS[0]:g}-{BANDWIDTHS[-1]:g} Gb/s: " + (f"{min(vs):.1f}x" if f"{min(vs):.1f}" == f"{max(vs):.1f}"
-                                                          else f"{min(vs):.1f}-{max(vs):.1f}x")
-        + f". With the transfer alone in the model it is the size ratio, 8 bits over {finest}'s "
-        f"{next(o.bits_per_value for o in opts if o.name == finest):.2f} bits per value (a record-world level); "
-        "CacheGen's figure also pays decoding, and its levels were fitted on LLaMA.")
-    print()
-    say(f"Note (§4.1, pitfall 1): {tm.MODELS[NOTE_MODEL].name} on one {NOTE_GPU} recomputes {CONTEXT:,} tokens in "
-          f"{note['recompute_s']:.2f} s (handout {HANDOUT['8b_recompute_s']} s; the time model's anchor).")
-    say(f"  raw KV ({tm.kv_bytes_per_token(NOTE_MODEL) // K} KiB/token) beats recomputing only above "
-          f"{note['raw_breakeven_gbit']:.1f} Gb/s; handout: below {HANDOUT['8b_breakeven_gbit']} Gb/s every link loses.")
-    say(f"  {HANDOUT['8b_breakeven_gbit']} Gb/s is the break-even of KV compressed {note['compression_for_handout']:.2f}x "
-          f"({16 / note['compression_for_handout']:.1f} bits/value); with the codec's levels: "
-          + ", ".join(f"{k} {v:.1f} Gb/s" for k, v in note["levels_breakeven_gbit"].items()) + ".")
+def present_part2(page, s, run, trace, levels_name):
+    page.part("Part 2", "§4.2", f"adaptive streaming, chunks of {s.chunk_tokens:,} tokens, SLO {s.slo:g} s")
+    page.say("Trace: " + ", ".join(f"{g:g} Gb/s from {t:g} s" for t, g in s.trace) + ".\n"
+             "Each chunk: the throughput measured on the previous chunk is assumed to hold; its budget is its token\n"
+             "share of the time left; it takes the finest level predicted to fit, else text (recompute on the GPU,\n"
+             "attending to the KV received), else the fastest option. The link is idle while the GPU recomputes: a\n"
+             "probe measures it then, so a link that recovers is seen. A KV chunk still arriving when only all-text\n"
+             "could meet the SLO is given up and recomputed. Configurations: the codec's levels (each chunk encoded\n"
+             "offline at every level) and text; raw FP16 KV is not streamed (CacheGen streams its levels only).")
+    chunk_table(page, run, shape_notes(s, run.why) + why_notes(s, run.why, codec=True),
+                {"trace_rows": run.runs["adaptive"].rows})
+    policies_table(page, s, run, "Whole context: quality = token-weighted accuracy (text chunks exact); GPU s = "
+                   f"recompute time on {s.n_gpus} GPUs.\nThe oracle knows the trace: meet the SLO, then recompute "
+                   "least, then lose least.", "policies", "trace")
+    steady(page, s, run.steady, "steady25_choices")
+    if page.plot:
+        figure_trace(page, "03_trace_choices.png", run, trace, s.slo,
+                     f"Trace and each chunk's choice ({levels_name} levels)")
 
 
-def print_chunks(setup, run):
+def present_part2_long(page, s, run, trace):
+    page.part("Part 2b", "§4.2, Part 2's trace and SLO, a longer context; not in the handout",
+              f"{run.setup.context_tokens:,} tokens")
+    page.say(f"(--long-context; LLaMA-3.1 reads up to {MAX_CONTEXT // K}K)")
+    w = run.why
+    policies_table(page, s, run, "", "long_policies", "long_trace", runs_of, quality=False,
+                   notes=shape_notes(s, w) + why_notes(s, w))
+    if page.plot:
+        figure_trace(page, "03_trace_choices_long.png", run, trace, s.slo,
+                     f"Part 2b, {w.context // K}K tokens: adaptive "
+                     f"{'coarsens' if w.coarser_after_drop else 'does not coarsen'} after the drop\n(TTFT "
+                     f"{run.runs['adaptive'].ttft_s:.2f} s vs always {w.finest} {w.finest_s:.2f} s; SLO {s.slo:g} s)")
+
+
+def pm(x, se, f):
+    """x +- its standard error, formatted with f (nan: no noise known)."""
+    return f"{x:{f}} +- {se:{f.lstrip('+')}}" if se == se else f"{x:{f}}"
+
+
+def present_part2_real(page, s, run, trace):
+    page.part("Part 2c", "§4.2 with real levels", "Part 2 again, the codec's levels measured on a real LLaMA")
+    page.say(f"(SmolLM2-135M; codec_real.py, the same codec with its steps searched under a KL budget of "
+             f"{cr.REAL_MAX_KL} nats/token on prose)")
+    lvs, nan, noise = sorted(run.levels, key=lambda d: d["level"]), float("nan"), run.noise
+    page.table(Table(
+        f"Measured on {lvs[0]['positions']:,} next-token positions of evaluation prose" + (
+            f" ({lvs[0]['paragraphs']} paragraphs; +- one standard error over paragraphs;\nstep: the paired change "
+            "from the finer level, each paragraph scored at both)." if "paragraphs" in lvs[0] else "."), "§4.2",
+        cols("level", ("bits/value", "{:.2f}"), ("GB / context", "{:.3f}"), "KL from FP16", "top-1 = FP16's",
+             "KL step", "top-1 step"),
+        [Row([o.name, o.bits_per_value, o.bits_per_token * run.setup.context_tokens / 8e9,
+              pm(lv["kl"], lv.get("kl_se", nan), ".4f"),
+              pm(100 * o.accuracy, 100 * lv.get("agree_se", nan), ".1f") + "%",
+              pm(lv["kl_step"], lv["kl_step_se"], "+.4f") if "kl_step" in lv else "",
+              pm(100 * lv["agree_step"], 100 * lv["agree_step_se"], "+.1f") if "agree_step" in lv else ""])
+         for o, lv in zip(run.setup.options, lvs)], "codec_real.real_codec_levels", json={"real_levels": run.levels},
+        notes=[f"KL grows level by level {'beyond' if noise.kl_clear else 'NOT beyond'} two standard errors; top-1 "
+               "agreement " + (f"changes within two standard errors at {', '.join(noise.unclear)}: a coarser level "
+                               "can score as well or better there by chance, so KL is the measure to trust."
+                               if noise.unclear else "falls level by level beyond two standard errors.")]
+        if noise else []))
+    chunk_table(page, run, shape_notes(s, run.why, "agrees with FP16's next token") + why_notes(s, run.why))
+    policies_table(page, s, run, "Whole context: quality = token-weighted share of next tokens equal to FP16's "
+                                 "(text chunks exact).", "real_policies", "real_trace")
+    steady(page, s, run.steady, "real_steady25_choices")
+    if page.plot:
+        figure_trace(page, "03_trace_choices_smollm2_levels.png", run, trace, s.slo,
+                     "Trace and each chunk's choice, levels measured on SmolLM2")
+
+
+def chunk_table(page, run, notes, json=None):
     """One row per chunk of an adaptive run: what it expected, chose, and got."""
-    rows = []
-    for i, (r, (first, n)) in enumerate(zip(run.rows, setup.plan)):
-        choice = r["choice"] + (f" ({r['gave_up']} given up)" if r.get("gave_up") else "")
-        measured = "-" if r["measured_gbps"] is None else f"{r['measured_gbps']:.2f}" + (" (probe)" if r.get("probe") else "")
-        rows.append([i, f"{first:,}-{first + n - 1:,}", f"{r['start']:.3f}", f"{r['est_gbps']:.2f}",
-                     f"{r['budget_s']:.3f}", choice, f"{r['predicted']:.3f}", f"{r['finish']:.3f}", measured])
-    print(table(["chunk", "tokens", "start s", "est Gb/s", "budget s", "choice", "predicted s", "finish s",
-                 "measured Gb/s"], rows))
+    rows = [Row([i, f"{first:,}-{first + n - 1:,}", r["start"], r["est_gbps"], r["budget_s"],
+                 r["choice"] + (f" ({r['gave_up']} given up)" if r["gave_up"] else ""), r["predicted"], r["finish"],
+                 None if r["measured_gbps"] is None else f"{r['measured_gbps']:.2f}" + " (probe)" * r["probe"]])
+            for i, (r, (first, n)) in enumerate(zip(run.runs["adaptive"].rows, run.setup.plan))]
+    page.table(Table("The adaptive policy, chunk by chunk:", "§4.2", cols(
+        "chunk", "tokens", ("start s", "{:.3f}"), ("est Gb/s", "{:.2f}"), ("budget s", "{:.3f}"), "choice",
+        ("predicted s", "{:.3f}"), ("finish s", "{:.3f}"), "measured Gb/s"), rows, "streaming.adaptive", notes,
+        json or {}))
 
 
-def print_part2(setup, runs, steady, trace, slo, chunk_tokens):
-    print()
-    segs = ", ".join(f"{g:g} Gb/s from {t:g} s" for t, g in zip(trace.times, trace.gbps))
-    print(f"== Part 2 (§4.2): adaptive streaming, chunks of {chunk_tokens:,} tokens, SLO {slo:g} s")
-    print(f"Trace: {segs}.")
-    print("Each chunk: the throughput measured on the previous chunk is assumed to hold; its budget is its token\n"
-          "share of the time left; it takes the finest level predicted to fit, else text (recompute on the GPU,\n"
-          "attending to the KV received), else the fastest option. The link is idle while the GPU recomputes: a\n"
-          "probe measures it then, so a link that recovers is seen. A KV chunk still arriving when only all-text\n"
-          "could meet the SLO is given up and recomputed. Configurations: the codec's levels (each chunk encoded\n"
-          "offline at every level) and text; raw FP16 KV is not streamed (CacheGen streams its levels only).")
-    print_chunks(setup, runs["adaptive"])
-    ex = explain(setup, runs, trace)
-    print_shape(ex)
-    print_why(ex, trace)
-    print()
-    print_policies(runs, slo, title="Whole context: quality = token-weighted accuracy (text chunks exact); GPU s = "
-                   f"recompute time on {N_GPUS} GPUs.\nThe oracle knows the trace: meet the SLO, then recompute "
-                   "least, then lose least.")
-    print_so(setup, runs, slo)
-    print(f"\nSteady {STEADY_GBPS:g} Gb/s: {compact(steady.choices)} (TTFT {steady.ttft_s:.2f} s); "
-          f"handout: {HANDOUT['steady']}")
+def shape_notes(s, w, answers="answers") -> list[str]:
+    """The handout's expected shape (when the run's inputs are its), and part by part what the adaptive run did."""
+    return said("trace", s) + ["ours:    " + ("the trace has no drop in bandwidth, so the handout's shape cannot "
+                                              "appear" if w.drop is None else "; ".join(
+        f"{k}: {'yes' if v else 'NO'}" for k, v in w.shape.items()) + f" (our {w.coarsest} {answers} "
+        f"{w.coarsest_accuracy:.1%})")]
 
 
-def print_part2_long(setup, runs, trace, slo):
-    print()
-    print(f"== Part 2b (§4.2's trace and SLO, a longer context; not in the handout): {setup.context_tokens:,} tokens\n"
-          f"(--long-context; LLaMA-3.1 reads up to {MAX_CONTEXT // K}K)")
-    print_policies(runs, slo, fmt=runs_of)
-    ex = explain(setup, runs, trace)
-    print_shape(ex)
-    print_why(ex, trace, codec=False)
-    print_so(setup, runs, slo)
+def why_notes(s, w, codec=False) -> list[str]:
+    """Why the run looks as it does, all computed; the handout's codec (1.66x smaller than 8-bit) for scale."""
+    where = "the trace never drops" if w.drop is None else (
+        f"{'before' if w.complete_before_drop else 'after'} the drop at {w.drop[0]:g} s "
+        f"({w.drop[1]:g} -> {w.drop[2]:g} Gb/s)")
+    out = [f"Why: at {w.finest} the {w.context:,}-token context is {w.finest_gb:.3f} GB and arrives (always "
+           f"{w.finest}) in {w.finest_s:.2f} s, {where}."]
+    ref = HANDOUT("codec_vs_8bit", s)
+    if codec and ref:
+        bits = 8 / float(ref.figure)
+        x = bits / w.finest_bits_per_value
+        out.append(f"  The handout's codec was {ref.figure}x smaller than 8-bit quantization (about {bits:.1f} "
+                   f"bits/value); ours is {w.vs_8bit:.1f}x smaller ({w.finest_bits_per_value:.2f} bits/value at "
+                   f"{w.finest}): the handout's levels were about " + (f"{x:.1f}x larger." if x >= 1 else
+                                                                       f"{1 / x:.1f}x smaller."))
+    return out + [f"  Text (recompute chunk by chunk, {w.text_recompute_s:.2f} s of GPU) beats {w.coarsest} only "
+                  f"below {w.text_breakeven_gbit:.2f} Gb/s; the trace's slowest rate is {w.slowest_gbps:g} Gb/s"
+                  + (", so text never pays." if w.slowest_gbps > w.text_breakeven_gbit else ".")]
 
 
-def print_part2_real(levels, setup, runs, steady, trace, slo):
-    print()
-    print(f"== Part 2c (§4.2 with real levels): Part 2 again, the codec's levels measured on a real LLaMA\n(SmolLM2-135M; codec_real.py, "
-          f"the same codec with its steps searched under a KL budget of {cr.REAL_MAX_KL} nats/token on prose)")
-    kv_opts = [o for o in setup.options if not o.recompute]          # the levels, finest first
-    lvs = sorted(levels, key=lambda d: d["level"])
-    pm = lambda x, se, f: f"{x:{f}} +- {se:{f.lstrip('+')}}" if se == se else f"{x:{f}}"  # noqa: E731  (nan: no noise known)
-    print(table(["level", "bits/value", "GB / context", "KL from FP16", "top-1 = FP16's", "KL step", "top-1 step"],
-                [[o.name, f"{o.bits_per_value:.2f}", f"{o.bits_per_token * setup.context_tokens / 8e9:.3f}",
-                  pm(lv["kl"], lv.get("kl_se", float("nan")), ".4f"),
-                  pm(100 * o.accuracy, 100 * lv.get("agree_se", float("nan")), ".1f") + "%",
-                  pm(lv["kl_step"], lv["kl_step_se"], "+.4f") if "kl_step" in lv else "",
-                  pm(100 * lv["agree_step"], 100 * lv["agree_step_se"], "+.1f") if "agree_step" in lv else ""]
-                 for o, lv in zip(kv_opts, lvs)],
-                title=f"Measured on {lvs[0]['positions']:,} next-token positions of evaluation prose"
-                      + (f" ({lvs[0]['paragraphs']} paragraphs; +- one standard error over paragraphs;\nstep: "
-                         "the paired change from the finer level, each paragraph scored at both)."
-                         if "paragraphs" in lvs[0] else ".")))
-    steps = [lv for lv in lvs[1:] if "agree_step" in lv]
-    if steps:
-        kl_clear = all(lv["kl_step"] > 2 * lv["kl_step_se"] for lv in steps)
-        unclear = [f"level{lv['level']}" for lv in steps if abs(lv["agree_step"]) <= 2 * lv["agree_step_se"]]
-        say(f"KL grows level by level {'beyond' if kl_clear else 'NOT beyond'} two standard errors; top-1 agreement "
-            + (f"changes within two standard errors at {', '.join(unclear)}: a coarser level can score as well "
-               "or better there by chance, so KL is the measure to trust." if unclear else
-               "falls level by level beyond two standard errors."))
-    print_chunks(setup, runs["adaptive"])
-    ex = explain(setup, runs, trace)
-    print_shape(ex, answers="agrees with FP16's next token")
-    print_why(ex, trace, codec=False)
-    print()
-    print_policies(runs, slo, title="Whole context: quality = token-weighted share of next tokens equal to FP16's "
-                                    "(text chunks exact).")
-    print_so(setup, runs, slo)
-    print(f"\nSteady {STEADY_GBPS:g} Gb/s: {compact(steady.choices)} (TTFT {steady.ttft_s:.2f} s); "
-          f"handout: {HANDOUT['steady']}")
+def policies_table(page, s, run, title, key, trace_key, fmt=compact, quality=True, notes=()):
+    """The four policies on the trace; the adaptive row's cells also go to `trace_key`_choices, ..."""
+    def cell(name, v, k):
+        return Val(v, f"{trace_key}_{k}") if name == "adaptive" and (quality or k != "quality") else v
+    page.table(Table(title, "§4.2", [
+        Col("policy"), Col("choices", fmt, f"{key}.{{row}}.choices"), Col("TTFT s", "{:.2f}", f"{key}.{{row}}.ttft_s"),
+        Col(f"SLO {s.slo:g} s", met), Col("quality", "{:.3f}", f"{key}.{{row}}.quality"),
+        Col("recomputed tokens", "{:,}", f"{key}.{{row}}.text_tokens"), Col("GPU s", "{:.2f}", f"{key}.{{row}}.gpu_s")],
+        [Row([name, cell(name, r.choices, "choices"), cell(name, r.ttft_s, "ttft_s"), run.why.on_time[name],
+              cell(name, r.quality, "quality"), r.text_tokens, r.gpu_s], key=name) for name, r in run.runs.items()],
+        "03_streaming.policies", [*notes, *so_notes(s, run)]))
 
 
-def print_part3(rows, slo, trace, half=HALF_EFFICIENCY_TOKENS):
-    print()
-    print(f"== Part 3 (§4.2): chunk size on the same trace. Recompute of a chunk of n tokens runs\n"
-          f"(1 + {half:g}/n) / (1 + {half:g}/12K) times slower than the time model (a batch of n tokens at "
-          f"n/(n+{half:g}) of large-batch speed;\nan assumption, --half-tokens, see streaming.batch_slowdown).")
-    print(table(["chunk", "chunks", "slowdown", "all-text s", "overrun s", "TTFT s", "SLO", "quality", "GPU s",
-                 "oracle s", "oracle q"],
-                [[f"{r['chunk_tokens']:,}", r["chunks"], f"{r['slowdown']:.3f}", f"{r['text_ttft_s']:.2f}",
-                  f"{r['overrun_s']:.2f}", f"{r['adaptive'].ttft_s:.2f}",
-                  "met" if r["adaptive"].ttft_s <= slo else "MISSED", f"{r['adaptive'].quality:.3f}",
-                  f"{r['adaptive'].gpu_s:.2f}", f"{r['oracle'].ttft_s:.2f}", f"{r['oracle'].quality:.3f}"]
-                 for r in rows],
-                title="chunk: tokens per chunk; slowdown: recompute of one chunk vs the time model; all-text s: TTFT with\n"
-                      "every chunk recomputed (small batches cost); overrun s: the worst chunk's finish minus its predicted\n"
-                      "finish (large chunks react late); TTFT ... GPU s: the adaptive policy; oracle s, q: the oracle's "
-                      "TTFT, quality."))
-    for r in rows:
-        say(f"adaptive's choices, {r['chunk_tokens']:,}-token chunks: {runs_of(r['adaptive'].choices)}")
-    print(f"handout: {HANDOUT['chunks']}")
-    text = [r["text_ttft_s"] for r in rows]
-    late = max(rows, key=lambda r: r["overrun_s"])
-    drop = first_drop(trace)
-    early = drop is not None and all(r["adaptive"].ttft_s <= drop[0] for r in rows)
-    print(f"ours:    small batches cost: all-text TTFT {min(text):.2f}-{max(text):.2f} s across chunk sizes;")
-    say("         " + (f"reacting late: worst overrun {late['overrun_s']:.2f} s with {late['chunk_tokens']:,}-token chunks"
-             if late["overrun_s"] > 1e-9 else
-             "reacting late costs nothing here: no chunk ran past its predicted finish"
-             + (f" (at every size the context is in before the drop at {drop[0]:g} s)" if early else "")), indent=9)
+def so_notes(s, run) -> list[str]:
+    """What the adaptive policy did (counted from its choices) and its outcome, the oracle's, and what a policy
+    that arrives sooner trades: a miss is said as a miss, a trade only when adaptive arrives in time."""
+    ad, orc, text, ok = run.runs["adaptive"], run.runs["oracle"], run.runs["always text"], run.why.on_time
+    out = [f"So: adaptive fetched {did(run.setup, ad)}: TTFT {ad.ttft_s:.2f} s (SLO {met(ok['adaptive'])}), "
+           f"quality {ad.quality:.3f}.", f"    The oracle, knowing the trace, fetched {did(run.setup, orc)}: TTFT "
+           f"{orc.ttft_s:.2f} s (SLO {met(ok['oracle'])}), quality {orc.quality:.3f}."]
+    out += [f"    {name.capitalize()} arrives sooner here ({r.ttft_s:.2f} s vs {ad.ttft_s:.2f} s; " + (
+        "both miss the SLO" if not ok[name] else "it meets the SLO, adaptive does not" if not ok["adaptive"] else
+        "both meet the SLO") + "): adaptive chose by the rates it had measured, and the link then changed."
+        for name, r in run.runs.items() if name not in ("adaptive", "always text", "oracle") and r.ttft_s < ad.ttft_s]
+    gpu = (f"the GPUs recompute {text.text_tokens:,} tokens ({text.gpu_s:.2f} s on {s.n_gpus} GPUs) against "
+           f"adaptive's {ad.text_tokens:,} ({ad.gpu_s:.2f} s)")
+    if text.ttft_s < ad.ttft_s:
+        out.append(f"    Always text arrives sooner ({text.ttft_s:.2f} s vs {ad.ttft_s:.2f} s) and " + (
+            f"exact (quality {text.quality:.3f}), but {gpu}: adaptive trades {text.quality - ad.quality:.3f} of "
+            "quality for that GPU time, which the cache exists to save." if ok["adaptive"] else
+            ("meets the SLO that adaptive misses" if ok["always text"] else "misses the SLO too") + f"; {gpu}."))
+    if ok["oracle"] and not ok["adaptive"]:
+        row = ad.rows[run.why.worst_chunk]
+        out.append(f"    Adaptive misses the SLO that the oracle meets: it chose by the rates it had measured, and "
+                   f"chunk {run.why.worst_chunk} ({row['choice']}), due at {row['predicted']:.2f} s at "
+                   f"{row['est_gbps']:.2f} Gb/s, ended at {row['finish']:.2f} s.")
+    return out
 
 
-def print_part4(traces, cells, slo, chunk_tokens, seed):
-    print()
-    print(f"== Part 4 (§4.2 on many traces, as CacheGen's evaluation replays throughput traces): {len(traces)} traces, "
-          f"seed {seed},\nSLO {slo:g} s, chunks of {chunk_tokens:,} tokens. Each trace: a Markov chain over "
-          f"{', '.join(f'{g:g}' for g in SUITE_GBPS)} Gb/s,\neach rate held {SUITE_DWELL_S[0]:g}-{SUITE_DWELL_S[1]:g} s, "
-          f"then a neighbouring rate (or any rate, chance {SUITE_JUMP:g}).")
-    rows = []
-    for c in cells:
-        for p in SUITE_SHOWN:
-            m = c["summary"][p]
-            rows.append([f"{c['levels']} {c['context'] // K}K", p, f"{m['violation_rate']:.1%}", f"{m['mean_ttft_s']:.2f}",
-                         f"{m['p95_ttft_s']:.2f}", f"{m['mean_quality']:.4f}", f"{m['mean_quality_on_time']:.4f}",
-                         f"{m['mean_text_tokens']:,.0f}"])
-    print(table(["levels, context", "policy", "SLO missed", "mean TTFT s", "p95 TTFT s", "quality",
-                 "on-time quality", "recomputed tokens"], rows,
-                title="quality: of what arrived, late or not; on-time quality: a context past the SLO counts 0. "
-                      "naive adaptive: the\nsame rule keeping its last KV measurement through text and waiting for "
-                      "every KV chunk (no probe, no give-up)."))
-    print("The promise, per levels and context: wherever always level0 or always text meets the SLO, adaptive does;")
-    print("its SLO-miss rate is at most the best fixed policy's; its on-time quality at least always level0's.")
-    for c in cells:
-        ad, l0 = c["summary"]["adaptive"], c["summary"]["always level0"]
-        best = c["summary"][c["best_fixed"]]
-        ex = c["exceptions"]
-        say(f"  {c['levels']} {c['context'] // K}K: broken on {len(ex)} of {len(traces)} traces; misses "
-              f"{ad['violation_rate']:.1%} vs {c['best_fixed']}'s {best['violation_rate']:.1%}: "
-              f"{'yes' if c['rate_ok'] else 'NO'}; on-time quality {ad['mean_quality_on_time']:.4f} vs "
-              f"{l0['mean_quality_on_time']:.4f}: {'yes' if c['quality_on_time_ok'] else 'NO'}")
-        for e in ex[:SUITE_EXCEPTIONS_SHOWN]:
-            print(f"    trace {e['trace']}: {' and '.join(e['fixed_met'])} met it, adaptive took {e['adaptive_ttft_s']:.2f} s: "
-                  f"chunk {e['chunk']} ({e['choice']}) was due at {e['predicted_s']:.2f} s at {e['est_gbps']:.2f} "
-                  f"Gb/s,\n      ended at {e['finish_s']:.2f} s (the link fell to {e['lowest_gbps']:g} Gb/s)")
-        if len(ex) > SUITE_EXCEPTIONS_SHOWN:
-            print(f"    ... and {len(ex) - SUITE_EXCEPTIONS_SHOWN} more (--json lists them all)")
-        if ad["mean_quality"] < l0["mean_quality"]:
-            print(f"    quality of what arrived: adaptive {ad['mean_quality']:.4f} < always level0's "
-                  f"{l0['mean_quality']:.4f}: the coarser levels it takes to arrive in time")
+def steady(page, s, run, key):
+    page.say(f"\nSteady {s.steady_gbps:g} Gb/s: {compact(run.choices)} (TTFT {run.ttft_s:.2f} s)"
+             + "".join(f"; {h}" for h in said("steady", s)))
+    page.data(**{key: run.choices})
+
+
+def present_part3(page, s, c):
+    h, key, late = s.half_efficiency_tokens, "chunk_sizes.{row}.", c.latest
+    text = [x.text_ttft_s for x in c.rows]
+    page.part("Part 3", "§4.2", "chunk size on the same trace")
+    page.say(f"Recompute of a chunk of n tokens runs (1 + {h:g}/n) / (1 + {h:g}/12K) times slower than the time "
+             f"model (a batch\nof n tokens at n/(n+{h:g}) of large-batch speed; an assumption, --half-tokens, see "
+             "streaming.batch_slowdown).")
+    page.table(Table(
+        "chunk: tokens per chunk; slowdown: recompute of one chunk vs the time model; all-text s: TTFT with\n"
+        "every chunk recomputed (small batches cost); overrun s: the worst chunk's finish minus its predicted\n"
+        "finish (large chunks react late); TTFT ... GPU s: the adaptive policy; oracle s, q: the oracle's TTFT, "
+        "quality.", "§4.2", cols(
+            ("chunk", "{:,}"), "chunks", ("slowdown", "{:.3f}"), ("all-text s", "{:.2f}", key + "all_text_ttft_s"),
+            ("overrun s", "{:.2f}", key + "worst_overrun_s"), ("TTFT s", "{:.2f}", key + "ttft_s"),
+            ("SLO", met, key + "slo_met"), ("quality", "{:.3f}", key + "quality"), ("GPU s", "{:.2f}"),
+            ("oracle s", "{:.2f}", key + "oracle_ttft_s"), ("oracle q", "{:.3f}", key + "oracle_quality")),
+        [Row([x.chunk_tokens, x.chunks, x.slowdown, x.text_ttft_s, x.overrun_s, x.adaptive.ttft_s,
+              x.adaptive.ttft_s <= s.slo, x.adaptive.quality, x.adaptive.gpu_s, x.oracle.ttft_s, x.oracle.quality],
+             key=str(x.chunk_tokens)) for x in c.rows], "03_streaming.part3",
+        [f"adaptive's choices, {x.chunk_tokens:,}-token chunks: {runs_of(x.adaptive.choices)}" for x in c.rows]
+        + said("chunks", s) + [
+            f"ours:    small batches cost{'' if c.small_batches_cost else ' little here'}: all-text TTFT "
+            f"{min(text):.2f}-{max(text):.2f} s across chunk sizes; " + (
+                f"reacting late: worst overrun {late.overrun_s:.2f} s with {late.chunk_tokens:,}-token chunks"
+                if late.overrun_s > 1e-9 else "reacting late costs nothing here: no chunk ran past its predicted "
+                "finish" + " (at every size the context is in before the trace's first drop)" * c.before_drop)],
+        {f"chunk_sizes.{x.chunk_tokens}.choices": x.adaptive.choices for x in c.rows}))
+
+
+def present_part4(page, s, suite):
+    n, (lo, hi), most = len(suite.traces), s.suite_dwell_s, s.suite_exceptions_shown
+    page.part("Part 4", "§4.2 on many traces", f"{n} traces, seed {s.suite_seed}, as CacheGen's evaluation "
+              "replays throughput traces")
+    page.say(f"SLO {s.slo:g} s, chunks of {s.chunk_tokens:,} tokens. Each trace: a Markov chain over "
+             f"{', '.join(f'{g:g}' for g in s.suite_gbps)} Gb/s, each rate held {lo:g}-{hi:g} s, then a neighbouring "
+             f"rate (or any rate, chance {s.suite_jump:g}).")
+    notes = ["The promise, per levels and context: wherever always level0 or always text meets the SLO, adaptive "
+             "does; its SLO-miss rate is at most the best fixed policy's; its on-time quality at least always "
+             "level0's."]
+    for c in suite.cells:
+        ad, l0, ex = c.policies["adaptive"], c.policies["always level0"], c.exceptions
+        notes += [f"{c.levels} {c.context // K}K: broken on {len(ex)} of {n} traces; misses {ad['violation_rate']:.1%}"
+                  f" vs {c.best_fixed}'s {c.policies[c.best_fixed]['violation_rate']:.1%}: "
+                  f"{'yes' if c.rate_ok else 'NO'}; on-time quality {ad['mean_quality_on_time']:.4f} vs "
+                  f"{l0['mean_quality_on_time']:.4f}: {'yes' if c.quality_on_time_ok else 'NO'}"]
+        notes += [f"  trace {e['trace']}: {' and '.join(e['fixed_met'])} met it, adaptive took "
+                  f"{e['adaptive_ttft_s']:.2f} s: chunk {e['chunk']} ({e['choice']}) was due at {e['predicted_s']:.2f}"
+                  f" s at {e['est_gbps']:.2f} Gb/s, ended at {e['finish_s']:.2f} s (the link fell to "
+                  f"{e['lowest_gbps']:g} Gb/s)" for e in ex[:most]]
+        notes += [f"  ... and {len(ex) - most} more (--json lists them all)"] * (len(ex) > most)
+        notes += [f"  quality of what arrived: adaptive {ad['mean_quality']:.4f} < always level0's "
+                  f"{l0['mean_quality']:.4f}: the coarser levels it takes to arrive in time"] * (
+            ad["mean_quality"] < l0["mean_quality"])
+    page.table(Table(
+        "quality: of what arrived, late or not; on-time quality: a context past the SLO counts 0. naive adaptive: "
+        "the\nsame rule keeping its last KV measurement through text and waiting for every KV chunk (no probe, no "
+        "give-up).", "§4.2", cols("levels, context", "policy", ("SLO missed", "{:.1%}"), ("mean TTFT s", "{:.2f}"),
+                                 ("p95 TTFT s", "{:.2f}"), ("quality", "{:.4f}"), ("on-time quality", "{:.4f}"),
+                                 ("recomputed tokens", "{:,.0f}")),
+        [Row([f"{c.levels} {c.context // K}K", p, m["violation_rate"], m["mean_ttft_s"], m["p95_ttft_s"],
+              m["mean_quality"], m["mean_quality_on_time"], m["mean_text_tokens"]])
+         for c in suite.cells for p, m in c.policies.items()], "03_streaming.part4", notes,
+        {"suite": {"traces": n, "seed": s.suite_seed, "slo_s": s.slo, "contexts": s.suite_contexts,
+                   "cells": suite.cells}}))
+    if page.plot:
+        figure_suite(page, s, suite)
 
 
 # ----------------------------------------------------------------------------------------- figures
-COLORS = {"level0": "#1a9850", "level1": "#91cf60", "level2": "#fee08b", "level3": "#fc8d59",
-          "text": "#4575b4", "raw": "#999999"}
+def figure_ttft(page, s, p1):
+    with page.figure("03_ttft_vs_bandwidth.png", figsize=(7, 4.2)) as (fig, ax):
+        for o in p1.options:
+            ax.plot([b.gbps for b in p1.rows], [b.ttft[o.name] for b in p1.rows], marker="o", ms=3,
+                    color=COLORS.get(o.name), label=f"{o.name} (acc {o.accuracy:.2f})")
+        ax.set(xscale="log", yscale="log", xlabel="link bandwidth, Gb/s", ylabel="TTFT (context on GPU), s",
+               title=f"{tm.MODELS[s.model].name}, {s.n_gpus} x {s.gpu}, {s.context // K}K-token context")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend()
 
 
-def plot(opts, rows, runs, trace, slo):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    g = [r["gbps"] for r in rows]
-    for o in opts:
-        ax.plot(g, [r["ttft"][o.name] for r in rows], marker="o", ms=3, color=COLORS.get(o.name),
-                label=f"{o.name} (acc {o.accuracy:.2f})")
-    ax.set(xscale="log", yscale="log", xlabel="link bandwidth, Gb/s", ylabel="TTFT (context on GPU), s",
-           title=f"{tm.MODELS[MODEL].name}, {N_GPUS} x {GPU}, {CONTEXT // K}K-token context")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    p1 = figure_path("03_ttft_vs_bandwidth.png")
-    fig.savefig(p1, dpi=120)
-    plt.close(fig)
-
-    p2 = figure_path("03_trace_choices.png")
-    plot_trace(runs, trace, slo, p2, "Trace and each chunk's choice (record-world levels)")
-    return [p1, p2]
-
-
-def plot_trace(runs, trace, slo, path, title):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    end = max(max(r.ttft_s for r in runs.values()), slo) * 1.05
-    fig, (top, bot) = plt.subplots(2, 1, figsize=(8, 5), sharex=True, gridspec_kw={"height_ratios": [1, 1.3]})
-    ts = list(trace.times) + [end]
-    top.step(ts, list(trace.gbps) + [trace.gbps[-1]], where="post", color="k")
-    top.set(ylabel="link, Gb/s", ylim=(0, max(trace.gbps) * 1.1))
-    top.set_title(title, fontsize=9)
-    for i, (name, r) in enumerate(runs.items()):
-        for row in r.rows:
+def figure_trace(page, name, run, trace, slo, title):
+    """The trace above, each policy's chunks below (coloured by what each fetched), the SLO in red."""
+    end = max(max(r.ttft_s for r in run.runs.values()), slo) * 1.05
+    with page.figure(name, title, figsize=(8, 5), nrows=2, sharex=True,
+                     gridspec_kw={"height_ratios": [1, 1.3]}) as (fig, (top, bot)):
+        top.step(list(trace.times) + [end], list(trace.gbps) + [trace.gbps[-1]], where="post", color="k")
+        top.set(ylabel="link, Gb/s", ylim=(0, max(trace.gbps) * 1.1))
+        for i, row in ((i, row) for i, r in enumerate(run.runs.values()) for row in r.rows):
             bot.barh(i, row["finish"] - row["start"], left=row["start"], color=COLORS.get(row["choice"]),
                      edgecolor="k", lw=0.5)
             if row["finish"] - row["start"] > 0.08:
-                bot.text((row["start"] + row["finish"]) / 2, i, SHORT[row["choice"]], ha="center", va="center", fontsize=7)
-    bot.set_yticks(range(len(runs)), list(runs))
-    bot.invert_yaxis()
-    for a in (top, bot):
-        a.axvline(slo, color="r", ls="--", lw=1)
-    bot.set(xlabel="time, s (red: SLO)", xlim=(0, end))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+                bot.text((row["start"] + row["finish"]) / 2, i, SHORT[row["choice"]], ha="center", va="center",
+                         fontsize=7)
+        bot.set_yticks(range(len(run.runs)), list(run.runs))
+        bot.invert_yaxis()
+        for a in (top, bot):
+            a.axvline(slo, color="r", ls="--", lw=1)
+        bot.set(xlabel="time, s (red: SLO)", xlim=(0, end))
 
 
-def plot_suite(cells, slo, path):
+def figure_suite(page, s, suite):
     """CDF of TTFT over the suite, one panel per level set and context, one line per policy."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     styles = {"adaptive": ("C3", "-"), "naive adaptive": ("C3", ":"), "always level0": ("#1a9850", "-"),
               "always text": ("#4575b4", "-"), "oracle": ("k", "--")}
-    names = list(dict.fromkeys(c["levels"] for c in cells))
-    fig, axes = plt.subplots(len(names), len(SUITE_CONTEXTS), figsize=(4.2 * len(SUITE_CONTEXTS), 3.2 * len(names)),
-                             squeeze=False, sharex=True)
-    for c in cells:
-        ax = axes[names.index(c["levels"])][SUITE_CONTEXTS.index(c["context"])]
-        for p, runs in c["runs"].items():
-            xs = sorted(r.ttft_s for r in runs)
-            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", color=styles[p][0],
-                    ls=styles[p][1], label=p)
-        ax.axvline(slo, color="0.5", ls="--", lw=1)
-        ax.set(xscale="log", title=f"{c['levels']} levels, {c['context'] // K}K tokens", ylim=(0, 1.02))
-        ax.grid(alpha=0.3, which="both")
-    for ax in axes[-1]:
-        ax.set_xlabel("TTFT (context on GPU), s (grey dashes: SLO)")
-    for row in axes:
-        row[0].set_ylabel("share of traces")
-    axes[0][0].legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def suite_json(traces, cells, slo, seed) -> dict:
-    return {"traces": len(traces), "seed": seed, "slo_s": slo, "contexts": SUITE_CONTEXTS,
-            "cells": [{"levels": c["levels"], "context": c["context"], "policies": c["summary"],
-                       "best_fixed": c["best_fixed"], "rate_ok": c["rate_ok"],
-                       "quality_on_time_ok": c["quality_on_time_ok"], "exceptions": c["exceptions"]}
-                      for c in cells]}
-
-
-def policy_json(runs) -> dict:
-    return {name: {"choices": r.choices, "ttft_s": r.ttft_s, "quality": r.quality, "text_tokens": r.text_tokens,
-                   "gpu_s": r.gpu_s} for name, r in runs.items()}
+    names, ctxs = list(dict.fromkeys(c.levels for c in suite.cells)), list(s.suite_contexts)
+    with page.figure("03_trace_suite_ttft_cdf.png", figsize=(4.2 * len(ctxs), 3.2 * len(names)), nrows=len(names),
+                     ncols=len(ctxs), squeeze=False, sharex=True) as (fig, axes):
+        for c, runs in zip(suite.cells, suite.runs):
+            ax = axes[names.index(c.levels)][ctxs.index(c.context)]
+            for p, results in runs.items():
+                xs = sorted(r.ttft_s for r in results)
+                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", color=styles[p][0],
+                        ls=styles[p][1], label=p)
+            ax.axvline(s.slo, color="0.5", ls="--", lw=1)
+            ax.set(xscale="log", title=f"{c.levels} levels, {c.context // K}K tokens", ylim=(0, 1.02))
+            ax.grid(alpha=0.3, which="both")
+        for ax in axes[-1]:
+            ax.set_xlabel("TTFT (context on GPU), s (grey dashes: SLO)")
+        for row in axes:
+            row[0].set_ylabel("share of traces")
+        axes[0][0].legend(fontsize=7, loc="lower right")
 
 
 # -------------------------------------------------------------------------------------------- main
-def parse(argv):
-    p = Parser(__doc__)
-    p.add_argument("--trace", metavar="FILE", help="CSV 'time_s,gbit_per_s' per line (rate from that time on); "
-                                                   "default: the TRACE constant (§4.2)")
-    p.add_argument("--slo", type=positive_float, default=SLO, help="seconds until the context must be on the GPU")
-    p.add_argument("--chunk-tokens", type=positive_int, default=CHUNK_TOKENS, help="tokens per chunk (Part 2)")
-    p.add_argument("--long-context", type=positive_int, default=LONG_CONTEXT,
-                   help=f"tokens of context in Part 2b (at most {MAX_CONTEXT}, LLaMA-3.1's window)")
-    p.add_argument("--levels", metavar="FILE", help="JSON list of codec levels instead of codec_study.codec_levels()")
-    p.add_argument("--half-tokens", type=positive_float, default=HALF_EFFICIENCY_TOKENS,
-                   help="recompute batch size that runs at half speed (the small-batch assumption)")
-    p.add_argument("--trace-suite", type=nonneg_int, default=SUITE_TRACES, metavar="N",
-                   help="Part 4: N random traces (0: skip)")
-    p.add_argument("--suite-seed", type=nonneg_int, default=SUITE_SEED, help="the trace suite's random seed")
-    p.add_argument("--no-real", action="store_true", help="skip Part 2c (levels measured on SmolLM2)")
-    a = p.parse_args(argv)
-    if a.chunk_tokens > CONTEXT:
-        p.error(f"argument --chunk-tokens: at most the context, {CONTEXT}")
-    if a.long_context > MAX_CONTEXT:
-        p.error(f"argument --long-context: at most {MAX_CONTEXT} (LLaMA-3.1's context window)")
-    return a
-
-
-def compute(a) -> dict:
-    """Every Part's numbers: the levels, Parts 1-3, Part 2c's real levels if SmolLM2 is at hand, Part 4."""
-    trace, levels = load_trace(a.trace), load_levels(a.levels)
-    lossless, lossless_src = lossless_accuracy(levels)
-    half = a.half_tokens
-    r = {"trace": trace, "levels": levels, "lossless": lossless, "lossless_src": lossless_src,
-         "part1": part1(levels, lossless, BANDWIDTHS, half), "note": note_8b(levels),
-         "part2": part2(levels, lossless, trace, a.slo, a.chunk_tokens, half),
-         "long": part2_long(levels, lossless, trace, a.slo, a.chunk_tokens, a.long_context, half),
-         "sizes": part3(levels, lossless, trace, a.slo, CHUNK_SIZES, half), "real": None, "suite": None}
-    if not a.no_real and smollm2_or_explain(say=lambda msg: print(f"Part 2c skipped: {msg}")) is not None:
-        real_levels = cr.real_codec_levels()  # fits the codec on SmolLM2 on first use (about a minute)
-        r["real"] = (real_levels, *part2(real_levels, 1.0, trace, a.slo, a.chunk_tokens, half))
-    if a.trace_suite:
-        sets = {"record-world" if a.levels is None else Path(a.levels).name: (levels, lossless)}
-        sets |= {"SmolLM2": (r["real"][0], 1.0)} if r["real"] else {}
-        r["suite"] = part4(sets, a.trace_suite, a.suite_seed, a.slo, a.chunk_tokens, half)
-    return r
-
-
-def report(r, a):
-    print_part1(r["levels"], r["lossless"], r["lossless_src"], *r["part1"], r["note"])
-    print_part2(*r["part2"], r["trace"], a.slo, a.chunk_tokens)
-    print_part2_long(*r["long"], r["trace"], a.slo)
-    if r["real"]:
-        print_part2_real(*r["real"], r["trace"], a.slo)
-    print_part3(r["sizes"], a.slo, r["trace"], a.half_tokens)
-    if r["suite"]:
-        print_part4(*r["suite"], a.slo, a.chunk_tokens, a.suite_seed)
-
-
-def figures(r, a):
-    opts, _, rows, _, _ = r["part1"]
-    _, runs, _ = r["part2"]
-    trace, real = r["trace"], r["real"]
-    paths = plot(opts, rows, runs, trace, a.slo)
-    long_setup, long_runs = r["long"]
-    paths.append(figure_path("03_trace_choices_long.png"))
-    ad, l0 = long_runs["adaptive"], long_runs["always level0"]
-    plot_trace(long_runs, trace, a.slo, paths[-1],
-               f"Part 2b, {long_setup.context_tokens // K}K tokens: adaptive coarsens after the drop\n"
-               f"(TTFT {ad.ttft_s:.2f} s vs always level0 {l0.ttft_s:.2f} s; SLO {a.slo:g} s)")
-    if real:
-        paths.append(figure_path("03_trace_choices_smollm2_levels.png"))
-        plot_trace(real[2], trace, a.slo, paths[-1], "Trace and each chunk's choice, levels measured on SmolLM2")
-    if r["suite"]:
-        paths.append(figure_path("03_trace_suite_ttft_cdf.png"))
-        plot_suite(r["suite"][1], a.slo, paths[-1])
-    for path in paths:
-        print(f"figure: {path}")
-
-
-def to_json(r, a) -> dict:
-    opts, _, rows, recompute, breakeven = r["part1"]
-    _, runs, steady = r["part2"]
-    _, long_runs = r["long"]
-    note, real, suite, trace = r["note"], r["real"], r["suite"], r["trace"]
-    ad = runs["adaptive"]
-    return {
-        "best_at_gbit_per_s": {f"{x['gbps']:g}": x["best"] for x in rows},
-        "fastest_at_gbit_per_s": {f"{x['gbps']:g}": x["fastest"] for x in rows},
-        "ttft_s_at_gbit_per_s": {f"{x['gbps']:g}": x["ttft"] for x in rows},
-        "vs_8bit_at_gbit_per_s": {f"{x['gbps']:g}": x["vs_8bit"] for x in rows},
-        "breakeven_gbit_per_s": breakeven,
-        "llama31_70b_12k_recompute_s": recompute,
-        "levels_bits_per_value": {o.name: o.bits_per_value for o in opts if not o.recompute},
-        "llama31_8b_12k_recompute_s": note["recompute_s"],
-        "llama31_8b_raw_breakeven_gbit_per_s": note["raw_breakeven_gbit"],
-        "llama31_8b_compression_for_25gbit": note["compression_for_handout"],
-        "trace_choices": ad.choices,
-        "trace_ttft_s": ad.ttft_s,
-        "trace_quality": ad.quality,
-        "trace_rows": ad.rows,
-        "policies": policy_json(runs),
-        "steady25_choices": steady.choices,
-        "long_trace_choices": long_runs["adaptive"].choices,
-        "long_trace_ttft_s": long_runs["adaptive"].ttft_s,
-        "long_policies": policy_json(long_runs),
-        **({"real_levels": real[0], "real_trace_choices": real[2]["adaptive"].choices,
-            "real_trace_ttft_s": real[2]["adaptive"].ttft_s, "real_trace_quality": real[2]["adaptive"].quality,
-            "real_steady25_choices": real[3].choices,
-            "real_policies": policy_json(real[2])} if real else {}),
-        "chunk_sizes": {str(x["chunk_tokens"]): {"ttft_s": x["adaptive"].ttft_s, "quality": x["adaptive"].quality,
-                                                 "slo_met": x["adaptive"].ttft_s <= a.slo,
-                                                 "choices": x["adaptive"].choices,
-                                                 "oracle_ttft_s": x["oracle"].ttft_s,
-                                                 "oracle_quality": x["oracle"].quality,
-                                                 "all_text_ttft_s": x["text_ttft_s"],
-                                                 "worst_overrun_s": x["overrun_s"]} for x in r["sizes"]},
-        **({"suite": suite_json(*suite, a.slo, a.suite_seed)} if suite else {}),
-        "setup": {"model": MODEL, "gpu": GPU, "n_gpus": N_GPUS, "context": CONTEXT, "slo_s": a.slo,
-                  "chunk_tokens": a.chunk_tokens, "long_context": a.long_context, "half_tokens": a.half_tokens,
-                  "trace": list(zip(trace.times, trace.gbps))},
-    }
-
-
-def main(argv=None):
-    a = parse(argv)
-    r = compute(a)
-    report(r, a)
-    if not a.no_plot:
-        figures(r, a)
-    write_json(a.json, to_json(r, a))
+def main(argv=None) -> Page:
+    """Compute every Part, then present it; the page (its tables, notes and --json) is returned for tests."""
+    s, a = parse(argv)
+    r = compute(s, real_levels=not a.no_real)
+    page = Page("03", "CacheGen part two: streaming with adaptation", "§4", s, Settings(), plot=not a.no_plot)
+    present(page, s, r)
+    page.finish(a.json)
+    return page
 
 
 if __name__ == "__main__":

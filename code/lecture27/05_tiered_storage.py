@@ -16,14 +16,15 @@ Runs in a few seconds; figures/05_handoff.png (Part 1) and figures/05_ttft_cdf.p
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
 import numpy as np
 
-from common.cli import (Parser, fail, figure_path, nonneg_float, positive_float, positive_int, say, table,
-                        write_json)
+from common.cli import Parser, nonneg_float, positive_float, positive_int, settings_from
+from common.present import Handout, Page, Ref, Row, Table, Val, change, cols
 from common.timemodel import get_model, kv_bytes_per_token, prefill_time
 from tiers import Tier, TieredStore
 
@@ -81,22 +82,73 @@ STACK_VS_CLASSIC = [("inference engine (vLLM, SGLang)", "processor / compute", "
 SLIDES = [("DP-EP serving, Qwen3-235B FP8, 4 x MI300", "mean TTFT", "0.33 s", "0.80 s", "2.4x"),
           ("CPU+disk offload, LLaMA-3.1-70B, MI300X", "TTFT", "0.15 s", "1.63 s", "10.8x"),
           ("CPU+disk offload, LLaMA-3.1-70B, MI300X", "decode", "25.59 tok/s", "11.64 tok/s", "2.19x")]
-# The handout's figures (reference only; nothing is computed from them), and the inputs they hold for:
-# a figure is printed only when the run's inputs are these, "-" otherwise
-HANDOUT = {"handoff_gb": "about 5.2 GB", "all_kv_gb": "241 GB", "gpu_room_gb": "~58 GB",
-           "slow_vs_fast": "5x", "lru": "45%", "hinted": "99%"}
-HANDOUT_INPUTS = {
-    "handoff": {"model": "llama-3.1-70b", "tokens": 16_000},
-    "chat": {"model": "llama-3-8b", "gpu": "H100", "users": 200, "turns": 12, "turn_tokens": 768},
-    "tiers": {"rate": 10.0, "cpu_slow_gbps": 10.0, "cpu_fast_gbps": 50.0},
-    "waist": {"requests": 2000, "docs": 10, "doc_tokens": 4096, "oneshot_tokens": 8192, "oneshot_share": 0.5,
-              "cache_gb": 9.0},
-}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One run's inputs: the constants above, as the command line left them (field = constant's name)."""
+    handoff_model: str
+    handoff_tokens: int
+    pcie_gbps: float
+    memcpy_gbps: float
+    net_gbps: float
+    model: str
+    gpu: str
+    users: int
+    turns: int
+    rate: float
+    user_tokens: int
+    answer_tokens: int
+    chunk: int
+    gpu_gb: float
+    cpu_gb: float
+    cpu_small_gb: float
+    cpu_slow_gbps: float
+    cpu_fast_gbps: float
+    ssd_gb: float
+    ssd_gbps: float
+    seed: int
+    doc_requests: int
+    docs: int
+    doc_tokens: int
+    oneshot_tokens: int
+    oneshot_share: float
+    doc_cache_gb: float
+    ex9_engines: int
+    ex9_ipc_us: float
+    ex9_calls: int
+
+
+# The handout's figures printed beside ours, each with the inputs it holds for: a figure shows only when
+# the run's settings are these. Nothing is computed from them.
+CHAT = {"model": "llama-3-8b", "users": 200, "turns": 12, "user_tokens": 256, "answer_tokens": 512}
+HANDOUT = Handout({
+    "handoff_gb": Ref("about 5.2 GB", {"handoff_model": "llama-3.1-70b", "handoff_tokens": 16_000}),
+    "all_kv_gb": Ref("241 GB", CHAT),
+    "gpu_room_gb": Ref("~58 GB", {"model": "llama-3-8b", "gpu": "H100", "gpu_gb": 58.0}),
+    "slow_vs_fast": Ref("5x", {**CHAT, "gpu": "H100", "rate": 10.0, "gpu_gb": 58.0, "cpu_gb": 150.0,
+                               "cpu_slow_gbps": 10.0, "cpu_fast_gbps": 50.0},
+                        "the handout's CPU tier holds 50 GB; written through, a CPU tier no bigger than the GPU's "
+                        "58 GB never hits (row cpu50), so ours holds 150 GB"),
+    **{k: Ref(fig, {"model": "llama-3-8b", "doc_requests": 2000, "docs": 10, "doc_tokens": 4096, "oneshot_tokens": 8192,
+                    "oneshot_share": 0.5, "doc_cache_gb": 9.0}) for k, fig in (("lru", "45%"), ("hinted", "99%"))},
+})
 
 
 # ================================================================================ Part 1
-def handoff_paths(model=HANDOFF_MODEL, tokens=HANDOFF_TOKENS, pcie=PCIE_GBPS, memcpy=MEMCPY_GBPS,
-                  net=NET_GBPS) -> dict:
+@dataclass(frozen=True)
+class Route:
+    hops: list                   # (what, link, GB/s) in order
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Handoff:
+    nbytes: int
+    routes: dict                 # path name -> Route
+
+
+def handoff_paths(model, tokens, pcie, memcpy, net) -> Handoff:
     """Each path from GPU A to GPU B as its list of hops (what, link, GB/s); store and forward, so the
     time is the sum of bytes / bandwidth over the hops."""
     nbytes = tokens * kv_bytes_per_token(model)
@@ -110,13 +162,16 @@ def handoff_paths(model=HANDOFF_MODEL, tokens=HANDOFF_TOKENS, pcie=PCIE_GBPS, me
         # one KV service process owns a CPU pool both engines map: zero CPU copies
         "shared_pool": [("GPU A->pool", "PCIe", pcie), ("pool->GPU B", "PCIe", pcie)],
     }
-    return {"bytes": nbytes,
-            "paths": {name: {"hops": hops, "seconds": sum(nbytes / (bw * GB) for _, _, bw in hops)}
-                      for name, hops in paths.items()}}
+    return Handoff(nbytes, {name: Route(hops, sum(nbytes / (bw * GB) for _, _, bw in hops))
+                            for name, hops in paths.items()})
+
+
+def hand_off(s: Settings) -> Handoff:
+    return handoff_paths(s.handoff_model, s.handoff_tokens, s.pcie_gbps, s.memcpy_gbps, s.net_gbps)
 
 
 # ================================================================================ Part 2
-def chat_trace(users=USERS, turns=TURNS, rate=RATE, seed=SEED):
+def chat_trace(users, turns, rate, seed):
     """Poisson arrivals at `rate`; every user is in the conversation from the start and their turns
     are shuffled into the stream (turn k of a user always after turn k-1). Returns arrays
     (arrival_s, user, turn) in arrival order."""
@@ -131,14 +186,33 @@ def chat_trace(users=USERS, turns=TURNS, rate=RATE, seed=SEED):
     return arrival, user, turn
 
 
-def make_store(config: dict) -> TieredStore:
-    """config: {"tiers": [(name, GB, GB/s), ...]}, fastest first (the GPU's bandwidth is ignored)."""
+def make_store(tiers: list) -> TieredStore:
+    """tiers: [(name, GB, GB/s), ...], fastest first (the GPU's bandwidth is ignored)."""
     return TieredStore([Tier(name, gb * GB, (bw or float("inf")) * GB if i else float("inf"))
-                        for i, (name, gb, bw) in enumerate(config["tiers"])])
+                        for i, (name, gb, bw) in enumerate(tiers)])
 
 
-def serve(trace, store: TieredStore, model=MODEL, gpu=GPU, user_tokens=USER_TOKENS,
-          answer_tokens=ANSWER_TOKENS, chunk=CHUNK) -> dict:
+@dataclass(frozen=True)
+class Served:
+    """One storage configuration serving the chat trace: per request (arrays in arrival order) and over
+    the run. Hit rates are shares of history tokens; recompute_share is of the GPU's busy seconds."""
+    start: np.ndarray
+    finish: np.ndarray
+    load_s: np.ndarray
+    compute_s: np.ndarray
+    recompute_s: np.ndarray
+    ttft: np.ndarray
+    hit_rate_per_tier: list
+    hit_rate: float
+    mean_ttft_s: float
+    p50_ttft_s: float
+    p99_ttft_s: float
+    recompute_share: float
+    busy_s: float
+    busy_share: float            # GPU busy over the run
+
+
+def serve(trace, store: TieredStore, model, gpu, user_tokens, answer_tokens, chunk) -> Served:
     """The multi-turn chat of §6.3 on one GPU.
 
     Turn k of a user sends the whole history (k earlier turns of question + answer) plus a new message.
@@ -180,32 +254,47 @@ def serve(trace, store: TieredStore, model=MODEL, gpu=GPU, user_tokens=USER_TOKE
 
     ttft = out["finish"] - arrival
     busy = out["load_s"] + out["compute_s"]
-    out.update(
-        ttft=ttft,
-        hit_rate_per_tier=(hit_tokens / max(history_tokens, 1)).tolist(),  # share of history tokens
-        hit_rate=float(hit_tokens.sum() / max(history_tokens, 1)),
-        mean_ttft_s=float(ttft.mean()), p50_ttft_s=float(np.median(ttft)),
-        p99_ttft_s=float(np.percentile(ttft, 99)),
-        recompute_share=float(out["recompute_s"].sum() / busy.sum()),    # of the GPU's busy time
-        busy_s=float(busy.sum()),
-        busy_share=float(busy.sum() / (out["finish"][-1] - arrival[0])),  # GPU busy over the run
-    )
-    return out
+    return Served(**out, ttft=ttft,
+                  hit_rate_per_tier=(hit_tokens / max(history_tokens, 1)).tolist(),
+                  hit_rate=float(hit_tokens.sum() / max(history_tokens, 1)),
+                  mean_ttft_s=float(ttft.mean()), p50_ttft_s=float(np.median(ttft)),
+                  p99_ttft_s=float(np.percentile(ttft, 99)),
+                  recompute_share=float(out["recompute_s"].sum() / busy.sum()),
+                  busy_s=float(busy.sum()), busy_share=float(busy.sum() / (out["finish"][-1] - arrival[0])))
 
 
-def chat_configs(gpu_gb=GPU_GB, cpu_gb=CPU_GB, slow=CPU_SLOW_GBPS, fast=CPU_FAST_GBPS,
-                 ssd_gb=SSD_GB, ssd_gbps=SSD_GBPS) -> dict:
+def chat_configs(gpu_gb, cpu_gb, cpu_small_gb, slow, fast, ssd_gb, ssd_gbps) -> dict:
+    """Each storage configuration: name -> its tiers [(name, GB, GB/s)], fastest first."""
     return {
-        "gpu_only": {"tiers": [("GPU", gpu_gb, None)]},
-        "cpu50": {"tiers": [("GPU", gpu_gb, None), ("CPU", CPU_SMALL_GB, fast)]},
-        "cpu_slow": {"tiers": [("GPU", gpu_gb, None), ("CPU", cpu_gb, slow)]},
-        "cpu_fast": {"tiers": [("GPU", gpu_gb, None), ("CPU", cpu_gb, fast)]},
-        "cpu_ssd": {"tiers": [("GPU", gpu_gb, None), ("CPU", cpu_gb, fast), ("SSD", ssd_gb, ssd_gbps)]},
+        "gpu_only": [("GPU", gpu_gb, None)],
+        "cpu50": [("GPU", gpu_gb, None), ("CPU", cpu_small_gb, fast)],
+        "cpu_slow": [("GPU", gpu_gb, None), ("CPU", cpu_gb, slow)],
+        "cpu_fast": [("GPU", gpu_gb, None), ("CPU", cpu_gb, fast)],
+        "cpu_ssd": [("GPU", gpu_gb, None), ("CPU", cpu_gb, fast), ("SSD", ssd_gb, ssd_gbps)],
     }
 
 
+@dataclass(frozen=True)
+class Chat:
+    configs: dict                # name -> tiers
+    served: dict                 # name -> Served
+    total_gb: float              # every user's whole history
+    slow_vs_fast: float          # cpu_slow / cpu_fast mean TTFT
+
+
+def chat_tiers(s: Settings) -> Chat:
+    """Every storage configuration serving the same chat trace."""
+    trace = chat_trace(s.users, s.turns, s.rate, s.seed)
+    configs = chat_configs(s.gpu_gb, s.cpu_gb, s.cpu_small_gb, s.cpu_slow_gbps, s.cpu_fast_gbps, s.ssd_gb,
+                           s.ssd_gbps)
+    served = {name: serve(trace, make_store(tiers), s.model, s.gpu, s.user_tokens, s.answer_tokens, s.chunk)
+              for name, tiers in configs.items()}
+    return Chat(configs, served, s.users * s.turns * (s.user_tokens + s.answer_tokens) * kv_bytes_per_token(s.model)
+                / GB, served["cpu_slow"].mean_ttft_s / served["cpu_fast"].mean_ttft_s)
+
+
 # ================================================================================ Part 3
-def doc_trace(n=DOC_REQUESTS, docs=DOCS, oneshot_share=ONESHOT_SHARE, seed=SEED):
+def doc_trace(n, docs, oneshot_share, seed):
     """Per request: a document id (0..docs-1), or -1 for a one-shot prompt."""
     rng = np.random.default_rng(seed + 1)
     doc = rng.integers(0, docs, n)
@@ -213,8 +302,7 @@ def doc_trace(n=DOC_REQUESTS, docs=DOCS, oneshot_share=ONESHOT_SHARE, seed=SEED)
     return doc
 
 
-def doc_hit_rate(trace, hinted: bool, cache_gb=DOC_CACHE_GB, doc_tokens=DOC_TOKENS,
-                 oneshot_tokens=ONESHOT_TOKENS, chunk=CHUNK, model=MODEL) -> float:
+def doc_hit_rate(trace, hinted: bool, cache_gb, doc_tokens, oneshot_tokens, chunk, model) -> float:
     """Share of document tokens found cached. Every request's KV is stored. With the hint, document
     chunks are marked "will be reused" and one-shot prompts are evicted before them."""
     bpt = kv_bytes_per_token(model)
@@ -234,6 +322,18 @@ def doc_hit_rate(trace, hinted: bool, cache_gb=DOC_CACHE_GB, doc_tokens=DOC_TOKE
     return hit / total
 
 
+@dataclass(frozen=True)
+class Waist:
+    lru: float                   # document hit rate of a cache that sees only tokens
+    hinted: float                # the same cache told which KV will be reused
+
+
+def narrow_waist(s: Settings) -> Waist:
+    docs = doc_trace(s.doc_requests, s.docs, s.oneshot_share, s.seed)
+    return Waist(*(doc_hit_rate(docs, hinted, s.doc_cache_gb, s.doc_tokens, s.oneshot_tokens, s.chunk, s.model)
+                   for hinted in (False, True)))
+
+
 # what the application would have to tell the backend, and cannot through the OpenAI API (exercise 10)
 HINT_API_EXAMPLE = """\
 POST /v1/chat/completions            (today: only "messages" -> tokens; the backend guesses with LRU)
@@ -247,215 +347,162 @@ POST /v1/kv/release  {"doc_id": "manual-7"}   the application is done with it"""
 
 
 # ================================================================================ exercise 9
-def exercise9(h: dict, chat: dict, engines=EX9_ENGINES, docs=DOCS, doc_tokens=DOC_TOKENS, model=MODEL, gpu=GPU,
-              ipc_us=EX9_IPC_US, calls=EX9_CALLS, pcie=PCIE_GBPS) -> dict:
+@dataclass(frozen=True)
+class ServiceVsLibrary:
+    """Each quantity for a KV library inside every engine and for one KV service: "library" / "service"."""
+    engines: int
+    doc_gb: float
+    copies: dict
+    handoff_s: dict
+    memory_gb: dict
+    restart_s: dict
+    ipc_ms: float
+    ipc_share_of_ttft: float
+
+
+def service_vs_library(s: Settings, h: Handoff, chat: Chat) -> ServiceVsLibrary:
     """A KV service process vs a KV library inside every engine, each cost computed:
     copies and time of Part 1's handoff; memory for `engines` engines that all serve the same `docs`
     documents (a library keeps a copy per engine, the service one); what an engine restart costs (the
     library's CPU-memory KV dies with the process and is recomputed, the service's is read back over PCIe);
     the IPC a request pays to reach the service, against Part 2's mean TTFT with the fast CPU tier."""
-    doc_bytes = docs * doc_tokens * kv_bytes_per_token(model)
-    lib, svc = h["paths"]["library_copy"], h["paths"]["shared_pool"]
-    recompute_docs = docs * prefill_time(model, gpu, doc_tokens, 0)
-    ipc_s = calls * ipc_us * 1e-6
-    return {
-        "engines": engines, "doc_gb": doc_bytes / GB,
-        "copies": {"library": len(lib["hops"]), "service": len(svc["hops"])},
-        "handoff_s": {"library": lib["seconds"], "service": svc["seconds"]},
-        "memory_gb": {"library": engines * doc_bytes / GB, "service": doc_bytes / GB},
-        "restart_s": {"library": recompute_docs, "service": doc_bytes / (pcie * GB)},
-        "ipc_ms": ipc_s * 1e3, "ipc_share_of_ttft": ipc_s / chat["results"]["cpu_fast"]["mean_ttft_s"],
-    }
+    doc_bytes = s.docs * s.doc_tokens * kv_bytes_per_token(s.model)
+    lib, svc = h.routes["library_copy"], h.routes["shared_pool"]
+    ipc_s = s.ex9_calls * s.ex9_ipc_us * 1e-6
+    return ServiceVsLibrary(
+        s.ex9_engines, doc_bytes / GB, {"library": len(lib.hops), "service": len(svc.hops)},
+        {"library": lib.seconds, "service": svc.seconds},
+        {"library": s.ex9_engines * doc_bytes / GB, "service": doc_bytes / GB},
+        {"library": s.docs * prefill_time(s.model, s.gpu, s.doc_tokens, 0), "service": doc_bytes / (s.pcie_gbps * GB)},
+        ipc_s * 1e3, ipc_s / chat.served["cpu_fast"].mean_ttft_s)
 
 
-def print_exercise9(e9):
-    n, gb = e9["engines"], e9["doc_gb"]
-    rows = [["copies to hand KV from GPU A to GPU B (Part 1)", e9["copies"]["library"], e9["copies"]["service"]],
-            ["handoff time, s (Part 1)", f"{e9['handoff_s']['library']:.3f}", f"{e9['handoff_s']['service']:.3f}"],
-            [f"CPU memory for {n} engines sharing {DOCS} documents, GB",
-             f"{e9['memory_gb']['library']:.1f}", f"{e9['memory_gb']['service']:.1f}"],
-            ["an engine restarts: its KV back after, s", f"{e9['restart_s']['library']:.2f} (recompute)",
-             f"{e9['restart_s']['service']:.3f} (PCIe read)"],
-            ["IPC a request adds, ms", "0", f"{e9['ipc_ms']:.3f}"]]
-    print()
-    print(table(["exercise 9: KV library in each engine vs one KV service", "library", "service"], rows,
-                f"Exercise 9 (§6.1, §10): what a separate KV service process buys and costs\n"
-                f"  ({n} engines on a node; the documents of Part 3, {gb:.1f} GB of KV)"))
-    say(f"  The service keeps the documents' KV once ({e9['memory_gb']['service']:.1f} GB, not "
-        f"{e9['memory_gb']['library']:.1f}), survives an engine's restart or upgrade, and lets researchers add "
-        f"plugins without touching the engine. It costs an IPC round trip per call ({EX9_IPC_US:g} us assumed, "
-        f"{EX9_CALLS} calls: {e9['ipc_share_of_ttft']:.2%} of Part 2's mean TTFT with the fast CPU tier), a shared-"
-        "memory interface agreed with every engine, and one more service to run and keep alive.")
+# ================================================================================ presenting
+def show_handoff(page: Page, h: Handoff, s: Settings) -> None:
+    page.part("Part 1", "§6.2", "Zero-copy: handing KV from one engine to another")
+    page.table(Table(f"hand {s.handoff_tokens:,} tokens of {get_model(s.handoff_model).name} KV ({h.nbytes / GB:.2f} "
+                     f"GB; handout: {HANDOUT.figure('handoff_gb', s)}) from GPU A to GPU B", "§6.2",
+                     cols("path", "links (GB/s)", "copies", ("seconds", "{:.3f}", "handoff_s.{row}"),
+                          ("vs zero-copy", "{:.1f}x")),
+                     [Row([name, " > ".join(f"{link} {bw:g}" for _, link, bw in r.hops), len(r.hops), r.seconds,
+                           r.seconds / h.routes["shared_pool"].seconds], key=name) for name, r in h.routes.items()],
+                     "05_tiered_storage.handoff_paths",
+                     [f"{name}: " + " -> ".join([r.hops[0][0].split("->")[0]] + [x[0].split("->")[1] for x in r.hops])
+                      for name, r in h.routes.items()]
+                     + ["Store and forward: each copy moves all the bytes once over its link. A library inside each "
+                        "engine cannot map the other process's CPU memory, so it relays through a remote pool or "
+                        "copies once more; one service process owns a CPU pool both engines map (handout §6.2)."]))
+    with page.figure("05_handoff.png", figsize=(7.5, 3)) as (fig, ax):
+        if ax is None:
+            return
+        from matplotlib.patches import Patch
+        colors = {"PCIe": "tab:blue", "network": "tab:red", "memcpy": "tab:orange"}
+        for y, r in enumerate(h.routes.values()):   # one bar per path, one segment per copy
+            ends = np.cumsum([0.0] + [h.nbytes / (bw * GB) for _, _, bw in r.hops])
+            ax.barh(y, np.diff(ends), left=ends[:-1], color=[colors[x[1]] for x in r.hops], edgecolor="white")
+            for (what, _, _), mid in zip(r.hops, (ends[1:] + ends[:-1]) / 2):
+                ax.text(mid, y, what, ha="center", va="center", fontsize=6, color="white")
+        ax.set(yticks=range(len(h.routes)), yticklabels=list(h.routes),
+               xlabel="seconds to hand the KV from GPU A to GPU B")
+        ax.set_title(f"{h.nbytes / GB:.2f} GB of KV: one shared CPU pool needs no CPU copy (handout §6.2)", fontsize=9)
+        ax.legend(handles=[Patch(color=c, label=f"{k} copy") for k, c in colors.items()], fontsize=7, loc="upper right")
 
 
-# ================================================================================ output
-def plot_handoff(h: dict, path) -> None:
-    """One bar per path, one segment per copy (seconds): the handout's point is the shared pool's two copies."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 3))
-    colors = {"PCIe": "tab:blue", "network": "tab:red", "memcpy": "tab:orange"}
-    names = list(h["paths"])
-    for y, name in enumerate(names):
-        left = 0.0
-        for what, link, bw in h["paths"][name]["hops"]:
-            dt = h["bytes"] / (bw * GB)
-            ax.barh(y, dt, left=left, color=colors[link], edgecolor="white")
-            ax.text(left + dt / 2, y, what, ha="center", va="center", fontsize=6, color="white")
-            left += dt
-    ax.set_yticks(range(len(names)), names)
-    ax.set_xlabel("seconds to hand the KV from GPU A to GPU B")
-    ax.set_title(f"{h['bytes'] / GB:.2f} GB of KV: one shared CPU pool needs no CPU copy (handout §6.2)", fontsize=9)
-    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()],
-              labels=[f"{k} copy" for k in colors], fontsize=7, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def chat_notes(c: Chat, s: Settings) -> list:
+    """What the chat table shows, each sentence chosen by its numbers."""
+    slow, fast, res = c.served["cpu_slow"], c.served["cpu_fast"], c.served
+    rs, rf = (f"{x.recompute_s.sum():.0f}" for x in (slow, fast))
+    amounts = f"cpu_slow recomputes {rs} GPU seconds, cpu_fast {rf}"
+    busy = change(slow.busy_s, fast.busy_s, "{:.0f} s")   # 'falls (119 s -> 71 s)'
+    busy = ("faster loading shrinks the busy time" + busy[5:]) if busy.startswith("falls") else "the busy time " + busy
+    share = change(slow.recompute_share, fast.recompute_share, "{:.0%}")
+    small, room, kept = s.cpu_small_gb, s.gpu_gb, res["cpu50"].hit_rate_per_tier[1]
+    return ["hits = share of history tokens found cached; recompute/busy = the GPU's seconds recomputing history "
+            "over its busy seconds (load + prefill); GPU busy = busy seconds / run time. Decode is not simulated.",
+            f"recompute/busy is a share, not an amount: {amounts}, but {busy}, so the share {share}."
+            if rs == rf and not share.startswith("stays") else f"{amounts}; {busy}, and the share {share}.",
+            f"cpu50: a {small:g} GB CPU tier is " + (
+                f"no bigger than the GPU's room ({room:g} GB); written through, an LRU tier holds a subset of the "
+                "GPU's chunks (inclusion), so it never hits." if kept == 0 and small <= room else
+                f"bigger than the GPU's room ({room:g} GB) here, " + (
+                    f"so it keeps some chunks the GPU evicted: {kept:.0%} of the history tokens." if kept else
+                    "but the GPU keeps every chunk that is asked for again: it never hits.")),
+            f"cpu_slow / cpu_fast mean TTFT: {c.slow_vs_fast:.1f}x (handout: {HANDOUT.figure('slow_vs_fast', s)}, "
+            f"pitfall 7)   gpu_only / cpu_ssd: {res['gpu_only'].mean_ttft_s / res['cpu_ssd'].mean_ttft_s:.0f}x"]
 
 
-
-def plot_ttft(results: dict, path, model: str, gpu: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, r in results.items():
-        x = np.sort(r["ttft"])
-        ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", label=name,
-                linestyle="--" if name == "cpu50" else "-")  # cpu50 lies on gpu_only
-    ax.set_xscale("log")
-    ax.set_xlabel("time to first token (s)")
-    ax.set_ylabel("share of requests")
-    ax.set_title(f"Multi-turn chat, {get_model(model).name} on one {gpu}: TTFT by KV storage tiers")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-# ================================================================================ the three parts
-def part1():
-    return handoff_paths(HANDOFF_MODEL, HANDOFF_TOKENS, PCIE_GBPS, MEMCPY_GBPS, NET_GBPS)
-
-
-def part2(a) -> dict:
-    """Every storage configuration serving the same chat trace."""
-    trace = chat_trace(a.users, a.turns, a.rate, a.seed)
-    configs = chat_configs(a.gpu_gb, a.cpu_gb, a.cpu_slow_gbps, a.cpu_fast_gbps, a.ssd_gb, a.ssd_gbps)
-    results = {name: serve(trace, make_store(cfg), MODEL, GPU, a.user_tokens, a.answer_tokens, CHUNK)
-               for name, cfg in configs.items()}
-    return {"configs": configs, "results": results,
-            "total_gb": a.users * a.turns * (a.user_tokens + a.answer_tokens) * kv_bytes_per_token(MODEL) / GB,
-            "slow_vs_fast": results["cpu_slow"]["mean_ttft_s"] / results["cpu_fast"]["mean_ttft_s"]}
+def show_chat(page: Page, c: Chat, s: Settings) -> None:
+    page.part("Part 2", "§6.3", "Tiered KV storage for multi-turn chat")
+    key = "configs.{row}."
+    page.table(Table(f"{s.users} users x {s.turns} turns ({s.user_tokens} + {s.answer_tokens} tokens a turn), "
+                     f"{s.rate:g} req/s, {get_model(s.model).name} on one {s.gpu};\n  all histories {c.total_gb:.1f} "
+                     f"GB of KV (handout: {HANDOUT.figure('all_kv_gb', s)}), GPU room {s.gpu_gb:g} GB (handout: "
+                     f"{HANDOUT.figure('gpu_room_gb', s)})", "§6.3", cols(
+                         "config", "tiers GB@GB/s", ("hits by tier", lambda x: " ".join(f"{v:.0%}" for v in x),
+                                                     key + "hit_rate_per_tier"), ("hits", "{:.0%}", key + "hit_rate"),
+                         ("mean TTFT s", "{:.3f}", key + "mean_ttft_s"), ("p50 s", "{:.3f}", key + "p50_ttft_s"),
+                         ("p99 s", "{:.3f}", key + "p99_ttft_s"), ("recompute/busy", "{:.0%}", key + "recompute_share"),
+                         ("GPU busy", "{:.0%}")),
+                     [Row([name, ", ".join(f"{t} {gb:g}" + (f"@{bw:g}" if bw else "") for t, gb, bw in c.configs[name]),
+                           r.hit_rate_per_tier, r.hit_rate, r.mean_ttft_s, r.p50_ttft_s, r.p99_ttft_s,
+                           r.recompute_share, r.busy_share], key=name) for name, r in c.served.items()],
+                     "05_tiered_storage.serve", chat_notes(c, s), {"cpu_fast_vs_slow_ttft_ratio": c.slow_vs_fast}))
+    page.table(Table("  for reference (handout §6.3, not simulated here):", "§6.3",
+                     cols("slides' LMCache benchmark", "metric", "LMCache", "engine's own offload", "ratio"),
+                     [Row(list(x)) for x in SLIDES]))
+    with page.figure("05_ttft_cdf.png", figsize=(7, 4)) as (fig, ax):
+        if ax is None:
+            return
+        for name, r in c.served.items():   # cpu50 dashed: it lies on gpu_only when it never hits
+            ax.step(np.sort(r.ttft), np.arange(1, len(r.ttft) + 1) / len(r.ttft), where="post", label=name,
+                    linestyle="--" if name == "cpu50" else "-")
+        ax.set(xscale="log", xlabel="time to first token (s)", ylabel="share of requests",
+               title=f"Multi-turn chat, {get_model(s.model).name} on one {s.gpu}: TTFT by KV storage tiers")
+        ax.legend()
 
 
-def part3(a) -> dict:
-    """Document hit rates of one cache, blind (LRU) and told which KV will be reused."""
-    docs = doc_trace(DOC_REQUESTS, DOCS, ONESHOT_SHARE, a.seed)
-    return {hint: doc_hit_rate(docs, hint == "hinted", a.doc_cache_gb, DOC_TOKENS, ONESHOT_TOKENS, CHUNK, MODEL)
-            for hint in ("lru", "hinted")}
+def show_waist(page: Page, w: Waist, s: Settings) -> None:
+    page.part("Part 3", "§7", "The narrow waist: what the OpenAI API cannot tell the cache")
+    page.table(Table(f"{s.doc_requests} requests, {1 - s.oneshot_share:.0%} on {s.docs} documents of {s.doc_tokens} "
+                     f"tokens, {s.oneshot_share:.0%} one-shot prompts of {s.oneshot_tokens} tokens; cache "
+                     f"{s.doc_cache_gb:g} GB", "§7", cols("policy", ("document hit rate", "{:.0%}")),
+                     [Row(["LRU (sees only tokens)", Val(w.lru, "lru_doc_hit_rate")], HANDOUT.figure("lru", s)),
+                      Row(['hinted ("will be reused")', Val(w.hinted, "hinted_doc_hit_rate")],
+                          HANDOUT.figure("hinted", s))], "05_tiered_storage.doc_hit_rate"))
+    page.table(Table("\n§7: the inference stack's layers (handout) beside the classic computer system (our reading; "
+                     "the table was lost)", "§7",
+                     cols("LLM inference stack", "classic computer system", "in this lecture's code"),
+                     [Row(list(x)) for x in STACK_VS_CLASSIC]))
+    page.exercise(10, "§7", "what the hint needs an API to carry")
+    page.say("\n".join("    " + line for line in HINT_API_EXAMPLE.splitlines()))
 
 
-def is_handout_setup(part: str, **inputs) -> bool:
-    """Are the inputs of this part the ones the handout's figures hold for?"""
-    return all(inputs[k] == v for k, v in HANDOUT_INPUTS[part].items())
+def show_service_vs_library(page: Page, e: ServiceVsLibrary, s: Settings) -> None:
+    page.exercise(9, "§6.1", "what a separate KV service process buys and costs")
+    lib, svc = f"{e.memory_gb['library']:.1f}", f"{e.memory_gb['service']:.1f}"
+    rows = [("copies to hand KV from GPU A to GPU B (Part 1)", "copies", "{}", "{}"),
+            ("handoff time, s (Part 1)", "handoff_s", "{:.3f}", "{:.3f}"),
+            (f"CPU memory for {e.engines} engines sharing {s.docs} documents, GB", "memory_gb", "{:.1f}", "{:.1f}"),
+            ("an engine restarts: its KV back after, s", "restart_s", "{:.2f} (recompute)", "{:.3f} (PCIe read)")]
+    page.table(Table(f"  ({e.engines} engines on a node; the documents of Part 3, {e.doc_gb:.1f} GB of KV)", "§6.1",
+                     cols("exercise 9: KV library in each engine vs one KV service", ("library", "{}",
+                          "exercise9.{row}.library"), ("service", "{}", "exercise9.{row}.service")),
+                     [Row([label, Val(getattr(e, k)["library"], fmt=fl), Val(getattr(e, k)["service"], fmt=fs)], key=k)
+                      for label, k, fl, fs in rows] + [Row(["IPC a request adds, ms", "0",
+                                                            Val(e.ipc_ms, "exercise9.ipc_ms", "{:.3f}")])],
+                     "05_tiered_storage.service_vs_library",
+                     [f"The service keeps the documents' KV once ({svc} GB" + (f", not {lib})" if lib != svc else ")")
+                      + ", survives an engine's restart or upgrade, and lets researchers add plugins without touching "
+                      f"the engine. It costs an IPC round trip per call ({s.ex9_ipc_us:g} us assumed, {s.ex9_calls} "
+                      f"calls: {e.ipc_share_of_ttft:.2%} of Part 2's mean TTFT with the fast CPU tier), a "
+                      "shared-memory interface agreed with every engine, and one more service to run and keep alive."],
+                     {"exercise9.engines": e.engines, "exercise9.doc_gb": e.doc_gb,
+                      "exercise9.ipc_share_of_ttft": e.ipc_share_of_ttft}))
 
 
-def ref(key: str, applies: bool) -> str:
-    return HANDOUT[key] if applies else "-"
-
-
-def print_part1(h):
-    zero = h["paths"]["shared_pool"]["seconds"]
-    rows = [[name, " > ".join(f"{link} {bw:g}" for _, link, bw in v["hops"]), len(v["hops"]),
-             f"{v['seconds']:.3f}", f"{v['seconds'] / zero:.1f}x"] for name, v in h["paths"].items()]
-    same = is_handout_setup("handoff", model=HANDOFF_MODEL, tokens=HANDOFF_TOKENS)
-    print(table(["path", "links (GB/s)", "copies", "seconds", "vs zero-copy"], rows,
-                f"Part 1 (§6.2): hand {HANDOFF_TOKENS:,} tokens of {get_model(HANDOFF_MODEL).name} KV "
-                f"({h['bytes'] / GB:.2f} GB; handout: {ref('handoff_gb', same)}) from GPU A to GPU B"))
-    for name, v in h["paths"].items():
-        print(f"  {name}: " + " -> ".join([v["hops"][0][0].split("->")[0]] + [w.split("->")[1] for w, _, _ in v["hops"]]))
-    say("  Store and forward: each copy moves all the bytes once over its link. A library inside each engine "
-        "cannot map the other process's CPU memory, so it relays through a remote pool or copies once more; "
-        "one service process owns a CPU pool both engines map (handout §6.2).")
-
-
-def print_part2(p2, a):
-    rows = []
-    for name, r in p2["results"].items():
-        tiers = p2["configs"][name]["tiers"]
-        per = [f"{x:.0%}" for t, x in zip(tiers, r["hit_rate_per_tier"])]
-        rows.append([name, ", ".join(f"{t[0]} {t[1]:g}" + (f"@{t[2]:g}" if t[2] else "") for t in tiers),
-                     " ".join(per), f"{r['hit_rate']:.0%}", f"{r['mean_ttft_s']:.3f}",
-                     f"{r['p50_ttft_s']:.3f}", f"{r['p99_ttft_s']:.3f}",
-                     f"{r['recompute_share']:.0%}", f"{r['busy_share']:.0%}"])
-    chat = is_handout_setup("chat", model=MODEL, gpu=GPU, users=a.users, turns=a.turns,
-                            turn_tokens=a.user_tokens + a.answer_tokens)
-    tiers = chat and is_handout_setup("tiers", rate=a.rate, cpu_slow_gbps=a.cpu_slow_gbps, cpu_fast_gbps=a.cpu_fast_gbps)
-    print()
-    print(f"Part 2 (§6.3): {a.users} users x {a.turns} turns ({a.user_tokens} + {a.answer_tokens} tokens "
-          f"a turn), {a.rate:g} req/s, {get_model(MODEL).name} on one {GPU};")
-    print(table(["config", "tiers GB@GB/s", "hits by tier", "hits", "mean TTFT s", "p50 s", "p99 s",
-                 "recompute/busy", "GPU busy"], rows,
-                f"  all histories {p2['total_gb']:.1f} GB of KV (handout: {ref('all_kv_gb', chat)}), "
-                f"GPU room {a.gpu_gb:g} GB (handout: {ref('gpu_room_gb', chat)})"))
-    say("  hits = share of history tokens found cached; recompute/busy = the GPU's seconds recomputing history "
-        "over its busy seconds (load + prefill); GPU busy = busy seconds / run time. Decode is not simulated.")
-    res = p2["results"]
-    slow, fast = res["cpu_slow"], res["cpu_fast"]
-    say(f"  recompute/busy is a share, not an amount: cpu_slow recomputes {slow['recompute_s'].sum():.0f} GPU "
-        f"seconds, cpu_fast {fast['recompute_s'].sum():.0f}, but faster loading "
-        f"shrinks the busy time ({slow['busy_s']:.0f} -> {fast['busy_s']:.0f} s), so the share rises "
-        f"({slow['recompute_share']:.0%} -> {fast['recompute_share']:.0%}).")
-    if CPU_SMALL_GB <= a.gpu_gb:
-        say(f"  cpu50: a {CPU_SMALL_GB:g} GB CPU tier is no bigger than the GPU's room ({a.gpu_gb:g} GB); written "
-            "through, an LRU tier holds a subset of the GPU's chunks (inclusion), so it never hits.")
-    else:
-        say(f"  cpu50: a {CPU_SMALL_GB:g} GB CPU tier is bigger than the GPU's room ({a.gpu_gb:g} GB) here, so it "
-            "keeps some chunks the GPU evicted and can hit.")
-    say(f"  cpu_slow / cpu_fast mean TTFT: {p2['slow_vs_fast']:.1f}x (handout: {ref('slow_vs_fast', tiers)}, "
-        f"pitfall 7)   gpu_only / cpu_ssd: {res['gpu_only']['mean_ttft_s'] / res['cpu_ssd']['mean_ttft_s']:.0f}x")
-    print(table(["slides' LMCache benchmark", "metric", "LMCache", "engine's own offload", "ratio"],
-                [list(s) for s in SLIDES], "  for reference (handout §6.3, not simulated here):"))
-
-
-def print_part3(hits, a):
-    same = is_handout_setup("waist", requests=DOC_REQUESTS, docs=DOCS, doc_tokens=DOC_TOKENS,
-                            oneshot_tokens=ONESHOT_TOKENS, oneshot_share=ONESHOT_SHARE, cache_gb=a.doc_cache_gb)
-    print()
-    print(table(["policy", "document hit rate", "handout"],
-                [["LRU (sees only tokens)", f"{hits['lru']:.0%}", ref("lru", same)],
-                 ['hinted ("will be reused")', f"{hits['hinted']:.0%}", ref("hinted", same)]],
-                f"Part 3 (§7): {DOC_REQUESTS} requests, {1 - ONESHOT_SHARE:.0%} on {DOCS} documents of "
-                f"{DOC_TOKENS} tokens, {ONESHOT_SHARE:.0%} one-shot prompts of {ONESHOT_TOKENS} tokens; "
-                f"cache {a.doc_cache_gb:g} GB"))
-    print()
-    print(table(["LLM inference stack", "classic computer system", "in this lecture's code"],
-                [list(r) for r in STACK_VS_CLASSIC],
-                "§7: the inference stack's layers (handout) beside the classic computer system (our reading; the table was lost)"))
-    print("  what the hint needs an API to carry (exercise 10):")
-    print("\n".join("    " + line for line in HINT_API_EXAMPLE.splitlines()))
-
-
-def to_json(h, p2, hits, e9) -> dict:
-    return {
-        "exercise9": e9,
-        "handoff_s": {k: v["seconds"] for k, v in h["paths"].items()},
-        "configs": {name: {"hit_rate": r["hit_rate"], "hit_rate_per_tier": r["hit_rate_per_tier"],
-                           "mean_ttft_s": r["mean_ttft_s"], "p50_ttft_s": r["p50_ttft_s"],
-                           "p99_ttft_s": r["p99_ttft_s"], "recompute_share": r["recompute_share"]}
-                    for name, r in p2["results"].items()},
-        "cpu_fast_vs_slow_ttft_ratio": p2["slow_vs_fast"],
-        "lru_doc_hit_rate": hits["lru"],
-        "hinted_doc_hit_rate": hits["hinted"],
-    }
-
-
-def parse(argv):
+# ================================================================================ the run
+def parse(argv) -> tuple:
+    """(this run's Settings, the defaults' Settings, the parsed command line)."""
     p = Parser(__doc__)
     p.add_argument("--users", type=positive_int, default=USERS, help="chat users")
     p.add_argument("--turns", type=positive_int, default=TURNS, help="turns per user")
@@ -473,27 +520,26 @@ def parse(argv):
     p.add_argument("--seed", type=int, default=SEED)
     a = p.parse_args(argv)
     if a.user_tokens + a.answer_tokens > 128 * 1024 // a.turns:
-        fail(f"{a.turns} turns of {a.user_tokens + a.answer_tokens} tokens exceed a 128K context")
-    return a
+        p.error(f"{a.turns} turns of {a.user_tokens + a.answer_tokens} tokens exceed a 128K context")
+    defaults = Settings(**{f.name: globals()[f.name.upper()] for f in fields(Settings)})
+    return settings_from(Settings, a, **{f.name: getattr(defaults, f.name) for f in fields(Settings)
+                                         if f.name not in vars(a)}), defaults, a
 
 
-def main(argv=None):
-    a = parse(argv)
-    h, p2, hits = part1(), part2(a), part3(a)
-    e9 = exercise9(h, p2)
-    print_part1(h)
-    if not a.no_plot:
-        path = figure_path("05_handoff.png")
-        plot_handoff(h, path)
-        print(f"  figure: {path}")
-    print_part2(p2, a)
-    if not a.no_plot:
-        path = figure_path("05_ttft_cdf.png")
-        plot_ttft(p2["results"], path, MODEL, GPU)
-        print(f"  figure: {path}")
-    print_part3(hits, a)
-    print_exercise9(e9)
-    write_json(a.json, to_json(h, p2, hits, e9))
+def main(argv=None) -> Page:
+    s, defaults, a = parse(argv)
+    handoff = hand_off(s)
+    chat = chat_tiers(s)
+    waist = narrow_waist(s)
+    service = service_vs_library(s, handoff, chat)
+    page = Page("05", "LMCache: zero-copy sharing, tiered storage, the narrow waist", "§6-7", s, defaults,
+                plot=not a.no_plot)
+    show_handoff(page, handoff, s)
+    show_chat(page, chat, s)
+    show_waist(page, waist, s)
+    show_service_vs_library(page, service, s)
+    page.finish(a.json)
+    return page
 
 
 if __name__ == "__main__":

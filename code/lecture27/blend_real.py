@@ -1,7 +1,7 @@
 """CacheBlend on a real pretrained LLaMA: SmolLM2-135M-Instruct on RAG inputs (handout §5).
 
-The same functions as the record world (blend_world.py: precompute_chunks, blend, kv_deviation),
-driven with a RAG input instead of a Records batch:
+The same functions as the record world (blend_world.py: precompute_chunks, blend, kv_deviation) and
+the selection rules built on blend (blend_rules.py), driven with a RAG input instead of a Records batch:
 
     context = chat prefix (3 tokens) + 6 chunks x 256 tokens (04's REAL_CHUNK_TOKENS), then the
               question (21-33 tokens)
@@ -15,7 +15,7 @@ Prefills of the same input, each giving the first answer token's distribution an
 decode from, all sharing one full prefill and one precompute of the chunks:
   full prefill   everything computed together (the reference)
   full reuse     the precomputed chunks' KV as they are; only the question is computed
-  CacheBlend r   blend() with one of its selection rules (blend_world.RULES)
+  CacheBlend r   blend() with one of its selection rules (blend_rules.RULES)
   random r       r N tokens at every layer, chosen at random
   oracle r       the full prefill's own K, V for the r N most deviated tokens of every layer (a ceiling)
 
@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `com
 
 import torch  # noqa: E402
 
+import blend_rules  # noqa: E402
 import blend_world as bw  # noqa: E402
 from common.english import CHAT_PREFIX, RAG_ITEMS, RagInput, RagItem, question_text, rag_chunks  # noqa: E402
 from common.llama import KVCache, kl_divergence, shift_kv, single_thread  # noqa: E402
@@ -49,8 +50,7 @@ from common.llama import KVCache, kl_divergence, shift_kv, single_thread  # noqa
 ANSWER_TOKENS = 20    # greedy answer length
 KL_TOKENS = 8         # answer tokens over which the KL is also averaged (teacher-forced)
 SEED = 0
-CURVE_RATIOS = (0.05, 0.15, 0.30, 0.50)   # the quality curve's recompute ratios (and the --ratio asked)
-RULE_NAMES = tuple(bw.RULES)                          # blend()'s selection rules, all measured
+RULE_NAMES = tuple(blend_rules.RULES)  # blend()'s selection rules, all measured
 RANDOM_RULE = "flat"  # the random baseline: r N tokens at every layer chosen at random (the oracle's budget)
 CURVE_VERSION = "blend-curve-v2"  # the cached curve is keyed by this, the model file and the inputs
 
@@ -160,7 +160,7 @@ def _key(r: float) -> str:
 
 
 @torch.no_grad()
-def item_curve(model, rd: RagDoc, ratios=CURVE_RATIOS, rules=RULE_NAMES, at: float = 0.15, seed: int = SEED,
+def item_curve(model, rd: RagDoc, *, ratios, at: float, rules=RULE_NAMES, seed: int = SEED,
                answer_tokens: int = ANSWER_TOKENS, kl_tokens: int = KL_TOKENS, eos: int | None = None) -> dict:
     """Every rule at every ratio on one RAG input, sharing one full prefill and one precompute.
     Methods: full reuse; each rule of blend(); "random" (RANDOM_RULE's counts, tokens at random, seeded);
@@ -187,13 +187,13 @@ def item_curve(model, rd: RagDoc, ratios=CURVE_RATIOS, rules=RULE_NAMES, at: flo
     score("full reuse", 0.0, lg[:, -1], c)
     for r in ratios:
         for rule in rules:
-            lg, tr = bw.blend(model, rd, rd.chunks, r, pre=pre, trace=True, rule=rule)
+            lg, tr = bw.blend(model, rd, rd.chunks, r, rule=blend_rules.RULES[rule], pre=pre, trace=True)
             score(rule, r, lg[:, -1], tr.cache)
         g = torch.Generator().manual_seed(seed)
-        lg, tr = bw.blend(model, rd, rd.chunks, r, select="random", generator=g, pre=pre, trace=True,
-                          rule=RANDOM_RULE)
+        by_chance = blend_rules.Random(g, like=blend_rules.RULES[RANDOM_RULE])
+        lg, tr = bw.blend(model, rd, rd.chunks, r, rule=by_chance, pre=pre, trace=True)
         score("random", r, lg[:, -1], tr.cache)
-        lg, c = model(rd.question, cache=bw.oracle_cache(pre, full_cache, r), last=True)
+        lg, c = model(rd.question, cache=blend_rules.oracle_cache(pre, full_cache, r), last=True)
         score("oracle", r, lg[:, -1], c)
     # the greedy answers at ratio `at`, decoded together (one batch)
     rows = greedy(model, torch.cat([lg for _, lg, _ in to_decode]), stack_caches([c for *_, c in to_decode]),
@@ -217,15 +217,16 @@ def item_ttft(model, rd: RagDoc, ratio: float, rules=RULE_NAMES) -> dict:
         _, t_full = _timed(lambda: model(rd.tokens, last=True))
         _, t_shift = _timed(lambda: [shift_kv(k, 1000, model.cfg.rope_theta) for k in pre.k])
         out = {"full prefill": t_full}
-        for rule in rules:
-            out[rule] = t_shift + _timed(lambda: bw.blend(model, rd, rd.chunks, ratio, pre=pre, rule=rule))[1]
+        for name in rules:
+            rule = blend_rules.RULES[name]
+            out[name] = t_shift + _timed(lambda: bw.blend(model, rd, rd.chunks, ratio, rule=rule, pre=pre))[1]
     return out
 
 
 def recompute_share(n_context: int, ratio: float, n_layers: int, rule: str) -> float:
     """Context-token layers recomputed by `rule` at `ratio`, as a share of a full prefill's (layer 0 in full)."""
-    r = bw.RULES[rule]
-    return (n_context + sum(bw.blend_counts(n_context, ratio, n_layers, r.schedule, r.check))) / (n_layers * n_context)
+    counts = blend_rules.RULES[rule].counts(n_context, ratio, n_layers)
+    return (n_context + sum(counts)) / (n_layers * n_context)
 
 
 # ------------------------------------------------------------------------------------ the experiment
@@ -241,9 +242,8 @@ def inputs_digest(rags: list[RagInput]) -> str:
     return h.hexdigest()[:16]
 
 
-def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, rule: str, curve: bool = False,
-                    ratios=CURVE_RATIOS, seed: int = SEED, ttft_items: int = 1, recompute: bool = False,
-                    progress: bool = True) -> dict:
+def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, rule: str, curve: bool, ratios, *,
+                    ttft_items: int, seed: int = SEED, recompute: bool = False, progress: bool = True) -> dict:
     """KL to full prefill on `rags` (cached: checkpoints.cached_result, keyed by the model file, the inputs'
     tokens, the rules, ratios and CURVE_VERSION) and the TTFT of every rule at ratio `at`, always measured
     live (item_ttft: one thread), median over the first `ttft_items` inputs.
@@ -263,7 +263,7 @@ def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, 
     def compute():
         items = []
         for rag in tqdm(rags, desc="SmolLM2 RAG items" + (" (curve)" if curve else ""), disable=not progress):
-            r = item_curve(model, rag_doc(rag), ratios, rules, at, seed, eos=eos)
+            r = item_curve(model, rag_doc(rag), ratios=ratios, at=at, rules=rules, seed=seed, eos=eos)
             r["text"] = {n: tok.decode(a) for n, a in r.pop("answers").items()}
             r["question"], r["reference"] = rag.item.question, rag.item.answer
             items.append(r)
@@ -283,7 +283,7 @@ def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, 
     ttft = {m: statistics.median(t[m] for t in times) for m in times[0]}
     n_ctx = items[0]["n_context"]
     L = len(items[0]["deviation"])
-    counts = {r: bw.blend_counts(n_ctx, at, L, bw.RULES[r].schedule, bw.RULES[r].check) for r in RULE_NAMES}
+    counts = {r: blend_rules.RULES[r].counts(n_ctx, at, L) for r in RULE_NAMES}
     same = {m: sum(it["text"][m] == it["text"]["full prefill"] for it in items) for m in ["full prefill", *methods]}
     return {"items": items, "ratios": ratios, "at": at, "rule": rule, "curve_mode": curve, "methods": methods,
             "curve": kl, "curve_answer": kl_answer,
@@ -300,6 +300,6 @@ def best_rule(res: dict) -> tuple[str, dict]:
     share of full reuse's first-token KL removed, (KL_reuse - KL_rule) / KL_reuse, per second of TTFT.
     Returns (name, scores)."""
     k = _key(res["at"])
-    rules = [m for m in res["methods"] if m in bw.RULES]
+    rules = [m for m in res["methods"] if m in blend_rules.RULES]
     scores = {rule: (1 - res["curve"][rule][k] / res["kl_reuse"]) / res["ttft"][rule] for rule in rules}
     return max(scores, key=scores.get), scores

@@ -23,6 +23,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import blend_world as bw  # noqa: E402
 import kvcache as kv  # noqa: E402
+import record_trainer as rt  # noqa: E402
 from common.checkpoints import cached_result  # noqa: E402
 from common.llama import KVCache, single_thread  # noqa: E402
 
@@ -179,7 +180,7 @@ def record_world() -> dict:
     """The record-world model of blend_world.py and its documents, as the codec study uses them:
     {"model", "ident" (the checkpoint's identity), "docs": docs(n, seed) -> (contexts (n, 24),
     questions (n, 24): "? k" for all 12 records, answers (n, 12), slots: the 12 key positions)}."""
-    model, meta = bw.record_model()
+    model, meta = rt.record_model()
     slots = bw.answer_slots(bw.N_RECORDS).numpy()
 
     def docs(n, seed):
@@ -212,16 +213,19 @@ def codec_levels(refit: bool = False) -> list[dict]:
 
 
 def main(argv=None):
-    from common.cli import Parser, table
+    from common.cli import Parser
+    from common.present import Row, Table, cols, render_text
     p = Parser(__doc__)
     p.add_argument("--refit", action="store_true", help="redo the step search and the tables (cached otherwise)")
     a = p.parse_args(argv)
     study = record_codec_study(a.refit)
-    print(table(["level", "bytes/token", "bits/value", "accuracy", "FP16 accuracy"],
-                [[lv["level"], f"{lv['bytes_per_token']:.1f}", f"{lv['bits_per_value']:.2f}",
-                  f"{100 * lv['accuracy']:.2f}%", f"{100 * lv['fp16_accuracy']:.2f}%"] for lv in study["levels"]],
-                title=f"CacheGen-style codec on the record-world model: "
-                      f"{'anchor+delta' if study['delta'] else 'no deltas'}; level i = steps x {kv.LEVEL_FACTOR:.3g}^i"))
+    print(render_text(Table(
+        f"CacheGen-style codec on the record-world model: {'anchor+delta' if study['delta'] else 'no deltas'}; "
+        f"level i = steps x {kv.LEVEL_FACTOR:.3g}^i", "§4.2",
+        cols("level", ("bytes/token", "{:.1f}"), ("bits/value", "{:.2f}"), ("accuracy", "{:.2%}"),
+             ("FP16 accuracy", "{:.2%}")),
+        [Row([lv["level"], lv["bytes_per_token"], lv["bits_per_value"], lv["accuracy"], lv["fp16_accuracy"]])
+         for lv in study["levels"]], "codec_study.codec_study")))
 
 
 if __name__ == "__main__":

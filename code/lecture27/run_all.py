@@ -65,7 +65,7 @@ def write_report() -> Path:
     pages = load_pages(figures_dir() / "pages")
     settings = {name: rec.get("settings", {}) for name, rec in pages.items()}
     extra = ('<h2 id="going-further">Going further: the real system</h2>'
-             + table_html(table_block(going_further_table(settings))))
+             + '<div class="tbl">' + table_html(table_block(going_further_table(settings))) + "</div>")
     return build_report(figures_dir() / "pages", figures_dir() / "report.html", extra)
 
 

@@ -36,7 +36,6 @@ from common import timemodel as tm
 
 GBIT = 1e9
 TEXT_BYTES_PER_TOKEN = 4      # a token id sent as int32 (a 128K vocabulary needs 17 bits)
-HALF_EFFICIENCY_TOKENS = 128  # assumption (see batch_slowdown): a prefill batch this small runs at half speed
 TEXT_FLOOR_GBPS = 0.01        # adaptive's give-up deadline assumes token ids may crawl at 10 Mb/s (safety margin)
 RISK_FACTOR = 2.0             # a KV chunk tried past that deadline must be predicted in time at half the measured rate
 
@@ -159,14 +158,14 @@ def chunk_plan(context_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
     return [(s, min(chunk_tokens, context_tokens - s)) for s in range(0, context_tokens, chunk_tokens)]
 
 
-def batch_slowdown(n_tokens: int, half_tokens: float = HALF_EFFICIENCY_TOKENS) -> float:
+def batch_slowdown(n_tokens: int, half_tokens: float) -> float:
     """How much slower than the time model a recompute batch of n_tokens runs.
     A prefill batch of n tokens reaches n / (n + half_tokens) of the GPU's large-batch speed (small
     matmuls fill fewer tensor cores; kernel launches and the all-reduces' latency are paid per batch).
     The time model's MFU was fitted on a 12K-token batch (its anchor), so relative to it:
         slowdown(n) = (1 + half/n) / (1 + half/12K),   never below 1.
-    half_tokens = 128 is an assumption, not a measurement: it puts 512-token batches at 80% and 1.5K at
-    92% of full speed, in line with chunked-prefill practice (Sarathi-Serve, Agrawal et al. OSDI'24,
+    03's HALF_EFFICIENCY_TOKENS = 128 is an assumption, not a measurement: it puts 512-token batches at 80%
+    and 1.5K at 92% of full speed, in line with chunked-prefill practice (Sarathi-Serve, Agrawal et al. OSDI'24,
     runs prefill in chunks of 512-2048 tokens because such chunks already keep the GPU busy)."""
     fit_tokens = tm.ANCHOR_1GPU[2]
     return max(1.0, (1 + half_tokens / n_tokens) / (1 + half_tokens / fit_tokens))
@@ -180,7 +179,7 @@ class Setup:
     n_gpus: int
     plan: tuple                 # chunk_plan(...)
     options: tuple              # kv_options(...): levels finest first, text last
-    half_tokens: float = HALF_EFFICIENCY_TOKENS
+    half_tokens: float          # batch_slowdown's half-speed batch size
 
     @property
     def context_tokens(self) -> int:
@@ -194,8 +193,7 @@ class Setup:
         return tm.prefill_time(self.model, self.gpu, n, first, self.n_gpus) * batch_slowdown(n, self.half_tokens)
 
 
-def make_setup(model, gpu, n_gpus, context_tokens, chunk_tokens, levels, lossless_accuracy,
-               half_tokens=HALF_EFFICIENCY_TOKENS) -> Setup:
+def make_setup(model, gpu, n_gpus, context_tokens, chunk_tokens, levels, lossless_accuracy, half_tokens) -> Setup:
     return Setup(model, gpu, n_gpus, tuple(chunk_plan(context_tokens, chunk_tokens)),
                  tuple(kv_options(levels, model, lossless_accuracy)), half_tokens)
 
@@ -219,7 +217,9 @@ def predict_s(setup: Setup, chunk: tuple, opt: Option, est_gbps: float) -> float
 @dataclass
 class Result:
     policy: str
-    rows: list = field(default_factory=list)  # per chunk: dict(start, est_gbps, budget_s, choice, predicted, finish, measured_gbps)
+    # per chunk: dict(start, est_gbps, budget_s, choice, predicted, finish, measured_gbps, gpu_s; adaptive's also
+    # gave_up, probe, risked)
+    rows: list = field(default_factory=list)
     ttft_s: float = 0.0
     quality: float = 0.0                      # token-weighted accuracy
     text_tokens: int = 0
@@ -378,7 +378,7 @@ def oracle(setup: Setup, trace: Trace, slo_s: float) -> Result:
 
 
 # ---------------------------------------------------------------------------- Part 1: one shot
-def whole_context_ttft(model, gpu, n_gpus, n_ctx, gbps, options, half_tokens=HALF_EFFICIENCY_TOKENS) -> dict:
+def whole_context_ttft(model, gpu, n_gpus, n_ctx, gbps, options, half_tokens) -> dict:
     """Seconds until n_ctx tokens of context are on the GPU over a steady link, per option: the whole
     context as one chunk (one transfer, or one recompute batch)."""
     setup = Setup(model, gpu, n_gpus, ((0, n_ctx),), tuple(options), half_tokens)

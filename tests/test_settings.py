@@ -1,0 +1,106 @@
+"""One name per setting. Each numbered script's UPPER_CASE constants are its settings: every one is read
+(a constant nothing reads is a lie to the student who edits it), none is copied into a library module
+(two names for one setting drift apart), no library function's default mirrors one (the script passes its
+value), and the script builds one frozen Settings object that its computing functions take instead of the
+argparse Namespace. Read from the source, so nothing is run."""
+import ast
+from pathlib import Path
+
+import pytest
+
+LECTURE = Path(__file__).resolve().parents[1] / "code" / "lecture27"
+COMMON = LECTURE.parent / "common"
+SCRIPTS = sorted(LECTURE.glob("0[1-5]_*.py"))
+LIBRARY = sorted(p for p in [*LECTURE.glob("*.py"), *COMMON.glob("*.py")]
+                 if not p.name[:2].isdigit() and p.name not in ("run_all.py", "__init__.py"))
+
+
+def tree(path):
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def constants(path) -> dict[str, ast.AST]:
+    """UPPER_CASE names assigned at module level -> their value's node."""
+    out = {}
+    for node in tree(path).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        for t in targets:
+            for n in ast.walk(t):
+                if isinstance(n, ast.Name) and n.id.isupper() and len(n.id) > 1:
+                    out[n.id] = node.value
+    return out
+
+
+def literal(node):
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError):
+        return None
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_every_constant_is_read(script):
+    t = tree(script)
+    loads = {n.id for n in ast.walk(t) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    unread = sorted(set(constants(script)) - loads)
+    assert not unread, f"{script.name}: constants nothing reads: {unread}"
+
+
+def imported_library(script) -> list[Path]:
+    """The library modules a script imports (directly)."""
+    names = set()
+    for n in ast.walk(tree(script)):
+        if isinstance(n, ast.Import):
+            names |= {a.name.split(".")[-1] for a in n.names}
+        elif isinstance(n, ast.ImportFrom):
+            names |= {(n.module or "").split(".")[-1]} | {a.name for a in n.names}
+    return [lib for lib in LIBRARY if lib.stem in names]
+
+
+def same_value(a, b) -> bool:
+    va, vb = literal(a), literal(b)
+    return va is not None and va == vb
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_no_library_copy_of_a_script_constant(script):
+    """A constant of the script is not defined again, with the same value, in a library it imports (units
+    such as GB or K aside)."""
+    mine = constants(script)
+    copies = [(lib.name, name) for lib in imported_library(script) for name, value in constants(lib).items()
+              if name in mine and len(name) > 3 and same_value(value, mine[name])]
+    assert not copies, f"{script.name}: these settings have a second name in the library: {copies}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_no_library_default_mirrors_a_script_constant(script):
+    """A parameter of an imported library named like a script constant (chunk_len ~ CHUNK_LEN) does not
+    default to that constant's value or name: the script passes it."""
+    mine = {name.lower(): (name, value) for name, value in constants(script).items()}
+    mirrored = []
+    for lib in imported_library(script):
+        for fn in ast.walk(tree(lib)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            args = fn.args.args + fn.args.kwonlyargs
+            defaults = [None] * (len(fn.args.args) - len(fn.args.defaults)) + fn.args.defaults + fn.args.kw_defaults
+            for arg, default in zip(args, defaults):
+                if default is None or arg.arg not in mine:
+                    continue
+                name, value = mine[arg.arg]
+                if same_value(default, value) or (isinstance(default, ast.Name) and default.id == name):
+                    mirrored.append(f"{lib.name}:{fn.name}({arg.arg}=...) ~ {name}")
+    assert not mirrored, f"{script.name}: library defaults mirror its constants: {mirrored}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_one_frozen_settings_object_instead_of_the_namespace(script):
+    t = tree(script)
+    frozen = [c for c in t.body if isinstance(c, ast.ClassDef) and c.name == "Settings" and any(
+        isinstance(d, ast.Call) and any(k.arg == "frozen" and literal(k.value) is True for k in d.keywords)
+        for d in c.decorator_list)]
+    assert frozen, f"{script.name}: no @dataclass(frozen=True) class Settings"
+    takes_namespace = [fn.name for fn in ast.walk(t) if isinstance(fn, ast.FunctionDef) and fn.name not in
+                       ("main", "parse", "parse_args", "settings") and any(
+                           a.arg in ("a", "args", "ns", "namespace") for a in fn.args.args)]
+    assert not takes_namespace, f"{script.name}: functions take the argparse Namespace: {takes_namespace}"
