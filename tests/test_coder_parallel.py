@@ -166,7 +166,8 @@ L, C = 4, 32
 
 def _kv(seed, n, T):
     rng = np.random.default_rng(seed)
-    return (np.cumsum(0.3 * rng.standard_normal((n, T, L, 2, C)), 1) + rng.standard_normal((n, 1, L, 2, C))).astype(np.float32)
+    walk = np.cumsum(0.3 * rng.standard_normal((n, T, L, 2, C)), 1)
+    return (walk + rng.standard_normal((n, 1, L, 2, C))).astype(np.float32)
 
 
 @pytest.fixture(scope="module")

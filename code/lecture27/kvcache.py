@@ -377,18 +377,19 @@ def _encode_block(low, rng, LO, W, tops, shifts, counts):
         r = rng_ >> AC_PRECISION
         low_ += r * LO[i, :a]
         np.multiply(r, W[i, :a], out=rng_)
-        k = _shifts(rng_)
-        shifts[i, :a] = k
+        bits = _shift_bits(rng_)
+        np.right_shift(bits, 3, out=shifts[i, :a], casting="unsafe")
         np.right_shift(low_, _AC_SHIFT - 8, out=tops[i, :a], casting="unsafe")
-        bits = k << 3
         low_ <<= bits
         low_ &= _AC_MASK
         rng_ <<= bits
 
 
-def _shifts(rng) -> np.ndarray:
-    """Bytes to shift after a symbol (int64): 2 below 2^32, 1 below 2^40, else 0."""
-    return ((rng < _AC_TOP).view(np.int8) + (rng < _AC_TOP2).view(np.int8)).astype(np.int64)
+def _shift_bits(rng) -> np.ndarray:
+    """Bits to shift after a symbol (int64): 16 below 2^32, 8 below 2^40, else 0."""
+    bits = (rng < _AC_TOP) * 8
+    bits += (rng < _AC_TOP2) * 8
+    return bits
 
 
 def _final_value(low, rng) -> np.ndarray:
@@ -484,10 +485,13 @@ def _decode_block(code, rng, pos, end, base, found, counts, stack, buf16):
             break
         code_, rng_, pos_ = code[:a], rng[:a], pos[:a]
         r = rng_ >> AC_PRECISION
-        if (code_ >= rng_).any():           # the code value lies outside the interval: `decode` stops here too
-            raise CorruptStream(f"step {i}: the code value lies outside every symbol's slice")
-        v = (code_ / r).astype(np.int64)   # exact: code < 2^48, and code / r is >= 2^-32 from an integer
-        e = np.take(lookup, base[i, :a] + (v >> _BUCKET_SHIFT))   # (np.take: faster than lookup[...])
+        # code / r in floating point is exact where it matters: below AC_TOTAL it lies >= 1/r > 2^-33 from
+        # the next integer; and a code value of AC_TOTAL or more (a corrupt stream) stays one
+        v = (code_ / r).astype(np.int64)
+        try:
+            e = np.take(lookup, base[i, :a] + (v >> _BUCKET_SHIFT))   # (np.take: faster than lookup[...])
+        except IndexError:                  # far beyond AC_TOTAL
+            raise CorruptStream(f"step {i}: the code value lies outside every symbol's slice") from None
         s, lo, hi = e & 0xFFF, (e >> 12) & 0xFFFF, (e >> 28) & 0x1FFFF
         second = v >= hi                    # v lies past the bucket's first boundary
         s += second
@@ -500,12 +504,11 @@ def _decode_block(code, rng, pos, end, base, found, counts, stack, buf16):
         found[i, :a] = s
         code_ -= r * lo
         np.multiply(r, hi - lo, out=rng_)
-        k = _shifts(rng_)
-        bits = k << 3
+        bits = _shift_bits(rng_)
         code_ <<= bits
         code_ |= np.take(buf16, pos_) >> (16 - bits)
         rng_ <<= bits
-        pos_ += k
+        pos_ += bits >> 3
         np.minimum(pos_, end[:a], out=pos_)
 
 
