@@ -132,20 +132,23 @@ def test_roundtrip_per_symbol_tables(seed, n_tables, n):
     _roundtrip_and_length(tables, syms, ids)
 
 
+def carry_case(case: str, n: int):
+    """(table, n symbols): the near-certain symbol at the top of the CDF ("top"), at its bottom
+    ("bottom": all-zero bytes), or at the top with rare others ("alternate")."""
+    if case == "top":
+        return kv.make_table([1e-9, 1]), np.ones(n, np.int64)
+    if case == "bottom":
+        return kv.make_table([1, 1e-9]), np.zeros(n, np.int64)
+    syms = np.where(np.arange(n) % 5000 == 4999, 2, 1)
+    syms[::7919] = 0
+    return kv.make_table([1e-9, 1, 1e-9]), syms
+
+
 @pytest.mark.parametrize("case", ["top", "bottom", "alternate"])
 def test_long_carry_runs(case):
     """The near-certain symbol at the top of the CDF keeps low near the top of the window: long
     runs of 0xFF bytes that a later carry must flip (the pending bytes)."""
-    n = 100_000
-    if case == "top":
-        table, syms = kv.make_table([1e-9, 1]), np.ones(n, np.int64)
-    elif case == "bottom":
-        table, syms = kv.make_table([1, 1e-9]), np.zeros(n, np.int64)
-    else:
-        table = kv.make_table([1e-9, 1, 1e-9])
-        syms = np.where(np.arange(n) % 5000 == 4999, 2, 1)
-        syms[::7919] = 0
-    _roundtrip_and_length(table, syms)
+    _roundtrip_and_length(*carry_case(case, 100_000))
 
 
 def test_long_sequences_are_close_to_ideal():

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import kvcache as kv
-from test_coder import _table_and_symbols, within
+from test_coder import _table_and_symbols, carry_case, within
 
 
 def _streams(seed, n_streams, max_len, n_tables, uniform_symbols):
@@ -66,14 +66,7 @@ def test_long_carry_runs_side_by_side(case):
     """Runs of 0xFF bytes that a late carry must flip, and streams of all-zero bytes (stripped), in
     streams of different lengths coded together."""
     n = 30_000
-    if case == "top":
-        table, syms = kv.make_table([1e-9, 1]), np.ones(n, np.int64)
-    elif case == "bottom":
-        table, syms = kv.make_table([1, 1e-9]), np.zeros(n, np.int64)
-    else:
-        table = kv.make_table([1e-9, 1, 1e-9])
-        syms = np.where(np.arange(n) % 5000 == 4999, 2, 1)
-        syms[::7919] = 0
+    table, syms = carry_case(case, n)
     lengths = np.array([n // 2, 1, 0, n // 4, n - n // 2 - n // 4 - 1])
     _assert_equals_serial([table], lengths, np.zeros(n, np.int64), syms)
 
