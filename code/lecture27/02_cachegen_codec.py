@@ -69,7 +69,6 @@ EX3_CONTEXTS = 200          # exercise 3: contexts for the error-by-position com
 CODER_STREAMS = (1, 16, 256)  # exercise 3: the parallel coder's stream counts (and all: one per (layer, K/V, channel))
 REAL_ENTROPY_STEP = 0.25    # Part 1c on the real model: values quantized at this x each layer's RMS
 REAL_BASELINE_BITS = (8, 6, 4)   # Part 2 on the real model: plain n-bit quantization rows
-REAL_VERSION = 2            # bump when compute_real's measurements change: its cached result is keyed by it
 FP16_BYTES = 2
 KV_NAMES = ("K", "V")
 SCRIPT = "02_cachegen_codec"
@@ -759,7 +758,7 @@ def compute_real(gguf, s: Settings, refit: bool) -> Real:
     builds on (several minutes of forwards and codec fits); --refit measures again."""
     from common.gguf_llama import gguf_file
     path = gguf_file(gguf)
-    ident = {**cr.study_ident(path), "measure": [REAL_VERSION, REAL_ENTROPY_STEP, REAL_BASELINE_BITS, ZLIB_LEVEL,
+    ident = {**cr.study_ident(path), "measure": [REAL_ENTROPY_STEP, REAL_BASELINE_BITS, ZLIB_LEVEL,
                                                 kv.RECIPE_GROUP_FACTOR, kv.MATCH_HALVINGS]}
     r = cs.cached_study("codec-smollm2-02", ident, lambda: measure_real(path, refit, s), refit, idle_threads)
     rows = [Codec(name, name.split(" ")[0].replace("-", "").lower(), b, q) for name, (b, q) in r["rows"].items()]

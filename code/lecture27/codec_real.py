@@ -128,7 +128,7 @@ def measure(prose: Prose, spec) -> dict:
 
 def real_codec_study(gguf=None, refit: bool = False, progress: bool = True, prose: Prose | None = None) -> dict:
     """fit() on SmolLM2 (or the GGUF at `gguf`), cached in code/checkpoints/ under the file's name and
-    size, CODEC_VERSION and every setting that shapes the search (computed again when one changes)."""
+    size, every setting that shapes the search and the code that runs it (computed again when one changes)."""
     from common.gguf_llama import gguf_file
     path = gguf_file(gguf)
     return cs.cached_study("codec-smollm2", study_ident(path),
@@ -138,12 +138,12 @@ def real_codec_study(gguf=None, refit: bool = False, progress: bool = True, pros
 def study_ident(path: Path) -> dict:
     """What the real-model study depends on: the model file, the codec's and the search's settings, the
     prose (its cache file is named by a hash of this)."""
-    return {"gguf": [path.name, path.stat().st_size], "codec": kv.CODEC_VERSION, "group": kv.CODEC_GROUP,
+    return {"gguf": [path.name, path.stat().st_size], "group": kv.CODEC_GROUP,
             "anchor_bits": kv.ANCHOR_BITS, "max_radius": kv.CODEC_MAX_RADIUS,
             "search": [REAL_MAX_KL, cs.STEP_NOTCH, REAL_STEP_START, cs.STEP_MAX_NOTCHES],
             "levels": [kv.LEVEL_FACTOR, kv.N_LEVELS],
             "prose": [REAL_CONTEXT, REAL_CALIB_CONTINUATION, REAL_CONTINUATION, REAL_CODED],
-            "text": prose_digest(), "layout": 3}
+            "text": prose_digest()}
 
 
 def prose_digest() -> str:

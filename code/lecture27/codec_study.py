@@ -191,12 +191,12 @@ def record_world() -> dict:
 
 
 def record_codec_study(refit: bool = False, progress: bool = True) -> dict:
-    """codec_study() on the record-world model, cached in code/checkpoints/ under a key made of the
-    model checkpoint's identity, kvcache.CODEC_VERSION and every setting above and in kvcache.py that
-    shapes the study (computed again when one changes, or with refit)."""
+    """codec_study() on the record-world model, cached in code/checkpoints/ under the model checkpoint's
+    identity, the settings above and in kvcache.py that shape the study and the code that runs it
+    (computed again when one changes, or with refit)."""
     world = record_world()
     ident = {
-        "model": world["ident"], "codec": kv.CODEC_VERSION, "group": kv.CODEC_GROUP, "anchor_bits": kv.ANCHOR_BITS,
+        "model": world["ident"], "group": kv.CODEC_GROUP, "anchor_bits": kv.ANCHOR_BITS,
         "max_radius": kv.CODEC_MAX_RADIUS, "search": [MEASURE_TOL, STEP_NOTCH, STEP_START, STEP_MAX_NOTCHES],
         "levels": [kv.LEVEL_FACTOR, kv.N_LEVELS], "recipe": [kv.RECIPE_GROUP_FACTOR, kv.MATCH_HALVINGS],
         "docs": [CODEC_N_CALIB, CODEC_N_EVAL, CODEC_N_CODED, CODEC_CALIB_SEED, CODEC_EVAL_SEED]}
