@@ -284,6 +284,38 @@ class TableStack:
         after = np.where(s + 1 < self.size[:, None], cdf[at + 2], 0)
         return (s | np.minimum(cdf[at], 0xFFFF) << 12 | cdf[at + 1] << 28 | after << 45).ravel()
 
+    @functools.cached_property
+    def fine(self):
+        """The buckets `lookup` cannot decide alone (more than one boundary inside): (slot, symbols).
+        slot[t * (_BUCKETS + 1) + b] is -1, or a row of `symbols` (uint16) that gives the symbol of each
+        of the bucket's 2^_BUCKET_SHIFT code values."""
+        n, nb, w = len(self.size), _BUCKETS + 1, 1 << _BUCKET_SHIFT
+        upper = np.ones(self.cdf.size, bool)
+        upper[self.start] = False
+        table, c = np.repeat(np.arange(n), self.size), self.cdf[upper]
+
+        def last_at_or_below(values_bucket):          # per (table, bucket): symbols' count below, capped
+            cnt = np.bincount(table * nb + np.clip(values_bucket, 0, _BUCKETS), minlength=n * nb)
+            return np.minimum(cnt.reshape(n, nb).cumsum(1), self.size[:, None] - 1)
+
+        first = last_at_or_below(-(-c >> _BUCKET_SHIFT))         # symbol at the bucket's first value
+        final = last_at_or_below(c >> _BUCKET_SHIFT)             # ... at its last value
+        t, b = np.nonzero(final > first + 1)
+        slot = np.full(n * nb, -1, np.int64)
+        slot[t * nb + b] = np.arange(t.size)
+        # every symbol s0..s1 of each such bucket fills its run of the bucket's code values
+        count = final[t, b] - first[t, b] + 1
+        row = np.repeat(np.arange(t.size), count)
+        sym = np.repeat(first[t, b], count) + np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
+        at = self.start[t[row]] + sym
+        lo = np.clip(self.cdf[at] - b[row] * w, 0, w)
+        run = np.clip(self.cdf[at + 1] - b[row] * w, 0, w) - lo
+        symbols = np.repeat(final[t, b], w).astype(np.uint16)      # what no run covers: a bad table's gap
+        run = np.maximum(run, 0)
+        into = np.repeat(row * w + lo, run) + np.arange(run.sum()) - np.repeat(np.cumsum(run) - run, run)
+        symbols[into] = np.repeat(sym, run)
+        return slot, symbols
+
 
 def stack_tables(tables) -> TableStack:
     """A FreqTable, a sequence of FreqTables, or a TableStack (returned as it is) -> TableStack."""
@@ -513,20 +545,19 @@ def _decode_block(code, rng, pos, end, base, found, counts, stack, buf16):
 
 
 def _search(v, base, stack, step):
-    """(symbol, slice start, slice end) of the slice that holds v: a binary search between the first
-    symbols of v's bucket and of the next one."""
+    """(symbol, slice start, slice end) of the slice that holds v, in a bucket of several boundaries:
+    read from the bucket's row of stack.fine."""
+    slot, symbols = stack.fine
     t = base // (_BUCKETS + 1)
-    first, last, b = stack.start[t], stack.size[t] - 1, base + (v >> _BUCKET_SHIFT)
-    lo = np.minimum(stack.lookup[b] & 0xFFF, last)
-    hi = np.minimum(stack.lookup[np.minimum(b + 1, base + _BUCKETS)] & 0xFFF, last)
-    for _ in range(int(max(0, (hi - lo).max())).bit_length()):   # the last symbol starting <= v
-        mid = (lo + hi + 1) >> 1
-        up = stack.cdf[first + mid] <= v
-        lo, hi = np.where(up, mid, lo), np.where(up, hi, mid - 1)
-    start, end = stack.cdf[first + lo], stack.cdf[first + lo + 1]
+    row = slot[base + (v >> _BUCKET_SHIFT)]
+    if np.any(row < 0):                      # a bucket the lookup decides: v lies past the table's end
+        raise CorruptStream(f"step {step}: a code value lies outside every symbol's slice")
+    s = np.minimum(symbols[(row << _BUCKET_SHIFT) + (v & ((1 << _BUCKET_SHIFT) - 1))], stack.size[t] - 1)
+    at = stack.start[t] + s
+    start, end = stack.cdf[at], stack.cdf[at + 1]
     if np.any(end <= v) or np.any(start > v):
         raise CorruptStream(f"step {step}: a code value lies in no symbol's slice (or in an empty one)")
-    return lo, start, end
+    return s, start, end
 
 
 
@@ -569,6 +600,7 @@ def coder_throughput(symbols, table_ids, tables, stream_counts, repeats: int = 1
     syms, ids = np.asarray(symbols), np.asarray(table_ids)
     R, n = syms.shape
     flat, flat_ids, stack = syms.ravel(), ids.ravel(), stack_tables(tables)
+    stack.lookup, stack.fine                             # built beforehand, as constriction's models are
     t_enc, one = _best_time(lambda: encode(flat, tables, flat_ids), repeats)
     t_dec, back = _best_time(lambda: decode(one, tables, flat.size, flat_ids), repeats)
     assert np.array_equal(back, flat), "the serial coder did not decode bit for bit"
