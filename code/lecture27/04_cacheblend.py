@@ -1103,8 +1103,7 @@ def command_line(argv=None):
     g.add_argument("--min-ratio", type=fraction, default=MIN_RATIO, help="the controller's quality floor")
     g.add_argument("--layers", type=positive_int, default=EX8_LAYERS, help="exercise 8: number of layers")
     g.add_argument("--read-ms", type=positive_float, default=EX8_READ_MS, help="exercise 8: read one layer's KV (ms)")
-    g.add_argument("--prefill-ms", type=positive_float, default=EX8_PREFILL_MS,
-                   help="exercise 8: prefill one layer (ms)")
+    g.add_argument("--prefill-ms", type=positive_float, default=EX8_PREFILL_MS, help="exercise 8: prefill a layer (ms)")
     g = p.add_argument_group("the real model (Part 5: --model smollm2; these flags need it)")
     g.add_argument("--model", choices=["record", "smollm2"], default="record",
                    help="record: Parts 1-4 (toy models, time model); smollm2: Part 5 on SmolLM2-135M")
