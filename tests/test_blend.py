@@ -127,9 +127,9 @@ def test_documents_are_well_formed():
 
 def test_exercise8_controller():
     cb = importlib.import_module("04_cacheblend")
-    ex = cb.exercise8(32, 10.0, 20.0)
-    assert ex["ex8_ratio"] == 0.5
-    assert ex["ex8_ttft_ms"] == 320.0 and ex["ex8_full_ms"] == 640.0
+    ex = cb.controller_example(32, 10.0, 20.0, 0.15)
+    assert ex.ratio == 0.5
+    assert ex.ttft_ms == 320.0 and ex.full_ms == 640.0
     # the floor: a fast read never drops the ratio below 15%; a slow read recomputes everything
     assert cb.controller_ratio(1.0, 20.0) == 0.15
     assert cb.controller_ratio(50.0, 20.0) == 1.0

@@ -1,5 +1,5 @@
 """The trained-checkpoint cache: train once then load; a broken file or a changed config retrains;
-an interrupted save leaves the old file intact."""
+an interrupted save leaves the old file intact. (tests/test_cache.py: a change to the code retrains.)"""
 import pytest
 import torch
 
@@ -29,8 +29,8 @@ def counting_trainer():
 
 def test_second_call_loads_without_training(ckdir):
     fn, calls = counting_trainer()
-    m1, meta = cached_model("toy", CFG, {"steps": 1}, "v1", fn)
-    m2, meta2 = cached_model("toy", CFG, {"steps": 1}, "v1", fn)
+    m1, meta = cached_model("toy", CFG, {"steps": 1}, fn)
+    m2, meta2 = cached_model("toy", CFG, {"steps": 1}, fn)
     assert len(calls) == 1
     assert torch.equal(m2.embed.weight, m1.embed.weight)
     assert meta2["metrics"] == {"loss": 1.0} and meta2["torch"] == torch.__version__
@@ -40,47 +40,47 @@ def test_second_call_loads_without_training(ckdir):
 
 def test_retrain_flag_trains_again(ckdir):
     fn, calls = counting_trainer()
-    cached_model("toy", CFG, {}, "v1", fn)
-    cached_model("toy", CFG, {}, "v1", fn, retrain=True)
+    cached_model("toy", CFG, {}, fn)
+    cached_model("toy", CFG, {}, fn, retrain=True)
     assert len(calls) == 2
 
 
 def test_corrupted_file_is_retrained_with_a_message(ckdir, capsys):
     fn, calls = counting_trainer()
-    cached_model("toy", CFG, {}, "v1", fn)
+    cached_model("toy", CFG, {}, fn)
     (path,) = ckdir.glob("toy-*.pt")
     path.write_bytes(b"not a checkpoint")
     capsys.readouterr()
-    cached_model("toy", CFG, {}, "v1", fn)
+    cached_model("toy", CFG, {}, fn)
     assert len(calls) == 2
     out = capsys.readouterr().out
-    assert "unusable" in out and "retraining" in out
-    cached_model("toy", CFG, {}, "v1", fn)  # the rewritten file is good again
+    assert "unusable" in out and "training it again" in out
+    cached_model("toy", CFG, {}, fn)  # the rewritten file is good again
     assert len(calls) == 2
 
 
 def test_file_with_foreign_config_is_not_used(ckdir, capsys):
     fn, calls = counting_trainer()
-    cached_model("toy", CFG, {}, "v1", fn)
+    cached_model("toy", CFG, {}, fn)
     (path,) = ckdir.glob("toy-*.pt")
     blob = torch.load(path, weights_only=True)
-    blob["meta"]["ident"]["train"] = {"steps": 999}  # as if another run had written this name
+    blob["key"]["inputs"]["train"] = {"steps": 999}  # as if another run had written this name
     torch.save(blob, path)
-    cached_model("toy", CFG, {}, "v1", fn)
-    assert len(calls) == 2 and "stored config differs" in capsys.readouterr().out
+    cached_model("toy", CFG, {}, fn)
+    assert len(calls) == 2 and "stored key differs" in capsys.readouterr().out
 
 
 def test_changed_config_trains_a_new_file(ckdir):
     fn, calls = counting_trainer()
-    cached_model("toy", CFG, {"lr": 1}, "v1", fn)
-    cached_model("toy", CFG, {"lr": 2}, "v1", fn)
-    cached_model("toy", CFG, {"lr": 2}, "v2", fn)
+    cached_model("toy", CFG, {"lr": 1}, fn)
+    cached_model("toy", CFG, {"lr": 2}, fn)
+    cached_model("toy", CFG, {"lr": 2}, fn, seed=1)
     assert len(calls) == 3 and len(list(ckdir.glob("toy-*.pt"))) == 3
 
 
 def test_interrupted_save_leaves_old_file_intact(ckdir, monkeypatch):
     fn, calls = counting_trainer()
-    cached_model("toy", CFG, {}, "v1", fn)
+    cached_model("toy", CFG, {}, fn)
     (path,) = ckdir.glob("toy-*.pt")
     before = path.read_bytes()
 
@@ -91,7 +91,7 @@ def test_interrupted_save_leaves_old_file_intact(ckdir, monkeypatch):
 
     monkeypatch.setattr(checkpoints.torch, "save", killed)
     with pytest.raises(KeyboardInterrupt):
-        cached_model("toy", CFG, {}, "v1", fn, retrain=True)
+        cached_model("toy", CFG, {}, fn, retrain=True)
     assert path.read_bytes() == before
     assert [p.name for p in ckdir.iterdir()] == [path.name]  # no temporary file left behind
 
@@ -100,7 +100,7 @@ def test_failed_training_is_not_cached(ckdir):
     def bad(model):
         raise TrainingFailed("no drop")
     with pytest.raises(TrainingFailed):
-        cached_model("toy", CFG, {}, "v1", bad)
+        cached_model("toy", CFG, {}, bad)
     assert not list(ckdir.glob("toy-*.pt"))
 
 
@@ -161,10 +161,11 @@ def test_cached_result_recomputes_a_corrupted_or_foreign_file(ckdir, capsys, dam
     elif damage == "truncated":
         path.write_bytes(path.read_bytes()[:40])
     elif damage == "foreign":   # a valid file whose stored identity is not this one's
-        torch.save({"ident": {"format": checkpoints.FORMAT, "n": 99}, "result": {"value": -1}}, path)
+        key = dict(torch.load(path, weights_only=True)["key"], inputs={"n": 99})
+        torch.save({"key": key, "seconds": 0.0, "result": {"value": -1}}, path)
     else:
         blob = torch.load(path, weights_only=True)
-        torch.save({"ident": blob["ident"]}, path)
+        torch.save({"key": blob["key"]}, path)
     capsys.readouterr()
     compute2, calls2 = counting_compute(4)
     out = checkpoints.cached_result("study", {"n": 1}, compute2)

@@ -45,7 +45,7 @@ def test_sentences_are_independent():
 def test_city_model_reaches_the_entropy():
     model, lang = city_model()
     meta = model.train_meta
-    assert meta["ident"]["data"].startswith("city")
+    assert meta["ident"]["code"].startswith("city-")  # the checkpoint file's key
     ce = heldout_ce(model, lang, n_seq=256, seed=99)
     assert abs(ce - lang.entropy_per_token()) <= 0.05, (ce, lang.entropy_per_token())
     # the second call loads the cached file: same weights, no training

@@ -235,17 +235,13 @@ def test_codec_study_runs_on_an_untrained_model(monkeypatch):
 def record():
     """The cached study, the model, and evaluation/calibration KV (first run: trains the record model
     via blend_world's cached loader and fits the codec, about two minutes)."""
-    import importlib.util
-    from pathlib import Path
+    import importlib
     torch.set_num_threads(1)
     study = cs.record_codec_study(progress=False)
     world = cs.record_world()
     calib = world["docs"](cs.CODEC_N_CALIB, cs.CODEC_CALIB_SEED)
     ev = world["docs"](cs.CODEC_N_EVAL, cs.CODEC_EVAL_SEED)
-    path = Path(kv.__file__).with_name("02_cachegen_codec.py")
-    spec = importlib.util.spec_from_file_location("cachegen02", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = importlib.import_module("02_cachegen_codec")
     return {"study": study, "model": world["model"], "ev": ev, "script": script,
             "Xc": cs.context_kv(world["model"], calib[0]), "Xe": cs.context_kv(world["model"], ev[0])}
 
@@ -273,23 +269,24 @@ def test_codec_levels_contract(record):
 def test_codec_table_acceptance(record):
     """Measured codec >= 1.5x smaller than 8-bit within 0.5 points of FP16; the recipe below 6-bit's
     accuracy; zlib on FP16 between 1.0x and 1.3x."""
-    s, m = record["study"], record["model"]
-    rows = record["script"].baseline_rows(record["Xc"], record["Xe"],
-                                          lambda X: cs.answer_accuracy(m, X, *record["ev"][1:])["acc"])
+    s, m, script = record["study"], record["model"], record["script"]
+    rows = {c.key: c for c in script.baseline_rows(record["Xc"], record["Xe"],
+                                                   lambda X: cs.answer_accuracy(m, X, *record["ev"][1:])["acc"],
+                                                   script.BASELINE_BITS, script.ZLIB_LEVEL)}
     measured = s["variants"]["delta" if s["delta"] else "raw"]
-    assert rows["8-bit"][0] / measured["bytes_per_token"] >= 1.5
-    assert measured["accuracy"] >= rows["FP16"][1] - 0.005
-    assert s["recipe"]["accuracy"] < rows["6-bit"][1]
-    assert 1.0 < rows["FP16"][0] / rows["zlib on FP16"][0] < 1.3
+    assert rows["8bit"].bytes_per_token / measured["bytes_per_token"] >= 1.5
+    assert measured["accuracy"] >= rows["fp16"].quality - 0.005
+    assert s["recipe"]["accuracy"] < rows["6bit"].quality
+    assert 1.0 < rows["fp16"].bytes_per_token / rows["zlib"].bytes_per_token < 1.3
 
 
 def test_coder_on_a_whole_context(record):
     spec = kv.spec_from_dict(cs.record_codec_study()["specs"][0])
     one, many = record["script"].coder_check(spec, record["Xe"], 5)
-    assert one["roundtrip_exact"] and many["roundtrip_exact"]
+    assert one.roundtrip_exact and many.roundtrip_exact
     # the coder's law (test_coder.test_length_law_over_many_streams): within a byte above the ideal
     # -sum log2 p, and possibly a little below it (the final value may happen to be a short fraction)
-    assert one["ideal_bytes"] - 3 < one["actual_bytes"] <= one["ideal_bytes"] + 1.01
+    assert one.ideal_bytes - 3 < one.actual_bytes <= one.ideal_bytes + 1.01
 
 
 @pytest.mark.parametrize("args", [["--sensitivity-step", "0"], ["--model", "gpt5"], ["--sensitivity-step", "x"]])

@@ -86,7 +86,7 @@ def test_04_city_kl_and_cross_entropies():
     lang = CityLanguage()
     cfg = city_config(lang)
     m = random_model(cfg.vocab_size, 3, std=0.15, d_model=cfg.d_model, n_layers=cfg.n_layers)
-    got = cb._city(m, lang, 6, 0)
+    got = cb.city_losses(cb.city_docs(m, lang, 6, 0, cb.CITY_CHUNKS, cb.CITY_CHUNK_LEN), lang, cb.CITY_CHUNK_LEN)
     # the same inputs as the script draws them
     n_ctx = cb.CITY_CHUNKS * cb.CITY_CHUNK_LEN
     x = lang.sample_text(6, cb.CITY_CHUNKS + 1, torch.Generator().manual_seed(11))
@@ -95,10 +95,10 @@ def test_04_city_kl_and_cross_entropies():
     reuse = m(q, cache=bw.precompute_chunks(m, ctx, cb.CITY_CHUNK_LEN))[0][:, :-1]
     lf, lr = full.log_softmax(-1), reuse.log_softmax(-1)
     expect, swapped = float(reference_kl(lf, lr).mean()), float(reference_kl(lr, lf).mean())
-    assert got["city_kl"] == pytest.approx(expect, rel=1e-4) and abs(expect - swapped) > 1e-3 * expect > 0
+    assert got.kl == pytest.approx(expect, rel=1e-4) and abs(expect - swapped) > 1e-3 * expect > 0
     tgt = q[:, 1:].flatten()
-    assert got["city_ce_full"] == pytest.approx(float(F.cross_entropy(full.flatten(0, 1), tgt)), rel=1e-5)
-    assert got["city_ce_reuse"] == pytest.approx(float(F.cross_entropy(reuse.flatten(0, 1), tgt)), rel=1e-5)
+    assert got.ce_full == pytest.approx(float(F.cross_entropy(full.flatten(0, 1), tgt)), rel=1e-5)
+    assert got.ce_reuse == pytest.approx(float(F.cross_entropy(reuse.flatten(0, 1), tgt)), rel=1e-5)
 
 
 @torch.no_grad()

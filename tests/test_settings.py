@@ -31,6 +31,11 @@ def constants(path) -> dict[str, ast.AST]:
     return out
 
 
+def settings_fields(t) -> set[str]:
+    return {a.target.id for c in t.body if isinstance(c, ast.ClassDef) and c.name == "Settings"
+            for a in c.body if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)}
+
+
 def literal(node):
     try:
         return ast.literal_eval(node)
@@ -42,6 +47,9 @@ def literal(node):
 def test_every_constant_is_read(script):
     t = tree(script)
     loads = {n.id for n in ast.walk(t) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    if any(isinstance(n, ast.Call) and getattr(n.func, "id", "") == "globals" for n in ast.walk(t)):
+        # Settings read from the constants by name at run time: field `chunk_len` reads CHUNK_LEN
+        loads |= {f.upper() for f in settings_fields(t)}
     unread = sorted(set(constants(script)) - loads)
     assert not unread, f"{script.name}: constants nothing reads: {unread}"
 

@@ -4,6 +4,7 @@ the constant drives, and checks that the figure moves the way the lecture says, 
 column goes blank ("-") once the inputs are no longer the handout's."""
 import importlib
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -67,16 +68,20 @@ def test_01_day_throughput_and_hit_rate(ledger01, tmp_path, capsys, monkeypatch)
 
 
 # ------------------------------------------------------------------------------------ 02
-def test_02_exercise4_distribution(monkeypatch, capsys):
+def test_02_exercise4_distribution(monkeypatch):
+    """Exercise 4 on another distribution (the constant, read through the run's settings): four equally
+    likely values need 2 bits, and the handout's 1.40 and 3 bits are no longer beside them."""
+    from common.present import Page
     mod = script("02_cachegen_codec")
     monkeypatch.setattr(mod, "EX4_PROBS", {0: 0.25, 1: 0.25, -1: 0.25, 2: 0.25})
     monkeypatch.setattr(mod, "EX4_SAMPLES", 4000)
-    e4 = mod.exercise4()
-    mod.print_exercise4(e4)
-    out = capsys.readouterr().out
-    assert e4["entropy_bits"] == pytest.approx(2.0, abs=1e-12) and e4["fixed_bits"] == 2
-    assert "{0: 0.25, +1: 0.25, -1: 0.25, +2: 0.25}" in out
-    assert "(handout -)" in out and "handout 1.40" not in out
+    s = mod.settings(mod.parse([]))
+    e4 = mod.exercise4(s)
+    assert s.ex4_samples == 4000 and e4.entropy_bits == pytest.approx(2.0, abs=1e-12) and e4.fixed_bits == 2
+    page = Page("02", "", "", s, mod.Settings(), plot=False)
+    mod.present_exercise4(page, SimpleNamespace(ex4=e4), s)
+    assert page.json()["exercise4"]["entropy_bits"] == e4.entropy_bits
+    assert [r.handout for r in page.tables[-1].rows] == [None] * 5
 
 
 def test_02_codec_group_is_read_where_the_codec_is_fitted(monkeypatch):
@@ -89,7 +94,7 @@ def test_02_codec_group_is_read_where_the_codec_is_fitted(monkeypatch):
     h = kv.codec_header(kv.codec_encode(X[0], spec))
     assert spec.group == 5 and len(h["group_bytes"]) == 6          # 30 tokens in groups of 5
     mod = script("02_cachegen_codec")
-    anchors = mod.delta_variance_ratios(X, kv.CODEC_GROUP)["anchor"]
+    anchors = np.array([[lv.K_anchor, lv.V_anchor] for lv in mod.delta_variance_ratios(X, kv.CODEC_GROUP)])
     assert anchors.shape == (2, 2) and np.all(anchors > 1)          # a random walk: deltas are smaller
 
 
@@ -132,9 +137,9 @@ def test_02_sensitivity_coarser_steps_cost_accuracy():
     X = cs.context_kv(world["model"], ctx)
     mod = script("02_cachegen_codec")
     sens = mod.layer_sensitivity(world["model"], X, (q, ans, slots), kv.kv_rms(X), [0.25, 8.0], 8.0)
-    L = X.shape[2]
-    assert all(sens[(layer, "K+V", 8.0)] <= sens[(layer, "K+V", 0.25)] for layer in range(L))
-    assert min(sens[(layer, "K+V", 8.0)] for layer in range(L)) < min(sens[(layer, "K+V", 0.25)] for layer in range(L))
+    assert [x.layer for x in sens] == list(range(X.shape[2]))
+    assert all(x.kv[8.0] <= x.kv[0.25] for x in sens)
+    assert min(x.kv[8.0] for x in sens) < min(x.kv[0.25] for x in sens)
 
 
 # ------------------------------------------------------------------------------------ 03
@@ -180,6 +185,27 @@ def test_03_chunk_sizes_and_slo(streaming03, tmp_path, capsys, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ 04
+def rows04(page, first):
+    """The printed cells, by column header, of 04's row whose first cell starts with `first`."""
+    from common.present import grid
+    for t in page.tables:
+        headers, body = grid(t)
+        for r in body:
+            if r[0].strip().startswith(first):
+                return dict(zip(headers, r))
+    raise KeyError(first)
+
+
+def part4_page(mod, *argv):
+    """04's Part 4 and exercise 8 on the settings of `argv`: (page, timings per model)."""
+    from common.present import Page
+    page = Page("04", "", "§5", plot=False)
+    s = mod.settings(mod.command_line(list(argv)))
+    timings = mod.part4_pipelining(s, page)
+    mod.exercise8(s, page)
+    return page, timings
+
+
 def test_04_runs_with_other_curve_ratio_and_chunk_len(tmp_path, capsys, monkeypatch):
     """The issue's edit: CURVE_RATIOS = [0.0, 0.1, 0.3, 1.0], CURVE_CHUNK_LENS = [4, 5]; with RATIO 0.1
     and CHUNK_LEN 6 (exercise 6) in the same run, and small sizes."""
@@ -187,60 +213,54 @@ def test_04_runs_with_other_curve_ratio_and_chunk_len(tmp_path, capsys, monkeypa
     for name, value in (("CURVE_RATIOS", [0.0, 0.1, 0.3, 1.0]), ("CURVE_CHUNK_LENS", [4, 5]), ("RATIO", 0.1),
                         ("CHUNK_LEN", 6), ("N_DOCS", 60), ("CITY_DOCS", 100)):
         monkeypatch.setattr(mod, name, value)
-    out, res = run(mod, tmp_path, capsys)
+    page = mod.main(["--no-plot", "--json", str(tmp_path / "out.json")])
+    res = json.loads((tmp_path / "out.json").read_text())
     assert res["ratio"] == 0.1 and res["chunk_len"] == 6 and res["curve_ratios"] == [0.0, 0.1, 0.3, 1.0]
     assert set(res["curve"]) == {"c4_deviation", "c4_random", "c5_deviation", "c5_random"}
     assert all(x is None for x in res["curve"]["c4_deviation"])   # chunks of 4 split no record
     c5 = res["curve"]["c5_deviation"]
     assert c5[0] <= 0.5 and c5[-1] >= 0.95                          # full reuse loses split records; r = 1 recovers
-    assert res["chunk3_blend20"] is None
-    assert "exercise 6: chunk length 6 splits no record" in out
+    assert res["chunk3_blend10"] is None and "chunk3_blend20" not in res
+    assert res["ex6"]["split_records"] == [] and res["ex6"]["reuse_equals_full"]
     assert res["unsplit_acc_reuse"] >= 0.95
-    assert line_with(out, "CacheBlend 10%").split()[-2:] == ["-", "-"]   # the handout's r was 20%
-    assert line_with(out, "chunk length 4: CacheBlend 10%").split()[-1] == "-"
+    blend = rows04(page, "CacheBlend 10%")                          # the handout's r was 20%, its chunks 5
+    assert blend["handout split"] == blend["handout unsplit"] == "-"
+    assert rows04(page, "chunk length 4: CacheBlend 10%")["handout"] == "-"
 
 
-def test_04_min_ratio_and_exercise8_inputs(capsys, monkeypatch):
+def test_04_min_ratio_and_exercise8_inputs(monkeypatch):
     mod = script("04_cacheblend")
     monkeypatch.setattr(mod, "MIN_RATIO", 0.6)
-    a = mod.parse([])
-    p4 = mod.part4(a)
-    mod.print_part4(p4, a)
-    out = capsys.readouterr().out
-    assert p4["ex8"]["ex8_ratio"] == 0.6 and p4["ex8"]["ex8_ttft_ms"] == pytest.approx(32 * 12.0)
-    assert all(d["ratio"] >= 0.6 for t in p4["timing"].values() for d in t["devices"].values())
-    assert "recompute 60%" in out and "recompute 15%" not in out
-    assert line_with(out, "controller's recompute ratio").split()[-1] == "-"
+    page, timings = part4_page(mod)
+    ex8 = page.json()
+    assert ex8["ex8_ratio"] == 0.6 and ex8["ex8_ttft_ms"] == pytest.approx(32 * 12.0)
+    assert all(d.ratio >= 0.6 for t in timings.values() for d in t.devices.values())
+    labels = [r.cells[0] for t in page.tables for r in t.rows]
+    assert "recompute 60%" in labels and "recompute 15%" not in labels
+    assert rows04(page, "controller's recompute ratio")["handout"] == "-"
     monkeypatch.setattr(mod, "MIN_RATIO", 0.15)
     monkeypatch.setattr(mod, "EX8_READ_MS", 5.0)                    # a faster read hides less recompute
-    a = mod.parse([])
-    ex8 = mod.part4(a)["ex8"]
+    ex8 = part4_page(mod)[0].json()
     assert ex8["ex8_ratio"] == 0.25 and ex8["ex8_ttft_ms"] == pytest.approx(32 * 5.0)
 
 
-def test_04_min_ratio_flag_reaches_every_row(capsys):
+def test_04_min_ratio_flag_reaches_every_row():
     """--min-ratio (not only the constant) sets the floor the rows and labels report."""
     mod = script("04_cacheblend")
-    base = mod.part4(mod.parse([]))["timing"]
-    a = mod.parse(["--min-ratio", "0.3"])
-    p4 = mod.part4(a)
-    mod.print_part4(p4, a)
-    out = capsys.readouterr().out
-    assert "recompute 30%" in out
-    for model, t in p4["timing"].items():
-        assert t["floor_layer_ms"] > base[model]["floor_layer_ms"]
+    _, base = part4_page(mod)
+    page, timings = part4_page(mod, "--min-ratio", "0.3")
+    assert rows04(page, "recompute 30%")
+    for model, t in timings.items():
+        assert t.floor_layer_ms > base[model].floor_layer_ms
 
 
-def test_04_systems_and_paper_point(capsys, monkeypatch):
+def test_04_systems_and_paper_point(monkeypatch):
     mod = script("04_cacheblend")
     monkeypatch.setattr(mod, "SYSTEMS", [("llama-3.1-8b", 1)])
     monkeypatch.setattr(mod, "PAPER_CONTEXT", 8192)
-    a = mod.parse([])
-    p4 = mod.part4(a)
-    mod.print_part4(p4, a)
-    out = capsys.readouterr().out
-    assert list(p4["timing"]) == ["llama-3.1-8b"]
-    assert line_with(out, "paper point, LLaMA-3.1-8B, 8192 tokens").split()[-1] == "-"
+    page, timings = part4_page(mod)
+    assert list(timings) == ["llama-3.1-8b"]
+    assert rows04(page, "paper point, LLaMA-3.1-8B, 8192 tokens")["handout"] == "-"
 
 
 # ------------------------------------------------------------------------------------ 05

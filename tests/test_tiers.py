@@ -144,6 +144,15 @@ def test_longest_prefix_stops_at_first_gap_and_mixes_tiers():
     assert found.load_s == pytest.approx(1.0)    # only p1 is loaded; p0 is already on the GPU
 
 
+def test_a_lookup_by_content_goes_on_past_a_gap():
+    store = TieredStore([Tier("gpu", 10), Tier("cpu", 100, bandwidth=2.0)])
+    store.store(["a", "c"], [1, 1])
+    assert store.lookup(["a", "b", "c"]) == [0]
+    assert store.lookup(["a", "b", "c"], prefix=False) == [0, None, 0]
+    found = store.fetch(["b", "c", "a"], [1, 1, 1], prefix=False)
+    assert found.tier_of_chunk == [None, 0, 0] and found.n_chunks == 2 and found.bytes_per_tier == [2, 0]
+
+
 def test_a_prefix_is_evicted_from_its_tail():
     tier = Tier("gpu", 3)
     store = TieredStore([tier])

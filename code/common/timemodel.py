@@ -126,8 +126,11 @@ def get_gpu(gpu) -> GPU:
 
 
 # ------------------------------------------------------------------------------------------ KV size
-def kv_bytes_per_token(model, bytes_per_value=2) -> int:
-    """Bytes of KV one token leaves in the cache, all layers.
+SERVED_BYTES_PER_VALUE = 2   # the models above are served in BF16: their weights and KV, 2 bytes a value
+
+
+def kv_bytes_per_token(model, bytes_per_value=SERVED_BYTES_PER_VALUE) -> int:
+    """Bytes of KV one token leaves in the cache, all layers (in BF16 unless told otherwise).
     GQA / multi-head: K and V, each n_kv_heads * head_dim values per layer.
     MLA (DeepSeek): one latent vector + one shared RoPE key per layer (kv_latent values)."""
     m = get_model(model)

@@ -280,35 +280,35 @@ def show_fetch_or_recompute(page: Page, r: FetchOrRecompute, s: Settings) -> Non
         ax.legend(fontsize=7, loc="upper center", ncol=2)
 
 
-def show_slides_account(page: Page, a: ledger.SlidesAccount, s: Settings) -> None:
+def show_slides_account(page: Page, acct: ledger.SlidesAccount, s: Settings) -> None:
     page.part("Part 3", "§1.3", "Is storing KV worth it?")
     src = lambda names, said="slides p.9": said if all(getattr(s, k) == P9[k] for k in names.split()) else "edited"
     page.table(Table("(a) the slides' account. Assumptions:", "§1.3", cols("assumption", "value", "source"), [
         Row(x) for x in (
-        ["GPU price", f"${s.gpu_hour_usd:g}/GPU-hour x {s.gpus_per_node} GPUs = ${a.node_usd_per_h:g}/node-hour",
+        ["GPU price", f"${s.gpu_hour_usd:g}/GPU-hour x {s.gpus_per_node} GPUs = ${acct.node_usd_per_h:g}/node-hour",
          src("gpu_hour_usd gpus_per_node")],
         ["storage", f"{s.storage_tb_per_node:g} TB/node at ${s.storage_usd_per_tb_hour:g}/TB-hour",
          src("storage_tb_per_node storage_usd_per_tb_hour")],
         ["a hit saves", f"{s.hit_saves:.0%} of the request's GPU time", src("hit_saves", "ours: what makes 1.06%")],
-        ["hit rate, fleet, period", f"{s.hit_rate:.0%}, {s.nodes:,} nodes, {s.years:g} years = {a.hours:,.0f} h",
+        ["hit rate, fleet, period", f"{s.hit_rate:.0%}, {s.nodes:,} nodes, {s.years:g} years = {acct.hours:,.0f} h",
          src("hit_rate nodes years")])], "ledger.slides_economics"))
     usd = lambda key, x: Val(f"${x / 1e6:.1f}M", key, json=x / 1e6)
     h = {k: handout(k, s) for k in ("breakeven_pct", "storage", "savings", "navigation")}
     net, nav = ((h["savings"].figure, h["navigation"].figure) if h["savings"] != DASH else
-                (f"${a.net_usd / 1e6:.1f}M", f"${a.net_if_33m_read_as_gross_usd / 1e6:.1f}M"))
+                (f"${acct.net_usd / 1e6:.1f}M", f"${acct.net_if_33m_read_as_gross_usd / 1e6:.1f}M"))
     page.table(quantities("", "§1.3", "ledger.slides_economics", (
-        "break-even hit rate if a hit saves 100%", Val(f"{a.breakeven_if_hit_saves_all:.2%}",
+        "break-even hit rate if a hit saves 100%", Val(f"{acct.breakeven_if_hit_saves_all:.2%}",
                                                        "slides_breakeven_if_hit_saves_all_pct",
-                                                       json=a.breakeven_if_hit_saves_all * 100), DASH),
-        (f"break-even hit rate (a hit saves {s.hit_saves:.0%})", Val(f"{a.breakeven_hit_rate:.2%}",
-         "slides_breakeven_hit_rate_pct", json=a.breakeven_hit_rate * 100), h["breakeven_pct"]),
-        ("GPU time saved (gross)", usd("slides_gross_savings_musd", a.gpu_time_saved_usd), DASH),
-        ("storage paid", usd("slides_storage_musd", a.storage_usd), h["storage"]),
-        ("reading 1 (§1.3): saved net of storage", usd("slides_savings_musd", a.net_usd), h["savings"]),
+                                                       json=acct.breakeven_if_hit_saves_all * 100), DASH),
+        (f"break-even hit rate (a hit saves {s.hit_saves:.0%})", Val(f"{acct.breakeven_hit_rate:.2%}",
+         "slides_breakeven_hit_rate_pct", json=acct.breakeven_hit_rate * 100), h["breakeven_pct"]),
+        ("GPU time saved (gross)", usd("slides_gross_savings_musd", acct.gpu_time_saved_usd), DASH),
+        ("storage paid", usd("slides_storage_musd", acct.storage_usd), h["storage"]),
+        ("reading 1 (§1.3): saved net of storage", usd("slides_savings_musd", acct.net_usd), h["savings"]),
         ("reading 2 (navigation): net read as gross, minus storage again",
-         usd("slides_navigation_reading_musd", a.net_if_33m_read_as_gross_usd), h["navigation"]),
+         usd("slides_navigation_reading_musd", acct.net_if_33m_read_as_gross_usd), h["navigation"]),
         notes=[f"The two readings disagree: the {net} of §1.3 is already net of storage; the navigation paragraph's "
-               f"{nav} subtracts the storage from it a second time." if a.storage_usd else
+               f"{nav} subtracts the storage from it a second time." if acct.storage_usd else
                "The two readings agree: storage costs nothing here."]))
 
 

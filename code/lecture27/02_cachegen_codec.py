@@ -1,7 +1,7 @@
 """02 -- CacheGen part one (handout §3): compress KV like video, measured on the record-world model.
 
     python code/lecture27/02_cachegen_codec.py                  # Parts 1-3, the levels, exercises 3-4, two figures
-    python code/lecture27/02_cachegen_codec.py --json out.json  # + headline figures as JSON
+    python code/lecture27/02_cachegen_codec.py --json out.json  # + headline figures as JSON (--no-plot: no figures)
     python code/lecture27/02_cachegen_codec.py --sensitivity-step 0.5   # Part 1b with finer coarse steps
     python code/lecture27/02_cachegen_codec.py --refit          # redo the codec's step search and tables
     python code/lecture27/02_cachegen_codec.py --model smollm2  # Parts 1a, 1c, 2 on a real model (SmolLM2-135M)
@@ -34,10 +34,14 @@ The settings at the top of this file are the measurements' own.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 import zlib
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -47,59 +51,220 @@ import codec_real as cr  # noqa: E402
 import codec_study as cs  # noqa: E402
 import kvcache as kv  # noqa: E402
 import blend_world as bw  # noqa: E402
-from common.cli import Parser, figure_path, positive_float, say, table, write_json  # noqa: E402
+from common.cli import Parser, positive_float, settings_from  # noqa: E402
 from common.llama import idle_threads, single_thread  # noqa: E402
+from common.present import Handout, Page, Ref, Row, Table, Val, cols  # noqa: E402
 
 SENSITIVITY_STEPS = (1, 2, 4, 8)  # Part 1b: coarse steps for one layer's K+V, in units of its RMS
 SENSITIVITY_STEP = 4.0      # Part 1b: the coarse step for K alone and V alone
 ENTROPY_LEVEL = 0           # Part 1c: the values quantized at this level's steps
 ZLIB_LEVEL = 9              # Part 2: zlib's best compression
+BASELINE_BITS = (8, 6)      # Part 2: plain n-bit quantization rows (the handout's 8-bit and 6-bit)
 EX4_PROBS = {0: 0.70, 1: 0.12, -1: 0.12, 2: 0.03, -2: 0.03}   # exercise 4: a distribution of quantized values
 EX4_SAMPLES = 100_000       # exercise 4: symbols drawn from EX4_PROBS
 EX3_CONTEXTS = 200          # exercise 3: contexts for the error-by-position comparison
+REAL_ENTROPY_STEP = 0.25    # Part 1c on the real model: values quantized at this x each layer's RMS
+REAL_BASELINE_BITS = (8, 6, 4)   # Part 2 on the real model: plain n-bit quantization rows
 FP16_BYTES = 2
-
-# The handout's figures, printed beside ours (reference only; nothing below is computed from them)
-HANDOUT = {
-    "delta_ratio": "2.4-2.9x (LLaMA)",         # §3.2: deltas' variance 2.4-2.9x smaller
-    "entropy": "up to 53% below one global table (LLaMA)",   # §3.3
-    "fp16": "512 B", "zlib": "1.08x", "6bit_acc": "no loss", "recipe": "worst accuracy",
-    "measured": "no loss; 1.66x < 8-bit, 1.28x < 6-bit", "vs_8bit": "1.66x", "vs_6bit": "1.28x",
-    "coder": "a fraction of a byte", "level3": "74%",
-    "ex4_entropy": "1.40", "ex4_fixed": "3",
-    # §3.4: CacheGen on LLaMA, and the slides' ranges
-    "cachegen_vs_8bit": "3.5-4.3x", "slides_kv": "3-10x smaller KV", "slides_transfer": "2-8x faster transfer",
-}
-HANDOUT_EX4_PROBS = {0: 0.70, 1: 0.12, -1: 0.12, 2: 0.03, -2: 0.03}   # the distribution of exercise 4
 KV_NAMES = ("K", "V")
+SCRIPT = "02_cachegen_codec"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One run's inputs: the constants above, with the command line's flags over them."""
+    model: str = "record"                 # record: the record-world model; smollm2: a real LLaMA
+    gguf: str | None = None               # with smollm2: another LLaMA GGUF file
+    sensitivity_step: float = SENSITIVITY_STEP
+    sensitivity_steps: tuple = SENSITIVITY_STEPS
+    entropy_level: int = ENTROPY_LEVEL
+    zlib_level: int = ZLIB_LEVEL
+    baseline_bits: tuple = BASELINE_BITS
+    ex3_contexts: int = EX3_CONTEXTS
+    ex4_probs: dict = field(default_factory=partial(dict, EX4_PROBS))
+    ex4_samples: int = EX4_SAMPLES
+    real_entropy_step: float = REAL_ENTROPY_STEP
+    real_baseline_bits: tuple = REAL_BASELINE_BITS
+
+
+# The handout's figures, printed beside ours (reference only; nothing is computed from them), and the
+# inputs each holds for: the record-world model's figures blank on another model, exercise 4's on
+# another distribution.
+RECORD = {"model": "record"}
+HANDOUT = Handout({
+    "delta_ratio": Ref("2.4-2.9x (LLaMA)"),                       # §3.2: deltas' variance 2.4-2.9x smaller
+    "sensitivity": Ref("shallow layers are the most sensitive"),  # §3.2, on LLaMA
+    "entropy": Ref("up to 53% below one global table (LLaMA)"),   # §3.3
+    "fp16": Ref("512 B", RECORD), "zlib": Ref("1.08x", RECORD), "6bit": Ref("no loss", RECORD),
+    "recipe": Ref("worst accuracy", RECORD), "measured": Ref("no loss; 1.66x < 8-bit, 1.28x < 6-bit", RECORD),
+    "vs_8bit": Ref("1.66x", RECORD), "vs_6bit": Ref("1.28x", RECORD),
+    "coder": Ref("a fraction of a byte"), "level3": Ref("74%", RECORD),
+    "ex4_entropy_bits": Ref("1.40", {"ex4_probs": {0: 0.70, 1: 0.12, -1: 0.12, 2: 0.03, -2: 0.03}}),
+    "ex4_fixed_bits": Ref("3", {"ex4_probs": {0: 0.70, 1: 0.12, -1: 0.12, 2: 0.03, -2: 0.03}}),
+    # §3.4: CacheGen on LLaMA, and the slides' ranges
+    "cachegen_vs_8bit": Ref("3.5-4.3x (LLaMA)"), "slides_kv": Ref("3-10x smaller KV"),
+    "slides_transfer": Ref("2-8x faster transfer"),
+})
+
+
+
+# ------------------------------------------------------------------------------------- results
+@dataclass
+class LayerLocality:
+    """Part 1a, one layer: var(raw) / var(delta) for K and V, deltas to the group's anchor or to the
+    previous token (>1: deltas are smaller)."""
+    K_anchor: float
+    K_previous: float
+    V_anchor: float
+    V_previous: float
+
+    def ratio(self, kind: str, ref: str) -> float:
+        return getattr(self, f"{kind}_{ref}")
+
+
+@dataclass
+class LayerSensitivity:
+    """Part 1b, one layer rounded coarsely, the others exact: answer accuracy."""
+    layer: int
+    kv: dict          # step (x RMS) -> accuracy with the layer's K and V rounded to it
+    k: float          # K alone at the single step
+    v: float          # V alone at the single step
+
+
+@dataclass
+class Sensitivity:
+    steps: list               # the K+V steps (x RMS), the single step among them
+    step: float               # the single step for K alone and V alone
+    layers: list              # LayerSensitivity per layer
+    fp16_accuracy: float
+    measured_steps: list      # per layer [K, V]: the coarsest steps (x RMS) the search kept
+
+
+@dataclass
+class Codec:
+    """A row of the codec table: its name as printed, its --json name, bytes per token and its quality:
+    the share of answers right (record world) or {"nll", "kl", "agree"} (a real model's continuation)."""
+    name: str
+    key: str | None
+    bytes_per_token: float
+    quality: Any
+
+
+@dataclass
+class Level:
+    """A quality level of the measured codec (level 0 finest); accuracy on the record world, kl and agree
+    (top-1 = FP16's) on a real model."""
+    level: int
+    bytes_per_token: float
+    bits_per_value: float
+    accuracy: float | None = None
+    kl: float | None = None
+    agree: float | None = None
+
+
+@dataclass
+class Codecs:
+    """Part 2 and the levels: every codec, the levels, the mode the measured codec chose (and on the
+    record world: the sizes it chose between, the recipe's steps, the answers behind an accuracy)."""
+    codecs: list              # Codec rows, in the table's order
+    levels: list              # Level 0..3
+    uses_deltas: bool
+    calib_bytes_per_token: dict | None = None   # "delta" / "raw": the measured steps' size on calibration contexts
+    recipe_steps: list | None = None            # the recipe's steps / RMS, per layer (K and V alike)
+    n_answers: int | None = None                # answers behind each level's accuracy
+
+    def by_key(self) -> dict:
+        return {c.key: c for c in self.codecs if c.key}
+
+
+@dataclass
+class OneStream:
+    symbols: int
+    ideal_bytes: float
+    actual_bytes: int
+    roundtrip_exact: bool
+
+
+@dataclass
+class Bitstreams:
+    contexts: int
+    symbols: int
+    encode_sym_per_s: float
+    decode_sym_per_s: float
+    bytes: int
+    ideal_bytes: float
+    roundtrip_exact: bool
+
+
+@dataclass
+class PositionError:
+    position: int             # in the group; 0 is the anchor
+    anchor: float             # mean |error| / step, deltas to the group's anchor (the codec)
+    chain: float              # the same, deltas to the previous token
+
+
+@dataclass
+class Exercise3:
+    groups: int
+    alone_equal: bool         # every group decoded alone equals the full decode
+    damaged_group: int
+    spoiled_groups: list      # groups whose values changed after one byte of damaged_group was flipped
+    rejected: bool            # the decoder refused the damaged stream instead
+    by_position: list         # PositionError per position in a group
+
+
+@dataclass
+class Exercise4:
+    entropy_bits: float
+    coded_bits_per_symbol: float
+    ideal_bits_per_symbol: float
+    fixed_bits: int
+    roundtrip_exact: bool
+
+
+@dataclass
+class Record:
+    """Everything 02 measures on the record-world model."""
+    n_calib: int
+    n_eval: int
+    tokens: int
+    values_per_token: int
+    locality: list            # Part 1a: LayerLocality per layer
+    sensitivity: Sensitivity  # Part 1b
+    entropy: dict             # Part 1c: grouping -> bits per value
+    codecs: Codecs            # Part 2, the levels
+    one: OneStream            # Part 3
+    many: Bitstreams
+    ex3: Exercise3
+    ex4: Exercise4
 
 
 # ------------------------------------------------------------------------------------- calculators
-def delta_variance_ratios(X, group):
+def delta_variance_ratios(X, group) -> list[LayerLocality]:
     """Part 1a. X (N, T, L, 2, C). Per (layer, K/V): sum of per-channel variances of the raw values over
     that of the deltas to the group's anchor (non-anchor tokens) and to the previous token."""
     T = X.shape[1]
     anchors = np.arange(T) % group == 0
     owner = np.arange(T) // group * group
     raw = X.var(axis=(0, 1)).sum(-1)
-    to_anchor = (X - X[:, owner])[:, ~anchors].var(axis=(0, 1)).sum(-1)
-    to_prev = (X[:, 1:] - X[:, :-1]).var(axis=(0, 1)).sum(-1)
-    return {"anchor": raw / to_anchor, "previous": raw / to_prev}
+    to_anchor = raw / (X - X[:, owner])[:, ~anchors].var(axis=(0, 1)).sum(-1)
+    to_prev = raw / (X[:, 1:] - X[:, :-1]).var(axis=(0, 1)).sum(-1)
+    return [LayerLocality(float(a[0]), float(p[0]), float(a[1]), float(p[1])) for a, p in zip(to_anchor, to_prev)]
 
 
-def layer_sensitivity(model, X, ev, rms, kv_steps, one_step):
+def layer_sensitivity(model, X, ev, rms, kv_steps, one_step) -> list[LayerSensitivity]:
     """Part 1b: one layer's K and V rounded to steps of s x RMS for each s in kv_steps, and its K alone
-    or V alone at one_step x RMS; all other layers exact. -> {(layer, "K+V" | "K" | "V", s): accuracy}."""
-    out = {}
-    for layer in range(X.shape[2]):
-        for name, kinds, rel_steps in (("K+V", [0, 1], kv_steps), ("K", [0], [one_step]), ("V", [1], [one_step])):
-            for s in rel_steps:
-                Xq = X.copy()
-                for k in kinds:
-                    step = np.float32(s * rms[layer, k])
-                    Xq[:, :, layer, k] = np.rint(X[:, :, layer, k] / step) * step
-                out[(layer, name, s)] = cs.answer_accuracy(model, Xq, *ev)["acc"]
-    return out
+    or V alone at one_step x RMS; all other layers exact."""
+    def accuracy(layer, kinds, s):
+        Xq = X.copy()
+        for k in kinds:
+            step = np.float32(s * rms[layer, k])
+            Xq[:, :, layer, k] = np.rint(X[:, :, layer, k] / step) * step
+        return cs.answer_accuracy(model, Xq, *ev)["acc"]
+
+    return [LayerSensitivity(layer, {s: accuracy(layer, [0, 1], s) for s in kv_steps},
+                             accuracy(layer, [0], one_step), accuracy(layer, [1], one_step))
+            for layer in range(X.shape[2])]
 
 
 GROUPINGS = {  # table id of each value (t, l, k, c) of a (T, L, 2, C) context
@@ -130,32 +295,32 @@ def grouping_entropy(Qc, Qe):
     return out
 
 
-def baseline_rows(Xc, Xe, quality, bits=(8, 6)):
+def baseline_rows(Xc, Xe, quality, bits, zlib_level) -> list[Codec]:
     """Part 2's baselines: FP16, zlib on FP16, and n-bit fixed-length codes (one step per channel from the
-    calibration contexts' absmax). quality(decoded KV) -> the codec's quality on the evaluation contexts.
-    Returns {name: (bytes/token, quality)}."""
+    calibration contexts' absmax). quality(decoded KV) -> the codec's quality on the evaluation contexts."""
     T, L, C = Xe.shape[1], Xe.shape[2], Xe.shape[4]
     fp16 = Xe.astype(np.float16)
     q16 = quality(fp16.astype(np.float32))
     # zlib on each context's FP16 bytes in the cache's own order (layer, K/V, head, token, dim)
     per_ctx = [np.ascontiguousarray(x.transpose(1, 2, 0, 3)).tobytes() for x in fp16]
-    zbytes = sum(len(zlib.compress(b, ZLIB_LEVEL)) for b in per_ctx) / (len(per_ctx) * T)
-    rows = {"FP16": (L * 2 * C * FP16_BYTES, q16), "zlib on FP16": (zbytes, q16)}
+    zbytes = sum(len(zlib.compress(b, zlib_level)) for b in per_ctx) / (len(per_ctx) * T)
+    rows = [Codec("FP16", "fp16", L * 2 * C * FP16_BYTES, q16), Codec("zlib on FP16", "zlib", zbytes, q16)]
     absmax = np.abs(Xc).max(axis=(0, 1))
     for b in bits:
-        rows[f"{b}-bit"] = (L * 2 * C * b / 8, quality(kv.uniform_quantize(Xe, b, absmax / ((1 << (b - 1)) - 1))))
+        q = quality(kv.uniform_quantize(Xe, b, absmax / ((1 << (b - 1)) - 1)))
+        rows.append(Codec(f"{b}-bit", f"{b}bit", L * 2 * C * b / 8, q))
     return rows
 
 
-def coder_check(spec, Xe, n_contexts):
+def coder_check(spec, Xe, n_contexts) -> tuple[OneStream, Bitstreams]:
     """Part 3: one whole context's symbols as one arithmetic-coded stream: actual vs ideal bytes and a
     bit-exact round trip; then the codec's bitstreams of n_contexts contexts, timed."""
     syms, ids = kv._symbols(kv.quantize(Xe[0], spec), spec)
     syms, ids = syms.ravel(), ids.ravel()
     data = kv.encode(syms, list(spec.tables), ids)
     back = kv.decode(data, list(spec.tables), syms.size, ids)
-    one = {"symbols": syms.size, "ideal_bytes": kv.ideal_bits(syms, list(spec.tables), ids) / 8,
-           "actual_bytes": len(data), "roundtrip_exact": bool(np.array_equal(back, syms))}
+    one = OneStream(syms.size, kv.ideal_bits(syms, list(spec.tables), ids) / 8, len(data),
+                    bool(np.array_equal(back, syms)))
     t0 = time.perf_counter()
     streams = [kv.codec_encode(x, spec) for x in Xe[:n_contexts]]
     t1 = time.perf_counter()
@@ -164,12 +329,11 @@ def coder_check(spec, Xe, n_contexts):
     n_sym = n_contexts * Xe[0].size
     exact = all(np.array_equal(q, kv.quantize(x, spec)) for q, x in zip(decoded, Xe))
     ideal = sum(kv.codec_bits(spec, x[None]) for x in Xe[:n_contexts]) / 8
-    return one, {"contexts": n_contexts, "symbols": n_sym, "encode_sym_per_s": n_sym / (t1 - t0),
-                 "decode_sym_per_s": n_sym / (t2 - t1), "bytes": sum(map(len, streams)), "ideal_bytes": ideal,
-                 "roundtrip_exact": exact}
+    return one, Bitstreams(n_contexts, n_sym, n_sym / (t1 - t0), n_sym / (t2 - t1), sum(map(len, streams)), ideal,
+                           exact)
 
 
-def exercise3(spec_delta, Xe, n):
+def exercise3(spec_delta, Xe, n) -> Exercise3:
     """Exercise 3. (a) every group decodes alone from its own bytes, in any order; a damaged group
     spoils only itself. (b) error by position in the group: deltas to the (decoded) anchor vs a chain of
     deltas to the previous token, each quantized with the same steps (decoded by summing the chain)."""
@@ -178,7 +342,8 @@ def exercise3(spec_delta, Xe, n):
     full = kv.codec_decode(data, spec_delta)
     G, T = spec_delta.group, x.shape[0]
     n_groups = -(-T // G)
-    alone = all(np.array_equal(kv.codec_decode(data, spec_delta, groups=[g])[g * G:(g + 1) * G], full[g * G:(g + 1) * G])
+    rows = [slice(g * G, (g + 1) * G) for g in range(n_groups)]
+    alone = all(np.array_equal(kv.codec_decode(data, spec_delta, groups=[g])[rows[g]], full[rows[g]])
                 for g in reversed(range(n_groups)))
     h = kv.codec_header(data)
     bad = bytearray(data)
@@ -186,325 +351,324 @@ def exercise3(spec_delta, Xe, n):
     bad[start + h["group_bytes"][1] // 2] ^= 0xFF         # one byte in the middle of group 1
     try:
         damaged = kv.codec_decode(bytes(bad), spec_delta)
-        spoiled = [g for g in range(n_groups) if not np.array_equal(damaged[g * G:(g + 1) * G], full[g * G:(g + 1) * G])]
+        spoiled, rejected = [g for g in range(n_groups) if not np.array_equal(damaged[rows[g]], full[rows[g]])], False
     except kv.CorruptStream:
-        spoiled = ["stream rejected"]
+        spoiled, rejected = [], True
     # (b) anchor-relative (the codec) vs previous-token chain
     X = Xe[:n]
     step = spec_delta.steps[:, :, None]
-    anchor_err = np.abs(kv.dequantize(kv.quantize(X, spec_delta), spec_delta) - X)
+    decoded = kv.dequantize(kv.quantize(X, spec_delta), spec_delta)
     chain = np.empty_like(X)
     for t in range(T):
         if t % G == 0:
-            chain[:, t] = kv.dequantize(kv.quantize(X, spec_delta), spec_delta)[:, t]   # the same 8-bit anchor
+            chain[:, t] = decoded[:, t]   # the same 8-bit anchor
         else:
             chain[:, t] = chain[:, t - 1] + np.rint((X[:, t] - X[:, t - 1]) / step) * step
-    chain_err = np.abs(chain - X)
+    anchor_err, chain_err = np.abs(decoded - X), np.abs(chain - X)
     pos = np.arange(T) % G
-    by_pos = [(int(p), float((anchor_err[:, pos == p] / step).mean()), float((chain_err[:, pos == p] / step).mean()))
-              for p in range(G)]
-    return {"groups": n_groups, "alone_equal": alone, "damaged_group": 1, "spoiled_groups": spoiled,
-            "error_by_position": by_pos}
+    by_pos = [PositionError(p, float((anchor_err[:, pos == p] / step).mean()),
+                            float((chain_err[:, pos == p] / step).mean())) for p in range(G)]
+    return Exercise3(n_groups, alone, 1, spoiled, rejected, by_pos)
 
 
-def compute(args):
-    world = cs.record_world()
-    model = world["model"]
-    study = cs.record_codec_study(refit=args.refit)
-    calib = world["docs"](cs.CODEC_N_CALIB, cs.CODEC_CALIB_SEED)
-    ev = world["docs"](cs.CODEC_N_EVAL, cs.CODEC_EVAL_SEED)
-    Xc, Xe = cs.context_kv(model, calib[0]), cs.context_kv(model, ev[0])
-    T = Xe.shape[1]
-    specs = [kv.spec_from_dict(d) for d in study["specs"]]
-    rms = kv.kv_rms(Xc)
-    r = {"study": study, "tokens": T, "values_per_token": int(np.prod(Xe.shape[2:]))}
-    r["delta_ratio"] = delta_variance_ratios(Xe, kv.CODEC_GROUP)
-    r["sens_steps"] = sorted({*SENSITIVITY_STEPS, args.sensitivity_step})
-    r["sensitivity"] = layer_sensitivity(model, Xe, ev[1:], rms, r["sens_steps"], args.sensitivity_step)
-    raw_spec = kv.fit_codec(Xc, specs[ENTROPY_LEVEL].steps, False)
-    r["entropy"] = grouping_entropy(kv.quantize(Xc, raw_spec), kv.quantize(Xe, raw_spec))
-    r["baselines"] = baseline_rows(Xc, Xe, lambda X: cs.answer_accuracy(model, X, *ev[1:])["acc"])
-    r["coder_one"], r["coder_many"] = coder_check(specs[0], Xe, cs.CODEC_N_CODED)
-    r["ex3"] = exercise3(kv.fit_codec(Xc, specs[0].steps, True), Xe, EX3_CONTEXTS)
-    r["ex4"] = exercise4()
-    return r
-
-
-# ------------------------------------------------------------------------------------------ output
-def codec_rows(r):
-    """Every codec of Part 2 and the levels: (name, bytes/token, accuracy, handout)."""
-    s = r["study"]
-    refs = {"FP16": HANDOUT["fp16"], "zlib on FP16": HANDOUT["zlib"], "6-bit": HANDOUT["6bit_acc"]}
-    rows = [(name, b, a, refs.get(name, "")) for name, (b, a) in r["baselines"].items()]
-    rows.append(("recipe (anchor+delta, finer shallow)", s["recipe"]["bytes_per_token"], s["recipe"]["accuracy"],
-                 HANDOUT["recipe"]))
-    for v in ("delta", "raw"):
-        m = s["variants"][v]
-        tag = "measured" if v == ("delta" if s["delta"] else "raw") else "  same steps"
-        rows.append((f"{tag} ({'anchor+delta' if v == 'delta' else 'no deltas'})", m["bytes_per_token"],
-                     m["accuracy"], HANDOUT["measured"] if tag == "measured" else ""))
-    return rows
-
-
-def print_part1(r, args):
-    s = r["study"]
-    L = len(s["rms"])
-    d = r["delta_ratio"]
-    rows = [[f"layer {l} {KV_NAMES[k]}", f"{d['anchor'][l, k]:.2f}x", f"{d['previous'][l, k]:.2f}x",
-             HANDOUT["delta_ratio"] if l == 0 and k == 0 else ""] for l in range(L) for k in range(2)]
-    print(table(["", "raw/delta var (anchor)", "raw/delta var (previous)", "CacheGen"], rows,
-                "Part 1a (§3.2). Token locality: variance of raw values over variance of deltas (>1: deltas are smaller)"))
-    sens, a = r["sensitivity"], args.sensitivity_step
-    rows = [[f"layer {l}", *(f"{100 * sens[(l, 'K+V', x)]:.1f}%" for x in r["sens_steps"]),
-             f"{100 * sens[(l, 'K', a)]:.1f}%", f"{100 * sens[(l, 'V', a)]:.1f}%",
-             " / ".join(f"{x:.3g}" for x in s["steps_over_rms"][l])] for l in range(L)]
-    print()
-    print(table(["", *(f"K+V @{x:g}" for x in r["sens_steps"]), f"K @{a:g}", f"V @{a:g}",
-                 "measured steps K / V"], rows,
-                f"Part 1b (§3.2). Layer sensitivity: one layer rounded to steps of @ x its RMS, the rest exact (FP16: "
-                f"{100 * s['acc_fp16']:.2f}%);\nlast column: the coarsest steps (x RMS) the search kept. "
-                f"CacheGen: shallow layers are the most sensitive."))
-    print()
-    print_entropy(r["entropy"], f"Part 1c (§3.2, §3.3). Entropy of the values quantized at level {ENTROPY_LEVEL}'s "
-                  f"steps, tables fitted on calibration contexts,\nmeasured on evaluation contexts. CacheGen: "
-                  f"{HANDOUT['entropy']}; by token position hardly helps.")
-
-
-def print_entropy(ent, title):
-    g0 = ent["one global table"]
-    rows = [[name, f"{b:.3f}", f"{100 * (1 - b / g0):+.1f}%" if name != "one global table" else ""]
-            for name, b in ent.items()]
-    print(table(["tables", "bits/value", "smaller than global"], rows, title))
-
-
-def print_part2(r):
-    s = r["study"]
-    fp16_b, acc16 = r["baselines"]["FP16"]
-    rows = [[name, f"{b:.1f}", f"{fp16_b / b:.2f}x", f"{100 * a:.2f}%", h] for name, b, a, h in codec_rows(r)]
-    print()
-    print(table(["codec", "bytes/token", "ratio to FP16", "accuracy", "handout"], rows,
-                "Part 2 (§3.4). The codec table (accuracy on unseen records; the arithmetic-coded rows count\n"
-                f"every byte of the bitstream, header included, on {cs.CODEC_N_CODED} coded contexts)"))
-    m = s["variants"]["delta" if s["delta"] else "raw"]
-    b8, b6 = r["baselines"]["8-bit"][0], r["baselines"]["6-bit"][0]
-    per_token = {k: s["calib_bits"][k] / 8 / s["n_calib"] / r["tokens"] for k in ("delta", "raw")}
-    say(f"Measured codec: {b8 / m['bytes_per_token']:.2f}x smaller than 8-bit (handout {HANDOUT['vs_8bit']}), "
-        f"{b6 / m['bytes_per_token']:.2f}x smaller than 6-bit (handout {HANDOUT['vs_6bit']}), accuracy "
-        f"{100 * (m['accuracy'] - acc16):+.2f} points vs FP16.")
-    say(f"Mode chosen on calibration bits: {'anchor+delta' if s['delta'] else 'no deltas'} (calibration: "
-        f"{per_token['delta']:.1f} vs {per_token['raw']:.1f} B/token with / without deltas). Recipe: steps / RMS by "
-        f"layer {', '.join(f'{x[0]:.3g}' for x in s['recipe']['steps_over_rms'])}, sized to the measured codec's bytes.")
-    print_headline(b8, fp16_b, m["bytes_per_token"], "record-world model")
-
-
-def print_headline(b8, fp16_b, measured_b, model_name):
-    """§3.4's headline: CacheGen's size against 8-bit quantization and the slides' ranges, ours beside them."""
-    print(table(["§3.4 headline", "ours", "CacheGen / slides"], [
-        ["smaller than 8-bit quantization", f"{b8 / measured_b:.2f}x", f"{HANDOUT['cachegen_vs_8bit']} (LLaMA)"],
-        ["KV smaller than FP16", f"{fp16_b / measured_b:.2f}x", HANDOUT["slides_kv"]],
-        ["transfer faster than FP16 KV, same link", f"{fp16_b / measured_b:.2f}x", HANDOUT["slides_transfer"]]],
-        f"  {model_name}: the measured codec (level 0) beside CacheGen's figures"))
-    say("  At a fixed bandwidth transfer time is bytes / bandwidth, so our transfer speed-up is the size ratio; "
-        "the slides' transfer range is end to end (decoding and network included).")
-
-
-def print_part3(r):
-    one, many = r["coder_one"], r["coder_many"]
-    print()
-    rows = [["one whole context, one stream", f"{one['symbols']:,}", f"{one['ideal_bytes']:.2f}",
-             f"{one['actual_bytes']:,}", f"{one['actual_bytes'] - one['ideal_bytes']:+.2f}",
-             str(one["roundtrip_exact"]), HANDOUT["coder"]],
-            [f"{many['contexts']} contexts, codec bitstreams", f"{many['symbols']:,}", f"{many['ideal_bytes']:.1f}",
-             f"{many['bytes']:,}", f"{many['bytes'] - many['ideal_bytes']:+.1f}", str(many["roundtrip_exact"]),
-             "(headers, groups)"]]
-    print(table(["stream", "symbols", "ideal bytes", "actual bytes", "actual - ideal",
-                 "bit-exact", "handout"], rows, "Part 3 (§3.3). Arithmetic coder (level 0)"))
-    say(f"Coder throughput (pure Python, this run): encode {many['encode_sym_per_s']:,.0f} symbols/s, "
-        f"decode {many['decode_sym_per_s']:,.0f} symbols/s. Lossless: the loss is only in quantization.")
-    say(f"  ideal = -sum log2 p of the symbols under the coder's own tables, in bytes; actual = the whole bytes "
-        f"written. The coder ends by writing just enough bits to name one number inside its final interval (whose "
-        f"width is the message's probability): usually a bit or two over the ideal, and a fraction of a byte below "
-        f"it when that interval holds a short binary fraction (here {one['actual_bytes'] - one['ideal_bytes']:+.2f} "
-        f"B). The codec's bitstreams add headers and one stream per group.")
-
-
-def handout_share(text: str) -> float:
-    """"74%" -> 0.74 (a handout figure, for a comparison in the printed explanation only)."""
-    return float(text.rstrip("%")) / 100
+def exercise4(s: Settings) -> Exercise4:
+    """Exercise 4 on the run's distribution: entropy, the coder's bits per value on its samples, the
+    fixed-length code."""
+    return Exercise4(**kv.exercise4(s.ex4_probs, s.ex4_samples))
 
 
 def level_noise(levels, n_answers: int) -> list[float]:
     """Binomial standard error of each level's accuracy over n_answers answers (answers of one document
     share its context, so this is a lower bound on the noise)."""
-    return [(lv["accuracy"] * (1 - lv["accuracy"]) / n_answers) ** 0.5 for lv in levels]
+    return [(lv.accuracy * (1 - lv.accuracy) / n_answers) ** 0.5 for lv in levels]
 
 
-def print_levels(r):
-    fp16_b = r["baselines"]["FP16"][0]
-    levels = r["study"]["levels"]
-    n = r["study"]["n_eval"] * bw.N_RECORDS
-    se = level_noise(levels, n)
-    print()
-    rows = [[f"level {lv['level']}", f"{kv.LEVEL_FACTOR ** lv['level']:g}x", f"{lv['bytes_per_token']:.1f}",
-             f"{lv['bits_per_value']:.2f}", f"{fp16_b / lv['bytes_per_token']:.2f}x", f"{100 * lv['accuracy']:.2f}%",
-             f"{100 * e:.2f}", HANDOUT["level3"] if lv["level"] == 3 else ""] for lv, e in zip(levels, se)]
-    print(table(["level (for 03)", "steps", "bytes/token", "bits/value", "ratio to FP16", "accuracy", "+- SE pts",
-                 "handout"], rows,
-                "Quality levels (§4.2) of the measured codec (codec_study.codec_levels(), read by 03_streaming.py)"))
-    top, last = levels[0], levels[-1]
-    gap = top["accuracy"] - last["accuracy"]
-    noise = (se[0] ** 2 + se[-1] ** 2) ** 0.5
-    say(f"  +- SE: binomial standard error over {n:,} answers. Level {last['level']} answers "
-        f"{100 * gap:.2f} points below level {top['level']}, "
-        + (f"within two standard errors ({200 * noise:.2f}): the levels' accuracies are within noise"
-           if gap <= 2 * noise else f"{gap / noise:.0f} standard errors: a real loss")
-        + f". The handout's small model answered {HANDOUT['level3']} at level 3"
-        + ("; this record-world model tolerates coarse steps where Part 1b finds it insensitive, and the levels "
-           "scale the steps the search measured on it." if last["accuracy"] > handout_share(HANDOUT["level3"])
-           else "."))
+def codecs(study: dict, baselines: list[Codec]) -> Codecs:
+    """Part 2's rows from the baselines and the cached study: the recipe, the measured codec and the
+    same steps in the other mode; and the quality levels."""
+    rows = baselines + [Codec("recipe (anchor+delta, finer shallow)", "recipe", study["recipe"]["bytes_per_token"],
+                              study["recipe"]["accuracy"])]
+    chosen = "delta" if study["delta"] else "raw"
+    for v in ("delta", "raw"):
+        m = study["variants"][v]
+        name = f"{'measured' if v == chosen else '  same steps'} ({'anchor+delta' if v == 'delta' else 'no deltas'})"
+        rows.append(Codec(name, "measured" if v == chosen else None, m["bytes_per_token"], m["accuracy"]))
+    per_token = {k: study["calib_bits"][k] / 8 / study["n_calib"] / study["tokens_per_context"]
+                 for k in ("delta", "raw")}
+    levels = [Level(lv["level"], lv["bytes_per_token"], lv["bits_per_value"], lv["accuracy"]) for lv in study["levels"]]
+    return Codecs(rows, levels, bool(study["delta"]), per_token, [x[0] for x in study["recipe"]["steps_over_rms"]],
+                  study["n_eval"] * bw.N_RECORDS)
 
 
-def print_exercise3(r):
-    e3 = r["ex3"]
-    print()
-    say(f"Exercise 3 (§3.3, §10). The {e3['groups']} groups of a context decode one at a time, last first, each "
-        f"from its own bytes: equal to the full decode = {e3['alone_equal']}. One byte flipped in group "
-        f"{e3['damaged_group']}'s payload spoils groups {e3['spoiled_groups']} only. A token needs only its anchor; "
-        f"with deltas to the previous token, position p needs all p tokens before it (serial), and errors add up "
-        f"along the chain:", indent=4)
-    rows = [[p, f"{a:.3f}", f"{c:.3f}"] for p, a, c in e3["error_by_position"]]
-    print(table(["position in group", "|error|/step, anchor", "|error|/step, previous-token chain"], rows))
+def compute(s: Settings, refit: bool) -> Record:
+    world = cs.record_world()
+    model = world["model"]
+    study = cs.record_codec_study(refit=refit)
+    calib = world["docs"](cs.CODEC_N_CALIB, cs.CODEC_CALIB_SEED)
+    ev = world["docs"](cs.CODEC_N_EVAL, cs.CODEC_EVAL_SEED)
+    Xc, Xe = cs.context_kv(model, calib[0]), cs.context_kv(model, ev[0])
+    specs = [kv.spec_from_dict(d) for d in study["specs"]]
+    rms = kv.kv_rms(Xc)
+    steps = sorted({*s.sensitivity_steps, s.sensitivity_step})
+    sens = Sensitivity(steps, s.sensitivity_step, layer_sensitivity(model, Xe, ev[1:], rms, steps, s.sensitivity_step),
+                       study["acc_fp16"], study["steps_over_rms"])
+    raw_spec = kv.fit_codec(Xc, specs[s.entropy_level].steps, False)
+    quality = lambda X: cs.answer_accuracy(model, X, *ev[1:])["acc"]  # noqa: E731
+    one, many = coder_check(specs[0], Xe, cs.CODEC_N_CODED)
+    return Record(study["n_calib"], study["n_eval"], Xe.shape[1], int(np.prod(Xe.shape[2:])),
+                  delta_variance_ratios(Xe, kv.CODEC_GROUP), sens,
+                  grouping_entropy(kv.quantize(Xc, raw_spec), kv.quantize(Xe, raw_spec)),
+                  codecs(study, baseline_rows(Xc, Xe, quality, s.baseline_bits, s.zlib_level)), one, many,
+                  exercise3(kv.fit_codec(Xc, specs[0].steps, True), Xe, s.ex3_contexts), exercise4(s))
 
 
-def exercise4() -> dict:
-    """Exercise 4 on EX4_PROBS: entropy, the coder's bits per value on EX4_SAMPLES samples, the fixed code."""
-    return kv.exercise4(EX4_PROBS, EX4_SAMPLES)
+# ------------------------------------------------------------------------------------------ output
+pct1, pct2, times2 = "{:.1%}".format, "{:.2%}".format, "{:.2f}x".format
 
 
-def print_exercise4(e4):
-    same = EX4_PROBS == HANDOUT_EX4_PROBS
-    probs = ", ".join(f"{v:+d}: {p:g}" if v else f"0: {p:g}" for v, p in sorted(EX4_PROBS.items(), key=lambda vp: -vp[1]))
-    print()
-    say(f"Exercise 4 (§3.3, §10). Entropy of {{{probs}}} = {e4['entropy_bits']:.3f} bits (handout "
-        f"{HANDOUT['ex4_entropy'] if same else '-'}); the coder spends {e4['coded_bits_per_symbol']:.3f} bits/value on "
-        f"{EX4_SAMPLES:,} samples (ideal under its table {e4['ideal_bits_per_symbol']:.3f}); a fixed-length code needs "
-        f"{e4['fixed_bits']} bits (handout {HANDOUT['ex4_fixed'] if same else '-'}); round trip exact: "
-        f"{e4['roundtrip_exact']}.", indent=4)
+def handout_figure(name: str, s: Settings, text: str | None = None):
+    """The handout's figure `name` for this run's inputs: its Ref, or `text` holding it; None (or "") for
+    other inputs, or where the handout has no such figure."""
+    ref = HANDOUT(name, s) if name in HANDOUT.refs else None
+    return ref if text is None else text.format(ref.figure) if ref else ""
 
 
-def report(r, args):
-    s = r["study"]
-    say(f"Record-world model: {s['n_calib']} calibration documents (seed {cs.CODEC_CALIB_SEED}), {s['n_eval']} "
-        f"evaluation documents (seed {cs.CODEC_EVAL_SEED}), {r['tokens']} context tokens each, "
-        f"{r['values_per_token']} K/V values per token.")
-    print()
-    print_part1(r, args)
-    print_part2(r)
-    print_part3(r)
-    print_levels(r)
-    print_exercise3(r)
-    print_exercise4(r["ex4"])
+def codec_cells(c: Codec, fp16: float) -> list:
+    """A codec row's name, bytes/token and ratio to FP16 (with the spec's keys for FP16's and zlib's)."""
+    return [c.name, Val(c.bytes_per_token, "fp16_bytes_per_token" if c.key == "fp16" else None),
+            Val(fp16 / c.bytes_per_token, "zlib_ratio" if c.key == "zlib" else None)]
 
 
-def figures(r):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    d, L = r["delta_ratio"], len(r["study"]["rms"])
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    x = np.arange(L)
-    for i, (ref, k) in enumerate([(ref, k) for ref in ("anchor", "previous") for k in range(2)]):
-        ax.bar(x + (i - 1.5) * 0.2, d[ref][:, k], 0.2, label=f"{KV_NAMES[k]}, delta to {ref}")
-    ax.axhspan(2.4, 2.9, color="0.85", label="CacheGen on LLaMA: 2.4-2.9x", zorder=0)
-    ax.axhline(1, color="k", lw=0.8)
-    ax.set_xticks(x, [f"layer {l}" for l in range(L)])
-    ax.set_ylabel("var(raw) / var(delta)")
-    ax.set_title("Token locality on the record-world model (>1: deltas smaller)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    p1 = figure_path("02_delta_variance.png")
-    fig.savefig(p1, dpi=120)
-    plt.close(fig)
+def entropy_table(entropy: dict, title: str) -> Table:
+    g0 = entropy["one global table"]
+    return Table(title, "§3.2", cols("tables", ("bits/value", "{:.3f}", "entropy_bits.{row}"),
+                                     ("smaller than global", "{:+.1%}")), [Row(
+        [k, b, None if k == "one global table" else 1 - b / g0], key=k) for k, b in entropy.items()],
+                 f"{SCRIPT}.grouping_entropy")
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    pts = [(n, b, a) for n, b, a, _ in codec_rows(r)] + [(f"level {lv['level']}", lv["bytes_per_token"], lv["accuracy"])
-                                                        for lv in r["study"]["levels"][1:]]
-    markers = "osD^v<>pP*Xh"
-    for i, (n, b, a) in enumerate(pts):
-        ax.scatter(b, 100 * a, s=30, marker=markers[i % len(markers)], label=f"{n.strip()}: {b:.0f} B, {100 * a:.1f}%")
-    front, best = [], -1
-    for n, b, a in sorted(pts, key=lambda p: (p[1], -p[2])):
-        if a > best:
-            front.append((b, 100 * a))
-            best = a
-    ax.plot(*zip(*front), "k--", lw=0.8, label="Pareto front")
-    ax.set_xscale("log")
+
+def headline_table(codecs: Codecs, model_name: str, source: str, s: Settings) -> Table:
+    """§3.4's headline: CacheGen's size against 8-bit quantization and the slides' ranges, ours beside them."""
+    c = {k: x.bytes_per_token for k, x in codecs.by_key().items()}
+    rows = [("smaller than 8-bit quantization", c["8bit"] / c["measured"] if "8bit" in c else None, "cachegen_vs_8bit"),
+            ("KV smaller than FP16", c["fp16"] / c["measured"], "slides_kv"),
+            ("transfer faster than FP16 KV, same link", c["fp16"] / c["measured"], "slides_transfer")]
+    return Table(f"  {model_name}: the measured codec (level 0) beside CacheGen's figures", "§3.4",
+                 cols("§3.4 headline", ("ours", times2)), [Row([what, x], HANDOUT(name, s)) for what, x, name in rows],
+                 source, ["At a fixed bandwidth transfer time is bytes / bandwidth, so our transfer "
+                                             "speed-up is the size ratio; the slides' transfer range is end to end "
+                                             "(decoding and network included)."])
+
+
+def present_part1(page: Page, r: Record, s: Settings) -> None:
+    page.say(f"Record-world model: {r.n_calib} calibration documents (seed {cs.CODEC_CALIB_SEED}), {r.n_eval} "
+             f"evaluation documents (seed {cs.CODEC_EVAL_SEED}), {r.tokens} context tokens each, "
+             f"{r.values_per_token} K/V values per token.")
+    page.part("Part 1", "§3.2", "CacheGen's three observations, measured on the record-world model")
+    page.table(Table(
+        "Part 1a (§3.2). Token locality: variance of raw values over variance of deltas (>1: deltas are smaller)",
+        "§3.2", cols("", ("raw/delta var (anchor)", times2), ("raw/delta var (previous)", times2)),
+        [Row([f"layer {i} {k}", lv.ratio(k, "anchor"), lv.ratio(k, "previous")], HANDOUT("delta_ratio", s)
+             if (i, k) == (0, "K") else None) for i, lv in enumerate(r.locality) for k in KV_NAMES],
+        f"{SCRIPT}.delta_variance_ratios", json={"delta_var_ratio": r.locality}))
+    sens, a, d = r.sensitivity, r.sensitivity.step, "layer_sensitivity_detail[]."
+    acc = [x.kv[a] for x in sens.layers]
+    low = int(np.argmin(acc))
+    verdict = f"At steps of {a:g} x RMS " + (f"every layer answers alike ({acc[0]:.1%})." if min(acc) == max(acc) else
+                                             f"layer {low} loses the most ({acc[low]:.1%} answered): " +
+                                             ("the shallowest, as on LLaMA." if low == 0 else
+                                              "not the shallowest, unlike LLaMA."))
+    page.table(Table(
+        f"Part 1b (§3.2). Layer sensitivity: one layer rounded to steps of @ x its RMS, the rest exact (FP16: "
+        f"{sens.fp16_accuracy:.2%});\nlast column: the coarsest steps (x RMS) the search kept."
+        + handout_figure("sensitivity", s, " CacheGen: {}."), "§3.2",
+        cols("", *((f"K+V @{x:g}", pct1, f"{d}K+V@{x:g}") for x in sens.steps), (f"K @{a:g}", pct1, f"{d}K@{a:g}"),
+             (f"V @{a:g}", pct1, f"{d}V@{a:g}"),
+             ("measured steps K / V", lambda v: " / ".join(f"{x:.3g}" for x in v), "measured_steps_over_rms")),
+        [Row([f"layer {x.layer}", *(x.kv[t] for t in sens.steps), x.k, x.v, m])
+         for x, m in zip(sens.layers, sens.measured_steps)], f"{SCRIPT}.layer_sensitivity", [verdict],
+        json={"layer_sensitivity_acc": acc, "layer_sensitivity_step_over_rms": a}))
+    page.table(entropy_table(r.entropy, f"Part 1c (§3.2, §3.3). Entropy of the values quantized at level "
+                             f"{s.entropy_level}'s steps, tables fitted on calibration contexts,\nmeasured on "
+                             f"evaluation contexts." + handout_figure("entropy", s, " CacheGen: {}; by token position "
+                                                                                   "hardly helps.")))
+    with page.figure("02_delta_variance.png", "Token locality on the record-world model (>1: deltas smaller)",
+                     figsize=(7, 3.6)) as (fig, ax):
+        if ax is None:
+            return
+        x = np.arange(len(r.locality))
+        for i, (to, k) in enumerate((to, k) for to in ("anchor", "previous") for k in KV_NAMES):
+            ax.bar(x + (i - 1.5) * 0.2, [lv.ratio(k, to) for lv in r.locality], 0.2, label=f"{k}, delta to {to}")
+        if band := handout_figure("delta_ratio", s, "{}").split("x")[0]:   # the handout's "2.4-2.9x (LLaMA)"
+            ax.axhspan(*map(float, band.split("-")), color="0.85", label=f"CacheGen on LLaMA: {band}x", zorder=0)
+        ax.axhline(1, color="k", lw=0.8)
+        ax.set(xticks=x, xticklabels=[f"layer {i}" for i in x], ylabel="var(raw) / var(delta)")
+        ax.legend(fontsize=7)
+
+
+def present_part2(page: Page, r: Record, s: Settings) -> None:
+    page.part("Part 2", "§3.4", "The codec table")
+    c, by = r.codecs, r.codecs.by_key()
+    fp16, m = by["fp16"], by["measured"]
+    vs = [(f"{x:.2f}x smaller" if x >= 1 else f"{1 / x:.2f}x larger") + f" than {by[k].name}"
+          + handout_figure(f"vs_{k}", s, " (handout {})")
+          for k, x in ((k, by[k].bytes_per_token / m.bytes_per_token) for k in (f"{b}bit" for b in s.baseline_bits))]
+    page.table(Table(
+        "Part 2 (§3.4). The codec table (accuracy on unseen records; the arithmetic-coded rows count\nevery byte of "
+        f"the bitstream, header included, on {cs.CODEC_N_CODED} coded contexts)", "§3.4",
+        cols("codec", ("bytes/token", "{:.1f}", "bytes_{row}"), ("ratio to FP16", times2),
+             ("accuracy", pct2, "acc_{row}")),
+        [Row([*codec_cells(x, fp16.bytes_per_token), Val(x.quality, "acc_fp16" if x is fp16 else None)],
+             handout_figure(x.key, s), None if x.key in ("fp16", "zlib") else x.key) for x in c.codecs],
+        f"{SCRIPT}.codecs",
+        [f"Measured codec: {', '.join(vs)}, accuracy {100 * (m.quality - fp16.quality):+.2f} points vs FP16.",
+         f"Mode chosen on calibration bits: {'anchor+delta' if c.uses_deltas else 'no deltas'} (calibration: "
+         f"{c.calib_bytes_per_token['delta']:.1f} vs {c.calib_bytes_per_token['raw']:.1f} B/token with / without "
+         f"deltas). Recipe: steps / RMS by layer {', '.join(f'{x:.3g}' for x in c.recipe_steps)}, sized to the "
+         f"measured codec's bytes."], json={"measured_uses_deltas": c.uses_deltas}))
+    page.table(headline_table(c, "record-world model", f"{SCRIPT}.codecs", s))
+    with page.figure("02_codec_pareto.png", "Every codec on the record-world model", figsize=(8, 5)) as (fig, ax):
+        if ax is not None:
+            pareto_figure(ax, [(x.name.strip(), x.bytes_per_token, 100 * x.quality) for x in c.codecs]
+                          + [(f"level {lv.level}", lv.bytes_per_token, 100 * lv.accuracy) for lv in c.levels[1:]])
+
+
+def pareto_figure(ax, points: list) -> None:
+    """points: (name, bytes/token, accuracy %); the dashed front joins those no smaller codec beats."""
+    for (n, b, a), marker in zip(points, "osD^v<>pP*Xh" * 2):
+        ax.scatter(b, a, s=30, marker=marker, label=f"{n}: {b:.0f} B, {a:.1f}%")
+    front = sorted(points, key=lambda p: (p[1], -p[2]))
+    best = np.maximum.accumulate([a for *_, a in front])
+    ax.plot(*zip(*[(b, a) for i, (_, b, a) in enumerate(front) if i == 0 or a > best[i - 1]]), "k--", lw=0.8,
+            label="Pareto front")
     ticks = [8, 16, 32, 64, 128, 256, 512]
-    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set(xscale="log", xticks=ticks, xticklabels=ticks, xlabel="bytes / token (log)", ylabel="answer accuracy (%)")
     ax.minorticks_off()
-    ax.set_xlabel("bytes / token (log)")
-    ax.set_ylabel("answer accuracy (%)")
-    ax.set_title("Every codec on the record-world model")
     ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    p2 = figure_path("02_codec_pareto.png")
-    fig.savefig(p2, dpi=120)
-    plt.close(fig)
-    print()
-    for path in (p1, p2):
-        print(f"figure: {path}")
 
 
-def to_json(r, args):
-    s, L = r["study"], len(r["study"]["rms"])
-    d = r["delta_ratio"]
-    out = {"delta_var_ratio": [{f"{KV_NAMES[k]}_{ref}": float(d[ref][l, k]) for ref in d for k in range(2)}
-                               for l in range(L)],
-           "layer_sensitivity_acc": [float(r["sensitivity"][(l, "K+V", args.sensitivity_step)]) for l in range(L)],
-           "layer_sensitivity_step_over_rms": args.sensitivity_step,
-           "layer_sensitivity_detail": [{f"{n}@{x:g}": float(a) for (ll, n, x), a in r["sensitivity"].items() if ll == l}
-                                        for l in range(L)],
-           "measured_steps_over_rms": s["steps_over_rms"],
-           "entropy_bits": {k: float(v) for k, v in r["entropy"].items()},
-           "fp16_bytes_per_token": r["baselines"]["FP16"][0], "acc_fp16": r["baselines"]["FP16"][1],
-           "zlib_ratio": r["baselines"]["FP16"][0] / r["baselines"]["zlib on FP16"][0]}
-    for key, name in (("8bit", "8-bit"), ("6bit", "6-bit")):
-        out[f"bytes_{key}"], out[f"acc_{key}"] = r["baselines"][name]
-    m = s["variants"]["delta" if s["delta"] else "raw"]
-    out.update(bytes_recipe=s["recipe"]["bytes_per_token"], acc_recipe=s["recipe"]["accuracy"],
-               bytes_measured=m["bytes_per_token"], acc_measured=m["accuracy"], measured_uses_deltas=s["delta"],
-               ac_ideal_bytes=r["coder_one"]["ideal_bytes"], ac_actual_bytes=r["coder_one"]["actual_bytes"],
-               ac_roundtrip_exact=r["coder_one"]["roundtrip_exact"],
-               coder_encode_sym_per_s=r["coder_many"]["encode_sym_per_s"],
-               coder_decode_sym_per_s=r["coder_many"]["decode_sym_per_s"],
-               levels=[{"level": lv["level"], "bytes_per_token": lv["bytes_per_token"],
-                        "bits_per_value": lv["bits_per_value"], "accuracy": lv["accuracy"]} for lv in s["levels"]],
-               exercise4=r["ex4"])
-    return out
+def present_part3(page: Page, r: Record, s: Settings) -> None:
+    page.part("Part 3", "§3.3", "The arithmetic coder, and the quality levels 03 reads")
+    one, many = r.one, r.many
+    gap, exact = one.actual_bytes - one.ideal_bytes, one.roundtrip_exact and many.roundtrip_exact
+    page.table(Table("Part 3 (§3.3). Arithmetic coder (level 0)", "§3.3", cols(
+        "stream", ("symbols", "{:,}"), ("ideal bytes", "{:.2f}"), ("actual bytes", "{:,}"),
+        ("actual - ideal", "{:+.2f}"), ("bit-exact", str)), [
+        Row(["one whole context, one stream", one.symbols, Val(one.ideal_bytes, "ac_ideal_bytes"),
+             Val(one.actual_bytes, "ac_actual_bytes"), gap, Val(one.roundtrip_exact, "ac_roundtrip_exact")],
+            HANDOUT("coder", s)),
+        Row([f"{many.contexts} contexts, codec bitstreams", many.symbols, Val(many.ideal_bytes, fmt="{:.1f}"),
+             many.bytes, Val(many.bytes - many.ideal_bytes, fmt="{:+.1f}"), many.roundtrip_exact])],
+        f"{SCRIPT}.coder_check", [
+        f"Coder throughput (pure Python, this run): encode {many.encode_sym_per_s:,.0f} symbols/s, decode "
+        f"{many.decode_sym_per_s:,.0f} symbols/s. "
+        + ("Lossless: the loss is only in quantization." if exact else "A round trip differs: a coder bug."),
+        f"ideal = -sum log2 p of the symbols under the coder's own tables; actual = the bytes written. The coder ends "
+        f"with just enough bits to name one number inside its final interval (as wide as the message's probability): "
+        f"usually a bit or two over the ideal, a fraction of a byte below it when that interval holds a short binary "
+        f"fraction (here {abs(gap):.2f} B {'below' if gap < 0 else 'over'}). The codec's bitstreams add headers and "
+        f"one stream per group."],
+        json={"coder_encode_sym_per_s": many.encode_sym_per_s, "coder_decode_sym_per_s": many.decode_sym_per_s}))
+    c = r.codecs
+    levels, fp16_b, se = c.levels, c.by_key()["fp16"].bytes_per_token, level_noise(c.levels, c.n_answers)
+    top, last, ref = levels[0], levels[-1], handout_figure(f"level{levels[-1].level}", s)
+    gap, noise = top.accuracy - last.accuracy, (se[0] ** 2 + se[-1] ** 2) ** 0.5
+    note = (f"+- SE: binomial standard error over {c.n_answers:,} answers. Level {last.level} answers "
+            f"{100 * abs(gap):.2f} points {'below' if gap >= 0 else 'above'} level {top.level}, "
+            + (f"within two standard errors ({200 * noise:.2f}): the levels' accuracies are within noise."
+               if abs(gap) <= 2 * noise else f"{abs(gap) / noise:.0f} standard errors: a real "
+                                             f"{'loss' if gap > 0 else 'gain'}.")
+            + (f" The handout's small model answered {ref.figure} at level {last.level}" + (
+                "; this record-world model tolerates coarse steps where Part 1b finds it insensitive, and the levels "
+                "scale the steps the search measured on it." if last.accuracy > float(ref.figure[:-1]) / 100 else
+                "; ours answers no more.") if ref else ""))
+    page.table(Table(
+        "Quality levels (§4.2) of the measured codec (codec_study.codec_levels(), read by 03_streaming.py)", "§4.2",
+        cols(("level (for 03)", "level {}", "levels[].level"), ("steps", "{:g}x"),
+             ("bytes/token", "{:.1f}", "levels[].bytes_per_token"), ("bits/value", "{:.2f}", "levels[].bits_per_value"),
+             ("ratio to FP16", times2), ("accuracy", pct2, "levels[].accuracy"), ("+- SE pts", "{:.2f}")),
+        [Row([lv.level, kv.LEVEL_FACTOR ** lv.level, lv.bytes_per_token, lv.bits_per_value, fp16_b / lv.bytes_per_token,
+              lv.accuracy, 100 * e], handout_figure(f"level{lv.level}", s)) for lv, e in zip(levels, se)],
+        "codec_study.codec_study", [note]))
+
+
+def present_exercise3(page: Page, r: Record, s: Settings) -> None:
+    e = r.ex3
+    page.exercise(3, "§3.3", "why every token of a group refers to one anchor, not to the previous token")
+    damage = "makes the decoder reject the stream" if e.rejected else (
+        f"spoils group{'s' * (len(e.spoiled_groups) != 1)} {', '.join(map(str, e.spoiled_groups)) or 'none'}"
+        + " only" * (e.spoiled_groups == [e.damaged_group]))
+    first, end, anchor = e.by_position[1], e.by_position[-1], [p.anchor for p in e.by_position[1:]]
+    page.table(Table(
+        f"The {e.groups} groups of a context decode one at a time, last first, each from its own bytes: equal to the "
+        f"full decode = {e.alone_equal}. One byte flipped in group {e.damaged_group}'s payload {damage}. A token needs "
+        f"only its anchor; with deltas to the previous token, position p needs all p tokens before it (serial):",
+        "§3.3", cols("position in group", ("|error|/step, anchor", "{:.3f}"),
+                     ("|error|/step, previous-token chain", "{:.3f}")),
+        [Row([p.position, p.anchor, p.chain]) for p in e.by_position], f"{SCRIPT}.exercise3",
+        [f"The chain's error grows from {first.chain:.3f} to {end.chain:.3f} steps (positions {first.position}-"
+         f"{end.position}), the anchor's stays at {min(anchor):.3f}-{max(anchor):.3f}: errors add up along the chain."
+         if end.chain > max(first.chain, max(anchor)) else f"Here the chain's error does not grow past the anchor's "
+         f"({first.chain:.3f} -> {end.chain:.3f} steps; anchor {min(anchor):.3f}-{max(anchor):.3f})."]))
+
+
+def present_exercise4(page: Page, r: Record, s: Settings) -> None:
+    e = r.ex4
+    page.exercise(4, "§3.3", "the entropy of a channel's quantized values, and a fixed-length code's bits")
+    probs = ", ".join(f"{v:+d}: {p:g}" if v else f"0: {p:g}"
+                      for v, p in sorted(s.ex4_probs.items(), key=lambda x: -x[1]))
+    saving = e.fixed_bits - e.coded_bits_per_symbol
+    labels = {"entropy_bits": "entropy (bits/value)", "coded_bits_per_symbol": f"the coder on {s.ex4_samples:,} "
+              "samples (bits/value)", "ideal_bits_per_symbol": "ideal under the coder's table (bits/value)",
+              "fixed_bits": "fixed-length code (bits/value)", "roundtrip_exact": "round trip exact"}
+    page.table(Table(
+        f"Entropy coding of {{{probs}}}", "§3.3",
+        cols("", ("ours", lambda v: f"{v:.3f}" if isinstance(v, float) else str(v), "exercise4.{row}")),
+        [Row([label, getattr(e, k)], handout_figure(f"ex4_{k}", s), k) for k, label in labels.items()],
+        "kvcache.exercise4",
+        [f"Arithmetic coding saves {saving:.2f} of the fixed-length code's {e.fixed_bits} bits per value ("
+         f"{saving / e.fixed_bits:.0%}), within {abs(e.coded_bits_per_symbol - e.entropy_bits):.3f} bits of the "
+         f"entropy." if saving > 0.005 else f"Arithmetic coding saves nothing over the fixed-length code's "
+         f"{e.fixed_bits} bits per value here: the entropy is {e.entropy_bits:.3f} bits."]))
+
 
 
 # ---------------------------------------------------------------- a real model: --model smollm2
-REAL_ENTROPY_STEP = 0.25    # Part 1c on the real model: values quantized at this x each layer's RMS
+@dataclass
+class Real:
+    """02's measurements on a real LLaMA (codec_real's prose): Parts 1a, 1c and 2, and the levels."""
+    name: str
+    layers: int
+    channels: int
+    tokens: int
+    n_calib: int
+    n_eval: int
+    locality: list            # LayerLocality per layer
+    entropy: dict             # grouping -> bits per value
+    codecs: Codecs            # rows' quality: {"nll", "kl", "agree"}
+    rel_steps: list           # the measured steps / RMS, per third of the layers: [K, V]
 
 
-REAL_BASELINE_BITS = (8, 6, 4)   # Part 2 on the real model: plain n-bit quantization rows
-REAL_VERSION = 1            # bump when compute_real's measurements change: its cached result is keyed by it
-
-
-def compute_real(args):
+def compute_real(gguf, s: Settings, refit: bool) -> Real:
     """SmolLM2: the measured codec (codec_real: step search under a KL budget), the baselines and the
     recipe at the same size, all on the evaluation prose. Cached in code/checkpoints/ like the study it
     builds on (several minutes of forwards and codec fits); --refit measures again."""
     from common.gguf_llama import gguf_file
-    path = gguf_file(args.gguf)
-    ident = {**cr.study_ident(path), "measure": [REAL_VERSION, REAL_ENTROPY_STEP, REAL_BASELINE_BITS, ZLIB_LEVEL,
+    path = gguf_file(gguf)
+    ident = {**cr.study_ident(path), "measure": [REAL_ENTROPY_STEP, REAL_BASELINE_BITS, ZLIB_LEVEL,
                                                 kv.RECIPE_GROUP_FACTOR, kv.MATCH_HALVINGS]}
-    r = cs.cached_study("codec-smollm2-02", ident, lambda: measure_real(path, args.refit), args.refit, idle_threads)
-    r["delta_ratio"] = {k: np.asarray(v) for k, v in r["delta_ratio"].items()}
-    return r
+    r = cs.cached_study("codec-smollm2-02", ident, lambda: measure_real(path, refit, s), refit, idle_threads)
+    rows = [Codec(name, name.split(" ")[0].replace("-", "").lower(), b, q) for name, (b, q) in r["rows"].items()]
+    levels = [Level(i, lv["bytes_per_token"], lv["bits_per_value"], kl=lv["kl"], agree=lv["agree"])
+              for i, lv in enumerate(r["levels"])]
+    d = r["delta_ratio"]
+    locality = [LayerLocality(a[0], p[0], a[1], p[1]) for a, p in zip(d["anchor"], d["previous"])]
+    return Real(r["info"]["name"], r["L"], r["C"], r["tokens"], r["n_calib"], r["n_eval"], locality, r["entropy"],
+                Codecs(rows, levels, r["delta"]), r["rel_steps"])
 
 
-def measure_real(path, refit: bool) -> dict:
+def measure_real(path, refit: bool, s: Settings) -> dict:
+    """The real model's measurements as cached: {"rows": {codec name: (bytes/token, quality)}, "levels", ...}."""
     prose = cr.Prose(path)
     study = cr.real_codec_study(path, refit=refit, prose=prose)
     Xc, Xe = prose.Xc, prose.Xe
@@ -513,65 +677,60 @@ def measure_real(path, refit: bool) -> dict:
     delta = study["delta"]
     target = study["calib_bits"]["delta" if delta else "raw"]   # the measured codec's bits on calibration KV
     base = kv.match_bytes(lambda b: kv.fit_codec(Xc, kv.recipe_steps(rms, b), True), Xc, target)
-    rows = baseline_rows(Xc, Xe, prose.quality, bits=REAL_BASELINE_BITS)
+    rows = {c.name: (c.bytes_per_token, c.quality)
+            for c in baseline_rows(Xc, Xe, prose.quality, s.real_baseline_bits, s.zlib_level)}
     recipe = cr.measure(prose, kv.fit_codec(Xc, kv.recipe_steps(rms, base), True))
     rows["recipe (anchor+delta, finer shallow)"] = (recipe["bytes_per_token"], recipe)
     level0 = study["levels"][0]
     rows[f"measured ({'anchor+delta' if delta else 'no deltas'})"] = (level0["bytes_per_token"], level0)
-    raw_spec = kv.fit_codec(Xc, rms * REAL_ENTROPY_STEP, False)
+    raw_spec = kv.fit_codec(Xc, rms * s.real_entropy_step, False)
+    ratios = delta_variance_ratios(Xe, kv.CODEC_GROUP)
     return {"info": prose.info, "tokens": T, "n_eval": len(Xe), "n_calib": len(Xc), "L": L, "C": C,
-            "delta_ratio": delta_variance_ratios(Xe, kv.CODEC_GROUP), "rows": rows, "rel_steps": study["rel_steps"],
-            "delta": bool(delta), "calib_bits": study["calib_bits"], "levels": study["levels"],
+            "delta_ratio": {ref: [[lv.ratio(k, ref) for k in KV_NAMES] for lv in ratios]
+                            for ref in ("anchor", "previous")},
+            "rows": rows, "rel_steps": study["rel_steps"], "delta": bool(delta), "calib_bits": study["calib_bits"],
+            "levels": study["levels"],
             "entropy": grouping_entropy(kv.quantize(Xc, raw_spec), kv.quantize(Xe, raw_spec))}
 
 
-def report_real(r):
-    d, L = r["delta_ratio"], r["L"]
-    print()
-    say(f"{r['info']['name']} ({L} layers, {r['C'] // 64} KV heads x 64): {r['n_calib']} calibration and "
-        f"{r['n_eval']} evaluation paragraphs of the project's own prose, {r['tokens']} context tokens each.")
-    print()
-    group = kv.layer_groups(L)
-    thirds = [np.flatnonzero(group == i) for i in range(3)]
-    rows = [[f"layers {g[0]}-{g[-1]} {KV_NAMES[k]}", f"{d['anchor'][g, k].mean():.2f}x",
-             f"{d['anchor'][g, k].min():.2f}-{d['anchor'][g, k].max():.2f}x", f"{d['previous'][g, k].mean():.2f}x",
-             f"{d['previous'][g, k].min():.2f}-{d['previous'][g, k].max():.2f}x", HANDOUT["delta_ratio"] if i == k == 0 else ""]
-            for i, g in enumerate(thirds) for k in range(2)]
-    print(table(["", "anchor: mean", "range", "previous: mean", "range", "CacheGen"], rows,
-                "Part 1a (§3.2, real model). Variance of raw values over variance of deltas, by thirds of the layers\n"
-                "(>1: deltas smaller)"))
-    print()
-    print_entropy(r["entropy"], f"Part 1c (§3.2, real model). Entropy at steps of {REAL_ENTROPY_STEP:g} x RMS, tables fitted "
-                                f"on calibration prose")
-    fp16_b = r["rows"]["FP16"][0]
-    rows = [[n, f"{b:,.0f}", f"{fp16_b / b:.2f}x", f"{q['nll']:.4f}", f"{q['kl']:.4f}",
-             f"{100 * q['agree']:.1f}%"] for n, (b, q) in r["rows"].items()]
-    print()
-    print(table(["codec", "bytes/token", "ratio to FP16", "NLL (nats/token)", "KL from FP16", "top-1 = FP16's"], rows,
-                f"Part 2 (§3.4, real model). Continuations of {cr.REAL_CONTINUATION} tokens attending to the decoded "
-                f"context KV\n(coded rows: bytes of {cr.REAL_CODED} contexts really coded, bit-exact round trip checked)"))
-    say("Measured steps / RMS (shallow, middle, deep thirds; K / V): "
-        + ", ".join(f"{k:.3g} / {v:.3g}" for k, v in r["rel_steps"])
-        + f"; KL from FP16 kept below {cr.REAL_MAX_KL} nats/token on calibration prose; recipe sized to the same bytes.")
-    measured = next(b for n, (b, _) in r["rows"].items() if n.startswith("measured"))
-    print_headline(r["rows"]["8-bit"][0], fp16_b, measured, r["info"]["name"])
-    print()
-    print(table(["level (03 Part 2c)", "steps", "bytes/token", "bits/value", "KL from FP16", "top-1 = FP16's"],
-                [[f"level {lv['level']}", f"{kv.LEVEL_FACTOR ** lv['level']:.3g}x", f"{lv['bytes_per_token']:,.0f}",
-                  f"{lv['bits_per_value']:.2f}", f"{lv['kl']:.4f}", f"{100 * lv['agree']:.1f}%"] for lv in r["levels"]],
-                "Quality levels (§4.2) of the measured codec on the real model (codec_real.real_codec_levels(), read by 03)"))
-
-
-def to_json_real(r):
-    out = {"model": r["info"]["name"], "delta_var_ratio": [{f"{KV_NAMES[k]}_{ref}": float(r["delta_ratio"][ref][l, k])
-                                                            for ref in r["delta_ratio"] for k in range(2)} for l in range(r["L"])],
-           "entropy_bits": r["entropy"], "fp16_bytes_per_token": r["rows"]["FP16"][0],
-           "zlib_ratio": r["rows"]["FP16"][0] / r["rows"]["zlib on FP16"][0], "nll_fp16": r["rows"]["FP16"][1]["nll"],
-           "levels": [{k: lv[k] for k in ("bytes_per_token", "bits_per_value", "kl", "agree")} for lv in r["levels"]]}
-    for name, (b, q) in r["rows"].items():
-        key = name.split(" ")[0].replace("-", "").lower()
-        out[f"bytes_{key}"], out[f"nll_{key}"], out[f"kl_{key}"], out[f"top1_agree_{key}"] = b, q["nll"], q["kl"], q["agree"]
-    return out
+def present_real(page: Page, r: Real, s: Settings) -> None:
+    page.say(f"{r.name} ({r.layers} layers, {r.channels // 64} KV heads x 64): {r.n_calib} calibration and "
+             f"{r.n_eval} evaluation paragraphs of the project's own prose, {r.tokens} context tokens each.")
+    page.data(model=r.name)
+    page.part("Part 1", "§3.2", f"CacheGen's observations on {r.name}")
+    ratio = {to: np.array([[lv.ratio(k, to) for k in KV_NAMES] for lv in r.locality]) for to in ("anchor", "previous")}
+    thirds = [np.flatnonzero(kv.layer_groups(r.layers) == i) for i in range(3)]
+    page.table(Table(
+        "Part 1a (§3.2, real model). Variance of raw values over variance of deltas, by thirds of the layers\n(>1: "
+        "deltas smaller)", "§3.2", cols("", ("anchor: mean", times2), "range", ("previous: mean", times2), "range"),
+        [Row([f"layers {g[0]}-{g[-1]} {KV_NAMES[k]}", *(f for x in (ratio["anchor"][g, k], ratio["previous"][g, k])
+                                                        for f in (x.mean(), f"{x.min():.2f}-{x.max():.2f}x"))],
+             HANDOUT("delta_ratio", s) if i == k == 0 else None) for i, g in enumerate(thirds) for k in range(2)],
+        f"{SCRIPT}.delta_variance_ratios", json={"delta_var_ratio": r.locality}))
+    page.table(entropy_table(r.entropy, f"Part 1c (§3.2, real model). Entropy at steps of {s.real_entropy_step:g} "
+                                        f"x RMS, tables fitted on calibration prose"))
+    page.part("Part 2", "§3.4", f"The codec table on {r.name}, and its quality levels")
+    fp16, quality = r.codecs.by_key()["fp16"].bytes_per_token, lambda q: [q["nll"], q["kl"], q["agree"]]
+    page.table(Table(
+        f"Part 2 (§3.4, real model). Continuations of {cr.REAL_CONTINUATION} tokens attending to the decoded context "
+        f"KV\n(coded rows: bytes of {cr.REAL_CODED} contexts really coded, bit-exact round trip checked)", "§3.4",
+        cols("codec", ("bytes/token", "{:,.0f}", "bytes_{row}"), ("ratio to FP16", times2),
+             ("NLL (nats/token)", "{:.4f}", "nll_{row}"), ("KL from FP16", "{:.4f}", "kl_{row}"),
+             ("top-1 = FP16's", pct1, "top1_agree_{row}")),
+        [Row([*codec_cells(c, fp16), *quality(c.quality)], key=c.key) for c in r.codecs.codecs],
+        f"{SCRIPT}.measure_real",
+        ["Measured steps / RMS (shallow, middle, deep thirds; K / V): " + ", ".join(f"{k:.3g} / {v:.3g}" for k, v in
+         r.rel_steps) + f"; KL from FP16 kept below {cr.REAL_MAX_KL} nats/token on calibration prose; recipe sized to "
+         "the same bytes."]))
+    page.table(headline_table(r.codecs, r.name, f"{SCRIPT}.measure_real", s))
+    page.table(Table(
+        "Quality levels (§4.2) of the measured codec on the real model (codec_real.real_codec_levels(), read by 03)",
+        "§4.2", cols("level (03 Part 2c)", ("steps", "{:.3g}x"),
+                     ("bytes/token", "{:,.0f}", "levels[].bytes_per_token"),
+                     ("bits/value", "{:.2f}", "levels[].bits_per_value"), ("KL from FP16", "{:.4f}", "levels[].kl"),
+                     ("top-1 = FP16's", pct1, "levels[].agree")),
+        [Row([f"level {lv.level}", kv.LEVEL_FACTOR ** lv.level, lv.bytes_per_token, lv.bits_per_value, lv.kl, lv.agree])
+         for lv in r.codecs.levels], "codec_real.fit"))
 
 
 def parse(argv):
@@ -585,22 +744,35 @@ def parse(argv):
     return p.parse_args(argv)
 
 
+def settings(args) -> Settings:
+    """The run's settings: the flags, and the constants above as they are now (a student's edit included)."""
+    return settings_from(Settings, args, sensitivity_steps=SENSITIVITY_STEPS, entropy_level=ENTROPY_LEVEL,
+                         zlib_level=ZLIB_LEVEL, baseline_bits=BASELINE_BITS, ex3_contexts=EX3_CONTEXTS,
+                         ex4_probs=EX4_PROBS, ex4_samples=EX4_SAMPLES, real_entropy_step=REAL_ENTROPY_STEP,
+                         real_baseline_bits=REAL_BASELINE_BITS)
+
+
+TITLE = "CacheGen part one: compress KV like video"
+
+
 def main(argv=None):
     args = parse(argv)
-    if args.model == "smollm2":  # its long forwards run on the idle cores (compute_real: idle_threads)
+    s = settings(args)
+    if s.model == "smollm2":  # its long forwards run on the idle cores (compute_real: idle_threads)
         from common.gguf_llama import smollm2_or_explain
-        args.gguf = smollm2_or_explain(args.gguf)
-        if args.gguf is None:
-            return
-        r = compute_real(args)
-        report_real(r)
-        write_json(args.json, to_json_real(r))
-        return
+        gguf = smollm2_or_explain(s.gguf)
+        if gguf is None:
+            return None
+        defaults = dataclasses.replace(Settings(), model="smollm2")
+        page = Page("02_smollm2", TITLE + ", on a real LLaMA", "§3", s, defaults, plot=not args.no_plot)
+        present_real(page, compute_real(gguf, s, args.refit), s)
+        return page.finish(args.json)
+    page = Page("02", TITLE, "§3", s, Settings(), plot=not args.no_plot)
     with single_thread():  # the record model's batches are tiny: one thread is faster, and cores may be shared
-        r = compute(args)
-    report(r, args)
-    figures(r)
-    write_json(args.json, to_json(r, args))
+        r = compute(s, args.refit)
+    for part in (present_part1, present_part2, present_part3, present_exercise3, present_exercise4):
+        part(page, r, s)
+    return page.finish(args.json)
 
 
 if __name__ == "__main__":

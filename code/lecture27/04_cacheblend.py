@@ -1,8 +1,8 @@
 """04 -- CacheBlend (handout §5): reusing chunks' KV that are not a prefix, and recomputing the few
 tokens that matter.
 
-    python code/lecture27/04_cacheblend.py                    # Parts 1-4, three figures
-    python code/lecture27/04_cacheblend.py --chunk-len 6      # exercise 6: no record is split
+    python code/lecture27/04_cacheblend.py                    # the record world and the time model, figures
+    python code/lecture27/04_cacheblend.py --chunk-len 6      # exercise 6 in the main table: no record is split
     python code/lecture27/04_cacheblend.py --ratio 0.1        # another recompute ratio
     python code/lecture27/04_cacheblend.py --locality 0       # a record model trained without the locality
                                                               # penalty: insight 1 disappears (~80 s to train)
@@ -12,62 +12,73 @@ tokens that matter.
     python code/lecture27/04_cacheblend.py --model smollm2 --curve   # every selection rule at 5-50%, the oracle
     python code/lecture27/04_cacheblend.py --model smollm2 --passages code/lecture27/passages_example.json
 
-Part 1 (§5.2): the city language, 3 chunks x 8 tokens + an 8-token question: full prefill vs full KV
+In the handout's order:
+§5.1    Exercise 5: a chunk's K computed at 0 and rotated to 1000 vs computed at 1000, V unchanged, and
+        full reuse with the K left unrotated (the city model).
+§5.2    Part 1: the city language, 3 chunks x 8 tokens + an 8-token question: full prefill vs full KV
         reuse (each chunk precomputed alone, K moved by shift_kv). Sentences are independent: no loss.
-        Exercise 5: a chunk's K computed at 0 and rotated to 1000 vs computed at 1000, V unchanged, and
-        full reuse with the K left unrotated.
-Part 2 (§5.2-5.3): the record world (blend_world.py), chunks of 5: accuracy on split and unsplit
-        records under full prefill, full reuse, CacheBlend and a random selection of the same size;
-        exercise 6 (how many records chunk length 6 splits).
-Part 3 (§5.3): the two insights (deviation is concentrated; adjacent layers agree), layer 0's picks,
+§5.2-3  Part 2: the record world (blend_world.py), chunks of 5: accuracy on split and unsplit records
+        under full prefill, full reuse, CacheBlend and a random selection of the same size.
+        Exercise 6: how many records chunk length 6 splits, and full reuse's accuracy there.
+§5.3    Part 3: the two insights (deviation is concentrated; adjacent layers agree), layer 0's picks,
         shorter chunks, and the compute-quality curve. The deviation is concentrated because document
         tokens attend almost only to themselves (and a value to its key): the record model learned that
-        locality from a small penalty (blend_world.LOCALITY), as a pretrained LLM learns it from language.
+        locality from a small penalty (record_trainer.LOCALITY), as a pretrained LLM learns it from language.
         Exercise 7: the check's cost at layer 0 vs layer 1 (time model).
-Part 4 (§5.4, exercise 8): hiding recompute behind loading, from common/timemodel.py: per layer
-        load vs recompute per storage device, the controller's ratio, pipelined TTFT; LLaMA-7B vs 70B;
-        requests/s of a busy server, full prefill vs CacheBlend (the paper's 2.8-5x throughput).
-Part 5 (--model smollm2; blend_real.py): the same blend() on SmolLM2-135M-Instruct, RAG items of
-        6 chunks x 256 tokens + the question (or --passages FILE: your own, one chunk per passage):
-        KL to full prefill of CacheBlend (REAL_RULE), random and an oracle at 15% (cached), each
-        selection rule's measured CPU TTFT at 15% (live), greedy answers, the two insights on a real
-        model. --curve: KL vs recompute ratio for every selection rule of blend() (blend_world.RULES),
-        random and the oracle, and a figure.
+§5.4    Part 4: hiding recompute behind loading, from common/timemodel.py: per layer load vs recompute
+        per storage device, the controller's ratio, pipelined TTFT; LLaMA-7B vs 70B; requests/s of a
+        busy server, full prefill vs CacheBlend (the paper's 2.8-5x throughput). Exercise 8.
+Part 5 (--model smollm2 and the flags of its own group; blend_real.py): the same blend() on
+        SmolLM2-135M-Instruct, RAG items of 6 chunks x 256 tokens + the question (or --passages FILE: your
+        own, one chunk per passage): KL to full prefill of CacheBlend (REAL_RULE), random and an oracle at
+        15% (cached), each selection rule's measured CPU TTFT at 15% (live), greedy answers, the two
+        insights on a real model. --curve: KL vs recompute ratio for every selection rule of blend()
+        (blend_rules.RULES), random and the oracle, and a figure.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-import blend_rules  # noqa: E402
-import blend_world as bw  # noqa: E402
-import record_trainer as rt  # noqa: E402
-from common import timemodel as tm  # noqa: E402
+# Every name 04 takes from the record world's library and from the real-model study, imported here only
+import blend_real as br  # noqa: E402
+import record_trainer as rt  # noqa: E402  (rt.SEED, rt.LOCALITY: the trainer's defaults, read when parsing)
+from blend_rules import RULES, Random  # noqa: E402
+from blend_world import (DOC_LEN, N_RECORDS, PROGRESSIVE, accuracy, answer_correct, answer_slots, blend,  # noqa: E402
+                         full_prefill, full_reuse, heldout, kv_deviation, precompute_chunks, spearman, split_mask,
+                         split_records, top_share)
+from record_trainer import doc_attention_elsewhere, plot_training, record_model  # noqa: E402
+from common import checkpoints, timemodel as tm  # noqa: E402
 from common.checkpoints import TrainingFailed  # noqa: E402
+from common.city import city_model  # noqa: E402
+from common.cli import (Parser, fail, fraction, nonneg_float, positive_float, positive_int,  # noqa: E402
+                        settings_from)
 from common.llama import KVCache, idle_threads, kl_divergence, shift_kv, single_thread  # noqa: E402
-from common.cli import (Parser, fail, figure_path, fraction, nonneg_float, positive_float, positive_int,  # noqa: E402
-                        say, table, write_json)
+from common.present import DASH, Handout, Page, Ref, Row, Table, Val, cols, handout_text  # noqa: E402
 
-# ---- Part 1 (§5.2)
+# ---- §5.1-5.2: the city language (exercise 5 and Part 1)
 CITY_CHUNKS, CITY_CHUNK_LEN = 3, 8        # 3 chunks x 8 tokens, then an 8-token question
 CITY_DOCS = 1000
 EX5_SHIFT = 1000                          # exercise 5: move a chunk's KV from position 0 to this position
-# ---- Parts 2-3 (§5.2-5.3)
+# ---- §5.2-5.3: the record world (Parts 2-3, exercise 6)
 CHUNK_LEN = 5                             # odd: the records whose values sit at positions 5 and 15 are split
 RATIO = 0.20                              # CacheBlend's recompute ratio r
 N_DOCS = 1000                             # held-out documents (x 12 questions; 2,000 on split records)
+EX6_CHUNK_LEN = 6                         # exercise 6: an even chunk length
 TOP_SHARE = 0.15                          # "the top 15% of tokens hold ... of the deviation"
 CURVE_RATIOS = [0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8, 1.0]   # the curve also gets r (--ratio)
 CURVE_CHUNK_LENS = [3, 5]                 # the curve's chunk lengths (the one of Part 2 is precomputed once)
 RECOVER = 0.99                            # "the lowest ratio recovering 99% of split records"
-# ---- Part 4 (§5.4): RAG with 6 chunks x 512 tokens + a 32-token question on A40
+# ---- §5.4 (Part 4, exercises 7-8): RAG with 6 chunks x 512 tokens + a 32-token question on A40
 RAG_CHUNKS, RAG_CHUNK_TOKENS, RAG_QUESTION = 6, 512, 32
 GPU = "A40"
 MIN_RATIO = 0.15                          # CacheBlend: never recompute less than 15% (quality floor, §5.4)
@@ -81,6 +92,7 @@ DEVICES = {  # storage device -> read bandwidth, bytes/s
     "SATA SSD": ("shared", 0.55e9),
 }
 PAPER_CONTEXT, PAPER_RATIO, PAPER_DEVICE = 4096, 0.15, "NVMe SSD"   # CacheBlend's per-layer example
+EX8_LAYERS, EX8_READ_MS, EX8_PREFILL_MS = 32, 10.0, 20.0            # exercise 8: the controller's inputs
 # ---- Part 5: the real model (blend_real.py)
 REAL_ITEMS = 4                            # RAG items (of 8); their KL is cached, the TTFT measured live
 REAL_CHUNK_TOKENS = 256                   # tokens per retrieved chunk (6 chunks + the question per item)
@@ -88,169 +100,447 @@ REAL_RATIO = 0.15                         # CacheBlend's default recompute ratio
 REAL_RULE = "flat"                        # blend()'s selection rule: the most quality per measured TTFT (--curve)
 REAL_CURVE_RATIOS = [0.05, 0.15, 0.30, 0.50]  # --curve: every rule, random and the oracle at these ratios
 REAL_TTFT_ITEMS = 1                       # inputs whose TTFT is measured live (a full prefill: ~5.5 s, one thread)
-# ---- exercise 8 (§10): the controller's inputs
-EX8_LAYERS, EX8_READ_MS, EX8_PREFILL_MS = 32, 10.0, 20.0
 
-# The handout's figures, printed beside ours (reference only; nothing is computed from them), and the
-# inputs they hold for: a figure is printed only when the run's inputs are these, "-" otherwise
-HANDOUT = {
-    "city_ce_full": 0.6940, "city_ce_reuse": 0.6941, "city_kl": 0.00003,
-    "split_acc_full": 1.0, "split_acc_reuse": 0.088, "unsplit_acc_reuse": "unaffected",
-    "split_acc_blend20": 0.994, "split_acc_random20": 0.21,
-    "top15_deviation_share": 0.98, "adjacent_layer_rank_corr": "0.88-0.93", "layer0_pick_coverage": 0.99,
-    "chunk3_blend20": 0.81, "train": "12,000 steps, ~6 min, drop near step 5,000",
-    "systems": {"llama-2-7b": {"nvme_vs_recompute": "~1x (NVMe almost as slow)", "recompute_ms": "~3",
-                               "load_ms": "~16"},
-                "llama-3.1-70b": {"nvme_vs_recompute": "4.6x", "recompute_ms": "~7", "load_ms": "~4"}},
-    "ttft_speedup": "2.2-3.3x",
-    "ex8_ratio": 0.5, "ex8_ttft_ms": 320, "ex8_full_ms": 640,
-}
-HANDOUT_INPUTS = {
-    "city": {"chunks": 3, "chunk_len": 8},
-    "records": {"chunk_len": 5, "ratio": 0.20},
-    "top_share": {"top_share": 0.15},
-    "rag": {"gpu": "A40", "chunks": 6, "chunk_tokens": 512, "question": 32},
-    "paper": {"gpu": "A40", "context": 4096, "ratio": 0.15, "device": "NVMe SSD"},
-    "ex8": {"layers": 32, "read_ms": 10.0, "prefill_ms": 20.0, "min_ratio": 0.15},
-}
-HANDOUT_BLEND20 = {3: "chunk3_blend20", 5: "split_acc_blend20"}  # CacheBlend 20% on split records, by chunk length
+
+@dataclass(frozen=True)
+class Settings:
+    """One run's settings: the constants above, as the command line set them."""
+    city_chunks: int
+    city_chunk_len: int
+    city_docs: int
+    ex5_shift: int
+    chunk_len: int
+    ratio: float
+    docs: int
+    ex6_chunk_len: int
+    top_share: float
+    curve_ratios: tuple
+    curve_chunk_lens: tuple
+    recover: float
+    seed: int
+    locality: float
+    retrain: bool
+    rag_chunks: int
+    rag_chunk_tokens: int
+    rag_question: int
+    gpu: str
+    min_ratio: float
+    systems: tuple                  # ((model, n_gpus), ...)
+    devices: dict
+    paper_context: int
+    paper_ratio: float
+    paper_device: str
+    layers: int
+    read_ms: float
+    prefill_ms: float
+    model: str                      # "record": Parts 1-4; "smollm2": Part 5
+    gguf: str | None
+    items: int
+    rule: str
+    passages: str | None
+    chunk_tokens: int
+    real_ratio: float
+    real_curve_ratios: tuple
+    real_ttft_items: int
+    curve: bool
+    recompute: bool
+
+
+def handout_figures() -> Handout:
+    """The handout's figures, printed beside ours (reference only; nothing is computed from them), each
+    with the inputs it holds for: a figure is shown only when the run's settings have these values."""
+    city, c5, c5r20 = {"city_chunks": 3, "city_chunk_len": 8}, {"chunk_len": 5}, {"chunk_len": 5, "ratio": 0.20}
+    rag = {"gpu": "A40", "rag_chunks": 6, "rag_chunk_tokens": 512, "rag_question": 32}
+    paper = {"gpu": "A40", "paper_context": 4096, "paper_ratio": 0.15, "paper_device": "NVMe SSD"}
+    ex8 = {"layers": 32, "read_ms": 10.0, "prefill_ms": 20.0, "min_ratio": 0.15}
+    b7, b70 = {"system": ("llama-2-7b", 1)}, {"system": ("llama-3.1-70b", 2)}   # a row's (model, A40s)
+    return Handout({
+        "city_ce_full": Ref("0.6940", city), "city_ce_reuse": Ref("0.6941", city), "city_kl": Ref("0.00003", city),
+        "train": Ref("12,000 steps, ~6 min, drop near step 5,000"),
+        "split_full": Ref("100.0%", c5), "split_reuse": Ref("8.8%", c5), "unsplit_reuse": Ref("unaffected", c5),
+        "split_random": Ref("21.0%", c5r20), "blend_c5": Ref("99.4%", c5r20),
+        "blend_c3": Ref("81.0%", {"chunk_len": 3, "ratio": 0.20}),
+        "ex6_split": Ref("0", {"ex6_chunk_len": 6}), "ex6_reuse": Ref("100%", {"ex6_chunk_len": 6}),
+        "top_share": Ref("98.0%", {**c5, "top_share": 0.15}), "rank_corr": Ref("0.88-0.93", c5),
+        "layer0_coverage": Ref("99.0%", c5r20),
+        "nvme_vs_recompute llama-2-7b": Ref("~1x (NVMe almost as slow)", {**rag, **b7}),
+        "nvme_vs_recompute llama-3.1-70b": Ref("4.6x", {**rag, **b70}),
+        "paper_recompute llama-2-7b": Ref("~3", {**paper, **b7}), "paper_load llama-2-7b": Ref("~16", {**paper, **b7}),
+        "paper_recompute llama-3.1-70b": Ref("~7", {**paper, **b70}),
+        "paper_load llama-3.1-70b": Ref("~4", {**paper, **b70}),
+        "ttft_speedup": Ref("2.2-3.3x", {**rag, "min_ratio": 0.15}),
+        "throughput": Ref("2.8-5x", {**rag, "min_ratio": 0.15}),
+        "ex8_ratio": Ref("50%", ex8), "ex8_ttft_ms": Ref("~320", ex8),
+        "ex8_full_ms": Ref("640", {"layers": 32, "prefill_ms": 20.0}),
+        "real_ttft": Ref("2.2-3.3x", {"real_ratio": 0.15})})
+
+
+HANDOUT = handout_figures()
+
+
+def h(name: str, s: Settings, **row) -> Ref | str | None:
+    """The handout's figure `name` for this run: its Ref, "-" where the run's inputs are not the ones it holds
+    for, None where the handout has no such figure. `row`: inputs a row changes (its chunk length, its system)."""
+    if name not in HANDOUT.refs:
+        return None
+    return HANDOUT(name, {**dataclasses.asdict(s), **row} if row else s) or DASH
+
+
+def number(ref: Ref) -> float:
+    """A handout figure as a number: "21.0%" -> 0.21, "~7" -> 7.0."""
+    x = ref.figure.strip("~x")
+    return float(x.rstrip("%")) / 100 if x.endswith("%") else float(x)
 
 
 def pct(x):
-    return "-" if x is None else f"{100 * x:.1f}%"
+    return DASH if x is None else f"{100 * x:.1f}%"
 
 
-def handout(key, applies: bool = True) -> str:
-    """The handout's figure as text (a share as a percentage), or "-" where the run's inputs differ."""
-    x = HANDOUT.get(key, "-") if applies else "-"
-    return x if isinstance(x, str) else pct(x)
+def pcts(xs):
+    return " ".join(pct(x) for x in xs)
 
 
-def is_handout_setup(part: str, **inputs) -> bool:
-    """Are the inputs of this part the ones the handout's figures hold for?"""
-    return all(inputs[k] == v for k, v in HANDOUT_INPUTS[part].items())
+def pk(r: float) -> str:
+    """A ratio as the JSON keys name it: 0.2 -> "20" (split_acc_blend20), 0.125 -> "12.5"."""
+    return f"{100 * r:.6g}"
 
 
-# ============================================================================ Part 1: the city
-def city_experiment(n_docs: int, seed: int = 0, retrain: bool = False) -> dict:
-    """Cross-entropy of the question's tokens (each predicted from everything before it) under full
-    prefill and under full reuse of the three precomputed sentence chunks, and KL(full || reuse)."""
-    from common.city import city_model
-
-    model, lang = city_model(retrain=retrain)
-    with torch.no_grad():
-        return _city(model, lang, n_docs, seed)
+def show(page: Page, t: Table) -> None:
+    """A table on the page, a blank line before it unless it follows a heading."""
+    if page.blocks and page.blocks[-1]["kind"] not in ("part", "exercise"):
+        print()
+    page.table(t)
 
 
-def _city(model, lang, n_docs, seed):
-    n_ctx = CITY_CHUNKS * CITY_CHUNK_LEN
-    x = lang.sample_text(n_docs, CITY_CHUNKS + 1, torch.Generator().manual_seed(seed + 11))
-    ctx, q = x[:, :n_ctx], x[:, n_ctx:]
+def above(x: float, y: float) -> str:
+    return "above" if x > y else "below" if x < y else "at"
+
+
+# ============================================================================ §5.1, exercise 5
+# (§5.1, prefix caching is not enough, comes first in the handout: its Part goes before exercise 5)
+@dataclass
+class CityDocs:
+    """Part 1's documents of the city language and full prefill's predictions of their questions."""
+    model: object
+    ctx: torch.Tensor               # (B, chunks x chunk_len) context tokens
+    q: torch.Tensor                 # (B, chunk_len) question tokens
+    lp_full: torch.Tensor           # full prefill's log-probs for question tokens 2..
+    tgt: torch.Tensor               # (B, chunk_len - 1, 1) question tokens 2..
+
+
+@dataclass
+class City:
+    ce_full: float                  # the question's cross-entropy, nats/token
+    ce_reuse: float
+    kl: float                       # KL(full prefill || full reuse)
+    entropy: float                  # the language's true entropy of words 2-8
+
+
+@dataclass
+class Shift:
+    shift: int
+    k_rotated_max_diff: float
+    k_unrotated_max_diff: float
+    v_max_diff: float
+    k_max_abs: float
+    ce_unrotated: float
+    kl_unrotated: float
+
+
+def cross_entropy(lp: torch.Tensor, tgt: torch.Tensor) -> float:
+    return float(-lp.gather(-1, tgt).mean())
+
+
+@torch.no_grad()
+def city_docs(model, lang, n_docs: int, seed: int, chunks: int, chunk_len: int) -> CityDocs:
+    n_ctx = chunks * chunk_len
+    x = lang.sample_text(n_docs, chunks + 1, torch.Generator().manual_seed(seed + 11))
     full, _ = model(x)
-    full = full[:, n_ctx:-1]                                  # predicts question tokens 2..8
-    reuse, _ = model(q, cache=bw.precompute_chunks(model, ctx, CITY_CHUNK_LEN))
-    reuse = reuse[:, :-1]
-    lp_full, lp_reuse = full.log_softmax(-1), reuse.log_softmax(-1)
-    tgt = q[:, 1:, None]
-    return {"city_ce_full": float(-lp_full.gather(-1, tgt).mean()),
-            "city_ce_reuse": float(-lp_reuse.gather(-1, tgt).mean()),
-            "city_kl": float(kl_divergence(lp_full, lp_reuse).mean()),
-            "city_entropy": lang.entropy_after_first_word(),
-            "ex5": exercise5(model, ctx, q, lp_full, tgt)}
+    return CityDocs(model, x[:, :n_ctx], x[:, n_ctx:], full[:, n_ctx:-1].log_softmax(-1), x[:, n_ctx + 1:, None])
 
 
-def exercise5(model, ctx, q, lp_full, tgt, shift: int = EX5_SHIFT) -> dict:
-    """Exercise 5 on the city model: a chunk prefilled at positions 0.. and one prefilled at shift..;
-    K of the first rotated by `shift` (shift_kv) against K of the second, V of both, every layer.
-    Then full reuse with every chunk's K left where it was computed (position 0..): the question's
-    cross-entropy and KL from full prefill."""
-    c = CITY_CHUNK_LEN
-    chunk = ctx[:, :c]
+@torch.no_grad()
+def city_losses(d: CityDocs, lang, chunk_len: int) -> City:
+    """Cross-entropy of the question's tokens (each predicted from everything before it) under full
+    prefill and under full reuse of the precomputed sentence chunks, and KL(full || reuse)."""
+    reuse, _ = d.model(d.q, cache=precompute_chunks(d.model, d.ctx, chunk_len))
+    lp_reuse = reuse[:, :-1].log_softmax(-1)
+    return City(cross_entropy(d.lp_full, d.tgt), cross_entropy(lp_reuse, d.tgt),
+                float(kl_divergence(d.lp_full, lp_reuse).mean()), lang.entropy_after_first_word())
+
+
+@torch.no_grad()
+def shift_check(d: CityDocs, chunk_len: int, shift: int) -> Shift:
+    """A chunk prefilled at positions 0.. and one prefilled at shift..; K of the first rotated by `shift`
+    (shift_kv) against K of the second, V of both, every layer. Then full reuse with every chunk's K left
+    where it was computed (position 0..): the question's cross-entropy and KL from full prefill."""
+    model, c = d.model, chunk_len
+    chunk = d.ctx[:, :c]
     _, at0 = model(chunk)
     _, at_s = model(chunk, pos=torch.arange(shift, shift + c))
     theta = model.cfg.rope_theta
     k_rot = max(float((shift_kv(k0, shift, theta) - k1).abs().max()) for k0, k1 in zip(at0.k, at_s.k))
     k_raw = max(float((k0 - k1).abs().max()) for k0, k1 in zip(at0.k, at_s.k))
     v_diff = max(float((v0 - v1).abs().max()) for v0, v1 in zip(at0.v, at_s.v))
-    k_scale = max(float(k.abs().max()) for k in at_s.k)
     caches = []
-    for start in range(0, ctx.shape[1], c):         # each chunk at 0..c-1, K not moved, at its real place
-        _, kv = model(ctx[:, start:start + c])
+    for start in range(0, d.ctx.shape[1], c):         # each chunk at 0..c-1, K not moved, at its real place
+        _, kv = model(d.ctx[:, start:start + c])
         caches.append(KVCache(k=kv.k, v=kv.v, pos=kv.pos + start))
-    unrot, _ = model(q, cache=KVCache.cat(caches))
+    unrot, _ = model(d.q, cache=KVCache.cat(caches))
     lp_unrot = unrot[:, :-1].log_softmax(-1)
-    return {"shift": shift, "k_rotated_max_diff": k_rot, "k_unrotated_max_diff": k_raw, "v_max_diff": v_diff,
-            "k_max_abs": k_scale, "ce_unrotated": float(-lp_unrot.gather(-1, tgt).mean()),
-            "kl_unrotated": float(kl_divergence(lp_full, lp_unrot).mean())}
+    return Shift(shift, k_rot, k_raw, v_diff, max(float(k.abs().max()) for k in at_s.k),
+                 cross_entropy(lp_unrot, d.tgt), float(kl_divergence(d.lp_full, lp_unrot).mean()))
 
 
-# ============================================================================ Part 2: records
-def methods(model, rec, chunk_len: int, ratio: float, seed: int, pre=None) -> dict:
-    """(B, Q) correctness of each way to prefill."""
-    pre = pre if pre is not None else bw.precompute_chunks(model, rec.doc, chunk_len)
-    g = torch.Generator().manual_seed(seed + 7)
-    return {"full prefill": bw.answer_correct(bw.full_prefill(model, rec), rec),
-            "full reuse": bw.answer_correct(bw.full_reuse(model, rec, chunk_len, pre), rec),
-            f"CacheBlend {ratio:.0%}": bw.answer_correct(bw.blend(model, rec, chunk_len, ratio, pre=pre), rec),
-            f"random {ratio:.0%}": bw.answer_correct(
-                bw.blend(model, rec, chunk_len, ratio, rule=blend_rules.Random(g), pre=pre), rec)}
+def exercise5(d: CityDocs, lang, s: Settings, page: Page) -> None:
+    e, rotated = shift_check(d, s.city_chunk_len, s.ex5_shift), city_losses(d, lang, s.city_chunk_len)
+    page.exercise(5, "§5.1", f"a chunk's KV computed at position 0, moved to position {e.shift} (city model, "
+                             "all layers)")
+    tiny = 1e-3 * e.k_max_abs               # a difference this small is rounding
+    note = (f"K must rotate once more by {e.shift} x theta (RoPE rotations add)" if e.k_rotated_max_diff < tiny
+            < e.k_unrotated_max_diff else f"rotating K by {e.shift} x theta does not give K computed there") + (
+        "; V never passes through RoPE, so it is reused as it is" if e.v_max_diff < tiny else "; V differs too") + (
+        f". Full reuse with unrotated K: question cross-entropy {e.ce_unrotated:.4f} (rotated: "
+        f"{rotated.ce_reuse:.4f}), KL from full prefill {e.kl_unrotated:.4f} (rotated: {rotated.kl:.5f}).")
+    at = f"computed at {e.shift}"
+    show(page, Table("", "§5.1", cols("quantity", ("max |difference|", "{:.1e}")), [
+        Row([f"K at 0 rotated by {e.shift} (shift_kv) vs K {at}", Val(e.k_rotated_max_diff, "ex5.k_rotated_max_diff")]),
+        Row([f"K at 0, not rotated, vs K {at}", Val(e.k_unrotated_max_diff, "ex5.k_unrotated_max_diff", "{:.2f}")]),
+        Row([f"V at 0 vs V {at}", Val(e.v_max_diff, "ex5.v_max_diff")]),
+        Row(["(largest |K| value, for scale)", Val(e.k_max_abs, "ex5.k_max_abs", "{:.2f}")])],
+        "04_cacheblend.shift_check", [note], {"ex5.shift": e.shift, "ex5.ce_unrotated": e.ce_unrotated,
+                                              "ex5.kl_unrotated": e.kl_unrotated}))
+
+
+# ============================================================================ §5.2 Part 1: the city language
+def part1_city(d: CityDocs, lang, s: Settings, page: Page) -> None:
+    c = city_losses(d, lang, s.city_chunk_len)
+    page.part("Part 1", "§5.2", f"City language: {s.city_chunks} chunks x {s.city_chunk_len} tokens + a question of "
+                                f"{s.city_chunk_len} tokens, {s.city_docs} documents")
+    gap, ref, lossless = c.ce_full - c.entropy, HANDOUT("city_ce_full", s), c.kl < 1e-3
+    sits = (f"sits {'on' if abs(gap) < 0.01 else f'{gap:+.4f} nats/token off'} its own language's entropy (ours "
+            f"{c.ce_full:.4f} vs a true {c.entropy:.4f} nats/token")
+    note = (f"Our city language is not the handout's, so the cross-entropies differ: each model {sits}; the "
+            f"handout's {ref.figure} is near ln 2 = {math.log(2):.4f}, one coin flip a word)" if ref else
+            f"Our model {sits})") + (
+        f". What carries over is reuse = prefill: KL {c.kl:.5f}." if lossless else
+        f". Reuse is not prefill: KL {c.kl:.5f}.")
+    show(page, Table("Independent sentences: reuse loses " + ("nothing." if lossless else f"{c.kl:.4f} nats (KL)."),
+                     "§5.2", cols("city language", "ours"), [
+        Row(["cross-entropy, full prefill (nats/token)", Val(c.ce_full, "city_ce_full", "{:.4f}")],
+            h("city_ce_full", s)),
+        Row(["cross-entropy, full reuse (nats/token)", Val(c.ce_reuse, "city_ce_reuse", "{:.4f}")],
+            h("city_ce_reuse", s)),
+        Row(["KL(full prefill || full reuse)", Val(c.kl, "city_kl", "{:.5f}")], h("city_kl", s)),
+        Row(["true entropy of words 2-8 (nats/token)", Val(c.entropy, fmt="{:.4f}")])],
+        "04_cacheblend.city_losses", [note]))
+
+
+# ============================================================================ the record world's model (§0.4)
+def cache_loaded(name: str) -> bool:
+    """Did this process load `name` from code/checkpoints/ (rather than compute it)?"""
+    return next((e["loaded"] for e in reversed(checkpoints.EVENTS) if e["name"] == name), False)
+
+
+def record_world_model(s: Settings, page: Page):
+    """The record-world LLaMA: trained once, then loaded; what the cache holds about its training."""
+    try:
+        model, meta = record_model(s.retrain, s.seed, locality=s.locality)
+    except TrainingFailed as e:
+        print(f"\n!!! {e}\n", file=sys.stderr)
+        sys.exit(1)
+    m, loc = meta["metrics"], meta["ident"]["train"]["locality"]
+    how = (f"loaded from code/checkpoints/ (trained {m['steps']} steps in {m['train_seconds']:.0f} s when it was "
+           "cached)" if cache_loaded("records") else f"trained {m['steps']} steps in {m['train_seconds']:.0f} s")
+    page.say(f"\nrecord world model: {how}, accuracy crossed 50% at step {m['drop_step']} (handout: "
+             f"{HANDOUT.figure('train', s)}); held-out {m['heldout_acc']:.2%} on {m['heldout_questions']} questions; "
+             f"locality penalty {loc}" + (f" from step {m['locality_from_step']}" if loc else ""))
+    page.data(train_seconds=m["train_seconds"], drop_step=m["drop_step"], heldout_acc=m["heldout_acc"])
+    if page.plot:
+        path = page.figure_path("04_record_world_training.png")
+        plot_training(meta, path)
+        page.add_figure(path)
+    return model
+
+
+# ============================================================================ §5.2-5.3 Part 2: records
+METHODS = ("full", "reuse", "blend", "random")
+
+
+@dataclass
+class Accuracy:
+    split: float | None             # None where no record is split
+    unsplit: float | None
+    all: float
+
+
+@dataclass
+class RecordRun:
+    rec: object                     # the held-out Records
+    pre: KVCache                    # their chunks, precomputed once for Parts 2-3 and exercise 6
+    split_ids: list[int]
+    n_split: int                    # questions on split records
+    acc: dict[str, Accuracy]        # method (METHODS) -> accuracy
 
 
 def acc_or_none(correct, mask):
-    return bw.accuracy(correct, mask) if mask.any() else None
+    return accuracy(correct, mask) if mask.any() else None
 
 
-def record_experiment(model, rec, chunk_len: int, ratio: float, seed: int, pre=None) -> dict:
-    split = bw.split_mask(rec, chunk_len)
-    res = {}
-    for name, ok in methods(model, rec, chunk_len, ratio, seed, pre).items():
-        res[name] = {"split": acc_or_none(ok, split), "unsplit": acc_or_none(ok, ~split), "all": bw.accuracy(ok)}
-    return res
+def methods(model, rec, chunk_len: int, ratio: float, seed: int, pre) -> dict[str, torch.Tensor]:
+    """(B, Q) correctness of each way to prefill, by method."""
+    g = torch.Generator().manual_seed(seed + 7)
+    return {"full": answer_correct(full_prefill(model, rec), rec),
+            "reuse": answer_correct(full_reuse(model, rec, chunk_len, pre), rec),
+            "blend": answer_correct(blend(model, rec, chunk_len, ratio, pre=pre), rec),
+            "random": answer_correct(blend(model, rec, chunk_len, ratio, rule=Random(g), pre=pre), rec)}
 
 
-# ============================================================================ Part 3: insights
-top_share = bw.top_share  # insight 1's measure lives with the record world (its seed sweep uses it)
+def record_experiment(model, s: Settings) -> RecordRun:
+    rec = heldout(s.docs)
+    pre = precompute_chunks(model, rec.doc, s.chunk_len)
+    split = split_mask(rec, s.chunk_len)
+    acc = {m: Accuracy(acc_or_none(ok, split), acc_or_none(ok, ~split), accuracy(ok))
+           for m, ok in methods(model, rec, s.chunk_len, s.ratio, s.seed, pre).items()}
+    return RecordRun(rec, pre, split_records(s.chunk_len), int(split.sum()), acc)
+
+
+def part2_records(model, s: Settings, page: Page) -> RecordRun:
+    run = record_experiment(model, s)
+    r, ids, n_unsplit = f"{s.ratio:.0%}", run.split_ids, run.rec.answers.numel() - run.n_split
+    page.part("Part 2", "§5.2, §5.3", "Record world: full reuse, CacheBlend and random picks of the same size")
+    label = {"full": "full prefill", "reuse": "full reuse", "blend": f"CacheBlend {r}", "random": f"random {r}"}
+    key = {"full": "full", "reuse": "reuse", "blend": f"blend{pk(s.ratio)}", "random": f"random{pk(s.ratio)}"}
+    split_ref = {"full": h("split_full", s), "reuse": h("split_reuse", s), "blend": h(f"blend_c{s.chunk_len}", s),
+                 "random": h("split_random", s)}
+    rows = [Row([label[m], run.acc[m].split, Val(run.acc[m].unsplit, f"unsplit_acc_{m}" if m in ("full", "reuse")
+                                                  else None), handout_text(split_ref[m]),
+                 handout_text(h("unsplit_reuse", s) if m == "reuse" else None)], key=key[m]) for m in METHODS]
+    show(page, Table(f"Record world, chunks of {s.chunk_len}: split records {ids} (values at positions "
+                     f"{[2 * i + 1 for i in ids]});\n{run.n_split} questions on split records, {n_unsplit} on "
+                     f"unsplit; chance 1/{N_RECORDS} = {1 / N_RECORDS:.1%}.", "§5.2, §5.3",
+                     cols("method", ("split records", pct, "split_acc_{row}"), ("unsplit records", pct),
+                          "handout split", "handout unsplit"), rows, "04_cacheblend.record_experiment",
+                     random_note(run, s), {"chunk_len": s.chunk_len, "ratio": s.ratio}))
+    return run
+
+
+def random_note(run: RecordRun, s: Settings) -> list[str]:
+    """What random picks of r N tokens should repair if a pick helps only the record it touches."""
+    rand, reuse, dev = (run.acc[m].split for m in ("random", "reuse", "blend"))
+    if rand is None or reuse is None:
+        return []
+    r, guess, ref = f"{s.ratio:.0%}", s.ratio + (1 - s.ratio) * reuse, HANDOUT("split_random", s)
+    touch = "about" if abs(rand - guess) < 0.1 else "more than" if rand > guess else "less than"
+    return [f"random {r}: a split record is repaired when its value token is among the picks; if nothing else "
+            f"helped, {r} + {1 - s.ratio:.0%} x {pct(reuse)} (full reuse) = {pct(guess)}. Ours: {pct(rand)}, "
+            f"{above(rand, guess)} that estimate" + (f"; the handout's {ref.figure} lies {above(number(ref), guess)}"
+                                                    " it" if ref else "")
+            + f". Random picks recover {touch} what they touch; deviation picks recover {pct(dev)}."]
+
+
+# ---------------------------------------------------------------------------- §5.2, exercise 6
+@dataclass
+class SplitAt:
+    chunk_len: int
+    split_records: list[int]
+    reuse_acc: float                # full reuse, every question
+    full_acc: float                 # full prefill, every question
+    reuse_equals_full: bool         # full reuse gives full prefill's answer to every question
+
+
+def split_at(model, run: RecordRun, chunk_len: int, s: Settings) -> SplitAt:
+    """The held-out records of Part 2 in chunks of `chunk_len`: which records are split, and full reuse
+    against full prefill on every question."""
+    rec = run.rec
+    pre = run.pre if chunk_len == s.chunk_len else precompute_chunks(model, rec.doc, chunk_len)
+    reuse, full = full_reuse(model, rec, chunk_len, pre), full_prefill(model, rec)
+    slots = answer_slots(N_RECORDS)
+    same = bool((reuse[:, slots].argmax(-1) == full[:, slots].argmax(-1)).all())
+    return SplitAt(chunk_len, split_records(chunk_len), accuracy(answer_correct(reuse, rec)),
+                   accuracy(answer_correct(full, rec)), same)
+
+
+def exercise6(model, run: RecordRun, s: Settings, page: Page) -> None:
+    e = split_at(model, run, s.ex6_chunk_len, s)
+    c, ids, bounds = e.chunk_len, e.split_records, range(e.chunk_len, DOC_LEN, e.chunk_len)
+    page.exercise(6, "§5.2", f"chunk length {c}: how many records are split, and full reuse's accuracy")
+    where = ("every boundary falls on a key (an even position)" if all(b % 2 == 0 for b in bounds) else
+             f"boundaries {list(bounds)} fall on values too")
+    note = (f"{where}, so no record is split" if not ids else f"{where}: records {ids} are split") + (
+        f"; full reuse answers {'exactly as' if e.reuse_equals_full else 'NOT as'} full prefill does "
+        f"({pct(e.reuse_acc)} vs {pct(e.full_acc)}).")
+    show(page, Table("", "§5.2", cols("exercise 6", ("ours", pct)), [
+        Row([f"records split by chunks of {c}", Val(ids, "ex6.split_records", lambda x: f"{len(x)} {x}")],
+            h("ex6_split", s)),
+        Row(["full reuse: accuracy on every question", Val(e.reuse_acc, "ex6.reuse_acc")], h("ex6_reuse", s)),
+        Row(["full prefill: accuracy on every question", Val(e.full_acc, "ex6.full_acc")])],
+        "04_cacheblend.split_at", [note], {"ex6.chunk_len": c, "ex6.reuse_equals_full": e.reuse_equals_full}))
+
+
+# ============================================================================ §5.3 Part 3: insights
+@dataclass
+class Insights:
+    top_share: float                # share of the deviation held by the top TOP_SHARE tokens, layers 1..
+    top_per_layer: list[float]
+    rank_corr: list[float]          # Spearman of the deviation, layers (1, 2), (2, 3), ...
+    layer0_vs_layer1: float         # layer 0's attention deviation vs layer 1's KV deviation
+    layer0_coverage: float | None   # layer 0's picks covering the chunk-initial values
+    first_value_share: list         # chunk-initial values' share of the deviation, per layer 1..
+    deviation: torch.Tensor         # (L, B, N)
+
+
+@dataclass
+class Curve:
+    ratios: list[float]
+    blend: dict[int, list]          # chunk length -> CacheBlend's split-record accuracy per ratio
+    random: dict[int, list]
+
+    def json(self) -> dict:
+        return {f"c{c}_{how}": acc for c in self.blend for how, acc in (("deviation", self.blend[c]),
+                                                                          ("random", self.random[c]))}
+
+
+@dataclass
+class Part3:
+    insights: Insights
+    curve: Curve
+    elsewhere: list[float]          # document tokens' attention on other tokens, per layer
+    blend_at_ratio: dict[int, float | None]   # curve chunk length -> CacheBlend at r on split records
+    lowest: dict[int, float | None]           # curve chunk length -> lowest ratio recovering RECOVER
 
 
 @torch.no_grad()
-def insights(model, rec, chunk_len: int, ratio: float, seed: int, pre=None) -> dict:
-    pre = pre if pre is not None else bw.precompute_chunks(model, rec.doc, chunk_len)
-    dev = bw.kv_deviation(model, rec, chunk_len, pre)          # (L, B, N)
+def insights(model, rec, chunk_len: int, ratio: float, top: float, pre=None) -> Insights:
+    pre = pre if pre is not None else precompute_chunks(model, rec.doc, chunk_len)
+    dev = kv_deviation(model, rec, chunk_len, pre)          # (L, B, N)
     L = dev.shape[0]
-    per_layer_top = [top_share(dev[i], TOP_SHARE) for i in range(1, L)]
-    corr = [bw.spearman(dev[i], dev[i + 1]) for i in range(1, L - 1)]
-    _, trace = bw.blend(model, rec, chunk_len, ratio, pre=pre, trace=True)
-    corr0 = bw.spearman(trace.attn_dev0, dev[1])                 # layer 0's attention deviation vs layer 1's KV deviation
+    per_layer = [top_share(dev[i], top) for i in range(1, L)]
+    corr = [spearman(dev[i], dev[i + 1]) for i in range(1, L - 1)]
+    _, trace = blend(model, rec, chunk_len, ratio, pre=pre, trace=True)
+    corr0 = spearman(trace.attn_dev0, dev[1])                 # layer 0's attention deviation vs layer 1's KV deviation
     # layer 0's picks vs the chunk-initial values (the split records' values)
-    firsts = [2 * i + 1 for i in bw.split_records(chunk_len)]
+    firsts = [2 * i + 1 for i in split_records(chunk_len)]
     picks = trace.recomputed[0]
-    if firsts:
-        hit = torch.stack([(picks == p).any(1) for p in firsts], 1)
-        coverage = float(hit.float().mean())
-    else:
-        coverage = None
-    # where is the deviation? share held by chunk-initial values, per layer
+    coverage = float(torch.stack([(picks == p).any(1) for p in firsts], 1).float().mean()) if firsts else None
     first_share = [float(dev[i][:, firsts].sum() / dev[i].sum()) if firsts else None for i in range(1, L)]
-    return {"top15_deviation_share": sum(per_layer_top) / len(per_layer_top),
-            "top15_per_layer": per_layer_top, "adjacent_layer_rank_corr": corr,
-            "layer0_attn_vs_layer1_kv_rank_corr": corr0, "layer0_pick_coverage": coverage,
-            "chunk_initial_value_share": first_share, "deviation": dev}
+    return Insights(sum(per_layer) / len(per_layer), per_layer, corr, corr0, coverage, first_share, dev)
 
 
-def curve(model, rec, seed: int, ratios, chunk_lens, pre: dict | None = None) -> dict:
+def curve(model, rec, seed: int, ratios, chunk_lens, pre: dict | None = None) -> Curve:
     """Split-record accuracy against the recompute ratio, CacheBlend and random, per chunk length
     (None where a chunk length splits no record; pre: chunk length -> its precomputed chunks, where
     already at hand)."""
-    out = {}
+    out = Curve(list(ratios), {}, {})
     for c in chunk_lens:
         pre_c = (pre or {}).get(c)
-        pre_c = pre_c if pre_c is not None else bw.precompute_chunks(model, rec.doc, c)
-        split = bw.split_mask(rec, c)
-        for how in ("deviation", "random"):
+        pre_c = pre_c if pre_c is not None else precompute_chunks(model, rec.doc, c)
+        split = split_mask(rec, c)
+        for how, into in (("deviation", out.blend), ("random", out.random)):
             g = torch.Generator().manual_seed(seed + 7)
-            out[(c, how)] = [acc_or_none(bw.answer_correct(
-                bw.blend(model, rec, c, r, rule=blend_rules.Random(g) if how == "random" else bw.PROGRESSIVE,
-                         pre=pre_c), rec), split) for r in ratios]
+            rule = Random(g) if how == "random" else PROGRESSIVE
+            into[c] = [acc_or_none(answer_correct(blend(model, rec, c, r, rule=rule, pre=pre_c), rec), split)
+                       for r in ratios]
     return out
 
 
@@ -259,8 +549,98 @@ def lowest_ratio(ratios, accs, target: float):
     return next((r for r, acc in zip(ratios, accs) if acc is not None and acc >= target), None)
 
 
-def exercise7(model: str, n_gpus: int, n_ctx: int) -> dict:
-    """Exercise 7: what CacheBlend's check costs at layer 0 and at layer 1, on the time model.
+def insights_and_curve(model, run: RecordRun, s: Settings) -> Part3:
+    """The insights at the run's chunk length, and the compute-quality curve (CURVE_RATIOS and r)."""
+    ratios = sorted(set(s.curve_ratios) | {s.ratio})
+    c = curve(model, run.rec, s.seed, ratios, s.curve_chunk_lens, pre={s.chunk_len: run.pre})
+    return Part3(insights(model, run.rec, s.chunk_len, s.ratio, s.top_share, run.pre), c,
+                 doc_attention_elsewhere(model, run.rec),
+                 {n: c.blend[n][ratios.index(s.ratio)] for n in s.curve_chunk_lens},
+                 {n: lowest_ratio(ratios, c.blend[n], s.recover) for n in s.curve_chunk_lens})
+
+
+def part3_insights(model, run: RecordRun, s: Settings, page: Page) -> Part3:
+    p = insights_and_curve(model, run, s)
+    f, L, r, top = p.insights, p.insights.deviation.shape[0], f"{s.ratio:.0%}", pk(s.top_share)
+    page.part("Part 3", "§5.3", "The two insights, and the compute-quality curve")
+    corrs = lambda xs: " ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    rows = [Row([f"document tokens' attention on other tokens, layers 0-{L - 1}",
+                 Val(p.elsewhere, "doc_attention_elsewhere", pcts)]),
+            Row([f"top {s.top_share:.0%} of tokens: share of KV deviation (layers 1-{L - 1})",
+                 Val(f.top_share, f"top{top}_deviation_share")], h("top_share", s)),
+            Row([f"  per layer {', '.join(map(str, range(1, L)))}", Val(f.top_per_layer, f"top{top}_per_layer", pcts)]),
+            Row([f"rank correlation of deviation, layers {', '.join(f'{i}-{i + 1}' for i in range(1, L - 1))}",
+                 Val(f.rank_corr, "adjacent_layer_rank_corr", corrs)], h("rank_corr", s)),
+            Row(["  layer-0 attention dev. vs layer-1 KV dev.", Val(f.layer0_vs_layer1, fmt="{:.2f}")]),
+            Row([f"layer-0 picks ({r}) covering chunk-initial values", Val(f.layer0_coverage, "layer0_pick_coverage")],
+                h("layer0_coverage", s)),
+            Row([f"chunk-initial values' share of the deviation, layers 1-{L - 1}",
+                 Val(f.first_value_share, fmt=pcts)])]
+    rows += [Row([f"chunk length {n}: CacheBlend {r} on split records", acc], h(f"blend_c{n}", s, chunk_len=n))
+             for n, acc in p.blend_at_ratio.items()]
+    rows.append(Row([f"lowest ratio recovering >= {s.recover:.0%} of split records, chunk length "
+                     + " / ".join(map(str, s.curve_chunk_lens)), " / ".join(pct(x) for x in p.lowest.values())]))
+    show(page, Table(f"chunks of {s.chunk_len}; deviation = precomputed chunks' KV minus full prefill's, per layer",
+                     "§5.3", cols("insight", ("ours", pct)), rows, "04_cacheblend.insights",
+                     json={f"chunk3_blend{pk(s.ratio)}": p.blend_at_ratio.get(3)}))
+    c = p.curve
+    show(page, Table("compute-quality curve: accuracy on split records", "§5.3",
+                     cols(("ratio", "{:.0%}", "curve_ratios"), *[(f"c={n} {how}", pct) for n in c.blend
+                                                                  for how in ("blend", "random")]),
+                     [Row([x] + [acc[i] for n in c.blend for acc in (c.blend[n], c.random[n])])
+                      for i, x in enumerate(c.ratios)], "04_cacheblend.curve", json={"curve": c.json()}))
+    if page.plot:
+        curve_figure(c, s, page)
+        concentration_figure(f.deviation, s, page)
+    return p
+
+
+def curve_figure(c: Curve, s: Settings, page: Page) -> None:
+    with page.figure("04_compute_quality.png", "compute vs quality: recomputing the right tokens", (6.4, 4)) as (_, ax):
+        for n in c.blend:
+            for how, accs, mark, ls in (("CacheBlend (deviation)", c.blend[n], "o", "-"),
+                                        ("random tokens", c.random[n], "x", "--")):
+                ax.plot([100 * r for r in c.ratios], [math.nan if a is None else 100 * a for a in accs], marker=mark,
+                        ls=ls, color={3: "tab:purple", 5: "tab:blue"}.get(n, "gray"), label=f"chunk length {n}, {how}")
+        ax.axhline(100 / N_RECORDS, color="gray", ls=":", lw=1, label=f"chance (1/{N_RECORDS})")
+        ax.axvline(100 * s.min_ratio, color="gray", ls="-.", lw=0.8)   # CacheBlend's quality floor
+        ax.set(xlabel="recompute ratio r (% of context tokens)", ylabel="accuracy on split records (%)")
+        ax.legend(loc="lower right")
+
+
+def concentration_figure(dev: torch.Tensor, s: Settings, page: Page) -> None:
+    """Per layer: share of the KV deviation held by the top x% of tokens (a Lorenz-style curve)."""
+    ref = HANDOUT("top_share", s)
+    with page.figure("04_deviation_concentration.png", f"How concentrated is full reuse's KV deviation?\n(chunks of "
+                     f"{s.chunk_len}" + (f"; handout: top {s.top_share:.0%} hold {ref.figure})" if ref else ")"),
+                     (6.4, 4.4)) as (_, ax):
+        for i in range(1, dev.shape[0]):
+            d = dev[i].sort(1, descending=True).values
+            cum = torch.cat([torch.zeros(d.shape[0], 1), d.cumsum(1)], 1) / d.sum(1, keepdim=True).clamp_min(1e-30)
+            ax.plot([100 * k / dev.shape[2] for k in range(dev.shape[2] + 1)], 100 * cum.mean(0), marker=".",
+                    label=f"layer {i}")
+        ax.plot([0, 100], [0, 100], color="gray", ls=":", lw=1, label="evenly spread")
+        ax.axvline(100 * s.top_share, color="gray", ls="--", lw=0.8)
+        ax.set(xlabel="top x% of context tokens (by KV deviation)", ylabel="% of the layer's KV deviation")
+        ax.legend()
+
+
+# ---------------------------------------------------------------------------- §5.3, exercise 7
+@dataclass
+class CheckCost:
+    model: str
+    n_gpus: int
+    n_ctx: int
+    layer0_gflop: float
+    layer1_gflop: float
+    layer0_ms: float
+    layer1_ms: float
+    full_layer_ms: float
+    full_prefill_ms: float
+
+
+def check_cost(model: str, n_gpus: int, n_ctx: int, gpu: str) -> CheckCost:
+    """What CacheBlend's check costs at layer 0 and at layer 1, on the time model.
     Layer 0: K, V depend only on token and position, so the precomputed ones are exact; the check is one
     more attention pass (queries of every token against every earlier key) beside the own-chunk one.
     Layer 1: its true K, V need layer 0's output with full attention, for every token: a whole layer of
@@ -268,16 +648,73 @@ def exercise7(model: str, n_gpus: int, n_ctx: int) -> dict:
     m = tm.get_model(model)
     attn = m.attn_pair_flops * tm.causal_pairs(n_ctx)
     q_proj = 2 * m.d_model * m.n_heads * m.head_dim * n_ctx
-    layer0 = tm.prefill_layer_time(model, GPU, n_ctx, 0, n_gpus)            # a full layer, all tokens
+    layer0 = tm.prefill_layer_time(model, gpu, n_ctx, 0, n_gpus)            # a full layer, all tokens
     layer_flops = 2 * m.linear_params / m.n_layers * n_ctx + attn
     per_flop = layer0 / layer_flops                                        # the time model's s/FLOP here
-    return {"model": model, "n_gpus": n_gpus, "n_ctx": n_ctx,
-            "layer0_gflop": (attn + q_proj) / 1e9, "layer1_gflop": (layer_flops + attn + q_proj) / 1e9,
-            "layer0_ms": 1e3 * (attn + q_proj) * per_flop, "layer1_ms": 1e3 * (layer0 + (attn + q_proj) * per_flop),
-            "full_layer_ms": 1e3 * layer0, "full_prefill_ms": 1e3 * m.n_layers * layer0}
+    return CheckCost(model, n_gpus, n_ctx, (attn + q_proj) / 1e9, (layer_flops + attn + q_proj) / 1e9,
+                     1e3 * (attn + q_proj) * per_flop, 1e3 * (layer0 + (attn + q_proj) * per_flop),
+                     1e3 * layer0, 1e3 * m.n_layers * layer0)
 
 
-# ============================================================================ Part 4: timing
+def exercise7(found: Insights, s: Settings, page: Page) -> None:
+    n_ctx, rho = s.rag_chunks * s.rag_chunk_tokens, found.layer0_vs_layer1
+    ex = [check_cost(m, g, n_ctx, s.gpu) for m, g in s.systems]
+    page.exercise(7, "§5.3", f"the cost of CacheBlend's check at layer 0 vs layer 1 ({n_ctx:,} context tokens, "
+                             f"{s.gpu}, time model)")
+    note = ("Layer 0's K, V depend only on token and position, so the precomputed ones are exact: one more attention "
+            "pass over them (all keys instead of the chunk's) gives the deviation, at most "
+            f"{max(e.layer0_ms / e.full_layer_ms for e in ex):.0%} of a layer here. Layer 1's true K, V need layer "
+            "0's output for every token, a whole layer of prefill"
+            + (" (with the check, more than a layer here)" if all(e.layer1_ms > e.full_layer_ms for e in ex) else "")
+            + ": at layer 1 and above CacheBlend can afford to recompute only the tokens it picked. Ours: layer-0 "
+            "attention deviation ranks "
+            + ("like" if rho >= 0.8 else "roughly like" if rho >= 0.5 else "unlike")
+            + f" layer-1 KV deviation (rank correlation {rho:.2f}).")
+    rows = [Row([f"{tm.get_model(e.model).name}, at layer {i}", gflop, ms, e.full_layer_ms])
+            for e in ex for i, gflop, ms in ((0, e.layer0_gflop, e.layer0_ms), (1, e.layer1_gflop, e.layer1_ms))]
+    show(page, Table("", "§5.3", cols("check of the deviation (all tokens)", ("GFLOP", "{:.0f}"), ("ms", "{:.1f}"),
+                                      ("one full layer, ms", "{:.1f}")), rows, "04_cacheblend.check_cost", [note],
+                     {"ex7": ex}))
+
+
+# ============================================================================ §5.4 Part 4: timing
+@dataclass
+class DeviceTiming:
+    load_ms: float                  # one layer's KV read from the device
+    ratio: float                    # the controller's recompute ratio
+    recompute_ms: float
+    ttft_s: float                   # pipelined CacheBlend
+    speedup: float                  # full prefill TTFT / CacheBlend TTFT
+    load_vs_full: float             # full recompute of a layer / its load
+
+
+@dataclass
+class PaperPoint:
+    recompute_ms: float             # PAPER_RATIO of a layer at PAPER_CONTEXT tokens
+    load_ms: float                  # its read from PAPER_DEVICE
+
+
+@dataclass
+class Throughput:
+    full_rps: float
+    blend_rps: float
+    gpu_s: float
+    load_s: float
+    bound: str                      # "GPU" or the device
+
+
+@dataclass
+class SystemTiming:
+    n_gpus: int
+    tag: str
+    full_layer_ms: float
+    floor_layer_ms: float
+    prefill_s: float
+    devices: dict[str, DeviceTiming]
+    paper: PaperPoint
+    throughput: dict[float, Throughput]   # recompute ratio -> requests/s
+
+
 def controller_ratio(load_s: float, full_recompute_s: float, min_ratio: float = MIN_RATIO) -> float:
     """CacheBlend's loading controller: recompute as much as loading the layer hides (recompute time
     is proportional to the ratio), but never less than the quality floor, never more than all."""
@@ -289,651 +726,457 @@ def pipelined_ttft(n_layers: int, load_s: float, recompute_s: float, extra_s: fl
     return n_layers * max(load_s, recompute_s) + extra_s
 
 
-def exercise8(layers: int, read_ms: float, prefill_ms: float, min_ratio: float = MIN_RATIO) -> dict:
-    r = controller_ratio(read_ms, prefill_ms, min_ratio)
-    return {"ex8_ratio": r, "ex8_ttft_ms": pipelined_ttft(layers, read_ms, r * prefill_ms),
-            "ex8_full_ms": layers * prefill_ms}
-
-
-def throughput(model, n_gpus: int, ratio: float, device: str) -> dict:
-    """Requests/s of one server on the RAG requests of Part 4 when it is busy all the time: full prefill
-    spends the GPUs' prefill of the whole prompt per request; CacheBlend spends the recompute at `ratio`
-    plus the question, its loads overlapping other requests' compute, so the device's bandwidth caps it
-    (KV bytes per request / bandwidth)."""
-    n_ctx = RAG_CHUNKS * RAG_CHUNK_TOKENS
-    m = tm.get_model(model)
-    full = tm.prefill_time(model, GPU, n_ctx + RAG_QUESTION, 0, n_gpus)
-    gpu_s = tm.recompute_time(model, GPU, n_ctx, ratio, n_gpus) + tm.prefill_time(model, GPU, RAG_QUESTION, n_ctx,
-                                                                                  n_gpus)
-    load_s = load_time(model, n_ctx, device, n_gpus) * m.n_layers
-    return {"full_rps": 1 / full, "blend_rps": 1 / max(gpu_s, load_s), "gpu_s": gpu_s, "load_s": load_s,
-            "bound": "GPU" if gpu_s >= load_s else device}
-
-
-def load_time(model, n_tokens: int, device: str, n_gpus: int) -> float:
+def load_time(model, n_tokens: int, device: str, n_gpus: int, devices: dict) -> float:
     """Seconds to read one layer's KV for n_tokens from `device`."""
-    how, bandwidth = DEVICES[device]
+    how, bandwidth = devices[device]
     m = tm.get_model(model)
     nbytes = tm.kv_bytes_per_token(m) / m.n_layers * n_tokens
     return nbytes / (bandwidth * (n_gpus if how == "per_gpu" else 1))
 
 
-def timing(min_ratio: float) -> dict:
-    """Per system of SYSTEMS: one layer's full and floor-ratio recompute, and per device of DEVICES the
-    load, the controller's ratio, the pipelined TTFT; CacheBlend's per-layer paper point."""
-    n_ctx = RAG_CHUNKS * RAG_CHUNK_TOKENS
-    out = {}
-    for model, n_gpus in SYSTEMS:
-        m = tm.get_model(model)
-        full_layer = tm.recompute_time(model, GPU, n_ctx, 1.0, n_gpus) / m.n_layers
-        floor_layer = tm.recompute_time(model, GPU, n_ctx, min_ratio, n_gpus) / m.n_layers
-        question = tm.prefill_time(model, GPU, RAG_QUESTION, n_ctx, n_gpus)
-        prefill = tm.prefill_time(model, GPU, n_ctx + RAG_QUESTION, 0, n_gpus)
-        rows = {}
-        for device in DEVICES:
-            load = load_time(model, n_ctx, device, n_gpus)
-            r = controller_ratio(load, full_layer, min_ratio)
-            recompute = tm.recompute_time(model, GPU, n_ctx, r, n_gpus) / m.n_layers
-            ttft = pipelined_ttft(m.n_layers, load, recompute, question)
-            rows[device] = {"load_ms": 1e3 * load, "ratio": r, "recompute_ms": 1e3 * recompute, "ttft_s": ttft,
-                            "speedup": prefill / ttft, "load_vs_full": full_layer / load}
-        paper = {"recompute_ms": 1e3 * tm.recompute_time(model, GPU, PAPER_CONTEXT, PAPER_RATIO, n_gpus) / m.n_layers,
-                 "load_ms": 1e3 * load_time(model, PAPER_CONTEXT, PAPER_DEVICE, n_gpus)}
-        tput = {r: throughput(model, n_gpus, r, PAPER_DEVICE)
-                for r in sorted({rows[PAPER_DEVICE]["ratio"], min_ratio})}
-        out[model] = {"n_gpus": n_gpus, "tag": m.tag, "full_layer_ms": 1e3 * full_layer,
-                      "floor_layer_ms": 1e3 * floor_layer, "prefill_s": prefill, "devices": rows, "paper": paper,
-                      "throughput": tput}
-    return out
+def throughput(model, n_gpus: int, ratio: float, device: str, s: Settings) -> Throughput:
+    """Requests/s of one server on the RAG requests of Part 4 when it is busy all the time: full prefill
+    spends the GPUs' prefill of the whole prompt per request; CacheBlend spends the recompute at `ratio`
+    plus the question, its loads overlapping other requests' compute, so the device's bandwidth caps it
+    (KV bytes per request / bandwidth)."""
+    n_ctx, gpu = s.rag_chunks * s.rag_chunk_tokens, s.gpu
+    full = tm.prefill_time(model, gpu, n_ctx + s.rag_question, 0, n_gpus)
+    gpu_s = (tm.recompute_time(model, gpu, n_ctx, ratio, n_gpus)
+             + tm.prefill_time(model, gpu, s.rag_question, n_ctx, n_gpus))
+    load_s = load_time(model, n_ctx, device, n_gpus, s.devices) * tm.get_model(model).n_layers
+    return Throughput(1 / full, 1 / max(gpu_s, load_s), gpu_s, load_s, "GPU" if gpu_s >= load_s else device)
+
+
+def system_timing(model: str, n_gpus: int, s: Settings) -> SystemTiming:
+    """One layer's full and floor-ratio recompute, and per device the load, the controller's ratio, the
+    pipelined TTFT; CacheBlend's per-layer paper point; a busy server's requests/s."""
+    n_ctx, gpu, m = s.rag_chunks * s.rag_chunk_tokens, s.gpu, tm.get_model(model)
+    full_layer = tm.recompute_time(model, gpu, n_ctx, 1.0, n_gpus) / m.n_layers
+    floor_layer = tm.recompute_time(model, gpu, n_ctx, s.min_ratio, n_gpus) / m.n_layers
+    question = tm.prefill_time(model, gpu, s.rag_question, n_ctx, n_gpus)
+    prefill = tm.prefill_time(model, gpu, n_ctx + s.rag_question, 0, n_gpus)
+    devices = {}
+    for device in s.devices:
+        load = load_time(model, n_ctx, device, n_gpus, s.devices)
+        r = controller_ratio(load, full_layer, s.min_ratio)
+        recompute = tm.recompute_time(model, gpu, n_ctx, r, n_gpus) / m.n_layers
+        ttft = pipelined_ttft(m.n_layers, load, recompute, question)
+        devices[device] = DeviceTiming(1e3 * load, r, 1e3 * recompute, ttft, prefill / ttft, full_layer / load)
+    paper = PaperPoint(1e3 * tm.recompute_time(model, gpu, s.paper_context, s.paper_ratio, n_gpus) / m.n_layers,
+                       1e3 * load_time(model, s.paper_context, s.paper_device, n_gpus, s.devices))
+    tput = {r: throughput(model, n_gpus, r, s.paper_device, s)
+            for r in sorted({devices[s.paper_device].ratio, s.min_ratio})}
+    return SystemTiming(n_gpus, m.tag, 1e3 * full_layer, 1e3 * floor_layer, prefill, devices, paper, tput)
+
+
+def part4_pipelining(s: Settings, page: Page) -> dict[str, SystemTiming]:
+    timings = {model: system_timing(model, n_gpus, s) for model, n_gpus in s.systems}
+    page.part("Part 4", "§5.4", f"Hiding recompute behind loading ({s.gpu}, time model)")
+    for model, t in timings.items():
+        rows = [Row(["full recompute of the layer", t.full_layer_ms, None, None, None]),
+                Row([f"recompute {s.min_ratio:.0%}", t.floor_layer_ms, None, None, None])]
+        rows += [Row([f"load from {d}", x.load_ms, x.ratio, 1e3 * x.ttft_s, x.speedup]) for d, x in t.devices.items()]
+        show(page, Table(f"{tm.get_model(model).name} ({t.tag}) on {t.n_gpus} x {s.gpu}: {s.rag_chunks} x "
+                         f"{s.rag_chunk_tokens} tokens + {s.rag_question}-token question; full prefill TTFT "
+                         f"{1e3 * t.prefill_s:.0f} ms", "§5.4",
+                         cols("per layer", ("ms", "{:.1f}"), ("controller ratio", "{:.0%}"),
+                              ("TTFT CacheBlend (ms)", "{:.0f}"), ("vs full prefill", "{:.2f}x")),
+                         rows, "04_cacheblend.system_timing", json={"timing": {model: t}}))
+    present_comparison(timings, s, page)
+    present_throughput(timings, s, page)
+    if page.plot:
+        timing_figure(timings, s, page)
+    return timings
+
+
+def present_comparison(timings: dict[str, SystemTiming], s: Settings, page: Page) -> None:
+    dev, rows = s.paper_device, []
+    for model, t in timings.items():
+        name, row = tm.get_model(model).name, {"system": (model, t.n_gpus)}
+        rows += [Row([f"{name}: full recompute / {dev} load per layer",
+                      Val(t.devices[dev].load_vs_full, fmt="{:.3g}x")], h(f"nvme_vs_recompute {model}", s, **row)),
+                 Row([f"paper point, {name}, {s.paper_context} tokens: {s.paper_ratio:.0%} recompute per layer (ms)",
+                      t.paper.recompute_ms], h(f"paper_recompute {model}", s, **row)),
+                 Row([f"paper point, {name}: {dev} read per layer (ms)", t.paper.load_ms],
+                     h(f"paper_load {model}", s, **row))]
+    rows.append(Row([f"TTFT speed-up over full prefill ({dev}, {' / '.join(tm.get_model(m).name for m in timings)})",
+                     " / ".join(f"{t.devices[dev].speedup:.1f}x" for t in timings.values())], h("ttft_speedup", s)))
+    t70 = timings.get("llama-3.1-70b")
+    show(page, Table(f"Load vs recompute ({s.gpu}; paper points on the same GPU)", "§5.4",
+                     cols("comparison", ("ours", "{:.1f}")), rows, "04_cacheblend.system_timing",
+                     speedup_notes(timings, s),
+                     {"llama70b_nvme_vs_recompute": t70.devices[dev].load_vs_full if t70 else None}))
+
+
+def speedup_notes(timings: dict[str, SystemTiming], s: Settings) -> list[str]:
+    """Why the time model's speed-ups and load/recompute ratios differ from the paper's, from the rows."""
+    nvme, ref = {m: t.devices[s.paper_device] for m, t in timings.items()}, HANDOUT("ttft_speedup", s)
+    lo, hi = (float(x.strip("x")) for x in ref.figure.split("-")) if ref else (0.0, 0.0)
+    outside = ref and not any(lo <= d.speedup <= hi for d in nvme.values())
+    notes = [(f"Why our speed-ups are not the paper's {ref.figure}: " if outside else "Our speed-ups: ")
+             + "the controller sets recompute = load, so " + " and ".join(
+                 f"{tm.get_model(m).name} recomputes {d.ratio:.0%} of every layer (speed-up about 1/{d.ratio:.2f} = "
+                 f"{1 / d.ratio:.1f}x)" for m, d in nvme.items()) + f"; the floor is {s.min_ratio:.0%}."
+             + (" The paper's are measured end to end in vLLM (kernels, scheduling, real disks), ours are a roofline "
+                "with no overheads." if ref else "")]
+    t = timings.get("llama-3.1-70b")
+    ref70 = t and h("nvme_vs_recompute llama-3.1-70b", s, system=("llama-3.1-70b", t.n_gpus))
+    if isinstance(ref70, Ref):
+        implied = t.paper.recompute_ms / s.paper_ratio / t.paper.load_ms
+        notes.append(f"Full recompute / {s.paper_device} load for LLaMA-3.1-70B is "
+                     f"{nvme['llama-3.1-70b'].load_vs_full:.1f}x here; the paper's own per-layer points (the rows "
+                     f"above) imply {t.paper.recompute_ms:.1f} / {s.paper_ratio:.2f} / {t.paper.load_ms:.1f} = "
+                     f"{implied:.1f}x at {s.paper_context} tokens, so the "
+                     f"handout's {ref70.figure} " + ("follows from them." if abs(implied / number(ref70) - 1) < 0.2
+                                                    else "does not follow from them."))
+    return notes
+
+
+def present_throughput(timings: dict[str, SystemTiming], s: Settings, page: Page) -> None:
+    """§5.4's throughput headline: requests/s of full prefill vs CacheBlend, one server kept busy."""
+    rows = [Row([f"{tm.get_model(m).name}, {s.paper_device}, recompute {r:.0%}", x.full_rps, x.blend_rps, x.bound,
+                 x.blend_rps / x.full_rps], h("throughput", s)) for m, t in timings.items()
+            for r, x in t.throughput.items()]
+    floor_best = all(max(t.throughput, key=lambda r: t.throughput[r].blend_rps) == s.min_ratio
+                     for t in timings.values())
+    note = ("A busy server's GPUs do only the recompute and the question per request; loading the KV overlaps other "
+            "requests' compute, until the device's bandwidth runs out. The controller's ratio (recompute = load) is "
+            f"the latency choice; the {s.min_ratio:.0%} floor " + ("is what throughput wants." if floor_best else
+                                                                   "does not serve the most requests/s here."))
+    show(page, Table(f"Throughput of one server kept busy by RAG requests ({s.gpu})", "§5.4",
+                     cols("throughput (requests/s)", ("full prefill", "{:.2f}"), ("CacheBlend", "{:.2f}"), "bound by",
+                          ("ratio", "{:.1f}x")), rows, "04_cacheblend.throughput", [note]))
+
+
+def timing_figure(timings: dict[str, SystemTiming], s: Settings, page: Page) -> None:
+    with page.figure("04_load_vs_recompute.png", f"one layer of a {s.rag_chunks} x {s.rag_chunk_tokens}-token RAG "
+                     "context: recompute vs load", (5 * len(timings), 3.8), ncols=len(timings),
+                     squeeze=False) as (_, axes):
+        for ax, (model, t) in zip(axes[0], timings.items()):
+            vals = [t.full_layer_ms, t.floor_layer_ms] + [x.load_ms for x in t.devices.values()]
+            ax.barh(["full recompute", f"{s.min_ratio:.0%} recompute"] + [f"load: {d}" for d in t.devices], vals,
+                    color=["tab:red", "tab:orange"] + ["tab:blue"] * len(t.devices))
+            for y, v in enumerate(vals):
+                ax.text(v, y, f" {v:.1f} ms", va="center", fontsize=8)
+            ax.set(xscale="log", xlabel="ms per layer (log scale)",
+                   title=f"{tm.get_model(model).name} ({t.tag}), {t.n_gpus} x {s.gpu}")
+            ax.invert_yaxis()
+
+
+# ---------------------------------------------------------------------------- §5.4, exercise 8
+@dataclass
+class Controller:
+    ratio: float
+    ttft_ms: float                  # CacheBlend pipelined
+    full_ms: float                  # full prefill
+
+
+def controller_example(layers: int, read_ms: float, prefill_ms: float, min_ratio: float) -> Controller:
+    r = controller_ratio(read_ms, prefill_ms, min_ratio)
+    return Controller(r, pipelined_ttft(layers, read_ms, r * prefill_ms), layers * prefill_ms)
+
+
+def exercise8(s: Settings, page: Page) -> None:
+    e = controller_example(s.layers, s.read_ms, s.prefill_ms, s.min_ratio)
+    page.exercise(8, "§5.4", f"{s.layers} layers, read {s.read_ms:g} ms/layer, prefill {s.prefill_ms:g} ms/layer, "
+                             f"floor {s.min_ratio:.0%}")
+    show(page, Table("", "§5.4", cols("exercise 8", ("ours", "{:.0f}")), [
+        Row(["controller's recompute ratio", Val(e.ratio, "ex8_ratio", "{:.0%}")], h("ex8_ratio", s)),
+        Row(["TTFT, CacheBlend pipelined (ms)", Val(e.ttft_ms, "ex8_ttft_ms")], h("ex8_ttft_ms", s)),
+        Row(["TTFT, full prefill (ms)", Val(e.full_ms, "ex8_full_ms")], h("ex8_full_ms", s))],
+        "04_cacheblend.controller_example"))
+
+
+# ============================================================================ Parts 1-4, in the handout's order
+def record_world(s: Settings, page: Page) -> None:
+    """Parts 1-4 and exercises 5-8, each computed and then shown, as the handout poses them."""
+    city, lang = city_model()
+    docs = city_docs(city, lang, s.city_docs, 0, s.city_chunks, s.city_chunk_len)
+    # §5.1 (prefix caching is not enough) goes here
+    exercise5(docs, lang, s, page)                  # §5.1: moving a chunk's KV
+    part1_city(docs, lang, s, page)                 # §5.2: the city language, full reuse vs full prefill
+    model = record_world_model(s, page)
+    run = part2_records(model, s, page)             # §5.2-5.3: split records, CacheBlend, random
+    exercise6(model, run, s, page)                  # §5.2: an even chunk length
+    p3 = part3_insights(model, run, s, page)        # §5.3: the two insights, the curve
+    exercise7(p3.insights, s, page)                 # §5.3: the check at layer 0 vs 1
+    part4_pipelining(s, page)                       # §5.4: loading hides the recompute
+    exercise8(s, page)                              # §5.4: the controller
 
 
 # ============================================================================ Part 5: a real model
-def real_model_part(a) -> dict:
+@dataclass
+class ToyInsights:
+    top_share: float
+    rank_corr: list[float]
+
+
+@dataclass
+class Real:
+    study: dict                     # blend_real.real_experiment's result
+    source: str                     # where the inputs came from
+    model_name: str
+    n_layers: int
+    best: str                       # the rule with the most quality per measured TTFT (of those measured)
+    score: dict[str, float]
+    top_per_layer: list[float]      # share of the deviation held by the top TOP_SHARE tokens, layers 1..
+    top_share: float
+    rank_corr: list[float]
+    toy: ToyInsights | None         # the record world's, beside it
+
+
+def real_study(s: Settings) -> Real:
     """SmolLM2-135M on RAG inputs (blend_real.py): KL to full prefill of one rule, random and the oracle at
     r (or, with --curve, of every selection rule at REAL_CURVE_RATIOS); live TTFT per rule; the record
     world's insights for comparison."""
-    import blend_real as br
     from common.gguf_llama import load_gguf_llama
 
-    model, tok, info = load_gguf_llama(a.gguf, progress=True)
-    if a.passages:
-        rags, source = [br.passage_input(it, tok) for it in a.passage_items], a.passages
+    model, tok, info = load_gguf_llama(s.gguf, progress=True)
+    if s.passages:
+        rags, source = [br.passage_input(it, tok) for it in br.load_passages(s.passages)], s.passages
     else:
-        rags, source = br.built_in_inputs(tok, a.items, a.chunk_tokens), "built-in RAG items (common/english.py)"
+        rags, source = br.built_in_inputs(tok, s.items, s.chunk_tokens), "built-in RAG items (common/english.py)"
     path = Path(info["path"])
-    res = br.real_experiment(model, tok, rags, a.ratio, f"{path.name}:{path.stat().st_size}", a.rule, a.curve,
-                             REAL_CURVE_RATIOS, ttft_items=min(REAL_TTFT_ITEMS, len(rags)), recompute=a.recompute)
-    res["source"] = source
-    res["best"], res["score"] = br.best_rule(res)
-    L = res["deviation"][0].shape[0]
-    per_layer = [statistics.fmean(top_share(d[i][None], TOP_SHARE) for d in res["deviation"]) for i in range(1, L)]
-    res["top15_per_layer"], res["top15"] = per_layer, statistics.fmean(per_layer)
-    res["corr"] = [statistics.fmean(bw.spearman(d[i][None], d[i + 1][None]) for d in res["deviation"])
-                   for i in range(1, L - 1)]
-    res["model_name"], res["n_layers"] = path.stem, L
+    res = br.real_experiment(model, tok, rags, s.real_ratio, f"{path.name}:{path.stat().st_size}", s.rule, s.curve,
+                             s.real_curve_ratios, ttft_items=min(s.real_ttft_items, len(rags)), recompute=s.recompute)
+    best, score = br.best_rule(res)
+    dev, L = res["deviation"], res["deviation"][0].shape[0]
+    per_layer = [statistics.fmean(top_share(d[i][None], s.top_share) for d in dev) for i in range(1, L)]
+    corr = [statistics.fmean(spearman(d[i][None], d[i + 1][None]) for d in dev) for i in range(1, L - 1)]
     try:  # the toy model's figures beside the real one's (the cached record-world model, 200 documents)
-        toy, _ = rt.record_model()
-        found = insights(toy, bw.heldout(200), CHUNK_LEN, RATIO, 0)
-        res["toy"] = {"top15": found["top15_deviation_share"], "corr": found["adjacent_layer_rank_corr"]}
+        toy, _ = record_model(False, s.seed, locality=s.locality)
+        found = insights(toy, heldout(200), s.chunk_len, s.ratio, s.top_share)
+        toy_insights = ToyInsights(found.top_share, found.rank_corr)
     except TrainingFailed:
-        res["toy"] = None
-    return res
+        toy_insights = None
+    return Real(res, source, path.stem, L, best, score, per_layer, statistics.fmean(per_layer), corr, toy_insights)
 
 
-def print_real(res: dict) -> None:
-    import blend_real as br
-
-    items, at, k = res["items"], res["at"], f"{res['at']:g}"
-    ratios, curve, reuse, rule = res["ratios"], res["curve"], res["kl_reuse"], res["rule"]
-    lens = [n for it in items for n in it["chunk_lens"]]
-    qs = [it["n_question"] for it in items]
-    n_chunks = [len(it["chunk_lens"]) for it in items]
+def real_model(s: Settings, page: Page) -> None:
+    with idle_threads():  # the TTFT is measured on one thread inside (blend_real.item_ttft)
+        r = real_study(s)
+    st, items = r.study, r.study["items"]
+    page.part("Part 5", "§5.2-5.4", f"CacheBlend on a real LLaMA: {r.model_name} ({r.n_layers} layers)")
     span = lambda xs: f"{min(xs)}" if min(xs) == max(xs) else f"{min(xs)}-{max(xs)}"  # noqa: E731
-    print(f"Part 5. {res['model_name']} ({res['n_layers']} layers), {len(items)} inputs from {res['source']}:\n  "
-          f"3-token chat prefix + {span(n_chunks)} chunks of {span(lens)} tokens (each precomputed alone behind "
-          f"the prefix) +\n  a {span(qs)}-token question")
-    what = "the curve" if res["curve_mode"] else "KL"
-    print("  " + (f"{what} loaded from the cache (--recompute computes it again); " if res["loaded_from_cache"]
-                  else f"{what} computed in {res['compute_seconds']:.0f} s and cached; ") + "TTFT measured live")
-    ca = res["curve_answer"]
-    if res["curve_mode"]:
-        print()
-        rows = [[m] + [f"{curve[m][f'{r:g}']:.4f}" for r in ratios] + [f"{curve[m][k] / reuse:.2f}x"]
-                for m in res["methods"][1:]]
-        print(table(["rule"] + [f"r={r:.0%}" for r in ratios] + [f"{at:.0%} / reuse"], rows,
-                    title=f"Part 5a. Mean KL(full prefill || method) of the first answer token, nats, vs "
-                          f"recompute ratio r\n  (full reuse: {reuse:.4f}; random: {br.RANDOM_RULE}'s counts, "
-                          f"tokens at random; oracle: the\n  full prefill's K, V of the top r N tokens by true "
-                          f"deviation, at every layer)"))
-        print()
-        print(table(["rule"] + [f"r={r:.0%}" for r in ratios],
-                    [[m] + [f"{ca[m][f'{r:g}']:.4f}" for r in ratios] for m in res["methods"][1:]],
-                    title=f"Part 5b. The same, mean over the first {res['kl_tokens']} answer tokens, "
-                          f"teacher-forced on\n  full prefill's greedy answer (full reuse: "
-                          f"{res['kl_answer_reuse']:.4f})"))
+    lens, prefix = [n for it in items for n in it["chunk_lens"]], items[0]["n_context"] - sum(items[0]["chunk_lens"])
+    page.say(f"  {len(items)} inputs from {r.source}: {prefix}-token chat prefix + "
+             f"{span([len(it['chunk_lens']) for it in items])} chunks of {span(lens)} tokens (each precomputed alone "
+             f"behind the prefix) + a {span([it['n_question'] for it in items])}-token question")
+    page.say(("  the curve" if st["curve_mode"] else "  KL") + (
+        " loaded from the cache (--recompute computes it again)" if st["loaded_from_cache"] else
+        f" computed in {st['compute_seconds']:.0f} s and cached") + "; TTFT measured live")
+    page.data(real_items=len(items), real_source=r.source, real_answers=[it["text"] for it in items])
+    if st["curve_mode"]:
+        present_real_curve(r, page)
     else:
-        print(f"  Parts 5a-b, the quality curve of every selection rule, random and the oracle at "
-              f"{', '.join(f'{r:.0%}' for r in REAL_CURVE_RATIOS)}:\n  --curve (the first time about 35 s per "
-              f"item on two idle cores, a minute on one; then cached; --items 8 for all eight)")
-    t, score, share, counts = res["ttft"], res["score"], res["share"], res["counts"]
-    print()
-    rows = [["full prefill", f"{t['full prefill']:.2f}", "1.00x", "100%", "-", "-", "-"]]
-    for r in br.RULE_NAMES:
-        c = counts[r]
-        rows.append([r, f"{t[r]:.2f}", f"{t['full prefill'] / t[r]:.2f}x", pct(share[r]),
-                     f"{curve[r][k]:.4f}" if r in curve else "-", f"{score[r]:.2f}" if r in score else "-",
-                     " ".join(str(x) for x in c[:4]) + f" ... {c[-1]}"])
-    print(table(["rule", "TTFT s", "speed-up", "recomputed", "KL first token", "KL removed / s",
-                 "tokens at layers 1 2 3 4 ... last"], rows,
-                title=f"Part 5c. Time to first token at r = {at:.0%}, CPU wall clock, median of "
-                      f"{res['ttft_items']} input(s), {res['threads']} torch thread(s),\n  chunks' KV in memory "
-                      f"(shift_kv + blend); noisy on a shared machine. Paper (GPU): {HANDOUT['ttft_speedup']}"))
-    gain = lambda r: 1 - curve[r][k] / reuse  # noqa: E731
-    if res["curve_mode"]:
-        best = res["best"]
-        print(f"  quality per TTFT = share of full reuse's KL removed / TTFT; best in this run: {best} "
-              f"({gain(best):.0%} removed in {t[best]:.2f} s).")
-    print(f"  CacheBlend below = --rule {rule} ({gain(rule):.0%} of full reuse's KL removed in {t[rule]:.2f} s). "
-          f"The default,\n  {REAL_RULE}, removed the most KL per measured second on the built-in items (--curve "
-          f"measures it): at 15%,\n  r N tokens re-ranked at every layer removed more KL than one set ranked at a "
-          f"check layer (which also\n  computes layers 0-1 in full) and than the handout's schedule (0.75 r N from "
-          f"layer 3 on); on a shared CPU\n  one run's timings can reorder rules whose recomputed shares are close")
-    measured = [r for r in br.RULE_NAMES if r in curve]
-    bestr = min(measured, key=lambda r: curve[r][k])
-    orc, bestq = curve["oracle"][k] / reuse, curve[bestr][k] / reuse
-    verdict = (f"{bestr} reaches {bestq:.2f}x full reuse's KL at {at:.0%}; the oracle {orc:.2f}x:\n  "
-               + ("a better selection rule could still gain, the model is not the limit" if orc < 0.5 * bestq else
-                  "the rule is near (or past) the oracle, so a better ranking by KV deviation would not help:\n"
-                  "  the limit is the model and the measure (the largest KV deviations are not the tokens the answer "
-                  "needs)"))
-    print("  " + verdict)
-    print()
-    print(table(["method", "KL first token", f"KL first {res['kl_tokens']} tokens", "same greedy answer"],
-                [[n, "0" if n == "full prefill" else f"{reuse if n == 'full reuse' else curve[n][k]:.4f}",
-                  "0" if n == "full prefill" else
-                  f"{res['kl_answer_reuse'] if n == 'full reuse' else ca[n][k]:.4f}",
-                  f"{res['same_answer'][n]}/{len(items)}"] for n in res["same_answer"]],
-                title=f"Part 5d. KL and greedy answers at r = {at:.0%} (the answers of --rule {rule} shown below)"))
+        page.say(f"  Parts 5a-b, the quality curve of every selection rule, random and the oracle at "
+                 f"{', '.join(f'{x:.0%}' for x in s.real_curve_ratios)}: --curve (the first time about 35 s per item "
+                 "on two idle cores, a minute on one; then cached; --items 8 for all eight)")
+    present_real_ttft(r, s, page)
+    present_real_answers(r, page)
+    present_real_insights(r, s, page)
+    if page.plot and st["curve_mode"]:
+        real_curve_figure(r, s, page)
+
+
+def present_real_curve(r: Real, page: Page) -> None:
+    st = r.study
+    at, ratios, reuse, methods = st["at"], st["ratios"], st["kl_reuse"], st["methods"][1:]
+    for name, kl, more, title in (
+            ("5a", st["curve"], [(f"{at:.0%} / reuse", "{:.2f}x")],
+             f"Mean KL(full prefill || method) of the first answer token, nats, vs recompute ratio r\n  (full reuse: "
+             f"{reuse:.4f}; random: {br.RANDOM_RULE}'s counts, tokens at random; oracle: the\n  full prefill's K, V of "
+             "the top r N tokens by true deviation, at every layer)"),
+            ("5b", st["curve_answer"], [], f"The same, mean over the first {st['kl_tokens']} answer tokens, "
+             f"teacher-forced on\n  full prefill's greedy answer (full reuse: {st['kl_answer_reuse']:.4f})")):
+        show(page, Table(f"Part {name} (§5.3). {title}", "§5.3",
+                         cols("rule", *[(f"r={x:.0%}", "{:.4f}") for x in ratios], *more),
+                         [Row([m, *[kl[m][f"{x:g}"] for x in ratios]] + [kl[m][f"{at:g}"] / reuse] * len(more))
+                          for m in methods], "blend_real.real_experiment"))
+
+
+def present_real_ttft(r: Real, s: Settings, page: Page) -> None:
+    st = r.study
+    t, k, rule, ref = st["ttft"], f"{st['at']:g}", st["rule"], HANDOUT("real_ttft", s)
+    rows = [Row(["full prefill", Val(t["full prefill"], "real_ttft_s.full prefill"), 1.0, "100%", None, None, None])]
+    rows += [Row([m, Val(t[m], f"real_ttft_s.{m}"), Val(t["full prefill"] / t[m], "real_ttft_speedup" if m == rule
+                                                       else None), st["share"][m], st["curve"].get(m, {}).get(k),
+                  r.score.get(m), Val(st["counts"][m], f"real_counts.{m}",
+                                      lambda c: " ".join(map(str, c[:4])) + f" ... {c[-1]}")]) for m in br.RULE_NAMES]
+    show(page, Table(f"Part 5c (§5.4). Time to first token at r = {st['at']:.0%}, CPU wall clock, median of "
+                     f"{st['ttft_items']} input(s), {st['threads']} torch thread(s),\n  chunks' KV in memory "
+                     "(shift_kv + blend); noisy on a shared machine." + (f" Paper (GPU): {ref.figure}" if ref else ""),
+                     "§5.4", cols("rule", ("TTFT s", "{:.2f}"), ("speed-up", "{:.2f}x"), ("recomputed", pct),
+                                  ("KL first token", "{:.4f}"), ("KL removed / s", "{:.2f}"),
+                                  "tokens at layers 1 2 3 4 ... last"), rows, "blend_real.real_experiment",
+                     real_notes(r), {"real_rule": rule, "real_curve_measured": st["curve_mode"], "real_threads":
+                                     st["threads"], "real_best_rule_this_run": r.best if st["curve_mode"] else None}))
+
+
+def real_notes(r: Real) -> list[str]:
+    """The rule reported as CacheBlend, the best rule of this run, and how far the oracle is."""
+    st = r.study
+    t, k, at, rule, reuse, kl = st["ttft"], f"{st['at']:g}", st["at"], st["rule"], st["kl_reuse"], st["curve"]
+    gain = lambda m: f"{1 - kl[m][k] / reuse:.0%} of full reuse's KL removed in {t[m]:.2f} s"  # noqa: E731
+    notes = []
+    if st["curve_mode"]:                # every rule measured: the one with the most quality per second
+        rank = sorted(r.score, key=r.score.get, reverse=True).index(REAL_RULE) + 1
+        notes.append(f"quality per TTFT = share of full reuse's KL removed / TTFT; best in this run: {r.best} "
+                     f"({gain(r.best)}); the default --rule {REAL_RULE} " + (
+                         "is that rule." if rank == 1 else f"ranks {rank} of {len(r.score)} (one run's timings on a "
+                         "shared CPU can reorder rules whose recomputed shares are close)."))
+    notes.append(f"CacheBlend below = --rule {rule} ({gain(rule)})." + (
+        "" if st["curve_mode"] else f" The default, {REAL_RULE}, removed the most KL per measured second on the "
+                                    "built-in items at 15% (--curve measures every rule)."))
+    closest = min((m for m in br.RULE_NAMES if m in kl), key=lambda m: kl[m][k])
+    orc, ours = kl["oracle"][k] / reuse, kl[closest][k] / reuse
+    notes.append(f"{closest} reaches {ours:.2f}x full reuse's KL at {at:.0%}; the oracle {orc:.2f}x: " + (
+        "a better selection rule could still gain, the model is not the limit" if orc < 0.5 * ours else
+        "the rule is near (or past) the oracle, so a better ranking by KV deviation would not help: the limit is "
+        "the model and the measure (the largest KV deviations are not the tokens the answer needs)"))
+    return notes
+
+
+def present_real_answers(r: Real, page: Page) -> None:
+    st, items = r.study, r.study["items"]
+    k, at, rule = f"{st['at']:g}", st["at"], st["rule"]
+    keys = {rule: f"real_kl_blend{pk(at)}", "random": f"real_kl_random{pk(at)}", "oracle": f"real_kl_oracle{pk(at)}"}
+    first = {"full prefill": "0", "full reuse": Val(st["kl_reuse"], "real_kl_reuse"),
+             **{m: Val(c[k], keys.get(m)) for m, c in st["curve"].items()}}
+    answer = {"full prefill": "0", "full reuse": Val(st["kl_answer_reuse"], "real_kl_answer_reuse"),
+              **{m: c[k] for m, c in st["curve_answer"].items()}}
+    show(page, Table(f"Part 5d (§5.3). KL and greedy answers at r = {at:.0%} (the answers of --rule {rule} shown "
+                     "below)", "§5.3", cols("method", ("KL first token", "{:.4f}"), (f"KL first {st['kl_tokens']} "
+                                                                                    "tokens", "{:.4f}"),
+                                           ("same greedy answer", lambda x: f"{x}/{len(items)}",
+                                            "real_same_answer.{row}")),
+                     [Row([m, first[m], answer[m], st["same_answer"][m]], key=m) for m in st["same_answer"]],
+                     "blend_real.real_experiment",
+                     json={"real_kl_curve": st["curve"], "real_kl_answer_curve": st["curve_answer"]}))
     for it in items:
-        print(f"\n{it['question']}" + (f"\n  (reference: {it['reference']})" if it["reference"] else ""))
-        for n in ("full prefill", "full reuse", rule, "random"):
-            print(f"  {n:14s} {it['text'][n].strip()!r}")
-    toy = res.get("toy") or {}
-    corr, per_layer = res["corr"], res["top15_per_layer"]
-    print()
-    print(table(["insight", "SmolLM2-135M", "record world", "handout / paper"], [
-        [f"top {TOP_SHARE:.0%} of tokens: share of KV deviation", pct(res["top15"]), pct(toy.get("top15")),
-         pct(HANDOUT["top15_deviation_share"])],
-        ["  per layer: min / median / max",
-         " / ".join(pct(x) for x in (min(per_layer), statistics.median(per_layer), max(per_layer))), "-", "-"],
-        ["rank correlation of deviation, adjacent layers: min / median / max",
-         f"{min(corr):.2f} / {statistics.median(corr):.2f} / {max(corr):.2f}",
-         " ".join(f"{c:.2f}" for c in toy.get("corr", [])) or "-", HANDOUT["adjacent_layer_rank_corr"]]],
-        title=f"Part 5e. The two insights on a real model\n  (deviation = full reuse's KV minus full "
-              f"prefill's, layers 1-{len(per_layer)})"))
+        page.say(f"\n{it['question']}" + (f"\n  (reference: {it['reference']})" if it["reference"] else "") + "".join(
+            f"\n  {m:14s} {it['text'][m].strip()!r}" for m in ("full prefill", "full reuse", rule, "random")))
 
 
-def real_json(res: dict) -> dict:
-    k, rule, t = f"{res['at']:g}", res["rule"], res["ttft"]
-    return {"real_rule": rule, "real_curve_measured": res["curve_mode"],
-            "real_best_rule_this_run": res["best"] if res["curve_mode"] else None,  # of every rule: --curve only
-            "real_kl_reuse": res["kl_reuse"], "real_kl_blend15": res["curve"][rule][k],
-            "real_kl_random15": res["curve"]["random"][k], "real_kl_oracle15": res["curve"]["oracle"][k],
-            "real_kl_curve": res["curve"],
-            "real_kl_answer_curve": res["curve_answer"], "real_kl_answer_reuse": res["kl_answer_reuse"],
-            "real_ttft_speedup": t["full prefill"] / t[rule], "real_ttft_s": t, "real_threads": res["threads"],
-            "real_counts": res["counts"], "real_same_answer": res["same_answer"], "real_items": len(res["items"]),
-            "real_source": res["source"], "real_top15_deviation_share": res["top15"],
-            "real_top15_per_layer": res["top15_per_layer"], "real_adjacent_layer_rank_corr": res["corr"],
-            "real_answers": [it["text"] for it in res["items"]]}
+def present_real_insights(r: Real, s: Settings, page: Page) -> None:
+    toy, top, pl, corr = r.toy, pk(s.top_share), r.top_per_layer, r.rank_corr
+    three = lambda f: lambda xs: " / ".join(f(x) for x in (min(xs), statistics.median(xs), max(xs)))  # noqa: E731
+    show(page, Table(f"Part 5e (§5.3). The two insights on a real model\n  (deviation = full reuse's KV minus full "
+                     f"prefill's, layers 1-{len(pl)})", "§5.3",
+                     cols("insight", ("SmolLM2-135M", pct), ("record world", pct), "handout / paper"), [
+        Row([f"top {s.top_share:.0%} of tokens: share of KV deviation",
+             Val(r.top_share, f"real_top{top}_deviation_share"),
+             toy.top_share if toy else None, HANDOUT.figure("top_share", s)]),
+        Row(["  per layer: min / median / max", Val(pl, f"real_top{top}_per_layer", three(pct)), None, DASH]),
+        Row(["rank correlation of deviation, adjacent layers: min / median / max",
+             Val(corr, "real_adjacent_layer_rank_corr", three("{:.2f}".format)),
+             " ".join(f"{c:.2f}" for c in toy.rank_corr) if toy else None, HANDOUT.figure("rank_corr", s)])],
+        "04_cacheblend.real_study"))
 
 
-def plot_real_curve(res: dict, path) -> None:
+def real_curve_figure(r: Real, s: Settings, page: Page) -> None:
     """First-answer-token KL against the recompute ratio, one line per rule, random and the oracle."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    xs = [100 * r for r in res["ratios"]]
-    for m in res["methods"][1:]:
-        style = dict(color="gray", ls="--") if m == "random" else dict(color="black", ls=":") if m == "oracle" else {}
-        ax.plot(xs, [res["curve"][m][f"{r:g}"] for r in res["ratios"]], marker="o", ms=3, label=m, **style)
-    ax.axhline(res["kl_reuse"], color="tab:red", lw=1, label="full reuse")
-    ax.set_yscale("log")
-    ax.set_xlabel("recompute ratio r (%)")
-    ax.set_ylabel("KL(full prefill || method), first answer token (nats)")
-    ax.set_title(f"{res['model_name']}: which tokens to recompute ({len(res['items'])} inputs)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-# ============================================================================ the four parts: compute
-def part1() -> dict:
-    return city_experiment(CITY_DOCS)
-
-
-def record_model_or_exit(a):
-    try:
-        return rt.record_model(a.retrain, a.seed, locality=a.locality)
-    except TrainingFailed as e:
-        print(f"\n!!! {e}\n", file=sys.stderr)
-        sys.exit(1)
-
-
-def part2(model, a) -> dict:
-    """The four prefills on held-out records; exercise 6 when the chunk length splits no record."""
-    rec = bw.heldout(a.docs)
-    pre = bw.precompute_chunks(model, rec.doc, a.chunk_len)   # the chunks, precomputed once for Parts 2-3
-    res = record_experiment(model, rec, a.chunk_len, a.ratio, a.seed, pre)
-    out = {"rec": rec, "pre": pre, "methods": res, "split_ids": bw.split_records(a.chunk_len),
-           "n_split": int(bw.split_mask(rec, a.chunk_len).sum()), "reuse_equals_full": None}
-    if not out["split_ids"]:
-        slots = bw.answer_slots(bw.N_RECORDS)
-        out["reuse_equals_full"] = bool((bw.full_reuse(model, rec, a.chunk_len, pre)[:, slots].argmax(-1)
-                                         == bw.full_prefill(model, rec)[:, slots].argmax(-1)).all())
-    return out
-
-
-def part3(model, p2, a) -> dict:
-    """The insights at the run's chunk length, and the compute-quality curve (CURVE_RATIOS and r)."""
-    ratios = sorted(set(CURVE_RATIOS) | {a.ratio})
-    accuracy_curve = curve(model, p2["rec"], a.seed, ratios, CURVE_CHUNK_LENS, pre={a.chunk_len: p2["pre"]})
-    return {"insights": insights(model, p2["rec"], a.chunk_len, a.ratio, a.seed, p2["pre"]), "curve": accuracy_curve,
-            "ratios": ratios, "elsewhere": rt.doc_attention_elsewhere(model, p2["rec"]),
-            "blend_at_ratio": {c: accuracy_curve[(c, "deviation")][ratios.index(a.ratio)] for c in CURVE_CHUNK_LENS},
-            "ex7": [exercise7(m, g, RAG_CHUNKS * RAG_CHUNK_TOKENS) for m, g in SYSTEMS]}
-
-
-def part4(a) -> dict:
-    return {"timing": timing(a.min_ratio), "ex8": exercise8(a.layers, a.read_ms, a.prefill_ms, a.min_ratio)}
-
-
-# ============================================================================ the four parts: print
-def print_part1(city):
-    same = is_handout_setup("city", chunks=CITY_CHUNKS, chunk_len=CITY_CHUNK_LEN)
-    h = {k: f"{HANDOUT[k]:.{d}f}" if same else "-" for k, d in (("city_ce_full", 4), ("city_ce_reuse", 4),
-                                                                ("city_kl", 5))}
-    print(table(["city language", "ours", "handout"], [
-        ["cross-entropy, full prefill (nats/token)", f"{city['city_ce_full']:.4f}", h["city_ce_full"]],
-        ["cross-entropy, full reuse (nats/token)", f"{city['city_ce_reuse']:.4f}", h["city_ce_reuse"]],
-        ["KL(full prefill || full reuse)", f"{city['city_kl']:.5f}", h["city_kl"]],
-        ["true entropy of words 2-8 (nats/token)", f"{city['city_entropy']:.4f}", "-"]],
-        title=f"Part 1 (§5.2). City language: {CITY_CHUNKS} chunks x {CITY_CHUNK_LEN} tokens + an "
-              f"{CITY_CHUNK_LEN}-token question, {CITY_DOCS} documents.\n"
-              "Independent sentences: reuse loses nothing."))
-    say(f"  Our city language is not the handout's, so the cross-entropies differ: each model sits on its own "
-        f"language's entropy (ours {city['city_ce_full']:.4f} vs a true {city['city_entropy']:.4f} nats/token; "
-        f"the handout's {HANDOUT['city_ce_full']:.4f} is near ln 2 = {math.log(2):.4f}, one coin flip a word). "
-        f"What carries over is reuse = prefill: KL {city['city_kl']:.5f}.")
-    e5 = city["ex5"]
-    print(f"\nExercise 5 (§5.2, §10): a chunk's KV computed at position 0, moved to position {e5['shift']} "
-          f"(city model, all layers)")
-    print(table(["quantity", "max |difference|"], [
-        [f"K at 0 rotated by {e5['shift']} (shift_kv) vs K computed at {e5['shift']}", f"{e5['k_rotated_max_diff']:.1e}"],
-        [f"K at 0, not rotated, vs K computed at {e5['shift']}", f"{e5['k_unrotated_max_diff']:.2f}"],
-        [f"V at 0 vs V computed at {e5['shift']}", f"{e5['v_max_diff']:.1e}"],
-        ["(largest |K| value, for scale)", f"{e5['k_max_abs']:.2f}"]]))
-    say(f"  K must rotate once more by {e5['shift']} x theta (RoPE rotations add); V never passes through RoPE, so "
-        f"it is reused as it is. Full reuse with unrotated K: question cross-entropy {e5['ce_unrotated']:.4f} "
-        f"(rotated: {city['city_ce_reuse']:.4f}), KL from full prefill {e5['kl_unrotated']:.4f} "
-        f"(rotated: {city['city_kl']:.5f}).")
-
-
-def print_record_model(meta):
-    m, loc = meta["metrics"], meta["ident"]["train"]["locality"]
-    print()
-    say(f"record world model: trained {m['steps']} steps in {m['train_seconds']:.0f} s, "
-          f"accuracy crossed 50% at step {m['drop_step']} (handout: {HANDOUT['train']}); "
-          f"held-out {m['heldout_acc']:.2%} on {m['heldout_questions']} questions; locality penalty {loc}"
-          + (f" from step {m['locality_from_step']}" if loc else ""))
-
-
-def print_part2(p2, a):
-    res, split_ids = p2["methods"], p2["split_ids"]
-    chunks_as_handout = a.chunk_len == HANDOUT_INPUTS["records"]["chunk_len"]
-    as_handout = is_handout_setup("records", chunk_len=a.chunk_len, ratio=a.ratio)
-    # (method's handout key on split records, on unsplit records, whether the split figure applies)
-    refs = {"full prefill": ("split_acc_full", None, chunks_as_handout),
-            "full reuse": ("split_acc_reuse", "unsplit_acc_reuse", chunks_as_handout),
-            f"CacheBlend {a.ratio:.0%}": ("split_acc_blend20", None, as_handout),
-            f"random {a.ratio:.0%}": ("split_acc_random20", None, as_handout)}
-    rows = [[name, pct(r["split"]), pct(r["unsplit"]), handout(refs[name][0], refs[name][2]),
-             handout(refs[name][1], refs[name][1] is not None)] for name, r in res.items()]
-    n_split = p2["n_split"]
-    print()
-    print(table(["method", "split records", "unsplit records", "handout split", "handout unsplit"], rows,
-                title=f"Part 2 (§5.2, §5.3). Record world, chunks of {a.chunk_len}: split records {split_ids} "
-                      f"(values at positions {[2 * i + 1 for i in split_ids]});\n"
-                      f"{n_split} questions on split records, {p2['rec'].answers.numel() - n_split} on unsplit; "
-                      "chance 1/12 = 8.3%."))
-    rand, reuse = res[f"random {a.ratio:.0%}"]["split"], res["full reuse"]["split"]
-    if split_ids and rand is not None and reuse is not None:
-        guess = a.ratio + (1 - a.ratio) * reuse
-        say(f"  random {a.ratio:.0%}: a split record is repaired when its value token is among the picks; if "
-            f"nothing else helped, {a.ratio:.0%} + {1 - a.ratio:.0%} x {pct(reuse)} (full reuse) = {pct(guess)}. "
-            f"Ours: {pct(rand)}; the handout's {pct(HANDOUT['split_acc_random20'])} (for 20%) lies "
-            f"{'below' if HANDOUT['split_acc_random20'] < guess else 'above'} that estimate. Either way random picks "
-            "recover about what they touch, deviation picks nearly everything.")
-    six = bw.split_records(6)
-    if split_ids:
-        say(f"  exercise 6: chunk length 6 (even, §10) splits {len(six)} records {six}: "
-            + ("every boundary falls on a key, so full reuse answers as full prefill does" if not six else
-               "some records are split") + " (run --chunk-len 6 to see it).")
-    else:
-        print(f"exercise 6: chunk length {a.chunk_len} splits no record (§10); full reuse answers "
-              f"{'exactly as' if p2['reuse_equals_full'] else 'NOT as'} full prefill does "
-              f"({pct(res['full reuse']['all'])} vs {pct(res['full prefill']['all'])}).")
-
-
-def print_part3(p3, a):
-    found, accuracy_curve, ratios = p3["insights"], p3["curve"], p3["ratios"]
-    as_handout = is_handout_setup("records", chunk_len=a.chunk_len, ratio=a.ratio)
-    top_as_handout = is_handout_setup("top_share", top_share=TOP_SHARE)
-    rows = [
-        ["document tokens' attention on other tokens, layers 0-3", " ".join(pct(x) for x in p3["elsewhere"]), "-"],
-        [f"top {TOP_SHARE:.0%} of tokens: share of KV deviation (layers 1-3)", pct(found["top15_deviation_share"]),
-         handout("top15_deviation_share", top_as_handout)],
-        ["  per layer 1, 2, 3", " ".join(pct(x) for x in found["top15_per_layer"]), "-"],
-        ["rank correlation of deviation, layers 1-2, 2-3", " ".join(f"{c:.2f}" for c in found["adjacent_layer_rank_corr"]),
-         handout("adjacent_layer_rank_corr")],
-        ["  layer-0 attention dev. vs layer-1 KV dev.", f"{found['layer0_attn_vs_layer1_kv_rank_corr']:.2f}", "-"],
-        [f"layer-0 picks ({a.ratio:.0%}) covering chunk-initial values", pct(found["layer0_pick_coverage"]),
-         handout("layer0_pick_coverage", as_handout)],
-        ["chunk-initial values' share of the deviation, layers 1-3",
-         " ".join(pct(x) for x in found["chunk_initial_value_share"]), "-"],
-    ]
-    rows += [[f"chunk length {c}: CacheBlend {a.ratio:.0%} on split records", pct(acc),
-              handout(HANDOUT_BLEND20.get(c), c in HANDOUT_BLEND20 and a.ratio == HANDOUT_INPUTS["records"]["ratio"])]
-             for c, acc in p3["blend_at_ratio"].items()]
-    lens = " / ".join(map(str, CURVE_CHUNK_LENS))
-    rows.append([f"lowest ratio recovering >= {RECOVER:.0%} of split records, chunk length {lens}",
-                 " / ".join(pct(lowest_ratio(ratios, accuracy_curve[(c, "deviation")], RECOVER)) for c in CURVE_CHUNK_LENS), "-"])
-    print()
-    print(table(["insight", "ours", "handout"], rows,
-                title=f"Part 3 (§5.3). The two insights (chunks of {a.chunk_len}; deviation = precomputed chunks' KV "
-                      f"minus full prefill's, per layer)"))
-    print()
-    print(table(["ratio"] + [f"c={c} {'blend' if h == 'deviation' else 'random'}" for c, h in accuracy_curve],
-                [[f"{r:.0%}"] + [pct(accuracy_curve[k][i]) for k in accuracy_curve] for i, r in enumerate(ratios)],
-                title="compute-quality curve: accuracy on split records"))
-    print()
-    print(table(["check of the deviation (all tokens)", "GFLOP", "ms", "one full layer, ms"],
-                [[f"{tm.get_model(e['model']).name}, at layer {i}", f"{e[f'layer{i}_gflop']:.0f}",
-                  f"{e[f'layer{i}_ms']:.1f}", f"{e['full_layer_ms']:.1f}"] for e in p3["ex7"] for i in (0, 1)],
-                title=f"Exercise 7 (§5.3, §10): the cost of CacheBlend's check at layer 0 vs layer 1 "
-                      f"({p3['ex7'][0]['n_ctx']:,} context tokens, {GPU}, time model)"))
-    found = p3["insights"]
-    say("  Layer 0's K, V depend only on token and position, so the precomputed ones are exact: one more attention "
-        "pass over them (all keys instead of the chunk's) gives the deviation, a fraction of a layer. Layer 1's "
-        "true K, V need layer 0's output for every token, a whole layer of prefill: at layer 1 and above CacheBlend "
-        "can afford to recompute only the tokens it picked. Ours: layer-0 attention deviation ranks like layer-1 KV "
-        f"deviation (rank correlation {found['layer0_attn_vs_layer1_kv_rank_corr']:.2f}).")
-
-
-def print_part4(p4, a):
-    timings = p4["timing"]
-    rag = is_handout_setup("rag", gpu=GPU, chunks=RAG_CHUNKS, chunk_tokens=RAG_CHUNK_TOKENS, question=RAG_QUESTION)
-    paper = is_handout_setup("paper", gpu=GPU, context=PAPER_CONTEXT, ratio=PAPER_RATIO, device=PAPER_DEVICE)
-    for model_name, t in timings.items():
-        rows = [["full recompute of the layer", f"{t['full_layer_ms']:.1f}", "-", "-", "-"],
-                [f"recompute {a.min_ratio:.0%}", f"{t['floor_layer_ms']:.1f}", "-", "-", "-"]]
-        rows += [[f"load from {device}", f"{r['load_ms']:.1f}", f"{r['ratio']:.0%}", f"{1e3 * r['ttft_s']:.0f}",
-                  f"{r['speedup']:.2f}x"] for device, r in t["devices"].items()]
-        print()
-        print(table(["per layer", "ms", "controller ratio", "TTFT CacheBlend (ms)", "vs full prefill"], rows,
-                    title=f"Part 4 (§5.4). {tm.get_model(model_name).name} ({t['tag']}) on {t['n_gpus']} x {GPU}: "
-                          f"{RAG_CHUNKS} x {RAG_CHUNK_TOKENS} tokens + {RAG_QUESTION}-token question; "
-                          f"full prefill TTFT {1e3 * t['prefill_s']:.0f} ms"))
-    rows = []
-    for model_name, t in timings.items():
-        name, h = tm.get_model(model_name).name, HANDOUT["systems"].get(model_name, {})
-        rows += [[f"{name}: full recompute / {PAPER_DEVICE} load per layer",
-                  f"{t['devices'][PAPER_DEVICE]['load_vs_full']:.3g}x", h.get("nvme_vs_recompute", "-") if rag else "-"],
-                 [f"paper point, {name}, {PAPER_CONTEXT} tokens: {PAPER_RATIO:.0%} recompute per layer (ms)",
-                  f"{t['paper']['recompute_ms']:.1f}", h.get("recompute_ms", "-") if paper else "-"],
-                 [f"paper point, {name}: {PAPER_DEVICE} read per layer (ms)", f"{t['paper']['load_ms']:.1f}",
-                  h.get("load_ms", "-") if paper else "-"]]
-    rows.append([f"TTFT speed-up over full prefill ({PAPER_DEVICE}, {' / '.join(tm.get_model(m).name for m in timings)})",
-                 " / ".join(f"{t['devices'][PAPER_DEVICE]['speedup']:.1f}x" for t in timings.values()),
-                 handout("ttft_speedup", rag)])
-    print()
-    print(table(["comparison", "ours", "handout"], rows,
-                title=f"Part 4 (§5.4). Load vs recompute ({GPU}; paper points on the same GPU)"))
-    explain_speedups(timings, a)
-    print_throughput(timings, rag)
-    ex8 = p4["ex8"]
-    same = is_handout_setup("ex8", layers=a.layers, read_ms=a.read_ms, prefill_ms=a.prefill_ms, min_ratio=a.min_ratio)
-    print()
-    print(table(["exercise 8", "ours", "handout"], [
-        ["controller's recompute ratio", f"{ex8['ex8_ratio']:.0%}", f"{HANDOUT['ex8_ratio']:.0%}" if same else "-"],
-        ["TTFT, CacheBlend pipelined (ms)", f"{ex8['ex8_ttft_ms']:.0f}", f"~{HANDOUT['ex8_ttft_ms']}" if same else "-"],
-        ["TTFT, full prefill (ms)", f"{ex8['ex8_full_ms']:.0f}", f"{HANDOUT['ex8_full_ms']}" if same else "-"]],
-        title=f"Exercise 8 (§5.4, §10): {a.layers} layers, read {a.read_ms:g} ms/layer, "
-              f"prefill {a.prefill_ms:g} ms/layer, "
-              f"floor {a.min_ratio:.0%}"))
-
-
-def explain_speedups(timings, a):
-    """Why the time model's speed-ups and load/recompute ratios differ from the paper's, from the rows above."""
-    nvme = {name: t["devices"][PAPER_DEVICE] for name, t in timings.items()}
-    parts = [f"{tm.get_model(name).name} recomputes {r['ratio']:.0%} of every layer "
-             f"(speed-up about 1/{r['ratio']:.2f} = {1 / r['ratio']:.1f}x)" for name, r in nvme.items()]
-    say("  Why our speed-ups are not the paper's 2.2-3.3x: the controller sets recompute = load, so "
-        + " and ".join(parts) + f"; the floor is {a.min_ratio:.0%}. The paper's are measured end to end in vLLM "
-        "(kernels, scheduling, real disks), ours are a roofline with no overheads.")
-    if "llama-3.1-70b" in timings:
-        t = timings["llama-3.1-70b"]
-        implied = t["paper"]["recompute_ms"] / PAPER_RATIO / t["paper"]["load_ms"]
-        say(f"  Full recompute / NVMe load for LLaMA-3.1-70B is {t['devices'][PAPER_DEVICE]['load_vs_full']:.1f}x "
-            f"here; the paper's own per-layer points (the rows above, which ours match) imply "
-            f"{t['paper']['recompute_ms']:.1f} / {PAPER_RATIO:.2f} / {t['paper']['load_ms']:.1f} = {implied:.1f}x at "
-            f"{PAPER_CONTEXT} tokens, so the handout's 4.6x does not follow from them.")
-
-
-def print_throughput(timings, rag):
-    """§5.4's throughput headline: requests/s of full prefill vs CacheBlend, one server kept busy."""
-    rows = []
-    for name, t in timings.items():
-        for r, x in t["throughput"].items():
-            rows.append([f"{tm.get_model(name).name}, {PAPER_DEVICE}, recompute {r:.0%}", f"{x['full_rps']:.2f}",
-                         f"{x['blend_rps']:.2f}", x["bound"], f"{x['blend_rps'] / x['full_rps']:.1f}x",
-                         "2.8-5x" if rag else "-"])
-    print()
-    print(table(["throughput (requests/s)", "full prefill", "CacheBlend", "bound by", "ratio", "handout"], rows,
-                title=f"Part 4 (§5.4). Throughput of one server kept busy by RAG requests ({GPU})"))
-    say("  A busy server's GPUs do only the recompute and the question per request; loading the KV overlaps "
-        "other requests' compute, until the device's bandwidth runs out. The controller's ratio (recompute = load) "
-        "is the latency choice; the 15% floor is what throughput wants.")
-
-
-def to_json(a, city, meta, p2, p3, p4) -> dict:
-    res, found, accuracy_curve, m = p2["methods"], p3["insights"], p3["curve"], meta["metrics"]
-    blend, rand = res[f"CacheBlend {a.ratio:.0%}"], res[f"random {a.ratio:.0%}"]
-    timings = p4["timing"]
-    return {"chunk_len": a.chunk_len, "ratio": a.ratio,
-            **{k: city[k] for k in ("city_ce_full", "city_ce_reuse", "city_kl")},
-            "split_acc_full": res["full prefill"]["split"], "split_acc_reuse": res["full reuse"]["split"],
-            "unsplit_acc_reuse": res["full reuse"]["unsplit"], "split_acc_blend20": blend["split"],
-            "split_acc_random20": rand["split"], "unsplit_acc_full": res["full prefill"]["unsplit"],
-            "train_seconds": m["train_seconds"], "drop_step": m["drop_step"], "heldout_acc": m["heldout_acc"],
-            "top15_deviation_share": found["top15_deviation_share"],
-            "adjacent_layer_rank_corr": found["adjacent_layer_rank_corr"],
-            "layer0_pick_coverage": found["layer0_pick_coverage"], "chunk3_blend20": p3["blend_at_ratio"].get(3),
-            "top15_per_layer": found["top15_per_layer"], "doc_attention_elsewhere": p3["elsewhere"],
-            "curve": {f"c{c}_{h}": v for (c, h), v in accuracy_curve.items()}, "curve_ratios": p3["ratios"],
-            **p4["ex8"], "ex5": city["ex5"], "ex7": p3["ex7"],
-            "llama70b_nvme_vs_recompute": timings["llama-3.1-70b"]["devices"][PAPER_DEVICE]["load_vs_full"]
-            if "llama-3.1-70b" in timings else None,
-            "timing": timings}
-
-
-def run_record_world(a) -> dict:
-    """Parts 1-4: compute, print, draw; returns the JSON."""
-    city = part1()
-    print_part1(city)
-    model, meta = record_model_or_exit(a)
-    print_record_model(meta)
-    rt.plot_training(meta, figure_path("04_record_world_training.png"))
-    p2 = part2(model, a)
-    print_part2(p2, a)
-    p3 = part3(model, p2, a)
-    print_part3(p3, a)
-    plot_curve(p3["curve"], p3["ratios"], figure_path("04_compute_quality.png"))
-    plot_concentration(p3["insights"]["deviation"], figure_path("04_deviation_concentration.png"))
-    p4 = part4(a)
-    print_part4(p4, a)
-    plot_timing(p4["timing"], a.min_ratio, figure_path("04_load_vs_recompute.png"))
-    print()
-    for name in ("04_compute_quality.png", "04_deviation_concentration.png", "04_load_vs_recompute.png",
-                 "04_record_world_training.png"):
-        print(f"figure: {figure_path(name)}")
-    return to_json(a, city, meta, p2, p3, p4)
-
-
-# ============================================================================ figures
-def plot_curve(accuracy_curve: dict, ratios, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4))
-    colors = {3: "tab:purple", 5: "tab:blue"}
-    for (c, how), accs in sorted(accuracy_curve.items()):
-        ax.plot([100 * r for r in ratios], [math.nan if a is None else 100 * a for a in accs],
-                marker="o" if how == "deviation" else "x",
-                ls="-" if how == "deviation" else "--", color=colors.get(c, "gray"),
-                label=f"chunk length {c}, {'CacheBlend (deviation)' if how == 'deviation' else 'random tokens'}")
-    ax.axhline(100 / 12, color="gray", ls=":", lw=1, label="chance (1/12)")
-    ax.axvline(100 * MIN_RATIO, color="gray", ls="-.", lw=0.8)   # CacheBlend's quality floor
-    ax.set_xlabel("recompute ratio r (% of context tokens)")
-    ax.set_ylabel("accuracy on split records (%)")
-    ax.set_title("compute vs quality: recomputing the right tokens")
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_concentration(dev: torch.Tensor, path) -> None:
-    """Per layer: share of the KV deviation held by the top x% of tokens (a Lorenz-style curve)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.6, 4))
-    N = dev.shape[2]
-    xs = [100 * k / N for k in range(N + 1)]
-    for i in range(1, dev.shape[0]):
-        d = dev[i].sort(1, descending=True).values
-        cum = torch.cat([torch.zeros(d.shape[0], 1), d.cumsum(1)], 1) / d.sum(1, keepdim=True).clamp_min(1e-30)
-        ax.plot(xs, 100 * cum.mean(0), marker=".", label=f"layer {i}")
-    ax.plot([0, 100], [0, 100], color="gray", ls=":", lw=1, label="evenly spread")
-    ax.axvline(100 * TOP_SHARE, color="gray", ls="--", lw=0.8)
-    ax.set_xlabel("top x% of context tokens (by KV deviation)")
-    ax.set_ylabel("% of the layer's KV deviation")
-    ax.set_title("How concentrated is full reuse's KV deviation? (handout: top 15% hold 98%)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_timing(timings: dict, min_ratio: float, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(timings), figsize=(5 * len(timings), 3.8), squeeze=False)
-    for ax, (model, t) in zip(axes[0], timings.items()):
-        names = ["full recompute", f"{min_ratio:.0%} recompute"] + [f"load: {d}" for d in t["devices"]]
-        vals = [t["full_layer_ms"], t["floor_layer_ms"]] + [r["load_ms"] for r in t["devices"].values()]
-        colors = ["tab:red", "tab:orange"] + ["tab:blue"] * len(t["devices"])
-        ax.barh(names, vals, color=colors)
-        ax.set_xscale("log")
-        ax.invert_yaxis()
-        for y, v in enumerate(vals):
-            ax.text(v, y, f" {v:.1f} ms", va="center", fontsize=8)
-        ax.set_xlabel("ms per layer (log scale)")
-        ax.set_title(f"{tm.get_model(model).name} ({t['tag']}), {t['n_gpus']} x {GPU}", fontsize=10)
-    fig.suptitle(f"one layer of a {RAG_CHUNKS} x {RAG_CHUNK_TOKENS}-token RAG context: recompute vs load", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    st = r.study
+    with page.figure("04_real_curve_passages.png" if s.passages else "04_real_curve.png",
+                     f"{r.model_name}: which tokens to recompute ({len(st['items'])} inputs)", (7, 4)) as (_, ax):
+        for m in st["methods"][1:]:
+            style = {"random": dict(color="gray", ls="--"), "oracle": dict(color="black", ls=":")}.get(m, {})
+            ax.plot([100 * x for x in st["ratios"]], [st["curve"][m][f"{x:g}"] for x in st["ratios"]], marker="o",
+                    ms=3, label=m, **style)
+        ax.axhline(st["kl_reuse"], color="tab:red", lw=1, label="full reuse")
+        ax.set(yscale="log", xlabel="recompute ratio r (%)",
+               ylabel="KL(full prefill || method), first answer token (nats)")
+        ax.legend()
 
 
 # ============================================================================ main
-def parse(argv):
+def command_line(argv=None):
     p = Parser(__doc__)
-    p.add_argument("--chunk-len", type=positive_int, default=CHUNK_LEN, help="record-world chunk length (tokens)")
-    p.add_argument("--ratio", type=fraction, default=None,
-                   help=f"CacheBlend's recompute ratio r (default {RATIO}; {REAL_RATIO} with --model smollm2)")
-    p.add_argument("--docs", type=positive_int, default=N_DOCS, help="held-out record-world documents (x 12 questions)")
-    p.add_argument("--min-ratio", type=fraction, default=MIN_RATIO, help="the controller's quality floor")
-    p.add_argument("--layers", type=positive_int, default=EX8_LAYERS, help="exercise 8: number of layers")
-    p.add_argument("--read-ms", type=positive_float, default=EX8_READ_MS, help="exercise 8: read one layer's KV (ms)")
-    p.add_argument("--prefill-ms", type=positive_float, default=EX8_PREFILL_MS, help="exercise 8: prefill one layer (ms)")
-    p.add_argument("--retrain", action="store_true", help="train the record-world model again")
-    p.add_argument("--seed", type=int, default=rt.SEED, help="training seed of the record-world model")
-    p.add_argument("--locality", type=nonneg_float, default=rt.LOCALITY,
-                   help="weight of the record model's locality penalty (0: none; see blend_world.TRAIN)")
-    p.add_argument("--model", choices=["record", "smollm2"], default="record",
+    g = p.add_argument_group("the record world and the time model (Parts 1-4, exercises 5-8)")
+    g.add_argument("--chunk-len", type=positive_int, default=CHUNK_LEN, help="record-world chunk length (tokens)")
+    g.add_argument("--ratio", type=fraction, default=RATIO, help="CacheBlend's recompute ratio r in the record world")
+    g.add_argument("--docs", type=positive_int, default=N_DOCS, help="held-out record-world documents (x 12 questions)")
+    g.add_argument("--retrain", action="store_true", help="train the record-world model again")
+    g.add_argument("--seed", type=int, default=rt.SEED, help="training seed of the record-world model")
+    g.add_argument("--locality", type=nonneg_float, default=rt.LOCALITY,
+                   help="weight of the record model's locality penalty (0: none; see record_trainer.TRAIN)")
+    g.add_argument("--min-ratio", type=fraction, default=MIN_RATIO, help="the controller's quality floor")
+    g.add_argument("--layers", type=positive_int, default=EX8_LAYERS, help="exercise 8: number of layers")
+    g.add_argument("--read-ms", type=positive_float, default=EX8_READ_MS, help="exercise 8: read one layer's KV (ms)")
+    g.add_argument("--prefill-ms", type=positive_float, default=EX8_PREFILL_MS,
+                   help="exercise 8: prefill one layer (ms)")
+    g = p.add_argument_group("the real model (Part 5: --model smollm2; these flags need it)")
+    g.add_argument("--model", choices=["record", "smollm2"], default="record",
                    help="record: Parts 1-4 (toy models, time model); smollm2: Part 5 on SmolLM2-135M")
-    p.add_argument("--gguf", metavar="PATH", help="with --model smollm2: another LLaMA GGUF file")
-    p.add_argument("--items", type=positive_int, default=REAL_ITEMS, help="with --model smollm2: RAG items (max 8)")
-    p.add_argument("--rule", choices=list(blend_rules.RULES), default=REAL_RULE,
-                   help="with --model smollm2: blend()'s selection rule reported as CacheBlend (JSON real_kl_blend15)")
-    p.add_argument("--passages", metavar="FILE",
-                   help='with --model smollm2: your own inputs, JSON [{"question": str, "passages": [str, ...], '
-                        '"answer": str (optional)}, ...]; each passage is one chunk')
-    p.add_argument("--chunk-tokens", type=positive_int, default=REAL_CHUNK_TOKENS,
-                   help="with --model smollm2: tokens per chunk of the built-in RAG items")
-    p.add_argument("--curve", action="store_true",
-                   help="with --model smollm2: every selection rule, random and the oracle at 5-50%% (cached)")
-    p.add_argument("--recompute", action="store_true", help="with --model smollm2: compute the cached KL again")
+    g.add_argument("--real-ratio", type=fraction, default=REAL_RATIO, help="CacheBlend's recompute ratio r on it")
+    g.add_argument("--gguf", metavar="PATH", help="another LLaMA GGUF file")
+    g.add_argument("--items", type=positive_int, default=REAL_ITEMS, help="RAG items (max 8)")
+    g.add_argument("--rule", choices=list(RULES), default=REAL_RULE,
+                   help="blend()'s selection rule reported as CacheBlend (JSON real_kl_blend<r>: real_kl_blend15)")
+    g.add_argument("--passages", metavar="FILE",
+                   help='your own inputs, JSON [{"question": str, "passages": [str, ...], "answer": str (optional)}, '
+                        '...]; each passage is one chunk')
+    g.add_argument("--chunk-tokens", type=positive_int, default=REAL_CHUNK_TOKENS,
+                   help="tokens per chunk of the built-in RAG items")
+    g.add_argument("--curve", action="store_true",
+                   help="every selection rule, random and the oracle at 5-50%% (cached)")
+    g.add_argument("--recompute", action="store_true", help="compute the cached KL again")
     a = p.parse_args(argv)
     if a.model == "smollm2":
         from common.english import RAG_ITEMS
         if a.items > len(RAG_ITEMS):
             fail(f"--items must be at most {len(RAG_ITEMS)} (the RAG items in common/english.py)")
+        if a.ratio != RATIO:
+            fail("--ratio is the record world's recompute ratio; with --model smollm2 use --real-ratio")
         if a.passages:
-            import blend_real as br
             try:
-                a.passage_items = br.load_passages(a.passages)
+                br.load_passages(a.passages)
             except ValueError as e:
                 fail(f"--passages: {e}")
-    elif a.passages or a.curve or a.chunk_tokens != REAL_CHUNK_TOKENS:
-        fail("--passages, --curve and --chunk-tokens need --model smollm2")
-    elif a.chunk_len > bw.DOC_LEN:
-        fail(f"--chunk-len must be at most the document length ({bw.DOC_LEN})")
-    if a.ratio is None:
-        a.ratio = REAL_RATIO if a.model == "smollm2" else RATIO
+    elif a.passages or a.curve or a.chunk_tokens != REAL_CHUNK_TOKENS or a.real_ratio != REAL_RATIO:
+        fail("--passages, --curve, --chunk-tokens and --real-ratio need --model smollm2")
+    elif a.chunk_len > DOC_LEN:
+        fail(f"--chunk-len must be at most the document length ({DOC_LEN})")
     return a
 
 
-def main(argv=None):
-    a = parse(argv)
-    if a.model == "smollm2":
+def settings(a) -> Settings:
+    """The run's settings: the command line's flags, and the constants above that have none."""
+    return settings_from(Settings, a, city_chunks=CITY_CHUNKS, city_chunk_len=CITY_CHUNK_LEN, city_docs=CITY_DOCS,
+                         ex5_shift=EX5_SHIFT, ex6_chunk_len=EX6_CHUNK_LEN, top_share=TOP_SHARE,
+                         curve_ratios=tuple(CURVE_RATIOS), curve_chunk_lens=tuple(CURVE_CHUNK_LENS), recover=RECOVER,
+                         rag_chunks=RAG_CHUNKS, rag_chunk_tokens=RAG_CHUNK_TOKENS, rag_question=RAG_QUESTION, gpu=GPU,
+                         systems=tuple(map(tuple, SYSTEMS)), devices=dict(DEVICES), paper_context=PAPER_CONTEXT,
+                         paper_ratio=PAPER_RATIO, paper_device=PAPER_DEVICE, real_curve_ratios=tuple(REAL_CURVE_RATIOS),
+                         real_ttft_items=REAL_TTFT_ITEMS)
+
+
+def unedited(s: Settings) -> Settings:
+    """The settings of a run in the same mode with nothing edited (--model, --curve, --recompute and
+    --retrain choose what runs, not its inputs)."""
+    return dataclasses.replace(settings(command_line([])), model=s.model, curve=s.curve, recompute=s.recompute,
+                               retrain=s.retrain)
+
+
+def main(argv=None) -> Page | None:
+    a = command_line(argv)
+    s = settings(a)
+    if s.model == "smollm2":
         from common.gguf_llama import smollm2_or_explain
-        if smollm2_or_explain(a.gguf) is None:
-            return
+        if smollm2_or_explain(s.gguf) is None:
+            return None
     t_start = time.time()
-    if a.model == "smollm2":
-        with idle_threads():  # the TTFT is measured on one thread inside (blend_real.item_ttft)
-            res = real_model_part(a)
-        print_real(res)
-        if a.curve:
-            path = figure_path("04_real_curve_passages.png" if a.passages else "04_real_curve.png")
-            plot_real_curve(res, path)
-            print(f"figure: {path}")
-        out = real_json(res)
+    # the real model's page is a section of its own (figures/pages/04_smollm2.json beside 04.json)
+    page = Page("04" if s.model == "record" else "04_smollm2", "CacheBlend: non-prefix KV reuse, selective recompute"
+                + ("" if s.model == "record" else ", on a real LLaMA"), "§5", s, unedited(s), not a.no_plot)
+    if s.model == "smollm2":
+        real_model(s, page)
     else:
         with single_thread():  # models of d = 64: a second thread gains little, and waits when a core is busy
-            out = run_record_world(a)
+            record_world(s, page)
     print(f"({time.time() - t_start:.0f} s)")
-    write_json(a.json, out)
+    page.finish(a.json)
+    return page
 
 
 if __name__ == "__main__":

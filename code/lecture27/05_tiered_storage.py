@@ -1,5 +1,6 @@
 """LMCache's two ideas in numbers: zero-copy sharing, tiered KV storage for multi-turn chat, and the
-narrow waist (handout §6.2, §6.3, §7; pitfall 7; exercises 9-10).
+narrow waist (handout §6.2, §6.3, §7; pitfall 7; exercises 9-10); and why RAG needs non-prefix reuse
+(§5.1, pitfall 6) on the same tiers.
 
     python code/lecture27/05_tiered_storage.py [--json out.json] [--cpu-gb 150] [--rate 10] ...
 
@@ -11,7 +12,12 @@ Part 3  the narrow waist: documents that come back again and again mixed with on
         API that carries the hint) and the slides' table of the inference stack beside classic systems.
 Exercise 9  a KV service process vs a KV library in every engine, in numbers: copies and handoff time,
         memory for N engines sharing one document set, what an engine restart loses, IPC per request.
-Runs in a few seconds; figures/05_handoff.png (Part 1) and figures/05_ttft_cdf.png (Part 2).
+Part 4  RAG (§5.1): requests of k documents from a shared corpus, popular ones often, in a new order each
+        time; a prefix cache (vLLM's keys: each block hashed with its parent's) against a chunk cache
+        (LMCache's keys: a document's own content, blended at CacheBlend's recompute ratio), on Part 2's
+        tiers, for k = 1, 2, 4, 8 (the caches: rag_caches.py).
+Runs in a few seconds; figures/05_handoff.png (Part 1), figures/05_ttft_cdf.png (Part 2), figures/05_rag.png
+(Part 4).
 """
 from __future__ import annotations
 
@@ -23,9 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `com
 
 import numpy as np
 
-from common.cli import Parser, nonneg_float, positive_float, positive_int, settings_from
+from common.cli import Parser, fraction, nonneg_float, positive_float, positive_int, settings_from
 from common.present import Handout, Page, Ref, Row, Table, Val, change, cols
 from common.timemodel import get_model, kv_bytes_per_token, prefill_time
+from rag_caches import CACHES, rag_trace, serve_rag
 from tiers import Tier, TieredStore
 
 GB = 1e9
@@ -68,6 +75,18 @@ DOC_CACHE_GB = 9.0           # KV room for this application (documents alone: 10
 EX9_ENGINES = 4              # inference engines (processes) on one node sharing Part 3's documents
 EX9_IPC_US = 30.0            # one request/response over a Unix socket between processes, ~10-50 us (our assumption)
 EX9_CALLS = 2                # calls a request makes to the KV service: look up + retrieve (store is asynchronous)
+
+# ------------------------------------------------------------------ Part 4: RAG, prefix vs chunk keys (§5.1)
+RAG_DOCS = 10_000            # documents in the shared corpus (their KV, 10,000 x 512 x 128 KiB = 687 GB, outgrows
+#                              Part 2's GPU + CPU tiers: popularity decides what stays)
+RAG_DOC_TOKENS = 512         # tokens per retrieved document (a RAG chunk of 512 tokens, as in 04's Part 4)
+RAG_QUESTION_TOKENS = 32     # the question after the documents: new every time, never reused
+RAG_KS = (1, 2, 4, 8)        # documents a request retrieves
+RAG_ZIPF = 1.0               # popularity: document d is drawn in proportion to 1 / (d + 1) ** RAG_ZIPF
+RAG_REQUESTS = 2000          # requests in the trace, Poisson at RAG_RATE
+RAG_RATE = 10.0              # requests/s (Part 2's rate)
+RAG_RECOMPUTE = 0.15         # CacheBlend's recompute ratio: the share of a reused document's tokens prefilled
+RAG_TIERS = "cpu_fast"       # which of Part 2's storage configurations both caches run on
 
 # handout §7: the inference stack's four layers (engine, data store, orchestrator, API, as the handout names
 # them) beside the classic computer system. The handout's own table was lost: the right-hand column is this
@@ -117,6 +136,15 @@ class Settings:
     ex9_engines: int
     ex9_ipc_us: float
     ex9_calls: int
+    rag_docs: int
+    rag_doc_tokens: int
+    rag_question_tokens: int
+    rag_ks: tuple
+    rag_zipf: float
+    rag_requests: int
+    rag_rate: float
+    rag_recompute: float
+    rag_tiers: str
 
 
 # The handout's figures printed beside ours, each with the inputs it holds for: a figure shows only when
@@ -130,6 +158,9 @@ HANDOUT = Handout({
                                "cpu_slow_gbps": 10.0, "cpu_fast_gbps": 50.0},
                         "the handout's CPU tier holds 50 GB; written through, a CPU tier no bigger than the GPU's "
                         "58 GB never hits (row cpu50), so ours holds 150 GB"),
+    # §5.1 and §9 pitfall 6 state it for any RAG input whose chunks come in a new combination and order
+    "rag_prefix": Ref("1st doc only"),
+    "rag_trend": Ref('"the more chunks, the less it saves"'),
     **{k: Ref(fig, {"model": "llama-3-8b", "doc_requests": 2000, "docs": 10, "doc_tokens": 4096, "oneshot_tokens": 8192,
                     "oneshot_share": 0.5, "doc_cache_gb": 9.0}) for k, fig in (("lru", "45%"), ("hinted", "99%"))},
 })
@@ -377,6 +408,32 @@ def service_vs_library(s: Settings, h: Handoff, chat: Chat) -> ServiceVsLibrary:
         ipc_s * 1e3, ipc_s / chat.served["cpu_fast"].mean_ttft_s)
 
 
+# ================================================================================ Part 4
+@dataclass(frozen=True)
+class Rag:
+    """Both caches serving the RAG trace of each k, on the same tiers."""
+    ks: tuple
+    tiers: list                  # Part 2's configuration s.rag_tiers: [(name, GB, GB/s)], fastest first
+    served: dict                 # "prefix" / "chunk" -> [rag_caches.RagServed per k]
+
+    def of(self, cache: str, field: str) -> list:
+        return [getattr(r, field) for r in self.served[cache]]
+
+
+def rag_reuse(s: Settings) -> Rag:
+    """For each k, one trace of RAG requests served by the prefix cache and by the chunk cache, each on its
+    own store with Part 2's tiers (same capacity, same bandwidths)."""
+    tiers = chat_configs(s.gpu_gb, s.cpu_gb, s.cpu_small_gb, s.cpu_slow_gbps, s.cpu_fast_gbps, s.ssd_gb,
+                         s.ssd_gbps)[s.rag_tiers]
+    served: dict = {c: [] for c in CACHES}
+    for k in s.rag_ks:
+        trace = rag_trace(s.rag_requests, k, s.rag_docs, s.rag_zipf, s.rag_rate, s.seed)
+        for c in CACHES:
+            served[c].append(serve_rag(trace, make_store(tiers), c, s.model, s.gpu, s.rag_doc_tokens,
+                                       s.rag_question_tokens, s.rag_recompute))
+    return Rag(tuple(s.rag_ks), tiers, served)
+
+
 # ================================================================================ presenting
 def show_handoff(page: Page, h: Handoff, s: Settings) -> None:
     page.part("Part 1", "§6.2", "Zero-copy: handing KV from one engine to another")
@@ -500,6 +557,88 @@ def show_service_vs_library(page: Page, e: ServiceVsLibrary, s: Settings) -> Non
                       "exercise9.ipc_share_of_ttft": e.ipc_share_of_ttft}))
 
 
+def pct(x) -> str:
+    return f"{x:.0%}"
+
+
+def rag_notes(r: Rag, s: Settings) -> list:
+    """What the RAG table shows, each sentence chosen by its numbers."""
+    hp, hc = r.of("prefix", "hit_rate"), r.of("chunk", "hit_rate")
+    k0, k1 = r.ks[0], r.ks[-1]
+    out = [f"hits = share of the documents' tokens not prefilled (the chunk cache prefills {s.rag_recompute:.0%} of "
+           "each document it reuses); 1/k = the first document's share; mean and p99 TTFT in seconds (queue + "
+           "load + prefill); busy = the GPU's load + prefill seconds over the run.",
+           "Prefix caching reuses only the identical leading part of a prompt (handout: "
+           f"{HANDOUT.figure('rag_trend', s)}, §5.1 and §9 pitfall 6)."]
+    if len(r.ks) > 1:
+        fp, fc = (change(a[0], a[-1], "{:.0%}") for a in (hp, hc))
+        less = "the prefix cache saves less the more documents a request has"
+        if not fp.startswith("falls"):
+            verdict = "the prefix cache does not lose with k here."
+        elif fc.startswith("falls"):
+            verdict = "both fall, " + ("the prefix cache's more." if hp[0] - hp[-1] > hc[0] - hc[-1] else
+                                       "the chunk cache's as much or more.")
+        elif pct(max(hc)) == pct(0):
+            verdict = (f"{less}; the chunk cache, recomputing {s.rag_recompute:.0%} of what it finds, saves nothing "
+                       "at any k.")
+        else:
+            verdict = f"{less}, the chunk cache does not: it finds a cached document wherever it stands."
+        out.append(f"From k = {k0} to {k1} the prefix cache's hit rate {fp} and the chunk cache's {fc}: {verdict}")
+    heads = r.of("prefix", "head_share")
+    over = [k for k, h in zip(r.ks, hp) if h > 1 / k and pct(h) != pct(1 / k)]
+    out.append(f"Of the documents the prefix cache reused at k = {k1}, {heads[-1]:.0%} stood first in their "
+               "request; its hit rate is " + ("below 1/k, the first document's share, at every k." if not over else
+                                              f"above 1/k at k = {', '.join(map(str, over))}: popular documents "
+                                              "recur there in the same order."))
+    found = [r.of(c, "reused_share")[0] for c in CACHES]
+    if k0 == 1 and pct(found[0]) == pct(found[1]):
+        out.append(f"At k = 1 the one document is the whole prefix: both caches find {found[0]:.0%} of the documents, "
+                   "and the chunk cache, which does not know where a KV was computed, still recomputes "
+                   f"{s.rag_recompute:.0%} of each it finds ({hc[0]:.0%} hits).")
+    mp, mc = (r.of(c, "mean_ttft_s")[-1] for c in CACHES)
+    bp, bc = (r.of(c, "busy_share")[-1] for c in CACHES)
+    ratio = f"{mp / mc:.1f}x shorter" if mp >= mc else f"{mc / mp:.1f}x longer"
+    out.append(f"At k = {k1}: mean TTFT {mp:.3f} s with the prefix cache, {mc:.3f} s with the chunk cache (the chunk "
+               f"cache's {ratio}); the GPU is busy {bp:.0%} and {bc:.0%} of the time.")
+    return out
+
+
+def show_rag(page: Page, r: Rag, s: Settings) -> None:
+    page.part("Part 4", "§5.1, §9", "RAG on the same tiers: prefix caching against non-prefix reuse")
+    tiers = ", ".join(f"{t} {gb:g}" + (f"@{bw:g}" if bw else "") for t, gb, bw in r.tiers)
+    page.table(Table(f"{s.rag_requests} requests of k documents ({s.rag_doc_tokens} tokens) from {s.rag_docs:,} "
+                     f"(Zipf {s.rag_zipf:g}), a new order each time, + a {s.rag_question_tokens}-token question; "
+                     f"{s.rag_rate:g} req/s, {get_model(s.model).name} on one {s.gpu};\n  both caches on "
+                     f"Part 2's {s.rag_tiers} ({tiers}); the chunk cache blends at {s.rag_recompute:.0%}", "§5.1",
+                     cols(("k", "{}", "rag_k"), ("1/k", "{:.0%}"), ("prefix hits", "{:.0%}", "rag_prefix_hit_rate"),
+                          ("chunk hits", "{:.0%}", "rag_chunk_hit_rate"),
+                          ("prefix mean", "{:.3f}", "rag_prefix_mean_ttft_s"),
+                          ("chunk mean", "{:.3f}", "rag_chunk_mean_ttft_s"),
+                          ("prefix p99", "{:.3f}", "rag_prefix_p99_ttft_s"),
+                          ("chunk p99", "{:.3f}", "rag_chunk_p99_ttft_s"), ("prefix busy", "{:.0%}"),
+                          ("chunk busy", "{:.0%}")),
+                     [Row([k, 1 / k, p.hit_rate, c.hit_rate, p.mean_ttft_s, c.mean_ttft_s, p.p99_ttft_s, c.p99_ttft_s,
+                           p.busy_share, c.busy_share], HANDOUT.figure("rag_prefix", s))
+                      for k, p, c in zip(r.ks, r.served["prefix"], r.served["chunk"])],
+                     "rag_caches.serve_rag", rag_notes(r, s)))
+    title = (f"RAG, {s.rag_docs:,} documents (Zipf {s.rag_zipf:g}) on Part 2's {s.rag_tiers}: a prefix cache against "
+             "a chunk cache (handout §5.1)")
+    with page.figure("05_rag.png", title, figsize=(9, 3.8), ncols=2) as (fig, ax):
+        if ax is None:
+            return
+        for c, color in zip(CACHES, ("tab:red", "tab:blue")):
+            ax[0].plot(r.ks, r.of(c, "hit_rate"), "o-", color=color, label=f"{c} cache")
+            ax[1].plot(r.ks, r.of(c, "mean_ttft_s"), "o-", color=color, label=f"{c} cache, mean")
+            ax[1].plot(r.ks, r.of(c, "p99_ttft_s"), "o:", color=color, label=f"{c} cache, p99")
+        ax[0].plot(r.ks, [1 / k for k in r.ks], "k--", lw=1, label="1/k: the first document's share")
+        ax[0].set(xlabel="documents per request (k)", ylabel="share of document tokens not prefilled", ylim=(0, 1.05),
+                  xticks=r.ks, title="hit rate")
+        ax[1].set(xlabel="documents per request (k)", ylabel="time to first token (s)", yscale="log", xticks=r.ks,
+                  title="TTFT")
+        for a in ax:
+            a.legend()
+
+
 # ================================================================================ the run
 def parse(argv) -> tuple:
     """(this run's Settings, the defaults' Settings, the parsed command line)."""
@@ -517,13 +656,28 @@ def parse(argv) -> tuple:
     p.add_argument("--ssd-gb", type=nonneg_float, default=SSD_GB, help="SSD tier, GB")
     p.add_argument("--ssd-gbps", type=positive_float, default=SSD_GBPS, help="SSD tier read, GB/s")
     p.add_argument("--doc-cache-gb", type=nonneg_float, default=DOC_CACHE_GB, help="Part 3: the KV cache, GB")
+    p.add_argument("--rag-docs", type=positive_int, default=RAG_DOCS, help="Part 4: documents in the corpus")
+    p.add_argument("--rag-doc-tokens", type=positive_int, default=RAG_DOC_TOKENS, help="Part 4: tokens per document")
+    p.add_argument("--rag-question-tokens", type=positive_int, default=RAG_QUESTION_TOKENS,
+                   help="Part 4: tokens of the question after the documents")
+    p.add_argument("--rag-ks", type=positive_int, nargs="+", default=list(RAG_KS),
+                   help="Part 4: documents a request retrieves, one row each")
+    p.add_argument("--rag-zipf", type=nonneg_float, default=RAG_ZIPF, help="Part 4: popularity's Zipf exponent")
+    p.add_argument("--rag-requests", type=positive_int, default=RAG_REQUESTS, help="Part 4: requests")
+    p.add_argument("--rag-rate", type=positive_float, default=RAG_RATE, help="Part 4: requests/s")
+    p.add_argument("--rag-recompute", type=fraction, default=RAG_RECOMPUTE,
+                   help="Part 4: CacheBlend's recompute ratio for a document the chunk cache reuses")
+    p.add_argument("--rag-tiers", default=RAG_TIERS, choices=["gpu_only", "cpu50", "cpu_slow", "cpu_fast", "cpu_ssd"],
+                   help="Part 4: which of Part 2's storage configurations the two caches run on")
     p.add_argument("--seed", type=int, default=SEED)
     a = p.parse_args(argv)
+    if max(a.rag_ks) > a.rag_docs:
+        p.error(f"--rag-ks: a request cannot retrieve {max(a.rag_ks)} different documents from {a.rag_docs}")
     if a.user_tokens + a.answer_tokens > 128 * 1024 // a.turns:
         p.error(f"{a.turns} turns of {a.user_tokens + a.answer_tokens} tokens exceed a 128K context")
     defaults = Settings(**{f.name: globals()[f.name.upper()] for f in fields(Settings)})
-    return settings_from(Settings, a, **{f.name: getattr(defaults, f.name) for f in fields(Settings)
-                                         if f.name not in vars(a)}), defaults, a
+    rest = {f.name: getattr(defaults, f.name) for f in fields(Settings) if f.name not in vars(a)}
+    return settings_from(Settings, a, rag_ks=tuple(sorted(set(a.rag_ks))), **rest), defaults, a
 
 
 def main(argv=None) -> Page:
@@ -532,12 +686,14 @@ def main(argv=None) -> Page:
     chat = chat_tiers(s)
     waist = narrow_waist(s)
     service = service_vs_library(s, handoff, chat)
+    rag = rag_reuse(s)
     page = Page("05", "LMCache: zero-copy sharing, tiered storage, the narrow waist", "§6-7", s, defaults,
                 plot=not a.no_plot)
     show_handoff(page, handoff, s)
     show_chat(page, chat, s)
     show_waist(page, waist, s)
     show_service_vs_library(page, service, s)
+    show_rag(page, rag, s)
     page.finish(a.json)
     return page
 

@@ -52,7 +52,6 @@ KL_TOKENS = 8         # answer tokens over which the KL is also averaged (teache
 SEED = 0
 RULE_NAMES = tuple(blend_rules.RULES)  # blend()'s selection rules, all measured
 RANDOM_RULE = "flat"  # the random baseline: r N tokens at every layer chosen at random (the oracle's budget)
-CURVE_VERSION = "blend-curve-v2"  # the cached curve is keyed by this, the model file and the inputs
 
 
 @dataclass
@@ -245,7 +244,7 @@ def inputs_digest(rags: list[RagInput]) -> str:
 def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, rule: str, curve: bool, ratios, *,
                     ttft_items: int, seed: int = SEED, recompute: bool = False, progress: bool = True) -> dict:
     """KL to full prefill on `rags` (cached: checkpoints.cached_result, keyed by the model file, the inputs'
-    tokens, the rules, ratios and CURVE_VERSION) and the TTFT of every rule at ratio `at`, always measured
+    tokens, the rules, ratios and code) and the TTFT of every rule at ratio `at`, always measured
     live (item_ttft: one thread), median over the first `ttft_items` inputs.
     curve=False: `rule`, random and the oracle at `at` only (one blend per method and input);
     curve=True: every rule of RULE_NAMES, random and the oracle at each of `ratios` and `at`."""
@@ -256,7 +255,7 @@ def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, 
     eos = tok.token_to_id("<|im_end|>")
     ratios = tuple(sorted(set(ratios) | {at})) if curve else (at,)
     rules = RULE_NAMES if curve else (rule,)
-    ident = {"version": CURVE_VERSION, "model": model_id, "inputs": inputs_digest(rags), "ratios": ratios,
+    ident = {"model": model_id, "inputs": inputs_digest(rags), "ratios": ratios,
              "rules": rules, "random": RANDOM_RULE, "seed": seed, "at": at,
              "tokens": [ANSWER_TOKENS, KL_TOKENS]}
 

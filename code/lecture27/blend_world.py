@@ -45,7 +45,6 @@ DOC_LEN = 2 * N_RECORDS  # 24 tokens: k v k v ...
 MARK = 0                 # the question marker "?"
 VOCAB = ["?"] + [f"k{i + 1}" for i in range(N_KEYS)] + [f"v{i + 1}" for i in range(N_VALUES)]
 VALUE_TOKENS = torch.arange(1 + N_KEYS, 1 + N_KEYS + N_VALUES)  # token ids of v1..v16
-DATA_VERSION = "records-v2"  # bump when the generator changes: the checkpoint is keyed by it
 HELDOUT_SEED = 4242      # held-out documents (training draws from its own generator)
 
 

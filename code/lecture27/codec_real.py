@@ -4,12 +4,13 @@ codec's step search and quality levels, cached. Used by 02 (--model smollm2) and
 The record-world model answers from a 12-way arg-max with huge margins, so it tolerates about 1.8 bits
 per value; a real LLaMA is far less tolerant. Its quality is measured on prose: the project's own
 paragraphs (common/english.py), REAL_CONTEXT tokens of context whose KV is coded, then the tokens that
-attend to the decoded KV (REAL_CALIB_CONTINUATION on calibration prose, REAL_CONTINUATION on evaluation). Quality of a codec = mean KL(FP16 || codec) of
-the continuation's next-token distributions, and the share of positions whose arg-max is FP16's; both
-with their noise, the standard error over the evaluation paragraphs (positions within one paragraph
-are not independent), and for neighbouring levels the paired difference (level_noise).
-The step search (codec_study.search_steps) keeps the KL below REAL_MAX_KL on calibration paragraphs with one
-step per (third of the layers, K/V); level i multiplies those steps by kvcache.LEVEL_FACTOR ** i.
+attend to the decoded KV (REAL_CALIB_CONTINUATION on calibration prose, REAL_CONTINUATION on evaluation).
+Quality of a codec = mean KL(FP16 || codec) of the continuation's next-token distributions, and the
+share of positions whose arg-max is FP16's; both with their noise, the standard error over the
+evaluation paragraphs (positions within one paragraph are not independent), and for neighbouring levels
+the paired difference (level_noise). The step search (codec_study.search_steps) keeps the KL below
+REAL_MAX_KL on calibration paragraphs with one step per (third of the layers, K/V); level i multiplies
+those steps by kvcache.LEVEL_FACTOR ** i.
 
     python code/lecture27/codec_real.py      # fit (or load) and print the levels
 """
@@ -127,7 +128,7 @@ def measure(prose: Prose, spec) -> dict:
 
 def real_codec_study(gguf=None, refit: bool = False, progress: bool = True, prose: Prose | None = None) -> dict:
     """fit() on SmolLM2 (or the GGUF at `gguf`), cached in code/checkpoints/ under the file's name and
-    size, CODEC_VERSION and every setting that shapes the search (computed again when one changes)."""
+    size, every setting that shapes the search and the code that runs it (computed again when one changes)."""
     from common.gguf_llama import gguf_file
     path = gguf_file(gguf)
     return cs.cached_study("codec-smollm2", study_ident(path),
@@ -137,12 +138,12 @@ def real_codec_study(gguf=None, refit: bool = False, progress: bool = True, pros
 def study_ident(path: Path) -> dict:
     """What the real-model study depends on: the model file, the codec's and the search's settings, the
     prose (its cache file is named by a hash of this)."""
-    return {"gguf": [path.name, path.stat().st_size], "codec": kv.CODEC_VERSION, "group": kv.CODEC_GROUP,
+    return {"gguf": [path.name, path.stat().st_size], "group": kv.CODEC_GROUP,
             "anchor_bits": kv.ANCHOR_BITS, "max_radius": kv.CODEC_MAX_RADIUS,
             "search": [REAL_MAX_KL, cs.STEP_NOTCH, REAL_STEP_START, cs.STEP_MAX_NOTCHES],
             "levels": [kv.LEVEL_FACTOR, kv.N_LEVELS],
             "prose": [REAL_CONTEXT, REAL_CALIB_CONTINUATION, REAL_CONTINUATION, REAL_CODED],
-            "text": prose_digest(), "layout": 3}
+            "text": prose_digest()}
 
 
 def prose_digest() -> str:
@@ -185,8 +186,9 @@ def real_codec_levels(gguf=None) -> list[dict]:
 
 
 def main():
-    from common.cli import Parser, table
+    from common.cli import Parser
     from common.gguf_llama import smollm2_or_explain
+    from common.present import Row, Table, cols, render_text
     p = Parser(__doc__)
     p.add_argument("--gguf", metavar="PATH", help="another LLaMA GGUF file")
     p.add_argument("--refit", action="store_true", help="redo the step search (cached otherwise)")
@@ -195,13 +197,14 @@ def main():
     if path is None:
         return
     study = real_codec_study(path, a.refit)
-    print(table(["level", "bytes/token", "bits/value", "KL from FP16", "top-1 = FP16's"],
-                [[lv["level"], f"{lv['bytes_per_token']:.0f}", f"{lv['bits_per_value']:.2f}", f"{lv['kl']:.4f}",
-                  f"{100 * lv['agree']:.1f}%"] for lv in study["levels"]],
-                title=f"CacheGen-style codec on {path.name}: steps / RMS by layer thirds (K / V) "
-                      + ", ".join(f"{k:.3g} / {v:.3g}" for k, v in study["rel_steps"])
-                      + f"; {'anchor+delta' if study['delta'] else 'no deltas'}; level i = steps x "
-                        f"{kv.LEVEL_FACTOR:.3g}^i"))
+    print(render_text(Table(
+        f"CacheGen-style codec on {path.name}: steps / RMS by layer thirds (K / V) "
+        + ", ".join(f"{k:.3g} / {v:.3g}" for k, v in study["rel_steps"])
+        + f"; {'anchor+delta' if study['delta'] else 'no deltas'}; level i = steps x {kv.LEVEL_FACTOR:.3g}^i", "§4.2",
+        cols("level", ("bytes/token", "{:.0f}"), ("bits/value", "{:.2f}"), ("KL from FP16", "{:.4f}"),
+             ("top-1 = FP16's", "{:.1%}")),
+        [Row([lv["level"], lv["bytes_per_token"], lv["bits_per_value"], lv["kl"], lv["agree"]])
+         for lv in study["levels"]], "codec_real.fit")))
 
 
 if __name__ == "__main__":

@@ -191,12 +191,12 @@ def record_world() -> dict:
 
 
 def record_codec_study(refit: bool = False, progress: bool = True) -> dict:
-    """codec_study() on the record-world model, cached in code/checkpoints/ under a key made of the
-    model checkpoint's identity, kvcache.CODEC_VERSION and every setting above and in kvcache.py that
-    shapes the study (computed again when one changes, or with refit)."""
+    """codec_study() on the record-world model, cached in code/checkpoints/ under the model checkpoint's
+    identity, the settings above and in kvcache.py that shape the study and the code that runs it
+    (computed again when one changes, or with refit)."""
     world = record_world()
     ident = {
-        "model": world["ident"], "codec": kv.CODEC_VERSION, "group": kv.CODEC_GROUP, "anchor_bits": kv.ANCHOR_BITS,
+        "model": world["ident"], "group": kv.CODEC_GROUP, "anchor_bits": kv.ANCHOR_BITS,
         "max_radius": kv.CODEC_MAX_RADIUS, "search": [MEASURE_TOL, STEP_NOTCH, STEP_START, STEP_MAX_NOTCHES],
         "levels": [kv.LEVEL_FACTOR, kv.N_LEVELS], "recipe": [kv.RECIPE_GROUP_FACTOR, kv.MATCH_HALVINGS],
         "docs": [CODEC_N_CALIB, CODEC_N_EVAL, CODEC_N_CODED, CODEC_CALIB_SEED, CODEC_EVAL_SEED]}
@@ -213,16 +213,19 @@ def codec_levels(refit: bool = False) -> list[dict]:
 
 
 def main(argv=None):
-    from common.cli import Parser, table
+    from common.cli import Parser
+    from common.present import Row, Table, cols, render_text
     p = Parser(__doc__)
     p.add_argument("--refit", action="store_true", help="redo the step search and the tables (cached otherwise)")
     a = p.parse_args(argv)
     study = record_codec_study(a.refit)
-    print(table(["level", "bytes/token", "bits/value", "accuracy", "FP16 accuracy"],
-                [[lv["level"], f"{lv['bytes_per_token']:.1f}", f"{lv['bits_per_value']:.2f}",
-                  f"{100 * lv['accuracy']:.2f}%", f"{100 * lv['fp16_accuracy']:.2f}%"] for lv in study["levels"]],
-                title=f"CacheGen-style codec on the record-world model: "
-                      f"{'anchor+delta' if study['delta'] else 'no deltas'}; level i = steps x {kv.LEVEL_FACTOR:.3g}^i"))
+    print(render_text(Table(
+        f"CacheGen-style codec on the record-world model: {'anchor+delta' if study['delta'] else 'no deltas'}; "
+        f"level i = steps x {kv.LEVEL_FACTOR:.3g}^i", "§4.2",
+        cols("level", ("bytes/token", "{:.1f}"), ("bits/value", "{:.2f}"), ("accuracy", "{:.2%}"),
+             ("FP16 accuracy", "{:.2%}")),
+        [Row([lv["level"], lv["bytes_per_token"], lv["bits_per_value"], lv["accuracy"], lv["fp16_accuracy"]])
+         for lv in study["levels"]], "codec_study.codec_study")))
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def record_model(retrain: bool = False, seed: int | None = None, steps: int | No
     T = dict(TRAIN, after_drop=steps or TRAIN["after_drop"],
              locality=TRAIN["locality"] if locality is None else locality)
     train_fn = partial(train_record_model, T=T, seed=seed)
-    model, meta = cached_model("records", bw.model_config(), T, bw.DATA_VERSION, train_fn, retrain, seed)
+    model, meta = cached_model("records", bw.model_config(), T, train_fn, retrain, seed)
     return model, meta
 
 

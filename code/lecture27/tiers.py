@@ -16,7 +16,9 @@ Chunks of one prompt are touched and written tail first, so a prompt's head chun
 used: LRU then evicts a prefix from its tail (as vLLM's prefix cache does), never its head first, which
 would make all the chunks after it unreachable.
 A chunk is identified by a key that names its whole prefix (prefix caching: chunk i of a conversation
-is reusable only together with chunks 0..i-1), so the caller passes keys in prompt order.
+is reusable only together with chunks 0..i-1), so the caller passes keys in prompt order. A cache whose
+keys name only a chunk's own content (non-prefix reuse, §5) looks every key up on its own instead:
+`lookup(keys, prefix=False)` / `fetch(keys, sizes, prefix=False)` go on past a missing chunk.
 
 Note the inclusion property of write-through LRU tiers: all tiers see the same writes in the same
 order, so a tier no bigger than the one above it holds nothing the upper tier lacks (it only
@@ -79,13 +81,14 @@ class Tier:
 @dataclass
 class Fetch:
     """Result of looking up one prompt: where each cached chunk was found and what loading it costs."""
-    tier_of_chunk: list      # tier index per chunk of the longest cached prefix
+    tier_of_chunk: list      # tier index per chunk of the longest cached prefix (or per key, None: missing)
     bytes_per_tier: list     # bytes found in each tier
     load_s: float            # sum over chunks below the GPU of bytes / tier bandwidth
 
     @property
     def n_chunks(self) -> int:
-        return len(self.tier_of_chunk)
+        """Chunks found."""
+        return sum(i is not None for i in self.tier_of_chunk)
 
 
 class TieredStore:
@@ -96,30 +99,30 @@ class TieredStore:
             raise ValueError("need at least one tier")
         self.tiers = tiers
 
-    def lookup(self, keys) -> list[int]:
-        """Longest cached prefix: for each chunk in order, the index of the fastest tier holding it;
-        stops at the first chunk no tier holds."""
+    def lookup(self, keys, prefix: bool = True) -> list:
+        """For each chunk in order, the index of the fastest tier holding it. A prefix (the default):
+        stops at the first chunk no tier holds, the longest cached prefix. prefix=False: every key on
+        its own, None where no tier holds it."""
         found = []
         for key in keys:
-            for i, tier in enumerate(self.tiers):
-                if key in tier:
-                    found.append(i)
-                    break
-            else:
+            i = next((i for i, tier in enumerate(self.tiers) if key in tier), None)
+            if i is None and prefix:
                 break
+            found.append(i)
         return found
 
-    def fetch(self, keys, sizes) -> Fetch:
-        """Look up the prefix, charge the loads, touch each chunk where it was found and copy chunks
-        found below the GPU up into every faster tier."""
-        where = self.lookup(keys)
+    def fetch(self, keys, sizes, prefix: bool = True) -> Fetch:
+        """Look up the keys (as `lookup`), charge the loads, touch each chunk where it was found and copy
+        chunks found below the GPU up into every faster tier."""
+        where = self.lookup(keys, prefix)
         per_tier = [0] * len(self.tiers)
         load_s = 0.0
-        for key, nbytes, i in zip(keys, sizes, where):
+        hits = [(key, nbytes, i) for key, nbytes, i in zip(keys, sizes, where) if i is not None]
+        for key, nbytes, i in hits:
             per_tier[i] += nbytes
             if i > 0:
                 load_s += nbytes / self.tiers[i].bandwidth
-        hits = list(zip(keys, sizes, where))[::-1]  # tail first, so the prefix's head ends most recent
+        hits = hits[::-1]  # tail first, so the prefix's head ends most recent
         for key, nbytes, i in hits:
             self.tiers[i].touch(key)
         for key, nbytes, i in hits:  # copy-up, after every hit was touched

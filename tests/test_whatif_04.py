@@ -1,0 +1,217 @@
+"""04 run as a student runs it after an edit its exercises invite (small sizes): no handout figure stands
+beside a run whose inputs are not the handout's, in a table, a note or a figure's title; every verdict
+agrees with the numbers it speaks of; every exercise has its heading, in the handout's order, and
+exercise 6 its answer in the default run too. Tests read the page's tables (rows as printed) and the
+JSON; a sentence is read only where it is a verdict to hold against its numbers."""
+import importlib
+import json
+
+import pytest
+
+from common import checkpoints
+from common.present import DASH, Page, grid
+
+SMALL = {"N_DOCS": 60, "CITY_DOCS": 100}
+
+
+@pytest.fixture(scope="module")
+def cb():
+    return importlib.import_module("04_cacheblend")
+
+
+@pytest.fixture(scope="module")
+def runs(cb, tmp_path_factory):
+    """{name: (page, JSON, figure titles by file name)} of main() on the default and two edited inputs."""
+    tmp = tmp_path_factory.mktemp("edits04")
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("L27_FIGURES", str(tmp / "figures"))
+        for k, v in SMALL.items():
+            mp.setattr(cb, k, v)
+        titles = {}
+        figure = Page.figure
+
+        def spy(self, name, title="", *a, **kw):
+            titles[name] = title
+            return figure(self, name, title, *a, **kw)
+
+        mp.setattr(Page, "figure", spy)
+        for name, argv in {"default": [], "chunk6": ["--chunk-len", "6"], "ratio01": ["--ratio", "0.1"]}.items():
+            titles.clear()
+            page = cb.main([*argv, "--json", str(tmp / f"{name}.json")])
+            out[name] = (page, json.loads((tmp / f"{name}.json").read_text()), dict(titles))
+    return out
+
+
+def table_with(page, first):
+    """(headers, printed rows, Table) of the table holding a row whose first cell starts with `first`."""
+    for t in page.tables:
+        headers, body = grid(t)
+        if any(r[0].strip().startswith(first) for r in body):
+            return headers, body, t
+    raise KeyError(first)
+
+
+def cells(page, first):
+    """A row's printed cells by column header."""
+    headers, body, _ = table_with(page, first)
+    return dict(zip(headers, next(r for r in body if r[0].strip().startswith(first))))
+
+
+def part_settings(cb, *argv):
+    return cb.settings(cb.command_line(list(argv)))
+
+
+# ------------------------------------------------------------------------------------ the default run
+def test_every_exercise_has_its_heading_in_the_handouts_order(runs):
+    page = runs["default"][0]
+    heads = [(b["kind"], b.get("n") or b["name"]) for b in page.blocks if b["kind"] in ("part", "exercise")]
+    assert heads == [("exercise", 5), ("part", "Part 1"), ("part", "Part 2"), ("exercise", 6), ("part", "Part 3"),
+                     ("exercise", 7), ("part", "Part 4"), ("exercise", 8)]
+
+
+def test_exercise6_is_answered_in_the_default_run(runs):
+    page, res, _ = runs["default"]
+    assert res["chunk_len"] == 5 and res["ex6"]["chunk_len"] == 6
+    assert res["ex6"]["split_records"] == [] and res["ex6"]["reuse_equals_full"]
+    assert res["ex6"]["reuse_acc"] == res["ex6"]["full_acc"] >= 0.99
+    assert cells(page, "records split by chunks of 6")["handout"] == "0"
+
+
+def test_default_run_shows_the_handouts_figures(runs):
+    page, res, titles = runs["default"]
+    assert cells(page, "top 15% of tokens")["handout"] == "98.0%"
+    assert cells(page, "CacheBlend 20%")["handout split"] == "99.4%"
+    assert "handout: top 15% hold 98.0%" in titles["04_deviation_concentration.png"]
+    assert "split_acc_blend20" in res and "chunk3_blend20" in res
+
+
+def test_the_record_model_line_says_loaded_only_when_it_was(runs):
+    page = runs["default"][0]
+    line = next(b["text"] for b in page.blocks if b["kind"] == "text" and "record world model" in b["text"])
+    loaded = [e["loaded"] for e in checkpoints.EVENTS if e["name"] == "records"]
+    assert loaded, "the record model went through the cache"
+    assert ("loaded from code/checkpoints/" in line) == loaded[-1]
+    assert line.split(": ", 1)[1].startswith("loaded" if loaded[-1] else "trained")
+
+
+def test_figures_of_an_edited_run_stay_out_of_the_default_folder(runs):
+    default = [b["path"] for b in runs["default"][0].blocks if b["kind"] == "figure"]
+    edited = [b["path"] for b in runs["chunk6"][0].blocks if b["kind"] == "figure"]
+    assert len(default) == len(edited) == 4
+    assert all("/whatif/" not in p for p in default) and all("/whatif/04_chunk_len=6/" in p for p in edited)
+
+
+# ------------------------------------------------------------------------------------ --chunk-len 6
+def test_chunk_len_6_blanks_the_handouts_chunk5_figures(runs):
+    page, res, titles = runs["chunk6"]
+    for row in ("full prefill", "full reuse", "CacheBlend 20%", "random 20%"):
+        c = cells(page, row)
+        assert c["handout split"] == c["handout unsplit"] == DASH, row
+    for row in ("top 15% of tokens", "rank correlation of deviation", "layer-0 picks"):
+        assert cells(page, row)["handout"] == DASH, row
+    # the curve's rows keep their own chunk length (5 and 3) at the handout's 20%
+    assert cells(page, "chunk length 5: CacheBlend 20%")["handout"] == "99.4%"
+    assert cells(page, "chunk length 3: CacheBlend 20%")["handout"] == "81.0%"
+    title = titles["04_deviation_concentration.png"]
+    assert "handout" not in title and "98" not in title and "chunks of 6" in title
+    for first in ("full prefill", "top 15% of tokens"):
+        assert not any("handout" in n for n in table_with(page, first)[2].notes)
+    assert res["split_acc_blend20"] is None and res["ex6"] == runs["default"][1]["ex6"]
+
+
+# ------------------------------------------------------------------------------------ --ratio 0.1
+def test_ratio_names_its_json_keys(runs):
+    res = runs["ratio01"][1]
+    assert res["ratio"] == 0.1
+    assert {"split_acc_blend10", "split_acc_random10", "chunk3_blend10"} <= set(res)
+    assert not {"split_acc_blend20", "split_acc_random20", "chunk3_blend20"} & set(res)
+
+
+def test_ratio_01_blanks_the_handouts_20_percent_figures(runs):
+    page = runs["ratio01"][0]
+    assert cells(page, "CacheBlend 10%")["handout split"] == cells(page, "random 10%")["handout split"] == DASH
+    assert cells(page, "full reuse")["handout split"] == "8.8%"          # no ratio in it
+    for row in ("layer-0 picks (10%)", "chunk length 3: CacheBlend 10%", "chunk length 5: CacheBlend 10%"):
+        assert cells(page, row)["handout"] == DASH, row
+    assert not any("handout" in n for n in table_with(page, "random 10%")[2].notes)
+
+
+@pytest.mark.parametrize("name", ["default", "ratio01"])
+def test_random_note_places_ours_on_the_right_side_of_the_estimate(runs, name):
+    page, res = runs[name][:2]
+    r = res["ratio"]
+    rand, reuse = res[f"split_acc_random{round(100 * r)}"], res["split_acc_reuse"]
+    guess = r + (1 - r) * reuse
+    note = table_with(page, f"random {r:.0%}")[2].notes[0]
+    side = "above" if rand > guess else "below"
+    assert f"Ours: {100 * rand:.1f}%, {side} that estimate" in note
+
+
+# ------------------------------------------------------------------------------------ Part 4 and exercise 8
+def part4(cb, s):
+    page = Page("04", "", "§5", plot=False)
+    timings = cb.part4_pipelining(s, page)
+    cb.exercise8(s, page)
+    return page, timings
+
+
+def test_a_higher_floor_blanks_the_papers_speedups_and_exercise8(cb):
+    page, timings = part4(cb, part_settings(cb, "--min-ratio", "0.6"))
+    assert cells(page, "TTFT speed-up over full prefill")["handout"] == DASH
+    assert all(r[-1] == DASH for r in table_with(page, "LLaMA-2-7B, NVMe SSD, recompute")[1])
+    assert not any("2.2-3.3x" in n for n in table_with(page, "TTFT speed-up")[2].notes)
+    assert cells(page, "controller's recompute ratio")["handout"] == DASH
+    # inputs the floor does not touch keep the handout's figure
+    assert cells(page, "paper point, LLaMA-2-7B: NVMe SSD read")["handout"] == "~16"
+
+
+@pytest.mark.parametrize("argv", [[], ["--min-ratio", "0.6"], ["--min-ratio", "0.05"]])
+def test_throughput_verdict_matches_its_rows(cb, argv):
+    page, timings = part4(cb, part_settings(cb, *argv))
+    s = part_settings(cb, *argv)
+    floor_best = all(max(t.throughput, key=lambda r: t.throughput[r].blend_rps) == s.min_ratio
+                     for t in timings.values())
+    note = table_with(page, "LLaMA-2-7B, NVMe SSD, recompute")[2].notes[0]
+    assert ("floor is what throughput wants" in note) == floor_best
+
+
+def test_a_70b_on_other_gpus_has_no_handout_figure(cb, monkeypatch):
+    monkeypatch.setattr(cb, "SYSTEMS", [("llama-2-7b", 1), ("llama-3.1-70b", 4)])
+    page, _ = part4(cb, part_settings(cb))
+    assert cells(page, "LLaMA-3.1-70B: full recompute")["handout"] == DASH
+    assert cells(page, "LLaMA-2-7B: full recompute")["handout"] == "~1x (NVMe almost as slow)"
+    assert not any("4.6x" in n for n in table_with(page, "LLaMA-3.1-70B: full recompute")[2].notes)
+
+
+def test_exercise8_other_read_time(cb):
+    page, _ = part4(cb, part_settings(cb, "--read-ms", "5"))
+    res = page.json()
+    assert res["ex8_ratio"] == 0.25 and res["ex8_ttft_ms"] == pytest.approx(32 * 5.0)
+    assert all(cells(page, row)["handout"] == DASH for row in ("controller's recompute ratio", "TTFT, CacheBlend"))
+    assert cells(page, "TTFT, full prefill")["handout"] == "640"      # the read time is not in it
+
+
+# ------------------------------------------------------------------------------------ the city and the command line
+def test_another_city_chunking_blanks_the_city_figures(cb, monkeypatch):
+    """Chunks of 4 words cut the city's 8-word sentences: the handout's 3 x 8 figures go blank, and the
+    verdict in the title follows the KL."""
+    from common.city import city_model
+
+    monkeypatch.setattr(cb, "CITY_CHUNK_LEN", 4)
+    monkeypatch.setattr(cb, "CITY_DOCS", 100)
+    s, page = part_settings(cb), Page("04", "", "§5", plot=False)
+    model, lang = city_model()
+    cb.part1_city(cb.city_docs(model, lang, s.city_docs, 0, s.city_chunks, s.city_chunk_len), lang, s, page)
+    for row in ("cross-entropy, full prefill", "cross-entropy, full reuse", "KL(full prefill"):
+        assert cells(page, row)["handout"] == DASH, row
+    t = page.tables[0]
+    assert not any("handout" in n for n in t.notes)
+    assert ("loses nothing" in t.title) == (page.json()["city_kl"] < 1e-3)
+
+
+@pytest.mark.parametrize("argv,flag", [(["--model", "smollm2", "--ratio", "0.3"], "--real-ratio"),
+                                       (["--real-ratio", "0.3"], "--model smollm2")])
+def test_each_ratio_flag_belongs_to_its_model(cli_exit, argv, flag):
+    code, err = cli_exit("04_cacheblend", *argv)
+    assert code == 2 and flag in err and len(err.strip().splitlines()) == 1
