@@ -57,7 +57,9 @@ class Choice:
     choice: BLEND or FULL_PREFILL; device: where the KV is read from (None: nothing is read); ratio: the
     context's recompute ratio (1.0 for a full prefill); ttft_s: the chosen plan's TTFT; full_s: a full
     prefill's; stored: the device the KV was kept on; read_s / full_layer_s: one layer's read from it and
-    one layer's full prefill, the two numbers the choice turns on; reason: the choice in one sentence."""
+    one layer's full prefill, the two numbers the choice turns on; stored_ratio / stored_ttft_s: blending
+    from `stored` anyway, at the ratio half's ratio (what the choice avoids when it is not that); reason:
+    the choice in one sentence."""
     choice: str
     device: str | None
     ratio: float
@@ -66,6 +68,8 @@ class Choice:
     stored: str
     read_s: float
     full_layer_s: float
+    stored_ratio: float
+    stored_ttft_s: float
     reason: str
 
 
@@ -84,25 +88,26 @@ def choose(n_layers: int, full_layer_s: float, loads: dict, stored: str, min_rat
         r = controller_ratio(loads[device], full_layer_s, min_ratio)
         return r, pipelined_ttft(n_layers, loads[device], r * full_layer_s, extra_s)
 
-    ms = lambda s: f"{1e3 * s:.3g} ms"  # noqa: E731
+    ms = lambda s: f"{1e3 * s:.0f} ms" if s >= 0.1 else f"{1e3 * s:.3g} ms"  # noqa: E731
+    stored_r, stored_ttft = blend_from(stored)
+    base = (stored, read, full_layer_s, stored_r, stored_ttft)
     if min_ratio >= 1:  # the floor recomputes everything: the stored KV would never be used
-        return Choice(FULL_PREFILL, None, 1.0, full_s, full_s, stored, read, full_layer_s,
+        return Choice(FULL_PREFILL, None, 1.0, full_s, full_s, *base,
                       f"a {min_ratio:.0%} floor recomputes every token: no reuse, a full prefill")
     if read < full_layer_s:
-        r, ttft = blend_from(stored)
-        how = (f"the read hides the {min_ratio:.0%} floor's recompute" if r == min_ratio else
-               f"recompute {r:.0%} (recompute = read)")
-        return Choice(BLEND, stored, r, ttft, full_s, stored, read, full_layer_s,
+        how = (f"the read hides the {min_ratio:.0%} floor's recompute" if stored_r == min_ratio else
+               f"recompute {stored_r:.0%} (recompute = read)")
+        return Choice(BLEND, stored, stored_r, stored_ttft, full_s, *base,
                       f"reading a layer from {stored} ({ms(read)}) is faster than prefilling it "
                       f"({ms(full_layer_s)}): blend, {how}")
     than = "as long as" if read == full_layer_s else "longer than"
     slower = (f"reading a layer from {stored} ({ms(read)}) takes {than} prefilling it ({ms(full_layer_s)}), "
-              "so every layer would wait for its read")
+              f"so every layer would wait for its read (blending anyway: {ms(stored_ttft)} to the first token)")
     paying = [d for d in loads if loads[d] < full_layer_s]
     if paying:
         best = min(paying, key=lambda d: blend_from(d)[1])
         r, ttft = blend_from(best)
-        return Choice(BLEND, best, r, ttft, full_s, stored, read, full_layer_s,
+        return Choice(BLEND, best, r, ttft, full_s, *base,
                       f"{slower}; {best} reads it in {ms(loads[best])}: keep the KV there and blend at {r:.0%}")
-    return Choice(FULL_PREFILL, None, 1.0, full_s, full_s, stored, read, full_layer_s,
-                  f"{slower}: no reuse, a full prefill")
+    return Choice(FULL_PREFILL, None, 1.0, full_s, full_s, *base, f"{slower}: no reuse, a full prefill "
+                  f"({ms(full_s)})")

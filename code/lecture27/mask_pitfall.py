@@ -56,12 +56,16 @@ class MaskCost:
     """Accuracy on split records of CacheBlend at `ratio` under each mask of MASKS (name -> accuracy), the
     same for the unsplit records, and layers_read: how many leading layers of the context's KV the
     answers to split records read (None when no record is split); when that is at most
-    FIRST_LAYER_CHANGED, the layers a mask changes are layers the answers do not need."""
+    FIRST_LAYER_CHANGED, the layers a mask changes are layers the answers do not need; future_keys: how
+    many context tokens after its own position each of layer 1's `picks` recomputed tokens sees under
+    the bottom-right mask (none under the position mask), averaged over the picks."""
     ratio: float
     chunk_len: int
     split: dict
     unsplit: dict
     layers_read: int | None
+    future_keys: float              # later context tokens a layer-1 pick sees under the pitfall, mean per pick
+    picks: int                      # tokens recomputed at layer 1
 
 
 @torch.no_grad()
@@ -88,8 +92,18 @@ def record_cost(model, rec: bw.Records, chunk_len: int, ratio: float, pre=None) 
     `pre`: the precomputed chunks, if at hand."""
     pre = pre if pre is not None else bw.precompute_chunks(model, rec.doc, chunk_len)
     split = bw.split_mask(rec, chunk_len)
-    correct = {name: bw.answer_correct(bw.blend(model, rec, chunk_len, ratio, pre=pre, mask=mask), rec)
-               for name, mask in MASKS.items()}
+    correct, picks = {}, None
+    for name, mask in MASKS.items():
+        logits, trace = bw.blend(model, rec, chunk_len, ratio, pre=pre, mask=mask, trace=True)
+        correct[name], picks = bw.answer_correct(logits, rec), trace.recomputed[0]
     acc = lambda ok, m: bw.accuracy(ok, m) if m.any() else None  # noqa: E731
     return MaskCost(ratio, chunk_len, {n: acc(ok, split) for n, ok in correct.items()},
-                    {n: acc(ok, ~split) for n, ok in correct.items()}, layers_read(model, rec, chunk_len, pre))
+                    {n: acc(ok, ~split) for n, ok in correct.items()}, layers_read(model, rec, chunk_len, pre),
+                    future_keys(picks, bw.DOC_LEN), picks.shape[1])
+
+
+def future_keys(picks: torch.Tensor, n_context: int) -> float:
+    """Mean over the recomputed tokens `picks` (B, m) (positions in document order) of the context tokens
+    after its own position that the bottom-right mask lets each see: pick i sees up to n_context - m + i."""
+    m = picks.shape[1]
+    return float((n_context - m + torch.arange(m) - picks).float().mean())

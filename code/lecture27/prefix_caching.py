@@ -33,8 +33,6 @@ import torch  # noqa: E402
 import loading_controller as lc  # noqa: E402
 from common import timemodel as tm  # noqa: E402
 
-MEASURE_VERSION = "prefix-caching-v1"  # the cached SmolLM2 measurement is keyed by this, the model and the inputs
-
 
 # ============================================================================ on the time model
 @dataclass(frozen=True)
@@ -195,7 +193,7 @@ def measured(model, tok, model_id: str, items: int, ks, chunk_tokens: int, rule_
     """§5.1 on SmolLM2: the first `items` built-in RAG items, each cut into k chunks of chunk_tokens (the key
     passages where key_chunks says) for each k of `ks`; CacheBlend with blend_rules.RULES[rule_name] at
     `ratio`, once per mask of `masks` (name -> mask; the first is blend's own). Cached with
-    checkpoints.cached_result (identity: MEASURE_VERSION, the model file, the inputs' tokens, the methods);
+    checkpoints.cached_result (inputs: the model file, the inputs' tokens, the methods; and the code);
     `recompute` measures again. The TTFT is cached with the KL: it is a measurement of the run that made it."""
     import blend_real as br
     import blend_rules
@@ -206,7 +204,7 @@ def measured(model, tok, model_id: str, items: int, ks, chunk_tokens: int, rule_
 
     rags = {k: [rag_chunks(it, tok, n_chunks=k, chunk_tokens=chunk_tokens, key_chunks=key_chunks(k))
                 for it in RAG_ITEMS[:items]] for k in ks}
-    ident = {"version": MEASURE_VERSION, "model": model_id, "ks": list(ks), "rule": rule_name, "ratio": ratio,
+    ident = {"model": model_id, "ks": list(ks), "rule": rule_name, "ratio": ratio,
              "masks": list(masks), "inputs": br.inputs_digest([r for k in ks for r in rags[k]])}
 
     def compute():
