@@ -28,8 +28,11 @@ RUNS = {
     "03": ("03_streaming", [], ["best_at_gbit_per_s", "trace_choices", "trace_ttft_s",
                                            "steady25_choices", "policies", "long_policies"]),
     "04": ("04_cacheblend", ["--docs", "50"], ["city_ce_full", "split_acc_reuse", "split_acc_blend20",
-                                                "top15_deviation_share", "curve", "ex8_ratio",
-                                                "llama70b_nvme_vs_recompute"]),
+                                                "top15_deviation_share", "curve", "ex8_ratio", "ex8_ttft_ms",
+                                                "ex8_choice", "llama70b_nvme_vs_recompute", "prefix_k",
+                                                "prefix_saved_share", "blend_saved_share", "prefix_ttft_s",
+                                                "reuse_ttft_s", "blend_ttft_s", "full_ttft_s",
+                                                "mask_pitfall_split_acc", "mask_position_split_acc"]),
     "05": ("05_tiered_storage", ["--users", "20", "--turns", "4"],
            ["handoff_s", "configs", "cpu_fast_vs_slow_ttft_ratio", "lru_doc_hit_rate", "hinted_doc_hit_rate",
             "rag_k", "rag_prefix_hit_rate", "rag_chunk_hit_rate", "rag_prefix_mean_ttft_s", "rag_chunk_mean_ttft_s",
@@ -38,7 +41,8 @@ RUNS = {
                                                                  "coder_parallel_decode_sym_per_s"]),
     "04 smollm2": ("04_cacheblend", ["--model", "smollm2", "--items", "1"],
                    ["real_kl_reuse", "real_kl_random15", "real_kl_blend15", "real_kl_curve", "real_ttft_speedup",
-                    "real_rule"]),
+                    "real_rule", "real_prefix_k", "real_prefix_kl", "real_reuse_kl", "real_blend_kl",
+                    "real_prefix_ttft_s", "real_full_ttft_s", "real_mask_pitfall_kl", "real_mask_position_kl"]),
 }
 
 
