@@ -41,8 +41,9 @@ Part 5 (--model smollm2 and the flags of its own group; blend_real.py): the same
         own, one chunk per passage): KL to full prefill of CacheBlend (REAL_RULE), random and an oracle at
         15% (cached), each selection rule's measured CPU TTFT at 15% (live), greedy answers, the two
         insights on a real model; §5.1 measured (k = 2, 4, 6 chunks: TTFT on one thread and KL of prefix
-        caching, full reuse, CacheBlend) and the mask pitfall's KL (prefix_caching.measured, cached). --curve: KL vs recompute ratio for every selection rule of blend()
-        (blend_rules.RULES), random and the oracle, and a figure.
+        caching, full reuse, CacheBlend) and the mask pitfall's KL (prefix_caching.measured, cached).
+        --curve: KL vs recompute ratio for every selection rule of blend() (blend_rules.RULES), random and
+        the oracle, and a figure.
 """
 from __future__ import annotations
 
@@ -295,8 +296,9 @@ def present_saved_share(st: pc.PrefixStudy, s: Settings, page: Page) -> None:
 
 def prefix_figure(st: pc.PrefixStudy, s: Settings, page: Page) -> None:
     ref = HANDOUT("prefix_fewer", s)
-    with page.figure("04_prefix_caching.png", f"§5.1: share of full prefill's GPU time saved\n(k chunks of "
-                     f"{st.chunk_tokens} tokens" + (f"; handout: {ref.figure})" if ref else ")"), (6.4, 4.2)) as (_, ax):
+    title = (f"§5.1: share of full prefill's GPU time saved\n(k chunks of {st.chunk_tokens} tokens"
+             + (f"; handout: {ref.figure})" if ref else ")"))
+    with page.figure("04_prefix_caching.png", title, (6.4, 4.2)) as (_, ax):
         for (m, x), mark in zip(st.systems.items(), ("o", "x", "s", "^")):
             name, hollow = tm.get_model(m).name, dict(mfc="none", ms=8) if mark == "o" else {}
             for how, color, ls, label in (("prefix", "tab:red", "-", "prefix caching"),
