@@ -106,17 +106,17 @@ def test_a_planted_change_to_the_training_loss_retrains(ckdir, tmp_path, monkeyp
 def test_the_record_trainers_key_follows_its_loss(tmp_path, monkeypatch):
     """The record-world model's key covers the training loop it calls (train_lm), its own closures and
     the constants they read; a planted change to the loss changes only train_lm's entry."""
-    import blend_world as bw
-    before = checkpoints.code_identity(captured(bw.record_model, monkeypatch))
+    import record_trainer as rt
+    before = checkpoints.code_identity(captured(rt.record_model, monkeypatch))
     assert {"checkpoints.train_lm", "checkpoints.init_weights", "llama.Llama", "blend_world.sample_records",
-            "blend_world.reseed_values"} <= before["code"].keys()
-    assert "blend_world.TRAIN" in before["values"] and "blend_world.TARGET_ACC" in before["values"]
+            "record_trainer.reseed_values"} <= before["code"].keys()
+    assert "record_trainer.TARGET_ACC" in before["values"]  # (TRAIN reaches the key as the training config)
     plant(monkeypatch, tmp_path, checkpoints.train_lm, LOSS, LOSS + " * 2")
-    after = checkpoints.code_identity(captured(bw.record_model, monkeypatch))
+    after = checkpoints.code_identity(captured(rt.record_model, monkeypatch))
     assert changed(before, after) == {"checkpoints.train_lm"}
-    monkeypatch.setattr(bw, "TARGET_ACC", 0.5)
-    again = checkpoints.code_identity(captured(bw.record_model, monkeypatch))
-    assert changed(after, again) == {"blend_world.TARGET_ACC"}
+    monkeypatch.setattr(rt, "TARGET_ACC", 0.5)
+    again = checkpoints.code_identity(captured(rt.record_model, monkeypatch))
+    assert changed(after, again) == {"record_trainer.TARGET_ACC"}
 
 
 def test_prints_comments_docstrings_and_layout_do_not_retrain(ckdir, tmp_path, monkeypatch, capsys):
@@ -186,9 +186,9 @@ def test_the_record_codec_studys_key_follows_the_fit_and_the_trainer(tmp_path, m
 def test_a_scripts_printing_is_not_part_of_any_key(tmp_path, monkeypatch, script):
     """A print added to a script's main() leaves the keys of the record model, of its codec study and of
     the city model as they were: presentation code is never reached from a computation."""
-    import blend_world as bw
+    import record_trainer as rt
     monkeypatch.setattr(cs, "record_world", lambda: {"model": None, "ident": {}, "docs": None})
-    computes = [lambda: bw.record_model(), lambda: cs.record_codec_study(), lambda: city.city_model()]
+    computes = [lambda: rt.record_model(), lambda: cs.record_codec_study(), lambda: city.city_model()]
     before = [checkpoints.code_identity(captured(c, monkeypatch)) for c in computes]
     mod = importlib.import_module(script)
     plant(monkeypatch, tmp_path, mod.main, new="print('a new line on the screen')")
@@ -201,8 +201,8 @@ def test_the_key_is_cheap_and_stable():
     the same and takes a few milliseconds."""
     import time
 
-    import blend_world as bw
-    compute = functools.partial(bw.record_model)
+    import record_trainer as rt
+    compute = functools.partial(rt.record_model)
     t0 = time.perf_counter()
     a = checkpoints.code_identity(compute)
     t1 = time.perf_counter()

@@ -116,6 +116,7 @@ def test_bitstream_names_its_spec_and_length(calib):
         data = kv.codec_encode(X, s)
         h = kv.codec_header(data)
         assert (h["level"], h["delta"], h["tokens"], h["group"]) == (s.level, s.delta, 23, 10)
+        assert h["layout"] == kv.stream_plan(s, 23).layout          # the streams of each group
         q = kv.codec_decode(data, specs)               # the decoder is not told level, mode or length
         assert np.array_equal(q, kv.quantize(X, s))
     with pytest.raises(ValueError, match="fingerprint"):
@@ -278,6 +279,16 @@ def test_codec_table_acceptance(record):
     assert measured["accuracy"] >= rows["fp16"].quality - 0.005
     assert s["recipe"]["accuracy"] < rows["6bit"].quality
     assert 1.0 < rows["fp16"].bytes_per_token / rows["zlib"].bytes_per_token < 1.3
+
+
+def test_record_contexts_keep_one_stream_per_group(record):
+    """A record-world context (24 tokens, 3 groups of ~500 B) is coded as one stream per group at every
+    level: more streams would add bytes and still leave too few for the parallel coder; many contexts
+    coded at once (coded_size) give the same bytes as one by one."""
+    Xe = record["Xe"][:40]
+    for spec in map(kv.spec_from_dict, record["study"]["specs"]):
+        assert kv.stream_plan(spec, Xe.shape[1]).layout == "group"
+        assert kv.codec_encode_many(Xe, spec) == [kv.codec_encode(x, spec) for x in Xe]
 
 
 def test_coder_on_a_whole_context(record):

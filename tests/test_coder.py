@@ -1,10 +1,28 @@
-"""The arithmetic (range) coder of kvcache.py, section 2: quantized tables, bit-exact round trips,
-length against the ideal -sum log2 p and against constriction, exercise 4, damaged input."""
+"""The arithmetic (range) coder of kvcache.py, section 1: quantized tables, bit-exact round trips,
+length against the ideal -sum log2 p and against constriction, exercise 4, damaged input, tables with
+an empty slice."""
+import contextlib
+import signal
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 import kvcache as kv
+
+
+@contextlib.contextmanager
+def within(seconds: float):
+    """Fail a block that runs longer than `seconds` (a coder loop that never ends) instead of hanging."""
+    def stop(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s: a loop that never ends")
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _table_and_symbols(seed, K, n, skew, uniform_symbols):
@@ -114,20 +132,23 @@ def test_roundtrip_per_symbol_tables(seed, n_tables, n):
     _roundtrip_and_length(tables, syms, ids)
 
 
+def carry_case(case: str, n: int):
+    """(table, n symbols): the near-certain symbol at the top of the CDF ("top"), at its bottom
+    ("bottom": all-zero bytes), or at the top with rare others ("alternate")."""
+    if case == "top":
+        return kv.make_table([1e-9, 1]), np.ones(n, np.int64)
+    if case == "bottom":
+        return kv.make_table([1, 1e-9]), np.zeros(n, np.int64)
+    syms = np.where(np.arange(n) % 5000 == 4999, 2, 1)
+    syms[::7919] = 0
+    return kv.make_table([1e-9, 1, 1e-9]), syms
+
+
 @pytest.mark.parametrize("case", ["top", "bottom", "alternate"])
 def test_long_carry_runs(case):
     """The near-certain symbol at the top of the CDF keeps low near the top of the window: long
     runs of 0xFF bytes that a later carry must flip (the pending bytes)."""
-    n = 100_000
-    if case == "top":
-        table, syms = kv.make_table([1e-9, 1]), np.ones(n, np.int64)
-    elif case == "bottom":
-        table, syms = kv.make_table([1, 1e-9]), np.zeros(n, np.int64)
-    else:
-        table = kv.make_table([1e-9, 1, 1e-9])
-        syms = np.where(np.arange(n) % 5000 == 4999, 2, 1)
-        syms[::7919] = 0
-    _roundtrip_and_length(table, syms)
+    _roundtrip_and_length(*carry_case(case, 100_000))
 
 
 def test_long_sequences_are_close_to_ideal():
@@ -221,3 +242,17 @@ def test_corrupted_and_truncated_input_ends():
         kv.decode(b"\xff" * 64, kv.make_table([3, 5, 7]), 1000)
     with pytest.raises(ValueError):
         kv.decode(data, table, -1)
+
+
+# ------------------------------------------------------------------------------ empty slices
+def test_a_zero_width_slice_is_an_error_not_a_hang():
+    """encode(np.array([0]), FreqTable((0, 0, 65536))): symbol 0 has nothing to narrow to. It is
+    refused (ValueError), as is a code value that falls on an empty slice (CorruptStream), in bounded
+    time (the parallel coder: test_coder_parallel)."""
+    with within(10):
+        with pytest.raises(ValueError, match="zero width"):
+            kv.encode(np.array([0]), kv.FreqTable((0, 0, kv.AC_TOTAL)))
+        with pytest.raises(ValueError, match="zero width"):
+            kv.encode([1, 1, 2], [kv.make_table([1, 1]), kv.FreqTable((0, 9, 9, kv.AC_TOTAL))], [0, 1, 1])
+        with pytest.raises(kv.CorruptStream, match="no symbol's slice"):
+            kv.decode(b"\xff" * 8, kv.FreqTable((0, 40000, 40000)), 3)

@@ -23,7 +23,8 @@ def constants(path) -> dict[str, ast.AST]:
     """UPPER_CASE names assigned at module level -> their value's node."""
     out = {}
     for node in tree(path).body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
         for t in targets:
             for n in ast.walk(t):
                 if isinstance(n, ast.Name) and n.id.isupper() and len(n.id) > 1:

@@ -17,7 +17,7 @@ RUNS = {  # name: (constants edited, command line)
     "uniform4": ({"EX4_PROBS": {0: 0.25, 1: 0.25, -1: 0.25, 2: 0.25}, "EX4_SAMPLES": 4000},
                  ["--sensitivity-step", "0.25"]),
     "three": ({"EX4_PROBS": {0: 0.5, 1: 0.25, -1: 0.25}, "EX4_SAMPLES": 4000, "ENTROPY_LEVEL": 3,
-               "EX3_CONTEXTS": 20}, ["--sensitivity-step", "8"]),
+               "EX3_CONTEXTS": 20, "CODER_STREAMS": (4, 64)}, ["--sensitivity-step", "8"]),
 }
 
 
@@ -97,6 +97,19 @@ def test_verdicts_say_what_the_numbers_say(runs, name):
     grows = rows[-1][2] > max(rows[1][2], max(r[1] for r in rows[1:]))
     assert ("errors add up along the chain" in tables["02_cachegen_codec.exercise3"]["notes"][0]) == grows
     # exercise 4: a saving over the fixed-length code is claimed only where there is one
+    # exercise 3 measured: the ratios and bytes the notes name are the table's; "slower than the serial
+    # coder" only where the fewest streams are; the codec's layout is the one its bitstreams name
+    thr, dec = tables["kvcache.coder_throughput"], d["coder_decode_sym_per_s"]
+    notes = " ".join(thr["notes"])
+    assert f"decodes {dec['parallel'] / dec['serial']:.1f}x the serial coder's" in notes
+    assert f"compiled coder {dec['constriction'] / dec['parallel']:.1f}x ours" in notes
+    assert f"{d['coder_parallel_added_bytes'][-1]:+,} bytes" in notes
+    assert ("slower than the serial coder" in notes) == (d["coder_parallel_decode_sym_per_s"][0] < dec["serial"])
+    streams = d["coder_parallel_streams"]
+    assert streams[:-1] == sorted(set(out[name].s.coder_streams)) and streams[-1] == 200 * 256   # all: one a row
+    assert d["coder_parallel_added_bytes"][0] == 0 if streams[0] == 1 else d["coder_parallel_added_bytes"][0] > 0
+    spec = mod.kv.spec_from_dict(mod.cs.record_codec_study()["specs"][0])
+    assert f"bitstreams: {mod.LAYOUT_WORDS[mod.kv.stream_plan(spec, 24).layout]}," in notes
     e4 = d["exercise4"]
     saves = e4["fixed_bits"] - e4["coded_bits_per_symbol"] > 0.005
     assert ("saves nothing" not in tables["kvcache.exercise4"]["notes"][0]) == saves

@@ -66,7 +66,7 @@ def part_settings(cb, *argv):
 def test_every_exercise_has_its_heading_in_the_handouts_order(runs):
     page = runs["default"][0]
     heads = [(b["kind"], b.get("n") or b["name"]) for b in page.blocks if b["kind"] in ("part", "exercise")]
-    assert heads == [("exercise", 5), ("part", "Part 1"), ("part", "Part 2"), ("exercise", 6), ("part", "Part 3"),
+    assert heads == [("part", "Part 0"), ("exercise", 5), ("part", "Part 1"), ("part", "Part 2"), ("exercise", 6), ("part", "Part 3"),
                      ("exercise", 7), ("part", "Part 4"), ("exercise", 8)]
 
 
@@ -98,7 +98,7 @@ def test_the_record_model_line_says_loaded_only_when_it_was(runs):
 def test_figures_of_an_edited_run_stay_out_of_the_default_folder(runs):
     default = [b["path"] for b in runs["default"][0].blocks if b["kind"] == "figure"]
     edited = [b["path"] for b in runs["chunk6"][0].blocks if b["kind"] == "figure"]
-    assert len(default) == len(edited) == 4
+    assert len(default) == len(edited) == 5
     assert all("/whatif/" not in p for p in default) and all("/whatif/04_chunk_len=6/" in p for p in edited)
 
 
@@ -215,3 +215,70 @@ def test_another_city_chunking_blanks_the_city_figures(cb, monkeypatch):
 def test_each_ratio_flag_belongs_to_its_model(cli_exit, argv, flag):
     code, err = cli_exit("04_cacheblend", *argv)
     assert code == 2 and flag in err and len(err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------ §5.1 Part 0, the controller's fallback
+def part0(cb, s):
+    page = Page("04", "", "§5", plot=False)
+    return page, cb.part0_prefix(s, page)
+
+
+def test_part0_prefix_caching_saves_less_with_every_chunk(runs):
+    page, res, titles = runs["default"]
+    assert res["prefix_k"] == list(range(1, 11))
+    for m in ("llama-2-7b", "llama-3.1-70b"):
+        p, b = res["prefix_saved_share"][m], res["blend_saved_share"][m]
+        assert all(x > y for x, y in zip(p, p[1:])) and all(0.75 < x < 0.9 for x in b)
+        assert len(res["prefix_ttft_s"][m]) == len(res["full_ttft_s"][m]) == 10
+        assert res["prefix_ttft_by_device_s"][m]["NVMe SSD"] == res["prefix_ttft_s"][m]
+    assert cells(page, "LLaMA-2-7B prefix caching")["handout"] == "the more chunks, the less"
+    assert cells(page, "LLaMA-2-7B CacheBlend 15%")["handout"] == "recomputes ~15%"
+    assert cells(page, "LLaMA-2-7B full reuse")["handout"] == DASH
+    assert "the more chunks, the less" in titles["04_prefix_caching.png"]
+
+
+def test_part0_verdict_matches_its_shares(cb):
+    for argv in ([], ["--min-ratio", "0.6"]):
+        s = part_settings(cb, *argv)
+        page, st = part0(cb, s)
+        note = table_with(page, "LLaMA-2-7B prefix caching")[2].notes[0]
+        for m, x in st.systems.items():
+            falls = all(b < a for a, b in zip(x.prefix_saved_share, x.prefix_saved_share[1:]))
+            said = f"{cb.tm.get_model(m).name}: prefix caching falls with every chunk" in note
+            assert said == falls, (argv, m)
+        blend = cells(page, f"LLaMA-2-7B CacheBlend {s.min_ratio:.0%}")
+        assert blend["handout"] == ("recomputes ~15%" if s.min_ratio == 0.15 else DASH)
+        assert all(x.blend_saved_share[0] < 1 - s.min_ratio for x in st.systems.values())
+
+
+def test_a_read_slower_than_the_prefill_chooses_the_full_prefill(cb):
+    """The issue's run: --layers 32 --read-ms 30 --prefill-ms 20 chooses the full prefill (640 ms)."""
+    page, _ = part4(cb, part_settings(cb, "--layers", "32", "--read-ms", "30", "--prefill-ms", "20"))
+    res = page.json()
+    assert res["ex8_choice"] == "full prefill" and res["ex8_ratio"] == 1.0
+    assert res["ex8_ttft_ms"] == res["ex8_full_ms"] == pytest.approx(640)
+    assert cells(page, "blending from the SSD anyway")["ours"] == "960"
+    assert cells(page, "controller's choice")["handout"] == DASH
+    default = part4(cb, part_settings(cb))[0].json()
+    assert (default["ex8_choice"], default["ex8_ratio"], default["ex8_ttft_ms"]) == ("blend", 0.5, 320.0)
+
+
+def test_part4_says_which_devices_do_not_pay(cb):
+    page, timings = part4(cb, part_settings(cb))
+    for model, t in timings.items():
+        for d, x in t.devices.items():
+            pays = x.load_vs_full > 1                     # the layer's read is faster than its prefill
+            assert (x.choice == "blend") == pays, (model, d)
+            if not pays:
+                fastest = min(t.devices, key=lambda e: t.devices[e].ttft_s)
+                assert x.choice in (f"blend from {fastest}", "full prefill")
+    rows = table_with(page, "load from SATA SSD")[1]
+    assert any(r[0] == "load from SATA SSD" and r[-1].startswith("blend from") for r in rows)
+
+
+def test_the_mask_pitfall_is_measured_beside_the_position_mask(runs):
+    page, res, _ = runs["default"]
+    assert res["mask_position_split_acc"] == res["split_acc_blend20"]
+    assert 0 <= res["mask_pitfall_split_acc"] <= 1
+    c = cells(page, "bottom-right mask (the pitfall)")
+    assert c["split records"] == f"{100 * res['mask_pitfall_split_acc']:.1f}%"

@@ -79,11 +79,13 @@ class Col:
     and, for `--json`, the key its values go to: "name" gives a list over the rows (in order, rows whose
     value is None left out), "name.{row}" or "configs.{row}.hit_rate" a dict keyed by each row's key,
     "levels[].accuracy" a list with one dict per row (the columns with keys "levels[]..." fill it).
-    `scale` multiplies the value written to JSON (for example bytes on screen, GB in JSON: 1e-9)."""
+    `scale` multiplies the value written to JSON (for example bytes on screen, GB in JSON: 1e-9). Text
+    columns (`left=True`) are aligned left, numbers right; the first column is always left."""
     header: str
     fmt: Fmt = "{}"
     key: str | None = None
     scale: float | None = None
+    left: bool = False
 
 
 @dataclass
@@ -174,9 +176,10 @@ def change(before, after, fmt: str = "{}") -> str:
 def render_text(t: Table) -> str:
     headers, body = grid(t)
     widths = [max(len(x) for x in col) for col in zip(headers, *body)]
+    left = [i == 0 or (i < len(t.cols) and t.cols[i].left) for i in range(len(widths))]
 
     def line(r):
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        return "  ".join(c.ljust(w) if lft else c.rjust(w) for c, w, lft in zip(r, widths, left)).rstrip()
 
     out = [wrap(t.title)] if t.title else []
     out += [line(headers), "  ".join("-" * w for w in widths)] + [line(r) for r in body]

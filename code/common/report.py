@@ -31,12 +31,13 @@ h3 { font-size: 16px; margin: 22px 0 6px; } h3.exercise { color: #7a3e00; }
 .tbls { flex: 1 1 600px; min-width: 0; max-width: 100%; } .tbl { overflow-x: auto; margin-bottom: 12px; }
 .figs { flex: 0 1 540px; max-width: 100%; } .figs img { width: 100%; height: auto; border: 1px solid #ddd; }
 table.data { border-collapse: collapse; font-size: 13px; font-variant-numeric: tabular-nums; }
-table.data caption { text-align: left; font-weight: 600; padding-bottom: 4px; }
+p.ttl { font-weight: 600; font-size: 13px; margin: 0 0 4px; white-space: pre-wrap; }
 table.data th, table.data td { border-bottom: 1px solid #e4e4e4; padding: 2px 8px; text-align: right;
                                white-space: nowrap; }
 table.data th:first-child, table.data td:first-child { text-align: left; white-space: normal; }
 table.prose th, table.prose td { white-space: normal; text-align: left; }
-table.data th { background: #f3f3f3; } td.handout { background: #eef5ff; } tr.differs td.handout { background: #ffe9d6; }
+table.data th { background: #f3f3f3; } td.handout { background: #eef5ff; }
+tr.differs td.handout { background: #ffe9d6; }
 .src { font-size: 12px; color: #666; } .src code { font-size: 12px; }
 .note { font-size: 13px; margin: 2px 0; } .why { font-size: 13px; margin: 2px 0; color: #8a3b00; }
 p.text { margin: 4px 0; white-space: pre-wrap; } nav { font-size: 14px; } nav a { margin-right: 10px; }
@@ -97,7 +98,9 @@ def table_html(b: dict) -> str:
         rows.append('<tr class="differs">' if differs else "<tr>")
         rows.append("".join(cells) + "</tr>")
     prose = any(len(str(c)) > 40 for r in b["rows"] for c in r[1:])  # sentences in the cells: let them wrap
-    parts = [f'<table class="data{" prose" if prose else ""}"><caption>{esc(b["title"])}</caption><thead><tr>{head}</tr></thead>'
+    # the title above the table, not its caption: a caption is only as wide as a narrow table
+    parts = [f'<p class="ttl">{esc(b["title"])}</p>' if b["title"] else "",
+             f'<table class="data{" prose" if prose else ""}"><thead><tr>{head}</tr></thead>'
              f'<tbody>{"".join(rows)}</tbody></table>']
     parts += [f'<p class="note">{esc(t)}</p>' for t in b.get("notes", [])]
     parts += [f'<p class="why">* where ours differs from the handout: {esc(w)}</p>' for w in b.get("why", [])]
@@ -151,8 +154,9 @@ def header_html(pages: dict[str, dict], missing: list[str]) -> str:
     runs = [f"{r['script']}: {r['seconds']:.1f} s (finished {r.get('finished', '?')})"
             for r in (pages[s] for s in ORDER if s in pages)]
     facts.append(("each script's time", "; ".join(runs)))
-    loaded = [f"{e['name']} ({r['script']})" for r in pages.values() for e in r.get("cache", []) if e.get("loaded")]
-    computed = [f"{e['name']} ({r['script']})" for r in pages.values() for e in r.get("cache", []) if not e.get("loaded")]
+    events = [(f"{e['name']} ({r['script']})", e.get("loaded")) for r in pages.values() for e in r.get("cache", [])]
+    loaded = [name for name, was_loaded in events if was_loaded]
+    computed = [name for name, was_loaded in events if not was_loaded]
     facts.append(("loaded from code/checkpoints/", ", ".join(dict.fromkeys(loaded)) or "nothing"))
     facts.append(("computed in this run", ", ".join(dict.fromkeys(computed)) or "nothing"))
     if missing:

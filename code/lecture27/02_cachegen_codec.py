@@ -4,7 +4,7 @@
     python code/lecture27/02_cachegen_codec.py --json out.json  # + headline figures as JSON (--no-plot: no figures)
     python code/lecture27/02_cachegen_codec.py --sensitivity-step 0.5   # Part 1b with finer coarse steps
     python code/lecture27/02_cachegen_codec.py --refit          # redo the codec's step search and tables
-    python code/lecture27/02_cachegen_codec.py --model smollm2  # Parts 1a, 1c, 2 on a real model (SmolLM2-135M)
+    python code/lecture27/02_cachegen_codec.py --model smollm2  # Parts 1a, 1c, 2, exercise 3's coders on SmolLM2-135M
 
 Part 1: CacheGen's three observations (§3.2) measured on the record-world model (blend_world.py):
         (a) token locality: variance of raw K/V over variance of deltas (to the group's anchor, to the
@@ -16,7 +16,9 @@ Part 2: the codec table: FP16, zlib on FP16, 8-bit, 6-bit, CacheGen's recipe as 
         greedy search for the coarsest steps that keep the answers, per-(channel, layer) arithmetic
         coding); bytes/token, ratio to FP16, accuracy on documents never seen in training.
 Part 3: the arithmetic coder on a whole context: actual length vs the ideal -sum log2 p, bit-exact
-        round trip, throughput. Then the four quality levels 03_streaming.py reads, exercises 3 and 4.
+        round trip, throughput. Then the four quality levels 03_streaming.py reads, exercises 3 and 4
+        (exercise 3 measured: the serial coder, the parallel coder at CODER_STREAMS streams and at one
+        stream per (layer, K/V, channel), and constriction's range coder, on the same symbols).
 
 Accuracy of a codec: the question's tokens attend to the decoded context KV instead of the exact one.
 The codec is fitted once per model on calibration documents (one seed) and evaluated on other
@@ -26,7 +28,8 @@ Every figure is computed here; the "handout" column is the reference the handout
 
 Settings of the codec itself live in the library, because 03_streaming.py reads the same codec:
   kvcache.py      CODEC_GROUP (tokens per anchor group), ANCHOR_BITS, LEVEL_FACTOR and N_LEVELS (the
-                  quality levels), RECIPE_GROUP_FACTOR (the published recipe's step growth)
+                  quality levels), RECIPE_GROUP_FACTOR (the published recipe's step growth),
+                  STREAM_BUDGET and PARALLEL_MIN_STREAMS (how a group is cut into streams)
   codec_study.py  MEASURE_TOL and STEP_* (the step search), CODEC_N_CALIB / CODEC_N_EVAL / CODEC_N_CODED
                   (documents) and their seeds
   codec_real.py   REAL_MAX_KL (the real model's quality budget), REAL_CONTEXT / REAL_CONTINUATION
@@ -63,6 +66,7 @@ BASELINE_BITS = (8, 6)      # Part 2: plain n-bit quantization rows (the handout
 EX4_PROBS = {0: 0.70, 1: 0.12, -1: 0.12, 2: 0.03, -2: 0.03}   # exercise 4: a distribution of quantized values
 EX4_SAMPLES = 100_000       # exercise 4: symbols drawn from EX4_PROBS
 EX3_CONTEXTS = 200          # exercise 3: contexts for the error-by-position comparison
+CODER_STREAMS = (1, 16, 256)  # exercise 3: the parallel coder's stream counts (and all: one per (layer, K/V, channel))
 REAL_ENTROPY_STEP = 0.25    # Part 1c on the real model: values quantized at this x each layer's RMS
 REAL_BASELINE_BITS = (8, 6, 4)   # Part 2 on the real model: plain n-bit quantization rows
 FP16_BYTES = 2
@@ -81,6 +85,7 @@ class Settings:
     zlib_level: int = ZLIB_LEVEL
     baseline_bits: tuple = BASELINE_BITS
     ex3_contexts: int = EX3_CONTEXTS
+    coder_streams: tuple = CODER_STREAMS
     ex4_probs: dict = field(default_factory=partial(dict, EX4_PROBS))
     ex4_samples: int = EX4_SAMPLES
     real_entropy_step: float = REAL_ENTROPY_STEP
@@ -214,6 +219,20 @@ class Exercise3:
 
 
 @dataclass
+class Throughput:
+    """Exercise 3 measured: the coders on the same level-0 symbols (kvcache.coder_throughput), and the
+    streams the codec's own bitstreams use."""
+    what: str                 # whose symbols: "200 evaluation contexts"
+    tokens: int               # symbols a row: one row per (context, layer, K/V, channel)
+    rows: int
+    coder: kv.CoderThroughput
+    plans: list               # kv.StreamPlan of every layout
+    plan: kv.StreamPlan       # the one the codec uses for a context of `tokens` tokens ...
+    plan_streams: int         # ... its streams in one context
+    plan_coder: str           # ... and the coder that codes them ("serial" or "parallel")
+
+
+@dataclass
 class Exercise4:
     entropy_bits: float
     coded_bits_per_symbol: float
@@ -237,6 +256,7 @@ class Record:
     many: Bitstreams
     ex3: Exercise3
     ex4: Exercise4
+    throughput: Throughput    # exercise 3 measured
 
 
 # ------------------------------------------------------------------------------------- calculators
@@ -322,9 +342,9 @@ def coder_check(spec, Xe, n_contexts) -> tuple[OneStream, Bitstreams]:
     one = OneStream(syms.size, kv.ideal_bits(syms, list(spec.tables), ids) / 8, len(data),
                     bool(np.array_equal(back, syms)))
     t0 = time.perf_counter()
-    streams = [kv.codec_encode(x, spec) for x in Xe[:n_contexts]]
+    streams = kv.codec_encode_many(Xe[:n_contexts], spec)
     t1 = time.perf_counter()
-    decoded = [kv.codec_decode(d, spec) for d in streams]
+    decoded = kv.codec_decode_many(streams, spec)
     t2 = time.perf_counter()
     n_sym = n_contexts * Xe[0].size
     exact = all(np.array_equal(q, kv.quantize(x, spec)) for q, x in zip(decoded, Xe))
@@ -369,6 +389,19 @@ def exercise3(spec_delta, Xe, n) -> Exercise3:
     by_pos = [PositionError(p, float((anchor_err[:, pos == p] / step).mean()),
                             float((chain_err[:, pos == p] / step).mean())) for p in range(G)]
     return Exercise3(n_groups, alone, 1, spoiled, rejected, by_pos)
+
+
+def coder_throughput(spec, q, counts, what: str) -> Throughput:
+    """Exercise 3 measured on contexts q (N, T, L, 2, C) quantized at `spec`: their symbols as rows, one
+    per (context, layer, K/V, channel) over the T tokens, through the serial coder, the parallel coder at
+    each of `counts` streams and at all the rows, and constriction's range coder."""
+    syms, ids = kv._symbols(q, spec)
+    T = q.shape[1]
+    rows, row_ids = (a.transpose(0, 2, 3, 4, 1).reshape(-1, T) for a in (syms, ids))
+    plan = kv.stream_plan(spec, T)
+    streams = plan.streams * -(-T // spec.group)
+    return Throughput(what, T, len(rows), kv.coder_throughput(rows, row_ids, spec.tables, (*counts, len(rows))),
+                      kv.stream_plans(spec), plan, streams, kv.coder_for(streams))
 
 
 def exercise4(s: Settings) -> Exercise4:
@@ -419,7 +452,9 @@ def compute(s: Settings, refit: bool) -> Record:
                   delta_variance_ratios(Xe, kv.CODEC_GROUP), sens,
                   grouping_entropy(kv.quantize(Xc, raw_spec), kv.quantize(Xe, raw_spec)),
                   codecs(study, baseline_rows(Xc, Xe, quality, s.baseline_bits, s.zlib_level)), one, many,
-                  exercise3(kv.fit_codec(Xc, specs[0].steps, True), Xe, s.ex3_contexts), exercise4(s))
+                  exercise3(kv.fit_codec(Xc, specs[0].steps, True), Xe, s.ex3_contexts), exercise4(s),
+                  coder_throughput(specs[0], kv.quantize(Xe[:cs.CODEC_N_CODED], specs[0]), s.coder_streams,
+                                   f"{cs.CODEC_N_CODED} evaluation contexts"))
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -560,15 +595,15 @@ def present_part3(page: Page, r: Record, s: Settings) -> None:
         Row([f"{many.contexts} contexts, codec bitstreams", many.symbols, Val(many.ideal_bytes, fmt="{:.1f}"),
              many.bytes, Val(many.bytes - many.ideal_bytes, fmt="{:+.1f}"), many.roundtrip_exact])],
         f"{SCRIPT}.coder_check", [
-        f"Coder throughput (pure Python, this run): encode {many.encode_sym_per_s:,.0f} symbols/s, decode "
-        f"{many.decode_sym_per_s:,.0f} symbols/s. "
+        f"The codec's bitstreams of {many.contexts} contexts, this run ({plan_words(r.throughput, many.contexts)}): "
+        f"encode "
+        f"{many.encode_sym_per_s:,.0f} symbols/s, decode {many.decode_sym_per_s:,.0f} symbols/s. "
         + ("Lossless: the loss is only in quantization." if exact else "A round trip differs: a coder bug."),
         f"ideal = -sum log2 p of the symbols under the coder's own tables; actual = the bytes written. The coder ends "
         f"with just enough bits to name one number inside its final interval (as wide as the message's probability): "
         f"usually a bit or two over the ideal, a fraction of a byte below it when that interval holds a short binary "
         f"fraction (here {abs(gap):.2f} B {'below' if gap < 0 else 'over'}). The codec's bitstreams add headers and "
-        f"one stream per group."],
-        json={"coder_encode_sym_per_s": many.encode_sym_per_s, "coder_decode_sym_per_s": many.decode_sym_per_s}))
+        f"{r.throughput.plan.streams} stream{'s' * (r.throughput.plan.streams != 1)} per group."]))
     c = r.codecs
     levels, fp16_b, se = c.levels, c.by_key()["fp16"].bytes_per_token, level_noise(c.levels, c.n_answers)
     top, last, ref = levels[0], levels[-1], handout_figure(f"level{levels[-1].level}", s)
@@ -610,6 +645,73 @@ def present_exercise3(page: Page, r: Record, s: Settings) -> None:
          f"{end.position}), the anchor's stays at {min(anchor):.3f}-{max(anchor):.3f}: errors add up along the chain."
          if end.chain > max(first.chain, max(anchor)) else f"Here the chain's error does not grow past the anchor's "
          f"({first.chain:.3f} -> {end.chain:.3f} steps; anchor {min(anchor):.3f}-{max(anchor):.3f})."]))
+    page.table(throughput_table(r.throughput))
+
+
+LAYOUT_WORDS = {"group": "one stream per group", "K/V": "one stream per K/V of a group",
+                "layer": "one stream per (layer, K/V) of a group",
+                "channel": "one stream per (layer, K/V, channel) of a group"}
+
+
+def plan_words(t: Throughput, contexts: int = 1) -> str:
+    """The codec's streams for `contexts` contexts coded together, in words."""
+    n = t.plan_streams * contexts
+    return (f"{LAYOUT_WORDS[t.plan.layout]}, {n:,} streams in {contexts} context{'s' * (contexts != 1)} of "
+            f"{t.tokens} tokens: the {kv.coder_for(n)} coder")
+
+
+def plan_reason(t: Throughput) -> str:
+    """Why the codec does not cut its groups finer: the next layout's cost, or too few streams."""
+    finer = [p for p in t.plans if p.streams > t.plan.streams]
+    if not finer:
+        return ""
+    p = finer[0]
+    if p.added_share > kv.STREAM_BUDGET:
+        return f"; {LAYOUT_WORDS[p.layout]} would add {p.added_share:.2%} (budget {kv.STREAM_BUDGET:.1%})"
+    n = p.streams * t.plan_streams // t.plan.streams
+    return (f"; {LAYOUT_WORDS[p.layout]} would add {p.added_share:.2%} and leave {n} streams a context, too few for "
+            f"the parallel coder (it pays from {kv.PARALLEL_MIN_STREAMS})")
+
+
+def throughput_table(t: Throughput) -> Table:
+    """Exercise 3's measured table: each coder's symbols/s on the same symbols, and the parallel coder's
+    added bytes at each stream count."""
+    c, mega = t.coder, lambda v: f"{v / 1e6:.2f}"
+    rows = [Row(["serial (pure Python)", 1, c.serial_encode, c.serial_decode, 1.0, None, None], key="serial")]
+    for k, e, d, a in zip(c.streams, c.parallel_encode, c.parallel_decode, c.added_bytes):
+        rows.append(Row([f"parallel (numpy){', all' * (k == t.rows)}", k, e, d, d / c.serial_decode, a,
+                         a / c.one_stream_bytes], key="parallel" if k == t.rows else None))
+    if c.constriction_decode is not None:
+        rows.append(Row(["constriction's range coder", 1, c.constriction_encode, c.constriction_decode,
+                         c.constriction_decode / c.serial_decode, None, None], key="constriction"))
+    i1 = c.streams.index(min(c.streams))
+    x_all, x_one = c.parallel_decode[-1] / c.serial_decode, c.parallel_decode[i1] / c.serial_decode
+    cap = kv.THROUGHPUT_MAX_STEPS
+    notes = [f"The same {c.symbols:,} symbols (level 0, {t.what}) in {t.rows:,} rows: one per (context, layer, K/V, "
+             f"channel), {t.tokens} tokens each; the parallel coder takes the rows in k runs, each run a stream. A "
+             f"stream of more than {cap:,} symbols is timed on its first {cap:,}."]
+    notes.append(f"At all {t.rows:,} streams the parallel coder decodes {x_all:.1f}x the serial coder's symbols/s"
+                 + (f", constriction's compiled coder {c.constriction_decode / c.parallel_decode[-1]:.1f}x ours"
+                    if c.constriction_decode else "")
+                 + (f"; at {c.streams[i1]} stream{'s' * (c.streams[i1] != 1)} it is {1 / x_one:.0f}x slower than the "
+                    "serial coder: a step costs a few dozen numpy calls however few streams share it" if x_one < 1
+                    else "")
+                 + f". Each stream ends with its own flush and needs its length: {c.added_bytes[-1]:+,} bytes "
+                 f"({c.added_bytes[-1] / c.one_stream_bytes:+.2%}) at {t.rows:,} streams.")
+    notes.append(f"The codec's bitstreams: {plan_words(t)}; a group's payload is about {t.plan.group_bytes:,.0f} B"
+                 + (f", its extra streams add {t.plan.added_share:.2%} (expected)" if t.plan.streams > 1 else "")
+                 + plan_reason(t) + ".")
+    notes.append(f"On a GPU each stream is a thread (CacheGen's coder: one per (layer, channel)): {t.rows:,} streams "
+                 f"of {t.tokens} symbols decode in {t.tokens} sequential steps instead of {c.symbols:,}, "
+                 f"{c.symbols // t.tokens:,}x fewer, where numpy here still pays a few dozen calls a step.")
+    return Table("Exercise 3 measured (§3.3): streams that decode independently, coded side by side (symbols/s, "
+                 "wall clock, this run)", "§3.3",
+                 cols("coder", ("streams", "{:,}"), ("encode M sym/s", mega, "coder_encode_sym_per_s.{row}"),
+                      ("decode M sym/s", mega, "coder_decode_sym_per_s.{row}"), ("decode vs serial", "{:.1f}x"),
+                      ("added bytes", "{:+,}"), ("added", "{:+.2%}")), rows, "kvcache.coder_throughput", notes,
+                 json={"coder_parallel_streams": list(c.streams),
+                       "coder_parallel_decode_sym_per_s": list(c.parallel_decode),
+                       "coder_parallel_added_bytes": list(c.added_bytes)})
 
 
 def present_exercise4(page: Page, r: Record, s: Settings) -> None:
@@ -647,6 +749,7 @@ class Real:
     entropy: dict             # grouping -> bits per value
     codecs: Codecs            # rows' quality: {"nll", "kl", "agree"}
     rel_steps: list           # the measured steps / RMS, per third of the layers: [K, V]
+    throughput: Throughput    # exercise 3 measured on the real model's KV
 
 
 def compute_real(gguf, s: Settings, refit: bool) -> Real:
@@ -663,8 +766,11 @@ def compute_real(gguf, s: Settings, refit: bool) -> Real:
               for i, lv in enumerate(r["levels"])]
     d = r["delta_ratio"]
     locality = [LayerLocality(a[0], p[0], a[1], p[1]) for a, p in zip(d["anchor"], d["previous"])]
+    coded = r["coded"]                  # the coded contexts at level 0, for exercise 3's measurement
+    throughput = coder_throughput(kv.spec_from_dict(coded["spec"]), np.array(coded["q"]), s.coder_streams,
+                                  f"{len(coded['q'])} evaluation paragraph{'s' * (len(coded['q']) != 1)}")
     return Real(r["info"]["name"], r["L"], r["C"], r["tokens"], r["n_calib"], r["n_eval"], locality, r["entropy"],
-                Codecs(rows, levels, r["delta"]), r["rel_steps"])
+                Codecs(rows, levels, r["delta"]), r["rel_steps"], throughput)
 
 
 def measure_real(path, refit: bool, s: Settings) -> dict:
@@ -685,12 +791,14 @@ def measure_real(path, refit: bool, s: Settings) -> dict:
     rows[f"measured ({'anchor+delta' if delta else 'no deltas'})"] = (level0["bytes_per_token"], level0)
     raw_spec = kv.fit_codec(Xc, rms * s.real_entropy_step, False)
     ratios = delta_variance_ratios(Xe, kv.CODEC_GROUP)
+    spec0 = kv.fit_codec(Xc, np.asarray(study["steps"]), delta)   # level 0's spec, as codec_real.fit made it
     return {"info": prose.info, "tokens": T, "n_eval": len(Xe), "n_calib": len(Xc), "L": L, "C": C,
             "delta_ratio": {ref: [[lv.ratio(k, ref) for k in KV_NAMES] for lv in ratios]
                             for ref in ("anchor", "previous")},
             "rows": rows, "rel_steps": study["rel_steps"], "delta": bool(delta), "calib_bits": study["calib_bits"],
             "levels": study["levels"],
-            "entropy": grouping_entropy(kv.quantize(Xc, raw_spec), kv.quantize(Xe, raw_spec))}
+            "entropy": grouping_entropy(kv.quantize(Xc, raw_spec), kv.quantize(Xe, raw_spec)),
+            "coded": {"spec": kv.spec_to_dict(spec0), "q": kv.quantize(Xe[:cr.REAL_CODED], spec0)}}
 
 
 def present_real(page: Page, r: Real, s: Settings) -> None:
@@ -731,6 +839,8 @@ def present_real(page: Page, r: Real, s: Settings) -> None:
                      ("top-1 = FP16's", pct1, "levels[].agree")),
         [Row([f"level {lv.level}", kv.LEVEL_FACTOR ** lv.level, lv.bytes_per_token, lv.bits_per_value, lv.kl, lv.agree])
          for lv in r.codecs.levels], "codec_real.fit"))
+    page.exercise(3, "§3.3", f"streams that decode independently run side by side: the coders on {r.name}'s KV")
+    page.table(throughput_table(r.throughput))
 
 
 def parse(argv):
@@ -739,7 +849,8 @@ def parse(argv):
                    help="Part 1b: coarse step, in units of a layer's RMS")
     p.add_argument("--refit", action="store_true", help="redo the codec's step search and tables (cached otherwise)")
     p.add_argument("--model", choices=["record", "smollm2"], default="record",
-                   help="record: the record-world model (every part); smollm2: Parts 1a, 1c and 2 on SmolLM2-135M")
+                   help="record: the record-world model (every part); smollm2: Parts 1a, 1c, 2 and exercise 3's "
+                        "coders on SmolLM2-135M")
     p.add_argument("--gguf", metavar="PATH", help="with --model smollm2: another LLaMA GGUF file")
     return p.parse_args(argv)
 
@@ -748,6 +859,7 @@ def settings(args) -> Settings:
     """The run's settings: the flags, and the constants above as they are now (a student's edit included)."""
     return settings_from(Settings, args, sensitivity_steps=SENSITIVITY_STEPS, entropy_level=ENTROPY_LEVEL,
                          zlib_level=ZLIB_LEVEL, baseline_bits=BASELINE_BITS, ex3_contexts=EX3_CONTEXTS,
+                         coder_streams=CODER_STREAMS,
                          ex4_probs=EX4_PROBS, ex4_samples=EX4_SAMPLES, real_entropy_step=REAL_ENTROPY_STEP,
                          real_baseline_bits=REAL_BASELINE_BITS)
 

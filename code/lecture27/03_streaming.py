@@ -7,6 +7,7 @@ whose bandwidth changes while a context streams in.
     python code/lecture27/03_streaming.py --long-context 65536  # Part 2b with a 64K-token context
     python code/lecture27/03_streaming.py --no-real             # without Part 2c (no SmolLM2 needed)
     python code/lecture27/03_streaming.py --trace-suite 200     # + Part 4: 200 random traces, CDF figure
+    python code/lecture27/03_streaming.py --serial              # one chunk at a time: the link idle during a recompute
 
 Part 1 (§4.1, pitfall 1): LLaMA-3.1-70B on 4 x A100 fetching a 12K-token context over a steady link:
         time to first token sending text (then recomputing), raw KV, or KV at each codec level; the
@@ -20,11 +21,15 @@ Part 2c (§4.2, real levels): Part 2 again with the levels measured on a real LL
         codec_real.py). The record-world model tolerates about 1.8 bits per value, a real LLaMA needs
         2.6-4.1: with levels that large the handout's shape appears (finest level, text after the drop, a
         coarser level).
+Part 2d (§4.2): Parts 2-2c in both models of a fetch. The link and the GPU work at once (the default): while
+        the GPU recomputes a text chunk from the KV received so far, the link fetches the next chunk. Serial
+        (--serial): one chunk at a time, the link idle during a recompute.
 Part 3 (§4.2): the chunk-size trade-off on the same trace.
 Part 4 (§4.2 on many traces, --trace-suite N): one trace shows a mechanism, not whether a policy is good.
         CacheGen's evaluation replays many bandwidth traces; here N seeded Markov-chain traces x two
         contexts x both level sets, and per policy the SLO-violation rate, TTFT, quality and recomputed
-        tokens, a CDF of TTFT, and the promise checked: adaptive meets the SLO wherever a fixed policy does.
+        tokens, a CDF of TTFT, and the promise checked: adaptive meets the SLO wherever a fixed policy does;
+        then the SLO misses and mean TTFT of both models side by side.
 The codec's four levels come from codec_study.codec_levels() (measured by 02 on the record-world model) and,
 for Part 2c, codec_real.real_codec_levels() (fitted on first use, about a minute, then cached); the
 simulation, the policy and the oracle are in streaming.py. Recompute times: common/timemodel.py.
@@ -46,7 +51,7 @@ import streaming as st  # noqa: E402
 from common import timemodel as tm  # noqa: E402
 from common.cli import Parser, fail, positive_float, positive_int, settings_from  # noqa: E402
 from common.gguf_llama import smollm2_or_explain  # noqa: E402
-from common.present import DASH, Col, Handout, Page, Ref, Row, Table, Val, cols  # noqa: E402
+from common.present import DASH, Col, Handout, Page, Ref, Row, Table, Val, change, cols  # noqa: E402
 
 K = 1024
 # ---- Part 1 (§4.1)
@@ -63,6 +68,8 @@ SLO = 4.0                # §4.2: seconds
 STEADY_GBPS = 25.0       # §4.2: "a steady 25 Gb/s link picks the finest level throughout"
 LONG_CONTEXT = 48 * K    # Part 2b: long enough to still be streaming when the link drops (not in the handout)
 MAX_CONTEXT = 128 * K    # LLaMA-3.1's context window (Meta's model card: 128K tokens)
+PARALLEL = True          # §4.2: the link fetches the next chunk while the GPU recomputes a text chunk; False
+                         # (--serial): one chunk at a time, the link idle during a recompute
 # ---- Part 3 (§4.2)
 CHUNK_SIZES = [512, 1536, 3072, 6144]                  # about 0.5K, 1.5K, 3K, 6K tokens
 HALF_EFFICIENCY_TOKENS = 128   # a recompute batch this small runs at half speed (assumption: streaming.batch_slowdown)
@@ -112,6 +119,7 @@ class Settings:
     slo: float = SLO
     steady_gbps: float = STEADY_GBPS
     long_context: int = LONG_CONTEXT
+    parallel: bool = PARALLEL          # False: --serial, one chunk at a time
     chunk_sizes: tuple = tuple(CHUNK_SIZES)
     half_efficiency_tokens: float = HALF_EFFICIENCY_TOKENS
     levels_file: str | None = None     # --levels: a JSON file of levels instead of the codec's
@@ -155,6 +163,8 @@ def parse(argv=None) -> tuple[Settings, argparse.Namespace]:
                    help="Part 4: N random traces (0: skip)")
     p.add_argument("--suite-seed", type=nonneg_int, default=SUITE_SEED, help="the trace suite's random seed")
     p.add_argument("--no-real", action="store_true", help="skip Part 2c (levels measured on SmolLM2)")
+    p.add_argument("--serial", dest="parallel", action="store_false", default=PARALLEL,
+                   help="one chunk at a time: the link waits while the GPU recomputes (default: both work at once)")
     a = p.parse_args(argv)
     if a.chunk_tokens > CONTEXT:
         p.error(f"argument --chunk-tokens: at most the context, {CONTEXT}")
@@ -309,13 +319,17 @@ class TraceRun:
     steady: st.Result | None = None  # the adaptive policy on a steady STEADY_GBPS link
     levels: list | None = None      # Part 2c: the levels as measured on SmolLM2, with their noise
     noise: Noise | None = None
+    other: dict | None = None       # the same policies in the other model of the link and the GPU (Part 2d)
 
 
-def policies(setup, trace, slo) -> dict:
-    """The adaptive policy against always-finest, always-text and the oracle."""
+def policies(setup, trace, slo, parallel) -> dict:
+    """The adaptive policy against always-finest, always-text and the oracle, in one model of the link and
+    the GPU (streaming.advance)."""
     finest = setup.options[0].name
-    return {"adaptive": st.adaptive(setup, trace, slo), f"always {finest}": st.fixed(setup, trace, finest),
-            "always text": st.fixed(setup, trace, "text"), "oracle": st.oracle(setup, trace, slo)}
+    return {"adaptive": st.adaptive(setup, trace, slo, parallel=parallel),
+            f"always {finest}": st.fixed(setup, trace, finest, parallel=parallel),
+            "always text": st.fixed(setup, trace, "text", parallel=parallel),
+            "oracle": st.oracle(setup, trace, slo, parallel=parallel)}
 
 
 def setup_for(s: Settings, context, chunk_tokens, levels, lossless) -> st.Setup:
@@ -324,16 +338,18 @@ def setup_for(s: Settings, context, chunk_tokens, levels, lossless) -> st.Setup:
 
 def part2(s: Settings, levels, lossless, trace) -> TraceRun:
     setup = setup_for(s, s.context, s.chunk_tokens, levels, lossless)
-    runs = policies(setup, trace, s.slo)
+    runs = policies(setup, trace, s.slo, s.parallel)
     return TraceRun(setup, runs, explain(setup, runs, trace, s.slo),
-                    st.adaptive(setup, st.Trace.steady(s.steady_gbps), s.slo))
+                    st.adaptive(setup, st.Trace.steady(s.steady_gbps), s.slo, parallel=s.parallel),
+                    other=policies(setup, trace, s.slo, not s.parallel))
 
 
 def part2_long(s: Settings, levels, lossless, trace) -> TraceRun:
     """Part 2b: the same policies on a longer context (the same trace, SLO and chunk size)."""
     setup = setup_for(s, s.long_context, s.chunk_tokens, levels, lossless)
-    runs = policies(setup, trace, s.slo)
-    return TraceRun(setup, runs, explain(setup, runs, trace, s.slo))
+    runs = policies(setup, trace, s.slo, s.parallel)
+    return TraceRun(setup, runs, explain(setup, runs, trace, s.slo),
+                    other=policies(setup, trace, s.slo, not s.parallel))
 
 
 def part2_real(s: Settings, trace) -> TraceRun:
@@ -411,9 +427,10 @@ def part3(s: Settings, levels, lossless, trace) -> ChunkSizes:
     rows = []
     for n in s.chunk_sizes:
         setup = setup_for(s, s.context, n, levels, lossless)
-        ad = st.adaptive(setup, trace, s.slo)
+        ad = st.adaptive(setup, trace, s.slo, parallel=s.parallel)
         rows.append(ChunkSize(n, len(setup.plan), st.batch_slowdown(n, s.half_efficiency_tokens), ad,
-                              st.oracle(setup, trace, s.slo), st.fixed(setup, trace, "text").ttft_s,
+                              st.oracle(setup, trace, s.slo, parallel=s.parallel),
+                              st.fixed(setup, trace, "text", parallel=s.parallel).ttft_s,
                               max(r["finish"] - r["predicted"] for r in ad.rows)))
     by_size, drop = sorted(rows, key=lambda c: c.chunk_tokens), first_drop(trace)
     return ChunkSizes(rows, by_size[0].text_ttft_s > by_size[-1].text_ttft_s * 1.001,
@@ -435,6 +452,7 @@ class SuiteCell:
     rate_ok: bool                   # adaptive misses no more often than the best fixed policy
     quality_on_time_ok: bool        # adaptive's on-time quality at least always level0's
     exceptions: list                # traces where a fixed policy met the SLO and adaptive did not
+    other_model: dict               # the other model of the link and the GPU: {parallel, policies, exceptions}
 
 
 @dataclass
@@ -444,25 +462,33 @@ class Suite:
     runs: list                      # per cell: policy -> [st.Result per trace]
 
 
+def suite_runs(s: Settings, setup, traces, parallel) -> tuple[dict, dict]:
+    """({policy: [st.Result per trace]}, {policy: suite_summary + p95 TTFT}) in one model."""
+    runs = st.run_suite(setup, traces, s.slo, SUITE_SHOWN, parallel=parallel)
+    return runs, {p: st.suite_summary(r, s.slo) | {"p95_ttft_s": st.ttft_percentile(r, 0.95)} for p, r in runs.items()}
+
+
 def part4(s: Settings, level_sets) -> Suite:
     """The trace suite: s.suite_traces traces from the Markov chain (SUITE_*), each context of
     SUITE_CONTEXTS and each level set {name: (levels, lossless accuracy)}; per policy a summary over the
-    traces, and the traces where a fixed policy met the SLO and the adaptive one did not (with the reason)."""
+    traces, and the traces where a fixed policy met the SLO and the adaptive one did not (with the reason);
+    the same in the other model of the link and the GPU, for comparison."""
     traces = st.trace_suite(s.suite_traces, s.suite_seed, s.suite_gbps, s.suite_dwell_s, s.suite_jump,
                             s.suite_horizon_s)
     cells, all_runs = [], []
     for name, (levels, lossless) in level_sets.items():
         for ctx in s.suite_contexts:
             setup = setup_for(s, ctx, s.chunk_tokens, levels, lossless)
-            runs = st.run_suite(setup, traces, s.slo, SUITE_SHOWN)
-            summary = {p: st.suite_summary(r, s.slo) | {"p95_ttft_s": st.ttft_percentile(r, 0.95)}
-                       for p, r in runs.items()}
+            runs, summary = suite_runs(s, setup, traces, s.parallel)
+            other_runs, other = suite_runs(s, setup, traces, not s.parallel)
             fixed = {p: summary[p]["violation_rate"] for p in ("always level0", "always text")}
             ad, l0 = summary["adaptive"], summary["always level0"]
             cells.append(SuiteCell(name, ctx, summary, min(fixed, key=fixed.get),
                                    ad["violation_rate"] <= min(fixed.values()) + 1e-12,
                                    ad["mean_quality_on_time"] >= l0["mean_quality_on_time"] - 1e-12,
-                                   st.promise_exceptions(runs, traces, s.slo)))
+                                   st.promise_exceptions(runs, traces, s.slo),
+                                   {"parallel": not s.parallel, "policies": other,
+                                    "exceptions": st.promise_exceptions(other_runs, traces, s.slo)}))
             all_runs.append(runs)
     return Suite(traces, cells, all_runs)
 
@@ -553,6 +579,7 @@ def present(page: Page, s: Settings, r: Results) -> None:
         present_part2_real(page, s, r.real, r.trace)
     for why in r.real_skipped:
         page.say(f"Part 2c (§4.2 with real levels) skipped: {why}")
+    present_models(page, s, {"Part 2": r.part2, "Part 2b": r.long} | ({"Part 2c": r.real} if r.real else {}))
     present_part3(page, s, r.sizes)
     if r.suite:
         present_part4(page, s, r.suite)
@@ -612,12 +639,18 @@ def present_part1(page, s, r):
 def present_part2(page, s, run, trace, levels_name):
     page.part("Part 2", "§4.2", f"adaptive streaming, chunks of {s.chunk_tokens:,} tokens, SLO {s.slo:g} s")
     page.say("Trace: " + ", ".join(f"{g:g} Gb/s from {t:g} s" for t, g in s.trace) + ".\n"
-             "Each chunk: the throughput measured on the previous chunk is assumed to hold; its budget is its token\n"
-             "share of the time left; it takes the finest level predicted to fit, else text (recompute on the GPU,\n"
-             "attending to the KV received), else the fastest option. The link is idle while the GPU recomputes: a\n"
-             "probe measures it then, so a link that recovers is seen. A KV chunk still arriving when only all-text\n"
-             "could meet the SLO is given up and recomputed. Configurations: the codec's levels (each chunk encoded\n"
-             "offline at every level) and text; raw FP16 KV is not streamed (CacheGen streams its levels only).")
+             "Each chunk: the throughput measured on the previous chunk is assumed to hold; its budget is its token "
+             "share of the time left; it takes the finest level predicted to fit, else text (recompute on the GPU, "
+             "attending to the KV received), else the fastest option. " + (
+                 "The link and the GPU work at once: while the GPU recomputes a text chunk, the link already fetches "
+                 "the next chunk, and that transfer measures the link. Text chosen again while the GPU is still busy "
+                 "waits instead: probe bytes measure the idle link until the GPU is free (or the rate changes), and "
+                 "the chunk is decided again. " if s.parallel else
+                 "One chunk at a time (--serial): the link is idle while the GPU recomputes; a probe measures it "
+                 "then. ") + "So a link that recovers is seen. A KV chunk still arriving when only all-text could "
+             "meet the SLO is given up and recomputed. Configurations: the codec's levels (each chunk encoded "
+             "offline at every level) and text; raw FP16 KV is not streamed (CacheGen streams its levels only).",
+             indent=0)
     chunk_table(page, run, shape_notes(s, run.why) + why_notes(s, run.why, codec=True),
                 {"trace_rows": run.runs["adaptive"].rows})
     policies_table(page, s, run, "Whole context: quality = token-weighted accuracy (text chunks exact); GPU s = "
@@ -679,15 +712,57 @@ def present_part2_real(page, s, run, trace):
                      "Trace and each chunk's choice, levels measured on SmolLM2")
 
 
+MODEL_KEYS = {"Part 2": "policies", "Part 2b": "long_policies", "Part 2c": "real_policies"}
+
+
+def present_models(page, s, runs):
+    """Part 2d: each run of Part 2-2c in both models of the link and the GPU, side by side."""
+    page.part("Part 2d", "§4.2", "the link and the GPU at once, or one chunk at a time")
+    by = {name: {s.parallel: run.runs, not s.parallel: run.other} for name, run in runs.items()}
+    rows = [Row([name.removeprefix("Part "), f"{run.setup.context_tokens // K}K", p,
+                 *(by[name][m][p].ttft_s for m in (True, False)), *(by[name][m][p].text_tokens for m in (True, False))])
+            for name, run in runs.items() for p in run.runs]
+    notes = []
+    for name, b in by.items():
+        par, ser = b[True]["adaptive"], b[False]["adaptive"]
+        ok = [x.ttft_s <= s.slo for x in (ser, par)]
+        notes.append(f"{name}: adaptive's TTFT {change(ser.ttft_s, par.ttft_s, '{:.2f} s')} from one chunk at a "
+                     "time to both at once; " + (f"SLO {met(ok[0])} in both" if ok[0] == ok[1] else
+                                                 f"SLO {met(ok[0])} serially, {met(ok[1])} in parallel")
+                     + f". Parallel: {runs_of(par.choices)}; serial: {runs_of(ser.choices)}.")
+    kv = [(b[True][p].ttft_s, b[False][p].ttft_s) for b in by.values() for p in b[True]
+          if p.startswith("always") and p != "always text"]
+    text = max(abs(b[True]["always text"].ttft_s - b[False]["always text"].ttft_s) for b in by.values())
+    notes.append(("A fixed KV level never uses the GPU: the same TTFT in both models. " if all(a == b for a, b in kv)
+                  else "A fixed KV level's TTFT differs between the models. ") + f"Always text differs by "
+                 f"{text * 1e3:.2f} ms at most: only the GPU works there, and the token ids of the next chunk cross "
+                 "during a recompute.")
+    page.table(Table("TTFT and recomputed tokens of each policy. parallel: the link fetches while the GPU recomputes; "
+                     "serial: one chunk at a time (--serial).", "§4.2",
+                     cols("Part", "context", "policy", ("parallel s", "{:.2f}"), ("serial s", "{:.2f}"),
+                          ("parallel: recomputed", "{:,}"), ("serial: recomputed", "{:,}")), rows,
+                     "03_streaming.part2", notes,
+                     {"by_model": {("parallel" if m else "serial"): {MODEL_KEYS[n]: policy_json(b[m]) for n, b in
+                                                                      by.items()} for m in (True, False)}}))
+
+
+def policy_json(runs) -> dict:
+    return {name: {"choices": r.choices, "ttft_s": r.ttft_s, "quality": r.quality, "text_tokens": r.text_tokens,
+                   "gpu_s": r.gpu_s} for name, r in runs.items()}
+
+
 def chunk_table(page, run, notes, json=None):
     """One row per chunk of an adaptive run: what it expected, chose, and got."""
     rows = [Row([i, f"{first:,}-{first + n - 1:,}", r["start"], r["est_gbps"], r["budget_s"],
-                 r["choice"] + (f" ({r['gave_up']} given up)" if r["gave_up"] else ""), r["predicted"], r["finish"],
-                 None if r["measured_gbps"] is None else f"{r['measured_gbps']:.2f}" + " (probe)" * r["probe"]])
+                 r["choice"] + (f" ({SHORT[r['gave_up']]} given up)" if r["gave_up"] else ""), r["predicted"],
+                 r["finish"],
+                 None if r["measured_gbps"] is None else f"{r['measured_gbps']:.2f}" + " (probe)" * r["probe"],
+                 r["gpu_start"]])
             for i, (r, (first, n)) in enumerate(zip(run.runs["adaptive"].rows, run.setup.plan))]
     page.table(Table("The adaptive policy, chunk by chunk:", "§4.2", cols(
         "chunk", "tokens", ("start s", "{:.3f}"), ("est Gb/s", "{:.2f}"), ("budget s", "{:.3f}"), "choice",
-        ("predicted s", "{:.3f}"), ("finish s", "{:.3f}"), "measured Gb/s"), rows, "streaming.adaptive", notes,
+        ("predicted s", "{:.3f}"), ("finish s", "{:.3f}"), "measured Gb/s", ("GPU from s", "{:.3f}")), rows,
+        "streaming.adaptive", notes,
         json or {}))
 
 
@@ -828,8 +903,26 @@ def present_part4(page, s, suite):
          for c in suite.cells for p, m in c.policies.items()], "03_streaming.part4", notes,
         {"suite": {"traces": n, "seed": s.suite_seed, "slo_s": s.slo, "contexts": s.suite_contexts,
                    "cells": suite.cells}}))
+    suite_models(page, s, suite)
     if page.plot:
         figure_suite(page, s, suite)
+
+
+def suite_models(page, s, suite):
+    """The suite in both models of the link and the GPU, side by side: SLO misses and mean TTFT per policy."""
+    both = [({s.parallel: c.policies, not s.parallel: c.other_model["policies"]},
+             {s.parallel: c.exceptions, not s.parallel: c.other_model["exceptions"]}) for c in suite.cells]
+    rows = [Row([f"{c.levels} {c.context // K}K", p, *(m[w][p][k] for k in ("violation_rate", "mean_ttft_s")
+                                                       for w in (True, False))])
+            for c, (m, _) in zip(suite.cells, both) for p in c.policies]
+    notes = [f"{c.levels} {c.context // K}K: adaptive's SLO-miss rate "
+             + change(m[False]["adaptive"]["violation_rate"], m[True]["adaptive"]["violation_rate"], "{:.1%}")
+             + f" from serial to parallel; traces where a fixed policy meets the SLO and adaptive does not: "
+               f"{len(ex[True])} in parallel, {len(ex[False])} serially" for c, (m, ex) in zip(suite.cells, both)]
+    page.table(Table("Both models of the link and the GPU (parallel: at once; serial: one chunk at a time):",
+                     "§4.2", cols("levels, context", "policy", ("parallel: missed", "{:.1%}"),
+                                  ("serial: missed", "{:.1%}"), ("parallel: TTFT s", "{:.2f}"),
+                                  ("serial: TTFT s", "{:.2f}")), rows, "03_streaming.part4", notes))
 
 
 # ----------------------------------------------------------------------------------------- figures
@@ -852,16 +945,21 @@ def figure_trace(page, name, run, trace, slo, title):
         top.step(list(trace.times) + [end], list(trace.gbps) + [trace.gbps[-1]], where="post", color="k")
         top.set(ylabel="link, Gb/s", ylim=(0, max(trace.gbps) * 1.1))
         for i, row in ((i, row) for i, r in enumerate(run.runs.values()) for row in r.rows):
-            bot.barh(i, row["finish"] - row["start"], left=row["start"], color=COLORS.get(row["choice"]),
-                     edgecolor="k", lw=0.5)
-            if row["finish"] - row["start"] > 0.08:
-                bot.text((row["start"] + row["finish"]) / 2, i, SHORT[row["choice"]], ha="center", va="center",
-                         fontsize=7)
+            text = row["gpu_start"] is not None
+            spans = [] if text and not row.get("gave_up") else [      # token ids alone take microseconds
+                (i - 0.2, row["start"], row["link_end"], "#bbbbbb" if text else COLORS.get(row["choice"]))]
+            spans += [(i + 0.2, row["gpu_start"], row["finish"], COLORS["text"])] if text else []
+            for y, a, b, color in spans:
+                bot.barh(y, b - a, left=a, height=0.4, color=color, edgecolor="k", lw=0.5)
+                if b - a > 0.08:
+                    bot.text((a + b) / 2, y, SHORT[row["choice"]] if color != "#bbbbbb" else "x", ha="center",
+                             va="center", fontsize=6)
         bot.set_yticks(range(len(run.runs)), list(run.runs))
         bot.invert_yaxis()
         for a in (top, bot):
             a.axvline(slo, color="r", ls="--", lw=1)
-        bot.set(xlabel="time, s (red: SLO)", xlim=(0, end))
+        bot.set(xlabel="time, s (red: SLO; each policy: the link above, the GPU below; grey: a KV transfer given up)",
+                xlim=(0, end))
 
 
 def figure_suite(page, s, suite):

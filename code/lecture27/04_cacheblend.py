@@ -14,7 +14,11 @@ tokens that matter.
     python code/lecture27/04_cacheblend.py --model smollm2 --curve --passages code/lecture27/passages_six.json
 
 In the handout's order:
-§5.1    Exercise 5: a chunk's K computed at 0 and rotated to 1000 vs computed at 1000, V unchanged, and
+§5.1    Part 0: prefix caching is not enough (prefix_caching.py, time model): RAG with k = 1..10 chunks of
+        512 tokens + a 32-token question on LLaMA-7B (1 x A40) and LLaMA-70B (2 x A40), the KV in CPU memory
+        or on NVMe: TTFT of full prefill, prefix caching (only the first chunk is a prefix), full reuse and
+        CacheBlend (MIN_RATIO, pipelined as in Part 4), and the share of full prefill's GPU time each saves.
+        Exercise 5: a chunk's K computed at 0 and rotated to 1000 vs computed at 1000, V unchanged, and
         full reuse with the K left unrotated (the city model).
 §5.2    Part 1: the city language, 3 chunks x 8 tokens + an 8-token question: full prefill vs full KV
         reuse (each chunk precomputed alone, K moved by shift_kv). Sentences are independent: no loss.
@@ -25,16 +29,22 @@ In the handout's order:
         shorter chunks, and the compute-quality curve. The deviation is concentrated because document
         tokens attend almost only to themselves (and a value to its key): the record model learned that
         locality from a small penalty (record_trainer.LOCALITY), as a pretrained LLM learns it from language.
-        Exercise 7: the check's cost at layer 0 vs layer 1 (time model).
+        The pitfall of the released blenders (mask_pitfall.py): the recomputed tokens' causal mask aligned
+        to the bottom right, against blend's position mask. Exercise 7: the check's cost at layer 0 vs
+        layer 1 (time model).
 §5.4    Part 4: hiding recompute behind loading, from common/timemodel.py: per layer load vs recompute
         per storage device, the controller's ratio, pipelined TTFT; LLaMA-7B vs 70B; requests/s of a
-        busy server, full prefill vs CacheBlend (the paper's 2.8-5x throughput). Exercise 8.
+        busy server, full prefill vs CacheBlend (the paper's 2.8-5x throughput); the controller
+        (loading_controller.py) also says when not to reuse: a read slower than the layer's prefill means a
+        full prefill, or the fastest device that still pays. Exercise 8.
 Part 5 (--model smollm2 and the flags of its own group; blend_real.py): the same blend() on
         SmolLM2-135M-Instruct, RAG items of 6 chunks x 256 tokens + the question (or --passages FILE: your
         own, one chunk per passage): KL to full prefill of CacheBlend (REAL_RULE), random and an oracle at
         15% (cached), each selection rule's measured CPU TTFT at 15% (live), greedy answers, the two
-        insights on a real model, and where the rule's distance from full prefill comes from: its ranking
-        (rule -> ranking oracle) or recomputing from a partly stale cache (ranking oracle -> patch oracle).
+        insights on a real model; §5.1 measured (k = 2, 4, 6 chunks: TTFT on one thread and KL of prefix
+        caching, full reuse, CacheBlend) and the mask pitfall's KL (prefix_caching.measured, cached); where
+        the rule's distance from full prefill comes from: its ranking (rule -> ranking oracle) or recomputing
+        from a partly stale cache (ranking oracle -> patch oracle).
         --curve: KL vs recompute ratio for every selection rule of blend() (blend_rules.RULES), random and
         the two oracles, and a figure; every rule's ranking oracle; the built-in items with shorter chunks;
         a rule whose count adapts to the input beside flat.
@@ -55,6 +65,9 @@ import torch  # noqa: E402
 
 # Every name 04 takes from the record world's library and from the real-model study, imported here only
 import blend_real as br  # noqa: E402
+import loading_controller as lc  # noqa: E402
+import mask_pitfall as mp  # noqa: E402
+import prefix_caching as pc  # noqa: E402
 import record_trainer as rt  # noqa: E402  (rt.SEED, rt.LOCALITY: the trainer's defaults, read when parsing)
 from blend_rules import RULES, Random  # noqa: E402
 from blend_world import (DOC_LEN, N_RECORDS, PROGRESSIVE, accuracy, answer_correct, answer_slots, blend,  # noqa: E402
@@ -67,8 +80,11 @@ from common.city import city_model  # noqa: E402
 from common.cli import (Parser, fail, fraction, nonneg_float, positive_float, positive_int,  # noqa: E402
                         settings_from)
 from common.llama import KVCache, idle_threads, kl_divergence, shift_kv, single_thread  # noqa: E402
-from common.present import DASH, Handout, Page, Ref, Row, Table, Val, cols, handout_text  # noqa: E402
+from common.present import DASH, Col, Handout, Page, Ref, Row, Table, Val, change, cols, handout_text  # noqa: E402
 
+# ---- §5.1 (Part 0): prefix caching against full reuse and CacheBlend, k retrieved chunks (of Part 4's RAG size)
+PREFIX_KS = list(range(1, 11))            # k chunks of RAG_CHUNK_TOKENS + the question; CacheBlend at MIN_RATIO
+PREFIX_DEVICES = ["CPU RAM", "NVMe SSD"]  # where the chunks' KV is kept (of DEVICES); JSON *_ttft_s: the last one
 # ---- §5.1-5.2: the city language (exercise 5 and Part 1)
 CITY_CHUNKS, CITY_CHUNK_LEN = 3, 8        # 3 chunks x 8 tokens, then an 8-token question
 CITY_DOCS = 1000
@@ -108,6 +124,8 @@ ADAPTIVE_TARGETS = [0.5, 0.7, 0.85]       # --curve: the adaptive rule keeps the
 ADAPTIVE_LAYER = 1                        # ... of the deviation measured at this layer (computed in full up to it)
 ADAPTIVE_FLOOR = 0.05                     # ... and never fewer than this ratio of the tokens
 REAL_TTFT_ITEMS = 1                       # inputs whose TTFT is measured live (a full prefill: ~5.5 s, one thread)
+REAL_PREFIX_KS = [2, 4, 6]                # §5.1 on SmolLM2: k chunks of REAL_CHUNK_TOKENS (cached with its TTFT)
+REAL_PREFIX_ITEMS = 2                     # built-in items measured at each k (about a minute on one idle core)
 
 
 @dataclass(frozen=True)
@@ -128,6 +146,8 @@ class Settings:
     seed: int
     locality: float
     retrain: bool
+    prefix_ks: tuple
+    prefix_devices: tuple
     rag_chunks: int
     rag_chunk_tokens: int
     rag_question: int
@@ -154,6 +174,8 @@ class Settings:
     adaptive_layer: int
     adaptive_floor: float
     real_ttft_items: int
+    real_prefix_ks: tuple
+    real_prefix_items: int
     curve: bool
     recompute: bool
 
@@ -182,7 +204,9 @@ def handout_figures() -> Handout:
         "paper_load llama-3.1-70b": Ref("~4", {**paper, **b70}),
         "ttft_speedup": Ref("2.2-3.3x", {**rag, "min_ratio": 0.15}),
         "throughput": Ref("2.8-5x", {**rag, "min_ratio": 0.15}),
-        "ex8_ratio": Ref("50%", ex8), "ex8_ttft_ms": Ref("~320", ex8),
+        "prefix_fewer": Ref("the more chunks, the less"),
+        "blend_recompute": Ref("recomputes ~15%", {"min_ratio": 0.15}),
+        "ex8_choice": Ref("blend", ex8), "ex8_ratio": Ref("50%", ex8), "ex8_ttft_ms": Ref("~320", ex8),
         "ex8_full_ms": Ref("640", {"layers": 32, "prefill_ms": 20.0}),
         "real_ttft": Ref("2.2-3.3x", {"real_ratio": 0.15})})
 
@@ -228,8 +252,76 @@ def above(x: float, y: float) -> str:
     return "above" if x > y else "below" if x < y else "at"
 
 
+# ============================================================================ §5.1 Part 0: prefix caching
+def part0_prefix(s: Settings, page: Page) -> pc.PrefixStudy:
+    """§5.1 on the time model: prefix caching, full reuse and CacheBlend against k chunks (prefix_caching.py)."""
+    st = pc.time_model(s.systems, s.gpu, {d: s.devices[d] for d in s.prefix_devices}, s.prefix_ks,
+                       s.rag_chunk_tokens, s.rag_question, s.min_ratio)
+    page.part("Part 0", "§5.1", f"Prefix caching is not enough: k retrieved chunks, only the first a prefix "
+                                f"({s.gpu}, time model)")
+    last, r = st.devices[-1], f"{s.min_ratio:.0%}"
+    for m, x in st.systems.items():
+        rows = [Row([k, 1e3 * x.full_ttft_s[i]] + [1e3 * by[d][i] for by in (x.prefix_ttft_s, x.reuse_ttft_s,
+                                                                               x.blend_ttft_s) for d in st.devices])
+                for i, k in enumerate(st.ks)]
+        show(page, Table(f"{tm.get_model(m).name} ({tm.get_model(m).tag}) on {x.n_gpus} x {s.gpu}: TTFT (ms) of k "
+                         f"chunks x {st.chunk_tokens} tokens + a {st.question}-token question; the KV read from "
+                         f"{' or '.join(st.devices)}, pipelined (CacheBlend recomputes {r})", "§5.1",
+                         cols(("k", "{}", "prefix_k"), ("full prefill", "{:.0f}"),
+                              *[(f"{how} {d}", "{:.0f}") for how in ("prefix", "reuse", "blend") for d in st.devices]),
+                         rows, "prefix_caching.system_prefix", json={
+                             "full_ttft_s": {m: x.full_ttft_s}, **{f"{how}_ttft_s": {m: by[last]} for how, by in (
+                                 ("prefix", x.prefix_ttft_s), ("reuse", x.reuse_ttft_s), ("blend", x.blend_ttft_s))},
+                             **{f"{how}_ttft_by_device_s": {m: by} for how, by in (
+                                 ("prefix", x.prefix_ttft_s), ("reuse", x.reuse_ttft_s), ("blend", x.blend_ttft_s))}}))
+    present_saved_share(st, s, page)
+    if page.plot:
+        prefix_figure(st, s, page)
+    return st
+
+
+def saved_verdict(name: str, shares: list) -> str:
+    """How a saved share moves over k, in the words its values allow."""
+    falls = all(b < a for a, b in zip(shares, shares[1:]))
+    return f"{name} " + (f"falls with every chunk ({shares[0]:.0%} -> {shares[-1]:.0%})" if falls else
+                         f"stays within {min(shares):.0%}-{max(shares):.0%}" if max(shares) - min(shares) < 0.1
+                         else change(shares[0], shares[-1], "{:.0%}"))
+
+
+def present_saved_share(st: pc.PrefixStudy, s: Settings, page: Page) -> None:
+    r = f"{s.min_ratio:.0%}"
+    methods = (("prefix caching", "prefix", h("prefix_fewer", s)), ("full reuse", "reuse", None),
+               (f"CacheBlend {r}", "blend", h("blend_recompute", s)))
+    rows = [Row([f"{tm.get_model(m).name} {label}", *getattr(x, f"{how}_saved_share")], ref)
+            for m, x in st.systems.items() for label, how, ref in methods]
+    notes = ["; ".join(saved_verdict(f"{tm.get_model(m).name}: prefix caching", x.prefix_saved_share) + ", "
+                       + saved_verdict(f"CacheBlend {r}", x.blend_saved_share) for m, x in st.systems.items())
+             + f". Only the first chunk can be a prefix, so prefix caching prefills the other k - 1; CacheBlend "
+             f"recomputes {r} of every chunk wherever it sits, full reuse none (and loses what the chunks would "
+             "have seen of each other, §5.2)."]
+    show(page, Table("Share of full prefill's GPU time each method does not spend, by k", "§5.1",
+                     cols("method", *[(f"k={k}", "{:.0%}") for k in st.ks]), rows, "prefix_caching.system_prefix",
+                     notes, {"prefix_k": st.ks, **{f"{how}_saved_share": {m: getattr(x, f"{how}_saved_share")
+                                                                          for m, x in st.systems.items()}
+                                                   for how in ("prefix", "reuse", "blend")}}))
+
+
+def prefix_figure(st: pc.PrefixStudy, s: Settings, page: Page) -> None:
+    ref = HANDOUT("prefix_fewer", s)
+    title = (f"§5.1: share of full prefill's GPU time saved\n(k chunks of {st.chunk_tokens} tokens"
+             + (f"; handout: {ref.figure})" if ref else ")"))
+    with page.figure("04_prefix_caching.png", title, (6.4, 4.2)) as (_, ax):
+        for (m, x), mark in zip(st.systems.items(), ("o", "x", "s", "^")):
+            name, hollow = tm.get_model(m).name, dict(mfc="none", ms=8) if mark == "o" else {}
+            for how, color, ls, label in (("prefix", "tab:red", "-", "prefix caching"),
+                                          ("blend", "tab:blue", "--", f"CacheBlend {s.min_ratio:.0%}")):
+                ax.plot(st.ks, [100 * v for v in getattr(x, f"{how}_saved_share")], marker=mark, color=color, ls=ls,
+                        label=f"{name}, {label}", **hollow)
+        ax.set(xlabel="k retrieved chunks", ylabel="% of full prefill's GPU time saved", ylim=(0, 100))
+        ax.legend()
+
+
 # ============================================================================ §5.1, exercise 5
-# (§5.1, prefix caching is not enough, comes first in the handout: its Part goes before exercise 5)
 @dataclass
 class CityDocs:
     """Part 1's documents of the city language and full prefill's predictions of their questions."""
@@ -637,6 +729,39 @@ def concentration_figure(dev: torch.Tensor, s: Settings, page: Page) -> None:
         ax.legend()
 
 
+# ---------------------------------------------------------------------------- §5.3, the mask pitfall
+def why_the_mask_is_wrong(future: float, picks: int, n_context: int) -> str:
+    """The pitfall in one line, with what the mask did to this run's picks."""
+    return (f"Why it is wrong: the bottom-right mask lets the i-th of the m recomputed tokens see keys up to "
+            f"N - m + i, as if the picks were the last m tokens; this run's {picks} picks at layer 1 each see "
+            f"{future:.1f} later tokens of the {n_context} on average, a future no prefill shows (LMCache#1152, "
+            "CacheBlend#21).")
+
+
+def pitfall_mask(model, run: RecordRun, s: Settings, page: Page) -> None:
+    """CacheBlend with the position mask against the released blenders' bottom-right mask (mask_pitfall.py)."""
+    c = mp.record_cost(model, run.rec, s.chunk_len, s.ratio, run.pre)
+    if c.split["position"] is None:
+        page.say(f"  The mask pitfall (§5.3): chunks of {s.chunk_len} split no record, so there is nothing for "
+                 "either mask to repair here.")
+        return
+    diff = c.split["position"] - c.split["bottom-right"]
+    cost = (f"Here it costs {diff:.1%} of the split records" if diff > 0 else
+            "Here it costs nothing" if diff == 0 else f"Here it gains {-diff:.1%} of the split records")
+    why_here = (f": the answers read the context's KV of layers 0-{c.layers_read - 1} only (full reuse's above "
+                f"them answers as well), and the first K, V a mask can change are layer {mp.FIRST_LAYER_CHANGED}'s; "
+                "--model smollm2 measures the pitfall on a real LLaMA." if c.layers_read <= mp.FIRST_LAYER_CHANGED
+                else ".")
+    rows = [Row(["position mask (blend's): each row sees the keys up to its own position",
+                 Val(c.split["position"], "mask_position_split_acc"), c.unsplit["position"]]),
+            Row(["bottom-right mask (the pitfall): the rows taken as the last ones",
+                 Val(c.split["bottom-right"], "mask_pitfall_split_acc"), c.unsplit["bottom-right"]])]
+    show(page, Table(f"Pitfall: the causal mask of the recomputed tokens. CacheBlend {s.ratio:.0%}, chunks of "
+                     f"{s.chunk_len}", "§5.3", cols("mask at layers 1..L-1", ("split records", pct),
+                                                    ("unsplit records", pct)), rows, "mask_pitfall.record_cost",
+                     [why_the_mask_is_wrong(c.future_keys, c.picks, DOC_LEN), cost + why_here]))
+
+
 # ---------------------------------------------------------------------------- §5.3, exercise 7
 @dataclass
 class CheckCost:
@@ -698,6 +823,8 @@ class DeviceTiming:
     ttft_s: float                   # pipelined CacheBlend
     speedup: float                  # full prefill TTFT / CacheBlend TTFT
     load_vs_full: float             # full recompute of a layer / its load
+    choice: str                     # the controller's, KV kept here: "blend", "blend from <device>", "full prefill"
+    reason: str                     # why (loading_controller.choose)
 
 
 @dataclass
@@ -727,25 +854,6 @@ class SystemTiming:
     throughput: dict[float, Throughput]   # recompute ratio -> requests/s
 
 
-def controller_ratio(load_s: float, full_recompute_s: float, min_ratio: float = MIN_RATIO) -> float:
-    """CacheBlend's loading controller: recompute as much as loading the layer hides (recompute time
-    is proportional to the ratio), but never less than the quality floor, never more than all."""
-    return min(1.0, max(min_ratio, load_s / full_recompute_s))
-
-
-def pipelined_ttft(n_layers: int, load_s: float, recompute_s: float, extra_s: float = 0.0) -> float:
-    """Layer l's recompute overlaps layer l+1's load: each layer costs max(load, recompute)."""
-    return n_layers * max(load_s, recompute_s) + extra_s
-
-
-def load_time(model, n_tokens: int, device: str, n_gpus: int, devices: dict) -> float:
-    """Seconds to read one layer's KV for n_tokens from `device`."""
-    how, bandwidth = devices[device]
-    m = tm.get_model(model)
-    nbytes = tm.kv_bytes_per_token(m) / m.n_layers * n_tokens
-    return nbytes / (bandwidth * (n_gpus if how == "per_gpu" else 1))
-
-
 def throughput(model, n_gpus: int, ratio: float, device: str, s: Settings) -> Throughput:
     """Requests/s of one server on the RAG requests of Part 4 when it is busy all the time: full prefill
     spends the GPUs' prefill of the whole prompt per request; CacheBlend spends the recompute at `ratio`
@@ -755,7 +863,7 @@ def throughput(model, n_gpus: int, ratio: float, device: str, s: Settings) -> Th
     full = tm.prefill_time(model, gpu, n_ctx + s.rag_question, 0, n_gpus)
     gpu_s = (tm.recompute_time(model, gpu, n_ctx, ratio, n_gpus)
              + tm.prefill_time(model, gpu, s.rag_question, n_ctx, n_gpus))
-    load_s = load_time(model, n_ctx, device, n_gpus, s.devices) * tm.get_model(model).n_layers
+    load_s = lc.load_time(model, n_ctx, device, n_gpus, s.devices) * tm.get_model(model).n_layers
     return Throughput(1 / full, 1 / max(gpu_s, load_s), gpu_s, load_s, "GPU" if gpu_s >= load_s else device)
 
 
@@ -767,33 +875,43 @@ def system_timing(model: str, n_gpus: int, s: Settings) -> SystemTiming:
     floor_layer = tm.recompute_time(model, gpu, n_ctx, s.min_ratio, n_gpus) / m.n_layers
     question = tm.prefill_time(model, gpu, s.rag_question, n_ctx, n_gpus)
     prefill = tm.prefill_time(model, gpu, n_ctx + s.rag_question, 0, n_gpus)
-    devices = {}
-    for device in s.devices:
-        load = load_time(model, n_ctx, device, n_gpus, s.devices)
-        r = controller_ratio(load, full_layer, s.min_ratio)
+    devices, loads = {}, {d: lc.load_time(model, n_ctx, d, n_gpus, s.devices) for d in s.devices}
+    for device, load in loads.items():
+        r = lc.controller_ratio(load, full_layer, s.min_ratio)
         recompute = tm.recompute_time(model, gpu, n_ctx, r, n_gpus) / m.n_layers
-        ttft = pipelined_ttft(m.n_layers, load, recompute, question)
-        devices[device] = DeviceTiming(1e3 * load, r, 1e3 * recompute, ttft, prefill / ttft, full_layer / load)
+        ttft = lc.pipelined_ttft(m.n_layers, load, recompute, question)
+        c = lc.choose(m.n_layers, full_layer, loads, device, s.min_ratio, question)
+        devices[device] = DeviceTiming(1e3 * load, r, 1e3 * recompute, ttft, prefill / ttft, full_layer / load,
+                                       choice_label(c), c.reason)
     paper = PaperPoint(1e3 * tm.recompute_time(model, gpu, s.paper_context, s.paper_ratio, n_gpus) / m.n_layers,
-                       1e3 * load_time(model, s.paper_context, s.paper_device, n_gpus, s.devices))
+                       1e3 * lc.load_time(model, s.paper_context, s.paper_device, n_gpus, s.devices))
     tput = {r: throughput(model, n_gpus, r, s.paper_device, s)
             for r in sorted({devices[s.paper_device].ratio, s.min_ratio})}
     return SystemTiming(n_gpus, m.tag, 1e3 * full_layer, 1e3 * floor_layer, prefill, devices, paper, tput)
+
+
+def choice_label(c: lc.Choice) -> str:
+    """The controller's choice in a table cell: "blend" (from where the KV is), "blend from <device>", "full
+    prefill"."""
+    return c.choice if c.device in (None, c.stored) else f"{c.choice} from {c.device}"
 
 
 def part4_pipelining(s: Settings, page: Page) -> dict[str, SystemTiming]:
     timings = {model: system_timing(model, n_gpus, s) for model, n_gpus in s.systems}
     page.part("Part 4", "§5.4", f"Hiding recompute behind loading ({s.gpu}, time model)")
     for model, t in timings.items():
-        rows = [Row(["full recompute of the layer", t.full_layer_ms, None, None, None]),
-                Row([f"recompute {s.min_ratio:.0%}", t.floor_layer_ms, None, None, None])]
-        rows += [Row([f"load from {d}", x.load_ms, x.ratio, 1e3 * x.ttft_s, x.speedup]) for d, x in t.devices.items()]
+        rows = [Row(["full recompute of the layer", t.full_layer_ms, None, None, None, None]),
+                Row([f"recompute {s.min_ratio:.0%}", t.floor_layer_ms, None, None, None, None])]
+        rows += [Row([f"load from {d}", x.load_ms, x.ratio, 1e3 * x.ttft_s, x.speedup, x.choice])
+                 for d, x in t.devices.items()]
+        notes = [f"{d}: {x.reason}." for d, x in t.devices.items() if x.choice != lc.BLEND]
         show(page, Table(f"{tm.get_model(model).name} ({t.tag}) on {t.n_gpus} x {s.gpu}: {s.rag_chunks} x "
                          f"{s.rag_chunk_tokens} tokens + {s.rag_question}-token question; full prefill TTFT "
                          f"{1e3 * t.prefill_s:.0f} ms", "§5.4",
                          cols("per layer", ("ms", "{:.1f}"), ("controller ratio", "{:.0%}"),
-                              ("TTFT CacheBlend (ms)", "{:.0f}"), ("vs full prefill", "{:.2f}x")),
-                         rows, "04_cacheblend.system_timing", json={"timing": {model: t}}))
+                              ("TTFT CacheBlend (ms)", "{:.0f}"), ("vs full prefill", "{:.2f}x"),
+                              Col("controller's choice", left=True)),
+                         rows, "04_cacheblend.system_timing", notes, json={"timing": {model: t}}))
     present_comparison(timings, s, page)
     present_throughput(timings, s, page)
     if page.plot:
@@ -876,27 +994,25 @@ def timing_figure(timings: dict[str, SystemTiming], s: Settings, page: Page) -> 
 
 
 # ---------------------------------------------------------------------------- §5.4, exercise 8
-@dataclass
-class Controller:
-    ratio: float
-    ttft_ms: float                  # CacheBlend pipelined
-    full_ms: float                  # full prefill
-
-
-def controller_example(layers: int, read_ms: float, prefill_ms: float, min_ratio: float) -> Controller:
-    r = controller_ratio(read_ms, prefill_ms, min_ratio)
-    return Controller(r, pipelined_ttft(layers, read_ms, r * prefill_ms), layers * prefill_ms)
+def controller_example(layers: int, read_ms: float, prefill_ms: float, min_ratio: float) -> lc.Choice:
+    """Exercise 8's controller: the KV on an SSD, `layers` layers, each read in read_ms and prefilled in
+    prefill_ms (the question left out, as the exercise says)."""
+    return lc.choose(layers, prefill_ms / 1e3, {"SSD": read_ms / 1e3}, "SSD", min_ratio)
 
 
 def exercise8(s: Settings, page: Page) -> None:
-    e = controller_example(s.layers, s.read_ms, s.prefill_ms, s.min_ratio)
+    c = controller_example(s.layers, s.read_ms, s.prefill_ms, s.min_ratio)
     page.exercise(8, "§5.4", f"{s.layers} layers, read {s.read_ms:g} ms/layer, prefill {s.prefill_ms:g} ms/layer, "
                              f"floor {s.min_ratio:.0%}")
-    show(page, Table("", "§5.4", cols("exercise 8", ("ours", "{:.0f}")), [
-        Row(["controller's recompute ratio", Val(e.ratio, "ex8_ratio", "{:.0%}")], h("ex8_ratio", s)),
-        Row(["TTFT, CacheBlend pipelined (ms)", Val(e.ttft_ms, "ex8_ttft_ms")], h("ex8_ttft_ms", s)),
-        Row(["TTFT, full prefill (ms)", Val(e.full_ms, "ex8_full_ms")], h("ex8_full_ms", s))],
-        "04_cacheblend.controller_example"))
+    rows = [Row(["controller's choice", Val(c.choice, "ex8_choice")], h("ex8_choice", s)),
+            Row(["controller's recompute ratio", Val(c.ratio, "ex8_ratio", "{:.0%}")], h("ex8_ratio", s)),
+            Row([f"TTFT, {'CacheBlend pipelined' if c.choice == lc.BLEND else 'the full prefill chosen'} (ms)",
+                 Val(1e3 * c.ttft_s, "ex8_ttft_ms")], h("ex8_ttft_ms", s))]
+    if c.choice != lc.BLEND:
+        rows.append(Row([f"  blending from the SSD anyway, at {c.stored_ratio:.0%} (ms)", 1e3 * c.stored_ttft_s]))
+    rows.append(Row(["TTFT, full prefill (ms)", Val(1e3 * c.full_s, "ex8_full_ms")], h("ex8_full_ms", s)))
+    show(page, Table("", "§5.4", cols("exercise 8", ("ours", "{:.0f}")), rows, "loading_controller.choose",
+                     [c.reason[0].upper() + c.reason[1:] + "."]))
 
 
 # ============================================================================ Parts 1-4, in the handout's order
@@ -904,13 +1020,14 @@ def record_world(s: Settings, page: Page) -> None:
     """Parts 1-4 and exercises 5-8, each computed and then shown, as the handout poses them."""
     city, lang = city_model()
     docs = city_docs(city, lang, s.city_docs, 0, s.city_chunks, s.city_chunk_len)
-    # §5.1 (prefix caching is not enough) goes here
+    part0_prefix(s, page)                           # §5.1: prefix caching is not enough
     exercise5(docs, lang, s, page)                  # §5.1: moving a chunk's KV
     part1_city(docs, lang, s, page)                 # §5.2: the city language, full reuse vs full prefill
     model = record_world_model(s, page)
     run = part2_records(model, s, page)             # §5.2-5.3: split records, CacheBlend, random
     exercise6(model, run, s, page)                  # §5.2: an even chunk length
     p3 = part3_insights(model, run, s, page)        # §5.3: the two insights, the curve
+    pitfall_mask(model, run, s, page)               # §5.3: the released blenders' causal mask
     exercise7(p3.insights, s, page)                 # §5.3: the check at layer 0 vs 1
     part4_pipelining(s, page)                       # §5.4: loading hides the recompute
     exercise8(s, page)                              # §5.4: the controller
@@ -935,6 +1052,7 @@ class Real:
     top_share: float
     rank_corr: list[float]
     toy: ToyInsights | None         # the record world's, beside it
+    prefix: pc.Measured | None      # §5.1 on the built-in items (None with --passages)
     split: br.Decomposition         # the run's rule, its ranking oracle and the patch oracle at each ratio
     splits: dict                    # every rule measured: its Decomposition (--curve: every rule)
     chunks: br.ChunkLengths | None  # --curve on the built-in items: the same items with shorter chunks
@@ -966,10 +1084,13 @@ def real_study(s: Settings) -> Real:
         toy_insights = ToyInsights(found.top_share, found.rank_corr)
     except TrainingFailed:
         toy_insights = None
+    prefix = None if s.passages else pc.measured(
+        model, tok, model_id, s.real_prefix_items, s.real_prefix_ks, s.chunk_tokens,
+        s.rule, s.real_ratio, mp.MASKS, recompute=s.recompute)
     splits = {m: br.decompose(res["curves"], m, source) for m in res["curves"].ranking}
     chunks, adaptive = real_curve_studies(model, tok, rags, res, model_id, source, s) if s.curve else (None, None)
     return Real(res, source, path.stem, L, best, score, per_layer, statistics.fmean(per_layer), corr, toy_insights,
-                splits[s.rule], splits, chunks, adaptive)
+                prefix, splits[s.rule], splits, chunks, adaptive)
 
 
 def real_curve_studies(model, tok, rags, res: dict, model_id: str, source: str, s: Settings):
@@ -987,7 +1108,7 @@ def real_model(s: Settings, page: Page) -> None:
     with idle_threads():  # the TTFT is measured on one thread inside (blend_real.item_ttft)
         r = real_study(s)
     st, items = r.study, r.study["items"]
-    page.part("Part 5", "§5.2-5.4", f"CacheBlend on a real LLaMA: {r.model_name} ({r.n_layers} layers)")
+    page.part("Part 5", "§5.1-5.4", f"CacheBlend on a real LLaMA: {r.model_name} ({r.n_layers} layers)")
     span = lambda xs: f"{min(xs)}" if min(xs) == max(xs) else f"{min(xs)}-{max(xs)}"  # noqa: E731
     lens, prefix = [n for it in items for n in it["chunk_lens"]], items[0]["n_context"] - sum(items[0]["chunk_lens"])
     page.say(f"  {len(items)} inputs from {r.source}: {prefix}-token chat prefix + "
@@ -997,6 +1118,7 @@ def real_model(s: Settings, page: Page) -> None:
         " loaded from the cache (--recompute computes it again)" if st["loaded_from_cache"] else
         f" computed in {st['compute_seconds']:.0f} s and cached") + "; TTFT measured live")
     page.data(real_items=len(items), real_source=r.source, real_answers=[it["text"] for it in items])
+    present_real_prefix(r, page)
     if st["curve_mode"]:
         present_real_curve(r, page)
     else:
@@ -1007,6 +1129,7 @@ def real_model(s: Settings, page: Page) -> None:
                  "--items 8 for all eight)")
     present_real_ttft(r, s, page)
     present_real_answers(r, page)
+    present_real_mask(r, page)
     present_real_insights(r, s, page)
     present_real_split(r, page)
     if st["curve_mode"]:
@@ -1016,6 +1139,64 @@ def real_model(s: Settings, page: Page) -> None:
         present_adaptive(r, page)
     if page.plot and st["curve_mode"]:
         real_curve_figure(r, s, page)
+
+
+def present_real_prefix(r: Real, page: Page) -> None:
+    """§5.1 measured: prefix caching, full reuse and CacheBlend against k chunks (prefix_caching.measured)."""
+    x = r.prefix
+    if x is None:
+        page.say("  §5.1 (prefix caching against k chunks) runs on the built-in items only, not on --passages.")
+        return
+    rows = [Row([k, n, x.full_ttft_s[i], x.prefix_ttft_s[i], x.reuse_ttft_s[i], x.blend_ttft_s[i],
+                 x.prefix_saved_share[i], x.blend_saved_share[i], x.prefix_kl[i], x.reuse_kl[i], x.blend_kl[i]])
+            for i, (k, n) in enumerate(zip(x.ks, x.n_tokens))]
+    exact = max(abs(v) for v in x.prefix_kl)
+    notes = [saved_verdict("The share of full prefill's time prefix caching saves", x.prefix_saved_share) + "; "
+             + saved_verdict(f"CacheBlend {x.ratio:.0%}'s", x.blend_saved_share) + ".",
+             (f"Prefix caching's KL is zero up to float32 rounding (|KL| <= {exact:.0e}): the first chunk's stored "
+              "KV is what a full prefill computes for it, its reuse is exact." if exact < 1e-6 else
+              f"Prefix caching's KL reaches {exact:.1e}: more than rounding.") + " Full reuse's KL "
+             + change(x.reuse_kl[0], x.reuse_kl[-1], "{:.3f}") + " with k, CacheBlend's "
+             + change(x.blend_kl[0], x.blend_kl[-1], "{:.3f}") + "."]
+    show(page, Table(f"Part 5 (§5.1). Prefix caching, full reuse and CacheBlend {x.ratio:.0%} ({x.rule}) against k "
+                     f"chunks of {x.chunk_tokens} tokens:\n  TTFT = CPU time of one thread (median of {x.n_items} "
+                     "items, chunks' KV in memory); KL(full prefill || method), first answer token, nats"
+                     + (" (loaded from the cache)" if x.loaded else
+                        f" (computed in {x.compute_seconds:.0f} s, cached)"),
+                     "§5.1", cols(("k", "{}", "real_prefix_k"), "tokens", ("full s", "{:.2f}", "real_full_ttft_s"),
+                                  ("prefix s", "{:.2f}", "real_prefix_ttft_s"),
+                                  ("reuse s", "{:.2f}", "real_reuse_ttft_s"),
+                                  ("blend s", "{:.2f}", "real_blend_ttft_s"),
+                                  ("prefix saves", "{:.0%}", "real_prefix_saved_share"),
+                                  ("blend saves", "{:.0%}", "real_blend_saved_share"),
+                                  ("KL prefix", "{:+.0e}", "real_prefix_kl"), ("KL reuse", "{:.4f}", "real_reuse_kl"),
+                                  ("KL blend", "{:.4f}", "real_blend_kl")), rows, "prefix_caching.measured", notes))
+
+
+def present_real_mask(r: Real, page: Page) -> None:
+    """The bottom-right mask's cost on SmolLM2, from the same runs as §5.1's table."""
+    x = r.prefix
+    if x is None:
+        return
+    pos, wrong = x.mask_kl["position"], x.mask_kl["bottom-right"]
+    rows = [Row([k, p, w, w / p]) for k, p, w in zip(x.ks, pos, wrong)]
+    worse = all(w > p for p, w in zip(pos, wrong))
+    show(page, Table(f"Pitfall (§5.3): CacheBlend {x.ratio:.0%} ({x.rule}) with the position mask and with the "
+                     "bottom-right mask of the released blenders,\n  KL(full prefill || method) of the first answer "
+                     f"token (mean of {x.n_items} items)", "§5.3",
+                     cols("k chunks", ("position mask", "{:.4f}"), ("bottom-right mask", "{:.4f}"),
+                          ("bottom-right / position", "{:.2f}x")), rows, "prefix_caching.measured",
+                     [why_the_mask_is_wrong_real(), "The bottom-right mask " + (
+                         "moves the first token further from full prefill at every k" if worse else
+                         "is not worse at every k") + f": at k = {x.ks[-1]}, {wrong[-1]:.4f} against {pos[-1]:.4f}."],
+                     {"real_mask_k": x.ks[-1], "real_mask_position_kl": pos[-1], "real_mask_pitfall_kl": wrong[-1],
+                      "real_mask_kl": x.mask_kl}))
+
+
+def why_the_mask_is_wrong_real() -> str:
+    return ("Why it is wrong: the mask takes the recomputed tokens for the last ones of the context, so a token "
+            "picked earlier also attends to the chunks after it, a future no prefill shows (LMCache#1152, "
+            "CacheBlend#21).")
 
 
 def present_real_curve(r: Real, page: Page) -> None:
@@ -1269,8 +1450,7 @@ def command_line(argv=None):
     g.add_argument("--min-ratio", type=fraction, default=MIN_RATIO, help="the controller's quality floor")
     g.add_argument("--layers", type=positive_int, default=EX8_LAYERS, help="exercise 8: number of layers")
     g.add_argument("--read-ms", type=positive_float, default=EX8_READ_MS, help="exercise 8: read one layer's KV (ms)")
-    g.add_argument("--prefill-ms", type=positive_float, default=EX8_PREFILL_MS,
-                   help="exercise 8: prefill one layer (ms)")
+    g.add_argument("--prefill-ms", type=positive_float, default=EX8_PREFILL_MS, help="exercise 8: prefill a layer (ms)")
     g = p.add_argument_group("the real model (Part 5: --model smollm2; these flags need it)")
     g.add_argument("--model", choices=["record", "smollm2"], default="record",
                    help="record: Parts 1-4 (toy models, time model); smollm2: Part 5 on SmolLM2-135M")
@@ -1314,8 +1494,11 @@ def settings(a) -> Settings:
                          rag_chunks=RAG_CHUNKS, rag_chunk_tokens=RAG_CHUNK_TOKENS, rag_question=RAG_QUESTION, gpu=GPU,
                          systems=tuple(map(tuple, SYSTEMS)), devices=dict(DEVICES), paper_context=PAPER_CONTEXT,
                          paper_ratio=PAPER_RATIO, paper_device=PAPER_DEVICE, real_curve_ratios=tuple(REAL_CURVE_RATIOS),
-                         real_short_chunks=tuple(REAL_SHORT_CHUNKS), adaptive_targets=tuple(ADAPTIVE_TARGETS),
-                         adaptive_layer=ADAPTIVE_LAYER, adaptive_floor=ADAPTIVE_FLOOR, real_ttft_items=REAL_TTFT_ITEMS)
+                         real_ttft_items=REAL_TTFT_ITEMS, prefix_ks=tuple(PREFIX_KS),
+                         prefix_devices=tuple(PREFIX_DEVICES), real_prefix_ks=tuple(REAL_PREFIX_KS),
+                         real_prefix_items=REAL_PREFIX_ITEMS, real_short_chunks=tuple(REAL_SHORT_CHUNKS),
+                         adaptive_targets=tuple(ADAPTIVE_TARGETS), adaptive_layer=ADAPTIVE_LAYER,
+                         adaptive_floor=ADAPTIVE_FLOOR)
 
 
 def unedited(s: Settings) -> Settings:

@@ -202,9 +202,16 @@ class BlendTrace:
     cache: KVCache | None = None
 
 
+def position_mask(rows: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """(B, 1, M, n_keys) mask of the rows blend() recomputes at a layer (their positions rows (B, M),
+    the selected context tokens then the question): each row sees the keys at or before its own
+    position, whichever tokens were selected."""
+    return (torch.arange(n_keys)[None, None, :] <= rows[:, :, None])[:, None]
+
+
 @torch.no_grad()
 def blend(model: Llama, rec: Records, chunks, ratio: float, *, rule=PROGRESSIVE, pre: KVCache | None = None,
-          trace: bool = False):
+          trace: bool = False, mask=position_mask):
     """CacheBlend (§5.3): start from the precomputed chunks' KV and recompute a few tokens per layer.
 
     Layer 0: K, V depend only on token and position, so the precomputed ones are already right. The
@@ -220,7 +227,9 @@ def blend(model: Llama, rec: Records, chunks, ratio: float, *, rule=PROGRESSIVE,
 
     rec: anything with .doc (B, N) and .question (B, Tq) tokens (a Records batch, a RAG input);
     chunks: a chunk length, or (N,) chunk ids with PREFIX on a shared prefix (see chunk_ids);
-    pre: the precomputed chunks, if the caller has them already (precompute_chunks).
+    pre: the precomputed chunks, if the caller has them already (precompute_chunks);
+    mask(rows, n_keys): which keys the recomputed rows see at layers 1..L-1 (position_mask; the
+    bottom-right mask of mask_pitfall.py is the pitfall beside it).
     """
     doc, question = rec.doc, rec.question
     (B, N), Tq, L = doc.shape, question.shape[1], model.cfg.n_layers
@@ -252,7 +261,7 @@ def blend(model: Llama, rec: Records, chunks, ratio: float, *, rule=PROGRESSIVE,
         # ---- the mixed cache: precomputed K, V with the selected tokens' rows replaced, then the question
         ks.append(_mixed(pre.k[layer], sel, k))
         vs.append(_mixed(pre.v[layer], sel, v))
-        xs = blk.attend(xs, q, ks[-1], vs[-1], (pos_all[None, None, :] <= ps[:, :, None])[:, None])
+        xs = blk.attend(xs, q, ks[-1], vs[-1], mask(ps, N + Tq))
         x_sel, x_q = xs[:, :m], xs[:, m:]
         recomputed.append(sel)
         # ---- keep fewer: the largest deviations go on to the next layer

@@ -10,10 +10,11 @@ from common.present import Col, Row, Table
 
 # the command that would start vLLM with LMCache behind it: it needs a GPU and is never run here
 SERVE_COMMAND = ("LMCACHE_CONFIG_FILE=lmcache.yaml vllm serve meta-llama/Llama-3.1-8B-Instruct "
-                 "--enable-prefix-caching --block-size 16 "
+                 "--enable-prefix-caching "
                  "--kv-transfer-config '{\"kv_connector\":\"LMCacheConnectorV1\",\"kv_role\":\"kv_both\"}'")
 
-# (mechanism, where it is here, the setting that holds our value (script, field), unit, the knob, what it sets)
+# (mechanism, where it is here, the setting that holds our value: (script, field[, another script, field]),
+#  unit, the knob, what it sets)
 KNOBS = [
     ("chunk size", "05 Part 2: KV stored and evicted in chunks", ("05", "chunk"), "tokens",
      "chunk_size (default 256)", "tokens per stored KV chunk, the unit of lookup, storage and reuse"),
@@ -24,7 +25,8 @@ KNOBS = [
     ("CacheGen serializer", "02/03: the codec's quality levels, chunks streamed per level", ("03", "chunk_tokens"),
      "tokens per streamed chunk", "remote_serde: \"cachegen\" (default \"naive\")",
      "KV quantized and arithmetic-coded before it goes to a remote store"),
-    ("blending", "04 §5.3: CacheBlend's selective recompute", ("04", "ratio"), "recompute ratio",
+    ("blending", "04 §5.3: CacheBlend's selective recompute", ("04_smollm2", "real_ratio", "04", "ratio"),
+     "recompute ratio",
      "enable_blending: true, blend_recompute_ratios [0.15], blend_check_layers [1]",
      "reuse non-prefix chunks, recompute the most deviated share of tokens, ranked at the check layer"),
     ("prefix caching", "the baseline CacheBlend improves on (§5.1)", None, "",
@@ -39,11 +41,13 @@ def going_further_table(settings: dict[str, dict], wide: bool = True) -> Table:
     knob (the terminal's 120 characters)."""
     rows = []
     for mechanism, here, setting, unit, knob, what in KNOBS:
-        value = settings.get(setting[0], {}).get(setting[1]) if setting else None
+        pairs = list(zip(setting[::2], setting[1::2])) if setting else []
+        value = next((settings[p][f] for p, f in pairs if settings.get(p, {}).get(f) is not None), None)
         ours = "-" if value is None else f"{value:g} {unit}" if isinstance(value, (int, float)) else f"{value} {unit}"
         rows.append(Row([mechanism, here, ours, knob, what] if wide else [mechanism, ours, knob]))
-    columns = ([Col("mechanism"), Col("here"), Col("our value"), Col("LMCache / vLLM knob"), Col("what it sets")]
-               if wide else [Col("mechanism"), Col("our value"), Col("LMCache / vLLM knob")])
+    text = [Col("here", left=True), Col("our value"), Col("LMCache / vLLM knob", left=True),
+            Col("what it sets", left=True)]
+    columns = [Col("mechanism")] + (text if wide else [text[1], text[2]])
     return Table("Going further: each mechanism here and the real system's knob (LMCache's configuration, vLLM)",
                  "§6-7", columns, rows,
                  source="going_further.going_further_table",

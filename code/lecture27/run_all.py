@@ -74,7 +74,8 @@ def main():
     p.add_argument("--skip-real", action="store_true", help="skip the SmolLM2 real-model runs")
     p.add_argument("--profile", action="store_true",
                    help="run each script under cProfile and print the seconds spent in each phase")
-    p.add_argument("--report", action="store_true", help="run nothing: rebuild figures/report.html from the saved pages")
+    p.add_argument("--report", action="store_true",
+                   help="run nothing: rebuild figures/report.html from the saved pages")
     args = p.parse_args()
     if args.report:
         print(f"report: {write_report()}")

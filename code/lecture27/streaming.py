@@ -5,21 +5,24 @@ link/GPU simulation, CacheGen's adaptive policy, fixed policies, and an oracle t
 
 The adaptive policy is the rule of §4.2 (previous chunk's throughput assumed to hold, least lossy
 configuration predicted to finish in time, text when nothing fits) with two rules that keep it measuring:
-a probe of the idle link while the GPU recomputes a text chunk, and a deadline after which a KV chunk
-stuck on a collapsed link is given up and recomputed (see adaptive()). trace_suite() draws many traces
-from a Markov chain of bandwidths, as CacheGen's evaluation replays many throughput traces, and
-run_suite() / suite_summary() give each policy's SLO-violation rate, TTFT and quality over them.
+a probe of the idle link while the GPU recomputes, and a deadline after which a KV chunk stuck on a
+collapsed link is given up and recomputed (see adaptive()). trace_suite() draws many traces from a
+Markov chain of bandwidths, as CacheGen's evaluation replays many throughput traces, and run_suite() /
+suite_summary() give each policy's SLO-violation rate, TTFT and quality over them.
 
 The simulation, in one paragraph. The context is cut into chunks; each chunk is fetched either as KV at
 one of the codec's levels (it occupies the link for bits / bandwidth) or as text (its token ids cross
-the link, then the GPU recomputes the chunk attending to the KV of every earlier chunk). Chunks go
-strictly one after another, with NO overlap: while the GPU recomputes a text chunk the link is idle,
-and the next chunk is decided only when the previous one is done. That is the simple reading of §4.2
-(a text chunk needs all earlier KV first; the next decision wants a fresh measurement). Overlapping
-the next chunk's transfer with a recompute would shave up to min(transfer, recompute) per text chunk;
-it is left as an exercise. Decoding a KV bitstream (a few ms on a GPU in CacheGen) and the question's
-own prefill are the same for every policy and are left out: "TTFT" here is the time at which the
-whole context's KV is on the GPU.
+the link, then the GPU recomputes the chunk attending to the KV of every earlier chunk). The link and
+the GPU are two resources that work at once (parallel=True, 03's default): the link carries the chunks
+in order, one transfer at a time, and starts the next chunk as soon as the previous one's bits or token
+ids are across; the GPU recomputes the text chunks in order, each as soon as its token ids are in and
+the GPU is free. A text chunk needs only the chunks before it, and the link delivered those first, so
+while the GPU recomputes chunk i the link already fetches chunk i+1 (§4.2: "let the GPU recompute this
+chunk with the KV received so far"), and that fetch measures the link. The serial model
+(parallel=False) runs one chunk at a time: the link idles while the GPU recomputes, as a simpler reading
+of §4.2 would have it; 03 can show both. Decoding a KV bitstream (a few ms on a GPU in CacheGen) and the
+question's own prefill are the same for every policy and are left out: "TTFT" here is the time at which
+the whole context's KV is on the GPU, the later of the link's last transfer and the GPU's last recompute.
 
 Quality of a context = the token-weighted mean of its chunks' accuracies: a question about a record
 is answered with the accuracy of the level its chunk arrived at; a text chunk is exact (recomputed), so
@@ -27,6 +30,7 @@ it counts as lossless (the FP16 accuracy).
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import random
@@ -199,26 +203,52 @@ def make_setup(model, gpu, n_gpus, context_tokens, chunk_tokens, levels, lossles
 
 
 # -------------------------------------------------------------------------------------- one chunk
-def fetch_chunk(setup: Setup, trace: Trace, t0: float, chunk: tuple, opt: Option):
-    """Fetch one chunk starting at t0 -> (finish time, link seconds, GPU seconds)."""
+@dataclass(frozen=True)
+class Fetch:
+    """One chunk on the two resources: its KV bits, or its token ids, occupy the link from `start` to
+    `link_end`; a text chunk then occupies the GPU for gpu_s seconds from `gpu_start` (None for KV).
+    `ready`: when the chunk's KV is on the GPU."""
+    start: float
+    link_end: float
+    gpu_start: float | None
+    gpu_s: float
+    ready: float
+
+
+def fetch_chunk(setup: Setup, trace: Trace, t0: float, chunk: tuple, opt: Option, gpu_free: float = 0.0) -> Fetch:
+    """Fetch one chunk whose transfer starts on the link at t0. A text chunk is recomputed once its token
+    ids are in and the GPU is free (gpu_free); the KV of every earlier chunk is in by then, since the link
+    carries the chunks in order and the GPU recomputes them in order."""
     first, n = chunk
-    t_link = trace.transfer_end(t0, opt.bits_per_token * n)
-    gpu_s = setup.recompute_s(first, n) if opt.recompute else 0.0
-    return t_link + gpu_s, t_link - t0, gpu_s
+    link_end = trace.transfer_end(t0, opt.bits_per_token * n)
+    if not opt.recompute:
+        return Fetch(t0, link_end, None, 0.0, link_end)
+    gpu_start, gpu_s = max(link_end, gpu_free), setup.recompute_s(first, n)
+    return Fetch(t0, link_end, gpu_start, gpu_s, gpu_start + gpu_s)
 
 
-def predict_s(setup: Setup, chunk: tuple, opt: Option, est_gbps: float) -> float:
-    """Predicted seconds for a chunk if the link keeps est_gbps (the recompute time is known exactly)."""
+def advance(f: Fetch, gpu_free: float, parallel: bool) -> tuple[float, float]:
+    """(link free, GPU free) after fetch f. Parallel: the next chunk's transfer starts as soon as this
+    chunk's bits or token ids are across, while the GPU may still recompute. Serial: it waits until
+    this chunk is ready, so the link idles during a recompute."""
+    if not parallel:
+        return f.ready, f.ready
+    return f.link_end, (gpu_free if f.gpu_start is None else f.ready)
+
+
+def predict_s(setup: Setup, chunk: tuple, opt: Option, est_gbps: float, gpu_wait_s: float = 0.0) -> float:
+    """Predicted seconds for a chunk if the link keeps est_gbps (the recompute time is known exactly); a
+    text chunk's recompute starts after its token ids and after gpu_wait_s (the GPU's earlier work)."""
     first, n = chunk
     link = opt.bits_per_token * n / (est_gbps * GBIT) if est_gbps > 0 else math.inf
-    return link + (setup.recompute_s(first, n) if opt.recompute else 0.0)
+    return max(link, gpu_wait_s) + setup.recompute_s(first, n) if opt.recompute else link
 
 
 @dataclass
 class Result:
     policy: str
-    # per chunk: dict(start, est_gbps, budget_s, choice, predicted, finish, measured_gbps, gpu_s; adaptive's also
-    # gave_up, probe, risked)
+    # per chunk: _row(...): start, link_end, gpu_start, finish, gpu_s, choice, measured_gbps, and the policy's
+    # est_gbps, budget_s, predicted; adaptive's also gave_up, probe, risked
     rows: list = field(default_factory=list)
     ttft_s: float = 0.0
     quality: float = 0.0                      # token-weighted accuracy
@@ -230,40 +260,51 @@ class Result:
         return [r["choice"] for r in self.rows]
 
 
+def _row(f: Fetch, name: str, measured, **policy) -> dict:
+    """A chunk's row: start (its transfer starts on the link), link_end, gpu_start (text), finish (ready),
+    gpu_s, choice, measured_gbps; a policy adds est_gbps, budget_s, predicted (a finish time), ..."""
+    return dict(start=f.start, **policy, choice=name, finish=f.ready, gpu_s=f.gpu_s, measured_gbps=measured,
+                link_end=f.link_end, gpu_start=f.gpu_start)
+
+
 def _finish(res: Result, setup: Setup) -> Result:
     n_tok = [n for _, n in setup.plan]
-    res.ttft_s = res.rows[-1]["finish"] if res.rows else 0.0
+    res.ttft_s = max((r["finish"] for r in res.rows), default=0.0)
     res.quality = sum(setup.option(r["choice"]).accuracy * n for r, n in zip(res.rows, n_tok)) / sum(n_tok)
     res.text_tokens = sum(n for r, n in zip(res.rows, n_tok) if setup.option(r["choice"]).recompute)
     res.gpu_s = sum(r["gpu_s"] for r in res.rows)
     return res
 
 
-def replay(setup: Setup, trace: Trace, choices: list[str], policy="fixed") -> Result:
-    """Fetch the chunks with the given configurations, one after another."""
-    res, t = Result(policy), 0.0
+def replay(setup: Setup, trace: Trace, choices: list[str], policy="fixed", *, parallel: bool) -> Result:
+    """Fetch the chunks in order with the given configurations (see advance() for when each starts)."""
+    res, link, gpu = Result(policy), 0.0, 0.0
     for chunk, name in zip(setup.plan, choices):
-        fin, link_s, gpu_s = fetch_chunk(setup, trace, t, chunk, setup.option(name))
-        res.rows.append(dict(start=t, est_gbps=None, budget_s=None, choice=name, predicted=None,
-                             finish=fin, gpu_s=gpu_s, measured_gbps=_measured(setup, chunk, name, link_s)))
-        t = fin
+        f = fetch_chunk(setup, trace, link, chunk, setup.option(name), gpu)
+        res.rows.append(_row(f, name, _measured(setup, chunk, name, f), est_gbps=None, budget_s=None, predicted=None))
+        link, gpu = advance(f, gpu, parallel)
     return _finish(res, setup)
 
 
-def _measured(setup, chunk, name, link_s):
+def _measured(setup, chunk, name, f: Fetch):
     """Throughput of a KV chunk's transfer; None for text (a few KB of token ids measure nothing)."""
     opt = setup.option(name)
-    return None if opt.recompute else opt.bits_per_token * chunk[1] / link_s / GBIT
+    return None if opt.recompute else opt.bits_per_token * chunk[1] / (f.link_end - f.start) / GBIT
+
+
+def _rate(trace: Trace, a: float, b: float) -> float:
+    """The link's mean throughput over [a, b], in Gb/s (what probe bytes sent then would measure)."""
+    return (trace.bits_by(b) - trace.bits_by(a)) / (b - a) / GBIT
 
 
 # ----------------------------------------------------------------------------------- the policy
-def choose(setup: Setup, chunk: tuple, est_gbps: float, budget_s: float, allowed=None):
+def choose(setup: Setup, chunk: tuple, est_gbps: float, budget_s: float, allowed=None, gpu_wait_s: float = 0.0):
     """CacheGen's rule for one chunk: the least lossy configuration predicted to finish within its
     budget; levels finest first, then text (recompute costs the GPU time the cache exists to save, so
     it is the fallback, as in §4.2). If nothing fits, the fastest predicted option (on a collapsing link
-    that is text). `allowed` (option names; text always) narrows the candidates. Returns (option name,
-    predicted seconds)."""
-    preds = [(o.name, predict_s(setup, chunk, o, est_gbps)) for o in setup.options
+    that is text). `allowed` (option names; text always) narrows the candidates; text waits gpu_wait_s
+    for the GPU. Returns (option name, predicted seconds)."""
+    preds = [(o.name, predict_s(setup, chunk, o, est_gbps, gpu_wait_s)) for o in setup.options
              if allowed is None or o.recompute or o.name in allowed]
     for name, p in preds:
         if p <= budget_s:
@@ -271,24 +312,31 @@ def choose(setup: Setup, chunk: tuple, est_gbps: float, budget_s: float, allowed
     return min(preds, key=lambda x: x[1])
 
 
+PROBE_WINDOW_S = 0.01   # probe bytes are timed over windows this long: a change of rate is seen this late
+
+
 def adaptive(setup: Setup, trace: Trace, slo_s: float, first_est_gbps: float | None = None,
-             probe: bool = True, give_up: bool = True) -> Result:
-    """Chunk by chunk: the throughput measured on the previous chunk is assumed to hold; each chunk gets
-    its token share of the time left before the SLO, budget = (SLO - now) * n_chunk / n_left, i.e. "if
-    every remaining chunk took this long, the context would arrive on time", and choose() picks its
-    configuration. The first chunk uses first_est_gbps (default: a probe of the link at t = 0).
+             probe: bool = True, give_up: bool = True, *, parallel: bool) -> Result:
+    """Chunk by chunk, as soon as the link is free: the throughput measured on the previous KV chunk is
+    assumed to hold; each chunk gets its token share of the time left before the SLO, budget = (SLO -
+    now) * n_chunk / n_left, i.e. "if every remaining chunk took this long, the context would arrive on
+    time", and choose() picks its configuration (a text chunk's prediction includes waiting for the GPU).
+    The first chunk uses first_est_gbps (default: a probe of the link at t = 0).
 
     Two rules keep the policy measuring, so that it never gets stuck:
-    - probe (keep measuring during text): token ids are too few bytes to measure a link, but while the
-      GPU recomputes a text chunk the link is idle anyway; the policy fills it with probe bytes and
-      takes the throughput they got as its estimate. A link that recovers during the recompute is
-      therefore seen at the next chunk, which goes back to KV. (Without it the estimate would stay at
-      the rate measured before the text began, and the policy could recompute to the end.)
+    - probe (keep measuring during text): token ids are too few bytes to measure a link. In the parallel
+      model the chunk after a text chunk is fetched while the GPU recomputes, and a KV transfer measures
+      the link; but when text is chosen again while the GPU is still busy, nothing would be learned
+      before that text is queued, so the policy sends probe bytes on the idle link until the GPU is free
+      and decides the chunk again with their throughput (row["probe"]). In the serial model the link is
+      idle during every recompute; the probe bytes then fill it and their throughput is the text row's
+      measurement. Either way a link that recovers is seen and the policy goes back to KV.
     - give_up (never stuck in a KV transfer): while recomputing everything left (all-text) would still
       meet the SLO, a KV chunk is started with a deadline, the last moment from which all-text still
-      meets it (token ids counted at TEXT_FLOOR_GBPS). If the link collapses mid-transfer and the chunk
-      is not in by then, the policy stops waiting, measures the link from the bits that did arrive,
-      and recomputes the chunk instead (the recompute of a chunk costs the same whoever does it).
+      meets it (token ids counted at TEXT_FLOOR_GBPS; the GPU must be free by then too). If the link
+      collapses mid-transfer and the chunk is not in by then, the policy stops waiting, measures the link
+      from the bits that did arrive, and recomputes the chunk instead (the recompute of a chunk costs the
+      same whoever does it).
       One exception: a chunk predicted to miss that deadline, but to arrive RISK_FACTOR times faster
       than needed for the chunks after it to still be recomputed in time, is waited for
       (row["risked"]). Without it a policy that once gave up would sit on the deadline, where every
@@ -299,45 +347,50 @@ def adaptive(setup: Setup, trace: Trace, slo_s: float, first_est_gbps: float | N
     Each row records the choice actually fetched; a chunk given up on has choice "text" and
     gave_up = the level it abandoned (those link seconds are lost)."""
     est = trace.rate_at(0.0) if first_est_gbps is None else first_est_gbps
-    res, t = Result("adaptive"), 0.0
+    res, link, gpu = Result("adaptive"), 0.0, 0.0
     left = setup.context_tokens
     text = setup.option("text")
     ids_s = text.bits_per_token / (TEXT_FLOOR_GBPS * GBIT)     # a token id's link time at the floor rate
     rest_text = list(itertools.accumulate(setup.recompute_s(f, n) for f, n in reversed(setup.plan)))[::-1] + [0.0]
     for i, chunk in enumerate(setup.plan):
-        budget = max(0.0, slo_s - t) * chunk[1] / left
         give_up_at = slo_s - rest_text[i] - ids_s * left       # all-text from this chunk on still in time
         kv_due = slo_s - rest_text[i + 1] - ids_s * (left - chunk[1])  # ... from the next chunk on
-        guard = give_up and t <= give_up_at + 1e-9
-        allowed, risky = None, set()
-        if guard:
-            kv = {o.name: predict_s(setup, chunk, o, est) for o in setup.options if not o.recompute}
-            risky = {nm for nm, p in kv.items() if t + p > give_up_at and t + RISK_FACTOR * p <= kv_due}
-            allowed = set(kv) if give_up_at - t > 1e-9 else risky   # no time to try: only what is worth a risk
-        name, pred = choose(setup, chunk, est, budget, allowed)
-        row = dict(start=t, est_gbps=est, budget_s=budget, predicted=t + pred, gave_up=None, probe=False,
+        probed = False
+        while True:
+            t = link
+            budget = max(0.0, slo_s - t) * chunk[1] / left
+            guard = give_up and max(t, gpu) <= give_up_at + 1e-9
+            allowed, risky = None, set()
+            if guard:
+                kv = {o.name: predict_s(setup, chunk, o, est) for o in setup.options if not o.recompute}
+                risky = {nm for nm, p in kv.items() if t + p > give_up_at and t + RISK_FACTOR * p <= kv_due}
+                allowed = set(kv) if give_up_at - t > 1e-9 else risky   # no time to try: only what is worth a risk
+            name, pred = choose(setup, chunk, est, budget, allowed, gpu - t)
+            if not (parallel and probe and setup.option(name).recompute and gpu - t > 1e-9):
+                break
+            change = next((s for s in trace.times if s > t), math.inf)     # probe the link until the GPU is
+            end = min(gpu, change + PROBE_WINDOW_S)                         # free or a change of rate is seen
+            est, link, probed = _rate(trace, max(t, end - PROBE_WINDOW_S), end), end, True
+        row = dict(est_gbps=est, budget_s=budget, predicted=t + pred, gave_up=None, probe=probed,
                    risked=name in risky)
-        measured, t_go = None, t
-        if not setup.option(name).recompute:
-            fin, link_s, gpu_s = fetch_chunk(setup, trace, t, chunk, setup.option(name))
-            measured = _measured(setup, chunk, name, link_s)
-            if guard and name not in risky and fin > give_up_at:   # the link collapsed mid-chunk: stop waiting
-                measured = (trace.bits_by(give_up_at) - trace.bits_by(t)) / (give_up_at - t) / GBIT
-                row["gave_up"], name, t_go = name, "text", give_up_at
-        if setup.option(name).recompute:
-            fin, link_s, gpu_s = fetch_chunk(setup, trace, t_go, chunk, text)
-            if probe:                                   # the link's throughput while the GPU recomputed
-                measured = (trace.bits_by(fin) - trace.bits_by(fin - gpu_s)) / gpu_s / GBIT
-                row["probe"] = True
-        row.update(choice=name, finish=fin, gpu_s=gpu_s, measured_gbps=measured)
-        res.rows.append(row)
+        f = fetch_chunk(setup, trace, t, chunk, setup.option(name), gpu)
+        measured = _measured(setup, chunk, name, f)
+        if measured is not None and guard and name not in risky and f.ready > give_up_at:
+            measured = _rate(trace, t, give_up_at)              # the link collapsed mid-chunk: stop waiting
+            row["gave_up"], name = name, "text"
+            f = fetch_chunk(setup, trace, give_up_at, chunk, text, gpu)
+        if setup.option(name).recompute and probe and not parallel:   # the idle link, while the GPU recomputed
+            measured = (trace.bits_by(f.ready) - trace.bits_by(f.ready - f.gpu_s)) / f.gpu_s / GBIT
+            row["probe"] = True
+        res.rows.append(_row(f, name, measured, **row) | dict(start=t))
         est = measured if measured is not None else est
-        t, left = fin, left - chunk[1]
+        link, gpu = advance(f, gpu, parallel)
+        left -= chunk[1]
     return _finish(res, setup)
 
 
-def fixed(setup: Setup, trace: Trace, name: str) -> Result:
-    return replay(setup, trace, [name] * len(setup.plan), policy=f"always {name}")
+def fixed(setup: Setup, trace: Trace, name: str, *, parallel: bool) -> Result:
+    return replay(setup, trace, [name] * len(setup.plan), policy=f"always {name}", parallel=parallel)
 
 
 # ----------------------------------------------------------------------------------- the oracle
@@ -349,32 +402,117 @@ def outcome_key(res: Result, slo_s: float):
     return (late, res.ttft_s if late else 0.0, res.text_tokens, -round(res.quality, 12), res.ttft_s)
 
 
-def oracle(setup: Setup, trace: Trace, slo_s: float) -> Result:
-    """The best configurations knowing the trace in advance (outcome_key), by dynamic programming over
-    chunks. A partial schedule is kept unless another one is done no later, recomputed no more tokens
-    and lost no more quality (then every continuation of it is at least as good, since a transfer
-    started earlier never ends later). Partial schedules already past the SLO can only end late, so
-    only the earliest of them is kept."""
-    states = [(0.0, 0, 0.0, ())]               # (time, text tokens, -quality mass, choices)
-    for chunk in setup.plan:
+def _undominated(states: list) -> list:
+    """The states (link free, GPU free, text tokens, -quality mass, ...) that no other one dominates, i.e.
+    is no later on both clocks, recomputed no more tokens and lost no more quality. `states` must be
+    sorted (by link time first), so only the other three need checking: per text-token count, a staircase
+    of (GPU time, least -quality mass among states with that GPU time or earlier)."""
+    kept, stairs = [], {}                  # stairs[text tokens] = ([GPU times ascending], [-quality descending])
+    for s in states:
+        _, g, txt, q = s[:4]
+        beaten = False
+        for tx, (gs, qs) in stairs.items():
+            k = bisect.bisect_right(gs, g) - 1
+            if tx <= txt and k >= 0 and qs[k] <= q + 1e-9:
+                beaten = True
+                break
+        if beaten:
+            continue
+        kept.append(s)
+        gs, qs = stairs.setdefault(txt, ([], []))
+        k = bisect.bisect_right(gs, g)
+        end = k
+        while end < len(gs) and qs[end] >= q:   # entries from g on that the new state beats
+            end += 1
+        gs[k:end], qs[k:end] = [g], [q]
+    return kept
+
+
+def _can_finish_by(setup: Setup, trace: Trace, i: int, deadline: float):
+    """A test of whether a partial schedule of chunks 0..i-1, with clocks (link free, GPU free), can still
+    finish by `deadline`. It is a relaxation, so it never rejects one that can: every remaining chunk goes
+    either on the link at the coarsest level or on the GPU as text (token ids free); the link takes the k
+    smallest, the GPU the rest of the cheapest recomputes, for the largest k the link can carry by then."""
+    rest = setup.plan[i:]
+    coarsest = min(o.bits_per_token for o in setup.options if not o.recompute)
+    bits = [0.0, *itertools.accumulate(sorted(coarsest * n for _, n in rest))]
+    gpu = [0.0, *itertools.accumulate(sorted(setup.recompute_s(f, n) for f, n in rest))]
+    by = trace.bits_by(deadline) * (1 + 1e-12) + 1.0          # a bit of slack for float sums
+    deadline += 1e-9
+
+    def test(link: float, gpu_free: float) -> bool:
+        if max(link, gpu_free) > deadline:
+            return False
+        k = bisect.bisect_right(bits, by - trace.bits_by(link)) - 1      # chunks the link can still carry
+        return gpu_free + gpu[len(rest) - k] <= deadline
+    return test
+
+
+def _schedules(setup: Setup, trace: Trace, deadline: float, parallel: bool, to_beat: Result | None = None,
+               clocks_only: bool = False) -> list:
+    """Dynamic programming over chunks: the undominated complete schedules that finish by `deadline`, as
+    states (link free, GPU free, text tokens, -quality mass, choices). A partial schedule is dropped when
+    another one dominates it (_undominated), since then every continuation of it is at least as good (a
+    transfer started earlier never ends later, nor does a recompute that can start earlier); when it can
+    no longer finish by the deadline (_can_finish_by); or, given an on-time schedule `to_beat`, when it
+    has recomputed more tokens than that one, or as many and cannot reach its quality. clocks_only:
+    dominance by the two clocks alone (text tokens and quality counted as 0), for the earliest TTFT."""
+    states = [(0.0, 0.0, 0, 0.0, ())]
+    most_text = to_beat.text_tokens if to_beat else math.inf
+    least_loss = -to_beat.quality * setup.context_tokens if to_beat else math.inf
+    best_kv = max(o.accuracy for o in setup.options if not o.recompute)
+    left = setup.context_tokens
+    for i, chunk in enumerate(setup.plan):
         nxt = []
-        for t, txt, negq, ch in states:
+        left -= chunk[1]
+        for link, gpu, txt, negq, ch in states:
             for o in setup.options:
-                fin, _, _ = fetch_chunk(setup, trace, t, chunk, o)
-                nxt.append((fin, txt + (chunk[1] if o.recompute else 0), negq - o.accuracy * chunk[1], ch + (o.name,)))
-        late = [s for s in nxt if s[0] > slo_s]
-        keep = sorted([s for s in nxt if s[0] <= slo_s]) + ([min(late)] if late else [])
-        states, least = [], {}                 # least[text tokens] = least -quality mass kept with them
-        for s in keep:                         # sorted by time: a state survives unless an earlier one dominates it
-            if not any(txt <= s[1] and q <= s[2] + 1e-9 for txt, q in least.items()):
-                states.append(s)
-                least[s[1]] = min(least.get(s[1], math.inf), s[2])
+                txt2, negq2 = txt + (chunk[1] if o.recompute else 0), negq - o.accuracy * chunk[1]
+                if clocks_only:
+                    txt2, negq2 = 0, 0.0
+                if txt2 > most_text or (txt2 == most_text and negq2 - best_kv * left > least_loss + 1e-9):
+                    continue
+                f = fetch_chunk(setup, trace, link, chunk, o, gpu)
+                nxt.append((*advance(f, gpu, parallel), txt2, negq2, ch + (o.name,)))
+        alive = _can_finish_by(setup, trace, i + 1, deadline)
+        states = _undominated(sorted(s for s in nxt if alive(s[0], s[1])))
+    return states
+
+
+def _greedy(setup: Setup, trace: Trace, parallel: bool) -> list[str]:
+    """A schedule that only balances the two resources: each chunk takes the option after which the
+    later of the two clocks is earliest."""
+    link, gpu, out = 0.0, 0.0, []
+    for chunk in setup.plan:
+        nxt = [(max(c), c, o.name) for o in setup.options
+               for c in [advance(fetch_chunk(setup, trace, link, chunk, o, gpu), gpu, parallel)]]
+        _, (link, gpu), name = min(nxt, key=lambda x: x[0])
+        out.append(name)
+    return out
+
+
+def oracle(setup: Setup, trace: Trace, slo_s: float, *, parallel: bool) -> Result:
+    """The best configurations knowing the trace in advance (outcome_key). A few simple schedules first
+    (every fixed policy, _greedy, the adaptive policy's choices); if none meets the SLO, also the earliest
+    schedule of all (searched by the two clocks alone, a much smaller search). If one of them meets the
+    SLO, the search keeps only what can beat it on time; else the best schedule is among those that
+    arrive as early as the earliest. A schedule's TTFT is the later of its two clocks."""
+    guesses = [[o.name] * len(setup.plan) for o in setup.options]
+    guesses += [_greedy(setup, trace, parallel), adaptive(setup, trace, slo_s, parallel=parallel).choices]
+    by_key = lambda r: outcome_key(r, slo_s)  # noqa: E731
+    simple = min((replay(setup, trace, g, "oracle", parallel=parallel) for g in guesses), key=by_key)
+    if simple.ttft_s > slo_s + 1e-12:
+        fastest = min(_schedules(setup, trace, simple.ttft_s, parallel, clocks_only=True), key=lambda s: max(s[:2]))
+        simple = min(simple, replay(setup, trace, list(fastest[4]), "oracle", parallel=parallel), key=by_key)
+    on_time = simple.ttft_s <= slo_s + 1e-12
+    states = _schedules(setup, trace, slo_s if on_time else simple.ttft_s, parallel, simple if on_time else None)
 
     def key(s):                                # outcome_key from a state's own sums
-        late = s[0] > slo_s + 1e-12
-        return (late, s[0] if late else 0.0, s[1], round(s[2] / setup.context_tokens, 12), s[0])
+        ttft = max(s[:2])
+        late = ttft > slo_s + 1e-12
+        return (late, ttft if late else 0.0, s[2], round(s[3] / setup.context_tokens, 12), ttft)
     best = sorted(states, key=key)[:4]         # replayed, so that float sums in a different order cannot decide
-    return min((replay(setup, trace, list(s[3]), policy="oracle") for s in best), key=lambda r: outcome_key(r, slo_s))
+    return min([replay(setup, trace, list(s[4]), "oracle", parallel=parallel) for s in best] + [simple], key=by_key)
 
 
 # ---------------------------------------------------------------------------- Part 1: one shot
@@ -415,12 +553,14 @@ def trace_suite(n: int, seed: int, states, dwell, jump, horizon) -> list[Trace]:
 SUITE_POLICIES = ("adaptive", "always level0", "always text", "oracle")
 
 
-def run_suite(setup: Setup, traces: list, slo_s: float, policies=SUITE_POLICIES) -> dict:
+def run_suite(setup: Setup, traces: list, slo_s: float, policies=SUITE_POLICIES, *, parallel: bool) -> dict:
     """{policy: [Result per trace]} for the adaptive policy, the fixed ones ("always <option>"), the oracle
-    and "naive adaptive" (the same rule without the probe and the give-up deadline)."""
-    run = {"adaptive": lambda tr: adaptive(setup, tr, slo_s), "oracle": lambda tr: oracle(setup, tr, slo_s),
-           "naive adaptive": lambda tr: adaptive(setup, tr, slo_s, probe=False, give_up=False)}
-    return {p: [run[p](tr) if p in run else fixed(setup, tr, p.removeprefix("always "))
+    and "naive adaptive" (the same rule without the probe and the give-up deadline), all in the parallel
+    or the serial model (advance())."""
+    run = {"adaptive": lambda tr: adaptive(setup, tr, slo_s, parallel=parallel),
+           "oracle": lambda tr: oracle(setup, tr, slo_s, parallel=parallel),
+           "naive adaptive": lambda tr: adaptive(setup, tr, slo_s, probe=False, give_up=False, parallel=parallel)}
+    return {p: [run[p](tr) if p in run else fixed(setup, tr, p.removeprefix("always "), parallel=parallel)
                 for tr in traces] for p in policies}
 
 

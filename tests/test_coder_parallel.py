@@ -1,0 +1,217 @@
+"""The parallel coder of kvcache.py, section 2: many streams coded side by side, each stream's bytes
+exactly those of the serial coder (section 1) on that stream alone; decoding back bit for bit; damaged
+input and tables with empty slices end in an error, never in a loop; and the codec's stream layouts
+(section 3): every layout round-trips, groups still decode alone, the plan's expected cost holds."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import kvcache as kv
+from test_coder import _table_and_symbols, carry_case, within
+
+
+def _streams(seed, n_streams, max_len, n_tables, uniform_symbols):
+    """Random tables (their smallest entries at the coder's minimum), stream lengths from 0 to max_len,
+    and per-symbol tables and symbols."""
+    rng = np.random.default_rng(seed)
+    tables = [_table_and_symbols(seed + j, int(rng.integers(1, 300)), 0, [0.05, 0.3, 3.0][j % 3], False)[0]
+              for j in range(n_tables)]
+    lengths = rng.integers(0, max_len + 1, n_streams)
+    ids = rng.integers(n_tables, size=lengths.sum())
+    sizes = np.array([t.size for t in tables])
+    if uniform_symbols:
+        syms = (rng.random(ids.size) * sizes[ids]).astype(np.int64)
+    else:  # each table's own distribution: the inverse CDF of a uniform code value
+        stack = kv.stack_tables(tables)
+        u = rng.integers(0, kv.AC_TOTAL, ids.size)
+        syms = np.array([np.searchsorted(tables[t].cdf, x, "right") - 1 for t, x in zip(ids.tolist(), u.tolist())],
+                        np.int64).reshape(-1)
+        assert np.all(syms < stack.size[ids])
+    return tables, lengths, ids, syms
+
+
+def _each_stream(lengths, *arrays):
+    ends = np.cumsum(lengths)
+    for e, n in zip(ends.tolist(), lengths.tolist()):
+        yield tuple(a[e - n:e] for a in arrays)
+
+
+def _assert_equals_serial(tables, lengths, ids, syms):
+    data, nbytes = kv.encode_streams(syms, lengths, tables, ids)
+    assert nbytes.sum() == len(data) and len(nbytes) == len(lengths)
+    parts = [data[e - n:e] for e, n in zip(np.cumsum(nbytes).tolist(), nbytes.tolist())]
+    for part, (s, i) in zip(parts, _each_stream(lengths, syms, ids)):
+        assert part == kv.encode(s, tables, i)                      # the serial coder's bytes, exactly
+    back = kv.decode_streams(data, nbytes, lengths, tables, ids)
+    assert back.dtype == np.int64 and np.array_equal(back, syms)
+    return data, nbytes
+
+
+# ------------------------------------------------------------------------------ equal to serial
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2 ** 32 - 1), n_streams=st.integers(1, 60), max_len=st.sampled_from([0, 3, 40, 700]),
+       n_tables=st.integers(1, 12), uniform_symbols=st.booleans())
+def test_each_stream_is_the_serial_coders_bytes(seed, n_streams, max_len, n_tables, uniform_symbols):
+    _assert_equals_serial(*_streams(seed, n_streams, max_len, n_tables, uniform_symbols))
+
+
+def test_thousands_of_short_streams_in_blocks():
+    """More streams than one block of lanes (kv.PARALLEL_BLOCK), of different lengths."""
+    tables, lengths, ids, syms = _streams(5, 2 * kv.PARALLEL_BLOCK + 17, 6, 30, False)
+    _assert_equals_serial(tables, lengths, ids, syms)
+
+
+@pytest.mark.parametrize("case", ["top", "bottom", "alternate"])
+def test_long_carry_runs_side_by_side(case):
+    """Runs of 0xFF bytes that a late carry must flip, and streams of all-zero bytes (stripped), in
+    streams of different lengths coded together."""
+    n = 30_000
+    table, syms = carry_case(case, n)
+    lengths = np.array([n // 2, 1, 0, n // 4, n - n // 2 - n // 4 - 1])
+    _assert_equals_serial([table], lengths, np.zeros(n, np.int64), syms)
+
+
+def test_empty_and_single_symbol_streams():
+    one, two = kv.make_table([5]), kv.make_table([1, 3])
+    data, nbytes = kv.encode_streams(np.zeros(7, np.int64), [3, 0, 4], [one, two], np.zeros(7, np.int64))
+    assert data == b"" and nbytes.tolist() == [0, 0, 0]
+    assert np.array_equal(kv.decode_streams(b"", [0, 0, 0], [3, 0, 4], [one, two], np.zeros(7, np.int64)), np.zeros(7))
+    data, nbytes = kv.encode_streams(np.zeros(0, np.int64), np.zeros(0, np.int64), one)
+    assert data == b"" and nbytes.size == 0
+
+
+def test_inputs_are_checked():
+    t = kv.make_table([1, 1, 1])
+    with pytest.raises(ValueError):
+        kv.encode_streams([0, 3], [2], t)                           # outside the alphabet
+    with pytest.raises(ValueError):
+        kv.encode_streams([0, 1], [3], t)                           # lengths do not add up
+    with pytest.raises(ValueError):
+        kv.decode_streams(b"\x01", [2], [1], t)                     # byte counts do not add up
+    with pytest.raises(ValueError):
+        kv.decode_streams(b"", [0], [1], kv.make_table(np.ones(kv._LOOKUP_MAX_SIZE + 1)))
+
+
+# ---------------------------------------------------------------------------- damaged input, empty slices
+def test_damaged_streams_decode_as_the_serial_coder_does():
+    """Flipped bits, truncations, random bytes: the parallel decoder raises CorruptStream exactly
+    when the serial decoder does on one of the streams, and otherwise returns what it returns."""
+    rng = np.random.default_rng(3)
+    tables, lengths, ids, syms = _streams(11, 8, 300, 5, False)
+    data, nbytes = kv.encode_streams(syms, lengths, tables, ids)
+    parts = [data[e - n:e] for e, n in zip(np.cumsum(nbytes).tolist(), nbytes.tolist())]
+    for trial in range(60):
+        bad = list(parts)
+        j = int(rng.integers(len(bad)))
+        if trial % 3 == 0 and bad[j]:
+            b = bytearray(bad[j])
+            b[rng.integers(len(b))] ^= 1 << int(rng.integers(8))
+            bad[j] = bytes(b)
+        elif trial % 3 == 1:
+            bad[j] = bad[j][:int(rng.integers(len(bad[j]) + 1))]
+        else:
+            bad[j] = bytes(rng.integers(0, 256, int(rng.integers(1, 80)), dtype=np.uint8))
+        serial = []
+        for part, (n, i) in zip(bad, _each_stream(lengths, np.arange(syms.size), ids)):
+            try:
+                serial.append(kv.decode(part, tables, len(n), i))
+            except kv.CorruptStream:
+                serial = None
+                break
+        with within(10):
+            try:
+                parallel = kv.decode_streams(b"".join(bad), [len(p) for p in bad], lengths, tables, ids)
+            except kv.CorruptStream:
+                parallel = None
+        assert (parallel is None) == (serial is None)
+        if serial is not None:
+            assert np.array_equal(parallel, np.concatenate(serial))
+
+
+def test_zero_width_slice_is_refused_by_both_coders_without_looping():
+    """A table may hold a slice of zero width (make_table never makes one): coding its symbol is a
+    ValueError, and a code value that falls on it (here: past the end of a table whose last slice is
+    empty and whose total falls short) is CorruptStream, in both coders and without hanging."""
+    empty_first = kv.FreqTable((0, 0, kv.AC_TOTAL))
+    short = kv.FreqTable((0, 40000, 40000))
+    with within(10):
+        with pytest.raises(ValueError, match="zero width"):
+            kv.encode(np.array([0]), empty_first)
+        with pytest.raises(ValueError, match="zero width"):
+            kv.encode_streams(np.array([1, 0]), [1, 1], empty_first)
+        with pytest.raises(ValueError, match="zero width"):
+            kv.encode(np.array([0, 1]), short)
+        with pytest.raises(ValueError, match="zero width"):
+            kv.encode_streams(np.array([0, 1]), [2], short)
+        for data in (b"\xff" * 8, b"\xa0" * 8):                  # a code value at 40000 or above
+            with pytest.raises(kv.CorruptStream):
+                kv.decode(data, short, 5)
+            with pytest.raises(kv.CorruptStream):
+                kv.decode_streams(data + b"\x00", [len(data), 1], [5, 2], short)
+        # the empty slice itself is never decoded: every code value lies in the other one
+        assert np.array_equal(kv.decode(b"\x12\x34", empty_first, 50), np.ones(50))
+        assert np.array_equal(kv.decode_streams(b"\x12\x34", [2], [50], empty_first), np.ones(50))
+
+
+# ---------------------------------------------------------------------------- the codec's stream layouts
+L, C = 4, 32
+
+
+def _kv(seed, n, T):
+    rng = np.random.default_rng(seed)
+    walk = np.cumsum(0.3 * rng.standard_normal((n, T, L, 2, C)), 1)
+    return (walk + rng.standard_normal((n, 1, L, 2, C))).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def specs():
+    Xc = _kv(0, 40, 30)
+    steps = np.sqrt((Xc ** 2).mean(axis=(0, 1, 4))) / 8
+    return {d: kv.fit_codec(Xc, steps, d) for d in (True, False)}
+
+
+@pytest.mark.parametrize("layout", kv.STREAM_LAYOUTS)
+@pytest.mark.parametrize("delta", [True, False])
+def test_every_layout_roundtrips_and_groups_decode_alone(specs, layout, delta):
+    spec = specs[delta]
+    X = _kv(7, 3, 37)                                               # groups of 10, 10, 10, 7 tokens
+    streams = kv.codec_encode_many(X, spec, layout)
+    assert streams[1] == kv.codec_encode(X[1], spec, layout)       # a context alone: the same bytes
+    assert kv.codec_header(streams[0])["layout"] == layout
+    q = kv.codec_decode_many(streams, spec)
+    assert all(np.array_equal(a, b) for a, b in zip(q, kv.quantize(X, spec)))
+    for g in (3, 1):
+        rows = slice(10 * g, 10 * g + 10)
+        alone = kv.codec_decode(streams[2], spec, groups=[g])
+        assert np.array_equal(alone[rows], q[2][rows]) and not alone[:10].any()
+
+
+def test_one_stream_per_group_is_the_serial_coder_in_token_order(specs):
+    spec = specs[True]
+    X = _kv(8, 1, 23)[0]
+    data = kv.codec_encode(X, spec, "group")
+    h = kv.codec_header(data)
+    syms, ids = kv._symbols(kv.quantize(X, spec), spec)
+    at = h["payload_start"]
+    for g, n in enumerate(h["group_bytes"]):
+        rows = slice(10 * g, 10 * g + 10)
+        assert data[at:at + n] == kv.encode(syms[rows].ravel(), spec.tables, ids[rows].ravel())
+        at += n
+
+
+def test_stream_plan_keeps_its_budget_and_its_estimate(specs):
+    """The plan's expected added bytes (each extra stream: its end and its length) match the bytes
+    really added within a fifth, the chosen layout stays within STREAM_BUDGET, and a context too short
+    to give the parallel coder PARALLEL_MIN_STREAMS streams keeps one stream per group."""
+    spec = specs[False]
+    X = _kv(9, 20, 30)
+    base = sum(map(len, kv.codec_encode_many(X, spec, "group")))
+    n_groups = 20 * 3
+    for plan in kv.stream_plans(spec):
+        added = sum(map(len, kv.codec_encode_many(X, spec, plan.layout))) - base
+        assert added / n_groups == pytest.approx(plan.added_bytes, rel=0.2, abs=0.5)
+    chosen = kv.stream_plan(spec, 10_000)
+    assert chosen.streams == 1 or chosen.added_share <= kv.STREAM_BUDGET
+    assert all(p.added_share > kv.STREAM_BUDGET for p in kv.stream_plans(spec) if p.streams > chosen.streams)
+    assert kv.stream_plan(spec, 30).layout == "group"               # 3 groups: too few streams
+    assert kv.coder_for(kv.PARALLEL_MIN_STREAMS) == "parallel" and kv.coder_for(kv.PARALLEL_MIN_STREAMS - 1) == "serial"
