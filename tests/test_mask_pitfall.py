@@ -47,7 +47,7 @@ def test_position_mask_is_the_reference_and_the_bottom_right_mask_is_not(model64
 @torch.no_grad()
 def test_the_masks_agree_when_the_picks_are_the_last_tokens(model64):
     class Last(bw.Filter):
-        def keep(self, score, n):
+        def keep(self, score, n, tokens, layer):
             return torch.arange(score.shape[1] - n, score.shape[1]).expand(score.shape[0], n)
 
     # at layer 0 the picks are indices into the document: the last n tokens; later layers keep their last n
