@@ -504,6 +504,15 @@ def _own(what, file: str) -> tuple[str, set, list]:
     return _OWN[what, file]
 
 
+def _where(v) -> str:
+    """The name of the file that defines a function or class: the same whether its script runs as
+    __main__ (python 02_cachegen_codec.py) or is imported (the tests)."""
+    try:
+        return Path(inspect.getfile(v)).stem
+    except TypeError:
+        return getattr(v, "__module__", "")
+
+
 def _canon(v, visit, depth: int = 0, active: frozenset = frozenset()) -> str:
     """A constant's value as text that changes when the value does (functions in it are visited)."""
     if depth > 12 or id(v) in active:
@@ -526,7 +535,7 @@ def _canon(v, visit, depth: int = 0, active: frozenset = frozenset()) -> str:
         return f"array{v.shape}{v.dtype}:" + hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest()
     if _is_code(v):
         visit(v)
-        return f"{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', repr(v))}"
+        return f"{_where(v)}.{getattr(v, '__qualname__', repr(v))}"
     if inspect.ismodule(v):
         return f"module {v.__name__}"
     if dataclasses.is_dataclass(v):
