@@ -28,7 +28,8 @@ h3 { font-size: 16px; margin: 22px 0 6px; } h3.exercise { color: #7a3e00; }
 .facts { font-size: 13px; color: #333; } .facts td { padding: 1px 10px 1px 0; vertical-align: top; }
 .whatif { background: #fff3cd; border: 1px solid #e0c36a; padding: 6px 10px; margin: 8px 0; font-size: 14px; }
 .pair { display: flex; flex-wrap: wrap; gap: 18px; align-items: flex-start; margin: 10px 0 16px; }
-.tbls { flex: 1 1 600px; min-width: 0; max-width: 100%; } .tbl { overflow-x: auto; margin-bottom: 12px; }
+/* a table keeps its natural width: a figure that does not fit beside it goes below, never squeezes it */
+.tbls { flex: 0 1 auto; min-width: 0; max-width: 100%; } .tbl { overflow-x: auto; margin-bottom: 12px; }
 .figs { flex: 0 1 540px; max-width: 100%; } .figs img { width: 100%; height: auto; border: 1px solid #ddd; }
 table.data { border-collapse: collapse; font-size: 13px; font-variant-numeric: tabular-nums; }
 p.ttl { font-weight: 600; font-size: 13px; margin: 0 0 4px; white-space: pre-wrap; }
