@@ -39,12 +39,20 @@ class Parser(argparse.ArgumentParser):
         fail(message, prog=self.prog)
 
 
-def settings_from(cls, ns: argparse.Namespace, **more):
-    """The frozen settings dataclass `cls` with each field taken from the parsed command line (a field
-    the command line has no flag for keeps its default, the script's constant), or from `more`."""
+def constants_of(cls, namespace: dict) -> dict:
+    """The script constants behind cls's fields (field chunk_len <- CHUNK_LEN), read from the script's
+    globals() at call time, so a student's edit is what the run uses; lists become tuples (frozen)."""
+    out = {f.name: namespace[f.name.upper()] for f in dataclasses.fields(cls) if f.name.upper() in namespace}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
+
+
+def settings_from(cls, ns: argparse.Namespace, constants: dict | None = None, **more):
+    """The frozen settings dataclass `cls`: each field from the parsed command line, else from the script's
+    constant of that name (`constants`: the script's globals(); see constants_of), else its default;
+    `more` overrides all."""
     names = {f.name for f in dataclasses.fields(cls)}
     values = {k: v for k, v in vars(ns).items() if k in names}
-    return cls(**{**values, **more})
+    return cls(**{**(constants_of(cls, constants) if constants else {}), **values, **more})
 
 
 def fail(message: str, prog: str | None = None) -> None:

@@ -16,14 +16,15 @@ Every figure is computed here; the "handout" column is the reference the handout
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ledger  # noqa: E402
 from common import timemodel as tm  # noqa: E402
-from common.cli import Parser, fraction, nonneg_float, positive_float, positive_int, settings_from  # noqa: E402
+from common.cli import (Parser, constants_of, fraction, nonneg_float, positive_float, positive_int,  # noqa: E402
+                        settings_from)
 from common.present import DASH, Handout, Page, Ref, Row, Table, Val, cols  # noqa: E402
 
 K = 1024
@@ -179,7 +180,7 @@ def is_storing_worth_it(s: Settings) -> Worth:
     slides = ledger.slides_economics(s.gpu_hour_usd, s.gpus_per_node, s.storage_tb_per_node,
                                      s.storage_usd_per_tb_hour, s.hit_saves, s.hit_rate, s.nodes, s.years)
     ours = [ledger.context_economics(s.model, s.gpu, s.n_gpus, n, s.gpu_hour_usd, s.storage_usd_per_tb_hour,
-                                     s.bytes_per_value) for n in sorted(set(s.econ_contexts + [s.store_context]))]
+                                     s.bytes_per_value) for n in sorted({*s.econ_contexts, s.store_context})]
     return Worth(slides, ours)
 
 
@@ -354,9 +355,7 @@ def parse(argv) -> tuple:
     a = p.parse_args(argv)
     if a.hit_saves == 0:
         p.error("argument --hit-saves: must be above 0")
-    defaults = Settings(**{f.name: globals()[f.name.upper()] for f in fields(Settings)})
-    return settings_from(Settings, a, **{f.name: getattr(defaults, f.name) for f in fields(Settings)
-                                         if f.name not in vars(a)}), defaults, a
+    return settings_from(Settings, a, globals()), Settings(**constants_of(Settings, globals())), a
 
 
 def main(argv=None) -> Page:

@@ -170,10 +170,7 @@ def parse(argv=None) -> tuple[Settings, argparse.Namespace]:
         p.error(f"argument --chunk-tokens: at most the context, {CONTEXT}")
     if a.long_context > MAX_CONTEXT:
         p.error(f"argument --long-context: at most {MAX_CONTEXT} (LLaMA-3.1's context window)")
-    g = globals()   # each constant without a flag, read now (an edited constant is what the run uses)
-    consts = {f.name: g[f.name.upper()] for f in dataclasses.fields(Settings) if f.name.upper() in g}
-    consts = {k: tuple(v) if isinstance(v, list) else v for k, v in consts.items() if k not in vars(a)}
-    return settings_from(Settings, a, **consts | {"trace": load_trace(a.trace_file)}), a
+    return settings_from(Settings, a, globals(), trace=load_trace(a.trace_file)), a
 
 
 def load_trace(path: str | None) -> tuple:

@@ -22,14 +22,14 @@ Runs in a few seconds; figures/05_handoff.png (Part 1), figures/05_ttft_cdf.png 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
 import numpy as np
 
-from common.cli import Parser, fraction, nonneg_float, positive_float, positive_int, settings_from
+from common.cli import Parser, constants_of, fraction, nonneg_float, positive_float, positive_int, settings_from
 from common.present import Handout, Page, Ref, Row, Table, Val, change, cols
 from common.timemodel import get_model, kv_bytes_per_token, prefill_time
 from rag_caches import CACHES, rag_trace, serve_rag
@@ -675,9 +675,8 @@ def parse(argv) -> tuple:
         p.error(f"--rag-ks: a request cannot retrieve {max(a.rag_ks)} different documents from {a.rag_docs}")
     if a.user_tokens + a.answer_tokens > 128 * 1024 // a.turns:
         p.error(f"{a.turns} turns of {a.user_tokens + a.answer_tokens} tokens exceed a 128K context")
-    defaults = Settings(**{f.name: globals()[f.name.upper()] for f in fields(Settings)})
-    rest = {f.name: getattr(defaults, f.name) for f in fields(Settings) if f.name not in vars(a)}
-    return settings_from(Settings, a, rag_ks=tuple(sorted(set(a.rag_ks))), **rest), defaults, a
+    return (settings_from(Settings, a, globals(), rag_ks=tuple(sorted(set(a.rag_ks)))),
+            Settings(**constants_of(Settings, globals())), a)
 
 
 def main(argv=None) -> Page:
