@@ -173,3 +173,33 @@ def test_cached_result_recomputes_a_corrupted_or_foreign_file(ckdir, capsys, dam
     assert "unusable" in capsys.readouterr().out
     again, calls3 = counting_compute(5)
     assert checkpoints.cached_result("study", {"n": 1}, again)["value"] == 4 and calls3 == []  # rewritten
+
+
+TWO_RUNS = """
+import sys, time
+sys.path.insert(0, {code!r})
+from common.checkpoints import cached
+
+def compute():
+    with open({log!r}, "a") as f:
+        f.write("computed\\n")
+    time.sleep(1.5)
+    return {{"x": 1}}
+
+print("result", cached("shared", {{"n": 1}}, compute)["x"])
+"""
+
+
+def test_two_runs_at_once_compute_a_result_once(ckdir, tmp_path):
+    """run_all runs two scripts side by side: of two processes that need one result at once, one computes it
+    and the other waits for it, says so, and loads it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    log = tmp_path / "computed.txt"
+    src = TWO_RUNS.format(code=str(Path(checkpoints.__file__).parents[1]), log=str(log))
+    procs = [subprocess.Popen([sys.executable, "-c", src], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert all(p.returncode == 0 and "result 1" in o for p, o in zip(procs, outs)), outs
+    assert log.read_text().count("computed") == 1
+    assert sum("waiting for it" in o for o in outs) == 1, outs

