@@ -207,9 +207,18 @@ def test_match_bytes_hits_its_target(calib, target_frac):
     rms = np.sqrt((calib ** 2).mean(axis=(0, 1, 4)))
     make = lambda base: kv.fit_codec(calib, rms * base, True)
     target = target_frac * kv.codec_bits(make(0.1), calib)
-    base = kv.match_bytes(make, calib, target)
+    base = kv.match_bytes(lambda b: kv.fitted_bits(calib, rms * b, True), target)
     assert kv.codec_bits(make(base), calib) == pytest.approx(target, rel=0.01)
     assert (base > 0.1) == (target_frac < 1)   # fewer bits: coarser steps
+
+
+@pytest.mark.parametrize("delta", [True, False])
+@pytest.mark.parametrize("base", [0.02, 0.3, 3.0])
+def test_fitted_bits_is_the_bits_of_the_fitted_codec(calib, delta, base):
+    """fitted_bits, read from the fit's counts, equals codec_bits of the codec fit_codec makes on the same KV."""
+    rms = np.sqrt((calib ** 2).mean(axis=(0, 1, 4)))
+    want = kv.codec_bits(kv.fit_codec(calib, rms * base, delta), calib)
+    assert kv.fitted_bits(calib, rms * base, delta) == pytest.approx(want, rel=1e-12)
 
 
 def test_codec_study_runs_on_an_untrained_model(monkeypatch):

@@ -104,6 +104,16 @@ def test_rope_shift_equals_recompute_at_new_position():
 
 
 @torch.no_grad()
+def test_rope_tables_kept_per_positions_equal_the_formula():
+    """rope keeps the cos/sin tables of recent positions: each call still rotates by its own positions."""
+    x = torch.randn(2, 3, 5, 8)
+    for pos in (torch.arange(5), torch.arange(5) + 7, torch.arange(5), torch.tensor([0.5, 1, 2, 3, 9])):
+        ang = pos.double()[:, None] * 10000.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+        cos, sin = (torch.cat([f(ang), f(ang)], -1).float() for f in (torch.cos, torch.sin))
+        want = x * cos + torch.cat([-x[..., 4:], x[..., :4]], -1) * sin
+        assert torch.equal(rope(x, pos, 10000.0), want)
+
+
 def test_block_diagonal_mask_changes_later_chunks_only():
     """The mask really cuts cross-chunk attention: the first chunk is identical, later ones differ."""
     m = make_model(4)

@@ -57,13 +57,27 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     Angles are formed in float64 so that rotating by p then by d equals rotating by p + d to ~1e-7.
     """
     hd = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)  # (hd/2,)
-    ang = pos.to(torch.float64)[..., None] * inv_freq  # (..., T, hd/2)
-    cos = torch.cat([ang.cos(), ang.cos()], dim=-1).to(x.dtype)
-    sin = torch.cat([ang.sin(), ang.sin()], dim=-1).to(x.dtype)
+    cos, sin = _rope_tables(pos, hd, theta, x.dtype)
     x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
     rotated_half = torch.cat([-x2, x1], dim=-1)
     return x * cos + rotated_half * sin
+
+
+def _rope_tables(pos: torch.Tensor, hd: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of rope's angles (..., T, hd) for these positions. Every layer rotates q and k to the
+    same positions, so the last few tables are kept (in _rope_tables.kept), keyed by the positions' values."""
+    kept, key = _rope_tables.kept, (pos.dtype, tuple(pos.shape), pos.numpy().tobytes(), hd, theta, dtype)
+    if key not in kept:
+        inv_freq = theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)  # (hd/2,)
+        ang = pos.to(torch.float64)[..., None] * inv_freq  # (..., T, hd/2)
+        if len(kept) >= 8:
+            kept.pop(next(iter(kept)))
+        kept[key] = (torch.cat([ang.cos(), ang.cos()], dim=-1).to(dtype),
+                     torch.cat([ang.sin(), ang.sin()], dim=-1).to(dtype))
+    return kept[key]
+
+
+_rope_tables.kept = {}  # a function attribute: the cache's code key reads the function, not the tables
 
 
 def shift_kv(k: torch.Tensor, delta, theta: float) -> torch.Tensor:

@@ -782,7 +782,7 @@ def measure_real(path, refit: bool, s: Settings) -> dict:
     rms = kv.kv_rms(Xc)
     delta = study["delta"]
     target = study["calib_bits"]["delta" if delta else "raw"]   # the measured codec's bits on calibration KV
-    base = kv.match_bytes(lambda b: kv.fit_codec(Xc, kv.recipe_steps(rms, b), True), Xc, target)
+    base = kv.match_bytes(lambda b: kv.fitted_bits(Xc, kv.recipe_steps(rms, b), True), target)
     rows = {c.name: (c.bytes_per_token, c.quality)
             for c in baseline_rows(Xc, Xe, prose.quality, s.real_baseline_bits, s.zlib_level)}
     recipe = cr.measure(prose, kv.fit_codec(Xc, kv.recipe_steps(rms, base), True))

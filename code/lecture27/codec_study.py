@@ -166,7 +166,7 @@ def codec_study(model, calib, evalset, progress: bool = True) -> dict:
               for i, spec in enumerate(tqdm(specs_fit, desc="codec: levels", disable=not progress, leave=False))]
     variants = {"delta" if delta else "raw": levels[0], "raw" if delta else "delta": measure(other)}
     # the recipe as published, at the size of level 0: deltas, 3 layer groups, finer steps in shallow layers
-    base = kv.match_bytes(lambda b: kv.fit_codec(Xc, kv.recipe_steps(rms, b), True), Xc, bits[delta])
+    base = kv.match_bytes(lambda b: kv.fitted_bits(Xc, kv.recipe_steps(rms, b), True), bits[delta])
     recipe = kv.fit_codec(Xc, kv.recipe_steps(rms, base), True)
     recipe_out = {**measure(recipe), "steps_over_rms": (recipe.steps / rms).tolist(), "spec": kv.spec_to_dict(recipe)}
     return {"acc_fp16_calib": fp16_c["acc"], "acc_fp16": fp16_e["acc"], "nll_fp16": fp16_e["nll"],

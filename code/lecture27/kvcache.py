@@ -774,11 +774,9 @@ def _table_sizes(spec: CodecSpec) -> np.ndarray:
     return np.concatenate([sizes, np.full(L * 2 * C, 2 * ANCHOR_MAX + 1)]) if spec.delta else sizes
 
 
-def fit_codec(calib, steps, delta: bool, level: int = 0, group: int | None = None) -> CodecSpec:
-    """Fit a codec on calibration KV (N, T, L, 2, C): the anchors' per-channel 8-bit step (largest
-    |value| / 127), the symbol radius (largest |symbol| seen, plus a margin, then clipped), and one
-    table per (layer, K/V, channel) from the counts of each symbol. group: tokens per anchor group
-    (CODEC_GROUP unless given)."""
+def _fit_counts(calib, steps, delta: bool, level: int, group: int | None):
+    """fit_codec's work before the tables: (its spec without tables, counts (tables, largest size) of each
+    symbol of calib, each table's size)."""
     group = CODEC_GROUP if group is None else group
     calib = np.asarray(calib, np.float32)
     L = calib.shape[-3]
@@ -796,9 +794,30 @@ def fit_codec(calib, steps, delta: bool, level: int = 0, group: int | None = Non
     sizes = _table_sizes(spec)
     M = int(sizes.max())
     counts = np.bincount((ids * M + syms).ravel(), minlength=len(sizes) * M).reshape(len(sizes), M)
+    return spec, counts, sizes
+
+
+def fit_codec(calib, steps, delta: bool, level: int = 0, group: int | None = None) -> CodecSpec:
+    """Fit a codec on calibration KV (N, T, L, 2, C): the anchors' per-channel 8-bit step (largest
+    |value| / 127), the symbol radius (largest |symbol| seen, plus a margin, then clipped), and one
+    table per (layer, K/V, channel) from the counts of each symbol. group: tokens per anchor group
+    (CODEC_GROUP unless given)."""
+    spec, counts, sizes = _fit_counts(calib, steps, delta, level, group)
     empty = (counts.sum(1) == 0)[:, None]  # a table that saw nothing: uniform counts
-    tables = make_tables(counts + empty, sizes)
-    return replace(spec, tables=tables)
+    return replace(spec, tables=make_tables(counts + empty, sizes))
+
+
+def fitted_bits(calib, steps, delta: bool) -> float:
+    """codec_bits(fit_codec(calib, steps, delta), calib), from the counts the fit makes: each (table,
+    symbol) count times -log2 of its quantized frequency, without building the tables (match_bytes
+    asks a dozen times, and SmolLM2's codec has 11,520 of them)."""
+    _, counts, sizes = _fit_counts(calib, steps, delta, 0, None)
+    bits = 0.0
+    for n in np.unique(sizes):
+        c = counts[np.flatnonzero(sizes == n), :n]
+        freq = np.diff(_quantized_cdfs(c + (c.sum(1) == 0)[:, None]), axis=1)
+        bits -= float((c * np.log2(freq / AC_TOTAL)).sum())
+    return bits
 
 
 def _varint(n: int) -> bytes:
@@ -1091,13 +1110,13 @@ def recipe_steps(rms, base: float) -> np.ndarray:
 MATCH_HALVINGS = 12        # match_bytes: halvings of log(step)'s bracket (cached studies are keyed by it)
 
 
-def match_bytes(make_spec, X, target_bits: float, lo: float = 1e-4, hi: float = 1e2, iters: int = MATCH_HALVINGS):
-    """The base step whose codec (make_spec(base) -> CodecSpec) codes X in target_bits: bisection of
+def match_bytes(bits_of, target_bits: float, lo: float = 1e-4, hi: float = 1e2, iters: int = MATCH_HALVINGS):
+    """The base step whose codec codes its KV in target_bits (bits_of(base) -> bits): bisection of
     log(base) in [lo, hi]. A halved step costs about one bit per value; 12 halvings of the bracket (its
     20 octaves down to 0.005 of one) put the size within about 0.005 bits per value of the target.
     A target out of reach gives the bracket's end nearest to it (the tables print the size reached)."""
     a, b = lo, hi
     for _ in range(iters):
         mid = math.sqrt(a * b)
-        a, b = (mid, b) if codec_bits(make_spec(mid), X) > target_bits else (a, mid)
+        a, b = (mid, b) if bits_of(mid) > target_bits else (a, mid)
     return math.sqrt(a * b)
