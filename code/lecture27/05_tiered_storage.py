@@ -522,7 +522,8 @@ def show_waist(page: Page, w: Waist, s: Settings) -> None:
                           HANDOUT.figure("hinted", s))], "05_tiered_storage.doc_hit_rate"))
     page.table(text_table("\n§7: the inference stack's layers (handout) beside the classic computer system (our "
                           "reading; the table was lost)", "§7",
-                          ["LLM inference stack", "classic computer system", "in this lecture's code"], STACK_VS_CLASSIC))
+                          ["LLM inference stack", "classic computer system", "in this lecture's code"],
+                          STACK_VS_CLASSIC))
     page.exercise(10, "§7", "what the hint needs an API to carry")
     page.say("\n".join("    " + line for line in HINT_API_EXAMPLE.splitlines()))
 
@@ -619,8 +620,8 @@ def show_rag(page: Page, r: Rag, s: Settings) -> None:
               dict(k_axis, ylabel="share of document tokens not prefilled", ylim=(0, 1.05), title="hit rate")),
         Panel([mean[0], p99[0], mean[1], p99[1]], dict(k_axis, ylabel="time to first token (s)", yscale="log",
                                                        title="TTFT"))],
-        f"RAG, {s.rag_docs:,} documents (Zipf {s.rag_zipf:g}) on Part 2's {s.rag_tiers}: a prefix cache against a chunk "
-        "cache (handout §5.1)", figsize=(9, 3.8))
+        f"RAG, {s.rag_docs:,} documents (Zipf {s.rag_zipf:g}) on Part 2's {s.rag_tiers}: a prefix cache against a "
+        "chunk cache (handout §5.1)", figsize=(9, 3.8))
 
 
 # ================================================================================ the run
