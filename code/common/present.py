@@ -162,6 +162,42 @@ def why_notes(t: Table) -> list[str]:
     return seen
 
 
+# ----------------------------------------------------------------------------- tables built from results
+@dataclass(frozen=True)
+class Field(Col):
+    """A column that reads each row's value from that row's result: `get` names an attribute ("hit_rate";
+    dotted for a nested one, "layout.layers"), or is a function of the result, or a dict keyed by the row's
+    name; None shows the row's name."""
+    get: str | Callable | dict | None = None
+
+    def of(self, name, result):
+        if self.get is None:
+            return name
+        if isinstance(self.get, dict):
+            return self.get[name]
+        if callable(self.get):
+            return self.get(result)
+        for attr in self.get.split("."):
+            result = getattr(result, attr)
+        return result
+
+
+def table_of(title: str, section: str, fields: list[Field], results, source: str = "", notes=(), json=None,
+             handout=None) -> Table:
+    """A table with one row per result, each cell read by its Field. `results` is a dict name -> result (the
+    name is the row's JSON key, "{row}") or a list; `handout` is every row's handout figure, or a function of
+    the result that gives it."""
+    items = results.items() if isinstance(results, dict) else [(None, r) for r in results]
+    rows = [Row([f.of(name, r) for f in fields], handout(r) if callable(handout) else handout, name)
+            for name, r in items]
+    return Table(title, section, list(fields), rows, source, list(notes), dict(json or {}))
+
+
+def text_table(title: str, section: str, headers: list[str], rows, source: str = "") -> Table:
+    """A table of given text (the slides' benchmarks, a mapping), no values of ours: one Row per tuple."""
+    return Table(title, section, cols(*headers), [Row(list(r)) for r in rows], source)
+
+
 # ----------------------------------------------------------------------------- sentences from numbers
 def change(before, after, fmt: str = "{}") -> str:
     """How a figure moved, in the words its printed values allow: 'rises (a -> b)', 'falls (a -> b)', or
@@ -453,3 +489,72 @@ def pyplot():
     plt.rcParams.update({"axes.grid": True, "grid.alpha": 0.3, "axes.titlesize": 10, "legend.fontsize": 8,
                          "figure.dpi": 120})
     return plt
+
+
+# ----------------------------------------------------------------------------- figures described by data
+@dataclass
+class Line:
+    """One line of a figure: its points, its matplotlib format ("k--", "o-"), its label and any other
+    matplotlib keyword (color, marker, lw); `step=True` draws it as a staircase (a CDF)."""
+    x: Any
+    y: Any
+    style: str = "-"
+    label: str = ""
+    step: bool = False
+    kw: dict = field(default_factory=dict)
+
+
+@dataclass
+class Panel:
+    """One pair of axes: its Lines, horizontal reference lines (y, label, color), the axes' settings as
+    matplotlib's Axes.set takes them (xlabel, ylabel, xscale, ylim, title, ...) and the legend's."""
+    lines: list
+    axes: dict = field(default_factory=dict)
+    hlines: list = field(default_factory=list)
+    legend: dict = field(default_factory=dict)
+
+    def draw(self, ax) -> None:
+        for ln in self.lines:
+            if ln.step:
+                ax.step(ln.x, ln.y, ln.style, where="post", label=ln.label, **ln.kw)
+            else:
+                ax.plot(ln.x, ln.y, ln.style, label=ln.label, **ln.kw)
+        for y, label, color in self.hlines:
+            ax.axhline(y, color=color, lw=1.5, label=label)
+        ax.set(**self.axes)
+        ax.legend(**self.legend)
+
+
+def line_figure(page: Page, name: str, panels: Panel | list[Panel], title: str = "", figsize=(7, 4.5)) -> None:
+    """A figure described by data: one Panel, or a list of them side by side, drawn and saved by the page."""
+    panels = panels if isinstance(panels, list) else [panels]
+    with page.figure(name, title, figsize, ncols=len(panels)) as (fig, ax):
+        if ax is None:
+            return
+        for a, p in zip([ax] if len(panels) == 1 else ax, panels):
+            p.draw(a)
+
+
+def cdf(values) -> tuple[list, list]:
+    """The points of an empirical CDF: the values sorted, and the share of values at or below each."""
+    xs = sorted(values)
+    return xs, [(i + 1) / len(xs) for i in range(len(xs))]
+
+
+def segment_bars(page: Page, name: str, bars: dict, colors: dict, xlabel: str, title: str, figsize=(7, 4.5),
+                 legend: dict | None = None) -> None:
+    """Horizontal bars laid end to end from segments: bars is name -> [(length, text written inside, kind)],
+    each segment colored by its kind (colors: kind -> color, one legend entry each)."""
+    with page.figure(name, figsize=figsize) as (fig, ax):
+        if ax is None:
+            return
+        from matplotlib.patches import Patch
+        for y, segments in enumerate(bars.values()):
+            left = 0.0
+            for length, text, kind in segments:
+                ax.barh(y, length, left=left, color=colors[kind], edgecolor="white")
+                ax.text(left + length / 2, y, text, ha="center", va="center", fontsize=6, color="white")
+                left += length
+        ax.set(yticks=range(len(bars)), yticklabels=list(bars), xlabel=xlabel)
+        ax.set_title(title, fontsize=9)
+        ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], **(legend or {}))

@@ -25,7 +25,8 @@ import ledger  # noqa: E402
 from common import timemodel as tm  # noqa: E402
 from common.cli import (Parser, constants_of, fraction, nonneg_float, positive_float, positive_int,  # noqa: E402
                         settings_from)
-from common.present import DASH, Handout, Page, Ref, Row, Table, Val, cols  # noqa: E402
+from common.present import (DASH, Handout, Line, Page, Panel, Ref, Row, Table, Val, cols, line_figure,  # noqa: E402
+                            text_table)
 
 K = 1024
 # ---- Part 1 and exercise 1
@@ -200,7 +201,7 @@ def quantities(title: str, section: str, source: str, *rows, notes=()) -> Table:
 
 
 def show_sizes(page: Page, r: Sizes, s: Settings) -> None:
-    bpv, by = s.bytes_per_value, {m.key: m for m in r.models}
+    bpv, by, b = s.bytes_per_value, {m.key: m for m in r.models}, r.ex1_bytes_per_token
     page.part("Part 1", "§1.2", "KV size (" + ("BF16; FP16 for the small models" if bpv == 2 else
                                               f"{bpv:g} bytes per value") + ")")
     page.table(Table("", "§1.2", cols("model", "attention", "layers", "KV heads", "hd", ("B/token", "{:,}",
@@ -213,7 +214,7 @@ def show_sizes(page: Page, r: Sizes, s: Settings) -> None:
                       "RoPE key per layer)"], {"llama31_70b_bytes_per_token": by["llama-3.1-70b"].bytes_per_token,
                                                 "llama31_70b_32k_gb": r.llama70b_32k_bytes / 1e9,
                                                 "deepseek_r1_kib_per_token": by["deepseek-r1"].bytes_per_token / 1024}))
-    tok, day, b = r.day_bytes_per_token, r.day_bytes, r.ex1_bytes_per_token
+    tok, day = r.day_bytes_per_token, r.day_bytes
     page.table(quantities(f"\nOne GPU's day (§1.2): {tm.GPUS[s.day_gpu].name} serving {tm.MODELS[s.day_model].name} "
                           f"at {s.day_tokens_per_s:,} tokens/s", "§1.2", "ledger.gpu_day_bytes",
                           ("KV per token", f"{tok / 1024:.1f} KiB ({tok:,} B)", handout("day_kib", s)),
@@ -224,17 +225,12 @@ def show_sizes(page: Page, r: Sizes, s: Settings) -> None:
         f"{b:,} B = {b / 1024:g} KiB", "ex1_bytes_per_token", json=b), handout("ex1_per_token", s)),
         (f"KV of {s.context:,} tokens", Val(fmt_bytes(r.ex1_bytes), "ex1_context_gb", json=r.ex1_bytes / 1e9),
          handout("ex1_context", s))))
-    with page.figure("01_kv_size.png") as (fig, ax):
-        if ax is None:
-            return
-        seen = {}  # models with the same KV layout draw the same line: dash the second one
-        for m in r.models:
-            first = seen.setdefault(m.bytes_per_token, m.name)
-            ax.plot(r.curve_contexts, r.curves[m.key], "-" if first == m.name else "--", marker=".",
-                    label=f"{m.name} ({m.tag.split(',')[0]})" + ("" if first == m.name else f" = {first}"))
-        ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="KV bytes",
-               title="KV size vs context length (handout §1.2)")
-        ax.legend(fontsize=7)
+    first = {}   # models with the same KV layout draw the same line: the second one dashed, "= the first"
+    lines = [Line(r.curve_contexts, r.curves[m.key], "-" if f == m.name else "--", f"{m.name} ({m.tag.split(',')[0]})"
+                  + ("" if f == m.name else f" = {f}"), kw={"marker": "."})
+             for m in r.models for f in [first.setdefault(m.bytes_per_token, m.name)]]
+    line_figure(page, "01_kv_size.png", Panel(lines, dict(xscale="log", yscale="log", xlabel="context length (tokens)",
+                ylabel="KV bytes", title="KV size vs context length (handout §1.2)"), legend={"fontsize": 7}))
 
 
 def row_handout(n: int, s: Settings) -> str:
@@ -268,41 +264,38 @@ def show_fetch_or_recompute(page: Page, r: FetchOrRecompute, s: Settings) -> Non
                           f"{raw / r.ex2_recompute_s / 1e9:.2f} GB/s", DASH), ("break-even bandwidth (compressed)", Val(
                               f"{thr / 1e9:.2f} GB/s = {thr * 8 / 1e9:.1f} Gb/s", "ex2_threshold_gbit_per_s",
                               json=thr * 8 / 1e9), handout("ex2", s))))
-    with page.figure("01_breakeven_bandwidth.png") as (fig, ax):
-        if ax is None:
-            return
-        ax.plot(r.curve_contexts, [b / 1e9 for b in r.curve_raw], "k-o", label="break-even (raw KV)")
-        ax.plot(r.curve_contexts, [b / 1e9 for b in r.curve_compressed], "k--", label=f"break-even ({c:g}x compressed)")
-        for (name, bw), color in zip(ledger.TIERS.items(), ["C0", "C1", "C2", "C3"]):
-            ax.axhline(bw / 1e9, color=color, lw=1.5, label=f"{name} ({bw / 1e9:g} GB/s)")
-        ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="GB/s", ylim=(0.5, 2000),
-               title=f"A tier above the black line fetches faster than recomputing\n{m}, {s.n_gpus} x {s.gpu} "
-                     "(handout §1.4)")
-        ax.legend(fontsize=7, loc="upper center", ncol=2)
+    gbps = lambda xs: [x / 1e9 for x in xs]
+    line_figure(page, "01_breakeven_bandwidth.png", Panel(
+        [Line(r.curve_contexts, gbps(r.curve_raw), "k-o", "break-even (raw KV)"),
+         Line(r.curve_contexts, gbps(r.curve_compressed), "k--", f"break-even ({c:g}x compressed)")],
+        dict(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="GB/s", ylim=(0.5, 2000),
+             title=f"A tier above the black line fetches faster than recomputing\n{m}, {s.n_gpus} x {s.gpu} "
+                   "(handout §1.4)"),
+        [(bw / 1e9, f"{name} ({bw / 1e9:g} GB/s)", f"C{i}") for i, (name, bw) in enumerate(ledger.TIERS.items())],
+        dict(fontsize=7, loc="upper center", ncol=2)))
 
 
 def show_slides_account(page: Page, acct: ledger.SlidesAccount, s: Settings) -> None:
     page.part("Part 3", "§1.3", "Is storing KV worth it?")
     src = lambda names, said="slides p.9": said if all(getattr(s, k) == P9[k] for k in names.split()) else "edited"
-    page.table(Table("(a) the slides' account. Assumptions:", "§1.3", cols("assumption", "value", "source"), [
-        Row(x) for x in (
-        ["GPU price", f"${s.gpu_hour_usd:g}/GPU-hour x {s.gpus_per_node} GPUs = ${acct.node_usd_per_h:g}/node-hour",
-         src("gpu_hour_usd gpus_per_node")],
-        ["storage", f"{s.storage_tb_per_node:g} TB/node at ${s.storage_usd_per_tb_hour:g}/TB-hour",
-         src("storage_tb_per_node storage_usd_per_tb_hour")],
-        ["a hit saves", f"{s.hit_saves:.0%} of the request's GPU time", src("hit_saves", "ours: what makes 1.06%")],
-        ["hit rate, fleet, period", f"{s.hit_rate:.0%}, {s.nodes:,} nodes, {s.years:g} years = {acct.hours:,.0f} h",
-         src("hit_rate nodes years")])], "ledger.slides_economics"))
+    page.table(text_table("(a) the slides' account. Assumptions:", "§1.3", ["assumption", "value", "source"], [
+        ("GPU price", f"${s.gpu_hour_usd:g}/GPU-hour x {s.gpus_per_node} GPUs = ${acct.node_usd_per_h:g}/node-hour",
+         src("gpu_hour_usd gpus_per_node")),
+        ("storage", f"{s.storage_tb_per_node:g} TB/node at ${s.storage_usd_per_tb_hour:g}/TB-hour",
+         src("storage_tb_per_node storage_usd_per_tb_hour")),
+        ("a hit saves", f"{s.hit_saves:.0%} of the request's GPU time", src("hit_saves", "ours: what makes 1.06%")),
+        ("hit rate, fleet, period", f"{s.hit_rate:.0%}, {s.nodes:,} nodes, {s.years:g} years = {acct.hours:,.0f} h",
+         src("hit_rate nodes years"))], "ledger.slides_economics"))
+    pct = lambda key, x: Val(f"{x:.2%}", key, json=x * 100)
     usd = lambda key, x: Val(f"${x / 1e6:.1f}M", key, json=x / 1e6)
     h = {k: handout(k, s) for k in ("breakeven_pct", "storage", "savings", "navigation")}
     net, nav = ((h["savings"].figure, h["navigation"].figure) if h["savings"] != DASH else
-                (f"${acct.net_usd / 1e6:.1f}M", f"${acct.net_if_33m_read_as_gross_usd / 1e6:.1f}M"))
+                (usd(None, acct.net_usd).value, usd(None, acct.net_if_33m_read_as_gross_usd).value))
     page.table(quantities("", "§1.3", "ledger.slides_economics", (
-        "break-even hit rate if a hit saves 100%", Val(f"{acct.breakeven_if_hit_saves_all:.2%}",
-                                                       "slides_breakeven_if_hit_saves_all_pct",
-                                                       json=acct.breakeven_if_hit_saves_all * 100), DASH),
-        (f"break-even hit rate (a hit saves {s.hit_saves:.0%})", Val(f"{acct.breakeven_hit_rate:.2%}",
-         "slides_breakeven_hit_rate_pct", json=acct.breakeven_hit_rate * 100), h["breakeven_pct"]),
+        "break-even hit rate if a hit saves 100%", pct("slides_breakeven_if_hit_saves_all_pct",
+                                                       acct.breakeven_if_hit_saves_all), DASH),
+        (f"break-even hit rate (a hit saves {s.hit_saves:.0%})", pct("slides_breakeven_hit_rate_pct",
+                                                                    acct.breakeven_hit_rate), h["breakeven_pct"]),
         ("GPU time saved (gross)", usd("slides_gross_savings_musd", acct.gpu_time_saved_usd), DASH),
         ("storage paid", usd("slides_storage_musd", acct.storage_usd), h["storage"]),
         ("reading 1 (§1.3): saved net of storage", usd("slides_savings_musd", acct.net_usd), h["savings"]),
@@ -315,7 +308,6 @@ def show_slides_account(page: Page, acct: ledger.SlidesAccount, s: Settings) -> 
 
 def show_own_account(page: Page, ours: list, s: Settings) -> None:
     hits = [x.breakeven_hits_per_h for x in ours]
-    key = lambda x, k: f"ctx10k_{k}" if x.context == s.store_context else None
     notes = ["storage costs nothing here: any hit pays for it, at every context length." if not any(hits) else
              "longer contexts pay off sooner: recompute grows faster than linearly (attention), storage linearly."
              if all(h1 > h2 for h1, h2 in zip(hits, hits[1:])) else
@@ -323,14 +315,14 @@ def show_own_account(page: Page, ours: list, s: Settings) -> None:
     if handout("breakeven_pct", s) != DASH:   # the slides' claim, beside the weekly hits of this account
         notes.append("(the slides' 'a cached prompt reused 2-3 times a week' depends on a request mix they do not "
                      "give; this account needs the weekly hits above)")
+    ctx10k = lambda x, k: Val(getattr(x, k), f"ctx10k_{k}" if x.context == s.store_context else None)
     page.table(Table(f"\n(b) our account: {tm.MODELS[s.model].name} on {s.n_gpus} x {tm.GPUS[s.gpu].name} at "
                      f"${s.gpu_hour_usd:g}/GPU-hour, storage ${s.storage_usd_per_tb_hour:g}/TB-hour; a hit saves the "
                      "recompute", "§1.3", cols(("context", "{:,}"), ("KV", fmt_bytes), ("storage $/h", "{:.5f}"),
                      ("recompute s", "{:.3f}"), ("hit saves $", "{:.5f}"), ("break-even hits/h", "{:.3f}"),
                      ("hits/week", "{:.1f}")),
-                     [Row([x.context, x.kv_bytes, Val(x.storage_usd_per_h, key(x, "storage_usd_per_h")), x.recompute_s,
-                           Val(x.hit_saves_usd, key(x, "hit_saves_usd")), Val(x.breakeven_hits_per_h,
-                           key(x, "breakeven_hits_per_h")), x.breakeven_hits_per_h * 168],
+                     [Row([x.context, x.kv_bytes, ctx10k(x, "storage_usd_per_h"), x.recompute_s,
+                           ctx10k(x, "hit_saves_usd"), ctx10k(x, "breakeven_hits_per_h"), x.breakeven_hits_per_h * 168],
                           handout("ctx10k", s) if x.context == s.store_context else DASH) for x in ours],
                      "ledger.context_economics", notes))
 

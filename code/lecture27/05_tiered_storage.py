@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `com
 import numpy as np
 
 from common.cli import Parser, constants_of, fraction, nonneg_float, positive_float, positive_int, settings_from
-from common.present import Handout, Page, Ref, Row, Table, Val, change, cols
+from common.present import (Field, Handout, Line, Page, Panel, Ref, Row, Table, Val, cdf, change, cols, line_figure,
+                            segment_bars, table_of, text_table)
 from common.timemodel import get_model, kv_bytes_per_token, prefill_time
 from rag_caches import CACHES, rag_trace, serve_rag
 from tiers import Tier, TieredStore
@@ -171,6 +172,11 @@ HANDOUT = Handout({
 class Route:
     hops: list                   # (what, link, GB/s) in order
     seconds: float
+
+    @property
+    def stops(self) -> list:
+        """Where the KV is on the way: the first hop's source, then each hop's destination."""
+        return [self.hops[0][0].split("->")[0]] + [what.split("->")[1] for what, _, _ in self.hops]
 
 
 @dataclass(frozen=True)
@@ -437,32 +443,23 @@ def rag_reuse(s: Settings) -> Rag:
 # ================================================================================ presenting
 def show_handoff(page: Page, h: Handoff, s: Settings) -> None:
     page.part("Part 1", "§6.2", "Zero-copy: handing KV from one engine to another")
-    page.table(Table(f"hand {s.handoff_tokens:,} tokens of {get_model(s.handoff_model).name} KV ({h.nbytes / GB:.2f} "
-                     f"GB; handout: {HANDOUT.figure('handoff_gb', s)}) from GPU A to GPU B", "§6.2",
-                     cols("path", "links (GB/s)", "copies", ("seconds", "{:.3f}", "handoff_s.{row}"),
-                          ("vs zero-copy", "{:.1f}x")),
-                     [Row([name, " > ".join(f"{link} {bw:g}" for _, link, bw in r.hops), len(r.hops), r.seconds,
-                           r.seconds / h.routes["shared_pool"].seconds], key=name) for name, r in h.routes.items()],
-                     "05_tiered_storage.handoff_paths",
-                     [f"{name}: " + " -> ".join([r.hops[0][0].split("->")[0]] + [x[0].split("->")[1] for x in r.hops])
-                      for name, r in h.routes.items()]
-                     + ["Store and forward: each copy moves all the bytes once over its link. A library inside each "
-                        "engine cannot map the other process's CPU memory, so it relays through a remote pool or "
-                        "copies once more; one service process owns a CPU pool both engines map (handout §6.2)."]))
-    with page.figure("05_handoff.png", figsize=(7.5, 3)) as (fig, ax):
-        if ax is None:
-            return
-        from matplotlib.patches import Patch
-        colors = {"PCIe": "tab:blue", "network": "tab:red", "memcpy": "tab:orange"}
-        for y, r in enumerate(h.routes.values()):   # one bar per path, one segment per copy
-            ends = np.cumsum([0.0] + [h.nbytes / (bw * GB) for _, _, bw in r.hops])
-            ax.barh(y, np.diff(ends), left=ends[:-1], color=[colors[x[1]] for x in r.hops], edgecolor="white")
-            for (what, _, _), mid in zip(r.hops, (ends[1:] + ends[:-1]) / 2):
-                ax.text(mid, y, what, ha="center", va="center", fontsize=6, color="white")
-        ax.set(yticks=range(len(h.routes)), yticklabels=list(h.routes),
-               xlabel="seconds to hand the KV from GPU A to GPU B")
-        ax.set_title(f"{h.nbytes / GB:.2f} GB of KV: one shared CPU pool needs no CPU copy (handout §6.2)", fontsize=9)
-        ax.legend(handles=[Patch(color=c, label=f"{k} copy") for k, c in colors.items()], fontsize=7, loc="upper right")
+    zero_copy = h.routes["shared_pool"].seconds
+    fields = [Field("path"), Field("links (GB/s)", get=lambda r: " > ".join(f"{x[1]} {x[2]:g}" for x in r.hops)),
+              Field("copies", get=lambda r: len(r.hops)), Field("seconds", "{:.3f}", "handoff_s.{row}", get="seconds"),
+              Field("vs zero-copy", "{:.1f}x", get=lambda r: r.seconds / zero_copy)]
+    page.table(table_of(f"hand {s.handoff_tokens:,} tokens of {get_model(s.handoff_model).name} KV ({h.nbytes / GB:.2f}"
+                        f" GB; handout: {HANDOUT.figure('handoff_gb', s)}) from GPU A to GPU B", "§6.2", fields,
+                        h.routes, "05_tiered_storage.handoff_paths",
+                        [f"{name}: " + " -> ".join(r.stops) for name, r in h.routes.items()]
+                        + ["Store and forward: each copy moves all the bytes once over its link. A library inside each "
+                           "engine cannot map the other process's CPU memory, so it relays through a remote pool or "
+                           "copies once more; one service process owns a CPU pool both engines map (handout §6.2)."]))
+    segment_bars(page, "05_handoff.png", {name: [(h.nbytes / (bw * GB), what, f"{link} copy")
+                                                 for what, link, bw in r.hops] for name, r in h.routes.items()},
+                 {"PCIe copy": "tab:blue", "network copy": "tab:red", "memcpy copy": "tab:orange"},
+                 "seconds to hand the KV from GPU A to GPU B",
+                 f"{h.nbytes / GB:.2f} GB of KV: one shared CPU pool needs no CPU copy (handout §6.2)", (7.5, 3),
+                 dict(fontsize=7, loc="upper right"))
 
 
 def chat_notes(c: Chat, s: Settings) -> list:
@@ -488,34 +485,31 @@ def chat_notes(c: Chat, s: Settings) -> list:
             f"pitfall 7)   gpu_only / cpu_ssd: {res['gpu_only'].mean_ttft_s / res['cpu_ssd'].mean_ttft_s:.0f}x"]
 
 
+def tiers_text(tiers: list) -> str:
+    """A storage configuration as 'GPU 58, CPU 150@50': each tier's GB, @ its GB/s below the GPU."""
+    return ", ".join(f"{t} {gb:g}" + (f"@{bw:g}" if bw else "") for t, gb, bw in tiers)
+
+
 def show_chat(page: Page, c: Chat, s: Settings) -> None:
     page.part("Part 2", "§6.3", "Tiered KV storage for multi-turn chat")
-    key = "configs.{row}."
-    page.table(Table(f"{s.users} users x {s.turns} turns ({s.user_tokens} + {s.answer_tokens} tokens a turn), "
-                     f"{s.rate:g} req/s, {get_model(s.model).name} on one {s.gpu};\n  all histories {c.total_gb:.1f} "
-                     f"GB of KV (handout: {HANDOUT.figure('all_kv_gb', s)}), GPU room {s.gpu_gb:g} GB (handout: "
-                     f"{HANDOUT.figure('gpu_room_gb', s)})", "§6.3", cols(
-                         "config", "tiers GB@GB/s", ("hits by tier", lambda x: " ".join(f"{v:.0%}" for v in x),
-                                                     key + "hit_rate_per_tier"), ("hits", "{:.0%}", key + "hit_rate"),
-                         ("mean TTFT s", "{:.3f}", key + "mean_ttft_s"), ("p50 s", "{:.3f}", key + "p50_ttft_s"),
-                         ("p99 s", "{:.3f}", key + "p99_ttft_s"), ("recompute/busy", "{:.0%}", key + "recompute_share"),
-                         ("GPU busy", "{:.0%}")),
-                     [Row([name, ", ".join(f"{t} {gb:g}" + (f"@{bw:g}" if bw else "") for t, gb, bw in c.configs[name]),
-                           r.hit_rate_per_tier, r.hit_rate, r.mean_ttft_s, r.p50_ttft_s, r.p99_ttft_s,
-                           r.recompute_share, r.busy_share], key=name) for name, r in c.served.items()],
-                     "05_tiered_storage.serve", chat_notes(c, s), {"cpu_fast_vs_slow_ttft_ratio": c.slow_vs_fast}))
-    page.table(Table("  for reference (handout §6.3, not simulated here):", "§6.3",
-                     cols("slides' LMCache benchmark", "metric", "LMCache", "engine's own offload", "ratio"),
-                     [Row(list(x)) for x in SLIDES]))
-    with page.figure("05_ttft_cdf.png", figsize=(7, 4)) as (fig, ax):
-        if ax is None:
-            return
-        for name, r in c.served.items():   # cpu50 dashed: it lies on gpu_only when it never hits
-            ax.step(np.sort(r.ttft), np.arange(1, len(r.ttft) + 1) / len(r.ttft), where="post", label=name,
-                    linestyle="--" if name == "cpu50" else "-")
-        ax.set(xscale="log", xlabel="time to first token (s)", ylabel="share of requests",
-               title=f"Multi-turn chat, {get_model(s.model).name} on one {s.gpu}: TTFT by KV storage tiers")
-        ax.legend()
+    per = lambda header, fmt, name: Field(header, fmt, "configs.{row}." + name, get=name)   # a Served field
+    fields = [Field("config"), Field("tiers GB@GB/s", get={n: tiers_text(t) for n, t in c.configs.items()}),
+              per("hits by tier", lambda x: " ".join(f"{v:.0%}" for v in x), "hit_rate_per_tier"),
+              per("hits", "{:.0%}", "hit_rate"), per("mean TTFT s", "{:.3f}", "mean_ttft_s"),
+              per("p50 s", "{:.3f}", "p50_ttft_s"), per("p99 s", "{:.3f}", "p99_ttft_s"),
+              per("recompute/busy", "{:.0%}", "recompute_share"), Field("GPU busy", "{:.0%}", get="busy_share")]
+    page.table(table_of(f"{s.users} users x {s.turns} turns ({s.user_tokens} + {s.answer_tokens} tokens a turn), "
+                        f"{s.rate:g} req/s, {get_model(s.model).name} on one {s.gpu};\n  all histories {c.total_gb:.1f}"
+                        f" GB of KV (handout: {HANDOUT.figure('all_kv_gb', s)}), GPU room {s.gpu_gb:g} GB (handout: "
+                        f"{HANDOUT.figure('gpu_room_gb', s)})", "§6.3", fields, c.served, "05_tiered_storage.serve",
+                        chat_notes(c, s), {"cpu_fast_vs_slow_ttft_ratio": c.slow_vs_fast}))
+    page.table(text_table("  for reference (handout §6.3, not simulated here):", "§6.3",
+                          ["slides' LMCache benchmark", "metric", "LMCache", "engine's own offload", "ratio"], SLIDES))
+    line_figure(page, "05_ttft_cdf.png", Panel(   # cpu50 dashed: it lies on gpu_only when it never hits
+        [Line(*cdf(r.ttft), "--" if name == "cpu50" else "-", name, step=True) for name, r in c.served.items()],
+        dict(xscale="log", xlabel="time to first token (s)", ylabel="share of requests",
+             title=f"Multi-turn chat, {get_model(s.model).name} on one {s.gpu}: TTFT by KV storage tiers")),
+        figsize=(7, 4))
 
 
 def show_waist(page: Page, w: Waist, s: Settings) -> None:
@@ -526,10 +520,10 @@ def show_waist(page: Page, w: Waist, s: Settings) -> None:
                      [Row(["LRU (sees only tokens)", Val(w.lru, "lru_doc_hit_rate")], HANDOUT.figure("lru", s)),
                       Row(['hinted ("will be reused")', Val(w.hinted, "hinted_doc_hit_rate")],
                           HANDOUT.figure("hinted", s))], "05_tiered_storage.doc_hit_rate"))
-    page.table(Table("\n§7: the inference stack's layers (handout) beside the classic computer system (our reading; "
-                     "the table was lost)", "§7",
-                     cols("LLM inference stack", "classic computer system", "in this lecture's code"),
-                     [Row(list(x)) for x in STACK_VS_CLASSIC]))
+    page.table(text_table("\n§7: the inference stack's layers (handout) beside the classic computer system (our "
+                          "reading; the table was lost)", "§7",
+                          ["LLM inference stack", "classic computer system", "in this lecture's code"],
+                          STACK_VS_CLASSIC))
     page.exercise(10, "§7", "what the hint needs an API to carry")
     page.say("\n".join("    " + line for line in HINT_API_EXAMPLE.splitlines()))
 
@@ -605,38 +599,29 @@ def rag_notes(r: Rag, s: Settings) -> list:
 
 def show_rag(page: Page, r: Rag, s: Settings) -> None:
     page.part("Part 4", "§5.1, §9", "RAG on the same tiers: prefix caching against non-prefix reuse")
-    tiers = ", ".join(f"{t} {gb:g}" + (f"@{bw:g}" if bw else "") for t, gb, bw in r.tiers)
-    page.table(Table(f"{s.rag_requests} requests of k documents ({s.rag_doc_tokens} tokens) from {s.rag_docs:,} "
-                     f"(Zipf {s.rag_zipf:g}), a new order each time, + a {s.rag_question_tokens}-token question; "
-                     f"{s.rag_rate:g} req/s, {get_model(s.model).name} on one {s.gpu};\n  both caches on "
-                     f"Part 2's {s.rag_tiers} ({tiers}); the chunk cache blends at {s.rag_recompute:.0%}", "§5.1",
-                     cols(("k", "{}", "rag_k"), ("1/k", "{:.0%}"), ("prefix hits", "{:.0%}", "rag_prefix_hit_rate"),
-                          ("chunk hits", "{:.0%}", "rag_chunk_hit_rate"),
-                          ("prefix mean", "{:.3f}", "rag_prefix_mean_ttft_s"),
-                          ("chunk mean", "{:.3f}", "rag_chunk_mean_ttft_s"),
-                          ("prefix p99", "{:.3f}", "rag_prefix_p99_ttft_s"),
-                          ("chunk p99", "{:.3f}", "rag_chunk_p99_ttft_s"), ("prefix busy", "{:.0%}"),
-                          ("chunk busy", "{:.0%}")),
-                     [Row([k, 1 / k, p.hit_rate, c.hit_rate, p.mean_ttft_s, c.mean_ttft_s, p.p99_ttft_s, c.p99_ttft_s,
-                           p.busy_share, c.busy_share], HANDOUT.figure("rag_prefix", s))
-                      for k, p, c in zip(r.ks, r.served["prefix"], r.served["chunk"])],
-                     "rag_caches.serve_rag", rag_notes(r, s)))
-    title = (f"RAG, {s.rag_docs:,} documents (Zipf {s.rag_zipf:g}) on Part 2's {s.rag_tiers}: a prefix cache against "
-             "a chunk cache (handout §5.1)")
-    with page.figure("05_rag.png", title, figsize=(9, 3.8), ncols=2) as (fig, ax):
-        if ax is None:
-            return
-        for c, color in zip(CACHES, ("tab:red", "tab:blue")):
-            ax[0].plot(r.ks, r.of(c, "hit_rate"), "o-", color=color, label=f"{c} cache")
-            ax[1].plot(r.ks, r.of(c, "mean_ttft_s"), "o-", color=color, label=f"{c} cache, mean")
-            ax[1].plot(r.ks, r.of(c, "p99_ttft_s"), "o:", color=color, label=f"{c} cache, p99")
-        ax[0].plot(r.ks, [1 / k for k in r.ks], "k--", lw=1, label="1/k: the first document's share")
-        ax[0].set(xlabel="documents per request (k)", ylabel="share of document tokens not prefilled", ylim=(0, 1.05),
-                  xticks=r.ks, title="hit rate")
-        ax[1].set(xlabel="documents per request (k)", ylabel="time to first token (s)", yscale="log", xticks=r.ks,
-                  title="TTFT")
-        for a in ax:
-            a.legend()
+    measures = [("hits", "{:.0%}", "hit_rate"), ("mean", "{:.3f}", "mean_ttft_s"), ("p99", "{:.3f}", "p99_ttft_s"),
+                ("busy", "{:.0%}", "busy_share")]                # each a column per cache, busy without a key
+    fields = [Field("k", "{}", "rag_k", get=lambda i: r.ks[i]), Field("1/k", "{:.0%}", get=lambda i: 1 / r.ks[i])]
+    fields += [Field(f"{c} {m}", fmt, None if m == "busy" else f"rag_{c}_{f}",
+                     get=lambda i, c=c, f=f: getattr(r.served[c][i], f)) for m, fmt, f in measures for c in CACHES]
+    page.table(table_of(f"{s.rag_requests} requests of k documents ({s.rag_doc_tokens} tokens) from {s.rag_docs:,} "
+                        f"(Zipf {s.rag_zipf:g}), a new order each time, + a {s.rag_question_tokens}-token question; "
+                        f"{s.rag_rate:g} req/s, {get_model(s.model).name} on one {s.gpu};\n  both caches on Part 2's "
+                        f"{s.rag_tiers} ({tiers_text(r.tiers)}); the chunk cache blends at {s.rag_recompute:.0%}",
+                        "§5.1", fields, range(len(r.ks)), "rag_caches.serve_rag", rag_notes(r, s),
+                        handout=HANDOUT.figure("rag_prefix", s)))
+    lines = lambda f, style, label: [Line(r.ks, r.of(c, f), style, label.format(c), kw={"color": color})
+                                     for c, color in zip(CACHES, ("tab:red", "tab:blue"))]
+    hits, mean, p99 = (lines("hit_rate", "o-", "{} cache"), lines("mean_ttft_s", "o-", "{} cache, mean"),
+                       lines("p99_ttft_s", "o:", "{} cache, p99"))
+    k_axis = dict(xlabel="documents per request (k)", xticks=r.ks)
+    line_figure(page, "05_rag.png", [
+        Panel(hits + [Line(r.ks, [1 / k for k in r.ks], "k--", "1/k: the first document's share", kw={"lw": 1})],
+              dict(k_axis, ylabel="share of document tokens not prefilled", ylim=(0, 1.05), title="hit rate")),
+        Panel([mean[0], p99[0], mean[1], p99[1]], dict(k_axis, ylabel="time to first token (s)", yscale="log",
+                                                       title="TTFT"))],
+        f"RAG, {s.rag_docs:,} documents (Zipf {s.rag_zipf:g}) on Part 2's {s.rag_tiers}: a prefix cache against a "
+        "chunk cache (handout §5.1)", figsize=(9, 3.8))
 
 
 # ================================================================================ the run
