@@ -301,8 +301,9 @@ def show_slides_account(page: Page, acct: ledger.SlidesAccount, s: Settings) -> 
         ("reading 1 (§1.3): saved net of storage", usd("slides_savings_musd", acct.net_usd), h["savings"]),
         ("reading 2 (navigation): net read as gross, minus storage again",
          usd("slides_navigation_reading_musd", acct.net_if_33m_read_as_gross_usd), h["navigation"]),
-        notes=[f"The two readings disagree: the {net} of §1.3 is already net of storage; the navigation paragraph's "
-               f"{nav} subtracts the storage from it a second time." if acct.storage_usd else
+        notes=[f"The two readings disagree: reading 1's {net} (§1.3's way) is already net of storage; reading 2's "
+               f"{nav} (the navigation paragraph's way) subtracts the storage from it a second time."
+               if acct.storage_usd else
                "The two readings agree: storage costs nothing here."]))
 
 
