@@ -54,6 +54,7 @@ import codec_real as cr  # noqa: E402
 import codec_study as cs  # noqa: E402
 import kvcache as kv  # noqa: E402
 import blend_world as bw  # noqa: E402
+from common.checkpoints import cached  # noqa: E402
 from common.cli import Parser, positive_float, settings_from  # noqa: E402
 from common.llama import idle_threads, single_thread  # noqa: E402
 from common.present import Handout, Page, Ref, Row, Table, Val, cols  # noqa: E402
@@ -287,6 +288,15 @@ def layer_sensitivity(model, X, ev, rms, kv_steps, one_step) -> list[LayerSensit
             for layer in range(X.shape[2])]
 
 
+def cached_sensitivity(model, X, ev, rms, kv_steps, one_step) -> list[LayerSensitivity]:
+    """layer_sensitivity, computed once for these steps and this model (then loaded: 12 s of 02's run)."""
+    ident = {"kv_steps": list(kv_steps), "one_step": one_step, "eval": [cs.CODEC_N_EVAL, cs.CODEC_EVAL_SEED],
+             "calib": [cs.CODEC_N_CALIB, cs.CODEC_CALIB_SEED]}
+    layers = cached("sensitivity-record", ident, lambda: [dataclasses.asdict(x) for x in layer_sensitivity(
+        model, X, ev, rms, kv_steps, one_step)])
+    return [LayerSensitivity(**x) for x in layers]
+
+
 GROUPINGS = {  # table id of each value (t, l, k, c) of a (T, L, 2, C) context
     "one global table": lambda t, l, k, c, C, T: 0 * t,
     "by token position": lambda t, l, k, c, C, T: t,
@@ -443,7 +453,7 @@ def compute(s: Settings, refit: bool) -> Record:
     specs = [kv.spec_from_dict(d) for d in study["specs"]]
     rms = kv.kv_rms(Xc)
     steps = sorted({*s.sensitivity_steps, s.sensitivity_step})
-    sens = Sensitivity(steps, s.sensitivity_step, layer_sensitivity(model, Xe, ev[1:], rms, steps, s.sensitivity_step),
+    sens = Sensitivity(steps, s.sensitivity_step, cached_sensitivity(model, Xe, ev[1:], rms, steps, s.sensitivity_step),
                        study["acc_fp16"], study["steps_over_rms"])
     raw_spec = kv.fit_codec(Xc, specs[s.entropy_level].steps, False)
     quality = lambda X: cs.answer_accuracy(model, X, *ev[1:])["acc"]  # noqa: E731

