@@ -39,6 +39,12 @@ START_ORDER = ["01_kv_ledger.py", "02_cachegen_codec.py --model smollm2", "02_ca
                "05_tiered_storage.py"]
 
 
+# --profile runs a script under cProfile as `python script.py` runs it: as the module __main__ (runpy), so that
+# the cache finds the script's functions and their results load (`python -m cProfile` hides that module)
+PROFILED = """import cProfile, os, runpy, sys
+out, sys.argv = sys.argv[1], sys.argv[2:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))
+cProfile.run("runpy.run_path(sys.argv[0], run_name='__main__')", out)"""
 # --profile: time spent inside each of these functions (each includes what it calls, so rows overlap)
 PHASES = [("training a small model", "checkpoints.py", "train_lm"),
           ("reading SmolLM2 (GGUF or its cache)", "gguf_llama.py", "load_gguf_llama"),
@@ -73,7 +79,7 @@ class Run:
         tag = args[0][:2] + ("_smollm2" if "smollm2" in args else "")
         self.log = folder / f"{tag}.txt"
         self.profile = folder / f"{tag}.prof" if profile else None
-        profiler = ["-m", "cProfile", "-o", str(self.profile)] if self.profile else []
+        profiler = ["-c", PROFILED, str(self.profile)] if self.profile else []
         self.cmd = [sys.executable, *profiler, str(HERE / args[0]), *args[1:], "--json",
                     str(figures_dir() / f"{tag}.json"), *(["--no-plot"] if no_plot else [])]
         self.proc, self.t0, self.seconds = None, 0.0, 0.0
