@@ -654,9 +654,13 @@ def lowest_ratio(ratios, accs, target: float):
 
 
 def insights_and_curve(model, run: RecordRun, s: Settings) -> Part3:
-    """The insights at the run's chunk length, and the compute-quality curve (CURVE_RATIOS and r)."""
+    """The insights at the run's chunk length, and the compute-quality curve (CURVE_RATIOS and r): computed
+    once for this model, these held-out records, ratios and chunk lengths, then loaded (19 s of the run)."""
     ratios = sorted(set(s.curve_ratios) | {s.ratio})
-    c = curve(model, run.rec, s.seed, ratios, s.curve_chunk_lens, pre={s.chunk_len: run.pre})
+    c = Curve(**checkpoints.cached("curve-records", {"docs": s.docs, "seed": s.seed, "ratios": ratios,
+                                                     "chunk_lens": list(s.curve_chunk_lens)},
+                                   lambda: dataclasses.asdict(curve(model, run.rec, s.seed, ratios, s.curve_chunk_lens,
+                                                                    pre={s.chunk_len: run.pre}))))
     return Part3(insights(model, run.rec, s.chunk_len, s.ratio, s.top_share, run.pre), c,
                  doc_attention_elsewhere(model, run.rec),
                  {n: c.blend[n][ratios.index(s.ratio)] for n in s.curve_chunk_lens},
