@@ -56,8 +56,8 @@ import kvcache as kv  # noqa: E402
 import blend_world as bw  # noqa: E402
 from common.cli import Parser, positive_float, settings_from  # noqa: E402
 from common.llama import idle_threads, single_thread  # noqa: E402
-from common.present import (Chart, Handout, Page, Ref, Row, Series, Table, Val, chart_figure, cols, plural,  # noqa: E402
-                            table_of)
+from common.present import (  # noqa: E402
+    Chart, Handout, Page, Ref, Row, Series, Table, Val, chart_figure, cols, plural, table_of)
 
 SENSITIVITY_STEPS = (1, 2, 4, 8)  # Part 1b: coarse steps for one layer's K+V, in units of its RMS
 SENSITIVITY_STEP = 4.0      # Part 1b: the coarse step for K alone and V alone
@@ -97,21 +97,20 @@ class Settings:
 # inputs each holds for: the record-world model's figures blank on another model, exercise 4's on
 # another distribution.
 RECORD = {"model": "record"}
+EX4_HANDOUT = {"ex4_probs": {0: 0.70, 1: 0.12, -1: 0.12, 2: 0.03, -2: 0.03}}   # the handout's distribution
 HANDOUT = Handout({
     "delta_ratio": Ref("2.4-2.9x (LLaMA)"),                       # §3.2: deltas' variance 2.4-2.9x smaller
     "sensitivity": Ref("shallow layers are the most sensitive"),  # §3.2, on LLaMA
     "entropy": Ref("up to 53% below one global table (LLaMA)"),   # §3.3
     "fp16": Ref("512 B", RECORD), "zlib": Ref("1.08x", RECORD), "6bit": Ref("no loss", RECORD),
     "recipe": Ref("worst accuracy", RECORD), "measured": Ref("no loss; 1.66x < 8-bit, 1.28x < 6-bit", RECORD),
-    "vs_8bit": Ref("1.66x", RECORD), "vs_6bit": Ref("1.28x", RECORD),
-    "coder": Ref("a fraction of a byte"), "level3": Ref("74%", RECORD),
-    "ex4_entropy_bits": Ref("1.40", {"ex4_probs": {0: 0.70, 1: 0.12, -1: 0.12, 2: 0.03, -2: 0.03}}),
-    "ex4_fixed_bits": Ref("3", {"ex4_probs": {0: 0.70, 1: 0.12, -1: 0.12, 2: 0.03, -2: 0.03}}),
+    "vs_8bit": Ref("1.66x", RECORD), "vs_6bit": Ref("1.28x", RECORD), "level3": Ref("74%", RECORD),
+    "coder": Ref("a fraction of a byte"),
+    "ex4_entropy_bits": Ref("1.40", EX4_HANDOUT), "ex4_fixed_bits": Ref("3", EX4_HANDOUT),
     # §3.4: CacheGen on LLaMA, and the slides' ranges
     "cachegen_vs_8bit": Ref("3.5-4.3x (LLaMA)"), "slides_kv": Ref("3-10x smaller KV"),
     "slides_transfer": Ref("2-8x faster transfer"),
 })
-
 
 
 # ------------------------------------------------------------------------------------- results
@@ -479,8 +478,8 @@ def entropy_table(entropy: dict, title: str) -> Table:
     """Part 1c: bits per value under each grouping of the tables, against one global table."""
     g0 = entropy["one global table"]
     return table_of(title, "§3.2", [("tables", 0), ("bits/value", 1, "{:.3f}", "entropy_bits.{row}"), (
-        "smaller than global", lambda g: None if g[0] == "one global table" else 1 - g[1] / g0, "{:+.1%}")], entropy.items(),
-                    f"{SCRIPT}.grouping_entropy", row_key=lambda g: g[0])
+        "smaller than global", lambda g: None if g[0] == "one global table" else 1 - g[1] / g0, "{:+.1%}")],
+                    entropy.items(), f"{SCRIPT}.grouping_entropy", row_key=lambda g: g[0])
 
 
 def headline_table(codecs: Codecs, model_name: str, source: str, s: Settings) -> Table:
@@ -510,8 +509,8 @@ def present_part1(page: Page, r: Record, s: Settings) -> None:
     acc = [x.kv[a] for x in sens.layers]
     low = int(np.argmin(acc))
     verdict = (f"every layer answers alike ({acc[0]:.1%})." if min(acc) == max(acc) else f"layer {low} loses the "
-               f"most ({acc[low]:.1%} answered): {'the shallowest, as on' if low == 0 else 'not the shallowest, unlike'}"
-               " LLaMA.")
+               f"most ({acc[low]:.1%} answered): "
+               + ("the shallowest, as on LLaMA." if low == 0 else "not the shallowest, unlike LLaMA."))
     page.table(Table(
         f"Part 1b (§3.2). Layer sensitivity: one layer rounded to steps of @ x its RMS, the rest exact (FP16: "
         f"{sens.fp16_accuracy:.2%});\nlast column: the coarsest steps (x RMS) the search kept."
@@ -621,7 +620,8 @@ def levels_table(c: Codecs, s: Settings) -> Table:
         "Quality levels (§4.2) of the measured codec (codec_study.codec_levels(), read by 03_streaming.py)", "§4.2",
         [("level (for 03)", "level", "level {}", "levels[].level"), *level_fields("{:g}x", "{:.1f}"),
          ("ratio to FP16", lambda lv: fp16 / lv.bytes_per_token, times2),
-         ("accuracy", "accuracy", pct2, "levels[].accuracy"), ("+- SE pts", lambda lv: 100 * se_of[lv.level], "{:.2f}")],
+         ("accuracy", "accuracy", pct2, "levels[].accuracy"),
+         ("+- SE pts", lambda lv: 100 * se_of[lv.level], "{:.2f}")],
         c.levels, "codec_study.codec_study", [note], handout=lambda lv: handout_figure(f"level{lv.level}", s))
 
 
@@ -719,7 +719,8 @@ def throughput_table(t: Throughput) -> Table:
 def present_exercise4(page: Page, r: Record, s: Settings) -> None:
     e, saving = r.ex4, r.ex4.fixed_bits - r.ex4.coded_bits_per_symbol
     page.exercise(4, "§3.3", "the entropy of a channel's quantized values, and a fixed-length code's bits")
-    probs = ", ".join(f"{v:+d}: {p:g}" if v else f"0: {p:g}" for v, p in sorted(s.ex4_probs.items(), key=lambda x: -x[1]))
+    probs = ", ".join(f"{v:+d}: {p:g}" if v else f"0: {p:g}"
+                      for v, p in sorted(s.ex4_probs.items(), key=lambda x: -x[1]))
     labels = {"entropy_bits": "entropy (bits/value)", "coded_bits_per_symbol": f"the coder on {s.ex4_samples:,} "
               "samples (bits/value)", "ideal_bits_per_symbol": "ideal under the coder's table (bits/value)",
               "fixed_bits": "fixed-length code (bits/value)", "roundtrip_exact": "round trip exact"}

@@ -51,8 +51,8 @@ import streaming as st  # noqa: E402
 from common import timemodel as tm  # noqa: E402
 from common.cli import Parser, fail, positive_float, positive_int, settings_from  # noqa: E402
 from common.gguf_llama import smollm2_or_explain  # noqa: E402
-from common.present import (DASH, Chart, Col, Handout, Page, Ref, Row, Series, Table, Val, change, chart_figure,  # noqa: E402
-                            cols, table_of)
+from common.present import (  # noqa: E402
+    DASH, Chart, Col, Handout, Page, Ref, Row, Series, Table, Val, change, chart_figure, cols, table_of)
 
 K = 1024
 # ---- Part 1 (§4.1)
@@ -594,10 +594,13 @@ def present_part1(page, s, r):
         f"{tm.kv_bytes_per_token(s.model) // 2:,} values/token (kv_bytes_per_token / 2).\nText = "
         f"{st.TEXT_BYTES_PER_TOKEN} B/token of token ids, then recompute ({p1.recompute_s:.2f} s for the whole "
         f"context in one batch, time model).\nLossless accuracy (raw, text) = {r.lossless:.3f}, {r.lossless_src}.",
-        "§4.1", [("option", "name"), ("bits/value", lambda o: None if o.recompute else o.bits_per_value, "{:.2f}",
-                                      "levels_bits_per_value.{row}"),
-                 ("GB / context", lambda o: o.bits_per_token * s.context / 8e9, "{:.3f}"), ("accuracy", "accuracy", "{:.3f}"),
-                 ("break-even vs text", lambda o: p1.breakeven.get(o.name), "{:.1f} Gb/s", "breakeven_gbit_per_s.{row}")],
+        "§4.1", [("option", "name"),
+                 ("bits/value", lambda o: None if o.recompute else o.bits_per_value, "{:.2f}",
+                  "levels_bits_per_value.{row}"),
+                 ("GB / context", lambda o: o.bits_per_token * s.context / 8e9, "{:.3f}"),
+                 ("accuracy", "accuracy", "{:.3f}"),
+                 ("break-even vs text", lambda o: p1.breakeven.get(o.name), "{:.1f} Gb/s",
+                  "breakeven_gbit_per_s.{row}")],
         p1.options, "03_streaming.part1", json={"llama31_70b_12k_recompute_s": p1.recompute_s},
         row_key=lambda o: None if o.recompute else o.name))
     lo, hi = (f"{f(b.vs_8bit for b in p1.rows):.1f}" for f in (min, max))
@@ -656,7 +659,8 @@ def present_part2(page, s, run, trace, levels_name):
                    f"recompute time on {s.n_gpus} GPUs.\nThe oracle knows the trace: meet the SLO, then recompute "
                    "least, then lose least.", "policies", "trace")
     steady(page, s, run.steady, "steady25_choices")
-    figure_trace(page, "03_trace_choices.png", run, trace, s.slo, f"Trace and each chunk's choice ({levels_name} levels)")
+    figure_trace(page, "03_trace_choices.png", run, trace, s.slo,
+                 f"Trace and each chunk's choice ({levels_name} levels)")
 
 
 def present_part2_long(page, s, run, trace):
