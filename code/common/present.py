@@ -558,3 +558,103 @@ def segment_bars(page: Page, name: str, bars: dict, colors: dict, xlabel: str, t
         ax.set(yticks=range(len(bars)), yticklabels=list(bars), xlabel=xlabel)
         ax.set_title(title, fontsize=9)
         ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], **(legend or {}))
+
+
+# ----------------------------------------------------------------------------- rows from results
+def pick(item, get):
+    """The value `get` names in `item`: a function of it, an index (of a tuple), or a dotted path of
+    attributes and dict keys ("adaptive.ttft_s", "ttft.level0")."""
+    if callable(get):
+        return get(item)
+    if isinstance(get, int):
+        return item[get]
+    for name in get.split("."):
+        item = item[name] if isinstance(item, dict) else getattr(item, name)
+    return item
+
+
+def table_of_items(title: str, section: str, fields: list, items, source: str = "", notes=(), json=None,
+             row_key=None, handout=None) -> Table:
+    """A table whose rows build themselves from a list of results (dataclasses or dicts): `fields` are
+    (header, get[, fmt[, key[, scale]]]) tuples, each column's cell read from each item by `pick`;
+    `row_key(item)` names a row in the `--json` dicts ("{row}" of a key), `handout(item)` gives its handout
+    figure."""
+    return Table(title, section, [Col(header, *spec) for header, _, *spec in fields],
+                 [Row([pick(item, f[1]) for f in fields], handout(item) if handout else None,
+                      row_key(item) if row_key else None) for item in items], source, list(notes), dict(json or {}))
+
+
+def plural(n: int, word: str, fmt: str = "{:,}") -> str:
+    """'1 stream', '3 streams': a count and its noun."""
+    return f"{fmt.format(n)} {word}{'s' * (n != 1)}"
+
+
+# ----------------------------------------------------------------------------- a figure as data
+@dataclass
+class Series:
+    """One series of a chart: y over x, its legend label, how it is drawn ("line"; "step": held until the
+    next x, as a trace or a CDF; "bar": side by side with the chart's other bar series at category
+    positions x; "scatter") and matplotlib's style keywords (color, ls, marker, ...)."""
+    x: Any
+    y: Any
+    label: str | None = None
+    kind: str = "line"
+    style: dict = field(default_factory=dict)
+
+
+@dataclass
+class Chart:
+    """One panel described by data: its series, axis labels and scales, the handout's range as a grey band
+    (lo, hi, label), reference lines across it (hlines at y, vlines at x: (value, style) pairs), the grid's
+    ticks ("major" or "both"), the legend's keywords (None: no legend) and any further `ax.set` settings."""
+    series: list
+    xlabel: str = ""
+    ylabel: str = ""
+    title: str = ""
+    xscale: str = "linear"
+    yscale: str = "linear"
+    band: tuple | None = None
+    hlines: list = field(default_factory=list)
+    vlines: list = field(default_factory=list)
+    grid: str = "major"
+    legend: dict | None = field(default_factory=dict)
+    minor_ticks: bool = True
+    axes: dict = field(default_factory=dict)
+
+
+def draw_chart(ax, c: Chart) -> None:
+    """Draw one Chart on matplotlib axes."""
+    bars = [s for s in c.series if s.kind == "bar"]
+    for s in c.series:
+        if s.kind == "bar":
+            i, w = bars.index(s), 0.8 / len(bars)
+            ax.bar([x + (i - (len(bars) - 1) / 2) * w for x in s.x], s.y, w, label=s.label, **s.style)
+        elif s.kind == "step":
+            ax.step(s.x, s.y, where="post", label=s.label, **s.style)
+        elif s.kind == "scatter":
+            ax.scatter(s.x, s.y, label=s.label, **s.style)
+        else:
+            ax.plot(s.x, s.y, label=s.label, **s.style)
+    if c.band:
+        ax.axhspan(c.band[0], c.band[1], color="0.85", label=c.band[2], zorder=0)
+    for y, style in c.hlines:
+        ax.axhline(y, **style)
+    for x, style in c.vlines:
+        ax.axvline(x, **style)
+    ax.set(xscale=c.xscale, yscale=c.yscale, **{k: v for k, v in (("xlabel", c.xlabel), ("ylabel", c.ylabel),
+                                                                  ("title", c.title)) if v}, **c.axes)
+    ax.grid(alpha=0.3, which=c.grid)
+    if not c.minor_ticks:
+        ax.minorticks_off()
+    if c.legend is not None:
+        ax.legend(**c.legend)
+
+
+def chart_figure(page: Page, name: str, charts: list, title: str = "", ncols: int = 1, **kw) -> None:
+    """A figure of one or more Charts, `ncols` panels a row, drawn and saved through `page.figure` (kw: its
+    figsize, sharex, ...); nothing is drawn with plotting off."""
+    nrows = -(-len(charts) // ncols)
+    with page.figure(name, title, nrows=nrows, ncols=ncols, squeeze=False, **kw) as (fig, axes):
+        if axes is not None:
+            for i, c in enumerate(charts):
+                draw_chart(axes[i // ncols][i % ncols], c)
