@@ -453,3 +453,70 @@ def pyplot():
     plt.rcParams.update({"axes.grid": True, "grid.alpha": 0.3, "axes.titlesize": 10, "legend.fontsize": 8,
                          "figure.dpi": 120})
     return plt
+
+
+# ----------------------------------------------------------------------------- a figure as data
+@dataclass
+class Line:
+    """One line of a figure: its points (a y of None leaves a gap), its legend label (None: not in the
+    legend) and its matplotlib style (color, ls, marker, ...)."""
+    x: list
+    y: list
+    label: str | None = None
+    style: dict = field(default_factory=dict)
+
+
+@dataclass
+class Mark:
+    """A reference line across a figure at one value (chance, a floor, the handout's share): vertical
+    where it marks an x, horizontal where it marks a y."""
+    at: float
+    label: str | None = None
+    vertical: bool = False
+    style: dict = field(default_factory=lambda: {"color": "gray", "ls": ":", "lw": 1})
+
+
+def line_figure(page: Page, name: str, title: str, lines: list[Line], xlabel: str, ylabel: str,
+                marks: list[Mark] = (), figsize=(6.4, 4.2), legend: dict | None = None, **axes) -> None:
+    """A figure of lines described by data: each Line, then each Mark, the axis labels and any other axis
+    setting (`ylim=(0, 100)`, `yscale="log"`), a legend of the labelled ones (`legend`: its options)."""
+    with page.figure(name, title, figsize) as (_, ax):
+        if ax is None:
+            return
+        for ln in lines:
+            ax.plot(ln.x, [math.nan if v is None else v for v in ln.y], label=ln.label, **ln.style)
+        for m in marks:
+            (ax.axvline if m.vertical else ax.axhline)(m.at, label=m.label, **m.style)
+        ax.set(xlabel=xlabel, ylabel=ylabel, **axes)
+        ax.legend(**(legend or {}))
+
+
+@dataclass
+class Bars:
+    """One panel of horizontal bars, the first on top: a label and a value per bar, the bars' colours,
+    how a value is written at its bar's end (None: not written), the panel's title."""
+    labels: list
+    values: list
+    colors: list | None = None
+    fmt: str | None = None
+    title: str = ""
+
+
+def bar_figure(page: Page, name: str, title: str, panels: list[Bars], xlabel: str, figsize=None, **axes) -> None:
+    """Panels of bars side by side, described by data (`axes`: settings every panel shares, e.g. xscale)."""
+    n = len(panels)
+    with page.figure(name, title, figsize or (5 * n, 3.8), ncols=n, squeeze=False) as (_, axs):
+        if axs is None:
+            return
+        for ax, p in zip(axs[0], panels):
+            ax.barh(p.labels, p.values, color=p.colors)
+            for y, v in enumerate(p.values if p.fmt else []):
+                ax.text(v, y, p.fmt.format(v), va="center", fontsize=8)
+            ax.set(xlabel=xlabel, title=p.title, **axes)
+            ax.invert_yaxis()
+
+
+def fact(label: str, value, key: str | None = None, fmt: Fmt | None = None, handout: Ref | str | None = None) -> Row:
+    """One row of a "quantity | ours | handout" table: the label, our value (stored in `--json` under `key`
+    when it has one, written with `fmt` when it has its own) and the handout's figure beside it."""
+    return Row([label, Val(value, key, fmt)], handout)

@@ -80,7 +80,8 @@ from common.city import city_model  # noqa: E402
 from common.cli import (Parser, fail, fraction, nonneg_float, positive_float, positive_int,  # noqa: E402
                         settings_from)
 from common.llama import KVCache, idle_threads, kl_divergence, shift_kv, single_thread  # noqa: E402
-from common.present import DASH, Col, Handout, Page, Ref, Row, Table, Val, change, cols, handout_text  # noqa: E402
+from common.present import (DASH, Col, Handout, Line, Page, Ref, Row, Table, Val, change, cols, handout_text,  # noqa: E402
+                            fact, line_figure)
 
 # ---- §5.1 (Part 0): prefix caching against full reuse and CacheBlend, k retrieved chunks (of Part 4's RAG size)
 PREFIX_KS = list(range(1, 11))            # k chunks of RAG_CHUNK_TOKENS + the question; CacheBlend at MIN_RATIO
@@ -253,30 +254,29 @@ def above(x: float, y: float) -> str:
 
 
 # ============================================================================ §5.1 Part 0: prefix caching
+HOWS = ("prefix", "reuse", "blend")       # the three ways to use stored KV against k chunks
+
+
 def part0_prefix(s: Settings, page: Page) -> pc.PrefixStudy:
     """§5.1 on the time model: prefix caching, full reuse and CacheBlend against k chunks (prefix_caching.py)."""
     st = pc.time_model(s.systems, s.gpu, {d: s.devices[d] for d in s.prefix_devices}, s.prefix_ks,
                        s.rag_chunk_tokens, s.rag_question, s.min_ratio)
     page.part("Part 0", "§5.1", f"Prefix caching is not enough: k retrieved chunks, only the first a prefix "
                                 f"({s.gpu}, time model)")
-    last, r = st.devices[-1], f"{s.min_ratio:.0%}"
     for m, x in st.systems.items():
-        rows = [Row([k, 1e3 * x.full_ttft_s[i]] + [1e3 * by[d][i] for by in (x.prefix_ttft_s, x.reuse_ttft_s,
-                                                                               x.blend_ttft_s) for d in st.devices])
+        by = {how: getattr(x, f"{how}_ttft_s") for how in HOWS}      # method -> device -> TTFT per k
+        rows = [Row([k, 1e3 * x.full_ttft_s[i], *[1e3 * by[how][d][i] for how in HOWS for d in st.devices]])
                 for i, k in enumerate(st.ks)]
         show(page, Table(f"{tm.get_model(m).name} ({tm.get_model(m).tag}) on {x.n_gpus} x {s.gpu}: TTFT (ms) of k "
                          f"chunks x {st.chunk_tokens} tokens + a {st.question}-token question; the KV read from "
-                         f"{' or '.join(st.devices)}, pipelined (CacheBlend recomputes {r})", "§5.1",
+                         f"{' or '.join(st.devices)}, pipelined (CacheBlend recomputes {s.min_ratio:.0%})", "§5.1",
                          cols(("k", "{}", "prefix_k"), ("full prefill", "{:.0f}"),
-                              *[(f"{how} {d}", "{:.0f}") for how in ("prefix", "reuse", "blend") for d in st.devices]),
-                         rows, "prefix_caching.system_prefix", json={
-                             "full_ttft_s": {m: x.full_ttft_s}, **{f"{how}_ttft_s": {m: by[last]} for how, by in (
-                                 ("prefix", x.prefix_ttft_s), ("reuse", x.reuse_ttft_s), ("blend", x.blend_ttft_s))},
-                             **{f"{how}_ttft_by_device_s": {m: by} for how, by in (
-                                 ("prefix", x.prefix_ttft_s), ("reuse", x.reuse_ttft_s), ("blend", x.blend_ttft_s))}}))
+                              *[(f"{how} {d}", "{:.0f}") for how in HOWS for d in st.devices]),
+                         rows, "prefix_caching.system_prefix", json={"full_ttft_s": {m: x.full_ttft_s}, **{
+                             f"{how}_ttft{part}_s": {m: v} for how in HOWS
+                             for part, v in (("", by[how][st.devices[-1]]), ("_by_device", by[how]))}}))
     present_saved_share(st, s, page)
-    if page.plot:
-        prefix_figure(st, s, page)
+    prefix_figure(st, s, page)
     return st
 
 
@@ -289,36 +289,31 @@ def saved_verdict(name: str, shares: list) -> str:
 
 
 def present_saved_share(st: pc.PrefixStudy, s: Settings, page: Page) -> None:
-    r = f"{s.min_ratio:.0%}"
+    r, names = f"{s.min_ratio:.0%}", {m: tm.get_model(m).name for m in st.systems}
     methods = (("prefix caching", "prefix", h("prefix_fewer", s)), ("full reuse", "reuse", None),
                (f"CacheBlend {r}", "blend", h("blend_recompute", s)))
-    rows = [Row([f"{tm.get_model(m).name} {label}", *getattr(x, f"{how}_saved_share")], ref)
+    rows = [Row([f"{names[m]} {label}", *getattr(x, f"{how}_saved_share")], ref)
             for m, x in st.systems.items() for label, how, ref in methods]
-    notes = ["; ".join(saved_verdict(f"{tm.get_model(m).name}: prefix caching", x.prefix_saved_share) + ", "
-                       + saved_verdict(f"CacheBlend {r}", x.blend_saved_share) for m, x in st.systems.items())
-             + f". Only the first chunk can be a prefix, so prefix caching prefills the other k - 1; CacheBlend "
-             f"recomputes {r} of every chunk wherever it sits, full reuse none (and loses what the chunks would "
-             "have seen of each other, §5.2)."]
+    verdicts = "; ".join(f"{saved_verdict(f'{names[m]}: prefix caching', x.prefix_saved_share)}, "
+                         f"{saved_verdict(f'CacheBlend {r}', x.blend_saved_share)}" for m, x in st.systems.items())
     show(page, Table("Share of full prefill's GPU time each method does not spend, by k", "§5.1",
                      cols("method", *[(f"k={k}", "{:.0%}") for k in st.ks]), rows, "prefix_caching.system_prefix",
-                     notes, {"prefix_k": st.ks, **{f"{how}_saved_share": {m: getattr(x, f"{how}_saved_share")
-                                                                          for m, x in st.systems.items()}
-                                                   for how in ("prefix", "reuse", "blend")}}))
+                     [f"{verdicts}. Only the first chunk can be a prefix, so prefix caching prefills the other k - 1; "
+                      f"CacheBlend recomputes {r} of every chunk wherever it sits, full reuse none (and loses what the "
+                      "chunks would have seen of each other, §5.2)."],
+                     {"prefix_k": st.ks, **{f"{how}_saved_share": {m: getattr(x, f"{how}_saved_share")
+                                                                   for m, x in st.systems.items()} for how in HOWS}}))
 
 
 def prefix_figure(st: pc.PrefixStudy, s: Settings, page: Page) -> None:
-    ref = HANDOUT("prefix_fewer", s)
-    title = (f"§5.1: share of full prefill's GPU time saved\n(k chunks of {st.chunk_tokens} tokens"
-             + (f"; handout: {ref.figure})" if ref else ")"))
-    with page.figure("04_prefix_caching.png", title, (6.4, 4.2)) as (_, ax):
-        for (m, x), mark in zip(st.systems.items(), ("o", "x", "s", "^")):
-            name, hollow = tm.get_model(m).name, dict(mfc="none", ms=8) if mark == "o" else {}
-            for how, color, ls, label in (("prefix", "tab:red", "-", "prefix caching"),
-                                          ("blend", "tab:blue", "--", f"CacheBlend {s.min_ratio:.0%}")):
-                ax.plot(st.ks, [100 * v for v in getattr(x, f"{how}_saved_share")], marker=mark, color=color, ls=ls,
-                        label=f"{name}, {label}", **hollow)
-        ax.set(xlabel="k retrieved chunks", ylabel="% of full prefill's GPU time saved", ylim=(0, 100))
-        ax.legend()
+    ref, methods = HANDOUT("prefix_fewer", s), (("prefix", "tab:red", "-", "prefix caching"),
+                                                ("blend", "tab:blue", "--", f"CacheBlend {s.min_ratio:.0%}"))
+    lines = [Line(st.ks, [100 * v for v in getattr(x, f"{how}_saved_share")], f"{tm.get_model(m).name}, {label}",
+                  dict(marker=mark, color=color, ls=ls, **(dict(mfc="none", ms=8) if mark == "o" else {})))
+             for (m, x), mark in zip(st.systems.items(), "oxs^") for how, color, ls, label in methods]
+    line_figure(page, "04_prefix_caching.png", f"§5.1: share of full prefill's GPU time saved\n(k chunks of "
+                f"{st.chunk_tokens} tokens" + (f"; handout: {ref.figure})" if ref else ")"), lines,
+                "k retrieved chunks", "% of full prefill's GPU time saved", ylim=(0, 100))
 
 
 # ============================================================================ §5.1, exercise 5
@@ -400,20 +395,24 @@ def exercise5(d: CityDocs, lang, s: Settings, page: Page) -> None:
     e, rotated = shift_check(d, s.city_chunk_len, s.ex5_shift), city_losses(d, lang, s.city_chunk_len)
     page.exercise(5, "§5.1", f"a chunk's KV computed at position 0, moved to position {e.shift} (city model, "
                              "all layers)")
-    tiny = 1e-3 * e.k_max_abs               # a difference this small is rounding
-    note = (f"K must rotate once more by {e.shift} x theta (RoPE rotations add)" if e.k_rotated_max_diff < tiny
+    at = f"computed at {e.shift}"
+    show(page, Table("", "§5.1", cols("quantity", ("max |difference|", "{:.1e}")), [
+        fact(f"K at 0 rotated by {e.shift} (shift_kv) vs K {at}", e.k_rotated_max_diff, "ex5.k_rotated_max_diff"),
+        fact(f"K at 0, not rotated, vs K {at}", e.k_unrotated_max_diff, "ex5.k_unrotated_max_diff", "{:.2f}"),
+        fact(f"V at 0 vs V {at}", e.v_max_diff, "ex5.v_max_diff"),
+        fact("(largest |K| value, for scale)", e.k_max_abs, "ex5.k_max_abs", "{:.2f}")],
+        "04_cacheblend.shift_check", [shift_note(e, rotated)],
+        {"ex5.shift": e.shift, "ex5.ce_unrotated": e.ce_unrotated, "ex5.kl_unrotated": e.kl_unrotated}))
+
+
+def shift_note(e: Shift, rotated: City) -> str:
+    """What exercise 5's differences say (a difference under a thousandth of the largest |K| is rounding)."""
+    tiny = 1e-3 * e.k_max_abs
+    return (f"K must rotate once more by {e.shift} x theta (RoPE rotations add)" if e.k_rotated_max_diff < tiny
             < e.k_unrotated_max_diff else f"rotating K by {e.shift} x theta does not give K computed there") + (
         "; V never passes through RoPE, so it is reused as it is" if e.v_max_diff < tiny else "; V differs too") + (
         f". Full reuse with unrotated K: question cross-entropy {e.ce_unrotated:.4f} (rotated: "
         f"{rotated.ce_reuse:.4f}), KL from full prefill {e.kl_unrotated:.4f} (rotated: {rotated.kl:.5f}).")
-    at = f"computed at {e.shift}"
-    show(page, Table("", "§5.1", cols("quantity", ("max |difference|", "{:.1e}")), [
-        Row([f"K at 0 rotated by {e.shift} (shift_kv) vs K {at}", Val(e.k_rotated_max_diff, "ex5.k_rotated_max_diff")]),
-        Row([f"K at 0, not rotated, vs K {at}", Val(e.k_unrotated_max_diff, "ex5.k_unrotated_max_diff", "{:.2f}")]),
-        Row([f"V at 0 vs V {at}", Val(e.v_max_diff, "ex5.v_max_diff")]),
-        Row(["(largest |K| value, for scale)", Val(e.k_max_abs, "ex5.k_max_abs", "{:.2f}")])],
-        "04_cacheblend.shift_check", [note], {"ex5.shift": e.shift, "ex5.ce_unrotated": e.ce_unrotated,
-                                              "ex5.kl_unrotated": e.kl_unrotated}))
 
 
 # ============================================================================ §5.2 Part 1: the city language
@@ -421,23 +420,24 @@ def part1_city(d: CityDocs, lang, s: Settings, page: Page) -> None:
     c = city_losses(d, lang, s.city_chunk_len)
     page.part("Part 1", "§5.2", f"City language: {s.city_chunks} chunks x {s.city_chunk_len} tokens + a question of "
                                 f"{s.city_chunk_len} tokens, {s.city_docs} documents")
-    gap, ref, lossless = c.ce_full - c.entropy, HANDOUT("city_ce_full", s), c.kl < 1e-3
+    show(page, Table("Independent sentences: reuse loses " + ("nothing." if c.kl < 1e-3 else f"{c.kl:.4f} nats (KL)."),
+                     "§5.2", cols("city language", ("ours", "{:.4f}")), [
+        fact("cross-entropy, full prefill (nats/token)", c.ce_full, "city_ce_full", handout=h("city_ce_full", s)),
+        fact("cross-entropy, full reuse (nats/token)", c.ce_reuse, "city_ce_reuse", handout=h("city_ce_reuse", s)),
+        fact("KL(full prefill || full reuse)", c.kl, "city_kl", "{:.5f}", h("city_kl", s)),
+        fact("true entropy of words 2-8 (nats/token)", c.entropy)], "04_cacheblend.city_losses", [city_note(c, s)]))
+
+
+def city_note(c: City, s: Settings) -> str:
+    """Where our cross-entropies sit against the language's own entropy and the handout's, and whether
+    reuse equals prefill (KL under a thousandth)."""
+    gap, ref = c.ce_full - c.entropy, HANDOUT("city_ce_full", s)
     sits = (f"sits {'on' if abs(gap) < 0.01 else f'{gap:+.4f} nats/token off'} its own language's entropy (ours "
             f"{c.ce_full:.4f} vs a true {c.entropy:.4f} nats/token")
-    note = (f"Our city language is not the handout's, so the cross-entropies differ: each model {sits}; the "
+    return (f"Our city language is not the handout's, so the cross-entropies differ: each model {sits}; the "
             f"handout's {ref.figure} is near ln 2 = {math.log(2):.4f}, one coin flip a word)" if ref else
-            f"Our model {sits})") + (
-        f". What carries over is reuse = prefill: KL {c.kl:.5f}." if lossless else
-        f". Reuse is not prefill: KL {c.kl:.5f}.")
-    show(page, Table("Independent sentences: reuse loses " + ("nothing." if lossless else f"{c.kl:.4f} nats (KL)."),
-                     "§5.2", cols("city language", "ours"), [
-        Row(["cross-entropy, full prefill (nats/token)", Val(c.ce_full, "city_ce_full", "{:.4f}")],
-            h("city_ce_full", s)),
-        Row(["cross-entropy, full reuse (nats/token)", Val(c.ce_reuse, "city_ce_reuse", "{:.4f}")],
-            h("city_ce_reuse", s)),
-        Row(["KL(full prefill || full reuse)", Val(c.kl, "city_kl", "{:.5f}")], h("city_kl", s)),
-        Row(["true entropy of words 2-8 (nats/token)", Val(c.entropy, fmt="{:.4f}")])],
-        "04_cacheblend.city_losses", [note]))
+            f"Our model {sits})") + (f". What carries over is reuse = prefill: KL {c.kl:.5f}." if c.kl < 1e-3 else
+                                     f". Reuse is not prefill: KL {c.kl:.5f}.")
 
 
 # ============================================================================ the record world's model (§0.4)
