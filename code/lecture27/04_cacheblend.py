@@ -81,7 +81,7 @@ from common.cli import (Parser, fail, fraction, nonneg_float, positive_float, po
                         settings_from)
 from common.llama import KVCache, idle_threads, kl_divergence, shift_kv, single_thread  # noqa: E402
 from common.present import (DASH, Col, Handout, Line, Page, Ref, Row, Table, Val, change, cols, handout_text,  # noqa: E402
-                            fact, line_figure)
+                            Mark, fact, line_figure)
 
 # ---- §5.1 (Part 0): prefix caching against full reuse and CacheBlend, k retrieved chunks (of Part 4's RAG size)
 PREFIX_KS = list(range(1, 11))            # k chunks of RAG_CHUNK_TOKENS + the question; CacheBlend at MIN_RATIO
@@ -448,23 +448,28 @@ def cache_loaded(name: str) -> bool:
 
 def record_world_model(s: Settings, page: Page):
     """The record-world LLaMA: trained once, then loaded; what the cache holds about its training."""
+    model, meta = trained_record_model(s)
+    m, loc = meta["metrics"], meta["ident"]["train"]["locality"]
+    how = f"trained {m['steps']} steps in {m['train_seconds']:.0f} s"
+    page.say("\nrecord world model: " + (f"loaded from code/checkpoints/ ({how} when it was cached)"
+                                           if cache_loaded("records") else how)
+             + f", accuracy crossed 50% at step {m['drop_step']} (handout: {HANDOUT.figure('train', s)}); held-out "
+             f"{m['heldout_acc']:.2%} on {m['heldout_questions']} questions; locality penalty {loc}"
+             + (f" from step {m['locality_from_step']}" if loc else ""))
+    page.data(train_seconds=m["train_seconds"], drop_step=m["drop_step"], heldout_acc=m["heldout_acc"])
+    if page.plot:
+        plot_training(meta, path := page.figure_path("04_record_world_training.png"))
+        page.add_figure(path)
+    return model
+
+
+def trained_record_model(s: Settings):
+    """record_model(...) of the run's seed and locality; a training that fails stops the run with its message."""
     try:
-        model, meta = record_model(s.retrain, s.seed, locality=s.locality)
+        return record_model(s.retrain, s.seed, locality=s.locality)
     except TrainingFailed as e:
         print(f"\n!!! {e}\n", file=sys.stderr)
         sys.exit(1)
-    m, loc = meta["metrics"], meta["ident"]["train"]["locality"]
-    how = (f"loaded from code/checkpoints/ (trained {m['steps']} steps in {m['train_seconds']:.0f} s when it was "
-           "cached)" if cache_loaded("records") else f"trained {m['steps']} steps in {m['train_seconds']:.0f} s")
-    page.say(f"\nrecord world model: {how}, accuracy crossed 50% at step {m['drop_step']} (handout: "
-             f"{HANDOUT.figure('train', s)}); held-out {m['heldout_acc']:.2%} on {m['heldout_questions']} questions; "
-             f"locality penalty {loc}" + (f" from step {m['locality_from_step']}" if loc else ""))
-    page.data(train_seconds=m["train_seconds"], drop_step=m["drop_step"], heldout_acc=m["heldout_acc"])
-    if page.plot:
-        path = page.figure_path("04_record_world_training.png")
-        plot_training(meta, path)
-        page.add_figure(path)
-    return model
 
 
 # ============================================================================ §5.2-5.3 Part 2: records
@@ -514,12 +519,11 @@ def part2_records(model, s: Settings, page: Page) -> RecordRun:
     r, ids, n_unsplit = f"{s.ratio:.0%}", run.split_ids, run.rec.answers.numel() - run.n_split
     page.part("Part 2", "§5.2, §5.3", "Record world: full reuse, CacheBlend and random picks of the same size")
     label = {"full": "full prefill", "reuse": "full reuse", "blend": f"CacheBlend {r}", "random": f"random {r}"}
-    key = {"full": "full", "reuse": "reuse", "blend": f"blend{pk(s.ratio)}", "random": f"random{pk(s.ratio)}"}
-    split_ref = {"full": h("split_full", s), "reuse": h("split_reuse", s), "blend": h(f"blend_c{s.chunk_len}", s),
-                 "random": h("split_random", s)}
+    ref = {"full": "split_full", "reuse": "split_reuse", "blend": f"blend_c{s.chunk_len}", "random": "split_random"}
     rows = [Row([label[m], run.acc[m].split, Val(run.acc[m].unsplit, f"unsplit_acc_{m}" if m in ("full", "reuse")
-                                                  else None), handout_text(split_ref[m]),
-                 handout_text(h("unsplit_reuse", s) if m == "reuse" else None)], key=key[m]) for m in METHODS]
+                                                  else None), handout_text(h(ref[m], s)),
+                 handout_text(h("unsplit_reuse", s) if m == "reuse" else None)],
+                key=m if m in ("full", "reuse") else m + pk(s.ratio)) for m in METHODS]
     show(page, Table(f"Record world, chunks of {s.chunk_len}: split records {ids} (values at positions "
                      f"{[2 * i + 1 for i in ids]});\n{run.n_split} questions on split records, {n_unsplit} on "
                      f"unsplit; chance 1/{N_RECORDS} = {1 / N_RECORDS:.1%}.", "§5.2, §5.3",
@@ -567,19 +571,25 @@ def split_at(model, run: RecordRun, chunk_len: int, s: Settings) -> SplitAt:
 
 def exercise6(model, run: RecordRun, s: Settings, page: Page) -> None:
     e = split_at(model, run, s.ex6_chunk_len, s)
-    c, ids, bounds = e.chunk_len, e.split_records, range(e.chunk_len, DOC_LEN, e.chunk_len)
-    page.exercise(6, "§5.2", f"chunk length {c}: how many records are split, and full reuse's accuracy")
+    page.exercise(6, "§5.2", f"chunk length {e.chunk_len}: how many records are split, and full reuse's accuracy")
+    show(page, Table("", "§5.2", cols("exercise 6", ("ours", pct)), [
+        fact(f"records split by chunks of {e.chunk_len}", e.split_records, "ex6.split_records",
+             lambda x: f"{len(x)} {x}", h("ex6_split", s)),
+        fact("full reuse: accuracy on every question", e.reuse_acc, "ex6.reuse_acc", handout=h("ex6_reuse", s)),
+        fact("full prefill: accuracy on every question", e.full_acc, "ex6.full_acc")],
+        "04_cacheblend.split_at", [split_note(e)],
+        {"ex6.chunk_len": e.chunk_len, "ex6.reuse_equals_full": e.reuse_equals_full}))
+
+
+def split_note(e: SplitAt) -> str:
+    """Why records are (or are not) split at this chunk length, and whether full reuse answers as full prefill."""
+    bounds = range(e.chunk_len, DOC_LEN, e.chunk_len)
     where = ("every boundary falls on a key (an even position)" if all(b % 2 == 0 for b in bounds) else
              f"boundaries {list(bounds)} fall on values too")
-    note = (f"{where}, so no record is split" if not ids else f"{where}: records {ids} are split") + (
+    return (f"{where}, so no record is split" if not e.split_records else
+            f"{where}: records {e.split_records} are split") + (
         f"; full reuse answers {'exactly as' if e.reuse_equals_full else 'NOT as'} full prefill does "
         f"({pct(e.reuse_acc)} vs {pct(e.full_acc)}).")
-    show(page, Table("", "§5.2", cols("exercise 6", ("ours", pct)), [
-        Row([f"records split by chunks of {c}", Val(ids, "ex6.split_records", lambda x: f"{len(x)} {x}")],
-            h("ex6_split", s)),
-        Row(["full reuse: accuracy on every question", Val(e.reuse_acc, "ex6.reuse_acc")], h("ex6_reuse", s)),
-        Row(["full prefill: accuracy on every question", Val(e.full_acc, "ex6.full_acc")])],
-        "04_cacheblend.split_at", [note], {"ex6.chunk_len": c, "ex6.reuse_equals_full": e.reuse_equals_full}))
 
 
 # ============================================================================ §5.3 Part 3: insights
@@ -667,23 +677,22 @@ def part3_insights(model, run: RecordRun, s: Settings, page: Page) -> Part3:
     p = insights_and_curve(model, run, s)
     f, L, r, top = p.insights, p.insights.deviation.shape[0], f"{s.ratio:.0%}", pk(s.top_share)
     page.part("Part 3", "§5.3", "The two insights, and the compute-quality curve")
-    corrs = lambda xs: " ".join(f"{x:.2f}" for x in xs)  # noqa: E731
-    rows = [Row([f"document tokens' attention on other tokens, layers 0-{L - 1}",
-                 Val(p.elsewhere, "doc_attention_elsewhere", pcts)]),
-            Row([f"top {s.top_share:.0%} of tokens: share of KV deviation (layers 1-{L - 1})",
-                 Val(f.top_share, f"top{top}_deviation_share")], h("top_share", s)),
-            Row([f"  per layer {', '.join(map(str, range(1, L)))}", Val(f.top_per_layer, f"top{top}_per_layer", pcts)]),
-            Row([f"rank correlation of deviation, layers {', '.join(f'{i}-{i + 1}' for i in range(1, L - 1))}",
-                 Val(f.rank_corr, "adjacent_layer_rank_corr", corrs)], h("rank_corr", s)),
-            Row(["  layer-0 attention dev. vs layer-1 KV dev.", Val(f.layer0_vs_layer1, fmt="{:.2f}")]),
-            Row([f"layer-0 picks ({r}) covering chunk-initial values", Val(f.layer0_coverage, "layer0_pick_coverage")],
-                h("layer0_coverage", s)),
-            Row([f"chunk-initial values' share of the deviation, layers 1-{L - 1}",
-                 Val(f.first_value_share, fmt=pcts)])]
-    rows += [Row([f"chunk length {n}: CacheBlend {r} on split records", acc], h(f"blend_c{n}", s, chunk_len=n))
-             for n, acc in p.blend_at_ratio.items()]
-    rows.append(Row([f"lowest ratio recovering >= {s.recover:.0%} of split records, chunk length "
-                     + " / ".join(map(str, s.curve_chunk_lens)), " / ".join(pct(x) for x in p.lowest.values())]))
+    layers = lambda a, b: ", ".join(map(str, range(a, b)))  # noqa: E731
+    rows = [fact(f"document tokens' attention on other tokens, layers 0-{L - 1}", p.elsewhere,
+                 "doc_attention_elsewhere", pcts),
+            fact(f"top {s.top_share:.0%} of tokens: share of KV deviation (layers 1-{L - 1})", f.top_share,
+                 f"top{top}_deviation_share", handout=h("top_share", s)),
+            fact(f"  per layer {layers(1, L)}", f.top_per_layer, f"top{top}_per_layer", pcts),
+            fact(f"rank correlation of deviation, layers {', '.join(f'{i}-{i + 1}' for i in range(1, L - 1))}",
+                 f.rank_corr, "adjacent_layer_rank_corr", lambda xs: " ".join(f"{x:.2f}" for x in xs), h("rank_corr", s)),
+            fact("  layer-0 attention dev. vs layer-1 KV dev.", f.layer0_vs_layer1, fmt="{:.2f}"),
+            fact(f"layer-0 picks ({r}) covering chunk-initial values", f.layer0_coverage, "layer0_pick_coverage",
+                 handout=h("layer0_coverage", s)),
+            fact(f"chunk-initial values' share of the deviation, layers 1-{L - 1}", f.first_value_share, fmt=pcts),
+            *[fact(f"chunk length {n}: CacheBlend {r} on split records", acc, handout=h(f"blend_c{n}", s, chunk_len=n))
+              for n, acc in p.blend_at_ratio.items()],
+            fact(f"lowest ratio recovering >= {s.recover:.0%} of split records, chunk length "
+                 + " / ".join(map(str, s.curve_chunk_lens)), " / ".join(pct(x) for x in p.lowest.values()))]
     show(page, Table(f"chunks of {s.chunk_len}; deviation = precomputed chunks' KV minus full prefill's, per layer",
                      "§5.3", cols("insight", ("ours", pct)), rows, "04_cacheblend.insights",
                      json={f"chunk3_blend{pk(s.ratio)}": p.blend_at_ratio.get(3)}))
@@ -693,40 +702,39 @@ def part3_insights(model, run: RecordRun, s: Settings, page: Page) -> Part3:
                                                                   for how in ("blend", "random")]),
                      [Row([x] + [acc[i] for n in c.blend for acc in (c.blend[n], c.random[n])])
                       for i, x in enumerate(c.ratios)], "04_cacheblend.curve", json={"curve": c.json()}))
-    if page.plot:
-        curve_figure(c, s, page)
-        concentration_figure(f.deviation, s, page)
+    curve_figure(c, s, page)
+    concentration_figure(f.deviation, s, page)
     return p
 
 
 def curve_figure(c: Curve, s: Settings, page: Page) -> None:
-    with page.figure("04_compute_quality.png", "compute vs quality: recomputing the right tokens", (6.4, 4)) as (_, ax):
-        for n in c.blend:
-            for how, accs, mark, ls in (("CacheBlend (deviation)", c.blend[n], "o", "-"),
-                                        ("random tokens", c.random[n], "x", "--")):
-                ax.plot([100 * r for r in c.ratios], [math.nan if a is None else 100 * a for a in accs], marker=mark,
-                        ls=ls, color={3: "tab:purple", 5: "tab:blue"}.get(n, "gray"), label=f"chunk length {n}, {how}")
-        ax.axhline(100 / N_RECORDS, color="gray", ls=":", lw=1, label=f"chance (1/{N_RECORDS})")
-        ax.axvline(100 * s.min_ratio, color="gray", ls="-.", lw=0.8)   # CacheBlend's quality floor
-        ax.set(xlabel="recompute ratio r (% of context tokens)", ylabel="accuracy on split records (%)")
-        ax.legend(loc="lower right")
+    x, color = [100 * r for r in c.ratios], {3: "tab:purple", 5: "tab:blue"}
+    lines = [Line(x, [None if a is None else 100 * a for a in accs], f"chunk length {n}, {how}",
+                  dict(marker=mark, ls=ls, color=color.get(n, "gray")))
+             for n in c.blend for how, accs, mark, ls in (("CacheBlend (deviation)", c.blend[n], "o", "-"),
+                                                          ("random tokens", c.random[n], "x", "--"))]
+    line_figure(page, "04_compute_quality.png", "compute vs quality: recomputing the right tokens", lines,
+                "recompute ratio r (% of context tokens)", "accuracy on split records (%)",
+                [Mark(100 / N_RECORDS, f"chance (1/{N_RECORDS})"),     # and CacheBlend's quality floor
+                 Mark(100 * s.min_ratio, vertical=True, style=dict(color="gray", ls="-.", lw=0.8))],
+                (6.4, 4), dict(loc="lower right"))
 
 
 def concentration_figure(dev: torch.Tensor, s: Settings, page: Page) -> None:
     """Per layer: share of the KV deviation held by the top x% of tokens (a Lorenz-style curve)."""
-    ref = HANDOUT("top_share", s)
-    with page.figure("04_deviation_concentration.png", f"How concentrated is full reuse's KV deviation?\n(chunks of "
-                     f"{s.chunk_len}" + (f"; handout: top {s.top_share:.0%} hold {ref.figure})" if ref else ")"),
-                     (6.4, 4.4)) as (_, ax):
-        for i in range(1, dev.shape[0]):
-            d = dev[i].sort(1, descending=True).values
-            cum = torch.cat([torch.zeros(d.shape[0], 1), d.cumsum(1)], 1) / d.sum(1, keepdim=True).clamp_min(1e-30)
-            ax.plot([100 * k / dev.shape[2] for k in range(dev.shape[2] + 1)], 100 * cum.mean(0), marker=".",
-                    label=f"layer {i}")
-        ax.plot([0, 100], [0, 100], color="gray", ls=":", lw=1, label="evenly spread")
-        ax.axvline(100 * s.top_share, color="gray", ls="--", lw=0.8)
-        ax.set(xlabel="top x% of context tokens (by KV deviation)", ylabel="% of the layer's KV deviation")
-        ax.legend()
+    ref, x = HANDOUT("top_share", s), [100 * k / dev.shape[2] for k in range(dev.shape[2] + 1)]
+    lines = [Line(x, (100 * lorenz(dev[i])).tolist(), f"layer {i}", dict(marker=".")) for i in range(1, dev.shape[0])]
+    line_figure(page, "04_deviation_concentration.png", f"How concentrated is full reuse's KV deviation?\n(chunks of "
+                f"{s.chunk_len}" + (f"; handout: top {s.top_share:.0%} hold {ref.figure})" if ref else ")"),
+                lines + [Line([0, 100], [0, 100], "evenly spread", dict(color="gray", ls=":", lw=1))],
+                "top x% of context tokens (by KV deviation)", "% of the layer's KV deviation",
+                [Mark(100 * s.top_share, vertical=True, style=dict(color="gray", ls="--", lw=0.8))], (6.4, 4.4))
+
+
+def lorenz(dev: torch.Tensor) -> torch.Tensor:
+    """(B, N) deviation -> the mean share held by the top 0, 1, ..., N tokens of each row."""
+    d = dev.sort(1, descending=True).values
+    return (torch.cat([torch.zeros(d.shape[0], 1), d.cumsum(1)], 1) / d.sum(1, keepdim=True).clamp_min(1e-30)).mean(0)
 
 
 # ---------------------------------------------------------------------------- §5.3, the mask pitfall
