@@ -80,8 +80,8 @@ from common.city import city_model  # noqa: E402
 from common.cli import (Parser, fail, fraction, nonneg_float, positive_float, positive_int,  # noqa: E402
                         settings_from)
 from common.llama import KVCache, idle_threads, kl_divergence, shift_kv, single_thread  # noqa: E402
-from common.present import (DASH, Col, Handout, Line, Page, Ref, Row, Table, Val, change, cols, handout_text,  # noqa: E402
-                            Mark, fact, line_figure)
+from common.present import (DASH, Bars, Col, Handout, Line, Page, Ref, Row, Table, Val, change, cols, handout_text,  # noqa: E402
+                            Mark, bar_figure, fact, line_figure)
 
 # ---- §5.1 (Part 0): prefix caching against full reuse and CacheBlend, k retrieved chunks (of Part 4's RAG size)
 PREFIX_KS = list(range(1, 11))            # k chunks of RAG_CHUNK_TOKENS + the question; CacheBlend at MIN_RATIO
@@ -753,21 +753,25 @@ def pitfall_mask(model, run: RecordRun, s: Settings, page: Page) -> None:
         page.say(f"  The mask pitfall (§5.3): chunks of {s.chunk_len} split no record, so there is nothing for "
                  "either mask to repair here.")
         return
+    show(page, Table(f"Pitfall: the causal mask of the recomputed tokens. CacheBlend {s.ratio:.0%}, chunks of "
+                     f"{s.chunk_len}", "§5.3", cols("mask at layers 1..L-1", ("split records", pct),
+                                                    ("unsplit records", pct)), [
+        Row(["position mask (blend's): each row sees the keys up to its own position",
+             Val(c.split["position"], "mask_position_split_acc"), c.unsplit["position"]]),
+        Row(["bottom-right mask (the pitfall): the rows taken as the last ones",
+             Val(c.split["bottom-right"], "mask_pitfall_split_acc"), c.unsplit["bottom-right"]])],
+        "mask_pitfall.record_cost", [why_the_mask_is_wrong(c.future_keys, c.picks, DOC_LEN), mask_cost_note(c)]))
+
+
+def mask_cost_note(c: mp.MaskCost) -> str:
+    """What the bottom-right mask costs the split records here, and why it can cost nothing in this model."""
     diff = c.split["position"] - c.split["bottom-right"]
     cost = (f"Here it costs {diff:.1%} of the split records" if diff > 0 else
             "Here it costs nothing" if diff == 0 else f"Here it gains {-diff:.1%} of the split records")
-    why_here = (f": the answers read the context's KV of layers 0-{c.layers_read - 1} only (full reuse's above "
-                f"them answers as well), and the first K, V a mask can change are layer {mp.FIRST_LAYER_CHANGED}'s; "
-                "--model smollm2 measures the pitfall on a real LLaMA." if c.layers_read <= mp.FIRST_LAYER_CHANGED
-                else ".")
-    rows = [Row(["position mask (blend's): each row sees the keys up to its own position",
-                 Val(c.split["position"], "mask_position_split_acc"), c.unsplit["position"]]),
-            Row(["bottom-right mask (the pitfall): the rows taken as the last ones",
-                 Val(c.split["bottom-right"], "mask_pitfall_split_acc"), c.unsplit["bottom-right"]])]
-    show(page, Table(f"Pitfall: the causal mask of the recomputed tokens. CacheBlend {s.ratio:.0%}, chunks of "
-                     f"{s.chunk_len}", "§5.3", cols("mask at layers 1..L-1", ("split records", pct),
-                                                    ("unsplit records", pct)), rows, "mask_pitfall.record_cost",
-                     [why_the_mask_is_wrong(c.future_keys, c.picks, DOC_LEN), cost + why_here]))
+    return cost + (f": the answers read the context's KV of layers 0-{c.layers_read - 1} only (full reuse's above "
+                   f"them answers as well), and the first K, V a mask can change are layer {mp.FIRST_LAYER_CHANGED}'s; "
+                   "--model smollm2 measures the pitfall on a real LLaMA." if c.layers_read <= mp.FIRST_LAYER_CHANGED
+                   else ".")
 
 
 # ---------------------------------------------------------------------------- §5.3, exercise 7
@@ -802,24 +806,28 @@ def check_cost(model: str, n_gpus: int, n_ctx: int, gpu: str) -> CheckCost:
 
 
 def exercise7(found: Insights, s: Settings, page: Page) -> None:
-    n_ctx, rho = s.rag_chunks * s.rag_chunk_tokens, found.layer0_vs_layer1
+    n_ctx = s.rag_chunks * s.rag_chunk_tokens
     ex = [check_cost(m, g, n_ctx, s.gpu) for m, g in s.systems]
     page.exercise(7, "§5.3", f"the cost of CacheBlend's check at layer 0 vs layer 1 ({n_ctx:,} context tokens, "
                              f"{s.gpu}, time model)")
-    note = ("Layer 0's K, V depend only on token and position, so the precomputed ones are exact: one more attention "
+    rows = [Row([f"{tm.get_model(e.model).name}, at layer {i}", gflop, ms, e.full_layer_ms])
+            for e in ex for i, gflop, ms in ((0, e.layer0_gflop, e.layer0_ms), (1, e.layer1_gflop, e.layer1_ms))]
+    show(page, Table("", "§5.3", cols("check of the deviation (all tokens)", ("GFLOP", "{:.0f}"), ("ms", "{:.1f}"),
+                                      ("one full layer, ms", "{:.1f}")), rows, "04_cacheblend.check_cost",
+                     [check_note(ex, found.layer0_vs_layer1)], {"ex7": ex}))
+
+
+def check_note(ex: list[CheckCost], rho: float) -> str:
+    """Why CacheBlend checks at layer 0 (its K, V exact, one attention pass) and not at layer 1, from the costs;
+    how layer 0's deviation ranks against layer 1's (rank correlation rho)."""
+    return ("Layer 0's K, V depend only on token and position, so the precomputed ones are exact: one more attention "
             "pass over them (all keys instead of the chunk's) gives the deviation, at most "
             f"{max(e.layer0_ms / e.full_layer_ms for e in ex):.0%} of a layer here. Layer 1's true K, V need layer "
             "0's output for every token, a whole layer of prefill"
             + (" (with the check, more than a layer here)" if all(e.layer1_ms > e.full_layer_ms for e in ex) else "")
             + ": at layer 1 and above CacheBlend can afford to recompute only the tokens it picked. Ours: layer-0 "
-            "attention deviation ranks "
-            + ("like" if rho >= 0.8 else "roughly like" if rho >= 0.5 else "unlike")
+            "attention deviation ranks " + ("like" if rho >= 0.8 else "roughly like" if rho >= 0.5 else "unlike")
             + f" layer-1 KV deviation (rank correlation {rho:.2f}).")
-    rows = [Row([f"{tm.get_model(e.model).name}, at layer {i}", gflop, ms, e.full_layer_ms])
-            for e in ex for i, gflop, ms in ((0, e.layer0_gflop, e.layer0_ms), (1, e.layer1_gflop, e.layer1_ms))]
-    show(page, Table("", "§5.3", cols("check of the deviation (all tokens)", ("GFLOP", "{:.0f}"), ("ms", "{:.1f}"),
-                                      ("one full layer, ms", "{:.1f}")), rows, "04_cacheblend.check_cost", [note],
-                     {"ex7": ex}))
 
 
 # ============================================================================ §5.4 Part 4: timing
@@ -908,37 +916,35 @@ def part4_pipelining(s: Settings, page: Page) -> dict[str, SystemTiming]:
     timings = {model: system_timing(model, n_gpus, s) for model, n_gpus in s.systems}
     page.part("Part 4", "§5.4", f"Hiding recompute behind loading ({s.gpu}, time model)")
     for model, t in timings.items():
-        rows = [Row(["full recompute of the layer", t.full_layer_ms, None, None, None, None]),
-                Row([f"recompute {s.min_ratio:.0%}", t.floor_layer_ms, None, None, None, None])]
+        rows = [Row([label, ms, None, None, None, None]) for label, ms in (
+            ("full recompute of the layer", t.full_layer_ms), (f"recompute {s.min_ratio:.0%}", t.floor_layer_ms))]
         rows += [Row([f"load from {d}", x.load_ms, x.ratio, 1e3 * x.ttft_s, x.speedup, x.choice])
                  for d, x in t.devices.items()]
-        notes = [f"{d}: {x.reason}." for d, x in t.devices.items() if x.choice != lc.BLEND]
         show(page, Table(f"{tm.get_model(model).name} ({t.tag}) on {t.n_gpus} x {s.gpu}: {s.rag_chunks} x "
                          f"{s.rag_chunk_tokens} tokens + {s.rag_question}-token question; full prefill TTFT "
                          f"{1e3 * t.prefill_s:.0f} ms", "§5.4",
                          cols("per layer", ("ms", "{:.1f}"), ("controller ratio", "{:.0%}"),
                               ("TTFT CacheBlend (ms)", "{:.0f}"), ("vs full prefill", "{:.2f}x"),
-                              Col("controller's choice", left=True)),
-                         rows, "04_cacheblend.system_timing", notes, json={"timing": {model: t}}))
+                              Col("controller's choice", left=True)), rows, "04_cacheblend.system_timing",
+                         [f"{d}: {x.reason}." for d, x in t.devices.items() if x.choice != lc.BLEND],
+                         json={"timing": {model: t}}))
     present_comparison(timings, s, page)
     present_throughput(timings, s, page)
-    if page.plot:
-        timing_figure(timings, s, page)
+    timing_figure(timings, s, page)
     return timings
 
 
 def present_comparison(timings: dict[str, SystemTiming], s: Settings, page: Page) -> None:
     dev, rows = s.paper_device, []
     for model, t in timings.items():
-        name, row = tm.get_model(model).name, {"system": (model, t.n_gpus)}
-        rows += [Row([f"{name}: full recompute / {dev} load per layer",
-                      Val(t.devices[dev].load_vs_full, fmt="{:.3g}x")], h(f"nvme_vs_recompute {model}", s, **row)),
-                 Row([f"paper point, {name}, {s.paper_context} tokens: {s.paper_ratio:.0%} recompute per layer (ms)",
-                      t.paper.recompute_ms], h(f"paper_recompute {model}", s, **row)),
-                 Row([f"paper point, {name}: {dev} read per layer (ms)", t.paper.load_ms],
-                     h(f"paper_load {model}", s, **row))]
-    rows.append(Row([f"TTFT speed-up over full prefill ({dev}, {' / '.join(tm.get_model(m).name for m in timings)})",
-                     " / ".join(f"{t.devices[dev].speedup:.1f}x" for t in timings.values())], h("ttft_speedup", s)))
+        name, ref = tm.get_model(model).name, lambda x: h(f"{x} {model}", s, system=(model, t.n_gpus))
+        rows += [fact(f"{name}: full recompute / {dev} load per layer", t.devices[dev].load_vs_full, fmt="{:.3g}x",
+                      handout=ref("nvme_vs_recompute")),
+                 fact(f"paper point, {name}, {s.paper_context} tokens: {s.paper_ratio:.0%} recompute per layer (ms)",
+                      t.paper.recompute_ms, handout=ref("paper_recompute")),
+                 fact(f"paper point, {name}: {dev} read per layer (ms)", t.paper.load_ms, handout=ref("paper_load"))]
+    rows.append(fact(f"TTFT speed-up over full prefill ({dev}, {' / '.join(tm.get_model(m).name for m in timings)})",
+                     " / ".join(f"{t.devices[dev].speedup:.1f}x" for t in timings.values()), handout=h("ttft_speedup", s)))
     t70 = timings.get("llama-3.1-70b")
     show(page, Table(f"Load vs recompute ({s.gpu}; paper points on the same GPU)", "§5.4",
                      cols("comparison", ("ours", "{:.1f}")), rows, "04_cacheblend.system_timing",
@@ -975,30 +981,28 @@ def present_throughput(timings: dict[str, SystemTiming], s: Settings, page: Page
     rows = [Row([f"{tm.get_model(m).name}, {s.paper_device}, recompute {r:.0%}", x.full_rps, x.blend_rps, x.bound,
                  x.blend_rps / x.full_rps], h("throughput", s)) for m, t in timings.items()
             for r, x in t.throughput.items()]
+    show(page, Table(f"Throughput of one server kept busy by RAG requests ({s.gpu})", "§5.4",
+                     cols("throughput (requests/s)", ("full prefill", "{:.2f}"), ("CacheBlend", "{:.2f}"), "bound by",
+                          ("ratio", "{:.1f}x")), rows, "04_cacheblend.throughput", [throughput_note(timings, s)]))
+
+
+def throughput_note(timings: dict[str, SystemTiming], s: Settings) -> str:
+    """Why a busy server's requests/s differ from the latency choice; whether the floor serves the most."""
     floor_best = all(max(t.throughput, key=lambda r: t.throughput[r].blend_rps) == s.min_ratio
                      for t in timings.values())
-    note = ("A busy server's GPUs do only the recompute and the question per request; loading the KV overlaps other "
+    return ("A busy server's GPUs do only the recompute and the question per request; loading the KV overlaps other "
             "requests' compute, until the device's bandwidth runs out. The controller's ratio (recompute = load) is "
             f"the latency choice; the {s.min_ratio:.0%} floor " + ("is what throughput wants." if floor_best else
                                                                    "does not serve the most requests/s here."))
-    show(page, Table(f"Throughput of one server kept busy by RAG requests ({s.gpu})", "§5.4",
-                     cols("throughput (requests/s)", ("full prefill", "{:.2f}"), ("CacheBlend", "{:.2f}"), "bound by",
-                          ("ratio", "{:.1f}x")), rows, "04_cacheblend.throughput", [note]))
 
 
 def timing_figure(timings: dict[str, SystemTiming], s: Settings, page: Page) -> None:
-    with page.figure("04_load_vs_recompute.png", f"one layer of a {s.rag_chunks} x {s.rag_chunk_tokens}-token RAG "
-                     "context: recompute vs load", (5 * len(timings), 3.8), ncols=len(timings),
-                     squeeze=False) as (_, axes):
-        for ax, (model, t) in zip(axes[0], timings.items()):
-            vals = [t.full_layer_ms, t.floor_layer_ms] + [x.load_ms for x in t.devices.values()]
-            ax.barh(["full recompute", f"{s.min_ratio:.0%} recompute"] + [f"load: {d}" for d in t.devices], vals,
-                    color=["tab:red", "tab:orange"] + ["tab:blue"] * len(t.devices))
-            for y, v in enumerate(vals):
-                ax.text(v, y, f" {v:.1f} ms", va="center", fontsize=8)
-            ax.set(xscale="log", xlabel="ms per layer (log scale)",
-                   title=f"{tm.get_model(model).name} ({t.tag}), {t.n_gpus} x {s.gpu}")
-            ax.invert_yaxis()
+    panels = [Bars(["full recompute", f"{s.min_ratio:.0%} recompute"] + [f"load: {d}" for d in t.devices],
+                   [t.full_layer_ms, t.floor_layer_ms] + [x.load_ms for x in t.devices.values()],
+                   ["tab:red", "tab:orange"] + ["tab:blue"] * len(t.devices), " {:.1f} ms",
+                   f"{tm.get_model(model).name} ({t.tag}), {t.n_gpus} x {s.gpu}") for model, t in timings.items()]
+    bar_figure(page, "04_load_vs_recompute.png", f"one layer of a {s.rag_chunks} x {s.rag_chunk_tokens}-token RAG "
+               "context: recompute vs load", panels, "ms per layer (log scale)", xscale="log")
 
 
 # ---------------------------------------------------------------------------- §5.4, exercise 8
@@ -1012,13 +1016,13 @@ def exercise8(s: Settings, page: Page) -> None:
     c = controller_example(s.layers, s.read_ms, s.prefill_ms, s.min_ratio)
     page.exercise(8, "§5.4", f"{s.layers} layers, read {s.read_ms:g} ms/layer, prefill {s.prefill_ms:g} ms/layer, "
                              f"floor {s.min_ratio:.0%}")
-    rows = [Row(["controller's choice", Val(c.choice, "ex8_choice")], h("ex8_choice", s)),
-            Row(["controller's recompute ratio", Val(c.ratio, "ex8_ratio", "{:.0%}")], h("ex8_ratio", s)),
-            Row([f"TTFT, {'CacheBlend pipelined' if c.choice == lc.BLEND else 'the full prefill chosen'} (ms)",
-                 Val(1e3 * c.ttft_s, "ex8_ttft_ms")], h("ex8_ttft_ms", s))]
+    rows = [fact("controller's choice", c.choice, "ex8_choice", handout=h("ex8_choice", s)),
+            fact("controller's recompute ratio", c.ratio, "ex8_ratio", "{:.0%}", h("ex8_ratio", s)),
+            fact(f"TTFT, {'CacheBlend pipelined' if c.choice == lc.BLEND else 'the full prefill chosen'} (ms)",
+                 1e3 * c.ttft_s, "ex8_ttft_ms", handout=h("ex8_ttft_ms", s))]
     if c.choice != lc.BLEND:
-        rows.append(Row([f"  blending from the SSD anyway, at {c.stored_ratio:.0%} (ms)", 1e3 * c.stored_ttft_s]))
-    rows.append(Row(["TTFT, full prefill (ms)", Val(1e3 * c.full_s, "ex8_full_ms")], h("ex8_full_ms", s)))
+        rows.append(fact(f"  blending from the SSD anyway, at {c.stored_ratio:.0%} (ms)", 1e3 * c.stored_ttft_s))
+    rows.append(fact("TTFT, full prefill (ms)", 1e3 * c.full_s, "ex8_full_ms", handout=h("ex8_full_ms", s)))
     show(page, Table("", "§5.4", cols("exercise 8", ("ours", "{:.0f}")), rows, "loading_controller.choose",
                      [c.reason[0].upper() + c.reason[1:] + "."]))
 
