@@ -80,12 +80,14 @@ class Col:
     value is None left out), "name.{row}" or "configs.{row}.hit_rate" a dict keyed by each row's key,
     "levels[].accuracy" a list with one dict per row (the columns with keys "levels[]..." fill it).
     `scale` multiplies the value written to JSON (for example bytes on screen, GB in JSON: 1e-9). Text
-    columns (`left=True`) are aligned left, numbers right; the first column is always left."""
+    columns (`left=True`) are aligned left, numbers right; the first column is always left. `of`: the
+    field of a result this column reads, a name or a function of the result (rows_of, rows_over)."""
     header: str
     fmt: Fmt = "{}"
     key: str | None = None
     scale: float | None = None
     left: bool = False
+    of: str | Callable | None = None
 
 
 @dataclass
@@ -122,6 +124,22 @@ class Table:
 def cols(*specs) -> list[Col]:
     """Columns from (header, fmt[, key[, scale]]) tuples or plain headers."""
     return [s if isinstance(s, Col) else Col(s) if isinstance(s, str) else Col(*s) for s in specs]
+
+
+def read(result, of: str | Callable):
+    return of(result) if callable(of) else getattr(result, of)
+
+
+def rows_of(results: list, columns: list[Col]) -> list[Row]:
+    """Rows that build themselves from a list of results (dataclasses): one row per result, each cell the
+    field its column reads (`Col.of`)."""
+    return [Row([read(x, c.of) for c in columns]) for x in results]
+
+
+def rows_over(result, columns: list[Col]) -> list[Row]:
+    """Rows from one result whose fields are lists over the same points (a sweep over k chunks, over
+    ratios): row i holds item i of the field each column reads (`Col.of`)."""
+    return [Row(list(cells)) for cells in zip(*(read(result, c.of) for c in columns))]
 
 
 def fmt_cell(value, fmt: Fmt) -> str:

@@ -80,8 +80,8 @@ from common.city import city_model  # noqa: E402
 from common.cli import (Parser, fail, fraction, nonneg_float, positive_float, positive_int,  # noqa: E402
                         settings_from)
 from common.llama import KVCache, idle_threads, kl_divergence, shift_kv, single_thread  # noqa: E402
-from common.present import (DASH, Bars, Col, Handout, Line, Page, Ref, Row, Table, Val, change, cols, handout_text,  # noqa: E402
-                            Mark, bar_figure, fact, line_figure)
+from common.present import (DASH, Bars, Col, Handout, Line, Page, Ref, Row, Table, Val, change, cols,  # noqa: E402
+                            Mark, bar_figure, fact, handout_text, line_figure, rows_over)
 
 # ---- §5.1 (Part 0): prefix caching against full reuse and CacheBlend, k retrieved chunks (of Part 4's RAG size)
 PREFIX_KS = list(range(1, 11))            # k chunks of RAG_CHUNK_TOKENS + the question; CacheBlend at MIN_RATIO
@@ -684,7 +684,8 @@ def part3_insights(model, run: RecordRun, s: Settings, page: Page) -> Part3:
                  f"top{top}_deviation_share", handout=h("top_share", s)),
             fact(f"  per layer {layers(1, L)}", f.top_per_layer, f"top{top}_per_layer", pcts),
             fact(f"rank correlation of deviation, layers {', '.join(f'{i}-{i + 1}' for i in range(1, L - 1))}",
-                 f.rank_corr, "adjacent_layer_rank_corr", lambda xs: " ".join(f"{x:.2f}" for x in xs), h("rank_corr", s)),
+                 f.rank_corr, "adjacent_layer_rank_corr", lambda xs: " ".join(f"{x:.2f}" for x in xs),
+                 h("rank_corr", s)),
             fact("  layer-0 attention dev. vs layer-1 KV dev.", f.layer0_vs_layer1, fmt="{:.2f}"),
             fact(f"layer-0 picks ({r}) covering chunk-initial values", f.layer0_coverage, "layer0_pick_coverage",
                  handout=h("layer0_coverage", s)),
@@ -944,7 +945,8 @@ def present_comparison(timings: dict[str, SystemTiming], s: Settings, page: Page
                       t.paper.recompute_ms, handout=ref("paper_recompute")),
                  fact(f"paper point, {name}: {dev} read per layer (ms)", t.paper.load_ms, handout=ref("paper_load"))]
     rows.append(fact(f"TTFT speed-up over full prefill ({dev}, {' / '.join(tm.get_model(m).name for m in timings)})",
-                     " / ".join(f"{t.devices[dev].speedup:.1f}x" for t in timings.values()), handout=h("ttft_speedup", s)))
+                     " / ".join(f"{t.devices[dev].speedup:.1f}x" for t in timings.values()),
+                     handout=h("ttft_speedup", s)))
     t70 = timings.get("llama-3.1-70b")
     show(page, Table(f"Load vs recompute ({s.gpu}; paper points on the same GPU)", "§5.4",
                      cols("comparison", ("ours", "{:.1f}")), rows, "04_cacheblend.system_timing",
@@ -1121,11 +1123,7 @@ def real_model(s: Settings, page: Page) -> None:
         r = real_study(s)
     st, items = r.study, r.study["items"]
     page.part("Part 5", "§5.1-5.4", f"CacheBlend on a real LLaMA: {r.model_name} ({r.n_layers} layers)")
-    span = lambda xs: f"{min(xs)}" if min(xs) == max(xs) else f"{min(xs)}-{max(xs)}"  # noqa: E731
-    lens, prefix = [n for it in items for n in it["chunk_lens"]], items[0]["n_context"] - sum(items[0]["chunk_lens"])
-    page.say(f"  {len(items)} inputs from {r.source}: {prefix}-token chat prefix + "
-             f"{span([len(it['chunk_lens']) for it in items])} chunks of {span(lens)} tokens (each precomputed alone "
-             f"behind the prefix) + a {span([it['n_question'] for it in items])}-token question")
+    page.say(inputs_line(r))
     page.say(("  the curve" if st["curve_mode"] else "  KL") + (
         " loaded from the cache (--recompute computes it again)" if st["loaded_from_cache"] else
         f" computed in {st['compute_seconds']:.0f} s and cached") + "; TTFT measured live")
@@ -1134,11 +1132,10 @@ def real_model(s: Settings, page: Page) -> None:
     if st["curve_mode"]:
         present_real_curve(r, page)
     else:
-        blends = len(s.real_curve_ratios) * (2 * len(br.RULE_NAMES) + 1)
         page.say(f"  Parts 5a-b and 5g-i, the quality curve of every selection rule, random and the two oracles at "
                  f"{', '.join(f'{x:.0%}' for x in s.real_curve_ratios)}, every rule's ranking oracle, shorter chunks "
-                 f"and a rule whose count adapts: --curve ({blends} blends per item the first time, then cached; "
-                 "--items 8 for all eight)")
+                 f"and a rule whose count adapts: --curve ({len(s.real_curve_ratios) * (2 * len(br.RULE_NAMES) + 1)} "
+                 "blends per item the first time, then cached; --items 8 for all eight)")
     present_real_ttft(r, s, page)
     present_real_answers(r, page)
     present_real_mask(r, page)
@@ -1149,8 +1146,17 @@ def real_model(s: Settings, page: Page) -> None:
         if r.chunks:
             present_chunk_lengths(r.chunks, page)
         present_adaptive(r, page)
-    if page.plot and st["curve_mode"]:
         real_curve_figure(r, s, page)
+
+
+def inputs_line(r: Real) -> str:
+    """The run's inputs in one line: how many, from where, the prefix, the chunks and the question (ranges)."""
+    items = r.study["items"]
+    span = lambda xs: f"{min(xs)}" if min(xs) == max(xs) else f"{min(xs)}-{max(xs)}"  # noqa: E731
+    lens, prefix = [n for it in items for n in it["chunk_lens"]], items[0]["n_context"] - sum(items[0]["chunk_lens"])
+    return (f"  {len(items)} inputs from {r.source}: {prefix}-token chat prefix + "
+            f"{span([len(it['chunk_lens']) for it in items])} chunks of {span(lens)} tokens (each precomputed alone "
+            f"behind the prefix) + a {span([it['n_question'] for it in items])}-token question")
 
 
 def present_real_prefix(r: Real, page: Page) -> None:
@@ -1159,30 +1165,30 @@ def present_real_prefix(r: Real, page: Page) -> None:
     if x is None:
         page.say("  §5.1 (prefix caching against k chunks) runs on the built-in items only, not on --passages.")
         return
-    rows = [Row([k, n, x.full_ttft_s[i], x.prefix_ttft_s[i], x.reuse_ttft_s[i], x.blend_ttft_s[i],
-                 x.prefix_saved_share[i], x.blend_saved_share[i], x.prefix_kl[i], x.reuse_kl[i], x.blend_kl[i]])
-            for i, (k, n) in enumerate(zip(x.ks, x.n_tokens))]
-    exact = max(abs(v) for v in x.prefix_kl)
-    notes = [saved_verdict("The share of full prefill's time prefix caching saves", x.prefix_saved_share) + "; "
-             + saved_verdict(f"CacheBlend {x.ratio:.0%}'s", x.blend_saved_share) + ".",
-             (f"Prefix caching's KL is zero up to float32 rounding (|KL| <= {exact:.0e}): the first chunk's stored "
-              "KV is what a full prefill computes for it, its reuse is exact." if exact < 1e-6 else
-              f"Prefix caching's KL reaches {exact:.1e}: more than rounding.") + " Full reuse's KL "
-             + change(x.reuse_kl[0], x.reuse_kl[-1], "{:.3f}") + " with k, CacheBlend's "
-             + change(x.blend_kl[0], x.blend_kl[-1], "{:.3f}") + "."]
+    columns = [Col("k", "{}", "real_prefix_k", of="ks"), Col("tokens", of="n_tokens"),
+               *[Col(f"{m} s", "{:.2f}", f"real_{m}_ttft_s", of=f"{m}_ttft_s") for m in ("full", *HOWS)],
+               *[Col(f"{m} saves", "{:.0%}", f"real_{m}_saved_share", of=f"{m}_saved_share")
+                 for m in ("prefix", "blend")],
+               *[Col(f"KL {m}", f, f"real_{m}_kl", of=f"{m}_kl")
+                 for m, f in zip(HOWS, ("{:+.0e}", "{:.4f}", "{:.4f}"))]]
     show(page, Table(f"Part 5 (§5.1). Prefix caching, full reuse and CacheBlend {x.ratio:.0%} ({x.rule}) against k "
                      f"chunks of {x.chunk_tokens} tokens:\n  TTFT = CPU time of one thread (median of {x.n_items} "
                      "items, chunks' KV in memory); KL(full prefill || method), first answer token, nats"
                      + (" (loaded from the cache)" if x.loaded else
                         f" (computed in {x.compute_seconds:.0f} s, cached)"),
-                     "§5.1", cols(("k", "{}", "real_prefix_k"), "tokens", ("full s", "{:.2f}", "real_full_ttft_s"),
-                                  ("prefix s", "{:.2f}", "real_prefix_ttft_s"),
-                                  ("reuse s", "{:.2f}", "real_reuse_ttft_s"),
-                                  ("blend s", "{:.2f}", "real_blend_ttft_s"),
-                                  ("prefix saves", "{:.0%}", "real_prefix_saved_share"),
-                                  ("blend saves", "{:.0%}", "real_blend_saved_share"),
-                                  ("KL prefix", "{:+.0e}", "real_prefix_kl"), ("KL reuse", "{:.4f}", "real_reuse_kl"),
-                                  ("KL blend", "{:.4f}", "real_blend_kl")), rows, "prefix_caching.measured", notes))
+                     "§5.1", columns, rows_over(x, columns), "prefix_caching.measured", real_prefix_notes(x)))
+
+
+def real_prefix_notes(x: pc.Measured) -> list[str]:
+    """How the saved shares and the KL move with k; whether prefix caching's KL is rounding (its reuse exact)."""
+    exact = max(abs(v) for v in x.prefix_kl)
+    return [saved_verdict("The share of full prefill's time prefix caching saves", x.prefix_saved_share) + "; "
+            + saved_verdict(f"CacheBlend {x.ratio:.0%}'s", x.blend_saved_share) + ".",
+            (f"Prefix caching's KL is zero up to float32 rounding (|KL| <= {exact:.0e}): the first chunk's stored "
+             "KV is what a full prefill computes for it, its reuse is exact." if exact < 1e-6 else
+             f"Prefix caching's KL reaches {exact:.1e}: more than rounding.") + " Full reuse's KL "
+            + change(x.reuse_kl[0], x.reuse_kl[-1], "{:.3f}") + " with k, CacheBlend's "
+            + change(x.blend_kl[0], x.blend_kl[-1], "{:.3f}") + "."]
 
 
 def present_real_mask(r: Real, page: Page) -> None:
@@ -1191,13 +1197,13 @@ def present_real_mask(r: Real, page: Page) -> None:
     if x is None:
         return
     pos, wrong = x.mask_kl["position"], x.mask_kl["bottom-right"]
-    rows = [Row([k, p, w, w / p]) for k, p, w in zip(x.ks, pos, wrong)]
     worse = all(w > p for p, w in zip(pos, wrong))
     show(page, Table(f"Pitfall (§5.3): CacheBlend {x.ratio:.0%} ({x.rule}) with the position mask and with the "
                      "bottom-right mask of the released blenders,\n  KL(full prefill || method) of the first answer "
                      f"token (mean of {x.n_items} items)", "§5.3",
                      cols("k chunks", ("position mask", "{:.4f}"), ("bottom-right mask", "{:.4f}"),
-                          ("bottom-right / position", "{:.2f}x")), rows, "prefix_caching.measured",
+                          ("bottom-right / position", "{:.2f}x")),
+                     [Row([k, p, w, w / p]) for k, p, w in zip(x.ks, pos, wrong)], "prefix_caching.measured",
                      [why_the_mask_is_wrong_real(), "The bottom-right mask " + (
                          "moves the first token further from full prefill at every k" if worse else
                          "is not worse at every k") + f": at k = {x.ks[-1]}, {wrong[-1]:.4f} against {pos[-1]:.4f}."],
@@ -1269,16 +1275,15 @@ def real_notes(r: Real) -> list[str]:
 def present_real_answers(r: Real, page: Page) -> None:
     st, items = r.study, r.study["items"]
     k, at, rule = f"{st['at']:g}", st["at"], st["rule"]
-    keys = {rule: f"real_kl_blend{pk(at)}", "random": f"real_kl_random{pk(at)}", "oracle": f"real_kl_oracle{pk(at)}"}
+    keys = {m: f"real_kl_{name}{pk(at)}" for m, name in ((rule, "blend"), ("random", "random"), ("oracle", "oracle"))}
     first = {"full prefill": "0", "full reuse": Val(st["kl_reuse"], "real_kl_reuse"),
              **{m: Val(c[k], keys.get(m)) for m, c in st["curve"].items()}}
     answer = {"full prefill": "0", "full reuse": Val(st["kl_answer_reuse"], "real_kl_answer_reuse"),
               **{m: c[k] for m, c in st["curve_answer"].items()}}
     show(page, Table(f"Part 5d (§5.3). KL and greedy answers at r = {at:.0%} (the answers of --rule {rule} shown "
-                     "below)", "§5.3", cols("method", ("KL first token", "{:.4f}"), (f"KL first {st['kl_tokens']} "
-                                                                                    "tokens", "{:.4f}"),
-                                           ("same greedy answer", lambda x: f"{x}/{len(items)}",
-                                            "real_same_answer.{row}")),
+                     "below)", "§5.3", cols("method", ("KL first token", "{:.4f}"), (
+                         f"KL first {st['kl_tokens']} tokens", "{:.4f}"), ("same greedy answer", lambda x: (
+                             f"{x}/{len(items)}"), "real_same_answer.{row}")),
                      [Row([m, first[m], answer[m], st["same_answer"][m]], key=m) for m in st["same_answer"]],
                      "blend_real.real_experiment",
                      json={"real_kl_curve": st["curve"], "real_kl_answer_curve": st["curve_answer"]}))
@@ -1288,7 +1293,7 @@ def present_real_answers(r: Real, page: Page) -> None:
 
 
 def present_real_insights(r: Real, s: Settings, page: Page) -> None:
-    toy, top, pl, corr = r.toy, pk(s.top_share), r.top_per_layer, r.rank_corr
+    toy, top, pl = r.toy, pk(s.top_share), r.top_per_layer
     three = lambda f: lambda xs: " / ".join(f(x) for x in (min(xs), statistics.median(xs), max(xs)))  # noqa: E731
     show(page, Table(f"Part 5e (§5.3). The two insights on a real model\n  (deviation = full reuse's KV minus full "
                      f"prefill's, layers 1-{len(pl)})", "§5.3",
@@ -1298,7 +1303,7 @@ def present_real_insights(r: Real, s: Settings, page: Page) -> None:
              toy.top_share if toy else None, HANDOUT.figure("top_share", s)]),
         Row(["  per layer: min / median / max", Val(pl, f"real_top{top}_per_layer", three(pct)), None, DASH]),
         Row(["rank correlation of deviation, adjacent layers: min / median / max",
-             Val(corr, "real_adjacent_layer_rank_corr", three("{:.2f}".format)),
+             Val(r.rank_corr, "real_adjacent_layer_rank_corr", three("{:.2f}".format)),
              " ".join(f"{c:.2f}" for c in toy.rank_corr) if toy else None, HANDOUT.figure("rank_corr", s)])],
         "04_cacheblend.real_study"))
 
@@ -1372,22 +1377,24 @@ def present_rule_splits(r: Real, page: Page) -> None:
 def present_chunk_lengths(c: br.ChunkLengths, page: Page) -> None:
     """The built-in items at several chunk lengths: the rule's curve, the two oracles at `at`, how spread
     the deviation is, and the ratio that matches the reference length's quality at `at`."""
-    at, ref = c.at, c.row(c.reference)
-    ratios = ref.split.ratios
-    rows = [Row([x.chunk_tokens, x.n_context, 1000 * (x.n_chunks - 1) / x.n_context, x.split.reuse,
-                 *[x.split.rule_kl[q] for q in ratios], x.split.ranking[at], x.split.patch[at], x.top_share,
-                 c.needed(x)]) for x in c.rows]
+    at, ratios = c.at, c.row(c.reference).split.ratios
+    rows = [Row([x.chunk_tokens, x.n_context, bounds_per_1k(x), x.split.reuse, *[x.split.rule_kl[q] for q in ratios],
+                 x.split.ranking[at], x.split.patch[at], x.top_share, c.needed(x)]) for x in c.rows]
     show(page, Table(f"Part 5h (§5.3). Shorter chunks: the built-in items cut to each chunk length, mean first-token "
                      f"KL of full reuse, of {c.rule}\n  at each r and of its two oracles at {at:.0%}; bounds/1k: chunk "
                      f"boundaries per 1,000 context tokens; last column: the least\n  measured r at which {c.rule} "
                      f"gets as close to full prefill as at {at:.0%} with {c.reference}-token chunks", "§5.3",
-                     cols(("chunk", "{}"), ("context", "{}"), ("bounds/1k", "{:.1f}"), ("reuse", "{:.4f}"),
+                     cols("chunk", "context", ("bounds/1k", "{:.1f}"), ("reuse", "{:.4f}"),
                           *[(f"r={q:.0%}", "{:.4f}") for q in ratios], (f"ranking {at:.0%}", "{:.4f}"),
                           (f"patch {at:.0%}", "{:.4f}"), (f"top {c.top:.0%} hold", pct),
-                          (f"r like {c.reference}", lambda x: f"{x:.0%}")),
-                     rows, "blend_real.chunk_length_study", chunk_notes(c),
+                          (f"r like {c.reference}", "{:.0%}")), rows, "blend_real.chunk_length_study", chunk_notes(c),
                      {"real_chunk_kl": {str(x.chunk_tokens): x.split.rule_kl for x in c.rows},
                       "real_chunk_top_share": {str(x.chunk_tokens): x.top_share for x in c.rows}}))
+
+
+def bounds_per_1k(x: br.ChunkLength) -> float:
+    """Chunk boundaries per 1,000 context tokens: where full reuse loses what the chunks would have seen."""
+    return 1000 * (x.n_chunks - 1) / x.n_context
 
 
 def chunk_notes(c: br.ChunkLengths) -> list[str]:
@@ -1404,48 +1411,47 @@ def chunk_notes(c: br.ChunkLengths) -> list[str]:
             enough += (f" (the patch oracle at {at:.0%}: {x.split.patch[at]:.4f}, against {c.rule}'s "
                        f"{ref.split.rule_kl[at]:.4f} with {c.reference}-token chunks)")
         spread = ("more spread" if x.top_share < ref.top_share else "no more spread")
-        notes.append(f"{x.chunk_tokens}-token chunks: {enough}; {1000 * (x.n_chunks - 1) / x.n_context:.1f} chunk "
-                     f"boundaries per 1,000 tokens against {1000 * (ref.n_chunks - 1) / ref.n_context:.1f}, and the "
-                     f"deviation is {spread} (the top {c.top:.0%} of tokens hold {x.top_share:.0%} of it against "
-                     f"{ref.top_share:.0%}).")
+        notes.append(f"{x.chunk_tokens}-token chunks: {enough}; {bounds_per_1k(x):.1f} chunk boundaries per 1,000 "
+                     f"tokens against {bounds_per_1k(ref):.1f}, and the deviation is {spread} (the top {c.top:.0%} of "
+                     f"tokens hold {x.top_share:.0%} of it against {ref.top_share:.0%}).")
     return notes
 
 
 def present_adaptive(r: Real, page: Page) -> None:
     """The adaptive rule at each share target beside flat recomputing the same mean share."""
-    a, d, at = r.adaptive, r.split, r.study["at"]
-    closer = lambda m: ("same" if abs(m.kl - m.flat_kl) < 5e-5 else  # noqa: E731  (equal as printed)
-                        "adaptive" if m.kl < m.flat_kl else "flat")
+    a = r.adaptive
     rows = [Row([m.target, m.recomputed, m.spread, m.kl, m.flat_ratio, m.flat_recomputed, m.flat_kl, closer(m)])
             for m in a.rows]
-    wins = sum(closer(m) == "adaptive" for m in a.rows)
     show(page, Table(f"Part 5i (§5.3). A rule whose count adapts: layers up to {a.layer} in full, then the smallest "
                      f"set holding a share of layer {a.layer}'s\n  measured deviation (at least {a.floor:.0%} of the "
                      "tokens), beside flat recomputing the same mean share; mean first-token KL", "§5.3",
-                     cols(("share held", pct), ("recomputed", pct), ("min-max over inputs", lambda x: f"{pct(x[0])}-{pct(x[1])}"),
-                          ("KL adaptive", "{:.4f}"), ("flat r", pct), ("flat recomputed", pct), ("KL flat", "{:.4f}"),
-                          "closer"), rows, "blend_real.compare_rules",
-                     [f"the adaptive rule is closer to full prefill than flat at {wins} of {len(a.rows)} matched shares; "
-                      + ranking_room(d, at, r.splits)],
+                     cols(("share held", pct), ("recomputed", pct), ("min-max over inputs", lambda x: (
+                         f"{pct(x[0])}-{pct(x[1])}")), ("KL adaptive", "{:.4f}"), ("flat r", pct),
+                          ("flat recomputed", pct), ("KL flat", "{:.4f}"), "closer"), rows, "blend_real.compare_rules",
+                     [f"the adaptive rule is closer to full prefill than flat at "
+                      f"{sum(closer(m) == 'adaptive' for m in a.rows)} of {len(a.rows)} matched shares; "
+                      + ranking_room(r.split, r.study["at"], r.splits)],
                      {"real_adaptive": [dataclasses.asdict(m) for m in a.rows]}))
+
+
+def closer(m: br.Matched) -> str:
+    """Which rule is closer to full prefill at one matched share ("same" when the KLs print alike)."""
+    return "same" if abs(m.kl - m.flat_kl) < 5e-5 else "adaptive" if m.kl < m.flat_kl else "flat"
 
 
 def real_curve_figure(r: Real, s: Settings, page: Page) -> None:
     """First-answer-token KL against the recompute ratio, one line per rule, random, the ranking oracle of
     the run's rule and the patch oracle."""
     st = r.study
-    with page.figure("04_real_curve_passages.png" if s.passages else "04_real_curve.png",
-                     f"{r.model_name}: which tokens to recompute ({len(st['items'])} inputs)", (7, 4)) as (_, ax):
-        for m in st["methods"][1:]:
-            style = {"random": dict(color="gray", ls="--"), "oracle": dict(color="black", ls=":"),
-                     "ranking-oracle": dict(color="black", ls="-.")}.get(m, {})
-            label = {"ranking-oracle": f"ranking oracle ({st['rule']})", "oracle": "patch oracle"}.get(m, m)
-            ax.plot([100 * x for x in st["ratios"]], [st["curve"][m][f"{x:g}"] for x in st["ratios"]], marker="o",
-                    ms=3, label=label, **style)
-        ax.axhline(st["kl_reuse"], color="tab:red", lw=1, label="full reuse")
-        ax.set(yscale="log", xlabel="recompute ratio r (%)",
-               ylabel="KL(full prefill || method), first answer token (nats)")
-        ax.legend()
+    style = {"random": dict(color="gray", ls="--"), "oracle": dict(color="black", ls=":"),
+             "ranking-oracle": dict(color="black", ls="-.")}
+    label = {"ranking-oracle": f"ranking oracle ({st['rule']})", "oracle": "patch oracle"}
+    lines = [Line([100 * x for x in st["ratios"]], [st["curve"][m][f"{x:g}"] for x in st["ratios"]], label.get(m, m),
+                  dict(marker="o", ms=3, **style.get(m, {}))) for m in st["methods"][1:]]
+    line_figure(page, "04_real_curve_passages.png" if s.passages else "04_real_curve.png",
+                f"{r.model_name}: which tokens to recompute ({len(st['items'])} inputs)", lines,
+                "recompute ratio r (%)", "KL(full prefill || method), first answer token (nats)",
+                [Mark(st["kl_reuse"], "full reuse", style=dict(color="tab:red", lw=1))], (7, 4), yscale="log")
 
 
 # ============================================================================ main
