@@ -53,6 +53,11 @@ class Handout:
         return ref.figure if ref else DASH
 
 
+def refs(inputs: dict, figures: dict[str, str]) -> dict[str, Ref]:
+    """Several of the handout's figures that hold for the same inputs: name -> Ref (for a Handout)."""
+    return {name: Ref(figure, inputs) for name, figure in figures.items()}
+
+
 def holds(inputs: dict, settings) -> bool:
     """True when `settings` (a dataclass or a dict) has each of `inputs`' values."""
     get = settings.get if isinstance(settings, dict) else (lambda k, d=None: getattr(settings, k, d))

@@ -81,7 +81,7 @@ from common.cli import (Parser, fail, fraction, nonneg_float, positive_float, po
                         settings_from)
 from common.llama import KVCache, idle_threads, kl_divergence, shift_kv, single_thread  # noqa: E402
 from common.present import (DASH, Bars, Col, Handout, Line, Page, Ref, Row, Table, Val, change, cols,  # noqa: E402
-                            Mark, bar_figure, fact, handout_text, line_figure, rows_over)
+                            Mark, bar_figure, fact, handout_text, line_figure, refs, rows_over)
 
 # ---- §5.1 (Part 0): prefix caching against full reuse and CacheBlend, k retrieved chunks (of Part 4's RAG size)
 PREFIX_KS = list(range(1, 11))            # k chunks of RAG_CHUNK_TOKENS + the question; CacheBlend at MIN_RATIO
@@ -184,30 +184,29 @@ class Settings:
 def handout_figures() -> Handout:
     """The handout's figures, printed beside ours (reference only; nothing is computed from them), each
     with the inputs it holds for: a figure is shown only when the run's settings have these values."""
-    city, c5, c5r20 = {"city_chunks": 3, "city_chunk_len": 8}, {"chunk_len": 5}, {"chunk_len": 5, "ratio": 0.20}
+    c5, c5r20 = {"chunk_len": 5}, {"chunk_len": 5, "ratio": 0.20}
     rag = {"gpu": "A40", "rag_chunks": 6, "rag_chunk_tokens": 512, "rag_question": 32}
     paper = {"gpu": "A40", "paper_context": 4096, "paper_ratio": 0.15, "paper_device": "NVMe SSD"}
-    ex8 = {"layers": 32, "read_ms": 10.0, "prefill_ms": 20.0, "min_ratio": 0.15}
     b7, b70 = {"system": ("llama-2-7b", 1)}, {"system": ("llama-3.1-70b", 2)}   # a row's (model, A40s)
     return Handout({
-        "city_ce_full": Ref("0.6940", city), "city_ce_reuse": Ref("0.6941", city), "city_kl": Ref("0.00003", city),
+        **refs({"city_chunks": 3, "city_chunk_len": 8},
+               {"city_ce_full": "0.6940", "city_ce_reuse": "0.6941", "city_kl": "0.00003"}),
         "train": Ref("12,000 steps, ~6 min, drop near step 5,000"),
-        "split_full": Ref("100.0%", c5), "split_reuse": Ref("8.8%", c5), "unsplit_reuse": Ref("unaffected", c5),
-        "split_random": Ref("21.0%", c5r20), "blend_c5": Ref("99.4%", c5r20),
+        **refs(c5, {"split_full": "100.0%", "split_reuse": "8.8%", "unsplit_reuse": "unaffected",
+                    "rank_corr": "0.88-0.93"}),
+        **refs(c5r20, {"split_random": "21.0%", "blend_c5": "99.4%", "layer0_coverage": "99.0%"}),
         "blend_c3": Ref("81.0%", {"chunk_len": 3, "ratio": 0.20}),
-        "ex6_split": Ref("0", {"ex6_chunk_len": 6}), "ex6_reuse": Ref("100%", {"ex6_chunk_len": 6}),
-        "top_share": Ref("98.0%", {**c5, "top_share": 0.15}), "rank_corr": Ref("0.88-0.93", c5),
-        "layer0_coverage": Ref("99.0%", c5r20),
+        **refs({"ex6_chunk_len": 6}, {"ex6_split": "0", "ex6_reuse": "100%"}),
+        "top_share": Ref("98.0%", {**c5, "top_share": 0.15}),
         "nvme_vs_recompute llama-2-7b": Ref("~1x (NVMe almost as slow)", {**rag, **b7}),
         "nvme_vs_recompute llama-3.1-70b": Ref("4.6x", {**rag, **b70}),
-        "paper_recompute llama-2-7b": Ref("~3", {**paper, **b7}), "paper_load llama-2-7b": Ref("~16", {**paper, **b7}),
-        "paper_recompute llama-3.1-70b": Ref("~7", {**paper, **b70}),
-        "paper_load llama-3.1-70b": Ref("~4", {**paper, **b70}),
-        "ttft_speedup": Ref("2.2-3.3x", {**rag, "min_ratio": 0.15}),
-        "throughput": Ref("2.8-5x", {**rag, "min_ratio": 0.15}),
+        **refs({**paper, **b7}, {"paper_recompute llama-2-7b": "~3", "paper_load llama-2-7b": "~16"}),
+        **refs({**paper, **b70}, {"paper_recompute llama-3.1-70b": "~7", "paper_load llama-3.1-70b": "~4"}),
+        **refs({**rag, "min_ratio": 0.15}, {"ttft_speedup": "2.2-3.3x", "throughput": "2.8-5x"}),
         "prefix_fewer": Ref("the more chunks, the less"),
         "blend_recompute": Ref("recomputes ~15%", {"min_ratio": 0.15}),
-        "ex8_choice": Ref("blend", ex8), "ex8_ratio": Ref("50%", ex8), "ex8_ttft_ms": Ref("~320", ex8),
+        **refs({"layers": 32, "read_ms": 10.0, "prefill_ms": 20.0, "min_ratio": 0.15},
+               {"ex8_choice": "blend", "ex8_ratio": "50%", "ex8_ttft_ms": "~320"}),
         "ex8_full_ms": Ref("640", {"layers": 32, "prefill_ms": 20.0}),
         "real_ttft": Ref("2.2-3.3x", {"real_ratio": 0.15})})
 
@@ -677,12 +676,11 @@ def part3_insights(model, run: RecordRun, s: Settings, page: Page) -> Part3:
     p = insights_and_curve(model, run, s)
     f, L, r, top = p.insights, p.insights.deviation.shape[0], f"{s.ratio:.0%}", pk(s.top_share)
     page.part("Part 3", "§5.3", "The two insights, and the compute-quality curve")
-    layers = lambda a, b: ", ".join(map(str, range(a, b)))  # noqa: E731
     rows = [fact(f"document tokens' attention on other tokens, layers 0-{L - 1}", p.elsewhere,
                  "doc_attention_elsewhere", pcts),
             fact(f"top {s.top_share:.0%} of tokens: share of KV deviation (layers 1-{L - 1})", f.top_share,
                  f"top{top}_deviation_share", handout=h("top_share", s)),
-            fact(f"  per layer {layers(1, L)}", f.top_per_layer, f"top{top}_per_layer", pcts),
+            fact(f"  per layer {', '.join(map(str, range(1, L)))}", f.top_per_layer, f"top{top}_per_layer", pcts),
             fact(f"rank correlation of deviation, layers {', '.join(f'{i}-{i + 1}' for i in range(1, L - 1))}",
                  f.rank_corr, "adjacent_layer_rank_corr", lambda xs: " ".join(f"{x:.2f}" for x in xs),
                  h("rank_corr", s)),
