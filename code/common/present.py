@@ -131,7 +131,14 @@ def cols(*specs) -> list[Col]:
     return [s if isinstance(s, Col) else Col(s) if isinstance(s, str) else Col(*s) for s in specs]
 
 
+def fact(label: str, value, key: str | None = None, fmt: Fmt | None = None, handout: Ref | str | None = None) -> Row:
+    """One row of a "quantity | ours | handout" table: the label, our value (stored in `--json` under `key`
+    when it has one, written with `fmt` when it has its own) and the handout's figure beside it."""
+    return Row([label, Val(value, key, fmt)], handout)
+
+
 def read(result, of: str | Callable):
+    """The value a column reads from a result: the field named `of`, or `of(result)`."""
     return of(result) if callable(of) else getattr(result, of)
 
 
@@ -537,9 +544,3 @@ def bar_figure(page: Page, name: str, title: str, panels: list[Bars], xlabel: st
                 ax.text(v, y, p.fmt.format(v), va="center", fontsize=8)
             ax.set(xlabel=xlabel, title=p.title, **axes)
             ax.invert_yaxis()
-
-
-def fact(label: str, value, key: str | None = None, fmt: Fmt | None = None, handout: Ref | str | None = None) -> Row:
-    """One row of a "quantity | ours | handout" table: the label, our value (stored in `--json` under `key`
-    when it has one, written with `fmt` when it has its own) and the handout's figure beside it."""
-    return Row([label, Val(value, key, fmt)], handout)

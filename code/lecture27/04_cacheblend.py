@@ -81,7 +81,7 @@ from common.cli import (Parser, fail, fraction, nonneg_float, positive_float, po
                         settings_from)
 from common.llama import KVCache, idle_threads, kl_divergence, shift_kv, single_thread  # noqa: E402
 from common.present import (DASH, Bars, Col, Handout, Line, Page, Ref, Row, Table, Val, change, cols,  # noqa: E402
-                            Mark, bar_figure, fact, handout_text, line_figure, refs, rows_over)
+                            Mark, bar_figure, fact, handout_text, line_figure, refs, rows_of, rows_over)
 
 # ---- §5.1 (Part 0): prefix caching against full reuse and CacheBlend, k retrieved chunks (of Part 4's RAG size)
 PREFIX_KS = list(range(1, 11))            # k chunks of RAG_CHUNK_TOKENS + the question; CacheBlend at MIN_RATIO
@@ -1418,14 +1418,15 @@ def chunk_notes(c: br.ChunkLengths) -> list[str]:
 def present_adaptive(r: Real, page: Page) -> None:
     """The adaptive rule at each share target beside flat recomputing the same mean share."""
     a = r.adaptive
-    rows = [Row([m.target, m.recomputed, m.spread, m.kl, m.flat_ratio, m.flat_recomputed, m.flat_kl, closer(m)])
-            for m in a.rows]
+    columns = [Col("share held", pct, of="target"), Col("recomputed", pct, of="recomputed"),
+               Col("min-max over inputs", lambda x: f"{pct(x[0])}-{pct(x[1])}", of="spread"),
+               Col("KL adaptive", "{:.4f}", of="kl"), Col("flat r", pct, of="flat_ratio"),
+               Col("flat recomputed", pct, of="flat_recomputed"), Col("KL flat", "{:.4f}", of="flat_kl"),
+               Col("closer", of=closer)]
     show(page, Table(f"Part 5i (§5.3). A rule whose count adapts: layers up to {a.layer} in full, then the smallest "
                      f"set holding a share of layer {a.layer}'s\n  measured deviation (at least {a.floor:.0%} of the "
                      "tokens), beside flat recomputing the same mean share; mean first-token KL", "§5.3",
-                     cols(("share held", pct), ("recomputed", pct), ("min-max over inputs", lambda x: (
-                         f"{pct(x[0])}-{pct(x[1])}")), ("KL adaptive", "{:.4f}"), ("flat r", pct),
-                          ("flat recomputed", pct), ("KL flat", "{:.4f}"), "closer"), rows, "blend_real.compare_rules",
+                     columns, rows_of(a.rows, columns), "blend_real.compare_rules",
                      [f"the adaptive rule is closer to full prefill than flat at "
                       f"{sum(closer(m) == 'adaptive' for m in a.rows)} of {len(a.rows)} matched shares; "
                       + ranking_room(r.split, r.study["at"], r.splits)],
