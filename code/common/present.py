@@ -53,6 +53,11 @@ class Handout:
         return ref.figure if ref else DASH
 
 
+def refs(inputs: dict, figures: dict[str, str]) -> dict[str, Ref]:
+    """Several of the handout's figures that hold for the same inputs: name -> Ref (for a Handout)."""
+    return {name: Ref(figure, inputs) for name, figure in figures.items()}
+
+
 def holds(inputs: dict, settings) -> bool:
     """True when `settings` (a dataclass or a dict) has each of `inputs`' values."""
     get = settings.get if isinstance(settings, dict) else (lambda k, d=None: getattr(settings, k, d))
@@ -80,12 +85,14 @@ class Col:
     value is None left out), "name.{row}" or "configs.{row}.hit_rate" a dict keyed by each row's key,
     "levels[].accuracy" a list with one dict per row (the columns with keys "levels[]..." fill it).
     `scale` multiplies the value written to JSON (for example bytes on screen, GB in JSON: 1e-9). Text
-    columns (`left=True`) are aligned left, numbers right; the first column is always left."""
+    columns (`left=True`) are aligned left, numbers right; the first column is always left. `of`: the
+    field of a result this column reads, a name or a function of the result (rows_of, rows_over)."""
     header: str
     fmt: Fmt = "{}"
     key: str | None = None
     scale: float | None = None
     left: bool = False
+    of: str | Callable | None = None
 
 
 @dataclass
@@ -122,6 +129,29 @@ class Table:
 def cols(*specs) -> list[Col]:
     """Columns from (header, fmt[, key[, scale]]) tuples or plain headers."""
     return [s if isinstance(s, Col) else Col(s) if isinstance(s, str) else Col(*s) for s in specs]
+
+
+def fact(label: str, value, key: str | None = None, fmt: Fmt | None = None, handout: Ref | str | None = None) -> Row:
+    """One row of a "quantity | ours | handout" table: the label, our value (stored in `--json` under `key`
+    when it has one, written with `fmt` when it has its own) and the handout's figure beside it."""
+    return Row([label, Val(value, key, fmt)], handout)
+
+
+def read(result, of: str | Callable):
+    """The value a column reads from a result: the field named `of`, or `of(result)`."""
+    return of(result) if callable(of) else getattr(result, of)
+
+
+def rows_of(results: list, columns: list[Col]) -> list[Row]:
+    """Rows that build themselves from a list of results (dataclasses): one row per result, each cell the
+    field its column reads (`Col.of`)."""
+    return [Row([read(x, c.of) for c in columns]) for x in results]
+
+
+def rows_over(result, columns: list[Col]) -> list[Row]:
+    """Rows from one result whose fields are lists over the same points (a sweep over k chunks, over
+    ratios): row i holds item i of the field each column reads (`Col.of`)."""
+    return [Row(list(cells)) for cells in zip(*(read(result, c.of) for c in columns))]
 
 
 def fmt_cell(value, fmt: Fmt) -> str:
@@ -658,3 +688,64 @@ def chart_figure(page: Page, name: str, charts: list, title: str = "", ncols: in
         if axes is not None:
             for i, c in enumerate(charts):
                 draw_chart(axes[i // ncols][i % ncols], c)
+
+
+# ----------------------------------------------------------------------------- a figure as data
+@dataclass
+class MarkedLine:
+    """One line of a figure: its points (a y of None leaves a gap), its legend label (None: not in the
+    legend) and its matplotlib style (color, ls, marker, ...)."""
+    x: list
+    y: list
+    label: str | None = None
+    style: dict = field(default_factory=dict)
+
+
+@dataclass
+class Mark:
+    """A reference line across a figure at one value (chance, a floor, the handout's share): vertical
+    where it marks an x, horizontal where it marks a y."""
+    at: float
+    label: str | None = None
+    vertical: bool = False
+    style: dict = field(default_factory=lambda: {"color": "gray", "ls": ":", "lw": 1})
+
+
+def marked_line_figure(page: Page, name: str, title: str, lines: list[MarkedLine], xlabel: str, ylabel: str,
+                marks: list[Mark] = (), figsize=(6.4, 4.2), legend: dict | None = None, **axes) -> None:
+    """A figure of lines described by data: each Line, then each Mark, the axis labels and any other axis
+    setting (`ylim=(0, 100)`, `yscale="log"`), a legend of the labelled ones (`legend`: its options)."""
+    with page.figure(name, title, figsize) as (_, ax):
+        if ax is None:
+            return
+        for ln in lines:
+            ax.plot(ln.x, [math.nan if v is None else v for v in ln.y], label=ln.label, **ln.style)
+        for m in marks:
+            (ax.axvline if m.vertical else ax.axhline)(m.at, label=m.label, **m.style)
+        ax.set(xlabel=xlabel, ylabel=ylabel, **axes)
+        ax.legend(**(legend or {}))
+
+
+@dataclass
+class Bars:
+    """One panel of horizontal bars, the first on top: a label and a value per bar, the bars' colours,
+    how a value is written at its bar's end (None: not written), the panel's title."""
+    labels: list
+    values: list
+    colors: list | None = None
+    fmt: str | None = None
+    title: str = ""
+
+
+def bar_figure(page: Page, name: str, title: str, panels: list[Bars], xlabel: str, figsize=None, **axes) -> None:
+    """Panels of bars side by side, described by data (`axes`: settings every panel shares, e.g. xscale)."""
+    n = len(panels)
+    with page.figure(name, title, figsize or (5 * n, 3.8), ncols=n, squeeze=False) as (_, axs):
+        if axs is None:
+            return
+        for ax, p in zip(axs[0], panels):
+            ax.barh(p.labels, p.values, color=p.colors)
+            for y, v in enumerate(p.values if p.fmt else []):
+                ax.text(v, y, p.fmt.format(v), va="center", fontsize=8)
+            ax.set(xlabel=xlabel, title=p.title, **axes)
+            ax.invert_yaxis()
