@@ -85,14 +85,12 @@ class Col:
     value is None left out), "name.{row}" or "configs.{row}.hit_rate" a dict keyed by each row's key,
     "levels[].accuracy" a list with one dict per row (the columns with keys "levels[]..." fill it).
     `scale` multiplies the value written to JSON (for example bytes on screen, GB in JSON: 1e-9). Text
-    columns (`left=True`) are aligned left, numbers right; the first column is always left. `of`: the
-    field of a result this column reads, a name or a function of the result (rows_of, rows_over)."""
+    columns (`left=True`) are aligned left, numbers right; the first column is always left."""
     header: str
     fmt: Fmt = "{}"
     key: str | None = None
     scale: float | None = None
     left: bool = False
-    of: str | Callable | None = None
 
 
 @dataclass
@@ -137,23 +135,6 @@ def fact(label: str, value, key: str | None = None, fmt: Fmt | None = None, hand
     return Row([label, Val(value, key, fmt)], handout)
 
 
-def read(result, of: str | Callable):
-    """The value a column reads from a result: the field named `of`, or `of(result)`."""
-    return of(result) if callable(of) else getattr(result, of)
-
-
-def rows_of(results: list, columns: list[Col]) -> list[Row]:
-    """Rows that build themselves from a list of results (dataclasses): one row per result, each cell the
-    field its column reads (`Col.of`)."""
-    return [Row([read(x, c.of) for c in columns]) for x in results]
-
-
-def rows_over(result, columns: list[Col]) -> list[Row]:
-    """Rows from one result whose fields are lists over the same points (a sweep over k chunks, over
-    ratios): row i holds item i of the field each column reads (`Col.of`)."""
-    return [Row(list(cells)) for cells in zip(*(read(result, c.of) for c in columns))]
-
-
 def fmt_cell(value, fmt: Fmt) -> str:
     if isinstance(value, Val):
         return fmt_cell(value.value, value.fmt or fmt)
@@ -193,34 +174,48 @@ def why_notes(t: Table) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- tables built from results
+def pick(item, get):
+    """The value `get` names in `item`: a function of it, an index (of a tuple), or a dotted path of
+    attributes and dict keys ("adaptive.ttft_s", "layout.layers", "ttft.level0")."""
+    if callable(get):
+        return get(item)
+    if isinstance(get, int):
+        return item[get]
+    for name in get.split("."):
+        item = item[name] if isinstance(item, dict) else getattr(item, name)
+    return item
+
+
 @dataclass(frozen=True)
 class Field(Col):
-    """A column that reads each row's value from that row's result: `get` names an attribute ("hit_rate";
-    dotted for a nested one, "layout.layers"), or is a function of the result, or a dict keyed by the row's
+    """A column that reads each row's value from that row's result: `get` names it as `pick` reads it (a
+    field "hit_rate", a dotted path, an index, a function of the result), or is a dict keyed by the row's
     name; None shows the row's name."""
-    get: str | Callable | dict | None = None
+    get: str | int | Callable | dict | None = None
 
     def of(self, name, result):
         if self.get is None:
             return name
         if isinstance(self.get, dict):
             return self.get[name]
-        if callable(self.get):
-            return self.get(result)
-        for attr in self.get.split("."):
-            result = getattr(result, attr)
-        return result
+        return pick(result, self.get)
 
 
 def table_of(title: str, section: str, fields: list[Field], results, source: str = "", notes=(), json=None,
              handout=None) -> Table:
     """A table with one row per result, each cell read by its Field. `results` is a dict name -> result (the
-    name is the row's JSON key, "{row}") or a list; `handout` is every row's handout figure, or a function of
-    the result that gives it."""
+    name is the row's JSON key, "{row}"; a row named None states none) or a list; `handout` is every row's
+    handout figure, a function of the result that gives it, or a dict keyed by the row's name."""
     items = results.items() if isinstance(results, dict) else [(None, r) for r in results]
-    rows = [Row([f.of(name, r) for f in fields], handout(r) if callable(handout) else handout, name)
-            for name, r in items]
+    ref = lambda name, r: handout[name] if isinstance(handout, dict) else handout(r) if callable(handout) else handout
+    rows = [Row([f.of(name, r) for f in fields], ref(name, r), name) for name, r in items]
     return Table(title, section, list(fields), rows, source, list(notes), dict(json or {}))
+
+
+def points(result, fields: list[Field]) -> list[dict]:
+    """One result whose fields are lists over the same points (a sweep over k chunks, over ratios) as one
+    dict per point, for `table_of`: point i holds item i of the list each Field names."""
+    return [dict(zip([f.get for f in fields], cells)) for cells in zip(*(pick(result, f.get) for f in fields))]
 
 
 def text_table(title: str, section: str, headers: list[str], rows, source: str = "") -> Table:
@@ -236,6 +231,11 @@ def change(before, after, fmt: str = "{}") -> str:
     if a == b:
         return f"stays at {a}"
     return f"{'rises' if after > before else 'falls'} ({a} -> {b})"
+
+
+def plural(n: int, word: str, fmt: str = "{:,}") -> str:
+    """'1 stream', '3 streams': a count and its noun."""
+    return f"{fmt.format(n)} {word}{'s' * (n != 1)}"
 
 
 # ----------------------------------------------------------------------------- renderer 1: text
@@ -521,48 +521,94 @@ def pyplot():
     return plt
 
 
-# ----------------------------------------------------------------------------- figures described by data
+# ----------------------------------------------------------------------------- a figure as data
+REFERENCE = {"color": "gray", "ls": ":", "lw": 1}   # how a reference line (chance, a floor) is drawn
+
+
 @dataclass
-class Line:
-    """One line of a figure: its points, its matplotlib format ("k--", "o-"), its label and any other
-    matplotlib keyword (color, marker, lw); `step=True` draws it as a staircase (a CDF)."""
+class Series:
+    """One series of a chart: y over x, its legend label (None: not in the legend), how it is drawn ("line",
+    where a y of None leaves a gap; "step": held until the next x, as a trace or a CDF; "bar": side by side
+    with the chart's other bar series at category positions x; "barh": one horizontal bar per label x, the
+    first on top, each value written at its bar's end with `fmt` when it has one; "scatter") and
+    matplotlib's style keywords (color, ls, marker, ...)."""
     x: Any
     y: Any
-    style: str = "-"
-    label: str = ""
-    step: bool = False
-    kw: dict = field(default_factory=dict)
+    label: str | None = None
+    kind: str = "line"
+    style: dict = field(default_factory=dict)
+    fmt: str | None = None
 
 
 @dataclass
-class Panel:
-    """One pair of axes: its Lines, horizontal reference lines (y, label, color), the axes' settings as
-    matplotlib's Axes.set takes them (xlabel, ylabel, xscale, ylim, title, ...) and the legend's."""
-    lines: list
-    axes: dict = field(default_factory=dict)
+class Chart:
+    """One panel described by data: its series, axis labels and scales, the handout's range as a grey band
+    (lo, hi, label), reference lines across it (hlines at y, vlines at x: (value, style) pairs, the style
+    holding the legend's label), the grid's ticks ("major" or "both"), the legend's keywords (None: no
+    legend) and any further `ax.set` settings (ylim, xticks, ...)."""
+    series: list
+    xlabel: str = ""
+    ylabel: str = ""
+    title: str = ""
+    xscale: str = "linear"
+    yscale: str = "linear"
+    band: tuple | None = None
     hlines: list = field(default_factory=list)
-    legend: dict = field(default_factory=dict)
-
-    def draw(self, ax) -> None:
-        for ln in self.lines:
-            if ln.step:
-                ax.step(ln.x, ln.y, ln.style, where="post", label=ln.label, **ln.kw)
-            else:
-                ax.plot(ln.x, ln.y, ln.style, label=ln.label, **ln.kw)
-        for y, label, color in self.hlines:
-            ax.axhline(y, color=color, lw=1.5, label=label)
-        ax.set(**self.axes)
-        ax.legend(**self.legend)
+    vlines: list = field(default_factory=list)
+    grid: str = "major"
+    legend: dict | None = field(default_factory=dict)
+    minor_ticks: bool = True
+    axes: dict = field(default_factory=dict)
 
 
-def line_figure(page: Page, name: str, panels: Panel | list[Panel], title: str = "", figsize=(7, 4.5)) -> None:
-    """A figure described by data: one Panel, or a list of them side by side, drawn and saved by the page."""
-    panels = panels if isinstance(panels, list) else [panels]
-    with page.figure(name, title, figsize, ncols=len(panels)) as (fig, ax):
-        if ax is None:
-            return
-        for a, p in zip([ax] if len(panels) == 1 else ax, panels):
-            p.draw(a)
+def draw_series(ax, s: Series, bars: list) -> None:
+    """Draw one Series on matplotlib axes (`bars`: the chart's "bar" series, which share each category)."""
+    if s.kind == "bar":
+        i, w = bars.index(s), 0.8 / len(bars)
+        ax.bar([x + (i - (len(bars) - 1) / 2) * w for x in s.x], s.y, w, label=s.label, **s.style)
+    elif s.kind == "barh":
+        ax.barh(s.x, s.y, label=s.label, **s.style)
+        for y, v in enumerate(s.y if s.fmt else []):
+            ax.text(v, y, s.fmt.format(v), va="center", fontsize=8)
+        ax.invert_yaxis()
+    elif s.kind == "step":
+        ax.step(s.x, s.y, where="post", label=s.label, **s.style)
+    elif s.kind == "scatter":
+        ax.scatter(s.x, s.y, label=s.label, **s.style)
+    else:
+        ax.plot(s.x, [math.nan if v is None else v for v in s.y], label=s.label, **s.style)
+
+
+def draw_chart(ax, c: Chart) -> None:
+    """Draw one Chart on matplotlib axes: its series, band and reference lines, then its axes and legend."""
+    for s in c.series:
+        draw_series(ax, s, [b for b in c.series if b.kind == "bar"])
+    if c.band:
+        ax.axhspan(c.band[0], c.band[1], color="0.85", label=c.band[2], zorder=0)
+    for y, style in c.hlines:
+        ax.axhline(y, **style)
+    for x, style in c.vlines:
+        ax.axvline(x, **style)
+    named = dict(xscale=c.xscale, yscale=c.yscale, xlabel=c.xlabel, ylabel=c.ylabel, title=c.title)
+    ax.set(**{k: v for k, v in named.items() if v not in ("", "linear")}, **c.axes)  # a linear scale is the default
+    ax.grid(alpha=0.3, which=c.grid)
+    if not c.minor_ticks:
+        ax.minorticks_off()
+    if c.legend is not None:
+        ax.legend(**c.legend)
+
+
+def chart_figure(page: Page, name: str, charts: Chart | list[Chart], title: str = "", ncols: int | None = None,
+                 **kw) -> None:
+    """A figure of one or more Charts, `ncols` panels a row (default: all in one row), drawn and saved through
+    `page.figure` (kw: its figsize, sharex, ...); nothing is drawn with plotting off."""
+    charts = charts if isinstance(charts, list) else [charts]
+    ncols = ncols or len(charts)
+    nrows = -(-len(charts) // ncols)
+    with page.figure(name, title, nrows=nrows, ncols=ncols, squeeze=False, **kw) as (fig, axes):
+        if axes is not None:
+            for i, c in enumerate(charts):
+                draw_chart(axes[i // ncols][i % ncols], c)
 
 
 def cdf(values) -> tuple[list, list]:
@@ -588,164 +634,3 @@ def segment_bars(page: Page, name: str, bars: dict, colors: dict, xlabel: str, t
         ax.set(yticks=range(len(bars)), yticklabels=list(bars), xlabel=xlabel)
         ax.set_title(title, fontsize=9)
         ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], **(legend or {}))
-
-
-# ----------------------------------------------------------------------------- rows from results
-def pick(item, get):
-    """The value `get` names in `item`: a function of it, an index (of a tuple), or a dotted path of
-    attributes and dict keys ("adaptive.ttft_s", "ttft.level0")."""
-    if callable(get):
-        return get(item)
-    if isinstance(get, int):
-        return item[get]
-    for name in get.split("."):
-        item = item[name] if isinstance(item, dict) else getattr(item, name)
-    return item
-
-
-def table_of_items(title: str, section: str, fields: list, items, source: str = "", notes=(), json=None,
-             row_key=None, handout=None) -> Table:
-    """A table whose rows build themselves from a list of results (dataclasses or dicts): `fields` are
-    (header, get[, fmt[, key[, scale]]]) tuples, each column's cell read from each item by `pick`;
-    `row_key(item)` names a row in the `--json` dicts ("{row}" of a key), `handout(item)` gives its handout
-    figure."""
-    return Table(title, section, [Col(header, *spec) for header, _, *spec in fields],
-                 [Row([pick(item, f[1]) for f in fields], handout(item) if handout else None,
-                      row_key(item) if row_key else None) for item in items], source, list(notes), dict(json or {}))
-
-
-def plural(n: int, word: str, fmt: str = "{:,}") -> str:
-    """'1 stream', '3 streams': a count and its noun."""
-    return f"{fmt.format(n)} {word}{'s' * (n != 1)}"
-
-
-# ----------------------------------------------------------------------------- a figure as data
-@dataclass
-class Series:
-    """One series of a chart: y over x, its legend label, how it is drawn ("line"; "step": held until the
-    next x, as a trace or a CDF; "bar": side by side with the chart's other bar series at category
-    positions x; "scatter") and matplotlib's style keywords (color, ls, marker, ...)."""
-    x: Any
-    y: Any
-    label: str | None = None
-    kind: str = "line"
-    style: dict = field(default_factory=dict)
-
-
-@dataclass
-class Chart:
-    """One panel described by data: its series, axis labels and scales, the handout's range as a grey band
-    (lo, hi, label), reference lines across it (hlines at y, vlines at x: (value, style) pairs), the grid's
-    ticks ("major" or "both"), the legend's keywords (None: no legend) and any further `ax.set` settings."""
-    series: list
-    xlabel: str = ""
-    ylabel: str = ""
-    title: str = ""
-    xscale: str = "linear"
-    yscale: str = "linear"
-    band: tuple | None = None
-    hlines: list = field(default_factory=list)
-    vlines: list = field(default_factory=list)
-    grid: str = "major"
-    legend: dict | None = field(default_factory=dict)
-    minor_ticks: bool = True
-    axes: dict = field(default_factory=dict)
-
-
-def draw_chart(ax, c: Chart) -> None:
-    """Draw one Chart on matplotlib axes."""
-    bars = [s for s in c.series if s.kind == "bar"]
-    for s in c.series:
-        if s.kind == "bar":
-            i, w = bars.index(s), 0.8 / len(bars)
-            ax.bar([x + (i - (len(bars) - 1) / 2) * w for x in s.x], s.y, w, label=s.label, **s.style)
-        elif s.kind == "step":
-            ax.step(s.x, s.y, where="post", label=s.label, **s.style)
-        elif s.kind == "scatter":
-            ax.scatter(s.x, s.y, label=s.label, **s.style)
-        else:
-            ax.plot(s.x, s.y, label=s.label, **s.style)
-    if c.band:
-        ax.axhspan(c.band[0], c.band[1], color="0.85", label=c.band[2], zorder=0)
-    for y, style in c.hlines:
-        ax.axhline(y, **style)
-    for x, style in c.vlines:
-        ax.axvline(x, **style)
-    ax.set(xscale=c.xscale, yscale=c.yscale, **{k: v for k, v in (("xlabel", c.xlabel), ("ylabel", c.ylabel),
-                                                                  ("title", c.title)) if v}, **c.axes)
-    ax.grid(alpha=0.3, which=c.grid)
-    if not c.minor_ticks:
-        ax.minorticks_off()
-    if c.legend is not None:
-        ax.legend(**c.legend)
-
-
-def chart_figure(page: Page, name: str, charts: list, title: str = "", ncols: int = 1, **kw) -> None:
-    """A figure of one or more Charts, `ncols` panels a row, drawn and saved through `page.figure` (kw: its
-    figsize, sharex, ...); nothing is drawn with plotting off."""
-    nrows = -(-len(charts) // ncols)
-    with page.figure(name, title, nrows=nrows, ncols=ncols, squeeze=False, **kw) as (fig, axes):
-        if axes is not None:
-            for i, c in enumerate(charts):
-                draw_chart(axes[i // ncols][i % ncols], c)
-
-
-# ----------------------------------------------------------------------------- a figure as data
-@dataclass
-class MarkedLine:
-    """One line of a figure: its points (a y of None leaves a gap), its legend label (None: not in the
-    legend) and its matplotlib style (color, ls, marker, ...)."""
-    x: list
-    y: list
-    label: str | None = None
-    style: dict = field(default_factory=dict)
-
-
-@dataclass
-class Mark:
-    """A reference line across a figure at one value (chance, a floor, the handout's share): vertical
-    where it marks an x, horizontal where it marks a y."""
-    at: float
-    label: str | None = None
-    vertical: bool = False
-    style: dict = field(default_factory=lambda: {"color": "gray", "ls": ":", "lw": 1})
-
-
-def marked_line_figure(page: Page, name: str, title: str, lines: list[MarkedLine], xlabel: str, ylabel: str,
-                marks: list[Mark] = (), figsize=(6.4, 4.2), legend: dict | None = None, **axes) -> None:
-    """A figure of lines described by data: each Line, then each Mark, the axis labels and any other axis
-    setting (`ylim=(0, 100)`, `yscale="log"`), a legend of the labelled ones (`legend`: its options)."""
-    with page.figure(name, title, figsize) as (_, ax):
-        if ax is None:
-            return
-        for ln in lines:
-            ax.plot(ln.x, [math.nan if v is None else v for v in ln.y], label=ln.label, **ln.style)
-        for m in marks:
-            (ax.axvline if m.vertical else ax.axhline)(m.at, label=m.label, **m.style)
-        ax.set(xlabel=xlabel, ylabel=ylabel, **axes)
-        ax.legend(**(legend or {}))
-
-
-@dataclass
-class Bars:
-    """One panel of horizontal bars, the first on top: a label and a value per bar, the bars' colours,
-    how a value is written at its bar's end (None: not written), the panel's title."""
-    labels: list
-    values: list
-    colors: list | None = None
-    fmt: str | None = None
-    title: str = ""
-
-
-def bar_figure(page: Page, name: str, title: str, panels: list[Bars], xlabel: str, figsize=None, **axes) -> None:
-    """Panels of bars side by side, described by data (`axes`: settings every panel shares, e.g. xscale)."""
-    n = len(panels)
-    with page.figure(name, title, figsize or (5 * n, 3.8), ncols=n, squeeze=False) as (_, axs):
-        if axs is None:
-            return
-        for ax, p in zip(axs[0], panels):
-            ax.barh(p.labels, p.values, color=p.colors)
-            for y, v in enumerate(p.values if p.fmt else []):
-                ax.text(v, y, p.fmt.format(v), va="center", fontsize=8)
-            ax.set(xlabel=xlabel, title=p.title, **axes)
-            ax.invert_yaxis()

@@ -58,7 +58,7 @@ from common.checkpoints import cached  # noqa: E402
 from common.cli import Parser, positive_float, settings_from  # noqa: E402
 from common.llama import idle_threads, single_thread  # noqa: E402
 from common.present import (  # noqa: E402
-    Chart, Handout, Page, Ref, Row, Series, Table, Val, chart_figure, cols, plural, table_of_items)
+    Chart, Field, Handout, Page, Ref, Row, Series, Table, Val, chart_figure, cols, plural, table_of)
 
 SENSITIVITY_STEPS = (1, 2, 4, 8)  # Part 1b: coarse steps for one layer's K+V, in units of its RMS
 SENSITIVITY_STEP = 4.0      # Part 1b: the coarse step for K alone and V alone
@@ -487,9 +487,10 @@ def codec_cells(c: Codec, fp16: float) -> list:
 def entropy_table(entropy: dict, title: str) -> Table:
     """Part 1c: bits per value under each grouping of the tables, against one global table."""
     g0 = entropy["one global table"]
-    return table_of_items(title, "§3.2", [("tables", 0), ("bits/value", 1, "{:.3f}", "entropy_bits.{row}"), (
-        "smaller than global", lambda g: None if g[0] == "one global table" else 1 - g[1] / g0, "{:+.1%}")],
-                    entropy.items(), f"{SCRIPT}.grouping_entropy", row_key=lambda g: g[0])
+    smaller = {g: None if g == "one global table" else 1 - b / g0 for g, b in entropy.items()}
+    return table_of(title, "§3.2", [Field("tables"), Field("bits/value", "{:.3f}", "entropy_bits.{row}", get=entropy),
+                                    Field("smaller than global", "{:+.1%}", get=smaller)],
+                    entropy, f"{SCRIPT}.grouping_entropy")
 
 
 def headline_table(codecs: Codecs, model_name: str, source: str, s: Settings) -> Table:
@@ -626,20 +627,20 @@ def levels_table(c: Codecs, s: Settings) -> Table:
                     "levels scale the steps the search measured on it." if last.accuracy > float(ref.figure[:-1]) / 100
                     else "; ours answers no more.") if ref else ""))
     fp16 = c.by_key()["fp16"].bytes_per_token
-    return table_of_items(
+    return table_of(
         "Quality levels (§4.2) of the measured codec (codec_study.codec_levels(), read by 03_streaming.py)", "§4.2",
-        [("level (for 03)", "level", "level {}", "levels[].level"), *level_fields("{:g}x", "{:.1f}"),
-         ("ratio to FP16", lambda lv: fp16 / lv.bytes_per_token, times2),
-         ("accuracy", "accuracy", pct2, "levels[].accuracy"),
-         ("+- SE pts", lambda lv: 100 * se_of[lv.level], "{:.2f}")],
+        [Field("level (for 03)", "level {}", "levels[].level", get="level"), *level_fields("{:g}x", "{:.1f}"),
+         Field("ratio to FP16", times2, get=lambda lv: fp16 / lv.bytes_per_token),
+         Field("accuracy", pct2, "levels[].accuracy", get="accuracy"),
+         Field("+- SE pts", "{:.2f}", get=lambda lv: 100 * se_of[lv.level])],
         c.levels, "codec_study.codec_study", [note], handout=lambda lv: handout_figure(f"level{lv.level}", s))
 
 
 def level_fields(steps: str, size: str) -> list:
     """The columns every level table has: its steps (x level 0's), bytes/token, bits/value."""
-    return [("steps", lambda lv: kv.LEVEL_FACTOR ** lv.level, steps),
-            ("bytes/token", "bytes_per_token", size, "levels[].bytes_per_token"),
-            ("bits/value", "bits_per_value", "{:.2f}", "levels[].bits_per_value")]
+    return [Field("steps", steps, get=lambda lv: kv.LEVEL_FACTOR ** lv.level),
+            Field("bytes/token", size, "levels[].bytes_per_token", get="bytes_per_token"),
+            Field("bits/value", "{:.2f}", "levels[].bits_per_value", get="bits_per_value")]
 
 
 def present_exercise3(page: Page, r: Record, s: Settings) -> None:
@@ -649,12 +650,13 @@ def present_exercise3(page: Page, r: Record, s: Settings) -> None:
         f"spoils group{'s' * (len(e.spoiled_groups) != 1)} {', '.join(map(str, e.spoiled_groups)) or 'none'}"
         + " only" * (e.spoiled_groups == [e.damaged_group]))
     first, end, anchor = e.by_position[1], e.by_position[-1], [p.anchor for p in e.by_position[1:]]
-    page.table(table_of_items(
+    page.table(table_of(
         f"The {e.groups} groups of a context decode one at a time, last first, each from its own bytes: equal to the "
         f"full decode = {e.alone_equal}. One byte flipped in group {e.damaged_group}'s payload {damage}. A token needs "
         f"only its anchor; with deltas to the previous token, position p needs all p tokens before it (serial):",
-        "§3.3", [("position in group", "position"), ("|error|/step, anchor", "anchor", "{:.3f}"),
-                 ("|error|/step, previous-token chain", "chain", "{:.3f}")], e.by_position, f"{SCRIPT}.exercise3",
+        "§3.3", [Field("position in group", get="position"), Field("|error|/step, anchor", "{:.3f}", get="anchor"),
+                 Field("|error|/step, previous-token chain", "{:.3f}", get="chain")], e.by_position,
+        f"{SCRIPT}.exercise3",
         [f"The chain's error grows from {first.chain:.3f} to {end.chain:.3f} steps (positions {first.position}-"
          f"{end.position}), the anchor's stays at {min(anchor):.3f}-{max(anchor):.3f}: errors add up along the chain."
          if end.chain > max(first.chain, max(anchor)) else f"Here the chain's error does not grow past the anchor's "
@@ -734,15 +736,15 @@ def present_exercise4(page: Page, r: Record, s: Settings) -> None:
     labels = {"entropy_bits": "entropy (bits/value)", "coded_bits_per_symbol": f"the coder on {s.ex4_samples:,} "
               "samples (bits/value)", "ideal_bits_per_symbol": "ideal under the coder's table (bits/value)",
               "fixed_bits": "fixed-length code (bits/value)", "roundtrip_exact": "round trip exact"}
-    page.table(table_of_items(
-        f"Entropy coding of {{{probs}}}", "§3.3", [("", 1), ("ours", lambda kl: getattr(e, kl[0]), lambda v: f"{v:.3f}"
-                                                    if isinstance(v, float) else str(v), "exercise4.{row}")],
-        labels.items(), "kvcache.exercise4",
+    page.table(table_of(
+        f"Entropy coding of {{{probs}}}", "§3.3", [Field("", get=0), Field("ours", lambda v: f"{v:.3f}" if
+                                                   isinstance(v, float) else str(v), "exercise4.{row}", get=1)],
+        {k: (label, getattr(e, k)) for k, label in labels.items()}, "kvcache.exercise4",
         [f"Arithmetic coding saves {saving:.2f} of the fixed-length code's {e.fixed_bits} bits per value ("
          f"{saving / e.fixed_bits:.0%}), within {abs(e.coded_bits_per_symbol - e.entropy_bits):.3f} bits of the "
          f"entropy." if saving > 0.005 else f"Arithmetic coding saves nothing over the fixed-length code's "
          f"{e.fixed_bits} bits per value here: the entropy is {e.entropy_bits:.3f} bits."],
-        row_key=lambda kl: kl[0], handout=lambda kl: handout_figure(f"ex4_{kl[0]}", s)))
+        handout={k: handout_figure(f"ex4_{k}", s) for k in labels}))
 
 
 # ---------------------------------------------------------------- a real model: --model smollm2
@@ -841,10 +843,11 @@ def present_real(page: Page, r: Real, s: Settings) -> None:
          r.rel_steps) + f"; KL from FP16 kept below {cr.REAL_MAX_KL} nats/token on calibration prose; recipe sized to "
          "the same bytes."]))
     page.table(headline_table(r.codecs, r.name, f"{SCRIPT}.measure_real", s))
-    page.table(table_of_items(
+    page.table(table_of(
         "Quality levels (§4.2) of the measured codec on the real model (codec_real.real_codec_levels(), read by 03)",
-        "§4.2", [("level (03 Part 2c)", lambda lv: f"level {lv.level}"), *level_fields("{:.3g}x", "{:,.0f}"),
-                 ("KL from FP16", "kl", "{:.4f}", "levels[].kl"), ("top-1 = FP16's", "agree", pct1, "levels[].agree")],
+        "§4.2", [Field("level (03 Part 2c)", get=lambda lv: f"level {lv.level}"), *level_fields("{:.3g}x", "{:,.0f}"),
+                 Field("KL from FP16", "{:.4f}", "levels[].kl", get="kl"),
+                 Field("top-1 = FP16's", pct1, "levels[].agree", get="agree")],
         r.codecs.levels, "codec_real.fit"))
     page.exercise(3, "§3.3", f"streams that decode independently run side by side: the coders on {r.name}'s KV")
     page.table(throughput_table(r.throughput))

@@ -52,7 +52,7 @@ from common import timemodel as tm  # noqa: E402
 from common.cli import Parser, fail, positive_float, positive_int, settings_from  # noqa: E402
 from common.gguf_llama import smollm2_or_explain  # noqa: E402
 from common.present import (  # noqa: E402
-    DASH, Chart, Col, Handout, Page, Ref, Row, Series, Table, Val, change, chart_figure, cols, table_of_items)
+    DASH, Chart, Col, Field, Handout, Page, Ref, Row, Series, Table, Val, change, chart_figure, cols, table_of)
 
 K = 1024
 # ---- Part 1 (§4.1)
@@ -589,20 +589,20 @@ def present_part1(page, s, r):
     page.part("Part 1", "§4.1", f"{m} on {s.n_gpus} x {s.gpu}, fetching a {s.context:,}-token context")
     where = ("measured by the codec on the record-world\nmodel (256 values/token)" if s.levels_file is None
              else f"read from {r.levels_name}")
-    page.table(table_of_items(
+    page.table(table_of(
         f"Compressed sizes: each codec level's bits per value, {where}, applied to {m}'s "
         f"{tm.kv_bytes_per_token(s.model) // 2:,} values/token (kv_bytes_per_token / 2).\nText = "
         f"{st.TEXT_BYTES_PER_TOKEN} B/token of token ids, then recompute ({p1.recompute_s:.2f} s for the whole "
         f"context in one batch, time model).\nLossless accuracy (raw, text) = {r.lossless:.3f}, {r.lossless_src}.",
-        "§4.1", [("option", "name"),
-                 ("bits/value", lambda o: None if o.recompute else o.bits_per_value, "{:.2f}",
-                  "levels_bits_per_value.{row}"),
-                 ("GB / context", lambda o: o.bits_per_token * s.context / 8e9, "{:.3f}"),
-                 ("accuracy", "accuracy", "{:.3f}"),
-                 ("break-even vs text", lambda o: p1.breakeven.get(o.name), "{:.1f} Gb/s",
-                  "breakeven_gbit_per_s.{row}")],
-        p1.options, "03_streaming.part1", json={"llama31_70b_12k_recompute_s": p1.recompute_s},
-        row_key=lambda o: None if o.recompute else o.name))
+        "§4.1", [Field("option", get="name"),
+                 Field("bits/value", "{:.2f}", "levels_bits_per_value.{row}",
+                       get=lambda o: None if o.recompute else o.bits_per_value),
+                 Field("GB / context", "{:.3f}", get=lambda o: o.bits_per_token * s.context / 8e9),
+                 Field("accuracy", "{:.3f}", get="accuracy"),
+                 Field("break-even vs text", "{:.1f} Gb/s", "breakeven_gbit_per_s.{row}",
+                       get=lambda o: p1.breakeven.get(o.name))],
+        {None if o.recompute else o.name: o for o in p1.options},  # text (recomputed) names no JSON key
+        "03_streaming.part1", json={"llama31_70b_12k_recompute_s": p1.recompute_s}))
     lo, hi = (f"{f(b.vs_8bit for b in p1.rows):.1f}" for f in (min, max))
     page.table(Table(
         f"\nTTFT (context on the GPU), seconds.\n'best' = fastest of {p1.no_loss} (within "
@@ -733,12 +733,13 @@ def present_models(page, s, runs):
                  f"{text * 1e3:.2f} ms at most: only the GPU works there, and the token ids of the next chunk cross "
                  "during a recompute.")
     both = [(True, "parallel"), (False, "serial")]
-    page.table(table_of_items(
+    page.table(table_of(
         "TTFT and recomputed tokens of each policy. parallel: the link fetches while the GPU recomputes; serial: one "
         "chunk at a time (--serial).", "§4.2",
-        [("Part", lambda x: x[0].removeprefix("Part ")), ("context", lambda x: f"{x[1].setup.context_tokens // K}K"),
-         ("policy", 2), *((f"{w} s", lambda x, m=m: by[x[0]][m][x[2]].ttft_s, "{:.2f}") for m, w in both),
-         *((f"{w}: recomputed", lambda x, m=m: by[x[0]][m][x[2]].text_tokens, "{:,}") for m, w in both)],
+        [Field("Part", get=lambda x: x[0].removeprefix("Part ")),
+         Field("context", get=lambda x: f"{x[1].setup.context_tokens // K}K"), Field("policy", get=2),
+         *(Field(f"{w} s", "{:.2f}", get=lambda x, m=m: by[x[0]][m][x[2]].ttft_s) for m, w in both),
+         *(Field(f"{w}: recomputed", "{:,}", get=lambda x, m=m: by[x[0]][m][x[2]].text_tokens) for m, w in both)],
         [(name, run, p) for name, run in runs.items() for p in run.runs], "03_streaming.part2", notes,
         {"by_model": {w: {MODEL_KEYS[n]: policy_json(b[m]) for n, b in by.items()} for m, w in both}}))
 
@@ -843,19 +844,22 @@ def present_part3(page, s, c):
     page.say(f"Recompute of a chunk of n tokens runs (1 + {h:g}/n) / (1 + {h:g}/12K) times slower than the time "
              f"model (a batch\nof n tokens at n/(n+{h:g}) of large-batch speed; an assumption, --half-tokens, see "
              "streaming.batch_slowdown).")
-    page.table(table_of_items(
+    page.table(table_of(
         "chunk: tokens per chunk; slowdown: recompute of one chunk vs the time model; all-text s: TTFT with\n"
         "every chunk recomputed (small batches cost); overrun s: the worst chunk's finish minus its predicted\n"
         "finish (large chunks react late); TTFT ... GPU s: the adaptive policy; oracle s, q: the oracle's TTFT, "
         "quality.", "§4.2", [
-            ("chunk", "chunk_tokens", "{:,}"), ("chunks", "chunks"), ("slowdown", "slowdown", "{:.3f}"),
-            ("all-text s", "text_ttft_s", "{:.2f}", key + "all_text_ttft_s"),
-            ("overrun s", "overrun_s", "{:.2f}", key + "worst_overrun_s"),
-            ("TTFT s", "adaptive.ttft_s", "{:.2f}", key + "ttft_s"),
-            ("SLO", lambda x: x.adaptive.ttft_s <= s.slo, met, key + "slo_met"),
-            ("quality", "adaptive.quality", "{:.3f}", key + "quality"), ("GPU s", "adaptive.gpu_s", "{:.2f}"),
-            ("oracle s", "oracle.ttft_s", "{:.2f}", key + "oracle_ttft_s"),
-            ("oracle q", "oracle.quality", "{:.3f}", key + "oracle_quality")], c.rows, "03_streaming.part3",
+            Field("chunk", "{:,}", get="chunk_tokens"), Field("chunks", get="chunks"),
+            Field("slowdown", "{:.3f}", get="slowdown"),
+            Field("all-text s", "{:.2f}", key + "all_text_ttft_s", get="text_ttft_s"),
+            Field("overrun s", "{:.2f}", key + "worst_overrun_s", get="overrun_s"),
+            Field("TTFT s", "{:.2f}", key + "ttft_s", get="adaptive.ttft_s"),
+            Field("SLO", met, key + "slo_met", get=lambda x: x.adaptive.ttft_s <= s.slo),
+            Field("quality", "{:.3f}", key + "quality", get="adaptive.quality"),
+            Field("GPU s", "{:.2f}", get="adaptive.gpu_s"),
+            Field("oracle s", "{:.2f}", key + "oracle_ttft_s", get="oracle.ttft_s"),
+            Field("oracle q", "{:.3f}", key + "oracle_quality", get="oracle.quality")],
+        {str(x.chunk_tokens): x for x in c.rows}, "03_streaming.part3",
         [f"adaptive's choices, {x.chunk_tokens:,}-token chunks: {runs_of(x.adaptive.choices)}" for x in c.rows]
         + said("chunks", s) + [
             f"ours:    small batches cost{'' if c.small_batches_cost else ' little here'}: all-text TTFT "
@@ -863,8 +867,7 @@ def present_part3(page, s, c):
                 f"reacting late: worst overrun {late.overrun_s:.2f} s with {late.chunk_tokens:,}-token chunks"
                 if late.overrun_s > 1e-9 else "reacting late costs nothing here: no chunk ran past its predicted "
                 "finish" + " (at every size the context is in before the trace's first drop)" * c.before_drop)],
-        {f"chunk_sizes.{x.chunk_tokens}.choices": x.adaptive.choices for x in c.rows},
-        row_key=lambda x: str(x.chunk_tokens)))
+        {f"chunk_sizes.{x.chunk_tokens}.choices": x.adaptive.choices for x in c.rows}))
 
 
 def present_part4(page, s, suite):

@@ -80,8 +80,9 @@ from common.city import city_model  # noqa: E402
 from common.cli import (Parser, fail, fraction, nonneg_float, positive_float, positive_int,  # noqa: E402
                         settings_from)
 from common.llama import KVCache, idle_threads, kl_divergence, shift_kv, single_thread  # noqa: E402
-from common.present import (DASH, Bars, Col, Handout, MarkedLine, Page, Ref, Row, Table, Val, change, cols,  # noqa: E402
-                            Mark, bar_figure, fact, handout_text, marked_line_figure, refs, rows_of, rows_over)
+from common.present import (  # noqa: E402
+    DASH, REFERENCE, Chart, Col, Field, Handout, Page, Ref, Row, Series, Table, Val, change, chart_figure, cols, fact,
+    handout_text, points, refs, table_of)
 
 # ---- §5.1 (Part 0): prefix caching against full reuse and CacheBlend, k retrieved chunks (of Part 4's RAG size)
 PREFIX_KS = list(range(1, 11))            # k chunks of RAG_CHUNK_TOKENS + the question; CacheBlend at MIN_RATIO
@@ -307,12 +308,12 @@ def present_saved_share(st: pc.PrefixStudy, s: Settings, page: Page) -> None:
 def prefix_figure(st: pc.PrefixStudy, s: Settings, page: Page) -> None:
     ref, methods = HANDOUT("prefix_fewer", s), (("prefix", "tab:red", "-", "prefix caching"),
                                                 ("blend", "tab:blue", "--", f"CacheBlend {s.min_ratio:.0%}"))
-    lines = [MarkedLine(st.ks, [100 * v for v in getattr(x, f"{how}_saved_share")], f"{tm.get_model(m).name}, {label}",
-                  dict(marker=mark, color=color, ls=ls, **(dict(mfc="none", ms=8) if mark == "o" else {})))
+    lines = [Series(st.ks, [100 * v for v in getattr(x, f"{how}_saved_share")], f"{tm.get_model(m).name}, {label}",
+                    style=dict(marker=mark, color=color, ls=ls, **(dict(mfc="none", ms=8) if mark == "o" else {})))
              for (m, x), mark in zip(st.systems.items(), "oxs^") for how, color, ls, label in methods]
-    marked_line_figure(page, "04_prefix_caching.png", f"§5.1: share of full prefill's GPU time saved\n(k chunks of "
-                f"{st.chunk_tokens} tokens" + (f"; handout: {ref.figure})" if ref else ")"), lines,
-                "k retrieved chunks", "% of full prefill's GPU time saved", ylim=(0, 100))
+    chart_figure(page, "04_prefix_caching.png", Chart(lines, "k retrieved chunks", "% of full prefill's GPU time saved",
+                 axes={"ylim": (0, 100)}), f"§5.1: share of full prefill's GPU time saved\n(k chunks of "
+                 f"{st.chunk_tokens} tokens" + (f"; handout: {ref.figure})" if ref else ")"), figsize=(6.4, 4.2))
 
 
 # ============================================================================ §5.1, exercise 5
@@ -708,26 +709,30 @@ def part3_insights(model, run: RecordRun, s: Settings, page: Page) -> Part3:
 
 def curve_figure(c: Curve, s: Settings, page: Page) -> None:
     x, color = [100 * r for r in c.ratios], {3: "tab:purple", 5: "tab:blue"}
-    lines = [MarkedLine(x, [None if a is None else 100 * a for a in accs], f"chunk length {n}, {how}",
-                  dict(marker=mark, ls=ls, color=color.get(n, "gray")))
+    lines = [Series(x, [None if a is None else 100 * a for a in accs], f"chunk length {n}, {how}",
+                    style=dict(marker=mark, ls=ls, color=color.get(n, "gray")))
              for n in c.blend for how, accs, mark, ls in (("CacheBlend (deviation)", c.blend[n], "o", "-"),
                                                           ("random tokens", c.random[n], "x", "--"))]
-    marked_line_figure(page, "04_compute_quality.png", "compute vs quality: recomputing the right tokens", lines,
-                "recompute ratio r (% of context tokens)", "accuracy on split records (%)",
-                [Mark(100 / N_RECORDS, f"chance (1/{N_RECORDS})"),     # and CacheBlend's quality floor
-                 Mark(100 * s.min_ratio, vertical=True, style=dict(color="gray", ls="-.", lw=0.8))],
-                (6.4, 4), dict(loc="lower right"))
+    chart_figure(page, "04_compute_quality.png", Chart(
+        lines, "recompute ratio r (% of context tokens)", "accuracy on split records (%)",
+        legend=dict(loc="lower right"),
+        hlines=[(100 / N_RECORDS, {**REFERENCE, "label": f"chance (1/{N_RECORDS})"})],  # and CacheBlend's quality floor
+        vlines=[(100 * s.min_ratio, dict(color="gray", ls="-.", lw=0.8))]),
+        "compute vs quality: recomputing the right tokens", figsize=(6.4, 4))
 
 
 def concentration_figure(dev: torch.Tensor, s: Settings, page: Page) -> None:
     """Per layer: share of the KV deviation held by the top x% of tokens (a Lorenz-style curve)."""
     ref, x = HANDOUT("top_share", s), [100 * k / dev.shape[2] for k in range(dev.shape[2] + 1)]
-    lines = [MarkedLine(x, (100 * lorenz(dev[i])).tolist(), f"layer {i}", dict(marker=".")) for i in range(1, dev.shape[0])]
-    marked_line_figure(page, "04_deviation_concentration.png", f"How concentrated is full reuse's KV deviation?\n(chunks of "
-                f"{s.chunk_len}" + (f"; handout: top {s.top_share:.0%} hold {ref.figure})" if ref else ")"),
-                lines + [MarkedLine([0, 100], [0, 100], "evenly spread", dict(color="gray", ls=":", lw=1))],
-                "top x% of context tokens (by KV deviation)", "% of the layer's KV deviation",
-                [Mark(100 * s.top_share, vertical=True, style=dict(color="gray", ls="--", lw=0.8))], (6.4, 4.4))
+    lines = [Series(x, (100 * lorenz(dev[i])).tolist(), f"layer {i}", style=dict(marker="."))
+             for i in range(1, dev.shape[0])]
+    chart_figure(page, "04_deviation_concentration.png", Chart(
+        lines + [Series([0, 100], [0, 100], "evenly spread", style=REFERENCE)],
+        "top x% of context tokens (by KV deviation)", "% of the layer's KV deviation",
+        vlines=[(100 * s.top_share, dict(color="gray", ls="--", lw=0.8))]), "How concentrated is full reuse's KV "
+        f"deviation?\n(chunks of {s.chunk_len}"
+        + (f"; handout: top {s.top_share:.0%} hold {ref.figure})" if ref else ")"),
+        figsize=(6.4, 4.4))
 
 
 def lorenz(dev: torch.Tensor) -> torch.Tensor:
@@ -997,12 +1002,14 @@ def throughput_note(timings: dict[str, SystemTiming], s: Settings) -> str:
 
 
 def timing_figure(timings: dict[str, SystemTiming], s: Settings, page: Page) -> None:
-    panels = [Bars(["full recompute", f"{s.min_ratio:.0%} recompute"] + [f"load: {d}" for d in t.devices],
-                   [t.full_layer_ms, t.floor_layer_ms] + [x.load_ms for x in t.devices.values()],
-                   ["tab:red", "tab:orange"] + ["tab:blue"] * len(t.devices), " {:.1f} ms",
-                   f"{tm.get_model(model).name} ({t.tag}), {t.n_gpus} x {s.gpu}") for model, t in timings.items()]
-    bar_figure(page, "04_load_vs_recompute.png", f"one layer of a {s.rag_chunks} x {s.rag_chunk_tokens}-token RAG "
-               "context: recompute vs load", panels, "ms per layer (log scale)", xscale="log")
+    colors = lambda t: ["tab:red", "tab:orange"] + ["tab:blue"] * len(t.devices)
+    panels = [Chart([Series(["full recompute", f"{s.min_ratio:.0%} recompute"] + [f"load: {d}" for d in t.devices],
+                            [t.full_layer_ms, t.floor_layer_ms] + [x.load_ms for x in t.devices.values()], kind="barh",
+                            style={"color": colors(t)}, fmt=" {:.1f} ms")],
+                    "ms per layer (log scale)", title=f"{tm.get_model(model).name} ({t.tag}), {t.n_gpus} x {s.gpu}",
+                    xscale="log", legend=None) for model, t in timings.items()]
+    chart_figure(page, "04_load_vs_recompute.png", panels, f"one layer of a {s.rag_chunks} x {s.rag_chunk_tokens}"
+                 "-token RAG context: recompute vs load", figsize=(5 * len(panels), 3.8))
 
 
 # ---------------------------------------------------------------------------- §5.4, exercise 8
@@ -1163,18 +1170,18 @@ def present_real_prefix(r: Real, page: Page) -> None:
     if x is None:
         page.say("  §5.1 (prefix caching against k chunks) runs on the built-in items only, not on --passages.")
         return
-    columns = [Col("k", "{}", "real_prefix_k", of="ks"), Col("tokens", of="n_tokens"),
-               *[Col(f"{m} s", "{:.2f}", f"real_{m}_ttft_s", of=f"{m}_ttft_s") for m in ("full", *HOWS)],
-               *[Col(f"{m} saves", "{:.0%}", f"real_{m}_saved_share", of=f"{m}_saved_share")
-                 for m in ("prefix", "blend")],
-               *[Col(f"KL {m}", f, f"real_{m}_kl", of=f"{m}_kl")
-                 for m, f in zip(HOWS, ("{:+.0e}", "{:.4f}", "{:.4f}"))]]
-    show(page, Table(f"Part 5 (§5.1). Prefix caching, full reuse and CacheBlend {x.ratio:.0%} ({x.rule}) against k "
+    fields = [Field("k", "{}", "real_prefix_k", get="ks"), Field("tokens", get="n_tokens"),
+              *[Field(f"{m} s", "{:.2f}", f"real_{m}_ttft_s", get=f"{m}_ttft_s") for m in ("full", *HOWS)],
+              *[Field(f"{m} saves", "{:.0%}", f"real_{m}_saved_share", get=f"{m}_saved_share")
+                for m in ("prefix", "blend")],
+              *[Field(f"KL {m}", f, f"real_{m}_kl", get=f"{m}_kl")
+                for m, f in zip(HOWS, ("{:+.0e}", "{:.4f}", "{:.4f}"))]]
+    show(page, table_of(f"Part 5 (§5.1). Prefix caching, full reuse and CacheBlend {x.ratio:.0%} ({x.rule}) against k "
                      f"chunks of {x.chunk_tokens} tokens:\n  TTFT = CPU time of one thread (median of {x.n_items} "
                      "items, chunks' KV in memory); KL(full prefill || method), first answer token, nats"
                      + (" (loaded from the cache)" if x.loaded else
                         f" (computed in {x.compute_seconds:.0f} s, cached)"),
-                     "§5.1", columns, rows_over(x, columns), "prefix_caching.measured", real_prefix_notes(x)))
+                     "§5.1", fields, points(x, fields), "prefix_caching.measured", real_prefix_notes(x)))
 
 
 def real_prefix_notes(x: pc.Measured) -> list[str]:
@@ -1221,9 +1228,9 @@ def present_real_curve(r: Real, page: Page) -> None:
     for name, kl, more, title in (
             ("5a", st["curve"], [(f"{at:.0%} / reuse", "{:.2f}x")],
              f"Mean KL(full prefill || method) of the first answer token, nats, vs recompute ratio r\n  (full reuse: "
-             f"{reuse:.4f}; random: {br.RANDOM_RULE}'s counts, tokens at random; ranking-oracle: {st['rule']}'s counts, "
-             "the tokens\n  with the largest true deviation, recomputed; oracle (the patch oracle): the full prefill's "
-             "K, V of the top r N\n  tokens by true deviation, at every layer)"),
+             f"{reuse:.4f}; random: {br.RANDOM_RULE}'s counts, tokens at random; ranking-oracle: {st['rule']}'s "
+             "counts, the tokens\n  with the largest true deviation, recomputed; oracle (the patch oracle): the full "
+             "prefill's K, V of the top r N\n  tokens by true deviation, at every layer)"),
             ("5b", st["curve_answer"], [], f"The same, mean over the first {st['kl_tokens']} answer tokens, "
              f"teacher-forced on\n  full prefill's greedy answer (full reuse: {st['kl_answer_reuse']:.4f})")):
         show(page, Table(f"Part {name} (§5.3). {title}", "§5.3",
@@ -1317,7 +1324,8 @@ def split_cells(d: br.Decomposition, x: float) -> list:
 def present_real_split(r: Real, page: Page) -> None:
     """The run's rule, its ranking oracle and the patch oracle at each measured ratio."""
     d, at = r.split, r.study["at"]
-    show(page, Table(f"Part 5f (§5.3). Where {d.rule}'s distance from full prefill comes from, mean first-token KL (nats)\n"
+    show(page, Table(f"Part 5f (§5.3). Where {d.rule}'s distance from full prefill comes from, mean first-token KL "
+                     "(nats)\n"
                      f"  ranking oracle: {d.rule}'s counts and nesting, its tokens picked by their true deviation, "
                      "recomputed by blend();\n  patch oracle: the full prefill's own K, V for as many tokens of "
                      "every layer, no recompute", "§5.3",
@@ -1360,7 +1368,8 @@ def ranking_room(d: br.Decomposition, at: float, splits: dict) -> str:
             f"distance to the patch oracle (Part 5f); " + (
                 f"{best.rule} gets there ({best.rule_kl[at]:.4f} against {d.ranking[at]:.4f})." if
                 best.rule_kl[at] <= d.ranking[at] else
-                f"no rule measured gets there (closest: {best.rule} {best.rule_kl[at]:.4f} against {d.ranking[at]:.4f})."))
+                f"no rule measured gets there (closest: {best.rule} {best.rule_kl[at]:.4f} against "
+                f"{d.ranking[at]:.4f})."))
 
 
 def present_rule_splits(r: Real, page: Page) -> None:
@@ -1418,19 +1427,19 @@ def chunk_notes(c: br.ChunkLengths) -> list[str]:
 def present_adaptive(r: Real, page: Page) -> None:
     """The adaptive rule at each share target beside flat recomputing the same mean share."""
     a = r.adaptive
-    columns = [Col("share held", pct, of="target"), Col("recomputed", pct, of="recomputed"),
-               Col("min-max over inputs", lambda x: f"{pct(x[0])}-{pct(x[1])}", of="spread"),
-               Col("KL adaptive", "{:.4f}", of="kl"), Col("flat r", pct, of="flat_ratio"),
-               Col("flat recomputed", pct, of="flat_recomputed"), Col("KL flat", "{:.4f}", of="flat_kl"),
-               Col("closer", of=closer)]
-    show(page, Table(f"Part 5i (§5.3). A rule whose count adapts: layers up to {a.layer} in full, then the smallest "
-                     f"set holding a share of layer {a.layer}'s\n  measured deviation (at least {a.floor:.0%} of the "
-                     "tokens), beside flat recomputing the same mean share; mean first-token KL", "§5.3",
-                     columns, rows_of(a.rows, columns), "blend_real.compare_rules",
-                     [f"the adaptive rule is closer to full prefill than flat at "
-                      f"{sum(closer(m) == 'adaptive' for m in a.rows)} of {len(a.rows)} matched shares; "
-                      + ranking_room(r.split, r.study["at"], r.splits)],
-                     {"real_adaptive": [dataclasses.asdict(m) for m in a.rows]}))
+    fields = [Field("share held", pct, get="target"), Field("recomputed", pct, get="recomputed"),
+              Field("min-max over inputs", lambda x: f"{pct(x[0])}-{pct(x[1])}", get="spread"),
+              Field("KL adaptive", "{:.4f}", get="kl"), Field("flat r", pct, get="flat_ratio"),
+              Field("flat recomputed", pct, get="flat_recomputed"), Field("KL flat", "{:.4f}", get="flat_kl"),
+              Field("closer", get=closer)]
+    show(page, table_of(f"Part 5i (§5.3). A rule whose count adapts: layers up to {a.layer} in full, then the "
+                        f"smallest set holding a share of layer {a.layer}'s\n  measured deviation (at least "
+                        f"{a.floor:.0%} of the tokens), beside flat recomputing the same mean share; mean first-token "
+                        "KL", "§5.3", fields, a.rows, "blend_real.compare_rules",
+                        [f"the adaptive rule is closer to full prefill than flat at "
+                         f"{sum(closer(m) == 'adaptive' for m in a.rows)} of {len(a.rows)} matched shares; "
+                         + ranking_room(r.split, r.study["at"], r.splits)],
+                        {"real_adaptive": [dataclasses.asdict(m) for m in a.rows]}))
 
 
 def closer(m: br.Matched) -> str:
@@ -1445,12 +1454,12 @@ def real_curve_figure(r: Real, s: Settings, page: Page) -> None:
     style = {"random": dict(color="gray", ls="--"), "oracle": dict(color="black", ls=":"),
              "ranking-oracle": dict(color="black", ls="-.")}
     label = {"ranking-oracle": f"ranking oracle ({st['rule']})", "oracle": "patch oracle"}
-    lines = [MarkedLine([100 * x for x in st["ratios"]], [st["curve"][m][f"{x:g}"] for x in st["ratios"]], label.get(m, m),
-                  dict(marker="o", ms=3, **style.get(m, {}))) for m in st["methods"][1:]]
-    marked_line_figure(page, "04_real_curve_passages.png" if s.passages else "04_real_curve.png",
-                f"{r.model_name}: which tokens to recompute ({len(st['items'])} inputs)", lines,
-                "recompute ratio r (%)", "KL(full prefill || method), first answer token (nats)",
-                [Mark(st["kl_reuse"], "full reuse", style=dict(color="tab:red", lw=1))], (7, 4), yscale="log")
+    lines = [Series([100 * x for x in st["ratios"]], [st["curve"][m][f"{x:g}"] for x in st["ratios"]],
+                    label.get(m, m), style=dict(marker="o", ms=3, **style.get(m, {}))) for m in st["methods"][1:]]
+    chart_figure(page, "04_real_curve_passages.png" if s.passages else "04_real_curve.png", Chart(
+        lines, "recompute ratio r (%)", "KL(full prefill || method), first answer token (nats)", yscale="log",
+        hlines=[(st["kl_reuse"], dict(color="tab:red", lw=1, label="full reuse"))]),
+        f"{r.model_name}: which tokens to recompute ({len(st['items'])} inputs)", figsize=(7, 4))
 
 
 # ============================================================================ main
