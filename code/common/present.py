@@ -131,8 +131,9 @@ def cols(*specs) -> list[Col]:
 
 def fact(label: str, value, key: str | None = None, fmt: Fmt | None = None, handout: Ref | str | None = None) -> Row:
     """One row of a "quantity | ours | handout" table: the label, our value (stored in `--json` under `key`
-    when it has one, written with `fmt` when it has its own) and the handout's figure beside it."""
-    return Row([label, Val(value, key, fmt)], handout)
+    when it has one, written with `fmt` when it has its own; or a Val that says both) and the handout's figure
+    beside it."""
+    return Row([label, value if isinstance(value, Val) else Val(value, key, fmt)], handout)
 
 
 def fmt_cell(value, fmt: Fmt) -> str:

@@ -26,7 +26,7 @@ from common import timemodel as tm  # noqa: E402
 from common.cli import (Parser, constants_of, fraction, nonneg_float, positive_float, positive_int,  # noqa: E402
                         settings_from)
 from common.present import (DASH, Chart, Handout, Page, Ref, Row, Series, Table, Val, chart_figure, cols,  # noqa: E402
-                            text_table)
+                            fact, text_table)
 
 K = 1024
 # ---- Part 1 and exercise 1
@@ -197,7 +197,8 @@ def ctx_name(n):
 
 def quantities(title: str, section: str, source: str, *rows, notes=()) -> Table:
     """A table of (quantity, our value, the handout's figure or "-") rows."""
-    return Table(title, section, cols("quantity", "ours"), [Row([q, v], h) for q, v, h in rows], source, list(notes))
+    return Table(title, section, cols("quantity", "ours"), [fact(q, v, handout=h) for q, v, h in rows], source,
+                 list(notes))
 
 
 def show_sizes(page: Page, r: Sizes, s: Settings) -> None:

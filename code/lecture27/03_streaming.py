@@ -52,7 +52,8 @@ from common import timemodel as tm  # noqa: E402
 from common.cli import Parser, fail, positive_float, positive_int, settings_from  # noqa: E402
 from common.gguf_llama import smollm2_or_explain  # noqa: E402
 from common.present import (  # noqa: E402
-    DASH, Chart, Col, Field, Handout, Page, Ref, Row, Series, Table, Val, change, chart_figure, cols, table_of)
+    DASH, Chart, Col, Field, Handout, Page, Ref, Row, Series, Table, Val, change, chart_figure, cols, plural,
+    table_of)
 
 K = 1024
 # ---- Part 1 (§4.1)
@@ -552,8 +553,8 @@ def did(setup, run) -> str:
              for name, k in counts.items() if k]
     gave_up = sum(1 for r in run.rows if r.get("gave_up"))
     probes = sum(1 for r in run.rows if r.get("probe"))
-    extra = [f"{gave_up} KV transfer{'s' * (gave_up != 1)} given up"] if gave_up else []
-    extra += [f"the link probed during {probes} recompute{'s' * (probes != 1)}"] if probes else []
+    extra = [plural(gave_up, "KV transfer", "{}") + " given up"] if gave_up else []
+    extra += [f"the link probed during {plural(probes, 'recompute', '{}')}"] if probes else []
     return ", ".join(parts) + (f"; {', '.join(extra)}" if extra else "")
 
 
