@@ -215,7 +215,7 @@ def table_of(title: str, section: str, fields: list[Field], results, source: str
 
 def points(result, fields: list[Field]) -> list[dict]:
     """One result whose fields are lists over the same points (a sweep over k chunks, over ratios) as one
-    dict per point, for `table_of`: point i holds item i of the list each Field names."""
+    dict per point, for `table_of`: point i holds item i of the list each Field names (a field's name each)."""
     return [dict(zip([f.get for f in fields], cells)) for cells in zip(*(pick(result, f.get) for f in fields))]
 
 
