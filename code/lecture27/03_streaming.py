@@ -52,8 +52,8 @@ from common import timemodel as tm  # noqa: E402
 from common.cli import Parser, fail, positive_float, positive_int, settings_from  # noqa: E402
 from common.gguf_llama import smollm2_or_explain  # noqa: E402
 from common.present import (  # noqa: E402
-    DASH, Chart, Col, Field, Handout, Page, Ref, Row, Series, Table, Val, change, chart_figure, cols, plural,
-    table_of)
+    DASH, Chart, Col, Field, Handout, Page, Ref, Row, Series, Table, Val, cdf, change, chart_figure, cols,
+    plural, table_of)
 
 K = 1024
 # ---- Part 1 (§4.1)
@@ -962,7 +962,7 @@ SUITE_STYLES = {"adaptive": ("C3", "-"), "naive adaptive": ("C3", ":"), "always 
 def figure_suite(page, s, suite):
     """CDF of TTFT over the suite, one panel per level set and context, one line per policy."""
     ctxs = list(s.suite_contexts)
-    charts = [Chart([Series(sorted(r.ttft_s for r in res), [(i + 1) / len(res) for i in range(len(res))], p, "step",
+    charts = [Chart([Series(*cdf(r.ttft_s for r in res), p, "step",
                             {"color": SUITE_STYLES[p][0], "ls": SUITE_STYLES[p][1]}) for p, res in runs.items()],
                     title=f"{c.levels} levels, {c.context // K}K tokens", xscale="log", grid="both", legend=None,
                     vlines=[(s.slo, {"color": "0.5", "ls": "--", "lw": 1})], axes={"ylim": (0, 1.02)})
@@ -972,7 +972,7 @@ def figure_suite(page, s, suite):
         c.ylabel = "share of traces" if i % len(ctxs) == 0 else ""
     charts[0].legend = {"fontsize": 7, "loc": "lower right"}
     chart_figure(page, "03_trace_suite_ttft_cdf.png", charts, ncols=len(ctxs), sharex=True,
-                 figsize=(4.2 * len(ctxs), 3.2 * len(charts) // len(ctxs)))
+                 figsize=(4.2 * len(ctxs), 3.2 * (len(charts) // len(ctxs))))
 
 
 # -------------------------------------------------------------------------------------------- main
