@@ -53,6 +53,11 @@ class Handout:
         return ref.figure if ref else DASH
 
 
+def refs(inputs: dict, figures: dict[str, str]) -> dict[str, Ref]:
+    """Several of the handout's figures that hold for the same inputs: name -> Ref (for a Handout)."""
+    return {name: Ref(figure, inputs) for name, figure in figures.items()}
+
+
 def holds(inputs: dict, settings) -> bool:
     """True when `settings` (a dataclass or a dict) has each of `inputs`' values."""
     get = settings.get if isinstance(settings, dict) else (lambda k, d=None: getattr(settings, k, d))
@@ -124,6 +129,13 @@ def cols(*specs) -> list[Col]:
     return [s if isinstance(s, Col) else Col(s) if isinstance(s, str) else Col(*s) for s in specs]
 
 
+def fact(label: str, value, key: str | None = None, fmt: Fmt | None = None, handout: Ref | str | None = None) -> Row:
+    """One row of a "quantity | ours | handout" table: the label, our value (stored in `--json` under `key`
+    when it has one, written with `fmt` when it has its own; or a Val that says both) and the handout's figure
+    beside it."""
+    return Row([label, value if isinstance(value, Val) else Val(value, key, fmt)], handout)
+
+
 def fmt_cell(value, fmt: Fmt) -> str:
     if isinstance(value, Val):
         return fmt_cell(value.value, value.fmt or fmt)
@@ -163,34 +175,48 @@ def why_notes(t: Table) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- tables built from results
+def pick(item, get):
+    """The value `get` names in `item`: a function of it, an index (of a tuple), or a dotted path of
+    attributes and dict keys ("adaptive.ttft_s", "layout.layers", "ttft.level0")."""
+    if callable(get):
+        return get(item)
+    if isinstance(get, int):
+        return item[get]
+    for name in get.split("."):
+        item = item[name] if isinstance(item, dict) else getattr(item, name)
+    return item
+
+
 @dataclass(frozen=True)
 class Field(Col):
-    """A column that reads each row's value from that row's result: `get` names an attribute ("hit_rate";
-    dotted for a nested one, "layout.layers"), or is a function of the result, or a dict keyed by the row's
+    """A column that reads each row's value from that row's result: `get` names it as `pick` reads it (a
+    field "hit_rate", a dotted path, an index, a function of the result), or is a dict keyed by the row's
     name; None shows the row's name."""
-    get: str | Callable | dict | None = None
+    get: str | int | Callable | dict | None = None
 
     def of(self, name, result):
         if self.get is None:
             return name
         if isinstance(self.get, dict):
             return self.get[name]
-        if callable(self.get):
-            return self.get(result)
-        for attr in self.get.split("."):
-            result = getattr(result, attr)
-        return result
+        return pick(result, self.get)
 
 
 def table_of(title: str, section: str, fields: list[Field], results, source: str = "", notes=(), json=None,
              handout=None) -> Table:
     """A table with one row per result, each cell read by its Field. `results` is a dict name -> result (the
-    name is the row's JSON key, "{row}") or a list; `handout` is every row's handout figure, or a function of
-    the result that gives it."""
+    name is the row's JSON key, "{row}"; a row named None states none) or a list; `handout` is every row's
+    handout figure, a function of the result that gives it, or a dict keyed by the row's name."""
     items = results.items() if isinstance(results, dict) else [(None, r) for r in results]
-    rows = [Row([f.of(name, r) for f in fields], handout(r) if callable(handout) else handout, name)
-            for name, r in items]
+    ref = lambda name, r: handout[name] if isinstance(handout, dict) else handout(r) if callable(handout) else handout
+    rows = [Row([f.of(name, r) for f in fields], ref(name, r), name) for name, r in items]
     return Table(title, section, list(fields), rows, source, list(notes), dict(json or {}))
+
+
+def points(result, fields: list[Field]) -> list[dict]:
+    """One result whose fields are lists over the same points (a sweep over k chunks, over ratios) as one
+    dict per point, for `table_of`: point i holds item i of the list each Field names (a field's name each)."""
+    return [dict(zip([f.get for f in fields], cells)) for cells in zip(*(pick(result, f.get) for f in fields))]
 
 
 def text_table(title: str, section: str, headers: list[str], rows, source: str = "") -> Table:
@@ -206,6 +232,11 @@ def change(before, after, fmt: str = "{}") -> str:
     if a == b:
         return f"stays at {a}"
     return f"{'rises' if after > before else 'falls'} ({a} -> {b})"
+
+
+def plural(n: int, word: str, fmt: str = "{:,}") -> str:
+    """'1 stream', '3 streams': a count and its noun."""
+    return f"{fmt.format(n)} {word}{'s' * (n != 1)}"
 
 
 # ----------------------------------------------------------------------------- renderer 1: text
@@ -491,48 +522,94 @@ def pyplot():
     return plt
 
 
-# ----------------------------------------------------------------------------- figures described by data
+# ----------------------------------------------------------------------------- a figure as data
+REFERENCE = {"color": "gray", "ls": ":", "lw": 1}   # how a reference line (chance, a floor) is drawn
+
+
 @dataclass
-class Line:
-    """One line of a figure: its points, its matplotlib format ("k--", "o-"), its label and any other
-    matplotlib keyword (color, marker, lw); `step=True` draws it as a staircase (a CDF)."""
+class Series:
+    """One series of a chart: y over x, its legend label (None: not in the legend), how it is drawn ("line",
+    where a y of None leaves a gap; "step": held until the next x, as a trace or a CDF; "bar": side by side
+    with the chart's other bar series at category positions x; "barh": one horizontal bar per label x, the
+    first on top, each value written at its bar's end with `fmt` when it has one; "scatter") and
+    matplotlib's style keywords (color, ls, marker, ...)."""
     x: Any
     y: Any
-    style: str = "-"
-    label: str = ""
-    step: bool = False
-    kw: dict = field(default_factory=dict)
+    label: str | None = None
+    kind: str = "line"
+    style: dict = field(default_factory=dict)
+    fmt: str | None = None
 
 
 @dataclass
-class Panel:
-    """One pair of axes: its Lines, horizontal reference lines (y, label, color), the axes' settings as
-    matplotlib's Axes.set takes them (xlabel, ylabel, xscale, ylim, title, ...) and the legend's."""
-    lines: list
-    axes: dict = field(default_factory=dict)
+class Chart:
+    """One panel described by data: its series, axis labels and scales, the handout's range as a grey band
+    (lo, hi, label), reference lines across it (hlines at y, vlines at x: (value, style) pairs, the style
+    holding the legend's label), the grid's ticks ("major" or "both"), the legend's keywords (None: no
+    legend) and any further `ax.set` settings (ylim, xticks, ...)."""
+    series: list
+    xlabel: str = ""
+    ylabel: str = ""
+    title: str = ""
+    xscale: str = "linear"
+    yscale: str = "linear"
+    band: tuple | None = None
     hlines: list = field(default_factory=list)
-    legend: dict = field(default_factory=dict)
-
-    def draw(self, ax) -> None:
-        for ln in self.lines:
-            if ln.step:
-                ax.step(ln.x, ln.y, ln.style, where="post", label=ln.label, **ln.kw)
-            else:
-                ax.plot(ln.x, ln.y, ln.style, label=ln.label, **ln.kw)
-        for y, label, color in self.hlines:
-            ax.axhline(y, color=color, lw=1.5, label=label)
-        ax.set(**self.axes)
-        ax.legend(**self.legend)
+    vlines: list = field(default_factory=list)
+    grid: str = "major"
+    legend: dict | None = field(default_factory=dict)
+    minor_ticks: bool = True
+    axes: dict = field(default_factory=dict)
 
 
-def line_figure(page: Page, name: str, panels: Panel | list[Panel], title: str = "", figsize=(7, 4.5)) -> None:
-    """A figure described by data: one Panel, or a list of them side by side, drawn and saved by the page."""
-    panels = panels if isinstance(panels, list) else [panels]
-    with page.figure(name, title, figsize, ncols=len(panels)) as (fig, ax):
-        if ax is None:
-            return
-        for a, p in zip([ax] if len(panels) == 1 else ax, panels):
-            p.draw(a)
+def draw_series(ax, s: Series, bars: list) -> None:
+    """Draw one Series on matplotlib axes (`bars`: the chart's "bar" series, which share each category)."""
+    if s.kind == "bar":
+        i, w = bars.index(s), 0.8 / len(bars)
+        ax.bar([x + (i - (len(bars) - 1) / 2) * w for x in s.x], s.y, w, label=s.label, **s.style)
+    elif s.kind == "barh":
+        ax.barh(s.x, s.y, label=s.label, **s.style)
+        for y, v in enumerate(s.y if s.fmt else []):
+            ax.text(v, y, s.fmt.format(v), va="center", fontsize=8)
+        ax.invert_yaxis()
+    elif s.kind == "step":
+        ax.step(s.x, s.y, where="post", label=s.label, **s.style)
+    elif s.kind == "scatter":
+        ax.scatter(s.x, s.y, label=s.label, **s.style)
+    else:
+        ax.plot(s.x, [math.nan if v is None else v for v in s.y], label=s.label, **s.style)
+
+
+def draw_chart(ax, c: Chart) -> None:
+    """Draw one Chart on matplotlib axes: its series, band and reference lines, then its axes and legend."""
+    for s in c.series:
+        draw_series(ax, s, [b for b in c.series if b.kind == "bar"])
+    if c.band:
+        ax.axhspan(c.band[0], c.band[1], color="0.85", label=c.band[2], zorder=0)
+    for y, style in c.hlines:
+        ax.axhline(y, **style)
+    for x, style in c.vlines:
+        ax.axvline(x, **style)
+    named = dict(xscale=c.xscale, yscale=c.yscale, xlabel=c.xlabel, ylabel=c.ylabel, title=c.title)
+    ax.set(**{k: v for k, v in named.items() if v not in ("", "linear")}, **c.axes)  # a linear scale is the default
+    ax.grid(alpha=0.3, which=c.grid)
+    if not c.minor_ticks:
+        ax.minorticks_off()
+    if c.legend is not None:
+        ax.legend(**c.legend)
+
+
+def chart_figure(page: Page, name: str, charts: Chart | list[Chart], title: str = "", ncols: int | None = None,
+                 **kw) -> None:
+    """A figure of one or more Charts, `ncols` panels a row (default: all in one row), drawn and saved through
+    `page.figure` (kw: its figsize, sharex, ...); nothing is drawn with plotting off."""
+    charts = charts if isinstance(charts, list) else [charts]
+    ncols = ncols or len(charts)
+    nrows = -(-len(charts) // ncols)
+    with page.figure(name, title, nrows=nrows, ncols=ncols, squeeze=False, **kw) as (fig, axes):
+        if axes is not None:
+            for i, c in enumerate(charts):
+                draw_chart(axes[i // ncols][i % ncols], c)
 
 
 def cdf(values) -> tuple[list, list]:

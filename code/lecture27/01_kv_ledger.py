@@ -25,8 +25,8 @@ import ledger  # noqa: E402
 from common import timemodel as tm  # noqa: E402
 from common.cli import (Parser, constants_of, fraction, nonneg_float, positive_float, positive_int,  # noqa: E402
                         settings_from)
-from common.present import (DASH, Handout, Line, Page, Panel, Ref, Row, Table, Val, cols, line_figure,  # noqa: E402
-                            text_table)
+from common.present import (DASH, Chart, Handout, Page, Ref, Row, Series, Table, Val, chart_figure, cols,  # noqa: E402
+                            fact, text_table)
 
 K = 1024
 # ---- Part 1 and exercise 1
@@ -197,7 +197,8 @@ def ctx_name(n):
 
 def quantities(title: str, section: str, source: str, *rows, notes=()) -> Table:
     """A table of (quantity, our value, the handout's figure or "-") rows."""
-    return Table(title, section, cols("quantity", "ours"), [Row([q, v], h) for q, v, h in rows], source, list(notes))
+    return Table(title, section, cols("quantity", "ours"), [fact(q, v, handout=h) for q, v, h in rows], source,
+                 list(notes))
 
 
 def show_sizes(page: Page, r: Sizes, s: Settings) -> None:
@@ -226,11 +227,11 @@ def show_sizes(page: Page, r: Sizes, s: Settings) -> None:
         (f"KV of {s.context:,} tokens", Val(fmt_bytes(r.ex1_bytes), "ex1_context_gb", json=r.ex1_bytes / 1e9),
          handout("ex1_context", s))))
     first = {}   # models with the same KV layout draw the same line: the second one dashed, "= the first"
-    lines = [Line(r.curve_contexts, r.curves[m.key], "-" if f == m.name else "--", f"{m.name} ({m.tag.split(',')[0]})"
-                  + ("" if f == m.name else f" = {f}"), kw={"marker": "."})
+    lines = [Series(r.curve_contexts, r.curves[m.key], f"{m.name} ({m.tag.split(',')[0]})"
+                    + ("" if f == m.name else f" = {f}"), style={"ls": "-" if f == m.name else "--", "marker": "."})
              for m in r.models for f in [first.setdefault(m.bytes_per_token, m.name)]]
-    line_figure(page, "01_kv_size.png", Panel(lines, dict(xscale="log", yscale="log", xlabel="context length (tokens)",
-                ylabel="KV bytes", title="KV size vs context length (handout §1.2)"), legend={"fontsize": 7}))
+    chart_figure(page, "01_kv_size.png", Chart(lines, "context length (tokens)", "KV bytes", "KV size vs context "
+                 "length (handout §1.2)", "log", "log", legend={"fontsize": 7}))
 
 
 def row_handout(n: int, s: Settings) -> str:
@@ -265,14 +266,15 @@ def show_fetch_or_recompute(page: Page, r: FetchOrRecompute, s: Settings) -> Non
                               f"{thr / 1e9:.2f} GB/s = {thr * 8 / 1e9:.1f} Gb/s", "ex2_threshold_gbit_per_s",
                               json=thr * 8 / 1e9), handout("ex2", s))))
     gbps = lambda xs: [x / 1e9 for x in xs]
-    line_figure(page, "01_breakeven_bandwidth.png", Panel(
-        [Line(r.curve_contexts, gbps(r.curve_raw), "k-o", "break-even (raw KV)"),
-         Line(r.curve_contexts, gbps(r.curve_compressed), "k--", f"break-even ({c:g}x compressed)")],
-        dict(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="GB/s", ylim=(0.5, 2000),
-             title=f"A tier above the black line fetches faster than recomputing\n{m}, {s.n_gpus} x {s.gpu} "
-                   "(handout §1.4)"),
-        [(bw / 1e9, f"{name} ({bw / 1e9:g} GB/s)", f"C{i}") for i, (name, bw) in enumerate(ledger.TIERS.items())],
-        dict(fontsize=7, loc="upper center", ncol=2)))
+    chart_figure(page, "01_breakeven_bandwidth.png", Chart(
+        [Series(r.curve_contexts, gbps(r.curve_raw), "break-even (raw KV)", style={"color": "k", "marker": "o"}),
+         Series(r.curve_contexts, gbps(r.curve_compressed), f"break-even ({c:g}x compressed)",
+                style={"color": "k", "ls": "--"})],
+        "context length (tokens)", "GB/s", f"A tier above the black line fetches faster than recomputing\n{m}, "
+        f"{s.n_gpus} x {s.gpu} (handout §1.4)", "log", "log", axes={"ylim": (0.5, 2000)},
+        hlines=[(bw / 1e9, {"color": f"C{i}", "lw": 1.5, "label": f"{name} ({bw / 1e9:g} GB/s)"})
+                for i, (name, bw) in enumerate(ledger.TIERS.items())],
+        legend=dict(fontsize=7, loc="upper center", ncol=2)))
 
 
 def show_slides_account(page: Page, acct: ledger.SlidesAccount, s: Settings) -> None:

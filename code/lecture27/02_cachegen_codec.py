@@ -57,7 +57,8 @@ import blend_world as bw  # noqa: E402
 from common.checkpoints import cached  # noqa: E402
 from common.cli import Parser, positive_float, settings_from  # noqa: E402
 from common.llama import idle_threads, single_thread  # noqa: E402
-from common.present import Handout, Page, Ref, Row, Table, Val, cols  # noqa: E402
+from common.present import (  # noqa: E402
+    Chart, Field, Handout, Page, Ref, Row, Series, Table, Val, chart_figure, cols, plural, table_of)
 
 SENSITIVITY_STEPS = (1, 2, 4, 8)  # Part 1b: coarse steps for one layer's K+V, in units of its RMS
 SENSITIVITY_STEP = 4.0      # Part 1b: the coarse step for K alone and V alone
@@ -97,21 +98,20 @@ class Settings:
 # inputs each holds for: the record-world model's figures blank on another model, exercise 4's on
 # another distribution.
 RECORD = {"model": "record"}
+EX4_HANDOUT = {"ex4_probs": {0: 0.70, 1: 0.12, -1: 0.12, 2: 0.03, -2: 0.03}}   # the handout's distribution
 HANDOUT = Handout({
     "delta_ratio": Ref("2.4-2.9x (LLaMA)"),                       # §3.2: deltas' variance 2.4-2.9x smaller
     "sensitivity": Ref("shallow layers are the most sensitive"),  # §3.2, on LLaMA
     "entropy": Ref("up to 53% below one global table (LLaMA)"),   # §3.3
     "fp16": Ref("512 B", RECORD), "zlib": Ref("1.08x", RECORD), "6bit": Ref("no loss", RECORD),
     "recipe": Ref("worst accuracy", RECORD), "measured": Ref("no loss; 1.66x < 8-bit, 1.28x < 6-bit", RECORD),
-    "vs_8bit": Ref("1.66x", RECORD), "vs_6bit": Ref("1.28x", RECORD),
-    "coder": Ref("a fraction of a byte"), "level3": Ref("74%", RECORD),
-    "ex4_entropy_bits": Ref("1.40", {"ex4_probs": {0: 0.70, 1: 0.12, -1: 0.12, 2: 0.03, -2: 0.03}}),
-    "ex4_fixed_bits": Ref("3", {"ex4_probs": {0: 0.70, 1: 0.12, -1: 0.12, 2: 0.03, -2: 0.03}}),
+    "vs_8bit": Ref("1.66x", RECORD), "vs_6bit": Ref("1.28x", RECORD), "level3": Ref("74%", RECORD),
+    "coder": Ref("a fraction of a byte"),
+    "ex4_entropy_bits": Ref("1.40", EX4_HANDOUT), "ex4_fixed_bits": Ref("3", EX4_HANDOUT),
     # §3.4: CacheGen on LLaMA, and the slides' ranges
     "cachegen_vs_8bit": Ref("3.5-4.3x (LLaMA)"), "slides_kv": Ref("3-10x smaller KV"),
     "slides_transfer": Ref("2-8x faster transfer"),
 })
-
 
 
 # ------------------------------------------------------------------------------------- results
@@ -485,24 +485,24 @@ def codec_cells(c: Codec, fp16: float) -> list:
 
 
 def entropy_table(entropy: dict, title: str) -> Table:
+    """Part 1c: bits per value under each grouping of the tables, against one global table."""
     g0 = entropy["one global table"]
-    return Table(title, "§3.2", cols("tables", ("bits/value", "{:.3f}", "entropy_bits.{row}"),
-                                     ("smaller than global", "{:+.1%}")), [Row(
-        [k, b, None if k == "one global table" else 1 - b / g0], key=k) for k, b in entropy.items()],
-                 f"{SCRIPT}.grouping_entropy")
+    smaller = {g: None if g == "one global table" else 1 - b / g0 for g, b in entropy.items()}
+    return table_of(title, "§3.2", [Field("tables"), Field("bits/value", "{:.3f}", "entropy_bits.{row}", get=entropy),
+                                    Field("smaller than global", "{:+.1%}", get=smaller)],
+                    entropy, f"{SCRIPT}.grouping_entropy")
 
 
 def headline_table(codecs: Codecs, model_name: str, source: str, s: Settings) -> Table:
     """§3.4's headline: CacheGen's size against 8-bit quantization and the slides' ranges, ours beside them."""
-    c = {k: x.bytes_per_token for k, x in codecs.by_key().items()}
-    rows = [("smaller than 8-bit quantization", c["8bit"] / c["measured"] if "8bit" in c else None, "cachegen_vs_8bit"),
-            ("KV smaller than FP16", c["fp16"] / c["measured"], "slides_kv"),
-            ("transfer faster than FP16 KV, same link", c["fp16"] / c["measured"], "slides_transfer")]
+    c = {k: x.bytes_per_token / codecs.by_key()["measured"].bytes_per_token for k, x in codecs.by_key().items()}
     return Table(f"  {model_name}: the measured codec (level 0) beside CacheGen's figures", "§3.4",
-                 cols("§3.4 headline", ("ours", times2)), [Row([what, x], HANDOUT(name, s)) for what, x, name in rows],
-                 source, ["At a fixed bandwidth transfer time is bytes / bandwidth, so our transfer "
-                                             "speed-up is the size ratio; the slides' transfer range is end to end "
-                                             "(decoding and network included)."])
+                 cols("§3.4 headline", ("ours", times2)), [
+                     Row(["smaller than 8-bit quantization", c.get("8bit")], HANDOUT("cachegen_vs_8bit", s)),
+                     Row(["KV smaller than FP16", c["fp16"]], HANDOUT("slides_kv", s)),
+                     Row(["transfer faster than FP16 KV, same link", c["fp16"]], HANDOUT("slides_transfer", s))],
+                 source, ["At a fixed bandwidth transfer time is bytes / bandwidth, so our transfer speed-up is the "
+                          "size ratio; the slides' transfer range is end to end (decoding and network included)."])
 
 
 def present_part1(page: Page, r: Record, s: Settings) -> None:
@@ -519,36 +519,32 @@ def present_part1(page: Page, r: Record, s: Settings) -> None:
     sens, a, d = r.sensitivity, r.sensitivity.step, "layer_sensitivity_detail[]."
     acc = [x.kv[a] for x in sens.layers]
     low = int(np.argmin(acc))
-    verdict = f"At steps of {a:g} x RMS " + (f"every layer answers alike ({acc[0]:.1%})." if min(acc) == max(acc) else
-                                             f"layer {low} loses the most ({acc[low]:.1%} answered): " +
-                                             ("the shallowest, as on LLaMA." if low == 0 else
-                                              "not the shallowest, unlike LLaMA."))
+    verdict = (f"every layer answers alike ({acc[0]:.1%})." if min(acc) == max(acc) else f"layer {low} loses the "
+               f"most ({acc[low]:.1%} answered): "
+               + ("the shallowest, as on LLaMA." if low == 0 else "not the shallowest, unlike LLaMA."))
     page.table(Table(
         f"Part 1b (§3.2). Layer sensitivity: one layer rounded to steps of @ x its RMS, the rest exact (FP16: "
         f"{sens.fp16_accuracy:.2%});\nlast column: the coarsest steps (x RMS) the search kept."
         + handout_figure("sensitivity", s, " CacheGen: {}."), "§3.2",
-        cols("", *((f"K+V @{x:g}", pct1, f"{d}K+V@{x:g}") for x in sens.steps), (f"K @{a:g}", pct1, f"{d}K@{a:g}"),
-             (f"V @{a:g}", pct1, f"{d}V@{a:g}"),
+        cols("", *((f"{kind} @{x:g}", pct1, f"{d}{kind}@{x:g}") for kind, steps in (("K+V", sens.steps), ("K", [a]),
+                                                                                   ("V", [a])) for x in steps),
              ("measured steps K / V", lambda v: " / ".join(f"{x:.3g}" for x in v), "measured_steps_over_rms")),
         [Row([f"layer {x.layer}", *(x.kv[t] for t in sens.steps), x.k, x.v, m])
-         for x, m in zip(sens.layers, sens.measured_steps)], f"{SCRIPT}.layer_sensitivity", [verdict],
-        json={"layer_sensitivity_acc": acc, "layer_sensitivity_step_over_rms": a}))
+         for x, m in zip(sens.layers, sens.measured_steps)], f"{SCRIPT}.layer_sensitivity",
+        [f"At steps of {a:g} x RMS {verdict}"], json={"layer_sensitivity_acc": acc,
+                                                     "layer_sensitivity_step_over_rms": a}))
     page.table(entropy_table(r.entropy, f"Part 1c (§3.2, §3.3). Entropy of the values quantized at level "
                              f"{s.entropy_level}'s steps, tables fitted on calibration contexts,\nmeasured on "
                              f"evaluation contexts." + handout_figure("entropy", s, " CacheGen: {}; by token position "
                                                                                    "hardly helps.")))
-    with page.figure("02_delta_variance.png", "Token locality on the record-world model (>1: deltas smaller)",
-                     figsize=(7, 3.6)) as (fig, ax):
-        if ax is None:
-            return
-        x = np.arange(len(r.locality))
-        for i, (to, k) in enumerate((to, k) for to in ("anchor", "previous") for k in KV_NAMES):
-            ax.bar(x + (i - 1.5) * 0.2, [lv.ratio(k, to) for lv in r.locality], 0.2, label=f"{k}, delta to {to}")
-        if band := handout_figure("delta_ratio", s, "{}").split("x")[0]:   # the handout's "2.4-2.9x (LLaMA)"
-            ax.axhspan(*map(float, band.split("-")), color="0.85", label=f"CacheGen on LLaMA: {band}x", zorder=0)
-        ax.axhline(1, color="k", lw=0.8)
-        ax.set(xticks=x, xticklabels=[f"layer {i}" for i in x], ylabel="var(raw) / var(delta)")
-        ax.legend(fontsize=7)
+    band, x = handout_figure("delta_ratio", s, "{}").split("x")[0], list(range(len(r.locality)))  # "2.4-2.9x (LLaMA)"
+    chart_figure(page, "02_delta_variance.png", [Chart(
+        [Series(x, [lv.ratio(k, to) for lv in r.locality], f"{k}, delta to {to}", "bar")
+         for to in ("anchor", "previous") for k in KV_NAMES], ylabel="var(raw) / var(delta)",
+        band=(*map(float, band.split("-")), f"CacheGen on LLaMA: {band}x") if band else None,
+        hlines=[(1, {"color": "k", "lw": 0.8})], legend={"fontsize": 7},
+        axes={"xticks": x, "xticklabels": [f"layer {i}" for i in x]})],
+                 "Token locality on the record-world model (>1: deltas smaller)", figsize=(7, 3.6))
 
 
 def present_part2(page: Page, r: Record, s: Settings) -> None:
@@ -572,29 +568,28 @@ def present_part2(page: Page, r: Record, s: Settings) -> None:
          f"deltas). Recipe: steps / RMS by layer {', '.join(f'{x:.3g}' for x in c.recipe_steps)}, sized to the "
          f"measured codec's bytes."], json={"measured_uses_deltas": c.uses_deltas}))
     page.table(headline_table(c, "record-world model", f"{SCRIPT}.codecs", s))
-    with page.figure("02_codec_pareto.png", "Every codec on the record-world model", figsize=(8, 5)) as (fig, ax):
-        if ax is not None:
-            pareto_figure(ax, [(x.name.strip(), x.bytes_per_token, 100 * x.quality) for x in c.codecs]
-                          + [(f"level {lv.level}", lv.bytes_per_token, 100 * lv.accuracy) for lv in c.levels[1:]])
+    points = [(x.name.strip(), x.bytes_per_token, 100 * x.quality) for x in c.codecs] + [
+        (f"level {lv.level}", lv.bytes_per_token, 100 * lv.accuracy) for lv in c.levels[1:]]
+    ticks = [8, 16, 32, 64, 128, 256, 512]
+    chart_figure(page, "02_codec_pareto.png", [Chart(
+        [Series(b, a, f"{n}: {b:.0f} B, {a:.1f}%", "scatter", {"s": 30, "marker": mk})
+         for (n, b, a), mk in zip(points, "osD^v<>pP*Xh" * 2)] + [Series(*zip(*pareto_front(points)), "Pareto front",
+                                                                        style={"color": "k", "ls": "--", "lw": 0.8})],
+        "bytes / token (log)", "answer accuracy (%)", xscale="log", minor_ticks=False,
+        legend={"fontsize": 7, "loc": "lower right"}, axes={"xticks": ticks, "xticklabels": ticks})],
+                 "Every codec on the record-world model", figsize=(8, 5))
 
 
-def pareto_figure(ax, points: list) -> None:
-    """points: (name, bytes/token, accuracy %); the dashed front joins those no smaller codec beats."""
-    for (n, b, a), marker in zip(points, "osD^v<>pP*Xh" * 2):
-        ax.scatter(b, a, s=30, marker=marker, label=f"{n}: {b:.0f} B, {a:.1f}%")
+def pareto_front(points: list) -> list:
+    """points: (name, bytes/token, accuracy %); the (bytes, accuracy) of those no smaller codec beats."""
     front = sorted(points, key=lambda p: (p[1], -p[2]))
     best = np.maximum.accumulate([a for *_, a in front])
-    ax.plot(*zip(*[(b, a) for i, (_, b, a) in enumerate(front) if i == 0 or a > best[i - 1]]), "k--", lw=0.8,
-            label="Pareto front")
-    ticks = [8, 16, 32, 64, 128, 256, 512]
-    ax.set(xscale="log", xticks=ticks, xticklabels=ticks, xlabel="bytes / token (log)", ylabel="answer accuracy (%)")
-    ax.minorticks_off()
-    ax.legend(fontsize=7, loc="lower right")
+    return [(b, a) for i, (_, b, a) in enumerate(front) if i == 0 or a > best[i - 1]]
 
 
 def present_part3(page: Page, r: Record, s: Settings) -> None:
     page.part("Part 3", "§3.3", "The arithmetic coder, and the quality levels 03 reads")
-    one, many = r.one, r.many
+    one, many, plan = r.one, r.many, r.throughput.plan
     gap, exact = one.actual_bytes - one.ideal_bytes, one.roundtrip_exact and many.roundtrip_exact
     page.table(Table("Part 3 (§3.3). Arithmetic coder (level 0)", "§3.3", cols(
         "stream", ("symbols", "{:,}"), ("ideal bytes", "{:.2f}"), ("actual bytes", "{:,}"),
@@ -606,35 +601,46 @@ def present_part3(page: Page, r: Record, s: Settings) -> None:
              many.bytes, Val(many.bytes - many.ideal_bytes, fmt="{:+.1f}"), many.roundtrip_exact])],
         f"{SCRIPT}.coder_check", [
         f"The codec's bitstreams of {many.contexts} contexts, this run ({plan_words(r.throughput, many.contexts)}): "
-        f"encode "
-        f"{many.encode_sym_per_s:,.0f} symbols/s, decode {many.decode_sym_per_s:,.0f} symbols/s. "
+        f"encode {many.encode_sym_per_s:,.0f} symbols/s, decode {many.decode_sym_per_s:,.0f} symbols/s. "
         + ("Lossless: the loss is only in quantization." if exact else "A round trip differs: a coder bug."),
-        f"ideal = -sum log2 p of the symbols under the coder's own tables; actual = the bytes written. The coder ends "
-        f"with just enough bits to name one number inside its final interval (as wide as the message's probability): "
-        f"usually a bit or two over the ideal, a fraction of a byte below it when that interval holds a short binary "
-        f"fraction (here {abs(gap):.2f} B {'below' if gap < 0 else 'over'}). The codec's bitstreams add headers and "
-        f"{r.throughput.plan.streams} stream{'s' * (r.throughput.plan.streams != 1)} per group."]))
-    c = r.codecs
-    levels, fp16_b, se = c.levels, c.by_key()["fp16"].bytes_per_token, level_noise(c.levels, c.n_answers)
-    top, last, ref = levels[0], levels[-1], handout_figure(f"level{levels[-1].level}", s)
+        f"ideal = -sum log2 p under the coder's own tables; actual = the bytes written: just enough bits to name one "
+        f"number inside the final interval (as wide as the message's probability), usually a bit or two over the "
+        f"ideal, below it when that interval holds a short binary fraction (here {abs(gap):.2f} B "
+        f"{'below' if gap < 0 else 'over'}). The codec's bitstreams add headers and {plural(plan.streams, 'stream')} "
+        "per group."]))
+    page.table(levels_table(r.codecs, s))
+
+
+def levels_table(c: Codecs, s: Settings) -> Table:
+    """The quality levels 03 reads, their accuracy and its noise; whether the last level's loss is real."""
+    se = level_noise(c.levels, c.n_answers)
+    se_of = {lv.level: e for lv, e in zip(c.levels, se)}
+    top, last, ref = c.levels[0], c.levels[-1], handout_figure(f"level{c.levels[-1].level}", s)
     gap, noise = top.accuracy - last.accuracy, (se[0] ** 2 + se[-1] ** 2) ** 0.5
     note = (f"+- SE: binomial standard error over {c.n_answers:,} answers. Level {last.level} answers "
-            f"{100 * abs(gap):.2f} points {'below' if gap >= 0 else 'above'} level {top.level}, "
-            + (f"within two standard errors ({200 * noise:.2f}): the levels' accuracies are within noise."
-               if abs(gap) <= 2 * noise else f"{abs(gap) / noise:.0f} standard errors: a real "
-                                             f"{'loss' if gap > 0 else 'gain'}.")
-            + (f" The handout's small model answered {ref.figure} at level {last.level}" + (
-                "; this record-world model tolerates coarse steps where Part 1b finds it insensitive, and the levels "
-                "scale the steps the search measured on it." if last.accuracy > float(ref.figure[:-1]) / 100 else
-                "; ours answers no more.") if ref else ""))
-    page.table(Table(
+            f"{100 * abs(gap):.2f} points {'below' if gap >= 0 else 'above'} level {top.level}, " + (
+                f"within two standard errors ({200 * noise:.2f}): the levels' accuracies are within noise."
+                if abs(gap) <= 2 * noise else f"{abs(gap) / noise:.0f} standard errors: a real "
+                f"{'loss' if gap > 0 else 'gain'}.") + (
+                f" The handout's small model answered {ref.figure} at level {last.level}" + (
+                    "; this record-world model tolerates coarse steps where Part 1b finds it insensitive, and the "
+                    "levels scale the steps the search measured on it." if last.accuracy > float(ref.figure[:-1]) / 100
+                    else "; ours answers no more.") if ref else ""))
+    fp16 = c.by_key()["fp16"].bytes_per_token
+    return table_of(
         "Quality levels (§4.2) of the measured codec (codec_study.codec_levels(), read by 03_streaming.py)", "§4.2",
-        cols(("level (for 03)", "level {}", "levels[].level"), ("steps", "{:g}x"),
-             ("bytes/token", "{:.1f}", "levels[].bytes_per_token"), ("bits/value", "{:.2f}", "levels[].bits_per_value"),
-             ("ratio to FP16", times2), ("accuracy", pct2, "levels[].accuracy"), ("+- SE pts", "{:.2f}")),
-        [Row([lv.level, kv.LEVEL_FACTOR ** lv.level, lv.bytes_per_token, lv.bits_per_value, fp16_b / lv.bytes_per_token,
-              lv.accuracy, 100 * e], handout_figure(f"level{lv.level}", s)) for lv, e in zip(levels, se)],
-        "codec_study.codec_study", [note]))
+        [Field("level (for 03)", "level {}", "levels[].level", get="level"), *level_fields("{:g}x", "{:.1f}"),
+         Field("ratio to FP16", times2, get=lambda lv: fp16 / lv.bytes_per_token),
+         Field("accuracy", pct2, "levels[].accuracy", get="accuracy"),
+         Field("+- SE pts", "{:.2f}", get=lambda lv: 100 * se_of[lv.level])],
+        c.levels, "codec_study.codec_study", [note], handout=lambda lv: handout_figure(f"level{lv.level}", s))
+
+
+def level_fields(steps: str, size: str) -> list:
+    """The columns every level table has: its steps (x level 0's), bytes/token, bits/value."""
+    return [Field("steps", steps, get=lambda lv: kv.LEVEL_FACTOR ** lv.level),
+            Field("bytes/token", size, "levels[].bytes_per_token", get="bytes_per_token"),
+            Field("bits/value", "{:.2f}", "levels[].bits_per_value", get="bits_per_value")]
 
 
 def present_exercise3(page: Page, r: Record, s: Settings) -> None:
@@ -644,13 +650,13 @@ def present_exercise3(page: Page, r: Record, s: Settings) -> None:
         f"spoils group{'s' * (len(e.spoiled_groups) != 1)} {', '.join(map(str, e.spoiled_groups)) or 'none'}"
         + " only" * (e.spoiled_groups == [e.damaged_group]))
     first, end, anchor = e.by_position[1], e.by_position[-1], [p.anchor for p in e.by_position[1:]]
-    page.table(Table(
+    page.table(table_of(
         f"The {e.groups} groups of a context decode one at a time, last first, each from its own bytes: equal to the "
         f"full decode = {e.alone_equal}. One byte flipped in group {e.damaged_group}'s payload {damage}. A token needs "
         f"only its anchor; with deltas to the previous token, position p needs all p tokens before it (serial):",
-        "§3.3", cols("position in group", ("|error|/step, anchor", "{:.3f}"),
-                     ("|error|/step, previous-token chain", "{:.3f}")),
-        [Row([p.position, p.anchor, p.chain]) for p in e.by_position], f"{SCRIPT}.exercise3",
+        "§3.3", [Field("position in group", get="position"), Field("|error|/step, anchor", "{:.3f}", get="anchor"),
+                 Field("|error|/step, previous-token chain", "{:.3f}", get="chain")], e.by_position,
+        f"{SCRIPT}.exercise3",
         [f"The chain's error grows from {first.chain:.3f} to {end.chain:.3f} steps (positions {first.position}-"
          f"{end.position}), the anchor's stays at {min(anchor):.3f}-{max(anchor):.3f}: errors add up along the chain."
          if end.chain > max(first.chain, max(anchor)) else f"Here the chain's error does not grow past the anchor's "
@@ -666,7 +672,7 @@ LAYOUT_WORDS = {"group": "one stream per group", "K/V": "one stream per K/V of a
 def plan_words(t: Throughput, contexts: int = 1) -> str:
     """The codec's streams for `contexts` contexts coded together, in words."""
     n = t.plan_streams * contexts
-    return (f"{LAYOUT_WORDS[t.plan.layout]}, {n:,} streams in {contexts} context{'s' * (contexts != 1)} of "
+    return (f"{LAYOUT_WORDS[t.plan.layout]}, {plural(n, 'stream')} in {plural(contexts, 'context')} of "
             f"{t.tokens} tokens: the {kv.coder_for(n)} coder")
 
 
@@ -686,34 +692,32 @@ def plan_reason(t: Throughput) -> str:
 def throughput_table(t: Throughput) -> Table:
     """Exercise 3's measured table: each coder's symbols/s on the same symbols, and the parallel coder's
     added bytes at each stream count."""
-    c, mega = t.coder, lambda v: f"{v / 1e6:.2f}"
-    rows = [Row(["serial (pure Python)", 1, c.serial_encode, c.serial_decode, 1.0, None, None], key="serial")]
-    for k, e, d, a in zip(c.streams, c.parallel_encode, c.parallel_decode, c.added_bytes):
-        rows.append(Row([f"parallel (numpy){', all' * (k == t.rows)}", k, e, d, d / c.serial_decode, a,
-                         a / c.one_stream_bytes], key="parallel" if k == t.rows else None))
+    c, mega, cap = t.coder, lambda v: f"{v / 1e6:.2f}", kv.THROUGHPUT_MAX_STEPS
+    rows = [Row(["serial (pure Python)", 1, c.serial_encode, c.serial_decode, 1.0, None, None], key="serial")] + [
+        Row([f"parallel (numpy){', all' * (k == t.rows)}", k, e, d, d / c.serial_decode, a, a / c.one_stream_bytes],
+            key="parallel" if k == t.rows else None)
+        for k, e, d, a in zip(c.streams, c.parallel_encode, c.parallel_decode, c.added_bytes)]
     if c.constriction_decode is not None:
         rows.append(Row(["constriction's range coder", 1, c.constriction_encode, c.constriction_decode,
                          c.constriction_decode / c.serial_decode, None, None], key="constriction"))
     i1 = c.streams.index(min(c.streams))
     x_all, x_one = c.parallel_decode[-1] / c.serial_decode, c.parallel_decode[i1] / c.serial_decode
-    cap = kv.THROUGHPUT_MAX_STEPS
     notes = [f"The same {c.symbols:,} symbols (level 0, {t.what}) in {t.rows:,} rows: one per (context, layer, K/V, "
              f"channel), {t.tokens} tokens each; the parallel coder takes the rows in k runs, each run a stream. A "
-             f"stream of more than {cap:,} symbols is timed on its first {cap:,}."]
-    notes.append(f"At all {t.rows:,} streams the parallel coder decodes {x_all:.1f}x the serial coder's symbols/s"
-                 + (f", constriction's compiled coder {c.constriction_decode / c.parallel_decode[-1]:.1f}x ours"
-                    if c.constriction_decode else "")
-                 + (f"; at {c.streams[i1]} stream{'s' * (c.streams[i1] != 1)} it is {1 / x_one:.0f}x slower than the "
-                    "serial coder: a step costs a few dozen numpy calls however few streams share it" if x_one < 1
-                    else "")
-                 + f". Each stream ends with its own flush and needs its length: {c.added_bytes[-1]:+,} bytes "
-                 f"({c.added_bytes[-1] / c.one_stream_bytes:+.2%}) at {t.rows:,} streams.")
-    notes.append(f"The codec's bitstreams: {plan_words(t)}; a group's payload is about {t.plan.group_bytes:,.0f} B"
-                 + (f", its extra streams add {t.plan.added_share:.2%} (expected)" if t.plan.streams > 1 else "")
-                 + plan_reason(t) + ".")
-    notes.append(f"On a GPU each stream is a thread (CacheGen's coder: one per (layer, channel)): {t.rows:,} streams "
-                 f"of {t.tokens} symbols decode in {t.tokens} sequential steps instead of {c.symbols:,}, "
-                 f"{c.symbols // t.tokens:,}x fewer, where numpy here still pays a few dozen calls a step.")
+             f"stream of more than {cap:,} symbols is timed on its first {cap:,}.",
+             f"At all {t.rows:,} streams the parallel coder decodes {x_all:.1f}x the serial coder's symbols/s"
+             + (f", constriction's compiled coder {c.constriction_decode / c.parallel_decode[-1]:.1f}x ours"
+                if c.constriction_decode else "")
+             + (f"; at {plural(c.streams[i1], 'stream')} it is {1 / x_one:.0f}x slower than the serial coder: a step "
+                "costs a few dozen numpy calls however few streams share it" if x_one < 1 else "")
+             + f". Each stream ends with its own flush and needs its length: {c.added_bytes[-1]:+,} bytes "
+             f"({c.added_bytes[-1] / c.one_stream_bytes:+.2%}) at {t.rows:,} streams.",
+             f"The codec's bitstreams: {plan_words(t)}; a group's payload is about {t.plan.group_bytes:,.0f} B"
+             + (f", its extra streams add {t.plan.added_share:.2%} (expected)" if t.plan.streams > 1 else "")
+             + plan_reason(t) + ".",
+             f"On a GPU each stream is a thread (CacheGen's coder: one per (layer, channel)): {t.rows:,} streams "
+             f"of {t.tokens} symbols decode in {t.tokens} sequential steps instead of {c.symbols:,}, "
+             f"{c.symbols // t.tokens:,}x fewer, where numpy here still pays a few dozen calls a step."]
     return Table("Exercise 3 measured (§3.3): streams that decode independently, coded side by side (symbols/s, "
                  "wall clock, this run)", "§3.3",
                  cols("coder", ("streams", "{:,}"), ("encode M sym/s", mega, "coder_encode_sym_per_s.{row}"),
@@ -725,24 +729,22 @@ def throughput_table(t: Throughput) -> Table:
 
 
 def present_exercise4(page: Page, r: Record, s: Settings) -> None:
-    e = r.ex4
+    e, saving = r.ex4, r.ex4.fixed_bits - r.ex4.coded_bits_per_symbol
     page.exercise(4, "§3.3", "the entropy of a channel's quantized values, and a fixed-length code's bits")
     probs = ", ".join(f"{v:+d}: {p:g}" if v else f"0: {p:g}"
                       for v, p in sorted(s.ex4_probs.items(), key=lambda x: -x[1]))
-    saving = e.fixed_bits - e.coded_bits_per_symbol
     labels = {"entropy_bits": "entropy (bits/value)", "coded_bits_per_symbol": f"the coder on {s.ex4_samples:,} "
               "samples (bits/value)", "ideal_bits_per_symbol": "ideal under the coder's table (bits/value)",
               "fixed_bits": "fixed-length code (bits/value)", "roundtrip_exact": "round trip exact"}
-    page.table(Table(
-        f"Entropy coding of {{{probs}}}", "§3.3",
-        cols("", ("ours", lambda v: f"{v:.3f}" if isinstance(v, float) else str(v), "exercise4.{row}")),
-        [Row([label, getattr(e, k)], handout_figure(f"ex4_{k}", s), k) for k, label in labels.items()],
-        "kvcache.exercise4",
+    page.table(table_of(
+        f"Entropy coding of {{{probs}}}", "§3.3", [Field("", get=0), Field("ours", lambda v: f"{v:.3f}" if
+                                                   isinstance(v, float) else str(v), "exercise4.{row}", get=1)],
+        {k: (label, getattr(e, k)) for k, label in labels.items()}, "kvcache.exercise4",
         [f"Arithmetic coding saves {saving:.2f} of the fixed-length code's {e.fixed_bits} bits per value ("
          f"{saving / e.fixed_bits:.0%}), within {abs(e.coded_bits_per_symbol - e.entropy_bits):.3f} bits of the "
          f"entropy." if saving > 0.005 else f"Arithmetic coding saves nothing over the fixed-length code's "
-         f"{e.fixed_bits} bits per value here: the entropy is {e.entropy_bits:.3f} bits."]))
-
+         f"{e.fixed_bits} bits per value here: the entropy is {e.entropy_bits:.3f} bits."],
+        handout={k: handout_figure(f"ex4_{k}", s) for k in labels}))
 
 
 # ---------------------------------------------------------------- a real model: --model smollm2
@@ -828,27 +830,25 @@ def present_real(page: Page, r: Real, s: Settings) -> None:
     page.table(entropy_table(r.entropy, f"Part 1c (§3.2, real model). Entropy at steps of {s.real_entropy_step:g} "
                                         f"x RMS, tables fitted on calibration prose"))
     page.part("Part 2", "§3.4", f"The codec table on {r.name}, and its quality levels")
-    fp16, quality = r.codecs.by_key()["fp16"].bytes_per_token, lambda q: [q["nll"], q["kl"], q["agree"]]
+    fp16 = r.codecs.by_key()["fp16"].bytes_per_token
     page.table(Table(
         f"Part 2 (§3.4, real model). Continuations of {cr.REAL_CONTINUATION} tokens attending to the decoded context "
         f"KV\n(coded rows: bytes of {cr.REAL_CODED} contexts really coded, bit-exact round trip checked)", "§3.4",
         cols("codec", ("bytes/token", "{:,.0f}", "bytes_{row}"), ("ratio to FP16", times2),
              ("NLL (nats/token)", "{:.4f}", "nll_{row}"), ("KL from FP16", "{:.4f}", "kl_{row}"),
              ("top-1 = FP16's", pct1, "top1_agree_{row}")),
-        [Row([*codec_cells(c, fp16), *quality(c.quality)], key=c.key) for c in r.codecs.codecs],
-        f"{SCRIPT}.measure_real",
+        [Row([*codec_cells(c, fp16), *(c.quality[q] for q in ("nll", "kl", "agree"))], key=c.key)
+         for c in r.codecs.codecs], f"{SCRIPT}.measure_real",
         ["Measured steps / RMS (shallow, middle, deep thirds; K / V): " + ", ".join(f"{k:.3g} / {v:.3g}" for k, v in
          r.rel_steps) + f"; KL from FP16 kept below {cr.REAL_MAX_KL} nats/token on calibration prose; recipe sized to "
          "the same bytes."]))
     page.table(headline_table(r.codecs, r.name, f"{SCRIPT}.measure_real", s))
-    page.table(Table(
+    page.table(table_of(
         "Quality levels (§4.2) of the measured codec on the real model (codec_real.real_codec_levels(), read by 03)",
-        "§4.2", cols("level (03 Part 2c)", ("steps", "{:.3g}x"),
-                     ("bytes/token", "{:,.0f}", "levels[].bytes_per_token"),
-                     ("bits/value", "{:.2f}", "levels[].bits_per_value"), ("KL from FP16", "{:.4f}", "levels[].kl"),
-                     ("top-1 = FP16's", pct1, "levels[].agree")),
-        [Row([f"level {lv.level}", kv.LEVEL_FACTOR ** lv.level, lv.bytes_per_token, lv.bits_per_value, lv.kl, lv.agree])
-         for lv in r.codecs.levels], "codec_real.fit"))
+        "§4.2", [Field("level (03 Part 2c)", get=lambda lv: f"level {lv.level}"), *level_fields("{:.3g}x", "{:,.0f}"),
+                 Field("KL from FP16", "{:.4f}", "levels[].kl", get="kl"),
+                 Field("top-1 = FP16's", pct1, "levels[].agree", get="agree")],
+        r.codecs.levels, "codec_real.fit"))
     page.exercise(3, "§3.3", f"streams that decode independently run side by side: the coders on {r.name}'s KV")
     page.table(throughput_table(r.throughput))
 

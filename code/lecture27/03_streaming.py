@@ -51,7 +51,9 @@ import streaming as st  # noqa: E402
 from common import timemodel as tm  # noqa: E402
 from common.cli import Parser, fail, positive_float, positive_int, settings_from  # noqa: E402
 from common.gguf_llama import smollm2_or_explain  # noqa: E402
-from common.present import DASH, Col, Handout, Page, Ref, Row, Table, Val, change, cols  # noqa: E402
+from common.present import (  # noqa: E402
+    DASH, Chart, Col, Field, Handout, Page, Ref, Row, Series, Table, Val, cdf, change, chart_figure, cols,
+    plural, table_of)
 
 K = 1024
 # ---- Part 1 (§4.1)
@@ -84,19 +86,17 @@ SUITE_HORIZON_S = 30.0         # traces are drawn this far; the last rate then h
 SUITE_EXCEPTIONS_SHOWN = 10    # at most this many broken promises printed per context and level set
 
 # The handout's figures beside ours, each with the inputs it holds for: an edit of one of them blanks it.
+SETUP_70B = dict(model="llama-3.1-70b", gpu="A100-80GB", n_gpus=4, context=12 * K)   # §4.1-4.2's setup
+SETUP_8B = dict(note_model="llama-3.1-8b", note_gpu="H100", context=12 * K)           # §4.1's note
 HANDOUT = Handout({
-    "part1": Ref("text wins at low bandwidth, compressed KV at high",
-                 dict(model="llama-3.1-70b", gpu="A100-80GB", n_gpus=4, context=12 * K)),
+    "part1": Ref("text wins at low bandwidth, compressed KV at high", SETUP_70B),
     "cachegen_delay": Ref("3.2-3.7x"),     # CacheGen's measurement (LLaMA), beside ours whatever the inputs
-    "8b_recompute_s": Ref("0.36", dict(note_model="llama-3.1-8b", note_gpu="H100", context=12 * K)),
-    "8b_breakeven": Ref("below 25", dict(note_model="llama-3.1-8b", note_gpu="H100", context=12 * K)),
+    "8b_recompute_s": Ref("0.36", SETUP_8B), "8b_breakeven": Ref("below 25", SETUP_8B),
     "codec_vs_8bit": Ref("1.66"),          # §3: the handout's lossless codec against 8-bit quantization
     "trace": Ref("finest level while the link is good, text after the drop, a coarser level at the end chosen by "
                  "the time left (this small model's level 3 answers only 74%)",
-                 dict(model="llama-3.1-70b", gpu="A100-80GB", n_gpus=4, context=12 * K,
-                      trace=((0.0, 10.0), (0.3, 1.0), (3.0, 5.0)), slo=4.0, chunk_tokens=1536)),
-    "steady": Ref("the finest level throughout", dict(model="llama-3.1-70b", gpu="A100-80GB", n_gpus=4,
-                                                      context=12 * K, steady_gbps=25.0, slo=4.0, chunk_tokens=1536)),
+                 dict(SETUP_70B, trace=((0.0, 10.0), (0.3, 1.0), (3.0, 5.0)), slo=4.0, chunk_tokens=1536)),
+    "steady": Ref("the finest level throughout", dict(SETUP_70B, steady_gbps=25.0, slo=4.0, chunk_tokens=1536)),
     "chunks": Ref("large chunks react late; small chunks recompute in small GPU batches"),
 })
 
@@ -553,8 +553,8 @@ def did(setup, run) -> str:
              for name, k in counts.items() if k]
     gave_up = sum(1 for r in run.rows if r.get("gave_up"))
     probes = sum(1 for r in run.rows if r.get("probe"))
-    extra = [f"{gave_up} KV transfer{'s' * (gave_up != 1)} given up"] if gave_up else []
-    extra += [f"the link probed during {probes} recompute{'s' * (probes != 1)}"] if probes else []
+    extra = [plural(gave_up, "KV transfer", "{}") + " given up"] if gave_up else []
+    extra += [f"the link probed during {plural(probes, 'recompute', '{}')}"] if probes else []
     return ", ".join(parts) + (f"; {', '.join(extra)}" if extra else "")
 
 
@@ -590,15 +590,19 @@ def present_part1(page, s, r):
     page.part("Part 1", "§4.1", f"{m} on {s.n_gpus} x {s.gpu}, fetching a {s.context:,}-token context")
     where = ("measured by the codec on the record-world\nmodel (256 values/token)" if s.levels_file is None
              else f"read from {r.levels_name}")
-    page.table(Table(
+    page.table(table_of(
         f"Compressed sizes: each codec level's bits per value, {where}, applied to {m}'s "
         f"{tm.kv_bytes_per_token(s.model) // 2:,} values/token (kv_bytes_per_token / 2).\nText = "
         f"{st.TEXT_BYTES_PER_TOKEN} B/token of token ids, then recompute ({p1.recompute_s:.2f} s for the whole "
         f"context in one batch, time model).\nLossless accuracy (raw, text) = {r.lossless:.3f}, {r.lossless_src}.",
-        "§4.1", cols("option", ("bits/value", "{:.2f}", "levels_bits_per_value.{row}"), ("GB / context", "{:.3f}"),
-                     ("accuracy", "{:.3f}"), ("break-even vs text", "{:.1f} Gb/s", "breakeven_gbit_per_s.{row}")),
-        [Row([o.name, None if o.recompute else o.bits_per_value, o.bits_per_token * s.context / 8e9, o.accuracy,
-              p1.breakeven.get(o.name)], key=None if o.recompute else o.name) for o in p1.options],
+        "§4.1", [Field("option", get="name"),
+                 Field("bits/value", "{:.2f}", "levels_bits_per_value.{row}",
+                       get=lambda o: None if o.recompute else o.bits_per_value),
+                 Field("GB / context", "{:.3f}", get=lambda o: o.bits_per_token * s.context / 8e9),
+                 Field("accuracy", "{:.3f}", get="accuracy"),
+                 Field("break-even vs text", "{:.1f} Gb/s", "breakeven_gbit_per_s.{row}",
+                       get=lambda o: p1.breakeven.get(o.name))],
+        {None if o.recompute else o.name: o for o in p1.options},  # text (recomputed) names no JSON key
         "03_streaming.part1", json={"llama31_70b_12k_recompute_s": p1.recompute_s}))
     lo, hi = (f"{f(b.vs_8bit for b in p1.rows):.1f}" for f in (min, max))
     page.table(Table(
@@ -611,12 +615,11 @@ def present_part1(page, s, r):
         notes=[*said("part1", s), "ours:    best " + "; ".join(
             f"{o} at {a:g}" + (f"-{b:g}" if b != a else "") + " Gb/s" for o, a, b in p1.best_ranges),
             f"§4.1 headline: CacheGen fetches and processes a context {HANDOUT.figure('cachegen_delay', s)} faster "
-            f"than the 8-bit quantization baseline (LLaMA, measured end to end). Ours, 8-bit KV TTFT / "
-            f"{p1.finest.name} TTFT over {s.bandwidths[0]:g}-{s.bandwidths[-1]:g} Gb/s: "
-            f"{lo}{'' if lo == hi else '-' + hi}x. With the transfer alone in the model it is the size ratio, 8 bits "
-            f"over {p1.finest.name}'s "
-            f"{p1.finest.bits_per_value:.2f} bits per value (a {r.levels_name} level); CacheGen's figure also pays "
-            "decoding, and its levels were fitted on LLaMA."]))
+            f"than 8-bit quantization (LLaMA, end to end). Ours, 8-bit KV TTFT / {p1.finest.name} TTFT over "
+            f"{s.bandwidths[0]:g}-{s.bandwidths[-1]:g} Gb/s: {lo}{'' if lo == hi else '-' + hi}x: with the transfer "
+            f"alone in the model, the size ratio of 8 bits to {p1.finest.name}'s {p1.finest.bits_per_value:.2f} bits "
+            f"per value (a {r.levels_name} level); CacheGen's figure also pays decoding, and its levels were fitted "
+            "on LLaMA."]))
     page.table(Table(
         f"\nNote (§4.1, pitfall 1): {tm.MODELS[s.note_model].name} on one {s.note_gpu}, a {s.context:,}-token "
         "context: recompute it, or fetch its KV?", "§4.1", cols("", ("ours", "{:.1f}")), [
@@ -629,8 +632,11 @@ def present_part1(page, s, r):
                 n.compression, "llama31_8b_compression_for_25gbit", lambda c: f"{c:.2f}x ({16 / c:.1f} bits/value)")]),
             *[Row([f"{k} KV beats recomputing above, Gb/s", v]) for k, v in n.levels_breakeven_gbit.items()]],
         "03_streaming.note_8b"))
-    if page.plot:
-        figure_ttft(page, s, p1)
+    chart_figure(page, "03_ttft_vs_bandwidth.png", [Chart(
+        [Series([b.gbps for b in p1.rows], [b.ttft[o.name] for b in p1.rows], f"{o.name} (acc {o.accuracy:.2f})",
+                style={"marker": "o", "ms": 3, "color": COLORS.get(o.name)}) for o in p1.options],
+        "link bandwidth, Gb/s", "TTFT (context on GPU), s", f"{m}, {s.n_gpus} x {s.gpu}, {s.context // K}K-token "
+        "context", "log", "log", grid="both")], figsize=(7, 4.2))
 
 
 def present_part2(page, s, run, trace, levels_name):
@@ -639,10 +645,10 @@ def present_part2(page, s, run, trace, levels_name):
              "Each chunk: the throughput measured on the previous chunk is assumed to hold; its budget is its token "
              "share of the time left; it takes the finest level predicted to fit, else text (recompute on the GPU, "
              "attending to the KV received), else the fastest option. " + (
-                 "The link and the GPU work at once: while the GPU recomputes a text chunk, the link already fetches "
-                 "the next chunk, and that transfer measures the link. Text chosen again while the GPU is still busy "
-                 "waits instead: probe bytes measure the idle link until the GPU is free (or the rate changes), and "
-                 "the chunk is decided again. " if s.parallel else
+                 "The link and the GPU work at once: while the GPU recomputes a text chunk, the link fetches the next "
+                 "one, and that transfer measures the link; text chosen again while the GPU is busy waits, probe bytes "
+                 "measuring the idle link until the GPU is free (or the rate changes), then the chunk is decided "
+                 "again. " if s.parallel else
                  "One chunk at a time (--serial): the link is idle while the GPU recomputes; a probe measures it "
                  "then. ") + "So a link that recovers is seen. A KV chunk still arriving when only all-text could "
              "meet the SLO is given up and recomputed. Configurations: the codec's levels (each chunk encoded "
@@ -654,9 +660,8 @@ def present_part2(page, s, run, trace, levels_name):
                    f"recompute time on {s.n_gpus} GPUs.\nThe oracle knows the trace: meet the SLO, then recompute "
                    "least, then lose least.", "policies", "trace")
     steady(page, s, run.steady, "steady25_choices")
-    if page.plot:
-        figure_trace(page, "03_trace_choices.png", run, trace, s.slo,
-                     f"Trace and each chunk's choice ({levels_name} levels)")
+    figure_trace(page, "03_trace_choices.png", run, trace, s.slo,
+                 f"Trace and each chunk's choice ({levels_name} levels)")
 
 
 def present_part2_long(page, s, run, trace):
@@ -666,11 +671,9 @@ def present_part2_long(page, s, run, trace):
     w = run.why
     policies_table(page, s, run, "", "long_policies", "long_trace", runs_of, quality=False,
                    notes=shape_notes(s, w) + why_notes(s, w))
-    if page.plot:
-        figure_trace(page, "03_trace_choices_long.png", run, trace, s.slo,
-                     f"Part 2b, {w.context // K}K tokens: adaptive "
-                     f"{'coarsens' if w.coarser_after_drop else 'does not coarsen'} after the drop\n(TTFT "
-                     f"{run.runs['adaptive'].ttft_s:.2f} s vs always {w.finest} {w.finest_s:.2f} s; SLO {s.slo:g} s)")
+    figure_trace(page, "03_trace_choices_long.png", run, trace, s.slo, f"Part 2b, {w.context // K}K tokens: adaptive "
+                 f"{'coarsens' if w.coarser_after_drop else 'does not coarsen'} after the drop\n(TTFT "
+                 f"{run.runs['adaptive'].ttft_s:.2f} s vs always {w.finest} {w.finest_s:.2f} s; SLO {s.slo:g} s)")
 
 
 def pm(x, se, f):
@@ -704,9 +707,8 @@ def present_part2_real(page, s, run, trace):
     policies_table(page, s, run, "Whole context: quality = token-weighted share of next tokens equal to FP16's "
                                  "(text chunks exact).", "real_policies", "real_trace")
     steady(page, s, run.steady, "real_steady25_choices")
-    if page.plot:
-        figure_trace(page, "03_trace_choices_smollm2_levels.png", run, trace, s.slo,
-                     "Trace and each chunk's choice, levels measured on SmolLM2")
+    figure_trace(page, "03_trace_choices_smollm2_levels.png", run, trace, s.slo,
+                 "Trace and each chunk's choice, levels measured on SmolLM2")
 
 
 MODEL_KEYS = {"Part 2": "policies", "Part 2b": "long_policies", "Part 2c": "real_policies"}
@@ -716,16 +718,13 @@ def present_models(page, s, runs):
     """Part 2d: each run of Part 2-2c in both models of the link and the GPU, side by side."""
     page.part("Part 2d", "§4.2", "the link and the GPU at once, or one chunk at a time")
     by = {name: {s.parallel: run.runs, not s.parallel: run.other} for name, run in runs.items()}
-    rows = [Row([name.removeprefix("Part "), f"{run.setup.context_tokens // K}K", p,
-                 *(by[name][m][p].ttft_s for m in (True, False)), *(by[name][m][p].text_tokens for m in (True, False))])
-            for name, run in runs.items() for p in run.runs]
     notes = []
     for name, b in by.items():
         par, ser = b[True]["adaptive"], b[False]["adaptive"]
         ok = [x.ttft_s <= s.slo for x in (ser, par)]
         notes.append(f"{name}: adaptive's TTFT {change(ser.ttft_s, par.ttft_s, '{:.2f} s')} from one chunk at a "
-                     "time to both at once; " + (f"SLO {met(ok[0])} in both" if ok[0] == ok[1] else
-                                                 f"SLO {met(ok[0])} serially, {met(ok[1])} in parallel")
+                     f"time to both at once; SLO {met(ok[0])} " + ("in both" if ok[0] == ok[1] else
+                                                                   f"serially, {met(ok[1])} in parallel")
                      + f". Parallel: {runs_of(par.choices)}; serial: {runs_of(ser.choices)}.")
     kv = [(b[True][p].ttft_s, b[False][p].ttft_s) for b in by.values() for p in b[True]
           if p.startswith("always") and p != "always text"]
@@ -734,13 +733,16 @@ def present_models(page, s, runs):
                   else "A fixed KV level's TTFT differs between the models. ") + f"Always text differs by "
                  f"{text * 1e3:.2f} ms at most: only the GPU works there, and the token ids of the next chunk cross "
                  "during a recompute.")
-    page.table(Table("TTFT and recomputed tokens of each policy. parallel: the link fetches while the GPU recomputes; "
-                     "serial: one chunk at a time (--serial).", "§4.2",
-                     cols("Part", "context", "policy", ("parallel s", "{:.2f}"), ("serial s", "{:.2f}"),
-                          ("parallel: recomputed", "{:,}"), ("serial: recomputed", "{:,}")), rows,
-                     "03_streaming.part2", notes,
-                     {"by_model": {("parallel" if m else "serial"): {MODEL_KEYS[n]: policy_json(b[m]) for n, b in
-                                                                      by.items()} for m in (True, False)}}))
+    both = [(True, "parallel"), (False, "serial")]
+    page.table(table_of(
+        "TTFT and recomputed tokens of each policy. parallel: the link fetches while the GPU recomputes; serial: one "
+        "chunk at a time (--serial).", "§4.2",
+        [Field("Part", get=lambda x: x[0].removeprefix("Part ")),
+         Field("context", get=lambda x: f"{x[1].setup.context_tokens // K}K"), Field("policy", get=2),
+         *(Field(f"{w} s", "{:.2f}", get=lambda x, m=m: by[x[0]][m][x[2]].ttft_s) for m, w in both),
+         *(Field(f"{w}: recomputed", "{:,}", get=lambda x, m=m: by[x[0]][m][x[2]].text_tokens) for m, w in both)],
+        [(name, run, p) for name, run in runs.items() for p in run.runs], "03_streaming.part2", notes,
+        {"by_model": {w: {MODEL_KEYS[n]: policy_json(b[m]) for n, b in by.items()} for m, w in both}}))
 
 
 def policy_json(runs) -> dict:
@@ -843,18 +845,22 @@ def present_part3(page, s, c):
     page.say(f"Recompute of a chunk of n tokens runs (1 + {h:g}/n) / (1 + {h:g}/12K) times slower than the time "
              f"model (a batch\nof n tokens at n/(n+{h:g}) of large-batch speed; an assumption, --half-tokens, see "
              "streaming.batch_slowdown).")
-    page.table(Table(
+    page.table(table_of(
         "chunk: tokens per chunk; slowdown: recompute of one chunk vs the time model; all-text s: TTFT with\n"
         "every chunk recomputed (small batches cost); overrun s: the worst chunk's finish minus its predicted\n"
         "finish (large chunks react late); TTFT ... GPU s: the adaptive policy; oracle s, q: the oracle's TTFT, "
-        "quality.", "§4.2", cols(
-            ("chunk", "{:,}"), "chunks", ("slowdown", "{:.3f}"), ("all-text s", "{:.2f}", key + "all_text_ttft_s"),
-            ("overrun s", "{:.2f}", key + "worst_overrun_s"), ("TTFT s", "{:.2f}", key + "ttft_s"),
-            ("SLO", met, key + "slo_met"), ("quality", "{:.3f}", key + "quality"), ("GPU s", "{:.2f}"),
-            ("oracle s", "{:.2f}", key + "oracle_ttft_s"), ("oracle q", "{:.3f}", key + "oracle_quality")),
-        [Row([x.chunk_tokens, x.chunks, x.slowdown, x.text_ttft_s, x.overrun_s, x.adaptive.ttft_s,
-              x.adaptive.ttft_s <= s.slo, x.adaptive.quality, x.adaptive.gpu_s, x.oracle.ttft_s, x.oracle.quality],
-             key=str(x.chunk_tokens)) for x in c.rows], "03_streaming.part3",
+        "quality.", "§4.2", [
+            Field("chunk", "{:,}", get="chunk_tokens"), Field("chunks", get="chunks"),
+            Field("slowdown", "{:.3f}", get="slowdown"),
+            Field("all-text s", "{:.2f}", key + "all_text_ttft_s", get="text_ttft_s"),
+            Field("overrun s", "{:.2f}", key + "worst_overrun_s", get="overrun_s"),
+            Field("TTFT s", "{:.2f}", key + "ttft_s", get="adaptive.ttft_s"),
+            Field("SLO", met, key + "slo_met", get=lambda x: x.adaptive.ttft_s <= s.slo),
+            Field("quality", "{:.3f}", key + "quality", get="adaptive.quality"),
+            Field("GPU s", "{:.2f}", get="adaptive.gpu_s"),
+            Field("oracle s", "{:.2f}", key + "oracle_ttft_s", get="oracle.ttft_s"),
+            Field("oracle q", "{:.3f}", key + "oracle_quality", get="oracle.quality")],
+        {str(x.chunk_tokens): x for x in c.rows}, "03_streaming.part3",
         [f"adaptive's choices, {x.chunk_tokens:,}-token chunks: {runs_of(x.adaptive.choices)}" for x in c.rows]
         + said("chunks", s) + [
             f"ours:    small batches cost{'' if c.small_batches_cost else ' little here'}: all-text TTFT "
@@ -901,8 +907,7 @@ def present_part4(page, s, suite):
         {"suite": {"traces": n, "seed": s.suite_seed, "slo_s": s.slo, "contexts": s.suite_contexts,
                    "cells": suite.cells}}))
     suite_models(page, s, suite)
-    if page.plot:
-        figure_suite(page, s, suite)
+    figure_suite(page, s, suite)
 
 
 def suite_models(page, s, suite):
@@ -923,19 +928,10 @@ def suite_models(page, s, suite):
 
 
 # ----------------------------------------------------------------------------------------- figures
-def figure_ttft(page, s, p1):
-    with page.figure("03_ttft_vs_bandwidth.png", figsize=(7, 4.2)) as (fig, ax):
-        for o in p1.options:
-            ax.plot([b.gbps for b in p1.rows], [b.ttft[o.name] for b in p1.rows], marker="o", ms=3,
-                    color=COLORS.get(o.name), label=f"{o.name} (acc {o.accuracy:.2f})")
-        ax.set(xscale="log", yscale="log", xlabel="link bandwidth, Gb/s", ylabel="TTFT (context on GPU), s",
-               title=f"{tm.MODELS[s.model].name}, {s.n_gpus} x {s.gpu}, {s.context // K}K-token context")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend()
-
-
 def figure_trace(page, name, run, trace, slo, title):
     """The trace above, each policy's chunks below (coloured by what each fetched), the SLO in red."""
+    if not page.plot:
+        return
     end = max(max(r.ttft_s for r in run.runs.values()), slo) * 1.05
     with page.figure(name, title, figsize=(8, 5), nrows=2, sharex=True,
                      gridspec_kw={"height_ratios": [1, 1.3]}) as (fig, (top, bot)):
@@ -959,27 +955,24 @@ def figure_trace(page, name, run, trace, slo, title):
                 xlim=(0, end))
 
 
+SUITE_STYLES = {"adaptive": ("C3", "-"), "naive adaptive": ("C3", ":"), "always level0": ("#1a9850", "-"),
+                "always text": ("#4575b4", "-"), "oracle": ("k", "--")}
+
+
 def figure_suite(page, s, suite):
     """CDF of TTFT over the suite, one panel per level set and context, one line per policy."""
-    styles = {"adaptive": ("C3", "-"), "naive adaptive": ("C3", ":"), "always level0": ("#1a9850", "-"),
-              "always text": ("#4575b4", "-"), "oracle": ("k", "--")}
-    names, ctxs = list(dict.fromkeys(c.levels for c in suite.cells)), list(s.suite_contexts)
-    with page.figure("03_trace_suite_ttft_cdf.png", figsize=(4.2 * len(ctxs), 3.2 * len(names)), nrows=len(names),
-                     ncols=len(ctxs), squeeze=False, sharex=True) as (fig, axes):
-        for c, runs in zip(suite.cells, suite.runs):
-            ax = axes[names.index(c.levels)][ctxs.index(c.context)]
-            for p, results in runs.items():
-                xs = sorted(r.ttft_s for r in results)
-                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", color=styles[p][0],
-                        ls=styles[p][1], label=p)
-            ax.axvline(s.slo, color="0.5", ls="--", lw=1)
-            ax.set(xscale="log", title=f"{c.levels} levels, {c.context // K}K tokens", ylim=(0, 1.02))
-            ax.grid(alpha=0.3, which="both")
-        for ax in axes[-1]:
-            ax.set_xlabel("TTFT (context on GPU), s (grey dashes: SLO)")
-        for row in axes:
-            row[0].set_ylabel("share of traces")
-        axes[0][0].legend(fontsize=7, loc="lower right")
+    ctxs = list(s.suite_contexts)
+    charts = [Chart([Series(*cdf(r.ttft_s for r in res), p, "step",
+                            {"color": SUITE_STYLES[p][0], "ls": SUITE_STYLES[p][1]}) for p, res in runs.items()],
+                    title=f"{c.levels} levels, {c.context // K}K tokens", xscale="log", grid="both", legend=None,
+                    vlines=[(s.slo, {"color": "0.5", "ls": "--", "lw": 1})], axes={"ylim": (0, 1.02)})
+              for c, runs in zip(suite.cells, suite.runs)]   # part4's order: each level set, then each context
+    for i, c in enumerate(charts):
+        c.xlabel = "TTFT (context on GPU), s (grey dashes: SLO)" if i >= len(charts) - len(ctxs) else ""
+        c.ylabel = "share of traces" if i % len(ctxs) == 0 else ""
+    charts[0].legend = {"fontsize": 7, "loc": "lower right"}
+    chart_figure(page, "03_trace_suite_ttft_cdf.png", charts, ncols=len(ctxs), sharex=True,
+                 figsize=(4.2 * len(ctxs), 3.2 * (len(charts) // len(ctxs))))
 
 
 # -------------------------------------------------------------------------------------------- main

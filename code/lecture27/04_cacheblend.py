@@ -80,7 +80,9 @@ from common.city import city_model  # noqa: E402
 from common.cli import (Parser, fail, fraction, nonneg_float, positive_float, positive_int,  # noqa: E402
                         settings_from)
 from common.llama import KVCache, idle_threads, kl_divergence, shift_kv, single_thread  # noqa: E402
-from common.present import DASH, Col, Handout, Page, Ref, Row, Table, Val, change, cols, handout_text  # noqa: E402
+from common.present import (  # noqa: E402
+    DASH, REFERENCE, Chart, Col, Field, Handout, Page, Ref, Row, Series, Table, Val, change, chart_figure, cols, fact,
+    handout_text, points, refs, table_of)
 
 # ---- §5.1 (Part 0): prefix caching against full reuse and CacheBlend, k retrieved chunks (of Part 4's RAG size)
 PREFIX_KS = list(range(1, 11))            # k chunks of RAG_CHUNK_TOKENS + the question; CacheBlend at MIN_RATIO
@@ -183,30 +185,29 @@ class Settings:
 def handout_figures() -> Handout:
     """The handout's figures, printed beside ours (reference only; nothing is computed from them), each
     with the inputs it holds for: a figure is shown only when the run's settings have these values."""
-    city, c5, c5r20 = {"city_chunks": 3, "city_chunk_len": 8}, {"chunk_len": 5}, {"chunk_len": 5, "ratio": 0.20}
+    c5, c5r20 = {"chunk_len": 5}, {"chunk_len": 5, "ratio": 0.20}
     rag = {"gpu": "A40", "rag_chunks": 6, "rag_chunk_tokens": 512, "rag_question": 32}
     paper = {"gpu": "A40", "paper_context": 4096, "paper_ratio": 0.15, "paper_device": "NVMe SSD"}
-    ex8 = {"layers": 32, "read_ms": 10.0, "prefill_ms": 20.0, "min_ratio": 0.15}
     b7, b70 = {"system": ("llama-2-7b", 1)}, {"system": ("llama-3.1-70b", 2)}   # a row's (model, A40s)
     return Handout({
-        "city_ce_full": Ref("0.6940", city), "city_ce_reuse": Ref("0.6941", city), "city_kl": Ref("0.00003", city),
+        **refs({"city_chunks": 3, "city_chunk_len": 8},
+               {"city_ce_full": "0.6940", "city_ce_reuse": "0.6941", "city_kl": "0.00003"}),
         "train": Ref("12,000 steps, ~6 min, drop near step 5,000"),
-        "split_full": Ref("100.0%", c5), "split_reuse": Ref("8.8%", c5), "unsplit_reuse": Ref("unaffected", c5),
-        "split_random": Ref("21.0%", c5r20), "blend_c5": Ref("99.4%", c5r20),
+        **refs(c5, {"split_full": "100.0%", "split_reuse": "8.8%", "unsplit_reuse": "unaffected",
+                    "rank_corr": "0.88-0.93"}),
+        **refs(c5r20, {"split_random": "21.0%", "blend_c5": "99.4%", "layer0_coverage": "99.0%"}),
         "blend_c3": Ref("81.0%", {"chunk_len": 3, "ratio": 0.20}),
-        "ex6_split": Ref("0", {"ex6_chunk_len": 6}), "ex6_reuse": Ref("100%", {"ex6_chunk_len": 6}),
-        "top_share": Ref("98.0%", {**c5, "top_share": 0.15}), "rank_corr": Ref("0.88-0.93", c5),
-        "layer0_coverage": Ref("99.0%", c5r20),
+        **refs({"ex6_chunk_len": 6}, {"ex6_split": "0", "ex6_reuse": "100%"}),
+        "top_share": Ref("98.0%", {**c5, "top_share": 0.15}),
         "nvme_vs_recompute llama-2-7b": Ref("~1x (NVMe almost as slow)", {**rag, **b7}),
         "nvme_vs_recompute llama-3.1-70b": Ref("4.6x", {**rag, **b70}),
-        "paper_recompute llama-2-7b": Ref("~3", {**paper, **b7}), "paper_load llama-2-7b": Ref("~16", {**paper, **b7}),
-        "paper_recompute llama-3.1-70b": Ref("~7", {**paper, **b70}),
-        "paper_load llama-3.1-70b": Ref("~4", {**paper, **b70}),
-        "ttft_speedup": Ref("2.2-3.3x", {**rag, "min_ratio": 0.15}),
-        "throughput": Ref("2.8-5x", {**rag, "min_ratio": 0.15}),
+        **refs({**paper, **b7}, {"paper_recompute llama-2-7b": "~3", "paper_load llama-2-7b": "~16"}),
+        **refs({**paper, **b70}, {"paper_recompute llama-3.1-70b": "~7", "paper_load llama-3.1-70b": "~4"}),
+        **refs({**rag, "min_ratio": 0.15}, {"ttft_speedup": "2.2-3.3x", "throughput": "2.8-5x"}),
         "prefix_fewer": Ref("the more chunks, the less"),
         "blend_recompute": Ref("recomputes ~15%", {"min_ratio": 0.15}),
-        "ex8_choice": Ref("blend", ex8), "ex8_ratio": Ref("50%", ex8), "ex8_ttft_ms": Ref("~320", ex8),
+        **refs({"layers": 32, "read_ms": 10.0, "prefill_ms": 20.0, "min_ratio": 0.15},
+               {"ex8_choice": "blend", "ex8_ratio": "50%", "ex8_ttft_ms": "~320"}),
         "ex8_full_ms": Ref("640", {"layers": 32, "prefill_ms": 20.0}),
         "real_ttft": Ref("2.2-3.3x", {"real_ratio": 0.15})})
 
@@ -253,30 +254,29 @@ def above(x: float, y: float) -> str:
 
 
 # ============================================================================ §5.1 Part 0: prefix caching
+HOWS = ("prefix", "reuse", "blend")       # the three ways to use stored KV against k chunks
+
+
 def part0_prefix(s: Settings, page: Page) -> pc.PrefixStudy:
     """§5.1 on the time model: prefix caching, full reuse and CacheBlend against k chunks (prefix_caching.py)."""
     st = pc.time_model(s.systems, s.gpu, {d: s.devices[d] for d in s.prefix_devices}, s.prefix_ks,
                        s.rag_chunk_tokens, s.rag_question, s.min_ratio)
     page.part("Part 0", "§5.1", f"Prefix caching is not enough: k retrieved chunks, only the first a prefix "
                                 f"({s.gpu}, time model)")
-    last, r = st.devices[-1], f"{s.min_ratio:.0%}"
     for m, x in st.systems.items():
-        rows = [Row([k, 1e3 * x.full_ttft_s[i]] + [1e3 * by[d][i] for by in (x.prefix_ttft_s, x.reuse_ttft_s,
-                                                                               x.blend_ttft_s) for d in st.devices])
+        by = {how: getattr(x, f"{how}_ttft_s") for how in HOWS}      # method -> device -> TTFT per k
+        rows = [Row([k, 1e3 * x.full_ttft_s[i], *[1e3 * by[how][d][i] for how in HOWS for d in st.devices]])
                 for i, k in enumerate(st.ks)]
         show(page, Table(f"{tm.get_model(m).name} ({tm.get_model(m).tag}) on {x.n_gpus} x {s.gpu}: TTFT (ms) of k "
                          f"chunks x {st.chunk_tokens} tokens + a {st.question}-token question; the KV read from "
-                         f"{' or '.join(st.devices)}, pipelined (CacheBlend recomputes {r})", "§5.1",
+                         f"{' or '.join(st.devices)}, pipelined (CacheBlend recomputes {s.min_ratio:.0%})", "§5.1",
                          cols(("k", "{}", "prefix_k"), ("full prefill", "{:.0f}"),
-                              *[(f"{how} {d}", "{:.0f}") for how in ("prefix", "reuse", "blend") for d in st.devices]),
-                         rows, "prefix_caching.system_prefix", json={
-                             "full_ttft_s": {m: x.full_ttft_s}, **{f"{how}_ttft_s": {m: by[last]} for how, by in (
-                                 ("prefix", x.prefix_ttft_s), ("reuse", x.reuse_ttft_s), ("blend", x.blend_ttft_s))},
-                             **{f"{how}_ttft_by_device_s": {m: by} for how, by in (
-                                 ("prefix", x.prefix_ttft_s), ("reuse", x.reuse_ttft_s), ("blend", x.blend_ttft_s))}}))
+                              *[(f"{how} {d}", "{:.0f}") for how in HOWS for d in st.devices]),
+                         rows, "prefix_caching.system_prefix", json={"full_ttft_s": {m: x.full_ttft_s}, **{
+                             f"{how}_ttft{part}_s": {m: v} for how in HOWS
+                             for part, v in (("", by[how][st.devices[-1]]), ("_by_device", by[how]))}}))
     present_saved_share(st, s, page)
-    if page.plot:
-        prefix_figure(st, s, page)
+    prefix_figure(st, s, page)
     return st
 
 
@@ -289,36 +289,31 @@ def saved_verdict(name: str, shares: list) -> str:
 
 
 def present_saved_share(st: pc.PrefixStudy, s: Settings, page: Page) -> None:
-    r = f"{s.min_ratio:.0%}"
+    r, names = f"{s.min_ratio:.0%}", {m: tm.get_model(m).name for m in st.systems}
     methods = (("prefix caching", "prefix", h("prefix_fewer", s)), ("full reuse", "reuse", None),
                (f"CacheBlend {r}", "blend", h("blend_recompute", s)))
-    rows = [Row([f"{tm.get_model(m).name} {label}", *getattr(x, f"{how}_saved_share")], ref)
+    rows = [Row([f"{names[m]} {label}", *getattr(x, f"{how}_saved_share")], ref)
             for m, x in st.systems.items() for label, how, ref in methods]
-    notes = ["; ".join(saved_verdict(f"{tm.get_model(m).name}: prefix caching", x.prefix_saved_share) + ", "
-                       + saved_verdict(f"CacheBlend {r}", x.blend_saved_share) for m, x in st.systems.items())
-             + f". Only the first chunk can be a prefix, so prefix caching prefills the other k - 1; CacheBlend "
-             f"recomputes {r} of every chunk wherever it sits, full reuse none (and loses what the chunks would "
-             "have seen of each other, §5.2)."]
+    verdicts = "; ".join(f"{saved_verdict(f'{names[m]}: prefix caching', x.prefix_saved_share)}, "
+                         f"{saved_verdict(f'CacheBlend {r}', x.blend_saved_share)}" for m, x in st.systems.items())
     show(page, Table("Share of full prefill's GPU time each method does not spend, by k", "§5.1",
                      cols("method", *[(f"k={k}", "{:.0%}") for k in st.ks]), rows, "prefix_caching.system_prefix",
-                     notes, {"prefix_k": st.ks, **{f"{how}_saved_share": {m: getattr(x, f"{how}_saved_share")
-                                                                          for m, x in st.systems.items()}
-                                                   for how in ("prefix", "reuse", "blend")}}))
+                     [f"{verdicts}. Only the first chunk can be a prefix, so prefix caching prefills the other k - 1; "
+                      f"CacheBlend recomputes {r} of every chunk wherever it sits, full reuse none (and loses what the "
+                      "chunks would have seen of each other, §5.2)."],
+                     {"prefix_k": st.ks, **{f"{how}_saved_share": {m: getattr(x, f"{how}_saved_share")
+                                                                   for m, x in st.systems.items()} for how in HOWS}}))
 
 
 def prefix_figure(st: pc.PrefixStudy, s: Settings, page: Page) -> None:
-    ref = HANDOUT("prefix_fewer", s)
-    title = (f"§5.1: share of full prefill's GPU time saved\n(k chunks of {st.chunk_tokens} tokens"
-             + (f"; handout: {ref.figure})" if ref else ")"))
-    with page.figure("04_prefix_caching.png", title, (6.4, 4.2)) as (_, ax):
-        for (m, x), mark in zip(st.systems.items(), ("o", "x", "s", "^")):
-            name, hollow = tm.get_model(m).name, dict(mfc="none", ms=8) if mark == "o" else {}
-            for how, color, ls, label in (("prefix", "tab:red", "-", "prefix caching"),
-                                          ("blend", "tab:blue", "--", f"CacheBlend {s.min_ratio:.0%}")):
-                ax.plot(st.ks, [100 * v for v in getattr(x, f"{how}_saved_share")], marker=mark, color=color, ls=ls,
-                        label=f"{name}, {label}", **hollow)
-        ax.set(xlabel="k retrieved chunks", ylabel="% of full prefill's GPU time saved", ylim=(0, 100))
-        ax.legend()
+    ref, methods = HANDOUT("prefix_fewer", s), (("prefix", "tab:red", "-", "prefix caching"),
+                                                ("blend", "tab:blue", "--", f"CacheBlend {s.min_ratio:.0%}"))
+    lines = [Series(st.ks, [100 * v for v in getattr(x, f"{how}_saved_share")], f"{tm.get_model(m).name}, {label}",
+                    style=dict(marker=mark, color=color, ls=ls, **(dict(mfc="none", ms=8) if mark == "o" else {})))
+             for (m, x), mark in zip(st.systems.items(), "oxs^") for how, color, ls, label in methods]
+    chart_figure(page, "04_prefix_caching.png", Chart(lines, "k retrieved chunks", "% of full prefill's GPU time saved",
+                 axes={"ylim": (0, 100)}), f"§5.1: share of full prefill's GPU time saved\n(k chunks of "
+                 f"{st.chunk_tokens} tokens" + (f"; handout: {ref.figure})" if ref else ")"), figsize=(6.4, 4.2))
 
 
 # ============================================================================ §5.1, exercise 5
@@ -400,20 +395,24 @@ def exercise5(d: CityDocs, lang, s: Settings, page: Page) -> None:
     e, rotated = shift_check(d, s.city_chunk_len, s.ex5_shift), city_losses(d, lang, s.city_chunk_len)
     page.exercise(5, "§5.1", f"a chunk's KV computed at position 0, moved to position {e.shift} (city model, "
                              "all layers)")
-    tiny = 1e-3 * e.k_max_abs               # a difference this small is rounding
-    note = (f"K must rotate once more by {e.shift} x theta (RoPE rotations add)" if e.k_rotated_max_diff < tiny
+    at = f"computed at {e.shift}"
+    show(page, Table("", "§5.1", cols("quantity", ("max |difference|", "{:.1e}")), [
+        fact(f"K at 0 rotated by {e.shift} (shift_kv) vs K {at}", e.k_rotated_max_diff, "ex5.k_rotated_max_diff"),
+        fact(f"K at 0, not rotated, vs K {at}", e.k_unrotated_max_diff, "ex5.k_unrotated_max_diff", "{:.2f}"),
+        fact(f"V at 0 vs V {at}", e.v_max_diff, "ex5.v_max_diff"),
+        fact("(largest |K| value, for scale)", e.k_max_abs, "ex5.k_max_abs", "{:.2f}")],
+        "04_cacheblend.shift_check", [shift_note(e, rotated)],
+        {"ex5.shift": e.shift, "ex5.ce_unrotated": e.ce_unrotated, "ex5.kl_unrotated": e.kl_unrotated}))
+
+
+def shift_note(e: Shift, rotated: City) -> str:
+    """What exercise 5's differences say (a difference under a thousandth of the largest |K| is rounding)."""
+    tiny = 1e-3 * e.k_max_abs
+    return (f"K must rotate once more by {e.shift} x theta (RoPE rotations add)" if e.k_rotated_max_diff < tiny
             < e.k_unrotated_max_diff else f"rotating K by {e.shift} x theta does not give K computed there") + (
         "; V never passes through RoPE, so it is reused as it is" if e.v_max_diff < tiny else "; V differs too") + (
         f". Full reuse with unrotated K: question cross-entropy {e.ce_unrotated:.4f} (rotated: "
         f"{rotated.ce_reuse:.4f}), KL from full prefill {e.kl_unrotated:.4f} (rotated: {rotated.kl:.5f}).")
-    at = f"computed at {e.shift}"
-    show(page, Table("", "§5.1", cols("quantity", ("max |difference|", "{:.1e}")), [
-        Row([f"K at 0 rotated by {e.shift} (shift_kv) vs K {at}", Val(e.k_rotated_max_diff, "ex5.k_rotated_max_diff")]),
-        Row([f"K at 0, not rotated, vs K {at}", Val(e.k_unrotated_max_diff, "ex5.k_unrotated_max_diff", "{:.2f}")]),
-        Row([f"V at 0 vs V {at}", Val(e.v_max_diff, "ex5.v_max_diff")]),
-        Row(["(largest |K| value, for scale)", Val(e.k_max_abs, "ex5.k_max_abs", "{:.2f}")])],
-        "04_cacheblend.shift_check", [note], {"ex5.shift": e.shift, "ex5.ce_unrotated": e.ce_unrotated,
-                                              "ex5.kl_unrotated": e.kl_unrotated}))
 
 
 # ============================================================================ §5.2 Part 1: the city language
@@ -421,23 +420,24 @@ def part1_city(d: CityDocs, lang, s: Settings, page: Page) -> None:
     c = city_losses(d, lang, s.city_chunk_len)
     page.part("Part 1", "§5.2", f"City language: {s.city_chunks} chunks x {s.city_chunk_len} tokens + a question of "
                                 f"{s.city_chunk_len} tokens, {s.city_docs} documents")
-    gap, ref, lossless = c.ce_full - c.entropy, HANDOUT("city_ce_full", s), c.kl < 1e-3
+    show(page, Table("Independent sentences: reuse loses " + ("nothing." if c.kl < 1e-3 else f"{c.kl:.4f} nats (KL)."),
+                     "§5.2", cols("city language", ("ours", "{:.4f}")), [
+        fact("cross-entropy, full prefill (nats/token)", c.ce_full, "city_ce_full", handout=h("city_ce_full", s)),
+        fact("cross-entropy, full reuse (nats/token)", c.ce_reuse, "city_ce_reuse", handout=h("city_ce_reuse", s)),
+        fact("KL(full prefill || full reuse)", c.kl, "city_kl", "{:.5f}", h("city_kl", s)),
+        fact("true entropy of words 2-8 (nats/token)", c.entropy)], "04_cacheblend.city_losses", [city_note(c, s)]))
+
+
+def city_note(c: City, s: Settings) -> str:
+    """Where our cross-entropies sit against the language's own entropy and the handout's, and whether
+    reuse equals prefill (KL under a thousandth)."""
+    gap, ref = c.ce_full - c.entropy, HANDOUT("city_ce_full", s)
     sits = (f"sits {'on' if abs(gap) < 0.01 else f'{gap:+.4f} nats/token off'} its own language's entropy (ours "
             f"{c.ce_full:.4f} vs a true {c.entropy:.4f} nats/token")
-    note = (f"Our city language is not the handout's, so the cross-entropies differ: each model {sits}; the "
+    return (f"Our city language is not the handout's, so the cross-entropies differ: each model {sits}; the "
             f"handout's {ref.figure} is near ln 2 = {math.log(2):.4f}, one coin flip a word)" if ref else
-            f"Our model {sits})") + (
-        f". What carries over is reuse = prefill: KL {c.kl:.5f}." if lossless else
-        f". Reuse is not prefill: KL {c.kl:.5f}.")
-    show(page, Table("Independent sentences: reuse loses " + ("nothing." if lossless else f"{c.kl:.4f} nats (KL)."),
-                     "§5.2", cols("city language", "ours"), [
-        Row(["cross-entropy, full prefill (nats/token)", Val(c.ce_full, "city_ce_full", "{:.4f}")],
-            h("city_ce_full", s)),
-        Row(["cross-entropy, full reuse (nats/token)", Val(c.ce_reuse, "city_ce_reuse", "{:.4f}")],
-            h("city_ce_reuse", s)),
-        Row(["KL(full prefill || full reuse)", Val(c.kl, "city_kl", "{:.5f}")], h("city_kl", s)),
-        Row(["true entropy of words 2-8 (nats/token)", Val(c.entropy, fmt="{:.4f}")])],
-        "04_cacheblend.city_losses", [note]))
+            f"Our model {sits})") + (f". What carries over is reuse = prefill: KL {c.kl:.5f}." if c.kl < 1e-3 else
+                                     f". Reuse is not prefill: KL {c.kl:.5f}.")
 
 
 # ============================================================================ the record world's model (§0.4)
@@ -448,23 +448,28 @@ def cache_loaded(name: str) -> bool:
 
 def record_world_model(s: Settings, page: Page):
     """The record-world LLaMA: trained once, then loaded; what the cache holds about its training."""
+    model, meta = trained_record_model(s)
+    m, loc = meta["metrics"], meta["ident"]["train"]["locality"]
+    how = f"trained {m['steps']} steps in {m['train_seconds']:.0f} s"
+    page.say("\nrecord world model: " + (f"loaded from code/checkpoints/ ({how} when it was cached)"
+                                           if cache_loaded("records") else how)
+             + f", accuracy crossed 50% at step {m['drop_step']} (handout: {HANDOUT.figure('train', s)}); held-out "
+             f"{m['heldout_acc']:.2%} on {m['heldout_questions']} questions; locality penalty {loc}"
+             + (f" from step {m['locality_from_step']}" if loc else ""))
+    page.data(train_seconds=m["train_seconds"], drop_step=m["drop_step"], heldout_acc=m["heldout_acc"])
+    if page.plot:
+        plot_training(meta, path := page.figure_path("04_record_world_training.png"))
+        page.add_figure(path)
+    return model
+
+
+def trained_record_model(s: Settings):
+    """record_model(...) of the run's seed and locality; a training that fails stops the run with its message."""
     try:
-        model, meta = record_model(s.retrain, s.seed, locality=s.locality)
+        return record_model(s.retrain, s.seed, locality=s.locality)
     except TrainingFailed as e:
         print(f"\n!!! {e}\n", file=sys.stderr)
         sys.exit(1)
-    m, loc = meta["metrics"], meta["ident"]["train"]["locality"]
-    how = (f"loaded from code/checkpoints/ (trained {m['steps']} steps in {m['train_seconds']:.0f} s when it was "
-           "cached)" if cache_loaded("records") else f"trained {m['steps']} steps in {m['train_seconds']:.0f} s")
-    page.say(f"\nrecord world model: {how}, accuracy crossed 50% at step {m['drop_step']} (handout: "
-             f"{HANDOUT.figure('train', s)}); held-out {m['heldout_acc']:.2%} on {m['heldout_questions']} questions; "
-             f"locality penalty {loc}" + (f" from step {m['locality_from_step']}" if loc else ""))
-    page.data(train_seconds=m["train_seconds"], drop_step=m["drop_step"], heldout_acc=m["heldout_acc"])
-    if page.plot:
-        path = page.figure_path("04_record_world_training.png")
-        plot_training(meta, path)
-        page.add_figure(path)
-    return model
 
 
 # ============================================================================ §5.2-5.3 Part 2: records
@@ -514,12 +519,11 @@ def part2_records(model, s: Settings, page: Page) -> RecordRun:
     r, ids, n_unsplit = f"{s.ratio:.0%}", run.split_ids, run.rec.answers.numel() - run.n_split
     page.part("Part 2", "§5.2, §5.3", "Record world: full reuse, CacheBlend and random picks of the same size")
     label = {"full": "full prefill", "reuse": "full reuse", "blend": f"CacheBlend {r}", "random": f"random {r}"}
-    key = {"full": "full", "reuse": "reuse", "blend": f"blend{pk(s.ratio)}", "random": f"random{pk(s.ratio)}"}
-    split_ref = {"full": h("split_full", s), "reuse": h("split_reuse", s), "blend": h(f"blend_c{s.chunk_len}", s),
-                 "random": h("split_random", s)}
+    ref = {"full": "split_full", "reuse": "split_reuse", "blend": f"blend_c{s.chunk_len}", "random": "split_random"}
     rows = [Row([label[m], run.acc[m].split, Val(run.acc[m].unsplit, f"unsplit_acc_{m}" if m in ("full", "reuse")
-                                                  else None), handout_text(split_ref[m]),
-                 handout_text(h("unsplit_reuse", s) if m == "reuse" else None)], key=key[m]) for m in METHODS]
+                                                  else None), handout_text(h(ref[m], s)),
+                 handout_text(h("unsplit_reuse", s) if m == "reuse" else None)],
+                key=m if m in ("full", "reuse") else m + pk(s.ratio)) for m in METHODS]
     show(page, Table(f"Record world, chunks of {s.chunk_len}: split records {ids} (values at positions "
                      f"{[2 * i + 1 for i in ids]});\n{run.n_split} questions on split records, {n_unsplit} on "
                      f"unsplit; chance 1/{N_RECORDS} = {1 / N_RECORDS:.1%}.", "§5.2, §5.3",
@@ -567,19 +571,25 @@ def split_at(model, run: RecordRun, chunk_len: int, s: Settings) -> SplitAt:
 
 def exercise6(model, run: RecordRun, s: Settings, page: Page) -> None:
     e = split_at(model, run, s.ex6_chunk_len, s)
-    c, ids, bounds = e.chunk_len, e.split_records, range(e.chunk_len, DOC_LEN, e.chunk_len)
-    page.exercise(6, "§5.2", f"chunk length {c}: how many records are split, and full reuse's accuracy")
+    page.exercise(6, "§5.2", f"chunk length {e.chunk_len}: how many records are split, and full reuse's accuracy")
+    show(page, Table("", "§5.2", cols("exercise 6", ("ours", pct)), [
+        fact(f"records split by chunks of {e.chunk_len}", e.split_records, "ex6.split_records",
+             lambda x: f"{len(x)} {x}", h("ex6_split", s)),
+        fact("full reuse: accuracy on every question", e.reuse_acc, "ex6.reuse_acc", handout=h("ex6_reuse", s)),
+        fact("full prefill: accuracy on every question", e.full_acc, "ex6.full_acc")],
+        "04_cacheblend.split_at", [split_note(e)],
+        {"ex6.chunk_len": e.chunk_len, "ex6.reuse_equals_full": e.reuse_equals_full}))
+
+
+def split_note(e: SplitAt) -> str:
+    """Why records are (or are not) split at this chunk length, and whether full reuse answers as full prefill."""
+    bounds = range(e.chunk_len, DOC_LEN, e.chunk_len)
     where = ("every boundary falls on a key (an even position)" if all(b % 2 == 0 for b in bounds) else
              f"boundaries {list(bounds)} fall on values too")
-    note = (f"{where}, so no record is split" if not ids else f"{where}: records {ids} are split") + (
+    return (f"{where}, so no record is split" if not e.split_records else
+            f"{where}: records {e.split_records} are split") + (
         f"; full reuse answers {'exactly as' if e.reuse_equals_full else 'NOT as'} full prefill does "
         f"({pct(e.reuse_acc)} vs {pct(e.full_acc)}).")
-    show(page, Table("", "§5.2", cols("exercise 6", ("ours", pct)), [
-        Row([f"records split by chunks of {c}", Val(ids, "ex6.split_records", lambda x: f"{len(x)} {x}")],
-            h("ex6_split", s)),
-        Row(["full reuse: accuracy on every question", Val(e.reuse_acc, "ex6.reuse_acc")], h("ex6_reuse", s)),
-        Row(["full prefill: accuracy on every question", Val(e.full_acc, "ex6.full_acc")])],
-        "04_cacheblend.split_at", [note], {"ex6.chunk_len": c, "ex6.reuse_equals_full": e.reuse_equals_full}))
 
 
 # ============================================================================ §5.3 Part 3: insights
@@ -671,23 +681,22 @@ def part3_insights(model, run: RecordRun, s: Settings, page: Page) -> Part3:
     p = insights_and_curve(model, run, s)
     f, L, r, top = p.insights, p.insights.deviation.shape[0], f"{s.ratio:.0%}", pk(s.top_share)
     page.part("Part 3", "§5.3", "The two insights, and the compute-quality curve")
-    corrs = lambda xs: " ".join(f"{x:.2f}" for x in xs)  # noqa: E731
-    rows = [Row([f"document tokens' attention on other tokens, layers 0-{L - 1}",
-                 Val(p.elsewhere, "doc_attention_elsewhere", pcts)]),
-            Row([f"top {s.top_share:.0%} of tokens: share of KV deviation (layers 1-{L - 1})",
-                 Val(f.top_share, f"top{top}_deviation_share")], h("top_share", s)),
-            Row([f"  per layer {', '.join(map(str, range(1, L)))}", Val(f.top_per_layer, f"top{top}_per_layer", pcts)]),
-            Row([f"rank correlation of deviation, layers {', '.join(f'{i}-{i + 1}' for i in range(1, L - 1))}",
-                 Val(f.rank_corr, "adjacent_layer_rank_corr", corrs)], h("rank_corr", s)),
-            Row(["  layer-0 attention dev. vs layer-1 KV dev.", Val(f.layer0_vs_layer1, fmt="{:.2f}")]),
-            Row([f"layer-0 picks ({r}) covering chunk-initial values", Val(f.layer0_coverage, "layer0_pick_coverage")],
-                h("layer0_coverage", s)),
-            Row([f"chunk-initial values' share of the deviation, layers 1-{L - 1}",
-                 Val(f.first_value_share, fmt=pcts)])]
-    rows += [Row([f"chunk length {n}: CacheBlend {r} on split records", acc], h(f"blend_c{n}", s, chunk_len=n))
-             for n, acc in p.blend_at_ratio.items()]
-    rows.append(Row([f"lowest ratio recovering >= {s.recover:.0%} of split records, chunk length "
-                     + " / ".join(map(str, s.curve_chunk_lens)), " / ".join(pct(x) for x in p.lowest.values())]))
+    rows = [fact(f"document tokens' attention on other tokens, layers 0-{L - 1}", p.elsewhere,
+                 "doc_attention_elsewhere", pcts),
+            fact(f"top {s.top_share:.0%} of tokens: share of KV deviation (layers 1-{L - 1})", f.top_share,
+                 f"top{top}_deviation_share", handout=h("top_share", s)),
+            fact(f"  per layer {', '.join(map(str, range(1, L)))}", f.top_per_layer, f"top{top}_per_layer", pcts),
+            fact(f"rank correlation of deviation, layers {', '.join(f'{i}-{i + 1}' for i in range(1, L - 1))}",
+                 f.rank_corr, "adjacent_layer_rank_corr", lambda xs: " ".join(f"{x:.2f}" for x in xs),
+                 h("rank_corr", s)),
+            fact("  layer-0 attention dev. vs layer-1 KV dev.", f.layer0_vs_layer1, fmt="{:.2f}"),
+            fact(f"layer-0 picks ({r}) covering chunk-initial values", f.layer0_coverage, "layer0_pick_coverage",
+                 handout=h("layer0_coverage", s)),
+            fact(f"chunk-initial values' share of the deviation, layers 1-{L - 1}", f.first_value_share, fmt=pcts),
+            *[fact(f"chunk length {n}: CacheBlend {r} on split records", acc, handout=h(f"blend_c{n}", s, chunk_len=n))
+              for n, acc in p.blend_at_ratio.items()],
+            fact(f"lowest ratio recovering >= {s.recover:.0%} of split records, chunk length "
+                 + " / ".join(map(str, s.curve_chunk_lens)), " / ".join(pct(x) for x in p.lowest.values()))]
     show(page, Table(f"chunks of {s.chunk_len}; deviation = precomputed chunks' KV minus full prefill's, per layer",
                      "§5.3", cols("insight", ("ours", pct)), rows, "04_cacheblend.insights",
                      json={f"chunk3_blend{pk(s.ratio)}": p.blend_at_ratio.get(3)}))
@@ -697,40 +706,43 @@ def part3_insights(model, run: RecordRun, s: Settings, page: Page) -> Part3:
                                                                   for how in ("blend", "random")]),
                      [Row([x] + [acc[i] for n in c.blend for acc in (c.blend[n], c.random[n])])
                       for i, x in enumerate(c.ratios)], "04_cacheblend.curve", json={"curve": c.json()}))
-    if page.plot:
-        curve_figure(c, s, page)
-        concentration_figure(f.deviation, s, page)
+    curve_figure(c, s, page)
+    concentration_figure(f.deviation, s, page)
     return p
 
 
 def curve_figure(c: Curve, s: Settings, page: Page) -> None:
-    with page.figure("04_compute_quality.png", "compute vs quality: recomputing the right tokens", (6.4, 4)) as (_, ax):
-        for n in c.blend:
-            for how, accs, mark, ls in (("CacheBlend (deviation)", c.blend[n], "o", "-"),
-                                        ("random tokens", c.random[n], "x", "--")):
-                ax.plot([100 * r for r in c.ratios], [math.nan if a is None else 100 * a for a in accs], marker=mark,
-                        ls=ls, color={3: "tab:purple", 5: "tab:blue"}.get(n, "gray"), label=f"chunk length {n}, {how}")
-        ax.axhline(100 / N_RECORDS, color="gray", ls=":", lw=1, label=f"chance (1/{N_RECORDS})")
-        ax.axvline(100 * s.min_ratio, color="gray", ls="-.", lw=0.8)   # CacheBlend's quality floor
-        ax.set(xlabel="recompute ratio r (% of context tokens)", ylabel="accuracy on split records (%)")
-        ax.legend(loc="lower right")
+    x, color = [100 * r for r in c.ratios], {3: "tab:purple", 5: "tab:blue"}
+    lines = [Series(x, [None if a is None else 100 * a for a in accs], f"chunk length {n}, {how}",
+                    style=dict(marker=mark, ls=ls, color=color.get(n, "gray")))
+             for n in c.blend for how, accs, mark, ls in (("CacheBlend (deviation)", c.blend[n], "o", "-"),
+                                                          ("random tokens", c.random[n], "x", "--"))]
+    chart_figure(page, "04_compute_quality.png", Chart(
+        lines, "recompute ratio r (% of context tokens)", "accuracy on split records (%)",
+        legend=dict(loc="lower right"),
+        hlines=[(100 / N_RECORDS, {**REFERENCE, "label": f"chance (1/{N_RECORDS})"})],  # and CacheBlend's quality floor
+        vlines=[(100 * s.min_ratio, dict(color="gray", ls="-.", lw=0.8))]),
+        "compute vs quality: recomputing the right tokens", figsize=(6.4, 4))
 
 
 def concentration_figure(dev: torch.Tensor, s: Settings, page: Page) -> None:
     """Per layer: share of the KV deviation held by the top x% of tokens (a Lorenz-style curve)."""
-    ref = HANDOUT("top_share", s)
-    with page.figure("04_deviation_concentration.png", f"How concentrated is full reuse's KV deviation?\n(chunks of "
-                     f"{s.chunk_len}" + (f"; handout: top {s.top_share:.0%} hold {ref.figure})" if ref else ")"),
-                     (6.4, 4.4)) as (_, ax):
-        for i in range(1, dev.shape[0]):
-            d = dev[i].sort(1, descending=True).values
-            cum = torch.cat([torch.zeros(d.shape[0], 1), d.cumsum(1)], 1) / d.sum(1, keepdim=True).clamp_min(1e-30)
-            ax.plot([100 * k / dev.shape[2] for k in range(dev.shape[2] + 1)], 100 * cum.mean(0), marker=".",
-                    label=f"layer {i}")
-        ax.plot([0, 100], [0, 100], color="gray", ls=":", lw=1, label="evenly spread")
-        ax.axvline(100 * s.top_share, color="gray", ls="--", lw=0.8)
-        ax.set(xlabel="top x% of context tokens (by KV deviation)", ylabel="% of the layer's KV deviation")
-        ax.legend()
+    ref, x = HANDOUT("top_share", s), [100 * k / dev.shape[2] for k in range(dev.shape[2] + 1)]
+    lines = [Series(x, (100 * lorenz(dev[i])).tolist(), f"layer {i}", style=dict(marker="."))
+             for i in range(1, dev.shape[0])]
+    chart_figure(page, "04_deviation_concentration.png", Chart(
+        lines + [Series([0, 100], [0, 100], "evenly spread", style=REFERENCE)],
+        "top x% of context tokens (by KV deviation)", "% of the layer's KV deviation",
+        vlines=[(100 * s.top_share, dict(color="gray", ls="--", lw=0.8))]), "How concentrated is full reuse's KV "
+        f"deviation?\n(chunks of {s.chunk_len}"
+        + (f"; handout: top {s.top_share:.0%} hold {ref.figure})" if ref else ")"),
+        figsize=(6.4, 4.4))
+
+
+def lorenz(dev: torch.Tensor) -> torch.Tensor:
+    """(B, N) deviation -> the mean share held by the top 0, 1, ..., N tokens of each row."""
+    d = dev.sort(1, descending=True).values
+    return (torch.cat([torch.zeros(d.shape[0], 1), d.cumsum(1)], 1) / d.sum(1, keepdim=True).clamp_min(1e-30)).mean(0)
 
 
 # ---------------------------------------------------------------------------- §5.3, the mask pitfall
@@ -749,21 +761,25 @@ def pitfall_mask(model, run: RecordRun, s: Settings, page: Page) -> None:
         page.say(f"  The mask pitfall (§5.3): chunks of {s.chunk_len} split no record, so there is nothing for "
                  "either mask to repair here.")
         return
+    show(page, Table(f"Pitfall: the causal mask of the recomputed tokens. CacheBlend {s.ratio:.0%}, chunks of "
+                     f"{s.chunk_len}", "§5.3", cols("mask at layers 1..L-1", ("split records", pct),
+                                                    ("unsplit records", pct)), [
+        Row(["position mask (blend's): each row sees the keys up to its own position",
+             Val(c.split["position"], "mask_position_split_acc"), c.unsplit["position"]]),
+        Row(["bottom-right mask (the pitfall): the rows taken as the last ones",
+             Val(c.split["bottom-right"], "mask_pitfall_split_acc"), c.unsplit["bottom-right"]])],
+        "mask_pitfall.record_cost", [why_the_mask_is_wrong(c.future_keys, c.picks, DOC_LEN), mask_cost_note(c)]))
+
+
+def mask_cost_note(c: mp.MaskCost) -> str:
+    """What the bottom-right mask costs the split records here, and why it can cost nothing in this model."""
     diff = c.split["position"] - c.split["bottom-right"]
     cost = (f"Here it costs {diff:.1%} of the split records" if diff > 0 else
             "Here it costs nothing" if diff == 0 else f"Here it gains {-diff:.1%} of the split records")
-    why_here = (f": the answers read the context's KV of layers 0-{c.layers_read - 1} only (full reuse's above "
-                f"them answers as well), and the first K, V a mask can change are layer {mp.FIRST_LAYER_CHANGED}'s; "
-                "--model smollm2 measures the pitfall on a real LLaMA." if c.layers_read <= mp.FIRST_LAYER_CHANGED
-                else ".")
-    rows = [Row(["position mask (blend's): each row sees the keys up to its own position",
-                 Val(c.split["position"], "mask_position_split_acc"), c.unsplit["position"]]),
-            Row(["bottom-right mask (the pitfall): the rows taken as the last ones",
-                 Val(c.split["bottom-right"], "mask_pitfall_split_acc"), c.unsplit["bottom-right"]])]
-    show(page, Table(f"Pitfall: the causal mask of the recomputed tokens. CacheBlend {s.ratio:.0%}, chunks of "
-                     f"{s.chunk_len}", "§5.3", cols("mask at layers 1..L-1", ("split records", pct),
-                                                    ("unsplit records", pct)), rows, "mask_pitfall.record_cost",
-                     [why_the_mask_is_wrong(c.future_keys, c.picks, DOC_LEN), cost + why_here]))
+    return cost + (f": the answers read the context's KV of layers 0-{c.layers_read - 1} only (full reuse's above "
+                   f"them answers as well), and the first K, V a mask can change are layer {mp.FIRST_LAYER_CHANGED}'s; "
+                   "--model smollm2 measures the pitfall on a real LLaMA." if c.layers_read <= mp.FIRST_LAYER_CHANGED
+                   else ".")
 
 
 # ---------------------------------------------------------------------------- §5.3, exercise 7
@@ -798,24 +814,28 @@ def check_cost(model: str, n_gpus: int, n_ctx: int, gpu: str) -> CheckCost:
 
 
 def exercise7(found: Insights, s: Settings, page: Page) -> None:
-    n_ctx, rho = s.rag_chunks * s.rag_chunk_tokens, found.layer0_vs_layer1
+    n_ctx = s.rag_chunks * s.rag_chunk_tokens
     ex = [check_cost(m, g, n_ctx, s.gpu) for m, g in s.systems]
     page.exercise(7, "§5.3", f"the cost of CacheBlend's check at layer 0 vs layer 1 ({n_ctx:,} context tokens, "
                              f"{s.gpu}, time model)")
-    note = ("Layer 0's K, V depend only on token and position, so the precomputed ones are exact: one more attention "
+    rows = [Row([f"{tm.get_model(e.model).name}, at layer {i}", gflop, ms, e.full_layer_ms])
+            for e in ex for i, gflop, ms in ((0, e.layer0_gflop, e.layer0_ms), (1, e.layer1_gflop, e.layer1_ms))]
+    show(page, Table("", "§5.3", cols("check of the deviation (all tokens)", ("GFLOP", "{:.0f}"), ("ms", "{:.1f}"),
+                                      ("one full layer, ms", "{:.1f}")), rows, "04_cacheblend.check_cost",
+                     [check_note(ex, found.layer0_vs_layer1)], {"ex7": ex}))
+
+
+def check_note(ex: list[CheckCost], rho: float) -> str:
+    """Why CacheBlend checks at layer 0 (its K, V exact, one attention pass) and not at layer 1, from the costs;
+    how layer 0's deviation ranks against layer 1's (rank correlation rho)."""
+    return ("Layer 0's K, V depend only on token and position, so the precomputed ones are exact: one more attention "
             "pass over them (all keys instead of the chunk's) gives the deviation, at most "
             f"{max(e.layer0_ms / e.full_layer_ms for e in ex):.0%} of a layer here. Layer 1's true K, V need layer "
             "0's output for every token, a whole layer of prefill"
             + (" (with the check, more than a layer here)" if all(e.layer1_ms > e.full_layer_ms for e in ex) else "")
             + ": at layer 1 and above CacheBlend can afford to recompute only the tokens it picked. Ours: layer-0 "
-            "attention deviation ranks "
-            + ("like" if rho >= 0.8 else "roughly like" if rho >= 0.5 else "unlike")
+            "attention deviation ranks " + ("like" if rho >= 0.8 else "roughly like" if rho >= 0.5 else "unlike")
             + f" layer-1 KV deviation (rank correlation {rho:.2f}).")
-    rows = [Row([f"{tm.get_model(e.model).name}, at layer {i}", gflop, ms, e.full_layer_ms])
-            for e in ex for i, gflop, ms in ((0, e.layer0_gflop, e.layer0_ms), (1, e.layer1_gflop, e.layer1_ms))]
-    show(page, Table("", "§5.3", cols("check of the deviation (all tokens)", ("GFLOP", "{:.0f}"), ("ms", "{:.1f}"),
-                                      ("one full layer, ms", "{:.1f}")), rows, "04_cacheblend.check_cost", [note],
-                     {"ex7": ex}))
 
 
 # ============================================================================ §5.4 Part 4: timing
@@ -904,37 +924,36 @@ def part4_pipelining(s: Settings, page: Page) -> dict[str, SystemTiming]:
     timings = {model: system_timing(model, n_gpus, s) for model, n_gpus in s.systems}
     page.part("Part 4", "§5.4", f"Hiding recompute behind loading ({s.gpu}, time model)")
     for model, t in timings.items():
-        rows = [Row(["full recompute of the layer", t.full_layer_ms, None, None, None, None]),
-                Row([f"recompute {s.min_ratio:.0%}", t.floor_layer_ms, None, None, None, None])]
+        rows = [Row([label, ms, None, None, None, None]) for label, ms in (
+            ("full recompute of the layer", t.full_layer_ms), (f"recompute {s.min_ratio:.0%}", t.floor_layer_ms))]
         rows += [Row([f"load from {d}", x.load_ms, x.ratio, 1e3 * x.ttft_s, x.speedup, x.choice])
                  for d, x in t.devices.items()]
-        notes = [f"{d}: {x.reason}." for d, x in t.devices.items() if x.choice != lc.BLEND]
         show(page, Table(f"{tm.get_model(model).name} ({t.tag}) on {t.n_gpus} x {s.gpu}: {s.rag_chunks} x "
                          f"{s.rag_chunk_tokens} tokens + {s.rag_question}-token question; full prefill TTFT "
                          f"{1e3 * t.prefill_s:.0f} ms", "§5.4",
                          cols("per layer", ("ms", "{:.1f}"), ("controller ratio", "{:.0%}"),
                               ("TTFT CacheBlend (ms)", "{:.0f}"), ("vs full prefill", "{:.2f}x"),
-                              Col("controller's choice", left=True)),
-                         rows, "04_cacheblend.system_timing", notes, json={"timing": {model: t}}))
+                              Col("controller's choice", left=True)), rows, "04_cacheblend.system_timing",
+                         [f"{d}: {x.reason}." for d, x in t.devices.items() if x.choice != lc.BLEND],
+                         json={"timing": {model: t}}))
     present_comparison(timings, s, page)
     present_throughput(timings, s, page)
-    if page.plot:
-        timing_figure(timings, s, page)
+    timing_figure(timings, s, page)
     return timings
 
 
 def present_comparison(timings: dict[str, SystemTiming], s: Settings, page: Page) -> None:
     dev, rows = s.paper_device, []
     for model, t in timings.items():
-        name, row = tm.get_model(model).name, {"system": (model, t.n_gpus)}
-        rows += [Row([f"{name}: full recompute / {dev} load per layer",
-                      Val(t.devices[dev].load_vs_full, fmt="{:.3g}x")], h(f"nvme_vs_recompute {model}", s, **row)),
-                 Row([f"paper point, {name}, {s.paper_context} tokens: {s.paper_ratio:.0%} recompute per layer (ms)",
-                      t.paper.recompute_ms], h(f"paper_recompute {model}", s, **row)),
-                 Row([f"paper point, {name}: {dev} read per layer (ms)", t.paper.load_ms],
-                     h(f"paper_load {model}", s, **row))]
-    rows.append(Row([f"TTFT speed-up over full prefill ({dev}, {' / '.join(tm.get_model(m).name for m in timings)})",
-                     " / ".join(f"{t.devices[dev].speedup:.1f}x" for t in timings.values())], h("ttft_speedup", s)))
+        name, ref = tm.get_model(model).name, lambda x: h(f"{x} {model}", s, system=(model, t.n_gpus))
+        rows += [fact(f"{name}: full recompute / {dev} load per layer", t.devices[dev].load_vs_full, fmt="{:.3g}x",
+                      handout=ref("nvme_vs_recompute")),
+                 fact(f"paper point, {name}, {s.paper_context} tokens: {s.paper_ratio:.0%} recompute per layer (ms)",
+                      t.paper.recompute_ms, handout=ref("paper_recompute")),
+                 fact(f"paper point, {name}: {dev} read per layer (ms)", t.paper.load_ms, handout=ref("paper_load"))]
+    rows.append(fact(f"TTFT speed-up over full prefill ({dev}, {' / '.join(tm.get_model(m).name for m in timings)})",
+                     " / ".join(f"{t.devices[dev].speedup:.1f}x" for t in timings.values()),
+                     handout=h("ttft_speedup", s)))
     t70 = timings.get("llama-3.1-70b")
     show(page, Table(f"Load vs recompute ({s.gpu}; paper points on the same GPU)", "§5.4",
                      cols("comparison", ("ours", "{:.1f}")), rows, "04_cacheblend.system_timing",
@@ -971,30 +990,30 @@ def present_throughput(timings: dict[str, SystemTiming], s: Settings, page: Page
     rows = [Row([f"{tm.get_model(m).name}, {s.paper_device}, recompute {r:.0%}", x.full_rps, x.blend_rps, x.bound,
                  x.blend_rps / x.full_rps], h("throughput", s)) for m, t in timings.items()
             for r, x in t.throughput.items()]
+    show(page, Table(f"Throughput of one server kept busy by RAG requests ({s.gpu})", "§5.4",
+                     cols("throughput (requests/s)", ("full prefill", "{:.2f}"), ("CacheBlend", "{:.2f}"), "bound by",
+                          ("ratio", "{:.1f}x")), rows, "04_cacheblend.throughput", [throughput_note(timings, s)]))
+
+
+def throughput_note(timings: dict[str, SystemTiming], s: Settings) -> str:
+    """Why a busy server's requests/s differ from the latency choice; whether the floor serves the most."""
     floor_best = all(max(t.throughput, key=lambda r: t.throughput[r].blend_rps) == s.min_ratio
                      for t in timings.values())
-    note = ("A busy server's GPUs do only the recompute and the question per request; loading the KV overlaps other "
+    return ("A busy server's GPUs do only the recompute and the question per request; loading the KV overlaps other "
             "requests' compute, until the device's bandwidth runs out. The controller's ratio (recompute = load) is "
             f"the latency choice; the {s.min_ratio:.0%} floor " + ("is what throughput wants." if floor_best else
                                                                    "does not serve the most requests/s here."))
-    show(page, Table(f"Throughput of one server kept busy by RAG requests ({s.gpu})", "§5.4",
-                     cols("throughput (requests/s)", ("full prefill", "{:.2f}"), ("CacheBlend", "{:.2f}"), "bound by",
-                          ("ratio", "{:.1f}x")), rows, "04_cacheblend.throughput", [note]))
 
 
 def timing_figure(timings: dict[str, SystemTiming], s: Settings, page: Page) -> None:
-    with page.figure("04_load_vs_recompute.png", f"one layer of a {s.rag_chunks} x {s.rag_chunk_tokens}-token RAG "
-                     "context: recompute vs load", (5 * len(timings), 3.8), ncols=len(timings),
-                     squeeze=False) as (_, axes):
-        for ax, (model, t) in zip(axes[0], timings.items()):
-            vals = [t.full_layer_ms, t.floor_layer_ms] + [x.load_ms for x in t.devices.values()]
-            ax.barh(["full recompute", f"{s.min_ratio:.0%} recompute"] + [f"load: {d}" for d in t.devices], vals,
-                    color=["tab:red", "tab:orange"] + ["tab:blue"] * len(t.devices))
-            for y, v in enumerate(vals):
-                ax.text(v, y, f" {v:.1f} ms", va="center", fontsize=8)
-            ax.set(xscale="log", xlabel="ms per layer (log scale)",
-                   title=f"{tm.get_model(model).name} ({t.tag}), {t.n_gpus} x {s.gpu}")
-            ax.invert_yaxis()
+    colors = lambda t: ["tab:red", "tab:orange"] + ["tab:blue"] * len(t.devices)
+    panels = [Chart([Series(["full recompute", f"{s.min_ratio:.0%} recompute"] + [f"load: {d}" for d in t.devices],
+                            [t.full_layer_ms, t.floor_layer_ms] + [x.load_ms for x in t.devices.values()], kind="barh",
+                            style={"color": colors(t)}, fmt=" {:.1f} ms")],
+                    "ms per layer (log scale)", title=f"{tm.get_model(model).name} ({t.tag}), {t.n_gpus} x {s.gpu}",
+                    xscale="log", legend=None) for model, t in timings.items()]
+    chart_figure(page, "04_load_vs_recompute.png", panels, f"one layer of a {s.rag_chunks} x {s.rag_chunk_tokens}"
+                 "-token RAG context: recompute vs load", figsize=(5 * len(panels), 3.8))
 
 
 # ---------------------------------------------------------------------------- §5.4, exercise 8
@@ -1008,13 +1027,13 @@ def exercise8(s: Settings, page: Page) -> None:
     c = controller_example(s.layers, s.read_ms, s.prefill_ms, s.min_ratio)
     page.exercise(8, "§5.4", f"{s.layers} layers, read {s.read_ms:g} ms/layer, prefill {s.prefill_ms:g} ms/layer, "
                              f"floor {s.min_ratio:.0%}")
-    rows = [Row(["controller's choice", Val(c.choice, "ex8_choice")], h("ex8_choice", s)),
-            Row(["controller's recompute ratio", Val(c.ratio, "ex8_ratio", "{:.0%}")], h("ex8_ratio", s)),
-            Row([f"TTFT, {'CacheBlend pipelined' if c.choice == lc.BLEND else 'the full prefill chosen'} (ms)",
-                 Val(1e3 * c.ttft_s, "ex8_ttft_ms")], h("ex8_ttft_ms", s))]
+    rows = [fact("controller's choice", c.choice, "ex8_choice", handout=h("ex8_choice", s)),
+            fact("controller's recompute ratio", c.ratio, "ex8_ratio", "{:.0%}", h("ex8_ratio", s)),
+            fact(f"TTFT, {'CacheBlend pipelined' if c.choice == lc.BLEND else 'the full prefill chosen'} (ms)",
+                 1e3 * c.ttft_s, "ex8_ttft_ms", handout=h("ex8_ttft_ms", s))]
     if c.choice != lc.BLEND:
-        rows.append(Row([f"  blending from the SSD anyway, at {c.stored_ratio:.0%} (ms)", 1e3 * c.stored_ttft_s]))
-    rows.append(Row(["TTFT, full prefill (ms)", Val(1e3 * c.full_s, "ex8_full_ms")], h("ex8_full_ms", s)))
+        rows.append(fact(f"  blending from the SSD anyway, at {c.stored_ratio:.0%} (ms)", 1e3 * c.stored_ttft_s))
+    rows.append(fact("TTFT, full prefill (ms)", 1e3 * c.full_s, "ex8_full_ms", handout=h("ex8_full_ms", s)))
     show(page, Table("", "§5.4", cols("exercise 8", ("ours", "{:.0f}")), rows, "loading_controller.choose",
                      [c.reason[0].upper() + c.reason[1:] + "."]))
 
@@ -1113,11 +1132,7 @@ def real_model(s: Settings, page: Page) -> None:
         r = real_study(s)
     st, items = r.study, r.study["items"]
     page.part("Part 5", "§5.1-5.4", f"CacheBlend on a real LLaMA: {r.model_name} ({r.n_layers} layers)")
-    span = lambda xs: f"{min(xs)}" if min(xs) == max(xs) else f"{min(xs)}-{max(xs)}"  # noqa: E731
-    lens, prefix = [n for it in items for n in it["chunk_lens"]], items[0]["n_context"] - sum(items[0]["chunk_lens"])
-    page.say(f"  {len(items)} inputs from {r.source}: {prefix}-token chat prefix + "
-             f"{span([len(it['chunk_lens']) for it in items])} chunks of {span(lens)} tokens (each precomputed alone "
-             f"behind the prefix) + a {span([it['n_question'] for it in items])}-token question")
+    page.say(inputs_line(r))
     page.say(("  the curve" if st["curve_mode"] else "  KL") + (
         " loaded from the cache (--recompute computes it again)" if st["loaded_from_cache"] else
         f" computed in {st['compute_seconds']:.0f} s and cached") + "; TTFT measured live")
@@ -1126,11 +1141,10 @@ def real_model(s: Settings, page: Page) -> None:
     if st["curve_mode"]:
         present_real_curve(r, page)
     else:
-        blends = len(s.real_curve_ratios) * (2 * len(br.RULE_NAMES) + 1)
         page.say(f"  Parts 5a-b and 5g-i, the quality curve of every selection rule, random and the two oracles at "
                  f"{', '.join(f'{x:.0%}' for x in s.real_curve_ratios)}, every rule's ranking oracle, shorter chunks "
-                 f"and a rule whose count adapts: --curve ({blends} blends per item the first time, then cached; "
-                 "--items 8 for all eight)")
+                 f"and a rule whose count adapts: --curve ({len(s.real_curve_ratios) * (2 * len(br.RULE_NAMES) + 1)} "
+                 "blends per item the first time, then cached; --items 8 for all eight)")
     present_real_ttft(r, s, page)
     present_real_answers(r, page)
     present_real_mask(r, page)
@@ -1141,8 +1155,17 @@ def real_model(s: Settings, page: Page) -> None:
         if r.chunks:
             present_chunk_lengths(r.chunks, page)
         present_adaptive(r, page)
-    if page.plot and st["curve_mode"]:
         real_curve_figure(r, s, page)
+
+
+def inputs_line(r: Real) -> str:
+    """The run's inputs in one line: how many, from where, the prefix, the chunks and the question (ranges)."""
+    items = r.study["items"]
+    span = lambda xs: f"{min(xs)}" if min(xs) == max(xs) else f"{min(xs)}-{max(xs)}"  # noqa: E731
+    lens, prefix = [n for it in items for n in it["chunk_lens"]], items[0]["n_context"] - sum(items[0]["chunk_lens"])
+    return (f"  {len(items)} inputs from {r.source}: {prefix}-token chat prefix + "
+            f"{span([len(it['chunk_lens']) for it in items])} chunks of {span(lens)} tokens (each precomputed alone "
+            f"behind the prefix) + a {span([it['n_question'] for it in items])}-token question")
 
 
 def present_real_prefix(r: Real, page: Page) -> None:
@@ -1151,30 +1174,30 @@ def present_real_prefix(r: Real, page: Page) -> None:
     if x is None:
         page.say("  §5.1 (prefix caching against k chunks) runs on the built-in items only, not on --passages.")
         return
-    rows = [Row([k, n, x.full_ttft_s[i], x.prefix_ttft_s[i], x.reuse_ttft_s[i], x.blend_ttft_s[i],
-                 x.prefix_saved_share[i], x.blend_saved_share[i], x.prefix_kl[i], x.reuse_kl[i], x.blend_kl[i]])
-            for i, (k, n) in enumerate(zip(x.ks, x.n_tokens))]
-    exact = max(abs(v) for v in x.prefix_kl)
-    notes = [saved_verdict("The share of full prefill's time prefix caching saves", x.prefix_saved_share) + "; "
-             + saved_verdict(f"CacheBlend {x.ratio:.0%}'s", x.blend_saved_share) + ".",
-             (f"Prefix caching's KL is zero up to float32 rounding (|KL| <= {exact:.0e}): the first chunk's stored "
-              "KV is what a full prefill computes for it, its reuse is exact." if exact < 1e-6 else
-              f"Prefix caching's KL reaches {exact:.1e}: more than rounding.") + " Full reuse's KL "
-             + change(x.reuse_kl[0], x.reuse_kl[-1], "{:.3f}") + " with k, CacheBlend's "
-             + change(x.blend_kl[0], x.blend_kl[-1], "{:.3f}") + "."]
-    show(page, Table(f"Part 5 (§5.1). Prefix caching, full reuse and CacheBlend {x.ratio:.0%} ({x.rule}) against k "
+    fields = [Field("k", "{}", "real_prefix_k", get="ks"), Field("tokens", get="n_tokens"),
+              *[Field(f"{m} s", "{:.2f}", f"real_{m}_ttft_s", get=f"{m}_ttft_s") for m in ("full", *HOWS)],
+              *[Field(f"{m} saves", "{:.0%}", f"real_{m}_saved_share", get=f"{m}_saved_share")
+                for m in ("prefix", "blend")],
+              *[Field(f"KL {m}", f, f"real_{m}_kl", get=f"{m}_kl")
+                for m, f in zip(HOWS, ("{:+.0e}", "{:.4f}", "{:.4f}"))]]
+    show(page, table_of(f"Part 5 (§5.1). Prefix caching, full reuse and CacheBlend {x.ratio:.0%} ({x.rule}) against k "
                      f"chunks of {x.chunk_tokens} tokens:\n  TTFT = CPU time of one thread (median of {x.n_items} "
                      "items, chunks' KV in memory); KL(full prefill || method), first answer token, nats"
                      + (" (loaded from the cache)" if x.loaded else
                         f" (computed in {x.compute_seconds:.0f} s, cached)"),
-                     "§5.1", cols(("k", "{}", "real_prefix_k"), "tokens", ("full s", "{:.2f}", "real_full_ttft_s"),
-                                  ("prefix s", "{:.2f}", "real_prefix_ttft_s"),
-                                  ("reuse s", "{:.2f}", "real_reuse_ttft_s"),
-                                  ("blend s", "{:.2f}", "real_blend_ttft_s"),
-                                  ("prefix saves", "{:.0%}", "real_prefix_saved_share"),
-                                  ("blend saves", "{:.0%}", "real_blend_saved_share"),
-                                  ("KL prefix", "{:+.0e}", "real_prefix_kl"), ("KL reuse", "{:.4f}", "real_reuse_kl"),
-                                  ("KL blend", "{:.4f}", "real_blend_kl")), rows, "prefix_caching.measured", notes))
+                     "§5.1", fields, points(x, fields), "prefix_caching.measured", real_prefix_notes(x)))
+
+
+def real_prefix_notes(x: pc.Measured) -> list[str]:
+    """How the saved shares and the KL move with k; whether prefix caching's KL is rounding (its reuse exact)."""
+    exact = max(abs(v) for v in x.prefix_kl)
+    return [saved_verdict("The share of full prefill's time prefix caching saves", x.prefix_saved_share) + "; "
+            + saved_verdict(f"CacheBlend {x.ratio:.0%}'s", x.blend_saved_share) + ".",
+            (f"Prefix caching's KL is zero up to float32 rounding (|KL| <= {exact:.0e}): the first chunk's stored "
+             "KV is what a full prefill computes for it, its reuse is exact." if exact < 1e-6 else
+             f"Prefix caching's KL reaches {exact:.1e}: more than rounding.") + " Full reuse's KL "
+            + change(x.reuse_kl[0], x.reuse_kl[-1], "{:.3f}") + " with k, CacheBlend's "
+            + change(x.blend_kl[0], x.blend_kl[-1], "{:.3f}") + "."]
 
 
 def present_real_mask(r: Real, page: Page) -> None:
@@ -1183,13 +1206,13 @@ def present_real_mask(r: Real, page: Page) -> None:
     if x is None:
         return
     pos, wrong = x.mask_kl["position"], x.mask_kl["bottom-right"]
-    rows = [Row([k, p, w, w / p]) for k, p, w in zip(x.ks, pos, wrong)]
     worse = all(w > p for p, w in zip(pos, wrong))
     show(page, Table(f"Pitfall (§5.3): CacheBlend {x.ratio:.0%} ({x.rule}) with the position mask and with the "
                      "bottom-right mask of the released blenders,\n  KL(full prefill || method) of the first answer "
                      f"token (mean of {x.n_items} items)", "§5.3",
                      cols("k chunks", ("position mask", "{:.4f}"), ("bottom-right mask", "{:.4f}"),
-                          ("bottom-right / position", "{:.2f}x")), rows, "prefix_caching.measured",
+                          ("bottom-right / position", "{:.2f}x")),
+                     [Row([k, p, w, w / p]) for k, p, w in zip(x.ks, pos, wrong)], "prefix_caching.measured",
                      [why_the_mask_is_wrong_real(), "The bottom-right mask " + (
                          "moves the first token further from full prefill at every k" if worse else
                          "is not worse at every k") + f": at k = {x.ks[-1]}, {wrong[-1]:.4f} against {pos[-1]:.4f}."],
@@ -1209,9 +1232,9 @@ def present_real_curve(r: Real, page: Page) -> None:
     for name, kl, more, title in (
             ("5a", st["curve"], [(f"{at:.0%} / reuse", "{:.2f}x")],
              f"Mean KL(full prefill || method) of the first answer token, nats, vs recompute ratio r\n  (full reuse: "
-             f"{reuse:.4f}; random: {br.RANDOM_RULE}'s counts, tokens at random; ranking-oracle: {st['rule']}'s counts, "
-             "the tokens\n  with the largest true deviation, recomputed; oracle (the patch oracle): the full prefill's "
-             "K, V of the top r N\n  tokens by true deviation, at every layer)"),
+             f"{reuse:.4f}; random: {br.RANDOM_RULE}'s counts, tokens at random; ranking-oracle: {st['rule']}'s "
+             "counts, the tokens\n  with the largest true deviation, recomputed; oracle (the patch oracle): the full "
+             "prefill's K, V of the top r N\n  tokens by true deviation, at every layer)"),
             ("5b", st["curve_answer"], [], f"The same, mean over the first {st['kl_tokens']} answer tokens, "
              f"teacher-forced on\n  full prefill's greedy answer (full reuse: {st['kl_answer_reuse']:.4f})")):
         show(page, Table(f"Part {name} (§5.3). {title}", "§5.3",
@@ -1261,16 +1284,15 @@ def real_notes(r: Real) -> list[str]:
 def present_real_answers(r: Real, page: Page) -> None:
     st, items = r.study, r.study["items"]
     k, at, rule = f"{st['at']:g}", st["at"], st["rule"]
-    keys = {rule: f"real_kl_blend{pk(at)}", "random": f"real_kl_random{pk(at)}", "oracle": f"real_kl_oracle{pk(at)}"}
+    keys = {m: f"real_kl_{name}{pk(at)}" for m, name in ((rule, "blend"), ("random", "random"), ("oracle", "oracle"))}
     first = {"full prefill": "0", "full reuse": Val(st["kl_reuse"], "real_kl_reuse"),
              **{m: Val(c[k], keys.get(m)) for m, c in st["curve"].items()}}
     answer = {"full prefill": "0", "full reuse": Val(st["kl_answer_reuse"], "real_kl_answer_reuse"),
               **{m: c[k] for m, c in st["curve_answer"].items()}}
     show(page, Table(f"Part 5d (§5.3). KL and greedy answers at r = {at:.0%} (the answers of --rule {rule} shown "
-                     "below)", "§5.3", cols("method", ("KL first token", "{:.4f}"), (f"KL first {st['kl_tokens']} "
-                                                                                    "tokens", "{:.4f}"),
-                                           ("same greedy answer", lambda x: f"{x}/{len(items)}",
-                                            "real_same_answer.{row}")),
+                     "below)", "§5.3", cols("method", ("KL first token", "{:.4f}"), (
+                         f"KL first {st['kl_tokens']} tokens", "{:.4f}"), ("same greedy answer", lambda x: (
+                             f"{x}/{len(items)}"), "real_same_answer.{row}")),
                      [Row([m, first[m], answer[m], st["same_answer"][m]], key=m) for m in st["same_answer"]],
                      "blend_real.real_experiment",
                      json={"real_kl_curve": st["curve"], "real_kl_answer_curve": st["curve_answer"]}))
@@ -1280,7 +1302,7 @@ def present_real_answers(r: Real, page: Page) -> None:
 
 
 def present_real_insights(r: Real, s: Settings, page: Page) -> None:
-    toy, top, pl, corr = r.toy, pk(s.top_share), r.top_per_layer, r.rank_corr
+    toy, top, pl = r.toy, pk(s.top_share), r.top_per_layer
     three = lambda f: lambda xs: " / ".join(f(x) for x in (min(xs), statistics.median(xs), max(xs)))  # noqa: E731
     show(page, Table(f"Part 5e (§5.3). The two insights on a real model\n  (deviation = full reuse's KV minus full "
                      f"prefill's, layers 1-{len(pl)})", "§5.3",
@@ -1290,7 +1312,7 @@ def present_real_insights(r: Real, s: Settings, page: Page) -> None:
              toy.top_share if toy else None, HANDOUT.figure("top_share", s)]),
         Row(["  per layer: min / median / max", Val(pl, f"real_top{top}_per_layer", three(pct)), None, DASH]),
         Row(["rank correlation of deviation, adjacent layers: min / median / max",
-             Val(corr, "real_adjacent_layer_rank_corr", three("{:.2f}".format)),
+             Val(r.rank_corr, "real_adjacent_layer_rank_corr", three("{:.2f}".format)),
              " ".join(f"{c:.2f}" for c in toy.rank_corr) if toy else None, HANDOUT.figure("rank_corr", s)])],
         "04_cacheblend.real_study"))
 
@@ -1306,7 +1328,8 @@ def split_cells(d: br.Decomposition, x: float) -> list:
 def present_real_split(r: Real, page: Page) -> None:
     """The run's rule, its ranking oracle and the patch oracle at each measured ratio."""
     d, at = r.split, r.study["at"]
-    show(page, Table(f"Part 5f (§5.3). Where {d.rule}'s distance from full prefill comes from, mean first-token KL (nats)\n"
+    show(page, Table(f"Part 5f (§5.3). Where {d.rule}'s distance from full prefill comes from, mean first-token KL "
+                     "(nats)\n"
                      f"  ranking oracle: {d.rule}'s counts and nesting, its tokens picked by their true deviation, "
                      "recomputed by blend();\n  patch oracle: the full prefill's own K, V for as many tokens of "
                      "every layer, no recompute", "§5.3",
@@ -1349,7 +1372,8 @@ def ranking_room(d: br.Decomposition, at: float, splits: dict) -> str:
             f"distance to the patch oracle (Part 5f); " + (
                 f"{best.rule} gets there ({best.rule_kl[at]:.4f} against {d.ranking[at]:.4f})." if
                 best.rule_kl[at] <= d.ranking[at] else
-                f"no rule measured gets there (closest: {best.rule} {best.rule_kl[at]:.4f} against {d.ranking[at]:.4f})."))
+                f"no rule measured gets there (closest: {best.rule} {best.rule_kl[at]:.4f} against "
+                f"{d.ranking[at]:.4f})."))
 
 
 def present_rule_splits(r: Real, page: Page) -> None:
@@ -1364,22 +1388,24 @@ def present_rule_splits(r: Real, page: Page) -> None:
 def present_chunk_lengths(c: br.ChunkLengths, page: Page) -> None:
     """The built-in items at several chunk lengths: the rule's curve, the two oracles at `at`, how spread
     the deviation is, and the ratio that matches the reference length's quality at `at`."""
-    at, ref = c.at, c.row(c.reference)
-    ratios = ref.split.ratios
-    rows = [Row([x.chunk_tokens, x.n_context, 1000 * (x.n_chunks - 1) / x.n_context, x.split.reuse,
-                 *[x.split.rule_kl[q] for q in ratios], x.split.ranking[at], x.split.patch[at], x.top_share,
-                 c.needed(x)]) for x in c.rows]
+    at, ratios = c.at, c.row(c.reference).split.ratios
+    rows = [Row([x.chunk_tokens, x.n_context, bounds_per_1k(x), x.split.reuse, *[x.split.rule_kl[q] for q in ratios],
+                 x.split.ranking[at], x.split.patch[at], x.top_share, c.needed(x)]) for x in c.rows]
     show(page, Table(f"Part 5h (§5.3). Shorter chunks: the built-in items cut to each chunk length, mean first-token "
                      f"KL of full reuse, of {c.rule}\n  at each r and of its two oracles at {at:.0%}; bounds/1k: chunk "
                      f"boundaries per 1,000 context tokens; last column: the least\n  measured r at which {c.rule} "
                      f"gets as close to full prefill as at {at:.0%} with {c.reference}-token chunks", "§5.3",
-                     cols(("chunk", "{}"), ("context", "{}"), ("bounds/1k", "{:.1f}"), ("reuse", "{:.4f}"),
+                     cols("chunk", "context", ("bounds/1k", "{:.1f}"), ("reuse", "{:.4f}"),
                           *[(f"r={q:.0%}", "{:.4f}") for q in ratios], (f"ranking {at:.0%}", "{:.4f}"),
                           (f"patch {at:.0%}", "{:.4f}"), (f"top {c.top:.0%} hold", pct),
-                          (f"r like {c.reference}", lambda x: f"{x:.0%}")),
-                     rows, "blend_real.chunk_length_study", chunk_notes(c),
+                          (f"r like {c.reference}", "{:.0%}")), rows, "blend_real.chunk_length_study", chunk_notes(c),
                      {"real_chunk_kl": {str(x.chunk_tokens): x.split.rule_kl for x in c.rows},
                       "real_chunk_top_share": {str(x.chunk_tokens): x.top_share for x in c.rows}}))
+
+
+def bounds_per_1k(x: br.ChunkLength) -> float:
+    """Chunk boundaries per 1,000 context tokens: where full reuse loses what the chunks would have seen."""
+    return 1000 * (x.n_chunks - 1) / x.n_context
 
 
 def chunk_notes(c: br.ChunkLengths) -> list[str]:
@@ -1396,48 +1422,48 @@ def chunk_notes(c: br.ChunkLengths) -> list[str]:
             enough += (f" (the patch oracle at {at:.0%}: {x.split.patch[at]:.4f}, against {c.rule}'s "
                        f"{ref.split.rule_kl[at]:.4f} with {c.reference}-token chunks)")
         spread = ("more spread" if x.top_share < ref.top_share else "no more spread")
-        notes.append(f"{x.chunk_tokens}-token chunks: {enough}; {1000 * (x.n_chunks - 1) / x.n_context:.1f} chunk "
-                     f"boundaries per 1,000 tokens against {1000 * (ref.n_chunks - 1) / ref.n_context:.1f}, and the "
-                     f"deviation is {spread} (the top {c.top:.0%} of tokens hold {x.top_share:.0%} of it against "
-                     f"{ref.top_share:.0%}).")
+        notes.append(f"{x.chunk_tokens}-token chunks: {enough}; {bounds_per_1k(x):.1f} chunk boundaries per 1,000 "
+                     f"tokens against {bounds_per_1k(ref):.1f}, and the deviation is {spread} (the top {c.top:.0%} of "
+                     f"tokens hold {x.top_share:.0%} of it against {ref.top_share:.0%}).")
     return notes
 
 
 def present_adaptive(r: Real, page: Page) -> None:
     """The adaptive rule at each share target beside flat recomputing the same mean share."""
-    a, d, at = r.adaptive, r.split, r.study["at"]
-    closer = lambda m: ("same" if abs(m.kl - m.flat_kl) < 5e-5 else  # noqa: E731  (equal as printed)
-                        "adaptive" if m.kl < m.flat_kl else "flat")
-    rows = [Row([m.target, m.recomputed, m.spread, m.kl, m.flat_ratio, m.flat_recomputed, m.flat_kl, closer(m)])
-            for m in a.rows]
-    wins = sum(closer(m) == "adaptive" for m in a.rows)
-    show(page, Table(f"Part 5i (§5.3). A rule whose count adapts: layers up to {a.layer} in full, then the smallest "
-                     f"set holding a share of layer {a.layer}'s\n  measured deviation (at least {a.floor:.0%} of the "
-                     "tokens), beside flat recomputing the same mean share; mean first-token KL", "§5.3",
-                     cols(("share held", pct), ("recomputed", pct), ("min-max over inputs", lambda x: f"{pct(x[0])}-{pct(x[1])}"),
-                          ("KL adaptive", "{:.4f}"), ("flat r", pct), ("flat recomputed", pct), ("KL flat", "{:.4f}"),
-                          "closer"), rows, "blend_real.compare_rules",
-                     [f"the adaptive rule is closer to full prefill than flat at {wins} of {len(a.rows)} matched shares; "
-                      + ranking_room(d, at, r.splits)],
-                     {"real_adaptive": [dataclasses.asdict(m) for m in a.rows]}))
+    a = r.adaptive
+    fields = [Field("share held", pct, get="target"), Field("recomputed", pct, get="recomputed"),
+              Field("min-max over inputs", lambda x: f"{pct(x[0])}-{pct(x[1])}", get="spread"),
+              Field("KL adaptive", "{:.4f}", get="kl"), Field("flat r", pct, get="flat_ratio"),
+              Field("flat recomputed", pct, get="flat_recomputed"), Field("KL flat", "{:.4f}", get="flat_kl"),
+              Field("closer", get=closer)]
+    show(page, table_of(f"Part 5i (§5.3). A rule whose count adapts: layers up to {a.layer} in full, then the "
+                        f"smallest set holding a share of layer {a.layer}'s\n  measured deviation (at least "
+                        f"{a.floor:.0%} of the tokens), beside flat recomputing the same mean share; mean first-token "
+                        "KL", "§5.3", fields, a.rows, "blend_real.compare_rules",
+                        [f"the adaptive rule is closer to full prefill than flat at "
+                         f"{sum(closer(m) == 'adaptive' for m in a.rows)} of {len(a.rows)} matched shares; "
+                         + ranking_room(r.split, r.study["at"], r.splits)],
+                        {"real_adaptive": [dataclasses.asdict(m) for m in a.rows]}))
+
+
+def closer(m: br.Matched) -> str:
+    """Which rule is closer to full prefill at one matched share ("same" when the KLs print alike)."""
+    return "same" if abs(m.kl - m.flat_kl) < 5e-5 else "adaptive" if m.kl < m.flat_kl else "flat"
 
 
 def real_curve_figure(r: Real, s: Settings, page: Page) -> None:
     """First-answer-token KL against the recompute ratio, one line per rule, random, the ranking oracle of
     the run's rule and the patch oracle."""
     st = r.study
-    with page.figure("04_real_curve_passages.png" if s.passages else "04_real_curve.png",
-                     f"{r.model_name}: which tokens to recompute ({len(st['items'])} inputs)", (7, 4)) as (_, ax):
-        for m in st["methods"][1:]:
-            style = {"random": dict(color="gray", ls="--"), "oracle": dict(color="black", ls=":"),
-                     "ranking-oracle": dict(color="black", ls="-.")}.get(m, {})
-            label = {"ranking-oracle": f"ranking oracle ({st['rule']})", "oracle": "patch oracle"}.get(m, m)
-            ax.plot([100 * x for x in st["ratios"]], [st["curve"][m][f"{x:g}"] for x in st["ratios"]], marker="o",
-                    ms=3, label=label, **style)
-        ax.axhline(st["kl_reuse"], color="tab:red", lw=1, label="full reuse")
-        ax.set(yscale="log", xlabel="recompute ratio r (%)",
-               ylabel="KL(full prefill || method), first answer token (nats)")
-        ax.legend()
+    style = {"random": dict(color="gray", ls="--"), "oracle": dict(color="black", ls=":"),
+             "ranking-oracle": dict(color="black", ls="-.")}
+    label = {"ranking-oracle": f"ranking oracle ({st['rule']})", "oracle": "patch oracle"}
+    lines = [Series([100 * x for x in st["ratios"]], [st["curve"][m][f"{x:g}"] for x in st["ratios"]],
+                    label.get(m, m), style=dict(marker="o", ms=3, **style.get(m, {}))) for m in st["methods"][1:]]
+    chart_figure(page, "04_real_curve_passages.png" if s.passages else "04_real_curve.png", Chart(
+        lines, "recompute ratio r (%)", "KL(full prefill || method), first answer token (nats)", yscale="log",
+        hlines=[(st["kl_reuse"], dict(color="tab:red", lw=1, label="full reuse"))]),
+        f"{r.model_name}: which tokens to recompute ({len(st['items'])} inputs)", figsize=(7, 4))
 
 
 # ============================================================================ main

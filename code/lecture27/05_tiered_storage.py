@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `com
 import numpy as np
 
 from common.cli import Parser, constants_of, fraction, nonneg_float, positive_float, positive_int, settings_from
-from common.present import (Field, Handout, Line, Page, Panel, Ref, Row, Table, Val, cdf, change, cols, line_figure,
+from common.present import (Chart, Field, Handout, Page, Ref, Row, Series, Table, Val, cdf, change, chart_figure, cols,
                             segment_bars, table_of, text_table)
 from common.timemodel import get_model, kv_bytes_per_token, prefill_time
 from rag_caches import CACHES, rag_trace, serve_rag
@@ -505,11 +505,10 @@ def show_chat(page: Page, c: Chat, s: Settings) -> None:
                         chat_notes(c, s), {"cpu_fast_vs_slow_ttft_ratio": c.slow_vs_fast}))
     page.table(text_table("  for reference (handout §6.3, not simulated here):", "§6.3",
                           ["slides' LMCache benchmark", "metric", "LMCache", "engine's own offload", "ratio"], SLIDES))
-    line_figure(page, "05_ttft_cdf.png", Panel(   # cpu50 dashed: it lies on gpu_only when it never hits
-        [Line(*cdf(r.ttft), "--" if name == "cpu50" else "-", name, step=True) for name, r in c.served.items()],
-        dict(xscale="log", xlabel="time to first token (s)", ylabel="share of requests",
-             title=f"Multi-turn chat, {get_model(s.model).name} on one {s.gpu}: TTFT by KV storage tiers")),
-        figsize=(7, 4))
+    chart_figure(page, "05_ttft_cdf.png", Chart(   # cpu50 dashed: it lies on gpu_only when it never hits
+        [Series(*cdf(r.ttft), name, "step", {"ls": "--" if name == "cpu50" else "-"}) for name, r in c.served.items()],
+        "time to first token (s)", "share of requests",
+        f"Multi-turn chat, {get_model(s.model).name} on one {s.gpu}: TTFT by KV storage tiers", "log"), figsize=(7, 4))
 
 
 def show_waist(page: Page, w: Waist, s: Settings) -> None:
@@ -610,16 +609,17 @@ def show_rag(page: Page, r: Rag, s: Settings) -> None:
                         f"{s.rag_tiers} ({tiers_text(r.tiers)}); the chunk cache blends at {s.rag_recompute:.0%}",
                         "§5.1", fields, range(len(r.ks)), "rag_caches.serve_rag", rag_notes(r, s),
                         handout=HANDOUT.figure("rag_prefix", s)))
-    lines = lambda f, style, label: [Line(r.ks, r.of(c, f), style, label.format(c), kw={"color": color})
-                                     for c, color in zip(CACHES, ("tab:red", "tab:blue"))]
-    hits, mean, p99 = (lines("hit_rate", "o-", "{} cache"), lines("mean_ttft_s", "o-", "{} cache, mean"),
-                       lines("p99_ttft_s", "o:", "{} cache, p99"))
-    k_axis = dict(xlabel="documents per request (k)", xticks=r.ks)
-    line_figure(page, "05_rag.png", [
-        Panel(hits + [Line(r.ks, [1 / k for k in r.ks], "k--", "1/k: the first document's share", kw={"lw": 1})],
-              dict(k_axis, ylabel="share of document tokens not prefilled", ylim=(0, 1.05), title="hit rate")),
-        Panel([mean[0], p99[0], mean[1], p99[1]], dict(k_axis, ylabel="time to first token (s)", yscale="log",
-                                                       title="TTFT"))],
+    lines = lambda f, ls, label: [Series(r.ks, r.of(c, f), label.format(c), style=dict(marker="o", ls=ls, color=color))
+                                  for c, color in zip(CACHES, ("tab:red", "tab:blue"))]
+    hits, mean, p99 = (lines("hit_rate", "-", "{} cache"), lines("mean_ttft_s", "-", "{} cache, mean"),
+                       lines("p99_ttft_s", ":", "{} cache, p99"))
+    k_axis = "documents per request (k)"
+    chart_figure(page, "05_rag.png", [
+        Chart(hits + [Series(r.ks, [1 / k for k in r.ks], "1/k: the first document's share",
+                             style={"color": "k", "ls": "--", "lw": 1})], k_axis,
+              "share of document tokens not prefilled", "hit rate", axes={"xticks": r.ks, "ylim": (0, 1.05)}),
+        Chart([mean[0], p99[0], mean[1], p99[1]], k_axis, "time to first token (s)", "TTFT", yscale="log",
+              axes={"xticks": r.ks})],
         f"RAG, {s.rag_docs:,} documents (Zipf {s.rag_zipf:g}) on Part 2's {s.rag_tiers}: a prefix cache against a "
         "chunk cache (handout §5.1)", figsize=(9, 3.8))
 

@@ -1,0 +1,172 @@
+"""present.py's helpers: columns that read a result (pick, Field), tables built from results (table_of, points,
+text_table), a quantity row (fact), figures that hold for the same inputs (refs), sentences from numbers
+(change, plural), and figures described by data (Series, Chart, chart_figure, cdf, segment_bars): the cells,
+the --json keys, and a figure drawn, saved and recorded on the page (or skipped with plotting off)."""
+from dataclasses import dataclass
+
+import matplotlib.image
+
+from common.present import (REFERENCE, Chart, Col, Field, Handout, Page, Ref, Series, Table, cdf, change,
+                            chart_figure, fact, pick, plural, points, refs, render_text, segment_bars, table_json,
+                            table_of, text_table)
+
+
+# ----------------------------------------------------------------------------- columns and tables from results
+@dataclass(frozen=True)
+class Layout:
+    layers: int
+
+
+@dataclass(frozen=True)
+class Served:
+    hit_rate: float
+    layout: Layout
+
+
+RESULTS = {"gpu_only": Served(0.25, Layout(4)), "cpu_fast": Served(0.75, Layout(8))}
+
+
+@dataclass
+class Result:
+    ttft_s: float
+    quality: float
+
+
+@dataclass
+class Run:
+    chunk: int
+    adaptive: Result
+
+
+RUNS = [Run(512, Result(0.54, 1.0)), Run(1536, Result(3.97, 0.999))]
+
+
+def test_pick_reads_paths_indexes_and_functions():
+    assert pick(RUNS[1], "adaptive.ttft_s") == 3.97
+    assert pick({"ttft": {"level0": 2.5}}, "ttft.level0") == 2.5
+    assert pick(("a", 7), 1) == 7
+    assert pick(RUNS[0], lambda r: r.chunk * 2) == 1024
+
+
+def test_a_field_reads_its_value_from_the_result():
+    r = RESULTS["cpu_fast"]
+    assert Field("config").of("cpu_fast", r) == "cpu_fast"                  # no get: the row's name
+    assert Field("hits", get="hit_rate").of("cpu_fast", r) == 0.75          # an attribute
+    assert Field("layers", get="layout.layers").of("cpu_fast", r) == 8      # a nested one
+    assert Field("twice", get=lambda x: 2 * x.hit_rate).of("cpu_fast", r) == 1.5
+    assert Field("tiers", get={"cpu_fast": "GPU 58, CPU 150@50"}).of("cpu_fast", r) == "GPU 58, CPU 150@50"
+    assert Field("second", get=1).of(None, ("a", 7)) == 7                   # an index of a tuple
+
+
+def test_table_of_builds_one_row_per_result_and_its_json():
+    t = table_of("chat", "§6.3", [Field("config"), Field("hits", "{:.0%}", "configs.{row}.hit_rate", get="hit_rate")],
+                 RESULTS, "m.f", ["a note"], {"ratio": 3.0}, handout="5x")
+    assert [r.key for r in t.rows] == ["gpu_only", "cpu_fast"] and all(r.handout == "5x" for r in t.rows)
+    assert table_json(t) == {"configs": {"gpu_only": {"hit_rate": 0.25}, "cpu_fast": {"hit_rate": 0.75}}, "ratio": 3.0}
+    assert "cpu_fast   75%       5x" in render_text(t) and t.notes == ["a note"]
+    listed = table_of("", "§1", [Field("layers", get="layout.layers")], list(RESULTS.values()),
+                      handout=lambda x: "4 layers" if x.layout.layers == 4 else None)
+    assert [r.cells for r in listed.rows] == [[4], [8]] and [r.handout for r in listed.rows] == ["4 layers", None]
+    by_name = table_of("", "§1", [Field("config")], RESULTS, handout={"gpu_only": "1x", "cpu_fast": "3x"})
+    assert [r.handout for r in by_name.rows] == ["1x", "3x"]
+
+
+def test_table_of_reads_nested_fields_and_names_rows_in_json():
+    fields = [Field("chunk", "{:,}", get="chunk"),
+              Field("TTFT s", "{:.2f}", "sizes.{row}.ttft_s", get="adaptive.ttft_s"),
+              Field("quality", "{:.3f}", "quality", get="adaptive.quality")]
+    t = table_of("Chunk sizes", "§4.2", fields, {str(r.chunk): r for r in RUNS}, "streaming.part3", ["a note"],
+                 {"extra": 1}, handout=lambda r: "0.5" if r.chunk == 512 else None)
+    assert [r.cells for r in t.rows] == [[512, 0.54, 1.0], [1536, 3.97, 0.999]]
+    assert table_json(t) == {"sizes": {"512": {"ttft_s": 0.54}, "1536": {"ttft_s": 3.97}},
+                             "quality": [1.0, 0.999], "extra": 1}
+    text = render_text(t)
+    assert "1,536" in text and "3.97" in text and "handout" in text and "a note" in text
+    unnamed = table_of("", "§4.1", [Field("x", key="x.{row}", get=0)], {None: (1,), "a": (2,)})
+    assert table_json(unnamed) == {"x": {"a": 2}}                           # a row named None states no key
+
+
+@dataclass
+class Sweep:
+    ks: list
+    ttft_s: list
+
+
+def test_points_of_a_sweep_are_rows():
+    fields = [Field("k", get="ks"), Field("TTFT s", "{:.2f}", "ttft_s", get="ttft_s")]
+    assert points(Sweep([1, 2], [0.5, 0.75]), fields) == [{"ks": 1, "ttft_s": 0.5}, {"ks": 2, "ttft_s": 0.75}]
+    t = table_of("", "§5.1", fields, points(Sweep([1, 2], [0.5, 0.75]), fields))
+    assert [r.cells for r in t.rows] == [[1, 0.5], [2, 0.75]] and table_json(t) == {"ttft_s": [0.5, 0.75]}
+
+
+def test_text_table_keeps_the_given_text():
+    t = text_table("stack", "§7", ["layer", "classic"], [("engine", "processor"), ("API", "narrow waist")])
+    assert [r.cells for r in t.rows] == [["engine", "processor"], ["API", "narrow waist"]] and not t.has_handout()
+
+
+# ----------------------------------------------------------------------------- rows, handout figures, sentences
+@dataclass(frozen=True)
+class Settings:
+    chunk_len: int = 5
+    ratio: float = 0.2
+
+
+def test_fact_is_a_row_with_its_own_key_format_and_handout():
+    ref = Ref("99.4%", {"chunk_len": 5})
+    t = Table("", "§5.3", [Col("quantity"), Col("ours", "{:.1%}")],
+              [fact("CacheBlend", 0.995, "blend_acc", handout=ref), fact("chunk length", 5, fmt="{}"),
+               fact("nothing measured", None)])
+    assert [line.split() for line in render_text(t).splitlines()[2:]] == [
+        ["CacheBlend", "99.5%", "99.4%"], ["chunk", "length", "5", "-"], ["nothing", "measured", "-", "-"]]
+    assert table_json(t) == {"blend_acc": 0.995}
+    assert t.rows[0].handout is ref
+
+
+def test_refs_share_their_inputs():
+    h = Handout({**refs({"chunk_len": 5}, {"split": "8.8%", "top": "98.0%"}), "train": Ref("12,000 steps")})
+    assert h("split", Settings()).figure == "8.8%" and h("top", Settings()).inputs == {"chunk_len": 5}
+    assert h("split", Settings(chunk_len=6)) is None and h.figure("train", Settings(chunk_len=6)) == "12,000 steps"
+
+
+def test_change_and_plural():
+    assert change(0.2, 0.5, "{:.0%}") == "rises (20% -> 50%)" and change(0.001, 0.002, "{:.0%}") == "stays at 0%"
+    assert plural(1, "stream") == "1 stream" and plural(51200, "stream") == "51,200 streams"
+    assert plural(0, "context") == "0 contexts"
+
+
+# ----------------------------------------------------------------------------- figures described by data
+def test_cdf_points():
+    assert cdf([3.0, 1.0, 2.0, 2.0]) == ([1.0, 2.0, 2.0, 3.0], [0.25, 0.5, 0.75, 1.0])
+
+
+def test_chart_figure_draws_every_panel(tmp_path):
+    page = Page("99", "charts", "§0", figures=tmp_path)
+    charts = [Chart([Series([0, 1], [2.0, 3.0], "K", "bar"), Series([0, 1], [1.0, 0.5], "V", "bar")],
+                    ylabel="ratio", band=(2.4, 2.9, "handout"), hlines=[(1, {"color": "k"})]),
+              Chart([Series([1, 2, 4], [0.1, 0.5, 1.0], "CDF", "step"), Series(2, 0.5, "point", "scatter"),
+                     Series([1, 2, 4], [0.2, None, 0.9], "a gap", style={"marker": "o"})],
+                    xscale="log", vlines=[(3, {"ls": "--"})], hlines=[(0.5, {**REFERENCE, "label": "chance"})],
+                    legend=None, grid="both", minor_ticks=False),
+              Chart([Series(["a", "b"], [1.0, 10.0], kind="barh", style={"color": ["red", "blue"]}, fmt=" {:.1f} ms")],
+                    "ms", title="bars", xscale="log", legend=None)]
+    chart_figure(page, "99_charts.png", charts, "three panels", figsize=(9, 3))
+    path = tmp_path / "99_charts.png"
+    assert matplotlib.image.imread(path).shape[:2] == (360, 1080)   # 9 x 3 inches at 120 dpi, one row
+    assert page.blocks[-1] == {"kind": "figure", "path": str(path)}
+    chart_figure(page, "99_grid.png", charts[:2], ncols=1, figsize=(4, 6))
+    assert matplotlib.image.imread(tmp_path / "99_grid.png").shape[:2] == (720, 480)   # two rows of one
+
+
+def test_segment_bars_are_drawn_and_recorded(tmp_path):
+    page = Page("99", "test", "§0", figures=tmp_path)
+    segment_bars(page, "bars.png", {"a": [(1.0, "copy 1", "PCIe"), (2.0, "copy 2", "net")], "b": [(0.5, "x", "PCIe")]},
+                 {"PCIe": "tab:blue", "net": "tab:red"}, "seconds", "bars")
+    assert page.blocks == [{"kind": "figure", "path": str(tmp_path / "bars.png")}]
+    assert (tmp_path / "bars.png").stat().st_size > 1000
+
+
+def test_figures_draw_nothing_with_plotting_off(tmp_path):
+    off = Page("99", "test", "§0", figures=tmp_path / "off", plot=False)
+    chart_figure(off, "99_none.png", Chart([Series([0], [1])]))
+    segment_bars(off, "bars.png", {"a": [(1.0, "x", "PCIe")]}, {"PCIe": "tab:blue"}, "s", "t")
+    assert off.blocks == [] and not (tmp_path / "off").exists()
