@@ -30,3 +30,9 @@ def test_a_run_that_fails_ends_run_all_with_its_code(tmp_path, capsys):
         run_all.side_by_side(runs, 2, [])
     assert e.value.code == 3 and "FAILED: fails" in capsys.readouterr().err
     assert runs[1].proc is None or runs[1].proc.poll() is not None   # the other run is stopped
+
+
+def test_one_job_runs_them_one_after_another_in_order(tmp_path, capsys):
+    runs = [run(tmp_path, "first", 0.3), run(tmp_path, "second", 0.1)]
+    run_all.side_by_side(runs, 1, ["second", "first"])
+    assert runs[1].t0 >= runs[0].t0 + runs[0].seconds   # the second starts once the first has ended

@@ -113,10 +113,10 @@ def side_by_side(runs: list[Run], jobs: int, start_order: list[str]) -> None:
             print(f"\n{'=' * 100}\n$ python code/lecture27/{shown.name}\n{'=' * 100}", flush=True)
             done = 0
             while True:
-                for r in order:   # keep `jobs` runs going: the one shown first, then the next to start
+                for r in order:   # keep `jobs` runs going: the one shown first, the next ones beside it
                     if sum(x.proc is not None and not x.ended() for x in runs) >= jobs:
                         break
-                    if r.proc is None and (r is shown or shown.proc is not None):
+                    if r.proc is None and (r is shown or (shown.proc is not None and not shown.ended())):
                         r.start()
                 if shown.proc is not None:
                     done = copy_new(shown.log, done)
