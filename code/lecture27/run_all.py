@@ -31,11 +31,13 @@ from going_further import going_further_table  # noqa: E402
 SCRIPTS = ["01_kv_ledger.py", "02_cachegen_codec.py", "03_streaming.py", "04_cacheblend.py",
            "05_tiered_storage.py"]
 REAL_MODEL_RUNS = [["02_cachegen_codec.py", "--model", "smollm2"], ["04_cacheblend.py", "--model", "smollm2"]]
-# the order runs start in, two at a time (side_by_side): the long real-model runs beside 02, whose record
-# model 03 and 04 need; a run not listed starts after these
 JOBS = max(1, min(2, os.cpu_count() or 1))   # scripts side by side: each small model trains on one thread
-START_ORDER = ["01_kv_ledger.py", "02_cachegen_codec.py --model smollm2", "02_cachegen_codec.py",
-               "04_cacheblend.py --model smollm2", "03_streaming.py", "03_streaming.py --no-real", "04_cacheblend.py",
+# the order runs start in, two at a time (side_by_side), chosen from a first run's times on 2 cores: 02
+# (trains the record model, 105 s) beside 04 (the city model, 70 s; it reads the record model once 02 has
+# trained it), then 04 --model smollm2 (the longest, 120 s) beside 03 (fits the SmolLM2 codec, 50 s) and
+# 02 --model smollm2 (60 s with that codec). A run not listed starts after these
+START_ORDER = ["01_kv_ledger.py", "02_cachegen_codec.py", "04_cacheblend.py", "04_cacheblend.py --model smollm2",
+               "03_streaming.py", "03_streaming.py --no-real", "02_cachegen_codec.py --model smollm2",
                "05_tiered_storage.py"]
 
 
