@@ -105,10 +105,11 @@ class Run:
 def side_by_side(runs: list[Run], jobs: int, start_order: list[str]) -> None:
     """Run every script, `jobs` at a time, and print their outputs one after another in `runs`' order.
     The small models train on one thread each, so two scripts side by side use both cores of a laptop. The
-    run on screen prints as it goes; the others write to their files, printed when their turn comes. They
-    start in `start_order` (names; the others after them, in order): see START_ORDER. A
-    result two runs need (a trained model, SmolLM2's codec) is computed by the first that needs it; the
-    other waits for it and says so (checkpoints.cached). The first run that fails ends the others."""
+    run on screen prints as it goes; a run beside it writes to its file, printed when its turn comes. Runs
+    start in `start_order` (their names; runs not named after them), the one on screen first; another
+    starts only while the one on screen runs. A result two runs need (a trained model, SmolLM2's codec) is
+    computed by the first that asks; the other waits for it and says so (checkpoints.cached). The first
+    run that fails ends the others."""
     order = sorted(runs, key=lambda r: start_order.index(r.name) if r.name in start_order else len(start_order))
     try:
         for shown in runs:
