@@ -210,7 +210,8 @@ def _what_changed(files, key: dict) -> str | None:
     said = []
     for part, what in (("code", "code of"), ("values", "value of")):
         a, b = was.get(part, {}), key[part]
-        changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+        # a closure's value is named by its function ("study.<locals>.<lambda>:model" -> "study:model")
+        changed = sorted(k.replace(".<locals>.<lambda>:", ":") for k in a.keys() | b.keys() if a.get(k) != b.get(k))
         shown = [k for i, k in enumerate(changed) if i == 0 or len(", ".join(changed[:i + 1])) <= 60]
         if changed:
             more = f" and {len(changed) - len(shown)} more" if len(changed) > len(shown) else ""

@@ -290,7 +290,8 @@ def layer_sensitivity(model, X, ev, rms, kv_steps, one_step) -> list[LayerSensit
 
 def cached_sensitivity(model, X, ev, rms, kv_steps, one_step) -> list[LayerSensitivity]:
     """layer_sensitivity, computed once for these steps and this model (then loaded: 12 s of 02's run)."""
-    ident = {"kv_steps": list(kv_steps), "one_step": one_step, "eval": [cs.CODEC_N_EVAL, cs.CODEC_EVAL_SEED],
+    ident = {"model": getattr(model, "cache_key", None), "kv_steps": list(kv_steps), "one_step": one_step,
+             "eval": [cs.CODEC_N_EVAL, cs.CODEC_EVAL_SEED],
              "calib": [cs.CODEC_N_CALIB, cs.CODEC_CALIB_SEED]}
     layers = cached("sensitivity-record", ident, lambda: [dataclasses.asdict(x) for x in layer_sensitivity(
         model, X, ev, rms, kv_steps, one_step)])

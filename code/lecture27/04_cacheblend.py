@@ -663,14 +663,19 @@ def lowest_ratio(ratios, accs, target: float):
     return next((r for r, acc in zip(ratios, accs) if acc is not None and acc >= target), None)
 
 
+def cached_curve(model, run: RecordRun, s: Settings, ratios) -> Curve:
+    """`curve` on the run's held-out records, computed once for this model, seed, ratios and chunk lengths,
+    then loaded (19 s of the run)."""
+    ident = {"model": getattr(model, "cache_key", None), "docs": s.docs, "seed": s.seed, "ratios": ratios,
+             "chunk_lens": list(s.curve_chunk_lens)}
+    return Curve(**checkpoints.cached("curve-records", ident, lambda: dataclasses.asdict(
+        curve(model, run.rec, s.seed, ratios, s.curve_chunk_lens, pre={s.chunk_len: run.pre}))))
+
+
 def insights_and_curve(model, run: RecordRun, s: Settings) -> Part3:
-    """The insights at the run's chunk length, and the compute-quality curve (CURVE_RATIOS and r): computed
-    once for this model, these held-out records, ratios and chunk lengths, then loaded (19 s of the run)."""
+    """The insights at the run's chunk length, and the compute-quality curve (CURVE_RATIOS and r)."""
     ratios = sorted(set(s.curve_ratios) | {s.ratio})
-    c = Curve(**checkpoints.cached("curve-records", {"docs": s.docs, "seed": s.seed, "ratios": ratios,
-                                                     "chunk_lens": list(s.curve_chunk_lens)},
-                                   lambda: dataclasses.asdict(curve(model, run.rec, s.seed, ratios, s.curve_chunk_lens,
-                                                                    pre={s.chunk_len: run.pre}))))
+    c = cached_curve(model, run, s, ratios)
     return Part3(insights(model, run.rec, s.chunk_len, s.ratio, s.top_share, run.pre), c,
                  doc_attention_elsewhere(model, run.rec),
                  {n: c.blend[n][ratios.index(s.ratio)] for n in s.curve_chunk_lens},
