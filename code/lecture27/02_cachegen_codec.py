@@ -781,7 +781,7 @@ def compute_real(gguf, s: Settings, refit: bool) -> Real:
     locality = [LayerLocality(a[0], p[0], a[1], p[1]) for a, p in zip(d["anchor"], d["previous"])]
     coded = r["coded"]                  # the coded contexts at level 0, for exercise 3's measurement
     throughput = coder_throughput(kv.spec_from_dict(coded["spec"]), np.array(coded["q"]), s.coder_streams,
-                                  f"{len(coded['q'])} evaluation paragraph{'s' * (len(coded['q']) != 1)}")
+                                  plural(len(coded["q"]), "evaluation paragraph"))
     return Real(r["info"]["name"], r["L"], r["C"], r["tokens"], r["n_calib"], r["n_eval"], locality, r["entropy"],
                 Codecs(rows, levels, r["delta"]), r["rel_steps"], throughput)
 
