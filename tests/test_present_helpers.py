@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import matplotlib.image
 
-from common.present import (REFERENCE, Chart, Col, Field, Handout, Page, Ref, Series, Table, cdf, change,
+from common.present import (REFERENCE, REPO, Chart, Col, Field, Handout, Page, Ref, Series, Table, cdf, change,
                             chart_figure, fact, pick, plural, points, refs, render_text, segment_bars, table_json,
-                            table_of, text_table)
+                            shown, table_of, text_table)
 
 
 # ----------------------------------------------------------------------------- columns and tables from results
@@ -170,3 +170,9 @@ def test_figures_draw_nothing_with_plotting_off(tmp_path):
     chart_figure(off, "99_none.png", Chart([Series([0], [1])]))
     segment_bars(off, "bars.png", {"a": [(1.0, "x", "PCIe")]}, {"PCIe": "tab:blue"}, "s", "t")
     assert off.blocks == [] and not (tmp_path / "off").exists()
+
+
+def test_a_path_in_the_clone_is_printed_from_its_root(tmp_path):
+    # the printed line must read the same wherever the clone lies (CI clones it under another folder)
+    assert shown(REPO / "code" / "checkpoints" / "x.pt") == "code/checkpoints/x.pt"
+    assert shown(tmp_path / "a.json") == str(tmp_path / "a.json")

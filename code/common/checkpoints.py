@@ -47,6 +47,7 @@ except ImportError:  # not Unix
     fcntl = None
 
 from .llama import Llama, LlamaConfig
+from .present import shown
 
 CODE_DIR = Path(__file__).resolve().parents[1]  # code/: its modules' functions and constants key the cache
 
@@ -162,7 +163,7 @@ def cached(name: str, inputs: dict, compute: Callable[[], dict], redo: bool = Fa
             for old in path.parent.glob(f"{name}-*.pt") if keep_one else ():
                 old.unlink(missing_ok=True)
             atomic_save({"key": key, "seconds": seconds, "result": result}, path)
-            print(f"[{tag}] {done} {name} in {seconds:.1f} s -> {path}")
+            print(f"[{tag}] {done} {name} in {seconds:.1f} s -> {shown(path)}")
     EVENTS.append({"name": name, "loaded": False, "seconds": seconds})
     return use(result, {"key": stem, "loaded": False, "seconds": seconds})
 

@@ -386,6 +386,16 @@ def check_writable_dir(path: str | Path) -> str | None:
 REPO = Path(__file__).resolve().parents[2]
 
 
+def shown(path) -> str:
+    """A path as a script prints it: relative to the clone's root when inside it, so a line reads (and is
+    as wide) the same wherever the clone lies; else as given."""
+    p = Path(path)
+    try:
+        return str(p.resolve().relative_to(REPO))
+    except ValueError:
+        return str(p)
+
+
 def figures_dir() -> Path:
     """figures/ at the clone's root, or $L27_FIGURES (the tests draw into a temporary folder)."""
     return Path(os.environ.get("L27_FIGURES", REPO / "figures"))
@@ -483,7 +493,7 @@ class Page:
         self.add_figure(path)
 
     def add_figure(self, path: Path) -> None:
-        print(f"figure: {path}")
+        print(f"figure: {shown(path)}")
         self.blocks.append({"kind": "figure", "path": str(path)})
 
     # -- the end
@@ -496,7 +506,7 @@ class Page:
         if json_path:
             Path(json_path).parent.mkdir(parents=True, exist_ok=True)
             Path(json_path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-            print(f"wrote {json_path}")
+            print(f"wrote {shown(json_path)}")
         if cache_events is None:
             from . import checkpoints
             cache_events = list(checkpoints.EVENTS)
