@@ -9,7 +9,9 @@ Torch runs on one thread here (L27_TEST_THREADS=N to change): the suite is mostl
 a machine whose cores are busy a second thread that waits for a core slows each op down several times
 (measured on 2 shared cores: 15 s instead of 80 s for the real-model tests, 8 s instead of 37 s for
 test_blend + test_llama + test_checkpoints)."""
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -19,7 +21,9 @@ import torch
 
 torch.set_num_threads(int(os.environ.get("L27_TEST_THREADS", "1")))
 # the scripts run here draw into a temporary folder, never into the student's figures/
+# (one per process: each of pytest's workers removes its own when it ends)
 os.environ["L27_FIGURES"] = tempfile.mkdtemp(prefix="l27-test-figures-")
+atexit.register(shutil.rmtree, os.environ["L27_FIGURES"], ignore_errors=True)
 
 ROOT = Path(__file__).resolve().parents[1]
 for p in (ROOT / "code", ROOT / "code" / "lecture27"):
