@@ -267,10 +267,11 @@ class TableStack:
 
     @functools.cached_property
     def lookup(self) -> np.ndarray:
-        """(n_tables * (_BUCKETS + 1),) int64: for table t and bucket b, the last symbol s whose slice
+        """(n_tables * (_BUCKETS + 1), 4) uint16: for table t and bucket b, the last symbol s whose slice
         starts at or below the bucket's first code value (at most the table's last symbol), with the
-        slices of s and s + 1: s | cdf[s] << 12 | cdf[s + 1] << 28 | cdf[s + 2] << 45 (the last 0 when
-        s is the last symbol). A bucket with at most one boundary inside is decoded from it alone."""
+        slices of s and s + 1: s, cdf[s], cdf[s + 1] - 1, cdf[s + 2] - 1 (0 when s is the last symbol).
+        The ends are stored less one to fit 16 bits; four of them are one 8-byte read for the decoder. A
+        bucket with at most one boundary inside is decoded from its row alone."""
         if self.size.max(initial=0) > _LOOKUP_MAX_SIZE:
             raise ValueError(f"the parallel decoder takes tables of at most {_LOOKUP_MAX_SIZE} symbols")
         n, nb = len(self.size), _BUCKETS + 1
@@ -281,40 +282,16 @@ class TableStack:
         below = np.bincount(table * nb + bucket, minlength=n * nb).reshape(n, nb).cumsum(1)
         s = np.minimum(below, self.size[:, None] - 1)
         at, cdf = self.start[:, None] + s, np.append(self.cdf, 0)
-        after = np.where(s + 1 < self.size[:, None], cdf[at + 2], 0)
-        return (s | np.minimum(cdf[at], 0xFFFF) << 12 | cdf[at + 1] << 28 | after << 45).ravel()
+        after = np.where(s + 1 < self.size[:, None], cdf[at + 2] - 1, 0)
+        rows = np.stack([s, np.minimum(cdf[at], 0xFFFF), cdf[at + 1] - 1, after], -1)
+        return np.clip(rows, 0, 0xFFFF).astype(np.uint16).reshape(-1, 4)
 
     @functools.cached_property
-    def fine(self):
-        """The buckets `lookup` cannot decide alone (more than one boundary inside): (slot, symbols).
-        slot[t * (_BUCKETS + 1) + b] is -1, or a row of `symbols` (uint16) that gives the symbol of each
-        of the bucket's 2^_BUCKET_SHIFT code values."""
-        n, nb, w = len(self.size), _BUCKETS + 1, 1 << _BUCKET_SHIFT
-        upper = np.ones(self.cdf.size, bool)
-        upper[self.start] = False
-        table, c = np.repeat(np.arange(n), self.size), self.cdf[upper]
-
-        def last_at_or_below(values_bucket):          # per (table, bucket): symbols' count below, capped
-            cnt = np.bincount(table * nb + np.clip(values_bucket, 0, _BUCKETS), minlength=n * nb)
-            return np.minimum(cnt.reshape(n, nb).cumsum(1), self.size[:, None] - 1)
-
-        first = last_at_or_below(-(-c >> _BUCKET_SHIFT))         # symbol at the bucket's first value
-        final = last_at_or_below(c >> _BUCKET_SHIFT)             # ... at its last value
-        t, b = np.nonzero(final > first + 1)
-        slot = np.full(n * nb, -1, np.int64)
-        slot[t * nb + b] = np.arange(t.size)
-        # every symbol s0..s1 of each such bucket fills its run of the bucket's code values
-        count = final[t, b] - first[t, b] + 1
-        row = np.repeat(np.arange(t.size), count)
-        sym = np.repeat(first[t, b], count) + np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
-        at = self.start[t[row]] + sym
-        lo = np.clip(self.cdf[at] - b[row] * w, 0, w)
-        run = np.clip(self.cdf[at + 1] - b[row] * w, 0, w) - lo
-        symbols = np.repeat(final[t, b], w).astype(np.uint16)      # what no run covers: a bad table's gap
-        run = np.maximum(run, 0)
-        into = np.repeat(row * w + lo, run) + np.arange(run.sum()) - np.repeat(np.cumsum(run) - run, run)
-        symbols[into] = np.repeat(sym, run)
-        return slot, symbols
+    def keys(self) -> np.ndarray:
+        """Every table's cdf entries as table << 17 | cdf, ascending: a code value v of table t lies in
+        the slice of the last entry at or below t << 17 | v (np.searchsorted), for the buckets `lookup`
+        cannot decide alone."""
+        return np.repeat(np.arange(len(self.size)), self.size + 1) << (AC_PRECISION + 1) | self.cdf
 
 
 def stack_tables(tables) -> TableStack:
@@ -361,8 +338,10 @@ class _Lanes:
         out.reshape(-1)[self.where] = values
         return out
 
-    def from_steps(self, matrix) -> np.ndarray:
-        return matrix.T.ravel() if self.equal else matrix.reshape(-1)[self.where]
+    def from_steps(self, matrix, dtype=None) -> np.ndarray:
+        if self.equal:
+            return np.array(matrix.T, dtype, order="C").ravel()
+        return matrix.reshape(-1)[self.where].astype(dtype or matrix.dtype, copy=False)
 
     def blocks(self):
         """(lane slice, running lanes at each step within it) of each block of PARALLEL_BLOCK lanes."""
@@ -493,25 +472,26 @@ def decode_streams(data: bytes, nbytes, lengths, tables, table_ids=None) -> np.n
     # each stream followed by two zero bytes: a read position stops at the first (bytes past a
     # stream's end are zeros, as in `decode`); buf16[p] holds bytes p and p + 1
     start = np.cumsum(nbytes + 2) - (nbytes + 2)
-    buf = np.zeros(len(data) + 2 * len(lengths) + 1, np.int64)
-    buf[np.arange(len(data)) + 2 * np.repeat(np.arange(len(lengths)), nbytes)] = np.frombuffer(bytes(data), np.uint8)
-    buf16 = (buf[:-1] << 8) | buf[1:]
+    buf, pad = np.zeros(len(data) + 2 * len(lengths) + 1, np.uint8), np.zeros(len(data) + 2 * len(lengths), bool)
+    pad[start + nbytes], pad[start + nbytes + 1] = True, True
+    buf[:-1][~pad] = np.frombuffer(bytes(data), np.uint8)
+    buf16 = (buf[:-1].astype(np.uint16) << 8) | buf[1:]
     start, end = start[lanes.order], (start + nbytes)[lanes.order]
     code = np.zeros(len(lengths), np.int64)
     for q in range(0, AC_STATE_BITS // 8, 2):
         code = (code << 16) | buf16[np.minimum(start + q, end)]
     pos, rng = np.minimum(start + AC_STATE_BITS // 8, end), np.full(len(lengths), 1 << AC_STATE_BITS, np.int64)
     base = lanes.to_steps(ids * (_BUCKETS + 1))
-    found = np.empty(base.shape, np.int16)
+    found = np.empty(base.shape, np.uint16)
     for b, counts in lanes.blocks():
         _decode_block(code[b], rng[b], pos[b], end[b], base[:, b], found[:, b], counts, stack, buf16)
-    return lanes.from_steps(found).astype(np.int64)
+    return lanes.from_steps(found, np.int64)
 
 
 def _decode_block(code, rng, pos, end, base, found, counts, stack, buf16):
     """Section 1's decoding loop, one step for every running lane at once; found[i] gets each lane's
     i-th symbol."""
-    lookup = stack.lookup
+    lookup = stack.lookup.view(np.int64).ravel()       # a bucket's row as one 8-byte value, for np.take
     for i, a in enumerate(counts):
         if a == 0:
             break
@@ -521,43 +501,38 @@ def _decode_block(code, rng, pos, end, base, found, counts, stack, buf16):
         # the next integer; and a code value of AC_TOTAL or more (a corrupt stream) stays one
         v = (code_ / r).astype(np.int64)
         try:
-            e = np.take(lookup, base[i, :a] + (v >> _BUCKET_SHIFT))   # (np.take: faster than lookup[...])
+            row = np.take(lookup, base[i, :a] + (v >> _BUCKET_SHIFT)).view(np.uint16).reshape(a, 4)
         except IndexError:                  # far beyond AC_TOTAL
             raise CorruptStream(f"step {i}: the code value lies outside every symbol's slice") from None
-        s, lo, hi = e & 0xFFF, (e >> 12) & 0xFFFF, (e >> 28) & 0x1FFFF
-        second = v >= hi                    # v lies past the bucket's first boundary
-        s += second
-        np.copyto(lo, hi, where=second)
-        np.copyto(hi, e >> 45, where=second)
-        miss = v >= hi                      # more than one boundary in the bucket, or a corrupt stream
+        s, lo, last, last2 = row.T          # symbol, its slice's start and last value, the next one's last
+        second = v > last                   # v lies past the bucket's first boundary
+        np.add(s, second, out=found[i, :a])
+        lo = np.where(second, last + 1, lo)
+        last = np.where(second, last2, last)
+        miss = v > last                     # more than one boundary in the bucket, or a corrupt stream
         if miss.any():
             j = np.flatnonzero(miss)
-            s[j], lo[j], hi[j] = _search(v[j], base[i, j], stack, i)
-        found[i, :a] = s
+            found[i, j], lo[j], last[j] = _search(v[j], base[i, j], stack, i)
         code_ -= r * lo
-        np.multiply(r, hi - lo, out=rng_)
-        bits = _shift_bits(rng_)
+        np.multiply(r, np.subtract(last, lo, dtype=np.int64) + 1, out=rng_)   # (a width can be 2^16)
+        shift = np.add(rng_ < _AC_TOP, rng_ < _AC_TOP2, dtype=np.int64)    # bytes to read: 0, 1 or 2
+        bits = shift << 3
         code_ <<= bits
         code_ |= np.take(buf16, pos_) >> (16 - bits)
         rng_ <<= bits
-        pos_ += bits >> 3
+        pos_ += shift
         np.minimum(pos_, end[:a], out=pos_)
 
 
 def _search(v, base, stack, step):
-    """(symbol, slice start, slice end) of the slice that holds v, in a bucket of several boundaries:
-    read from the bucket's row of stack.fine."""
-    slot, symbols = stack.fine
+    """(symbol, slice start, slice's last value) of the slice that holds v, in a bucket of several
+    boundaries: a binary search of the table's cdf (stack.keys)."""
     t = base // (_BUCKETS + 1)
-    row = slot[base + (v >> _BUCKET_SHIFT)]
-    if np.any(row < 0):                      # a bucket the lookup decides: v lies past the table's end
+    at = np.searchsorted(stack.keys, t << (AC_PRECISION + 1) | np.minimum(v, AC_TOTAL), "right") - 1
+    s = at - stack.start[t]
+    if np.any(v >= AC_TOTAL) or np.any(s >= stack.size[t]):   # past the table's last slice
         raise CorruptStream(f"step {step}: a code value lies outside every symbol's slice")
-    s = np.minimum(symbols[(row << _BUCKET_SHIFT) + (v & ((1 << _BUCKET_SHIFT) - 1))], stack.size[t] - 1)
-    at = stack.start[t] + s
-    start, end = stack.cdf[at], stack.cdf[at + 1]
-    if np.any(end <= v) or np.any(start > v):
-        raise CorruptStream(f"step {step}: a code value lies in no symbol's slice (or in an empty one)")
-    return s, start, end
+    return s, stack.cdf[at], stack.cdf[at + 1] - 1
 
 
 
@@ -600,7 +575,7 @@ def coder_throughput(symbols, table_ids, tables, stream_counts, repeats: int = 1
     syms, ids = np.asarray(symbols), np.asarray(table_ids)
     R, n = syms.shape
     flat, flat_ids, stack = syms.ravel(), ids.ravel(), stack_tables(tables)
-    stack.lookup, stack.fine                             # built beforehand, as constriction's models are
+    stack.lookup, stack.keys                             # built beforehand, as constriction's models are
     t_enc, one = _best_time(lambda: encode(flat, tables, flat_ids), repeats)
     t_dec, back = _best_time(lambda: decode(one, tables, flat.size, flat_ids), repeats)
     assert np.array_equal(back, flat), "the serial coder did not decode bit for bit"
@@ -736,7 +711,11 @@ def quantize(X, spec: CodecSpec) -> np.ndarray:
     anchors = _anchor_mask(T, spec.group)
     a = np.clip(np.rint(X[..., anchors, :, :, :] / spec.anchor_scale), -ANCHOR_MAX, ANCHOR_MAX)
     owner = np.arange(T) // spec.group                  # the group (and so the anchor) of each token
-    q = np.clip(np.rint((X - _anchor_values(a, spec)[..., owner, :, :, :]) / step), -R, R).astype(np.int32)
+    d = _anchor_values(a, spec)[..., owner, :, :, :]     # each token's decoded anchor; then in place:
+    np.subtract(X, d, out=d)                            # its delta, in steps, rounded and clipped
+    np.divide(d, step, out=d)
+    np.clip(np.rint(d, out=d), -R, R, out=d)
+    q = d.astype(np.int32)
     q[..., anchors, :, :, :] = a
     return q
 
@@ -749,7 +728,7 @@ def dequantize(q, spec: CodecSpec) -> np.ndarray:
         T = q.shape[-4]
         anchors = _anchor_mask(T, spec.group)
         anchor = _anchor_values(q[..., anchors, :, :, :], spec)
-        x = x + anchor[..., np.arange(T) // spec.group, :, :, :]
+        x += anchor[..., np.arange(T) // spec.group, :, :, :]
         x[..., anchors, :, :, :] = anchor
     return x
 
@@ -790,10 +769,18 @@ def _fit_counts(calib, steps, delta: bool, level: int, group: int | None):
     free = q if not delta else q[..., ~_anchor_mask(q.shape[-4], group), :, :, :]
     seen = np.abs(free).max(axis=tuple(range(free.ndim - 3)) + (free.ndim - 1,)) if free.size else np.zeros((L, 2))
     spec = replace(spec, radius=np.minimum(CODEC_MAX_RADIUS, np.ceil(seen * 1.25) + 2).astype(np.int64))
-    syms, ids = _symbols(q, spec)  # the radius covers every value seen, so q is unchanged by it
+    # the radius covers every value seen, so q is unchanged by it. Each table's counts sit end to end
+    # (its first at `first`): value (layer, K/V, channel) at symbol q + radius, anchor at q + ANCHOR_MAX
     sizes = _table_sizes(spec)
+    first = (np.cumsum(sizes) - sizes).reshape(-1, L, 2, calib.shape[-1])
+    at = q + (first[0] + spec.radius[:, :, None])
+    if delta:
+        anchors = _anchor_mask(q.shape[-4], group)
+        at[..., anchors, :, :, :] = q[..., anchors, :, :, :] + (first[1] + ANCHOR_MAX)
+    flat = np.bincount(at.ravel(), minlength=int(sizes.sum()))
     M = int(sizes.max())
-    counts = np.bincount((ids * M + syms).ravel(), minlength=len(sizes) * M).reshape(len(sizes), M)
+    counts = np.zeros((len(sizes), M), np.int64)
+    counts[np.repeat(np.arange(len(sizes)), sizes), np.arange(flat.size) - np.repeat(first.ravel(), sizes)] = flat
     return spec, counts, sizes
 
 
