@@ -509,9 +509,8 @@ def _decode_block(code, rng, pos, end, base, found, counts, stack, buf16):
         np.add(s, second, out=found[i, :a])
         lo = np.where(second, last + 1, lo)
         last = np.where(second, last2, last)
-        miss = v > last                     # more than one boundary in the bucket, or a corrupt stream
-        if miss.any():
-            j = np.flatnonzero(miss)
+        j = np.flatnonzero(v > last)        # more than one boundary in the bucket, or a corrupt stream
+        if j.size:
             found[i, j], lo[j], last[j] = _search(v[j], base[i, j], stack, i)
         code_ -= r * lo
         np.multiply(r, np.subtract(last, lo, dtype=np.int64) + 1, out=rng_)   # (a width can be 2^16)
@@ -526,11 +525,12 @@ def _decode_block(code, rng, pos, end, base, found, counts, stack, buf16):
 
 def _search(v, base, stack, step):
     """(symbol, slice start, slice's last value) of the slice that holds v, in a bucket of several
-    boundaries: a binary search of the table's cdf (stack.keys)."""
+    boundaries: a binary search of the table's cdf (stack.keys). A code value at or past the table's
+    total (a corrupt stream) finds the table's end, past its last symbol."""
     t = base // (_BUCKETS + 1)
     at = np.searchsorted(stack.keys, t << (AC_PRECISION + 1) | np.minimum(v, AC_TOTAL), "right") - 1
     s = at - stack.start[t]
-    if np.any(v >= AC_TOTAL) or np.any(s >= stack.size[t]):   # past the table's last slice
+    if np.any(s >= stack.size[t]):
         raise CorruptStream(f"step {step}: a code value lies outside every symbol's slice")
     return s, stack.cdf[at], stack.cdf[at + 1] - 1
 
