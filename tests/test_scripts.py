@@ -4,6 +4,7 @@ here. Figures and pages go to one temporary folder, from which the last test bui
 run_all.py does, and checks that every table, figure and exercise is in it and that a browser shows it.
 The figures' values are checked by the other test files."""
 import base64
+import contextlib
 import html
 import importlib
 import io
@@ -126,3 +127,19 @@ def test_a_bad_output_path_is_refused_before_any_work(script, bad, cli_exit, mon
     code, err = cli_exit(script, *((flag, path) if flag == "--json" else ()))
     assert code == 2 and len(err.strip().splitlines()) == 1 and path in err
     assert len(checkpoints.EVENTS) == events
+
+
+@pytest.mark.parametrize("script, compute, args", [
+    ("01_kv_ledger", "kv_sizes", []), ("03_streaming", "compute", ["--no-real"]),
+    ("05_tiered_storage", "hand_off", ["--users", "20", "--turns", "4"])])
+def test_a_pages_time_counts_the_computing(script, compute, args, tmp_path, monkeypatch):
+    """The report's time for a script is its page's clock: it must count the Parts' computing (here made
+    0.5 s longer), not only the printing after it."""
+    import time
+    mod = importlib.import_module(script)
+    slow = getattr(mod, compute)
+    monkeypatch.setattr(mod, compute, lambda *a, **k: (time.sleep(0.5), slow(*a, **k))[1])
+    monkeypatch.setenv("L27_FIGURES", str(tmp_path))
+    with contextlib.redirect_stdout(io.StringIO()):
+        page = mod.main([*args, "--no-plot"])
+    assert json.loads((tmp_path / "pages" / f"{page.script}.json").read_text())["seconds"] >= 0.5

@@ -419,7 +419,8 @@ class Page:
     """What one script shows, in order: parts, paragraphs, tables, figures, exercises. Each call prints
     at once and keeps a record, so the same page is the terminal output, the `--json` and the report's
     section. A run whose settings differ from the defaults draws its figures into a folder named after
-    the edited inputs, so the default figures stay the default's."""
+    the edited inputs, so the default figures stay the default's. Its clock starts when it is made: a
+    script makes it before it computes, so the report's time for the script counts the computing."""
 
     def __init__(self, script: str, title: str, section: str, settings=None, defaults=None,
                  plot: bool = True, figures: Path | None = None):

@@ -355,8 +355,8 @@ def parse(argv) -> tuple:
 
 def main(argv=None) -> Page:
     s, defaults, a = parse(argv)
-    sizes, fetch, worth = kv_sizes(s), fetch_or_recompute(s), is_storing_worth_it(s)
     page = Page("01", "The KV ledger", "§1", s, defaults, plot=not a.no_plot)
+    sizes, fetch, worth = kv_sizes(s), fetch_or_recompute(s), is_storing_worth_it(s)
     show_sizes(page, sizes, s)
     show_fetch_or_recompute(page, fetch, s)
     show_slides_account(page, worth.slides, s)

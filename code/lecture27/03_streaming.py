@@ -979,8 +979,8 @@ def figure_suite(page, s, suite):
 def main(argv=None) -> Page:
     """Compute every Part, then present it; the page (its tables, notes and --json) is returned for tests."""
     s, a = parse(argv)
-    r = compute(s, real_levels=not a.no_real)
     page = Page("03", "CacheGen part two: streaming with adaptation", "§4", s, Settings(), plot=not a.no_plot)
+    r = compute(s, real_levels=not a.no_real)
     present(page, s, r)
     page.finish(a.json)
     return page

@@ -666,13 +666,13 @@ def parse(argv) -> tuple:
 
 def main(argv=None) -> Page:
     s, defaults, a = parse(argv)
+    page = Page("05", "LMCache: zero-copy sharing, tiered storage, the narrow waist", "§6-7", s, defaults,
+                plot=not a.no_plot)      
     handoff = hand_off(s)
     chat = chat_tiers(s)
     waist = narrow_waist(s)
     service = service_vs_library(s, handoff, chat)
     rag = rag_reuse(s)
-    page = Page("05", "LMCache: zero-copy sharing, tiered storage, the narrow waist", "§6-7", s, defaults,
-                plot=not a.no_plot)
     show_handoff(page, handoff, s)
     show_chat(page, chat, s)
     show_waist(page, waist, s)
