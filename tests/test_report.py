@@ -124,3 +124,15 @@ def report_in_browser(path, tmp_path):
 
 def test_report_opens_in_a_real_browser(built, tmp_path):
     report_in_browser(built[0], tmp_path)
+
+
+def test_the_header_says_what_was_computed_and_what_loaded(tmp_path):
+    """A result a script computed and then read back from its file is computed, not also loaded."""
+    page = Page("02", "the codec", "§3", Settings(), Settings(), figures=tmp_path)
+    page.finish(cache_events=[{"name": "records", "loaded": False, "seconds": 50.0},
+                              {"name": "records", "loaded": True, "seconds": 50.0},
+                              {"name": "codec", "loaded": True, "seconds": 25.0}])
+    doc = report.build_report(tmp_path / "pages", tmp_path / "report.html").read_text()
+    fact = lambda name: re.search(rf"<b>{re.escape(name)}</b></td><td>(.*?)</td>", doc).group(1)  # noqa: E731
+    assert fact("loaded from code/checkpoints/") == "codec (02)"
+    assert fact("computed in this run") == "records (02)"

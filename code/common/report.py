@@ -156,8 +156,8 @@ def header_html(pages: dict[str, dict], missing: list[str]) -> str:
             for r in (pages[s] for s in ORDER if s in pages)]
     facts.append(("each script's time", "; ".join(runs)))
     events = [(f"{e['name']} ({r['script']})", e.get("loaded")) for r in pages.values() for e in r.get("cache", [])]
-    loaded = [name for name, was_loaded in events if was_loaded]
-    computed = [name for name, was_loaded in events if not was_loaded]
+    computed = [name for name, was_loaded in events if not was_loaded]   # (read back after: still computed)
+    loaded = [name for name, was_loaded in events if was_loaded and name not in computed]
     facts.append(("loaded from code/checkpoints/", ", ".join(dict.fromkeys(loaded)) or "nothing"))
     facts.append(("computed in this run", ", ".join(dict.fromkeys(computed)) or "nothing"))
     if missing:
