@@ -230,7 +230,8 @@ def exercise4(probs: dict, n: int = 100_000, seed: int = 0) -> dict:
 # The encoder's one sequential detail, the carry, is settled after the loop: each step records low as
 # it was before its shifts, carry bit included, and the carries of all streams are then added to the
 # bytes before them at once. The decoder finds a symbol in a lookup of 256 buckets per table (the
-# symbol where each bucket starts, with its slice) and steps on only where a boundary falls inside.
+# symbol where each bucket starts, its slice and the next one) and searches the table's cdf only where
+# a bucket holds more boundaries (the rare symbols: about 1% of SmolLM2's).
 _BUCKET_SHIFT = 8                         # a bucket is 2^8 of the AC_TOTAL code values
 _BUCKETS = AC_TOTAL >> _BUCKET_SHIFT      # + 1 more, for a code value of AC_TOTAL (a corrupt stream)
 _AC_TOP2 = 1 << (_AC_SHIFT - 8)           # rng below this: two bytes to shift (rng >= 2^24 after a symbol)
