@@ -667,7 +667,7 @@ def parse(argv) -> tuple:
 def main(argv=None) -> Page:
     s, defaults, a = parse(argv)
     page = Page("05", "LMCache: zero-copy sharing, tiered storage, the narrow waist", "§6-7", s, defaults,
-                plot=not a.no_plot)      
+                plot=not a.no_plot)
     handoff = hand_off(s)
     chat = chat_tiers(s)
     waist = narrow_waist(s)
