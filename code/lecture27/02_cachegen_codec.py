@@ -320,7 +320,7 @@ def grouping_entropy(Qc, Qe):
         n = int(gid.max()) + 1
         ids_c = np.broadcast_to(gid, Qc.shape).ravel()
         counts = np.bincount(ids_c * K + (Qc.ravel() - lo), minlength=n * K).reshape(n, K)
-        tables = kv.make_tables(counts + (counts.sum(1, keepdims=True) == 0), [K] * n)
+        tables = kv.make_tables(kv.unseen_uniform(counts), [K] * n)
         bits = kv.ideal_bits((Qe - lo).ravel(), tables, np.broadcast_to(gid, Qe.shape).ravel())
         out[name] = bits / Qe.size
     return out

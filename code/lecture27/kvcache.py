@@ -77,13 +77,23 @@ def make_tables(counts, sizes) -> tuple:
     """make_table for many tables at once (a codec has one per layer, K/V and channel: 11,520 for
     SmolLM2): row j of counts (n, M) holds table j's counts in its first sizes[j] entries. Rows of one
     size are done together, as a matrix (a codec's sizes take a few dozen values)."""
-    counts, sizes = np.asarray(counts, np.float64), np.asarray(sizes)
     out = [None] * len(sizes)
-    for n in np.unique(sizes):
-        rows = np.flatnonzero(sizes == n)
-        for j, cdf in zip(rows, _quantized_cdfs(counts[rows, :n]).tolist()):
+    for rows, _, cdfs in _cdfs_by_size(np.asarray(counts, np.float64), np.asarray(sizes)):
+        for j, cdf in zip(rows, cdfs.tolist()):
             out[j] = FreqTable(tuple(cdf))
     return tuple(out)
+
+
+def _cdfs_by_size(counts, sizes):
+    """make_tables' work, the rows of one size at a time: (those rows, their size, their CDFs)."""
+    for n in np.unique(sizes):
+        rows = np.flatnonzero(sizes == n)
+        yield rows, n, _quantized_cdfs(counts[rows, :n])
+
+
+def unseen_uniform(counts) -> np.ndarray:
+    """Counts (tables, symbols) with a table that saw nothing made uniform: all ones."""
+    return counts + (counts.sum(1, keepdims=True) == 0)
 
 
 def _quantized_cdfs(p: np.ndarray) -> np.ndarray:
@@ -770,18 +780,14 @@ def _fit_counts(calib, steps, delta: bool, level: int, group: int | None):
     free = q if not delta else q[..., ~_anchor_mask(q.shape[-4], group), :, :, :]
     seen = np.abs(free).max(axis=tuple(range(free.ndim - 3)) + (free.ndim - 1,)) if free.size else np.zeros((L, 2))
     spec = replace(spec, radius=np.minimum(CODEC_MAX_RADIUS, np.ceil(seen * 1.25) + 2).astype(np.int64))
-    # the radius covers every value seen, so q is unchanged by it. Each table's counts sit end to end
-    # (its first at `first`): value (layer, K/V, channel) at symbol q + radius, anchor at q + ANCHOR_MAX
+    syms, ids = _symbols(q, spec)  # the radius covers every value seen, so q is unchanged by it
     sizes = _table_sizes(spec)
-    first = (np.cumsum(sizes) - sizes).reshape(-1, L, 2, calib.shape[-1])
-    at = q + (first[0] + spec.radius[:, :, None])
-    if delta:
-        anchors = _anchor_mask(q.shape[-4], group)
-        at[..., anchors, :, :, :] = q[..., anchors, :, :, :] + (first[1] + ANCHOR_MAX)
-    flat = np.bincount(at.ravel(), minlength=int(sizes.sum()))
-    M = int(sizes.max())
-    counts = np.zeros((len(sizes), M), np.int64)
-    counts[np.repeat(np.arange(len(sizes)), sizes), np.arange(flat.size) - np.repeat(first.ravel(), sizes)] = flat
+    # counted with each table's symbols end to end (table j's from first[j]): fewer bins than tables x the
+    # largest size, so the count stays in the CPU cache; then laid out as (tables, largest size)
+    first = np.cumsum(sizes) - sizes
+    flat = np.bincount((first[ids] + syms).ravel(), minlength=int(sizes.sum()))
+    counts = np.zeros((len(sizes), int(sizes.max())), np.int64)
+    counts[np.repeat(np.arange(len(sizes)), sizes), np.arange(flat.size) - np.repeat(first, sizes)] = flat
     return spec, counts, sizes
 
 
@@ -791,8 +797,7 @@ def fit_codec(calib, steps, delta: bool, level: int = 0, group: int | None = Non
     table per (layer, K/V, channel) from the counts of each symbol. group: tokens per anchor group
     (CODEC_GROUP unless given)."""
     spec, counts, sizes = _fit_counts(calib, steps, delta, level, group)
-    empty = (counts.sum(1) == 0)[:, None]  # a table that saw nothing: uniform counts
-    return replace(spec, tables=make_tables(counts + empty, sizes))
+    return replace(spec, tables=make_tables(unseen_uniform(counts), sizes))
 
 
 def fitted_bits(calib, steps, delta: bool) -> float:
@@ -801,10 +806,8 @@ def fitted_bits(calib, steps, delta: bool) -> float:
     asks a dozen times, and SmolLM2's codec has 11,520 of them)."""
     _, counts, sizes = _fit_counts(calib, steps, delta, 0, None)
     bits = 0.0
-    for n in np.unique(sizes):
-        c = counts[np.flatnonzero(sizes == n), :n]
-        freq = np.diff(_quantized_cdfs(c + (c.sum(1) == 0)[:, None]), axis=1)
-        bits -= float((c * np.log2(freq / AC_TOTAL)).sum())
+    for rows, n, cdfs in _cdfs_by_size(unseen_uniform(counts), sizes):
+        bits -= float((counts[rows, :n] * np.log2(np.diff(cdfs, axis=1) / AC_TOTAL)).sum())
     return bits
 
 
