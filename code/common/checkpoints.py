@@ -213,10 +213,10 @@ def _what_changed(files, key: dict) -> str | None:
         a, b = was.get(part, {}), key[part]
         # a closure's value is named by its function ("study.<locals>.<lambda>:model" -> "study:model")
         changed = sorted(k.replace(".<locals>.<lambda>:", ":") for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-        shown = [k for i, k in enumerate(changed) if i == 0 or len(", ".join(changed[:i + 1])) <= 60]
+        named = [k for i, k in enumerate(changed) if i == 0 or len(", ".join(changed[:i + 1])) <= 60]
         if changed:
-            more = f" and {len(changed) - len(shown)} more" if len(changed) > len(shown) else ""
-            said.append(f"{what} {', '.join(shown)}{more} changed")
+            more = f" and {len(changed) - len(named)} more" if len(changed) > len(named) else ""
+            said.append(f"{what} {', '.join(named)}{more} changed")
     return "; ".join(said) or "the code that computes it changed"
 
 
