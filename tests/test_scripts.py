@@ -143,3 +143,31 @@ def test_a_pages_time_counts_the_computing(script, compute, args, tmp_path, monk
     with contextlib.redirect_stdout(io.StringIO()):
         page = mod.main([*args, "--no-plot"])
     assert json.loads((tmp_path / "pages" / f"{page.script}.json").read_text())["seconds"] >= 0.5
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_option_says_what_it_sets_and_its_default(script, monkeypatch):
+    """--help is where a student looks first: every option has a line of help, and each that takes a value
+    and has a default (the script's constant) shows it; an on/off flag shows none."""
+    import argparse
+
+    from common import cli
+    parsers = []
+
+    def keep(self, *args, **kw):
+        parsers.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli.Parser, "parse_args", keep)
+    with pytest.raises(SystemExit):
+        importlib.import_module(script).main([])
+    p = parsers[0]
+    for a in p._actions:
+        if isinstance(a, argparse._HelpAction):
+            continue
+        line = p._get_formatter()._get_help_string(a) % {**vars(a), "default": a.default}
+        assert a.help, f"{script} {a.option_strings[0]}: no help"
+        if a.nargs != 0 and a.default is not None:
+            assert f"(default: {a.default})" in line, f"{script} {a.option_strings[0]}: {line!r}"
+        else:
+            assert not any(f"(default: {x})" in line for x in (None, True, False)), f"{script}: {line!r}"

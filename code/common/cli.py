@@ -12,13 +12,23 @@ from pathlib import Path
 from .present import check_writable_dir, check_writable_file, figures_dir
 
 
+class _Help(argparse.HelpFormatter):
+    """Each option that takes a value ends its help with its default, the script's constant; an on/off
+    flag and an option without a default (--json) print none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.nargs != 0 and action.default not in (None, argparse.SUPPRESS) and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with a one-line error and exit code 2 (no usage dump, no traceback)."""
 
     def __init__(self, doc: str, json: bool = True, **kw):
         # the module docstring's first paragraph is the description
-        super().__init__(description=doc.strip().split("\n\n")[0],
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
+        super().__init__(description=doc.strip().split("\n\n")[0], formatter_class=_Help, **kw)
         if json:
             self.add_argument("--json", metavar="PATH", help="write the headline figures to this JSON file")
         self.add_argument("--no-plot", action="store_true", help="draw no figures")

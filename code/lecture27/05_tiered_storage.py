@@ -654,7 +654,7 @@ def parse(argv) -> tuple:
                    help="Part 4: CacheBlend's recompute ratio for a document the chunk cache reuses")
     p.add_argument("--rag-tiers", default=RAG_TIERS, choices=["gpu_only", "cpu50", "cpu_slow", "cpu_fast", "cpu_ssd"],
                    help="Part 4: which of Part 2's storage configurations the two caches run on")
-    p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument("--seed", type=int, default=SEED, help="seed of the chat, document and RAG traces")
     a = p.parse_args(argv)
     if max(a.rag_ks) > a.rag_docs:
         p.error(f"--rag-ks: a request cannot retrieve {max(a.rag_ks)} different documents from {a.rag_docs}")
