@@ -12,6 +12,7 @@ mod = importlib.import_module("05_tiered_storage")
 RUNS = {   # the two CPU tiers, then the edits the exercises and pitfall 7 invite
     "default": "", "cpu 60 GB": "--cpu-gb 60", "cpu 250 GB": "--cpu-gb 250", "slower copy": "--cpu-slow-gbps 5",
     "smaller GPU": "--gpu-gb 40", "bigger doc cache": "--doc-cache-gb 20", "20 users": "--users 20 --turns 4",
+    "cpu below the GPU": "--cpu-gb 20 --gpu-gb 40",
 }
 
 
@@ -77,11 +78,15 @@ def test_the_share_sentence_follows_the_numbers(pages, run):
 def test_the_cpu50_sentence_follows_the_numbers(pages, run):
     page = pages[run]
     kept = config(page, "cpu50")["hits by tier"][1]
-    note = next(n for n in chat(page).notes if n.startswith("cpu50:"))
+    note = next(n for n in chat(page).notes if n.startswith("cpu50"))
     assert ("never hits" in note) == (kept == 0)
     if kept:
         assert f"{kept:.0%} of the history tokens" in note
     assert ("no bigger than" in note) == (page.settings.cpu_small_gb <= page.settings.gpu_gb)
+    for name in ("cpu_slow", "cpu_fast", "cpu_ssd"):       # every CPU tier that inclusion keeps from hitting
+        never = config(page, name)["hits by tier"][1] == 0 and page.settings.cpu_gb <= page.settings.gpu_gb
+        said = [n for n in chat(page).notes if name in n.split(":")[0] and "never hits" in n]
+        assert bool(said) == never, (run, name)
     for t in page.texts():
         assert not re.search(r"\(([^()]+?) -> \1\)", t), t                  # no "rises (0% -> 0%)"
 

@@ -470,19 +470,34 @@ def chat_notes(c: Chat, s: Settings) -> list:
     busy = change(slow.busy_s, fast.busy_s, "{:.0f} s")   # 'falls (119 s -> 71 s)'
     busy = ("faster loading shrinks the busy time" + busy[5:]) if busy.startswith("falls") else "the busy time " + busy
     share = change(slow.recompute_share, fast.recompute_share, "{:.0%}")
-    small, room, kept = s.cpu_small_gb, s.gpu_gb, res["cpu50"].hit_rate_per_tier[1]
     return ["hits = share of history tokens found cached; recompute/busy = the GPU's seconds recomputing history "
             "over its busy seconds (load + prefill); GPU busy = busy seconds / run time. Decode is not simulated.",
             f"recompute/busy is a share, not an amount: {amounts}, but {busy}, so the share {share}."
             if rs == rf and not share.startswith("stays") else f"{amounts}; {busy}, and the share {share}.",
-            f"cpu50: a {small:g} GB CPU tier is " + (
-                f"no bigger than the GPU's room ({room:g} GB); written through, an LRU tier holds a subset of the "
-                "GPU's chunks (inclusion), so it never hits." if kept == 0 and small <= room else
-                f"bigger than the GPU's room ({room:g} GB) here, " + (
-                    f"so it keeps some chunks the GPU evicted: {kept:.0%} of the history tokens." if kept else
-                    "but the GPU keeps every chunk that is asked for again: it never hits.")),
+            *cpu_tier_notes(c, s.gpu_gb),
             f"cpu_slow / cpu_fast mean TTFT: {c.slow_vs_fast:.1f}x (handout: {HANDOUT.figure('slow_vs_fast', s)}, "
             f"pitfall 7)   gpu_only / cpu_ssd: {res['gpu_only'].mean_ttft_s / res['cpu_ssd'].mean_ttft_s:.0f}x"]
+
+
+def cpu_tier_notes(c: Chat, room: float) -> list:
+    """Why a CPU tier hits or not. One no bigger than the GPU's room, written through, holds a subset of the
+    GPU's chunks (inclusion) and never hits: every configuration where that happens is named. cpu50, the
+    handout's case, is explained in any run."""
+    cpu = {n: next(gb for name, gb, _ in tiers if name == "CPU") for n, tiers in c.configs.items() if len(tiers) > 1}
+    kept = {n: c.served[n].hit_rate_per_tier[1] for n in cpu}
+    never = [n for n in cpu if kept[n] == 0 and cpu[n] <= room]
+    out = [f"{', '.join(never)}: " + (f"a {cpu[never[0]]:g} GB CPU tier is" if len(never) == 1 else
+                                      f"CPU tiers of {' / '.join(f'{cpu[n]:g}' for n in never)} GB are")
+           + f" no bigger than the GPU's room ({room:g} GB); written through, an LRU tier holds a subset of the GPU's "
+           "chunks (inclusion), so it never hits."] if never else []
+    small, hit = cpu["cpu50"], kept["cpu50"]
+    if "cpu50" not in never:
+        out.append(f"cpu50: a {small:g} GB CPU tier is " + (
+            f"no bigger than the GPU's room ({room:g} GB), yet it keeps {hit:.0%} of the history tokens." if small <= room
+            else f"bigger than the GPU's room ({room:g} GB) here, " + (
+                f"so it keeps some chunks the GPU evicted: {hit:.0%} of the history tokens." if hit else
+                "but the GPU keeps every chunk that is asked for again: it never hits.")))
+    return out
 
 
 def tiers_text(tiers: list) -> str:
