@@ -493,8 +493,8 @@ def cpu_tier_notes(c: Chat, room: float) -> list:
     small, hit = cpu["cpu50"], kept["cpu50"]
     if "cpu50" not in never:
         out.append(f"cpu50: a {small:g} GB CPU tier is " + (
-            f"no bigger than the GPU's room ({room:g} GB), yet it keeps {hit:.0%} of the history tokens." if small <= room
-            else f"bigger than the GPU's room ({room:g} GB) here, " + (
+            f"no bigger than the GPU's room ({room:g} GB), yet it keeps {hit:.0%} of the history tokens."
+            if small <= room else f"bigger than the GPU's room ({room:g} GB) here, " + (
                 f"so it keeps some chunks the GPU evicted: {hit:.0%} of the history tokens." if hit else
                 "but the GPU keeps every chunk that is asked for again: it never hits.")))
     return out
