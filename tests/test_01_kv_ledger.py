@@ -38,6 +38,13 @@ def test_json_keys_match_spec(result, key):
     assert data[key] == pytest.approx(SPEC[key], rel=0.05)
 
 
+def test_the_calibrated_hit_saves_gives_the_handouts_break_even_as_printed(result):
+    """HIT_SAVES is not on the slides: it is the one value chosen so that the slides' $0.15 / $16 becomes the
+    handout's 1.06%, so the row beside the handout's figure must print it (the source column says so)."""
+    _, data = result
+    assert f"{data['slides_breakeven_hit_rate_pct']:.2f}%" == mod.HANDOUT.refs["breakeven_pct"].figure
+
+
 def test_breakeven_list(result):
     _, data = result
     assert len(data["breakeven_gbytes_per_s"]) == len(data["contexts"])
