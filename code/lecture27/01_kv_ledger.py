@@ -225,7 +225,7 @@ def show_sizes(page: Page, r: Sizes, s: Settings) -> None:
                           ("KV per token", f"{tok / 1024:.1f} KiB ({tok:,} B)", handout("day_kib", s)),
                           ("KV per day (decimal TB)", Val(f"{day / 1e12:.1f} TB", "gpu_day_tb", json=day / 1e12),
                            handout("day_tb", s)), ("KV per day (binary TiB)", f"{day / 2**40:.1f} TiB", DASH)))
-    page.exercise(1, "§1.2", f"{tm.MODELS[s.model].name}, {s.context:,} tokens, {bpv:g} bytes/value")
+    page.exercise(1, "§1.2", f"{tm.MODELS[s.model].name}, {s.context:,} tokens, {bpv:g} {byte_s(bpv)}/value")
     page.table(quantities("", "§1.2", "01_kv_ledger.kv_sizes", ("KV bytes per token", Val(
         f"{b:,} B = {b / 1024:g} KiB", "ex1_bytes_per_token", json=b), handout("ex1_per_token", s)),
         (f"KV of {s.context:,} tokens", Val(fmt_bytes(r.ex1_bytes), "ex1_context_gb", json=r.ex1_bytes / 1e9),
