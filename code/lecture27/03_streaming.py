@@ -606,7 +606,7 @@ def present_part1(page, s, r):
         "03_streaming.part1", json={"llama31_70b_12k_recompute_s": p1.recompute_s}))
     lo, hi = (f"{f(b.vs_8bit for b in p1.rows):.1f}" for f in (min, max))
     page.table(Table(
-        f"\nTTFT (context on the GPU), seconds.\n'best' = fastest of {p1.no_loss} (within "
+        f"\nTTFT (context on the GPU), seconds.\n'best' = fastest of {', '.join(p1.no_loss)} (within "
         f"{s.no_loss_points * 100:.1f} points of lossless).", "§4.1",
         cols(("Gb/s", "{:g}"), *[(f"{o.name} s", "{:.2f}", "ttft_s_at_gbit_per_s.{row}." + o.name) for o in p1.options],
              ("best (no loss)", "{}", "best_at_gbit_per_s.{row}"), ("fastest", "{}", "fastest_at_gbit_per_s.{row}")),

@@ -454,7 +454,7 @@ def record_world_model(s: Settings, page: Page):
     page.say("\nrecord world model: " + (f"loaded from code/checkpoints/ ({how} when it was cached)"
                                            if cache_loaded("records") else how)
              + f", accuracy crossed 50% at step {m['drop_step']} (handout: {HANDOUT.figure('train', s)}); held-out "
-             f"{m['heldout_acc']:.2%} on {m['heldout_questions']} questions; locality penalty {loc}"
+             f"{m['heldout_acc']:.2%} on {m['heldout_questions']:,} questions; locality penalty {loc}"
              + (f" from step {m['locality_from_step']}" if loc else ""))
     page.data(train_seconds=m["train_seconds"], drop_step=m["drop_step"], heldout_acc=m["heldout_acc"])
     if page.plot:

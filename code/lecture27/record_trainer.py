@@ -391,7 +391,7 @@ def model_lines(model: Llama, meta: dict, loaded: bool) -> list[str]:
             + [f"trained {m['steps']} steps in {m['train_seconds']:.0f} s" + (
                f" ({len(m['restarts'])} restarts, {m['steps_total']} steps in all)" if m["restarts"] else "")
                + f"; accuracy crossed 50% at step {m['drop_step']} (handout: ~5,000 of 12,000){how}",
-               f"held-out accuracy, full prefill: {m['heldout_acc']:.2%} on {m['heldout_questions']} questions",
+               f"held-out accuracy, full prefill: {m['heldout_acc']:.2%} on {m['heldout_questions']:,} questions",
                f"locality penalty {loc}" + (f" from step {m['locality_from_step']}" if loc else "") + "; document "
                f"tokens' attention on other tokens, layers 0-{len(m['attention_elsewhere']) - 1}: "
                + " ".join(f"{x:.1%}" for x in m["attention_elsewhere"])])
