@@ -690,6 +690,11 @@ def plan_reason(t: Throughput) -> str:
             f"the parallel coder (it pays from {kv.PARALLEL_MIN_STREAMS})")
 
 
+def times(x: float) -> str:
+    """A speed ratio: '17.0x', and below 1 with two digits ('0.03x'), where '0.0x' would say nothing."""
+    return f"{x:.1f}x" if x >= 1 else f"{x:.2f}x"
+
+
 def throughput_table(t: Throughput) -> Table:
     """Exercise 3's measured table: each coder's symbols/s on the same symbols, and the parallel coder's
     added bytes at each stream count."""
@@ -722,7 +727,7 @@ def throughput_table(t: Throughput) -> Table:
     return Table("Exercise 3 measured (§3.3): streams that decode independently, coded side by side (symbols/s, "
                  "wall clock, this run)", "§3.3",
                  cols("coder", ("streams", "{:,}"), ("encode M sym/s", mega, "coder_encode_sym_per_s.{row}"),
-                      ("decode M sym/s", mega, "coder_decode_sym_per_s.{row}"), ("decode vs serial", "{:.1f}x"),
+                      ("decode M sym/s", mega, "coder_decode_sym_per_s.{row}"), ("decode vs serial", times),
                       ("added bytes", "{:+,}"), ("added", "{:+.2%}")), rows, "kvcache.coder_throughput", notes,
                  json={"coder_parallel_streams": list(c.streams),
                        "coder_parallel_decode_sym_per_s": list(c.parallel_decode),
