@@ -54,6 +54,8 @@ def test_every_table_figure_and_exercise_is_in_the_report(built):
     for title in ("KV size", "Deviation", "Exercise 1", "Going further"):
         assert title in doc
     assert doc.count('<h3 class="exercise"') == 2
+    ids = re.findall(r' id="([^"]+)"', doc)                 # both pages answer exercise 1: one anchor each,
+    assert len(ids) == len(set(ids)) and 'href="#ex1"' in doc and 'id="ex1"' in doc   # the nav's to the first
     assert "computed by <code>ledger.kv_bytes</code>" in doc
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', doc)
     assert len(images) == 2

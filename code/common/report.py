@@ -111,7 +111,9 @@ def table_html(b: dict) -> str:
     return "".join(parts)
 
 
-def section_html(rec: dict) -> str:
+def section_html(rec: dict, anchors: set) -> str:
+    """One script's section. `anchors`: the exercise anchors taken by the sections before it; an exercise
+    that another section answers first (02 --model smollm2's exercise 3) gets the script in its anchor."""
     out = [f'<h2 id="s{esc(rec["script"])}">{esc(rec["section"])} &middot; {esc(rec["title"])}</h2>']
     if rec.get("changes"):
         edits = ", ".join(f"{k} = {v}" for k, v in rec["changes"].items())
@@ -123,7 +125,9 @@ def section_html(rec: dict) -> str:
         if b["kind"] == "part":
             out.append(f'<h3>{esc(b["name"])} ({esc(b["section"])}). {esc(b["title"])}</h3>')
         elif b["kind"] == "exercise":
-            out.append(f'<h3 class="exercise" id="ex{b["n"]}">Exercise {b["n"]} ({esc(b["section"])}, §10): '
+            anchor = f'ex{b["n"]}' if f'ex{b["n"]}' not in anchors else f'ex{b["n"]}-{esc(rec["script"])}'
+            anchors.add(anchor)
+            out.append(f'<h3 class="exercise" id="{anchor}">Exercise {b["n"]} ({esc(b["section"])}, §10): '
                        f'{esc(b["title"])}</h3>')
         elif b["kind"] == "text":
             out.append(f'<p class="text">{esc(b["text"].strip())}</p>')
@@ -177,7 +181,8 @@ def build_report(pages_dir: Path, out: Path, extra_html: str = "") -> Path:
     pages = load_pages(pages_dir)
     order = [s for s in ORDER if s in pages] + sorted(s for s in pages if s not in ORDER)
     missing = [s for s in ORDER if s not in pages]
-    body = "\n".join(section_html(pages[s]) for s in order)
+    anchors: set = set()
+    body = "\n".join(section_html(pages[s], anchors) for s in order)
     doc = (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
            f'<title>Lecture 27 report</title><style>{CSS}</style></head><body>'
