@@ -525,7 +525,7 @@ def part2_records(model, s: Settings, page: Page) -> RecordRun:
                  handout_text(h("unsplit_reuse", s) if m == "reuse" else None)],
                 key=m if m in ("full", "reuse") else m + pk(s.ratio)) for m in METHODS]
     show(page, Table(f"Record world, chunks of {s.chunk_len}: split records {ids} (values at positions "
-                     f"{[2 * i + 1 for i in ids]});\n{run.n_split} questions on split records, {n_unsplit} on "
+                     f"{[2 * i + 1 for i in ids]});\n{run.n_split:,} questions on split records, {n_unsplit:,} on "
                      f"unsplit; chance 1/{N_RECORDS} = {1 / N_RECORDS:.1%}.", "§5.2, §5.3",
                      cols("method", ("split records", pct, "split_acc_{row}"), ("unsplit records", pct),
                           "handout split", "handout unsplit"), rows, "04_cacheblend.record_experiment",
