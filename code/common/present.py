@@ -448,9 +448,11 @@ class Page:
         print(wrap(f"\nExercise {n} ({section}, §10): {title}"))
         self.blocks.append({"kind": "exercise", "n": n, "section": section, "title": title})
 
-    def say(self, text: str, indent: int | None = None) -> None:
-        print(wrap(text, indent))
-        self.blocks.append({"kind": "text", "text": text})
+    def say(self, text: str, indent: int | None = None, code: bool = False) -> None:
+        """A paragraph, wrapped to WIDTH; code=True: lines laid out by hand (a request sketch), kept as they
+        are and set in a fixed-width font in the report."""
+        print(text if code else wrap(text, indent))
+        self.blocks.append({"kind": "text", "text": text, **({"code": True} if code else {})})
 
     def table(self, t: Table) -> Table:
         if self.blocks and self.blocks[-1]["kind"] in ("table", "text"):

@@ -41,7 +41,7 @@ table.data th { background: #f3f3f3; } td.handout { background: #eef5ff; }
 tr.differs td.handout { background: #ffe9d6; }
 .src { font-size: 12px; color: #666; } .src code { font-size: 12px; }
 .note { font-size: 13px; margin: 2px 0; } .why { font-size: 13px; margin: 2px 0; color: #8a3b00; }
-p.text { margin: 4px 0; white-space: pre-wrap; } nav { font-size: 14px; } nav a { margin-right: 10px; }
+p.text { margin: 4px 0; white-space: pre-wrap; } pre.code { font-size: 13px; margin: 4px 0; overflow-x: auto; } nav { font-size: 14px; } nav a { margin-right: 10px; }
 code { background: #f4f4f4; padding: 0 3px; }
 """
 
@@ -130,7 +130,8 @@ def section_html(rec: dict, anchors: set) -> str:
             out.append(f'<h3 class="exercise" id="{anchor}">Exercise {b["n"]} ({esc(b["section"])}, §10): '
                        f'{esc(b["title"])}</h3>')
         elif b["kind"] == "text":
-            out.append(f'<p class="text">{esc(b["text"].strip())}</p>')
+            out.append(f'<pre class="code">{esc(b["text"].strip(chr(10)))}</pre>' if b.get("code") else
+                       f'<p class="text">{esc(b["text"].strip())}</p>')
         elif b["kind"] in ("table", "figure"):
             # a table and the figures right after it sit side by side
             tables, figs = [], []

@@ -787,7 +787,8 @@ def compute_real(gguf, s: Settings, refit: bool) -> Real:
     coded = r["coded"]                  # the coded contexts at level 0, for exercise 3's measurement
     throughput = coder_throughput(kv.spec_from_dict(coded["spec"]), np.array(coded["q"]), s.coder_streams,
                                   plural(len(coded["q"]), "evaluation paragraph"))
-    return Real(r["info"]["name"], r["L"], r["C"], r["tokens"], r["n_calib"], r["n_eval"], locality, r["entropy"],
+    name = Path(r["info"]["path"]).stem     # the file's name, as 04 names it (its metadata's name is a run's)
+    return Real(name, r["L"], r["C"], r["tokens"], r["n_calib"], r["n_eval"], locality, r["entropy"],
                 Codecs(rows, levels, r["delta"]), r["rel_steps"], throughput)
 
 
@@ -855,7 +856,7 @@ def present_real(page: Page, r: Real, s: Settings) -> None:
                  Field("KL from FP16", "{:.4f}", "levels[].kl", get="kl"),
                  Field("top-1 = FP16's", pct1, "levels[].agree", get="agree")],
         r.codecs.levels, "codec_real.fit"))
-    page.exercise(3, "§3.3", f"streams that decode independently run side by side: the coders on {r.name}'s KV")
+    page.exercise(3, "§3.3", f"streams that decode independently, side by side: the coders on {r.name}'s KV")
     page.table(throughput_table(r.throughput))
 
 

@@ -539,7 +539,7 @@ def show_waist(page: Page, w: Waist, s: Settings) -> None:
                           ["LLM inference stack", "classic computer system", "in this lecture's code"],
                           STACK_VS_CLASSIC))
     page.exercise(10, "§7", "what the hint needs an API to carry")
-    page.say("\n".join("    " + line for line in HINT_API_EXAMPLE.splitlines()))
+    page.say("\n".join("    " + line for line in HINT_API_EXAMPLE.splitlines()), code=True)
 
 
 def show_service_vs_library(page: Page, e: ServiceVsLibrary, s: Settings) -> None:
