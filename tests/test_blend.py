@@ -187,6 +187,32 @@ def test_trained_model_concentrates_kv_deviation():
     assert all(e["acc"] < 0.5 for e in evals if e["step"] < first)
 
 
+def test_cache_deviation_is_the_squared_change_of_k_and_v_per_layer_and_token():
+    """One V row and one K value moved by hand: the deviation is exactly their squared change, at their
+    layer, sequence and token, summed over heads and head dims; the question's rows of `full` are not read."""
+    from common.llama import KVCache
+    g = torch.Generator().manual_seed(0)
+    k, v = ([torch.randn(2, 3, 5, 4, generator=g) for _ in range(3)] for _ in range(2))
+    question = lambda: torch.randn(2, 3, 2, 4, generator=g)  # noqa: E731
+    fk, fv = [torch.cat([x, question()], 2) for x in k], [torch.cat([x, question()], 2) for x in v]
+    fv[1][1, 2, 3] += torch.tensor([1.0, 2.0, 0.0, 0.0])       # layer 1, sequence 1, token 3: |dV|^2 = 5
+    fk[2][0, 0, 4, 0] += 3.0                                     # layer 2, sequence 0, token 4: |dK|^2 = 9
+    dev = bw.cache_deviation(KVCache(k, v, torch.arange(5)), KVCache(fk, fv, torch.arange(7)))
+    want = torch.zeros(3, 2, 5)
+    want[1, 1, 3], want[2, 0, 4] = 5.0, 9.0
+    assert dev.shape == (3, 2, 5) and torch.allclose(dev, want, atol=1e-5)
+
+
+def test_deviation_top_share_is_insight_1_averaged_over_layers_1_and_up(model, rec):
+    """Layer 0 never deviates (its K, V depend on token and position only), so insight 1's number is the
+    mean of top_share over layers 1..L-1."""
+    dev = bw.kv_deviation(model, rec, 5)
+    assert float(dev[0].abs().max()) < 1e-6
+    per_layer = [bw.top_share(dev[i], 0.15) for i in range(1, len(dev))]
+    assert bw.deviation_top_share(model, rec, 5, 0.15) == pytest.approx(sum(per_layer) / len(per_layer))
+    assert 0.15 < bw.deviation_top_share(model, rec, 5, 0.15) <= 1
+
+
 def test_spearman_hand_worked():
     """Rank correlation on cases worked by hand: perfect, reversed, and ties sharing their mean rank
     (a = 1 2 2 3 -> ranks 1 2.5 2.5 4 against 1 2 3 4: 4.5 / sqrt(4.5 * 5) = 0.94868)."""

@@ -26,6 +26,24 @@ def test_the_masks_agree_only_on_the_last_rows():
     assert (future < N).all()                                   # what it wrongly sees is context, not question
 
 
+def test_future_keys_counts_the_later_keys_the_bottom_right_mask_shows_each_pick():
+    N = 24
+    picks = torch.tensor([[1, 4, 8, 20], [0, 2, 3, 23]])
+    later = mp.bottom_right_mask(picks, N)[:, 0] & ~bw.position_mask(picks, N)[:, 0]   # (B, m, N)
+    assert mp.future_keys(picks, N) == pytest.approx(float(later.sum(-1).float().mean()))
+
+
+@torch.no_grad()
+def test_the_first_kv_a_mask_can_change_is_that_of_first_layer_changed(model64):
+    """Layer 0 is computed in full and layer 1's K, V come from layer 0's output: the two masks give the
+    same K, V below FIRST_LAYER_CHANGED and different ones at it."""
+    rec = bw.sample_records(2, torch.Generator().manual_seed(3), n_questions=3)
+    caches = [bw.blend(model64, rec, 5, 0.2, trace=True, mask=m)[1].cache for m in mp.MASKS.values()]
+    for layer in range(model64.cfg.n_layers):
+        same = all(torch.equal(a[layer], b[layer]) for a, b in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)))
+        assert same == (layer < mp.FIRST_LAYER_CHANGED), layer
+
+
 @torch.no_grad()
 def test_position_mask_is_the_reference_and_the_bottom_right_mask_is_not(model64):
     ids = CASES["chunks of 5"]
@@ -84,5 +102,14 @@ def test_record_cost_reports_both_masks_and_the_layers_read():
     assert set(cost.split) == set(cost.unsplit) == set(mp.MASKS)
     assert cost.split["position"] >= 0.9
     assert cost.layers_read is not None and 1 <= cost.layers_read <= model.cfg.n_layers
+    # the fewest layers of full prefill's KV (full reuse's above) that answer as well as full prefill
+    split, pre = bw.split_mask(rec, 5), bw.precompute_chunks(model, rec.doc, 5)
+    full, target = model(rec.doc)[1], bw.accuracy(bw.answer_correct(bw.full_prefill(model, rec), rec), split)
+
+    def answered(n):
+        cache = type(pre)(full.k[:n] + pre.k[n:], full.v[:n] + pre.v[n:], full.pos)
+        return bw.accuracy(bw.answer_correct(model(rec.question, cache=cache)[0], rec), split)
+    n = cost.layers_read
+    assert answered(n) >= target and (n == 1 or answered(n - 1) < target)
     six = mp.record_cost(model, rec, 6, 0.2)
     assert six.layers_read is None and six.split == {"position": None, "bottom-right": None}

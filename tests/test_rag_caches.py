@@ -89,6 +89,14 @@ def test_what_the_prefix_cache_reuses_is_exact():
     assert r.head_share == 0.5                                   # of the two reused, one stood first
 
 
+def test_a_request_waits_for_the_gpu_to_finish_the_one_before():
+    trace = RagTrace(np.zeros(2), np.array([[1, 2, 3], [4, 5, 6]]))   # both at once, no document shared
+    big = TieredStore([Tier("GPU", 1e15), Tier("CPU", 1e15, bandwidth=50e9)])
+    r = serve_rag(trace, big, "prefix", MODEL, GPU, T, Q, 0.15)
+    assert r.ttft[0] == pytest.approx(r.load_s[0] + r.compute_s[0])
+    assert r.ttft[1] == pytest.approx(r.ttft[0] + r.load_s[1] + r.compute_s[1])   # queued behind the first
+
+
 def test_prefill_pieces_add_up_to_a_full_prefill():
     assert prefill_s(MODEL, GPU, [T] * 4, T, Q) == pytest.approx(prefill_time(MODEL, GPU, 4 * T + Q, 0))
 

@@ -161,6 +161,15 @@ def test_a_prefix_is_evicted_from_its_tail():
     assert store.lookup(["h0", "h1", "h2"]) == [0, 0]
 
 
+def test_a_fetched_prefix_is_touched_tail_first_so_its_head_is_evicted_last():
+    tier = Tier("gpu", 4)
+    store = TieredStore([tier])
+    store.store(["h0", "h1", "h2"], [1, 1, 1])
+    tier.put("x", 1)                            # x is now the most recent
+    store.fetch(["h0", "h1", "h2"], [1, 1, 1])  # the prompt again: its chunks, head most recent of all
+    assert tier.keys_lru_order() == ["x", "h2", "h1", "h0"]
+
+
 # ------------------------------------------------------------------------- the chat simulation
 SMALL = dict(users=30, turns=6, rate=20.0, seed=3)
 SERVE = dict(model=ts.MODEL, gpu=ts.GPU, user_tokens=ts.USER_TOKENS, answer_tokens=ts.ANSWER_TOKENS, chunk=ts.CHUNK)

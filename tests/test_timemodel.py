@@ -108,6 +108,13 @@ def test_decode_is_memory_bound_by_hand():
     assert kv_part == pytest.approx(70_272 * 10_000 / tm.GPUS["H200"].hbm_bw)
 
 
+def test_attention_flops_per_query_key_pair_by_hand():
+    """Q.K^T over the query-key width and P.V over the value width, 2 FLOPs per multiply-add, every head:
+    MLA's Q.K is 192 wide (128 + 64 RoPE) and its V 128."""
+    assert tm.MODELS["llama-3.1-8b"].attn_pair_flops == 2 * 32 * (128 + 128)
+    assert tm.MODELS["deepseek-r1"].attn_pair_flops == 2 * 128 * (192 + 128)
+
+
 def test_names_or_objects():
     assert tm.prefill_time("llama-3.1-8b", "H100", 1000) == tm.prefill_time(
         tm.MODELS["llama-3.1-8b"], tm.GPUS["H100"], 1000)
