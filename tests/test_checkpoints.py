@@ -203,3 +203,18 @@ def test_two_runs_at_once_compute_a_result_once(ckdir, tmp_path):
     assert all(p.returncode == 0 and "result 1" in o for p, o in zip(procs, outs)), outs
     assert log.read_text().count("computed") == 1
     assert sum("waiting for it" in o for o in outs) == 1, outs
+
+
+def test_a_held_models_cache_key_and_a_tensor_constants_values_are_part_of_the_key():
+    """A study built on a cached model is keyed by that model's checkpoint (a retrained model recomputes
+    it); a tensor constant is keyed by its values, not only its shape."""
+    import functools
+
+    from common.llama import kl_divergence
+    m = torch.nn.Linear(2, 2)
+    m.cache_key = "records-a"
+    a = checkpoints.code_identity(functools.partial(kl_divergence, m))      # compute() holds the model
+    m.cache_key = "records-b"
+    assert checkpoints.code_identity(functools.partial(kl_divergence, m))["values"] != a["values"]
+    canon = lambda v: checkpoints._canon(v, lambda f: None)  # noqa: E731
+    assert canon(torch.zeros(3)) != canon(torch.ones(3)) and canon(torch.zeros(3)) == canon(torch.zeros(3))

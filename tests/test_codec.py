@@ -238,6 +238,26 @@ def test_codec_study_runs_on_an_untrained_model(monkeypatch):
     assert len(b) == kv.N_LEVELS and b == sorted(b, reverse=True)
     assert all(lv["roundtrip_exact"] for lv in s["levels"]) and s["recipe"]["roundtrip_exact"]
     assert np.all(np.diff(np.array(s["recipe"]["steps_over_rms"])[:, 0]) >= 0)
+    assert all(lv["fp16_accuracy"] == s["acc_fp16"] for lv in s["levels"])   # the evaluation set's, every level
+
+
+def test_the_anchor_is_8_bits_of_the_largest_value_and_decodes_within_half_its_step():
+    X = np.random.default_rng(0).normal(size=(400, 10, 2, 2, 3)).astype(np.float32)
+    spec = kv.fit_codec(X, 0.1, True)
+    assert np.allclose(spec.anchor_scale, np.abs(X).max(axis=(0, 1)) / 127)
+    err = np.abs(kv.dequantize(kv.quantize(X, spec), spec) - X)[:, 0]          # the anchors (token 0)
+    assert np.all(err <= spec.anchor_scale / 2 + 1e-6)
+
+
+def test_a_groups_payload_estimate_is_its_entropy_and_a_partial_group_counts_as_one(monkeypatch):
+    X = np.random.default_rng(0).normal(size=(400, 10, 2, 2, 3)).astype(np.float32)
+    spec = kv.fit_codec(X, 0.1, True)
+    plan = kv.stream_plans(spec)[0]
+    assert plan.group_bytes * 8 == pytest.approx(kv.codec_bits(spec, X) / 400, rel=0.01)   # 400 one-group contexts
+    monkeypatch.setattr(kv, "STREAM_BUDGET", 0.05)
+    monkeypatch.setattr(kv, "PARALLEL_MIN_STREAMS", 8)
+    assert kv.stream_plan(spec, 11).layout == "layer"        # 2 groups (10 + 1 tokens) x 4 streams: parallel
+    assert kv.stream_plan(spec, 10).layout == "group"        # 1 group x 4 streams: too few, serial
 
 
 # ----------------------------------------------------------- the record-world model (trains if not cached)

@@ -176,3 +176,40 @@ def test_a_path_in_the_clone_is_printed_from_its_root(tmp_path):
     # the printed line must read the same wherever the clone lies (CI clones it under another folder)
     assert shown(REPO / "code" / "checkpoints" / "x.pt") == "code/checkpoints/x.pt"
     assert shown(tmp_path / "a.json") == str(tmp_path / "a.json")
+
+
+# ----------------------------------------------------------------------------- the handout's inputs, --json
+def test_a_handout_figure_holds_for_its_inputs_compared_as_numbers():
+    from common.present import holds
+    assert holds({"r": 0.3}, {"r": 0.1 + 0.2})                  # a float input after arithmetic still holds
+    assert not holds({"r": 0.3}, {"r": 0.31})
+    try:
+        holds({"nope": 1}, {"r": 1})                             # a mistyped input fails loudly ...
+    except KeyError:
+        pass
+    else:
+        raise AssertionError("an input that is not a setting must raise")   # ... rather than show the figure
+    h = Handout({"x": Ref("1", {"bytes": 1})}, bytes=2)          # a figure's own inputs win over the common ones
+    assert h("x", {"bytes": 1}) is not None and h("x", {"bytes": 2}) is None
+
+
+def test_one_reason_per_difference_and_json_columns_scaled_and_without_blanks():
+    from common.present import Row, why_notes
+    w = Ref("9", {}, why="w")
+    t = Table("t", "§1", [Col("q"), Col("GB", "{}", "kv_gb", 1e-9), Col("x", "{}", "x"),
+                          Col("y", "{}", "lv[].gb", 1e-9)],
+              [Row(["a", 2e9, 1, 3e9], w), Row(["b", 4e9, None, 4e9], w), Row(["c", 1e9, 3, 5e9])])
+    assert why_notes(t) == ["w"] and render_text(t).count("* handout: w") == 1
+    assert table_json(t) == {"kv_gb": [2.0, 4.0, 1.0], "x": [1, 3], "lv": [{"gb": 3.0}, {"gb": 4.0}, {"gb": 5.0}]}
+
+
+def test_a_page_records_the_cache_events_of_its_run(tmp_path):
+    import json
+
+    from common import checkpoints
+    before = len(checkpoints.EVENTS)
+    checkpoints.cached("present-test", {"n": 1}, lambda: {"v": 1}, store=False)
+    page = Page("99", "t", "§1", figures=tmp_path)
+    page.finish()
+    saved = json.loads((tmp_path / "pages" / "99.json").read_text())["cache"]
+    assert len(checkpoints.EVENTS) == before + 1 and saved[-1]["name"] == "present-test"

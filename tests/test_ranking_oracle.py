@@ -129,6 +129,25 @@ def test_decomposition_splits_the_distance_to_the_patch_oracle():
     assert d.ranking_part(0.3) + d.recompute_part(0.3) == pytest.approx(d.rule_kl[0.3] - d.patch[0.3])
 
 
+def test_decompose_reads_the_rules_ranking_oracle_and_the_patch_oracle():
+    import blend_real as br
+    c = br.Curves(ratios=(0.15,), methods=[], kl={"flat": {0.15: 0.3}, "oracle": {0.15: 0.1}}, kl_answer={},
+                  reuse=1.0, reuse_answer=1.0, ranking={"flat": {0.15: 0.25}}, items=[{}, {}], loaded_from_cache=True,
+                  compute_seconds=0.0)
+    d = br.decompose(c, "flat", "test")
+    assert d.ranking == {0.15: 0.25} and d.patch == {0.15: 0.1} and d.n_inputs == 2
+    assert d.ranking_part(0.15) == pytest.approx(0.05) and d.recompute_part(0.15) == pytest.approx(0.15)
+    assert decomposition({0.15: 0.05}, {0.15: 0.05}, {0.15: 0.05}).dominant(0.15) == "none"   # at the oracle
+
+
+def test_best_rule_is_the_most_kl_removed_per_second():
+    import blend_real as br
+    res = {"at": 0.15, "methods": ["full reuse", "flat", "progressive", "random"], "kl_reuse": 1.0,
+           "curve": {"flat": {"0.15": 0.5}, "progressive": {"0.15": 0.5}}, "ttft": {"flat": 1.0, "progressive": 2.0}}
+    best, scores = br.best_rule(res)
+    assert best == "flat" and scores == {"flat": pytest.approx(0.5), "progressive": pytest.approx(0.25)}
+
+
 def test_chunk_lengths_needed_is_the_first_ratio_reaching_the_long_chunks_kl():
     import blend_real as br
     long = br.ChunkLength(256, 1539, 6, decomposition({0.05: 0.3, 0.15: 0.1, 0.3: 0.05}, {}, {}), 0.6)
@@ -146,6 +165,7 @@ def test_flat_ratio_for_matches_the_mean_recomputed_share():
         got = sum(br.flat_share(n, r, L) for n in sizes) / len(sizes)
         assert abs(got - share) <= 1 / min(sizes)  # one token's step at most
     assert br.flat_share(100, 0.15, L) == pytest.approx((100 + 29 * 15) / 3000)
+    assert br.flat_ratio_for(1.0, [100], L) == 1.0          # recomputing everything is one of the steps
 
 
 # ------------------------------------------------------------------------------------ 04's verdicts on them

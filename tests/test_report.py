@@ -138,3 +138,13 @@ def test_the_header_says_what_was_computed_and_what_loaded(tmp_path):
     fact = lambda name: re.search(rf"<b>{re.escape(name)}</b></td><td>(.*?)</td>", doc).group(1)  # noqa: E731
     assert fact("loaded from code/checkpoints/") == "codec (02)"
     assert fact("computed in this run") == "records (02)"
+
+
+def test_sections_follow_the_handout_and_the_handout_column_is_the_last(tmp_path):
+    make_page(tmp_path, "02_smollm2", Settings())
+    make_page(tmp_path, "03", Settings())
+    doc = report.build_report(tmp_path / "pages", tmp_path / "report.html").read_text()
+    assert doc.index('id="s03"') < doc.index('id="s02_smollm2"')          # §4 before the real-model sections
+    html = report.table_html({"title": "", "headers": ["q", "ours", "handout"], "rows": [["a", "1", "2"]],
+                              "handout_col": True, "differs": [False]})
+    assert '<td>a</td><td>1</td><td class="handout">2</td>' in html
