@@ -41,7 +41,8 @@ table.data th { background: #f3f3f3; } td.handout { background: #eef5ff; }
 tr.differs td.handout { background: #ffe9d6; }
 .src { font-size: 12px; color: #666; } .src code { font-size: 12px; }
 .note { font-size: 13px; margin: 2px 0; } .why { font-size: 13px; margin: 2px 0; color: #8a3b00; }
-p.text { margin: 4px 0; white-space: pre-wrap; } pre.code { font-size: 13px; margin: 4px 0; overflow-x: auto; } nav { font-size: 14px; } nav a { margin-right: 10px; }
+p.text { margin: 4px 0; white-space: pre-wrap; } nav { font-size: 14px; } nav a { margin-right: 10px; }
+pre.code { font-size: 13px; margin: 4px 0; overflow-x: auto; }
 code { background: #f4f4f4; padding: 0 3px; }
 """
 

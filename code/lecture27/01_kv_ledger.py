@@ -215,8 +215,8 @@ def show_sizes(page: Page, r: Sizes, s: Settings) -> None:
                      [Row([m.name, m.tag, m.layout.layers, m.layout.kv_heads or f"latent {m.layout.mla_latent}",
                            m.layout.head_dim, m.bytes_per_token, m.bytes_per_token / 1024, *m.sizes.values()],
                           handout(f"kib.{m.key}", s), m.key) for m in r.models], "01_kv_ledger.kv_sizes",
-                     [f"(KV heads x head dim (hd) x 2 (K and V) x layers x {bpv:g} {byte_s(bpv)}; MLA caches one latent + one "
-                      "RoPE key per layer)"], {"llama31_70b_bytes_per_token": by["llama-3.1-70b"].bytes_per_token,
+                     [f"(KV heads x head dim (hd) x 2 (K and V) x layers x {bpv:g} {byte_s(bpv)}; MLA caches one "
+                      "latent + one RoPE key per layer)"], {"llama31_70b_bytes_per_token": by["llama-3.1-70b"].bytes_per_token,
                                                 "llama31_70b_32k_gb": r.llama70b_32k_bytes / 1e9,
                                                 "deepseek_r1_kib_per_token": by["deepseek-r1"].bytes_per_token / 1024}))
     tok, day = r.day_bytes_per_token, r.day_bytes
