@@ -26,7 +26,7 @@ from common import timemodel as tm  # noqa: E402
 from common.cli import (Parser, constants_of, fraction, nonneg_float, positive_float, positive_int,  # noqa: E402
                         settings_from)
 from common.present import (DASH, Chart, Handout, Page, Ref, Row, Series, Table, Val, chart_figure, cols,  # noqa: E402
-                            fact, text_table)
+                            fact, plural, text_table)
 
 K = 1024
 # ---- Part 1 and exercise 1
@@ -201,22 +201,19 @@ def quantities(title: str, section: str, source: str, *rows, notes=()) -> Table:
                  list(notes))
 
 
-def byte_s(n: float) -> str:
-    return "byte" if n == 1 else "bytes"
-
-
 def show_sizes(page: Page, r: Sizes, s: Settings) -> None:
     bpv, by, b = s.bytes_per_value, {m.key: m for m in r.models}, r.ex1_bytes_per_token
+    size = plural(bpv, "byte", "{:g}")         # of one value: "2 bytes", "1 byte"
     page.part("Part 1", "§1.2", "KV size (" + ("BF16; FP16 for the small models" if bpv == 2 else
-                                              f"{bpv:g} {byte_s(bpv)} per value") + ")")
+                                              f"{size} per value") + ")")
     page.table(Table("", "§1.2", cols("model", "attention", "layers", "KV heads", "hd", ("B/token", "{:,}",
                                       "bytes_per_token.{row}"), ("KiB/tok", "{:.1f}"),
                                       *[(ctx_name(n), fmt_bytes) for n in s.size_contexts]),
                      [Row([m.name, m.tag, m.layout.layers, m.layout.kv_heads or f"latent {m.layout.mla_latent}",
                            m.layout.head_dim, m.bytes_per_token, m.bytes_per_token / 1024, *m.sizes.values()],
                           handout(f"kib.{m.key}", s), m.key) for m in r.models], "01_kv_ledger.kv_sizes",
-                     [f"(KV heads x head dim (hd) x 2 (K and V) x layers x {bpv:g} {byte_s(bpv)}; MLA caches one "
-                      "latent + one RoPE key per layer)"], {"llama31_70b_bytes_per_token": by["llama-3.1-70b"].bytes_per_token,
+                     [f"(KV heads x head dim (hd) x 2 (K and V) x layers x {size}; MLA caches one latent + one "
+                      "RoPE key per layer)"], {"llama31_70b_bytes_per_token": by["llama-3.1-70b"].bytes_per_token,
                                                 "llama31_70b_32k_gb": r.llama70b_32k_bytes / 1e9,
                                                 "deepseek_r1_kib_per_token": by["deepseek-r1"].bytes_per_token / 1024}))
     tok, day = r.day_bytes_per_token, r.day_bytes
@@ -225,7 +222,7 @@ def show_sizes(page: Page, r: Sizes, s: Settings) -> None:
                           ("KV per token", f"{tok / 1024:.1f} KiB ({tok:,} B)", handout("day_kib", s)),
                           ("KV per day (decimal TB)", Val(f"{day / 1e12:.1f} TB", "gpu_day_tb", json=day / 1e12),
                            handout("day_tb", s)), ("KV per day (binary TiB)", f"{day / 2**40:.1f} TiB", DASH)))
-    page.exercise(1, "§1.2", f"{tm.MODELS[s.model].name}, {s.context:,} tokens, {bpv:g} {byte_s(bpv)}/value")
+    page.exercise(1, "§1.2", f"{tm.MODELS[s.model].name}, {s.context:,} tokens, {size}/value")
     page.table(quantities("", "§1.2", "01_kv_ledger.kv_sizes", ("KV bytes per token", Val(
         f"{b:,} B = {b / 1024:g} KiB", "ex1_bytes_per_token", json=b), handout("ex1_per_token", s)),
         (f"KV of {s.context:,} tokens", Val(fmt_bytes(r.ex1_bytes), "ex1_context_gb", json=r.ex1_bytes / 1e9),
