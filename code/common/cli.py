@@ -56,6 +56,12 @@ def constants_of(cls, namespace: dict) -> dict:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
 
 
+def shipped_defaults(cls, namespace: dict):
+    """The script's Settings as shipped: what a run is compared with to tell a what-if (`namespace`: the
+    script's globals())."""
+    return cls(**constants_of(cls, namespace))
+
+
 def settings_from(cls, ns: argparse.Namespace, constants: dict | None = None, **more):
     """The frozen settings dataclass `cls`: each field from the parsed command line, else from the script's
     constant of that name (`constants`: the script's globals(); see constants_of), else its default;
@@ -85,6 +91,7 @@ def _check(kind, ok, what):
 
 
 positive_int = _check(int, lambda x: x > 0, "a positive integer")
+nonneg_int = _check(int, lambda x: x >= 0, "zero or a positive integer")
 positive_float = _check(float, lambda x: x > 0, "positive")
 nonneg_float = _check(float, lambda x: x >= 0, "zero or positive")
 fraction = _check(float, lambda x: 0 <= x <= 1, "between 0 and 1")

@@ -53,6 +53,32 @@ class Handout:
         return ref.figure if ref else DASH
 
 
+def handout(table: Handout, name: str, settings, **row) -> Ref | str:
+    """The one handout lookup every script uses: the Ref of figure `name` in the script's `table` when this
+    run's settings have every input it holds for, else DASH (other inputs, or no such figure). `row`: the
+    inputs one row of a table changes (its chunk length, its system), laid over the run's settings."""
+    if name not in table.refs:
+        return DASH
+    if row:
+        settings = {**(settings if isinstance(settings, dict) else dataclasses.asdict(settings)), **row}
+    return table(name, settings) or DASH
+
+
+def pct0(x) -> str:
+    """A share as a whole percentage: 0.123 -> "12%" (None -> DASH)."""
+    return DASH if x is None else f"{x:.0%}"
+
+
+def pct1(x) -> str:
+    """A share as a percentage with one decimal: 0.1234 -> "12.3%" (None -> DASH)."""
+    return DASH if x is None else f"{x:.1%}"
+
+
+def pct2(x) -> str:
+    """A share as a percentage with two decimals: 0.01234 -> "1.23%" (None -> DASH)."""
+    return DASH if x is None else f"{x:.2%}"
+
+
 def refs(inputs: dict, figures: dict[str, str]) -> dict[str, Ref]:
     """Several of the handout's figures that hold for the same inputs: name -> Ref (for a Handout)."""
     return {name: Ref(figure, inputs) for name, figure in figures.items()}
