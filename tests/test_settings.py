@@ -113,3 +113,17 @@ def test_one_frozen_settings_object_instead_of_the_namespace(script):
                        ("main", "parse", "parse_args", "settings") and any(
                            a.arg in ("a", "args", "ns", "namespace") for a in fn.args.args)]
     assert not takes_namespace, f"{script.name}: functions take the argparse Namespace: {takes_namespace}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_a_run_is_compared_with_the_defaults_as_shipped(script):
+    """The defaults a what-if is told from are cli.shipped_defaults(Settings, globals()), the shipped table:
+    not Settings() nor the constants as they are now, which move with a student's edit."""
+    t = tree(script)
+    calls = [n for n in ast.walk(t) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "shipped_defaults"]
+    assert calls and all([getattr(a, "id", None) for a in c.args[:1]] == ["Settings"]
+                         and getattr(c.args[1].func, "id", "") == "globals" for c in calls), script.name
+    pages = [n for n in ast.walk(t) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Page"]
+    bare = [n.lineno for p in pages for n in p.args[4:5]
+            if isinstance(n, ast.Call) and getattr(n.func, "id", "") in ("Settings", "constants_of")]
+    assert not bare, f"{script.name}: a Page compared with Settings() or the current constants, line {bare}"

@@ -4,7 +4,9 @@ line. Tables, figures and `--json` are common/present.py's. Nothing here compute
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import json
 import math
 import sys
 from pathlib import Path
@@ -56,10 +58,39 @@ def constants_of(cls, namespace: dict) -> dict:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
 
 
+SHIPPED_TABLE = "shipped_settings.json"   # beside the numbered scripts; written by shipped_settings.py
+
+
 def shipped_defaults(cls, namespace: dict):
     """The script's Settings as shipped: what a run is compared with to tell a what-if (`namespace`: the
-    script's globals())."""
-    return cls(**constants_of(cls, namespace))
+    script's globals()). A run whose settings differ from these, by a flag or by a constant edited in the
+    file, is a what-if: its figures go under figures/whatif/, a banner says so on screen and in the report.
+
+    "As shipped" is a table committed beside the scripts, code/lecture27/shipped_settings.json: every
+    script's settings for a run without flags, written by `python code/lecture27/shipped_settings.py` from
+    the constants as they ship. Not the constants themselves (a student's edit moves them, and a dataclass
+    default is the edited constant too), not git (a zip or a copy of the project has no history, and a
+    student's own commit is not what shipped), not a second copy of each value in the script (two names for
+    one setting drift apart). An edit leaves the table alone, so the run is told apart from it; a test
+    (tests/test_shipped_settings.py) fails when a constant and the table disagree, so a change meant to
+    ship regenerates the table. Its values are Python literals as text: JSON alone would turn a tuple into
+    a list and a dict's number keys into strings, and the comparison would see edits nobody made.
+
+    A field the table lacks (a setting added since it was written) or a script it does not know (a copy
+    under another name) takes the constant's value as it is now: that setting's edits are then not told."""
+    script = Path(namespace.get("__file__", "")).stem
+    row = shipped_table(Path(namespace.get("__file__", "")).resolve().parent / SHIPPED_TABLE).get(script, {})
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{**constants_of(cls, namespace), **{k: v for k, v in row.items() if k in names}})
+
+
+def shipped_table(path: Path) -> dict[str, dict]:
+    """script name -> {setting: value as shipped}, read from the table at `path` ({} when there is none)."""
+    try:
+        scripts = json.loads(Path(path).read_text())["scripts"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {name: {k: ast.literal_eval(v) for k, v in row.items()} for name, row in scripts.items()}
 
 
 def settings_from(cls, ns: argparse.Namespace, constants: dict | None = None, **more):

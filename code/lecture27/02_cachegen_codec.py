@@ -55,7 +55,7 @@ import codec_study as cs  # noqa: E402
 import kvcache as kv  # noqa: E402
 import blend_world as bw  # noqa: E402
 from common.checkpoints import cached  # noqa: E402
-from common.cli import Parser, positive_float, settings_from  # noqa: E402
+from common.cli import Parser, positive_float, settings_from, shipped_defaults  # noqa: E402
 from common.llama import idle_threads, single_thread  # noqa: E402
 from common.present import (  # noqa: E402
     Chart, Field, Handout, Page, Ref, Row, Series, Table, Val, chart_figure, cols, plural, table_of)
@@ -892,11 +892,11 @@ def main(argv=None):
         gguf = smollm2_or_explain(s.gguf)
         if gguf is None:
             return None
-        defaults = dataclasses.replace(Settings(), model="smollm2")
+        defaults = dataclasses.replace(shipped_defaults(Settings, globals()), model="smollm2")
         page = Page("02_smollm2", TITLE + ", on a real LLaMA", "§3", s, defaults, plot=not args.no_plot)
         present_real(page, compute_real(gguf, s, args.refit), s)
         return page.finish(args.json)
-    page = Page("02", TITLE, "§3", s, Settings(), plot=not args.no_plot)
+    page = Page("02", TITLE, "§3", s, shipped_defaults(Settings, globals()), plot=not args.no_plot)
     with single_thread():  # the record model's batches are tiny: one thread is faster, and cores may be shared
         r = compute(s, args.refit)
     for part in (present_part1, present_part2, present_part3, present_exercise3, present_exercise4):

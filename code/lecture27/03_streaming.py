@@ -49,7 +49,7 @@ import codec_real as cr  # noqa: E402
 import codec_study  # noqa: E402
 import streaming as st  # noqa: E402
 from common import timemodel as tm  # noqa: E402
-from common.cli import Parser, fail, positive_float, positive_int, settings_from  # noqa: E402
+from common.cli import Parser, fail, positive_float, positive_int, settings_from, shipped_defaults  # noqa: E402
 from common.gguf_llama import smollm2_or_explain  # noqa: E402
 from common.present import (  # noqa: E402
     DASH, Chart, Col, Field, Handout, Page, Ref, Row, Series, Table, Val, cdf, change, chart_figure, cols,
@@ -979,7 +979,8 @@ def figure_suite(page, s, suite):
 def main(argv=None) -> Page:
     """Compute every Part, then present it; the page (its tables, notes and --json) is returned for tests."""
     s, a = parse(argv)
-    page = Page("03", "CacheGen part two: streaming with adaptation", "§4", s, Settings(), plot=not a.no_plot)
+    page = Page("03", "CacheGen part two: streaming with adaptation", "§4", s, shipped_defaults(Settings, globals()),
+                plot=not a.no_plot)
     r = compute(s, real_levels=not a.no_real)
     present(page, s, r)
     page.finish(a.json)

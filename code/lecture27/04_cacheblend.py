@@ -78,7 +78,7 @@ from common import checkpoints, timemodel as tm  # noqa: E402
 from common.checkpoints import TrainingFailed  # noqa: E402
 from common.city import city_model  # noqa: E402
 from common.cli import (Parser, fail, fraction, nonneg_float, positive_float, positive_int,  # noqa: E402
-                        settings_from)
+                        settings_from, shipped_defaults)
 from common.llama import KVCache, idle_threads, kl_divergence, shift_kv, single_thread  # noqa: E402
 from common.present import (  # noqa: E402
     DASH, REFERENCE, Chart, Col, Field, Handout, Page, Ref, Row, Series, Table, Val, change, chart_figure, cols, fact,
@@ -1539,8 +1539,8 @@ def settings(a) -> Settings:
 def unedited(s: Settings) -> Settings:
     """The settings of a run in the same mode with nothing edited (--model, --curve, --recompute and
     --retrain choose what runs, not its inputs)."""
-    return dataclasses.replace(settings(command_line([])), model=s.model, curve=s.curve, recompute=s.recompute,
-                               retrain=s.retrain)
+    return dataclasses.replace(shipped_defaults(Settings, globals()), model=s.model, curve=s.curve,
+                               recompute=s.recompute, retrain=s.retrain)
 
 
 def main(argv=None) -> Page | None:

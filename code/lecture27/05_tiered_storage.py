@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `com
 
 import numpy as np
 
-from common.cli import Parser, constants_of, fraction, nonneg_float, positive_float, positive_int, settings_from
+from common.cli import Parser, fraction, nonneg_float, positive_float, positive_int, settings_from, shipped_defaults
 from common.present import (Chart, Field, Handout, Page, Ref, Row, Series, Table, Val, cdf, change, chart_figure, cols,
                             segment_bars, table_of, text_table)
 from common.timemodel import get_model, kv_bytes_per_token, prefill_time
@@ -676,7 +676,7 @@ def parse(argv) -> tuple:
     if a.user_tokens + a.answer_tokens > 128 * 1024 // a.turns:
         p.error(f"{a.turns} turns of {a.user_tokens + a.answer_tokens} tokens exceed a 128K context")
     return (settings_from(Settings, a, globals(), rag_ks=tuple(sorted(set(a.rag_ks)))),
-            Settings(**constants_of(Settings, globals())), a)
+            shipped_defaults(Settings, globals()), a)
 
 
 def main(argv=None) -> Page:
