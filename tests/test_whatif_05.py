@@ -105,5 +105,5 @@ def test_an_edited_run_draws_into_its_own_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("L27_FIGURES", str(tmp_path))
     page = mod.main(["--cpu-gb", "60", "--users", "20", "--turns", "4"])
     figures = [b["path"] for b in page.blocks if b["kind"] == "figure"]
-    assert len(figures) == 3 and all("/whatif/05_cpu_gb=60,turns=4,users=20/" in p for p in figures)
+    assert len(figures) == 3 and all("/whatif/05_cpu_gb=60+turns=4+users=20_" in p for p in figures)
     assert not (tmp_path / "05_handoff.png").exists()

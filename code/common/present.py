@@ -11,6 +11,7 @@ computes a lecture figure.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -434,32 +435,61 @@ def edited(settings, defaults) -> dict:
 
 
 def run_tag(changes: dict) -> str:
-    """A folder name that carries a run's edited inputs, for example 'chunk_len=6,ratio=0.1'."""
-    def short(v):
-        s = f"{v:g}" if isinstance(v, float) else str(v)
-        return "".join(ch if ch.isalnum() or ch in ".-_" else "_" for ch in s)[:40]
-    return ",".join(f"{k}={short(v)}" for k, v in sorted(changes.items()))[:150]
+    """A what-if run's folder name: the settings it changed, readable where a value is short ("compression=5";
+    a file by its name; a long value, such as a trace, by the setting's name alone), then a digest of every
+    changed value, so two runs whose inputs differ never share a folder, however alike their names:
+    'compression=5_1f0c2a9b', 'trace+trace_file=mytrace.csv_7d41e0c3'."""
+    def readable(k, v):
+        text = f"{v:g}" if isinstance(v, float) else Path(v).name if isinstance(v, str) else str(v)
+        clean = "".join(ch if ch.isalnum() or ch in ".-_" else "_" for ch in text)
+        short = isinstance(v, (str, int, float, bool, type(None))) and 0 < len(clean) <= 24
+        return f"{k}={clean}" if short else k
+    names = "+".join(readable(k, v) for k, v in sorted(changes.items()))
+    if len(names) > 80:
+        names = "+".join(sorted(changes))[:80]
+    digest = hashlib.sha256(json.dumps(plain(changes), sort_keys=True, default=repr).encode()).hexdigest()[:8]
+    return f"{names}_{digest}"
+
+
+def value_text(v, width: int = 40) -> str:
+    """A setting's value as a sentence shows it: a float by its digits, a long value cut at `width`."""
+    text = f"{v:g}" if isinstance(v, float) else str(v)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def whatif_banner(changes: dict, shipped: dict, folder: str) -> str:
+    """The sentence a what-if run opens with, on screen and in the report: each setting it changed (a flag
+    or an edited constant), its value as shipped, and where the run's figures go."""
+    edits = ", ".join(f"{k} = {value_text(v)} (shipped: {value_text(shipped.get(k))})" for k, v in changes.items())
+    return (f"What-if: this run's settings differ from the defaults as shipped: {edits}. Its figures go to "
+            f"{folder}/, and the handout column is blank wherever the handout's figure holds for other inputs.")
 
 
 class Page:
     """What one script shows, in order: parts, paragraphs, tables, figures, exercises. Each call prints
     at once and keeps a record, so the same page is the terminal output, the `--json` and the report's
-    section. A run whose settings differ from the defaults draws its figures into a folder named after
-    the edited inputs, so the default figures stay the default's. Its clock starts when it is made: a
-    script makes it before it computes, so the report's time for the script counts the computing."""
+    section. A run whose settings differ from the defaults as shipped (`defaults`: cli.shipped_defaults),
+    by a flag or by an edited constant, is a what-if: it says so first, and draws its figures into a
+    folder of its own under whatif/ (run_tag), so the default figures stay the default's. Its clock starts
+    when it is made: a script makes it before it computes, so the report's time for the script counts the
+    computing."""
 
     def __init__(self, script: str, title: str, section: str, settings=None, defaults=None,
                  plot: bool = True, figures: Path | None = None):
         self.script, self.title, self.section = script, title, section
         self.settings = settings
         self.changes = edited(settings, defaults) if settings is not None and defaults is not None else {}
+        self.shipped = {k: getattr(defaults, k) for k in self.changes}
         base = Path(figures) if figures is not None else figures_dir()
-        self.figures = base / "whatif" / f"{script}_{run_tag(self.changes)}" if self.changes else base
+        self.whatif = f"{script}_{run_tag(self.changes)}" if self.changes else ""
+        self.figures = base / "whatif" / self.whatif if self.changes else base
         self.pages = base / "pages"
         self.plot = plot
         self.blocks: list[dict] = []
         self.tables: list[Table] = []
         self.json_extra: list[dict] = []
+        if self.changes:
+            print(wrap(whatif_banner(self.changes, self.shipped, shown(self.figures))))
         self.t0 = time.time()
 
     # -- writing
@@ -541,8 +571,10 @@ class Page:
             cache_events = list(checkpoints.EVENTS)
         settings = dataclasses.asdict(self.settings) if dataclasses.is_dataclass(self.settings) else {}
         record = {"script": self.script, "title": self.title, "section": self.section,
-                  "settings": plain(settings), "changes": plain(self.changes), "seconds": time.time() - self.t0,
-                  "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "cache": cache_events, "blocks": self.blocks}
+                  "settings": plain(settings), "changes": plain(self.changes),
+                  "shipped": plain(self.shipped), "whatif": self.whatif, "seconds": time.time() - self.t0,
+                  "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "finished_at": time.time(), "cache": cache_events, "blocks": self.blocks}
         try:
             self.pages.mkdir(parents=True, exist_ok=True)
             (self.pages / f"{self.script}.json").write_text(json.dumps(plain(record), indent=1) + "\n")
