@@ -7,13 +7,14 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 
 import matplotlib.image
 import pytest
 
 from common import report
-from common.present import Col, Handout, Page, Ref, Row, Table
+from common.present import Col, Handout, Page, Ref, Row, Table, render_text, run_tag
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,10 @@ def test_what_if_figures_do_not_overwrite_the_defaults(tmp_path):
     make_page(tmp_path, "01", Settings())
     make_page(tmp_path, "01", Settings(context=6))
     assert (tmp_path / "01_size.png").exists()
-    assert (tmp_path / "whatif" / "01_context=6" / "01_size.png").exists()
+    assert (tmp_path / "whatif" / f"01_{run_tag({'context': 6})}" / "01_size.png").exists()
     rec = json.loads((tmp_path / "pages" / "01.json").read_text())
-    assert rec["changes"] == {"context": 6} and rec["settings"]["seed"] == 0
+    assert rec["changes"] == {"context": 6} and rec["settings"]["seed"] == 0 and rec["shipped"] == {"context": 32}
+    assert rec["whatif"] == f"01_{run_tag({'context': 6})}"
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -141,10 +143,120 @@ def test_the_header_says_what_was_computed_and_what_loaded(tmp_path):
 
 
 def test_sections_follow_the_handout_and_the_handout_column_is_the_last(tmp_path):
-    make_page(tmp_path, "02_smollm2", Settings())
-    make_page(tmp_path, "03", Settings())
+    """Each real-model section right after the section it extends, whatever order the pages were saved in."""
+    for script in ["05", "04_smollm2", "03", "02_smollm2", "04", "01", "02"]:
+        make_page(tmp_path, script, Settings())
     doc = report.build_report(tmp_path / "pages", tmp_path / "report.html").read_text()
-    assert doc.index('id="s03"') < doc.index('id="s02_smollm2"')          # §4 before the real-model sections
+    body = doc.split("</nav>")[1]
+    assert re.findall(r'<h2 id="s([^"]+)"', body) == ["01", "02", "02_smollm2", "03", "04", "04_smollm2", "05"]
+    nav = doc.split("<nav>")[1].split("</nav>")[0]
+    assert re.findall(r'href="#s([^"]+)"', nav) == report.ORDER
+    assert '<a href="#s02_smollm2">§1 on SmolLM2</a>' in nav and '<a href="#s04">§1</a>' in nav
     html = report.table_html({"title": "", "headers": ["q", "ours", "handout"], "rows": [["a", "1", "2"]],
                               "handout_col": True, "differs": [False]})
     assert '<td>a</td><td>1</td><td class="handout">2</td>' in html
+
+
+def test_exercises_are_laid_out_in_order(tmp_path):
+    """A page that answers exercise 10 before exercise 9 (each with what follows it) shows 9 first, each
+    heading with its own table; the parts around them stay where they are."""
+    page = Page("05", "LMCache", "§6-7", Settings(), Settings(), figures=tmp_path)
+    page.part("Part 3", "§7", "the narrow waist")
+    page.exercise(10, "§7", "the hint")
+    page.table(Table("ten", "§7", [Col("q")], [Row(["hint table"])]))
+    page.exercise(9, "§6.1", "the service")
+    page.table(Table("nine", "§6.1", [Col("q")], [Row(["service table"])]))
+    page.part("Part 4", "§5.1", "RAG")
+    page.finish()
+    doc = report.build_report(tmp_path / "pages", tmp_path / "report.html").read_text()
+    order = [doc.index(x) for x in ("Part 3 (§7)", 'id="ex9"', "service table", 'id="ex10"', "hint table",
+                                    "Part 4 (§5.1)")]
+    assert order == sorted(order)
+    nav = doc.split("<nav>")[1].split("</nav>")[0]
+    assert nav.index('href="#ex9"') < nav.index('href="#ex10"')
+
+
+def test_the_navigation_names_every_section_and_the_header_the_what_if_ones(built):
+    _, doc = built
+    nav = doc.split("<nav>")[1].split("</nav>")[0]
+    assert 'href="#s01"' in nav and 'href="#ex1"' in nav and 'href="#top"' in nav
+    assert '<a href="#s04" class="whatif">§1 (what-if)</a>' in nav
+    assert "position: sticky" in doc.split("</style>")[0]
+    assert doc.count("back to the top</a></h2>") == 2                    # every section links back too
+    fact = re.search(r"<b>what-if sections</b></td><td>(.*?)</td>", doc).group(1)
+    assert fact == '<a href="#s04">§1 (04)</a>: context = 6'
+    sec04 = doc.split('id="s04"')[1]
+    banner = re.search(r'<p class="whatif">(.*?)</p>', sec04).group(1)
+    assert "context = 6 (shipped: 32)" in banner and f"figures/whatif/04_{run_tag({'context': 6})}/" in banner
+
+
+def test_a_closing_section_gets_a_link(tmp_path):
+    make_page(tmp_path, "01", Settings())
+    doc = report.build_report(tmp_path / "pages", tmp_path / "report.html",
+                              '<h2 id="going-further">Going further: the real system</h2>').read_text()
+    nav = doc.split("<nav>")[1].split("</nav>")[0]
+    assert '<a href="#going-further">Going further: the real system</a>' in nav
+
+
+def test_a_rebuild_computes_nothing(tmp_path):
+    """Pages saved before the report's run began are an earlier run's: a rebuild (run_all.py --report, which
+    runs nothing) says it computed nothing and which pages an earlier run saved."""
+    import time
+    page = Page("04_smollm2", "blend", "§5", Settings(), Settings(), figures=tmp_path)
+    page.finish(cache_events=[{"name": "blend-smollm2", "loaded": False, "seconds": 9.0}])
+    doc = report.build_report(tmp_path / "pages", tmp_path / "report.html", since=time.time() + 1).read_text()
+    fact = lambda name: re.search(rf"<b>{re.escape(name)}</b></td><td>(.*?)</td>", doc).group(1)  # noqa: E731
+    assert fact("computed in this run") == "nothing" and fact("loaded from code/checkpoints/") == "nothing"
+    assert fact("saved by an earlier run").startswith("04_smollm2 (this run ran nothing)")
+    doc = report.build_report(tmp_path / "pages", tmp_path / "report.html", since=0.0).read_text()
+    assert fact("computed in this run") == "blend-smollm2 (04_smollm2)"
+
+
+def test_run_all_report_says_nothing_was_computed(tmp_path, monkeypatch, capsys):
+    import run_all
+    page = Page("01", "ledger", "§1", Settings(), Settings(), figures=tmp_path)
+    page.finish(cache_events=[{"name": "records", "loaded": False, "seconds": 50.0}])
+    monkeypatch.setenv("L27_FIGURES", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["run_all.py", "--report"])
+    run_all.main()
+    doc = (tmp_path / "report.html").read_text()
+    assert "<b>computed in this run</b></td><td>nothing</td>" in doc
+    assert 'href="#going-further"' in doc.split("</nav>")[0]
+
+
+def test_going_further_gives_each_recompute_ratio_read_from_the_run():
+    from going_further import going_further_table
+    row = lambda t: next(r.cells for r in t.rows if r.cells[0] == "blending")  # noqa: E731
+    t = going_further_table({"04": {"ratio": 0.2}, "04_smollm2": {"real_ratio": 0.15}})
+    assert row(t)[2] == "20% (record world), 15% (SmolLM2)"
+    assert row(going_further_table({"04": {"ratio": 0.1}}))[2] == "10% (record world)"
+    narrow = going_further_table({"04": {"ratio": 0.2}, "04_smollm2": {"real_ratio": 0.15}}, wide=False)
+    i = next(i for i, r in enumerate(narrow.rows) if r.cells[0] == "blending")
+    assert narrow.rows[i].cells[1] == "20% (record world)" and narrow.rows[i + 1].cells[:2] == ["", "15% (SmolLM2)"]
+    assert max(len(line) for line in render_text(narrow).splitlines()) <= 120
+
+
+# after load, scrolled to the end: is the navigation still on screen?
+SCROLL_PROBE = """<script>
+window.addEventListener('load', () => {
+  window.scrollTo(0, document.body.scrollHeight);
+  const r = document.querySelector('nav').getBoundingClientRect();
+  document.body.setAttribute('data-probe', JSON.stringify({top: r.top, bottom: r.bottom, y: window.scrollY,
+                                                           h: window.innerHeight}));
+});
+</script>"""
+
+
+def test_the_navigation_stays_on_screen_in_a_real_browser(tmp_path):
+    if not CHROMIUM:
+        pytest.skip("no Chromium on this machine (apt-get install chromium): the report's browser check is skipped")
+    for script in ["01", "02", "03", "04", "05"]:
+        make_page(tmp_path, script, Settings())
+    path = report.build_report(tmp_path / "pages", tmp_path / "report.html")
+    probed = tmp_path / "scrolled.html"
+    probed.write_text(path.read_text().replace("<head>", "<head>" + SCROLL_PROBE, 1))
+    dom = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1280,800",
+                          "--virtual-time-budget=5000", "--dump-dom", probed.as_uri()],
+                         capture_output=True, text=True, timeout=120).stdout
+    probe = json.loads(re.search(r"data-probe=\"([^\"]*)\"", dom).group(1).replace("&quot;", '"'))
+    assert probe["y"] > 1000 and probe["top"] == 0 and 0 < probe["bottom"] < probe["h"], probe

@@ -12,12 +12,15 @@ import html
 import json
 import os
 import platform
+import re
 import time
 from importlib import metadata
 from pathlib import Path
 
-# the handout's order: §1, §3, §4, §5, §6-7, then the real-model sections
-ORDER = ["01", "02", "03", "04", "05", "02_smollm2", "04_smollm2"]
+from .present import whatif_banner
+
+# the handout's order: §1, §3, §4, §5, §6-7, each real-model section right after the section it extends
+ORDER = ["01", "02", "02_smollm2", "03", "04", "04_smollm2", "05"]
 
 CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0 auto; max-width: 1240px;
@@ -41,7 +44,12 @@ table.data th { background: #f3f3f3; } td.handout { background: #eef5ff; }
 tr.differs td.handout { background: #ffe9d6; }
 .src { font-size: 12px; color: #666; } .src code { font-size: 12px; }
 .note { font-size: 13px; margin: 2px 0; } .why { font-size: 13px; margin: 2px 0; color: #8a3b00; }
-p.text { margin: 4px 0; white-space: pre-wrap; } nav { font-size: 14px; } nav a { margin-right: 10px; }
+p.text { margin: 4px 0; white-space: pre-wrap; }
+/* the navigation stays on screen; a heading it jumps to is not hidden under it */
+nav { position: sticky; top: 0; z-index: 10; background: #fff; font-size: 14px; padding: 6px 0;
+      border-bottom: 1px solid #bbb; } nav a { margin-right: 10px; white-space: nowrap; }
+nav a.whatif { background: #fff3cd; } [id] { scroll-margin-top: 64px; }
+h2 a.top { font-size: 12px; font-weight: normal; margin-left: 10px; }
 pre.code { font-size: 13px; margin: 4px 0; overflow-x: auto; }
 code { background: #f4f4f4; padding: 0 3px; }
 """
@@ -112,15 +120,45 @@ def table_html(b: dict) -> str:
     return "".join(parts)
 
 
+def label(rec: dict) -> str:
+    """A section's name in the navigation: its handout section, and the model for a real-model run."""
+    return rec["section"] + (" on SmolLM2" if rec["script"].endswith("_smollm2") else "")
+
+
+def whatif_text(rec: dict) -> str:
+    """The what-if banner of a saved page (a page saved without the shipped values still names its edits)."""
+    folder = f"figures/whatif/{rec['whatif']}" if rec.get("whatif") else "figures/whatif"
+    return whatif_banner(rec["changes"], rec.get("shipped", {}), folder)
+
+
+def in_exercise_order(blocks: list[dict]) -> list[dict]:
+    """The blocks with each run of exercises next to one another (an exercise's heading and what follows it
+    up to the next heading) laid out by exercise number, as the handout's §10 lists them."""
+    out, i = [], 0
+    while i < len(blocks):
+        if blocks[i]["kind"] != "exercise":
+            out.append(blocks[i])
+            i += 1
+            continue
+        groups = []
+        while i < len(blocks) and blocks[i]["kind"] == "exercise":
+            j = i + 1
+            while j < len(blocks) and blocks[j]["kind"] not in ("part", "exercise"):
+                j += 1
+            groups.append(blocks[i:j])
+            i = j
+        out += [b for g in sorted(groups, key=lambda g: g[0]["n"]) for b in g]
+    return out
+
+
 def section_html(rec: dict, anchors: set) -> str:
     """One script's section. `anchors`: the exercise anchors taken by the sections before it; an exercise
     that another section answers first (02 --model smollm2's exercise 3) gets the script in its anchor."""
-    out = [f'<h2 id="s{esc(rec["script"])}">{esc(rec["section"])} &middot; {esc(rec["title"])}</h2>']
+    out = [f'<h2 id="s{esc(rec["script"])}">{esc(rec["section"])} &middot; {esc(rec["title"])}'
+           f'<a class="top" href="#top">back to the top</a></h2>']
     if rec.get("changes"):
-        edits = ", ".join(f"{k} = {v}" for k, v in rec["changes"].items())
-        out.append(f'<p class="whatif">This run changed the defaults ({esc(edits)}): the handout column is blank '
-                   f'wherever the handout\'s figure holds for other inputs.</p>')
-    blocks, i = rec["blocks"], 0
+        out.append(f'<p class="whatif">{esc(whatif_text(rec))}</p>')
+    blocks, i = in_exercise_order(rec["blocks"]), 0
     while i < len(blocks):
         b = blocks[i]
         if b["kind"] == "part":
@@ -151,7 +189,10 @@ def section_html(rec: dict, anchors: set) -> str:
     return "\n".join(out)
 
 
-def header_html(pages: dict[str, dict], missing: list[str]) -> str:
+def header_html(pages: dict[str, dict], order: list[str], missing: list[str], since: float | None) -> str:
+    """The facts of the run (machine, software, seeds, each script's time, what was loaded and what was
+    computed, the what-if sections) and the page's title. `since`: when this run began; the pages saved
+    before it are an earlier run's, and what they computed is not this run's (None: every page is)."""
     facts = [("built", time.strftime("%Y-%m-%d %H:%M")),
              ("machine", f"{cpu_name()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"),
              ("software", f"Python {platform.python_version()}, torch {version('torch')}, numpy {version('numpy')}")]
@@ -159,27 +200,46 @@ def header_html(pages: dict[str, dict], missing: list[str]) -> str:
     if seeds:
         facts.append(("seeds", ", ".join(seeds)))
     runs = [f"{r['script']}: {r['seconds']:.1f} s (finished {r.get('finished', '?')})"
-            for r in (pages[s] for s in ORDER if s in pages)]
+            for r in (pages[s] for s in order)]
     facts.append(("each script's time", "; ".join(runs)))
-    events = [(f"{e['name']} ({r['script']})", e.get("loaded")) for r in pages.values() for e in r.get("cache", [])]
+    now = [r for r in pages.values() if since is None or r.get("finished_at", 0) >= since]
+    events = [(f"{e['name']} ({r['script']})", e.get("loaded")) for r in now for e in r.get("cache", [])]
     computed = [name for name, was_loaded in events if not was_loaded]   # (read back after: still computed)
     loaded = [name for name, was_loaded in events if was_loaded and name not in computed]
     facts.append(("loaded from code/checkpoints/", ", ".join(dict.fromkeys(loaded)) or "nothing"))
     facts.append(("computed in this run", ", ".join(dict.fromkeys(computed)) or "nothing"))
+    if since is not None and len(now) < len(pages):
+        earlier = [s for s in order if pages[s] not in now]
+        facts.append(("saved by an earlier run", ", ".join(earlier) + " (this run ran "
+                      + (", ".join(s for s in order if pages[s] in now) or "nothing") + ")"))
     if missing:
         facts.append(("not run yet", ", ".join(missing)))
     rows = "".join(f"<tr><td><b>{esc(k)}</b></td><td>{esc(v)}</td></tr>" for k, v in facts)
-    nav = " ".join(f'<a href="#s{s}">{esc(pages[s]["section"])} {esc(s)}</a>' for s in ORDER if s in pages)
-    exercises = sorted({b["n"] for r in pages.values() for b in r["blocks"] if b["kind"] == "exercise"})
-    nav += " &middot; " + " ".join(f'<a href="#ex{n}">ex. {n}</a>' for n in exercises)
-    return (f'<header><h1>Lecture 27: KV cache as data (CacheGen, CacheBlend, LMCache)</h1>'
+    whatifs = [s for s in order if pages[s].get("changes")]
+    listed = "; ".join(f'<a href="#s{esc(s)}">{esc(label(pages[s]))} ({esc(s)})</a>: '
+                       + esc(", ".join(f"{k} = {v}" for k, v in pages[s]["changes"].items())) for s in whatifs)
+    rows += (f'<tr><td><b>what-if sections</b></td><td>{listed or "none: every section ran the defaults as shipped"}'
+             '</td></tr>')
+    return (f'<header id="top"><h1>Lecture 27: KV cache as data (CacheGen, CacheBlend, LMCache)</h1>'
             f'<p>Every table the scripts print, our figure beside the handout\'s; a row marked * differs from the '
-            f'handout, with the reason beside it. Each table names the function that computed it.</p>'
-            f'<table class="facts">{rows}</table><nav>{nav}</nav></header>')
+            f'handout, with the reason beside it. Each table names the function that computed it. A section marked '
+            f'what-if ran settings other than the defaults as shipped.</p><table class="facts">{rows}</table></header>')
 
 
-def build_report(pages_dir: Path, out: Path, extra_html: str = "") -> Path:
-    """Write the report from the saved pages (and `extra_html`, a closing section) to `out`."""
+def nav_html(pages: dict[str, dict], order: list[str], extra_html: str) -> str:
+    """The navigation bar, kept on screen: every section (what-if sections marked), every exercise in
+    number order, and the closing sections of `extra_html` (its <h2 id=...> headings)."""
+    links = [f'<a href="#s{esc(s)}"' + (' class="whatif"' if pages[s].get("changes") else "")
+             + f'>{esc(label(pages[s]))}' + (" (what-if)" if pages[s].get("changes") else "") + "</a>" for s in order]
+    exercises = sorted({b["n"] for r in pages.values() for b in r["blocks"] if b["kind"] == "exercise"})
+    links += [f'<a href="#ex{n}">ex. {n}</a>' for n in exercises]
+    links += [f'<a href="#{i}">{t}</a>' for i, t in re.findall(r'<h2 id="([^"]+)">(.*?)</h2>', extra_html)]
+    return f'<nav><a href="#top">top</a> {" ".join(links)}</nav>'
+
+
+def build_report(pages_dir: Path, out: Path, extra_html: str = "", since: float | None = None) -> Path:
+    """Write the report from the saved pages (and `extra_html`, a closing section) to `out`. `since`: when
+    this run began (run_all.py --report, which runs nothing, gives the time of the rebuild)."""
     pages = load_pages(pages_dir)
     order = [s for s in ORDER if s in pages] + sorted(s for s in pages if s not in ORDER)
     missing = [s for s in ORDER if s not in pages]
@@ -188,7 +248,8 @@ def build_report(pages_dir: Path, out: Path, extra_html: str = "") -> Path:
     doc = (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
            f'<title>Lecture 27 report</title><style>{CSS}</style></head><body>'
-           f'{header_html(pages, missing)}\n{body}\n{extra_html}</body></html>\n')
+           f'{header_html(pages, order, missing, since)}{nav_html(pages, order, extra_html)}\n{body}\n{extra_html}'
+           f'</body></html>\n')
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(doc)
     return out

@@ -13,38 +13,41 @@ SERVE_COMMAND = ("LMCACHE_CONFIG_FILE=lmcache.yaml vllm serve meta-llama/Llama-3
                  "--enable-prefix-caching "
                  "--kv-transfer-config '{\"kv_connector\":\"LMCacheConnectorV1\",\"kv_role\":\"kv_both\"}'")
 
-# (mechanism, where it is here, the setting that holds our value: (script, field[, another script, field]),
-#  unit, the knob, what it sets)
+# (mechanism, where it is here, the settings that hold our values: (script, field, what the value is of),
+#  how a value is written, the knob, what it sets)
+tokens, gb, share = "{:,g} tokens".format, "{:,g} GB".format, "{:.0%}".format
 KNOBS = [
-    ("chunk size", "05 Part 2: KV stored and evicted in chunks", ("05", "chunk"), "tokens",
+    ("chunk size", "05 Part 2: KV stored and evicted in chunks (CHUNK)", [("05", "chunk", "")], tokens,
      "chunk_size (default 256)", "tokens per stored KV chunk, the unit of lookup, storage and reuse"),
-    ("CPU tier", "05 Part 2: the CPU DRAM tier", ("05", "cpu_gb"), "GB",
+    ("CPU tier", "05 Part 2: the CPU DRAM tier (CPU_GB)", [("05", "cpu_gb", "")], gb,
      "local_cpu: true, max_local_cpu_size (GB, default 5)", "pinned CPU memory the engine offloads KV into"),
-    ("disk tier", "05 Part 2: the SSD tier", ("05", "ssd_gb"), "GB",
+    ("disk tier", "05 Part 2: the SSD tier (SSD_GB)", [("05", "ssd_gb", "")], gb,
      "local_disk: \"file:///path/\", max_local_disk_size (GB)", "a local disk below the CPU tier"),
-    ("CacheGen serializer", "02/03: the codec's quality levels, chunks streamed per level", ("03", "chunk_tokens"),
-     "tokens per streamed chunk", "remote_serde: \"cachegen\" (default \"naive\")",
+    ("CacheGen serializer", "02/03: the codec's levels, streamed in chunks (CHUNK_TOKENS)",
+     [("03", "chunk_tokens", "")], "{:,g} tokens a chunk".format, "remote_serde: \"cachegen\" (default \"naive\")",
      "KV quantized and arithmetic-coded before it goes to a remote store"),
-    ("blending", "04 §5.3: CacheBlend's selective recompute", ("04_smollm2", "real_ratio", "04", "ratio"),
-     "recompute ratio",
+    ("blending", "04 §5.3: selective recompute (RATIO, REAL_RATIO; the check-k rule ranks at layer 1)",
+     [("04", "ratio", " (record world)"), ("04_smollm2", "real_ratio", " (SmolLM2)")], share,
      "enable_blending: true, blend_recompute_ratios [0.15], blend_check_layers [1]",
      "reuse non-prefix chunks, recompute the most deviated share of tokens, ranked at the check layer"),
-    ("prefix caching", "the baseline CacheBlend improves on (§5.1)", None, "",
+    ("prefix caching", "the baseline CacheBlend improves on (§5.1; 05 Part 4's prefix cache)", [], str,
      "vLLM --enable-prefix-caching, --block-size (default 16)",
      "reuse of the identical leading blocks only, each block hashed with its parent's hash"),
 ]
 
 
 def going_further_table(settings: dict[str, dict], wide: bool = True) -> Table:
-    """The knobs table, our values read from `settings` (script -> the settings its page recorded); a
-    value the saved pages do not hold is left blank. `wide=False` keeps the mechanism, our value and the
-    knob (the terminal's 120 characters)."""
+    """The knobs table, our values read from `settings` (script -> the settings its page recorded): each
+    value of a mechanism the saved pages hold, with what it is of ("20% (record world), 15% (SmolLM2)");
+    none: blank. `wide=False` keeps the mechanism, our value and the knob, one value a line (the terminal's
+    120 characters)."""
     rows = []
-    for mechanism, here, setting, unit, knob, what in KNOBS:
-        pairs = list(zip(setting[::2], setting[1::2])) if setting else []
-        value = next((settings[p][f] for p, f in pairs if settings.get(p, {}).get(f) is not None), None)
-        ours = "-" if value is None else f"{value:g} {unit}" if isinstance(value, (int, float)) else f"{value} {unit}"
-        rows.append(Row([mechanism, here, ours, knob, what] if wide else [mechanism, ours, knob]))
+    for mechanism, here, where, fmt, knob, what in KNOBS:
+        values = [fmt(settings[p][f]) + of for p, f, of in where if settings.get(p, {}).get(f) is not None]
+        if wide:
+            rows.append(Row([mechanism, here, ", ".join(values) or "-", knob, what]))
+        else:
+            rows += [Row([mechanism, values[0] if values else "-", knob])] + [Row(["", v, ""]) for v in values[1:]]
     text = [Col("here", left=True), Col("our value"), Col("LMCache / vLLM knob", left=True),
             Col("what it sets", left=True)]
     columns = [Col("mechanism")] + (text if wide else [text[1], text[2]])

