@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ledger  # noqa: E402
 from common import timemodel as tm  # noqa: E402
-from common.cli import (Parser, constants_of, fraction, nonneg_float, positive_float, positive_int,  # noqa: E402
-                        settings_from)
+from common.cli import (Parser, fraction, nonneg_float, positive_float, positive_int, settings_from,  # noqa: E402
+                        shipped_defaults)
 from common.present import (DASH, Chart, Handout, Page, Ref, Row, Series, Table, Val, chart_figure, cols,  # noqa: E402
-                            fact, plural, text_table)
+                            fact, handout, pct2, plural, text_table)
 
 K = 1024
 # ---- Part 1 and exercise 1
@@ -101,11 +101,6 @@ HANDOUT = Handout({
     "savings": Ref("$33M", P9), "navigation": Ref("$29M", P9), "ctx10k": Ref("3.3 GB, $0.0005, $0.0026, 0.19", {
         **L70B, **BF16, "gpu_hour_usd": 2.0, "storage_usd_per_tb_hour": 0.15, "store_context": 10_000}),
 })
-
-
-def handout(name: str, s: Settings):
-    """The handout's figure `name` for this run's settings, or "-" (no such figure, or other inputs)."""
-    return (HANDOUT(name, s) if name in HANDOUT.refs else None) or DASH
 
 
 # ------------------------------------------------------------------------------------- Part 1
@@ -211,7 +206,7 @@ def show_sizes(page: Page, r: Sizes, s: Settings) -> None:
                                       *[(ctx_name(n), fmt_bytes) for n in s.size_contexts]),
                      [Row([m.name, m.tag, m.layout.layers, m.layout.kv_heads or f"latent {m.layout.mla_latent}",
                            m.layout.head_dim, m.bytes_per_token, m.bytes_per_token / 1024, *m.sizes.values()],
-                          handout(f"kib.{m.key}", s), m.key) for m in r.models], "01_kv_ledger.kv_sizes",
+                          handout(HANDOUT, f"kib.{m.key}", s), m.key) for m in r.models], "01_kv_ledger.kv_sizes",
                      [f"(KV heads x head dim (hd) x 2 (K and V) x layers x {size}; MLA caches one latent + one "
                       "RoPE key per layer)"], {"llama31_70b_bytes_per_token": by["llama-3.1-70b"].bytes_per_token,
                                                 "llama31_70b_32k_gb": r.llama70b_32k_bytes / 1e9,
@@ -219,14 +214,15 @@ def show_sizes(page: Page, r: Sizes, s: Settings) -> None:
     tok, day = r.day_bytes_per_token, r.day_bytes
     page.table(quantities(f"\nOne GPU's day (§1.2): {tm.GPUS[s.day_gpu].name} serving {tm.MODELS[s.day_model].name} "
                           f"at {s.day_tokens_per_s:,} tokens/s", "§1.2", "ledger.gpu_day_bytes",
-                          ("KV per token", f"{tok / 1024:.1f} KiB ({tok:,} B)", handout("day_kib", s)),
+                          ("KV per token", f"{tok / 1024:.1f} KiB ({tok:,} B)", handout(HANDOUT, "day_kib", s)),
                           ("KV per day (decimal TB)", Val(f"{day / 1e12:.1f} TB", "gpu_day_tb", json=day / 1e12),
-                           handout("day_tb", s)), ("KV per day (binary TiB)", f"{day / 2**40:.1f} TiB", DASH)))
+                           handout(HANDOUT, "day_tb", s)),
+                          ("KV per day (binary TiB)", f"{day / 2**40:.1f} TiB", DASH)))
     page.exercise(1, "§1.2", f"{tm.MODELS[s.model].name}, {s.context:,} tokens, {size}/value")
     page.table(quantities("", "§1.2", "01_kv_ledger.kv_sizes", ("KV bytes per token", Val(
-        f"{b:,} B = {b / 1024:g} KiB", "ex1_bytes_per_token", json=b), handout("ex1_per_token", s)),
+        f"{b:,} B = {b / 1024:g} KiB", "ex1_bytes_per_token", json=b), handout(HANDOUT, "ex1_per_token", s)),
         (f"KV of {s.context:,} tokens", Val(fmt_bytes(r.ex1_bytes), "ex1_context_gb", json=r.ex1_bytes / 1e9),
-         handout("ex1_context", s))))
+         handout(HANDOUT, "ex1_context", s))))
     first = {}   # models with the same KV layout draw the same line: the second one dashed, "= the first"
     lines = [Series(r.curve_contexts, r.curves[m.key], f"{m.name} ({m.tag.split(',')[0]})"
                     + ("" if f == m.name else f" = {f}"), style={"ls": "-" if f == m.name else "--", "marker": "."})
@@ -237,8 +233,8 @@ def show_sizes(page: Page, r: Sizes, s: Settings) -> None:
 
 def row_handout(n: int, s: Settings) -> str:
     """The handout's figures beside the row of n tokens: 0.97 s at 16K, 4-6 GB/s over 4K-64K."""
-    refs = [handout("recompute_16k", s) if n == 16 * K else DASH,
-            handout("breakeven", s) if 4 * K <= n <= 64 * K else DASH]
+    refs = [handout(HANDOUT, "recompute_16k", s) if n == 16 * K else DASH,
+            handout(HANDOUT, "breakeven", s) if 4 * K <= n <= 64 * K else DASH]
     return ", ".join(h.figure for h in refs if h != DASH) or DASH
 
 
@@ -265,7 +261,7 @@ def show_fetch_or_recompute(page: Page, r: FetchOrRecompute, s: Settings) -> Non
     page.table(quantities("", "§1.4", "ledger.breakeven_bandwidth", ("break-even bandwidth (raw KV)",
                           f"{raw / r.ex2_recompute_s / 1e9:.2f} GB/s", DASH), ("break-even bandwidth (compressed)", Val(
                               f"{thr / 1e9:.2f} GB/s = {thr * 8 / 1e9:.1f} Gb/s", "ex2_threshold_gbit_per_s",
-                              json=thr * 8 / 1e9), handout("ex2", s))))
+                              json=thr * 8 / 1e9), handout(HANDOUT, "ex2", s))))
     gbps = lambda xs: [x / 1e9 for x in xs]
     chart_figure(page, "01_breakeven_bandwidth.png", Chart(
         [Series(r.curve_contexts, gbps(r.curve_raw), "break-even (raw KV)", style={"color": "k", "marker": "o"}),
@@ -286,12 +282,13 @@ def show_slides_account(page: Page, acct: ledger.SlidesAccount, s: Settings) -> 
          src("gpu_hour_usd gpus_per_node")),
         ("storage", f"{s.storage_tb_per_node:g} TB/node at ${s.storage_usd_per_tb_hour:g}/TB-hour",
          src("storage_tb_per_node storage_usd_per_tb_hour")),
-        ("a hit saves", f"{s.hit_saves:.0%} of the request's GPU time", src("hit_saves", "ours: what makes 1.06%")),
+        ("a hit saves", f"{s.hit_saves:.0%} of the request's GPU time",
+         src("hit_saves", f"ours: what makes {pct2(acct.breakeven_hit_rate)}")),   # the break-even below
         ("hit rate, fleet, period", f"{s.hit_rate:.0%}, {s.nodes:,} nodes, {s.years:g} years = {acct.hours:,.0f} h",
          src("hit_rate nodes years"))], "ledger.slides_economics"))
     pct = lambda key, x: Val(f"{x:.2%}", key, json=x * 100)
     usd = lambda key, x: Val(f"${x / 1e6:.1f}M", key, json=x / 1e6)
-    h = {k: handout(k, s) for k in ("breakeven_pct", "storage", "savings", "navigation")}
+    h = {k: handout(HANDOUT, k, s) for k in ("breakeven_pct", "storage", "savings", "navigation")}
     net, nav = ((h["savings"].figure, h["navigation"].figure) if h["savings"] != DASH else
                 (usd(None, acct.net_usd).value, usd(None, acct.net_if_33m_read_as_gross_usd).value))
     page.table(quantities("", "§1.3", "ledger.slides_economics", (
@@ -316,7 +313,7 @@ def show_own_account(page: Page, ours: list, s: Settings) -> None:
              "longer contexts pay off sooner: recompute grows faster than linearly (attention), storage linearly."
              if all(h1 > h2 for h1, h2 in zip(hits, hits[1:])) else
              "longer contexts do not pay off sooner here: the break-even hits/h do not fall with the length."]
-    if handout("breakeven_pct", s) != DASH:   # the slides' claim, beside the weekly hits of this account
+    if handout(HANDOUT, "breakeven_pct", s) != DASH:   # the slides' claim, beside the weekly hits of this account
         notes.append("(the slides' 'a cached prompt reused 2-3 times a week' depends on a request mix they do not "
                      "give; this account needs the weekly hits above)")
     ctx10k = lambda x, k: Val(getattr(x, k), f"ctx10k_{k}" if x.context == s.store_context else None)
@@ -327,7 +324,7 @@ def show_own_account(page: Page, ours: list, s: Settings) -> None:
                      ("hits/week", "{:.1f}")),
                      [Row([x.context, x.kv_bytes, ctx10k(x, "storage_usd_per_h"), x.recompute_s,
                            ctx10k(x, "hit_saves_usd"), ctx10k(x, "breakeven_hits_per_h"), x.breakeven_hits_per_h * 168],
-                          handout("ctx10k", s) if x.context == s.store_context else DASH) for x in ours],
+                          handout(HANDOUT, "ctx10k", s) if x.context == s.store_context else DASH) for x in ours],
                      "ledger.context_economics", notes))
 
 
@@ -352,7 +349,7 @@ def parse(argv) -> tuple:
     a = p.parse_args(argv)
     if a.hit_saves == 0:
         p.error("argument --hit-saves: must be above 0")
-    return settings_from(Settings, a, globals()), Settings(**constants_of(Settings, globals())), a
+    return settings_from(Settings, a, globals()), shipped_defaults(Settings, globals()), a
 
 
 def main(argv=None) -> Page:
