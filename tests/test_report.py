@@ -184,7 +184,7 @@ def test_the_navigation_names_every_section_and_the_header_the_what_if_ones(buil
     assert "position: sticky" in doc.split("</style>")[0]
     assert doc.count("back to the top</a></h2>") == 2                    # every section links back too
     fact = re.search(r"<b>what-if sections</b></td><td>(.*?)</td>", doc).group(1)
-    assert fact == '<a href="#s04">§1 (04)</a>: context = 6'
+    assert fact == f'<a href="#s04">§1 (04)</a>: context = 6 (figures/whatif/04_{run_tag({"context": 6})}/)'
     sec04 = doc.split('id="s04"')[1]
     banner = re.search(r'<p class="whatif">(.*?)</p>', sec04).group(1)
     assert "context = 6 (shipped: 32)" in banner and f"figures/whatif/04_{run_tag({'context': 6})}/" in banner

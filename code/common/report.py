@@ -17,7 +17,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from .present import whatif_banner
+from .present import value_text, whatif_banner
 
 # the handout's order: §1, §3, §4, §5, §6-7, each real-model section right after the section it extends
 ORDER = ["01", "02", "02_smollm2", "03", "04", "04_smollm2", "05"]
@@ -29,7 +29,7 @@ header { border-bottom: 2px solid #444; margin-bottom: 12px; }
 h1 { font-size: 24px; margin: 16px 0 4px; } h2 { font-size: 20px; margin: 36px 0 6px; border-bottom: 1px solid #bbb; }
 h3 { font-size: 16px; margin: 22px 0 6px; } h3.exercise { color: #7a3e00; }
 .facts { font-size: 13px; color: #333; } .facts td { padding: 1px 10px 1px 0; vertical-align: top; }
-.whatif { background: #fff3cd; border: 1px solid #e0c36a; padding: 6px 10px; margin: 8px 0; font-size: 14px; }
+p.whatif { background: #fff3cd; border: 1px solid #e0c36a; padding: 6px 10px; margin: 8px 0; font-size: 14px; }
 .pair { display: flex; flex-wrap: wrap; gap: 18px; align-items: flex-start; margin: 10px 0 16px; }
 /* a table keeps its natural width: a figure that does not fit beside it goes below, never squeezes it */
 .tbls { flex: 0 1 auto; min-width: 0; max-width: 100%; } .tbl { overflow-x: auto; margin-bottom: 12px; }
@@ -217,7 +217,9 @@ def header_html(pages: dict[str, dict], order: list[str], missing: list[str], si
     rows = "".join(f"<tr><td><b>{esc(k)}</b></td><td>{esc(v)}</td></tr>" for k, v in facts)
     whatifs = [s for s in order if pages[s].get("changes")]
     listed = "; ".join(f'<a href="#s{esc(s)}">{esc(label(pages[s]))} ({esc(s)})</a>: '
-                       + esc(", ".join(f"{k} = {v}" for k, v in pages[s]["changes"].items())) for s in whatifs)
+                       + esc(", ".join(f"{k} = {value_text(v)}" for k, v in pages[s]["changes"].items())
+                             + (f" (figures/whatif/{pages[s]['whatif']}/)" if pages[s].get("whatif") else ""))
+                       for s in whatifs)
     rows += (f'<tr><td><b>what-if sections</b></td><td>{listed or "none: every section ran the defaults as shipped"}'
              '</td></tr>')
     return (f'<header id="top"><h1>Lecture 27: KV cache as data (CacheGen, CacheBlend, LMCache)</h1>'
