@@ -90,3 +90,17 @@ def test_shipped_defaults_read_the_table_beside_the_script(tmp_path):
         "steps": (1, 2, 8), "probs": {0: 1.0}}
     other = cli.shipped_defaults(Settings, {**now, "__file__": str(tmp_path / "my_copy.py")})
     assert other == Settings((1, 2, 8), {0: 1.0}, 0.25)
+
+
+@dataclasses.dataclass(frozen=True)
+class Wider:
+    steps: tuple
+    layers: int                 # a setting that no constant names and the table does not hold yet
+
+
+def test_a_setting_the_table_lacks_is_shown_as_changed_not_a_crash(tmp_path):
+    (tmp_path / cli.SHIPPED_TABLE).write_text(json.dumps({"scripts": {"09_demo": {"steps": "(1, 2, 4)"}}}))
+    got = cli.shipped_defaults(Wider, {"__file__": str(tmp_path / "09_demo.py"), "STEPS": (1, 2, 4)})
+    assert got.steps == (1, 2, 4) and got.layers is None
+    assert edited(Wider((1, 2, 4), 32), got) == {"layers": 32}
+    assert dataclasses.replace(got, layers=8) == Wider((1, 2, 4), 8)

@@ -77,11 +77,21 @@ def shipped_defaults(cls, namespace: dict):
     a list and a dict's number keys into strings, and the comparison would see edits nobody made.
 
     A field the table lacks (a setting added since it was written) or a script it does not know (a copy
-    under another name) takes the constant's value as it is now: that setting's edits are then not told."""
+    under another name) takes the constant's value as it is now, so that setting's edits are not told; a
+    field with no constant either takes its default, else None, so the run shows it as changed."""
     script = Path(namespace.get("__file__", "")).stem
     row = shipped_table(Path(namespace.get("__file__", "")).resolve().parent / SHIPPED_TABLE).get(script, {})
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{**constants_of(cls, namespace), **{k: v for k, v in row.items() if k in names}})
+    fields = dataclasses.fields(cls)
+    values = {**constants_of(cls, namespace), **{k: v for k, v in row.items() if k in {f.name for f in fields}}}
+    required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if all(k in values for k in required):
+        return cls(**values)
+    out = object.__new__(cls)   # a frozen dataclass, its fields set one by one
+    for f in fields:
+        default = None if f.default is dataclasses.MISSING else f.default
+        object.__setattr__(out, f.name, values.get(f.name, f.default_factory() if f.default_factory
+                                                    is not dataclasses.MISSING else default))
+    return out
 
 
 def shipped_table(path: Path) -> dict[str, dict]:
