@@ -1,4 +1,4 @@
-"""The CacheGen-style codec of kvcache.py, section 3: bit-exact round trips through the bitstream,
+"""The CacheGen-style codec of kvcache.py: bit-exact round trips through the bitstream,
 groups that decode alone (exercise 3), a bitstream that names what decoding needs, levels that shrink,
 and (with the record-world model) the accuracy claims of 02_cachegen_codec.py."""
 import numpy as np
@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import codec_study as cs
+import coder as ac
 import kvcache as kv
 from common.llama import Llama, LlamaConfig
 
@@ -99,7 +100,7 @@ def test_groups_decode_alone_and_damage_stays_in_its_group(calib):
         bad[i] ^= 0x5A
     try:
         back = kv.codec_decode(bytes(bad), spec)
-    except kv.CorruptStream:
+    except ac.CorruptStream:
         back = None
     if back is not None:
         assert not np.array_equal(back[10:20], full[10:20])
@@ -127,7 +128,7 @@ def test_damaged_bitstreams_end_with_a_clear_error(calib):
     spec = specs_for(calib, False)[0]
     data = kv.codec_encode(synthetic_kv(6, 1, 20)[0], spec)
     for bad in [b"", data[:5], data[:-1], data + b"\0", b"XX" + data[2:]]:
-        with pytest.raises(kv.CorruptStream):
+        with pytest.raises(ac.CorruptStream):
             kv.codec_decode(bad, spec)
     with pytest.raises(ValueError):
         kv.codec_encode(np.zeros((5, L, 2, C + 1), np.float32), spec)

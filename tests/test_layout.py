@@ -48,7 +48,13 @@ def test_dependencies_flow_one_way():
 
 
 def test_the_codec_needs_only_numpy():
-    tree = ast.parse(MODULES["kvcache"].read_text())
-    top = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    top |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert "torch" not in top and GRAPH["kvcache"] == set()
+    """The codec and its coder import no torch and nothing of code/ but one another: the serial coder
+    nothing, the parallel coder the serial one, the throughput benchmark the coders, never the codec."""
+    for name in ("coder", "coder_parallel", "coder_bench", "kvcache"):
+        tree = ast.parse(MODULES[name].read_text())
+        top = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        top |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert "torch" not in top, name
+    assert GRAPH["coder"] == set() and GRAPH["coder_parallel"] == {"coder"}
+    assert GRAPH["coder_bench"] == {"coder", "coder_parallel"}
+    assert {"coder", "coder_parallel"} <= GRAPH["kvcache"] <= {"coder", "coder_parallel", "coder_bench"}
