@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import coder as ac
+import coder_bench as bench
 import coder_parallel as acp
 import kvcache as kv
 from test_coder import _table_and_symbols, carry_case, within
@@ -217,3 +218,23 @@ def test_stream_plan_keeps_its_budget_and_its_estimate(specs):
     assert all(p.added_share > kv.STREAM_BUDGET for p in kv.stream_plans(spec) if p.streams > chosen.streams)
     assert kv.stream_plan(spec, 30).layout == "group"               # 3 groups: too few streams
     assert kv.coder_for(kv.PARALLEL_MIN_STREAMS) == "parallel" and kv.coder_for(kv.PARALLEL_MIN_STREAMS - 1) == "serial"
+
+
+@pytest.mark.parametrize("max_steps", [10_000, 50])
+def test_the_benchmark_counts_the_bytes_streams_add(monkeypatch, max_steps):
+    """coder_bench.coder_throughput: at each stream count, the bytes added to one stream are the streams'
+    own bytes and the varints of their lengths (all but the last), less the one stream's; the same when
+    the streams are timed on their first THROUGHPUT_MAX_STEPS symbols only (50 < 80 and 240 here)."""
+    monkeypatch.setattr(bench, "THROUGHPUT_MAX_STEPS", max_steps)
+    rng = np.random.default_rng(3)
+    tables = [ac.make_table(rng.random(9) + 0.01) for _ in range(4)]
+    R, n = 6, 40
+    ids, syms = np.repeat(np.arange(R) % 4, n).reshape(R, n), rng.integers(0, 9, (R, n))
+    thr = bench.coder_throughput(syms, ids, tables, (1, 3, 100))
+    assert thr.symbols == R * n and thr.streams == (1, 3, R)
+    assert thr.one_stream_bytes == len(ac.encode(syms.ravel(), tables, ids.ravel()))
+    for k, added in zip(thr.streams, thr.added_bytes):
+        sizes = [len(ac.encode(syms[r].ravel(), tables, ids[r].ravel())) for r in np.array_split(np.arange(R), k)]
+        assert added == sum(sizes) + sum(len(acp.varint(b)) for b in sizes[:-1]) - thr.one_stream_bytes
+    assert thr.added_bytes[0] == 0 and thr.added_bytes[-1] > thr.added_bytes[1] > 0
+    assert min(thr.serial_encode, thr.serial_decode, *thr.parallel_encode, *thr.parallel_decode) > 0
