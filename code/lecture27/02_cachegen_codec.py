@@ -103,7 +103,7 @@ def observations(run: cm.RecordRun, s: Settings) -> cm.Observations:
 
 def codec_table(run: cm.RecordRun, s: Settings) -> cm.Codecs:
     """Part 2 (§3.4): FP16, zlib and n-bit codes measured here beside the study's recipe and measured codec."""
-    baselines = cm.baseline_rows(run.Xc, run.Xe, cm.recorded_accuracy(run), s.baseline_bits, s.zlib_level)
+    baselines = cm.baseline_rows(run.Xc, run.Xe, cm.record_quality(run), s.baseline_bits, s.zlib_level)
     return cm.record_codecs(run, baselines)
 
 

@@ -270,7 +270,7 @@ def record_run(refit: bool) -> RecordRun:
     return RecordRun(model, study, Xc, Xe, ev[1:], kv.kv_rms(Xc))
 
 
-def recorded_accuracy(run: RecordRun):
+def record_quality(run: RecordRun):
     """quality(decoded evaluation KV) -> the share of the evaluation answers right."""
     return lambda X: cs.answer_accuracy(run.model, X, *run.ev)["acc"]
 
