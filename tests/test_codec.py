@@ -274,6 +274,7 @@ def record():
     ev = world["docs"](cs.CODEC_N_EVAL, cs.CODEC_EVAL_SEED)
     script = importlib.import_module("02_cachegen_codec")
     return {"study": study, "model": world["model"], "ev": ev, "script": script,
+            "measures": importlib.import_module("codec_measures"),
             "Xc": cs.context_kv(world["model"], calib[0]), "Xe": cs.context_kv(world["model"], ev[0])}
 
 
@@ -301,7 +302,7 @@ def test_codec_table_acceptance(record):
     """Measured codec >= 1.5x smaller than 8-bit within 0.5 points of FP16; the recipe below 6-bit's
     accuracy; zlib on FP16 between 1.0x and 1.3x."""
     s, m, script = record["study"], record["model"], record["script"]
-    rows = {c.key: c for c in script.baseline_rows(record["Xc"], record["Xe"],
+    rows = {c.key: c for c in record["measures"].baseline_rows(record["Xc"], record["Xe"],
                                                    lambda X: cs.answer_accuracy(m, X, *record["ev"][1:])["acc"],
                                                    script.BASELINE_BITS, script.ZLIB_LEVEL)}
     measured = s["variants"]["delta" if s["delta"] else "raw"]
@@ -323,7 +324,7 @@ def test_record_contexts_keep_one_stream_per_group(record):
 
 def test_coder_on_a_whole_context(record):
     spec = kv.spec_from_dict(cs.record_codec_study()["specs"][0])
-    one, many = record["script"].coder_check(spec, record["Xe"], 5)
+    one, many = record["measures"].coder_check(spec, record["Xe"], 5)
     assert one.roundtrip_exact and many.roundtrip_exact
     # the coder's law (test_coder.test_length_law_over_many_streams): within a byte above the ideal
     # -sum log2 p, and possibly a little below it (the final value may happen to be a short fraction)
