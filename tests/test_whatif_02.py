@@ -60,7 +60,7 @@ def test_a_handout_figure_only_beside_its_inputs(runs, name):
             if shown != "-":
                 refs = [r for r in cp.HANDOUT.refs.values() if r.figure == shown]
                 assert refs and any(holds(r.inputs, s) for r in refs), (t["title"], shown)
-    ex4 = tables["kvcache.exercise4"]["rows"]
+    ex4 = tables["coder.exercise4"]["rows"]
     handout_probs = cp.HANDOUT.refs["ex4_entropy_bits"].inputs["ex4_probs"]
     assert (s.ex4_probs == handout_probs) == (ex4[0][-1] == "1.40") == (ex4[3][-1] == "3")
 
@@ -101,7 +101,7 @@ def test_verdicts_say_what_the_numbers_say(runs, name):
     # exercise 4: a saving over the fixed-length code is claimed only where there is one
     # exercise 3 measured: the ratios and bytes the notes name are the table's; "slower than the serial
     # coder" only where the fewest streams are; the codec's layout is the one its bitstreams name
-    thr, dec = tables["kvcache.coder_throughput"], d["coder_decode_sym_per_s"]
+    thr, dec = tables["coder_bench.coder_throughput"], d["coder_decode_sym_per_s"]
     notes = " ".join(thr["notes"])
     assert f"decodes {dec['parallel'] / dec['serial']:.1f}x the serial coder's" in notes
     assert f"compiled coder {dec['constriction'] / dec['parallel']:.1f}x ours" in notes
@@ -114,7 +114,7 @@ def test_verdicts_say_what_the_numbers_say(runs, name):
     assert f"bitstreams: {cp.LAYOUT_WORDS[mod.kv.stream_plan(spec, 24).layout]}," in notes
     e4 = d["exercise4"]
     saves = e4["fixed_bits"] - e4["coded_bits_per_symbol"] > 0.005
-    assert ("saves nothing" not in tables["kvcache.exercise4"]["notes"][0]) == saves
+    assert ("saves nothing" not in tables["coder.exercise4"]["notes"][0]) == saves
 
 
 def test_the_edits_reach_the_results(runs):

@@ -23,6 +23,8 @@ import numpy as np  # noqa: E402
 import blend_world as bw  # noqa: E402
 import codec_real as cr  # noqa: E402
 import codec_study as cs  # noqa: E402
+import coder  # noqa: E402
+import coder_bench  # noqa: E402
 import kvcache as kv  # noqa: E402
 from common.checkpoints import cached  # noqa: E402
 from common.llama import idle_threads  # noqa: E402
@@ -187,13 +189,13 @@ class Independence:
 
 @dataclass
 class Throughput:
-    """Exercise 3 measured: the coders on the same level-0 symbols (kvcache.coder_throughput), and the
+    """Exercise 3 measured: the coders on the same level-0 symbols (coder_bench.coder_throughput), and the
     streams the codec's own bitstreams use."""
     contexts: int             # whose symbols: this many evaluation contexts ...
     unit: str                 # ... "context" or "paragraph"
     tokens: int               # symbols a row: one row per (context, layer, K/V, channel)
     rows: int
-    coder: kv.CoderThroughput
+    coder: coder_bench.CoderThroughput
     layout: Layout            # the one the codec uses for a context of `tokens` tokens
 
 
@@ -345,8 +347,8 @@ def grouping_entropy(Qc, Qe):
         n = int(gid.max()) + 1
         ids_c = np.broadcast_to(gid, Qc.shape).ravel()
         counts = np.bincount(ids_c * K + (Qc.ravel() - lo), minlength=n * K).reshape(n, K)
-        tables = kv.make_tables(kv.unseen_uniform(counts), [K] * n)
-        bits = kv.ideal_bits((Qe - lo).ravel(), tables, np.broadcast_to(gid, Qe.shape).ravel())
+        tables = coder.make_tables(coder.unseen_uniform(counts), [K] * n)
+        bits = coder.ideal_bits((Qe - lo).ravel(), tables, np.broadcast_to(gid, Qe.shape).ravel())
         out[name] = bits / Qe.size
     return out
 
@@ -379,9 +381,9 @@ def coder_check(spec, Xe, n_contexts) -> tuple[OneStream, Bitstreams]:
     bit-exact round trip; then the codec's bitstreams of n_contexts contexts, timed."""
     syms, ids = kv._symbols(kv.quantize(Xe[0], spec), spec)
     syms, ids = syms.ravel(), ids.ravel()
-    data = kv.encode(syms, list(spec.tables), ids)
-    back = kv.decode(data, list(spec.tables), syms.size, ids)
-    one = OneStream(syms.size, kv.ideal_bits(syms, list(spec.tables), ids) / 8, len(data),
+    data = coder.encode(syms, list(spec.tables), ids)
+    back = coder.decode(data, list(spec.tables), syms.size, ids)
+    one = OneStream(syms.size, coder.ideal_bits(syms, list(spec.tables), ids) / 8, len(data),
                     bool(np.array_equal(back, syms)))
     t0 = time.perf_counter()
     streams = kv.codec_encode_many(Xe[:n_contexts], spec)
@@ -421,7 +423,7 @@ def independence(spec_delta, Xe, n) -> Independence:
     try:
         damaged = kv.codec_decode(bytes(bad), spec_delta)
         spoiled, rejected = [g for g in range(n_groups) if not np.array_equal(damaged[rows[g]], full[rows[g]])], False
-    except kv.CorruptStream:
+    except coder.CorruptStream:
         spoiled, rejected = [], True
     return Independence(n_groups, alone, 1, spoiled, rejected, position_errors(spec_delta, Xe[:n]))
 
@@ -452,12 +454,12 @@ def coder_throughput(spec, q, counts, unit: str) -> Throughput:
     T = q.shape[1]
     rows, row_ids = (a.transpose(0, 2, 3, 4, 1).reshape(-1, T) for a in (syms, ids))
     return Throughput(len(q), unit, T, len(rows),
-                      kv.coder_throughput(rows, row_ids, spec.tables, (*counts, len(rows))), stream_layout(spec, T))
+                      coder_bench.coder_throughput(rows, row_ids, spec.tables, (*counts, len(rows))), stream_layout(spec, T))
 
 
 def exercise4(probs: dict, samples: int) -> Exercise4:
     """Exercise 4 on a distribution: entropy, the coder's bits per value on its samples, the fixed-length code."""
-    return Exercise4(**kv.exercise4(probs, samples))
+    return Exercise4(**coder.exercise4(probs, samples))
 
 
 def level_noise(levels, n_answers: int) -> list[float]:

@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `com
 import codec_measures as cm  # noqa: E402
 import codec_real as cr  # noqa: E402
 import codec_study as cs  # noqa: E402
+import coder_bench  # noqa: E402
 import kvcache as kv  # noqa: E402
 from common.present import (  # noqa: E402
     Chart, Field, Handout, Page, Ref, Row, Series, Table, chart_figure, cols, handout, pct1, pct2, plain, plural,
@@ -379,7 +380,7 @@ def coder_rows(t: cm.Throughput) -> list:
 
 def show_throughput(page: Page, t: cm.Throughput, s) -> None:
     """Exercise 3 measured: each coder's symbols/s on the same symbols, the parallel coder's added bytes."""
-    c, mega, cap = t.coder, lambda v: f"{v / 1e6:.2f}", kv.THROUGHPUT_MAX_STEPS
+    c, mega, cap = t.coder, lambda v: f"{v / 1e6:.2f}", coder_bench.THROUGHPUT_MAX_STEPS
     notes = [f"The same {c.symbols:,} symbols (level 0, {plural(t.contexts, f'evaluation {t.unit}')}) in {t.rows:,} "
              f"rows: one per (context, layer, K/V, channel), {t.tokens} tokens each; the parallel coder takes the rows "
              f"in k runs, each run a stream. A stream of more than {cap:,} symbols is timed on its first {cap:,}.",
@@ -391,7 +392,7 @@ def show_throughput(page: Page, t: cm.Throughput, s) -> None:
                      "wall clock, this run)", "§3.3",
                      cols("coder", ("streams", "{:,}"), ("encode M sym/s", mega), ("decode M sym/s", mega),
                           ("decode vs serial", times), ("added bytes", "{:+,}"), ("added", "{:+.2%}")),
-                     coder_rows(t), "kvcache.coder_throughput", notes))
+                     coder_rows(t), "coder_bench.coder_throughput", notes))
     every = list(c.streams).index(t.rows)     # the parallel coder at one stream per row
     encode = {"serial": c.serial_encode, "parallel": c.parallel_encode[every]}
     decode = {"serial": c.serial_decode, "parallel": c.parallel_decode[every]}
@@ -416,7 +417,7 @@ def show_exercise4(page: Page, e: cm.Exercise4, s) -> None:
     page.table(table_of(
         f"Entropy coding of {{{probs}}}", "§3.3", [Field("", get=0), Field("ours", lambda v: f"{v:.3f}" if
                                                    isinstance(v, float) else str(v), get=1)],
-        {k: (label, getattr(e, k)) for k, label in labels.items()}, "kvcache.exercise4",
+        {k: (label, getattr(e, k)) for k, label in labels.items()}, "coder.exercise4",
         [f"Arithmetic coding saves {saving:.2f} of the fixed-length code's {e.fixed_bits} bits per value ("
          f"{saving / e.fixed_bits:.0%}), within {abs(e.coded_bits_per_symbol - e.entropy_bits):.3f} bits of the "
          f"entropy." if saving > 0.005 else f"Arithmetic coding saves nothing over the fixed-length code's "

@@ -23,9 +23,6 @@ import numpy as np
 from coder import (AC_TOTAL, CorruptStream, FreqTable, cdfs_by_size, decode, encode, ideal_bits, make_tables,
                    unseen_uniform)
 from coder_parallel import TableStack, decode_streams, encode_streams, read_varints, stack_tables, varint
-# names 02_cachegen_codec.py reads as kv.<name> beside the codec's own
-from coder import exercise4  # noqa: F401
-from coder_bench import THROUGHPUT_MAX_STEPS, CoderThroughput, coder_throughput  # noqa: F401
 
 # ========================================================================= 1. CacheGen-style codec
 # A context's KV seen as one array X of shape (T, L, 2, C): token x layer x {K, V} x channel, where
