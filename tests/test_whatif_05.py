@@ -9,6 +9,7 @@ import pytest
 from common.present import DASH
 
 mod = importlib.import_module("05_tiered_storage")
+page_of = importlib.import_module("tiers_page")     # 05's page: its handout table
 RUNS = {   # the issue's two CPU tiers, then the edits the exercises and pitfall 7 invite
     "default": "", "cpu 60 GB": "--cpu-gb 60", "cpu 250 GB": "--cpu-gb 250", "slower copy": "--cpu-slow-gbps 5",
     "smaller GPU": "--gpu-gb 40", "bigger doc cache": "--doc-cache-gb 20", "20 users": "--users 20 --turns 4",
@@ -26,7 +27,7 @@ def pages():
 
 
 def chat(page):
-    return next(t for t in page.tables if t.source == "05_tiered_storage.serve")
+    return next(t for t in page.tables if t.source == "tiers_study.serve")
 
 
 def config(page, name):
@@ -39,22 +40,22 @@ def config(page, name):
 @pytest.mark.parametrize("run", list(RUNS))
 def test_a_handout_figure_only_beside_its_inputs(pages, run):
     page = pages[run]
-    held = {n for n in mod.HANDOUT.refs if mod.HANDOUT(n, page.settings)}
+    held = {n for n in page_of.HANDOUT.refs if page_of.HANDOUT(n, page.settings)}
     if run == "default":
-        assert held == set(mod.HANDOUT.refs)
-    for n in set(mod.HANDOUT.refs) - held:
-        fig = mod.HANDOUT.refs[n].figure
+        assert held == set(page_of.HANDOUT.refs)
+    for n in set(page_of.HANDOUT.refs) - held:
+        fig = page_of.HANDOUT.refs[n].figure
         assert not [t for t in page.texts() if f"handout: {fig}" in t], (run, n)
         assert fig not in [str(r.handout) for t in page.tables for r in t.rows], (run, n)
     for n in held:
-        assert any(f"handout: {mod.HANDOUT.refs[n].figure}" in t for t in page.texts()) or any(
-            r.handout == mod.HANDOUT.refs[n].figure for t in page.tables for r in t.rows), (run, n)
+        assert any(f"handout: {page_of.HANDOUT.refs[n].figure}" in t for t in page.texts()) or any(
+            r.handout == page_of.HANDOUT.refs[n].figure for t in page.tables for r in t.rows), (run, n)
 
 
 def test_the_issue_edits(pages):
     for run in ("cpu 60 GB", "cpu 250 GB"):          # the 5x holds for the default CPU tier only
         assert any("(handout: -, pitfall 7)" in t for t in pages[run].texts())
-    assert mod.HANDOUT("slow_vs_fast", pages["slower copy"].settings) is None
+    assert page_of.HANDOUT("slow_vs_fast", pages["slower copy"].settings) is None
     waist = [r.handout for t in pages["bigger doc cache"].tables for r in t.rows if t.source.endswith("doc_hit_rate")]
     assert waist == [DASH, DASH]
     ratio = {run: p.json()["cpu_fast_vs_slow_ttft_ratio"] for run, p in pages.items()}
