@@ -52,7 +52,7 @@ from common.cli import (Parser, fail, nonneg_int, positive_float, positive_int, 
                         shipped_defaults)
 from common.gguf_llama import smollm2_or_explain  # noqa: E402
 from common.present import Page  # noqa: E402
-from streaming_page import (show_models, show_note_8b, show_part1, show_part2, show_part2_long,  # noqa: E402
+from streaming_page import (show_models, show_part1, show_part2, show_part2_long,  # noqa: E402
                             show_part2_real, show_part3, show_part4, show_setup, show_skipped)
 
 K = 1024
@@ -204,9 +204,9 @@ def setup_for(s: Settings, context: int, chunk_tokens: int, lv: study.Levels) ->
 
 # ------------------------------------------------------------------------------------------ the Parts
 def part1(s: Settings, lv: study.Levels) -> study.OneShot:
-    """§4.1: the whole context fetched at once over a steady link, at each bandwidth."""
-    return study.one_shot(s.model, s.gpu, s.n_gpus, s.context, s.bandwidths, lv, s.no_loss_points,
-                          s.half_efficiency_tokens)
+    """§4.1: the whole context fetched at once over a steady link, at each bandwidth; the 8B note."""
+    return dataclasses.replace(study.one_shot(s.model, s.gpu, s.n_gpus, s.context, s.bandwidths, lv, s.no_loss_points,
+                                              s.half_efficiency_tokens), note=note_8b(s, lv.levels))
 
 
 def note_8b(s: Settings, levels: list) -> study.Note8B:
@@ -254,8 +254,7 @@ def main(argv=None) -> Page:
     page = Page("03", "CacheGen part two: streaming with adaptation", "§4", s, defaults, plot=not a.no_plot)
     lv = codec_levels(s)
     real, skipped = real_levels(not a.no_real)
-    show_part1(page, part1(s, lv), s)                                   # §4.1
-    show_note_8b(page, note_8b(s, lv.levels), s)                        # §4.1, pitfall 1
+    show_part1(page, part1(s, lv), s)                                   # §4.1, pitfall 1
     p2, p2b = part2(s, lv), part2_long(s, lv)
     show_part2(page, p2, s)                                             # §4.2
     show_part2_long(page, p2b, s)                                       # §4.2, a longer context

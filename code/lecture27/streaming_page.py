@@ -131,6 +131,8 @@ def show_part1(page: Page, r: study.OneShot, s) -> None:
         cols(("Gb/s", "{:g}"), *[(f"{o.name} s", "{:.2f}") for o in r.options], "best (no loss)", "fastest"),
         [Row([b.gbps, *(b.ttft[o.name] for o in r.options), b.best, b.fastest]) for b in r.rows],
         "streaming_study.one_shot", [*quote(handout(HANDOUT, "part1", s)), best, headline_note(r, s)]))
+    if r.note:
+        page.table(note_table(r.note, s))
     chart_figure(page, "03_ttft_vs_bandwidth.png", [Chart(
         [Series([b.gbps for b in r.rows], [b.ttft[o.name] for b in r.rows], f"{o.name} (acc {o.accuracy:.2f})",
                 style={"marker": "o", "ms": 3, "color": COLORS.get(o.name)}) for o in r.options],
@@ -138,10 +140,10 @@ def show_part1(page: Page, r: study.OneShot, s) -> None:
         "context", "log", "log", grid="both")], figsize=(7, 4.2))
 
 
-def show_note_8b(page: Page, n: study.Note8B, s) -> None:
+def note_table(n: study.Note8B, s) -> Table:
     json = {"llama31_8b_12k_recompute_s": n.recompute_s, "llama31_8b_raw_breakeven_gbit_per_s": n.raw_breakeven_gbit,
             "llama31_8b_compression_for_25gbit": n.compression}
-    page.table(Table(
+    return Table(
         f"\nNote (§4.1, pitfall 1): {tm.MODELS[s.note_model].name} on one {s.note_gpu}, a {s.context:,}-token "
         "context: recompute it, or fetch its KV?", "§4.1", cols("", ("ours", "{:.1f}")), [
             Row(["recompute the context, s (the time model's anchor)", Val(n.recompute_s, fmt="{:.2f}")],
@@ -151,7 +153,7 @@ def show_note_8b(page: Page, n: study.Note8B, s) -> None:
             Row([f"KV compression whose break-even is {s.note_link_gbps:g} Gb/s",
                  Val(n.compression, fmt=lambda c: f"{c:.2f}x ({16 / c:.1f} bits/value)")]),
             *[Row([f"{k} KV beats recomputing above, Gb/s", v]) for k, v in n.levels_breakeven_gbit.items()]],
-        "streaming_study.recompute_or_fetch", json=json))
+        "streaming_study.recompute_or_fetch", json=json)
 
 
 # ------------------------------------------------------------------------------------------ Part 2

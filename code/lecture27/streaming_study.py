@@ -60,6 +60,14 @@ class Bandwidth:
 
 
 @dataclass(frozen=True)
+class Note8B:
+    recompute_s: float
+    raw_breakeven_gbit: float       # raw KV beats recomputing only above this bandwidth
+    compression: float              # the compression that puts the break-even at the note's link
+    levels_breakeven_gbit: dict     # level -> its break-even bandwidth
+
+
+@dataclass(frozen=True)
 class OneShot:
     levels: Levels
     options: list                   # st.Option: raw, the levels finest first, text
@@ -69,6 +77,7 @@ class OneShot:
     breakeven: dict                 # KV option -> the bandwidth at which fetching it takes as long as recomputing
     finest: st.Option
     best_ranges: list               # (option, lowest, highest bandwidth) of each run of bandwidths with the same best
+    note: Note8B | None = None      # §4.1's note on a small model (recompute_or_fetch)
 
 
 def runs_of_best(rows: list) -> list:
@@ -97,14 +106,6 @@ def one_shot(model, gpu, n_gpus, context, bandwidths, lv: Levels, no_loss_points
     recompute = tm.prefill_time(model, gpu, context, 0, n_gpus)
     breakeven = {o.name: o.bits_per_token * context / recompute / st.GBIT for o in opts if not o.recompute}
     return OneShot(lv, opts, no_loss, rows, recompute, breakeven, finest, runs_of_best(rows))
-
-
-@dataclass(frozen=True)
-class Note8B:
-    recompute_s: float
-    raw_breakeven_gbit: float       # raw KV beats recomputing only above this bandwidth
-    compression: float              # the compression that puts the break-even at the note's link
-    levels_breakeven_gbit: dict     # level -> its break-even bandwidth
 
 
 def recompute_or_fetch(model, gpu, context, link_gbps, levels) -> Note8B:

@@ -244,7 +244,8 @@ def rag_notes(r: Rag, s) -> list:
 def rag_json(r: Rag) -> dict:
     return {"rag_k": list(r.ks),
             "rag_prefix_hit_rate": r.of("prefix", "hit_rate"), "rag_chunk_hit_rate": r.of("chunk", "hit_rate"),
-            "rag_prefix_mean_ttft_s": r.of("prefix", "mean_ttft_s"), "rag_chunk_mean_ttft_s": r.of("chunk", "mean_ttft_s"),
+            "rag_prefix_mean_ttft_s": r.of("prefix", "mean_ttft_s"),
+            "rag_chunk_mean_ttft_s": r.of("chunk", "mean_ttft_s"),
             "rag_prefix_p99_ttft_s": r.of("prefix", "p99_ttft_s"), "rag_chunk_p99_ttft_s": r.of("chunk", "p99_ttft_s")}
 
 
