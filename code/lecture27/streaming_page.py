@@ -331,11 +331,7 @@ def show_part2_long(page: Page, run: study.TraceRun, s) -> None:
 
 def real_levels_table(run: study.TraceRun) -> Table:
     """The levels measured on SmolLM2, each with its noise, and whether their steps stand out of it."""
-    lvs, noise = study.measured(run.levels), run.noise
-    notes = [f"KL grows level by level {'beyond' if noise.kl_clear else 'NOT beyond'} two standard errors; top-1 "
-             "agreement " + (f"changes within two standard errors at {', '.join(noise.unclear)}: a coarser level "
-                             "can score as well or better there by chance, so KL is the measure to trust."
-                             if noise.unclear else "falls level by level beyond two standard errors.")] if noise else []
+    lvs = study.measured(run.levels)
     return Table(
         f"Measured on {lvs[0].positions:,} next-token positions of evaluation prose" + (
             f" ({lvs[0].paragraphs} paragraphs; +- one standard error over paragraphs;\nstep: the paired change "
@@ -346,7 +342,19 @@ def real_levels_table(run: study.TraceRun) -> Table:
               pm(100 * o.accuracy, 100 * lv.agree_se, ".1f") + "%",
               "" if math.isnan(lv.kl_step) else pm(lv.kl_step, lv.kl_step_se, "+.4f"),
               "" if math.isnan(lv.agree_step) else pm(100 * lv.agree_step, 100 * lv.agree_step_se, "+.1f")])
-         for o, lv in zip(run.setup.options, lvs)], "codec_real.real_codec_levels", notes, {"real_levels": run.levels})
+         for o, lv in zip(run.setup.options, lvs)], "codec_real.real_codec_levels", noise_note(run.noise),
+        {"real_levels": run.levels})
+
+
+def noise_note(noise: study.Noise | None) -> list[str]:
+    """Whether KL and top-1 agreement move level by level beyond two standard errors (none: no steps measured)."""
+    if noise is None:
+        return []
+    top1 = (f"changes within two standard errors at {', '.join(noise.unclear)}: a coarser level can score as well or "
+            "better there by chance, so KL is the measure to trust." if noise.unclear else
+            "falls level by level beyond two standard errors.")
+    return [f"KL grows level by level {'beyond' if noise.kl_clear else 'NOT beyond'} two standard errors; top-1 "
+            f"agreement {top1}"]
 
 
 def show_part2_real(page: Page, run: study.TraceRun, s) -> None:

@@ -88,19 +88,26 @@ def show_handoff(page: Page, h: Handoff, s) -> None:
 
 def chat_notes(c: Chat, s) -> list:
     """What the chat table shows, each sentence chosen by its numbers."""
-    slow, fast, res = c.served["cpu_slow"], c.served["cpu_fast"], c.served
+    res = c.served
+    return ["hits = share of history tokens found cached; recompute/busy = the GPU's seconds recomputing history "
+            "over its busy seconds (load + prefill); GPU busy = busy seconds / run time. Decode is not simulated.",
+            share_note(c), *cpu_tier_notes(c, s.gpu_gb),
+            f"cpu_slow / cpu_fast mean TTFT: {c.slow_vs_fast:.1f}x (handout: {figure('slow_vs_fast', s)}, "
+            f"pitfall 7)   gpu_only / cpu_ssd: {res['gpu_only'].mean_ttft_s / res['cpu_ssd'].mean_ttft_s:.0f}x"]
+
+
+def share_note(c: Chat) -> str:
+    """cpu_slow against cpu_fast: the GPU seconds recomputed, the busy time and the recompute share; when the
+    amounts print the same and the share moves, it is said to be a share, not an amount."""
+    slow, fast = c.served["cpu_slow"], c.served["cpu_fast"]
     rs, rf = (f"{x.recompute_s.sum():.0f}" for x in (slow, fast))
     amounts = f"cpu_slow recomputes {rs} GPU seconds, cpu_fast {rf}"
     busy = change(slow.busy_s, fast.busy_s, "{:.0f} s")   # 'falls (119 s -> 71 s)'
     busy = ("faster loading shrinks the busy time" + busy[5:]) if busy.startswith("falls") else "the busy time " + busy
     share = change(slow.recompute_share, fast.recompute_share, "{:.0%}")
-    return ["hits = share of history tokens found cached; recompute/busy = the GPU's seconds recomputing history "
-            "over its busy seconds (load + prefill); GPU busy = busy seconds / run time. Decode is not simulated.",
-            f"recompute/busy is a share, not an amount: {amounts}, but {busy}, so the share {share}."
-            if rs == rf and not share.startswith("stays") else f"{amounts}; {busy}, and the share {share}.",
-            *cpu_tier_notes(c, s.gpu_gb),
-            f"cpu_slow / cpu_fast mean TTFT: {c.slow_vs_fast:.1f}x (handout: {figure('slow_vs_fast', s)}, "
-            f"pitfall 7)   gpu_only / cpu_ssd: {res['gpu_only'].mean_ttft_s / res['cpu_ssd'].mean_ttft_s:.0f}x"]
+    if rs == rf and not share.startswith("stays"):
+        return f"recompute/busy is a share, not an amount: {amounts}, but {busy}, so the share {share}."
+    return f"{amounts}; {busy}, and the share {share}."
 
 
 def cpu_tier_notes(c: Chat, room: float) -> list:
@@ -201,44 +208,64 @@ def show_service_vs_library(page: Page, e: ServiceVsLibrary, s) -> None:
 
 def rag_notes(r: Rag, s) -> list:
     """What the RAG table shows, each sentence chosen by its numbers."""
+    return [f"hits = share of the documents' tokens not prefilled (the chunk cache prefills {s.rag_recompute:.0%} of "
+            "each document it reuses); 1/k = the first document's share; mean and p99 TTFT in seconds (queue + "
+            "load + prefill); busy = the GPU's load + prefill seconds over the run.",
+            "Prefix caching reuses only the identical leading part of a prompt (handout: "
+            f"{figure('rag_trend', s)}, §5.1 and §9 pitfall 6).", *trend_note(r, s), first_doc_note(r),
+            *one_doc_note(r, s), ttft_note(r)]
+
+
+def trend_note(r: Rag, s) -> list:
+    """From the smallest k to the largest: which way each cache's hit rate moved, and what that says."""
+    if len(r.ks) < 2:
+        return []
     hp, hc = r.of("prefix", "hit_rate"), r.of("chunk", "hit_rate")
-    k0, k1 = r.ks[0], r.ks[-1]
-    out = [f"hits = share of the documents' tokens not prefilled (the chunk cache prefills {s.rag_recompute:.0%} of "
-           "each document it reuses); 1/k = the first document's share; mean and p99 TTFT in seconds (queue + "
-           "load + prefill); busy = the GPU's load + prefill seconds over the run.",
-           "Prefix caching reuses only the identical leading part of a prompt (handout: "
-           f"{figure('rag_trend', s)}, §5.1 and §9 pitfall 6)."]
-    if len(r.ks) > 1:
-        fp, fc = (change(a[0], a[-1], "{:.0%}") for a in (hp, hc))
-        less = "the prefix cache saves less the more documents a request has"
-        if not fp.startswith("falls"):
-            verdict = "the prefix cache does not lose with k here."
-        elif fc.startswith("falls"):
-            verdict = "both fall, " + ("the prefix cache's more." if hp[0] - hp[-1] > hc[0] - hc[-1] else
-                                       "the chunk cache's as much or more.")
-        elif pct0(max(hc)) == pct0(0):
-            verdict = (f"{less}; the chunk cache, recomputing {s.rag_recompute:.0%} of what it finds, saves nothing "
-                       "at any k.")
-        else:
-            verdict = f"{less}, the chunk cache does not: it finds a cached document wherever it stands."
-        out.append(f"From k = {k0} to {k1} the prefix cache's hit rate {fp} and the chunk cache's {fc}: {verdict}")
-    heads = r.of("prefix", "head_share")
+    fp, fc = (change(a[0], a[-1], "{:.0%}") for a in (hp, hc))
+    less = "the prefix cache saves less the more documents a request has"
+    if not fp.startswith("falls"):
+        verdict = "the prefix cache does not lose with k here."
+    elif fc.startswith("falls"):
+        verdict = "both fall, " + ("the prefix cache's more." if hp[0] - hp[-1] > hc[0] - hc[-1] else
+                                   "the chunk cache's as much or more.")
+    elif pct0(max(hc)) == pct0(0):
+        verdict = (f"{less}; the chunk cache, recomputing {s.rag_recompute:.0%} of what it finds, saves nothing "
+                   "at any k.")
+    else:
+        verdict = f"{less}, the chunk cache does not: it finds a cached document wherever it stands."
+    return [f"From k = {r.ks[0]} to {r.ks[-1]} the prefix cache's hit rate {fp} and the chunk cache's {fc}: {verdict}"]
+
+
+def first_doc_note(r: Rag) -> str:
+    """Where the prefix cache's reuse stands against 1/k, the first document's share, as printed."""
+    hp, heads = r.of("prefix", "hit_rate"), r.of("prefix", "head_share")
     over = [k for k, h in zip(r.ks, hp) if h > 1 / k and pct0(h) != pct0(1 / k)]
-    out.append(f"Of the documents the prefix cache reused at k = {k1}, {heads[-1]:.0%} stood first in their "
-               "request; its hit rate is " + ("below 1/k, the first document's share, at every k." if not over else
-                                              f"above 1/k at k = {', '.join(map(str, over))}: popular documents "
-                                              "recur there in the same order."))
-    found = [r.of(c, "reused_share")[0] for c in CACHES]
-    if k0 == 1 and pct0(found[0]) == pct0(found[1]):
-        out.append(f"At k = 1 the one document is the whole prefix: both caches find {found[0]:.0%} of the documents, "
-                   "and the chunk cache, which does not know where a KV was computed, still recomputes "
-                   f"{s.rag_recompute:.0%} of each it finds ({hc[0]:.0%} hits).")
+    at = [k for k, h in zip(r.ks, hp) if pct0(h) == pct0(1 / k)]
+    where = (f"above 1/k at k = {', '.join(map(str, over))}: popular documents recur there in the same order." if over
+             else f"{'at most' if at else 'below'} 1/k, the first document's share, at every k.")
+    return (f"Of the documents the prefix cache reused at k = {r.ks[-1]}, {heads[-1]:.0%} stood first in their "
+            f"request; its hit rate is {where}")
+
+
+def one_doc_note(r: Rag, s) -> list:
+    """At k = 1 both caches find the same documents; the chunk cache still recomputes its share of each."""
+    found, hc = [r.of(c, "reused_share")[0] for c in CACHES], r.of("chunk", "hit_rate")
+    if r.ks[0] != 1 or pct0(found[0]) != pct0(found[1]):
+        return []
+    recomputes = (f"still recomputes {s.rag_recompute:.0%} of each it finds" if s.rag_recompute else
+                  "is told to recompute none of what it finds")
+    return [f"At k = 1 the one document is the whole prefix: both caches find {found[0]:.0%} of the documents, and "
+            f"the chunk cache, which does not know where a KV was computed, {recomputes} ({hc[0]:.0%} hits)."]
+
+
+def ttft_note(r: Rag) -> str:
+    """At the largest k: both caches' mean TTFT, how many times shorter the chunk cache's, the GPU's busy share."""
     mp, mc = (r.of(c, "mean_ttft_s")[-1] for c in CACHES)
     bp, bc = (r.of(c, "busy_share")[-1] for c in CACHES)
-    ratio = f"{mp / mc:.1f}x shorter" if mp >= mc else f"{mc / mp:.1f}x longer"
-    out.append(f"At k = {k1}: mean TTFT {mp:.3f} s with the prefix cache, {mc:.3f} s with the chunk cache (the chunk "
-               f"cache's {ratio}); the GPU is busy {bp:.0%} and {bc:.0%} of the time.")
-    return out
+    ratio = ("the same" if f"{mp:.3f}" == f"{mc:.3f}" else f"{mp / mc:.1f}x shorter" if mp >= mc else
+             f"{mc / mp:.1f}x longer")
+    return (f"At k = {r.ks[-1]}: mean TTFT {mp:.3f} s with the prefix cache, {mc:.3f} s with the chunk cache (the "
+            f"chunk cache's {ratio}); the GPU is busy {bp:.0%} and {bc:.0%} of the time.")
 
 
 def rag_json(r: Rag) -> dict:
