@@ -33,6 +33,8 @@ Part 4 (§4.2 on many traces, --trace-suite N): one trace shows a mechanism, not
 The codec's four levels come from codec_study.codec_levels() (measured by 02 on the record-world model) and,
 for Part 2c, codec_real.real_codec_levels() (fitted on first use, about a minute, then cached); the
 simulation, the policy and the oracle are in streaming.py. Recompute times: common/timemodel.py.
+This file holds the inputs (the constants, the command line) and one function per Part; what each Part asks
+of streaming.py is in streaming_study.py, how it is shown (tables, notes, figures, --json) in streaming_page.py.
 """
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ SUITE_DWELL_S = (0.1, 2.0)     # each state lasts a uniform time in this range
 SUITE_JUMP = 0.2               # chance that a change jumps to any state (else to a neighbouring one)
 SUITE_HORIZON_S = 30.0         # traces are drawn this far; the last rate then holds
 SUITE_EXCEPTIONS_SHOWN = 10    # at most this many broken promises printed per context and level set
-
+# ---- files instead of the constants above
 TRACE_FILE = None              # --trace FILE: a CSV trace instead of TRACE
 LEVELS_FILE = None             # --levels FILE: a JSON list of levels instead of the codec's (exercises, tests)
 

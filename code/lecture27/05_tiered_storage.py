@@ -17,7 +17,8 @@ Part 4  RAG (§5.1): requests of k documents from a shared corpus, popular ones 
         (LMCache's keys: a document's own content, blended at CacheBlend's recompute ratio), on Part 2's
         tiers, for k = 1, 2, 4, 8 (the caches: rag_caches.py).
 Runs in a few seconds; figures/05_handoff.png (Part 1), figures/05_ttft_cdf.png (Part 2), figures/05_rag.png
-(Part 4).
+(Part 4). This file holds the inputs (the constants, the command line) and one function per Part; the
+computing is in tiers_study.py, how each Part is shown (tables, notes, figures, --json) in tiers_page.py.
 """
 from __future__ import annotations
 
