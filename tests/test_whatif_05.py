@@ -108,3 +108,20 @@ def test_an_edited_run_draws_into_its_own_folder(tmp_path, monkeypatch):
     figures = [b["path"] for b in page.blocks if b["kind"] == "figure"]
     assert len(figures) == 3 and all("/whatif/05_cpu_gb=60,turns=4,users=20/" in p for p in figures)
     assert not (tmp_path / "05_handoff.png").exists()
+
+
+def test_the_rag_notes_say_what_the_printed_numbers_say():
+    """A prefix cache whose hit rate prints as 1/k is 'at most 1/k', not 'below'; two TTFTs that print the same
+    are 'the same', not '1.0x shorter'; a chunk cache told to recompute nothing does not 'still recompute 0%'."""
+    from types import SimpleNamespace as R
+    import tiers_study
+    served = {"prefix": [R(hit_rate=0.5004, head_share=1.0, mean_ttft_s=0.0071, busy_share=0.06, reused_share=0.5)],
+              "chunk": [R(hit_rate=0.5004, head_share=1.0, mean_ttft_s=0.0072, busy_share=0.06, reused_share=0.5)]}
+    r = tiers_study.Rag((2,), [], served)
+    assert "at most 1/k, the first document's share, at every k" in page_of.first_doc_note(r)
+    assert "(the chunk cache's the same)" in page_of.ttft_note(r)
+    s = mod.parse(["--rag-recompute", "0"])[0]
+    assert page_of.one_doc_note(r, s) == []                                   # k = 1 is not in the run
+    r1 = tiers_study.Rag((1,), [], served)
+    assert "is told to recompute none" in page_of.one_doc_note(r1, s)[0]
+    assert "below 1/k" in page_of.first_doc_note(tiers_study.Rag((1,), [], served))   # 50% < 100%
