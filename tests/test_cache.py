@@ -167,12 +167,13 @@ def test_a_planted_change_to_the_codecs_fit_refits(ckdir, tmp_path, monkeypatch,
 
 
 def test_the_record_codec_studys_key_follows_the_fit_and_the_trainer(tmp_path, monkeypatch):
-    """The record-world codec study (02, 03) is keyed by fit_codec and what it calls, by the record
-    model's trainer (the model it measures) and by the settings of kvcache.py, not by present.py."""
+    """The record-world codec study (02, 03) is keyed by fit_codec and what it calls (the coder's
+    modules too), by the record model's trainer (the model it measures) and by the settings of
+    kvcache.py, not by present.py."""
     monkeypatch.setattr(cs, "record_world", lambda: {"model": None, "ident": {}, "docs": None})
     study = lambda: cs.record_codec_study()  # noqa: E731
     before = checkpoints.code_identity(captured(study, monkeypatch))
-    assert {"kvcache.fit_codec", "kvcache.quantize", "kvcache.make_tables",
+    assert {"kvcache.fit_codec", "kvcache.quantize", "coder.make_tables", "coder_parallel.encode_streams",
             "codec_study.search_steps"} <= before["code"].keys()
     assert {"kvcache.CODEC_GROUP", "kvcache.LEVEL_FACTOR", "codec_study.CODEC_N_CALIB"} <= before["values"].keys()
     assert not [k for k in before["code"] if k.startswith(("present.", "cli."))]

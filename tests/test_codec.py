@@ -1,4 +1,4 @@
-"""The CacheGen-style codec of kvcache.py, section 3: bit-exact round trips through the bitstream,
+"""The CacheGen-style codec of kvcache.py: bit-exact round trips through the bitstream,
 groups that decode alone (exercise 3), a bitstream that names what decoding needs, levels that shrink,
 and (with the record-world model) the accuracy claims of 02_cachegen_codec.py."""
 import numpy as np
@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import codec_study as cs
+import coder as ac
 import kvcache as kv
 from common.llama import Llama, LlamaConfig
 
@@ -99,7 +100,7 @@ def test_groups_decode_alone_and_damage_stays_in_its_group(calib):
         bad[i] ^= 0x5A
     try:
         back = kv.codec_decode(bytes(bad), spec)
-    except kv.CorruptStream:
+    except ac.CorruptStream:
         back = None
     if back is not None:
         assert not np.array_equal(back[10:20], full[10:20])
@@ -127,7 +128,7 @@ def test_damaged_bitstreams_end_with_a_clear_error(calib):
     spec = specs_for(calib, False)[0]
     data = kv.codec_encode(synthetic_kv(6, 1, 20)[0], spec)
     for bad in [b"", data[:5], data[:-1], data + b"\0", b"XX" + data[2:]]:
-        with pytest.raises(kv.CorruptStream):
+        with pytest.raises(ac.CorruptStream):
             kv.codec_decode(bad, spec)
     with pytest.raises(ValueError):
         kv.codec_encode(np.zeros((5, L, 2, C + 1), np.float32), spec)
@@ -273,6 +274,7 @@ def record():
     ev = world["docs"](cs.CODEC_N_EVAL, cs.CODEC_EVAL_SEED)
     script = importlib.import_module("02_cachegen_codec")
     return {"study": study, "model": world["model"], "ev": ev, "script": script,
+            "measures": importlib.import_module("codec_measures"),
             "Xc": cs.context_kv(world["model"], calib[0]), "Xe": cs.context_kv(world["model"], ev[0])}
 
 
@@ -300,7 +302,7 @@ def test_codec_table_acceptance(record):
     """Measured codec >= 1.5x smaller than 8-bit within 0.5 points of FP16; the recipe below 6-bit's
     accuracy; zlib on FP16 between 1.0x and 1.3x."""
     s, m, script = record["study"], record["model"], record["script"]
-    rows = {c.key: c for c in script.baseline_rows(record["Xc"], record["Xe"],
+    rows = {c.key: c for c in record["measures"].baseline_rows(record["Xc"], record["Xe"],
                                                    lambda X: cs.answer_accuracy(m, X, *record["ev"][1:])["acc"],
                                                    script.BASELINE_BITS, script.ZLIB_LEVEL)}
     measured = s["variants"]["delta" if s["delta"] else "raw"]
@@ -322,7 +324,7 @@ def test_record_contexts_keep_one_stream_per_group(record):
 
 def test_coder_on_a_whole_context(record):
     spec = kv.spec_from_dict(cs.record_codec_study()["specs"][0])
-    one, many = record["script"].coder_check(spec, record["Xe"], 5)
+    one, many = record["measures"].coder_check(spec, record["Xe"], 5)
     assert one.roundtrip_exact and many.roundtrip_exact
     # the coder's law (test_coder.test_length_law_over_many_streams): within a byte above the ideal
     # -sum log2 p, and possibly a little below it (the final value may happen to be a short fraction)

@@ -1,4 +1,4 @@
-"""The arithmetic (range) coder of kvcache.py, section 1: quantized tables, bit-exact round trips,
+"""The arithmetic (range) coder of coder.py: quantized tables, bit-exact round trips,
 length against the ideal -sum log2 p and against constriction, exercise 4, damaged input, tables with
 an empty slice."""
 import contextlib
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import kvcache as kv
+import coder as ac
 
 
 @contextlib.contextmanager
@@ -31,28 +31,28 @@ def _table_and_symbols(seed, K, n, skew, uniform_symbols):
     rng = np.random.default_rng(seed)
     counts = rng.dirichlet(np.full(K, skew)) * rng.integers(0, 2, K)  # some zero counts
     counts[rng.integers(K)] += 1.0                                     # not all zero
-    table = kv.make_table(counts)
+    table = ac.make_table(counts)
     p = np.full(K, 1 / K) if uniform_symbols else table.probs()
     return table, rng.choice(K, size=n, p=p)
 
 
 def _roundtrip_and_length(table_or_tables, syms, ids=None):
-    data = kv.encode(syms, table_or_tables, ids)
-    back = kv.decode(data, table_or_tables, len(syms), ids)
+    data = ac.encode(syms, table_or_tables, ids)
+    back = ac.decode(data, table_or_tables, len(syms), ids)
     assert back.dtype == np.int64 and np.array_equal(back, syms)     # bit-exact
-    ideal = kv.ideal_bits(syms, table_or_tables, ids) / 8
+    ideal = ac.ideal_bits(syms, table_or_tables, ids) / 8
     assert len(data) <= ideal + 2
     return len(data), ideal
 
 
 # ---------------------------------------------------------------------------------- tables
 def test_make_table_quantizes_to_total_with_no_zero():
-    t = kv.make_table([0, 1e-12, 5, 0.5, 1e6])
+    t = ac.make_table([0, 1e-12, 5, 0.5, 1e6])
     f = np.diff(t.cdf)
-    assert t.cdf[0] == 0 and t.cdf[-1] == kv.AC_TOTAL == 2 ** 16
+    assert t.cdf[0] == 0 and t.cdf[-1] == ac.AC_TOTAL == 2 ** 16
     assert f.min() == 1 and f[0] == 1 and f[1] == 1                  # zero counts still codable
-    assert kv.make_table([2, 1, 1]).probs().tolist() == [0.5, 0.25, 0.25]
-    assert kv.make_table(np.ones(kv.AC_TOTAL)).probs().min() == 1 / kv.AC_TOTAL
+    assert ac.make_table([2, 1, 1]).probs().tolist() == [0.5, 0.25, 0.25]
+    assert ac.make_table(np.ones(ac.AC_TOTAL)).probs().min() == 1 / ac.AC_TOTAL
 
 
 def reference_table(p):
@@ -60,8 +60,8 @@ def reference_table(p):
     entries from the largest (stable order), taking an excess from each until it is gone (each keeps
     at least 1), or giving a shortfall all to the largest."""
     p = np.asarray(p, np.float64)
-    f = np.maximum(1, np.round(p / p.sum() * kv.AC_TOTAL)).astype(np.int64)
-    excess = int(f.sum()) - kv.AC_TOTAL
+    f = np.maximum(1, np.round(p / p.sum() * ac.AC_TOTAL)).astype(np.int64)
+    excess = int(f.sum()) - ac.AC_TOTAL
     for s in np.argsort(-f, kind="stable"):
         take = min(excess, int(f[s]) - 1)
         f[s] -= take
@@ -88,27 +88,27 @@ def test_make_tables_row_by_row_equals_the_reference_rule():
     for i, r in enumerate(rows):
         counts[i, :len(r)] = r
         counts[i, len(r):] = rng.random(M - len(r)) * 1e6  # garbage beyond the row's size: ignored
-    tables = kv.make_tables(counts, [len(r) for r in rows])
+    tables = ac.make_tables(counts, [len(r) for r in rows])
     assert [t.cdf for t in tables] == [reference_table(r) for r in rows]
-    assert all(kv.make_table(r).cdf == reference_table(r) for r in rows[:50])
+    assert all(ac.make_table(r).cdf == reference_table(r) for r in rows[:50])
 
 
 @pytest.mark.parametrize("bad", [[], [0, 0], [1, -1], [1, np.nan], [1, np.inf],
-                                 np.ones(kv.AC_TOTAL + 1)])
+                                 np.ones(ac.AC_TOTAL + 1)])
 def test_make_table_rejects_bad_counts(bad):
     with pytest.raises(ValueError):
-        kv.make_table(bad)
+        ac.make_table(bad)
 
 
 def test_encode_rejects_symbols_outside_the_alphabet():
-    t = kv.make_table([1, 1, 1])
+    t = ac.make_table([1, 1, 1])
     for syms in ([3], [-1], [0.5]):
         with pytest.raises(ValueError):
-            kv.encode(syms, t)
+            ac.encode(syms, t)
     with pytest.raises(ValueError):                                  # symbol 2 but its table has 2
-        kv.encode([0, 2], [t, kv.make_table([1, 1])], [0, 1])
+        ac.encode([0, 2], [t, ac.make_table([1, 1])], [0, 1])
     with pytest.raises(ValueError):
-        kv.encode([0, 1], [t], [0])                                  # one table id per symbol
+        ac.encode([0, 1], [t], [0])                                  # one table id per symbol
 
 
 # ------------------------------------------------------------------------------ round trips
@@ -136,12 +136,12 @@ def carry_case(case: str, n: int):
     """(table, n symbols): the near-certain symbol at the top of the CDF ("top"), at its bottom
     ("bottom": all-zero bytes), or at the top with rare others ("alternate")."""
     if case == "top":
-        return kv.make_table([1e-9, 1]), np.ones(n, np.int64)
+        return ac.make_table([1e-9, 1]), np.ones(n, np.int64)
     if case == "bottom":
-        return kv.make_table([1, 1e-9]), np.zeros(n, np.int64)
+        return ac.make_table([1, 1e-9]), np.zeros(n, np.int64)
     syms = np.where(np.arange(n) % 5000 == 4999, 2, 1)
     syms[::7919] = 0
-    return kv.make_table([1e-9, 1, 1e-9]), syms
+    return ac.make_table([1e-9, 1, 1e-9]), syms
 
 
 @pytest.mark.parametrize("case", ["top", "bottom", "alternate"])
@@ -172,11 +172,11 @@ def test_length_law_over_many_streams():
     excess = []
     for _ in range(2000):
         K = int(rng.integers(2, 64))
-        table = kv.make_table(rng.dirichlet(np.full(K, 0.3)))
+        table = ac.make_table(rng.dirichlet(np.full(K, 0.3)))
         syms = rng.choice(K, size=int(rng.integers(1, 400)), p=table.probs())
-        data = kv.encode(syms, table)
-        assert np.array_equal(kv.decode(data, table, len(syms)), syms)
-        excess.append(len(data) - kv.ideal_bits(syms, table) / 8)
+        data = ac.encode(syms, table)
+        assert np.array_equal(ac.decode(data, table, len(syms)), syms)
+        excess.append(len(data) - ac.ideal_bits(syms, table) / 8)
     excess = np.array(excess)
     assert excess.max() <= 1.01 and excess.min() > -3
     assert 0.1 < excess.mean() < 0.6                   # measured 0.32
@@ -184,11 +184,11 @@ def test_length_law_over_many_streams():
 
 
 def test_empty_and_single_symbol():
-    t = kv.make_table([1, 3])
-    assert kv.encode([], t) == b"" and kv.decode(b"", t, 0).size == 0
-    one = kv.make_table([5])                           # a one-symbol alphabet costs 0 bits
-    assert kv.encode(np.zeros(1000, int), one) == b""
-    assert np.array_equal(kv.decode(b"", one, 1000), np.zeros(1000))
+    t = ac.make_table([1, 3])
+    assert ac.encode([], t) == b"" and ac.decode(b"", t, 0).size == 0
+    one = ac.make_table([5])                           # a one-symbol alphabet costs 0 bits
+    assert ac.encode(np.zeros(1000, int), one) == b""
+    assert np.array_equal(ac.decode(b"", one, 1000), np.zeros(1000))
 
 
 def test_length_matches_constriction():
@@ -198,13 +198,13 @@ def test_length_matches_constriction():
     enc = constriction.stream.queue.RangeEncoder()
     enc.encode(syms.astype(np.int32), model)
     theirs = 4 * enc.get_compressed().size                            # 32-bit words
-    ours = len(kv.encode(syms, table))
+    ours = len(ac.encode(syms, table))
     assert abs(ours - theirs) <= 0.005 * theirs
 
 
 # ----------------------------------------------------------------------------- exercise 4
 def test_exercise4_numbers():
-    r = kv.exercise4({0: 0.70, 1: 0.12, -1: 0.12, 2: 0.03, -2: 0.03}, n=100_000, seed=0)
+    r = ac.exercise4({0: 0.70, 1: 0.12, -1: 0.12, 2: 0.03, -2: 0.03}, n=100_000, seed=0)
     assert round(r["entropy_bits"], 2) == 1.40
     assert r["fixed_bits"] == 3
     assert abs(r["coded_bits_per_symbol"] - r["entropy_bits"]) < 0.02
@@ -215,15 +215,15 @@ def test_exercise4_numbers():
 # --------------------------------------------------------------------------- damaged input
 def _decode_or_error(data, table, n):
     try:
-        return kv.decode(data, table, n)
-    except kv.CorruptStream:
+        return ac.decode(data, table, n)
+    except ac.CorruptStream:
         return "error"
 
 
 def test_corrupted_and_truncated_input_ends():
     rng = np.random.default_rng(3)
     table, syms = _table_and_symbols(3, 40, 20_000, 0.3, False)
-    data = kv.encode(syms, table)
+    data = ac.encode(syms, table)
     damaged = [data[:k] for k in (0, 1, len(data) // 2, len(data) - 1)]
     for _ in range(20):
         b = bytearray(data)
@@ -238,10 +238,10 @@ def test_corrupted_and_truncated_input_ends():
             assert len(first) == len(syms) and np.array_equal(first, again)
             assert first.min() >= 0 and first.max() < table.size
     # a value no encoder can produce is reported, not decoded into nonsense
-    with pytest.raises(kv.CorruptStream, match="outside every symbol"):
-        kv.decode(b"\xff" * 64, kv.make_table([3, 5, 7]), 1000)
+    with pytest.raises(ac.CorruptStream, match="outside every symbol"):
+        ac.decode(b"\xff" * 64, ac.make_table([3, 5, 7]), 1000)
     with pytest.raises(ValueError):
-        kv.decode(data, table, -1)
+        ac.decode(data, table, -1)
 
 
 # ------------------------------------------------------------------------------ empty slices
@@ -251,8 +251,8 @@ def test_a_zero_width_slice_is_an_error_not_a_hang():
     time (the parallel coder: test_coder_parallel)."""
     with within(10):
         with pytest.raises(ValueError, match="zero width"):
-            kv.encode(np.array([0]), kv.FreqTable((0, 0, kv.AC_TOTAL)))
+            ac.encode(np.array([0]), ac.FreqTable((0, 0, ac.AC_TOTAL)))
         with pytest.raises(ValueError, match="zero width"):
-            kv.encode([1, 1, 2], [kv.make_table([1, 1]), kv.FreqTable((0, 9, 9, kv.AC_TOTAL))], [0, 1, 1])
-        with pytest.raises(kv.CorruptStream, match="no symbol's slice"):
-            kv.decode(b"\xff" * 8, kv.FreqTable((0, 40000, 40000)), 3)
+            ac.encode([1, 1, 2], [ac.make_table([1, 1]), ac.FreqTable((0, 9, 9, ac.AC_TOTAL))], [0, 1, 1])
+        with pytest.raises(ac.CorruptStream, match="no symbol's slice"):
+            ac.decode(b"\xff" * 8, ac.FreqTable((0, 40000, 40000)), 3)

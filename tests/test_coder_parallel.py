@@ -1,11 +1,14 @@
-"""The parallel coder of kvcache.py, section 2: many streams coded side by side, each stream's bytes
-exactly those of the serial coder (section 1) on that stream alone; decoding back bit for bit; damaged
+"""The parallel coder of coder_parallel.py: many streams coded side by side, each stream's bytes
+exactly those of the serial coder (coder.py) on that stream alone; decoding back bit for bit; damaged
 input and tables with empty slices end in an error, never in a loop; and the codec's stream layouts
-(section 3): every layout round-trips, groups still decode alone, the plan's expected cost holds."""
+(kvcache.py): every layout round-trips, groups still decode alone, the plan's expected cost holds."""
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import coder as ac
+import coder_bench as bench
+import coder_parallel as acp
 import kvcache as kv
 from test_coder import _table_and_symbols, carry_case, within
 
@@ -22,8 +25,8 @@ def _streams(seed, n_streams, max_len, n_tables, uniform_symbols):
     if uniform_symbols:
         syms = (rng.random(ids.size) * sizes[ids]).astype(np.int64)
     else:  # each table's own distribution: the inverse CDF of a uniform code value
-        stack = kv.stack_tables(tables)
-        u = rng.integers(0, kv.AC_TOTAL, ids.size)
+        stack = acp.stack_tables(tables)
+        u = rng.integers(0, ac.AC_TOTAL, ids.size)
         syms = np.array([np.searchsorted(tables[t].cdf, x, "right") - 1 for t, x in zip(ids.tolist(), u.tolist())],
                         np.int64).reshape(-1)
         assert np.all(syms < stack.size[ids])
@@ -37,12 +40,12 @@ def _each_stream(lengths, *arrays):
 
 
 def _assert_equals_serial(tables, lengths, ids, syms):
-    data, nbytes = kv.encode_streams(syms, lengths, tables, ids)
+    data, nbytes = acp.encode_streams(syms, lengths, tables, ids)
     assert nbytes.sum() == len(data) and len(nbytes) == len(lengths)
     parts = [data[e - n:e] for e, n in zip(np.cumsum(nbytes).tolist(), nbytes.tolist())]
     for part, (s, i) in zip(parts, _each_stream(lengths, syms, ids)):
-        assert part == kv.encode(s, tables, i)                      # the serial coder's bytes, exactly
-    back = kv.decode_streams(data, nbytes, lengths, tables, ids)
+        assert part == ac.encode(s, tables, i)                      # the serial coder's bytes, exactly
+    back = acp.decode_streams(data, nbytes, lengths, tables, ids)
     assert back.dtype == np.int64 and np.array_equal(back, syms)
     return data, nbytes
 
@@ -56,8 +59,8 @@ def test_each_stream_is_the_serial_coders_bytes(seed, n_streams, max_len, n_tabl
 
 
 def test_thousands_of_short_streams_in_blocks():
-    """More streams than one block of lanes (kv.PARALLEL_BLOCK), of different lengths."""
-    tables, lengths, ids, syms = _streams(5, 2 * kv.PARALLEL_BLOCK + 17, 6, 30, False)
+    """More streams than one block of lanes (acp.PARALLEL_BLOCK), of different lengths."""
+    tables, lengths, ids, syms = _streams(5, 2 * acp.PARALLEL_BLOCK + 17, 6, 30, False)
     _assert_equals_serial(tables, lengths, ids, syms)
 
 
@@ -72,24 +75,24 @@ def test_long_carry_runs_side_by_side(case):
 
 
 def test_empty_and_single_symbol_streams():
-    one, two = kv.make_table([5]), kv.make_table([1, 3])
-    data, nbytes = kv.encode_streams(np.zeros(7, np.int64), [3, 0, 4], [one, two], np.zeros(7, np.int64))
+    one, two = ac.make_table([5]), ac.make_table([1, 3])
+    data, nbytes = acp.encode_streams(np.zeros(7, np.int64), [3, 0, 4], [one, two], np.zeros(7, np.int64))
     assert data == b"" and nbytes.tolist() == [0, 0, 0]
-    assert np.array_equal(kv.decode_streams(b"", [0, 0, 0], [3, 0, 4], [one, two], np.zeros(7, np.int64)), np.zeros(7))
-    data, nbytes = kv.encode_streams(np.zeros(0, np.int64), np.zeros(0, np.int64), one)
+    assert np.array_equal(acp.decode_streams(b"", [0, 0, 0], [3, 0, 4], [one, two], np.zeros(7, np.int64)), np.zeros(7))
+    data, nbytes = acp.encode_streams(np.zeros(0, np.int64), np.zeros(0, np.int64), one)
     assert data == b"" and nbytes.size == 0
 
 
 def test_inputs_are_checked():
-    t = kv.make_table([1, 1, 1])
+    t = ac.make_table([1, 1, 1])
     with pytest.raises(ValueError):
-        kv.encode_streams([0, 3], [2], t)                           # outside the alphabet
+        acp.encode_streams([0, 3], [2], t)                           # outside the alphabet
     with pytest.raises(ValueError):
-        kv.encode_streams([0, 1], [3], t)                           # lengths do not add up
+        acp.encode_streams([0, 1], [3], t)                           # lengths do not add up
     with pytest.raises(ValueError):
-        kv.decode_streams(b"\x01", [2], [1], t)                     # byte counts do not add up
+        acp.decode_streams(b"\x01", [2], [1], t)                     # byte counts do not add up
     with pytest.raises(ValueError):
-        kv.decode_streams(b"", [0], [1], kv.make_table(np.ones(kv._LOOKUP_MAX_SIZE + 1)))
+        acp.decode_streams(b"", [0], [1], ac.make_table(np.ones(acp._LOOKUP_MAX_SIZE + 1)))
 
 
 # ---------------------------------------------------------------------------- damaged input, empty slices
@@ -98,7 +101,7 @@ def test_damaged_streams_decode_as_the_serial_coder_does():
     when the serial decoder does on one of the streams, and otherwise returns what it returns."""
     rng = np.random.default_rng(3)
     tables, lengths, ids, syms = _streams(11, 8, 300, 5, False)
-    data, nbytes = kv.encode_streams(syms, lengths, tables, ids)
+    data, nbytes = acp.encode_streams(syms, lengths, tables, ids)
     parts = [data[e - n:e] for e, n in zip(np.cumsum(nbytes).tolist(), nbytes.tolist())]
     for trial in range(60):
         bad = list(parts)
@@ -114,14 +117,14 @@ def test_damaged_streams_decode_as_the_serial_coder_does():
         serial = []
         for part, (n, i) in zip(bad, _each_stream(lengths, np.arange(syms.size), ids)):
             try:
-                serial.append(kv.decode(part, tables, len(n), i))
-            except kv.CorruptStream:
+                serial.append(ac.decode(part, tables, len(n), i))
+            except ac.CorruptStream:
                 serial = None
                 break
         with within(10):
             try:
-                parallel = kv.decode_streams(b"".join(bad), [len(p) for p in bad], lengths, tables, ids)
-            except kv.CorruptStream:
+                parallel = acp.decode_streams(b"".join(bad), [len(p) for p in bad], lengths, tables, ids)
+            except ac.CorruptStream:
                 parallel = None
         assert (parallel is None) == (serial is None)
         if serial is not None:
@@ -132,25 +135,25 @@ def test_zero_width_slice_is_refused_by_both_coders_without_looping():
     """A table may hold a slice of zero width (make_table never makes one): coding its symbol is a
     ValueError, and a code value that falls on it (here: past the end of a table whose last slice is
     empty and whose total falls short) is CorruptStream, in both coders and without hanging."""
-    empty_first = kv.FreqTable((0, 0, kv.AC_TOTAL))
-    short = kv.FreqTable((0, 40000, 40000))
+    empty_first = ac.FreqTable((0, 0, ac.AC_TOTAL))
+    short = ac.FreqTable((0, 40000, 40000))
     with within(10):
         with pytest.raises(ValueError, match="zero width"):
-            kv.encode(np.array([0]), empty_first)
+            ac.encode(np.array([0]), empty_first)
         with pytest.raises(ValueError, match="zero width"):
-            kv.encode_streams(np.array([1, 0]), [1, 1], empty_first)
+            acp.encode_streams(np.array([1, 0]), [1, 1], empty_first)
         with pytest.raises(ValueError, match="zero width"):
-            kv.encode(np.array([0, 1]), short)
+            ac.encode(np.array([0, 1]), short)
         with pytest.raises(ValueError, match="zero width"):
-            kv.encode_streams(np.array([0, 1]), [2], short)
+            acp.encode_streams(np.array([0, 1]), [2], short)
         for data in (b"\xff" * 8, b"\xa0" * 8):                  # a code value at 40000 or above
-            with pytest.raises(kv.CorruptStream):
-                kv.decode(data, short, 5)
-            with pytest.raises(kv.CorruptStream):
-                kv.decode_streams(data + b"\x00", [len(data), 1], [5, 2], short)
+            with pytest.raises(ac.CorruptStream):
+                ac.decode(data, short, 5)
+            with pytest.raises(ac.CorruptStream):
+                acp.decode_streams(data + b"\x00", [len(data), 1], [5, 2], short)
         # the empty slice itself is never decoded: every code value lies in the other one
-        assert np.array_equal(kv.decode(b"\x12\x34", empty_first, 50), np.ones(50))
-        assert np.array_equal(kv.decode_streams(b"\x12\x34", [2], [50], empty_first), np.ones(50))
+        assert np.array_equal(ac.decode(b"\x12\x34", empty_first, 50), np.ones(50))
+        assert np.array_equal(acp.decode_streams(b"\x12\x34", [2], [50], empty_first), np.ones(50))
 
 
 # ---------------------------------------------------------------------------- the codec's stream layouts
@@ -195,7 +198,7 @@ def test_one_stream_per_group_is_the_serial_coder_in_token_order(specs):
     at = h["payload_start"]
     for g, n in enumerate(h["group_bytes"]):
         rows = slice(10 * g, 10 * g + 10)
-        assert data[at:at + n] == kv.encode(syms[rows].ravel(), spec.tables, ids[rows].ravel())
+        assert data[at:at + n] == ac.encode(syms[rows].ravel(), spec.tables, ids[rows].ravel())
         at += n
 
 
@@ -215,3 +218,23 @@ def test_stream_plan_keeps_its_budget_and_its_estimate(specs):
     assert all(p.added_share > kv.STREAM_BUDGET for p in kv.stream_plans(spec) if p.streams > chosen.streams)
     assert kv.stream_plan(spec, 30).layout == "group"               # 3 groups: too few streams
     assert kv.coder_for(kv.PARALLEL_MIN_STREAMS) == "parallel" and kv.coder_for(kv.PARALLEL_MIN_STREAMS - 1) == "serial"
+
+
+@pytest.mark.parametrize("max_steps", [10_000, 50])
+def test_the_benchmark_counts_the_bytes_streams_add(monkeypatch, max_steps):
+    """coder_bench.coder_throughput: at each stream count, the bytes added to one stream are the streams'
+    own bytes and the varints of their lengths (all but the last), less the one stream's; the same when
+    the streams are timed on their first THROUGHPUT_MAX_STEPS symbols only (50 < 80 and 240 here)."""
+    monkeypatch.setattr(bench, "THROUGHPUT_MAX_STEPS", max_steps)
+    rng = np.random.default_rng(3)
+    tables = [ac.make_table(rng.random(9) + 0.01) for _ in range(4)]
+    R, n = 6, 40
+    ids, syms = np.repeat(np.arange(R) % 4, n).reshape(R, n), rng.integers(0, 9, (R, n))
+    thr = bench.coder_throughput(syms, ids, tables, (1, 3, 100))
+    assert thr.symbols == R * n and thr.streams == (1, 3, R)
+    assert thr.one_stream_bytes == len(ac.encode(syms.ravel(), tables, ids.ravel()))
+    for k, added in zip(thr.streams, thr.added_bytes):
+        sizes = [len(ac.encode(syms[r].ravel(), tables, ids[r].ravel())) for r in np.array_split(np.arange(R), k)]
+        assert added == sum(sizes) + sum(len(acp.varint(b)) for b in sizes[:-1]) - thr.one_stream_bytes
+    assert thr.added_bytes[0] == 0 and thr.added_bytes[-1] > thr.added_bytes[1] > 0
+    assert min(thr.serial_encode, thr.serial_decode, *thr.parallel_encode, *thr.parallel_decode) > 0

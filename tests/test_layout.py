@@ -48,7 +48,42 @@ def test_dependencies_flow_one_way():
 
 
 def test_the_codec_needs_only_numpy():
-    tree = ast.parse(MODULES["kvcache"].read_text())
-    top = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    top |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert "torch" not in top and GRAPH["kvcache"] == set()
+    """The codec and its coder import no torch and nothing of code/ but one another: the serial coder
+    nothing, the parallel coder the serial one, the throughput benchmark the coders, never the codec."""
+    for name in ("coder", "coder_parallel", "coder_bench", "kvcache"):
+        tree = ast.parse(MODULES[name].read_text())
+        top = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        top |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert "torch" not in top, name
+    assert GRAPH["coder"] == set() and GRAPH["coder_parallel"] == {"coder"}
+    assert GRAPH["coder_bench"] == {"coder", "coder_parallel"}
+    assert {"coder", "coder_parallel"} <= GRAPH["kvcache"] <= {"coder", "coder_parallel", "coder_bench"}
+
+
+HANDOUT_READERS = {"03_streaming": "streaming_page", "05_tiered_storage": "tiers_page"}   # script -> its page
+
+
+def handout_reads(name: str) -> dict:
+    """How module `name` reads the handout's table HANDOUT: calls of the table itself, its attributes
+    (.figure, .refs), lookup helpers of its own, and calls of present.handout with the table."""
+    tree = ast.parse(MODULES[name].read_text())
+    nodes = list(ast.walk(tree))
+    imported = {a.asname or a.name for n in nodes if isinstance(n, ast.ImportFrom) and n.module == "common.present"
+                for a in n.names}
+    return {"direct": [n.lineno for n in nodes if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "HANDOUT"],
+            "attributes": [n.lineno for n in nodes if isinstance(n, ast.Attribute) and getattr(n.value, "id", "") ==
+                           "HANDOUT"],
+            "own": [n.name for n in nodes if isinstance(n, ast.FunctionDef) and n.name in ("said", "handout", "h",
+                                                                                            "handout_figure")],
+            "present": [n.lineno for n in nodes if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "handout"
+                        and "handout" in imported and n.args and getattr(n.args[0], "id", "") == "HANDOUT"]}
+
+
+def test_03_and_05_read_the_handout_only_through_present_handout():
+    """03 and 05, with their page modules, take every handout figure from common.present.handout (the one
+    lookup, which blanks a figure whose inputs the run changed): never from the table directly."""
+    for script, page in HANDOUT_READERS.items():
+        for name in (script, page):
+            reads = handout_reads(name)
+            assert not reads["direct"] and not reads["attributes"] and not reads["own"], (name, reads)
+        assert handout_reads(page)["present"], f"{page} shows no handout figure through present.handout"

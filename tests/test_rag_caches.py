@@ -161,7 +161,7 @@ def test_the_verdict_follows_the_numbers(pages, run):
     head = next(n for n in t.notes if n.startswith("Of the documents"))
     assert ("below 1/k" in head) == (not over)
     for r in t.rows:
-        assert r.handout == mod.HANDOUT.refs["rag_prefix"].figure
+        assert r.handout == importlib.import_module("tiers_page").HANDOUT.refs["rag_prefix"].figure
     for text in page.texts():
         assert not re.search(r"\(([^()]+?) -> \1\)", text), text
 

@@ -130,7 +130,7 @@ def test_a_bad_output_path_is_refused_before_any_work(script, bad, cli_exit, mon
 
 
 @pytest.mark.parametrize("script, compute, args", [
-    ("01_kv_ledger", "kv_sizes", []), ("03_streaming", "compute", ["--no-real"]),
+    ("01_kv_ledger", "kv_sizes", []), ("03_streaming", "part1", ["--no-real"]),
     ("05_tiered_storage", "hand_off", ["--users", "20", "--turns", "4"])])
 def test_a_pages_time_counts_the_computing(script, compute, args, tmp_path, monkeypatch):
     """The report's time for a script is its page's clock: it must count the Parts' computing (here made

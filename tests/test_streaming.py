@@ -12,6 +12,8 @@ import pytest
 from hypothesis import given, settings, strategies as st_
 
 import streaming as st
+import streaming_page as sp
+import streaming_study as study
 from common import timemodel as tm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -290,12 +292,17 @@ def load_script():
 
 def settings(s3, **edits):
     """The script's Settings with some inputs edited (as a student edits the constants)."""
-    return dataclasses.replace(s3.Settings(), **edits)
+    return dataclasses.replace(s3.parse([])[0], **edits)
+
+
+def levels(given, lossless):
+    """Synthetic levels with the accuracy of exact KV, as 03's Parts take them."""
+    return study.Levels(given, "synthetic", lossless, "given")
 
 
 def test_part1_text_on_slow_links_kv_on_fast_ones():
     s3 = load_script()
-    p1 = s3.part1(settings(s3, bandwidths=(0.5, 1, 50, 100)), LEVELS, 0.99)
+    p1 = s3.part1(settings(s3, bandwidths=(0.5, 1, 50, 100)), levels(LEVELS, 0.99))
     assert [b.best for b in p1.rows] == ["text", "text", "level0", "level0"]
     assert p1.best_ranges == [("text", 0.5, 1), ("level0", 50, 100)]
     # at its break-even bandwidth, raw KV arrives exactly when one batch would have recomputed the context
@@ -313,8 +320,8 @@ def test_part1_text_on_slow_links_kv_on_fast_ones():
 
 def test_small_levels_arrive_before_the_drop_and_the_explanation_says_so():
     s3 = load_script()
-    run = s3.part2(settings(s3), SMALL_LEVELS, 1.0, HANDOUT_TRACE)
-    assert run.runs["adaptive"].choices == ["level0"] * 8 and run.runs["adaptive"].ttft_s < 0.3
+    run = s3.part2(settings(s3), levels(SMALL_LEVELS, 1.0))
+    assert run.runs.adaptive.choices == ["level0"] * 8 and run.runs.adaptive.ttft_s < 0.3
     w = run.why
     assert w.drop == (0.3, 10.0, 1.0) and w.complete_before_drop and not w.coarser_after_drop
     assert w.shape == {"finest level while the link is good": True, "text after the drop": False,
@@ -322,7 +329,7 @@ def test_small_levels_arrive_before_the_drop_and_the_explanation_says_so():
     assert w.finest_gb == pytest.approx(0.317089, rel=1e-5)       # 1.26 bits x 163,840 values x 12,288 tokens
     assert w.finest_s == pytest.approx(0.253672, rel=1e-5)        # 2.537 Gb, all of it at 10 Gb/s
     assert w.vs_8bit == pytest.approx(6.3492, rel=1e-4)
-    assert 8 / float(s3.HANDOUT.refs["codec_vs_8bit"].figure) / w.finest_bits_per_value == pytest.approx(3.8248,
+    assert 8 / float(sp.HANDOUT.refs["codec_vs_8bit"].figure) / w.finest_bits_per_value == pytest.approx(3.8248,
                                                                                                          rel=1e-4)
     # text beats level3 only where level3's bits take longer than recomputing: well below 1 Gb/s
     b = w.text_breakeven_gbit
@@ -337,8 +344,8 @@ def test_long_context_adapts_with_small_levels():
     """Part 2b: 48K tokens are still streaming when the link drops; the policy, taking 1 Gb/s to last,
     leaves level0 for coarser levels, while the oracle (5 Gb/s at 3 s) can stay at level0."""
     s3 = load_script()
-    run = s3.part2_long(settings(s3, long_context=48 * 1024), SMALL_LEVELS, 1.0, HANDOUT_TRACE)
-    ad, orc = run.runs["adaptive"], run.runs["oracle"]
+    run = s3.part2_long(settings(s3, long_context=48 * 1024), levels(SMALL_LEVELS, 1.0))
+    ad, orc = run.runs.adaptive, run.runs.oracle
     assert len(ad.choices) == 32 and ad.ttft_s <= 4.0
     after = [r["choice"] for r in ad.rows if r["start"] >= 0.3]
     assert any(c in ("level1", "level2", "level3") for c in after)
@@ -353,8 +360,8 @@ def test_real_size_levels_give_the_handouts_shape():
     drops; the policy keeps level0 while the link is good, recomputes (text) when no level fits the
     budget at 1 Gb/s, then takes a coarser level the time left allows, and meets the SLO."""
     s3 = load_script()
-    run = s3.part2(settings(s3), REAL_SIZE_LEVELS, 1.0, HANDOUT_TRACE)
-    ad, w = run.runs["adaptive"], run.why
+    run = s3.part2(settings(s3), levels(REAL_SIZE_LEVELS, 1.0))
+    ad, w = run.runs.adaptive, run.why
     assert w.shape == {"finest level while the link is good": True, "text after the drop": True,
                        "a coarser level after the drop, chosen by the time left": True, "the SLO met": True}
     first_text = ad.choices.index("text")
@@ -373,23 +380,24 @@ def test_a_missed_slo_is_no_part_of_the_handouts_shape():
     as the fastest option once no time is left, and it misses the SLO. The shape says so: a coarser level
     was not chosen by the time left, and the SLO was missed."""
     s3 = load_script()
-    trace = st.Trace((0.0, 0.3, 3.0), (10.0, 0.5, 5.0))
-    run = s3.part2(settings(s3, slo=2.5), REAL_SIZE_LEVELS, 1.0, trace)
-    ad, w = run.runs["adaptive"], run.why
+    trace = ((0.0, 10.0), (0.3, 0.5), (3.0, 5.0))
+    run = s3.part2(settings(s3, slo=2.5, trace=trace), levels(REAL_SIZE_LEVELS, 1.0))
+    ad, w = run.runs.adaptive, run.why
     assert "text" in ad.choices and "level3" in ad.choices and ad.ttft_s > 2.5
     assert w.shape["text after the drop"] and not w.shape["the SLO met"]
     assert not w.shape["a coarser level after the drop, chosen by the time left"]
     assert all(r["budget_s"] == 0 for r in ad.rows if r["choice"] == "level3")
-    assert w.on_time == {"adaptive": False, "always level0": False, "always text": False, "oracle": True}
+    on_time = {p: run.runs.on_time(r) for p, r in run.runs.named().items()}
+    assert on_time == {"adaptive": False, "always level0": False, "always text": False, "oracle": True}
     k = w.worst_chunk
     assert ad.rows[k]["finish"] - ad.rows[k]["predicted"] == max(r["finish"] - r["predicted"] for r in ad.rows)
 
 
 def test_did_counts_what_the_policy_fetched():
     s3 = load_script()
-    run = s3.part2(settings(s3), REAL_SIZE_LEVELS, 1.0, HANDOUT_TRACE)
-    ad = run.runs["adaptive"]
-    said = s3.did(run.setup, ad)
+    run = s3.part2(settings(s3), levels(REAL_SIZE_LEVELS, 1.0))
+    ad = run.runs.adaptive
+    said = sp.did(run.setup, ad)
     for name in set(ad.choices):
         assert f"{name} x{ad.choices.count(name)}" in said
     assert f"({ad.text_tokens:,} tokens recomputed)" in said and ad.text_tokens == 1536 * ad.choices.count("text")
@@ -398,25 +406,25 @@ def test_did_counts_what_the_policy_fetched():
 def test_half_tokens_reaches_every_setup():
     """HALF_EFFICIENCY_TOKENS is what Part 1-4 read: changing it changes chunked recompute and slowdowns."""
     s3 = load_script()
-    a = s3.part3(settings(s3, chunk_sizes=(512,)), LEVELS, 0.99, HANDOUT_TRACE).rows[0]
-    b = s3.part3(settings(s3, chunk_sizes=(512,), half_efficiency_tokens=1024), LEVELS, 0.99, HANDOUT_TRACE).rows[0]
-    assert s3.Settings().half_efficiency_tokens == s3.HALF_EFFICIENCY_TOKENS == 128
+    a = s3.part3(settings(s3, chunk_sizes=(512,)), levels(LEVELS, 0.99)).rows[0]
+    b = s3.part3(settings(s3, chunk_sizes=(512,), half_efficiency_tokens=1024), levels(LEVELS, 0.99)).rows[0]
+    assert settings(s3).half_efficiency_tokens == s3.HALF_EFFICIENCY_TOKENS == 128
     assert a.slowdown == pytest.approx((1 + 128 / 512) / (1 + 128 / 12288))
     assert b.slowdown == pytest.approx((1 + 1024 / 512) / (1 + 1024 / 12288))
     assert b.text_ttft_s > a.text_ttft_s * 2
-    ra = s3.part2(settings(s3), LEVELS, 0.99, HANDOUT_TRACE)
-    rb = s3.part2(settings(s3, half_efficiency_tokens=1024), LEVELS, 0.99, HANDOUT_TRACE)
+    ra = s3.part2(settings(s3), levels(LEVELS, 0.99))
+    rb = s3.part2(settings(s3, half_efficiency_tokens=1024), levels(LEVELS, 0.99))
     assert ra.setup.half_tokens == 128 and rb.setup.half_tokens == 1024
-    assert rb.runs["always text"].ttft_s > ra.runs["always text"].ttft_s
+    assert rb.runs.text.ttft_s > ra.runs.text.ttft_s
 
 
 def test_chunk_sizes_verdicts():
     s3 = load_script()
-    c = s3.part3(settings(s3), LEVELS, 0.99, HANDOUT_TRACE)
+    c = s3.part3(settings(s3), levels(LEVELS, 0.99))
     by_size = sorted(c.rows, key=lambda x: x.chunk_tokens)
     assert c.small_batches_cost == (by_size[0].text_ttft_s > by_size[-1].text_ttft_s * 1.001) is True
     assert c.latest.overrun_s == max(x.overrun_s for x in c.rows)
-    flat = s3.part3(settings(s3, half_efficiency_tokens=1e-6), LEVELS, 0.99, HANDOUT_TRACE)
+    flat = s3.part3(settings(s3, half_efficiency_tokens=1e-6), levels(LEVELS, 0.99))
     assert not flat.small_batches_cost          # no small-batch penalty: chunked recompute costs about the same
 
 
@@ -438,12 +446,12 @@ def test_part2c_shows_the_noise_and_which_measure_to_trust(capsys):
                   **({"kl_step": 0.01, "kl_step_se": 0.001, "agree_step": 0.011 if i == 1 else -0.05,
                       "agree_step_se": 0.009} if i else {}))
              for i, lv in enumerate(REAL_SIZE_LEVELS)]
-    noise = s3.level_noise_verdict(noisy)
+    noise = study.level_noise_verdict(noisy)
     assert noise.kl_clear and noise.unclear == ["level1"]
     s = settings(s3)
-    run = dataclasses.replace(s3.part2(s, noisy, 1.0, HANDOUT_TRACE), levels=noisy, noise=noise)
+    run = dataclasses.replace(s3.part2(s, levels(noisy, 1.0)), levels=noisy, noise=noise)
     page = Page("03", "test", "§4", plot=False)
-    s3.present_part2_real(page, s, run, HANDOUT_TRACE)
+    sp.show_part2_real(page, run, s)
     _, rows = grid(page.tables[0])
     assert rows[1][3:] == ["0.0200 +- 0.0010", "94.5 +- 1.0%", "+0.0100 +- 0.0010", "+1.1 +- 0.9"]
     assert max(map(len, capsys.readouterr().out.splitlines())) <= 120
@@ -451,8 +459,8 @@ def test_part2c_shows_the_noise_and_which_measure_to_trust(capsys):
 
 def test_runs_of():
     s3 = load_script()
-    assert s3.runs_of(["level0"] * 10 + ["level1"] + ["text"] * 2 + ["level0"]) == "L0 x10, L1, T x2, L0"
-    assert s3.runs_of([]) == ""
+    assert sp.runs_of(["level0"] * 10 + ["level1"] + ["text"] * 2 + ["level0"]) == "L0 x10, L1, T x2, L0"
+    assert sp.runs_of([]) == ""
 
 
 def run(*args, tmp_path=None):

@@ -4,7 +4,6 @@ the constant drives, and checks that the figure moves the way the lecture says, 
 column goes blank ("-") once the inputs are no longer the handout's."""
 import importlib
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -71,17 +70,17 @@ def test_01_day_throughput_and_hit_rate(ledger01, tmp_path, capsys, monkeypatch)
 def test_02_exercise4_distribution(monkeypatch):
     """Exercise 4 on another distribution (the constant, read through the run's settings): four equally
     likely values need 2 bits, and the handout's 1.40 and 3 bits are no longer beside them."""
-    from common.present import Page
+    from common.present import DASH, Page
     mod = script("02_cachegen_codec")
     monkeypatch.setattr(mod, "EX4_PROBS", {0: 0.25, 1: 0.25, -1: 0.25, 2: 0.25})
     monkeypatch.setattr(mod, "EX4_SAMPLES", 4000)
-    s = mod.settings(mod.parse([]))
+    s, defaults, _ = mod.parse([])
     e4 = mod.exercise4(s)
     assert s.ex4_samples == 4000 and e4.entropy_bits == pytest.approx(2.0, abs=1e-12) and e4.fixed_bits == 2
-    page = Page("02", "", "", s, mod.Settings(), plot=False)
-    mod.present_exercise4(page, SimpleNamespace(ex4=e4), s)
+    page = Page("02", "", "", s, defaults, plot=False)
+    script("codec_page").show_exercise4(page, e4, s)
     assert page.json()["exercise4"]["entropy_bits"] == e4.entropy_bits
-    assert [r.handout for r in page.tables[-1].rows] == [None] * 5
+    assert [r.handout for r in page.tables[-1].rows] == [DASH] * 5
 
 
 def test_02_codec_group_is_read_where_the_codec_is_fitted(monkeypatch):
@@ -93,8 +92,8 @@ def test_02_codec_group_is_read_where_the_codec_is_fitted(monkeypatch):
     spec = kv.fit_codec(X, steps, True)
     h = kv.codec_header(kv.codec_encode(X[0], spec))
     assert spec.group == 5 and len(h["group_bytes"]) == 6          # 30 tokens in groups of 5
-    mod = script("02_cachegen_codec")
-    anchors = np.array([[lv.K_anchor, lv.V_anchor] for lv in mod.delta_variance_ratios(X, kv.CODEC_GROUP)])
+    cm = script("codec_measures")
+    anchors = np.array([[lv.K_anchor, lv.V_anchor] for lv in cm.delta_variance_ratios(X, kv.CODEC_GROUP)])
     assert anchors.shape == (2, 2) and np.all(anchors > 1)          # a random walk: deltas are smaller
 
 
@@ -135,8 +134,7 @@ def test_02_sensitivity_coarser_steps_cost_accuracy():
     world = cs.record_world()
     ctx, q, ans, slots = world["docs"](150, 5)
     X = cs.context_kv(world["model"], ctx)
-    mod = script("02_cachegen_codec")
-    sens = mod.layer_sensitivity(world["model"], X, (q, ans, slots), kv.kv_rms(X), [0.25, 8.0], 8.0)
+    sens = script("codec_measures").layer_sensitivity(world["model"], X, (q, ans, slots), kv.kv_rms(X), [0.25, 8.0], 8.0)
     assert [x.layer for x in sens] == list(range(X.shape[2]))
     assert all(x.kv[8.0] <= x.kv[0.25] for x in sens)
     assert min(x.kv[8.0] for x in sens) < min(x.kv[0.25] for x in sens)
@@ -285,9 +283,10 @@ def test_05_slower_cpu_tier_and_another_model(tiers05, tmp_path, capsys, monkeyp
     edited = page.json()
     assert edited["configs"]["cpu_slow"]["mean_ttft_s"] > base["configs"]["cpu_slow"]["mean_ttft_s"]
     assert edited["cpu_fast_vs_slow_ttft_ratio"] > base["cpu_fast_vs_slow_ttft_ratio"]
-    assert tiers05.HANDOUT("slow_vs_fast", page.settings) is None
+    assert importlib.import_module("tiers_page").HANDOUT("slow_vs_fast", page.settings) is None
     monkeypatch.setattr(tiers05, "MODEL", "llama-3.1-8b")
     monkeypatch.setattr(tiers05, "HANDOFF_MODEL", "llama-3.1-8b")
     page = tiers05.main(["--no-plot", "--users", "20"])
     assert page.settings.model == page.settings.handoff_model == "llama-3.1-8b"
-    assert all(tiers05.HANDOUT(k, page.settings) is None for k in ("handoff_gb", "all_kv_gb", "lru", "hinted"))
+    held = importlib.import_module("tiers_page").HANDOUT
+    assert all(held(k, page.settings) is None for k in ("handoff_gb", "all_kv_gb", "lru", "hinted"))

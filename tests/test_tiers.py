@@ -17,6 +17,7 @@ SCRIPT = ROOT / "code" / "lecture27" / "05_tiered_storage.py"
 
 
 ts = importlib.import_module("05_tiered_storage")
+tst = importlib.import_module("tiers_study")    # 05's computing
 
 
 # ------------------------------------------------------------------------------------- tiers.py
@@ -177,13 +178,13 @@ SERVE = dict(model=ts.MODEL, gpu=ts.GPU, user_tokens=ts.USER_TOKENS, answer_toke
 
 def small_configs():
     # scaled down: 30 users x 6 turns x 768 tokens x 128 KiB = 18 GB of history in all
-    return ts.chat_configs(gpu_gb=3.0, cpu_gb=10.0, cpu_small_gb=2.5, slow=ts.CPU_SLOW_GBPS, fast=ts.CPU_FAST_GBPS,
+    return tst.chat_configs(gpu_gb=3.0, cpu_gb=10.0, cpu_small_gb=2.5, slow=ts.CPU_SLOW_GBPS, fast=ts.CPU_FAST_GBPS,
                            ssd_gb=100.0, ssd_gbps=ts.SSD_GBPS)
 
 
 def run(name, seed=3):
-    trace = ts.chat_trace(**{**SMALL, "seed": seed})
-    return trace, ts.serve(trace, ts.make_store(small_configs()[name]), **SERVE)
+    trace = tst.chat_trace(**{**SMALL, "seed": seed})
+    return trace, tst.serve(trace, tst.make_store(small_configs()[name]), **SERVE)
 
 
 def test_every_request_completes_once_in_order():
@@ -215,9 +216,9 @@ def test_tiers_hit_more_than_gpu_only():
 
 def test_small_write_through_tier_adds_nothing():
     # inclusion: an LRU tier no bigger than the GPU's, written through, never holds what the GPU lacks
-    trace = ts.chat_trace(**SMALL)
-    base = ts.serve(trace, ts.make_store(small_configs()["gpu_only"]), **SERVE)
-    small = ts.serve(trace, ts.make_store(small_configs()["cpu50"]), **SERVE)
+    trace = tst.chat_trace(**SMALL)
+    base = tst.serve(trace, tst.make_store(small_configs()["gpu_only"]), **SERVE)
+    small = tst.serve(trace, tst.make_store(small_configs()["cpu50"]), **SERVE)
     assert small.hit_rate_per_tier[1] == 0 and small.mean_ttft_s == base.mean_ttft_s
 
 
@@ -234,16 +235,16 @@ DOCS = dict(doc_tokens=ts.DOC_TOKENS, oneshot_tokens=ts.ONESHOT_TOKENS, chunk=ts
 
 def test_hint_hits_at_least_as_often_as_lru():
     for seed in (0, 1):
-        docs = ts.doc_trace(600, ts.DOCS, ts.ONESHOT_SHARE, seed)
-        lru = ts.doc_hit_rate(docs, False, ts.DOC_CACHE_GB, **DOCS)
-        hinted = ts.doc_hit_rate(docs, True, ts.DOC_CACHE_GB, **DOCS)
+        docs = tst.doc_trace(600, ts.DOCS, ts.ONESHOT_SHARE, seed)
+        lru = tst.doc_hit_rate(docs, False, ts.DOC_CACHE_GB, **DOCS)
+        hinted = tst.doc_hit_rate(docs, True, ts.DOC_CACHE_GB, **DOCS)
         assert hinted >= lru and hinted > 0.9 and lru < 0.8
-    docs = ts.doc_trace(600, ts.DOCS, ts.ONESHOT_SHARE, 0)
-    assert ts.doc_hit_rate(docs, True, 100, **DOCS) == ts.doc_hit_rate(docs, False, 100, **DOCS)
+    docs = tst.doc_trace(600, ts.DOCS, ts.ONESHOT_SHARE, 0)
+    assert tst.doc_hit_rate(docs, True, 100, **DOCS) == tst.doc_hit_rate(docs, False, 100, **DOCS)
 
 
 def test_handoff_paths_are_sums_of_hops():
-    h = ts.handoff_paths(ts.HANDOFF_MODEL, ts.HANDOFF_TOKENS, ts.PCIE_GBPS, ts.MEMCPY_GBPS, ts.NET_GBPS)
+    h = tst.handoff_paths(ts.HANDOFF_MODEL, ts.HANDOFF_TOKENS, ts.PCIE_GBPS, ts.MEMCPY_GBPS, ts.NET_GBPS)
     assert h.nbytes == 16_000 * 327_680
     for r in h.routes.values():
         assert r.seconds == pytest.approx(sum(h.nbytes / (bw * 1e9) for _, _, bw in r.hops))

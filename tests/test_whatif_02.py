@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
+import blend_world as bw
+import codec_page as cp
 from common.present import holds
 
 RUNS = {  # name: (constants edited, command line)
@@ -33,7 +35,7 @@ def runs(tmp_path_factory):
             for k, v in constants.items():
                 mp.setattr(mod, k, v)
             data = mod.main([*argv, "--json", str(figs / "out.json")])
-            settings = mod.settings(mod.parse(argv))
+            settings = mod.parse(argv)[0]
         blocks = json.loads((figs / "pages" / "02.json").read_text())["blocks"]
         tables = {}
         for b in blocks:   # each source's first table (the headline shares the codec table's source)
@@ -56,10 +58,10 @@ def test_a_handout_figure_only_beside_its_inputs(runs, name):
         for row in t["rows"]:
             shown = row[-1].rstrip(" *")
             if shown != "-":
-                refs = [r for r in mod.HANDOUT.refs.values() if r.figure == shown]
+                refs = [r for r in cp.HANDOUT.refs.values() if r.figure == shown]
                 assert refs and any(holds(r.inputs, s) for r in refs), (t["title"], shown)
-    ex4 = tables["kvcache.exercise4"]["rows"]
-    handout_probs = mod.HANDOUT.refs["ex4_entropy_bits"].inputs["ex4_probs"]
+    ex4 = tables["coder.exercise4"]["rows"]
+    handout_probs = cp.HANDOUT.refs["ex4_entropy_bits"].inputs["ex4_probs"]
     assert (s.ex4_probs == handout_probs) == (ex4[0][-1] == "1.40") == (ex4[3][-1] == "3")
 
 
@@ -69,7 +71,7 @@ def test_verdicts_say_what_the_numbers_say(runs, name):
     d, tables = out[name].json, out[name].tables
     # Part 1b: the layer named as losing the most has the lowest accuracy at the chosen step
     acc = d["layer_sensitivity_acc"]
-    note = tables["02_cachegen_codec.layer_sensitivity"]["notes"][0]
+    note = tables["codec_measures.layer_sensitivity"]["notes"][0]
     if min(acc) == max(acc):
         assert "answers alike" in note
     else:
@@ -78,28 +80,28 @@ def test_verdicts_say_what_the_numbers_say(runs, name):
         assert ("not the shallowest" in note) == (low != 0)
     # Part 3: the one-stream coder lands below or over the ideal as the bytes say
     gap = d["ac_actual_bytes"] - d["ac_ideal_bytes"]
-    coder = " ".join(tables["02_cachegen_codec.coder_check"]["notes"])
+    coder = " ".join(tables["codec_measures.coder_check"]["notes"])
     assert f"{abs(gap):.2f} B {'below' if gap < 0 else 'over'}" in coder
     assert ("Lossless" in coder) == d["ac_roundtrip_exact"]
     # the levels: a loss beyond two standard errors is called real, one within them noise
     lv = d["levels"]
-    n = mod.cs.CODEC_N_EVAL * mod.bw.N_RECORDS
+    n = mod.cs.CODEC_N_EVAL * bw.N_RECORDS
     gap = lv[0]["accuracy"] - lv[-1]["accuracy"]
     noise = sum(x["accuracy"] * (1 - x["accuracy"]) / n for x in (lv[0], lv[-1])) ** 0.5
     levels_note = tables["codec_study.codec_study"]["notes"][0]
     assert f"points {'below' if gap >= 0 else 'above'} level 0" in levels_note
     assert ("within two standard errors" in levels_note) == (abs(gap) <= 2 * noise)
     # Part 2: "smaller than 8-bit" when the measured codec is
-    part2 = tables["02_cachegen_codec.codecs"]["notes"][0]
+    part2 = tables["codec_measures.record_codecs"]["notes"][0]
     assert f"{d['bytes_8bit'] / d['bytes_measured']:.2f}x smaller than 8-bit" in part2
     # exercise 3: the chain's error is said to add up only where it grows past the anchor's
-    rows = [[float(x) for x in r] for r in tables["02_cachegen_codec.exercise3"]["rows"]]
+    rows = [[float(x) for x in r] for r in tables["codec_measures.independence"]["rows"]]
     grows = rows[-1][2] > max(rows[1][2], max(r[1] for r in rows[1:]))
-    assert ("errors add up along the chain" in tables["02_cachegen_codec.exercise3"]["notes"][0]) == grows
+    assert ("errors add up along the chain" in tables["codec_measures.independence"]["notes"][0]) == grows
     # exercise 4: a saving over the fixed-length code is claimed only where there is one
     # exercise 3 measured: the ratios and bytes the notes name are the table's; "slower than the serial
     # coder" only where the fewest streams are; the codec's layout is the one its bitstreams name
-    thr, dec = tables["kvcache.coder_throughput"], d["coder_decode_sym_per_s"]
+    thr, dec = tables["coder_bench.coder_throughput"], d["coder_decode_sym_per_s"]
     notes = " ".join(thr["notes"])
     assert f"decodes {dec['parallel'] / dec['serial']:.1f}x the serial coder's" in notes
     assert f"compiled coder {dec['constriction'] / dec['parallel']:.1f}x ours" in notes
@@ -109,10 +111,10 @@ def test_verdicts_say_what_the_numbers_say(runs, name):
     assert streams[:-1] == sorted(set(out[name].s.coder_streams)) and streams[-1] == 200 * 256   # all: one a row
     assert d["coder_parallel_added_bytes"][0] == 0 if streams[0] == 1 else d["coder_parallel_added_bytes"][0] > 0
     spec = mod.kv.spec_from_dict(mod.cs.record_codec_study()["specs"][0])
-    assert f"bitstreams: {mod.LAYOUT_WORDS[mod.kv.stream_plan(spec, 24).layout]}," in notes
+    assert f"bitstreams: {cp.LAYOUT_WORDS[mod.kv.stream_plan(spec, 24).layout]}," in notes
     e4 = d["exercise4"]
     saves = e4["fixed_bits"] - e4["coded_bits_per_symbol"] > 0.005
-    assert ("saves nothing" not in tables["kvcache.exercise4"]["notes"][0]) == saves
+    assert ("saves nothing" not in tables["coder.exercise4"]["notes"][0]) == saves
 
 
 def test_the_edits_reach_the_results(runs):
@@ -136,3 +138,27 @@ def test_what_if_figures_go_to_a_folder_of_their_own(runs):
                 assert p.startswith(str(run.figs)) and "whatif" not in p
             else:
                 assert re.search(r"whatif/02_[^/]*sensitivity_step=", p), p
+
+
+def test_the_handout_is_read_only_through_present_handout():
+    """02 names the handout's figures through common.present.handout alone: every use of its HANDOUT table
+    is that function's first argument; no call of the table itself, none of its attributes, no lookup of
+    02's own."""
+    import ast
+    from pathlib import Path
+    folder = Path(cp.__file__).parent
+    for path in (folder / "02_cachegen_codec.py", folder / "codec_page.py", folder / "codec_measures.py"):
+        tree = ast.parse(path.read_text())
+        imported = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                    and n.module == "common.present" for a in n.names}
+        lookups = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                   and n.func.id == "handout"]
+        uses = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == "HANDOUT"
+                and isinstance(n.ctx, ast.Load)]
+        assert all(isinstance(c.args[0], ast.Name) and c.args[0].id == "HANDOUT" for c in lookups), path.name
+        assert len(uses) == len(lookups), f"{path.name}: HANDOUT used other than through present.handout"
+        assert not lookups or "handout" in imported, f"{path.name}: a handout() that is not common.present's"
+        own = [n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and "handout" in n.name.lower()]
+        assert not own, f"{path.name}: a handout lookup of its own: {own}"
+    assert any(isinstance(n, ast.Call) and getattr(n.func, "id", "") == "handout"
+               for n in ast.walk(ast.parse((folder / "codec_page.py").read_text())))

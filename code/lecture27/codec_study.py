@@ -2,8 +2,9 @@
 reads from decoded KV, the greedy search for the coarsest steps that keep them, and the record-world
 model's codec study (its quality levels, read by 03_streaming.py), cached in code/checkpoints/.
 
-The codec itself (coder, quantization, tables, levels) is kvcache.py's and needs only numpy; this file
-drives a model (torch). codec_real.py runs the same study on a real LLaMA.
+The codec itself (quantization, tables, levels) is kvcache.py's, its arithmetic coder coder.py's and
+coder_parallel.py's; they need only numpy, and this file drives a model (torch). codec_real.py runs the
+same study on a real LLaMA.
 
 Accuracy of a codec = answer accuracy when the question's tokens attend to the decoded (lossy) context
 KV instead of the exact one: model(question_tokens, cache=decoded context KV).

@@ -204,10 +204,10 @@ def make_setup(model, gpu, n_gpus, context_tokens, chunk_tokens, levels, lossles
 
 # -------------------------------------------------------------------------------------- one chunk
 @dataclass(frozen=True)
-class Fetch:
-    """One chunk on the two resources: its KV bits, or its token ids, occupy the link from `start` to
-    `link_end`; a text chunk then occupies the GPU for gpu_s seconds from `gpu_start` (None for KV).
-    `ready`: when the chunk's KV is on the GPU."""
+class Transfer:
+    """One chunk's transfer on the two resources: its KV bits, or its token ids, occupy the link from
+    `start` to `link_end`; a text chunk then occupies the GPU for gpu_s seconds from `gpu_start` (None for
+    KV). `ready`: when the chunk's KV is on the GPU."""
     start: float
     link_end: float
     gpu_start: float | None
@@ -215,20 +215,20 @@ class Fetch:
     ready: float
 
 
-def fetch_chunk(setup: Setup, trace: Trace, t0: float, chunk: tuple, opt: Option, gpu_free: float = 0.0) -> Fetch:
+def fetch_chunk(setup: Setup, trace: Trace, t0: float, chunk: tuple, opt: Option, gpu_free: float = 0.0) -> Transfer:
     """Fetch one chunk whose transfer starts on the link at t0. A text chunk is recomputed once its token
     ids are in and the GPU is free (gpu_free); the KV of every earlier chunk is in by then, since the link
     carries the chunks in order and the GPU recomputes them in order."""
     first, n = chunk
     link_end = trace.transfer_end(t0, opt.bits_per_token * n)
     if not opt.recompute:
-        return Fetch(t0, link_end, None, 0.0, link_end)
+        return Transfer(t0, link_end, None, 0.0, link_end)
     gpu_start, gpu_s = max(link_end, gpu_free), setup.recompute_s(first, n)
-    return Fetch(t0, link_end, gpu_start, gpu_s, gpu_start + gpu_s)
+    return Transfer(t0, link_end, gpu_start, gpu_s, gpu_start + gpu_s)
 
 
-def advance(f: Fetch, gpu_free: float, parallel: bool) -> tuple[float, float]:
-    """(link free, GPU free) after fetch f. Parallel: the next chunk's transfer starts as soon as this
+def advance(f: Transfer, gpu_free: float, parallel: bool) -> tuple[float, float]:
+    """(link free, GPU free) after transfer f. Parallel: the next chunk's transfer starts as soon as this
     chunk's bits or token ids are across, while the GPU may still recompute. Serial: it waits until
     this chunk is ready, so the link idles during a recompute."""
     if not parallel:
@@ -260,7 +260,7 @@ class Result:
         return [r["choice"] for r in self.rows]
 
 
-def _row(f: Fetch, name: str, measured, **policy) -> dict:
+def _row(f: Transfer, name: str, measured, **policy) -> dict:
     """A chunk's row: start (its transfer starts on the link), link_end, gpu_start (text), finish (ready),
     gpu_s, choice, measured_gbps; a policy adds est_gbps, budget_s, predicted (a finish time), ..."""
     return dict(start=f.start, **policy, choice=name, finish=f.ready, gpu_s=f.gpu_s, measured_gbps=measured,
@@ -286,7 +286,7 @@ def replay(setup: Setup, trace: Trace, choices: list[str], policy="fixed", *, pa
     return _finish(res, setup)
 
 
-def _measured(setup, chunk, name, f: Fetch):
+def _measured(setup, chunk, name, f: Transfer):
     """Throughput of a KV chunk's transfer; None for text (a few KB of token ids measure nothing)."""
     opt = setup.option(name)
     return None if opt.recompute else opt.bits_per_token * chunk[1] / (f.link_end - f.start) / GBIT
@@ -349,44 +349,91 @@ def adaptive(setup: Setup, trace: Trace, slo_s: float, first_est_gbps: float | N
     est = trace.rate_at(0.0) if first_est_gbps is None else first_est_gbps
     res, link, gpu = Result("adaptive"), 0.0, 0.0
     left = setup.context_tokens
-    text = setup.option("text")
-    ids_s = text.bits_per_token / (TEXT_FLOOR_GBPS * GBIT)     # a token id's link time at the floor rate
-    rest_text = list(itertools.accumulate(setup.recompute_s(f, n) for f, n in reversed(setup.plan)))[::-1] + [0.0]
+    deadline = _all_text_deadlines(setup, slo_s)
     for i, chunk in enumerate(setup.plan):
-        give_up_at = slo_s - rest_text[i] - ids_s * left       # all-text from this chunk on still in time
-        kv_due = slo_s - rest_text[i + 1] - ids_s * (left - chunk[1])  # ... from the next chunk on
+        # §4.2: the throughput last measured (est) is assumed to hold, and choose() takes the least lossy
+        # configuration predicted to finish within the chunk's token share of the time left (text if none)
         probed = False
         while True:
             t = link
             budget = max(0.0, slo_s - t) * chunk[1] / left
-            guard = give_up and max(t, gpu) <= give_up_at + 1e-9
-            allowed, risky = None, set()
-            if guard:
-                kv = {o.name: predict_s(setup, chunk, o, est) for o in setup.options if not o.recompute}
-                risky = {nm for nm, p in kv.items() if t + p > give_up_at and t + RISK_FACTOR * p <= kv_due}
-                allowed = set(kv) if give_up_at - t > 1e-9 else risky   # no time to try: only what is worth a risk
-            name, pred = choose(setup, chunk, est, budget, allowed, gpu - t)
-            if not (parallel and probe and setup.option(name).recompute and gpu - t > 1e-9):
+            guard = _give_up_guard(setup, chunk, est, t, gpu, deadline[i], deadline[i + 1]) if give_up else None
+            name, pred = choose(setup, chunk, est, budget, None if guard is None else guard.allowed, gpu - t)
+            if not (parallel and probe and _text_would_wait(setup.option(name), t, gpu)):
                 break
-            change = next((s for s in trace.times if s > t), math.inf)     # probe the link until the GPU is
-            end = min(gpu, change + PROBE_WINDOW_S)                         # free or a change of rate is seen
-            est, link, probed = _rate(trace, max(t, end - PROBE_WINDOW_S), end), end, True
-        row = dict(est_gbps=est, budget_s=budget, predicted=t + pred, gave_up=None, probe=probed,
-                   risked=name in risky)
+            est, link = _probe(trace, t, gpu)                  # measure the idle link, then decide again
+            probed = True
+        risked = guard is not None and name in guard.risky
         f = fetch_chunk(setup, trace, t, chunk, setup.option(name), gpu)
-        measured = _measured(setup, chunk, name, f)
-        if measured is not None and guard and name not in risky and f.ready > give_up_at:
-            measured = _rate(trace, t, give_up_at)              # the link collapsed mid-chunk: stop waiting
-            row["gave_up"], name = name, "text"
-            f = fetch_chunk(setup, trace, give_up_at, chunk, text, gpu)
-        if setup.option(name).recompute and probe and not parallel:   # the idle link, while the GPU recomputed
-            measured = (trace.bits_by(f.ready) - trace.bits_by(f.ready - f.gpu_s)) / f.gpu_s / GBIT
-            row["probe"] = True
-        res.rows.append(_row(f, name, measured, **row) | dict(start=t))
+        measured, gave_up = _measured(setup, chunk, name, f), None
+        if _given_up(guard, setup.option(name), f):           # stop waiting: recompute it instead
+            measured, gave_up, name = _rate(trace, t, guard.at), name, "text"
+            f = fetch_chunk(setup, trace, guard.at, chunk, setup.option(name), gpu)
+        if probe and not parallel and setup.option(name).recompute:
+            measured, probed = _idle_link_rate(trace, f), True
+        res.rows.append(_row(f, name, measured, est_gbps=est, budget_s=budget, predicted=t + pred, gave_up=gave_up,
+                             probe=probed, risked=risked) | dict(start=t))
         est = measured if measured is not None else est
         link, gpu = advance(f, gpu, parallel)
         left -= chunk[1]
     return _finish(res, setup)
+
+
+def _all_text_deadlines(setup: Setup, slo_s: float) -> list:
+    """Entry i, for 0 <= i <= the number of chunks: the last moment from which recomputing chunks i, i+1,
+    ... as text still meets the SLO (their token ids counted at TEXT_FLOOR_GBPS). Chunk i's give-up
+    deadline is entry i; a chunk risked past it must still be in by entry i + 1."""
+    ids_s = setup.option("text").bits_per_token / (TEXT_FLOOR_GBPS * GBIT)   # a token id at the floor rate
+    rest_s = list(itertools.accumulate(setup.recompute_s(f, n) for f, n in reversed(setup.plan)))[::-1] + [0.0]
+    rest_tokens = list(itertools.accumulate(n for _, n in reversed(setup.plan)))[::-1] + [0]
+    return [slo_s - r - ids_s * n for r, n in zip(rest_s, rest_tokens)]
+
+
+@dataclass(frozen=True)
+class _Guard:
+    """A KV chunk's give-up deadline: `at`, the last moment from which all-text still meets the SLO; the
+    KV options the chunk may start (`allowed`), and those worth a risk (`risky`), waited for past `at`."""
+    at: float
+    allowed: frozenset
+    risky: frozenset
+
+
+def _give_up_guard(setup: Setup, chunk: tuple, est_gbps: float, t: float, gpu_free: float, at: float,
+                   next_at: float) -> _Guard | None:
+    """The guard of a chunk decided at t whose give-up deadline is `at` (the next chunk's: next_at), or
+    None when all-text from this chunk on is already late (the link or the GPU busy past `at`): then
+    whatever is chosen is waited for. A KV option is risky when it is predicted to miss `at`, but to be in
+    RISK_FACTOR times earlier than next_at; once `at` has come, only the risky ones may start."""
+    if not max(t, gpu_free) <= at + 1e-9:
+        return None
+    kv = {o.name: predict_s(setup, chunk, o, est_gbps) for o in setup.options if not o.recompute}
+    risky = frozenset(nm for nm, p in kv.items() if t + p > at and t + RISK_FACTOR * p <= next_at)
+    return _Guard(at, frozenset(kv) if at - t > 1e-9 else risky, risky)
+
+
+def _given_up(guard: _Guard | None, opt: Option, f: Transfer) -> bool:
+    """A KV chunk started under a guard, not risked, and still not in at the deadline (the link collapsed
+    mid-chunk): the policy stops waiting for it."""
+    return guard is not None and not opt.recompute and opt.name not in guard.risky and f.ready > guard.at
+
+
+def _text_would_wait(opt: Option, t: float, gpu_free: float) -> bool:
+    """Text chosen while the GPU is still busy: nothing would measure the link before it is queued."""
+    return opt.recompute and gpu_free - t > 1e-9
+
+
+def _probe(trace: Trace, t: float, gpu_free: float) -> tuple[float, float]:
+    """Probe bytes on the idle link from t until the GPU is free or a change of rate is seen:
+    (the throughput they measure over the last PROBE_WINDOW_S, when the probe ends)."""
+    change = next((s for s in trace.times if s > t), math.inf)
+    end = min(gpu_free, change + PROBE_WINDOW_S)
+    return _rate(trace, max(t, end - PROBE_WINDOW_S), end), end
+
+
+def _idle_link_rate(trace: Trace, f: Transfer) -> float:
+    """The serial model's probe: the throughput of probe bytes that filled the link while the GPU
+    recomputed text chunk f."""
+    return (trace.bits_by(f.ready) - trace.bits_by(f.ready - f.gpu_s)) / f.gpu_s / GBIT
 
 
 def fixed(setup: Setup, trace: Trace, name: str, *, parallel: bool) -> Result:

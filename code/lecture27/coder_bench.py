@@ -1,0 +1,108 @@
+"""Exercise 3 measured: how fast CacheGen's coder runs on one context's symbols (handout §3.3). The same
+symbols through the serial coder as one stream, through the parallel coder at several stream counts
+(the streams a GPU would run side by side) and through constriction's range coder (a compiled one, for
+scale); symbols per second, and the bytes the extra streams add. The coders are coder.py's and
+coder_parallel.py's; 02 prints the table.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from coder import decode, encode
+from coder_parallel import decode_streams, encode_streams, stack_tables, varint
+
+THROUGHPUT_MAX_STEPS = 5_000    # the parallel coder is timed on at most this many symbols of each stream
+
+
+@dataclass(frozen=True)
+class CoderThroughput:
+    """Symbols per second (wall clock) of each coder on the same symbols, and what streams cost."""
+    symbols: int                   # symbols in all
+    one_stream_bytes: int          # the serial coder's bytes for all of them as one stream
+    serial_encode: float
+    serial_decode: float
+    streams: tuple                 # the parallel coder's stream counts ...
+    parallel_encode: tuple         # ... its symbols/s at each
+    parallel_decode: tuple
+    added_bytes: tuple             # ... and the bytes each adds to one stream: the streams' ends and lengths
+    constriction_encode: float | None = None   # None: constriction is not installed
+    constriction_decode: float | None = None
+
+
+def _best_time(f, repeats: int):
+    best, out = math.inf, None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = f()
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def coder_throughput(symbols, table_ids, tables, stream_counts, repeats: int = 1) -> CoderThroughput:
+    """symbols, table_ids (R, n): R independent rows, e.g. one per (layer, K/V, channel) of a context;
+    tables: the FreqTables the ids name. The serial coder codes all R x n symbols as one stream; the
+    parallel coder as k streams for each k in stream_counts (the rows in k runs, each run a stream; k
+    at most R); constriction's range coder table by table. Best of `repeats`. A stream longer than
+    THROUGHPUT_MAX_STEPS is timed on its first THROUGHPUT_MAX_STEPS symbols, its bytes counted from the
+    serial coder's (which are the parallel coder's)."""
+    syms, ids = np.asarray(symbols), np.asarray(table_ids)
+    R, n = syms.shape
+    flat, flat_ids, stack = syms.ravel(), ids.ravel(), stack_tables(tables)
+    stack.lookup, stack.keys                             # built beforehand, as constriction's models are
+    t_enc, one = _best_time(lambda: encode(flat, tables, flat_ids), repeats)
+    t_dec, back = _best_time(lambda: decode(one, tables, flat.size, flat_ids), repeats)
+    assert np.array_equal(back, flat), "the serial coder did not decode bit for bit"
+    counts = sorted({min(int(k), R) for k in stream_counts})
+    enc, dec, added = [], [], []
+    for k in counts:
+        lengths = np.array([len(r) * n for r in np.array_split(np.arange(R), k)])
+        keep = np.arange(flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths) < THROUGHPUT_MAX_STEPS
+        sub, sub_ids, sub_len = flat[keep], flat_ids[keep], np.minimum(lengths, THROUGHPUT_MAX_STEPS)
+        te, (data, nbytes) = _best_time(lambda: encode_streams(sub, sub_len, stack, sub_ids), repeats)
+        td, back = _best_time(lambda: decode_streams(data, nbytes, sub_len, stack, sub_ids), repeats)
+        assert np.array_equal(back, sub), "the parallel coder did not decode bit for bit"
+        if keep.all():
+            sizes = nbytes.tolist()
+        else:
+            ends = np.cumsum(lengths).tolist()
+            sizes = [len(encode(flat[e - m:e], tables, flat_ids[e - m:e])) for e, m in zip(ends, lengths.tolist())]
+        enc.append(sub.size / te)
+        dec.append(sub.size / td)
+        added.append(sum(sizes) + sum(len(varint(b)) for b in sizes[:-1]) - len(one))
+    c_enc, c_dec = _constriction_throughput(flat, flat_ids, tables, repeats)
+    return CoderThroughput(int(flat.size), len(one), flat.size / t_enc, flat.size / t_dec, tuple(counts),
+                           tuple(enc), tuple(dec), tuple(added), c_enc, c_dec)
+
+
+def _constriction_throughput(syms, ids, tables, repeats: int):
+    """constriction's range coder on the same symbols, table by table (one call per table, its model
+    built beforehand, as our tables are) -> (encode, decode) symbols/s, or (None, None)."""
+    try:
+        import constriction
+    except ImportError:
+        return None, None
+    order = np.argsort(ids, kind="stable")
+    cuts = np.flatnonzero(np.diff(ids[order])) + 1
+    runs = np.split(syms[order].astype(np.int32), cuts)
+    models = [constriction.stream.model.Categorical(tables[t].probs(), perfect=False)
+              for t in ids[order][np.r_[0, cuts]].tolist()] if syms.size else []
+
+    def enc():
+        coder = constriction.stream.queue.RangeEncoder()
+        for run, model in zip(runs, models):
+            coder.encode(run, model)
+        return coder.get_compressed()
+
+    te, data = _best_time(enc, repeats)
+
+    def dec():
+        coder = constriction.stream.queue.RangeDecoder(data)
+        return [coder.decode(model, len(run)) for run, model in zip(runs, models)]
+
+    td, back = _best_time(dec, repeats)
+    assert all(np.array_equal(a, b) for a, b in zip(back, runs)), "constriction did not decode bit for bit"
+    return syms.size / te, syms.size / td
