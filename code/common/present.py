@@ -445,8 +445,8 @@ def run_tag(changes: dict) -> str:
         short = isinstance(v, (str, int, float, bool, type(None))) and 0 < len(clean) <= 24
         return f"{k}={clean}" if short else k
     names = "+".join(readable(k, v) for k, v in sorted(changes.items()))
-    if len(names) > 80:
-        names = "+".join(sorted(changes))[:80]
+    if len(names) > 48:
+        names = "+".join(sorted(changes))[:48]
     digest = hashlib.sha256(json.dumps(plain(changes), sort_keys=True, default=repr).encode()).hexdigest()[:8]
     return f"{names}_{digest}"
 
@@ -462,7 +462,7 @@ def whatif_banner(changes: dict, shipped: dict, folder: str) -> str:
     or an edited constant), its value as shipped, and where the run's figures go."""
     edits = ", ".join(f"{k} = {value_text(v)} (shipped: {value_text(shipped.get(k))})" for k, v in changes.items())
     return (f"What-if: this run's settings differ from the defaults as shipped: {edits}. Its figures go to "
-            f"{folder}/, and the handout column is blank wherever the handout's figure holds for other inputs.")
+            f"{folder}, and the handout column is blank wherever the handout's figure holds for other inputs.")
 
 
 class Page:
@@ -488,8 +488,10 @@ class Page:
         self.blocks: list[dict] = []
         self.tables: list[Table] = []
         self.json_extra: list[dict] = []
-        if self.changes:
-            print(wrap(whatif_banner(self.changes, self.shipped, shown(self.figures))))
+        if self.changes:   # the folder as one word short enough for a line of its own
+            where = (f"{shown(self.figures)}/" if len(shown(self.figures)) < 100 else
+                     f"the folder {self.whatif}/ in {shown(base / 'whatif')}/")
+            print(wrap(whatif_banner(self.changes, self.shipped, where)))
         self.t0 = time.time()
 
     # -- writing

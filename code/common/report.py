@@ -127,7 +127,7 @@ def label(rec: dict) -> str:
 
 def whatif_text(rec: dict) -> str:
     """The what-if banner of a saved page (a page saved without the shipped values still names its edits)."""
-    folder = f"figures/whatif/{rec['whatif']}" if rec.get("whatif") else "figures/whatif"
+    folder = f"figures/whatif/{rec['whatif']}/" if rec.get("whatif") else "figures/whatif/"
     return whatif_banner(rec["changes"], rec.get("shipped", {}), folder)
 
 
