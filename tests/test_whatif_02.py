@@ -136,8 +136,10 @@ def test_what_if_figures_go_to_a_folder_of_their_own(runs):
         for p in run.paths:
             if name == "default":
                 assert p.startswith(str(run.figs)) and "whatif" not in p
-            else:
-                assert re.search(r"whatif/02_[^/]*sensitivity_step=", p), p
+            else:   # an edited constant is a what-if as a flag is: its folder names the edits, then their digest
+                assert re.search(r"whatif/02_[^/]+_[0-9a-f]{8}/[^/]+$", p), p
+    folders = {name: {Path(p).parent for p in run.paths} for name, run in out.items()}
+    assert all(len(f) == 1 for f in folders.values()) and len(set.union(*folders.values())) == len(out)
 
 
 def test_the_handout_is_read_only_through_present_handout():
