@@ -47,13 +47,14 @@ except ImportError:  # not Unix
     fcntl = None
 
 from .llama import Llama, LlamaConfig
-from .present import shown
+from .present import CACHE_EVENTS, plain, shown
 
 CODE_DIR = Path(__file__).resolve().parents[1]  # code/: its modules' functions and constants key the cache
 
-# what this process loaded from the cache and what it computed: {"name", "loaded", "seconds"}; the report
-# says which results came from code/checkpoints/
-EVENTS: list[dict] = []
+# what this process loaded from the cache and what it computed: {"name", "loaded", "seconds"}; the list a
+# page's record keeps (present.CACHE_EVENTS), so the report says which results came from code/checkpoints/
+EVENTS: list[dict] = CACHE_EVENTS
+
 
 
 class TrainingFailed(RuntimeError):
@@ -102,18 +103,6 @@ def atomic_save(obj, path: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-
-
-def plain(x):
-    """x with numpy arrays and scalars turned into lists and Python numbers, tuples into lists: the
-    plain data a cached result is stored as (and what a later run loads back)."""
-    if isinstance(x, dict):
-        return {k: plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [plain(v) for v in x]
-    if hasattr(x, "tolist"):  # numpy arrays and scalars, tensors
-        return x.tolist()
-    return x
 
 
 # ------------------------------------------------------------------------------------ the cache
@@ -262,10 +251,11 @@ def _train(model_cfg: LlamaConfig, train_fn, seed: int, out: list) -> dict:
 
 
 # ------------------------------------------------------------------------------------ the code key
-# The functions above load and save; they compute nothing, so their own code is not part of any key.
+# The functions above (and present.plain, which cached_result stores through) load and save; they compute
+# nothing, so their own code is not part of any key.
 _MACHINERY = {"checkpoint_dir", "atomic_save", "plain", "cached", "_one_computes", "_digest", "_what_changed",
               "cached_result", "cached_model", "code_identity", "_CodeWalk", "_tree", "_Strip", "_refs", "_own",
-              "_canon", "_module_of", "_in_code", "_import", "_stem", "_under_code", "_is_code"}
+              "_canon", "_module_of", "_in_code", "_import", "_stem", "_under_code", "_is_code", "_machinery"}
 _TREES: dict = {}  # file -> ({(name, first line): [def or lambda]}, {qualname: [class]}) or None
 _OWN: dict = {}    # (code object or class, file) -> (hash of its syntax tree, names it reads, its imports)
 
@@ -313,13 +303,13 @@ class _CodeWalk:
         if mod is None:
             return
         top = f.__qualname__.split(".")[0]
-        if not is_root and mod.__name__ == __name__ and top in _MACHINERY:
+        if not is_root and _machinery(f, mod, top):
             return
         label = f"{_stem(mod)}.{f.__qualname__}"
         self.code[label], chains, imports = _own(f.__code__, f.__code__.co_filename)
         if "." in f.__qualname__ and top in f.__globals__:  # the function (or class) it is written in
             enclosing = f.__globals__[top]
-            if not (mod.__name__ == __name__ and top in _MACHINERY):
+            if not _machinery(enclosing, mod, top):
                 self.push(enclosing)
         cells = {}
         for name, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
@@ -391,6 +381,12 @@ class _CodeWalk:
             self.push(type(v))
             if isinstance(v, torch.nn.Module) and isinstance(getattr(v, "cache_key", None), str):
                 self.values[label] = v.cache_key
+
+
+def _machinery(f, mod, top: str) -> bool:
+    """f (or the function `top` it is written in) loads and saves: one of this module's, or one it imports
+    for that (present.plain, which turns a result into the plain data stored)."""
+    return top in _MACHINERY and (mod.__name__ == __name__ or globals().get(top) is f)
 
 
 def _is_code(obj) -> bool:

@@ -24,6 +24,11 @@ from typing import Any, Callable
 WIDTH = 120          # no printed line is wider
 DASH = "-"           # an empty cell: no value, or no handout figure for this run's inputs
 
+# what this process loaded from the cache and what it computed, one {"name", "loaded", "seconds"} each:
+# checkpoints.cached appends to it (as checkpoints.EVENTS), and a page's record keeps it, so the report says
+# which results came from code/checkpoints/
+CACHE_EVENTS: list[dict] = []
+
 
 # ----------------------------------------------------------------------------- the handout's figures
 @dataclass(frozen=True)
@@ -303,7 +308,9 @@ def table_block(t: Table) -> dict:
 
 # ----------------------------------------------------------------------------- renderer 2: --json
 def plain(x):
-    """Numbers, strings, lists and dicts only: numpy and torch scalars and arrays become Python ones."""
+    """Numbers, strings, lists and dicts only: numpy and torch scalars and arrays become Python ones, tuples
+    lists, dataclasses dicts, keys strings. What `--json` and a page's record are written as, and the plain
+    data a cached result is stored as (checkpoints.cached_result; what a later run loads back)."""
     if isinstance(x, dict):
         return {str(k): plain(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -537,8 +544,7 @@ class Page:
             Path(json_path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
             print(f"wrote {shown(json_path)}")
         if cache_events is None:
-            from . import checkpoints
-            cache_events = list(checkpoints.EVENTS)
+            cache_events = list(CACHE_EVENTS)
         settings = dataclasses.asdict(self.settings) if dataclasses.is_dataclass(self.settings) else {}
         record = {"script": self.script, "title": self.title, "section": self.section,
                   "settings": plain(settings), "changes": plain(self.changes), "seconds": time.time() - self.t0,
