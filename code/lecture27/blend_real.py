@@ -109,6 +109,22 @@ def load_passages(path) -> list[RagItem]:
     return items
 
 
+def check_context(model, rags: list[RagInput]) -> None:
+    """Before any work: every input, with the ANSWER_TOKENS decoded after it, within the model's context
+    (model.context_length: the GGUF's llama.context_length; a model without one is not checked). Else one line
+    on stderr naming the first input that is longer, its token count and the limit, and exit code 2."""
+    from common.cli import fail
+    from common.present import plural
+
+    limit = getattr(model, "context_length", None)
+    for n, rag in enumerate(rags if limit else []):
+        tokens = len(rag.prefix) + sum(map(len, rag.chunks)) + len(rag.question)
+        if tokens + ANSWER_TOKENS > limit:
+            parts = f"prefix, {plural(len(rag.chunks), 'chunk')}, question"
+            fail(f"RAG item {n} ({rag.item.question[:40]!r}) is {tokens:,} tokens ({parts}) and {ANSWER_TOKENS} answer "
+                 f"tokens: more than the model's context of {limit:,} tokens (llama.context_length)")
+
+
 def rag_doc(rag: RagInput) -> RagDoc:
     ids = [bw.PREFIX] * len(rag.prefix) + [i for i, c in enumerate(rag.chunks) for _ in c]
     doc = rag.prefix + [t for c in rag.chunks for t in c]
@@ -324,6 +340,7 @@ def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, 
     oracle at each of `ratios` and `at`."""
     from tqdm import tqdm
 
+    check_context(model, rags)
     ratios = tuple(sorted(set(ratios) | {at})) if curve else (at,)
     rules = RULE_NAMES if curve else (rule,)
     ranked = (rule, *(r for r in rules if r != rule))
