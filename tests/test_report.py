@@ -148,3 +148,17 @@ def test_sections_follow_the_handout_and_the_handout_column_is_the_last(tmp_path
     html = report.table_html({"title": "", "headers": ["q", "ours", "handout"], "rows": [["a", "1", "2"]],
                               "handout_col": True, "differs": [False]})
     assert '<td>a</td><td>1</td><td class="handout">2</td>' in html
+
+
+def test_a_long_cell_wraps_in_the_report_too():
+    """A schedule as long as a search can make it: the report's table lets its cells wrap (class prose: no
+    nowrap) and keeps the text whole; a table of short cells stays unwrapped."""
+    from common.present import Field, table_block, table_of
+
+    choices = ", ".join(f"L{i % 3} x{i}" for i in range(2, 60))
+    t = table_of("Part 2b", "§4.2", [Field("trace"), Field("oracle's choices", get=0, left=True)], {"t": (choices,)})
+    html = report.table_html(table_block(t))
+    assert '<table class="data prose">' in html and f"<td>{choices}</td>" in html
+    assert re.search(r"table\.prose th, table\.prose td \{ white-space: normal", report.CSS)
+    short = table_of("", "§4.2", [Field("trace"), Field("choices", get=0)], {"t": ("L1 x2, L2",)})
+    assert '<table class="data">' in report.table_html(table_block(short))
