@@ -102,7 +102,8 @@ def test_shift_kv_equals_recompute_at_new_position(model):
     assert torch.allclose(rope(k0, torch.full((7,), 0.0), model.cfg.rope_theta), k0)
 
 
-@pytest.mark.parametrize("chunk_len,expected", [(3, [1, 4, 7, 10]), (5, [2, 7]), (6, []), (4, []), (1, list(range(12)))])
+@pytest.mark.parametrize("chunk_len,expected",
+                         [(3, [1, 4, 7, 10]), (5, [2, 7]), (6, []), (4, []), (1, list(range(12)))])
 def test_split_records(chunk_len, expected):
     assert bw.split_records(chunk_len) == expected
 

@@ -117,9 +117,9 @@ def test_a_long_cell_wraps_in_its_column_and_json_keeps_it_whole(n):
 
     rng = random.Random(n)
     runs = {f"trace {i}": (schedule(rng, n), 1.5 + i, "x" * (150 if i == 2 else 4)) for i in range(3)}
-    t = table_of("Part 2b", "§4.2", [Field("trace"), Field("oracle's choices", key="runs.{row}.choices", get=0, left=True),
-                                     Field("TTFT s", "{:.2f}", get=1), Field("name", get=2, left=True)],
-                 runs, handout=lambda r: "1.9 s")
+    fields = [Field("trace"), Field("oracle's choices", key="runs.{row}.choices", get=0, left=True),
+              Field("TTFT s", "{:.2f}", get=1), Field("name", get=2, left=True)]
+    t = table_of("Part 2b", "§4.2", fields, runs, handout=lambda r: "1.9 s")
     lines = render_text(t).splitlines()
     assert max(map(len, lines)) <= WIDTH
     assert table_json(t) == {"runs": {k: {"choices": v[0]} for k, v in runs.items()}}
