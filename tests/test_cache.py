@@ -211,6 +211,24 @@ def test_the_key_is_cheap_and_stable():
     assert a == b and time.perf_counter() - t1 < max(0.2, t1 - t0)
 
 
+def test_the_cache_says_what_it_did_within_120_characters_wherever_its_folder_is(tmp_path, monkeypatch, capsys):
+    """A checkpoint folder deep in another machine's tree (outside the clone, so shown in full): the lines that
+    say a result was computed, loaded or is unusable still fit 120 characters, naming the file and the folder."""
+    folder = tmp_path / "a-rather-long-folder-name" / "checkpoints"
+    monkeypatch.setenv("L27_CHECKPOINTS", str(folder))
+    name = "a-result-with-a-long-name-" * 2
+    checkpoints.cached(name, {"n": 1}, lambda: {"x": 1})
+    checkpoints.cached(name, {"n": 1}, lambda: {"x": 1}, flag="--recompute")
+    next(folder.glob("*.pt")).write_bytes(b"not a torch file")
+    checkpoints.cached(name, {"n": 1}, lambda: {"x": 1})
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 120
+    words = out.split()
+    file = next(p.name for p in folder.glob("*.pt"))
+    assert words.count(file) == 4  # computed, loaded, unusable, computed again
+    assert str(folder) in words and "unusable" in words and "loaded" in words
+
+
 def test_a_result_computed_without_a_file_is_recorded(ckdir):
     out = checkpoints.cached("nofile", {"n": 1}, lambda: {"x": 1}, store=False)
     assert out == {"x": 1} and checkpoints.EVENTS[-1]["name"] == "nofile" and not ckdir.exists()

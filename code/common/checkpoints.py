@@ -47,7 +47,7 @@ except ImportError:  # not Unix
     fcntl = None
 
 from .llama import Llama, LlamaConfig
-from .present import CACHE_EVENTS, plain, shown
+from .present import CACHE_EVENTS, plain, shown, wrap
 
 CODE_DIR = Path(__file__).resolve().parents[1]  # code/: its modules' functions and constants key the cache
 
@@ -135,16 +135,16 @@ def cached(name: str, inputs: dict, compute: Callable[[], dict], redo: bool = Fa
                     raise ValueError("the stored key differs")
                 out = use(blob["result"], {"key": stem, "loaded": True, "seconds": blob["seconds"]})
                 if flag:
-                    print(f"[{tag}] {name}: loaded from {path.name} ({done} in {blob['seconds']:.0f} s; "
-                          f"{flag} {does} it again)")
+                    print(wrap(f"[{tag}] {name}: loaded from {path.name} ({done} in {blob['seconds']:.0f} s; "
+                               f"{flag} {does} it again)"))
                 EVENTS.append({"name": name, "loaded": True, "seconds": blob["seconds"]})
                 return out
             except Exception as e:  # a broken or foreign file is never used silently
-                print(f"[{tag}] {path.name} is unusable ({type(e).__name__}: {e}); {doing} it again")
+                print(wrap(f"[{tag}] {path.name} is unusable ({type(e).__name__}: {e}); {doing} it again"))
         elif store and not redo:
             why = _what_changed(path.parent.glob(f"{name}-{inputs_hash}-*.pt"), key)
             if why:
-                print(f"[{tag}] {name}: {why}; {doing} it again")
+                print(wrap(f"[{tag}] {name}: {why}; {doing} it again"))
         t0 = time.time()
         result = compute()
         seconds = time.time() - t0
@@ -152,7 +152,7 @@ def cached(name: str, inputs: dict, compute: Callable[[], dict], redo: bool = Fa
             for old in path.parent.glob(f"{name}-*.pt") if keep_one else ():
                 old.unlink(missing_ok=True)
             atomic_save({"key": key, "seconds": seconds, "result": result}, path)
-            print(f"[{tag}] {done} {name} in {seconds:.1f} s -> {shown(path)}")
+            print(wrap(f"[{tag}] {done} {name} in {seconds:.1f} s -> {path.name} in {shown(path.parent)}"))
     EVENTS.append({"name": name, "loaded": False, "seconds": seconds})
     return use(result, {"key": stem, "loaded": False, "seconds": seconds})
 
