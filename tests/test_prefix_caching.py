@@ -74,20 +74,8 @@ def tiny_doc(seed=0):
     return model, br.RagDoc(doc, torch.randint(0, 50, (1, 4)), ids, None)
 
 
-def rounding_kl(model, rd) -> float:
-    """How far from 0 float32 rounding alone can put KL(full prefill || prefix caching) of the first answer
-    token: 4 eps S, eps = 2^-23 (float32's relative rounding step, 1.2e-7) and S = max |logit| + |logsumexp|
-    of the full prefill's last logits, a bound on the size of every log-probability compared (log p = logit -
-    logsumexp). The two paths add in different orders, so each log-probability may differ by a few eps S, and
-    KL = sum p (log p - log q) carries that difference to first order (its logsumexp rounded apart shifts every
-    log q alike and adds whole), with either sign. Measured: |KL| <= 0.36 eps S on 40 random models of
-    tiny_doc, 0.03 eps S on SmolLM2, on one thread and on two."""
-    lg = model(rd.tokens, last=True)[0][0, -1]
-    return 4 * torch.finfo(torch.float32).eps * float(lg.abs().max() + lg.logsumexp(-1).abs())
-
-
 @torch.no_grad()
-def test_prefix_caching_is_exact_and_full_reuse_is_not():
+def test_prefix_caching_is_exact_and_full_reuse_is_not(kl_rounding):
     model, rd = tiny_doc()
     head, n = pc.first_chunk(bw.precompute_chunks(model, rd.doc, rd.chunks), rd)
     assert n == 8 and len(head) == 8
@@ -95,21 +83,21 @@ def test_prefix_caching_is_exact_and_full_reuse_is_not():
     for i in range(model.cfg.n_layers):             # the stored first chunk is the full prefill's
         assert (head.k[i] - full.k[i]).abs().max() < 1e-5 and (head.v[i] - full.v[i]).abs().max() < 1e-5
     run = pc.measure_one(model, rd, rules.RULES["flat"], 0.3, mp.MASKS)
-    tol = rounding_kl(model, rd)
+    tol = kl_rounding(model(rd.tokens, last=True)[0][0, -1])  # zero up to float32 rounding
     assert abs(run["kl"]["prefix"]) < tol and run["kl"]["reuse"] > 100 * tol
     assert set(run["ttft"]) == {"full", "prefix", "reuse", "blend"} and min(run["ttft"].values()) >= 0
     assert run["kl"]["blend position"] != run["kl"]["blend bottom-right"]
 
 
 @torch.no_grad()
-def test_prefix_caching_on_smollm2_is_exact(smollm2):
+def test_prefix_caching_on_smollm2_is_exact(smollm2, kl_rounding):
     """SmolLM2, 3 chunks x 64 tokens: prefix caching's first-token KL is zero up to float32 rounding
-    (rounding_kl), full reuse's is not."""
+    (conftest.rounding_kl), full reuse's is not."""
     import blend_real as br
     from common.english import RAG_ITEMS, rag_chunks
 
     model, tok, _ = smollm2
     rd = br.rag_doc(rag_chunks(RAG_ITEMS[0], tok, n_chunks=3, chunk_tokens=64, key_chunks=pc.key_chunks(3)))
     run = pc.measure_one(model, rd, rules.RULES["flat"], 0.15, {"position": bw.position_mask})
-    tol = rounding_kl(model, rd)
+    tol = kl_rounding(model(rd.tokens, last=True)[0][0, -1])  # zero up to float32 rounding
     assert abs(run["kl"]["prefix"]) < tol and run["kl"]["reuse"] > 100 * tol
