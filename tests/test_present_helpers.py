@@ -100,6 +100,50 @@ def test_points_of_a_sweep_are_rows():
     assert [r.cells for r in t.rows] == [[1, 0.5], [2, 0.75]] and table_json(t) == {"ttft_s": [0.5, 0.75]}
 
 
+def schedule(rng, n: int) -> str:
+    """An oracle's choices as 03 writes them ("L1 x2, L2, L1 x6"), n runs long."""
+    return ", ".join(f"L{rng.randrange(4)}" + (f" x{k}" if (k := rng.randrange(1, 30)) > 1 else "") for _ in range(n))
+
+
+@pytest.mark.parametrize("n", [1, 10, 13, 40, 200])
+def test_a_long_cell_wraps_in_its_column_and_json_keeps_it_whole(n):
+    """A cell as long as a search can make it (a schedule of n runs, a name of 150 letters): no line is wider
+    than 120; the row's other cells stay on its first line, the cell's lines give its text back, and --json
+    holds the whole value."""
+    import random
+    import re
+
+    from common.present import WIDTH, cell_lines
+
+    rng = random.Random(n)
+    runs = {f"trace {i}": (schedule(rng, n), 1.5 + i, "x" * (150 if i == 2 else 4)) for i in range(3)}
+    fields = [Field("trace"), Field("oracle's choices", key="runs.{row}.choices", get=0, left=True),
+              Field("TTFT s", "{:.2f}", get=1), Field("name", get=2, left=True)]
+    t = table_of("Part 2b", "§4.2", fields, runs, handout=lambda r: "1.9 s")
+    lines = render_text(t).splitlines()
+    assert max(map(len, lines)) <= WIDTH
+    assert table_json(t) == {"runs": {k: {"choices": v[0]} for k, v in runs.items()}}
+    sep = lines.index(next(ln for ln in lines if ln and set(ln) <= {"-", " "}))
+    spans = [m.span() for m in re.finditer("-+", lines[sep])]
+    rows = []
+    for ln in lines[sep + 1:]:
+        cells = [ln.ljust(WIDTH)[a:b].strip() for a, b in spans]
+        if cells[0]:
+            rows.append([cells])
+        else:
+            rows[-1].append(cells)
+    assert [r[0][0] for r in rows] == list(runs)
+    for r, (choices, ttft, _) in zip(rows, runs.values()):
+        assert " ".join(c[1] for c in r if c[1]) == choices
+        assert r[0][2:] == [f"{ttft:.2f}", r[0][3], "1.9 s"] and all(not c[2] and not c[4] for c in r[1:])
+        assert (sum(1 for c in r if c[1]) > 1) == (len(choices) > spans[1][1] - spans[1][0])  # wraps when too wide
+    for width in (10, 25, 60):
+        text = schedule(rng, n)
+        assert all(len(x) <= width for x in cell_lines(text, width)) and " ".join(cell_lines(text, width)) == text
+        assert all(not x.startswith("x") for x in cell_lines(text, width))   # "L1 x2" stays on one line
+    assert cell_lines("short", 10) == ["short"]
+
+
 def test_text_table_keeps_the_given_text():
     t = text_table("stack", "§7", ["layer", "classic"], [("engine", "processor"), ("API", "narrow waist")])
     assert [r.cells for r in t.rows] == [["engine", "processor"], ["API", "narrow waist"]] and not t.has_handout()

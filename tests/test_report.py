@@ -260,3 +260,17 @@ def test_the_navigation_stays_on_screen_in_a_real_browser(tmp_path):
                          capture_output=True, text=True, timeout=120).stdout
     probe = json.loads(re.search(r"data-probe=\"([^\"]*)\"", dom).group(1).replace("&quot;", '"'))
     assert probe["y"] > 1000 and probe["top"] == 0 and 0 < probe["bottom"] < probe["h"], probe
+
+
+def test_a_long_cell_wraps_in_the_report_too():
+    """A schedule as long as a search can make it: the report's table lets its cells wrap (class prose: no
+    nowrap) and keeps the text whole; a table of short cells stays unwrapped."""
+    from common.present import Field, table_block, table_of
+
+    choices = ", ".join(f"L{i % 3} x{i}" for i in range(2, 60))
+    t = table_of("Part 2b", "§4.2", [Field("trace"), Field("oracle's choices", get=0, left=True)], {"t": (choices,)})
+    html = report.table_html(table_block(t))
+    assert '<table class="data prose">' in html and f"<td>{choices}</td>" in html
+    assert re.search(r"table\.prose th, table\.prose td \{ white-space: normal", report.CSS)
+    short = table_of("", "§4.2", [Field("trace"), Field("choices", get=0)], {"t": ("L1 x2, L2",)})
+    assert '<table class="data">' in report.table_html(table_block(short))

@@ -53,6 +53,7 @@ def test_config_read_from_the_file(smol):
     assert c.norm_eps == pytest.approx(1e-5)
     assert info["tensor_types"] == {"Q8_0": 1, "Q4_1": 210, "F32": 61}
     assert model.head is None and tok.get_vocab_size() == 49152
+    assert info["context_length"] == model.context_length == 8192  # the file's llama.context_length
 
 
 @needs_model

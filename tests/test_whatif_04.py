@@ -66,8 +66,8 @@ def part_settings(cb, *argv):
 def test_every_exercise_has_its_heading_in_the_handouts_order(runs):
     page = runs["default"][0]
     heads = [(b["kind"], b.get("n") or b["name"]) for b in page.blocks if b["kind"] in ("part", "exercise")]
-    assert heads == [("part", "Part 0"), ("exercise", 5), ("part", "Part 1"), ("part", "Part 2"), ("exercise", 6), ("part", "Part 3"),
-                     ("exercise", 7), ("part", "Part 4"), ("exercise", 8)]
+    assert heads == [("part", "Part 0"), ("exercise", 5), ("part", "Part 1"), ("part", "Part 2"), ("exercise", 6),
+                     ("part", "Part 3"), ("exercise", 7), ("part", "Part 4"), ("exercise", 8)]
 
 
 def test_exercise6_is_answered_in_the_default_run(runs):
@@ -219,7 +219,7 @@ def test_each_ratio_flag_belongs_to_its_model(cli_exit, argv, flag):
     assert code == 2 and flag in err and len(err.strip().splitlines()) == 1
 
 
-# ------------------------------------------------------------------------------------ §5.1 Part 0, the controller's fallback
+# ------------------------------------------------------------------------------ §5.1 Part 0, the controller's fallback
 def part0(cb, s):
     page = Page("04", "", "§5", plot=False)
     return page, cb.part0_prefix(s, page)

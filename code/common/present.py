@@ -25,6 +25,11 @@ from typing import Any, Callable
 WIDTH = 120          # no printed line is wider
 DASH = "-"           # an empty cell: no value, or no handout figure for this run's inputs
 
+# what this process loaded from the cache and what it computed, one {"name", "loaded", "seconds"} each:
+# checkpoints.cached appends to it (as checkpoints.EVENTS), and a page's record keeps it, so the report says
+# which results came from code/checkpoints/
+CACHE_EVENTS: list[dict] = []
+
 
 # ----------------------------------------------------------------------------- the handout's figures
 @dataclass(frozen=True)
@@ -267,19 +272,60 @@ def plural(n: int, word: str, fmt: str = "{:,}") -> str:
 
 
 # ----------------------------------------------------------------------------- renderer 1: text
+MIN_COL = 10         # a column narrowed to fit WIDTH keeps at least this many characters
+
+
 def render_text(t: Table) -> str:
+    """The table as aligned text, no line wider than WIDTH: a cell too wide for it (a schedule, a list of
+    names) wraps within its column, the row's other cells on its first line; `--json` holds the whole value."""
     headers, body = grid(t)
-    widths = [max(len(x) for x in col) for col in zip(headers, *body)]
+    widths = column_widths([headers, *body])
     left = [i == 0 or (i < len(t.cols) and t.cols[i].left) for i in range(len(widths))]
 
-    def line(r):
-        return "  ".join(c.ljust(w) if lft else c.rjust(w) for c, w, lft in zip(r, widths, left)).rstrip()
+    def lines(r):
+        parts = [cell_lines(c, w) for c, w in zip(r, widths)]
+        return ["  ".join((p[k] if k < len(p) else "").ljust(w) if lft else (p[k] if k < len(p) else "").rjust(w)
+                          for p, w, lft in zip(parts, widths, left)).rstrip() for k in range(max(map(len, parts)))]
 
     out = [wrap(t.title)] if t.title else []
-    out += [line(headers), "  ".join("-" * w for w in widths)] + [line(r) for r in body]
+    out += [*lines(headers), "  ".join("-" * w for w in widths)] + [ln for r in body for ln in lines(r)]
     out += [wrap("  " + n) for n in t.notes]
     out += [wrap(f"  * handout: {w}") for w in why_notes(t)]
     return "\n".join(out)
+
+
+def column_widths(rows: list[list[str]]) -> list[int]:
+    """Each column as wide as its widest cell; when a line would then pass WIDTH, the widest columns are
+    narrowed, to one width, until it fits or they are as narrow as the next widest (then those join them);
+    none below MIN_COL."""
+    widths = [max(map(len, col)) for col in zip(*rows)]
+    room = WIDTH - 2 * (len(widths) - 1)
+    while sum(widths) > room and max(widths) > MIN_COL:
+        top = max(widths)
+        widest = [i for i, w in enumerate(widths) if w == top]
+        rest = [w for w in widths if w < top]
+        narrower = max((room - sum(rest)) // len(widest), max(rest, default=0), MIN_COL)
+        for i in widest:
+            widths[i] = narrower
+    return widths
+
+
+def cell_lines(text: str, width: int) -> list[str]:
+    """A cell's text in lines of at most `width` characters: broken after ", " (a list's items stay whole), else
+    at a space, a word longer than `width` cut. Joined with single spaces, the lines give the text back."""
+    if len(text) <= width:
+        return [text]
+    items = text.split(", ")
+    words = []
+    for item in [x + "," for x in items[:-1]] + items[-1:]:
+        words += [item] if len(item) <= width else textwrap.wrap(item, width, break_on_hyphens=False)
+    out = []
+    for w in words:
+        if out and len(out[-1]) + 1 + len(w) <= width:
+            out[-1] += " " + w
+        else:
+            out.append(w)
+    return out
 
 
 def wrap(text: str, indent: int | None = None) -> str:
@@ -304,7 +350,9 @@ def table_block(t: Table) -> dict:
 
 # ----------------------------------------------------------------------------- renderer 2: --json
 def plain(x):
-    """Numbers, strings, lists and dicts only: numpy and torch scalars and arrays become Python ones."""
+    """Numbers, strings, lists and dicts only: numpy and torch scalars and arrays become Python ones, tuples
+    lists, dataclasses dicts, keys strings. What `--json` and a page's record are written as, and the plain
+    data a cached result is stored as (checkpoints.cached_result; what a later run loads back)."""
     if isinstance(x, dict):
         return {str(k): plain(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -569,8 +617,7 @@ class Page:
             Path(json_path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
             print(f"wrote {shown(json_path)}")
         if cache_events is None:
-            from . import checkpoints
-            cache_events = list(checkpoints.EVENTS)
+            cache_events = list(CACHE_EVENTS)
         settings = dataclasses.asdict(self.settings) if dataclasses.is_dataclass(self.settings) else {}
         record = {"script": self.script, "title": self.title, "section": self.section,
                   "settings": plain(settings), "changes": plain(self.changes),

@@ -109,6 +109,22 @@ def load_passages(path) -> list[RagItem]:
     return items
 
 
+def check_context(model, rags: list[RagInput]) -> None:
+    """Before any work: every input, with the ANSWER_TOKENS decoded after it, within the model's context
+    (model.context_length: the GGUF's llama.context_length; a model without one is not checked). Else one line
+    on stderr naming the first input that is longer, its token count and the limit, and exit code 2."""
+    from common.cli import fail
+    from common.present import plural
+
+    limit = getattr(model, "context_length", None)
+    for n, rag in enumerate(rags if limit else []):
+        tokens = len(rag.prefix) + sum(map(len, rag.chunks)) + len(rag.question)
+        if tokens + ANSWER_TOKENS > limit:
+            parts = f"prefix, {plural(len(rag.chunks), 'chunk')}, question"
+            fail(f"RAG item {n} ({rag.item.question[:40]!r}) is {tokens:,} tokens ({parts}) and {ANSWER_TOKENS} answer "
+                 f"tokens: more than the model's context of {limit:,} tokens (llama.context_length)")
+
+
 def rag_doc(rag: RagInput) -> RagDoc:
     ids = [bw.PREFIX] * len(rag.prefix) + [i for i, c in enumerate(rag.chunks) for _ in c]
     doc = rag.prefix + [t for c in rag.chunks for t in c]
@@ -294,7 +310,8 @@ def kl_curves(model, tok, rags: list[RagInput], *, ratios, at: float, rules, ran
 
     def compute():
         items = []
-        for rag in tqdm(rags, desc=f"SmolLM2 RAG items ({len(rules)} rules, {len(ratios)} ratios)", disable=not progress):
+        desc = f"SmolLM2 RAG items ({len(rules)} rules, {len(ratios)} ratios)"
+        for rag in tqdm(rags, desc=desc, disable=not progress):
             r = item_curve(model, rag_doc(rag), ratios=ratios, at=at, rules=rules, ranked=ranked, seed=seed, eos=eos)
             r["text"] = {n: tok.decode(a) for n, a in r.pop("answers").items()}
             r["question"], r["reference"] = rag.item.question, rag.item.answer
@@ -324,6 +341,7 @@ def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, 
     oracle at each of `ratios` and `at`."""
     from tqdm import tqdm
 
+    check_context(model, rags)
     ratios = tuple(sorted(set(ratios) | {at})) if curve else (at,)
     rules = RULE_NAMES if curve else (rule,)
     ranked = (rule, *(r for r in rules if r != rule))
@@ -340,7 +358,8 @@ def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, 
     same = {m: sum(it["text"][m] == it["text"]["full prefill"] for it in items) for m in ["full prefill", *methods]}
     return {"items": items, "ratios": ratios, "at": at, "rule": rule, "curve_mode": curve, "methods": methods,
             "curve": {m: by_key(c.kl[m]) for m in methods[1:]},
-            "curve_answer": {m: by_key(c.kl_answer[m]) for m in methods[1:]}, "ranking": {r: by_key(v) for r, v in c.ranking.items()},
+            "curve_answer": {m: by_key(c.kl_answer[m]) for m in methods[1:]},
+            "ranking": {r: by_key(v) for r, v in c.ranking.items()},
             "kl_reuse": c.reuse, "kl_answer_reuse": c.reuse_answer,
             "ttft": ttft, "ttft_items": len(times), "threads": 1, "counts": counts,
             "share": {r: recompute_share(n_ctx, at, L, r) for r in RULE_NAMES},
@@ -474,7 +493,8 @@ def _first_token_kl(model, rd: RagDoc, lp_full: torch.Tensor, pre, rule, ratio: 
     """(first-token KL(full || blend), recomputed share of the context-token layers) of one blend."""
     lg, tr = bw.blend(model, rd, rd.chunks, ratio, rule=rule, pre=pre, trace=True)
     N, L = rd.doc.shape[1], model.cfg.n_layers
-    return float(kl_divergence(lp_full, lg[0, -1].log_softmax(-1))), (N + sum(t.shape[1] for t in tr.recomputed)) / (L * N)
+    share = (N + sum(t.shape[1] for t in tr.recomputed)) / (L * N)
+    return float(kl_divergence(lp_full, lg[0, -1].log_softmax(-1))), share
 
 
 def flat_share(n_context: int, ratio: float, n_layers: int) -> float:

@@ -13,16 +13,14 @@ values sit at positions 5 and 15; c = 3 splits four.
 The model (4 layers, d = 64, 4 heads of 16, 2 KV heads: 512 B of KV per token in FP16; trained by
 record_trainer.py) learns an induction circuit: an early layer lets each value remember the key before
 it, a later layer matches the question's key against those memories and copies the value. A value
-precomputed alone at the start of a chunk never saw its key, so under full KV reuse its record is lost
-(chance: 1/12).
+precomputed alone at the start of a chunk never saw its key: full KV reuse loses its record (chance: 1/12).
 
 Three prefills of [chunks ... | question], all driven through common.llama's Block.qkv / Block.attend:
   full_prefill   every token attends to everything before it (the reference)
   full_reuse     every chunk precomputed alone at position 0, K moved by shift_kv, caches concatenated
-  blend          CacheBlend's selective recompute with the handout's progressive filter (§5.3)
-
-blend() takes its selection rule as an argument (PROGRESSIVE by default); the other rules (flat, one
-check layer, random), the ranking oracle and the patch oracle are built on it in blend_rules.py.
+  blend          CacheBlend's selective recompute, its selection rule an argument: the handout's progressive
+                 filter (§5.3) by default; blend_rules.py builds the others (flat, one check layer, random)
+                 and the two oracles on it
 """
 from __future__ import annotations
 
@@ -55,9 +53,8 @@ def model_config() -> LlamaConfig:
 
 @dataclass
 class Records:
-    """A batch of documents with their questions.
-    tokens (B, DOC_LEN + 2Q): documents then Q questions "? k"; answers (B, Q): the value token
-    expected at each question's key; asked (B, Q): which record (0..11) each question asks about."""
+    """A batch of documents with their questions: tokens (B, DOC_LEN + 2Q), documents then Q questions "? k";
+    answers (B, Q): the value token expected at each question's key; asked (B, Q): the record (0..11) asked."""
     tokens: torch.Tensor
     answers: torch.Tensor
     asked: torch.Tensor
@@ -122,10 +119,9 @@ def own_chunk_mask(ids: torch.Tensor) -> torch.Tensor:
 
 
 def precompute_chunks(model: Llama, doc: torch.Tensor, chunks) -> KVCache:
-    """Full KV reuse's cache: each chunk prefilled alone at positions 0..c-1 (as if stored earlier),
-    its K moved to the chunk's real place by shift_kv (V carries no position), caches concatenated.
-    With a shared prefix of P tokens (chunk id PREFIX) the prefix is prefilled once and every chunk
-    after it, at positions P..P+c-1, as chunks stored behind the same system prompt would be."""
+    """Full KV reuse's cache: each chunk prefilled alone at positions 0..c-1 (as if stored earlier), its K moved
+    to the chunk's real place by shift_kv (V carries no position), caches concatenated. A shared prefix of P
+    tokens (chunk id PREFIX) is prefilled once and every chunk after it, at P..P+c-1 (behind one system prompt)."""
     ids = chunk_ids(doc.shape[1], chunks)
     n_pre = int((ids == PREFIX).sum())
     prefix = model(doc[:, :n_pre], last=True)[1] if n_pre else None
@@ -147,8 +143,7 @@ def full_prefill(model: Llama, rec: Records) -> torch.Tensor:
 
 @torch.no_grad()
 def full_reuse(model: Llama, rec: Records, chunk_len: int, pre: KVCache | None = None) -> torch.Tensor:
-    """Question logits when the question attends to the concatenated precomputed chunks
-    (`pre`, if the caller has already precomputed them)."""
+    """Question logits when the question attends to the concatenated precomputed chunks (`pre`, if at hand)."""
     if pre is None:
         pre = precompute_chunks(model, rec.doc, chunk_len)
     logits, _ = model(rec.question, cache=pre)
@@ -158,17 +153,16 @@ def full_reuse(model: Llama, rec: Records, chunk_len: int, pre: KVCache | None =
 # ------------------------------------------------------------------------------------ CacheBlend (§5.3)
 @dataclass(frozen=True)
 class Filter:
-    """CacheBlend's progressive filter (§5.3), the selection rule blend() asks three things of:
-      counts(N, r, L)  how many context tokens layers 1..L-1 recompute: ceil(f r N) for f = 1.25, 1.0,
-                       0.75, 0.75, ... (`schedule`, its last entry repeating), never more than N and never
-                       growing; r >= 1 recomputes every token at every layer (the filter is off);
-      score(dK, dV)    what ranks the tokens a layer has just recomputed: ||dK||^2 + ||dV||^2 against
-                       their precomputed K, V;
-      keep(score, n, tokens, layer)  which n of `tokens` (B, m: the document indices that score's
-                       columns rank) go on to be recomputed at `layer` (the first set is kept from layer
-                       0's attention deviation): the n largest, in document order.
-    blend_rules.py builds the other rules on these three: a flat schedule, one check layer, random picks,
-    and the ranking oracle (which ranks `tokens` by their true deviation at `layer` and after)."""
+    """CacheBlend's progressive filter (§5.3), the selection rule blend() asks three things of (blend_rules.py's
+    rules answer them otherwise; its ranking oracle ranks `tokens` by their true deviation at `layer` and after):
+      counts(N, r, L)  how many context tokens layers 1..L-1 recompute: ceil(f r N) for f = 1.25, 1.0, 0.75,
+                       0.75, ... (`schedule`, its last entry repeating), never more than N and never growing;
+                       r >= 1 recomputes every token at every layer (the filter is off);
+      score(dK, dV)    what ranks the tokens a layer has just recomputed: ||dK||^2 + ||dV||^2 against their
+                       precomputed K, V;
+      keep(score, n, tokens, layer)  which n of `tokens` (B, m: the document indices score's columns rank) go
+                       on to be recomputed at `layer` (layer 1's from layer 0's attention deviation): the n
+                       largest, in document order."""
     schedule: tuple = (1.25, 1.0, 0.75)
 
     def counts(self, n_tokens: int, ratio: float, n_layers: int) -> list[int]:
@@ -194,18 +188,16 @@ PROGRESSIVE = Filter()  # the handout's: 1.25 r N tokens at layer 1, r N at laye
 
 @dataclass
 class BlendTrace:
-    """What blend() did: the doc tokens recomputed at each layer 1..L-1 (B, n_l) (indices into the
-    document), the layer-0 attention deviation (B, N), and the blended cache (context and question,
-    every layer) from which decoding continues."""
+    """What blend() did: the doc tokens recomputed at each layer 1..L-1 (B, n_l) (indices into the document), the
+    layer-0 attention deviation (B, N), and the blended cache (context and question, every layer) to decode from."""
     recomputed: list[torch.Tensor]
     attn_dev0: torch.Tensor
     cache: KVCache | None = None
 
 
 def position_mask(rows: torch.Tensor, n_keys: int) -> torch.Tensor:
-    """(B, 1, M, n_keys) mask of the rows blend() recomputes at a layer (their positions rows (B, M),
-    the selected context tokens then the question): each row sees the keys at or before its own
-    position, whichever tokens were selected."""
+    """(B, 1, M, n_keys) mask of the rows blend() recomputes at a layer (positions rows (B, M): the selected context
+    tokens, then the question): each row sees the keys at or before its own position, whichever were selected."""
     return (torch.arange(n_keys)[None, None, :] <= rows[:, :, None])[:, None]
 
 
@@ -214,21 +206,18 @@ def blend(model: Llama, rec: Records, chunks, ratio: float, *, rule=PROGRESSIVE,
           trace: bool = False, mask=position_mask):
     """CacheBlend (§5.3): start from the precomputed chunks' KV and recompute a few tokens per layer.
 
-    Layer 0: K, V depend only on token and position, so the precomputed ones are already right. The
-      attention is not: run it twice with the same K, V, once seeing only the token's own chunk (what
-      precomputation did) and once seeing everything before it. The difference is each token's
-      attention deviation; the ceil(1.25 r N) largest go on to layer 1 with their full-attention output.
-    Layer l >= 1: recompute K, V only for the tokens still selected; build the mixed cache (fresh K, V
-      for them, precomputed for the rest) that they attend to; keep fewer for the next layer, those
-      with the largest ||dK||^2 + ||dV||^2 against the precomputed K, V (r N, then 0.75 r N).
+    Layer 0: K, V depend only on token and position, so the precomputed ones are already right. The attention
+      is not: run it twice with the same K, V, once seeing only the token's own chunk (what precomputation
+      did) and once seeing everything before it. The difference is each token's attention deviation; the
+      ceil(1.25 r N) largest go on to layer 1 with their full-attention output.
+    Layer l >= 1: recompute K, V only for the tokens still selected; build the mixed cache (fresh K, V for
+      them, precomputed for the rest) that they attend to; keep fewer for the next layer, those with the
+      largest ||dK||^2 + ||dV||^2 against the precomputed K, V (r N, then 0.75 r N).
     The question's tokens are computed in full at every layer. `rule` says how many tokens each layer
-    recomputes and which (Filter; blend_rules.py has the others). Returns question logits
-    (B, Tq, vocab) [, BlendTrace].
-
-    rec: anything with .doc (B, N) and .question (B, Tq) tokens (a Records batch, a RAG input);
-    chunks: a chunk length, or (N,) chunk ids with PREFIX on a shared prefix (see chunk_ids);
-    pre: the precomputed chunks, if the caller has them already (precompute_chunks);
-    mask(rows, n_keys): which keys the recomputed rows see at layers 1..L-1 (position_mask; the
+    recomputes and which (Filter). Returns question logits (B, Tq, vocab) [, BlendTrace].
+    rec: anything with .doc (B, N) and .question (B, Tq) tokens (a Records batch, a RAG input); chunks: a chunk
+    length, or (N,) chunk ids with PREFIX on a shared prefix (chunk_ids); pre: the precomputed chunks, if at
+    hand; mask(rows, n_keys): which keys the recomputed rows see at layers 1..L-1 (position_mask; the
     bottom-right mask of mask_pitfall.py is the pitfall beside it).
     """
     doc, question = rec.doc, rec.question
@@ -323,25 +312,22 @@ def cache_deviation(pre: KVCache, full: KVCache) -> torch.Tensor:
 @torch.no_grad()
 def kv_deviation(model: Llama, rec: Records, chunks, pre: KVCache | None = None,
                  full: KVCache | None = None) -> torch.Tensor:
-    """(L, B, N): per layer and context token, ||K_reuse - K_full||^2 + ||V_reuse - V_full||^2, the
-    KV deviation of the precomputed chunks from a full prefill (zero at layer 0 by construction).
-    `full` may be a full prefill's cache already at hand (its first N rows are the context's)."""
+    """(L, B, N): per layer and context token, ||K_reuse - K_full||^2 + ||V_reuse - V_full||^2, the KV deviation
+    of the precomputed chunks from a full prefill (zero at layer 0); `full`: a full prefill's cache, if at hand."""
     pre = pre if pre is not None else precompute_chunks(model, rec.doc, chunks)
     full = full if full is not None else model(rec.doc, last=True)[1]
     return cache_deviation(pre, full)
 
 
 def average_ranks(x: torch.Tensor) -> torch.Tensor:
-    """Ranks 1..N of each row of x (B, N); tied values share the mean of the ranks they span:
-    rank(x_i) = #{j: x_j < x_i} + (#{j: x_j = x_i} + 1) / 2."""
+    """Ranks 1..N of each row of x (B, N), ties sharing their mean: #{j: x_j < x_i} + (#{j: x_j = x_i} + 1) / 2."""
     rows = [((r[None, :] < r[:, None]).sum(1) + ((r[None, :] == r[:, None]).sum(1) + 1) / 2) for r in x]
     return torch.stack(rows).to(torch.float64)
 
 
 def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Mean over rows of Spearman's rank correlation of a and b (B, N): the Pearson correlation of
-    their average ranks (ties share their mean rank). Rows where either side is constant have no
-    correlation and are left out. Insight 2: adjacent layers' deviations rank alike."""
+    """Mean over rows of Spearman's rank correlation of a and b (B, N): the Pearson correlation of their average
+    ranks. Rows where either side is constant have none and are left out. Insight 2: adjacent layers' rank alike."""
     ra, rb = average_ranks(a), average_ranks(b)
     ra, rb = ra - ra.mean(-1, keepdim=True), rb - rb.mean(-1, keepdim=True)
     den = (ra.pow(2).sum(-1) * rb.pow(2).sum(-1)).sqrt()

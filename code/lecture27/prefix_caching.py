@@ -204,6 +204,7 @@ def measured(model, tok, model_id: str, items: int, ks, chunk_tokens: int, rule_
 
     rags = {k: [rag_chunks(it, tok, n_chunks=k, chunk_tokens=chunk_tokens, key_chunks=key_chunks(k))
                 for it in RAG_ITEMS[:items]] for k in ks}
+    br.check_context(model, [r for k in ks for r in rags[k]])
     ident = {"model": model_id, "ks": list(ks), "rule": rule_name, "ratio": ratio,
              "masks": list(masks), "inputs": br.inputs_digest([r for k in ks for r in rags[k]])}
 
