@@ -172,7 +172,7 @@ def test_flat_ratio_for_matches_the_mean_recomputed_share():
 @pytest.fixture(scope="module")
 def cb():
     import importlib
-    return importlib.import_module("04_cacheblend")
+    return importlib.import_module("blend_real_page")
 
 
 def page_of(tables_fn, tmp_path, monkeypatch):
@@ -192,8 +192,8 @@ def page_of(tables_fn, tmp_path, monkeypatch):
 def test_split_verdict_says_what_the_numbers_say(cb, tmp_path, monkeypatch, rule_kl, ranking, patch, word):
     from types import SimpleNamespace
     d = decomposition({0.05: 0.3, 0.15: rule_kl}, {0.05: 0.2, 0.15: ranking}, {0.05: 0.1, 0.15: patch})
-    page = page_of(lambda p: cb.present_real_split(SimpleNamespace(split=d, study={"at": 0.15}), p), tmp_path,
-                   monkeypatch)
+    page = page_of(lambda p: cb.show_real_split(p, SimpleNamespace(split=d, run=SimpleNamespace(at=0.15)), None),
+                   tmp_path, monkeypatch)
     (t,) = page.tables
     assert word in t.notes[0]
     assert page.json()["real_dominant15"] == d.dominant(0.15)
@@ -222,9 +222,9 @@ def test_adaptive_table_marks_the_closer_rule(cb, tmp_path, monkeypatch):
             br.Matched(0.7, 0.23, (0.22, 0.23), 0.020, 0.19, 0.226, 0.029)]
     d = decomposition({0.15: 0.12}, {0.15: 0.055}, {0.15: 0.029})
     check = br.Decomposition("test", "check-kv", 2, 1.0, {0.15: 0.096}, {0.15: 0.053}, {0.15: 0.029})
-    r = SimpleNamespace(adaptive=br.RuleComparison("test", 1, 0.05, rows), split=d, study={"at": 0.15},
+    r = SimpleNamespace(adaptive=br.RuleComparison("test", 1, 0.05, rows), split=d, run=SimpleNamespace(at=0.15),
                         splits={"flat": d, "check-kv": check})
-    (t,) = page_of(lambda p: cb.present_adaptive(r, p), tmp_path, monkeypatch).tables
+    (t,) = page_of(lambda p: cb.show_adaptive(p, r, None), tmp_path, monkeypatch).tables
     assert [row.cells[-1] for row in t.rows] == ["flat", "adaptive"]
     assert "at 1 of 2 matched shares" in t.notes[0] and "remove 71% of flat's distance" in t.notes[0]
     assert "no rule measured gets there (closest: check-kv 0.0960" in t.notes[0]
