@@ -339,7 +339,8 @@ def curve_figure(page: Page, c: rb.Curve, s) -> None:
                     style=dict(marker=mark, ls=ls, color=color.get(n, "gray")))
              for n in c.blend for how, accs, mark, ls in (("CacheBlend (deviation)", c.blend[n], "o", "-"),
                                                           ("random tokens", c.random[n], "x", "--"))]
-    floor = dict(color="gray", ls="-.", lw=0.8, label=f"the controller's floor, {s.min_ratio:.0%} (§5.4)")
+    floor = dict(color="gray", ls="-.", lw=0.8, label=f"the controller's floor, --min-ratio {s.min_ratio:.0%} "
+                                                       "(§5.4)")
     chart_figure(page, "04_compute_quality.png", Chart(
         lines, "recompute ratio r (% of context tokens)", "accuracy on split records (%)",
         legend=dict(loc="lower right"), hlines=[(100 / N_RECORDS, {**REFERENCE, "label": f"chance (1/{N_RECORDS})"})],
