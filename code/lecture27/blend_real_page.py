@@ -219,9 +219,10 @@ def recomputed_note(r: brs.Real) -> str:
                 if len(set(rest)) == 1 else f"{frac:.1%} of the tokens on average at layers {full}-{L - 1}")
         said.append(f"{', '.join(rules)}: {layers} in full, then {each}: ({full} + {L - full} x {frac:.1%}) / {L} = "
                     f"{run.share[rules[0]]:.1%}")
-    return (f"recomputed: the share of a full prefill's {L} layers x {n:,} context tokens a rule computes. Layer 0 is "
-            "computed in full by every rule (blend's check reads its attention), and a check-layer rule also computes "
-            "every layer up to its check in full: " + "; ".join(said) + ".")
+    first = "" if len({it.n_context for it in run.items}) == 1 else " (the first input's)"
+    return (f"recomputed: the share of a full prefill's {L} layers x {n:,} context tokens{first} a rule computes. "
+            "Layer 0 is computed in full by every rule (blend's check reads its attention), and a check-layer rule "
+            "also computes every layer up to its check in full: " + "; ".join(said) + ".")
 
 
 def answers_json(run: brs.Experiment) -> dict:
