@@ -234,3 +234,21 @@ def test_adaptive_table_marks_the_closer_rule(cb, tmp_path, monkeypatch):
     assert "no ranking has a gap to close" in cb.ranking_room(past, 0.15, {"flat": past})
     none = decomposition({0.15: 0.05}, {0.15: 0.06}, {0.15: 0.02})
     assert "removes none" in cb.ranking_room(none, 0.15, {"flat": none})
+
+
+def test_recomputed_note_says_which_layers_are_computed_in_full(cb):
+    """Part 5c's recomputed shares sit above r because layer 0 (and a check-layer rule's layers up to its check)
+    is computed in full: the note says so for every rule, with the share the table prints."""
+    from types import SimpleNamespace
+
+    import blend_real as br
+    import blend_rules
+    n, L, r = 1539, 30, 0.15
+    run = SimpleNamespace(items=[SimpleNamespace(n_context=n)], counts={m: blend_rules.RULES[m].counts(n, r, L)
+                                                                         for m in br.RULE_NAMES},
+                          share={m: br.recompute_share(n, r, L, m) for m in br.RULE_NAMES})
+    note = cb.recomputed_note(SimpleNamespace(run=run, n_layers=L))
+    assert "flat: layer 0 in full, then 231 of the 1,539 tokens (15.0%) at each of layers 1-29" in note
+    assert f"(1 + 29 x 15.0%) / 30 = {run.share['flat']:.1%}" in note
+    assert "check-k, check-v, check-kv: layers 0-1 in full" in note
+    assert f"(2 + 28 x 15.0%) / 30 = {run.share['check-kv']:.1%}" in note and "(the first input's)" not in note
