@@ -130,7 +130,7 @@ def test_exercise8_controller():
     """04's exercise 8 is loading_controller.choose on the handout's numbers; a slower read falls back."""
     import loading_controller as lc
 
-    cb = importlib.import_module("04_cacheblend")
+    cb = importlib.import_module("blend_timing")
     ex = cb.controller_example(32, 10.0, 20.0, 0.15)
     assert (ex.choice, ex.ratio) == (lc.BLEND, 0.5)
     assert 1e3 * ex.ttft_s == 320.0 and 1e3 * ex.full_s == 640.0

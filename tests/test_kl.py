@@ -86,7 +86,8 @@ def test_04_city_kl_and_cross_entropies():
     lang = CityLanguage()
     cfg = city_config(lang)
     m = random_model(cfg.vocab_size, 3, std=0.15, d_model=cfg.d_model, n_layers=cfg.n_layers)
-    got = cb.city_losses(cb.city_docs(m, lang, 6, 0, cb.CITY_CHUNKS, cb.CITY_CHUNK_LEN), lang, cb.CITY_CHUNK_LEN)
+    cr = importlib.import_module("city_reuse")
+    got = cr.city_losses(cr.city_docs(m, lang, 6, 0, cb.CITY_CHUNKS, cb.CITY_CHUNK_LEN), lang, cb.CITY_CHUNK_LEN)
     # the same inputs as the script draws them
     n_ctx = cb.CITY_CHUNKS * cb.CITY_CHUNK_LEN
     x = lang.sample_text(6, cb.CITY_CHUNKS + 1, torch.Generator().manual_seed(11))

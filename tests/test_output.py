@@ -16,7 +16,7 @@ SCRIPTS = {
     "01": ("01_kv_ledger", [], {}),
     "02": ("02_cachegen_codec", [], {}),
     "03": ("03_streaming", ["--no-real", "--no-plot"], {}),
-    "04": ("04_cacheblend", [], {"N_DOCS": 60, "CITY_DOCS": 100}),
+    "04": ("04_cacheblend", [], {"DOCS": 60, "CITY_DOCS": 100}),
     "05": ("05_tiered_storage", ["--users", "20", "--turns", "4", "--no-plot"], {}),
 }
 # §10's exercises and the script the handout's section points to

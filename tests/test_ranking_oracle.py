@@ -172,7 +172,7 @@ def test_flat_ratio_for_matches_the_mean_recomputed_share():
 @pytest.fixture(scope="module")
 def cb():
     import importlib
-    return importlib.import_module("04_cacheblend")
+    return importlib.import_module("blend_real_page")
 
 
 def page_of(tables_fn, tmp_path, monkeypatch):
@@ -192,8 +192,8 @@ def page_of(tables_fn, tmp_path, monkeypatch):
 def test_split_verdict_says_what_the_numbers_say(cb, tmp_path, monkeypatch, rule_kl, ranking, patch, word):
     from types import SimpleNamespace
     d = decomposition({0.05: 0.3, 0.15: rule_kl}, {0.05: 0.2, 0.15: ranking}, {0.05: 0.1, 0.15: patch})
-    page = page_of(lambda p: cb.present_real_split(SimpleNamespace(split=d, study={"at": 0.15}), p), tmp_path,
-                   monkeypatch)
+    page = page_of(lambda p: cb.show_real_split(p, SimpleNamespace(split=d, run=SimpleNamespace(at=0.15)), None),
+                   tmp_path, monkeypatch)
     (t,) = page.tables
     assert word in t.notes[0]
     assert page.json()["real_dominant15"] == d.dominant(0.15)
@@ -222,9 +222,9 @@ def test_adaptive_table_marks_the_closer_rule(cb, tmp_path, monkeypatch):
             br.Matched(0.7, 0.23, (0.22, 0.23), 0.020, 0.19, 0.226, 0.029)]
     d = decomposition({0.15: 0.12}, {0.15: 0.055}, {0.15: 0.029})
     check = br.Decomposition("test", "check-kv", 2, 1.0, {0.15: 0.096}, {0.15: 0.053}, {0.15: 0.029})
-    r = SimpleNamespace(adaptive=br.RuleComparison("test", 1, 0.05, rows), split=d, study={"at": 0.15},
+    r = SimpleNamespace(adaptive=br.RuleComparison("test", 1, 0.05, rows), split=d, run=SimpleNamespace(at=0.15),
                         splits={"flat": d, "check-kv": check})
-    (t,) = page_of(lambda p: cb.present_adaptive(r, p), tmp_path, monkeypatch).tables
+    (t,) = page_of(lambda p: cb.show_adaptive(p, r, None), tmp_path, monkeypatch).tables
     assert [row.cells[-1] for row in t.rows] == ["flat", "adaptive"]
     assert "at 1 of 2 matched shares" in t.notes[0] and "remove 71% of flat's distance" in t.notes[0]
     assert "no rule measured gets there (closest: check-kv 0.0960" in t.notes[0]
@@ -234,3 +234,21 @@ def test_adaptive_table_marks_the_closer_rule(cb, tmp_path, monkeypatch):
     assert "no ranking has a gap to close" in cb.ranking_room(past, 0.15, {"flat": past})
     none = decomposition({0.15: 0.05}, {0.15: 0.06}, {0.15: 0.02})
     assert "removes none" in cb.ranking_room(none, 0.15, {"flat": none})
+
+
+def test_recomputed_note_says_which_layers_are_computed_in_full(cb):
+    """Part 5c's recomputed shares sit above r because layer 0 (and a check-layer rule's layers up to its check)
+    is computed in full: the note says so for every rule, with the share the table prints."""
+    from types import SimpleNamespace
+
+    import blend_real as br
+    import blend_rules
+    n, L, r = 1539, 30, 0.15
+    run = SimpleNamespace(items=[SimpleNamespace(n_context=n)], counts={m: blend_rules.RULES[m].counts(n, r, L)
+                                                                         for m in br.RULE_NAMES},
+                          share={m: br.recompute_share(n, r, L, m) for m in br.RULE_NAMES})
+    note = cb.recomputed_note(SimpleNamespace(run=run, n_layers=L))
+    assert "flat: layer 0 in full, then 231 of the 1,539 tokens (15.0%) at each of layers 1-29" in note
+    assert f"(1 + 29 x 15.0%) / 30 = {run.share['flat']:.1%}" in note
+    assert "check-k, check-v, check-kv: layers 0-1 in full" in note
+    assert f"(2 + 28 x 15.0%) / 30 = {run.share['check-kv']:.1%}" in note and "(the first input's)" not in note

@@ -198,9 +198,11 @@ def part4_page(mod, *argv):
     """04's Part 4 and exercise 8 on the settings of `argv`: (page, timings per model)."""
     from common.present import Page
     page = Page("04", "", "§5", plot=False)
-    s = mod.settings(mod.command_line(list(argv)))
-    timings = mod.part4_pipelining(s, page)
-    mod.exercise8(s, page)
+    import blend_page as bp
+    s = mod.parse(list(argv))[0]
+    timings = mod.part4_pipelining(s)
+    bp.show_pipelining(page, timings, s)
+    bp.show_controller(page, mod.exercise8(s), s)
     return page, timings
 
 
@@ -209,7 +211,7 @@ def test_04_runs_with_other_curve_ratio_and_chunk_len(tmp_path, capsys, monkeypa
     and CHUNK_LEN 6 (exercise 6) in the same run, and small sizes."""
     mod = script("04_cacheblend")
     for name, value in (("CURVE_RATIOS", [0.0, 0.1, 0.3, 1.0]), ("CURVE_CHUNK_LENS", [4, 5]), ("RATIO", 0.1),
-                        ("CHUNK_LEN", 6), ("N_DOCS", 60), ("CITY_DOCS", 100)):
+                        ("CHUNK_LEN", 6), ("DOCS", 60), ("CITY_DOCS", 100)):
         monkeypatch.setattr(mod, name, value)
     page = mod.main(["--no-plot", "--json", str(tmp_path / "out.json")])
     res = json.loads((tmp_path / "out.json").read_text())
@@ -237,7 +239,7 @@ def test_04_min_ratio_and_exercise8_inputs(monkeypatch):
     assert "recompute 60%" in labels and "recompute 15%" not in labels
     assert rows04(page, "controller's recompute ratio")["handout"] == "-"
     monkeypatch.setattr(mod, "MIN_RATIO", 0.15)
-    monkeypatch.setattr(mod, "EX8_READ_MS", 5.0)                    # a faster read hides less recompute
+    monkeypatch.setattr(mod, "READ_MS", 5.0)                        # a faster read hides less recompute
     ex8 = part4_page(mod)[0].json()
     assert ex8["ex8_ratio"] == 0.25 and ex8["ex8_ttft_ms"] == pytest.approx(32 * 5.0)
 

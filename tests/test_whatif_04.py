@@ -3,15 +3,19 @@ beside a run whose inputs are not the handout's, in a table, a note or a figure'
 agrees with the numbers it speaks of; every exercise has its heading, in the handout's order, and
 exercise 6 its answer in the default run too. Tests read the page's tables (rows as printed) and the
 JSON; a sentence is read only where it is a verdict to hold against its numbers."""
+import ast
 import importlib
 import json
+from pathlib import Path
 
 import pytest
 
+import blend_page as bp
+import city_reuse as cr
 from common import checkpoints
 from common.present import DASH, Page, grid
 
-SMALL = {"N_DOCS": 60, "CITY_DOCS": 100}
+SMALL = {"DOCS": 60, "CITY_DOCS": 100}
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +47,22 @@ def runs(cb, tmp_path_factory):
     return out
 
 
+def test_the_handout_is_looked_up_only_through_present_handout():
+    """04 and the modules that show it call no handout table (HANDOUT(...), HANDOUT.figure(...), a .figure(...))
+    and define no lookup of their own: every handout figure comes through common.present.handout."""
+    lecture = Path(__file__).resolve().parents[1] / "code" / "lecture27"
+    for name in ("04_cacheblend.py", "blend_page.py", "blend_real_page.py", "blend_real_study.py"):
+        tree = ast.parse((lecture / name).read_text())
+        calls = [n.func for n in ast.walk(tree) if isinstance(n, ast.Call)]
+        direct = [ast.unparse(f) for f in calls if isinstance(f, ast.Name) and f.id == "HANDOUT"
+                  or isinstance(f, ast.Attribute) and f.attr == "figure"]
+        own = [f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name in ("h", "handout", "said")]
+        assert not direct and not own, (name, direct, own)
+    page = ast.parse((lecture / "blend_page.py").read_text())
+    assert any(isinstance(f, ast.Name) and f.id == "handout" for n in ast.walk(page) if isinstance(n, ast.Call)
+               for f in [n.func])
+
+
 def table_with(page, first):
     """(headers, printed rows, Table) of the table holding a row whose first cell starts with `first`."""
     for t in page.tables:
@@ -59,7 +79,7 @@ def cells(page, first):
 
 
 def part_settings(cb, *argv):
-    return cb.settings(cb.command_line(list(argv)))
+    return cb.parse(list(argv))[0]
 
 
 # ------------------------------------------------------------------------------------ the default run
@@ -153,8 +173,9 @@ def test_random_note_places_ours_on_the_right_side_of_the_estimate(runs, name):
 # ------------------------------------------------------------------------------------ Part 4 and exercise 8
 def part4(cb, s):
     page = Page("04", "", "§5", plot=False)
-    timings = cb.part4_pipelining(s, page)
-    cb.exercise8(s, page)
+    timings = cb.part4_pipelining(s)
+    bp.show_pipelining(page, timings, s)
+    bp.show_controller(page, cb.exercise8(s), s)
     return page, timings
 
 
@@ -204,7 +225,8 @@ def test_another_city_chunking_blanks_the_city_figures(cb, monkeypatch):
     monkeypatch.setattr(cb, "CITY_DOCS", 100)
     s, page = part_settings(cb), Page("04", "", "§5", plot=False)
     model, lang = city_model()
-    cb.part1_city(cb.city_docs(model, lang, s.city_docs, 0, s.city_chunks, s.city_chunk_len), lang, s, page)
+    docs = cr.city_docs(model, lang, s.city_docs, 0, s.city_chunks, s.city_chunk_len)
+    bp.show_city(page, cr.city_losses(docs, lang, s.city_chunk_len), s)
     for row in ("cross-entropy, full prefill", "cross-entropy, full reuse", "KL(full prefill"):
         assert cells(page, row)["handout"] == DASH, row
     t = page.tables[0]
@@ -221,8 +243,9 @@ def test_each_ratio_flag_belongs_to_its_model(cli_exit, argv, flag):
 
 # ------------------------------------------------------------------------------ §5.1 Part 0, the controller's fallback
 def part0(cb, s):
-    page = Page("04", "", "§5", plot=False)
-    return page, cb.part0_prefix(s, page)
+    page, st = Page("04", "", "§5", plot=False), cb.part0_prefix(s)
+    bp.show_prefix(page, st, s)
+    return page, st
 
 
 def test_part0_prefix_caching_saves_less_with_every_chunk(runs):

@@ -1,0 +1,169 @@
+"""04's Part 5: CacheBlend on a real LLaMA (SmolLM2-135M-Instruct, or another GGUF file), handout §5.1-5.4,
+as results with named fields. The measuring is blend_real.py's and prefix_caching.measured's; this module
+loads the model and the inputs, runs them, and keeps what 04 shows:
+
+    load            the model, its tokenizer and the key its cached results are filed under
+    inputs          the built-in RAG items, or the student's own passages (one chunk per passage)
+    experiment      KL to full prefill of every rule measured (blend_rules.RULES with --curve), random and
+                    the two oracles; live TTFT per rule; greedy answers (blend_real.real_experiment)
+    deviation       the two insights on the real model's KV deviation
+    toy_insights    the record world's, beside them
+    curve_studies   --curve: the built-in items with shorter chunks, a rule whose count adapts beside flat
+
+A new selection rule added to blend_rules.RULES is measured by every one of them: nothing here names a rule.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
+
+import blend_real as br  # noqa: E402
+import prefix_caching as pc  # noqa: E402
+from blend_world import heldout, spearman, top_share  # noqa: E402
+from record_blend import insights  # noqa: E402
+from record_trainer import record_model  # noqa: E402
+from common.checkpoints import TrainingFailed  # noqa: E402
+
+
+def _fields(cls, d: dict) -> dict:
+    """The entries of `d` that are fields of the dataclass `cls`."""
+    return {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d}
+
+
+@dataclass
+class LM:
+    """A loaded LLaMA: the model, its tokenizer, its name and the key its cached results are filed under."""
+    model: object
+    tok: object
+    name: str
+    model_id: str
+
+
+@dataclass
+class Answered:
+    """One input as measured (blend_real.item_curve, cached as plain data): its question, the reference
+    answer, each method's greedy answer, its lengths."""
+    question: str
+    reference: str
+    text: dict                      # method -> greedy answer
+    n_context: int
+    n_question: int
+    chunk_lens: list
+
+
+@dataclass
+class Experiment:
+    """blend_real.real_experiment's result. Dicts keyed by method name; the KL curves {method: {ratio: KL}}
+    with the ratio written as "0.15"."""
+    items: list                     # Answered, one per input
+    ratios: tuple
+    at: float                       # the run's ratio
+    rule: str                       # the rule reported as CacheBlend
+    curve_mode: bool                # every rule measured at every ratio
+    methods: list
+    curve: dict                     # first answer token's KL
+    curve_answer: dict              # mean over the first kl_tokens answer tokens
+    kl_reuse: float
+    kl_answer_reuse: float
+    ttft: dict                      # method -> seconds
+    ttft_items: int
+    threads: int
+    counts: dict                    # rule -> tokens recomputed at layers 1..
+    share: dict                     # rule -> recomputed share of a full prefill's context-token layers
+    same_answer: dict               # method -> inputs whose greedy answer is full prefill's
+    kl_tokens: int
+    loaded_from_cache: bool
+    compute_seconds: float | None
+    curves: br.Curves
+    deviation: list                 # per input (L, N) of full reuse's KV deviation
+    best: str                       # the rule with the most quality per measured TTFT (of those measured)
+    score: dict
+
+
+@dataclass
+class Deviation:
+    """The two insights on the real model: the top tokens' share of the KV deviation, per layer 1.. and
+    their mean, and the rank correlation of adjacent layers (means over the inputs)."""
+    top_per_layer: list[float]
+    top_share: float
+    rank_corr: list[float]
+
+
+@dataclass
+class ToyInsights:
+    top_share: float
+    rank_corr: list[float]
+
+
+@dataclass
+class Real:
+    run: Experiment
+    source: str                     # where the inputs came from
+    model_name: str
+    n_layers: int
+    default_rule: str               # 04's default --rule
+    insights: Deviation
+    toy: ToyInsights | None         # the record world's, beside it
+    prefix: pc.Measured | None      # §5.1 on the built-in items (None with --passages)
+    split: br.Decomposition         # the run's rule, its ranking oracle and the patch oracle at each ratio
+    splits: dict                    # every rule measured: its Decomposition (--curve: every rule)
+    chunks: br.ChunkLengths | None  # --curve on the built-in items: the same items with shorter chunks
+    adaptive: br.RuleComparison | None  # --curve: a rule whose count adapts, beside flat
+
+
+def load(gguf: str | None) -> LM:
+    from common.gguf_llama import load_gguf_llama
+
+    model, tok, info = load_gguf_llama(gguf, progress=True)
+    path = Path(info["path"])
+    return LM(model, tok, path.stem, f"{path.name}:{path.stat().st_size}")
+
+
+def inputs(lm: LM, passages: str | None, items: int, chunk_tokens: int) -> tuple[list, str]:
+    """(RAG inputs, where they came from): the student's passages file, else the built-in items."""
+    if passages:
+        return [br.passage_input(it, lm.tok) for it in br.load_passages(passages)], passages
+    return br.built_in_inputs(lm.tok, items, chunk_tokens), "built-in RAG items (common/english.py)"
+
+
+def experiment(lm: LM, rags: list, ratio: float, rule: str, curve: bool, curve_ratios, ttft_items: int,
+               recompute: bool) -> Experiment:
+    res = br.real_experiment(lm.model, lm.tok, rags, ratio, lm.model_id, rule, curve, curve_ratios,
+                             ttft_items=min(ttft_items, len(rags)), recompute=recompute)
+    best, score = br.best_rule(res)
+    items = [Answered(**_fields(Answered, it)) for it in res["items"]]
+    return Experiment(**_fields(Experiment, {**res, "items": items}), best=best, score=score)
+
+
+def deviation(run: Experiment, top: float) -> Deviation:
+    dev, L = run.deviation, run.deviation[0].shape[0]
+    per_layer = [statistics.fmean(top_share(d[i][None], top) for d in dev) for i in range(1, L)]
+    corr = [statistics.fmean(spearman(d[i][None], d[i + 1][None]) for d in dev) for i in range(1, L - 1)]
+    return Deviation(per_layer, statistics.fmean(per_layer), corr)
+
+
+def toy_insights(seed: int, locality: float, chunk_len: int, ratio: float, top: float) -> ToyInsights | None:
+    """The record world's insights (the cached record model, 200 documents); None when it cannot be had."""
+    try:
+        toy, _ = record_model(False, seed, locality=locality)
+    except TrainingFailed:
+        return None
+    found = insights(toy, heldout(200), chunk_len, ratio, top)
+    return ToyInsights(found.top_share, found.rank_corr)
+
+
+def curve_studies(lm: LM, rags: list, run: Experiment, source: str, *, built_in: bool, items: int, short_chunks,
+                  chunk_tokens: int, top: float, targets, layer: int, floor: float, recompute: bool):
+    """--curve: the built-in items with shorter chunks (not for --passages) and the adaptive rule beside flat
+    at the same mean recomputed share (both cached): (ChunkLengths or None, RuleComparison)."""
+    chunks = br.chunk_length_study(
+        lm.model, lm.tok, n_items=items, lengths=short_chunks, reference=chunk_tokens, ratios=run.ratios,
+        at=run.at, rule=run.rule, model_id=lm.model_id, top=top, recompute=recompute) if built_in else None
+    adaptive = br.compare_rules(lm.model, lm.tok, rags, targets=targets, layer=layer, floor=floor,
+                                model_id=lm.model_id, source=source, recompute=recompute)
+    return chunks, adaptive

@@ -1,0 +1,165 @@
+"""CacheBlend's costs on the time model (common/timemodel.py), for a RAG request on one GPU type:
+what its check costs at layer 0 against layer 1 (handout §5.3, exercise 7), and how loading a layer's KV
+hides the recompute of the next (§5.4): per storage device the load, the controller's ratio
+(loading_controller.py), the pipelined TTFT and the controller's choice; CacheBlend's per-layer paper
+point; the requests/s of a busy server, full prefill against CacheBlend.
+
+    check_cost     exercise 7: the check at layer 0 (one more attention pass) vs layer 1 (a layer of prefill)
+    system_timing  §5.4 for one (model, GPUs): one layer's recompute and loads, per device
+    throughput     §5.4: requests/s of a server kept busy, full prefill vs CacheBlend
+    controller_example  exercise 8: the controller on given per-layer read and prefill times
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
+
+import loading_controller as lc  # noqa: E402
+from common import timemodel as tm  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Rag:
+    """§5.4's RAG request: `chunks` x `chunk_tokens` of context + a `question`-token question on `gpu`;
+    devices: storage device -> (how its bandwidth is shared, bytes/s); CacheBlend's floor `min_ratio`."""
+    gpu: str
+    chunks: int
+    chunk_tokens: int
+    question: int
+    devices: dict
+    min_ratio: float
+
+    @property
+    def n_ctx(self) -> int:
+        return self.chunks * self.chunk_tokens
+
+
+@dataclass(frozen=True)
+class Paper:
+    """CacheBlend's per-layer example: `ratio` of a layer recomputed at `context` tokens, read from `device`."""
+    context: int
+    ratio: float
+    device: str
+
+
+# ---------------------------------------------------------------------------- §5.3, exercise 7
+@dataclass
+class CheckCost:
+    model: str
+    n_gpus: int
+    n_ctx: int
+    layer0_gflop: float
+    layer1_gflop: float
+    layer0_ms: float
+    layer1_ms: float
+    full_layer_ms: float
+    full_prefill_ms: float
+
+
+def check_cost(model: str, n_gpus: int, n_ctx: int, gpu: str) -> CheckCost:
+    """What CacheBlend's check costs at layer 0 and at layer 1, on the time model.
+    Layer 0: K, V depend only on token and position, so the precomputed ones are exact; the check is one
+    more attention pass (queries of every token against every earlier key) beside the own-chunk one.
+    Layer 1: its true K, V need layer 0's output with full attention, for every token: a whole layer of
+    prefill, then the same attention pass."""
+    m = tm.get_model(model)
+    attn = m.attn_pair_flops * tm.causal_pairs(n_ctx)
+    q_proj = 2 * m.d_model * m.n_heads * m.head_dim * n_ctx
+    layer0 = tm.prefill_layer_time(model, gpu, n_ctx, 0, n_gpus)            # a full layer, all tokens
+    layer_flops = 2 * m.linear_params / m.n_layers * n_ctx + attn
+    per_flop = layer0 / layer_flops                                        # the time model's s/FLOP here
+    return CheckCost(model, n_gpus, n_ctx, (attn + q_proj) / 1e9, (layer_flops + attn + q_proj) / 1e9,
+                     1e3 * (attn + q_proj) * per_flop, 1e3 * (layer0 + (attn + q_proj) * per_flop),
+                     1e3 * layer0, 1e3 * m.n_layers * layer0)
+
+
+# ---------------------------------------------------------------------------- §5.4
+@dataclass
+class DeviceTiming:
+    load_ms: float                  # one layer's KV read from the device
+    ratio: float                    # the controller's recompute ratio
+    recompute_ms: float
+    ttft_s: float                   # pipelined CacheBlend
+    speedup: float                  # full prefill TTFT / CacheBlend TTFT
+    load_vs_full: float             # full recompute of a layer / its load
+    choice: str                     # the controller's, KV kept here: "blend", "blend from <device>", "full prefill"
+    reason: str                     # why (loading_controller.choose)
+
+
+@dataclass
+class PaperPoint:
+    recompute_ms: float             # the paper's ratio of a layer at the paper's context
+    load_ms: float                  # its read from the paper's device
+
+
+@dataclass
+class Throughput:
+    full_rps: float
+    blend_rps: float
+    gpu_s: float
+    load_s: float
+    bound: str                      # "GPU" or the device
+
+
+@dataclass
+class SystemTiming:
+    n_gpus: int
+    tag: str
+    full_layer_ms: float
+    floor_layer_ms: float
+    prefill_s: float
+    devices: dict[str, DeviceTiming]
+    paper: PaperPoint
+    throughput: dict[float, Throughput]   # recompute ratio -> requests/s
+
+
+def throughput(model, n_gpus: int, ratio: float, device: str, rag: Rag) -> Throughput:
+    """Requests/s of one server on the RAG requests when it is busy all the time: full prefill spends the
+    GPUs' prefill of the whole prompt per request; CacheBlend spends the recompute at `ratio` plus the
+    question, its loads overlapping other requests' compute, so the device's bandwidth caps it (KV bytes
+    per request / bandwidth)."""
+    n_ctx, gpu = rag.n_ctx, rag.gpu
+    full = tm.prefill_time(model, gpu, n_ctx + rag.question, 0, n_gpus)
+    gpu_s = (tm.recompute_time(model, gpu, n_ctx, ratio, n_gpus)
+             + tm.prefill_time(model, gpu, rag.question, n_ctx, n_gpus))
+    load_s = lc.load_time(model, n_ctx, device, n_gpus, rag.devices) * tm.get_model(model).n_layers
+    return Throughput(1 / full, 1 / max(gpu_s, load_s), gpu_s, load_s, "GPU" if gpu_s >= load_s else device)
+
+
+def system_timing(model: str, n_gpus: int, rag: Rag, paper: Paper) -> SystemTiming:
+    """One layer's full and floor-ratio recompute, and per device the load, the controller's ratio, the
+    pipelined TTFT; CacheBlend's per-layer paper point; a busy server's requests/s."""
+    n_ctx, gpu, m = rag.n_ctx, rag.gpu, tm.get_model(model)
+    full_layer = tm.recompute_time(model, gpu, n_ctx, 1.0, n_gpus) / m.n_layers
+    floor_layer = tm.recompute_time(model, gpu, n_ctx, rag.min_ratio, n_gpus) / m.n_layers
+    question = tm.prefill_time(model, gpu, rag.question, n_ctx, n_gpus)
+    prefill = tm.prefill_time(model, gpu, n_ctx + rag.question, 0, n_gpus)
+    devices, loads = {}, {d: lc.load_time(model, n_ctx, d, n_gpus, rag.devices) for d in rag.devices}
+    for device, load in loads.items():
+        r = lc.controller_ratio(load, full_layer, rag.min_ratio)
+        recompute = tm.recompute_time(model, gpu, n_ctx, r, n_gpus) / m.n_layers
+        ttft = lc.pipelined_ttft(m.n_layers, load, recompute, question)
+        c = lc.choose(m.n_layers, full_layer, loads, device, rag.min_ratio, question)
+        devices[device] = DeviceTiming(1e3 * load, r, 1e3 * recompute, ttft, prefill / ttft, full_layer / load,
+                                       choice_label(c), c.reason)
+    point = PaperPoint(1e3 * tm.recompute_time(model, gpu, paper.context, paper.ratio, n_gpus) / m.n_layers,
+                       1e3 * lc.load_time(model, paper.context, paper.device, n_gpus, rag.devices))
+    tput = {r: throughput(model, n_gpus, r, paper.device, rag)
+            for r in sorted({devices[paper.device].ratio, rag.min_ratio})}
+    return SystemTiming(n_gpus, m.tag, 1e3 * full_layer, 1e3 * floor_layer, prefill, devices, point, tput)
+
+
+def choice_label(c: lc.Choice) -> str:
+    """The controller's choice in a table cell: "blend" (from where the KV is), "blend from <device>", "full
+    prefill"."""
+    return c.choice if c.device in (None, c.stored) else f"{c.choice} from {c.device}"
+
+
+# ---------------------------------------------------------------------------- §5.4, exercise 8
+def controller_example(layers: int, read_ms: float, prefill_ms: float, min_ratio: float) -> lc.Choice:
+    """Exercise 8's controller: the KV on an SSD, `layers` layers, each read in read_ms and prefilled in
+    prefill_ms (the question left out, as the exercise says)."""
+    return lc.choose(layers, prefill_ms / 1e3, {"SSD": read_ms / 1e3}, "SSD", min_ratio)
