@@ -6,6 +6,7 @@ draws its figures into a folder of its own. Each run reads the cached codec stud
 import importlib
 import json
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -147,7 +148,6 @@ def test_the_handout_is_read_only_through_present_handout():
     is that function's first argument; no call of the table itself, none of its attributes, no lookup of
     02's own."""
     import ast
-    from pathlib import Path
     folder = Path(cp.__file__).parent
     for path in (folder / "02_cachegen_codec.py", folder / "codec_page.py", folder / "codec_measures.py"):
         tree = ast.parse(path.read_text())
