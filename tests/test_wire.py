@@ -116,18 +116,17 @@ def test_measured_setup_feeds_the_simulator_this_cpus_times(tiny):
 def test_measured_beside_simulated_from_real_runs(tiny, policy):
     model, prep = tiny
     row = wr.compare(prep, model, SLOW, policy, SLO_S)
-    assert {"measured_ttft_s", "simulated_ttft_s", "measured_choices", "simulated_choices", "measured_slo_met",
-            "simulated_slo_met"} <= set(row)
-    assert row["bytes_equal"] and row["same_answer"]
-    assert row["measured_slo_met"] == (row["measured_ttft_s"] <= SLO_S)
-    ready = row["measured_ready_s"]
-    assert all(a < b for a, b in zip(ready, ready[1:])) and row["measured_ttft_s"] == ready[-1]
+    assert set(row.entry()) == {"measured_ttft_s", "simulated_ttft_s", "measured_choices", "simulated_choices",
+                                "measured_slo_met", "simulated_slo_met"}
+    assert row.bytes_equal and row.same_answer
+    assert row.measured_slo_met == (row.measured_ttft_s <= SLO_S)
+    ready = row.measured_ready_s
+    assert all(a < b for a, b in zip(ready, ready[1:])) and row.measured_ttft_s == ready[-1]
     if policy != "adaptive":
-        assert row["measured_choices"] == row["simulated_choices"] == [policy] * 4
+        assert row.measured_choices == row.simulated_choices == [policy] * 4
         # the wire never beats the link: each KV chunk's last byte is no earlier than the trace allows
         links = st.replay(wr.measured_setup(prep), SLOW, [policy] * 4, parallel=True)
         assert all(m >= s["link_end"] for m, s in zip(ready, links.rows))
-    gap = abs(row["measured_ttft_s"] - row["simulated_ttft_s"]) > wr.GAP_SHARE * row["measured_ttft_s"]
-    assert (row["cause"] is not None) == gap
-    assert row["cause"] is None or row["cause"] in row["parts_s"] or row["cause"].startswith("choices")
-
+    gap = abs(row.measured_ttft_s - row.simulated_ttft_s) > wr.GAP_SHARE * row.measured_ttft_s
+    assert (row.cause is not None) == gap
+    assert row.cause is None or row.cause in row.parts_s or row.cause.startswith("choices")

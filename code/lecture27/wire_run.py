@@ -277,13 +277,35 @@ def cause(m: WireRun, s: st.Result, prep: Prepared, trace: st.Trace) -> str | No
     return max(p, key=lambda k: sign * p[k])
 
 
-def compare(prep: Prepared, model, trace: st.Trace, policy: str, slo_s: float) -> dict:
-    """One trace and policy measured on the wire and simulated: the spec's wire_runs entry, with the
-    answer's check, the cause of a gap, the measured parts and both timelines (ready time per chunk)."""
+@dataclass(frozen=True)
+class Compared:
+    """One trace and policy measured on the wire and simulated with this CPU's times. The first six fields
+    are the spec's wire_runs entry (entry()); then the answer's check, the cause of a TTFT gap above
+    GAP_SHARE (None within it), the measured parts (parts()) and both timelines (ready time per chunk)."""
+    measured_ttft_s: float
+    simulated_ttft_s: float
+    measured_choices: list
+    simulated_choices: list
+    measured_slo_met: bool
+    simulated_slo_met: bool
+    first_token_kl: float
+    same_answer: bool
+    bytes_equal: bool
+    cause: str | None
+    parts_s: dict
+    measured_ready_s: list
+    simulated_ready_s: list
+
+    ENTRY = ("measured_ttft_s", "simulated_ttft_s", "measured_choices", "simulated_choices", "measured_slo_met",
+             "simulated_slo_met")
+
+    def entry(self) -> dict:
+        return {k: getattr(self, k) for k in self.ENTRY}
+
+
+def compare(prep: Prepared, model, trace: st.Trace, policy: str, slo_s: float) -> Compared:
+    """Run `policy` on the wire paced to `trace` (already scaled) and in the simulator, side by side."""
     m, s = run(prep, model, trace, policy, slo_s), simulate(prep, trace, policy, slo_s)
-    return {"measured_ttft_s": m.ttft_s, "simulated_ttft_s": s.ttft_s, "measured_choices": m.choices,
-            "simulated_choices": s.choices, "measured_slo_met": m.slo_met,
-            "simulated_slo_met": s.ttft_s <= slo_s + 1e-12, "first_token_kl": m.first_token_kl,
-            "same_answer": m.same_answer, "bytes_equal": m.bytes_equal, "cause": cause(m, s, prep, trace),
-            "parts_s": parts(m, prep, trace), "measured_ready_s": [r["ready"] for r in m.rows],
-            "simulated_ready_s": [r["finish"] for r in s.rows]}
+    return Compared(m.ttft_s, s.ttft_s, m.choices, s.choices, m.slo_met, s.ttft_s <= slo_s + 1e-12, m.first_token_kl,
+                    m.same_answer, m.bytes_equal, cause(m, s, prep, trace), parts(m, prep, trace),
+                    [r["ready"] for r in m.rows], [r["finish"] for r in s.rows])
