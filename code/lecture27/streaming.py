@@ -196,6 +196,12 @@ class Setup:
         """GPU seconds to recompute chunk [first, first+n) attending to the first `first` tokens."""
         return tm.prefill_time(self.model, self.gpu, n, first, self.n_gpus) * batch_slowdown(n, self.half_tokens)
 
+    def decode_s(self, first: int, n: int, name: str) -> float:
+        """GPU seconds to decode chunk [first, first+n)'s bitstream at option `name`: left out (0) on the
+        lecture's GPUs; a setup measured on a CPU (wire.py) gives its decoder's times, and the chunk then
+        occupies the GPU after its bits are in, as a recompute does."""
+        return 0.0
+
 
 def make_setup(model, gpu, n_gpus, context_tokens, chunk_tokens, levels, lossless_accuracy, half_tokens) -> Setup:
     return Setup(model, gpu, n_gpus, tuple(chunk_plan(context_tokens, chunk_tokens)),
@@ -207,7 +213,7 @@ def make_setup(model, gpu, n_gpus, context_tokens, chunk_tokens, levels, lossles
 class Transfer:
     """One chunk's transfer on the two resources: its KV bits, or its token ids, occupy the link from
     `start` to `link_end`; a text chunk then occupies the GPU for gpu_s seconds from `gpu_start` (None for
-    KV). `ready`: when the chunk's KV is on the GPU."""
+    KV, unless the setup gives a decode time: then its decode). `ready`: when the chunk's KV is on the GPU."""
     start: float
     link_end: float
     gpu_start: float | None
@@ -222,7 +228,11 @@ def fetch_chunk(setup: Setup, trace: Trace, t0: float, chunk: tuple, opt: Option
     first, n = chunk
     link_end = trace.transfer_end(t0, opt.bits_per_token * n)
     if not opt.recompute:
-        return Transfer(t0, link_end, None, 0.0, link_end)
+        dec_s = setup.decode_s(first, n, opt.name)
+        if dec_s == 0:
+            return Transfer(t0, link_end, None, 0.0, link_end)
+        gpu_start = max(link_end, gpu_free)
+        return Transfer(t0, link_end, gpu_start, dec_s, gpu_start + dec_s)
     gpu_start, gpu_s = max(link_end, gpu_free), setup.recompute_s(first, n)
     return Transfer(t0, link_end, gpu_start, gpu_s, gpu_start + gpu_s)
 

@@ -1,0 +1,236 @@
+"""A paced connection on this machine (handout §4.2 over a real socket, as CacheGen's evaluation streams
+its bitstreams over a shaped link): a sender process writes a context's chunks to a localhost TCP
+socket at the rate of a bandwidth trace, and a receiver reads them as they come.
+
+The sender paces with a token bucket: from the moment a transfer may start (t0: asked for, and the link
+free), the bucket fills at the trace's rate, one write of at most QUANTUM_BYTES at a time, and a write
+goes once the bucket holds its bytes, i.e. when the trace would have carried every byte up to its end.
+That plan (send_plan) is a pure function of the trace, so the last byte of a chunk is planned exactly
+where streaming.Trace.transfer_end puts it; the sender sleeps to it, and how close it comes is measured.
+
+A lecture-scale trace is scaled down before it drives the socket: its bandwidths are divided by
+wire_scale(), the ratio of the lecture model's KV bytes per token to the small model's, so a chunk of the
+small model's tokens takes as long on the scaled link as the lecture model's on the real one.
+
+Frames, receiver to sender: START (the run's clock origin), REQUEST (chunk, option), STOP. Sender to
+receiver, per request: DATA pieces (one per paced write), then END (total bytes, the CRC-32 of the
+chunk's own bytes, taken before a fault may flip one; the planned and the actual time of the last write).
+Every receive has a timeout, and a sender that died (end of stream, reset) or went silent raises WireTimeout.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common` (the sender runs this file)
+
+import streaming as st  # noqa: E402
+from common import timemodel as tm  # noqa: E402
+
+LECTURE_MODEL = "llama-3.1-70b"  # 03's model (§4.1-4.2)
+QUANTUM_BYTES = 16 * 1024        # one paced write: the pacing's granularity
+TIMEOUT_S = 5.0                  # a receive waits this long before the sender counts as gone
+CONNECT_TIMEOUT_S = 60.0         # a spawned sender may take this long to connect on a busy machine
+REAP_S = 5.0                     # a sender is given this long to exit before it is killed
+
+_START = struct.Struct("<Bd")          # kind, epoch (time.monotonic of the run's t = 0)
+_REQUEST = struct.Struct("<BII")       # kind, chunk, option index
+_HEADER = struct.Struct("<BII")        # kind, chunk, piece bytes (DATA) or total bytes (END)
+_END_TAIL = struct.Struct("<Idd")      # CRC-32 of the chunk's own bytes, planned and actual last write
+START, REQUEST, STOP, DATA, END = 1, 2, 3, 4, 5
+
+
+class WireTimeout(Exception):
+    """The sender stopped delivering: it died (end of stream, reset) or nothing came within the timeout."""
+
+
+def wire_scale(small_kv_bytes_per_token: int, lecture_model: str = LECTURE_MODEL) -> float:
+    """The bandwidth divisor: the lecture model's KV bytes per token (FP16) over the small model's."""
+    return tm.kv_bytes_per_token(lecture_model) / small_kv_bytes_per_token
+
+
+def scaled(trace: st.Trace, divisor: float) -> st.Trace:
+    """The same trace (same times, same shape) with every bandwidth divided by `divisor`."""
+    return st.Trace(trace.times, tuple(g / divisor for g in trace.gbps))
+
+
+def send_plan(trace: st.Trace, t0: float, nbytes: int, quantum: int = QUANTUM_BYTES) -> list:
+    """When each write of a transfer of nbytes starting at t0 may go: [(time, bytes sent once it has)].
+    The token bucket holds at most one write and fills at the trace's rate from t0, so write j (bytes up
+    to c_j) goes when the trace has carried c_j bytes since t0."""
+    ends = list(range(quantum, nbytes, quantum)) + [nbytes]
+    return [(trace.transfer_end(t0, 8.0 * c), c) for c in ends]
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    """n bytes from sock, or None at a clean end of stream before the first byte."""
+    buf = bytearray()
+    while len(buf) < n:
+        part = sock.recv(n - len(buf))
+        if not part:
+            if not buf:
+                return None
+            raise ConnectionResetError("the stream ended inside a frame")
+        buf += part
+    return bytes(buf)
+
+
+@dataclass(frozen=True)
+class Faults:
+    """What a sender is told to do wrong: die (SIGKILL itself) once it has sent die_after_bytes payload
+    bytes; flip the middle byte of the chunks in `corrupt` after their CRC is taken (the wire then carries bytes
+    that are not the chunk's)."""
+    die_after_bytes: int | None = None
+    corrupt: frozenset = frozenset()
+
+
+def _sender(port: int, trace: st.Trace, payloads: dict, names: tuple, quantum: int, faults: Faults) -> None:
+    """The sender process: connect, wait for START, then serve REQUESTs one at a time (the link carries
+    one transfer at a time), each paced by send_plan from max(asked, link free)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=CONNECT_TIMEOUT_S)
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)    # no Nagle delay on the END frame
+    kind, epoch = _START.unpack(_recv_exact(sock, _START.size))
+    link_free, sent = 0.0, 0
+    while True:
+        req = _recv_exact(sock, _REQUEST.size)
+        if req is None or req[0] == STOP:
+            break
+        _, i, k = _REQUEST.unpack(req)
+        data = payloads[names[k]][i]
+        crc = zlib.crc32(data)
+        if i in faults.corrupt and data:
+            data = data[:len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1:]
+        plan = send_plan(trace, max(time.monotonic() - epoch, link_free), len(data), quantum)
+        pos = went = 0
+        for t, end in plan:
+            while (went := time.monotonic() - epoch) < t:     # never early: sleep until the plan's time
+                time.sleep(t - went)
+            sock.sendall(_HEADER.pack(DATA, i, end - pos) + data[pos:end])
+            sent += end - pos
+            pos = end
+            if faults.die_after_bytes is not None and sent >= faults.die_after_bytes:
+                os.kill(os.getpid(), signal.SIGKILL)
+        sock.sendall(_HEADER.pack(END, i, len(data)) + _END_TAIL.pack(crc, plan[-1][0], went))
+        link_free = plan[-1][0]
+    sock.close()
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One chunk received. Times are on the run's clock (seconds since START): asked (request sent),
+    last_byte (its last byte read), planned (the plan's last write), sent (when the sender made its last write)."""
+    chunk: int
+    option: str
+    data: bytes
+    crc_ok: bool
+    asked: float
+    last_byte: float
+    planned: float
+    sent: float
+
+    @property
+    def gbps(self) -> float:
+        """The throughput this transfer measured, as the receiver sees it (request to last byte)."""
+        return 8 * len(self.data) / max(self.last_byte - self.asked, 1e-9) / st.GBIT
+
+
+class Wire:
+    """A sender process and its socket, used as a context manager (the process is always reaped):
+        with Wire(trace, {"level0": [chunk bytes, ...], "text": [...]}) as w:
+            w.start(); a = w.fetch(0, "level0")
+    The trace is the one the socket is paced to (already scaled)."""
+
+    def __init__(self, trace: st.Trace, payloads: dict, quantum: int = QUANTUM_BYTES, timeout_s: float = TIMEOUT_S,
+                 faults: Faults = Faults()):
+        self.trace, self.payloads, self.quantum = trace, payloads, quantum
+        self.timeout_s, self.faults = timeout_s, faults
+        self.names = tuple(payloads)
+        self.epoch = None
+        self.proc = self.sock = None
+        self.broken = False            # a fetch failed: the sender is dead or stuck, and is killed at exit
+
+    def __enter__(self) -> "Wire":
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(1)
+            listener.settimeout(CONNECT_TIMEOUT_S)
+            # a fresh interpreter that imports only this file (no fork of a process running torch threads)
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve())], stdin=subprocess.PIPE)
+            pickle.dump((listener.getsockname()[1], self.trace, self.payloads, self.names, self.quantum, self.faults),
+                        self.proc.stdin)
+            self.proc.stdin.close()
+            self.sock, _ = listener.accept()
+        except BaseException:
+            self._reap()
+            raise
+        finally:
+            listener.close()
+        self.sock.settimeout(self.timeout_s)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._reap()
+
+    def _reap(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.sendall(_REQUEST.pack(STOP, 0, 0))
+            except OSError:
+                pass
+            self.sock.close()
+        if self.proc is not None:
+            if self.broken:
+                self.proc.kill()
+            try:
+                self.proc.wait(REAP_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def now(self) -> float:
+        return time.monotonic() - self.epoch
+
+    def start(self) -> None:
+        """The run's t = 0 (the trace's time origin): now."""
+        self.epoch = time.monotonic()
+        self.sock.sendall(_START.pack(START, self.epoch))
+
+    def fetch(self, chunk: int, option: str) -> Arrival:
+        """Ask for a chunk at an option and read it to its END frame. Raises WireTimeout."""
+        asked = self.now()
+        data, last = bytearray(), asked
+        try:
+            self.sock.sendall(_REQUEST.pack(REQUEST, chunk, self.names.index(option)))
+            while True:
+                head = _recv_exact(self.sock, _HEADER.size)
+                if head is None:
+                    raise ConnectionResetError("end of stream")
+                kind, i, n = _HEADER.unpack(head)
+                if kind == END:
+                    crc, planned, sent = _END_TAIL.unpack(_recv_exact(self.sock, _END_TAIL.size))
+                    break
+                data += _recv_exact(self.sock, n)
+                last = self.now()
+        except (OSError, TypeError) as e:     # socket.timeout is an OSError; TypeError: a frame cut short
+            self.broken = True
+            what = "no byte within the timeout" if isinstance(e, TimeoutError) else f"connection lost ({e})"
+            raise WireTimeout(f"chunk {chunk} ({option}): {what} after {len(data)} bytes of "
+                              f"{len(self.payloads[option][chunk])}") from None
+        data = bytes(data)
+        return Arrival(chunk, option, data, zlib.crc32(data) == crc and len(data) == n, asked, last, planned, sent)
+
+
+if __name__ == "__main__":      # the sender process: its arguments come pickled on stdin from Wire
+    _sender(*pickle.load(sys.stdin.buffer))

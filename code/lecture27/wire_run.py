@@ -1,0 +1,312 @@
+"""CacheGen's streaming policy over a real connection (handout §4.2, wire.py's paced socket), beside the
+simulator fed this CPU's own times.
+
+prepare() measures a context once on this CPU: each chunk's recompute (the model's prefill of that chunk
+after the exact KV of the chunks before it), its bitstream at every codec level (the sender's payloads)
+and each bitstream's decode, and the full prefill's answer (the first token's distribution, the greedy
+tokens). measured_setup() turns those times into a streaming.Setup, so that the simulator runs with them.
+
+run() streams the context through a Wire. Two threads work at once, as the simulator's parallel model
+says: the link thread decides each chunk as soon as the previous one's last byte is in and asks the
+sender for it; the compute thread decodes each KV chunk once its bytes are in (kvcache.codec_decode), or
+recomputes a text chunk after the chunks before it, in order. The adaptive policy is streaming's rule
+(streaming.choose) on the throughput the socket measured on the previous KV chunk, each chunk's token
+share of the time left as its budget, and the compute thread's predicted backlog as a text chunk's wait;
+it runs without the probe and the give-up deadline (streaming.adaptive(probe=False, give_up=False)).
+Faults never build a wrong KV: a chunk whose bytes fail their CRC or do not decode (CorruptStream) is
+recomputed; once the sender is gone (WireTimeout) every chunk left is recomputed from the request's own text.
+
+compare() runs one trace and policy on the wire and in the simulator and names the cause of a TTFT gap
+above GAP_SHARE from the measured parts of the run.
+"""
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+import codec_study as cs
+import kvcache as kv
+import streaming as st
+import wire
+from coder import CorruptStream
+from common.llama import KVCache, kl_divergence
+
+GAP_SHARE = 0.10          # measured and simulated TTFT "differ" above this share of the measured
+ANSWER_TOKENS = 8         # greedy tokens compared with the full prefill's
+COMPUTE_WAIT_S = 600.0    # the compute thread waits at most this long for the link thread's next chunk
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A context measured on this CPU; everything a run needs besides the trace and the policy."""
+    plan: tuple               # (first token, tokens) per chunk
+    ids: tuple                # the context's token ids
+    question: tuple           # token ids read after the context: the answer's first token follows them
+    specs: tuple              # the codec's CodecSpecs, finest level first
+    options: tuple            # streaming.Options: the levels (bits per token as coded), text last
+    payloads: dict            # option name -> bytes per chunk ("text": the token ids as int32)
+    recompute_s: tuple        # measured seconds per chunk
+    decode_s: dict            # level name -> measured seconds per chunk
+    ref_logp: torch.Tensor    # the full prefill's first-answer-token log-probabilities (vocab,)
+    ref_answer: tuple         # the full prefill's greedy tokens
+
+
+def _greedy(model, cache: KVCache, question: tuple, n: int):
+    """(log-probs of the first answer token, n greedy tokens) after `question` attends to `cache`."""
+    with torch.no_grad():
+        logits, cache = model(torch.tensor([question]), cache=cache, last=True)
+        first = logits[0, -1].float().log_softmax(-1)
+        out = [int(first.argmax())]
+        while len(out) < n:
+            logits, cache = model(torch.tensor([[out[-1]]]), cache=cache, last=True)
+            out.append(int(logits[0, -1].argmax()))
+    return first, tuple(out)
+
+
+def prepare(model, ids, question, chunk_tokens: int, specs, accuracy: dict | None = None,
+            answer_tokens: int = ANSWER_TOKENS) -> Prepared:
+    """Measure a context on this CPU (see the module's docstring). accuracy: level -> the answer accuracy
+    a chunk at that level counts for (the policy's quality; default 1 for every level)."""
+    plan = tuple(st.chunk_plan(len(ids), chunk_tokens))
+    cache, recompute = None, []
+    with torch.no_grad():
+        for first, n in plan:
+            t = time.perf_counter()
+            _, cache = model(torch.tensor([ids[first:first + n]]), cache=cache, last=True)
+            recompute.append(time.perf_counter() - t)
+    X = cs.kv_to_array(cache)[0]
+    payloads, decode_s, options = {}, {}, []
+    for spec in specs:
+        name = f"level{spec.level}"
+        payloads[name] = [kv.codec_encode(X[f:f + n], spec) for f, n in plan]
+        decode_s[name] = []
+        kv.codec_decode(payloads[name][0], specs)  # untimed: a spec's first decode builds its tables (once)
+        for (f, n), data in zip(plan, payloads[name]):
+            t = time.perf_counter()
+            q = kv.codec_decode(data, specs)
+            decode_s[name].append(time.perf_counter() - t)
+            assert np.array_equal(q, kv.quantize(X[f:f + n], spec)), "a bitstream did not decode bit for bit"
+        bits = 8 * sum(map(len, payloads[name])) / len(ids)
+        options.append(st.Option(name, bits, 1.0 if accuracy is None else accuracy[spec.level],
+                                 bits_per_value=bits / X[0].size))
+    payloads["text"] = [np.asarray(ids[f:f + n], np.int32).tobytes() for f, n in plan]
+    options.append(st.Option("text", 8 * st.TEXT_BYTES_PER_TOKEN, 1.0, recompute=True))
+    ref_logp, ref_answer = _greedy(model, cache, tuple(question), answer_tokens)
+    return Prepared(plan, tuple(ids), tuple(question), tuple(specs), tuple(options), payloads, tuple(recompute),
+                    {k: tuple(v) for k, v in decode_s.items()}, ref_logp, ref_answer)
+
+
+@dataclass(frozen=True)
+class MeasuredSetup(st.Setup):
+    """A streaming.Setup whose recompute and decode times are the ones measured on this CPU."""
+    recompute: tuple = ()     # seconds per chunk
+    decode: tuple = ()        # ((level name, seconds per chunk), ...)
+
+    def _index(self, first: int) -> int:
+        return next(i for i, (f, _) in enumerate(self.plan) if f == first)
+
+    def recompute_s(self, first: int, n: int) -> float:
+        return self.recompute[self._index(first)]
+
+    def decode_s(self, first: int, n: int, name: str) -> float:
+        return dict(self.decode)[name][self._index(first)]
+
+
+def measured_setup(prep: Prepared) -> MeasuredSetup:
+    return MeasuredSetup("measured", "this CPU", 1, prep.plan, prep.options, 0.0, prep.recompute_s,
+                         tuple(prep.decode_s.items()))
+
+
+@dataclass
+class WireRun:
+    """One context streamed over the wire. Per chunk (rows): choice, est_gbps (what the policy assumed),
+    asked / last_byte / planned / sent (wire.Arrival's times; None for a chunk the wire did not carry),
+    compute_start, ready, compute_s, and `why` when it was recomputed instead of its choice."""
+    policy: str
+    slo_s: float
+    rows: list = field(default_factory=list)
+    ttft_s: float = 0.0
+    first_token_kl: float = math.nan
+    same_answer: bool = False
+    bytes_equal: bool = True          # every chunk received is byte for byte the one the sender holds
+    fell_back: bool = False           # the sender was lost and the chunks left were recomputed
+
+    @property
+    def choices(self) -> list:
+        return [r["choice"] for r in self.rows]
+
+    @property
+    def slo_met(self) -> bool:
+        return self.ttft_s <= self.slo_s + 1e-12
+
+
+def run(prep: Prepared, model, trace: st.Trace, policy: str, slo_s: float, faults: wire.Faults = wire.Faults(),
+        timeout_s: float = wire.TIMEOUT_S) -> WireRun:
+    """Stream prep's context over a Wire paced to `trace` (already scaled) with `policy` ("adaptive" or an
+    option's name, always that one); then the answer, against the full prefill's."""
+    setup = measured_setup(prep)
+    res = WireRun(policy, slo_s, [dict() for _ in prep.plan])
+    jobs: queue.Queue = queue.Queue()
+    with wire.Wire(trace, prep.payloads, timeout_s=timeout_s, faults=faults) as w:
+        w.start()
+        link = threading.Thread(target=_link, args=(w, setup, prep, policy, slo_s, trace, res, jobs), daemon=True)
+        link.start()
+        try:
+            cache = _compute(w, prep, model, res, jobs)
+        finally:
+            link.join(COMPUTE_WAIT_S)
+    res.ttft_s = max(r["ready"] for r in res.rows)
+    first, answer = _greedy(model, cache, prep.question, len(prep.ref_answer))
+    res.first_token_kl = float(kl_divergence(prep.ref_logp, first))
+    res.same_answer = answer == prep.ref_answer
+    return res
+
+
+def _link(w: wire.Wire, setup: MeasuredSetup, prep: Prepared, policy: str, slo_s: float, trace: st.Trace,
+          res: WireRun, jobs: queue.Queue) -> None:
+    """The link thread: decide each chunk when the link is free, fetch it, hand it to the compute thread
+    (an exception is handed over too, so the compute thread never waits forever)."""
+    try:
+        est, gpu_free, left, lost = trace.rate_at(0.0), 0.0, setup.context_tokens, None
+        for i, chunk in enumerate(prep.plan):
+            t = w.now()
+            name, est_used = policy, None
+            if lost is not None:
+                name = "text"
+            elif policy == "adaptive":
+                budget = max(0.0, slo_s - t) * chunk[1] / left
+                name, _ = st.choose(setup, chunk, est, budget, None, max(0.0, gpu_free - t))
+                est_used = est
+            arrival = None
+            if lost is None:
+                try:
+                    arrival = w.fetch(i, name)
+                except wire.WireTimeout as e:
+                    lost, name = str(e), "text"
+            res.rows[i].update(choice=name, est_gbps=est_used, lost=lost, arrival=arrival)
+            if arrival is not None and not setup.option(name).recompute:
+                est = arrival.gbps
+            done = w.now() if arrival is None else arrival.last_byte
+            gpu_free = max(done, gpu_free) + (setup.recompute_s(*chunk) if setup.option(name).recompute
+                                              else setup.decode_s(*chunk, name))
+            left -= chunk[1]
+            jobs.put((i, name, arrival))
+    except BaseException as e:   # noqa: BLE001 -- handed to the compute thread, which raises it
+        jobs.put(e)
+
+
+def _compute(w: wire.Wire, prep: Prepared, model, res: WireRun, jobs: queue.Queue) -> KVCache:
+    """The compute thread: each chunk in order, decoded or recomputed onto the KV so far. A KV chunk is
+    used only if its bytes pass their CRC and decode; otherwise it is recomputed (never a wrong KV)."""
+    cache, n_kv = None, model.cfg.n_kv_heads
+    for _ in prep.plan:
+        job = jobs.get(timeout=COMPUTE_WAIT_S)
+        if isinstance(job, BaseException):
+            raise job
+        i, name, arrival = job
+        first, n = prep.plan[i]
+        row, t0, why = res.rows[i], w.now(), None
+        if arrival is not None:
+            res.bytes_equal &= arrival.data == prep.payloads[name][i]
+        if arrival is not None and name != "text":
+            try:
+                if not arrival.crc_ok:
+                    raise CorruptStream(f"chunk {i}: its bytes fail their CRC")
+                spec = prep.specs[int(name.removeprefix("level"))]
+                X = kv.dequantize(kv.codec_decode(arrival.data, spec), spec)
+                part = cs.array_to_kv(X, n_kv, pos=torch.arange(first, first + n))
+                cache = part if cache is None else KVCache.cat([cache, part])
+            except (CorruptStream, ValueError) as e:
+                why = f"recomputed: {e}"
+        if arrival is None or name == "text" or why is not None:
+            with torch.no_grad():
+                _, cache = model(torch.tensor([prep.ids[first:first + n]]), cache=cache, last=True)
+        row.update(compute_start=t0, ready=w.now(), compute_s=w.now() - t0, why=why)
+        res.fell_back |= row["lost"] is not None
+    return cache
+
+
+def simulate(prep: Prepared, trace: st.Trace, policy: str, slo_s: float) -> st.Result:
+    """The simulator on the same (scaled) trace with this CPU's measured times, in its parallel model; the
+    adaptive policy as run() runs it."""
+    setup = measured_setup(prep)
+    if policy == "adaptive":
+        return st.adaptive(setup, trace, slo_s, probe=False, give_up=False, parallel=True)
+    return st.fixed(setup, trace, policy, parallel=True)
+
+
+def parts(m: WireRun, prep: Prepared, trace: st.Trace) -> dict:
+    """Where the run's seconds went beside the simulator's, summed over chunks (positive: the wire was
+    slower): decode and recompute time (measured in the run against the times the simulator was fed),
+    pacing granularity (the sender's last write after its plan), TCP (the request's way to the sender and
+    the bytes' way back), Python overhead (the link thread's decision, the hand-over to the compute thread)."""
+    setup = measured_setup(prep)
+    out = dict.fromkeys(("decode time", "recompute time", "pacing granularity", "TCP", "Python overhead"), 0.0)
+    prev_byte, prev_ready = 0.0, 0.0
+    for (first, n), r in zip(prep.plan, m.rows):
+        a, opt = r["arrival"], setup.option(r["choice"])
+        if opt.recompute or r["why"] is not None:
+            out["recompute time"] += r["compute_s"] - setup.recompute_s(first, n)
+        else:
+            out["decode time"] += r["compute_s"] - setup.decode_s(first, n, opt.name)
+        if a is not None:
+            bits = 8 * len(a.data)
+            out["TCP"] += (a.planned - trace.transfer_end(a.asked, bits)) + (a.last_byte - a.sent)
+            out["pacing granularity"] += a.sent - a.planned
+            out["Python overhead"] += a.asked - prev_byte
+            prev_byte = a.last_byte
+        out["Python overhead"] += r["compute_start"] - max(prev_byte, prev_ready)
+        prev_ready = r["ready"]
+    return out
+
+
+def cause(m: WireRun, s: st.Result, prep: Prepared, trace: st.Trace) -> str | None:
+    """None when measured and simulated TTFT are within GAP_SHARE; else what differs: the choices (the
+    socket measured another throughput than the trace's), or the part of parts() that cost most."""
+    if abs(m.ttft_s - s.ttft_s) <= GAP_SHARE * m.ttft_s:
+        return None
+    if m.choices != s.choices:
+        return "choices (the throughput measured on the socket)"
+    p = parts(m, prep, trace)
+    sign = 1.0 if m.ttft_s > s.ttft_s else -1.0
+    return max(p, key=lambda k: sign * p[k])
+
+
+@dataclass(frozen=True)
+class Compared:
+    """One trace and policy measured on the wire and simulated with this CPU's times. The first six fields
+    are the spec's wire_runs entry (entry()); then the answer's check, the cause of a TTFT gap above
+    GAP_SHARE (None within it), the measured parts (parts()) and both timelines (ready time per chunk)."""
+    measured_ttft_s: float
+    simulated_ttft_s: float
+    measured_choices: list
+    simulated_choices: list
+    measured_slo_met: bool
+    simulated_slo_met: bool
+    first_token_kl: float
+    same_answer: bool
+    bytes_equal: bool
+    cause: str | None
+    parts_s: dict
+    measured_ready_s: list
+    simulated_ready_s: list
+
+    ENTRY = ("measured_ttft_s", "simulated_ttft_s", "measured_choices", "simulated_choices", "measured_slo_met",
+             "simulated_slo_met")
+
+    def entry(self) -> dict:
+        return {k: getattr(self, k) for k in self.ENTRY}
+
+
+def compare(prep: Prepared, model, trace: st.Trace, policy: str, slo_s: float) -> Compared:
+    """Run `policy` on the wire paced to `trace` (already scaled) and in the simulator, side by side."""
+    m, s = run(prep, model, trace, policy, slo_s), simulate(prep, trace, policy, slo_s)
+    return Compared(m.ttft_s, s.ttft_s, m.choices, s.choices, m.slo_met, s.ttft_s <= slo_s + 1e-12, m.first_token_kl,
+                    m.same_answer, m.bytes_equal, cause(m, s, prep, trace), parts(m, prep, trace),
+                    [r["ready"] for r in m.rows], [r["finish"] for r in s.rows])

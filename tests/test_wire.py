@@ -1,0 +1,132 @@
+"""wire.py's paced socket and wire_run.py's policy over it, on a tiny random LLaMA (a few ms per chunk).
+
+No test here bounds a time: the machine is shared. What holds on any machine: the plan follows the
+trace exactly (a pure function); bytes arrive as sent; a transfer never ends before its plan; a dead
+sender raises WireTimeout and the run falls back to text; every run builds the right KV."""
+import numpy as np
+import pytest
+import torch
+
+import codec_study as cs
+import kvcache as kv
+import streaming as st
+import wire
+import wire_run as wr
+from common.llama import Llama, LlamaConfig
+
+SLOW = st.Trace((0.0, 0.05), (0.0008, 0.0003))   # Gb/s: a 6 KB chunk takes 60-160 ms
+SLO_S = 0.3
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(model, Prepared): 96 tokens in 4 chunks of 24, a codec of 4 levels fitted on the model's own KV."""
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=97)).eval()
+    rng = np.random.default_rng(0)
+    Xc = cs.context_kv(model, rng.integers(0, 97, (8, 40)))
+    rms = kv.kv_rms(Xc)
+    specs = [kv.fit_codec(Xc, rms * 0.05 * kv.LEVEL_FACTOR ** i, True, level=i) for i in range(kv.N_LEVELS)]
+    prep = wr.prepare(model, rng.integers(0, 97, 96).tolist(), rng.integers(0, 97, 4).tolist(), 24, specs)
+    return model, prep
+
+
+def test_wire_scale_divides_bandwidths_only():
+    assert wire.wire_scale(23_040) == pytest.approx(327_680 / 23_040)
+    tr = wire.scaled(st.Trace((0.0, 0.3, 3.0), (10.0, 1.0, 5.0)), 4.0)
+    assert tr.times == (0.0, 0.3, 3.0) and tr.gbps == (2.5, 0.25, 1.25)
+
+
+@pytest.mark.parametrize("t0, nbytes", [(0.0, 100_000), (0.04, 70_001), (0.29, 16_384), (1.0, 5)])
+def test_send_plan_follows_the_trace_rate(t0, nbytes):
+    tr = st.Trace((0.0, 0.05, 0.3), (0.02, 0.001, 0.008))
+    plan = wire.send_plan(tr, t0, nbytes, quantum=16_384)
+    sent = [c for _, c in plan]
+    assert sent[-1] == nbytes and all(0 < b - a <= 16_384 for a, b in zip([0] + sent, sent))
+    for t, c in plan:     # by each write's time the link has carried exactly the bytes written so far
+        assert tr.bits_by(t) - tr.bits_by(t0) == pytest.approx(8 * c, rel=1e-9)
+    assert plan[-1][0] == pytest.approx(tr.transfer_end(t0, 8 * nbytes), rel=1e-12)
+
+
+def test_bytes_received_equal_bytes_sent_in_order():
+    rng = np.random.default_rng(1)
+    payloads = {"a": [rng.bytes(n) for n in (40_000, 1, 16_384, 50_000)], "b": [rng.bytes(n) for n in (7, 9, 0, 3)]}
+    with wire.Wire(st.Trace.steady(0.05), payloads) as w:
+        w.start()
+        got = [w.fetch(i, name) for i in range(4) for name in ("a", "b")]
+    assert [g.data for g in got] == [payloads[n][i] for i in range(4) for n in ("a", "b")]
+    assert all(g.crc_ok for g in got)
+    for g in got:         # never before the plan: the last byte is read after the sender's last write
+        assert g.asked <= g.planned <= g.sent <= g.last_byte
+    assert w.proc.poll() is not None
+
+
+def test_a_killed_sender_gives_a_clear_timeout():
+    payloads = {"a": [bytes(40_000)] * 3}
+    with wire.Wire(st.Trace.steady(0.05), payloads, faults=wire.Faults(die_after_bytes=50_000)) as w:
+        w.start()
+        assert w.fetch(0, "a").data == payloads["a"][0]
+        with pytest.raises(wire.WireTimeout, match="chunk 1 .*connection lost"):
+            w.fetch(1, "a")
+    assert w.proc.poll() is not None
+
+
+def test_a_silent_sender_times_out():
+    with wire.Wire(st.Trace.steady(1e-6), {"a": [bytes(20_000)]}, timeout_s=0.2) as w:   # 160 s to pace
+        w.start()
+        with pytest.raises(wire.WireTimeout, match="no byte within the timeout"):
+            w.fetch(0, "a")
+    assert w.proc.poll() is not None
+
+
+def test_killed_sender_falls_back_to_text_and_answers_right(tiny):
+    model, prep = tiny
+    first = len(prep.payloads["level0"][0])
+    r = wr.run(prep, model, SLOW, "level0", SLO_S, faults=wire.Faults(die_after_bytes=first + 1))
+    assert r.fell_back and r.choices[0] == "level0" and r.choices[1:] == ["text"] * 3
+    assert r.rows[1]["lost"] and r.rows[1]["arrival"] is None
+    assert r.same_answer and r.first_token_kl < 1e-3
+
+
+def test_a_corrupt_chunk_is_recomputed_never_used(tiny):
+    model, prep = tiny
+    clean = wr.run(prep, model, SLOW, "level0", SLO_S)
+    bad = wr.run(prep, model, SLOW, "level0", SLO_S, faults=wire.Faults(corrupt=frozenset({1})))
+    assert clean.bytes_equal and not bad.bytes_equal
+    assert bad.rows[1]["why"].startswith("recomputed") and [r["why"] for r in clean.rows] == [None] * 4
+    assert bad.same_answer
+    # chunk 1 recomputed from exact KV: the answer is at least as close to the full prefill's as with KV
+    assert bad.first_token_kl <= clean.first_token_kl + 1e-6
+
+
+def test_measured_setup_feeds_the_simulator_this_cpus_times(tiny):
+    _, prep = tiny
+    setup = wr.measured_setup(prep)
+    res = st.fixed(setup, SLOW, "level0", parallel=True)
+    link, cpu = 0.0, 0.0      # by hand: each chunk paced, then decoded on the CPU in order
+    for (first, n), dec in zip(prep.plan, prep.decode_s["level0"]):
+        link = SLOW.transfer_end(link, setup.option("level0").bits_per_token * n)
+        cpu = max(link, cpu) + dec
+    assert res.ttft_s == pytest.approx(cpu, rel=1e-12)
+    text = st.fixed(setup, SLOW, "text", parallel=True)
+    assert text.gpu_s == pytest.approx(sum(prep.recompute_s), rel=1e-12)
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "level3", "text"])
+def test_measured_beside_simulated_from_real_runs(tiny, policy):
+    model, prep = tiny
+    row = wr.compare(prep, model, SLOW, policy, SLO_S)
+    assert set(row.entry()) == {"measured_ttft_s", "simulated_ttft_s", "measured_choices", "simulated_choices",
+                                "measured_slo_met", "simulated_slo_met"}
+    assert row.bytes_equal and row.same_answer
+    assert row.measured_slo_met == (row.measured_ttft_s <= SLO_S)
+    ready = row.measured_ready_s
+    assert all(a < b for a, b in zip(ready, ready[1:])) and row.measured_ttft_s == ready[-1]
+    if policy != "adaptive":
+        assert row.measured_choices == row.simulated_choices == [policy] * 4
+        # the wire never beats the link: each KV chunk's last byte is no earlier than the trace allows
+        links = st.replay(wr.measured_setup(prep), SLOW, [policy] * 4, parallel=True)
+        assert all(m >= s["link_end"] for m, s in zip(ready, links.rows))
+    gap = abs(row.measured_ttft_s - row.simulated_ttft_s) > wr.GAP_SHARE * row.measured_ttft_s
+    assert (row.cause is not None) == gap
+    assert row.cause is None or row.cause in row.parts_s or row.cause.startswith("choices")
