@@ -430,7 +430,7 @@ def test_the_cpu_device_gives_back_its_one_prefill():
     from common.llama import LlamaConfig
     cfg = LlamaConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, d_ff=1536)
     m = tm.dense_model("SmolLM2-135M", cfg)
-    assert tm.kv_bytes_per_token(m) == 30 * 3 * 64 * 2 * 2 == 23_040       # the issue's SmolLM2 figure
+    assert tm.kv_bytes_per_token(m) == 30 * 3 * 64 * 2 * 2 == 23_040       # SmolLM2: 23,040 B a token in FP16
     assert m.total_params == 134_515_008                                     # SmolLM2-135M's parameter count
     cpu = tm.cpu_device(m, 1570, 6.0)
     assert tm.prefill_time(m, cpu, 1570) == pytest.approx(6.0, rel=1e-12)
@@ -489,14 +489,22 @@ def test_store_real_on_smollm2(smollm2, tmp_path, monkeypatch):
     assert not list(tmp_path.glob("kvstore-*")) and not list(tmp_path.glob("redis-*"))   # all cleaned up
 
 
-def test_many_chunks_decode_together_as_one_by_one(spec, capsys):
+def test_many_chunks_decode_together_as_one_by_one(spec, capsys, monkeypatch):
+    """Chunks of different lengths and stream layouts (decoded in one batch per layout) decode as they do alone."""
     tier = ks.RamTier(1 << 20)
     store = ks.ChunkStore(tier, "cachegen", spec)
     keys, arrays = keys_and_kvs(4)
-    for k, X in zip(keys[:3], arrays):
+    short = ks.ChunkKey("model-a", (1, 2, 3))
+    store.put(short, synthetic_kv(3, 50))
+    encode = kv.codec_encode
+    with monkeypatch.context() as m:   # one chunk cut into two streams a group (K and V)
+        m.setattr(kv, "codec_encode", lambda X, spec: encode(X, spec, "K/V"))
+        store.put(keys[2], arrays[2])
+    for k, X in zip(keys[:2], arrays):
         store.put(k, X)
-    got = store.get_many(keys)
-    assert got[3] is None and all(np.array_equal(g, store.get(k)) for g, k in zip(got[:3], keys))
+    got = store.get_many([short, *keys])
+    assert got[4] is None and all(np.array_equal(g, store.get(k)) for g, k in zip(got[:4], [short, *keys]))
+    assert {kv.codec_header(bytes(store.fetch(k)[2]))["layout"] for k in [short, *keys[:3]]} == {"group", "K/V"}
     bad = bytearray(_raw(tier, store.name(keys[1])))
     bad[-30] ^= 0x40
     tier.records[store.name(keys[1])] = bytes(bad)

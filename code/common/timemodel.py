@@ -11,6 +11,7 @@ handout's anchors at import time (see `_fit` at the bottom):
                       LLaMA-3.1-70B, 16K tokens on 8 x H100 = 0.97 s.
 
 Every other time (other models, GPUs, lengths, chunks, recompute ratios) follows from these.
+This machine's CPU is a device too (`cpu_device`), calibrated instead by one prefill measured on it.
 
 Prefill of n_new tokens after n_cached cached ones, per layer:
   linear FLOPs    = 2 * (active params of the layer's matmuls) * n_new

@@ -169,18 +169,33 @@ class ChunkStore:
 
     def decode_many(self, keys, fetched) -> list:
         """Fetched records of several chunks -> their KV (None where one does not decode). The cachegen
-        bitstreams are decoded together, every stream of every chunk side by side (kvcache.codec_decode_many),
-        as a GPU decodes a request's chunks."""
+        bitstreams of one stream layout are decoded together, every stream of every chunk side by side
+        (kvcache.codec_decode_many), as a GPU decodes a request's chunks. Layouts are kept apart because the
+        coder steps as long as the longest stream it holds: a short chunk (the 3-token chat prefix) is coded as
+        one long stream, and decoding it beside the others would make them all wait for it."""
         if self.fmt == "fp16":
             return [self.decode(k, f) for k, f in zip(keys, fetched)]
-        try:
-            qs = kv.codec_decode_many([bytes(f[2]) for f in fetched], self.spec)
-        except ValueError:   # one bad bitstream: decode one by one, so each bad one is named and missed
-            return [self.decode(k, f) for k, f in zip(keys, fetched)]
-        out = []
-        for k, (_, shape, _), q in zip(keys, fetched, qs):
-            out.append(kv.dequantize(q, self.spec) if q.shape == shape
-                       else self._bad(self.name(k), Corrupt(f"decodes to {q.shape}, its header says {shape}")))
+        datas, by_layout = [bytes(f[2]) for f in fetched], {}
+        for i, data in enumerate(datas):
+            try:
+                layout = kv.codec_header(data)["layout"]
+            except ValueError:
+                layout = None
+            by_layout.setdefault(layout, []).append(i)
+        out = [None] * len(keys)
+        for layout, idx in by_layout.items():
+            try:
+                qs = kv.codec_decode_many([datas[i] for i in idx], self.spec) if layout else None
+            except ValueError:
+                qs = None
+            if qs is None:   # a bad bitstream among them: one by one, so each bad one is named and missed
+                for i in idx:
+                    out[i] = self.decode(keys[i], fetched[i])
+                continue
+            for i, q in zip(idx, qs):
+                shape = fetched[i][1]
+                out[i] = (kv.dequantize(q, self.spec) if q.shape == shape
+                          else self._bad(self.name(keys[i]), Corrupt(f"decodes to {q.shape}, its header says {shape}")))
         return out
 
     def get(self, key: ChunkKey) -> np.ndarray | None:
