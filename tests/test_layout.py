@@ -84,7 +84,8 @@ def test_the_codec_needs_only_numpy():
     assert {"coder", "coder_parallel"} <= GRAPH["kvcache"] <= {"coder", "coder_parallel", "coder_bench"}
 
 
-HANDOUT_READERS = {"03_streaming": "streaming_page", "05_tiered_storage": "tiers_page"}   # script -> its page
+HANDOUT_READERS = {"01_kv_ledger": "01_kv_ledger", "02_cachegen_codec": "codec_page", "03_streaming": "streaming_page",
+                   "04_cacheblend": "blend_page", "05_tiered_storage": "tiers_page"}   # script -> its page
 
 
 def handout_reads(name: str) -> dict:
@@ -103,8 +104,8 @@ def handout_reads(name: str) -> dict:
                         and "handout" in imported and n.args and getattr(n.args[0], "id", "") == "HANDOUT"]}
 
 
-def test_03_and_05_read_the_handout_only_through_present_handout():
-    """03 and 05, with their page modules, take every handout figure from common.present.handout (the one
+def test_every_script_reads_the_handout_only_through_present_handout():
+    """Every script, with its page module, takes every handout figure from common.present.handout (the one
     lookup, which blanks a figure whose inputs the run changed): never from the table directly."""
     for script, page in HANDOUT_READERS.items():
         for name in (script, page):
