@@ -220,6 +220,18 @@ class ChunkStore:
 
 
 # ------------------------------------------------------------------------------------------ tiers
+def make_room(tier, name: str, nbytes: int) -> bool:
+    """Before a put: False when the record is already there (it is touched, nothing to write) or can never
+    fit the tier's budget; else the least recently used records are evicted until nbytes more fit, True."""
+    if tier.touch(name) or nbytes > tier.budget:
+        return False
+    used = tier.used
+    while used + nbytes > tier.budget:
+        used -= tier.evict_oldest()
+        tier.evictions += 1
+    return True
+
+
 class RamTier:
     """Records in this process's memory, LRU within a byte budget. get returns a copy (the read into the
     engine's buffer that the other tiers also make)."""
@@ -246,16 +258,13 @@ class RamTier:
         return False
 
     def put(self, name: str, blob: bytes) -> bool:
-        if self.touch(name):
-            return True
-        if len(blob) > self.budget:
-            return False
-        used = self.used
-        while used + len(blob) > self.budget:
-            used -= len(self.records.popitem(last=False)[1])
-            self.evictions += 1
+        if not make_room(self, name, len(blob)):
+            return self.has(name)
         self.records[name] = bytes(blob)
         return True
+
+    def evict_oldest(self) -> int:
+        return len(self.records.popitem(last=False)[1])
 
     def get(self, name: str):
         return bytearray(self.records[name]) if self.touch(name) else None
@@ -300,6 +309,11 @@ class DiskTier:
     def has(self, name: str) -> bool:
         return self.path(name).exists()
 
+    def evict_oldest(self) -> int:
+        victim, size = self.sizes.popitem(last=False)
+        self.path(victim).unlink(missing_ok=True)
+        return size
+
     def touch(self, name: str) -> bool:
         self._tick = max(time.time_ns(), self._tick + 1)   # strictly increasing: the order survives a rescan
         try:
@@ -313,16 +327,8 @@ class DiskTier:
         return True
 
     def put(self, name: str, blob: bytes) -> bool:
-        if self.touch(name):
-            return True
-        if len(blob) > self.budget:
-            return False
-        used = self.used
-        while used + len(blob) > self.budget:
-            victim, size = self.sizes.popitem(last=False)
-            self.path(victim).unlink(missing_ok=True)
-            used -= size
-            self.evictions += 1
+        if not make_room(self, name, len(blob)):
+            return self.has(name)
         write_atomic(self.path(name), blob)
         self.sizes[name] = len(blob)
         self.touch(name)
