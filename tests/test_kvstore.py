@@ -337,6 +337,7 @@ def test_a_process_that_exits_leaves_its_chunks_to_the_next(server):
 OWNER = """
 import os, signal, sys, time
 import kvstore_redis as kr
+signal.signal(signal.SIGINT, signal.default_int_handler)   # Ctrl-C raises here, whatever the test runner ignores
 how = sys.argv[2]
 if how == "exit":                     # no with block: atexit stops it
     s = kr.RedisServer(sys.argv[1]).start()
