@@ -134,7 +134,8 @@ def test_02_sensitivity_coarser_steps_cost_accuracy():
     world = cs.record_world()
     ctx, q, ans, slots = world["docs"](150, 5)
     X = cs.context_kv(world["model"], ctx)
-    sens = script("codec_measures").layer_sensitivity(world["model"], X, (q, ans, slots), kv.kv_rms(X), [0.25, 8.0], 8.0)
+    sens = script("codec_measures").layer_sensitivity(world["model"], X, (q, ans, slots), kv.kv_rms(X), [0.25, 8.0],
+                                                      8.0)
     assert [x.layer for x in sens] == list(range(X.shape[2]))
     assert all(x.kv[8.0] <= x.kv[0.25] for x in sens)
     assert min(x.kv[8.0] for x in sens) < min(x.kv[0.25] for x in sens)

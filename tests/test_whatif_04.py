@@ -121,7 +121,8 @@ def test_figures_of_an_edited_run_stay_out_of_the_default_folder(runs):
     assert len(default) == len(edited) == 5
     # (the small sizes above are edits too: the "default" run is a what-if of its own, in a folder of its own)
     assert all(p.startswith(f"{runs['default'][0].figures}/") for p in default)
-    assert all("/whatif/04_chunk_len=6+" in p for p in edited) and runs["default"][0].figures != runs["chunk6"][0].figures
+    assert all("/whatif/04_chunk_len=6+" in p for p in edited)
+    assert runs["default"][0].figures != runs["chunk6"][0].figures
 
 
 # ------------------------------------------------------------------------------------ --chunk-len 6

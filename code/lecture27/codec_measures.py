@@ -453,8 +453,8 @@ def coder_throughput(spec, q, counts, unit: str) -> Throughput:
     syms, ids = kv._symbols(q, spec)
     T = q.shape[1]
     rows, row_ids = (a.transpose(0, 2, 3, 4, 1).reshape(-1, T) for a in (syms, ids))
-    return Throughput(len(q), unit, T, len(rows),
-                      coder_bench.coder_throughput(rows, row_ids, spec.tables, (*counts, len(rows))), stream_layout(spec, T))
+    coders = coder_bench.coder_throughput(rows, row_ids, spec.tables, (*counts, len(rows)))
+    return Throughput(len(q), unit, T, len(rows), coders, stream_layout(spec, T))
 
 
 def exercise4(probs: dict, samples: int) -> Exercise4:
