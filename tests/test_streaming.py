@@ -458,7 +458,6 @@ def test_part2c_shows_the_noise_and_which_measure_to_trust(capsys):
 
 
 def test_runs_of():
-    s3 = load_script()
     assert sp.runs_of(["level0"] * 10 + ["level1"] + ["text"] * 2 + ["level0"]) == "L0 x10, L1, T x2, L0"
     assert sp.runs_of([]) == ""
 
