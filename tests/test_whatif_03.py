@@ -256,17 +256,18 @@ def test_a_missed_slo_is_said_as_missed(files, monkeypatch):
 
 
 def test_a_coarser_level_taken_as_the_fastest_option_is_counted(tmp_path, monkeypatch):
-    """A trace falling 5 -> 0.5 -> 0.2 Gb/s and recovering: Part 2b takes level3 after the drop, but only as the
-    fastest option when nothing fit its budget, so the verdict "chosen by the time left" is NO; the note under
-    it counts those chunks and says what the verdict counts, so the NO does not read as a contradiction."""
+    """A trace falling 5 -> 0.5 -> 0.2 Gb/s and recovering: Part 2b takes a coarser level after the drop, as
+    predicted to fit its budget or only as the fastest option when nothing fit (which, depends on the trained
+    model's levels). The note under the verdict "chosen by the time left" counts both kinds, and the verdict
+    says YES exactly when the first count is not zero, so a NO never reads as a contradiction."""
     (tmp_path / "t.csv").write_text("0.0,5.0\n1.0,0.5\n2.5,0.2\n3.5,10\n")
     page, s = run(s3, ["--no-real", "--no-plot", "--trace", str(tmp_path / "t.csv")], monkeypatch)
     check(s3, page, s)
     long = next(t for p, t in tables_by_part(page) if p == "Part 2b" and t.source == "streaming_study.policies")
-    assert "level3" in page.json()["long_trace_choices"]
-    assert not shape_said(long.notes)["a coarser level after the drop, chosen by the time left"]
+    coarser = sum(c in ("level1", "level2", "level3") for c in page.json()["long_trace_choices"])
     fit, fastest = coarser_said(long.notes)
-    assert fit == 0 and fastest == page.json()["long_trace_choices"].count("level3")
+    assert 1 <= fit + fastest <= coarser
+    assert shape_said(long.notes)["a coarser level after the drop, chosen by the time left"] == (fit > 0)
 
 
 def test_the_handouts_inputs_show_the_handouts_figures(files, monkeypatch):
