@@ -6,7 +6,7 @@ puts it at the end of the report, with the values read from the pages the script
 """
 from __future__ import annotations
 
-from common.present import Col, Row, Table
+from common.present import Col, Row, Table, pct0
 
 # the command that would start vLLM with LMCache behind it: it needs a GPU and is never run here
 SERVE_COMMAND = ("LMCACHE_CONFIG_FILE=lmcache.yaml vllm serve meta-llama/Llama-3.1-8B-Instruct "
@@ -15,7 +15,7 @@ SERVE_COMMAND = ("LMCACHE_CONFIG_FILE=lmcache.yaml vllm serve meta-llama/Llama-3
 
 # (mechanism, where it is here, the settings that hold our values: (script, field, what the value is of),
 #  how a value is written, the knob, what it sets)
-tokens, gb, share = "{:,g} tokens".format, "{:,g} GB".format, "{:.0%}".format
+tokens, gb = "{:,g} tokens".format, "{:,g} GB".format
 KNOBS = [
     ("chunk size", "05 Part 2: KV stored and evicted in chunks (CHUNK)", [("05", "chunk", "")], tokens,
      "chunk_size (default 256)", "tokens per stored KV chunk, the unit of lookup, storage and reuse"),
@@ -27,7 +27,7 @@ KNOBS = [
      [("03", "chunk_tokens", "")], "{:,g} tokens a chunk".format, "remote_serde: \"cachegen\" (default \"naive\")",
      "KV quantized and arithmetic-coded before it goes to a remote store"),
     ("blending", "04 §5.3: selective recompute (RATIO, REAL_RATIO; the check-k rule ranks at layer 1)",
-     [("04", "ratio", " (record world)"), ("04_smollm2", "real_ratio", " (SmolLM2)")], share,
+     [("04", "ratio", " (record world)"), ("04_smollm2", "real_ratio", " (SmolLM2)")], pct0,
      "enable_blending: true, blend_recompute_ratios [0.15], blend_check_layers [1]",
      "reuse non-prefix chunks, recompute the most deviated share of tokens, ranked at the check layer"),
     ("prefix caching", "the baseline CacheBlend improves on (§5.1; 05 Part 4's prefix cache)", [], str,
