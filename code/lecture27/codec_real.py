@@ -185,6 +185,42 @@ def real_codec_levels(gguf=None) -> list[dict]:
             for lv, noise in zip(levels, level_noise(levels))]
 
 
+def spec_tensors(spec: kv.CodecSpec) -> dict:
+    """A CodecSpec as tensors, for the checkpoint folder: its thousands of tables load in a blink as one
+    flat tensor of CDFs and one of their sizes, where a list of lists takes seconds."""
+    return {"steps": torch.from_numpy(spec.steps), "anchor_scale": torch.from_numpy(spec.anchor_scale),
+            "radius": torch.from_numpy(np.asarray(spec.radius, np.int64)), "delta": spec.delta,
+            "level": spec.level, "group": spec.group, "sizes": torch.tensor([len(t.cdf) for t in spec.tables]),
+            "cdf": torch.tensor([c for t in spec.tables for c in t.cdf], dtype=torch.int64)}
+
+
+def spec_from_tensors(d: dict) -> kv.CodecSpec:
+    """spec_tensors' inverse."""
+    ends, cdf = np.cumsum(d["sizes"].numpy()), d["cdf"].numpy().tolist()
+    tables = tuple(kv.FreqTable(tuple(cdf[e - n:e])) for e, n in zip(ends, d["sizes"].tolist()))
+    return kv.CodecSpec(d["steps"].numpy(), d["delta"], d["anchor_scale"].numpy(), d["radius"].numpy(), tables,
+                        d["level"], d["group"])
+
+
+def real_codec_specs(gguf=None) -> list[kv.CodecSpec]:
+    """The study's N_LEVELS codecs themselves, finest first, to code SmolLM2's KV for real (05's store,
+    03's wire): fitted as fit() fits them (kvcache.level_specs on the calibration prose's KV at the searched
+    steps), cached in the checkpoint folder beside the study."""
+    from common.checkpoints import cached
+    from common.gguf_llama import gguf_file
+    path = gguf_file(gguf)
+
+    def compute():
+        steps = np.asarray(real_codec_study(path)["steps"])
+        model, _, (calib, _), _ = setup(path)
+        with idle_threads():
+            Xc = cs.context_kv(model, calib.numpy(), batch=4)
+        return [spec_tensors(spec) for spec in kv.level_specs(Xc, steps)[0]]
+
+    return cached("codec-smollm2-specs", study_ident(path), compute,
+                  use=lambda d, entry: [spec_from_tensors(x) for x in d], tag="codec")
+
+
 def main():
     from common.cli import Parser
     from common.gguf_llama import smollm2_or_explain

@@ -40,7 +40,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import blend_real as br  # noqa: E402
@@ -131,31 +130,9 @@ def model_id(path) -> str:
 
 
 def store_codec_spec(path, level: int) -> kv.CodecSpec:
-    """SmolLM2's codec at `level`, fitted as codec_real fits its levels (on the calibration prose's KV, at the
-    searched steps x LEVEL_FACTOR^level, deltas or not as the study chose), cached in the checkpoint folder
-    as arrays (its 11,520 tables load in a blink, where lists take seconds)."""
+    """SmolLM2's codec at `level`: codec_real's fitted level (cached in the checkpoint folder)."""
     import codec_real as cr
-    from common.checkpoints import cached
-
-    def compute():
-        study = cr.real_codec_study(path)
-        model, _, (calib, _), _ = cr.setup(path)
-        Xc = cs.context_kv(model, calib.numpy(), batch=4)
-        spec = kv.fit_codec(Xc, np.asarray(study["steps"]) * kv.LEVEL_FACTOR ** level, study["delta"], level=level)
-        return {"steps": torch.from_numpy(spec.steps), "anchor_scale": torch.from_numpy(spec.anchor_scale),
-                "radius": torch.from_numpy(np.asarray(spec.radius, np.int64)), "delta": spec.delta,
-                "group": spec.group, "sizes": torch.tensor([len(t.cdf) for t in spec.tables]),
-                "cdf": torch.tensor([c for t in spec.tables for c in t.cdf], dtype=torch.int64)}
-
-    def use(d, entry):
-        ends = np.cumsum(d["sizes"].numpy())
-        cdf = d["cdf"].numpy().tolist()
-        tables = tuple(kv.FreqTable(tuple(cdf[e - n:e])) for e, n in zip(ends, d["sizes"].tolist()))
-        return kv.CodecSpec(d["steps"].numpy(), d["delta"], d["anchor_scale"].numpy(), d["radius"].numpy(),
-                            tables, level, d["group"])
-
-    ident = {**cr.study_ident(Path(path)), "level": level}
-    return cached("store-codec-smollm2", ident, compute, use=use, tag="store")
+    return cr.real_codec_specs(path)[level]
 
 
 # ------------------------------------------------------------------------------------ chunks and their KV
