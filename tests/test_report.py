@@ -144,11 +144,12 @@ def test_the_header_says_what_was_computed_and_what_loaded(tmp_path):
 
 def test_sections_follow_the_handout_and_the_handout_column_is_the_last(tmp_path):
     """Each real-model section right after the section it extends, whatever order the pages were saved in."""
-    for script in ["05", "04_smollm2", "03", "02_smollm2", "04", "01", "02"]:
+    for script in ["05", "04_smollm2", "05_smollm2", "03", "02_smollm2", "04", "01", "02"]:
         make_page(tmp_path, script, Settings())
     doc = report.build_report(tmp_path / "pages", tmp_path / "report.html").read_text()
     body = doc.split("</nav>")[1]
-    assert re.findall(r'<h2 id="s([^"]+)"', body) == ["01", "02", "02_smollm2", "03", "04", "04_smollm2", "05"]
+    assert re.findall(r'<h2 id="s([^"]+)"', body) == ["01", "02", "02_smollm2", "03", "04", "04_smollm2", "05",
+                                                       "05_smollm2"]
     nav = doc.split("<nav>")[1].split("</nav>")[0]
     assert re.findall(r'href="#s([^"]+)"', nav) == report.ORDER
     assert '<a href="#s02_smollm2">§1 on SmolLM2</a>' in nav and '<a href="#s04">§1</a>' in nav

@@ -20,7 +20,7 @@ from pathlib import Path
 from .present import value_text, whatif_banner
 
 # the handout's order: §1, §3, §4, §5, §6-7, each real-model section right after the section it extends
-ORDER = ["01", "02", "02_smollm2", "03", "04", "04_smollm2", "05"]
+ORDER = ["01", "02", "02_smollm2", "03", "04", "04_smollm2", "05", "05_smollm2"]
 
 CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0 auto; max-width: 1240px;

