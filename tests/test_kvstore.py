@@ -461,7 +461,8 @@ def test_store_real_on_smollm2(smollm2, tmp_path, monkeypatch):
     calib = np.stack([np.concatenate(arrays)])
     spec = kv.fit_codec(calib, 0.05, False)
     monkeypatch.setattr(sr, "store_codec_spec", lambda path, level: spec)
-    run = sr.measure_store(model, tok, info["path"], n_chunks=2, chunk_tokens=12, folder=tmp_path)
+    run = sr.measure_store(model, tok, info["path"], n_chunks=2, chunk_tokens=12, level=0, ratio=0.15, rule="flat",
+                           folder=tmp_path)
     j = run.json()
     assert set(j) == {"store_tiers", "store_full_prefill_s", "store_breakeven_gbps", "store_cachegen_pays_below_gbps",
                       "store_restart_same_token", "store_restart_ttft_s"}

@@ -278,7 +278,7 @@ def parse(argv) -> tuple:
 def main(argv=None) -> Page | None:
     s, defaults, a = parse(argv)
     if s.track == "smollm2":
-        return main_on_this_machine(s, defaults, a)
+        return main_on_this_machine(s, defaults, a.json, not a.no_plot)
     page = Page("05", "LMCache: zero-copy sharing, tiered storage, the narrow waist", "§6-7", s, defaults,
                 plot=not a.no_plot)
     handoff, chat = hand_off(s), chat_tiers(s)
@@ -291,16 +291,16 @@ def main(argv=None) -> Page | None:
     return page
 
 
-def main_on_this_machine(s: Settings, defaults: Settings, a) -> Page | None:
+def main_on_this_machine(s: Settings, defaults: Settings, json_path: str | None, plot: bool) -> Page | None:
     """Part 5, a section of its own (figures/pages/05_smollm2.json beside 05.json), or why it cannot run."""
     from common.gguf_llama import smollm2_or_explain
     path = smollm2_or_explain(s.gguf)
     if path is None:
         return None
     page = Page("05_smollm2", "LMCache's store on this machine: real KV in RAM, on disk, in Redis", "§6-7", s,
-                defaults, plot=not a.no_plot)
+                defaults, plot=plot)
     show_store(page, on_this_machine(s, path), s)                      # Part 5 and exercise 9, for real
-    page.finish(a.json)
+    page.finish(json_path)
     return page
 
 

