@@ -23,9 +23,10 @@ Part 5  on this machine (--model smollm2): LMCache's store for real. SmolLM2-135
 
     python code/lecture27/05_tiered_storage.py --model smollm2 [--redis redis://host:6379]
 
-Parts 1-4 run in a few seconds (Part 5 in about half a minute); figures/05_handoff.png (Part 1), figures/05_ttft_cdf.png (Part 2), figures/05_rag.png
-(Part 4). This file holds the inputs (the constants, the command line) and one function per Part; the
-computing is in tiers_study.py, how each Part is shown (tables, notes, figures, --json) in tiers_page.py.
+Parts 1-4 run in a few seconds, Part 5 in about half a minute; figures/05_handoff.png (Part 1),
+figures/05_ttft_cdf.png (Part 2), figures/05_rag.png (Part 4), figures/05_store.png (Part 5). This file holds the
+inputs (the constants, the command line) and one function per Part; the computing is in tiers_study.py and
+store_real.py, how each Part is shown (tables, notes, figures, --json) in tiers_page.py and store_page.py.
 """
 from __future__ import annotations
 

@@ -45,9 +45,10 @@ def serving_table(r: StoreRun) -> Table:
     rows = [Row([f"{TIER_NAMES[t]}, {FORMAT_NAMES[f]}", x.bytes, x.fetch_s * 1e3, x.decode_s, x.ttft_s,
                  x.predicted_ttft_s, token_text(r.tokens[f], ref)])
             for t, by in r.tiers.items() for f, x in by.items()]
-    rows.append(Row(["full prefill, no store", "-", "-", "-", Val(r.full_prefill_s), Val(r.full_prefill_s, fmt="{:.2f}*"),
-                     str(ref)]))
-    return Table("a request served from each tier and format, against prefilling it (seconds unless marked)", "§1, §6",
+    rows.append(Row(["full prefill, no store", "-", "-", "-", Val(r.full_prefill_s),
+                     Val(r.full_prefill_s, fmt="{:.2f}*"), str(ref)]))
+    return Table("a request served from each tier and format, against prefilling it (seconds unless marked)",
+                 "§1, §6",
                  cols("served from", ("bytes", "{:,}"), ("fetch, ms", "{:.1f}"), ("decode", "{:.2f}"),
                       ("TTFT", "{:.2f}"), ("time model", "{:.2f}"), Col("first token", left=True)),
                  rows, "store_real.measure_store", serving_notes(r), r.json())
@@ -60,8 +61,9 @@ def serving_notes(r: StoreRun) -> list:
              + ", ".join(f"{TIER_NAMES[t]} {rate(b / 1e9)}" for t, b in r.bandwidth.items()) + ". "
              + ("Every tier returned RAM's records byte for byte." if r.same_bytes else
                 "A tier returned other bytes than RAM's: a bug, never tuning."),
-             f"decode: FP16 widened to float32 in {r.tiers['ram']['fp16'].decode_s * 1e3:.0f} ms; CacheGen's arithmetic "
-             f"decoding {r.tiers['ram']['cachegen'].decode_s:.2f} s, for {pct0(1 - cg_share(r))} fewer bytes. "
+             f"decode: FP16 widened to float32 in {r.tiers['ram']['fp16'].decode_s * 1e3:.0f} ms; CacheGen's "
+             f"arithmetic decoding {r.tiers['ram']['cachegen'].decode_s:.2f} s, for {pct0(1 - cg_share(r))} fewer "
+             "bytes. "
              f"Storing cost the engine {r.encode_s['fp16'] * 1e3:.0f} ms (FP16) and {r.encode_s['cachegen']:.2f} s "
              "(CacheGen's encoding).",
              f"From RAM in FP16 the first token comes {r.full_prefill_s / fp16.ttft_s:.1f}x sooner than by a full "
@@ -144,7 +146,8 @@ def show_restart(page: Page, r: StoreRun) -> None:
                  token_text(d.token, r.tokens["full prefill"])])]
     same = r.restart_same_token
     page.table(Table("the Redis server is a process of its own: it outlives the engine", "§6.1",
-                     cols("engine", Col("what it did", left=True), ("TTFT, s", "{:.2f}"), Col("first token", left=True)), rows,
+                     cols("engine", Col("what it did", left=True), ("TTFT, s", "{:.2f}"),
+                          Col("first token", left=True)), rows,
                      "store_real.restart_engine",
                      [("The restart kept the KV: " if d.hits == d.chunks else "The restart lost some of the KV: ")
                       + f"the second engine skipped the prefill of {d.hits} of {d.chunks} records and answered in "
