@@ -83,15 +83,9 @@ def shipped_defaults(cls, namespace: dict):
     row = shipped_table(Path(namespace.get("__file__", "")).resolve().parent / SHIPPED_TABLE).get(script, {})
     fields = dataclasses.fields(cls)
     values = {**constants_of(cls, namespace), **{k: v for k, v in row.items() if k in {f.name for f in fields}}}
-    required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    if all(k in values for k in required):
-        return cls(**values)
-    out = object.__new__(cls)   # a frozen dataclass, its fields set one by one
-    for f in fields:
-        default = None if f.default is dataclasses.MISSING else f.default
-        object.__setattr__(out, f.name, values.get(f.name, f.default_factory() if f.default_factory
-                                                    is not dataclasses.MISSING else default))
-    return out
+    missing = {f.name: None for f in fields if f.name not in values and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING}
+    return cls(**values, **missing)
 
 
 def shipped_table(path: Path) -> dict[str, dict]:
