@@ -48,16 +48,19 @@ class GPU:
 
 
 GPUS = {
-    # NVIDIA H100 SXM5 datasheet: 989 TFLOPS BF16 dense, 3.35 TB/s HBM3, 80 GB, NVLink 900 GB/s (bidir), PCIe Gen5 128 GB/s (bidir)
+    # NVIDIA H100 SXM5 datasheet: 989 TFLOPS BF16 dense, 3.35 TB/s HBM3, 80 GB, NVLink 900 GB/s (bidir),
+    # PCIe Gen5 128 GB/s (bidir)
     "H100": GPU("H100 SXM", 989.4e12, 3.35e12, 80e9, 450 * GB, 64 * GB),
     # NVIDIA H200 SXM datasheet: same compute as H100, 4.8 TB/s HBM3e, 141 GB, NVLink 900 GB/s, PCIe Gen5
     "H200": GPU("H200 SXM", 989.4e12, 4.8e12, 141e9, 450 * GB, 64 * GB),
-    # NVIDIA A100 80GB SXM datasheet: 312 TFLOPS BF16, 2,039 GB/s HBM2e, NVLink 600 GB/s (bidir), PCIe Gen4 64 GB/s (bidir)
+    # NVIDIA A100 80GB SXM datasheet: 312 TFLOPS BF16, 2,039 GB/s HBM2e, NVLink 600 GB/s (bidir),
+    # PCIe Gen4 64 GB/s (bidir)
     "A100-80GB": GPU("A100 80GB SXM", 312e12, 2.039e12, 80e9, 300 * GB, 32 * GB),
     # NVIDIA A40 datasheet: 149.7 TFLOPS BF16 dense, 696 GB/s GDDR6, 48 GB, PCIe Gen4 x16;
     # its NVLink bridge joins only pairs, so tensor parallelism over >2 GPUs runs over PCIe (32 GB/s each way)
     "A40": GPU("A40", 149.7e12, 696e9, 48e9, 32 * GB, 32 * GB),
-    # AMD MI300X datasheet: 1,307.4 TFLOPS BF16 dense, 5.3 TB/s HBM3, 192 GB, 7 x 64 GB/s Infinity Fabric each way, PCIe Gen5
+    # AMD MI300X datasheet: 1,307.4 TFLOPS BF16 dense, 5.3 TB/s HBM3, 192 GB, 7 x 64 GB/s Infinity Fabric each
+    # way, PCIe Gen5
     "MI300X": GPU("MI300X", 1307.4e12, 5.3e12, 192e9, 448 * GB, 64 * GB),
 }
 
@@ -106,7 +109,8 @@ MODELS = {
     "llama-2-7b": _dense("LLaMA-2-7B", 32, 4096, 32, 32, 128, 11008, 32000, tag="MHA"),
     # Meta LLaMA-3 config.json: same shapes as LLaMA-3.1-8B (8K context)
     "llama-3-8b": _dense("LLaMA-3-8B", 32, 4096, 32, 8, 128, 14336, 128256, tag="GQA"),
-    # Qwen3-235B-A22B config.json: 94 layers, d 4096, 64 heads, 4 KV heads, head 128, vocab 151936; card: 235B total, 22B active
+    # Qwen3-235B-A22B config.json: 94 layers, d 4096, 64 heads, 4 KV heads, head 128, vocab 151936;
+    # card: 235B total, 22B active
     "qwen3-235b-a22b": _moe("Qwen3-235B-A22B", 94, 4096, 64, 4, 128, 151936, 235e9, 22e9, tag="GQA, MoE"),
     # DeepSeek-V3/R1 config.json: 61 layers, d 7168, 128 heads, MLA kv_lora_rank 512 + qk_rope 64,
     # qk_nope 128 (+64 rope = 192 per head for Q.K), v_head 128, vocab 129280; paper: 671B total, 37B active
