@@ -27,7 +27,7 @@ def token_text(token: int, ref: int) -> str:
 
 def show_store(page: Page, r: StoreRun, s) -> None:
     """Part 5, then exercise 9 for real."""
-    page.part("Part 5", "§1, §4, §6", "LMCache's store on this machine: real KV in RAM, on disk and in Redis")
+    page.part("Part 5", "§1, §4, §6", "SmolLM2's KV stored, fetched and served from each tier, timed")
     page.say(f"SmolLM2-135M's RAG context: {r.n_context:,} tokens (a {r.n_context - r.n_chunks * r.chunk_tokens}-token "
              f"chat prefix and {r.n_chunks} chunks of {r.chunk_tokens}), then a {r.n_question}-token question. Each "
              "chunk is one record, keyed by the model, its tokens and the prefix it was prefilled behind "
