@@ -566,6 +566,10 @@ def wire_notes(r, s) -> list[str]:
            "overhead), or the choices when the socket's throughput led the policy elsewhere"
            + (": " + ", ".join(f"{c} x{m}" for c, m in sorted(causes.items(), key=lambda x: -x[1])) if causes else "")
            + "."]
+    slow = r.slowdown
+    out.append(f"    In the runs a KV chunk's decode took {slow['decode']:.2f}x, a text chunk's recompute "
+               f"{slow['recompute']:.2f}x the time measured alone before them (the simulator's): the compute thread "
+               "shares this CPU with the link thread, the sender process and whatever else runs.")
     if steady:
         out.append(f"Steady trace: the simulator within {wr.GAP_SHARE:.0%} of the measurement in {within} of "
                    f"{len(steady)} policies" + ("." if within == len(steady) else "; " + "; ".join(

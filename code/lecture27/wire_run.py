@@ -74,10 +74,12 @@ def _greedy(model, cache: KVCache, question: tuple, n: int):
 
 
 def prepare(model, ids, question, chunk_tokens: int, specs, accuracy: dict | None = None,
-            answer_tokens: int = ANSWER_TOKENS, layout: str | None = LAYOUT) -> Prepared:
+            answer_tokens: int = ANSWER_TOKENS, layout: str | None = LAYOUT, keep_streams: bool = False) -> Prepared:
     """Measure a context on this CPU (see the module's docstring). accuracy: level -> the answer accuracy
     a chunk at that level counts for (the policy's quality; default 1 for every level); layout: the
-    bitstreams' (None: the codec's own choice, kvcache.stream_plan)."""
+    bitstreams' (None: the codec's own choice, kvcache.stream_plan); keep_streams: the bitstreams kept in
+    the checkpoint folder, under the quantized KV they code (a bitstream is no timing: every time is
+    measured in this call, and every bitstream decoded and checked bit for bit)."""
     plan = tuple(st.chunk_plan(len(ids), chunk_tokens))
     cache, recompute = None, []
     with torch.no_grad():
@@ -90,12 +92,13 @@ def prepare(model, ids, question, chunk_tokens: int, specs, accuracy: dict | Non
     payloads, decode_s, options = {}, {}, []
     for spec in specs:
         name = f"level{spec.level}"
-        payloads[name] = _encode(X, plan, spec, layout)
+        payloads[name] = _encode(X, plan, spec, layout, keep_streams)
         decode_s[name] = []
         kv.codec_decode(payloads[name][0], specs, groups=[0])  # untimed: a spec's first decode builds its tables
         for (f, n), data in zip(plan, payloads[name]):
-            t = time.perf_counter()
-            q = kv.codec_decode(data, specs)
+            before = _head(cache, f)
+            t = time.perf_counter()              # the compute thread's work for a KV chunk, as _compute does it
+            q, _ = _decode_onto(before, data, spec, model.cfg.n_kv_heads, f, n)
             decode_s[name].append(time.perf_counter() - t)
             assert np.array_equal(q, kv.quantize(X[f:f + n], spec)), "a bitstream did not decode bit for bit"
         bits = 8 * sum(map(len, payloads[name])) / len(ids)
@@ -108,13 +111,39 @@ def prepare(model, ids, question, chunk_tokens: int, specs, accuracy: dict | Non
                     {k: tuple(v) for k, v in decode_s.items()}, ref_logp, ref_answer)
 
 
-def _encode(X, plan, spec, layout) -> list:
-    """Each chunk's bitstream; the chunks of one length coded side by side (kvcache.codec_encode_many)."""
-    out = {}
-    for n in {n for _, n in plan}:
-        firsts = [f for f, m in plan if m == n]
-        out |= dict(zip(firsts, kv.codec_encode_many(np.stack([X[f:f + n] for f in firsts]), spec, layout)))
-    return [out[f] for f, _ in plan]
+def _head(cache: KVCache, n: int) -> KVCache | None:
+    """The cache's first n tokens (None for none)."""
+    if n == 0:
+        return None
+    return KVCache([k[:, :, :n] for k in cache.k], [v[:, :, :n] for v in cache.v], cache.pos[:n])
+
+
+def _decode_onto(cache: KVCache | None, data: bytes, spec, n_kv: int, first: int, n: int):
+    """A KV chunk's bitstream decoded (raises CorruptStream or ValueError) and its KV put after `cache`:
+    (the quantized integers, the cache with the chunk)."""
+    q = kv.codec_decode(data, spec)
+    part = cs.array_to_kv(kv.dequantize(q, spec), n_kv, pos=torch.arange(first, first + n))
+    return q, part if cache is None else KVCache.cat([cache, part])
+
+
+def _encode(X, plan, spec, layout, keep: bool) -> list:
+    """Each chunk's bitstream; the chunks of one length coded side by side (kvcache.codec_encode_many);
+    keep: cached under a digest of the quantized chunks, the spec and the layout (common.checkpoints)."""
+    from common.checkpoints import cached
+
+    def compute():
+        out = {}
+        for n in {n for _, n in plan}:
+            firsts = [f for f, m in plan if m == n]
+            out |= dict(zip(firsts, kv.codec_encode_many(np.stack([X[f:f + n] for f in firsts]), spec, layout)))
+        return {"streams": [torch.frombuffer(bytearray(out[f]), dtype=torch.uint8) for f, _ in plan]}
+
+    digest = hashlib.sha256()
+    for f, n in plan:
+        digest.update(np.ascontiguousarray(kv.quantize(X[f:f + n], spec)).tobytes())
+    ident = {"symbols": digest.hexdigest(), "spec": spec.fingerprint, "layout": layout, "plan": plan}
+    return cached("wire-streams", ident, compute, use=lambda d, _: [t.numpy().tobytes() for t in d["streams"]],
+                  tag="wire", store=keep)
 
 
 @dataclass(frozen=True)
@@ -258,10 +287,8 @@ def _compute(w: wire.Wire, prep: Prepared, model, res: WireRun, jobs: queue.Queu
             try:
                 if not arrival.crc_ok:
                     raise CorruptStream(f"chunk {i}: its bytes fail their CRC")
-                spec = prep.specs[int(name.removeprefix("level"))]
-                X = kv.dequantize(kv.codec_decode(arrival.data, spec), spec)
-                part = cs.array_to_kv(X, n_kv, pos=torch.arange(first, first + n))
-                cache = part if cache is None else KVCache.cat([cache, part])
+                _, cache = _decode_onto(cache, arrival.data, prep.specs[int(name.removeprefix("level"))], n_kv,
+                                        first, n)
             except (CorruptStream, ValueError) as e:
                 why = f"recomputed: {e}"
         if arrival is None or name == "text" or why is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,19 @@ class WireStudy:
               if a is not None and ch != "text"]
         return sum(c.parts_s["pacing granularity"] for c in runs) / max(n, 1), sum(kv) / max(len(kv), 1), n
 
+    @property
+    def slowdown(self) -> dict:
+        """{"decode", "recompute"}: the seconds a chunk's decode (KV) or recompute (text) took in the runs over
+        the seconds the simulator was fed (measured alone, before the runs), summed over every run's chunks: the
+        compute thread shares the CPU with the link thread and the sender."""
+        out = {}
+        for what, is_text in (("decode", False), ("recompute", True)):
+            pairs = [(m[3] - m[2], s[3] - s[2]) for by in self.runs.values() for c in by.values()
+                     for m, s, ch in zip(c.measured_spans, c.simulated_spans, c.measured_choices)
+                     if (ch == "text") == is_text and c.measured_choices == c.simulated_choices]
+            out[what] = sum(m for m, _ in pairs) / sum(s for _, s in pairs) if pairs else math.nan
+        return out
+
     def json(self) -> dict:
         return {"wire_scale": self.scale,
                 "wire_runs": {t: {p: c.entry() for p, c in by.items()} for t, by in self.runs.items()},
@@ -132,7 +146,7 @@ def study_of(model, ids, question, specs, traces: dict, chunk_tokens: int, scale
     t0 = time.perf_counter()
     scaled = {name: wire.scaled(tr, scale) for name, tr in traces.items()}
     with single_thread():
-        prep = wr.prepare(model, ids, question, chunk_tokens, specs, accuracy, answer_tokens)
+        prep = wr.prepare(model, ids, question, chunk_tokens, specs, accuracy, answer_tokens, keep_streams=True)
         prepare_s = time.perf_counter() - t0
         check = wr.AnswerCheck(prep, model)
         runs = {name: {} for name in scaled}
