@@ -578,7 +578,8 @@ def wire_notes(r, s) -> list[str]:
     out.append(f"Pacing (a benchmark figure, not a test): the sender's last write came {late * 1e3:.2f} ms after the "
                f"token bucket's plan on average ({n} transfers), {pct1(late / transfer)} of a KV chunk's mean transfer "
                f"({transfer * 1e3:.0f} ms, request to last byte).")
-    out.append(f"Sender killed (trace {wire_study.KILL_TRACE}, adaptive) once it had sent {r.kill_after_bytes:,} bytes: "
+    out.append(f"Sender killed (trace {wire_study.KILL_TRACE}, adaptive) once it had sent {r.kill_after_bytes:,} "
+               "bytes: "
                + (f"{k.rows[lost]['lost']}; chunks {lost}-{len(k.rows) - 1} recomputed from the request's text: "
                   f"{compact(k.choices)}, TTFT {k.ttft_s:.2f} s, KL {k.first_token_kl:.4f}, answer "
                   f"{'the full prefill' + chr(39) + 's' if k.same_answer else 'DIFFERENT'}: "
@@ -601,9 +602,9 @@ def show_wire(page: Page, r, s) -> None:
     page.say(f"SmolLM2's KV of a {r.context_tokens}-token context streams from a sender process over a localhost "
              "socket paced to each trace (a token bucket, wire.py), chunk by chunk: a KV chunk is decoded once "
              "its bytes are in, a text chunk recomputed by SmolLM2 on this CPU while the link carries the next. "
-             f"Every bandwidth is divided by {r.scale:g} = {r.kv_ratio:.1f} ({tm.MODELS[wire.LECTURE_MODEL].name}'s FP16 KV "
-             f"bytes per token over SmolLM2's, wire.wire_scale) x {r.scale / r.kv_ratio:.1f} (so that a chunk takes "
-             "about as long on the link as this CPU takes to decode it); the traces keep their shape and times. "
+             f"Every bandwidth is divided by {r.scale:g} = {r.kv_ratio:.1f} ({tm.MODELS[wire.LECTURE_MODEL].name}'s "
+             f"FP16 KV bytes per token over SmolLM2's, wire.wire_scale) x {r.scale / r.kv_ratio:.1f} (so that a chunk "
+             "takes about as long on the link as this CPU takes to decode it); the traces keep their shape and times. "
              f"Adaptive chooses each chunk from the throughput it measured on the socket; SLO {r.slo_s:g} s. Beside "
              "each run, the simulator (streaming.py, the parallel model) on the same scaled trace, fed this CPU's "
              "measured times.")
@@ -630,7 +631,7 @@ def figure_wire(page: Page, r, name: str) -> None:
     runs, trace = r.runs[name], r.traces[name]
     end = max(max(max(c.measured_ttft_s, c.simulated_ttft_s) for c in runs.values()), r.slo_s) * 1.05
     with page.figure("03_wire.png", f"Trace {name!r} over the socket (each policy: measured, then simulated)",
-                     figsize=(8, 6), nrows=2, sharex=True, gridspec_kw={"height_ratios": [1, 2.6]}) as (fig, (top, bot)):
+                     figsize=(8, 6), nrows=2, sharex=True, gridspec_kw={"height_ratios": [1, 2.6]}) as (_, (top, bot)):
         top.step(list(trace.times) + [end], [1e3 * g for g in trace.gbps] + [1e3 * trace.gbps[-1]], where="post",
                  color="k")
         top.set(ylabel="link, Mb/s (scaled)", ylim=(0, 1e3 * max(trace.gbps) * 1.1))
@@ -644,8 +645,8 @@ def figure_wire(page: Page, r, name: str) -> None:
                 if a is not None and b - a > 0:
                     bot.barh(y - 0.2, b - a, left=a, height=0.35, color=COLORS.get(ch), edgecolor="k", lw=0.4)
                 if g0 is not None:
-                    bot.barh(y + 0.2, g1 - g0, left=g0, height=0.35, color="#444444" if ch != "text" else COLORS["text"],
-                             edgecolor="k", lw=0.4, alpha=1 if measured else 0.6)
+                    bot.barh(y + 0.2, g1 - g0, left=g0, height=0.35, edgecolor="k", lw=0.4,
+                             alpha=1 if measured else 0.6, color=COLORS["text"] if ch == "text" else "#444444")
         bot.set_yticks(range(len(labels)), labels, fontsize=7)
         bot.invert_yaxis()
         for a in (top, bot):

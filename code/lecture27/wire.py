@@ -13,8 +13,9 @@ wire_scale(), the ratio of the lecture model's KV bytes per token to the small m
 small model's tokens takes as long on the scaled link as the lecture model's on the real one.
 
 Frames, receiver to sender: START (a run's clock origin and the trace it is paced to: one sender serves
-run after run), REQUEST (chunk, option), STOP. Sender to receiver, per request: DATA pieces (one per paced write), then END (total bytes, the CRC-32 of the
-chunk's own bytes, taken before a fault may flip one; the planned and the actual time of the last write).
+run after run), REQUEST (chunk, option), STOP. Sender to receiver, per request: DATA pieces (one per paced
+write), then END (total bytes, the CRC-32 of the chunk's own bytes, taken before a fault may flip one; the
+planned and the actual time of the last write).
 Every receive has a timeout, and a sender that died (end of stream, reset) or went silent raises WireTimeout.
 """
 from __future__ import annotations

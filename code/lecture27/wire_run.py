@@ -3,10 +3,12 @@ simulator fed this CPU's own times.
 
 prepare() measures a context once on this CPU: each chunk's recompute (the model's prefill of that chunk
 after the exact KV of the chunks before it), its bitstream at every codec level (the sender's payloads,
-in LAYOUT) and each bitstream's decode, and the full prefill's answer (the first token's distribution, the
-greedy tokens). measured_setup() turns those times into a streaming.Setup, so that the simulator runs with them.
+in LAYOUT) and each bitstream's decode (put after the KV before it, as a run does), and the full prefill's
+answer (the first token's distribution, the greedy tokens). measured_setup() turns those times into a
+streaming.Setup, so that the simulator runs with them.
 
-run() streams the context through a Wire. Two threads work at once, as the simulator's parallel model
+run() streams the context through a Wire (its own, or one whose sender serves run after run), then checks
+the answer its KV gives (AnswerCheck: once per distinct KV). Two threads work at once, as the simulator's parallel model
 says: the link thread decides each chunk as soon as the previous one's last byte is in and asks the
 sender for it; the compute thread decodes each KV chunk once its bytes are in (kvcache.codec_decode), or
 recomputes a text chunk after the chunks before it, in order. The adaptive policy is streaming's rule

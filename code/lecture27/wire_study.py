@@ -6,9 +6,10 @@ each policy, and beside each run the simulator fed this CPU's measured recompute
 (streaming_page.show_wire) shows it.
 
 The codec's levels are fitted once (wire_specs, cached in the checkpoint folder: a codec is no timing);
-every time is measured in the run that prints it. The context is a RAG item of common/english.py (its key passages, then its distractors, then calibration
-prose to fill it), read as one prompt in SmolLM2's chat format; the question follows it, and the greedy
-answer of a full prefill is the reference every run's answer is checked against. Everything runs on one
+every time is measured in the run that prints it. The context is a RAG item of common/english.py (its key
+passages, then its distractors, then calibration prose to fill it), read as one prompt in SmolLM2's chat
+format; the question follows it, and the greedy answer of a full prefill is the reference every run's answer
+is checked against. Everything runs on one
 torch thread (common.llama.single_thread): the compute thread, the link thread and the sender process
 share this CPU's cores, and a torch thread waiting for a busy core stalls every step.
 """
@@ -30,8 +31,8 @@ import wire
 import wire_run as wr
 
 POLICIES = ("adaptive", *(f"level{i}" for i in range(kv.N_LEVELS)), "text")
-KILL_TRACE = "handout"     # the kill-the-sender run: this trace (every study has it), the adaptive policy, the sender dying inside
-KILL_CHUNK = 1             # ... this chunk's transfer (at the choices the same trace's adaptive run made)
+KILL_TRACE = "handout"     # the kill-the-sender run: this trace (every study has it), the adaptive policy, the
+KILL_CHUNK = 1             # sender dying inside this chunk's transfer (at the choices the trace's adaptive run made)
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,8 @@ def study_of(model, ids, question, specs, traces: dict, chunk_tokens: int, scale
                       faults=wire.Faults(die_after_bytes=kill_after), check=check)
     return WireStudy(scale, wire.wire_scale(model.cfg.kv_bytes_per_token()), len(ids), chunk_tokens, slo_s, wr.LAYOUT,
                      prep.options, prep.recompute_s, prep.decode_s, scaled, runs, kill, kill_after, words(question),
-                     words(prep.ref_answer), len(prep.ref_answer), check.computed, check.reused, prepare_s, time.perf_counter() - t0)
+                     words(prep.ref_answer), len(prep.ref_answer), check.computed, check.reused, prepare_s,
+                     time.perf_counter() - t0)
 
 
 def kill_bytes(prep: wr.Prepared, choices: list) -> int:
