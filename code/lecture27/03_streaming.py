@@ -39,9 +39,10 @@ Part 5 (§4.2 over a real connection, as CacheGen's evaluation streams real bits
         CPU's measured recompute and decode times, the cause of every gap above 10% named; a sender killed
         mid-stream; the answer checked against a full prefill. About a minute on a busy 2-core machine.
 The codec's four levels come from codec_study.codec_levels() (measured by 02 on the record-world model) and,
-for Parts 2c and 5, codec_real.real_codec_levels() (fitted on first use, about a minute, then cached); the
-simulation, the policy and the oracle are in streaming.py, the socket and the runs on it in wire.py,
-wire_run.py and wire_study.py. Recompute times: common/timemodel.py.
+for Parts 2c and 5, codec_real.real_codec_levels() (fitted on first use, about a minute, then cached; Part 5's
+codec tables at those levels: wire_study.wire_specs(), the same way); the simulation, the policy and the
+oracle are in streaming.py, the socket and the runs on it in wire.py, wire_run.py and wire_study.py.
+Recompute times: common/timemodel.py.
 This file holds the inputs (the constants, the command line) and one function per Part; what each Part asks
 of streaming.py is in streaming_study.py, how it is shown (tables, notes, figures, --json) in streaming_page.py.
 """

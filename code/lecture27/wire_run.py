@@ -200,6 +200,7 @@ class AnswerCheck:
     def __init__(self, prep: Prepared, model):
         self.prep, self.model, self.seen = prep, model, {}
         self.computed = self.reused = 0
+        self.seconds = 0.0                # spent answering
 
     def __call__(self, cache: KVCache) -> tuple[float, bool]:
         h = hashlib.sha256()
@@ -209,7 +210,9 @@ class AnswerCheck:
         if key in self.seen:
             self.reused += 1
             return self.seen[key]
+        t = time.perf_counter()
         first, answer = _greedy(self.model, cache, self.prep.question, len(self.prep.ref_answer))
+        self.seconds += time.perf_counter() - t
         self.computed += 1
         self.seen[key] = float(kl_divergence(self.prep.ref_logp, first)), answer == self.prep.ref_answer
         return self.seen[key]

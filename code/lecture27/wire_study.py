@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ class WireStudy:
     answer_tokens: int         # ... its tokens
     answers_computed: int      # distinct KVs whose answer was computed (AnswerCheck); the other runs' KV equals one
     answers_reused: int
+    answers_s: float           # wall seconds: answering
     prepare_s: float           # wall seconds: measuring the context (wire_run.prepare)
     seconds: float             # wall seconds: the whole study (wire_study(): the model's loading included)
 
@@ -112,10 +114,11 @@ class WireStudy:
 
 def context_of(tok, item, context_tokens: int) -> tuple[list, list]:
     """(context ids, question ids): the chat prefix, the item's key passages and distractors, calibration
-    prose after them, cut to context_tokens; then the item's question (common.english.question_text)."""
+    prose after them (again from its start when a context is longer than all of it), cut to context_tokens;
+    then the item's question (common.english.question_text)."""
     from common.english import CALIBRATION, CHAT_PREFIX, question_text
     text = CHAT_PREFIX + "\n\n".join(item.key_passages + item.distractors)
-    filler = iter(CALIBRATION)
+    filler = itertools.cycle(CALIBRATION)
     while len(ids := tok.encode(text + "\n\n").ids) < context_tokens:
         text += "\n\n" + next(filler)
     return ids[:context_tokens], tok.encode(question_text(item)).ids
@@ -163,7 +166,7 @@ def study_of(model, ids, question, specs, traces: dict, chunk_tokens: int, scale
                       faults=wire.Faults(die_after_bytes=kill_after), check=check)
     return WireStudy(scale, wire.wire_scale(model.cfg.kv_bytes_per_token()), len(ids), chunk_tokens, slo_s, wr.LAYOUT,
                      prep.options, prep.recompute_s, prep.decode_s, scaled, runs, kill, kill_after, words(question),
-                     words(prep.ref_answer), len(prep.ref_answer), check.computed, check.reused, prepare_s,
+                     words(prep.ref_answer), len(prep.ref_answer), check.computed, check.reused, check.seconds, prepare_s,
                      time.perf_counter() - t0)
 
 
