@@ -136,21 +136,23 @@ def wire_study(traces: dict, context_tokens: int, chunk_tokens: int, scale: floa
     model, tok, _ = load_gguf_llama(path)
     ids, question = context_of(tok, RAG_ITEMS[item], context_tokens)
     r = study_of(model, ids, question, wire_specs(path), traces, chunk_tokens, scale, slo_s, accuracy, answer_tokens,
-                 policies, lambda x: tok.decode(list(x)))
+                 policies, lambda x: tok.decode(list(x)), keep_streams=True)
     return dataclasses.replace(r, question=RAG_ITEMS[item].question, seconds=time.perf_counter() - t0)
 
 
 def study_of(model, ids, question, specs, traces: dict, chunk_tokens: int, scale: float, slo_s: float,
              accuracy: dict | None = None, answer_tokens: int = wr.ANSWER_TOKENS, policies=POLICIES,
-             words=lambda x: " ".join(map(str, x))) -> WireStudy:
+             words=lambda x: " ".join(map(str, x)), keep_streams: bool = False) -> WireStudy:
     """Every trace (name -> trace at the lecture's bandwidths, divided by `scale` here) x policy streamed over
     one sender, the context measured first on this CPU (wire_run.prepare), then the kill-the-sender run on
-    KILL_TRACE. accuracy: level -> the quality a chunk at that level counts for; words: token ids -> text."""
+    KILL_TRACE. accuracy: level -> the quality a chunk at that level counts for; words: token ids -> text;
+    keep_streams: as prepare takes it."""
     from common.llama import single_thread
     t0 = time.perf_counter()
     scaled = {name: wire.scaled(tr, scale) for name, tr in traces.items()}
     with single_thread():
-        prep = wr.prepare(model, ids, question, chunk_tokens, specs, accuracy, answer_tokens, keep_streams=True)
+        prep = wr.prepare(model, ids, question, chunk_tokens, specs, accuracy, answer_tokens,
+                          keep_streams=keep_streams)
         prepare_s = time.perf_counter() - t0
         check = wr.AnswerCheck(prep, model)
         runs = {name: {} for name in scaled}
