@@ -397,3 +397,23 @@ def test_settings_are_the_constants_and_the_flags(monkeypatch):
     monkeypatch.setattr(s3, "CHUNK_SIZES", [256, 512])
     s, _, _ = s3.parse(["--chunk-tokens", "512"])
     assert s.context == 8192 and s.chunk_sizes == (256, 512)
+
+
+def test_the_wire_part_reads_its_constants_and_flags(monkeypatch):
+    """Part 5's inputs: each WIRE_ constant a setting, each --wire- flag overriding its constant, and the study
+    handed the handout's trace (or --trace's), the steady link and the suite's traces WIRE_SUITE_TRACES names."""
+    s, shipped, _ = s3.parse(["--wire-scale", "250", "--wire-slo", "2", "--wire-chunk-tokens", "16"])
+    assert dataclasses.replace(shipped, wire_scale=250.0, wire_slo=2.0, wire_chunk_tokens=16) == s
+    monkeypatch.setattr(s3, "WIRE_CONTEXT", 96)
+    monkeypatch.setattr(s3, "WIRE_SUITE_TRACES", (2, 7))
+    s, _, _ = s3.parse(["--trace-suite", "3"])
+    assert s.wire_context == 96 and s.wire_suite_traces == (2, 7)
+    seen = {}
+    monkeypatch.setattr(s3.wire_study, "wire_study", lambda traces, *a: seen.update(traces=traces, args=a))
+    levels = s3.study.Levels([{"level": i, "accuracy": a} for i, a in enumerate((0.9, 0.8, 0.7, 0.6))], "SmolLM2", 1.0,
+                             "exact")
+    s3.part5_wire(s, levels)
+    suite = s3.st.trace_suite(8, s.suite_seed, s.suite_gbps, s.suite_dwell_s, s.suite_jump, s.suite_horizon_s)
+    assert seen["traces"] == {"handout": s3.study.trace_from(s.trace), "steady": s3.st.Trace.steady(s.steady_gbps),
+                              "suite 2": suite[2], "suite 7": suite[7]}
+    assert seen["args"][:5] == (96, s3.WIRE_CHUNK_TOKENS, s3.WIRE_SCALE, s3.WIRE_SLO, {0: 0.9, 1: 0.8, 2: 0.7, 3: 0.6})

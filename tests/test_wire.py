@@ -10,25 +10,34 @@ import torch
 import codec_study as cs
 import kvcache as kv
 import streaming as st
+import streaming_page as sp
 import wire
 import wire_run as wr
+import wire_study as ws
 from common.llama import Llama, LlamaConfig
+from common.present import Page
 
 SLOW = st.Trace((0.0, 0.05), (0.0008, 0.0003))   # Gb/s: a 6 KB chunk takes 60-160 ms
 SLO_S = 0.3
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    """(model, Prepared): 96 tokens in 4 chunks of 24, a codec of 4 levels fitted on the model's own KV."""
+def tiny_inputs():
+    """(model, context ids, question ids, specs): 96 tokens, a codec of 4 levels fitted on the model's own KV."""
     torch.manual_seed(0)
     model = Llama(LlamaConfig(vocab_size=97)).eval()
     rng = np.random.default_rng(0)
     Xc = cs.context_kv(model, rng.integers(0, 97, (8, 40)))
     rms = kv.kv_rms(Xc)
     specs = [kv.fit_codec(Xc, rms * 0.05 * kv.LEVEL_FACTOR ** i, True, level=i) for i in range(kv.N_LEVELS)]
-    prep = wr.prepare(model, rng.integers(0, 97, 96).tolist(), rng.integers(0, 97, 4).tolist(), 24, specs)
-    return model, prep
+    return model, rng.integers(0, 97, 96).tolist(), rng.integers(0, 97, 4).tolist(), specs
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_inputs):
+    """(model, Prepared): the 96 tokens in 4 chunks of 24."""
+    model, ids, question, specs = tiny_inputs
+    return model, wr.prepare(model, ids, question, 24, specs)
 
 
 def test_wire_scale_divides_bandwidths_only():
@@ -130,3 +139,49 @@ def test_measured_beside_simulated_from_real_runs(tiny, policy):
     gap = abs(row.measured_ttft_s - row.simulated_ttft_s) > wr.GAP_SHARE * row.measured_ttft_s
     assert (row.cause is not None) == gap
     assert row.cause is None or row.cause in row.parts_s or row.cause.startswith("choices")
+
+
+def test_the_study_and_its_table_are_built_from_real_runs(tiny_inputs, monkeypatch):
+    """wire_study.study_of on the tiny model, two traces x three policies: every chunk a run lists crossed a
+    socket (each Wire.fetch is recorded as it happens, and the runs' link spans are those fetches' times, in
+    order), the kill run lost a real sender, the --json holds exactly the spec's keys, and 03's table shows
+    these runs."""
+    model, ids, question, specs = tiny_inputs
+    fetched, real_fetch = [], wire.Wire.fetch
+
+    def recording(self, chunk, option):
+        a = real_fetch(self, chunk, option)
+        fetched.append((chunk, option, a.asked, a.last_byte))
+        return a
+
+    monkeypatch.setattr(wire.Wire, "fetch", recording)
+    policies = ("adaptive", "level0", "text")
+    lecture = {"handout": st.Trace((0.0, 0.05), (0.8, 0.3)), "steady": st.Trace.steady(0.8)}   # / 1000: SLOW's rates
+    r = ws.study_of(model, ids, question, specs, lecture, 24, 1000.0, SLO_S, policies=policies)
+    assert r.traces["handout"] == SLOW
+    listed = [(i, ch, a, b) for by in r.runs.values() for c in by.values()
+              for i, (ch, (a, b, _, _)) in enumerate(zip(c.measured_choices, c.measured_spans))]
+    assert fetched[:len(listed)] == listed              # the study's runs, then the kill run's fetches
+    assert len(fetched) > len(listed) and r.kill.rows[ws.KILL_CHUNK]["lost"].startswith(f"chunk {ws.KILL_CHUNK}")
+    assert "connection lost" in r.kill.rows[ws.KILL_CHUNK]["lost"] and r.kill_ok and r.bytes_equal
+    for by in r.runs.values():
+        assert by["level0"].measured_choices == by["level0"].simulated_choices == ["level0"] * 4
+        assert by["text"].measured_choices == ["text"] * 4 and by["text"].same_answer
+    j = r.json()
+    assert set(j) == {"wire_scale", "wire_runs", "wire_bytes_equal", "wire_kill_fallback_ok", "wire_first_token_kl"}
+    assert j["wire_scale"] == 1000.0 and j["wire_kill_fallback_ok"] is True and j["wire_bytes_equal"] is True
+    assert {t: set(by) for t, by in j["wire_runs"].items()} == {t: set(policies) for t in lecture}
+    assert j["wire_first_token_kl"] == max(c.first_token_kl for by in r.runs.values() for c in by.values())
+    assert 0 < r.answers_computed < len(policies) * len(lecture) + 1 and r.answers_reused > 0
+
+    page = Page("03", "test", "§4", plot=False)
+    sp.show_wire(page, r, None)
+    table = page.tables[-1]
+    cells = {(row.cells[0], row.cells[1]): row.cells for row in table.rows}
+    assert set(cells) == {(t, p) for t in lecture for p in policies}
+    for (t, p), row in cells.items():
+        c = r.runs[t][p]
+        assert row[2:5] == [c.measured_ttft_s, c.simulated_ttft_s, c.simulated_ttft_s / c.measured_ttft_s - 1]
+        assert row[11] == (c.cause or "")
+    assert page.json()["wire_runs"] == j["wire_runs"]
+    assert any("falls back and answers right" in n for n in table.notes)

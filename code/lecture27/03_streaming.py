@@ -5,9 +5,10 @@ whose bandwidth changes while a context streams in.
     python code/lecture27/03_streaming.py --json out.json       # + headline figures as JSON
     python code/lecture27/03_streaming.py --trace my.csv --slo 3 --chunk-tokens 1024
     python code/lecture27/03_streaming.py --long-context 65536  # Part 2b with a 64K-token context
-    python code/lecture27/03_streaming.py --no-real             # without Part 2c (no SmolLM2 needed)
+    python code/lecture27/03_streaming.py --no-real             # without Parts 2c and 5 (no SmolLM2 needed)
     python code/lecture27/03_streaming.py --trace-suite 200     # + Part 4: 200 random traces, CDF figure
     python code/lecture27/03_streaming.py --serial              # one chunk at a time: the link idle during a recompute
+    python code/lecture27/03_streaming.py --wire-scale 250      # Part 5 on a link twice as fast
 
 Part 1 (§4.1, pitfall 1): LLaMA-3.1-70B on 4 x A100 fetching a 12K-token context over a steady link:
         time to first token sending text (then recomputing), raw KV, or KV at each codec level; the
@@ -30,9 +31,18 @@ Part 4 (§4.2 on many traces, --trace-suite N): one trace shows a mechanism, not
         contexts x both level sets, and per policy the SLO-violation rate, TTFT, quality and recomputed
         tokens, a CDF of TTFT, and the promise checked: adaptive meets the SLO wherever a fixed policy does;
         then the SLO misses and mean TTFT of both models side by side.
+Part 5 (§4.2 over a real connection, as CacheGen's evaluation streams real bitstreams over a shaped link):
+        SmolLM2's KV of a WIRE_CONTEXT-token context, coded at Part 2c's levels, streamed chunk by chunk
+        through a localhost socket paced by a sender process (wire.py) to the handout's trace, a steady one
+        and two of the suite's, bandwidths divided by WIRE_SCALE; each policy, its text chunks recomputed
+        for real on this CPU, its KV chunks decoded as they arrive; beside each run the simulator fed this
+        CPU's measured recompute and decode times, the cause of every gap above 10% named; a sender killed
+        mid-stream; the answer checked against a full prefill. About a minute on a busy 2-core machine.
 The codec's four levels come from codec_study.codec_levels() (measured by 02 on the record-world model) and,
-for Part 2c, codec_real.real_codec_levels() (fitted on first use, about a minute, then cached); the
-simulation, the policy and the oracle are in streaming.py. Recompute times: common/timemodel.py.
+for Parts 2c and 5, codec_real.real_codec_levels() (fitted on first use, about a minute, then cached; Part 5's
+codec tables at those levels: wire_study.wire_specs(), the same way); the simulation, the policy and the
+oracle are in streaming.py, the socket and the runs on it in wire.py, wire_run.py and wire_study.py.
+Recompute times: common/timemodel.py.
 This file holds the inputs (the constants, the command line) and one function per Part; what each Part asks
 of streaming.py is in streaming_study.py, how it is shown (tables, notes, figures, --json) in streaming_page.py.
 """
@@ -50,12 +60,13 @@ import codec_real as cr  # noqa: E402
 import codec_study  # noqa: E402
 import streaming as st  # noqa: E402
 import streaming_study as study  # noqa: E402
+import wire_study  # noqa: E402
 from common.cli import (Parser, fail, nonneg_int, positive_float, positive_int, settings_from,  # noqa: E402
                         shipped_defaults)
 from common.gguf_llama import smollm2_or_explain  # noqa: E402
 from common.present import Page  # noqa: E402
 from streaming_page import (show_models, show_part1, show_part2, show_part2_long,  # noqa: E402
-                            show_part2_real, show_part3, show_part4, show_setup, show_skipped)
+                            show_part2_real, show_part3, show_part4, show_setup, show_skipped, show_wire)
 
 K = 1024
 # ---- Part 1 (§4.1)
@@ -86,6 +97,17 @@ SUITE_DWELL_S = (0.1, 2.0)     # each state lasts a uniform time in this range
 SUITE_JUMP = 0.2               # chance that a change jumps to any state (else to a neighbouring one)
 SUITE_HORIZON_S = 30.0         # traces are drawn this far; the last rate then holds
 SUITE_EXCEPTIONS_SHOWN = 10    # at most this many broken promises printed per context and level set
+# ---- Part 5 (§4.2 over a real connection: SmolLM2 on this CPU, a paced localhost socket)
+WIRE_CONTEXT = 128             # tokens of context (SmolLM2 holds 8,192; each chunk decodes or recomputes for real)
+WIRE_CHUNK_TOKENS = 32         # tokens per chunk: 4 chunks, each run about a second on this CPU
+WIRE_SCALE = 500.0             # every bandwidth of a trace divided by this: 14.2 (LLaMA-3.1-70B's KV bytes per
+                               # token over SmolLM2's) x 35 (so that SmolLM2's chunks take about as long on the
+                               # link as this CPU takes to decode them)
+WIRE_SLO = 1.5                 # seconds: the runs' SLO
+WIRE_SUITE_TRACES = (4, 15)    # the two of the suite's traces (SUITE_SEED's, numbered from 0): a rising, a falling
+WIRE_ITEM = 2                  # the RAG item (common/english.py) whose passages open the context
+WIRE_ANSWER_TOKENS = 4         # greedy tokens of the answer compared with the full prefill's
+SMOLLM2_WINDOW = 8192          # SmolLM2's context window (its model card)
 # ---- files instead of the constants above
 TRACE_FILE = None              # --trace FILE: a CSV trace instead of TRACE
 LEVELS_FILE = None             # --levels FILE: a JSON list of levels instead of the codec's (exercises, tests)
@@ -122,6 +144,13 @@ class Settings:
     suite_jump: float
     suite_horizon_s: float
     suite_exceptions_shown: int
+    wire_context: int
+    wire_chunk_tokens: int
+    wire_scale: float
+    wire_slo: float
+    wire_suite_traces: tuple
+    wire_item: int
+    wire_answer_tokens: int
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -142,14 +171,25 @@ def parse(argv=None) -> tuple:
     p.add_argument("--trace-suite", dest="suite_traces", type=nonneg_int, default=SUITE_TRACES, metavar="N",
                    help="Part 4: N random traces (0: skip)")
     p.add_argument("--suite-seed", type=nonneg_int, default=SUITE_SEED, help="the trace suite's random seed")
-    p.add_argument("--no-real", action="store_true", help="skip Part 2c (levels measured on SmolLM2)")
+    p.add_argument("--no-real", action="store_true", help="skip Parts 2c and 5 (SmolLM2's levels, SmolLM2 on a socket)")
     p.add_argument("--serial", dest="parallel", action="store_false", default=PARALLEL,
                    help="one chunk at a time: the link waits while the GPU recomputes (default: both work at once)")
+    p.add_argument("--wire-context", type=positive_int, default=WIRE_CONTEXT,
+                   help=f"Part 5: tokens of context (at most {SMOLLM2_WINDOW // 2}, half SmolLM2's window)")
+    p.add_argument("--wire-chunk-tokens", type=positive_int, default=WIRE_CHUNK_TOKENS, help="Part 5: tokens per chunk")
+    p.add_argument("--wire-scale", type=positive_float, default=WIRE_SCALE,
+                   help="Part 5: every bandwidth of a trace divided by this")
+    p.add_argument("--wire-slo", type=positive_float, default=WIRE_SLO, help="Part 5: the runs' SLO, seconds")
     a = p.parse_args(argv)
     if a.chunk_tokens > CONTEXT:
         p.error(f"argument --chunk-tokens: at most the context, {CONTEXT}")
     if a.long_context > MAX_CONTEXT:
         p.error(f"argument --long-context: at most {MAX_CONTEXT} (LLaMA-3.1's context window)")
+    if a.wire_context > SMOLLM2_WINDOW // 2:
+        p.error(f"argument --wire-context: at most {SMOLLM2_WINDOW // 2} (half SmolLM2's window, the rest for the "
+                "question and the answer)")
+    if a.wire_chunk_tokens > a.wire_context:
+        p.error(f"argument --wire-chunk-tokens: at most the context, {a.wire_context}")
     return (settings_from(Settings, a, globals(), trace=load_trace(a.trace_file)),
             shipped_defaults(Settings, globals()), a)
 
@@ -249,6 +289,17 @@ def part4(s: Settings, level_sets: list) -> study.Suite:
                        s.slo, s.parallel)
 
 
+def part5_wire(s: Settings, real: study.Levels) -> wire_study.WireStudy:
+    """§4.2 over a real connection: the handout's trace, a steady one and WIRE_SUITE_TRACES of the suite,
+    each policy on a paced socket and in the simulator fed this CPU's times; then the sender killed."""
+    suite = st.trace_suite(max(s.wire_suite_traces) + 1, s.suite_seed, s.suite_gbps, s.suite_dwell_s, s.suite_jump,
+                           s.suite_horizon_s)
+    traces = {"handout": study.trace_from(s.trace), "steady": st.Trace.steady(s.steady_gbps),
+              **{f"suite {i}": suite[i] for i in s.wire_suite_traces}}
+    return wire_study.wire_study(traces, s.wire_context, s.wire_chunk_tokens, s.wire_scale, s.wire_slo,
+                                 {lv["level"]: lv["accuracy"] for lv in real.levels}, s.wire_answer_tokens, s.wire_item)
+
+
 # -------------------------------------------------------------------------------------------- main
 def main(argv=None) -> Page:
     """Each Part computed, then shown; the page (its tables, notes and --json) is returned for tests."""
@@ -268,6 +319,9 @@ def main(argv=None) -> Page:
     show_part3(page, part3(s, lv), s)                                   # §4.2, chunk size
     if s.suite_traces:
         show_part4(page, part4(s, [lv] + [real] * bool(real)), s)       # §4.2 on many traces
+    if real:
+        show_wire(page, part5_wire(s, real), s)                         # §4.2 over a real connection
+    show_skipped(page, skipped, "Part 5 (§4.2 over a real connection)")
     show_setup(page, s)
     page.finish(a.json)
     return page

@@ -8,10 +8,13 @@ import math
 
 import streaming as st
 import streaming_study as study
+import wire
+import wire_run as wr
+import wire_study
 from codec_real import REAL_MAX_KL
 from common import timemodel as tm
 from common.present import (DASH, Chart, Col, Field, Handout, Page, Ref, Row, Series, Table, Val, cdf, change,
-                            chart_figure, cols, handout, handout_text, plural, table_of)
+                            chart_figure, cols, handout, handout_text, pct0, pct1, plural, table_of)
 
 K = 1024
 # The handout's figures beside ours, each with the inputs it holds for: an edit of one of them blanks it.
@@ -375,9 +378,9 @@ def show_part2_real(page: Page, run: study.TraceRun, s) -> None:
                  "Trace and each chunk's choice, levels measured on SmolLM2")
 
 
-def show_skipped(page: Page, skipped: list) -> None:
+def show_skipped(page: Page, skipped: list, part: str = "Part 2c (§4.2 with real levels)") -> None:
     for why in skipped:
-        page.say(f"Part 2c (§4.2 with real levels) skipped: {why}")
+        page.say(f"{part} skipped: {why}")
 
 
 # ------------------------------------------------------------------------------------------ Part 2d
@@ -523,6 +526,133 @@ def suite_models(page: Page, suite: study.Suite) -> None:
                      "§4.2", cols("levels, context", "policy", ("parallel: missed", "{:.1%}"),
                                   ("serial: missed", "{:.1%}"), ("parallel: TTFT s", "{:.2f}"),
                                   ("serial: TTFT s", "{:.2f}")), rows, "streaming_study.in_model", notes))
+
+
+# ------------------------------------------------------------------------------------------ Part 5
+def gap(c) -> float:
+    """Simulated TTFT against measured, as a share of the measured (positive: the simulator is slower)."""
+    return c.simulated_ttft_s / c.measured_ttft_s - 1
+
+
+def wire_inputs_table(r) -> Table:
+    """What the simulator was fed: per option its size as coded here, its decode or recompute measured."""
+    n = len(r.recompute_s)
+    rows = [Row([o.name, o.bits_per_token, o.bits_per_token * r.chunk_tokens / 8 / K,
+                 None if o.recompute else 1e3 * sum(r.decode_s[o.name]) / n,
+                 1e3 * sum(r.recompute_s) / n if o.recompute else None, o.accuracy]) for o in r.options]
+    return Table(
+        f"Measured on this CPU before the runs (one torch thread), {n} chunks of {r.chunk_tokens} tokens: each level's "
+        f"bitstream ({r.layout} layout: one stream per (layer, K/V, channel) of a group, as a GPU decoder runs "
+        "them), its decode, and each chunk's recompute after the chunks before it; accuracy: Part 2c's agreement "
+        "with FP16 (the policy's quality).", "§4.2",
+        cols("option", ("bits/token", "{:,.0f}"), ("KiB/chunk", "{:.1f}"), ("decode ms/chunk", "{:.0f}"),
+             ("recompute ms/chunk", "{:.0f}"), ("accuracy", "{:.3f}")), rows, "wire_run.prepare")
+
+
+def wire_notes(r, s) -> list[str]:
+    """The gaps and their causes counted, the steady trace's verdict, the pacing, the kill run, the answer."""
+    runs = [(t, p, c) for t, by in r.runs.items() for p, c in by.items()]
+    off = [(t, p, c) for t, p, c in runs if c.cause is not None]
+    causes = {}
+    for _, _, c in off:
+        causes[c.cause] = causes.get(c.cause, 0) + 1
+    steady = r.runs.get("steady", {})
+    within = sum(abs(gap(c)) <= wr.GAP_SHARE for c in steady.values())
+    late, transfer, n = r.pacing
+    k, lost = r.kill, next((i for i, x in enumerate(r.kill.rows) if x["lost"] is not None), None)
+    out = [f"gap: simulated / measured - 1. Measured and simulated differ by more than {wr.GAP_SHARE:.0%} in "
+           f"{len(off)} of {len(runs)} runs; cause: the largest part of the gap measured in the run (wire_run.parts: "
+           "decode or recompute time against the times the simulator was fed, pacing granularity, TCP, Python "
+           "overhead), or the choices when the socket's throughput led the policy elsewhere"
+           + (": " + ", ".join(f"{c} x{m}" for c, m in sorted(causes.items(), key=lambda x: -x[1])) if causes else "")
+           + "."]
+    slow = r.slowdown
+    out.append(f"    In the runs a KV chunk's decode took {slow['decode']:.2f}x, a text chunk's recompute "
+               f"{slow['recompute']:.2f}x the time measured alone before them (the simulator's): the compute thread "
+               "shares this CPU with the link thread, the sender process and whatever else runs.")
+    if steady:
+        out.append(f"Steady trace: the simulator within {wr.GAP_SHARE:.0%} of the measurement in {within} of "
+                   f"{len(steady)} policies" + ("." if within == len(steady) else "; " + "; ".join(
+                       f"{p} {pct0(gap(c))} ({c.cause})" for p, c in steady.items()
+                       if abs(gap(c)) > wr.GAP_SHARE) + "."))
+    out.append(f"Pacing (a benchmark figure, not a test): the sender's last write came {late * 1e3:.2f} ms after the "
+               f"token bucket's plan on average ({n} transfers), {pct1(late / transfer)} of a KV chunk's mean transfer "
+               f"({transfer * 1e3:.0f} ms, request to last byte).")
+    out.append(f"Sender killed (trace {wire_study.KILL_TRACE}, adaptive) once it had sent {r.kill_after_bytes:,} "
+               "bytes: "
+               + (f"{k.rows[lost]['lost']}; chunks {lost}-{len(k.rows) - 1} recomputed from the request's text: "
+                  f"{compact(k.choices)}, TTFT {k.ttft_s:.2f} s, KL {k.first_token_kl:.4f}, answer "
+                  f"{'the full prefill' + chr(39) + 's' if k.same_answer else 'DIFFERENT'}: "
+                  f"{'falls back and answers right' if r.kill_ok else 'FAILED'}." if lost is not None else
+                  "the run never lost its sender: FAILED."))
+    out.append(f"Answer: {r.question!r} -> full prefill {r.answer!r} ({r.answer_tokens} greedy tokens); "
+               f"KL: the first answer token's KL(full prefill || run). Each run's answer is that of its own KV: "
+               f"{r.answers_computed} distinct KVs answered, {r.answers_reused} runs' KV equal bit for bit to one of "
+               f"them. Bytes received equal bytes sent in every run: {'yes' if r.bytes_equal else 'NO'}.")
+    out.append(f"This Part took {r.seconds:.0f} s on this machine: {r.prepare_s:.0f} s measuring the context, "
+               f"{sum(c.measured_ttft_s for by in r.runs.values() for c in by.values()) + r.kill.ttft_s:.0f} s "
+               f"streaming, {r.answers_s:.0f} s answering, the rest the model's loading and the senders' start.")
+    return out
+
+
+def show_wire(page: Page, r, s) -> None:
+    """Part 5: the runs over the socket beside the simulator, what it was fed, the causes, the timeline."""
+    page.part("Part 5", "§4.2 over a real connection", f"SmolLM2's KV through a paced socket on this machine, "
+              f"{len(r.traces)} traces x {len(next(iter(r.runs.values())))} policies")
+    page.say(f"SmolLM2's KV of a {r.context_tokens}-token context streams from a sender process over a localhost "
+             "socket paced to each trace (a token bucket, wire.py), chunk by chunk: a KV chunk is decoded once "
+             "its bytes are in, a text chunk recomputed by SmolLM2 on this CPU while the link carries the next. "
+             f"Every bandwidth is divided by {r.scale:g} = {r.kv_ratio:.1f} ({tm.MODELS[wire.LECTURE_MODEL].name}'s "
+             f"FP16 KV bytes per token over SmolLM2's, wire.wire_scale) x {r.scale / r.kv_ratio:.1f} (so that a chunk "
+             "takes about as long on the link as this CPU takes to decode it); the traces keep their shape and times. "
+             f"Adaptive chooses each chunk from the throughput it measured on the socket; SLO {r.slo_s:g} s. Beside "
+             "each run, the simulator (streaming.py, the parallel model) on the same scaled trace, fed this CPU's "
+             "measured times.")
+    page.table(wire_inputs_table(r))
+    rows = [Row([t, p, c.measured_ttft_s, c.simulated_ttft_s, gap(c), c.measured_choices, c.simulated_choices,
+                 c.measured_slo_met, c.simulated_slo_met, c.first_token_kl, c.same_answer, c.cause or ""],
+                key=f"{t}/{p}") for t, by in r.runs.items() for p, c in by.items()]
+    page.table(Table(
+        "Measured on the socket against simulated with this CPU's times: TTFT (context ready), choices, SLO verdicts; "
+        "KL and answer: of the run's KV; cause: of a gap above 10%.", "§4.2",
+        [Col("trace"), Col("policy"), Col("measured s", "{:.3f}"), Col("simulated s", "{:.3f}"),
+         Col("gap", lambda x: f"{x:+.0%}"), Col("measured", runs_of, left=True), Col("simulated", runs_of, left=True),
+         Col("SLO meas.", met), Col("SLO sim.", met), Col("KL", "{:.4f}"), Col("answer", lambda x: "same" if x
+                                                                              else "DIFFERS"),
+         Col("cause", left=True)], rows, "wire_study.wire_study", wire_notes(r, s), r.json()))
+    figure_wire(page, r, "handout")
+
+
+def figure_wire(page: Page, r, name: str) -> None:
+    """One trace's runs, measured against simulated: the scaled trace above; per policy and chunk, its link
+    span (coloured by what it fetched) above its decode or recompute span (dark), measured then simulated."""
+    if not page.plot or name not in r.runs:
+        return
+    runs, trace = r.runs[name], r.traces[name]
+    end = max(max(max(c.measured_ttft_s, c.simulated_ttft_s) for c in runs.values()), r.slo_s) * 1.05
+    with page.figure("03_wire.png", f"Trace {name!r} over the socket (each policy: measured, then simulated)",
+                     figsize=(8, 6), nrows=2, sharex=True, gridspec_kw={"height_ratios": [1, 2.6]}) as (_, (top, bot)):
+        top.step(list(trace.times) + [end], [1e3 * g for g in trace.gbps] + [1e3 * trace.gbps[-1]], where="post",
+                 color="k")
+        top.set(ylabel="link, Mb/s (scaled)", ylim=(0, 1e3 * max(trace.gbps) * 1.1))
+        labels = []
+        for y, (p, c) in enumerate((p, c) for p, c in runs.items() for _ in (0, 1)):
+            measured = y % 2 == 0
+            spans, choices = (c.measured_spans, c.measured_choices) if measured else (c.simulated_spans,
+                                                                                       c.simulated_choices)
+            labels.append(f"{p} ({'wire' if measured else 'sim.'})")
+            for (a, b, g0, g1), ch in zip(spans, choices):
+                if a is not None and b - a > 0:
+                    bot.barh(y - 0.2, b - a, left=a, height=0.35, color=COLORS.get(ch), edgecolor="k", lw=0.4)
+                if g0 is not None:
+                    bot.barh(y + 0.2, g1 - g0, left=g0, height=0.35, edgecolor="k", lw=0.4,
+                             alpha=1 if measured else 0.6, color=COLORS["text"] if ch == "text" else "#444444")
+        bot.set_yticks(range(len(labels)), labels, fontsize=7)
+        bot.invert_yaxis()
+        for a in (top, bot):
+            a.axvline(r.slo_s, color="r", ls="--", lw=1)
+        bot.set(xlabel="time, s (red: SLO; each row: the link above, decode (grey) or recompute (blue) below)",
+                xlim=(0, end))
 
 
 def show_setup(page: Page, s) -> None:

@@ -12,9 +12,10 @@ A lecture-scale trace is scaled down before it drives the socket: its bandwidths
 wire_scale(), the ratio of the lecture model's KV bytes per token to the small model's, so a chunk of the
 small model's tokens takes as long on the scaled link as the lecture model's on the real one.
 
-Frames, receiver to sender: START (the run's clock origin), REQUEST (chunk, option), STOP. Sender to
-receiver, per request: DATA pieces (one per paced write), then END (total bytes, the CRC-32 of the
-chunk's own bytes, taken before a fault may flip one; the planned and the actual time of the last write).
+Frames, receiver to sender: START (a run's clock origin and the trace it is paced to: one sender serves
+run after run), REQUEST (chunk, option), STOP. Sender to receiver, per request: DATA pieces (one per paced
+write), then END (total bytes, the CRC-32 of the chunk's own bytes, taken before a fault may flip one; the
+planned and the actual time of the last write).
 Every receive has a timeout, and a sender that died (end of stream, reset) or went silent raises WireTimeout.
 """
 from __future__ import annotations
@@ -42,7 +43,8 @@ TIMEOUT_S = 5.0                  # a receive waits this long before the sender c
 CONNECT_TIMEOUT_S = 60.0         # a spawned sender may take this long to connect on a busy machine
 REAP_S = 5.0                     # a sender is given this long to exit before it is killed
 
-_START = struct.Struct("<Bd")          # kind, epoch (time.monotonic of the run's t = 0)
+_START = struct.Struct("<BdI")         # kind, epoch (time.monotonic of the run's t = 0), trace points;
+_POINT = struct.Struct("<dd")          # then each point: from time s, Gb/s
 _REQUEST = struct.Struct("<BII")       # kind, chunk, option index
 _HEADER = struct.Struct("<BII")        # kind, chunk, piece bytes (DATA) or total bytes (END)
 _END_TAIL = struct.Struct("<Idd")      # CRC-32 of the chunk's own bytes, planned and actual last write
@@ -93,19 +95,24 @@ class Faults:
     corrupt: frozenset = frozenset()
 
 
-def _sender(port: int, trace: st.Trace, payloads: dict, names: tuple, quantum: int, faults: Faults) -> None:
-    """The sender process: connect, wait for START, then serve REQUESTs one at a time (the link carries
-    one transfer at a time), each paced by send_plan from max(asked, link free)."""
+def _sender(port: int, payloads: dict, names: tuple, quantum: int, faults: Faults) -> None:
+    """The sender process: connect, then serve frames until STOP or the end of the stream. A START begins a
+    run (its clock, its trace, the link free); a REQUEST is served whole before the next frame is read (the
+    link carries one transfer at a time), paced by send_plan from max(asked, link free)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=CONNECT_TIMEOUT_S)
     sock.settimeout(None)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)    # no Nagle delay on the END frame
-    kind, epoch = _START.unpack(_recv_exact(sock, _START.size))
-    link_free, sent = 0.0, 0
+    epoch, trace, link_free, sent = 0.0, None, 0.0, 0
     while True:
-        req = _recv_exact(sock, _REQUEST.size)
-        if req is None or req[0] == STOP:
+        kind = _recv_exact(sock, 1)
+        if kind is None or kind[0] == STOP:
             break
-        _, i, k = _REQUEST.unpack(req)
+        if kind[0] == START:
+            _, epoch, n = _START.unpack(kind + _recv_exact(sock, _START.size - 1))
+            points = [_POINT.unpack(_recv_exact(sock, _POINT.size)) for _ in range(n)]
+            trace, link_free = st.Trace(tuple(t for t, _ in points), tuple(g for _, g in points)), 0.0
+            continue
+        _, i, k = _REQUEST.unpack(kind + _recv_exact(sock, _REQUEST.size - 1))
         data = payloads[names[k]][i]
         crc = zlib.crc32(data)
         if i in faults.corrupt and data:
@@ -148,7 +155,8 @@ class Wire:
     """A sender process and its socket, used as a context manager (the process is always reaped):
         with Wire(trace, {"level0": [chunk bytes, ...], "text": [...]}) as w:
             w.start(); a = w.fetch(0, "level0")
-    The trace is the one the socket is paced to (already scaled)."""
+            w.start(other_trace); b = w.fetch(0, "text")      # a second run on the same sender
+    The trace is the one the socket is paced to (already scaled); a start() may give another."""
 
     def __init__(self, trace: st.Trace, payloads: dict, quantum: int = QUANTUM_BYTES, timeout_s: float = TIMEOUT_S,
                  faults: Faults = Faults()):
@@ -167,7 +175,7 @@ class Wire:
             listener.settimeout(CONNECT_TIMEOUT_S)
             # a fresh interpreter that imports only this file (no fork of a process running torch threads)
             self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve())], stdin=subprocess.PIPE)
-            pickle.dump((listener.getsockname()[1], self.trace, self.payloads, self.names, self.quantum, self.faults),
+            pickle.dump((listener.getsockname()[1], self.payloads, self.names, self.quantum, self.faults),
                         self.proc.stdin)
             self.proc.stdin.close()
             self.sock, _ = listener.accept()
@@ -202,10 +210,15 @@ class Wire:
     def now(self) -> float:
         return time.monotonic() - self.epoch
 
-    def start(self) -> None:
-        """The run's t = 0 (the trace's time origin): now."""
+    def start(self, trace: st.Trace | None = None) -> None:
+        """A run's t = 0 (the trace's time origin): now; its link starts free, paced to `trace` (default:
+        the Wire's)."""
+        if self.broken:
+            raise WireTimeout("the sender is gone: a run cannot start")
+        self.trace = trace or self.trace
         self.epoch = time.monotonic()
-        self.sock.sendall(_START.pack(START, self.epoch))
+        self.sock.sendall(_START.pack(START, self.epoch, len(self.trace.times))
+                          + b"".join(_POINT.pack(t, g) for t, g in zip(self.trace.times, self.trace.gbps)))
 
     def fetch(self, chunk: int, option: str) -> Arrival:
         """Ask for a chunk at an option and read it to its END frame. Raises WireTimeout."""

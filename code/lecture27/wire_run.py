@@ -2,11 +2,13 @@
 simulator fed this CPU's own times.
 
 prepare() measures a context once on this CPU: each chunk's recompute (the model's prefill of that chunk
-after the exact KV of the chunks before it), its bitstream at every codec level (the sender's payloads)
-and each bitstream's decode, and the full prefill's answer (the first token's distribution, the greedy
-tokens). measured_setup() turns those times into a streaming.Setup, so that the simulator runs with them.
+after the exact KV of the chunks before it), its bitstream at every codec level (the sender's payloads,
+in LAYOUT) and each bitstream's decode (put after the KV before it, as a run does), and the full prefill's
+answer (the first token's distribution, the greedy tokens). measured_setup() turns those times into a
+streaming.Setup, so that the simulator runs with them.
 
-run() streams the context through a Wire. Two threads work at once, as the simulator's parallel model
+run() streams the context through a Wire (its own, or one whose sender serves run after run), then checks
+the answer its KV gives (AnswerCheck: once per distinct KV). Two threads work at once, as the simulator's parallel model
 says: the link thread decides each chunk as soon as the previous one's last byte is in and asks the
 sender for it; the compute thread decodes each KV chunk once its bytes are in (kvcache.codec_decode), or
 recomputes a text chunk after the chunks before it, in order. The adaptive policy is streaming's rule
@@ -21,6 +23,7 @@ above GAP_SHARE from the measured parts of the run.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import queue
 import threading
@@ -38,6 +41,9 @@ from coder import CorruptStream
 from common.llama import KVCache, kl_divergence
 
 GAP_SHARE = 0.10          # measured and simulated TTFT "differ" above this share of the measured
+LAYOUT = "channel"        # one stream per (layer, K/V, channel) of a group, as CacheGen's GPU decoder runs them:
+                          # numpy's parallel decoder is fast only with many streams (a short chunk in the
+                          # codec's own choice of layout is a few streams, decoded 10x slower)
 ANSWER_TOKENS = 8         # greedy tokens compared with the full prefill's
 COMPUTE_WAIT_S = 600.0    # the compute thread waits at most this long for the link thread's next chunk
 
@@ -70,12 +76,16 @@ def _greedy(model, cache: KVCache, question: tuple, n: int):
 
 
 def prepare(model, ids, question, chunk_tokens: int, specs, accuracy: dict | None = None,
-            answer_tokens: int = ANSWER_TOKENS) -> Prepared:
+            answer_tokens: int = ANSWER_TOKENS, layout: str | None = LAYOUT, keep_streams: bool = False) -> Prepared:
     """Measure a context on this CPU (see the module's docstring). accuracy: level -> the answer accuracy
-    a chunk at that level counts for (the policy's quality; default 1 for every level)."""
+    a chunk at that level counts for (the policy's quality; default 1 for every level); layout: the
+    bitstreams' (None: the codec's own choice, kvcache.stream_plan); keep_streams: the bitstreams kept in
+    the checkpoint folder, under the quantized KV they code (a bitstream is no timing: every time is
+    measured in this call, and every bitstream decoded and checked bit for bit)."""
     plan = tuple(st.chunk_plan(len(ids), chunk_tokens))
     cache, recompute = None, []
     with torch.no_grad():
+        model(torch.tensor([ids[:plan[0][1]]]), last=True)   # untimed: a model's first forward allocates its buffers
         for first, n in plan:
             t = time.perf_counter()
             _, cache = model(torch.tensor([ids[first:first + n]]), cache=cache, last=True)
@@ -84,12 +94,13 @@ def prepare(model, ids, question, chunk_tokens: int, specs, accuracy: dict | Non
     payloads, decode_s, options = {}, {}, []
     for spec in specs:
         name = f"level{spec.level}"
-        payloads[name] = [kv.codec_encode(X[f:f + n], spec) for f, n in plan]
+        payloads[name] = _encode(X, plan, spec, layout, keep_streams)
         decode_s[name] = []
-        kv.codec_decode(payloads[name][0], specs)  # untimed: a spec's first decode builds its tables (once)
+        kv.codec_decode(payloads[name][0], specs, groups=[0])  # untimed: a spec's first decode builds its tables
         for (f, n), data in zip(plan, payloads[name]):
-            t = time.perf_counter()
-            q = kv.codec_decode(data, specs)
+            before = _head(cache, f)
+            t = time.perf_counter()              # the compute thread's work for a KV chunk, as _compute does it
+            q, _ = _decode_onto(before, data, spec, model.cfg.n_kv_heads, f, n)
             decode_s[name].append(time.perf_counter() - t)
             assert np.array_equal(q, kv.quantize(X[f:f + n], spec)), "a bitstream did not decode bit for bit"
         bits = 8 * sum(map(len, payloads[name])) / len(ids)
@@ -100,6 +111,41 @@ def prepare(model, ids, question, chunk_tokens: int, specs, accuracy: dict | Non
     ref_logp, ref_answer = _greedy(model, cache, tuple(question), answer_tokens)
     return Prepared(plan, tuple(ids), tuple(question), tuple(specs), tuple(options), payloads, tuple(recompute),
                     {k: tuple(v) for k, v in decode_s.items()}, ref_logp, ref_answer)
+
+
+def _head(cache: KVCache, n: int) -> KVCache | None:
+    """The cache's first n tokens (None for none)."""
+    if n == 0:
+        return None
+    return KVCache([k[:, :, :n] for k in cache.k], [v[:, :, :n] for v in cache.v], cache.pos[:n])
+
+
+def _decode_onto(cache: KVCache | None, data: bytes, spec, n_kv: int, first: int, n: int):
+    """A KV chunk's bitstream decoded (raises CorruptStream or ValueError) and its KV put after `cache`:
+    (the quantized integers, the cache with the chunk)."""
+    q = kv.codec_decode(data, spec)
+    part = cs.array_to_kv(kv.dequantize(q, spec), n_kv, pos=torch.arange(first, first + n))
+    return q, part if cache is None else KVCache.cat([cache, part])
+
+
+def _encode(X, plan, spec, layout, keep: bool) -> list:
+    """Each chunk's bitstream; the chunks of one length coded side by side (kvcache.codec_encode_many);
+    keep: cached under a digest of the quantized chunks, the spec and the layout (common.checkpoints)."""
+    from common.checkpoints import cached
+
+    def compute():
+        out = {}
+        for n in {n for _, n in plan}:
+            firsts = [f for f, m in plan if m == n]
+            out |= dict(zip(firsts, kv.codec_encode_many(np.stack([X[f:f + n] for f in firsts]), spec, layout)))
+        return {"streams": [torch.frombuffer(bytearray(out[f]), dtype=torch.uint8) for f, _ in plan]}
+
+    digest = hashlib.sha256()
+    for f, n in plan:
+        digest.update(np.ascontiguousarray(kv.quantize(X[f:f + n], spec)).tobytes())
+    ident = {"symbols": digest.hexdigest(), "spec": spec.fingerprint, "layout": layout, "plan": plan}
+    return cached("wire-streams", ident, compute, use=lambda d, _: [t.numpy().tobytes() for t in d["streams"]],
+                  tag="wire", store=keep)
 
 
 @dataclass(frozen=True)
@@ -146,25 +192,53 @@ class WireRun:
         return self.ttft_s <= self.slo_s + 1e-12
 
 
+class AnswerCheck:
+    """The answer a run's KV gives, against the full prefill's: (first token's KL, same greedy tokens). The
+    answer is a function of the KV's bits, so a KV equal bit for bit to one already checked (the same
+    choices decode and recompute to the same values) gives that one's answer: computed once per KV."""
+
+    def __init__(self, prep: Prepared, model):
+        self.prep, self.model, self.seen = prep, model, {}
+        self.computed = self.reused = 0
+        self.seconds = 0.0                # spent answering
+
+    def __call__(self, cache: KVCache) -> tuple[float, bool]:
+        h = hashlib.sha256()
+        for t in (*cache.k, *cache.v, *[cache.pos] * (cache.pos is not None)):
+            h.update(t.contiguous().numpy().tobytes())
+        key = h.hexdigest()
+        if key in self.seen:
+            self.reused += 1
+            return self.seen[key]
+        t = time.perf_counter()
+        first, answer = _greedy(self.model, cache, self.prep.question, len(self.prep.ref_answer))
+        self.seconds += time.perf_counter() - t
+        self.computed += 1
+        self.seen[key] = float(kl_divergence(self.prep.ref_logp, first)), answer == self.prep.ref_answer
+        return self.seen[key]
+
+
 def run(prep: Prepared, model, trace: st.Trace, policy: str, slo_s: float, faults: wire.Faults = wire.Faults(),
-        timeout_s: float = wire.TIMEOUT_S) -> WireRun:
+        timeout_s: float = wire.TIMEOUT_S, w: wire.Wire | None = None, check: AnswerCheck | None = None) -> WireRun:
     """Stream prep's context over a Wire paced to `trace` (already scaled) with `policy` ("adaptive" or an
-    option's name, always that one); then the answer, against the full prefill's."""
+    option's name, always that one); then the answer, against the full prefill's. w: a Wire of prep's
+    payloads to run on (its sender serves run after run; faults and timeout_s are then the Wire's);
+    default: a Wire of its own. check: the AnswerCheck to use (default: a new one)."""
+    if w is None:
+        with wire.Wire(trace, prep.payloads, timeout_s=timeout_s, faults=faults) as own:
+            return run(prep, model, trace, policy, slo_s, w=own, check=check)
     setup = measured_setup(prep)
     res = WireRun(policy, slo_s, [dict() for _ in prep.plan])
     jobs: queue.Queue = queue.Queue()
-    with wire.Wire(trace, prep.payloads, timeout_s=timeout_s, faults=faults) as w:
-        w.start()
-        link = threading.Thread(target=_link, args=(w, setup, prep, policy, slo_s, trace, res, jobs), daemon=True)
-        link.start()
-        try:
-            cache = _compute(w, prep, model, res, jobs)
-        finally:
-            link.join(COMPUTE_WAIT_S)
+    w.start(trace)
+    link = threading.Thread(target=_link, args=(w, setup, prep, policy, slo_s, trace, res, jobs), daemon=True)
+    link.start()
+    try:
+        cache = _compute(w, prep, model, res, jobs)
+    finally:
+        link.join(COMPUTE_WAIT_S)
     res.ttft_s = max(r["ready"] for r in res.rows)
-    first, answer = _greedy(model, cache, prep.question, len(prep.ref_answer))
-    res.first_token_kl = float(kl_divergence(prep.ref_logp, first))
-    res.same_answer = answer == prep.ref_answer
+    res.first_token_kl, res.same_answer = (check or AnswerCheck(prep, model))(cache)
     return res
 
 
@@ -218,10 +292,8 @@ def _compute(w: wire.Wire, prep: Prepared, model, res: WireRun, jobs: queue.Queu
             try:
                 if not arrival.crc_ok:
                     raise CorruptStream(f"chunk {i}: its bytes fail their CRC")
-                spec = prep.specs[int(name.removeprefix("level"))]
-                X = kv.dequantize(kv.codec_decode(arrival.data, spec), spec)
-                part = cs.array_to_kv(X, n_kv, pos=torch.arange(first, first + n))
-                cache = part if cache is None else KVCache.cat([cache, part])
+                _, cache = _decode_onto(cache, arrival.data, prep.specs[int(name.removeprefix("level"))], n_kv,
+                                        first, n)
             except (CorruptStream, ValueError) as e:
                 why = f"recomputed: {e}"
         if arrival is None or name == "text" or why is not None:
@@ -282,7 +354,8 @@ def cause(m: WireRun, s: st.Result, prep: Prepared, trace: st.Trace) -> str | No
 class Compared:
     """One trace and policy measured on the wire and simulated with this CPU's times. The first six fields
     are the spec's wire_runs entry (entry()); then the answer's check, the cause of a TTFT gap above
-    GAP_SHARE (None within it), the measured parts (parts()) and both timelines (ready time per chunk)."""
+    GAP_SHARE (None within it), the measured parts (parts()) and both timelines, per chunk (link start,
+    link end, compute start, ready) seconds (the link's None for a chunk the wire did not carry)."""
     measured_ttft_s: float
     simulated_ttft_s: float
     measured_choices: list
@@ -296,6 +369,8 @@ class Compared:
     parts_s: dict
     measured_ready_s: list
     simulated_ready_s: list
+    measured_spans: list
+    simulated_spans: list
 
     ENTRY = ("measured_ttft_s", "simulated_ttft_s", "measured_choices", "simulated_choices", "measured_slo_met",
              "simulated_slo_met")
@@ -304,9 +379,14 @@ class Compared:
         return {k: getattr(self, k) for k in self.ENTRY}
 
 
-def compare(prep: Prepared, model, trace: st.Trace, policy: str, slo_s: float) -> Compared:
-    """Run `policy` on the wire paced to `trace` (already scaled) and in the simulator, side by side."""
-    m, s = run(prep, model, trace, policy, slo_s), simulate(prep, trace, policy, slo_s)
+def compare(prep: Prepared, model, trace: st.Trace, policy: str, slo_s: float, w: wire.Wire | None = None,
+            check: AnswerCheck | None = None) -> Compared:
+    """Run `policy` on the wire paced to `trace` (already scaled) and in the simulator, side by side (w,
+    check: as run() takes them)."""
+    m, s = run(prep, model, trace, policy, slo_s, w=w, check=check), simulate(prep, trace, policy, slo_s)
+    spans = [(None, None) if r["arrival"] is None else (r["arrival"].asked, r["arrival"].last_byte) for r in m.rows]
+    spans = [link + (r["compute_start"], r["ready"]) for link, r in zip(spans, m.rows)]
+    sim = [(r["start"], r["link_end"], r["gpu_start"], r["finish"]) for r in s.rows]
     return Compared(m.ttft_s, s.ttft_s, m.choices, s.choices, m.slo_met, s.ttft_s <= slo_s + 1e-12, m.first_token_kl,
                     m.same_answer, m.bytes_equal, cause(m, s, prep, trace), parts(m, prep, trace),
-                    [r["ready"] for r in m.rows], [r["finish"] for r in s.rows])
+                    [r["ready"] for r in m.rows], [r["finish"] for r in s.rows], spans, sim)

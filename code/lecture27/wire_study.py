@@ -1,0 +1,212 @@
+"""03's Part over a real connection (handout §4.2 on this machine, as CacheGen's evaluation streams real
+bitstreams over a shaped link): SmolLM2's KV of a context, coded at the levels measured on SmolLM2 (Part
+2c's codec, fitted as codec_real fits it), streamed through wire.py's paced socket on several traces by
+each policy, and beside each run the simulator fed this CPU's measured recompute and decode times
+(wire_run.compare); then a run whose sender is killed mid-stream. Nothing here prints; 03's page
+(streaming_page.show_wire) shows it.
+
+The codec's levels are fitted once (wire_specs, cached in the checkpoint folder: a codec is no timing);
+every time is measured in the run that prints it. The context is a RAG item of common/english.py (its key
+passages, then its distractors, then calibration prose to fill it), read as one prompt in SmolLM2's chat
+format; the question follows it, and the greedy answer of a full prefill is the reference every run's answer
+is checked against. Everything runs on one
+torch thread (common.llama.single_thread): the compute thread, the link thread and the sender process
+share this CPU's cores, and a torch thread waiting for a busy core stalls every step.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import codec_study as cs
+import kvcache as kv
+import wire
+import wire_run as wr
+
+POLICIES = ("adaptive", *(f"level{i}" for i in range(kv.N_LEVELS)), "text")
+KILL_TRACE = "handout"     # the kill-the-sender run: this trace (every study has it), the adaptive policy, the
+KILL_CHUNK = 1             # sender dying inside this chunk's transfer (at the choices the trace's adaptive run made)
+
+
+@dataclass(frozen=True)
+class WireStudy:
+    """The Part's runs. traces: name -> the trace the socket was paced to (bandwidths divided by `scale`);
+    runs: trace -> policy -> wire_run.Compared; kill: the kill-the-sender run (wire_run.WireRun), its sender
+    told to die once it had sent kill_after_bytes; the measured inputs the simulator was fed."""
+    scale: float
+    kv_ratio: float            # wire.wire_scale(): the lecture model's FP16 KV bytes per token over SmolLM2's
+    context_tokens: int
+    chunk_tokens: int
+    slo_s: float
+    layout: str
+    options: tuple             # streaming.Option per level (bits per token as coded here), then text
+    recompute_s: tuple         # measured seconds per chunk
+    decode_s: dict             # level -> measured seconds per chunk
+    traces: dict
+    runs: dict
+    kill: wr.WireRun
+    kill_after_bytes: int
+    question: str              # the question, as text
+    answer: str                # the full prefill's greedy answer, as text
+    answer_tokens: int         # ... its tokens
+    answers_computed: int      # distinct KVs whose answer was computed (AnswerCheck); the other runs' KV equals one
+    answers_reused: int
+    answers_s: float           # wall seconds: answering
+    prepare_s: float           # wall seconds: measuring the context (wire_run.prepare)
+    seconds: float             # wall seconds: the whole study (wire_study(): the model's loading included)
+
+    @property
+    def bytes_equal(self) -> bool:
+        """Every chunk received, in every run, byte for byte the one the sender holds."""
+        return all(c.bytes_equal for by in self.runs.values() for c in by.values()) and self.kill.bytes_equal
+
+    @property
+    def kill_ok(self) -> bool:
+        """The killed sender was noticed, every chunk from the lost one on was recomputed, and the answer is
+        the full prefill's."""
+        lost = next((i for i, r in enumerate(self.kill.rows) if r["lost"] is not None), None)
+        return (self.kill.fell_back and lost is not None and self.kill.same_answer
+                and all(c == "text" for c in self.kill.choices[lost:]))
+
+    @property
+    def first_token_kl(self) -> float:
+        """The largest first-token KL to the full prefill over every run."""
+        return max([c.first_token_kl for by in self.runs.values() for c in by.values()] + [self.kill.first_token_kl])
+
+    @property
+    def pacing(self) -> tuple[float, float, int]:
+        """How close the measured pacing came to the token bucket's plan: (the sender's last write after its
+        plan, mean seconds over every transfer; a KV chunk's transfer, request to last byte, mean seconds;
+        transfers)."""
+        runs = [c for by in self.runs.values() for c in by.values()]
+        n = sum(a is not None for c in runs for a, *_ in c.measured_spans)
+        kv = [b - a for c in runs for (a, b, *_), ch in zip(c.measured_spans, c.measured_choices)
+              if a is not None and ch != "text"]
+        return sum(c.parts_s["pacing granularity"] for c in runs) / max(n, 1), sum(kv) / max(len(kv), 1), n
+
+    @property
+    def slowdown(self) -> dict:
+        """{"decode", "recompute"}: the seconds a chunk's decode (KV) or recompute (text) took in the runs over
+        the seconds the simulator was fed (measured alone, before the runs), summed over every run's chunks: the
+        compute thread shares the CPU with the link thread and the sender."""
+        out = {}
+        for what, is_text in (("decode", False), ("recompute", True)):
+            pairs = [(m[3] - m[2], s[3] - s[2]) for by in self.runs.values() for c in by.values()
+                     for m, s, ch in zip(c.measured_spans, c.simulated_spans, c.measured_choices)
+                     if (ch == "text") == is_text and c.measured_choices == c.simulated_choices]
+            out[what] = sum(m for m, _ in pairs) / sum(s for _, s in pairs) if pairs else math.nan
+        return out
+
+    def json(self) -> dict:
+        return {"wire_scale": self.scale,
+                "wire_runs": {t: {p: c.entry() for p, c in by.items()} for t, by in self.runs.items()},
+                "wire_bytes_equal": self.bytes_equal, "wire_kill_fallback_ok": self.kill_ok,
+                "wire_first_token_kl": self.first_token_kl}
+
+
+def context_of(tok, item, context_tokens: int) -> tuple[list, list]:
+    """(context ids, question ids): the chat prefix, the item's key passages and distractors, calibration
+    prose after them (again from its start when a context is longer than all of it), cut to context_tokens;
+    then the item's question (common.english.question_text)."""
+    from common.english import CALIBRATION, CHAT_PREFIX, question_text
+    text = CHAT_PREFIX + "\n\n".join(item.key_passages + item.distractors)
+    filler = itertools.cycle(CALIBRATION)
+    while len(ids := tok.encode(text + "\n\n").ids) < context_tokens:
+        text += "\n\n" + next(filler)
+    return ids[:context_tokens], tok.encode(question_text(item)).ids
+
+
+def wire_study(traces: dict, context_tokens: int, chunk_tokens: int, scale: float, slo_s: float,
+               accuracy: dict | None = None, answer_tokens: int = wr.ANSWER_TOKENS, item: int = 0,
+               policies=POLICIES, gguf=None) -> WireStudy:
+    """study_of() on SmolLM2 (or the GGUF at `gguf`): its codec's levels (wire_specs), the context of RAG item
+    `item` (context_of). The study's seconds count the model's loading."""
+    from common.english import RAG_ITEMS
+    from common.gguf_llama import gguf_file, load_gguf_llama
+    t0 = time.perf_counter()
+    path = gguf_file(gguf)
+    model, tok, _ = load_gguf_llama(path)
+    ids, question = context_of(tok, RAG_ITEMS[item], context_tokens)
+    r = study_of(model, ids, question, wire_specs(path), traces, chunk_tokens, scale, slo_s, accuracy, answer_tokens,
+                 policies, lambda x: tok.decode(list(x)), keep_streams=True)
+    return dataclasses.replace(r, question=RAG_ITEMS[item].question, seconds=time.perf_counter() - t0)
+
+
+def study_of(model, ids, question, specs, traces: dict, chunk_tokens: int, scale: float, slo_s: float,
+             accuracy: dict | None = None, answer_tokens: int = wr.ANSWER_TOKENS, policies=POLICIES,
+             words=lambda x: " ".join(map(str, x)), keep_streams: bool = False) -> WireStudy:
+    """Every trace (name -> trace at the lecture's bandwidths, divided by `scale` here) x policy streamed over
+    one sender, the context measured first on this CPU (wire_run.prepare), then the kill-the-sender run on
+    KILL_TRACE. accuracy: level -> the quality a chunk at that level counts for; words: token ids -> text;
+    keep_streams: as prepare takes it."""
+    from common.llama import single_thread
+    t0 = time.perf_counter()
+    scaled = {name: wire.scaled(tr, scale) for name, tr in traces.items()}
+    with single_thread():
+        prep = wr.prepare(model, ids, question, chunk_tokens, specs, accuracy, answer_tokens,
+                          keep_streams=keep_streams)
+        prepare_s = time.perf_counter() - t0
+        check = wr.AnswerCheck(prep, model)
+        runs = {name: {} for name in scaled}
+        with contextlib.ExitStack() as wires:
+            w = None
+            for name, tr in scaled.items():
+                for p in policies:
+                    if w is None or w.broken:        # a run that lost its sender leaves the next one a new one
+                        w = wires.enter_context(wire.Wire(tr, prep.payloads))
+                    runs[name][p] = wr.compare(prep, model, tr, p, slo_s, w, check)
+        kill_after = kill_bytes(prep, runs[KILL_TRACE]["adaptive"].measured_choices)
+        kill = wr.run(prep, model, scaled[KILL_TRACE], "adaptive", slo_s,
+                      faults=wire.Faults(die_after_bytes=kill_after), check=check)
+    return WireStudy(scale, wire.wire_scale(model.cfg.kv_bytes_per_token()), len(ids), chunk_tokens, slo_s, wr.LAYOUT,
+                     prep.options, prep.recompute_s, prep.decode_s, scaled, runs, kill, kill_after, words(question),
+                     words(prep.ref_answer), len(prep.ref_answer), check.computed, check.reused, check.seconds, prepare_s,
+                     time.perf_counter() - t0)
+
+
+def kill_bytes(prep: wr.Prepared, choices: list) -> int:
+    """The payload bytes after which the sender dies: the chunks before KILL_CHUNK and half of that one, at
+    `choices`."""
+    sizes = [len(prep.payloads[c][i]) for i, c in enumerate(choices)]
+    return sum(sizes[:KILL_CHUNK]) + sizes[KILL_CHUNK] // 2 + 1
+
+
+def wire_specs(path) -> list:
+    """SmolLM2's codec at every level (kvcache.CodecSpec, finest first), fitted as codec_real fits its levels:
+    on the calibration prose's KV, at the searched steps x LEVEL_FACTOR^level, deltas or not as its study
+    chose. Cached as arrays (11,520 tables per level load in a blink, where lists take seconds)."""
+    import codec_real as cr
+    from common.checkpoints import cached
+    from common.llama import idle_threads
+
+    def compute():
+        study = cr.real_codec_study(path)
+        model, _, (calib, _), _ = cr.setup(path)
+        with idle_threads():
+            Xc = cs.context_kv(model, calib.numpy(), batch=4)
+        specs = [kv.fit_codec(Xc, np.asarray(study["steps"]) * kv.LEVEL_FACTOR ** i, study["delta"], level=i)
+                 for i in range(kv.N_LEVELS)]
+        return {"specs": [{"steps": torch.from_numpy(sp.steps), "anchor_scale": torch.from_numpy(sp.anchor_scale),
+                           "radius": torch.from_numpy(np.asarray(sp.radius, np.int64)), "delta": sp.delta,
+                           "group": sp.group, "sizes": torch.tensor([len(t.cdf) for t in sp.tables]),
+                           "cdf": torch.tensor([c for t in sp.tables for c in t.cdf], dtype=torch.int64)}
+                          for sp in specs]}
+
+    def use(d, entry):
+        out = []
+        for level, sp in enumerate(d["specs"]):
+            ends, cdf = np.cumsum(sp["sizes"].numpy()), sp["cdf"].numpy().tolist()
+            tables = tuple(kv.FreqTable(tuple(cdf[e - n:e])) for e, n in zip(ends, sp["sizes"].tolist()))
+            out.append(kv.CodecSpec(sp["steps"].numpy(), sp["delta"], sp["anchor_scale"].numpy(), sp["radius"].numpy(),
+                                    tables, level, sp["group"]))
+        return out
+
+    return cached("wire-codec-smollm2", cr.study_ident(Path(path)), compute, use=use, tag="wire")
