@@ -40,7 +40,7 @@ Part 5 (§4.2 over a real connection, as CacheGen's evaluation streams real bits
         mid-stream; the answer checked against a full prefill. About a minute on a busy 2-core machine.
 The codec's four levels come from codec_study.codec_levels() (measured by 02 on the record-world model) and,
 for Parts 2c and 5, codec_real.real_codec_levels() (fitted on first use, about a minute, then cached; Part 5's
-codec tables at those levels: wire_study.wire_specs(), the same way); the simulation, the policy and the
+codec tables at those levels: codec_real.real_codec_specs()); the simulation, the policy and the
 oracle are in streaming.py, the socket and the runs on it in wire.py, wire_run.py and wire_study.py.
 Recompute times: common/timemodel.py.
 This file holds the inputs (the constants, the command line) and one function per Part; what each Part asks

@@ -5,13 +5,13 @@ each policy, and beside each run the simulator fed this CPU's measured recompute
 (wire_run.compare); then a run whose sender is killed mid-stream. Nothing here prints; 03's page
 (streaming_page.show_wire) shows it.
 
-The codec's levels are fitted once (wire_specs, cached in the checkpoint folder: a codec is no timing);
+The codec's levels are fitted once (codec_real.real_codec_specs, cached: a codec is no timing);
 every time is measured in the run that prints it. The context is a RAG item of common/english.py (its key
 passages, then its distractors, then calibration prose to fill it), read as one prompt in SmolLM2's chat
 format; the question follows it, and the greedy answer of a full prefill is the reference every run's answer
-is checked against. Everything runs on one
-torch thread (common.llama.single_thread): the compute thread, the link thread and the sender process
-share this CPU's cores, and a torch thread waiting for a busy core stalls every step.
+is checked against. Everything runs on one torch thread (common.llama.single_thread): the compute thread,
+the link thread and the sender process share this CPU's cores, and a torch thread waiting for a busy core
+stalls every step.
 """
 from __future__ import annotations
 
@@ -21,12 +21,8 @@ import itertools
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
-import torch
-
-import codec_study as cs
+import codec_real as cr
 import kvcache as kv
 import wire
 import wire_run as wr
@@ -127,7 +123,7 @@ def context_of(tok, item, context_tokens: int) -> tuple[list, list]:
 def wire_study(traces: dict, context_tokens: int, chunk_tokens: int, scale: float, slo_s: float,
                accuracy: dict | None = None, answer_tokens: int = wr.ANSWER_TOKENS, item: int = 0,
                policies=POLICIES, gguf=None) -> WireStudy:
-    """study_of() on SmolLM2 (or the GGUF at `gguf`): its codec's levels (wire_specs), the context of RAG item
+    """study_of() on SmolLM2 (or the GGUF at `gguf`): its codec's levels (codec_real.real_codec_specs), the context of RAG item
     `item` (context_of). The study's seconds count the model's loading."""
     from common.english import RAG_ITEMS
     from common.gguf_llama import gguf_file, load_gguf_llama
@@ -135,7 +131,7 @@ def wire_study(traces: dict, context_tokens: int, chunk_tokens: int, scale: floa
     path = gguf_file(gguf)
     model, tok, _ = load_gguf_llama(path)
     ids, question = context_of(tok, RAG_ITEMS[item], context_tokens)
-    r = study_of(model, ids, question, wire_specs(path), traces, chunk_tokens, scale, slo_s, accuracy, answer_tokens,
+    r = study_of(model, ids, question, cr.real_codec_specs(path), traces, chunk_tokens, scale, slo_s, accuracy, answer_tokens,
                  policies, lambda x: tok.decode(list(x)), keep_streams=True)
     return dataclasses.replace(r, question=RAG_ITEMS[item].question, seconds=time.perf_counter() - t0)
 
@@ -178,35 +174,3 @@ def kill_bytes(prep: wr.Prepared, choices: list) -> int:
     sizes = [len(prep.payloads[c][i]) for i, c in enumerate(choices)]
     return sum(sizes[:KILL_CHUNK]) + sizes[KILL_CHUNK] // 2 + 1
 
-
-def wire_specs(path) -> list:
-    """SmolLM2's codec at every level (kvcache.CodecSpec, finest first), fitted as codec_real fits its levels:
-    on the calibration prose's KV, at the searched steps x LEVEL_FACTOR^level, deltas or not as its study
-    chose. Cached as arrays (11,520 tables per level load in a blink, where lists take seconds)."""
-    import codec_real as cr
-    from common.checkpoints import cached
-    from common.llama import idle_threads
-
-    def compute():
-        study = cr.real_codec_study(path)
-        model, _, (calib, _), _ = cr.setup(path)
-        with idle_threads():
-            Xc = cs.context_kv(model, calib.numpy(), batch=4)
-        specs = [kv.fit_codec(Xc, np.asarray(study["steps"]) * kv.LEVEL_FACTOR ** i, study["delta"], level=i)
-                 for i in range(kv.N_LEVELS)]
-        return {"specs": [{"steps": torch.from_numpy(sp.steps), "anchor_scale": torch.from_numpy(sp.anchor_scale),
-                           "radius": torch.from_numpy(np.asarray(sp.radius, np.int64)), "delta": sp.delta,
-                           "group": sp.group, "sizes": torch.tensor([len(t.cdf) for t in sp.tables]),
-                           "cdf": torch.tensor([c for t in sp.tables for c in t.cdf], dtype=torch.int64)}
-                          for sp in specs]}
-
-    def use(d, entry):
-        out = []
-        for level, sp in enumerate(d["specs"]):
-            ends, cdf = np.cumsum(sp["sizes"].numpy()), sp["cdf"].numpy().tolist()
-            tables = tuple(kv.FreqTable(tuple(cdf[e - n:e])) for e, n in zip(ends, sp["sizes"].tolist()))
-            out.append(kv.CodecSpec(sp["steps"].numpy(), sp["delta"], sp["anchor_scale"].numpy(), sp["radius"].numpy(),
-                                    tables, level, sp["group"]))
-        return out
-
-    return cached("wire-codec-smollm2", cr.study_ident(Path(path)), compute, use=use, tag="wire")
