@@ -301,7 +301,7 @@ def test_another_trace_with_the_real_levels(files, monkeypatch, tmp_path):
 
     monkeypatch.setenv("L27_FIGURES", str(tmp_path / "figures"))
     monkeypatch.setattr(s3, "Page", Recording)
-    page, s = run(s3, files(["--trace", "mytrace.csv", "--slo", "2.5"]), monkeypatch)
+    page, s = run(s3, files(["--trace", "mytrace.csv", "--slo", "2.5", "--no-wire"]), monkeypatch)
     check(s3, page, s, titles)
     real = page.json()["real_policies"]["adaptive"]
     assert real["ttft_s"] > 2.5 and "text" in real["choices"]

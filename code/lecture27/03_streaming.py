@@ -6,6 +6,7 @@ whose bandwidth changes while a context streams in.
     python code/lecture27/03_streaming.py --trace my.csv --slo 3 --chunk-tokens 1024
     python code/lecture27/03_streaming.py --long-context 65536  # Part 2b with a 64K-token context
     python code/lecture27/03_streaming.py --no-real             # without Parts 2c and 5 (no SmolLM2 needed)
+    python code/lecture27/03_streaming.py --no-wire             # without Part 5 (SmolLM2 on a socket, ~half a minute)
     python code/lecture27/03_streaming.py --trace-suite 200     # + Part 4: 200 random traces, CDF figure
     python code/lecture27/03_streaming.py --serial              # one chunk at a time: the link idle during a recompute
     python code/lecture27/03_streaming.py --wire-scale 250      # Part 5 on a link twice as fast
@@ -155,8 +156,8 @@ class Settings:
 
 # ------------------------------------------------------------------------------------------ inputs
 def parse(argv=None) -> tuple:
-    """(this run's Settings, the defaults' Settings, the parsed command line: --json, --no-plot and --no-real
-    say how the run is shown and how far it goes, not its inputs)."""
+    """(this run's Settings, the defaults' Settings, the parsed command line: --json, --no-plot, --no-real and
+    --no-wire say how the run is shown and how far it goes, not its inputs)."""
     p = Parser(__doc__)
     p.add_argument("--trace", dest="trace_file", metavar="FILE", default=TRACE_FILE,
                    help="CSV 'time_s,gbit_per_s' per line (rate from that time on); default: TRACE (§4.2)")
@@ -172,6 +173,7 @@ def parse(argv=None) -> tuple:
                    help="Part 4: N random traces (0: skip)")
     p.add_argument("--suite-seed", type=nonneg_int, default=SUITE_SEED, help="the trace suite's random seed")
     p.add_argument("--no-real", action="store_true", help="skip Parts 2c and 5 (SmolLM2's levels, SmolLM2 on a socket)")
+    p.add_argument("--no-wire", action="store_true", help="skip Part 5 (SmolLM2's KV over a paced socket)")
     p.add_argument("--serial", dest="parallel", action="store_false", default=PARALLEL,
                    help="one chunk at a time: the link waits while the GPU recomputes (default: both work at once)")
     p.add_argument("--wire-context", type=positive_int, default=WIRE_CONTEXT,
@@ -319,7 +321,7 @@ def main(argv=None) -> Page:
     show_part3(page, part3(s, lv), s)                                   # §4.2, chunk size
     if s.suite_traces:
         show_part4(page, part4(s, [lv] + [real] * bool(real)), s)       # §4.2 on many traces
-    if real:
+    if real and not a.no_wire:
         show_wire(page, part5_wire(s, real), s)                         # §4.2 over a real connection
     show_skipped(page, skipped, "Part 5 (§4.2 over a real connection)")
     show_setup(page, s)

@@ -123,16 +123,16 @@ def context_of(tok, item, context_tokens: int) -> tuple[list, list]:
 def wire_study(traces: dict, context_tokens: int, chunk_tokens: int, scale: float, slo_s: float,
                accuracy: dict | None = None, answer_tokens: int = wr.ANSWER_TOKENS, item: int = 0,
                policies=POLICIES, gguf=None) -> WireStudy:
-    """study_of() on SmolLM2 (or the GGUF at `gguf`): its codec's levels (codec_real.real_codec_specs), the context of RAG item
-    `item` (context_of). The study's seconds count the model's loading."""
+    """study_of() on SmolLM2 (or the GGUF at `gguf`): its codec's levels (codec_real.real_codec_specs), the
+    context of RAG item `item` (context_of). The study's seconds count the model's loading."""
     from common.english import RAG_ITEMS
     from common.gguf_llama import gguf_file, load_gguf_llama
     t0 = time.perf_counter()
     path = gguf_file(gguf)
     model, tok, _ = load_gguf_llama(path)
     ids, question = context_of(tok, RAG_ITEMS[item], context_tokens)
-    r = study_of(model, ids, question, cr.real_codec_specs(path), traces, chunk_tokens, scale, slo_s, accuracy, answer_tokens,
-                 policies, lambda x: tok.decode(list(x)), keep_streams=True)
+    r = study_of(model, ids, question, cr.real_codec_specs(path), traces, chunk_tokens, scale, slo_s, accuracy,
+                 answer_tokens, policies, lambda x: tok.decode(list(x)), keep_streams=True)
     return dataclasses.replace(r, question=RAG_ITEMS[item].question, seconds=time.perf_counter() - t0)
 
 
@@ -164,8 +164,8 @@ def study_of(model, ids, question, specs, traces: dict, chunk_tokens: int, scale
                       faults=wire.Faults(die_after_bytes=kill_after), check=check)
     return WireStudy(scale, wire.wire_scale(model.cfg.kv_bytes_per_token()), len(ids), chunk_tokens, slo_s, wr.LAYOUT,
                      prep.options, prep.recompute_s, prep.decode_s, scaled, runs, kill, kill_after, words(question),
-                     words(prep.ref_answer), len(prep.ref_answer), check.computed, check.reused, check.seconds, prepare_s,
-                     time.perf_counter() - t0)
+                     words(prep.ref_answer), len(prep.ref_answer), check.computed, check.reused, check.seconds,
+                     prepare_s, time.perf_counter() - t0)
 
 
 def kill_bytes(prep: wr.Prepared, choices: list) -> int:
