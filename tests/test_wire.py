@@ -185,3 +185,18 @@ def test_the_study_and_its_table_are_built_from_real_runs(tiny_inputs, monkeypat
         assert row[11] == (c.cause or "")
     assert page.json()["wire_runs"] == j["wire_runs"]
     assert any("falls back and answers right" in n for n in table.notes)
+
+
+def test_the_link_side_parts_add_up_to_the_links_gap(tiny):
+    """For a fixed level, the last chunk's last byte on the wire minus the simulator's link end is exactly the
+    link-side parts (Python overhead, pacing granularity, TCP, trace timing) plus what the simulator's
+    per-level chunk size differs from each chunk's real bytes: no part of the gap goes unnamed."""
+    model, prep = tiny
+    for policy in ("level0", "level3"):
+        row = wr.compare(prep, model, SLOW, policy, SLO_S)
+        link = sum(row.parts_s[k] for k in ("Python overhead", "pacing granularity", "TCP", "trace timing"))
+        link -= sum(c - max(b, r) for (_, b, c, _), (_, _, _, r) in
+                    zip(row.measured_spans, [(0, 0, 0, 0)] + row.measured_spans[:-1]))   # compute-side overhead
+        sizes = sum(SLOW.transfer_end(start, 8 * len(prep.payloads[policy][i])) - end
+                    for i, (start, end, _, _) in enumerate(row.simulated_spans))
+        assert row.measured_spans[-1][1] - row.simulated_spans[-1][1] == pytest.approx(link + sizes, abs=1e-9)

@@ -563,7 +563,8 @@ def wire_notes(r, s) -> list[str]:
     out = [f"gap: simulated / measured - 1. Measured and simulated differ by more than {wr.GAP_SHARE:.0%} in "
            f"{len(off)} of {len(runs)} runs; cause: the largest part of the gap measured in the run (wire_run.parts: "
            "decode or recompute time against the times the simulator was fed, pacing granularity, TCP, Python "
-           "overhead), or the choices when the socket's throughput led the policy elsewhere"
+           "overhead, trace timing: a chunk asked for a little later meeting a slower stretch of the trace), or the "
+           "choices when the socket's throughput led the policy elsewhere"
            + (": " + ", ".join(f"{c} x{m}" for c, m in sorted(causes.items(), key=lambda x: -x[1])) if causes else "")
            + "."]
     slow = r.slowdown

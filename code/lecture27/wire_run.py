@@ -313,15 +313,21 @@ def simulate(prep: Prepared, trace: st.Trace, policy: str, slo_s: float) -> st.R
     return st.fixed(setup, trace, policy, parallel=True)
 
 
-def parts(m: WireRun, prep: Prepared, trace: st.Trace) -> dict:
+def parts(m: WireRun, prep: Prepared, trace: st.Trace, sim: st.Result | None = None) -> dict:
     """Where the run's seconds went beside the simulator's, summed over chunks (positive: the wire was
     slower): decode and recompute time (measured in the run against the times the simulator was fed),
     pacing granularity (the sender's last write after its plan), TCP (the request's way to the sender and
-    the bytes' way back), Python overhead (the link thread's decision, the hand-over to the compute thread)."""
+    the bytes' way back), Python overhead (the link thread's decision, the hand-over to the compute thread),
+    and, given the simulated run `sim` with the same choices, the trace's timing: a chunk asked for a few ms
+    later than simulated meets another stretch of the trace, and across a drop in bandwidth those ms cost
+    the rest of the chunk's bytes at the slower rate (the trace's time for the chunk's bytes from the
+    measured start against that from the simulated start)."""
     setup = measured_setup(prep)
-    out = dict.fromkeys(("decode time", "recompute time", "pacing granularity", "TCP", "Python overhead"), 0.0)
+    out = dict.fromkeys(("decode time", "recompute time", "pacing granularity", "TCP", "Python overhead",
+                         "trace timing"), 0.0)
     prev_byte, prev_ready = 0.0, 0.0
-    for (first, n), r in zip(prep.plan, m.rows):
+    srows = sim.rows if sim is not None and sim.choices == m.choices else [None] * len(m.rows)
+    for (first, n), r, sr in zip(prep.plan, m.rows, srows):
         a, opt = r["arrival"], setup.option(r["choice"])
         if opt.recompute or r["why"] is not None:
             out["recompute time"] += r["compute_s"] - setup.recompute_s(first, n)
@@ -332,6 +338,9 @@ def parts(m: WireRun, prep: Prepared, trace: st.Trace) -> dict:
             out["TCP"] += (a.planned - trace.transfer_end(a.asked, bits)) + (a.last_byte - a.sent)
             out["pacing granularity"] += a.sent - a.planned
             out["Python overhead"] += a.asked - prev_byte
+            if sr is not None:   # the same bits from the measured start and from the simulated one
+                out["trace timing"] += ((trace.transfer_end(a.asked, bits) - a.asked)
+                                        - (trace.transfer_end(sr["start"], bits) - sr["start"]))
             prev_byte = a.last_byte
         out["Python overhead"] += r["compute_start"] - max(prev_byte, prev_ready)
         prev_ready = r["ready"]
@@ -345,7 +354,7 @@ def cause(m: WireRun, s: st.Result, prep: Prepared, trace: st.Trace) -> str | No
         return None
     if m.choices != s.choices:
         return "choices (the throughput measured on the socket)"
-    p = parts(m, prep, trace)
+    p = parts(m, prep, trace, s)
     sign = 1.0 if m.ttft_s > s.ttft_s else -1.0
     return max(p, key=lambda k: sign * p[k])
 
@@ -388,5 +397,5 @@ def compare(prep: Prepared, model, trace: st.Trace, policy: str, slo_s: float, w
     spans = [link + (r["compute_start"], r["ready"]) for link, r in zip(spans, m.rows)]
     sim = [(r["start"], r["link_end"], r["gpu_start"], r["finish"]) for r in s.rows]
     return Compared(m.ttft_s, s.ttft_s, m.choices, s.choices, m.slo_met, s.ttft_s <= slo_s + 1e-12, m.first_token_kl,
-                    m.same_answer, m.bytes_equal, cause(m, s, prep, trace), parts(m, prep, trace),
+                    m.same_answer, m.bytes_equal, cause(m, s, prep, trace), parts(m, prep, trace, s),
                     [r["ready"] for r in m.rows], [r["finish"] for r in s.rows], spans, sim)
