@@ -252,3 +252,93 @@ def test_recomputed_note_says_which_layers_are_computed_in_full(cb):
     assert f"(1 + 29 x 15.0%) / 30 = {run.share['flat']:.1%}" in note
     assert "check-k, check-v, check-kv: layers 0-1 in full" in note
     assert f"(2 + 28 x 15.0%) / 30 = {run.share['check-kv']:.1%}" in note and "(the first input's)" not in note
+
+
+# ---------------------------------------------------------------------------- rules that read the input
+def ready_blend(model, rec, chunks, ratio, rule, pre=None):
+    pre = pre if pre is not None else bw.precompute_chunks(model, rec.doc, chunks)
+    return bw.blend(model, rec, chunks, ratio, rule=rules.ready(rule, model, rec, chunks, pre), pre=pre, trace=True)
+
+
+@pytest.mark.parametrize("name", list(rules.INPUT_RULES))
+def test_input_rule_at_ratio_one_is_full_prefill(model, rec, name):
+    lg, _ = ready_blend(model, rec, 3, 1.0, rules.INPUT_RULES[name])
+    assert (lg - bw.full_prefill(model, rec)).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("name", list(rules.INPUT_RULES))
+def test_input_rule_at_ratio_zero_is_full_reuse(model, rec, name):
+    lg, _ = ready_blend(model, rec, 3, 0.0, rules.INPUT_RULES[name])
+    assert (lg - bw.full_reuse(model, rec, 3)).abs().max() <= TOL
+
+
+@torch.no_grad()
+def direct_question_attention(model, pre, question, layers):
+    """The question run over `pre` by the model's own forward, its softmax written out (keep_weights): the
+    weights on the N context tokens at layers 1..layers, summed over heads and question tokens."""
+    N = pre.k[0].shape[2]
+    for blk in model.layers:
+        blk.keep_weights = True
+    try:
+        model(question, cache=pre)
+        return sum(model.layers[i].weights[..., :N].sum((1, 2)) for i in range(1, layers + 1))
+    finally:
+        for blk in model.layers:
+            blk.keep_weights, blk.weights = False, None
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+@torch.no_grad()
+def test_question_attention_is_the_softmax_of_the_questions_queries_over_full_reuse(model, rec, layers):
+    pre = bw.precompute_chunks(model, rec.doc, 3)
+    got = rules.question_attention(model, pre, rec.question, layers)
+    want = direct_question_attention(model, pre, rec.question, layers)
+    assert got.shape == (len(rec.tokens), bw.DOC_LEN)
+    assert (got - want).abs().max() <= 1e-5
+    # over a full prefill's cache the weights differ: the score reads the stale K, V
+    full = model(rec.doc)[1]
+    assert (direct_question_attention(model, full, rec.question, layers) - got).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("with_dev", [False, True])
+@torch.no_grad()
+def test_query_rule_recomputes_the_top_tokens_of_the_questions_attention(model, rec, with_dev):
+    """Flat's count at every layer, one set: the ceil(r N) tokens the question attends to most (with_dev:
+    plus layer 0's attention deviation, each a share of its total), never a token whose K, V are exact."""
+    r, N, L = 0.25, bw.DOC_LEN, model.cfg.n_layers
+    pre = bw.precompute_chunks(model, rec.doc, 3)
+    _, tr = ready_blend(model, rec, 3, r, rules.QueryAttention(with_dev=with_dev), pre)
+    att = direct_question_attention(model, pre, rec.question, L - 1)
+    score = att / att.sum(1, keepdim=True)
+    if with_dev:
+        score = score + tr.attn_dev0 / tr.attn_dev0.sum(1, keepdim=True)
+    score[:, :3] = -1  # the first chunk of 3 tokens was precomputed where it stands: exact
+    want = score.topk(math.ceil(r * N), 1).indices.sort(1).values
+    assert [t.shape[1] for t in tr.recomputed] == rules.FLAT.counts(N, r, L)
+    assert all(torch.equal(sel, want) for sel in tr.recomputed)
+
+
+def test_query_rule_depth_reads_fewer_layers_and_counts_its_pass():
+    q = rules.QueryAttention(layers=2)
+    assert q.depth(30) == 2 and rules.QueryAttention().depth(30) == 29
+    assert rules.extra_token_layers(q, 10, 30) == 30 and rules.extra_token_layers(rules.FLAT, 10, 30) == 0
+
+
+def test_exact_tokens_are_the_prefix_and_the_first_chunk():
+    P = bw.PREFIX
+    assert rules.exact_tokens(7, torch.tensor([P, P, 0, 0, 1, 1, 2])).tolist() == [1, 1, 1, 1, 0, 0, 0]
+    assert rules.exact_tokens(7, 3).tolist() == [1, 1, 1, 0, 0, 0, 0]
+
+
+@torch.no_grad()
+def test_chunk_start_recomputes_the_first_tokens_of_every_chunk(model, rec):
+    """Chunks of 3 tokens from 24: chunks 1..7 deviate; 6 tokens (25%) are the first tokens of chunks 1-6
+    (one turn, earlier chunks first); 12 tokens (50%): the first of all 7, then the second of chunks 1-5."""
+    for r, want in [(0.25, [3, 6, 9, 12, 15, 18]), (0.5, [3, 4, 6, 7, 9, 10, 12, 13, 15, 16, 18, 21])]:
+        _, tr = ready_blend(model, rec, 3, r, rules.ChunkStart())
+        assert all(sel.tolist() == [want] * len(rec.tokens) for sel in tr.recomputed)
+    P = bw.PREFIX
+    ids = torch.tensor([P, 0, 0, 1, 1, 1, 1, 2, 2])  # chunk 0 is exact; chunk 2 has 2 tokens
+    doc = bw.Records(torch.zeros(1, 9, dtype=torch.long), None, None)
+    order = rules.ChunkStart().ready(None, doc, ids, None).order
+    assert order.topk(5).indices.tolist() == [3, 7, 4, 8, 5]
