@@ -244,11 +244,17 @@ def test_recomputed_note_says_which_layers_are_computed_in_full(cb):
     import blend_real as br
     import blend_rules
     n, L, r = 1539, 30, 0.15
-    run = SimpleNamespace(items=[SimpleNamespace(n_context=n)], counts={m: blend_rules.RULES[m].counts(n, r, L)
-                                                                         for m in br.RULE_NAMES},
-                          share={m: br.recompute_share(n, r, L, m) for m in br.RULE_NAMES})
+    run = SimpleNamespace(items=[SimpleNamespace(n_context=n)], counts={m: blend_rules.ALL_RULES[m].counts(n, r, L)
+                                                                         for m in br.ALL_RULE_NAMES},
+                          share={m: br.work_share(n, 33, r, L, m) for m in br.ALL_RULE_NAMES})
     note = cb.recomputed_note(SimpleNamespace(run=run, n_layers=L))
-    assert "flat: layer 0 in full, then 231 of the 1,539 tokens (15.0%) at each of layers 1-29" in note
+    assert "flat, chunk-start: layer 0 in full, then 231 of the 1,539 tokens (15.0%) at each of layers 1-29" in note
+    # the query rules: flat's counts and the question's pass, 33 tokens at layers 0-29 over 30 x 1,539
+    pass_share = 33 * 30 / (30 * n)
+    assert f"query, query+dev: layer 0 in full, then 231 of the 1,539 tokens (15.0%) at each of layers 1-29, + the " \
+           f"question's pass over full reuse's cache ({pass_share:.1%})" in note
+    assert run.share["query"] == pytest.approx(run.share["flat"] + pass_share)
+    assert run.share["flat"] == pytest.approx(br.recompute_share(n, r, L, "flat"))
     assert f"(1 + 29 x 15.0%) / 30 = {run.share['flat']:.1%}" in note
     assert "check-k, check-v, check-kv: layers 0-1 in full" in note
     assert f"(2 + 28 x 15.0%) / 30 = {run.share['check-kv']:.1%}" in note and "(the first input's)" not in note
@@ -342,3 +348,37 @@ def test_chunk_start_recomputes_the_first_tokens_of_every_chunk(model, rec):
     doc = bw.Records(torch.zeros(1, 9, dtype=torch.long), None, None)
     order = rules.ChunkStart().ready(None, doc, ids, None).order
     assert order.topk(5).indices.tolist() == [3, 7, 4, 8, 5]
+
+
+def test_input_rule_tables_print_the_curves_and_the_depths(cb, tmp_path, monkeypatch):
+    """Part 5j: every input rule's KL at each ratio and the share of full reuse's KL removed at r, beside flat
+    and its two oracles; Part 5k: KL and TTFT over j, with its --json keys."""
+    import json
+    from types import SimpleNamespace
+
+    import blend_real as br
+    curve = {"flat": {"0.05": 0.2, "0.15": 0.1}, "query": {"0.05": 0.15, "0.15": 0.05},
+             "query+dev": {"0.05": 0.12, "0.15": 0.04}, "chunk-start": {"0.05": 0.25, "0.15": 0.2},
+             "random": {"0.05": 0.3, "0.15": 0.28}, "oracle": {"0.05": 0.1, "0.15": 0.02}}
+    ttft = {"flat": 1.0, "query": 1.2, "query+dev": 1.25, "chunk-start": 1.0, "query j=1": 1.05, "query j=4": 1.1}
+    query = {"depths": [1, 4], "kl": {"query": [0.12, 0.06], "query+dev": [0.09, 0.05]},
+             "ttft": {"query": [1.05, 1.1], "query+dev": [1.06, 1.12]}, "share": {"query": [0.2, 0.21]}}
+    run = SimpleNamespace(ratios=(0.05, 0.15), at=0.15, kl_reuse=0.4, curve=curve, ttft=ttft, rule="query+dev",
+                          share={m: 0.18 for m in ttft}, ranking={"flat": {"0.05": 0.15, "0.15": 0.06}},
+                          no_prefix=None, query=query)
+    page = page_of(lambda p: (cb.show_input_rules(p, SimpleNamespace(run=run), None),
+                              cb.show_query_depths(p, SimpleNamespace(run=run), None)), tmp_path, monkeypatch)
+    five_j, five_k = page.tables
+    rows = {r.cells[0]: r.cells for r in five_j.rows}
+    assert rows["query+dev"][1:4] == [0.12, 0.04, pytest.approx(0.9)]
+    assert rows["ranking oracle (flat's counts)"][2] == 0.06 and rows["patch oracle"][3] == pytest.approx(0.95)
+    assert "closest to full prefill: 5% query+dev, 15% query+dev." in five_j.notes
+    assert "--rule query+dev at 15%: 0.0400 against flat's 0.1000 (60% less)" in five_j.notes[1]
+    assert [r.cells[0] for r in five_k.rows] == [1, 4, "flat"]
+    assert five_k.rows[0].cells[1:5] == [0.12, 1.05, 0.09, 1.06]
+    assert "query: closer than flat from j = 4" in five_k.notes[0]
+    assert "query+dev: closer than flat from j = 1" in five_k.notes[0]
+    got = json.loads(json.dumps(page.json()))
+    assert got["real_query_j"] == [1, 4] and got["real_query_kl15"] == [0.12, 0.06]
+    assert got["real_query_ttft_s"] == [1.05, 1.1] and got["real_kl_removed"]["query"] == pytest.approx(0.875)
+    assert br.QUERY_RULES == ("query", "query+dev")

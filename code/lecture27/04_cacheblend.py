@@ -23,7 +23,8 @@ In the handout's order:
 §5.2    Part 1: the city language (city_reuse.py), 3 chunks x 8 tokens + an 8-token question: full prefill vs full KV
         reuse (each chunk precomputed alone, K moved by shift_kv). Sentences are independent: no loss.
 §5.2-3  Part 2: the record world (blend_world.py, record_blend.py), chunks of 5: accuracy on split and unsplit records
-        under full prefill, full reuse, CacheBlend and a random selection of the same size.
+        under full prefill, full reuse, CacheBlend and a random selection of the same size; the rules
+        that read the input first (the question's attention, chunk starts) beside them.
         Exercise 6: how many records chunk length 6 splits, and full reuse's accuracy there.
 §5.3    Part 3 (record_blend.py): the two insights (deviation is concentrated; adjacent layers agree), layer 0's picks,
         shorter chunks, and the compute-quality curve. The deviation is concentrated because document
@@ -36,7 +37,8 @@ In the handout's order:
         per storage device, the controller's ratio, pipelined TTFT; LLaMA-7B vs 70B; requests/s of a
         busy server, full prefill vs CacheBlend (the paper's 2.8-5x throughput); the controller
         (loading_controller.py) also says when not to reuse: a read slower than the layer's prefill means a
-        full prefill, or the fastest device that still pays. Exercise 8.
+        full prefill, or the fastest device that still pays; a query rule ranking by layers 1..j waits for
+        their KV (QUERY_DEPTHS). Exercise 8.
 Part 5 (--model smollm2 and the flags of its own group; blend_real_study.py, blend_real.py): the same blend() on
         SmolLM2-135M-Instruct, RAG items of 6 chunks x 256 tokens + the question (or --passages FILE: your
         own, one chunk per passage): KL to full prefill of CacheBlend (RULE), random and an oracle at
@@ -45,9 +47,13 @@ Part 5 (--model smollm2 and the flags of its own group; blend_real_study.py, ble
         caching, full reuse, CacheBlend) and the mask pitfall's KL (prefix_caching.measured, cached); where
         the rule's distance from full prefill comes from: its ranking (rule -> ranking oracle) or recomputing
         from a partly stale cache (ranking oracle -> patch oracle).
-        --curve: KL vs recompute ratio for every selection rule of blend() (blend_rules.RULES), random and
-        the two oracles, and a figure; every rule's ranking oracle; the built-in items with shorter chunks;
-        a rule whose count adapts to the input beside flat.
+        The rules that read the input before blend() (blend_rules.INPUT_RULES): the question's attention
+        over full reuse's cache (query, query+dev) and EPIC's chunk starts (chunk-start), at r, timed with
+        their own pass (Part 5j).
+        --curve: KL vs recompute ratio for every selection rule (blend_rules.ALL_RULES), random and
+        the two oracles, and a figure; every rule's ranking oracle; the query rules over j, the layers the
+        question's attention is read from, KL against TTFT (Part 5k); every chunk prefilled alone at
+        position 0; the built-in items with shorter chunks; a rule whose count adapts to the input beside flat.
 Each Part is computed here (by the library) and shown by blend_page.py (Parts 0-4, exercises 5-8) or
 blend_real_page.py (Part 5): their tables, notes, figures and --json keys.
 """
