@@ -31,10 +31,12 @@ def show_real(page: Page, r: brs.Real, s) -> None:
     if run.curve_mode:
         show_real_curve(page, r, s)
     else:
-        page.say(f"  Parts 5a-b and 5g-i, the quality curve of every selection rule, random and the two oracles at "
-                 f"{', '.join(f'{x:.0%}' for x in s.real_curve_ratios)}, every rule's ranking oracle, shorter chunks "
-                 f"and a rule whose count adapts: --curve ({len(s.real_curve_ratios) * (2 * len(br.RULE_NAMES) + 1)} "
-                 "blends per item the first time, then cached; --items 8 for all eight)")
+        blends = (len(s.real_curve_ratios) * (2 * len(br.RULE_NAMES) + 1 + len(br.INPUT_RULE_NAMES))
+                  + len(br.QUERY_RULES) * len(s.real_query_j))
+        page.say(f"  Parts 5a-b and 5g-k, the quality curve of every selection rule, random and the two oracles at "
+                 f"{', '.join(f'{x:.0%}' for x in s.real_curve_ratios)}, every rule's ranking oracle, the query rules "
+                 f"over j, shorter chunks and a rule whose count adapts: --curve (about {blends} blends per item the "
+                 "first time, then cached; --items 8 for all eight)")
     show_real_ttft(page, r, s)
     show_real_answers(page, r, s)
     show_real_mask(page, r, s)
