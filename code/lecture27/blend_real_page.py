@@ -195,10 +195,9 @@ def real_notes(r: brs.Real) -> list[str]:
                          "is that rule." if rank == 1 else f"ranks {rank} of {len(run.score)} (one run's timings on a "
                          "shared CPU can reorder rules whose recomputed shares are close)."))
     notes.append(f"CacheBlend below = --rule {rule} ({gain(rule)})." + (
-        "" if run.curve_mode else f" The default, {r.default_rule}, has the lowest first-token KL at 15% summed over "
-                                  "the built-in items, passages_example.json and passages_six.json (--curve "
-                                  "measures every rule; on passages_six.json alone the check-layer rules are "
-                                  "closer)."))
+        "" if run.curve_mode else f" The default, {r.default_rule}, was chosen on the public input sets at 15% "
+                                  "(04's RULE says why); Part 5j sets it beside flat and the oracles, --curve "
+                                  "measures every rule at every ratio."))
     return notes
 
 
