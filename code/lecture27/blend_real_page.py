@@ -306,11 +306,11 @@ def show_input_rules(page: Page, r: brs.Real, s) -> None:
                          removed(oracle[f"{run.at:g}"], reuse), None, None]))
     rows.append(Row(["patch oracle", *[run.curve["oracle"][f"{x:g}"] for x in ratios],
                      removed(run.curve["oracle"][f"{run.at:g}"], reuse), None, None]))
-    add_table(page, Table(f"Part 5j (§5.3). Ranking by what the question reads: mean first-token KL(full prefill || "
-                          f"rule), nats (full reuse: {reuse:.4f});\n  query: flat's counts, the tokens the question's "
-                          "tokens attend to most over full reuse's cache, layers 1 to the last; query+dev: that\n  "
-                          "and layer 0's attention deviation, each a share of its total; chunk-start: the first "
-                          "tokens of every chunk (EPIC's LegoLink);\n  TTFT as Part 5c (with the question's pass)",
+    add_table(page, Table(f"Part 5j (§5.3). Ranking by what the question reads: mean first-token KL(full prefill "
+                          f"|| rule), nats (full reuse: {reuse:.4f});\n  query: flat's counts, the tokens the question "
+                          "attends to most over full reuse's cache, layers 1 to the last;\n  query+dev: that and layer "
+                          "0's attention deviation, each a share of its total;\n  chunk-start: the first tokens of "
+                          "every chunk (EPIC's LegoLink); TTFT as Part 5c (with the question's pass)",
                           "§5.3", cols("rule", *[(f"r={x:.0%}", "{:.4f}") for x in ratios],
                                        (f"removed at {run.at:.0%}", pct1), ("TTFT s", "{:.2f}"), ("recomputed", pct1)),
                           rows, "blend_real.input_rule_curves", input_rule_notes(r)))

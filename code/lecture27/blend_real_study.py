@@ -71,6 +71,7 @@ class Experiment:
     curve_answer: dict              # mean over the first kl_tokens answer tokens
     kl_reuse: float
     kl_answer_reuse: float
+    ranking: dict                   # rule -> its ranking oracle's curve (an input rule: flat's)
     ttft: dict                      # method -> seconds
     ttft_items: int
     threads: int
