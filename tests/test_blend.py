@@ -459,3 +459,16 @@ def test_seed_sweep_entry_point_reads_the_cached_model(tmp_path):
 def test_seed_sweep_bad_list_is_one_line_exit_2(cli_exit):
     code, err = cli_exit("record_trainer", "--seeds", "3-1")
     assert code == 2 and "--seeds" in err and "Traceback" not in err
+
+
+def test_ranked_ttft_is_the_pipeline_with_no_ranking_and_serial_with_every_layer():
+    import loading_controller as lc
+    L, load, rec, q, extra = 32, 0.010, 0.004, 0.001, 0.02
+    assert lc.ranked_ttft(L, load, rec, -1, q, extra) == pytest.approx(lc.pipelined_ttft(L, load, rec, extra))
+    assert lc.ranked_ttft(L, load, rec, L - 1, q, extra) == pytest.approx(L * load + L * rec + extra)
+    ttft = [lc.ranked_ttft(L, load, rec, j, q, extra) for j in range(-1, L)]
+    assert all(b >= a - 1e-12 for a, b in zip(ttft, ttft[1:])) and ttft[0] < ttft[-1]
+    # load-bound: the recomputes of the layers already read catch up while the rest load, until they cannot
+    assert ttft[1] == pytest.approx(ttft[0]) and ttft[20] > ttft[0]
+    # recompute-bound: the wait for j layers adds j + 1 reads before L recomputes
+    assert lc.ranked_ttft(L, 0.001, 0.004, 3, q, 0) == pytest.approx(4 * 0.001 + L * 0.004)

@@ -244,3 +244,51 @@ def test_passage_input_one_chunk_per_passage_at_natural_length(real):
 def test_04_real_model_flags_need_model_smollm2(cli_exit, flags):
     code, err = cli_exit("04_cacheblend", *flags)
     assert code == 2 and "--model smollm2" in err and "Traceback" not in err
+
+
+def random_rag(seed):
+    """A small random model and a RAG input: a 2-token shared prefix, three chunks, a 4-token question."""
+    import blend_real as br
+    torch.manual_seed(seed)
+    model = Llama(LlamaConfig(vocab_size=50)).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([P] * 2 + [0] * 6 + [1] * 5 + [2] * 7)
+    return model, br.RagDoc(torch.randint(0, 50, (1, len(ids)), generator=g),
+                            torch.randint(0, 50, (1, 4), generator=g), ids, None)
+
+
+@torch.no_grad()
+def test_input_rules_are_full_prefill_at_one_and_full_reuse_at_zero_on_a_rag_input(kl_rounding):
+    """item_input_rules: every input rule after its own pass; at r = 1 KL 0 (up to rounding), at r = 0 full
+    reuse's KL; a depth at the last layer is the rule itself, a shallower one is measured."""
+    import blend_real as br
+    model, rd = random_rag(3)
+    out = br.item_input_rules(model, rd, ratios=(0.0, 1.0), rules=br.INPUT_RULE_NAMES, at=1.0, depths=(1, 3),
+                              reuse=True, kl_tokens=2)
+    tol = kl_rounding(model(rd.tokens)[0][0, -1])
+    reuse = out["kl_first"]["full reuse"]["0"]
+    assert reuse > 1e-4
+    for name in br.INPUT_RULE_NAMES:
+        assert abs(out["kl_first"][name]["1"]) < tol
+        assert out["kl_first"][name]["0"] == pytest.approx(reuse, rel=1e-4)
+    assert out["kl_first"]["query j=3"] == {"1": out["kl_first"]["query"]["1"]}  # 4 layers: j = 3 is every one
+    assert set(out["kl_first"]["query+dev j=1"]) == {"1"}
+
+
+def test_alone_doc_puts_the_prefix_in_the_first_chunk():
+    import blend_real as br
+    _, rd = random_rag(3)
+    alone = br.alone_doc(rd)
+    assert alone.chunks.tolist() == [0] * 8 + [1] * 5 + [2] * 7 and torch.equal(alone.doc, rd.doc)
+    assert bw.chunk_spans(alone.chunks) == [(0, 8), (8, 13), (13, 20)]
+
+
+@torch.no_grad()
+def test_item_ttft_times_every_rule_with_its_own_pass():
+    import blend_real as br
+    model, rd = random_rag(4)
+    t = br.item_ttft(model, rd, 0.3, {**{m: br.blend_rules.ALL_RULES[m] for m in br.ALL_RULE_NAMES},
+                                      "query j=1": br.at_depth("query", 1)})
+    assert set(t) == {"full prefill", *br.ALL_RULE_NAMES, "query j=1"} and all(v > 0 for v in t.values())

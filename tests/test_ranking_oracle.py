@@ -244,11 +244,141 @@ def test_recomputed_note_says_which_layers_are_computed_in_full(cb):
     import blend_real as br
     import blend_rules
     n, L, r = 1539, 30, 0.15
-    run = SimpleNamespace(items=[SimpleNamespace(n_context=n)], counts={m: blend_rules.RULES[m].counts(n, r, L)
-                                                                         for m in br.RULE_NAMES},
-                          share={m: br.recompute_share(n, r, L, m) for m in br.RULE_NAMES})
+    run = SimpleNamespace(items=[SimpleNamespace(n_context=n)], counts={m: blend_rules.ALL_RULES[m].counts(n, r, L)
+                                                                         for m in br.ALL_RULE_NAMES},
+                          share={m: br.work_share(n, 33, r, L, m) for m in br.ALL_RULE_NAMES})
     note = cb.recomputed_note(SimpleNamespace(run=run, n_layers=L))
-    assert "flat: layer 0 in full, then 231 of the 1,539 tokens (15.0%) at each of layers 1-29" in note
+    assert "flat, chunk-start: layer 0 in full, then 231 of the 1,539 tokens (15.0%) at each of layers 1-29" in note
+    # the query rules: flat's counts and the question's pass, 33 tokens at layers 0-29 over 30 x 1,539
+    pass_share = 33 * 30 / (30 * n)
+    assert f"query, query+dev: layer 0 in full, then 231 of the 1,539 tokens (15.0%) at each of layers 1-29, + the " \
+           f"question's pass over full reuse's cache ({pass_share:.1%})" in note
+    assert run.share["query"] == pytest.approx(run.share["flat"] + pass_share)
+    assert run.share["flat"] == pytest.approx(br.recompute_share(n, r, L, "flat"))
     assert f"(1 + 29 x 15.0%) / 30 = {run.share['flat']:.1%}" in note
     assert "check-k, check-v, check-kv: layers 0-1 in full" in note
     assert f"(2 + 28 x 15.0%) / 30 = {run.share['check-kv']:.1%}" in note and "(the first input's)" not in note
+
+
+# ---------------------------------------------------------------------------- rules that read the input
+def ready_blend(model, rec, chunks, ratio, rule, pre=None):
+    pre = pre if pre is not None else bw.precompute_chunks(model, rec.doc, chunks)
+    return bw.blend(model, rec, chunks, ratio, rule=rules.ready(rule, model, rec, chunks, pre), pre=pre, trace=True)
+
+
+@pytest.mark.parametrize("name", list(rules.INPUT_RULES))
+def test_input_rule_at_ratio_one_is_full_prefill(model, rec, name):
+    lg, _ = ready_blend(model, rec, 3, 1.0, rules.INPUT_RULES[name])
+    assert (lg - bw.full_prefill(model, rec)).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("name", list(rules.INPUT_RULES))
+def test_input_rule_at_ratio_zero_is_full_reuse(model, rec, name):
+    lg, _ = ready_blend(model, rec, 3, 0.0, rules.INPUT_RULES[name])
+    assert (lg - bw.full_reuse(model, rec, 3)).abs().max() <= TOL
+
+
+@torch.no_grad()
+def direct_question_attention(model, pre, question, layers):
+    """The question run over `pre` by the model's own forward, its softmax written out (keep_weights): the
+    weights on the N context tokens at layers 1..layers, summed over heads and question tokens."""
+    N = pre.k[0].shape[2]
+    for blk in model.layers:
+        blk.keep_weights = True
+    try:
+        model(question, cache=pre)
+        return sum(model.layers[i].weights[..., :N].sum((1, 2)) for i in range(1, layers + 1))
+    finally:
+        for blk in model.layers:
+            blk.keep_weights, blk.weights = False, None
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+@torch.no_grad()
+def test_question_attention_is_the_softmax_of_the_questions_queries_over_full_reuse(model, rec, layers):
+    pre = bw.precompute_chunks(model, rec.doc, 3)
+    got = rules.question_attention(model, pre, rec.question, layers)
+    want = direct_question_attention(model, pre, rec.question, layers)
+    assert got.shape == (len(rec.tokens), bw.DOC_LEN)
+    assert (got - want).abs().max() <= 1e-5
+    # over a full prefill's cache the weights differ: the score reads the stale K, V
+    full = model(rec.doc)[1]
+    assert (direct_question_attention(model, full, rec.question, layers) - got).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("with_dev", [False, True])
+@torch.no_grad()
+def test_query_rule_recomputes_the_top_tokens_of_the_questions_attention(model, rec, with_dev):
+    """Flat's count at every layer, one set: the ceil(r N) tokens the question attends to most (with_dev:
+    plus layer 0's attention deviation, each a share of its total), never a token whose K, V are exact."""
+    r, N, L = 0.25, bw.DOC_LEN, model.cfg.n_layers
+    pre = bw.precompute_chunks(model, rec.doc, 3)
+    _, tr = ready_blend(model, rec, 3, r, rules.QueryAttention(with_dev=with_dev), pre)
+    att = direct_question_attention(model, pre, rec.question, L - 1)
+    score = att / att.sum(1, keepdim=True)
+    if with_dev:
+        score = score + tr.attn_dev0 / tr.attn_dev0.sum(1, keepdim=True)
+    score[:, :3] = -1  # the first chunk of 3 tokens was precomputed where it stands: exact
+    want = score.topk(math.ceil(r * N), 1).indices.sort(1).values
+    assert [t.shape[1] for t in tr.recomputed] == rules.FLAT.counts(N, r, L)
+    assert all(torch.equal(sel, want) for sel in tr.recomputed)
+
+
+def test_query_rule_depth_reads_fewer_layers_and_counts_its_pass():
+    q = rules.QueryAttention(layers=2)
+    assert q.depth(30) == 2 and rules.QueryAttention().depth(30) == 29
+    assert rules.extra_token_layers(q, 10, 30) == 30 and rules.extra_token_layers(rules.FLAT, 10, 30) == 0
+
+
+def test_exact_tokens_are_the_prefix_and_the_first_chunk():
+    P = bw.PREFIX
+    assert rules.exact_tokens(7, torch.tensor([P, P, 0, 0, 1, 1, 2])).tolist() == [1, 1, 1, 1, 0, 0, 0]
+    assert rules.exact_tokens(7, 3).tolist() == [1, 1, 1, 0, 0, 0, 0]
+
+
+@torch.no_grad()
+def test_chunk_start_recomputes_the_first_tokens_of_every_chunk(model, rec):
+    """Chunks of 3 tokens from 24: chunks 1..7 deviate; 6 tokens (25%) are the first tokens of chunks 1-6
+    (one turn, earlier chunks first); 12 tokens (50%): the first of all 7, then the second of chunks 1-5."""
+    for r, want in [(0.25, [3, 6, 9, 12, 15, 18]), (0.5, [3, 4, 6, 7, 9, 10, 12, 13, 15, 16, 18, 21])]:
+        _, tr = ready_blend(model, rec, 3, r, rules.ChunkStart())
+        assert all(sel.tolist() == [want] * len(rec.tokens) for sel in tr.recomputed)
+    P = bw.PREFIX
+    ids = torch.tensor([P, 0, 0, 1, 1, 1, 1, 2, 2])  # chunk 0 is exact; chunk 2 has 2 tokens
+    doc = bw.Records(torch.zeros(1, 9, dtype=torch.long), None, None)
+    order = rules.ChunkStart().ready(None, doc, ids, None).order
+    assert order.topk(5).indices.tolist() == [3, 7, 4, 8, 5]
+
+
+def test_input_rule_tables_print_the_curves_and_the_depths(cb, tmp_path, monkeypatch):
+    """Part 5j: every input rule's KL at each ratio and the share of full reuse's KL removed at r, beside flat
+    and its two oracles; Part 5k: KL and TTFT over j, with its --json keys."""
+    import json
+    from types import SimpleNamespace
+
+    import blend_real as br
+    curve = {"flat": {"0.05": 0.2, "0.15": 0.1}, "query": {"0.05": 0.15, "0.15": 0.05},
+             "query+dev": {"0.05": 0.12, "0.15": 0.04}, "chunk-start": {"0.05": 0.25, "0.15": 0.2},
+             "random": {"0.05": 0.3, "0.15": 0.28}, "oracle": {"0.05": 0.1, "0.15": 0.02}}
+    ttft = {"flat": 1.0, "query": 1.2, "query+dev": 1.25, "chunk-start": 1.0, "query j=1": 1.05, "query j=4": 1.1}
+    query = {"depths": [1, 4], "kl": {"query": [0.12, 0.06], "query+dev": [0.09, 0.05]},
+             "ttft": {"query": [1.05, 1.1], "query+dev": [1.06, 1.12]}, "share": {"query": [0.2, 0.21]}}
+    run = SimpleNamespace(ratios=(0.05, 0.15), at=0.15, kl_reuse=0.4, curve=curve, ttft=ttft, rule="query+dev",
+                          share={m: 0.18 for m in ttft}, ranking={"flat": {"0.05": 0.15, "0.15": 0.06}},
+                          no_prefix=None, query=query)
+    page = page_of(lambda p: (cb.show_input_rules(p, SimpleNamespace(run=run), None),
+                              cb.show_query_depths(p, SimpleNamespace(run=run), None)), tmp_path, monkeypatch)
+    five_j, five_k = page.tables
+    rows = {r.cells[0]: r.cells for r in five_j.rows}
+    assert rows["query+dev"][1:4] == [0.12, 0.04, pytest.approx(0.9)]
+    assert rows["ranking oracle (flat's counts)"][2] == 0.06 and rows["patch oracle"][3] == pytest.approx(0.95)
+    assert "closest to full prefill: 5% query+dev, 15% query+dev." in five_j.notes
+    assert "--rule query+dev at 15%: 0.0400 against flat's 0.1000 (60% less)" in five_j.notes[1]
+    assert [r.cells[0] for r in five_k.rows] == [1, 4, "flat"]
+    assert five_k.rows[0].cells[1:5] == [0.12, 1.05, 0.09, 1.06]
+    assert "query: closer than flat from j = 4" in five_k.notes[0]
+    assert "query+dev: closer than flat from j = 1" in five_k.notes[0]
+    got = json.loads(json.dumps(page.json()))
+    assert got["real_query_j"] == [1, 4] and got["real_query_kl15"] == [0.12, 0.06]
+    assert got["real_query_ttft_s"] == [1.05, 1.1] and got["real_kl_removed"]["query"] == pytest.approx(0.875)
+    assert br.QUERY_RULES == ("query", "query+dev")

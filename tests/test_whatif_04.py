@@ -308,3 +308,26 @@ def test_the_mask_pitfall_is_measured_beside_the_position_mask(runs):
     assert 0 <= res["mask_pitfall_split_acc"] <= 1
     c = cells(page, "bottom-right mask (the pitfall)")
     assert c["split records"] == f"{100 * res['mask_pitfall_split_acc']:.1f}%"
+
+
+def test_part4_ranking_by_the_question_waits_for_its_layers(cb):
+    """The query rule's TTFT on the time model grows with the layers its ranking reads; every layer (the
+    last j) leaves no overlap: all reads, then all recomputes. The rows print what query_wait computed."""
+    s = part_settings(cb)
+    waits = cb.part4_query_wait(s)
+    page = Page("04", "", "§5", plot=False)
+    bp.show_pipelining(page, cb.part4_pipelining(s), s, waits)
+    for w in waits:
+        assert w.depths[-1] == w.n_layers - 1 and w.ttft_s[0] >= w.plain_s - 1e-12 and w.ttft_s[-1] > w.plain_s
+        assert all(b >= a - 1e-12 for a, b in zip(w.ttft_s, w.ttft_s[1:]))
+        load, rec, q = w.load_ms / 1e3, w.recompute_ms / 1e3, w.pass_ms / 1e3
+        assert w.ttft_s[-1] * 1e3 == pytest.approx(1e3 * (w.n_layers * (max(load, q) + rec) + q * w.n_layers))
+    rows = table_with(page, "no ranking pass (blend)")[1]
+    assert rows[0][1] == f"{1e3 * waits[0].plain_s:.0f}" and rows[-1][0].endswith("(all)")
+
+
+def test_the_query_rule_on_split_records_is_shown_beside_part2(runs):
+    page, res, _ = runs["default"]
+    assert 0 <= res["query_split_acc"] <= 1 and set(res["input_rules_split_acc"]) == {"query", "query+dev",
+                                                                                     "chunk-start"}
+    assert cells(page, "query 20%")["split records"] == f"{100 * res['query_split_acc']:.1f}%"

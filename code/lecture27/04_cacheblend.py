@@ -23,7 +23,8 @@ In the handout's order:
 §5.2    Part 1: the city language (city_reuse.py), 3 chunks x 8 tokens + an 8-token question: full prefill vs full KV
         reuse (each chunk precomputed alone, K moved by shift_kv). Sentences are independent: no loss.
 §5.2-3  Part 2: the record world (blend_world.py, record_blend.py), chunks of 5: accuracy on split and unsplit records
-        under full prefill, full reuse, CacheBlend and a random selection of the same size.
+        under full prefill, full reuse, CacheBlend and a random selection of the same size; the rules
+        that read the input first (the question's attention, chunk starts) beside them.
         Exercise 6: how many records chunk length 6 splits, and full reuse's accuracy there.
 §5.3    Part 3 (record_blend.py): the two insights (deviation is concentrated; adjacent layers agree), layer 0's picks,
         shorter chunks, and the compute-quality curve. The deviation is concentrated because document
@@ -36,7 +37,8 @@ In the handout's order:
         per storage device, the controller's ratio, pipelined TTFT; LLaMA-7B vs 70B; requests/s of a
         busy server, full prefill vs CacheBlend (the paper's 2.8-5x throughput); the controller
         (loading_controller.py) also says when not to reuse: a read slower than the layer's prefill means a
-        full prefill, or the fastest device that still pays. Exercise 8.
+        full prefill, or the fastest device that still pays; a query rule ranking by layers 1..j waits for
+        their KV (QUERY_DEPTHS). Exercise 8.
 Part 5 (--model smollm2 and the flags of its own group; blend_real_study.py, blend_real.py): the same blend() on
         SmolLM2-135M-Instruct, RAG items of 6 chunks x 256 tokens + the question (or --passages FILE: your
         own, one chunk per passage): KL to full prefill of CacheBlend (RULE), random and an oracle at
@@ -45,9 +47,13 @@ Part 5 (--model smollm2 and the flags of its own group; blend_real_study.py, ble
         caching, full reuse, CacheBlend) and the mask pitfall's KL (prefix_caching.measured, cached); where
         the rule's distance from full prefill comes from: its ranking (rule -> ranking oracle) or recomputing
         from a partly stale cache (ranking oracle -> patch oracle).
-        --curve: KL vs recompute ratio for every selection rule of blend() (blend_rules.RULES), random and
-        the two oracles, and a figure; every rule's ranking oracle; the built-in items with shorter chunks;
-        a rule whose count adapts to the input beside flat.
+        The rules that read the input before blend() (blend_rules.INPUT_RULES): the question's attention
+        over full reuse's cache (query, query+dev) and EPIC's chunk starts (chunk-start), at r, timed with
+        their own pass (Part 5j).
+        --curve: KL vs recompute ratio for every selection rule (blend_rules.ALL_RULES), random and
+        the two oracles, and a figure; every rule's ranking oracle; the query rules over j, the layers the
+        question's attention is read from, KL against TTFT (Part 5k); every chunk prefilled alone at
+        position 0; the built-in items with shorter chunks; a rule whose count adapts to the input beside flat.
 Each Part is computed here (by the library) and shown by blend_page.py (Parts 0-4, exercises 5-8) or
 blend_real_page.py (Part 5): their tables, notes, figures and --json keys.
 """
@@ -70,7 +76,7 @@ import mask_pitfall as mp  # noqa: E402
 import prefix_caching as pc  # noqa: E402
 import record_blend as rb  # noqa: E402
 import record_trainer as rt  # noqa: E402  (rt.SEED, rt.LOCALITY: the trainer's defaults)
-from blend_rules import RULES  # noqa: E402
+from blend_rules import ALL_RULES  # noqa: E402
 from blend_world import DOC_LEN  # noqa: E402
 from common import timemodel as tm  # noqa: E402
 from common.checkpoints import TrainingFailed  # noqa: E402
@@ -110,13 +116,21 @@ DEVICES = {  # storage device -> read bandwidth, bytes/s
     "SATA SSD": ("shared", 0.55e9),
 }
 PAPER_CONTEXT, PAPER_RATIO, PAPER_DEVICE = 4096, 0.15, "NVMe SSD"   # CacheBlend's per-layer example
+QUERY_DEPTHS = [1, 4, 16, 79]             # a query rule ranks by the question's attention at layers 1..j (to the last)
 LAYERS, READ_MS, PREFILL_MS = 32, 10.0, 20.0   # exercise 8: the controller's inputs (per layer: read, prefill)
 # ---- Part 5: the real model (blend_real_study.py)
 ITEMS = 4                                 # RAG items (of 8); their KL is cached, the TTFT measured live
 REAL_CHUNK_TOKENS = 256                   # tokens per retrieved chunk (6 chunks + the question per item)
 REAL_RATIO = 0.15                         # CacheBlend's default recompute ratio
-RULE = "flat"                             # blend()'s selection rule: the lowest KL at 15%, all input sets (--curve)
+# The selection rule reported as CacheBlend. query (the question's attention over full reuse's cache, layers 1-29)
+# is closer to full prefill than flat at 15% on every public input set: mean first-token KL 0.064 vs 0.084 on the
+# built-in items, 0.038 vs 0.122 on passages_six.json, 0.025 vs 0.030 on passages_example.json, 0.052 vs 0.125 on
+# passages_varied.json, removing 81%, 84%, 69% and 75% of full reuse's KL. query+dev is closer on the built-in items
+# (0.051) but removes 69% on passages_varied.json; chunk-start is behind flat everywhere. The question's pass costs
+# its 18-33 tokens at every layer: 2% of a full prefill's context-token layers beside flat's 18% (Part 5c).
+RULE = "query"
 REAL_CURVE_RATIOS = [0.05, 0.15, 0.30, 0.50]  # --curve: every rule, random and the two oracles at these ratios
+REAL_QUERY_J = [1, 4, 15, 29]              # --curve: the query rules at r read the question's attention at layers 1..j
 REAL_SHORT_CHUNKS = [64, 128]             # --curve, built-in items: also cut to these chunk lengths (as --passages')
 ADAPTIVE_TARGETS = [0.5, 0.7, 0.85]       # --curve: the adaptive rule keeps the smallest set holding these shares
 ADAPTIVE_LAYER = 1                        # ... of the deviation measured at this layer (computed in full up to it)
@@ -155,6 +169,7 @@ class Settings:
     paper_context: int
     paper_ratio: float
     paper_device: str
+    query_depths: tuple
     layers: int
     read_ms: float
     prefill_ms: float
@@ -163,6 +178,7 @@ class Settings:
     real_ratio: float
     rule: str
     real_curve_ratios: tuple
+    real_query_j: tuple
     real_short_chunks: tuple
     adaptive_targets: tuple
     adaptive_layer: int
@@ -215,6 +231,11 @@ def part4_pipelining(s: Settings) -> dict[str, bt.SystemTiming]:
     return {model: bt.system_timing(model, n_gpus, rag(s), paper) for model, n_gpus in s.systems}
 
 
+def part4_query_wait(s: Settings) -> list[bt.QueryWait]:
+    """§5.4 on the time model: a query rule ranking by layers 1..j waits for their KV (KV on the paper's device)."""
+    return [bt.query_wait(model, n_gpus, rag(s), s.paper_device, s.query_depths) for model, n_gpus in s.systems]
+
+
 def exercise8(s: Settings):
     """§5.4, exercise 8: the controller on the exercise's per-layer read and prefill times."""
     return bt.controller_example(s.layers, s.read_ms, s.prefill_ms, s.min_ratio)
@@ -231,12 +252,13 @@ def record_world(s: Settings, page: Page) -> None:
     bp.show_record_model(page, training, s)
     run = rb.record_experiment(model, s.docs, s.chunk_len, s.ratio, s.seed)
     bp.show_records(page, run, s)                                                # §5.2-5.3: split records
+    bp.show_input_rules(page, run, rb.input_rules(model, run), s)                # §5.3: the question's attention
     bp.show_split_at(page, rb.split_at(model, run, s.ex6_chunk_len), s)          # §5.2: exercise 6
     found = rb.findings(model, run, s.top_share, s.curve_ratios, s.curve_chunk_lens, s.recover)
     bp.show_findings(page, found, s)                                             # §5.3: the two insights, the curve
     bp.show_mask(page, mp.record_cost(model, run.rec, s.chunk_len, s.ratio, run.pre), s)   # §5.3: the mask pitfall
     bp.show_check_cost(page, exercise7(s), found.insights.layer0_vs_layer1, s)   # §5.3: exercise 7
-    bp.show_pipelining(page, part4_pipelining(s), s)                             # §5.4: loading hides the recompute
+    bp.show_pipelining(page, part4_pipelining(s), s, part4_query_wait(s))        # §5.4: loading hides the recompute
     bp.show_controller(page, exercise8(s), s)                                    # §5.4: exercise 8, the controller
 
 
@@ -248,12 +270,12 @@ def part5_real(s: Settings) -> brs.Real:
     lm = brs.load(s.gguf)
     rags, source = brs.inputs(lm, s.passages, s.items, s.real_chunk_tokens)
     run = brs.experiment(lm, rags, s.real_ratio, s.rule, s.curve, s.real_curve_ratios, s.real_ttft_items,
-                         s.recompute)
+                         s.recompute, depths=s.real_query_j)
     found = brs.deviation(run, s.top_share)
     toy = brs.toy_insights(s.seed, s.locality, s.chunk_len, s.ratio, s.top_share)
     prefix = None if s.passages else pc.measured(
         lm.model, lm.tok, lm.model_id, s.real_prefix_items, s.real_prefix_ks, s.real_chunk_tokens,
-        s.rule, s.real_ratio, mp.MASKS, recompute=s.recompute)
+        br.blend_rule_of(s.rule), s.real_ratio, mp.MASKS, recompute=s.recompute)
     splits = {m: br.decompose(run.curves, m, source) for m in run.curves.ranking}
     chunks, adaptive = brs.curve_studies(
         lm, rags, run, source, built_in=not s.passages, items=s.items, short_chunks=s.real_short_chunks,
@@ -284,7 +306,7 @@ def parser() -> Parser:
     g.add_argument("--real-ratio", type=fraction, default=REAL_RATIO, help="CacheBlend's recompute ratio r on it")
     g.add_argument("--gguf", metavar="PATH", help="another LLaMA GGUF file")
     g.add_argument("--items", type=positive_int, default=ITEMS, help="RAG items (max 8)")
-    g.add_argument("--rule", choices=list(RULES), default=RULE,
+    g.add_argument("--rule", choices=list(ALL_RULES), default=RULE,
                    help="blend()'s selection rule reported as CacheBlend (JSON real_kl_blend<r>: real_kl_blend15)")
     g.add_argument("--passages", metavar="FILE",
                    help='your own inputs, JSON [{"question": str, "passages": [str, ...], "answer": str (optional)}, '

@@ -267,6 +267,34 @@ def random_note(run: rb.RecordRun, s) -> list[str]:
             + f". Random picks recover {touch} what they touch; deviation picks recover {pct1(dev)}."]
 
 
+def show_input_rules(page: Page, run: rb.RecordRun, acc: dict, s) -> None:
+    """Part 2's records under the rules that read the input first, beside CacheBlend's deviation picks."""
+    r = f"{run.ratio:.0%}"
+    rows = [Row([f"{LABELS['blend']} {r}", run.acc["blend"].split, run.acc["blend"].unsplit])]
+    rows += [Row([f"{m} {r}", a.split, a.unsplit]) for m, a in acc.items()]
+    rows.append(Row([f"{LABELS['random']} {r}", run.acc["random"].split, run.acc["random"].unsplit]))
+    q = acc.get("query")
+    add_table(page, Table(f"Record world, chunks of {run.chunk_len}, r = {r}: the rules that read the input before "
+                          "blend() (blend_rules.INPUT_RULES);\n  query: the tokens the question's tokens attend to "
+                          "most over full reuse's cache; query+dev: with layer 0's deviation; chunk-start: the\n  "
+                          "first tokens of every chunk (EPIC)", "§5.3",
+                          cols("method", ("split records", pct1), ("unsplit records", pct1)), rows,
+                          "record_blend.input_rules",
+                          [query_record_note(run, acc)] if q and q.split is not None else []))
+    add_json(page, {"query_split_acc": q.split if q else None,
+                    "input_rules_split_acc": {m: a.split for m, a in acc.items()}})
+
+
+def query_record_note(run: rb.RecordRun, acc: dict) -> str:
+    """Whether the question's attention alone repairs split records, and why not when it does not."""
+    q, dev, rand = acc["query"].split, run.acc["blend"].split, run.acc["random"].split
+    return (f"the question's attention alone repairs {pct1(q)} of split records against the deviation's {pct1(dev)}"
+            + (" and random's " + pct1(rand) if rand is not None else "") + ": " + (
+                "the questions ask for every record, so they read every value, stale or not: what the question "
+                "reads does not say which of its tokens are stale; with layer 0's deviation beside it "
+                f"{pct1(acc['query+dev'].split)}." if q < dev else "it finds the values the questions read."))
+
+
 # ---------------------------------------------------------------------------- §5.2, exercise 6
 def show_split_at(page: Page, e: rb.SplitAt, s) -> None:
     page.exercise(6, "§5.2", f"chunk length {e.chunk_len}: how many records are split, and full reuse's accuracy")
@@ -426,7 +454,7 @@ def check_note(ex: list[bt.CheckCost], rho: float) -> str:
 
 
 # ============================================================================ §5.4 Part 4: timing
-def show_pipelining(page: Page, timings: dict[str, bt.SystemTiming], s) -> None:
+def show_pipelining(page: Page, timings: dict[str, bt.SystemTiming], s, waits: list | None = None) -> None:
     page.part("Part 4", "§5.4", f"Hiding recompute behind loading ({s.gpu}, time model)")
     for model, t in timings.items():
         rows = [Row([label, ms, None, None, None, None]) for label, ms in (
@@ -442,10 +470,40 @@ def show_pipelining(page: Page, timings: dict[str, bt.SystemTiming], s) -> None:
                               [f"{d}: {x.reason}." for d, x in t.devices.items() if x.choice != lc.BLEND]))
     show_comparison(page, timings, s)
     show_throughput(page, timings, s)
+    if waits:
+        show_query_wait(page, waits, s)
     timing_figure(page, timings, s)
     t70 = timings.get("llama-3.1-70b")
     add_json(page, {"timing": timings,
                     "llama70b_nvme_vs_recompute": t70.devices[s.paper_device].load_vs_full if t70 else None})
+
+
+def show_query_wait(page: Page, waits: list, s) -> None:
+    """A query rule on the time model: ranking by the question's attention at layers 1..j waits for layers
+    0..j's KV; per system, the pipelined TTFT over j beside blend's."""
+    for w in waits:
+        rows = [Row(["no ranking pass (blend)", 1e3 * w.plain_s, 1.0, w.prefill_s / w.plain_s])]
+        rows += [Row([f"layers 1..{j}" + (" (all)" if j == w.n_layers - 1 else ""), 1e3 * t, t / w.plain_s,
+                      w.prefill_s / t]) for j, t in zip(w.depths, w.ttft_s)]
+        add_table(page, Table(f"{tm.get_model(w.model).name} on {w.n_gpus} x {s.gpu}, KV on {w.device}: a query rule "
+                              f"at the controller's {w.ratio:.0%} (per layer: load {w.load_ms:.1f} ms, recompute "
+                              f"{w.recompute_ms:.1f} ms,\n  the question's pass {w.pass_ms:.2f} ms); the ranking "
+                              "needs layers 0..j's KV before any layer recomputes", "§5.4",
+                              cols("ranking reads", ("TTFT (ms)", "{:.0f}"), ("vs blend", "{:.2f}x"),
+                                   ("vs full prefill", "{:.2f}x")), rows, "blend_timing.query_wait",
+                              [query_wait_note(w)]))
+    add_json(page, {"timing_query_wait": {w.model: {"depths": w.depths, "ttft_s": w.ttft_s, "blend_s": w.plain_s,
+                                                    "device": w.device} for w in waits}})
+
+
+def query_wait_note(w: bt.QueryWait) -> str:
+    """How much of the pipeline's overlap ranking by all layers gives up, from the rows."""
+    last = w.ttft_s[-1]
+    return (f"ranking by every layer ({w.depths[-1]}) costs {last / w.plain_s:.2f}x blend's pipelined TTFT "
+            f"({1e3 * last:.0f} ms against {1e3 * w.plain_s:.0f} ms): every layer's KV is read before the first "
+            f"recompute; by layers 1..{w.depths[0]}, {w.ttft_s[0] / w.plain_s:.2f}x" + (
+                f"; it is still faster than a full prefill ({1e3 * w.prefill_s:.0f} ms)." if last < w.prefill_s else
+                f"; slower than a full prefill ({1e3 * w.prefill_s:.0f} ms)."))
 
 
 def show_comparison(page: Page, timings: dict[str, bt.SystemTiming], s) -> None:

@@ -40,7 +40,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
@@ -244,16 +244,22 @@ def item_ttft(model, rd: RagDoc, ratio: float, rules=RULE_NAMES) -> dict:
     """Wall-clock TTFT of one input on one torch thread (on shared cores a second thread that waits for
     a core slows blend's many small steps far more than a prefill's large ones): full prefill, and per
     rule shift_kv of every layer's K (placing the stored chunks, timed apart because precompute_chunks
-    already did it) + blend(), chunks' KV in memory. The chunks' precompute is not timed: it runs
-    before, on the caller's threads."""
+    already did it) + the rule's own work on the input (blend_rules.ready: a query rule's pass of the
+    question over full reuse's cache) + blend(), chunks' KV in memory. rules: names of
+    blend_rules.ALL_RULES, or {name: rule}. The chunks' precompute is not timed: it runs before, on the
+    caller's threads."""
+    rules = rules if isinstance(rules, dict) else {name: blend_rules.ALL_RULES[name] for name in rules}
     pre = bw.precompute_chunks(model, rd.doc, rd.chunks)
+
+    def run(rule):
+        return bw.blend(model, rd, rd.chunks, ratio, rule=blend_rules.ready(rule, model, rd, rd.chunks, pre), pre=pre)
+
     with single_thread():
         _, t_full = _timed(lambda: model(rd.tokens, last=True))
         _, t_shift = _timed(lambda: [shift_kv(k, 1000, model.cfg.rope_theta) for k in pre.k])
         out = {"full prefill": t_full}
-        for name in rules:
-            rule = blend_rules.RULES[name]
-            out[name] = t_shift + _timed(lambda: bw.blend(model, rd, rd.chunks, ratio, rule=rule, pre=pre))[1]
+        for name, rule in rules.items():
+            out[name] = t_shift + _timed(lambda: run(rule))[1]
     return out
 
 
@@ -261,6 +267,124 @@ def recompute_share(n_context: int, ratio: float, n_layers: int, rule: str) -> f
     """Context-token layers recomputed by `rule` at `ratio`, as a share of a full prefill's (layer 0 in full)."""
     counts = blend_rules.RULES[rule].counts(n_context, ratio, n_layers)
     return (n_context + sum(counts)) / (n_layers * n_context)
+
+
+def work_share(n_context: int, n_question: int, ratio: float, n_layers: int, rule) -> float:
+    """What a rule computes beside the question's own prefill, as a share of a full prefill's context-token
+    layers: layer 0 in full, its counts at layers 1.., and the token-layers of its own pass over the input
+    (a query rule's question at layers 0..j; blend_rules.extra_token_layers). rule: a name of ALL_RULES or
+    a rule."""
+    rule = blend_rules.ALL_RULES[rule] if isinstance(rule, str) else rule
+    extra = blend_rules.extra_token_layers(rule, n_question, n_layers)
+    return (n_context + sum(rule.counts(n_context, ratio, n_layers)) + extra) / (n_layers * n_context)
+
+
+def blend_rule_of(rule: str) -> str:
+    """The rule of blend_rules.RULES a rule shares its counts with: itself, or flat for an input rule
+    (INPUT_RULES keep flat's counts: its ranking oracle is theirs)."""
+    return rule if rule in blend_rules.RULES else "flat"
+
+
+# ------------------------------------------------------------------------------------ rules that read the input
+INPUT_RULE_NAMES = tuple(blend_rules.INPUT_RULES)
+ALL_RULE_NAMES = (*RULE_NAMES, *INPUT_RULE_NAMES)
+QUERY_RULES = ("query", "query+dev")  # the rules whose depth j (layers the question's attention is read from) varies
+
+
+def at_depth(name: str, j: int):
+    """The query rule `name` reading the question's attention at layers 1..j."""
+    return replace(blend_rules.INPUT_RULES[name], layers=j)
+
+
+def depth_name(name: str, j: int) -> str:
+    return f"{name} j={j}"
+
+
+def alone_doc(rd: RagDoc) -> RagDoc:
+    """The same input with no shared prefix: the chat prefix belongs to the first chunk and every chunk is
+    prefilled alone at position 0 (carrying an attention sink of its own), as EPIC stores chunks."""
+    ids = torch.where(rd.chunks == bw.PREFIX, torch.zeros_like(rd.chunks), rd.chunks)
+    return RagDoc(rd.doc, rd.question, ids, rd.rag)
+
+
+@torch.no_grad()
+def item_input_rules(model, rd: RagDoc, *, ratios, rules, at: float, depths=(), reuse: bool = False,
+                     kl_tokens: int = KL_TOKENS, eos: int | None = None) -> dict:
+    """Rules of blend_rules.ALL_RULES (each after its own work on the input, blend_rules.ready) at every
+    ratio on one RAG input, sharing one full prefill and one precompute of rd.chunks; with `depths`, each
+    query rule (QUERY_RULES) also at ratio `at` reading layers 1..j for j in depths (depth_name); with
+    `reuse`, full reuse (key "0") and the patch oracle too. kl_first / kl_answer as item_curve's:
+    first answer token and the mean over the first kl_tokens of full prefill's greedy answer,
+    teacher-forced."""
+    lg, full_cache = model(rd.tokens, last=True)
+    first = lg[:, -1]
+    pre = bw.precompute_chunks(model, rd.doc, rd.chunks)
+    ref = greedy(model, first, full_cache, kl_tokens, eos)[0]
+    lp_full = answer_logprobs(model, first, full_cache, ref)
+    kl_first, kl_answer = {}, {}
+
+    def score(method, r, logits, cache):
+        lp = answer_logprobs(model, logits, cache, ref)
+        kl_first.setdefault(method, {})[_key(r)] = float(kl_divergence(lp_full[0], lp[0]))
+        kl_answer.setdefault(method, {})[_key(r)] = float(kl_divergence(lp_full, lp).mean())
+
+    def run(method, rule, r):
+        lg, tr = bw.blend(model, rd, rd.chunks, r, rule=blend_rules.ready(rule, model, rd, rd.chunks, pre), pre=pre,
+                          trace=True)
+        score(method, r, lg[:, -1], tr.cache)
+
+    if reuse:
+        lg, c = model(rd.question, cache=pre, last=True)
+        score("full reuse", 0.0, lg[:, -1], c)
+    for r in ratios:
+        for name in rules:
+            run(name, blend_rules.ALL_RULES[name], r)
+        if reuse:
+            lg, c = model(rd.question, cache=blend_rules.oracle_cache(pre, full_cache, r), last=True)
+            score("oracle", r, lg[:, -1], c)
+    L = model.cfg.n_layers
+    for name in QUERY_RULES if depths else ():
+        for j in depths:
+            if name in rules and at in ratios and at_depth(name, j).depth(L) == blend_rules.ALL_RULES[name].depth(L):
+                kl_first[depth_name(name, j)] = {_key(at): kl_first[name][_key(at)]}  # the rule itself: every layer
+                kl_answer[depth_name(name, j)] = {_key(at): kl_answer[name][_key(at)]}
+            else:
+                run(depth_name(name, j), at_depth(name, j), at)
+    return {"kl_first": kl_first, "kl_answer": kl_answer, "n_context": rd.doc.shape[1],
+            "n_question": rd.question.shape[1]}
+
+
+def input_rule_curves(model, tok, rags: list[RagInput], *, ratios, at: float, rules, model_id: str, depths=(),
+                      alone: bool = False, recompute: bool = False, progress: bool = True) -> dict:
+    """item_input_rules on every input (alone: the inputs with no shared prefix, alone_doc, with full
+    reuse and the patch oracle), cached (checkpoints.cached_result "blend-smollm2-input-rules", keyed by
+    the model file, the inputs' tokens, the rules, ratios, depths and the code). Returns {"items": [...],
+    "kl": {method: {ratio: mean KL}}, "kl_answer": ..., "loaded_from_cache", "compute_seconds"}."""
+    from tqdm import tqdm
+
+    from common.checkpoints import cached_result
+
+    eos = tok.token_to_id("<|im_end|>")
+    ident = {"model": model_id, "inputs": inputs_digest(rags), "ratios": list(ratios), "rules": list(rules),
+             "depths": list(depths), "at": at, "alone": alone, "tokens": KL_TOKENS}
+
+    def compute():
+        items = []
+        for rag in tqdm(rags, desc=f"SmolLM2 RAG items ({len(rules)} input rules{', alone' if alone else ''})",
+                        disable=not progress):
+            rd = alone_doc(rag_doc(rag)) if alone else rag_doc(rag)
+            items.append(item_input_rules(model, rd, ratios=ratios, rules=rules, at=at, depths=depths, reuse=alone,
+                                          eos=eos))
+        return {"items": items}
+
+    computed = []
+    res = cached_result("blend-smollm2-input-rules", ident, lambda: computed.append(1) or compute(), refit=recompute,
+                        tag="04", flag="--recompute")
+    items = res["items"]
+    mean = {key: {m: {k: statistics.fmean(it[key][m][k] for it in items) for k in items[0][key][m]}
+                  for m in items[0][key]} for key in ("kl_first", "kl_answer")}
+    return {"items": items, "kl": mean["kl_first"], "kl_answer": mean["kl_answer"],
+            "loaded_from_cache": not computed, "compute_seconds": res.get("compute_seconds")}
 
 
 # ------------------------------------------------------------------------------------ the experiment
@@ -333,38 +457,66 @@ def kl_curves(model, tok, rags: list[RagInput], *, ratios, at: float, rules, ran
 
 
 def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, rule: str, curve: bool, ratios, *,
-                    ttft_items: int, seed: int = SEED, recompute: bool = False, progress: bool = True) -> dict:
-    """KL to full prefill on `rags` (kl_curves, cached) and the TTFT of every rule at ratio `at`, always
-    measured live (item_ttft: one thread), median over the first `ttft_items` inputs.
-    curve=False: `rule`, random, its ranking oracle and the patch oracle at `at` only (one blend per method
-    and input); curve=True: every rule of RULE_NAMES, random, every rule's ranking oracle and the patch
-    oracle at each of `ratios` and `at`."""
+                    ttft_items: int, depths=(), alone: bool = False, seed: int = SEED, recompute: bool = False,
+                    progress: bool = True) -> dict:
+    """KL to full prefill on `rags` (kl_curves and input_rule_curves, cached) and the TTFT of every rule at
+    ratio `at`, always measured live (item_ttft: one thread), median over the first `ttft_items` inputs.
+    curve=False: `rule` (or flat, when it is an input rule), the input rules (INPUT_RULE_NAMES), random,
+    the ranking oracle and the patch oracle at `at` only (one blend per method and input); curve=True:
+    every rule of ALL_RULE_NAMES, random, every rule's ranking oracle and the patch oracle at each of
+    `ratios` and `at`, and each query rule at `at` reading layers 1..j for j in `depths` (KL and TTFT);
+    alone (with curve): flat and the input rules at `at` on the inputs with no shared prefix (alone_doc).
+    An input rule keeps flat's counts: its ranking oracle is flat's."""
     from tqdm import tqdm
 
     check_context(model, rags)
     ratios = tuple(sorted(set(ratios) | {at})) if curve else (at,)
-    rules = RULE_NAMES if curve else (rule,)
-    ranked = (rule, *(r for r in rules if r != rule))
+    base = blend_rule_of(rule)
+    rules = RULE_NAMES if curve else (base,)
+    ranked = (base, *(r for r in rules if r != base))
     c = kl_curves(model, tok, rags, ratios=ratios, at=at, rules=rules, ranked=ranked, model_id=model_id, seed=seed,
                   recompute=recompute, progress=progress, name="blend-smollm2-curve" if curve else "blend-smollm2")
+    depths = tuple(depths) if curve else ()
+    q = input_rule_curves(model, tok, rags, ratios=ratios, at=at, rules=INPUT_RULE_NAMES, model_id=model_id,
+                          depths=depths, recompute=recompute, progress=progress)
+    c.kl.update({m: {float(k): v for k, v in kl.items()} for m, kl in q["kl"].items()})
+    c.kl_answer.update({m: {float(k): v for k, v in kl.items()} for m, kl in q["kl_answer"].items()})
+    c.ranking.update({m: c.ranking[blend_rule_of(m)] for m in INPUT_RULE_NAMES if blend_rule_of(m) in c.ranking})
+    measured = (*rules, *INPUT_RULE_NAMES)
+    c.methods = ["full reuse", *measured, "random", "ranking-oracle", "oracle"]
     items, methods = c.items, c.methods
     by_key = lambda d: {_key(r): v for r, v in d.items()}  # noqa: E731
-    times = [item_ttft(model, rag_doc(rag), at) for rag in tqdm(rags[:ttft_items], desc="TTFT (live)",
-                                                                   disable=not progress)]
+    timed = {**{m: blend_rules.ALL_RULES[m] for m in ALL_RULE_NAMES},
+             **{depth_name(m, j): at_depth(m, j) for m in QUERY_RULES for j in depths}}
+    times = [item_ttft(model, rag_doc(rag), at, timed) for rag in tqdm(rags[:ttft_items], desc="TTFT (live)",
+                                                                        disable=not progress)]
     ttft = {m: statistics.median(t[m] for t in times) for m in times[0]}
-    n_ctx = items[0]["n_context"]
+    n_ctx, n_q = items[0]["n_context"], items[0]["n_question"]
     L = len(items[0]["deviation"])
-    counts = {r: blend_rules.RULES[r].counts(n_ctx, at, L) for r in RULE_NAMES}
-    same = {m: sum(it["text"][m] == it["text"]["full prefill"] for it in items) for m in ["full prefill", *methods]}
+    counts = {r: blend_rules.ALL_RULES[r].counts(n_ctx, at, L) for r in ALL_RULE_NAMES}
+    same = {m: sum(it["text"][m] == it["text"]["full prefill"] for it in items)
+            for m in ["full prefill", *methods] if m in items[0]["text"]}
+    k = _key(at)
+    query = {"depths": list(depths),
+             "kl": {m: [q["kl"][depth_name(m, j)][k] for j in depths] for m in QUERY_RULES},
+             "ttft": {m: [ttft[depth_name(m, j)] for j in depths] for m in QUERY_RULES},
+             "share": {m: [work_share(n_ctx, n_q, at, L, at_depth(m, j)) for j in depths] for m in QUERY_RULES}}
+    no_prefix = None
+    if curve and alone:
+        a = input_rule_curves(model, tok, rags, ratios=(at,), at=at, rules=("flat", *INPUT_RULE_NAMES),
+                              model_id=model_id, alone=True, recompute=recompute, progress=progress)
+        no_prefix = {m: kl[k] if m != "full reuse" else kl["0"] for m, kl in a["kl"].items()}
     return {"items": items, "ratios": ratios, "at": at, "rule": rule, "curve_mode": curve, "methods": methods,
             "curve": {m: by_key(c.kl[m]) for m in methods[1:]},
             "curve_answer": {m: by_key(c.kl_answer[m]) for m in methods[1:]},
             "ranking": {r: by_key(v) for r, v in c.ranking.items()},
             "kl_reuse": c.reuse, "kl_answer_reuse": c.reuse_answer,
             "ttft": ttft, "ttft_items": len(times), "threads": 1, "counts": counts,
-            "share": {r: recompute_share(n_ctx, at, L, r) for r in RULE_NAMES},
-            "same_answer": same, "kl_tokens": KL_TOKENS, "loaded_from_cache": c.loaded_from_cache,
-            "compute_seconds": c.compute_seconds, "curves": c,
+            "share": {r: work_share(n_ctx, n_q, at, L, r) for r in ALL_RULE_NAMES},
+            "same_answer": same, "kl_tokens": KL_TOKENS,
+            "loaded_from_cache": c.loaded_from_cache and q["loaded_from_cache"],
+            "compute_seconds": (c.compute_seconds or 0) + (q["compute_seconds"] or 0), "curves": c,
+            "query": query, "no_prefix": no_prefix,
             "deviation": [torch.as_tensor(it["deviation"]) for it in items]}  # per item (L, N_i); cached as lists
 
 
@@ -373,7 +525,7 @@ def best_rule(res: dict) -> tuple[str, dict]:
     share of full reuse's first-token KL removed, (KL_reuse - KL_rule) / KL_reuse, per second of TTFT.
     Returns (name, scores)."""
     k = _key(res["at"])
-    rules = [m for m in res["methods"] if m in blend_rules.RULES]
+    rules = [m for m in res["methods"] if m in blend_rules.ALL_RULES]
     scores = {rule: (1 - res["curve"][rule][k] / res["kl_reuse"]) / res["ttft"][rule] for rule in rules}
     return max(scores, key=scores.get), scores
 

@@ -31,16 +31,20 @@ def show_real(page: Page, r: brs.Real, s) -> None:
     if run.curve_mode:
         show_real_curve(page, r, s)
     else:
-        page.say(f"  Parts 5a-b and 5g-i, the quality curve of every selection rule, random and the two oracles at "
-                 f"{', '.join(f'{x:.0%}' for x in s.real_curve_ratios)}, every rule's ranking oracle, shorter chunks "
-                 f"and a rule whose count adapts: --curve ({len(s.real_curve_ratios) * (2 * len(br.RULE_NAMES) + 1)} "
-                 "blends per item the first time, then cached; --items 8 for all eight)")
+        blends = (len(s.real_curve_ratios) * (2 * len(br.RULE_NAMES) + 1 + len(br.INPUT_RULE_NAMES))
+                  + len(br.QUERY_RULES) * len(s.real_query_j))
+        page.say(f"  Parts 5a-b and 5g-k, the quality curve of every selection rule, random and the two oracles at "
+                 f"{', '.join(f'{x:.0%}' for x in s.real_curve_ratios)}, every rule's ranking oracle, the query rules "
+                 f"over j, shorter chunks and a rule whose count adapts: --curve (about {blends} blends per item the "
+                 "first time, then cached; --items 8 for all eight)")
     show_real_ttft(page, r, s)
     show_real_answers(page, r, s)
     show_real_mask(page, r, s)
     show_real_insights(page, r, s)
     show_real_split(page, r, s)
+    show_input_rules(page, r, s)
     if run.curve_mode:
+        show_query_depths(page, r, s)
         show_rule_splits(page, r, s)
         if r.chunks:
             show_chunk_lengths(page, r.chunks, s)
@@ -153,9 +157,9 @@ def show_real_curve(page: Page, r: brs.Real, s) -> None:
 def ttft_json(r: brs.Real) -> dict:
     """Part 5c's keys: each method's TTFT, the reported rule's speed-up, every rule's counts, the run's setup."""
     run = r.run
-    return {"real_ttft_s": {m: run.ttft[m] for m in ("full prefill", *br.RULE_NAMES)},
+    return {"real_ttft_s": {m: run.ttft[m] for m in ("full prefill", *br.ALL_RULE_NAMES)},
             "real_ttft_speedup": run.ttft["full prefill"] / run.ttft[run.rule],
-            "real_counts": {m: run.counts[m] for m in br.RULE_NAMES}, "real_rule": run.rule,
+            "real_counts": {m: run.counts[m] for m in br.ALL_RULE_NAMES}, "real_rule": run.rule,
             "real_curve_measured": run.curve_mode, "real_threads": run.threads,
             "real_best_rule_this_run": run.best if run.curve_mode else None}
 
@@ -166,7 +170,7 @@ def show_real_ttft(page: Page, r: brs.Real, s) -> None:
     counts = lambda c: " ".join(map(str, c[:4])) + f" ... {c[-1]}"  # noqa: E731
     rows = [Row(["full prefill", t["full prefill"], 1.0, "100%", None, None, None])]
     rows += [Row([m, t[m], t["full prefill"] / t[m], run.share[m], run.curve.get(m, {}).get(k), run.score.get(m),
-                  Val(run.counts[m], fmt=counts)]) for m in br.RULE_NAMES]
+                  Val(run.counts[m], fmt=counts)]) for m in br.ALL_RULE_NAMES]
     add_table(page, Table(f"Part 5c (§5.4). Time to first token at r = {run.at:.0%}, CPU wall clock, median of "
                           f"{run.ttft_items} input(s), {run.threads} torch thread(s),\n  chunks' KV in memory "
                           "(shift_kv + blend); noisy on a shared machine." + (
@@ -191,10 +195,9 @@ def real_notes(r: brs.Real) -> list[str]:
                          "is that rule." if rank == 1 else f"ranks {rank} of {len(run.score)} (one run's timings on a "
                          "shared CPU can reorder rules whose recomputed shares are close)."))
     notes.append(f"CacheBlend below = --rule {rule} ({gain(rule)})." + (
-        "" if run.curve_mode else f" The default, {r.default_rule}, has the lowest first-token KL at 15% summed over "
-                                  "the built-in items, passages_example.json and passages_six.json (--curve "
-                                  "measures every rule; on passages_six.json alone the check-layer rules are "
-                                  "closer)."))
+        "" if run.curve_mode else f" The default, {r.default_rule}, was chosen on the public input sets at 15% "
+                                  "(04's RULE says why); Part 5j sets it beside flat and the oracles, --curve "
+                                  "measures every rule at every ratio."))
     return notes
 
 
@@ -204,21 +207,24 @@ def recomputed_note(r: brs.Real) -> str:
     run, L = r.run, r.n_layers
     n = run.items[0].n_context
     groups: dict[tuple, list] = {}
-    for m in br.RULE_NAMES:
+    for m in br.ALL_RULE_NAMES:
         c = run.counts[m]
         full = 1 + next((i for i, x in enumerate(c) if x < n), len(c))   # layer 0 and the leading full layers
-        groups.setdefault((full, tuple(c[full - 1:])), []).append(m)
+        groups.setdefault((full, tuple(c[full - 1:]), round(run.share[m], 12)), []).append(m)
     said = []
-    for (full, rest), rules in groups.items():
+    for (full, rest, share), rules in groups.items():
         if not rest:
-            said.append(f"{', '.join(rules)}: every layer in full = {run.share[rules[0]]:.1%}")
+            said.append(f"{', '.join(rules)}: every layer in full = {share:.1%}")
             continue
         frac = sum(rest) / (len(rest) * n)
         layers = "layer 0" if full == 1 else f"layers 0-{full - 1}"
         each = (f"{rest[0]:,} of the {n:,} tokens ({frac:.1%}) at each of layers {full}-{L - 1}"
                 if len(set(rest)) == 1 else f"{frac:.1%} of the tokens on average at layers {full}-{L - 1}")
-        said.append(f"{', '.join(rules)}: {layers} in full, then {each}: ({full} + {L - full} x {frac:.1%}) / {L} = "
-                    f"{run.share[rules[0]]:.1%}")
+        extra = share - (full + (L - full) * frac) / L
+        said.append(f"{', '.join(rules)}: {layers} in full, then {each}" + (
+            f", + the question's pass over full reuse's cache ({extra:.1%})" if extra > 1e-9 else "") +
+            f": ({full} + {L - full} x {frac:.1%}) / {L}" + (f" + {extra:.1%}" if extra > 1e-9 else "") +
+            f" = {share:.1%}")
     first = "" if len({it.n_context for it in run.items}) == 1 else " (the first input's)"
     return (f"recomputed: the share of a full prefill's {L} layers x {n:,} context tokens{first} a rule computes. "
             "Layer 0 is computed in full by every rule (blend's check reads its attention), and a check-layer rule "
@@ -240,21 +246,22 @@ def show_real_answers(page: Page, r: brs.Real, s) -> None:
     k, n = f"{run.at:g}", len(run.items)
     first = {"full prefill": "0", "full reuse": run.kl_reuse, **{m: c[k] for m, c in run.curve.items()}}
     answer = {"full prefill": "0", "full reuse": run.kl_answer_reuse, **{m: c[k] for m, c in run.curve_answer.items()}}
+    shown = run.rule if run.rule in run.items[0].text else br.blend_rule_of(run.rule)
     add_table(page, Table(f"Part 5d (§5.3). KL and greedy answers at r = {run.at:.0%} (the answers of --rule "
-                          f"{run.rule} shown below)", "§5.3",
+                          f"{shown} shown below; the input rules' KL: Part 5j)", "§5.3",
                           cols("method", ("KL first token", "{:.4f}"), (f"KL first {run.kl_tokens} tokens", "{:.4f}"),
                                ("same greedy answer", lambda x: f"{x}/{n}")),
                           [Row([m, first[m], answer[m], same]) for m, same in run.same_answer.items()],
                           "blend_real.real_experiment"))
     add_json(page, answers_json(run))
     for it in run.items:
-        page.say(answer_lines(it, run.rule))
+        page.say(answer_lines(it, shown))
 
 
 def answer_lines(it: brs.Answered, rule: str) -> str:
     """One input's question, its reference answer where it has one, and the greedy answers."""
     return f"\n{it.question}" + (f"\n  (reference: {it.reference})" if it.reference else "") + "".join(
-        f"\n  {m:14s} {it.text[m].strip()!r}" for m in ("full prefill", "full reuse", rule, "random"))
+        f"\n  {m:14s} {it.text[m].strip()!r}" for m in ("full prefill", "full reuse", rule, "random") if m in it.text)
 
 
 def show_real_insights(page: Page, r: brs.Real, s) -> None:
@@ -273,6 +280,108 @@ def show_real_insights(page: Page, r: brs.Real, s) -> None:
         "blend_real_study.deviation"))
     add_json(page, {f"real_top{top}_deviation_share": d.top_share, f"real_top{top}_per_layer": d.top_per_layer,
                     "real_adjacent_layer_rank_corr": d.rank_corr})
+
+
+# ============================================================================ §5.3: rules that read the input
+INPUT_SHOWN = ("flat", *br.INPUT_RULE_NAMES)
+
+
+def removed(kl: float, reuse: float) -> float:
+    """The share of full reuse's KL a method removes."""
+    return 1 - kl / reuse
+
+
+def show_input_rules(page: Page, r: brs.Real, s) -> None:
+    """flat, the rules that read the input (the question's attention, alone and with layer 0's deviation;
+    EPIC's chunk starts) and flat's two oracles at each measured ratio: KL and the share of full reuse's
+    KL removed; with --curve, the same at r with every chunk prefilled alone at position 0."""
+    run = r.run
+    ratios, reuse = run.ratios, run.kl_reuse
+    shown = [m for m in (*INPUT_SHOWN, "random") if m in run.curve]
+    rows = [Row([m, *[run.curve[m][f"{x:g}"] for x in ratios], removed(run.curve[m][f"{run.at:g}"], reuse),
+                 run.ttft.get(m), run.share.get(m)]) for m in shown]
+    oracle = run.ranking.get("flat")
+    if oracle:
+        rows.append(Row(["ranking oracle (flat's counts)", *[oracle[f"{x:g}"] for x in ratios],
+                         removed(oracle[f"{run.at:g}"], reuse), None, None]))
+    rows.append(Row(["patch oracle", *[run.curve["oracle"][f"{x:g}"] for x in ratios],
+                     removed(run.curve["oracle"][f"{run.at:g}"], reuse), None, None]))
+    add_table(page, Table(f"Part 5j (§5.3). Ranking by what the question reads: mean first-token KL(full prefill "
+                          f"|| rule), nats (full reuse: {reuse:.4f});\n  query: flat's counts, the tokens the question "
+                          "attends to most over full reuse's cache, layers 1 to the last;\n  query+dev: that and layer "
+                          "0's attention deviation, each a share of its total;\n  chunk-start: the first tokens of "
+                          "every chunk (EPIC's LegoLink); TTFT as Part 5c (with the question's pass)",
+                          "§5.3", cols("rule", *[(f"r={x:.0%}", "{:.4f}") for x in ratios],
+                                       (f"removed at {run.at:.0%}", pct1), ("TTFT s", "{:.2f}"), ("recomputed", pct1)),
+                          rows, "blend_real.input_rule_curves", input_rule_notes(r)))
+    if run.no_prefix:
+        show_no_prefix(page, r)
+    add_json(page, {"real_input_rules": list(br.INPUT_RULE_NAMES),
+                    "real_kl_removed": {m: removed(run.curve[m][f"{run.at:g}"], reuse) for m in shown}})
+
+
+def input_rule_notes(r: brs.Real) -> list[str]:
+    """Which rule is closest to full prefill at each measured ratio, and the run's rule against flat at r."""
+    run, k = r.run, f"{r.run.at:g}"
+    rules = [m for m in INPUT_SHOWN if m in run.curve]
+    best = {x: min(rules, key=lambda m: run.curve[m][f"{x:g}"]) for x in run.ratios}
+    rule, flat = run.rule, run.curve.get("flat", {}).get(k)
+    notes = ["closest to full prefill: " + ", ".join(f"{x:.0%} {m}" for x, m in best.items()) + "."]
+    if flat is not None and rule != "flat" and rule in run.curve:
+        mine = run.curve[rule][k]
+        notes.append(f"--rule {rule} at {run.at:.0%}: {mine:.4f} against flat's {flat:.4f} (" + (
+            f"{1 - mine / flat:.0%} less" if mine < flat else f"{mine / flat - 1:.0%} more" if mine > flat else
+            "the same") + f"), {run.ttft[rule]:.2f} s against {run.ttft['flat']:.2f} s to the first token.")
+    return notes
+
+
+def show_no_prefix(page: Page, r: brs.Real) -> None:
+    """At r: full reuse, flat and the input rules when every chunk is prefilled alone at position 0 (each its
+    own attention sink, as EPIC stores chunks) beside the same with the shared chat prefix."""
+    run, k, x = r.run, f"{r.run.at:g}", r.run.no_prefix
+    rows = [Row([m, x[m], run.kl_reuse if m == "full reuse" else run.curve[m][k]])
+            for m in ("full reuse", *INPUT_SHOWN, "oracle") if m in x]
+    add_table(page, Table(f"Part 5j (§5.3). At r = {run.at:.0%}, every chunk prefilled alone at position 0 (the "
+                          "chat prefix part of the first chunk, each chunk\n  its own attention sink) beside every "
+                          "chunk prefilled behind the shared chat prefix; mean first-token KL, nats", "§5.3",
+                          cols("method", ("alone at 0", "{:.4f}"), ("behind the prefix", "{:.4f}")), rows,
+                          "blend_real.input_rule_curves"))
+    add_json(page, {"real_kl_no_prefix": x})
+
+
+def show_query_depths(page: Page, r: brs.Real, s) -> None:
+    """Each query rule at r reading the question's attention at layers 1..j: KL against TTFT on this CPU."""
+    run, q = r.run, r.run.query
+    js = q["depths"]
+    if not js:
+        return
+    rows = [Row([j, *[q[key][m][i] for m in br.QUERY_RULES for key in ("kl", "ttft")], q["share"]["query"][i]])
+            for i, j in enumerate(js)]
+    k = f"{run.at:g}"
+    rows.append(Row(["flat", run.curve["flat"][k], run.ttft["flat"], None, None, run.share["flat"]]))
+    add_table(page, Table(f"Part 5k (§5.4). The query rules at r = {run.at:.0%} reading the question's attention at "
+                          "layers 1..j: mean first-token KL against TTFT\n  (CPU wall clock as Part 5c, the "
+                          "question's pass over layers 0..j included); flat beside them", "§5.4",
+                          cols("j", *[(f"{head} {m}", fmt) for m in br.QUERY_RULES
+                                      for head, fmt in (("KL", "{:.4f}"), ("TTFT s", "{:.2f}"))],
+                               ("recomputed", pct1)), rows, "blend_real.real_experiment", depth_notes(r)))
+    add_json(page, {"real_query_j": js, f"real_query_kl{pk(run.at)}": q["kl"]["query"],
+                    "real_query_ttft_s": q["ttft"]["query"], f"real_query_dev_kl{pk(run.at)}": q["kl"]["query+dev"],
+                    "real_query_dev_ttft_s": q["ttft"]["query+dev"]})
+
+
+def depth_notes(r: brs.Real) -> list[str]:
+    """The smallest j at which each query rule is closer to full prefill than flat, and what it costs."""
+    run, q = r.run, r.run.query
+    flat = run.curve["flat"][f"{run.at:g}"]
+    out = []
+    for m in br.QUERY_RULES:
+        j = next((j for j, kl in zip(q["depths"], q["kl"][m]) if kl < flat), None)
+        out.append(f"{m}: " + ("no j measured is closer to full prefill than flat" if j is None else
+                               f"closer than flat from j = {j} on the way up"
+                               f" ({q['kl'][m][q['depths'].index(j)]:.4f} against {flat:.4f})") + ".")
+    return ["; ".join(out) + " The question's pass adds (j + 1) layers of its own tokens; on the time model "
+            "(Part 4) ranking by j layers also waits for their KV."]
 
 
 # ============================================================================ §5.3: where the distance comes from

@@ -4,8 +4,9 @@ loads the model and the inputs, runs them, and keeps what 04 shows:
 
     load            the model, its tokenizer and the key its cached results are filed under
     inputs          the built-in RAG items, or the student's own passages (one chunk per passage)
-    experiment      KL to full prefill of every rule measured (blend_rules.RULES with --curve), random and
-                    the two oracles; live TTFT per rule; greedy answers (blend_real.real_experiment)
+    experiment      KL to full prefill of every rule measured (blend_rules.ALL_RULES with --curve), random and
+                    the two oracles; live TTFT per rule; greedy answers; the query rules over j and the
+                    chunks prefilled with no shared prefix (--curve) (blend_real.real_experiment)
     deviation       the two insights on the real model's KV deviation
     toy_insights    the record world's, beside them
     curve_studies   --curve: the built-in items with shorter chunks, a rule whose count adapts beside flat
@@ -70,6 +71,7 @@ class Experiment:
     curve_answer: dict              # mean over the first kl_tokens answer tokens
     kl_reuse: float
     kl_answer_reuse: float
+    ranking: dict                   # rule -> its ranking oracle's curve (an input rule: flat's)
     ttft: dict                      # method -> seconds
     ttft_items: int
     threads: int
@@ -80,6 +82,8 @@ class Experiment:
     loaded_from_cache: bool
     compute_seconds: float | None
     curves: br.Curves
+    query: dict                     # each query rule at `at` over j: {"depths", "kl", "ttft", "share": {rule: [...]}}
+    no_prefix: dict | None          # --curve: {method: KL at `at`} with every chunk prefilled alone at position 0
     deviation: list                 # per input (L, N) of full reuse's KV deviation
     best: str                       # the rule with the most quality per measured TTFT (of those measured)
     score: dict
@@ -132,9 +136,11 @@ def inputs(lm: LM, passages: str | None, items: int, chunk_tokens: int) -> tuple
 
 
 def experiment(lm: LM, rags: list, ratio: float, rule: str, curve: bool, curve_ratios, ttft_items: int,
-               recompute: bool) -> Experiment:
+               recompute: bool, depths=()) -> Experiment:
+    """blend_real.real_experiment; with curve, also the query rules over `depths` and the inputs with no
+    shared prefix."""
     res = br.real_experiment(lm.model, lm.tok, rags, ratio, lm.model_id, rule, curve, curve_ratios,
-                             ttft_items=min(ttft_items, len(rags)), recompute=recompute)
+                             ttft_items=min(ttft_items, len(rags)), depths=depths, alone=curve, recompute=recompute)
     best, score = br.best_rule(res)
     items = [Answered(**_fields(Answered, it)) for it in res["items"]]
     return Experiment(**_fields(Experiment, {**res, "items": items}), best=best, score=score)
@@ -163,7 +169,8 @@ def curve_studies(lm: LM, rags: list, run: Experiment, source: str, *, built_in:
     at the same mean recomputed share (both cached): (ChunkLengths or None, RuleComparison)."""
     chunks = br.chunk_length_study(
         lm.model, lm.tok, n_items=items, lengths=short_chunks, reference=chunk_tokens, ratios=run.ratios,
-        at=run.at, rule=run.rule, model_id=lm.model_id, top=top, recompute=recompute) if built_in else None
+        at=run.at, rule=br.blend_rule_of(run.rule), model_id=lm.model_id, top=top,
+        recompute=recompute) if built_in else None
     adaptive = br.compare_rules(lm.model, lm.tok, rags, targets=targets, layer=layer, floor=floor,
                                 model_id=lm.model_id, source=source, recompute=recompute)
     return chunks, adaptive

@@ -13,6 +13,15 @@ changes one of the three:
   Adaptive     one check layer whose count adapts to the input: the smallest set holding a fixed share
                of the deviation measured there (at least r N tokens)
 
+Rules that read the input before blend() runs (INPUT_RULES; `ready(model, rec, chunks, pre)` does that
+work and returns the rule blend() is given, so that the work is inside whatever times it):
+  query        flat's counts, the set picked by what the question reads: the question's tokens run over
+               full reuse's cache (its stale K, V) and every context token is scored by the attention the
+               question pays it at layers 1..j, summed over heads and question tokens (QueryAttention)
+  query+dev    that score and layer 0's attention deviation, each as a share of its total, added
+  chunk-start  flat's counts, the first tokens of every chunk (EPIC's LegoLink, Hu et al. 2024,
+               arXiv 2410.15332): a chunk precomputed alone misses most at its start (ChunkStart)
+
 Two ceilings split a rule's distance from full prefill in two:
   RankingOracle  another rule's counts and nesting, the tokens picked by their true deviation from a
                full prefill; recomputed as blend() does, from the mixed cache. Rule -> ranking oracle is
@@ -25,7 +34,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
@@ -33,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `com
 import torch  # noqa: E402
 
 import blend_world as bw  # noqa: E402
-from common.llama import KVCache  # noqa: E402
+from common.llama import KVCache, causal_mask  # noqa: E402
 
 FLAT = bw.Filter(schedule=(1.0,))
 
@@ -76,6 +85,120 @@ class Adaptive(CheckLayer):
 # blend()'s rules by name (blend_real measures every one; 04 --rule picks one)
 RULES = {"progressive": bw.PROGRESSIVE, "flat": FLAT,
          "check-k": CheckLayer(by="k"), "check-v": CheckLayer(by="v"), "check-kv": CheckLayer(by="kv")}
+
+
+def exact_tokens(n_tokens: int, chunks) -> torch.Tensor:
+    """(N,) bool: context tokens whose precompute already saw everything before them (the shared prefix,
+    and the first chunk behind it): their stored K, V are a full prefill's, recomputing them gains nothing."""
+    ids = bw.chunk_ids(n_tokens, chunks)
+    pos = torch.arange(n_tokens)
+    return (bw.own_chunk_mask(ids) == causal_mask(pos, pos)).all(1)
+
+
+@torch.no_grad()
+def question_attention(model, pre: KVCache, question: torch.Tensor, layers: int) -> torch.Tensor:
+    """(B, N): the attention the question's tokens pay each of the N context tokens of `pre` at layers
+    1..`layers`, summed over heads, question tokens and layers. The question (B, Tq) runs over `pre` as it
+    is (full reuse: the stale K, V), each of its tokens seeing the context and the question tokens before
+    it; layers 0..`layers` are computed (the work a rule ranking by it adds), the rest are not."""
+    B, N = pre.k[0].shape[0], pre.k[0].shape[2]
+    Tq = question.shape[1]
+    pos_q = torch.arange(N, N + Tq)
+    seen = causal_mask(pos_q, torch.arange(N + Tq))
+    x, score = model.embed(question), torch.zeros(B, N)
+    for layer in range(layers + 1):
+        blk = model.layers[layer]
+        q, k, v = blk.qkv(x, pos_q)
+        k, v = torch.cat([pre.k[layer], k], 2), torch.cat([pre.v[layer], v], 2)
+        rep = q.shape[1] // k.shape[1]  # grouped-query attention: query head h reads KV head h // rep
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        w = ((q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])).masked_fill(~seen, float("-inf")).softmax(-1)
+        if layer >= 1:
+            score += w[..., :N].sum((1, 2))
+        if layer < layers:  # the next layer's input: this layer's output from the same weights
+            x = blk.after_attention(x, (w @ v).transpose(1, 2).reshape(B, Tq, -1))
+    return score
+
+
+def share_of_total(x: torch.Tensor) -> torch.Tensor:
+    """Each row of x (B, N) divided by its sum: scores of different units made comparable."""
+    return x / x.sum(1, keepdim=True).clamp_min(1e-30)
+
+
+@dataclass(frozen=True)
+class QueryAttention(bw.Filter):
+    """Flat's counts (ceil(r N) tokens at every layer 1..), the set picked once, before layer 1, by what the
+    question reads: question_attention at layers 1..`layers` (None: every layer after 0). with_dev: that
+    score and layer 0's attention deviation, each as a share of its total, added. Tokens whose stored
+    K, V are already exact (exact_tokens) come last. `scores` (B, N) is filled by ready(); blend() is then
+    given the filled rule."""
+    schedule: tuple = FLAT.schedule
+    layers: int | None = None
+    with_dev: bool = False
+    scores: torch.Tensor | None = None
+    exact: torch.Tensor | None = None
+
+    def depth(self, n_layers: int) -> int:
+        """j: the last layer the question's attention is read from."""
+        return n_layers - 1 if self.layers is None else min(self.layers, n_layers - 1)
+
+    def ready(self, model, rec, chunks, pre: KVCache) -> QueryAttention:
+        """The question's pass over full reuse's cache (the rule's own work), then the rule with its scores."""
+        N = rec.doc.shape[1]
+        return replace(self, scores=question_attention(model, pre, rec.question, self.depth(model.cfg.n_layers)),
+                       exact=exact_tokens(N, chunks))
+
+    def keep(self, score: torch.Tensor, n: int, tokens: torch.Tensor, layer: int) -> torch.Tensor:
+        if layer != 1:  # after layer 1 flat keeps the set it has
+            return super().keep(score, n, tokens, layer)
+        s = share_of_total(self.scores) + share_of_total(score) if self.with_dev else share_of_total(self.scores)
+        return super().keep(s.masked_fill(self.exact, -1.0), n, tokens, layer)
+
+    def extra_token_layers(self, n_question: int, n_layers: int) -> int:
+        """Token-layers the question's pass adds to blend(): its tokens at layers 0..j."""
+        return n_question * (self.depth(n_layers) + 1)
+
+
+@dataclass(frozen=True)
+class ChunkStart(bw.Filter):
+    """EPIC's LegoLink (Hu et al. 2024, arXiv 2410.15332): flat's counts, the set the first tokens of every
+    chunk whose stored K, V deviate (not the shared prefix, not the first chunk behind it: exact_tokens),
+    taken in turns: every chunk's first token, then every chunk's second, ..., so that each chunk gets
+    about ceil(r N) / chunks. A chunk shorter than its share leaves the rest to the others."""
+    schedule: tuple = FLAT.schedule
+    order: torch.Tensor | None = None
+
+    def ready(self, model, rec, chunks, pre: KVCache) -> ChunkStart:
+        N = rec.doc.shape[1]
+        ids, exact = bw.chunk_ids(N, chunks), exact_tokens(N, chunks)
+        offset = torch.zeros(N, dtype=torch.long)
+        for start, end in bw.chunk_spans(ids):
+            offset[start:end] = torch.arange(end - start)
+        rank = (offset + exact.long() * N) * N + torch.arange(N)  # turn, then document order; exact tokens last
+        return replace(self, order=-rank.to(torch.float64))
+
+    def keep(self, score: torch.Tensor, n: int, tokens: torch.Tensor, layer: int) -> torch.Tensor:
+        if layer != 1:
+            return super().keep(score, n, tokens, layer)
+        return super().keep(self.order.expand(score.shape[0], -1), n, tokens, layer)
+
+    def extra_token_layers(self, n_question: int, n_layers: int) -> int:
+        return 0
+
+
+# rules that read the input before blend() runs (ready()); 04 --rule picks one of RULES or these
+INPUT_RULES = {"query": QueryAttention(), "query+dev": QueryAttention(with_dev=True), "chunk-start": ChunkStart()}
+ALL_RULES = {**RULES, **INPUT_RULES}
+
+
+def ready(rule, model, rec, chunks, pre: KVCache):
+    """The rule blend() is given for this input: an input rule after its own work (ready), any other as it is."""
+    return rule.ready(model, rec, chunks, pre) if hasattr(rule, "ready") else rule
+
+
+def extra_token_layers(rule, n_question: int, n_layers: int) -> int:
+    """Token-layers a rule computes beside blend()'s (the question's pass of a query rule), 0 for the others."""
+    return rule.extra_token_layers(n_question, n_layers) if hasattr(rule, "extra_token_layers") else 0
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ point; the requests/s of a busy server, full prefill against CacheBlend.
     system_timing  §5.4 for one (model, GPUs): one layer's recompute and loads, per device
     throughput     §5.4: requests/s of a server kept busy, full prefill vs CacheBlend
     controller_example  exercise 8: the controller on given per-layer read and prefill times
+    query_wait     §5.4 for a query rule: the pipelined TTFT when the ranking reads layers 1..j first
 """
 from __future__ import annotations
 
@@ -163,3 +164,40 @@ def controller_example(layers: int, read_ms: float, prefill_ms: float, min_ratio
     """Exercise 8's controller: the KV on an SSD, `layers` layers, each read in read_ms and prefilled in
     prefill_ms (the question left out, as the exercise says)."""
     return lc.choose(layers, prefill_ms / 1e3, {"SSD": read_ms / 1e3}, "SSD", min_ratio)
+
+
+# ---------------------------------------------------------------------------- §5.4, a rule that reads the question
+@dataclass
+class QueryWait:
+    """A query rule on the time model, KV read from `device` at the device's controller ratio: per depth j
+    (the question's attention read at layers 1..j; j = -1 is the plain pipeline), the TTFT and its cost
+    over blend's pipelined TTFT."""
+    model: str
+    n_gpus: int
+    device: str
+    ratio: float
+    n_layers: int
+    load_ms: float
+    recompute_ms: float
+    pass_ms: float                  # the question's pass over one layer of stale KV
+    depths: list
+    ttft_s: list
+    plain_s: float                  # the same ratio, no ranking pass (pipelined_ttft)
+    prefill_s: float
+
+
+def query_wait(model: str, n_gpus: int, rag: Rag, device: str, depths) -> QueryWait:
+    """The pipelined TTFT of a query rule ranking by layers 1..j for each j of `depths` (clipped to the
+    model's last layer), on `device`, at the controller's ratio (the same ratio for every j)."""
+    n_ctx, gpu, m = rag.n_ctx, rag.gpu, tm.get_model(model)
+    L = m.n_layers
+    full_layer = tm.recompute_time(model, gpu, n_ctx, 1.0, n_gpus) / L
+    load = lc.load_time(model, n_ctx, device, n_gpus, rag.devices)
+    r = lc.controller_ratio(load, full_layer, rag.min_ratio)
+    recompute = tm.recompute_time(model, gpu, n_ctx, r, n_gpus) / L
+    question = tm.prefill_time(model, gpu, rag.question, n_ctx, n_gpus)
+    js = sorted({min(j, L - 1) for j in depths})
+    return QueryWait(model, n_gpus, device, r, L, 1e3 * load, 1e3 * recompute, 1e3 * question / L, js,
+                     [lc.ranked_ttft(L, load, recompute, j, question / L, question) for j in js],
+                     lc.pipelined_ttft(L, load, recompute, question),
+                     tm.prefill_time(model, gpu, n_ctx + rag.question, 0, n_gpus))

@@ -13,6 +13,8 @@ controller has two halves:
     load_time          seconds to read one layer's KV of n tokens from a device
     controller_ratio   the ratio half
     pipelined_ttft     n layers of max(read, recompute), then the question
+    ranked_ttft        the same when the set is ranked by the question's attention at layers 1..j: the
+                       recompute waits for layers 0..j's KV and the question's pass over them
     choose             the whole controller: blend from which device at which ratio, or a full prefill, and why
 """
 from __future__ import annotations
@@ -49,6 +51,18 @@ def pipelined_ttft(n_layers: int, load_s: float, recompute_s: float, extra_s: fl
     """Layer l's recompute overlaps layer l+1's load: each layer costs max(load, recompute); extra_s
     (the question's prefill) comes after."""
     return n_layers * max(load_s, recompute_s) + extra_s
+
+
+def ranked_ttft(n_layers: int, load_s: float, recompute_s: float, depth: int, pass_s: float,
+                extra_s: float = 0.0) -> float:
+    """pipelined_ttft for a rule that ranks the tokens by the question's attention at layers 1..`depth`
+    (a query rule): no layer can recompute before the ranking is known, and the ranking needs layers
+    0..depth's KV read and the question's pass over them (pass_s per layer, overlapping the reads):
+    (depth + 1) x max(load, pass) first. Then the recompute of all n layers runs while the other
+    n - depth - 1 layers load: max((n - depth - 1) x load, n x recompute). depth -1 (no ranking pass) is
+    pipelined_ttft; depth n - 1 reads every layer before recomputing any: no overlap is left."""
+    wait = (depth + 1) * max(load_s, pass_s)
+    return wait + max((n_layers - depth - 1) * load_s, n_layers * recompute_s) + extra_s
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ do not; the deviation is concentrated, adjacent layers rank it alike, and layer 
 
     trained          the record model of a seed and locality, and what the cache holds about its training
     record_experiment  accuracy of full prefill, full reuse, CacheBlend and random on split/unsplit records
+    input_rules      the rules that read the input first (the question's attention, chunk starts) at r
     split_at         exercise 6: which records a chunk length splits, full reuse against full prefill
     insights         the two insights and layer 0's picks at one chunk length
     curve            split-record accuracy against the recompute ratio, CacheBlend and random (cached)
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `com
 
 import torch  # noqa: E402
 
-from blend_rules import Random  # noqa: E402
+from blend_rules import INPUT_RULES, Random, ready  # noqa: E402
 from blend_world import (N_RECORDS, PROGRESSIVE, accuracy, answer_correct, answer_slots, blend,  # noqa: E402
                          full_prefill, full_reuse, heldout, kv_deviation, precompute_chunks, spearman, split_mask,
                          split_records, top_share)
@@ -107,6 +108,21 @@ def record_experiment(model, docs: int, chunk_len: int, ratio: float, seed: int)
     acc = {m: Accuracy(acc_or_none(ok, split), acc_or_none(ok, ~split), accuracy(ok))
            for m, ok in methods(model, rec, chunk_len, ratio, seed, pre).items()}
     return RecordRun(rec, pre, split_records(chunk_len), int(split.sum()), acc, chunk_len, ratio, seed, docs)
+
+
+@torch.no_grad()
+def input_rules(model, run: RecordRun) -> dict[str, Accuracy]:
+    """Accuracy of blend() at the run's ratio with each rule of blend_rules.INPUT_RULES (after its own pass
+    over the input: the question's attention over full reuse's cache, or the chunks' first tokens) on
+    the run's held-out records. The question asks for one record's value at a time: its attention at
+    layers 1.. should find the value it reads."""
+    split = split_mask(run.rec, run.chunk_len)
+    out = {}
+    for name, rule in INPUT_RULES.items():
+        rule = ready(rule, model, run.rec, run.chunk_len, run.pre)
+        ok = answer_correct(blend(model, run.rec, run.chunk_len, run.ratio, rule=rule, pre=run.pre), run.rec)
+        out[name] = Accuracy(acc_or_none(ok, split), acc_or_none(ok, ~split), accuracy(ok))
+    return out
 
 
 # ---------------------------------------------------------------------------- §5.2, exercise 6
