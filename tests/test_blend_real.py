@@ -291,4 +291,23 @@ def test_item_ttft_times_every_rule_with_its_own_pass():
     model, rd = random_rag(4)
     t = br.item_ttft(model, rd, 0.3, {**{m: br.blend_rules.ALL_RULES[m] for m in br.ALL_RULE_NAMES},
                                       "query j=1": br.at_depth("query", 1)})
-    assert set(t) == {"full prefill", *br.ALL_RULE_NAMES, "query j=1"} and all(v > 0 for v in t.values())
+    assert set(t) == {"full prefill", *br.ALL_RULE_NAMES, "query j=1", "fetch", "fetch bytes"}
+    assert all(v > 0 for v in t.values()) and all(t[m] > t["fetch"] for m in br.ALL_RULE_NAMES)
+
+
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_the_timed_chunks_come_from_a_real_store_as_fp16(tier, tmp_path):
+    """item_ttft's chunks: every chunk of full reuse's cache (the prefix as one more) stored as an FP16 record
+    in a kvstore tier and fetched back: the same positions, every value within FP16's rounding."""
+    import blend_real as br
+    import blend_world as bw
+    model, rd = random_rag(4)
+    pre = bw.precompute_chunks(model, rd.doc, rd.chunks)
+    store, keys, spans = br.chunk_store(pre, rd.chunks, tier, tmp_path)
+    assert spans[0][0] == 0 and spans[-1][1] == pre.k[0].shape[2]
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    got = br.fetch_chunks(store, keys, spans, model.cfg.n_kv_heads)
+    assert got.pos.tolist() == pre.pos.tolist()
+    for a, b in zip(got.k + got.v, pre.k + pre.v):
+        assert ((a - b).abs() <= b.abs() * 2 ** -11 + 2 ** -24).all()
+    assert store.tier.used == sum(len(store.tier.get(store.name(k))) for k in keys)

@@ -136,6 +136,8 @@ ADAPTIVE_TARGETS = [0.5, 0.7, 0.85]       # --curve: the adaptive rule keeps the
 ADAPTIVE_LAYER = 1                        # ... of the deviation measured at this layer (computed in full up to it)
 ADAPTIVE_FLOOR = 0.05                     # ... and never fewer than this ratio of the tokens
 REAL_TTFT_ITEMS = 1                       # inputs whose TTFT is measured live (a full prefill: ~5.5 s, one thread)
+REAL_TIER = "disk"                        # Part 5c's chunks come from this tier of a real store (kvstore: "ram" or
+                                          # "disk", its pages dropped before each read): the TTFT includes the fetch
 REAL_PREFIX_KS = [2, 4, 6]                # §5.1 on SmolLM2: k chunks of REAL_CHUNK_TOKENS (cached with its TTFT)
 REAL_PREFIX_ITEMS = 2                     # built-in items measured at each k (about a minute on one idle core)
 
@@ -184,6 +186,7 @@ class Settings:
     adaptive_layer: int
     adaptive_floor: float
     real_ttft_items: int
+    real_tier: str
     real_prefix_ks: tuple
     real_prefix_items: int
     seed: int = rt.SEED             # the record model's training seed and locality penalty: the trainer's
@@ -270,7 +273,7 @@ def part5_real(s: Settings) -> brs.Real:
     lm = brs.load(s.gguf)
     rags, source = brs.inputs(lm, s.passages, s.items, s.real_chunk_tokens)
     run = brs.experiment(lm, rags, s.real_ratio, s.rule, s.curve, s.real_curve_ratios, s.real_ttft_items,
-                         s.recompute, depths=s.real_query_j)
+                         s.recompute, s.real_tier, depths=s.real_query_j)
     found = brs.deviation(run, s.top_share)
     toy = brs.toy_insights(s.seed, s.locality, s.chunk_len, s.ratio, s.top_share)
     prefix = None if s.passages else pc.measured(
@@ -313,6 +316,8 @@ def parser() -> Parser:
                         '...]; each passage is one chunk')
     g.add_argument("--chunk-tokens", type=positive_int, default=REAL_CHUNK_TOKENS, dest="real_chunk_tokens",
                    help="tokens per chunk of the built-in RAG items")
+    g.add_argument("--real-tier", choices=list(br.STORE_TIERS), default=REAL_TIER,
+                   help="Part 5c: the store tier the timed runs fetch the chunks from")
     g.add_argument("--curve", action="store_true",
                    help="every selection rule, random and the oracle at 5-50%% (cached)")
     g.add_argument("--recompute", action="store_true", help="compute the cached KL again")
@@ -334,8 +339,9 @@ def parse(argv=None) -> tuple:
                 br.load_passages(a.passages)
             except ValueError as e:
                 fail(f"--passages: {e}")
-    elif a.passages or a.curve or a.real_chunk_tokens != REAL_CHUNK_TOKENS or a.real_ratio != REAL_RATIO:
-        fail("--passages, --curve, --chunk-tokens and --real-ratio need --model smollm2")
+    elif (a.passages or a.curve or a.real_chunk_tokens != REAL_CHUNK_TOKENS or a.real_ratio != REAL_RATIO
+          or a.real_tier != REAL_TIER):
+        fail("--passages, --curve, --chunk-tokens, --real-ratio and --real-tier need --model smollm2")
     elif a.chunk_len > DOC_LEN:
         fail(f"--chunk-len must be at most the document length ({DOC_LEN})")
     s = settings_from(Settings, a, globals())

@@ -239,28 +239,73 @@ def item_curve(model, rd: RagDoc, *, ratios, at: float, rules=RULE_NAMES, ranked
             "chunk_lens": [b - a for a, b in bw.chunk_spans(rd.chunks)]}
 
 
+STORE_TIERS = ("ram", "disk")   # where item_ttft's chunks are fetched from: kvstore's RamTier and DiskTier
+STORE_BUDGET = 1 << 30          # the tier's byte budget (room for any input's chunks)
+
+
 @torch.no_grad()
-def item_ttft(model, rd: RagDoc, ratio: float, rules=RULE_NAMES) -> dict:
+def chunk_store(pre: KVCache, chunks, tier: str, folder: Path) -> tuple:
+    """Each chunk of full reuse's cache `pre` (the shared prefix as one more) stored as an FP16 record in a real
+    kvstore tier, keyed by its tokens' span (a chunk store keyed by content: the input is one request).
+    -> (store, keys, spans)."""
+    import codec_study as cs
+    import kvstore as ks
+    ids = bw.chunk_ids(pre.k[0].shape[2], chunks)
+    n_pre = int((ids == bw.PREFIX).sum())
+    spans = ([(0, n_pre)] if n_pre else []) + bw.chunk_spans(ids)
+    t = ks.RamTier(STORE_BUDGET) if tier == "ram" else ks.DiskTier(folder, STORE_BUDGET)
+    store = ks.ChunkStore(t, "fp16")
+    keys = [ks.ChunkKey("item_ttft", (a, b)) for a, b in spans]
+    for key, (a, b) in zip(keys, spans):
+        part = KVCache([k[:, :, a:b] for k in pre.k], [v[:, :, a:b] for v in pre.v])
+        store.put(key, cs.kv_to_array(part)[0])
+    return store, keys, spans
+
+
+def fetch_chunks(store, keys, spans, n_kv_heads: int) -> KVCache:
+    """Every chunk's record read from its tier (a disk record's pages dropped from the page cache first, so
+    the disk is read), checked and widened to float32: the cache blend() starts from."""
+    import codec_study as cs
+    for k in keys:
+        store.tier.drop_cache(store.name(k))
+    arrays = store.get_many(keys)
+    return KVCache.cat([cs.array_to_kv(X, n_kv_heads, torch.arange(a, b)) for X, (a, b) in zip(arrays, spans)])
+
+
+@torch.no_grad()
+def item_ttft(model, rd: RagDoc, ratio: float, rules=RULE_NAMES, tier: str = "ram") -> dict:
     """Wall-clock TTFT of one input on one torch thread (on shared cores a second thread that waits for
     a core slows blend's many small steps far more than a prefill's large ones): full prefill, and per
-    rule shift_kv of every layer's K (placing the stored chunks, timed apart because precompute_chunks
-    already did it) + the rule's own work on the input (blend_rules.ready: a query rule's pass of the
-    question over full reuse's cache) + blend(), chunks' KV in memory. rules: names of
-    blend_rules.ALL_RULES, or {name: rule}. The chunks' precompute is not timed: it runs before, on the
-    caller's threads."""
+    rule the chunks' KV fetched from a real store's tier (`tier`, one of STORE_TIERS: chunk_store,
+    fetch_chunks) + shift_kv of every layer's K (placing the stored chunks, timed apart because
+    precompute_chunks already did it) + the rule's own work on the input (blend_rules.ready: a query rule's
+    pass of the question over full reuse's cache) + blend(). rules: names of blend_rules.ALL_RULES, or
+    {name: rule}. The chunks' precompute and storing are not timed: they run before, on the caller's
+    threads. The fetch's seconds and bytes come back under "fetch" and "fetch bytes"."""
+    import shutil
+    import tempfile
+
+    from common.checkpoints import checkpoint_dir
     rules = rules if isinstance(rules, dict) else {name: blend_rules.ALL_RULES[name] for name in rules}
     pre = bw.precompute_chunks(model, rd.doc, rd.chunks)
-
-    def run(rule):
-        return bw.blend(model, rd, rd.chunks, ratio, rule=blend_rules.ready(rule, model, rd, rd.chunks, pre), pre=pre)
-
-    with single_thread():
-        _, t_full = _timed(lambda: model(rd.tokens, last=True))
-        _, t_shift = _timed(lambda: [shift_kv(k, 1000, model.cfg.rope_theta) for k in pre.k])
-        out = {"full prefill": t_full}
-        for name, rule in rules.items():
-            out[name] = t_shift + _timed(lambda: run(rule))[1]
-    return out
+    folder = Path(tempfile.mkdtemp(prefix="kvstore-", dir=checkpoint_dir()))
+    try:
+        store, keys, spans = chunk_store(pre, rd.chunks, tier, folder)
+        nbytes = store.tier.used
+        out = {}
+        with single_thread():
+            _, t_full = _timed(lambda: model(rd.tokens, last=True))
+            _, t_shift = _timed(lambda: [shift_kv(k, 1000, model.cfg.rope_theta) for k in pre.k])
+            out["full prefill"] = t_full
+            fetches = []
+            for name, rule in rules.items():
+                got, t_fetch = _timed(lambda: fetch_chunks(store, keys, spans, model.cfg.n_kv_heads))
+                fetches.append(t_fetch)
+                out[name] = t_fetch + t_shift + _timed(lambda: bw.blend(
+                    model, rd, rd.chunks, ratio, rule=blend_rules.ready(rule, model, rd, rd.chunks, got), pre=got))[1]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {**out, "fetch": statistics.median(fetches), "fetch bytes": nbytes}
 
 
 def recompute_share(n_context: int, ratio: float, n_layers: int, rule: str) -> float:
@@ -457,10 +502,11 @@ def kl_curves(model, tok, rags: list[RagInput], *, ratios, at: float, rules, ran
 
 
 def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, rule: str, curve: bool, ratios, *,
-                    ttft_items: int, depths=(), alone: bool = False, seed: int = SEED, recompute: bool = False,
-                    progress: bool = True) -> dict:
+                    ttft_items: int, tier: str, depths=(), alone: bool = False, seed: int = SEED,
+                    recompute: bool = False, progress: bool = True) -> dict:
     """KL to full prefill on `rags` (kl_curves and input_rule_curves, cached) and the TTFT of every rule at
-    ratio `at`, always measured live (item_ttft: one thread), median over the first `ttft_items` inputs.
+    ratio `at`, always measured live (item_ttft: one thread, the chunks fetched from `tier`), median over the
+    first `ttft_items` inputs.
     curve=False: `rule` (or flat, when it is an input rule), the input rules (INPUT_RULE_NAMES), random,
     the ranking oracle and the patch oracle at `at` only (one blend per method and input); curve=True:
     every rule of ALL_RULE_NAMES, random, every rule's ranking oracle and the patch oracle at each of
@@ -488,8 +534,9 @@ def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, 
     by_key = lambda d: {_key(r): v for r, v in d.items()}  # noqa: E731
     timed = {**{m: blend_rules.ALL_RULES[m] for m in ALL_RULE_NAMES},
              **{depth_name(m, j): at_depth(m, j) for m in QUERY_RULES for j in depths}}
-    times = [item_ttft(model, rag_doc(rag), at, timed) for rag in tqdm(rags[:ttft_items], desc="TTFT (live)",
-                                                                        disable=not progress)]
+    times = [item_ttft(model, rag_doc(rag), at, timed, tier) for rag in tqdm(rags[:ttft_items], desc="TTFT (live)",
+                                                                              disable=not progress)]
+    fetch_s, fetch_bytes = statistics.median(t.pop("fetch") for t in times), times[0].pop("fetch bytes")
     ttft = {m: statistics.median(t[m] for t in times) for m in times[0]}
     n_ctx, n_q = items[0]["n_context"], items[0]["n_question"]
     L = len(items[0]["deviation"])
@@ -511,7 +558,8 @@ def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, 
             "curve_answer": {m: by_key(c.kl_answer[m]) for m in methods[1:]},
             "ranking": {r: by_key(v) for r, v in c.ranking.items()},
             "kl_reuse": c.reuse, "kl_answer_reuse": c.reuse_answer,
-            "ttft": ttft, "ttft_items": len(times), "threads": 1, "counts": counts,
+            "ttft": ttft, "ttft_items": len(times), "ttft_tier": tier, "ttft_fetch_s": fetch_s,
+            "ttft_fetch_bytes": fetch_bytes, "threads": 1, "counts": counts,
             "share": {r: work_share(n_ctx, n_q, at, L, r) for r in ALL_RULE_NAMES},
             "same_answer": same, "kl_tokens": KL_TOKENS,
             "loaded_from_cache": c.loaded_from_cache and q["loaded_from_cache"],

@@ -74,6 +74,9 @@ class Experiment:
     ranking: dict                   # rule -> its ranking oracle's curve (an input rule: flat's)
     ttft: dict                      # method -> seconds
     ttft_items: int
+    ttft_tier: str                  # the store tier the timed runs fetched the chunks from
+    ttft_fetch_s: float             # ... and the fetch's seconds (median over the rules' runs)
+    ttft_fetch_bytes: int           # ... of that many bytes of FP16 records
     threads: int
     counts: dict                    # rule -> tokens recomputed at layers 1..
     share: dict                     # rule -> recomputed share of a full prefill's context-token layers
@@ -136,11 +139,12 @@ def inputs(lm: LM, passages: str | None, items: int, chunk_tokens: int) -> tuple
 
 
 def experiment(lm: LM, rags: list, ratio: float, rule: str, curve: bool, curve_ratios, ttft_items: int,
-               recompute: bool, depths=()) -> Experiment:
+               recompute: bool, tier: str, depths=()) -> Experiment:
     """blend_real.real_experiment; with curve, also the query rules over `depths` and the inputs with no
     shared prefix."""
     res = br.real_experiment(lm.model, lm.tok, rags, ratio, lm.model_id, rule, curve, curve_ratios,
-                             ttft_items=min(ttft_items, len(rags)), depths=depths, alone=curve, recompute=recompute)
+                             ttft_items=min(ttft_items, len(rags)), tier=tier, depths=depths, alone=curve,
+                             recompute=recompute)
     best, score = br.best_rule(res)
     items = [Answered(**_fields(Answered, it)) for it in res["items"]]
     return Experiment(**_fields(Experiment, {**res, "items": items}), best=best, score=score)
