@@ -384,9 +384,9 @@ def depth_notes(r: brs.Real) -> list[str]:
     for m in br.QUERY_RULES:
         j = next((j for j, kl in zip(q["depths"], q["kl"][m]) if kl < flat), None)
         out.append(f"{m}: " + ("no j measured is closer to full prefill than flat" if j is None else
-                               f"closer than flat from j = {j} on the way up"
-                               f" ({q['kl'][m][q['depths'].index(j)]:.4f} against {flat:.4f})") + ".")
-    return ["; ".join(out) + " The question's pass adds (j + 1) layers of its own tokens; on the time model "
+                               f"closer than flat first at j = {j}"
+                               f" ({q['kl'][m][q['depths'].index(j)]:.4f} against {flat:.4f})"))
+    return ["; ".join(out) + ". The question's pass adds (j + 1) layers of its own tokens; on the time model "
             "(Part 4) ranking by j layers also waits for their KV."]
 
 
