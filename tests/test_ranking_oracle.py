@@ -376,8 +376,8 @@ def test_input_rule_tables_print_the_curves_and_the_depths(cb, tmp_path, monkeyp
     assert "--rule query+dev at 15%: 0.0400 against flat's 0.1000 (60% less)" in five_j.notes[1]
     assert [r.cells[0] for r in five_k.rows] == [1, 4, "flat"]
     assert five_k.rows[0].cells[1:5] == [0.12, 1.05, 0.09, 1.06]
-    assert "query: closer than flat from j = 4" in five_k.notes[0]
-    assert "query+dev: closer than flat from j = 1" in five_k.notes[0]
+    assert "query: closer than flat first at j = 4" in five_k.notes[0]
+    assert "query+dev: closer than flat first at j = 1" in five_k.notes[0]
     got = json.loads(json.dumps(page.json()))
     assert got["real_query_j"] == [1, 4] and got["real_query_kl15"] == [0.12, 0.06]
     assert got["real_query_ttft_s"] == [1.05, 1.1] and got["real_kl_removed"]["query"] == pytest.approx(0.875)
