@@ -592,7 +592,8 @@ def wire_notes(r, s) -> list[str]:
                f"them. Bytes received equal bytes sent in every run: {'yes' if r.bytes_equal else 'NO'}.")
     out.append(f"This Part took {r.seconds:.0f} s on this machine: {r.prepare_s:.0f} s measuring the context, "
                f"{sum(c.measured_ttft_s for by in r.runs.values() for c in by.values()) + r.kill.ttft_s:.0f} s "
-               f"streaming, {r.answers_s:.0f} s answering, the rest the model's loading and the senders' start.")
+               f"streaming, {r.answers_s:.0f} s answering, the rest loading the model and the "
+               "codec's levels (fitted once, on a first run) and starting the senders.")
     return out
 
 
