@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,6 +51,8 @@ import torch  # noqa: E402
 
 import blend_rules  # noqa: E402
 import blend_world as bw  # noqa: E402
+import codec_study as cs  # noqa: E402
+import kvstore as ks  # noqa: E402
 from common.english import CHAT_PREFIX, RAG_ITEMS, RagInput, RagItem, question_text, rag_chunks  # noqa: E402
 from common.llama import KVCache, kl_divergence, shift_kv, single_thread  # noqa: E402
 
@@ -248,8 +252,6 @@ def chunk_store(pre: KVCache, chunks, tier: str, folder: Path) -> tuple:
     """Each chunk of full reuse's cache `pre` (the shared prefix as one more) stored as an FP16 record in a real
     kvstore tier, keyed by its tokens' span (a chunk store keyed by content: the input is one request).
     -> (store, keys, spans)."""
-    import codec_study as cs
-    import kvstore as ks
     ids = bw.chunk_ids(pre.k[0].shape[2], chunks)
     n_pre = int((ids == bw.PREFIX).sum())
     spans = ([(0, n_pre)] if n_pre else []) + bw.chunk_spans(ids)
@@ -265,7 +267,6 @@ def chunk_store(pre: KVCache, chunks, tier: str, folder: Path) -> tuple:
 def fetch_chunks(store, keys, spans, n_kv_heads: int) -> KVCache:
     """Every chunk's record read from its tier (a disk record's pages dropped from the page cache first, so
     the disk is read), checked and widened to float32: the cache blend() starts from."""
-    import codec_study as cs
     for k in keys:
         store.tier.drop_cache(store.name(k))
     arrays = store.get_many(keys)
@@ -282,9 +283,6 @@ def item_ttft(model, rd: RagDoc, ratio: float, rules=RULE_NAMES, tier: str = "ra
     pass of the question over full reuse's cache) + blend(). rules: names of blend_rules.ALL_RULES, or
     {name: rule}. The chunks' precompute and storing are not timed: they run before, on the caller's
     threads. The fetch's seconds and bytes come back under "fetch" and "fetch bytes"."""
-    import shutil
-    import tempfile
-
     from common.checkpoints import checkpoint_dir
     rules = rules if isinstance(rules, dict) else {name: blend_rules.ALL_RULES[name] for name in rules}
     pre = bw.precompute_chunks(model, rd.doc, rd.chunks)
