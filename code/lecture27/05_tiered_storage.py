@@ -103,7 +103,7 @@ STORE_CHUNK_TOKENS = 128     # ... of this many tokens: 4 x 128 tokens x 23,040 
                              # would hold 35 MB and take three times as long: two prefills, two blends, two engines)
 STORE_LEVEL = 0              # the CacheGen format's codec level (03's Part 2c levels on SmolLM2; 0 is the finest)
 STORE_RATIO = 0.15           # CacheBlend's recompute ratio when a request is served (04's REAL_RATIO) ...
-STORE_RULE = "flat"          # ... and its selection rule (04's RULE)
+STORE_RULE = "flat"          # ... and blend()'s own selection rule (04's default, query, adds the question's pass)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ CPU. What 05's Part "on this machine" prints; measured here, presented there.
 The context is one of the built-in RAG items (common.english): the chat prefix, then chunks prefilled behind
 it (as blend_real's are), each stored as its own chunk (kvstore.ChunkKey: the model, the prefix, the chunk's
 tokens), the prefix as one more. Serving a request = fetch every chunk's record (checked), decode it to KV,
-move each chunk's K to its place (shift_kv), blend (05's STORE_RATIO and STORE_RULE: 04's defaults), then the
+move each chunk's K to its place (shift_kv), blend (05's STORE_RATIO and STORE_RULE), then the
 question's first token. Measured, on one torch thread as 04 times its TTFT:
   fetch    per tier and format: every record read back (a disk record's pages dropped from the page cache
            first; the share still cached is reported) and its checksum verified;
