@@ -347,14 +347,14 @@ def parts(m: WireRun, prep: Prepared, trace: st.Trace, sim: st.Result | None = N
     return out
 
 
-def cause(m: WireRun, s: st.Result, prep: Prepared, trace: st.Trace) -> str | None:
+def cause(m: WireRun, s: st.Result, p: dict) -> str | None:
     """None when measured and simulated TTFT are within GAP_SHARE; else what differs: the choices (the
-    socket measured another throughput than the trace's), or the part of parts() that cost most."""
+    socket measured another throughput than the trace's), or the part of the run's parts() `p` that cost
+    most."""
     if abs(m.ttft_s - s.ttft_s) <= GAP_SHARE * m.ttft_s:
         return None
     if m.choices != s.choices:
         return "choices (the throughput measured on the socket)"
-    p = parts(m, prep, trace, s)
     sign = 1.0 if m.ttft_s > s.ttft_s else -1.0
     return max(p, key=lambda k: sign * p[k])
 
@@ -393,9 +393,10 @@ def compare(prep: Prepared, model, trace: st.Trace, policy: str, slo_s: float, w
     """Run `policy` on the wire paced to `trace` (already scaled) and in the simulator, side by side (w,
     check: as run() takes them)."""
     m, s = run(prep, model, trace, policy, slo_s, w=w, check=check), simulate(prep, trace, policy, slo_s)
+    p = parts(m, prep, trace, s)
     spans = [(None, None) if r["arrival"] is None else (r["arrival"].asked, r["arrival"].last_byte) for r in m.rows]
     spans = [link + (r["compute_start"], r["ready"]) for link, r in zip(spans, m.rows)]
     sim = [(r["start"], r["link_end"], r["gpu_start"], r["finish"]) for r in s.rows]
     return Compared(m.ttft_s, s.ttft_s, m.choices, s.choices, m.slo_met, s.ttft_s <= slo_s + 1e-12, m.first_token_kl,
-                    m.same_answer, m.bytes_equal, cause(m, s, prep, trace), parts(m, prep, trace, s),
+                    m.same_answer, m.bytes_equal, cause(m, s, p), p,
                     [r["ready"] for r in m.rows], [r["finish"] for r in s.rows], spans, sim)
