@@ -1,4 +1,4 @@
-"""Put code/ and code/lecture27/ on sys.path, as the scripts do for themselves; one SmolLM2 per session;
+"""Put code/ on sys.path, as the scripts do for themselves (every module is imported by its qualified name, lecture27.kvcache); one SmolLM2 per session;
 `cli_exit` runs a script's main() in-process on input it must refuse.
 
 L27_SEED=S python -m pytest -q tests  runs the whole suite against the small models trained with seed S
@@ -26,12 +26,12 @@ os.environ["L27_FIGURES"] = tempfile.mkdtemp(prefix="l27-test-figures-")
 atexit.register(shutil.rmtree, os.environ["L27_FIGURES"], ignore_errors=True)
 
 ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT / "code", ROOT / "code" / "lecture27"):
+for p in (ROOT / "code",):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
 if os.environ.get("L27_SEED"):
-    import record_trainer
+    from lecture27 import record_trainer
     from common import city
 
     record_trainer.SEED = city.SEED = int(os.environ["L27_SEED"])
@@ -78,7 +78,7 @@ def cli_exit(monkeypatch, capsys):
     import importlib
 
     def run(script: str, *args: str):
-        mod = importlib.import_module(script)
+        mod = importlib.import_module(f"lecture27.{script}")
         monkeypatch.setattr(sys, "argv", [script + ".py", *args])
         with pytest.raises(SystemExit) as e:
             mod.main()

@@ -12,7 +12,7 @@ SPEC = {  # spec section 01, [H] figures
     "slides_breakeven_hit_rate_pct": 1.06, "slides_savings_musd": 33, "slides_storage_musd": 4,
     "ctx10k_storage_usd_per_h": 0.0005, "ctx10k_hit_saves_usd": 0.0026, "ctx10k_breakeven_hits_per_h": 0.19,
 }
-mod = importlib.import_module("01_kv_ledger")
+mod = importlib.import_module("lecture27.01_kv_ledger")
 
 
 @pytest.fixture(scope="module")

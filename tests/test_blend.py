@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-import blend_rules as rules
-import blend_world as bw
-import record_trainer as rt
+from lecture27 import blend_rules as rules
+from lecture27 import blend_world as bw
+from lecture27 import record_trainer as rt
 from common.checkpoints import init_weights
 from common.llama import Llama, rope, shift_kv
 
@@ -128,9 +128,9 @@ def test_documents_are_well_formed():
 
 def test_exercise8_controller():
     """04's exercise 8 is loading_controller.choose on the handout's numbers; a slower read falls back."""
-    import loading_controller as lc
+    from lecture27 import loading_controller as lc
 
-    cb = importlib.import_module("blend_timing")
+    cb = importlib.import_module("lecture27.blend.timing")
     ex = cb.controller_example(32, 10.0, 20.0, 0.15)
     assert (ex.choice, ex.ratio) == (lc.BLEND, 0.5)
     assert 1e3 * ex.ttft_s == 320.0 and 1e3 * ex.full_s == 640.0
@@ -462,7 +462,7 @@ def test_seed_sweep_bad_list_is_one_line_exit_2(cli_exit):
 
 
 def test_ranked_ttft_is_the_pipeline_with_no_ranking_and_serial_with_every_layer():
-    import loading_controller as lc
+    from lecture27 import loading_controller as lc
     L, load, rec, q, extra = 32, 0.010, 0.004, 0.001, 0.02
     assert lc.ranked_ttft(L, load, rec, -1, q, extra) == pytest.approx(lc.pipelined_ttft(L, load, rec, extra))
     assert lc.ranked_ttft(L, load, rec, L - 1, q, extra) == pytest.approx(L * load + L * rec + extra)

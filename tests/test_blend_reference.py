@@ -19,9 +19,9 @@ import math
 import pytest
 import torch
 
-import blend_rules as rules
-import blend_world as bw
-import record_trainer as rt
+from lecture27 import blend_rules as rules
+from lecture27 import blend_world as bw
+from lecture27 import record_trainer as rt
 from common.checkpoints import init_weights
 
 P = bw.PREFIX

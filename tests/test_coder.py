@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import coder as ac
+from lecture27 import coder as ac
 
 
 @contextlib.contextmanager

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import coder as ac
-import coder_bench as bench
-import coder_parallel as acp
-import kvcache as kv
+from lecture27 import coder as ac
+from lecture27.codec import coder_bench as bench
+from lecture27 import coder_parallel as acp
+from lecture27 import kvcache as kv
 from test_coder import _table_and_symbols, carry_case, within
 
 

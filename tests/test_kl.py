@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from common.llama import Llama, LlamaConfig, kl_divergence
+from common.llama import array_to_kv
+from common.llama import greedy
 
 # p = (1/2, 1/2), q = (9/10, 1/10):
 #   KL(p || q) = 1/2 ln(5/9) + 1/2 ln 5            = 0.5108256
@@ -57,19 +59,19 @@ def random_model(vocab, seed, std=0.3, **kw):
 def test_codec_real_continuation_kl_and_nll():
     """continuation_quality(X', ref=quality(X)) reports KL(ref || X') per token, averaged; its NLL is the
     cross-entropy of the continuation and `agree` the share of equal arg-maxes."""
-    import codec_real as cr
-    import codec_study as cs
+    from lecture27.codec import smollm2
+    from lecture27.codec import study as cs
     m = random_model(40, 1)
     g = torch.Generator().manual_seed(2)
     ctx, cont = torch.randint(0, 40, (3, 12), generator=g), torch.randint(0, 40, (3, 9), generator=g)
     X = cs.context_kv(m, ctx.numpy())
     Xn = X + np.random.default_rng(0).normal(0, 0.5, X.shape).astype(np.float32)  # a lossy codec's KV
-    ref = cr.continuation_quality(m, X, cont)
-    got = cr.continuation_quality(m, Xn, cont, ref)
+    ref = smollm2.continuation_quality(m, X, cont)
+    got = smollm2.continuation_quality(m, Xn, cont, ref)
     expect = float(reference_kl(ref["logp"], got["logp"]).mean())
     swapped = float(reference_kl(got["logp"], ref["logp"]).mean())
     assert got["kl"] == pytest.approx(expect, rel=1e-4) and abs(expect - swapped) > 1e-3 * expect > 0
-    logits, _ = m(cont, cache=cs.array_to_kv(Xn, m.cfg.n_kv_heads))
+    logits, _ = m(cont, cache=array_to_kv(Xn, m.cfg.n_kv_heads))
     assert got["nll"] == pytest.approx(float(F.cross_entropy(logits[:, :-1].flatten(0, 1), cont[:, 1:].flatten())),
                                        rel=1e-5)
     assert got["agree"] == pytest.approx(float((logits[:, :-1].argmax(-1) == ref["logp"].argmax(-1)).float().mean()))
@@ -80,14 +82,14 @@ def test_codec_real_continuation_kl_and_nll():
 def test_04_city_kl_and_cross_entropies():
     """04's city part: KL(full prefill || full reuse) of the question tokens' next-token distributions,
     and each one's cross-entropy, against F.kl_div and F.cross_entropy on the same logits."""
-    import blend_world as bw
+    from lecture27 import blend_world as bw
     from common.city import CityLanguage, city_config
-    cb = importlib.import_module("04_cacheblend")
+    cb = importlib.import_module("lecture27.04_cacheblend")
     lang = CityLanguage()
     cfg = city_config(lang)
     m = random_model(cfg.vocab_size, 3, std=0.15, d_model=cfg.d_model, n_layers=cfg.n_layers)
-    cr = importlib.import_module("city_reuse")
-    got = cr.city_losses(cr.city_docs(m, lang, 6, 0, cb.CITY_CHUNKS, cb.CITY_CHUNK_LEN), lang, cb.CITY_CHUNK_LEN)
+    city_reuse = importlib.import_module("lecture27.blend.city_reuse")
+    got = city_reuse.city_losses(city_reuse.city_docs(m, lang, 6, 0, cb.CITY_CHUNKS, cb.CITY_CHUNK_LEN), lang, cb.CITY_CHUNK_LEN)
     # the same inputs as the script draws them
     n_ctx = cb.CITY_CHUNKS * cb.CITY_CHUNK_LEN
     x = lang.sample_text(6, cb.CITY_CHUNKS + 1, torch.Generator().manual_seed(11))
@@ -106,14 +108,14 @@ def test_04_city_kl_and_cross_entropies():
 def test_blend_real_item_curve_reports_kl_from_full_prefill(kl_rounding):
     """item_curve's kl_first: KL(full prefill || method) of the first answer token's distribution, here
     for full reuse on a small random model with a 2-token prefix and three chunks."""
-    import blend_real as br
-    import blend_world as bw
+    from lecture27.blend import rag as blend_rag
+    from lecture27 import blend_world as bw
     m = random_model(50, 4)
     g = torch.Generator().manual_seed(5)
     ids = torch.tensor([bw.PREFIX] * 2 + [0] * 5 + [1] * 4 + [2] * 6)
-    rd = br.RagDoc(torch.randint(0, 50, (1, len(ids)), generator=g), torch.randint(0, 50, (1, 4), generator=g),
+    rd = bw.RagDoc(torch.randint(0, 50, (1, len(ids)), generator=g), torch.randint(0, 50, (1, 4), generator=g),
                    ids, None)
-    out = br.item_curve(m, rd, ratios=(1.0,), at=1.0, answer_tokens=3, kl_tokens=2)
+    out = blend_rag.item_curve(m, rd, ratios=(1.0,), at=1.0, answer_tokens=3, kl_tokens=2)
     full = m(rd.tokens)[0][0, -1].log_softmax(-1)
     reuse = m(rd.question, cache=bw.precompute_chunks(m, rd.doc, ids))[0][0, -1].log_softmax(-1)
     expect, swapped = float(reference_kl(full, reuse)), float(reference_kl(reuse, full))
@@ -128,15 +130,15 @@ def test_blend_real_item_curve_every_method_at_every_ratio(kl_rounding):
     """item_curve shares one full prefill and one precompute across rules and ratios: every rule, random
     and the oracle get a KL at every ratio; at r = 1 every one of them is full prefill (KL 0), and the flat
     rule at r = 0 is full reuse. The greedy answers at `at` are those of the stacked (batched) decode."""
-    import blend_real as br
-    import blend_rules
-    import blend_world as bw
+    from lecture27.blend import rag as blend_rag
+    from lecture27 import blend_rules
+    from lecture27 import blend_world as bw
     m = random_model(50, 4)
     g = torch.Generator().manual_seed(7)
     ids = torch.tensor([bw.PREFIX] * 2 + [0] * 6 + [1] * 5 + [2] * 7)
-    rd = br.RagDoc(torch.randint(0, 50, (1, len(ids)), generator=g), torch.randint(0, 50, (1, 4), generator=g),
+    rd = bw.RagDoc(torch.randint(0, 50, (1, len(ids)), generator=g), torch.randint(0, 50, (1, 4), generator=g),
                    ids, None)
-    out = br.item_curve(m, rd, ratios=(0.0, 0.3, 1.0), at=0.3, answer_tokens=4, kl_tokens=2)
+    out = blend_rag.item_curve(m, rd, ratios=(0.0, 0.3, 1.0), at=0.3, answer_tokens=4, kl_tokens=2)
     # zero up to float32 rounding, at the first answer token and at the teacher-forced answer tokens after it
     answer = torch.tensor([out["answers"]["full prefill"][:2]])
     tol = kl_rounding(m(torch.cat([rd.tokens, answer], 1))[0][0, -3:])
@@ -147,4 +149,4 @@ def test_blend_real_item_curve_every_method_at_every_ratio(kl_rounding):
     assert reuse > 1e-4 and out["kl_first"]["flat"]["0"] == pytest.approx(reuse, rel=1e-4)
     assert set(out["answers"]) == {"full prefill", "full reuse", *blend_rules.RULES, "random", "oracle"}
     lg, c = m(rd.question, cache=bw.precompute_chunks(m, rd.doc, ids))
-    assert out["answers"]["full reuse"] == br.greedy(m, lg[:, -1], c, 4)[0]
+    assert out["answers"]["full reuse"] == greedy(m, lg[:, -1], c, 4)[0]

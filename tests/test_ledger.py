@@ -1,7 +1,7 @@
 """The KV ledger (ledger.py) against the handout's §1 figures and exercises 1-2."""
 import pytest
 
-import ledger
+from lecture27 import ledger
 from common import timemodel as tm
 
 K = 1024

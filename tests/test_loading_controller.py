@@ -2,7 +2,7 @@
 read, and the fallback when reading a layer takes longer than prefilling it."""
 import pytest
 
-import loading_controller as lc
+from lecture27 import loading_controller as lc
 from common import timemodel as tm
 
 

@@ -4,9 +4,9 @@ unless the recomputed tokens are the last ones of the context."""
 import pytest
 import torch
 
-import blend_rules as rules
-import blend_world as bw
-import mask_pitfall as mp
+from lecture27 import blend_rules as rules
+from lecture27 import blend_world as bw
+from lecture27.blend import mask_pitfall as mp
 import test_blend_reference as ref
 
 model64 = ref.model64  # the reference's fixture: a float64 record-world model at the training scale
@@ -94,7 +94,7 @@ def test_the_pitfall_is_a_mask_of_any_rule(model64, rule):
 def test_record_cost_reports_both_masks_and_the_layers_read():
     """The record world's answers to split records read the context's KV of layers 0-1 (the model's copy
     happens there); a chunk length that splits no record has no split accuracy and reads nothing."""
-    import record_trainer as rt
+    from lecture27 import record_trainer as rt
 
     model, _ = rt.record_model()
     rec = bw.heldout(100)

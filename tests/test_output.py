@@ -29,7 +29,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("output")
     out = {}
     for key, (name, args, constants) in SCRIPTS.items():
-        mod = importlib.import_module(name)
+        mod = importlib.import_module(f"lecture27.{name}")
         old = {k: getattr(mod, k) for k in constants}
         for k, v in constants.items():
             setattr(mod, k, v)

@@ -3,10 +3,10 @@ on the time model and measured; prefix caching's reuse is exact."""
 import pytest
 import torch
 
-import blend_rules as rules
-import blend_world as bw
-import mask_pitfall as mp
-import prefix_caching as pc
+from lecture27 import blend_rules as rules
+from lecture27 import blend_world as bw
+from lecture27.blend import mask_pitfall as mp
+from lecture27.blend import prefix_caching as pc
 from common import timemodel as tm
 
 P = bw.PREFIX
@@ -40,7 +40,7 @@ def test_prefix_caching_of_one_chunk_is_full_reuse(study):
 
 def test_the_time_model_parts_add_up():
     """k = 3 on LLaMA-3.1-70B, by hand from the time model and the controller's pipeline."""
-    import loading_controller as lc
+    from lecture27 import loading_controller as lc
 
     st = pc.time_model([("llama-3.1-70b", 2)], "A40", DEVICES, [3], 512, 32, 0.15).systems["llama-3.1-70b"]
     L, q = 80, tm.prefill_time("llama-3.1-70b", "A40", 32, 1536, 2)
@@ -62,7 +62,6 @@ def test_key_chunks():
 
 
 def tiny_doc(seed=0):
-    import blend_real as br
     from common.llama import Llama, LlamaConfig
 
     torch.manual_seed(seed)
@@ -71,7 +70,7 @@ def tiny_doc(seed=0):
         p.data.normal_(0, 0.3)
     doc = torch.randint(0, 50, (1, 2 + 6 + 5 + 7))
     ids = torch.tensor([P, P] + [0] * 6 + [1] * 5 + [2] * 7)
-    return model, br.RagDoc(doc, torch.randint(0, 50, (1, 4)), ids, None)
+    return model, bw.RagDoc(doc, torch.randint(0, 50, (1, 4)), ids, None)
 
 
 @torch.no_grad()
@@ -93,11 +92,10 @@ def test_prefix_caching_is_exact_and_full_reuse_is_not(kl_rounding):
 def test_prefix_caching_on_smollm2_is_exact(smollm2, kl_rounding):
     """SmolLM2, 3 chunks x 64 tokens: prefix caching's first-token KL is zero up to float32 rounding
     (conftest.rounding_kl), full reuse's is not."""
-    import blend_real as br
     from common.english import RAG_ITEMS, rag_chunks
 
     model, tok, _ = smollm2
-    rd = br.rag_doc(rag_chunks(RAG_ITEMS[0], tok, n_chunks=3, chunk_tokens=64, key_chunks=pc.key_chunks(3)))
+    rd = bw.rag_doc(rag_chunks(RAG_ITEMS[0], tok, n_chunks=3, chunk_tokens=64, key_chunks=pc.key_chunks(3)))
     run = pc.measure_one(model, rd, rules.RULES["flat"], 0.15, {"position": bw.position_mask})
     tol = kl_rounding(model(rd.tokens, last=True)[0][0, -1])  # zero up to float32 rounding
     assert abs(run["kl"]["prefix"]) < tol and run["kl"]["reuse"] > 100 * tol

@@ -10,11 +10,11 @@ import pytest
 
 from common.present import change
 from common.timemodel import prefill_time
-from rag_caches import (RagTrace, chunk_keys, content_key, prefill_s, prefix_keys, rag_trace, reuse_of,
+from lecture27.rag_caches import (RagTrace, chunk_keys, content_key, prefill_s, prefix_keys, rag_trace, reuse_of,
                         serve_rag)
-from tiers import Tier, TieredStore
+from lecture27.tiers import Tier, TieredStore
 
-mod = importlib.import_module("05_tiered_storage")
+mod = importlib.import_module("lecture27.05_tiered_storage")
 MODEL, GPU, T, Q = "llama-3-8b", "H100", 512, 32
 
 
@@ -161,7 +161,7 @@ def test_the_verdict_follows_the_numbers(pages, run):
     head = next(n for n in t.notes if n.startswith("Of the documents"))
     assert ("below 1/k" in head) == (not over)
     for r in t.rows:
-        assert r.handout == importlib.import_module("tiers_page").HANDOUT.refs["rag_prefix"].figure
+        assert r.handout == importlib.import_module("lecture27.store.tiers_page").HANDOUT.refs["rag_prefix"].figure
     for text in page.texts():
         assert not re.search(r"\(([^()]+?) -> \1\)", text), text
 

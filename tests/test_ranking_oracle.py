@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-import blend_rules as rules
-import blend_world as bw
+from lecture27 import blend_rules as rules
+from lecture27 import blend_world as bw
 import test_blend
 
 TOL = test_blend.TOL
@@ -116,8 +116,8 @@ def test_adaptive_at_ratio_one_is_full_prefill(model, rec):
 
 # ------------------------------------------------------------------------------------ the studies' results
 def decomposition(rule_kl, ranking, patch, reuse=1.0):
-    import blend_real as br
-    return br.Decomposition("test", "flat", 2, reuse, rule_kl, ranking, patch)
+    from lecture27.blend import rag as blend_rag
+    return blend_rag.Decomposition("test", "flat", 2, reuse, rule_kl, ranking, patch)
 
 
 def test_decomposition_splits_the_distance_to_the_patch_oracle():
@@ -130,49 +130,49 @@ def test_decomposition_splits_the_distance_to_the_patch_oracle():
 
 
 def test_decompose_reads_the_rules_ranking_oracle_and_the_patch_oracle():
-    import blend_real as br
-    c = br.Curves(ratios=(0.15,), methods=[], kl={"flat": {0.15: 0.3}, "oracle": {0.15: 0.1}}, kl_answer={},
+    from lecture27.blend import rag as blend_rag
+    c = blend_rag.Curves(ratios=(0.15,), methods=[], kl={"flat": {0.15: 0.3}, "oracle": {0.15: 0.1}}, kl_answer={},
                   reuse=1.0, reuse_answer=1.0, ranking={"flat": {0.15: 0.25}}, items=[{}, {}], loaded_from_cache=True,
                   compute_seconds=0.0)
-    d = br.decompose(c, "flat", "test")
+    d = blend_rag.decompose(c, "flat", "test")
     assert d.ranking == {0.15: 0.25} and d.patch == {0.15: 0.1} and d.n_inputs == 2
     assert d.ranking_part(0.15) == pytest.approx(0.05) and d.recompute_part(0.15) == pytest.approx(0.15)
     assert decomposition({0.15: 0.05}, {0.15: 0.05}, {0.15: 0.05}).dominant(0.15) == "none"   # at the oracle
 
 
 def test_best_rule_is_the_most_kl_removed_per_second():
-    import blend_real as br
+    from lecture27.blend import rag as blend_rag
     res = {"at": 0.15, "methods": ["full reuse", "flat", "progressive", "random"], "kl_reuse": 1.0,
            "curve": {"flat": {"0.15": 0.5}, "progressive": {"0.15": 0.5}}, "ttft": {"flat": 1.0, "progressive": 2.0}}
-    best, scores = br.best_rule(res)
+    best, scores = blend_rag.best_rule(res)
     assert best == "flat" and scores == {"flat": pytest.approx(0.5), "progressive": pytest.approx(0.25)}
 
 
 def test_chunk_lengths_needed_is_the_first_ratio_reaching_the_long_chunks_kl():
-    import blend_real as br
-    long = br.ChunkLength(256, 1539, 6, decomposition({0.05: 0.3, 0.15: 0.1, 0.3: 0.05}, {}, {}), 0.6)
-    short = br.ChunkLength(64, 387, 6, decomposition({0.05: 0.4, 0.15: 0.2, 0.3: 0.09}, {}, {}), 0.4)
-    never = br.ChunkLength(32, 195, 6, decomposition({0.05: 0.4, 0.15: 0.3, 0.3: 0.2}, {}, {}), 0.3)
-    study = br.ChunkLengths("flat", 0.15, 0.15, 256, [never, short, long])
+    from lecture27.blend import rag as blend_rag
+    long = blend_rag.ChunkLength(256, 1539, 6, decomposition({0.05: 0.3, 0.15: 0.1, 0.3: 0.05}, {}, {}), 0.6)
+    short = blend_rag.ChunkLength(64, 387, 6, decomposition({0.05: 0.4, 0.15: 0.2, 0.3: 0.09}, {}, {}), 0.4)
+    never = blend_rag.ChunkLength(32, 195, 6, decomposition({0.05: 0.4, 0.15: 0.3, 0.3: 0.2}, {}, {}), 0.3)
+    study = blend_rag.ChunkLengths("flat", 0.15, 0.15, 256, [never, short, long])
     assert study.needed(long) == 0.15 and study.needed(short) == 0.3 and study.needed(never) is None
 
 
 def test_flat_ratio_for_matches_the_mean_recomputed_share():
-    import blend_real as br
+    from lecture27.blend import rag as blend_rag
     L, sizes = 30, [83, 67]
     for share in (0.15, 0.23, 0.4):
-        r = br.flat_ratio_for(share, sizes, L)
-        got = sum(br.flat_share(n, r, L) for n in sizes) / len(sizes)
+        r = blend_rag.flat_ratio_for(share, sizes, L)
+        got = sum(blend_rag.flat_share(n, r, L) for n in sizes) / len(sizes)
         assert abs(got - share) <= 1 / min(sizes)  # one token's step at most
-    assert br.flat_share(100, 0.15, L) == pytest.approx((100 + 29 * 15) / 3000)
-    assert br.flat_ratio_for(1.0, [100], L) == 1.0          # recomputing everything is one of the steps
+    assert blend_rag.flat_share(100, 0.15, L) == pytest.approx((100 + 29 * 15) / 3000)
+    assert blend_rag.flat_ratio_for(1.0, [100], L) == 1.0          # recomputing everything is one of the steps
 
 
 # ------------------------------------------------------------------------------------ 04's verdicts on them
 @pytest.fixture(scope="module")
 def cb():
     import importlib
-    return importlib.import_module("blend_real_page")
+    return importlib.import_module("lecture27.blend.rag_page")
 
 
 def page_of(tables_fn, tmp_path, monkeypatch):
@@ -204,11 +204,11 @@ def test_split_verdict_says_what_the_numbers_say(cb, tmp_path, monkeypatch, rule
 
 
 def test_chunk_notes_say_enough_only_where_the_ratio_matches(cb):
-    import blend_real as br
-    long = br.ChunkLength(256, 1539, 6, decomposition({0.05: 0.3, 0.15: 0.084, 0.3: 0.07}, {}, {}), 0.57)
-    mid = br.ChunkLength(128, 771, 6, decomposition({0.05: 0.25, 0.15: 0.057, 0.3: 0.036}, {}, {}), 0.55)
-    short = br.ChunkLength(64, 387, 6, decomposition({0.05: 0.1, 0.15: 0.086, 0.3: 0.075}, {}, {0.15: 0.082}), 0.45)
-    notes = cb.chunk_notes(br.ChunkLengths("flat", 0.15, 0.15, 256, [short, mid, long]))
+    from lecture27.blend import rag as blend_rag
+    long = blend_rag.ChunkLength(256, 1539, 6, decomposition({0.05: 0.3, 0.15: 0.084, 0.3: 0.07}, {}, {}), 0.57)
+    mid = blend_rag.ChunkLength(128, 771, 6, decomposition({0.05: 0.25, 0.15: 0.057, 0.3: 0.036}, {}, {}), 0.55)
+    short = blend_rag.ChunkLength(64, 387, 6, decomposition({0.05: 0.1, 0.15: 0.086, 0.3: 0.075}, {}, {0.15: 0.082}), 0.45)
+    notes = cb.chunk_notes(blend_rag.ChunkLengths("flat", 0.15, 0.15, 256, [short, mid, long]))
     assert len(notes) == 2
     assert "15% is not enough: flat needs 30%" in notes[0] and "more spread" in notes[0]
     assert "15% is enough" in notes[1] and "no more spread" not in notes[0]
@@ -217,18 +217,18 @@ def test_chunk_notes_say_enough_only_where_the_ratio_matches(cb):
 def test_adaptive_table_marks_the_closer_rule(cb, tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    import blend_real as br
-    rows = [br.Matched(0.5, 0.15, (0.14, 0.16), 0.068, 0.12, 0.156, 0.032),
-            br.Matched(0.7, 0.23, (0.22, 0.23), 0.020, 0.19, 0.226, 0.029)]
+    from lecture27.blend import rag as blend_rag
+    rows = [blend_rag.Matched(0.5, 0.15, (0.14, 0.16), 0.068, 0.12, 0.156, 0.032),
+            blend_rag.Matched(0.7, 0.23, (0.22, 0.23), 0.020, 0.19, 0.226, 0.029)]
     d = decomposition({0.15: 0.12}, {0.15: 0.055}, {0.15: 0.029})
-    check = br.Decomposition("test", "check-kv", 2, 1.0, {0.15: 0.096}, {0.15: 0.053}, {0.15: 0.029})
-    r = SimpleNamespace(adaptive=br.RuleComparison("test", 1, 0.05, rows), split=d, run=SimpleNamespace(at=0.15),
+    check = blend_rag.Decomposition("test", "check-kv", 2, 1.0, {0.15: 0.096}, {0.15: 0.053}, {0.15: 0.029})
+    r = SimpleNamespace(adaptive=blend_rag.RuleComparison("test", 1, 0.05, rows), split=d, run=SimpleNamespace(at=0.15),
                         splits={"flat": d, "check-kv": check})
     (t,) = page_of(lambda p: cb.show_adaptive(p, r, None), tmp_path, monkeypatch).tables
     assert [row.cells[-1] for row in t.rows] == ["flat", "adaptive"]
     assert "at 1 of 2 matched shares" in t.notes[0] and "remove 71% of flat's distance" in t.notes[0]
     assert "no rule measured gets there (closest: check-kv 0.0960" in t.notes[0]
-    good = br.Decomposition("test", "check-kv", 2, 1.0, {0.15: 0.05}, {0.15: 0.053}, {0.15: 0.029})
+    good = blend_rag.Decomposition("test", "check-kv", 2, 1.0, {0.15: 0.05}, {0.15: 0.053}, {0.15: 0.029})
     assert "check-kv gets there" in cb.ranking_room(d, 0.15, {"flat": d, "check-kv": good})
     past = decomposition({0.15: 0.084}, {0.15: 0.118}, {0.15: 0.087})
     assert "no ranking has a gap to close" in cb.ranking_room(past, 0.15, {"flat": past})
@@ -241,12 +241,12 @@ def test_recomputed_note_says_which_layers_are_computed_in_full(cb):
     is computed in full: the note says so for every rule, with the share the table prints."""
     from types import SimpleNamespace
 
-    import blend_real as br
-    import blend_rules
+    from lecture27.blend import rag as blend_rag
+    from lecture27 import blend_rules
     n, L, r = 1539, 30, 0.15
     run = SimpleNamespace(items=[SimpleNamespace(n_context=n)], counts={m: blend_rules.ALL_RULES[m].counts(n, r, L)
-                                                                         for m in br.ALL_RULE_NAMES},
-                          share={m: br.work_share(n, 33, r, L, m) for m in br.ALL_RULE_NAMES})
+                                                                         for m in blend_rag.ALL_RULE_NAMES},
+                          share={m: blend_rag.work_share(n, 33, r, L, m) for m in blend_rag.ALL_RULE_NAMES})
     note = cb.recomputed_note(SimpleNamespace(run=run, n_layers=L))
     assert "flat, chunk-start: layer 0 in full, then 231 of the 1,539 tokens (15.0%) at each of layers 1-29" in note
     # the query rules: flat's counts and the question's pass, 33 tokens at layers 0-29 over 30 x 1,539
@@ -254,7 +254,7 @@ def test_recomputed_note_says_which_layers_are_computed_in_full(cb):
     assert f"query, query+dev: layer 0 in full, then 231 of the 1,539 tokens (15.0%) at each of layers 1-29, + the " \
            f"question's pass over full reuse's cache ({pass_share:.1%})" in note
     assert run.share["query"] == pytest.approx(run.share["flat"] + pass_share)
-    assert run.share["flat"] == pytest.approx(br.recompute_share(n, r, L, "flat"))
+    assert run.share["flat"] == pytest.approx(blend_rules.recompute_share(n, r, L, "flat"))
     assert f"(1 + 29 x 15.0%) / 30 = {run.share['flat']:.1%}" in note
     assert "check-k, check-v, check-kv: layers 0-1 in full" in note
     assert f"(2 + 28 x 15.0%) / 30 = {run.share['check-kv']:.1%}" in note and "(the first input's)" not in note
@@ -356,7 +356,7 @@ def test_input_rule_tables_print_the_curves_and_the_depths(cb, tmp_path, monkeyp
     import json
     from types import SimpleNamespace
 
-    import blend_real as br
+    from lecture27.blend import rag as blend_rag
     curve = {"flat": {"0.05": 0.2, "0.15": 0.1}, "query": {"0.05": 0.15, "0.15": 0.05},
              "query+dev": {"0.05": 0.12, "0.15": 0.04}, "chunk-start": {"0.05": 0.25, "0.15": 0.2},
              "random": {"0.05": 0.3, "0.15": 0.28}, "oracle": {"0.05": 0.1, "0.15": 0.02}}
@@ -381,4 +381,4 @@ def test_input_rule_tables_print_the_curves_and_the_depths(cb, tmp_path, monkeyp
     got = json.loads(json.dumps(page.json()))
     assert got["real_query_j"] == [1, 4] and got["real_query_kl15"] == [0.12, 0.06]
     assert got["real_query_ttft_s"] == [1.05, 1.1] and got["real_kl_removed"]["query"] == pytest.approx(0.875)
-    assert br.QUERY_RULES == ("query", "query+dev")
+    assert blend_rag.QUERY_RULES == ("query", "query+dev")

@@ -214,7 +214,7 @@ def test_a_rebuild_computes_nothing(tmp_path):
 
 
 def test_run_all_report_says_nothing_was_computed(tmp_path, monkeypatch, capsys):
-    import run_all
+    from lecture27 import run_all
     page = Page("01", "ledger", "§1", Settings(), Settings(), figures=tmp_path)
     page.finish(cache_events=[{"name": "records", "loaded": False, "seconds": 50.0}])
     monkeypatch.setenv("L27_FIGURES", str(tmp_path))
@@ -226,7 +226,7 @@ def test_run_all_report_says_nothing_was_computed(tmp_path, monkeypatch, capsys)
 
 
 def test_going_further_gives_each_recompute_ratio_read_from_the_run():
-    from going_further import going_further_table
+    from lecture27.store.going_further import going_further_table
     row = lambda t: next(r.cells for r in t.rows if r.cells[0] == "blending")  # noqa: E731
     t = going_further_table({"04": {"ratio": 0.2}, "04_smollm2": {"real_ratio": 0.15}})
     assert row(t)[2] == "20% (record world), 15% (SmolLM2)"

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-import run_all
+from lecture27 import run_all
 
 
 def run(tmp_path, name: str, seconds: float, code: int = 0) -> run_all.Run:

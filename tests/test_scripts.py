@@ -68,7 +68,7 @@ def run(figures):
             mp.setattr(sys, "argv", [f"{script}.py", *args, "--json", str(out)])
             mp.setattr(sys, "stdout", buf)
             try:
-                importlib.import_module(script).main()
+                importlib.import_module(f"lecture27.{script}").main()
             finally:
                 mp.undo()
             done[name] = (buf.getvalue(), json.loads(out.read_text()))
@@ -87,7 +87,7 @@ def test_script_runs_end_to_end(name, run):
 def test_the_report_holds_every_table_figure_and_exercise(run, figures, tmp_path):
     """The report built from the scripts' saved pages (as run_all.py --report builds it) holds each page's
     tables and figures (each image decodes) and every exercise of §10; a real browser shows all of it."""
-    import run_all
+    from lecture27 import run_all
     for n in RUNS:
         if "smollm2" not in n or find_smollm2_gguf() is not None:
             run(n)
@@ -137,7 +137,7 @@ def test_a_pages_time_counts_the_computing(script, compute, args, tmp_path, monk
     """The report's time for a script is its page's clock: it must count the Parts' computing (here made
     0.5 s longer), not only the printing after it."""
     import time
-    mod = importlib.import_module(script)
+    mod = importlib.import_module(f"lecture27.{script}")
     slow = getattr(mod, compute)
     monkeypatch.setattr(mod, compute, lambda *a, **k: (time.sleep(0.5), slow(*a, **k))[1])
     monkeypatch.setenv("L27_FIGURES", str(tmp_path))
@@ -161,7 +161,7 @@ def test_every_option_says_what_it_sets_and_its_default(script, monkeypatch):
 
     monkeypatch.setattr(cli.Parser, "parse_args", keep)
     with pytest.raises(SystemExit):
-        importlib.import_module(script).main([])
+        importlib.import_module(f"lecture27.{script}").main([])
     p = parsers[0]
     for a in p._actions:
         if isinstance(a, argparse._HelpAction):

@@ -58,14 +58,14 @@ def test_a_run_without_flags_is_not_a_what_if(script):
     """The shipped defaults, read back from the table with their types (tuples, a dict's number keys), equal
     the settings of a run without flags: nothing to tell. (With L27_SEED the record model's seed is not
     the shipped one: that run is a what-if, rightly.)"""
-    import shipped_settings
-    mod = importlib.import_module(script)
+    from lecture27 import shipped_settings
+    mod = importlib.import_module(f"lecture27.{script}")
     changes = edited(shipped_settings.plain_run_settings(mod), cli.shipped_defaults(mod.Settings, vars(mod)))
     assert set(changes) <= ({"seed"} if os.environ.get("L27_SEED") else set()), changes
 
 
 def test_an_edited_constant_differs_from_the_shipped_default(monkeypatch):
-    mod = importlib.import_module("01_kv_ledger")
+    mod = importlib.import_module("lecture27.01_kv_ledger")
     monkeypatch.setattr(mod, "COMPRESSION", 5.0)
     s, defaults, _ = mod.parse([])
     assert defaults.compression == 3.0 and edited(s, defaults) == {"compression": 5.0}

@@ -172,7 +172,7 @@ def test_bad_gguf_is_one_line_and_exit_2(script, kind, tmp_path, monkeypatch, ca
             "not gguf": lambda: (tmp_path / "passwd").write_text("root:x:0:0\n") and tmp_path / "passwd",
             "gpt2": lambda: _gguf_of_arch(tmp_path / "gpt2.gguf", "gpt2"),
             "truncated": lambda: (tmp_path / "t.gguf").write_bytes(b"GGUF\x03\x00") and tmp_path / "t.gguf"}[kind]()
-    mod = importlib.import_module(script)
+    mod = importlib.import_module(f"lecture27.{script}")
     monkeypatch.setattr(sys, "argv", [script + ".py", "--model", "smollm2", "--gguf", str(path)])
     with pytest.raises(SystemExit) as e:
         mod.main()

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-mod = importlib.import_module("05_tiered_storage")
-page_mod = importlib.import_module("store_page")
+mod = importlib.import_module("lecture27.05_tiered_storage")
+page_mod = importlib.import_module("lecture27.store.machine_page")
 
 
 @pytest.fixture(scope="module")

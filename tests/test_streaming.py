@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st_
 
-import streaming as st
-import streaming_page as sp
-import streaming_study as study
+from lecture27 import streaming as st
+from lecture27.stream import page as sp
+from lecture27.stream import study
 from common import timemodel as tm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -287,7 +287,7 @@ def test_oracle_never_worse_than_any_policy(trace, slo, chunk, parallel):
 
 # ---------------------------------------------------------------------------------- the script
 def load_script():
-    return importlib.import_module("03_streaming")
+    return importlib.import_module("lecture27.03_streaming")
 
 
 def settings(s3, **edits):
@@ -430,10 +430,10 @@ def test_chunk_sizes_verdicts():
 
 def test_level_noise_by_hand():
     """codec_real's noise: standard errors over paragraphs and paired steps between neighbouring levels."""
-    import codec_real as cr
-    assert cr.standard_error([0.01, 0.03]) == pytest.approx(0.01)        # sd 0.01414 / sqrt(2)
+    from lecture27.codec import smollm2
+    assert smollm2.standard_error([0.01, 0.03]) == pytest.approx(0.01)        # sd 0.01414 / sqrt(2)
     levels = [{"kl_para": [0.01, 0.03], "agree_para": [0.9, 1.0]}, {"kl_para": [0.02, 0.06], "agree_para": [1.0, 0.9]}]
-    n0, n1 = cr.level_noise(levels)
+    n0, n1 = smollm2.level_noise(levels)
     assert n0 == {"kl_se": pytest.approx(0.01), "agree_se": pytest.approx(0.05)}
     assert n1["kl_step"] == pytest.approx(0.02) and n1["kl_step_se"] == pytest.approx(0.01)
     assert n1["agree_step"] == pytest.approx(0.0) and n1["agree_step_se"] == pytest.approx(0.1)
@@ -451,7 +451,7 @@ def test_part2c_shows_the_noise_and_which_measure_to_trust(capsys):
     s = settings(s3)
     run = dataclasses.replace(s3.part2(s, levels(noisy, 1.0)), levels=noisy, noise=noise)
     page = Page("03", "test", "§4", plot=False)
-    sp.show_part2_real(page, run, s)
+    sp.show_part2_real(page, run, s, 0.01)
     _, rows = grid(page.tables[0])
     assert rows[1][3:] == ["0.0200 +- 0.0010", "94.5 +- 1.0%", "+0.0100 +- 0.0010", "+1.1 +- 0.9"]
     assert max(map(len, capsys.readouterr().out.splitlines())) <= 120

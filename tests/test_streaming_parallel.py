@@ -6,7 +6,7 @@ under either model (checked by brute force). Levels are synthetic, as in test_st
 import pytest
 from hypothesis import given, settings, strategies as st_
 
-import streaming as st
+from lecture27 import streaming as st
 from common import timemodel as tm
 from test_streaming import HANDOUT_TRACE, LEVELS, REAL_SIZE_LEVELS, SMALL_LEVELS, brute_force, setup, traces
 

@@ -10,7 +10,7 @@ import pytest
 
 
 def script(name):
-    return importlib.import_module(name)
+    return importlib.import_module(f"lecture27.{name}")
 
 
 def run(mod, tmp_path, capsys, *argv):
@@ -78,13 +78,13 @@ def test_02_exercise4_distribution(monkeypatch):
     e4 = mod.exercise4(s)
     assert s.ex4_samples == 4000 and e4.entropy_bits == pytest.approx(2.0, abs=1e-12) and e4.fixed_bits == 2
     page = Page("02", "", "", s, defaults, plot=False)
-    script("codec_page").show_exercise4(page, e4, s)
+    script("codec.page").show_exercise4(page, e4, s)
     assert page.json()["exercise4"]["entropy_bits"] == e4.entropy_bits
     assert [r.handout for r in page.tables[-1].rows] == [DASH] * 5
 
 
 def test_02_codec_group_is_read_where_the_codec_is_fitted(monkeypatch):
-    import kvcache as kv
+    from lecture27 import kvcache as kv
     rng = np.random.default_rng(0)
     X = np.cumsum(rng.normal(size=(4, 30, 2, 2, 8)), axis=1).astype(np.float32)
     steps = np.full((2, 2), 0.5)
@@ -92,13 +92,13 @@ def test_02_codec_group_is_read_where_the_codec_is_fitted(monkeypatch):
     spec = kv.fit_codec(X, steps, True)
     h = kv.codec_header(kv.codec_encode(X[0], spec))
     assert spec.group == 5 and len(h["group_bytes"]) == 6          # 30 tokens in groups of 5
-    cm = script("codec_measures")
+    cm = script("codec.measures")
     anchors = np.array([[lv.K_anchor, lv.V_anchor] for lv in cm.delta_variance_ratios(X, kv.CODEC_GROUP)])
     assert anchors.shape == (2, 2) and np.all(anchors > 1)          # a random walk: deltas are smaller
 
 
 def test_02_level_factor_spaces_the_levels(monkeypatch):
-    import kvcache as kv
+    from lecture27 import kvcache as kv
     rng = np.random.default_rng(1)
     X = rng.normal(size=(3, 20, 2, 2, 8)).astype(np.float32)
     steps = np.full((2, 2), 0.25)
@@ -114,8 +114,8 @@ def test_02_level_factor_spaces_the_levels(monkeypatch):
 
 def test_02_a_library_edit_refits_the_cached_study(monkeypatch):
     """Editing a codec setting changes the cache key, so the study is fitted again (not read stale)."""
-    import codec_study as cs
-    import kvcache as kv
+    from lecture27.codec import study as cs
+    from lecture27 import kvcache as kv
     keys = []
     monkeypatch.setattr(cs, "cached_study", lambda name, ident, compute, refit=False: keys.append(ident) or {})
     cs.record_codec_study()
@@ -129,12 +129,12 @@ def test_02_a_library_edit_refits_the_cached_study(monkeypatch):
 
 def test_02_sensitivity_coarser_steps_cost_accuracy():
     """Part 1b (--sensitivity-step): a layer rounded to 8 x its RMS answers worse than at 1/4 x RMS."""
-    import codec_study as cs
-    import kvcache as kv
+    from lecture27.codec import study as cs
+    from lecture27 import kvcache as kv
     world = cs.record_world()
     ctx, q, ans, slots = world["docs"](150, 5)
     X = cs.context_kv(world["model"], ctx)
-    sens = script("codec_measures").layer_sensitivity(world["model"], X, (q, ans, slots), kv.kv_rms(X), [0.25, 8.0],
+    sens = script("codec.measures").layer_sensitivity(world["model"], X, (q, ans, slots), kv.kv_rms(X), [0.25, 8.0],
                                                       8.0)
     assert [x.layer for x in sens] == list(range(X.shape[2]))
     assert all(x.kv[8.0] <= x.kv[0.25] for x in sens)
@@ -199,7 +199,7 @@ def part4_page(mod, *argv):
     """04's Part 4 and exercise 8 on the settings of `argv`: (page, timings per model)."""
     from common.present import Page
     page = Page("04", "", "§5", plot=False)
-    import blend_page as bp
+    from lecture27.blend import page as bp
     s = mod.parse(list(argv))[0]
     timings = mod.part4_pipelining(s)
     bp.show_pipelining(page, timings, s)
@@ -286,10 +286,10 @@ def test_05_slower_cpu_tier_and_another_model(tiers05, tmp_path, capsys, monkeyp
     edited = page.json()
     assert edited["configs"]["cpu_slow"]["mean_ttft_s"] > base["configs"]["cpu_slow"]["mean_ttft_s"]
     assert edited["cpu_fast_vs_slow_ttft_ratio"] > base["cpu_fast_vs_slow_ttft_ratio"]
-    assert importlib.import_module("tiers_page").HANDOUT("slow_vs_fast", page.settings) is None
+    assert importlib.import_module("lecture27.store.tiers_page").HANDOUT("slow_vs_fast", page.settings) is None
     monkeypatch.setattr(tiers05, "MODEL", "llama-3.1-8b")
     monkeypatch.setattr(tiers05, "HANDOFF_MODEL", "llama-3.1-8b")
     page = tiers05.main(["--no-plot", "--users", "20"])
     assert page.settings.model == page.settings.handoff_model == "llama-3.1-8b"
-    held = importlib.import_module("tiers_page").HANDOUT
+    held = importlib.import_module("lecture27.store.tiers_page").HANDOUT
     assert all(held(k, page.settings) is None for k in ("handoff_gb", "all_kv_gb", "lru", "hinted"))

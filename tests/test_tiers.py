@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tiers import Tier, TieredStore
+from lecture27.tiers import Tier, TieredStore
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "code" / "lecture27" / "05_tiered_storage.py"
 
 
-ts = importlib.import_module("05_tiered_storage")
-tst = importlib.import_module("tiers_study")    # 05's computing
+ts = importlib.import_module("lecture27.05_tiered_storage")
+tst = importlib.import_module("lecture27.store.tiers_study")    # 05's computing
 
 
 # ------------------------------------------------------------------------------------- tiers.py

@@ -8,7 +8,7 @@ import pytest
 
 from common.present import DASH, Ref
 
-mod = importlib.import_module("01_kv_ledger")
+mod = importlib.import_module("lecture27.01_kv_ledger")
 RUNS = {
     "default": [],
     "exercise 1": ["--model", "llama-2-7b", "--context", "4096"],
@@ -97,7 +97,7 @@ def test_every_exercise_has_its_heading_and_every_table_its_source(pages):
         assert [b["n"] for b in page.blocks if b["kind"] == "exercise"] == [1, 2]
         for t in page.tables:
             module, fn = t.source.split(".")
-            assert callable(getattr(importlib.import_module(module), fn)), t.source
+            assert callable(getattr(importlib.import_module(f"lecture27.{module}"), fn)), t.source
 
 
 def test_an_edited_run_draws_into_its_own_folder(tmp_path, monkeypatch):

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import blend_world as bw
-import codec_page as cp
+from lecture27 import blend_world as bw
+from lecture27.codec import page as cp
 from common.present import holds
 
 RUNS = {  # name: (constants edited, command line)
@@ -27,7 +27,7 @@ RUNS = {  # name: (constants edited, command line)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{name: the run's settings, JSON, page blocks, tables by source, figure paths, figures folder}."""
-    mod = importlib.import_module("02_cachegen_codec")
+    mod = importlib.import_module("lecture27.02_cachegen_codec")
     out = {}
     for name, (constants, argv) in RUNS.items():
         figs = tmp_path_factory.mktemp(name)

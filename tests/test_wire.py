@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-import codec_study as cs
-import kvcache as kv
-import streaming as st
-import streaming_page as sp
-import wire
-import wire_run as wr
-import wire_study as ws
+from lecture27.codec import study as cs
+from lecture27 import kvcache as kv
+from lecture27 import streaming as st
+from lecture27.stream import page as sp
+from lecture27 import wire
+from lecture27.stream import wire_run as wr
+from lecture27.stream import wire_study as ws
 from common.llama import Llama, LlamaConfig
 from common.present import Page
 

@@ -255,7 +255,8 @@ def _train(model_cfg: LlamaConfig, train_fn, seed: int, out: list) -> dict:
 # nothing, so their own code is not part of any key.
 _MACHINERY = {"checkpoint_dir", "atomic_save", "plain", "cached", "_one_computes", "_digest", "_what_changed",
               "cached_result", "cached_model", "code_identity", "_CodeWalk", "_tree", "_Strip", "_refs", "_own",
-              "_canon", "_module_of", "_in_code", "_import", "_stem", "_under_code", "_is_code", "_machinery"}
+              "_canon", "_module_of", "_in_code", "_import", "_stem", "_qualified", "_under_code", "_is_code",
+              "_machinery"}
 _TREES: dict = {}  # file -> ({(name, first line): [def or lambda]}, {qualname: [class]}) or None
 _OWN: dict = {}    # (code object or class, file) -> (hash of its syntax tree, names it reads, its imports)
 
@@ -395,8 +396,18 @@ def _is_code(obj) -> bool:
 
 
 def _stem(mod) -> str:
-    stem = Path(mod.__file__).stem
-    return mod.__name__ if stem == "__init__" else stem
+    """The module's qualified name under code/ (lecture27.codec.study), read from its file's path: the same
+    whether its script runs as __main__ or is imported, and distinct for two files of one name in two folders."""
+    return _qualified(Path(mod.__file__))
+
+
+@functools.lru_cache(maxsize=None)
+def _qualified(file: Path) -> str:
+    path = file.resolve()
+    if not path.is_relative_to(CODE_DIR):
+        return path.stem
+    parts = path.relative_to(CODE_DIR).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 @functools.lru_cache(maxsize=None)
@@ -540,7 +551,7 @@ def _where(v) -> str:
     """The name of the file that defines a function or class: the same whether its script runs as
     __main__ (python 02_cachegen_codec.py) or is imported (the tests)."""
     try:
-        return Path(inspect.getfile(v)).stem
+        return _qualified(Path(inspect.getfile(v)))
     except TypeError:
         return getattr(v, "__module__", "")
 

@@ -8,6 +8,7 @@ import ast
 import dataclasses
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -130,3 +131,12 @@ nonneg_int = _check(int, lambda x: x >= 0, "zero or a positive integer")
 positive_float = _check(float, lambda x: x > 0, "positive")
 nonneg_float = _check(float, lambda x: x >= 0, "zero or positive")
 fraction = _check(float, lambda x: 0 <= x <= 1, "between 0 and 1")
+
+
+def module_command(module: str, *args: str) -> tuple[list[str], dict]:
+    """(argv, environment) that run the module `module` of code/ (lecture27.wire) as a program in a fresh
+    interpreter: `python -m module args`, with code/ on its PYTHONPATH, so that the module and everything it
+    imports go by the qualified names a library module uses, with no path set up by hand."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), *filter(None, [env.get("PYTHONPATH")])])
+    return [sys.executable, "-m", module, *args], env

@@ -23,6 +23,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -143,20 +144,30 @@ class Block(nn.Module):
         v = self.wv(h).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
         return rope(q, pos, c.rope_theta), rope(k, pos, c.rope_theta), v
 
+    def attention_weights(self, q, k, mask):
+        """The softmax weights (B, H, T, S) of grouped-query attention of q (B, H, T, hd) over k
+        (B, Hkv, S, hd) with `mask` (T, S), True = may attend: query head h reads KV head h // (H / Hkv)."""
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        return scores.masked_fill(~mask, float("-inf")).softmax(-1)
+
+    @staticmethod
+    def mix(weights, v):
+        """The per-head outputs (B, T, H*hd) of attention weights (B, H, T, S) over v (B, Hkv, S, hd)."""
+        a = weights @ v.repeat_interleave(weights.shape[1] // v.shape[1], 1)
+        B, H, T, hd = a.shape
+        return a.transpose(1, 2).reshape(B, T, H * hd)
+
     def attention(self, q, k, v, mask):
         """Grouped-query attention: each KV head serves n_heads / n_kv_heads query heads.
         Returns the per-head outputs (B, T, H*hd), before the output projection.
         With self.keep_weights set, the softmax is written out and its weights (B, H, T, S) are kept
         in self.weights, for a training loss that looks at where tokens attend (blend_world)."""
         if self.keep_weights:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-            scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-            self.weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-            a = self.weights @ v
-        else:
-            # enable_gqa: query head h reads KV head h // (n_heads / n_kv_heads), without copying K, V
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            self.weights = self.attention_weights(q, k, mask)
+            return self.mix(self.weights, v)
+        # enable_gqa: query head h reads KV head h // (n_heads / n_kv_heads), without copying K, V
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         B, H, T, hd = a.shape
         return a.transpose(1, 2).reshape(B, T, H * hd)
 
@@ -208,6 +219,24 @@ class KVCache:
                        pos=torch.cat([c.pos for c in caches]))
 
 
+def kv_to_array(cache: KVCache) -> np.ndarray:
+    """KVCache (per layer (B, Hkv, T, hd)) -> float32 array (B, T, L, 2, C): the codec's and the store's
+    layout, token by token, each token's layers, K then V, its C = Hkv * hd channels."""
+    kvs = torch.stack([torch.stack(cache.k, 1), torch.stack(cache.v, 1)], 2)  # (B, L, 2, H, T, hd)
+    B, L, _, H, T, hd = kvs.shape
+    return kvs.permute(0, 4, 1, 2, 3, 5).reshape(B, T, L, 2, H * hd).float().numpy()
+
+
+def array_to_kv(X, n_kv_heads: int, pos=None) -> KVCache:
+    """Inverse of kv_to_array: (B, T, L, 2, C) or (T, L, 2, C) -> KVCache at positions pos (0..T-1)."""
+    X = torch.as_tensor(np.asarray(X, np.float32))
+    X = X[None] if X.dim() == 4 else X
+    B, T, L, _, C = X.shape
+    t = X.reshape(B, T, L, 2, n_kv_heads, C // n_kv_heads).permute(2, 3, 0, 4, 1, 5)  # (L, 2, B, H, T, hd)
+    return KVCache(k=[t[i, 0].contiguous() for i in range(L)], v=[t[i, 1].contiguous() for i in range(L)],
+                   pos=torch.arange(T) if pos is None else pos)
+
+
 class Llama(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -254,6 +283,25 @@ class Llama(nn.Module):
 
 
 # ----------------------------------------------------------------------------------- comparing and running
+@torch.no_grad()
+def greedy(model, logits: torch.Tensor, cache, n: int, stop: int | None = None) -> list[list[int]]:
+    """Greedy continuations of B inputs at once, from their first answer token's logits (B, vocab) and
+    their caches stacked on the batch axis: up to n tokens each, a row ending at `stop`.
+    Decoding is bound by reading the weights, so B rows cost about as much as one."""
+    out, done = [[] for _ in range(logits.shape[0])], [False] * logits.shape[0]
+    for step in range(n):
+        t = logits.argmax(-1)  # (B,)
+        for b, tok in enumerate(t.tolist()):
+            if not done[b]:
+                out[b].append(tok)
+                done[b] = tok == stop
+        if all(done) or step == n - 1:
+            break
+        lg, cache = model(t[:, None], cache=cache, last=True)
+        logits = lg[:, -1]
+    return out
+
+
 def kl_divergence(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
     """KL(p || q) in nats over the last axis, from log-probabilities (e.g. a full prefill's next-token
     distribution p against a method's q); one value per row."""

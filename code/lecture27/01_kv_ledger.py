@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import ledger  # noqa: E402
+from lecture27 import ledger  # noqa: E402
 from common import timemodel as tm  # noqa: E402
 from common.cli import (Parser, fraction, nonneg_float, positive_float, positive_int, settings_from,  # noqa: E402
                         shipped_defaults)

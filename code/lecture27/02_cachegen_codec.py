@@ -47,10 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-import codec_measures as cm  # noqa: E402
-import codec_page as cp  # noqa: E402
-import codec_study as cs  # noqa: E402
-import kvcache as kv  # noqa: E402
+from lecture27.codec import measures as cm  # noqa: E402
+from lecture27.codec import page as cp  # noqa: E402
+from lecture27.codec import study as cs  # noqa: E402
+from lecture27 import kvcache as kv  # noqa: E402
 from common.cli import Parser, positive_float, settings_from, shipped_defaults  # noqa: E402
 from common.llama import single_thread  # noqa: E402
 from common.present import Page  # noqa: E402

@@ -39,7 +39,7 @@ Part 5 (§4.2 over a real connection, as CacheGen's evaluation streams real bits
         for real on this CPU, its KV chunks decoded as they arrive; beside each run the simulator fed this
         CPU's measured recompute and decode times, the cause of every gap above 10% named; a sender killed
         mid-stream; the answer checked against a full prefill. About a minute on a busy 2-core machine.
-The codec's four levels come from codec_study.codec_levels() (measured by 02 on the record-world model) and,
+The codec's four levels come from cs.codec_levels() (measured by 02 on the record-world model) and,
 for Parts 2c and 5, codec_real.real_codec_levels() (fitted on first use, about a minute, then cached; Part 5's
 codec tables at those levels: codec_real.real_codec_specs()); the simulation, the policy and the
 oracle are in streaming.py, the socket and the runs on it in wire.py, wire_run.py and wire_study.py.
@@ -57,16 +57,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import codec_real as cr  # noqa: E402
-import codec_study  # noqa: E402
-import streaming as st  # noqa: E402
-import streaming_study as study  # noqa: E402
-import wire_study  # noqa: E402
+from lecture27.codec import smollm2  # noqa: E402
+from lecture27.codec import study as cs  # noqa: E402
+from lecture27 import streaming as st  # noqa: E402
+from lecture27.stream import study  # noqa: E402
+from lecture27.stream import wire_study  # noqa: E402
 from common.cli import (Parser, fail, nonneg_int, positive_float, positive_int, settings_from,  # noqa: E402
                         shipped_defaults)
 from common.gguf_llama import smollm2_or_explain  # noqa: E402
 from common.present import Page  # noqa: E402
-from streaming_page import (show_models, show_part1, show_part2, show_part2_long,  # noqa: E402
+from lecture27.stream.page import (show_models, show_part1, show_part2, show_part2_long,  # noqa: E402
                             show_part2_real, show_part3, show_part4, show_setup, show_skipped, show_wire)
 
 K = 1024
@@ -166,7 +166,7 @@ def parse(argv=None) -> tuple:
     p.add_argument("--long-context", type=positive_int, default=LONG_CONTEXT,
                    help=f"tokens of context in Part 2b (at most {MAX_CONTEXT}, LLaMA-3.1's window)")
     p.add_argument("--levels", dest="levels_file", metavar="FILE", default=LEVELS_FILE,
-                   help="JSON list of codec levels instead of codec_study.codec_levels()")
+                   help="JSON list of codec levels instead of cs.codec_levels()")
     p.add_argument("--half-tokens", dest="half_efficiency_tokens", type=positive_float, default=HALF_EFFICIENCY_TOKENS,
                    help="recompute batch size that runs at half speed (the small-batch assumption)")
     p.add_argument("--trace-suite", dest="suite_traces", type=nonneg_int, default=SUITE_TRACES, metavar="N",
@@ -210,10 +210,10 @@ def load_trace(path: str | None) -> tuple:
 
 
 def load_levels(path: str | None) -> list[dict]:
-    """The codec's levels: codec_study.codec_levels() (measured by 02, cached), or a JSON file of
+    """The codec's levels: cs.codec_levels() (measured by 02, cached), or a JSON file of
     [{"level", "bits_per_value", "accuracy"}, ...] (for exercises and tests)."""
     if path is None:
-        return codec_study.codec_levels()  # trains the record model and fits the codec on first use
+        return cs.codec_levels()  # trains the record model and fits the codec on first use
     try:
         levels = json.loads(Path(path).read_text())
         for lv in levels:
@@ -238,7 +238,7 @@ def real_levels(asked: bool) -> tuple[study.Levels | None, list]:
     skipped = []
     if not asked or smollm2_or_explain(say=skipped.append) is None:
         return None, skipped
-    return study.Levels(cr.real_codec_levels(), "SmolLM2", 1.0, "exact"), skipped
+    return study.Levels(smollm2.real_codec_levels(), "SmolLM2", 1.0, "exact"), skipped
 
 
 def setup_for(s: Settings, context: int, chunk_tokens: int, lv: study.Levels) -> st.Setup:
@@ -298,8 +298,9 @@ def part5_wire(s: Settings, real: study.Levels) -> wire_study.WireStudy:
                            s.suite_horizon_s)
     traces = {"handout": study.trace_from(s.trace), "steady": st.Trace.steady(s.steady_gbps),
               **{f"suite {i}": suite[i] for i in s.wire_suite_traces}}
-    return wire_study.wire_study(traces, s.wire_context, s.wire_chunk_tokens, s.wire_scale, s.wire_slo,
-                                 {lv["level"]: lv["accuracy"] for lv in real.levels}, s.wire_answer_tokens, s.wire_item)
+    return wire_study.wire_study(smollm2.real_codec_specs(), traces, s.wire_context, s.wire_chunk_tokens, s.wire_scale,
+                                 s.wire_slo, {lv["level"]: lv["accuracy"] for lv in real.levels}, s.wire_answer_tokens,
+                                 s.wire_item)
 
 
 # -------------------------------------------------------------------------------------------- main
@@ -315,7 +316,7 @@ def main(argv=None) -> Page:
     show_part2_long(page, p2b, s)                                       # §4.2, a longer context
     p2c = part2_real(s, real) if real else None
     if p2c:
-        show_part2_real(page, p2c, s)                                   # §4.2, real levels
+        show_part2_real(page, p2c, s, smollm2.REAL_MAX_KL)                                   # §4.2, real levels
     show_skipped(page, skipped)
     show_models(page, [p2, p2b, p2c], s)                                # Part 2d (§4.2), both models
     show_part3(page, part3(s, lv), s)                                   # §4.2, chunk size

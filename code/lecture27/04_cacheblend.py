@@ -10,8 +10,8 @@ tokens that matter.
     python code/lecture27/04_cacheblend.py --json out.json
     python code/lecture27/04_cacheblend.py --model smollm2    # Part 5 only: a real LLaMA (SmolLM2-135M)
     python code/lecture27/04_cacheblend.py --model smollm2 --curve   # every selection rule at 5-50%, the oracle
-    python code/lecture27/04_cacheblend.py --model smollm2 --passages code/lecture27/passages_example.json
-    python code/lecture27/04_cacheblend.py --model smollm2 --curve --passages code/lecture27/passages_six.json
+    python code/lecture27/04_cacheblend.py --model smollm2 --passages code/lecture27/passages/passages_example.json
+    python code/lecture27/04_cacheblend.py --model smollm2 --curve --passages code/lecture27/passages/passages_six.json
 
 In the handout's order:
 §5.1    Part 0: prefix caching is not enough (prefix_caching.py, time model): RAG with k = 1..10 chunks of
@@ -66,18 +66,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import blend_page as bp  # noqa: E402
-import blend_real as br  # noqa: E402
-import blend_real_page as brp  # noqa: E402
-import blend_real_study as brs  # noqa: E402
-import blend_timing as bt  # noqa: E402
-import city_reuse as cr  # noqa: E402
-import mask_pitfall as mp  # noqa: E402
-import prefix_caching as pc  # noqa: E402
-import record_blend as rb  # noqa: E402
-import record_trainer as rt  # noqa: E402  (rt.SEED, rt.LOCALITY: the trainer's defaults)
-from blend_rules import ALL_RULES  # noqa: E402
-from blend_world import DOC_LEN  # noqa: E402
+from lecture27.blend import page as bp  # noqa: E402
+from lecture27.blend import rag as blend_rag  # noqa: E402
+from lecture27.blend import rag_page  # noqa: E402
+from lecture27.blend import rag_study  # noqa: E402
+from lecture27.blend import timing as bt  # noqa: E402
+from lecture27.blend import city_reuse  # noqa: E402
+from lecture27.blend import mask_pitfall as mp  # noqa: E402
+from lecture27.blend import prefix_caching as pc  # noqa: E402
+from lecture27.blend import record_blend as rb  # noqa: E402
+from lecture27 import record_trainer as rt  # noqa: E402  (rt.SEED, rt.LOCALITY: the trainer's defaults)
+from lecture27.blend_rules import ALL_RULES  # noqa: E402
+from lecture27.blend_world import DOC_LEN  # noqa: E402
 from common import timemodel as tm  # noqa: E402
 from common.checkpoints import TrainingFailed  # noqa: E402
 from common.city import city_model  # noqa: E402
@@ -247,10 +247,10 @@ def exercise8(s: Settings):
 def record_world(s: Settings, page: Page) -> None:
     """Parts 0-4 and exercises 5-8, each computed and then shown, as the handout poses them."""
     city, lang = city_model()
-    docs = cr.city_docs(city, lang, s.city_docs, 0, s.city_chunks, s.city_chunk_len)
+    docs = city_reuse.city_docs(city, lang, s.city_docs, 0, s.city_chunks, s.city_chunk_len)
     bp.show_prefix(page, part0_prefix(s), s)                                     # §5.1: prefix caching is not enough
-    bp.show_moved_chunk(page, cr.moved_chunk(docs, lang, s.city_chunk_len, s.ex5_shift), s)  # §5.1: ex. 5
-    bp.show_city(page, cr.city_losses(docs, lang, s.city_chunk_len), s)          # §5.2: the city language
+    bp.show_moved_chunk(page, city_reuse.moved_chunk(docs, lang, s.city_chunk_len, s.ex5_shift), s)  # §5.1: ex. 5
+    bp.show_city(page, city_reuse.city_losses(docs, lang, s.city_chunk_len), s)          # §5.2: the city language
     model, training = record_world_model(s)
     bp.show_record_model(page, training, s)
     run = rb.record_experiment(model, s.docs, s.chunk_len, s.ratio, s.seed)
@@ -266,25 +266,25 @@ def record_world(s: Settings, page: Page) -> None:
 
 
 # ============================================================================ Part 5: a real model
-def part5_real(s: Settings) -> brs.Real:
+def part5_real(s: Settings) -> rag_study.Real:
     """SmolLM2-135M on RAG inputs (blend_real_study.py): KL to full prefill of one rule, random and the
     oracles at r (or, with --curve, of every selection rule at REAL_CURVE_RATIOS); live TTFT per rule; the
     two insights beside the record world's; §5.1 and the mask pitfall measured; where the distance comes from."""
-    lm = brs.load(s.gguf)
-    rags, source = brs.inputs(lm, s.passages, s.items, s.real_chunk_tokens)
-    run = brs.experiment(lm, rags, s.real_ratio, s.rule, s.curve, s.real_curve_ratios, s.real_ttft_items,
+    lm = rag_study.load(s.gguf)
+    rags, source = rag_study.inputs(lm, s.passages, s.items, s.real_chunk_tokens)
+    run = rag_study.experiment(lm, rags, s.real_ratio, s.rule, s.curve, s.real_curve_ratios, s.real_ttft_items,
                          s.recompute, s.real_tier, depths=s.real_query_j)
-    found = brs.deviation(run, s.top_share)
-    toy = brs.toy_insights(s.seed, s.locality, s.chunk_len, s.ratio, s.top_share)
+    found = rag_study.deviation(run, s.top_share)
+    toy = rag_study.toy_insights(s.seed, s.locality, s.chunk_len, s.ratio, s.top_share)
     prefix = None if s.passages else pc.measured(
         lm.model, lm.tok, lm.model_id, s.real_prefix_items, s.real_prefix_ks, s.real_chunk_tokens,
-        br.blend_rule_of(s.rule), s.real_ratio, mp.MASKS, recompute=s.recompute)
-    splits = {m: br.decompose(run.curves, m, source) for m in run.curves.ranking}
-    chunks, adaptive = brs.curve_studies(
+        blend_rag.blend_rule_of(s.rule), s.real_ratio, mp.MASKS, recompute=s.recompute)
+    splits = {m: blend_rag.decompose(run.curves, m, source) for m in run.curves.ranking}
+    chunks, adaptive = rag_study.curve_studies(
         lm, rags, run, source, built_in=not s.passages, items=s.items, short_chunks=s.real_short_chunks,
         chunk_tokens=s.real_chunk_tokens, top=s.top_share, targets=s.adaptive_targets, layer=s.adaptive_layer,
         floor=s.adaptive_floor, recompute=s.recompute) if s.curve else (None, None)
-    return brs.Real(run, source, lm.name, run.deviation[0].shape[0], RULE, found, toy, prefix, splits[s.rule],
+    return rag_study.Real(run, source, lm.name, run.deviation[0].shape[0], RULE, found, toy, prefix, splits[s.rule],
                     splits, chunks, adaptive)
 
 
@@ -316,7 +316,7 @@ def parser() -> Parser:
                         '...]; each passage is one chunk')
     g.add_argument("--chunk-tokens", type=positive_int, default=REAL_CHUNK_TOKENS, dest="real_chunk_tokens",
                    help="tokens per chunk of the built-in RAG items")
-    g.add_argument("--real-tier", choices=list(br.STORE_TIERS), default=REAL_TIER,
+    g.add_argument("--real-tier", choices=list(blend_rag.STORE_TIERS), default=REAL_TIER,
                    help="Part 5c: the store tier the timed runs fetch the chunks from")
     g.add_argument("--curve", action="store_true",
                    help="every selection rule, random and the oracle at 5-50%% (cached)")
@@ -336,7 +336,7 @@ def parse(argv=None) -> tuple:
             fail("--ratio is the record world's recompute ratio; with --model smollm2 use --real-ratio")
         if a.passages:
             try:
-                br.load_passages(a.passages)
+                blend_rag.load_passages(a.passages)
             except ValueError as e:
                 fail(f"--passages: {e}")
     elif (a.passages or a.curve or a.real_chunk_tokens != REAL_CHUNK_TOKENS or a.real_ratio != REAL_RATIO
@@ -361,7 +361,7 @@ def main(argv=None) -> Page | None:
     if s.model == "smollm2":
         with idle_threads():  # the TTFT is measured on one thread inside (blend_real.item_ttft)
             real = part5_real(s)
-        brp.show_real(page, real, s)                # Part 5, §5.1-5.4: the same blend() on a real LLaMA
+        rag_page.show_real(page, real, s)                # Part 5, §5.1-5.4: the same blend() on a real LLaMA
     else:
         with single_thread():  # models of d = 64: a second thread gains little, and waits when a core is busy
             record_world(s, page)                   # Parts 0-4, §5.1-5.4, exercises 5-8

@@ -36,15 +36,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
-import kvstore_redis as kr  # noqa: E402
-import store_real as sr  # noqa: E402
-import tiers_study as study  # noqa: E402
-from blend_rules import RULES  # noqa: E402
+from lecture27 import kvstore_redis as kr  # noqa: E402
+from lecture27.codec import smollm2  # noqa: E402
+from lecture27.store import machine  # noqa: E402
+from lecture27.store import tiers_study as study  # noqa: E402
+from lecture27.blend_rules import RULES  # noqa: E402
 from common.cli import (Parser, fraction, nonneg_float, positive_float, positive_int, settings_from,  # noqa: E402
                         shipped_defaults)
 from common.present import Page  # noqa: E402
-from store_page import show_store  # noqa: E402
-from tiers_page import show_chat, show_handoff, show_rag, show_service_vs_library, show_waist  # noqa: E402
+from lecture27.store.machine_page import show_store  # noqa: E402
+from lecture27.store.tiers_page import show_chat, show_handoff, show_rag, show_service_vs_library, show_waist  # noqa: E402
 
 # ------------------------------------------------------------------ Part 1: GPU A -> GPU B handoff
 HANDOFF_MODEL = "llama-3.1-70b"
@@ -197,13 +198,14 @@ def rag_reuse(s: Settings) -> study.Rag:
                            s.seed, s.model, s.gpu, s.rag_doc_tokens, s.rag_question_tokens, s.rag_recompute)
 
 
-def on_this_machine(s: Settings, path) -> sr.StoreRun:
+def on_this_machine(s: Settings, path) -> machine.StoreRun:
     """Part 5 (§1, §4, §6): SmolLM2's RAG context stored in every tier and format, served back, timed."""
     from common.gguf_llama import load_gguf_llama
     model, tok, _ = load_gguf_llama(path)
-    return sr.measure_store(model, tok, path, n_chunks=s.store_chunks, chunk_tokens=s.store_chunk_tokens,
-                            level=s.store_level, ratio=s.store_ratio, rule=s.store_rule, redis_url=s.redis,
-                            progress=True)
+    spec = smollm2.real_codec_specs(path)[s.store_level]     # the codec's level, fitted once and cached
+    return machine.measure_store(model, tok, path, n_chunks=s.store_chunks, chunk_tokens=s.store_chunk_tokens,
+                                 spec=spec, ratio=s.store_ratio, rule=s.store_rule, redis_url=s.redis,
+                                 progress=True)
 
 
 # ================================================================================ the run

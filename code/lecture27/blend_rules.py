@@ -33,16 +33,13 @@ Two ceilings split a rule's distance from full prefill in two:
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
-import torch  # noqa: E402
+import torch
 
-import blend_world as bw  # noqa: E402
-from common.llama import KVCache, causal_mask  # noqa: E402
+from lecture27 import blend_world as bw
+from common.llama import KVCache, causal_mask
 
 FLAT = bw.Filter(schedule=(1.0,))
 

@@ -25,15 +25,13 @@ Three prefills of [chunks ... | question], all driven through common.llama's Blo
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
-import torch  # noqa: E402
+import torch
 
-from common.llama import KVCache, Llama, LlamaConfig, causal_mask, shift_kv  # noqa: E402
+from common.english import RagInput
+from common.llama import KVCache, Llama, LlamaConfig, causal_mask, shift_kv
 
 # ------------------------------------------------------------------------------------ the world
 N_RECORDS = 12           # records per document
@@ -131,6 +129,28 @@ def precompute_chunks(model: Llama, doc: torch.Tensor, chunks) -> KVCache:
         caches.append(KVCache(k=[shift_kv(k[:, :, n_pre:], start - n_pre, model.cfg.rope_theta) for k in c.k],
                               v=[v[:, :, n_pre:] for v in c.v], pos=c.pos[n_pre:] + start - n_pre))
     return KVCache.cat(caches)
+
+
+# ------------------------------------------------------------------------------------ a RAG input
+@dataclass
+class RagDoc:
+    """A RAG input as blend() takes it: doc (1, N) = prefix + chunks, question (1, Tq), chunk ids (N,)
+    with bw.PREFIX on the shared prefix."""
+    doc: torch.Tensor
+    question: torch.Tensor
+    chunks: torch.Tensor
+    rag: RagInput
+
+    @property
+    def tokens(self):
+        return torch.cat([self.doc, self.question], 1)
+
+
+def rag_doc(rag: RagInput) -> RagDoc:
+    """A RAG input (common.english.RagInput) as blend() takes it: the prefix's tokens marked PREFIX."""
+    ids = [PREFIX] * len(rag.prefix) + [i for i, c in enumerate(rag.chunks) for _ in c]
+    doc = rag.prefix + [t for c in rag.chunks for t in c]
+    return RagDoc(torch.tensor([doc]), torch.tensor([rag.question]), torch.tensor(ids), rag)
 
 
 # ------------------------------------------------------------------------------------ full prefill, full reuse

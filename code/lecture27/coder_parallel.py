@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coder import (AC_MASK, AC_PRECISION, AC_SHIFT, AC_STATE_BITS, AC_TOP, AC_TOTAL, CorruptStream,
+from lecture27.coder import (AC_MASK, AC_PRECISION, AC_SHIFT, AC_STATE_BITS, AC_TOP, AC_TOTAL, CorruptStream,
                    coder_inputs, laid_end_to_end)
 
 # CacheGen's GPU coder runs one stream per (layer, channel), thousands of them side by side. This is

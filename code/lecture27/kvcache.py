@@ -20,9 +20,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from coder import (AC_TOTAL, CorruptStream, FreqTable, cdfs_by_size, decode, encode, ideal_bits, make_tables,
+from lecture27.coder import (AC_TOTAL, CorruptStream, FreqTable, cdfs_by_size, decode, encode, ideal_bits, make_tables,
                    unseen_uniform)
-from coder_parallel import TableStack, decode_streams, encode_streams, read_varints, stack_tables, varint
+from lecture27.coder_parallel import TableStack, decode_streams, encode_streams, read_varints, stack_tables, varint
 
 # ========================================================================= 1. CacheGen-style codec
 # A context's KV seen as one array X of shape (T, L, 2, C): token x layer x {K, V} x channel, where

@@ -15,7 +15,7 @@ A tier holds named records (bytes) with a byte budget and LRU eviction, as tiers
   RedisTier (kvstore_redis.py) a real redis-server, the remote store engines share.
 Every tier has put(name, blob) -> bool, get(name) -> bytes | None, has, discard, used, names (LRU order).
 
-`ChunkStore(tier, fmt)` stores a chunk's KV, an array (T, L, 2, C) as codec_study.kv_to_array makes it, in
+`ChunkStore(tier, fmt)` stores a chunk's KV, an array (T, L, 2, C) as common.llama.kv_to_array makes it, in
 one of two formats (FORMATS): "fp16", 2 bytes a value; or "cachegen", kvcache's bitstream at one codec spec
 (a level). A record is a header (magic, version, format, level, the key's digest, the shape, the payload's
 length), the payload, and a CRC-32 of both. `get` returns the float32 KV, or None: a clean miss. A record
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-import kvcache as kv
+from lecture27 import kvcache as kv
 
 FORMATS = ("fp16", "cachegen")
 RECORD_MAGIC = b"L27K"

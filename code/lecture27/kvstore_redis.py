@@ -179,7 +179,7 @@ def remove_dead_servers(folder: Path) -> None:
     """Remove the folders of servers whose owner died without cleaning up (the kernel stopped the server), in
     `folder` and in the temporary folder a socket path too long for `folder` sends them to: a folder named
     redis-<owner's pid>-..., its owner gone, that holds a server's log or socket."""
-    from kvstore import pid_alive
+    from lecture27.kvstore import pid_alive
     for d in [*Path(folder).glob("redis-*-*"), *Path(tempfile.gettempdir()).glob("redis-*-*")]:
         pid = d.name.split("-")[1]
         if (d.is_dir() and pid.isdigit() and not pid_alive(int(pid))

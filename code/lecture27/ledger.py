@@ -7,13 +7,10 @@ from its caller: the script's setting is the one name for it.
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
-from common import timemodel as tm  # noqa: E402
+from common import timemodel as tm
 
 SECONDS_PER_DAY = 86_400
 HOURS_PER_YEAR = 365 * 24

@@ -19,13 +19,10 @@ controller has two halves:
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
-from common import timemodel as tm  # noqa: E402
+from common import timemodel as tm
 
 BLEND, FULL_PREFILL = "blend", "full prefill"
 

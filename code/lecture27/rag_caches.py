@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.timemodel import kv_bytes_per_token, prefill_time
-from tiers import TieredStore
+from lecture27.tiers import TieredStore
 
 CACHES = ("prefix", "chunk")
 

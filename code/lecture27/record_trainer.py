@@ -14,19 +14,17 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import torch
+from tqdm import tqdm
 
-import blend_world as bw  # noqa: E402
-from common import checkpoints  # noqa: E402
-from common.checkpoints import TrainingFailed, cached_model, init_weights, train_lm  # noqa: E402
-from common.cli import Parser, fail, nonneg_float, positive_int, settings_from  # noqa: E402
-from common.llama import Llama, single_thread  # noqa: E402
-from common.present import Page, Row, Table, cols, pyplot  # noqa: E402
+from lecture27 import blend_world as bw
+from common import checkpoints
+from common.checkpoints import TrainingFailed, cached_model, init_weights, train_lm
+from common.cli import Parser, fail, nonneg_float, positive_int, settings_from
+from common.llama import Llama, single_thread
+from common.present import Page, Row, Table, cols, pyplot
 
 # The recipe that makes the induction head form in a few hundred steps (see train_record_model):
 #  * dense signal: every document is followed by 12 questions (all its keys, shuffled), and every

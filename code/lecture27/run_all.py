@@ -26,7 +26,7 @@ sys.path.insert(0, str(HERE.parent))
 from common.cli import Parser, positive_int  # noqa: E402
 from common.present import figures_dir, render_text, table_block  # noqa: E402
 from common.report import build_report, load_pages, table_html  # noqa: E402
-from going_further import going_further_table  # noqa: E402
+from lecture27.store.going_further import going_further_table  # noqa: E402
 
 SCRIPTS = ["01_kv_ledger.py", "02_cachegen_codec.py", "03_streaming.py", "04_cacheblend.py",
            "05_tiered_storage.py"]
@@ -51,8 +51,8 @@ cProfile.run("runpy.run_path(sys.argv[0], run_name='__main__')", out)"""
 # --profile: time spent inside each of these functions (each includes what it calls, so rows overlap)
 PHASES = [("training a small model", "checkpoints.py", "train_lm"),
           ("reading SmolLM2 (GGUF or its cache)", "gguf_llama.py", "load_gguf_llama"),
-          ("KV of the calibration/evaluation texts", "codec_study.py", "context_kv"),
-          ("codec step search", "codec_study.py", "search_steps"),
+          ("KV of the calibration/evaluation texts", os.path.join("codec", "study.py"), "context_kv"),
+          ("codec step search", os.path.join("codec", "study.py"), "search_steps"),
           ("codec fits (tables)", "kvcache.py", "fit_codec"),
           ("arithmetic coding", os.path.join("lecture27", "coder.py"), "encode"),
           ("arithmetic decoding", os.path.join("lecture27", "coder.py"), "decode"),

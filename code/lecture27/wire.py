@@ -30,12 +30,11 @@ import sys
 import time
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common` (the sender runs this file)
 
-import streaming as st  # noqa: E402
-from common import timemodel as tm  # noqa: E402
+from lecture27 import streaming as st
+from common import timemodel as tm
+from common.cli import module_command
 
 LECTURE_MODEL = "llama-3.1-70b"  # 03's model (§4.1-4.2)
 QUANTUM_BYTES = 16 * 1024        # one paced write: the pacing's granularity
@@ -174,7 +173,8 @@ class Wire:
             listener.listen(1)
             listener.settimeout(CONNECT_TIMEOUT_S)
             # a fresh interpreter that imports only this file (no fork of a process running torch threads)
-            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve())], stdin=subprocess.PIPE)
+            argv, env = module_command("lecture27.wire")
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env)
             pickle.dump((listener.getsockname()[1], self.payloads, self.names, self.quantum, self.faults),
                         self.proc.stdin)
             self.proc.stdin.close()

@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
-import blend_real as br  # noqa: E402
-import prefix_caching as pc  # noqa: E402
-from blend_world import heldout, spearman, top_share  # noqa: E402
-from record_blend import insights  # noqa: E402
-from record_trainer import record_model  # noqa: E402
-from common.checkpoints import TrainingFailed  # noqa: E402
+from lecture27.blend import rag as blend_rag
+from lecture27.blend import prefix_caching as pc
+from lecture27.blend_world import heldout, spearman, top_share
+from lecture27.blend.record_blend import insights
+from lecture27.record_trainer import record_model
+from common.checkpoints import TrainingFailed
 
 
 def _fields(cls, d: dict) -> dict:
@@ -84,7 +82,7 @@ class Experiment:
     kl_tokens: int
     loaded_from_cache: bool
     compute_seconds: float | None
-    curves: br.Curves
+    curves: blend_rag.Curves
     query: dict                     # each query rule at `at` over j: {"depths", "kl", "ttft", "share": {rule: [...]}}
     no_prefix: dict | None          # --curve: {method: KL at `at`} with every chunk prefilled alone at position 0
     deviation: list                 # per input (L, N) of full reuse's KV deviation
@@ -117,10 +115,10 @@ class Real:
     insights: Deviation
     toy: ToyInsights | None         # the record world's, beside it
     prefix: pc.Measured | None      # §5.1 on the built-in items (None with --passages)
-    split: br.Decomposition         # the run's rule, its ranking oracle and the patch oracle at each ratio
+    split: blend_rag.Decomposition         # the run's rule, its ranking oracle and the patch oracle at each ratio
     splits: dict                    # every rule measured: its Decomposition (--curve: every rule)
-    chunks: br.ChunkLengths | None  # --curve on the built-in items: the same items with shorter chunks
-    adaptive: br.RuleComparison | None  # --curve: a rule whose count adapts, beside flat
+    chunks: blend_rag.ChunkLengths | None  # --curve on the built-in items: the same items with shorter chunks
+    adaptive: blend_rag.RuleComparison | None  # --curve: a rule whose count adapts, beside flat
 
 
 def load(gguf: str | None) -> LM:
@@ -134,18 +132,18 @@ def load(gguf: str | None) -> LM:
 def inputs(lm: LM, passages: str | None, items: int, chunk_tokens: int) -> tuple[list, str]:
     """(RAG inputs, where they came from): the student's passages file, else the built-in items."""
     if passages:
-        return [br.passage_input(it, lm.tok) for it in br.load_passages(passages)], passages
-    return br.built_in_inputs(lm.tok, items, chunk_tokens), "built-in RAG items (common/english.py)"
+        return [blend_rag.passage_input(it, lm.tok) for it in blend_rag.load_passages(passages)], passages
+    return blend_rag.built_in_inputs(lm.tok, items, chunk_tokens), "built-in RAG items (common/english.py)"
 
 
 def experiment(lm: LM, rags: list, ratio: float, rule: str, curve: bool, curve_ratios, ttft_items: int,
                recompute: bool, tier: str, depths=()) -> Experiment:
     """blend_real.real_experiment; with curve, also the query rules over `depths` and the inputs with no
     shared prefix."""
-    res = br.real_experiment(lm.model, lm.tok, rags, ratio, lm.model_id, rule, curve, curve_ratios,
+    res = blend_rag.real_experiment(lm.model, lm.tok, rags, ratio, lm.model_id, rule, curve, curve_ratios,
                              ttft_items=min(ttft_items, len(rags)), tier=tier, depths=depths, alone=curve,
                              recompute=recompute)
-    best, score = br.best_rule(res)
+    best, score = blend_rag.best_rule(res)
     items = [Answered(**_fields(Answered, it)) for it in res["items"]]
     return Experiment(**_fields(Experiment, {**res, "items": items}), best=best, score=score)
 
@@ -171,10 +169,10 @@ def curve_studies(lm: LM, rags: list, run: Experiment, source: str, *, built_in:
                   chunk_tokens: int, top: float, targets, layer: int, floor: float, recompute: bool):
     """--curve: the built-in items with shorter chunks (not for --passages) and the adaptive rule beside flat
     at the same mean recomputed share (both cached): (ChunkLengths or None, RuleComparison)."""
-    chunks = br.chunk_length_study(
+    chunks = blend_rag.chunk_length_study(
         lm.model, lm.tok, n_items=items, lengths=short_chunks, reference=chunk_tokens, ratios=run.ratios,
-        at=run.at, rule=br.blend_rule_of(run.rule), model_id=lm.model_id, top=top,
+        at=run.at, rule=blend_rag.blend_rule_of(run.rule), model_id=lm.model_id, top=top,
         recompute=recompute) if built_in else None
-    adaptive = br.compare_rules(lm.model, lm.tok, rags, targets=targets, layer=layer, floor=floor,
+    adaptive = blend_rag.compare_rules(lm.model, lm.tok, rags, targets=targets, layer=layer, floor=floor,
                                 model_id=lm.model_id, source=source, recompute=recompute)
     return chunks, adaptive

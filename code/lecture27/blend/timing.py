@@ -12,14 +12,11 @@ point; the requests/s of a busy server, full prefill against CacheBlend.
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
-import loading_controller as lc  # noqa: E402
-from common import timemodel as tm  # noqa: E402
+from lecture27 import loading_controller as lc
+from common import timemodel as tm
 
 
 @dataclass(frozen=True)

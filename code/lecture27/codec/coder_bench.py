@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coder import decode, encode
-from coder_parallel import decode_streams, encode_streams, stack_tables, varint
+from lecture27.coder import decode, encode
+from lecture27.coder_parallel import decode_streams, encode_streams, stack_tables, varint
 
 THROUGHPUT_MAX_STEPS = 5_000    # the parallel coder is timed on at most this many symbols of each stream
 

@@ -9,25 +9,23 @@ The record-world study is codec_study.py's, the real model's codec_real.py's, th
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import blend_world as bw  # noqa: E402
-import codec_real as cr  # noqa: E402
-import codec_study as cs  # noqa: E402
-import coder  # noqa: E402
-import coder_bench  # noqa: E402
-import kvcache as kv  # noqa: E402
-from common.checkpoints import cached  # noqa: E402
-from common.llama import idle_threads  # noqa: E402
+from lecture27 import blend_world as bw
+from lecture27.codec import smollm2
+from lecture27.codec import study as cs
+from lecture27 import coder
+from lecture27.codec import coder_bench
+from lecture27 import kvcache as kv
+from common.checkpoints import cached
+from common.llama import idle_threads
 
 FP16_BYTES = 2
 KV_NAMES = ("K", "V")
@@ -529,7 +527,7 @@ def real_measures(gguf, refit: bool, entropy_step: float, baseline_bits, zlib_le
     builds on (several minutes of forwards and codec fits); refit measures again."""
     from common.gguf_llama import gguf_file
     path = gguf_file(gguf)
-    ident = {**cr.study_ident(path), "measure": [entropy_step, baseline_bits, zlib_level,
+    ident = {**smollm2.study_ident(path), "measure": [entropy_step, baseline_bits, zlib_level,
                                                 kv.RECIPE_GROUP_FACTOR, kv.MATCH_HALVINGS]}
     r = cs.cached_study("codec-smollm2-02", ident, lambda: measure_real(
         path, refit, entropy_step, baseline_bits, zlib_level), refit, idle_threads)
@@ -549,8 +547,8 @@ def real_measures(gguf, refit: bool, entropy_step: float, baseline_bits, zlib_le
 
 def measure_real(path, refit: bool, entropy_step: float, baseline_bits, zlib_level: int) -> dict:
     """The real model's measurements as cached: {"rows": {codec name: (bytes/token, quality)}, "levels", ...}."""
-    prose = cr.Prose(path)
-    study = cr.real_codec_study(path, refit=refit, prose=prose)
+    prose = smollm2.Prose(path)
+    study = smollm2.real_codec_study(path, refit=refit, prose=prose)
     Xc, Xe = prose.Xc, prose.Xe
     L, C, T = Xe.shape[2], Xe.shape[4], Xe.shape[1]
     rms = kv.kv_rms(Xc)
@@ -559,7 +557,7 @@ def measure_real(path, refit: bool, entropy_step: float, baseline_bits, zlib_lev
     base = kv.match_bytes(lambda b: kv.fitted_bits(Xc, kv.recipe_steps(rms, b), True), target)
     rows = {c.name: (c.bytes_per_token, c.quality)
             for c in baseline_rows(Xc, Xe, prose.quality, baseline_bits, zlib_level)}
-    recipe = cr.measure(prose, kv.fit_codec(Xc, kv.recipe_steps(rms, base), True))
+    recipe = smollm2.measure(prose, kv.fit_codec(Xc, kv.recipe_steps(rms, base), True))
     rows["recipe (anchor+delta, finer shallow)"] = (recipe["bytes_per_token"], recipe)
     level0 = study["levels"][0]
     rows[f"measured ({'anchor+delta' if delta else 'no deltas'})"] = (level0["bytes_per_token"], level0)
@@ -570,4 +568,4 @@ def measure_real(path, refit: bool, entropy_step: float, baseline_bits, zlib_lev
                             for ref in ("anchor", "previous")},
             "rows": rows, "rel_steps": study["rel_steps"], "delta": bool(delta), "calib_bits": study["calib_bits"],
             "levels": study["levels"], "entropy": entropy_at(Xc, Xe, rms * entropy_step),
-            "coded": {"spec": kv.spec_to_dict(spec0), "q": kv.quantize(Xe[:cr.REAL_CODED], spec0)}}
+            "coded": {"spec": kv.spec_to_dict(spec0), "q": kv.quantize(Xe[:smollm2.REAL_CODED], spec0)}}

@@ -4,17 +4,14 @@ beside ours. One show_<part>(page, result, settings) per Part; nothing here comp
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
-import codec_measures as cm  # noqa: E402
-import codec_real as cr  # noqa: E402
-import codec_study as cs  # noqa: E402
-import coder_bench  # noqa: E402
-import kvcache as kv  # noqa: E402
-from common.present import (  # noqa: E402
+from lecture27.codec import measures as cm
+from lecture27.codec import smollm2
+from lecture27.codec import study as cs
+from lecture27.codec import coder_bench
+from lecture27 import kvcache as kv
+from common.present import (
     Chart, Field, Handout, Page, Ref, Row, Series, Table, chart_figure, cols, handout, pct1, pct2, plain, plural,
     table_of)
 
@@ -449,14 +446,14 @@ def show_real_codecs(page: Page, r: cm.Real, s) -> None:
     page.part("Part 2", "§3.4", f"The codec table on {r.name}, and its quality levels")
     c, fp16 = r.codecs, r.codecs.fp16.bytes_per_token
     page.table(Table(
-        f"Part 2 (§3.4, real model). Continuations of {cr.REAL_CONTINUATION} tokens attending to the decoded context "
-        f"KV\n(coded rows: bytes of {cr.REAL_CODED} contexts really coded, bit-exact round trip checked)", "§3.4",
+        f"Part 2 (§3.4, real model). Continuations of {smollm2.REAL_CONTINUATION} tokens attending to the decoded context "
+        f"KV\n(coded rows: bytes of {smollm2.REAL_CODED} contexts really coded, bit-exact round trip checked)", "§3.4",
         cols("codec", ("bytes/token", "{:,.0f}"), ("ratio to FP16", times2), ("NLL (nats/token)", "{:.4f}"),
              ("KL from FP16", "{:.4f}"), ("top-1 = FP16's", pct1)),
         [Row([*codec_cells(x, fp16), x.quality.nll, x.quality.kl, x.quality.agree]) for x in c.codecs],
         "codec_measures.measure_real",
         ["Measured steps / RMS (shallow, middle, deep thirds; K / V): " + ", ".join(f"{k:.3g} / {v:.3g}" for k, v in
-         r.rel_steps) + f"; KL from FP16 kept below {cr.REAL_MAX_KL} nats/token on calibration prose; recipe sized to "
+         r.rel_steps) + f"; KL from FP16 kept below {smollm2.REAL_MAX_KL} nats/token on calibration prose; recipe sized to "
          "the same bytes."]))
     page.table(headline_table(c, r.name, "codec_measures.measure_real", s))
     page.table(table_of(

@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-import codec_study as cs
-import kvcache as kv
-import streaming as st
-import wire
-from coder import CorruptStream
+from lecture27 import kvcache as kv
+from lecture27 import streaming as st
+from lecture27 import wire
+from lecture27.coder import CorruptStream
 from common.llama import KVCache, kl_divergence
+from common.llama import array_to_kv, kv_to_array
+from common.llama import greedy
 
 GAP_SHARE = 0.10          # measured and simulated TTFT "differ" above this share of the measured
 LAYOUT = "channel"        # one stream per (layer, K/V, channel) of a group, as CacheGen's GPU decoder runs them:
@@ -67,12 +68,7 @@ def _greedy(model, cache: KVCache, question: tuple, n: int):
     """(log-probs of the first answer token, n greedy tokens) after `question` attends to `cache`."""
     with torch.no_grad():
         logits, cache = model(torch.tensor([question]), cache=cache, last=True)
-        first = logits[0, -1].float().log_softmax(-1)
-        out = [int(first.argmax())]
-        while len(out) < n:
-            logits, cache = model(torch.tensor([[out[-1]]]), cache=cache, last=True)
-            out.append(int(logits[0, -1].argmax()))
-    return first, tuple(out)
+    return logits[0, -1].float().log_softmax(-1), tuple(greedy(model, logits[:, -1], cache, n)[0])
 
 
 def prepare(model, ids, question, chunk_tokens: int, specs, accuracy: dict | None = None,
@@ -90,7 +86,7 @@ def prepare(model, ids, question, chunk_tokens: int, specs, accuracy: dict | Non
             t = time.perf_counter()
             _, cache = model(torch.tensor([ids[first:first + n]]), cache=cache, last=True)
             recompute.append(time.perf_counter() - t)
-    X = cs.kv_to_array(cache)[0]
+    X = kv_to_array(cache)[0]
     payloads, decode_s, options = {}, {}, []
     for spec in specs:
         name = f"level{spec.level}"
@@ -124,7 +120,7 @@ def _decode_onto(cache: KVCache | None, data: bytes, spec, n_kv: int, first: int
     """A KV chunk's bitstream decoded (raises CorruptStream or ValueError) and its KV put after `cache`:
     (the quantized integers, the cache with the chunk)."""
     q = kv.codec_decode(data, spec)
-    part = cs.array_to_kv(kv.dequantize(q, spec), n_kv, pos=torch.arange(first, first + n))
+    part = array_to_kv(kv.dequantize(q, spec), n_kv, pos=torch.arange(first, first + n))
     return q, part if cache is None else KVCache.cat([cache, part])
 
 

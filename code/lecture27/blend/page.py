@@ -7,21 +7,18 @@ city_reuse.py, record_blend.py, mask_pitfall.py and blend_timing.py."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
-import blend_timing as bt  # noqa: E402
-import city_reuse as cr  # noqa: E402
-import loading_controller as lc  # noqa: E402
-import mask_pitfall as mp  # noqa: E402
-import prefix_caching as pc  # noqa: E402
-import record_blend as rb  # noqa: E402
-from blend_world import DOC_LEN, N_RECORDS  # noqa: E402
-from record_trainer import plot_training  # noqa: E402
-from common import timemodel as tm  # noqa: E402
-from common.present import (REFERENCE, Chart, Col, Handout, Page, Ref, Row, Series, Table,  # noqa: E402
+from lecture27.blend import timing as bt
+from lecture27.blend import city_reuse
+from lecture27 import loading_controller as lc
+from lecture27.blend import mask_pitfall as mp
+from lecture27.blend import prefix_caching as pc
+from lecture27.blend import record_blend as rb
+from lecture27.blend_world import DOC_LEN, N_RECORDS
+from lecture27.record_trainer import plot_training
+from common import timemodel as tm
+from common.present import (REFERENCE, Chart, Col, Handout, Page, Ref, Row, Series, Table,
                             change, chart_figure, cols, fact, handout, handout_text, pct1, plain, refs)
 
 # The handout's figures, printed beside ours (reference only; nothing is computed from them), each with
@@ -151,7 +148,7 @@ def prefix_figure(page: Page, st: pc.PrefixStudy, s) -> None:
 
 
 # ============================================================================ §5.1, exercise 5
-def show_moved_chunk(page: Page, e: cr.Moved, s) -> None:
+def show_moved_chunk(page: Page, e: city_reuse.Moved, s) -> None:
     x = e.shift
     page.exercise(5, "§5.1", f"a chunk's KV computed at position 0, moved to position {x.shift} (city model, "
                              "all layers)")
@@ -165,7 +162,7 @@ def show_moved_chunk(page: Page, e: cr.Moved, s) -> None:
     add_json(page, {"ex5": x})
 
 
-def shift_note(e: cr.Shift, rotated: cr.City) -> str:
+def shift_note(e: city_reuse.Shift, rotated: city_reuse.City) -> str:
     """What exercise 5's differences say (a difference under a thousandth of the largest |K| is rounding)."""
     tiny = 1e-3 * e.k_max_abs
     return (f"K must rotate once more by {e.shift} x theta (RoPE rotations add)" if e.k_rotated_max_diff < tiny
@@ -176,7 +173,7 @@ def shift_note(e: cr.Shift, rotated: cr.City) -> str:
 
 
 # ============================================================================ §5.2 Part 1: the city language
-def show_city(page: Page, c: cr.City, s) -> None:
+def show_city(page: Page, c: city_reuse.City, s) -> None:
     page.part("Part 1", "§5.2", f"City language: {s.city_chunks} chunks x {s.city_chunk_len} tokens + a question of "
                                 f"{s.city_chunk_len} tokens, {s.city_docs} documents")
     add_table(page, Table("Independent sentences: reuse loses " + ("nothing." if c.kl < 1e-3 else
@@ -189,7 +186,7 @@ def show_city(page: Page, c: cr.City, s) -> None:
     add_json(page, {"city_ce_full": c.ce_full, "city_ce_reuse": c.ce_reuse, "city_kl": c.kl})
 
 
-def city_note(c: cr.City, s) -> str:
+def city_note(c: city_reuse.City, s) -> str:
     """Where our cross-entropies sit against the language's own entropy and the handout's, and whether
     reuse equals prefill (KL under a thousandth)."""
     gap, ref = c.ce_full - c.entropy, handout(HANDOUT, "city_ce_full", s)

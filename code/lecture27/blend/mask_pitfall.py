@@ -21,16 +21,13 @@ SmolLM2's first-token KL with either mask is measured with the rest of §5.1's s
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
-import torch  # noqa: E402
+import torch
 
-import blend_world as bw  # noqa: E402
-from common.llama import KVCache  # noqa: E402
+from lecture27 import blend_world as bw
+from common.llama import KVCache
 
 
 def bottom_right_mask(rows: torch.Tensor, n_keys: int) -> torch.Tensor:

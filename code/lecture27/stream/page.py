@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import math
 
-import streaming as st
-import streaming_study as study
-import wire
-import wire_run as wr
-import wire_study
-from codec_real import REAL_MAX_KL
+from lecture27 import streaming as st
+from lecture27.stream import study
+from lecture27 import wire
+from lecture27.stream import wire_run as wr
+from lecture27.stream import wire_study
 from common import timemodel as tm
 from common.present import (DASH, Chart, Col, Field, Handout, Page, Ref, Row, Series, Table, Val, cdf, change,
                             chart_figure, cols, handout, handout_text, pct0, pct1, plural, table_of)
@@ -360,10 +359,10 @@ def noise_note(noise: study.Noise | None) -> list[str]:
             f"agreement {top1}"]
 
 
-def show_part2_real(page: Page, run: study.TraceRun, s) -> None:
+def show_part2_real(page: Page, run: study.TraceRun, s, max_kl: float) -> None:
     page.part("Part 2c", "§4.2 with real levels", "Part 2 again, the codec's levels measured on a real LLaMA")
-    page.say(f"(SmolLM2-135M; codec_real.py, the same codec with its steps searched under a KL budget of "
-             f"{REAL_MAX_KL} nats/token on prose)")
+    page.say(f"(SmolLM2-135M; codec/smollm2.py, the same codec with its steps searched under a KL budget of "
+             f"{max_kl} nats/token on prose)")
     page.table(real_levels_table(run))
     chunk_table(page, run, shape_notes(s, run, "agrees with FP16's next token") + why_notes(s, run.why))
     ad = run.runs.adaptive

@@ -14,21 +14,18 @@ do not; the deviation is concentrated, adjacent layers rank it alike, and layer 
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
-import torch  # noqa: E402
+import torch
 
-from blend_rules import INPUT_RULES, Random, ready  # noqa: E402
-from blend_world import (N_RECORDS, PROGRESSIVE, accuracy, answer_correct, answer_slots, blend,  # noqa: E402
+from lecture27.blend_rules import INPUT_RULES, Random, ready
+from lecture27.blend_world import (N_RECORDS, PROGRESSIVE, accuracy, answer_correct, answer_slots, blend,
                          full_prefill, full_reuse, heldout, kv_deviation, precompute_chunks, spearman, split_mask,
                          split_records, top_share)
-from record_trainer import doc_attention_elsewhere, record_model  # noqa: E402
-from common import checkpoints  # noqa: E402
-from common.llama import KVCache  # noqa: E402
+from lecture27.record_trainer import doc_attention_elsewhere, record_model
+from common import checkpoints
+from common.llama import KVCache
 
 METHODS = ("full", "reuse", "blend", "random")
 

@@ -16,18 +16,17 @@ those steps by kvcache.LEVEL_FACTOR ** i.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import numpy as np
+import torch
+import torch.nn.functional as F
 
-import codec_study as cs  # noqa: E402
-import kvcache as kv  # noqa: E402
-from common.llama import idle_threads, kl_divergence  # noqa: E402
+from lecture27.codec import study as cs
+from lecture27 import kvcache as kv
+from common.llama import idle_threads, kl_divergence
+from common.llama import array_to_kv
 
 REAL_CONTEXT = 100          # tokens of each paragraph whose KV is coded
 REAL_CONTINUATION = 55      # evaluation: the next tokens, scored (every paragraph has at least 155 tokens)
@@ -63,7 +62,7 @@ def continuation_quality(model, X, cont, ref=None) -> dict:
     """Continuation tokens attend to context KV X: mean NLL (nats/token) of cont[1:]; against `ref` (the
     same with FP16 KV): mean KL(ref || this) per token and the share of positions with ref's arg-max."""
     with torch.no_grad():
-        logits, _ = model(cont, cache=cs.array_to_kv(X, model.cfg.n_kv_heads))
+        logits, _ = model(cont, cache=array_to_kv(X, model.cfg.n_kv_heads))
     logp = logits[:, :-1].float().log_softmax(-1)
     out = {"nll": float(F.nll_loss(logp.flatten(0, 1), cont[:, 1:].flatten())), "logp": logp, "kl": 0.0, "agree": 1.0,
            "positions": cont[:, 1:].numel(), "kl_para": [0.0] * len(cont), "agree_para": [1.0] * len(cont)}

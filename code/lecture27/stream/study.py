@@ -10,7 +10,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-import streaming as st
+from lecture27 import streaming as st
 from common import timemodel as tm
 
 

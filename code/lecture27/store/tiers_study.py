@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.timemodel import kv_bytes_per_token, prefill_time
-from rag_caches import CACHES, rag_trace, serve_rag
-from tiers import Tier, TieredStore
+from lecture27.rag_caches import CACHES, rag_trace, serve_rag
+from lecture27.tiers import Tier, TieredStore
 
 GB = 1e9
 

@@ -10,16 +10,13 @@ chunk's K moved by RoPE's rotation equals the K computed at the new position (ex
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
-import torch  # noqa: E402
+import torch
 
-from blend_world import precompute_chunks  # noqa: E402
-from common.llama import KVCache, kl_divergence, shift_kv  # noqa: E402
+from lecture27.blend_world import precompute_chunks
+from common.llama import KVCache, kl_divergence, shift_kv
 
 
 @dataclass

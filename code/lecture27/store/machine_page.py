@@ -5,7 +5,7 @@ store_real's measurement; every sentence here is chosen by them. Nothing here co
 from __future__ import annotations
 
 from common.present import Col, Page, Row, Table, Val, cols, pct0, segment_bars
-from store_real import StoreRun
+from lecture27.store.machine import StoreRun
 
 TIER_NAMES = {"ram": "RAM", "disk": "local disk", "redis": "Redis"}
 FORMAT_NAMES = {"fp16": "FP16", "cachegen": "CacheGen"}

@@ -39,42 +39,26 @@ import hashlib
 import json
 import shutil
 import statistics
-import sys
 import tempfile
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
-import torch  # noqa: E402
+import torch
 
-import blend_rules  # noqa: E402
-import blend_world as bw  # noqa: E402
-import codec_study as cs  # noqa: E402
-import kvstore as ks  # noqa: E402
-from common.english import CHAT_PREFIX, RAG_ITEMS, RagInput, RagItem, question_text, rag_chunks  # noqa: E402
-from common.llama import KVCache, kl_divergence, shift_kv, single_thread  # noqa: E402
+from lecture27 import blend_rules
+from lecture27 import blend_world as bw
+from lecture27 import kvstore as ks
+from common.english import CHAT_PREFIX, RAG_ITEMS, RagInput, RagItem, question_text, rag_chunks
+from common.clock import timed
+from common.llama import KVCache, greedy, kl_divergence, shift_kv, single_thread
+from common.llama import array_to_kv, kv_to_array
 
 ANSWER_TOKENS = 20    # greedy answer length
 KL_TOKENS = 8         # answer tokens over which the KL is also averaged (teacher-forced)
 SEED = 0
 RULE_NAMES = tuple(blend_rules.RULES)  # blend()'s selection rules, all measured
 RANDOM_RULE = "flat"  # the random baseline: r N tokens at every layer chosen at random (the oracle's budget)
-
-
-@dataclass
-class RagDoc:
-    """A RAG input as blend() takes it: doc (1, N) = prefix + chunks, question (1, Tq), chunk ids (N,)
-    with bw.PREFIX on the shared prefix."""
-    doc: torch.Tensor
-    question: torch.Tensor
-    chunks: torch.Tensor
-    rag: RagInput
-
-    @property
-    def tokens(self):
-        return torch.cat([self.doc, self.question], 1)
 
 
 def passage_input(item: RagItem, tok) -> RagInput:
@@ -129,32 +113,7 @@ def check_context(model, rags: list[RagInput]) -> None:
                  f"tokens: more than the model's context of {limit:,} tokens (llama.context_length)")
 
 
-def rag_doc(rag: RagInput) -> RagDoc:
-    ids = [bw.PREFIX] * len(rag.prefix) + [i for i, c in enumerate(rag.chunks) for _ in c]
-    doc = rag.prefix + [t for c in rag.chunks for t in c]
-    return RagDoc(torch.tensor([doc]), torch.tensor([rag.question]), torch.tensor(ids), rag)
-
-
 # ------------------------------------------------------------------------------------ decoding
-@torch.no_grad()
-def greedy(model, logits: torch.Tensor, cache, n: int, stop: int | None = None) -> list[list[int]]:
-    """Greedy continuations of B inputs at once, from their first answer token's logits (B, vocab) and
-    their caches stacked on the batch axis (stack_caches): up to n tokens each, a row ending at `stop`.
-    Decoding is bound by reading the weights, so B rows cost about as much as one."""
-    out, done = [[] for _ in range(logits.shape[0])], [False] * logits.shape[0]
-    for step in range(n):
-        t = logits.argmax(-1)  # (B,)
-        for b, tok in enumerate(t.tolist()):
-            if not done[b]:
-                out[b].append(tok)
-                done[b] = tok == stop
-        if all(done) or step == n - 1:
-            break
-        lg, cache = model(t[:, None], cache=cache, last=True)
-        logits = lg[:, -1]
-    return out
-
-
 def stack_caches(caches: list[KVCache]) -> KVCache:
     """Caches of the same length (and positions) as one batch: every layer's K, V stacked on axis 0."""
     return KVCache([torch.cat(ks) for ks in zip(*(c.k for c in caches))],
@@ -173,12 +132,6 @@ def answer_logprobs(model, logits: torch.Tensor, cache, answer: list[int]) -> to
 
 
 # ------------------------------------------------------------------------------------ one item
-def _timed(fn):
-    t = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t
-
-
 def _key(r: float) -> str:
     return f"{r:g}"
 
@@ -190,7 +143,7 @@ def ranking_name(rule: str, ranked: tuple) -> str:
 
 
 @torch.no_grad()
-def item_curve(model, rd: RagDoc, *, ratios, at: float, rules=RULE_NAMES, ranked=(),
+def item_curve(model, rd: bw.RagDoc, *, ratios, at: float, rules=RULE_NAMES, ranked=(),
                seed: int = SEED, answer_tokens: int = ANSWER_TOKENS, kl_tokens: int = KL_TOKENS,
                eos: int | None = None) -> dict:
     """Every rule at every ratio on one RAG input, sharing one full prefill and one precompute.
@@ -260,7 +213,7 @@ def chunk_store(pre: KVCache, chunks, tier: str, folder: Path) -> tuple:
     keys = [ks.ChunkKey("item_ttft", (a, b)) for a, b in spans]
     for key, (a, b) in zip(keys, spans):
         part = KVCache([k[:, :, a:b] for k in pre.k], [v[:, :, a:b] for v in pre.v])
-        store.put(key, cs.kv_to_array(part)[0])
+        store.put(key, kv_to_array(part)[0])
     return store, keys, spans
 
 
@@ -270,11 +223,11 @@ def fetch_chunks(store, keys, spans, n_kv_heads: int) -> KVCache:
     for k in keys:
         store.tier.drop_cache(store.name(k))
     arrays = store.get_many(keys)
-    return KVCache.cat([cs.array_to_kv(X, n_kv_heads, torch.arange(a, b)) for X, (a, b) in zip(arrays, spans)])
+    return KVCache.cat([array_to_kv(X, n_kv_heads, torch.arange(a, b)) for X, (a, b) in zip(arrays, spans)])
 
 
 @torch.no_grad()
-def item_ttft(model, rd: RagDoc, ratio: float, rules=RULE_NAMES, tier: str = "ram") -> dict:
+def item_ttft(model, rd: bw.RagDoc, ratio: float, rules=RULE_NAMES, tier: str = "ram") -> dict:
     """Wall-clock TTFT of one input on one torch thread (on shared cores a second thread that waits for
     a core slows blend's many small steps far more than a prefill's large ones): full prefill, and per
     rule the chunks' KV fetched from a real store's tier (`tier`, one of STORE_TIERS: chunk_store,
@@ -292,24 +245,18 @@ def item_ttft(model, rd: RagDoc, ratio: float, rules=RULE_NAMES, tier: str = "ra
         nbytes = store.tier.used
         out = {}
         with single_thread():
-            _, t_full = _timed(lambda: model(rd.tokens, last=True))
-            _, t_shift = _timed(lambda: [shift_kv(k, 1000, model.cfg.rope_theta) for k in pre.k])
+            _, t_full = timed(lambda: model(rd.tokens, last=True))
+            _, t_shift = timed(lambda: [shift_kv(k, 1000, model.cfg.rope_theta) for k in pre.k])
             out["full prefill"] = t_full
             fetches = []
             for name, rule in rules.items():
-                got, t_fetch = _timed(lambda: fetch_chunks(store, keys, spans, model.cfg.n_kv_heads))
+                got, t_fetch = timed(lambda: fetch_chunks(store, keys, spans, model.cfg.n_kv_heads))
                 fetches.append(t_fetch)
-                out[name] = t_fetch + t_shift + _timed(lambda: bw.blend(
+                out[name] = t_fetch + t_shift + timed(lambda: bw.blend(
                     model, rd, rd.chunks, ratio, rule=blend_rules.ready(rule, model, rd, rd.chunks, got), pre=got))[1]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return {**out, "fetch": statistics.median(fetches), "fetch bytes": nbytes}
-
-
-def recompute_share(n_context: int, ratio: float, n_layers: int, rule: str) -> float:
-    """Context-token layers recomputed by `rule` at `ratio`, as a share of a full prefill's (layer 0 in full)."""
-    counts = blend_rules.RULES[rule].counts(n_context, ratio, n_layers)
-    return (n_context + sum(counts)) / (n_layers * n_context)
 
 
 def work_share(n_context: int, n_question: int, ratio: float, n_layers: int, rule) -> float:
@@ -343,15 +290,15 @@ def depth_name(name: str, j: int) -> str:
     return f"{name} j={j}"
 
 
-def alone_doc(rd: RagDoc) -> RagDoc:
+def alone_doc(rd: bw.RagDoc) -> bw.RagDoc:
     """The same input with no shared prefix: the chat prefix belongs to the first chunk and every chunk is
     prefilled alone at position 0 (carrying an attention sink of its own), as EPIC stores chunks."""
     ids = torch.where(rd.chunks == bw.PREFIX, torch.zeros_like(rd.chunks), rd.chunks)
-    return RagDoc(rd.doc, rd.question, ids, rd.rag)
+    return bw.RagDoc(rd.doc, rd.question, ids, rd.rag)
 
 
 @torch.no_grad()
-def item_input_rules(model, rd: RagDoc, *, ratios, rules, at: float, depths=(), reuse: bool = False,
+def item_input_rules(model, rd: bw.RagDoc, *, ratios, rules, at: float, depths=(), reuse: bool = False,
                      kl_tokens: int = KL_TOKENS, eos: int | None = None) -> dict:
     """Rules of blend_rules.ALL_RULES (each after its own work on the input, blend_rules.ready) at every
     ratio on one RAG input, sharing one full prefill and one precompute of rd.chunks; with `depths`, each
@@ -415,7 +362,7 @@ def input_rule_curves(model, tok, rags: list[RagInput], *, ratios, at: float, ru
         items = []
         for rag in tqdm(rags, desc=f"SmolLM2 RAG items ({len(rules)} input rules{', alone' if alone else ''})",
                         disable=not progress):
-            rd = alone_doc(rag_doc(rag)) if alone else rag_doc(rag)
+            rd = alone_doc(bw.rag_doc(rag)) if alone else bw.rag_doc(rag)
             items.append(item_input_rules(model, rd, ratios=ratios, rules=rules, at=at, depths=depths, reuse=alone,
                                           eos=eos))
         return {"items": items}
@@ -479,7 +426,7 @@ def kl_curves(model, tok, rags: list[RagInput], *, ratios, at: float, rules, ran
         items = []
         desc = f"SmolLM2 RAG items ({len(rules)} rules, {len(ratios)} ratios)"
         for rag in tqdm(rags, desc=desc, disable=not progress):
-            r = item_curve(model, rag_doc(rag), ratios=ratios, at=at, rules=rules, ranked=ranked, seed=seed, eos=eos)
+            r = item_curve(model, bw.rag_doc(rag), ratios=ratios, at=at, rules=rules, ranked=ranked, seed=seed, eos=eos)
             r["text"] = {n: tok.decode(a) for n, a in r.pop("answers").items()}
             r["question"], r["reference"] = rag.item.question, rag.item.answer
             items.append(r)
@@ -532,7 +479,7 @@ def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, 
     by_key = lambda d: {_key(r): v for r, v in d.items()}  # noqa: E731
     timed = {**{m: blend_rules.ALL_RULES[m] for m in ALL_RULE_NAMES},
              **{depth_name(m, j): at_depth(m, j) for m in QUERY_RULES for j in depths}}
-    times = [item_ttft(model, rag_doc(rag), at, timed, tier) for rag in tqdm(rags[:ttft_items], desc="TTFT (live)",
+    times = [item_ttft(model, bw.rag_doc(rag), at, timed, tier) for rag in tqdm(rags[:ttft_items], desc="TTFT (live)",
                                                                               disable=not progress)]
     fetch_s, fetch_bytes = statistics.median(t.pop("fetch") for t in times), times[0].pop("fetch bytes")
     ttft = {m: statistics.median(t[m] for t in times) for m in times[0]}
@@ -687,7 +634,7 @@ class RuleComparison:
 
 
 @torch.no_grad()
-def _first_token_kl(model, rd: RagDoc, lp_full: torch.Tensor, pre, rule, ratio: float) -> tuple[float, float]:
+def _first_token_kl(model, rd: bw.RagDoc, lp_full: torch.Tensor, pre, rule, ratio: float) -> tuple[float, float]:
     """(first-token KL(full || blend), recomputed share of the context-token layers) of one blend."""
     lg, tr = bw.blend(model, rd, rd.chunks, ratio, rule=rule, pre=pre, trace=True)
     N, L = rd.doc.shape[1], model.cfg.n_layers
@@ -697,7 +644,7 @@ def _first_token_kl(model, rd: RagDoc, lp_full: torch.Tensor, pre, rule, ratio: 
 
 def flat_share(n_context: int, ratio: float, n_layers: int) -> float:
     """Flat's recomputed share of the context-token layers at r: layer 0 in full, ceil(r N) after it."""
-    return recompute_share(n_context, ratio, n_layers, "flat")
+    return blend_rules.recompute_share(n_context, ratio, n_layers, "flat")
 
 
 def flat_ratio_for(share: float, sizes: list[int], n_layers: int) -> float:
@@ -719,7 +666,7 @@ def compare_rules(model, tok, rags: list[RagInput], *, targets, layer: int, floo
         inputs = []
         with torch.no_grad():
             for rag in tqdm(rags, desc="adaptive rule", disable=not progress):
-                rd = rag_doc(rag)
+                rd = bw.rag_doc(rag)
                 lp = model(rd.tokens, last=True)[0][0, -1].log_softmax(-1)
                 inputs.append((rd, lp, bw.precompute_chunks(model, rd.doc, rd.chunks)))
         adaptive = [[_first_token_kl(model, rd, lp, pre, blend_rules.Adaptive(layer=layer, share=t), floor)

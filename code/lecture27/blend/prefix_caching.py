@@ -21,17 +21,22 @@ for it (causal attention: the first tokens never see what follows).
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
-import torch  # noqa: E402
+import torch
 
-import loading_controller as lc  # noqa: E402
-from common import timemodel as tm  # noqa: E402
+from lecture27 import blend_world as bw
+from lecture27 import loading_controller as lc
+from common import timemodel as tm
+from common.clock import timed
+
+
+def cpu_timed(fn):
+    """(fn(), seconds of CPU time this process spent in it): on one torch thread what an idle core would take;
+    a shared machine's waits for a core would otherwise be cached with the result."""
+    return timed(fn, time.process_time)
 
 
 # ============================================================================ on the time model
@@ -140,18 +145,9 @@ class Measured:
         return [1 - b / f for b, f in zip(self.blend_ttft_s, self.full_ttft_s)]
 
 
-def _timed(fn):
-    """(fn(), seconds of CPU time this process spent in it). On one torch thread that is the wall-clock time
-    an idle core would take; on a shared machine the wall clock also counts the waits for a core, which
-    would then be cached with the result."""
-    t = time.process_time()
-    out = fn()
-    return out, time.process_time() - t
-
-
 def first_chunk(pre, rd):
     """The stored KV of the shared prefix and the first chunk: what prefix caching can reuse."""
-    from blend_world import chunk_spans
+    from lecture27.blend_world import chunk_spans
     from common.llama import KVCache
 
     n = chunk_spans(rd.chunks)[0][1]
@@ -160,10 +156,9 @@ def first_chunk(pre, rd):
 
 @torch.no_grad()
 def measure_one(model, rd, rule, ratio: float, masks: dict) -> dict:
-    """One RAG input: each method's TTFT on one thread (CPU time, _timed; the chunks' KV precomputed before,
+    """One RAG input: each method's TTFT on one thread (CPU time, cpu_timed; the chunks' KV precomputed before,
     untimed; shift_kv of every layer's K timed apart, as blend_real.item_ttft does, for the two methods that
     place every chunk) and its first answer token's KL to full prefill; CacheBlend once per mask of `masks`."""
-    import blend_world as bw
     from common.llama import kl_divergence, shift_kv, single_thread
 
     pre = bw.precompute_chunks(model, rd.doc, rd.chunks)
@@ -171,13 +166,13 @@ def measure_one(model, rd, rule, ratio: float, masks: dict) -> dict:
     rest = torch.cat([rd.doc[:, n:], rd.question], 1)
     lp = lambda lg: lg[0, -1].log_softmax(-1)  # noqa: E731
     with single_thread():
-        (lg, _), t_full = _timed(lambda: model(rd.tokens, last=True))
-        (lg_prefix, _), t_prefix = _timed(lambda: model(rest, cache=head, last=True))
-        _, t_shift = _timed(lambda: [shift_kv(k, 1000, model.cfg.rope_theta) for k in pre.k])
-        (lg_reuse, _), t_reuse = _timed(lambda: model(rd.question, cache=pre, last=True))
+        (lg, _), t_full = cpu_timed(lambda: model(rd.tokens, last=True))
+        (lg_prefix, _), t_prefix = cpu_timed(lambda: model(rest, cache=head, last=True))
+        _, t_shift = cpu_timed(lambda: [shift_kv(k, 1000, model.cfg.rope_theta) for k in pre.k])
+        (lg_reuse, _), t_reuse = cpu_timed(lambda: model(rd.question, cache=pre, last=True))
         blends = {}
         for name, mask in masks.items():
-            blends[name] = _timed(lambda: bw.blend(model, rd, rd.chunks, ratio, rule=rule, pre=pre, mask=mask))
+            blends[name] = cpu_timed(lambda: bw.blend(model, rd, rd.chunks, ratio, rule=rule, pre=pre, mask=mask))
     full = lp(lg)
     kl = lambda lg: float(kl_divergence(full, lp(lg)))  # noqa: E731
     first = next(iter(masks))
@@ -195,8 +190,8 @@ def measured(model, tok, model_id: str, items: int, ks, chunk_tokens: int, rule_
     `ratio`, once per mask of `masks` (name -> mask; the first is blend's own). Cached with
     checkpoints.cached_result (inputs: the model file, the inputs' tokens, the methods; and the code);
     `recompute` measures again. The TTFT is cached with the KL: it is a measurement of the run that made it."""
-    import blend_real as br
-    import blend_rules
+    from lecture27.blend import rag as blend_rag
+    from lecture27 import blend_rules
     from tqdm import tqdm
 
     from common.checkpoints import cached_result
@@ -204,13 +199,13 @@ def measured(model, tok, model_id: str, items: int, ks, chunk_tokens: int, rule_
 
     rags = {k: [rag_chunks(it, tok, n_chunks=k, chunk_tokens=chunk_tokens, key_chunks=key_chunks(k))
                 for it in RAG_ITEMS[:items]] for k in ks}
-    br.check_context(model, [r for k in ks for r in rags[k]])
+    blend_rag.check_context(model, [r for k in ks for r in rags[k]])
     ident = {"model": model_id, "ks": list(ks), "rule": rule_name, "ratio": ratio,
-             "masks": list(masks), "inputs": br.inputs_digest([r for k in ks for r in rags[k]])}
+             "masks": list(masks), "inputs": blend_rag.inputs_digest([r for k in ks for r in rags[k]])}
 
     def compute():
         todo = [(k, r) for k in ks for r in rags[k]]
-        runs = [measure_one(model, br.rag_doc(r), blend_rules.RULES[rule_name], ratio, masks)
+        runs = [measure_one(model, bw.rag_doc(r), blend_rules.RULES[rule_name], ratio, masks)
                 for k, r in tqdm(todo, desc="SmolLM2, prefix caching vs reuse", disable=not progress)]
         return {"runs": [{"k": k, **run} for (k, _), run in zip(todo, runs)]}
 

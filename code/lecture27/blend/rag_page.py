@@ -6,20 +6,17 @@ figure."""
 from __future__ import annotations
 
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
-import blend_real as br  # noqa: E402
-import blend_real_study as brs  # noqa: E402
-import prefix_caching as pc  # noqa: E402
-from blend_page import HANDOUT, HOWS, add_json, add_table, pk, saved_verdict  # noqa: E402
-from common.present import (DASH, Chart, Field, Page, Ref, Row, Series, Table, Val, change, chart_figure,  # noqa: E402
+from lecture27.blend import rag as blend_rag
+from lecture27.blend import rag_study
+from lecture27.blend import prefix_caching as pc
+from lecture27.blend.page import HANDOUT, HOWS, add_json, add_table, pk, saved_verdict
+from common.present import (DASH, Chart, Field, Page, Ref, Row, Series, Table, Val, change, chart_figure,
                             cols, handout, handout_text, pct1, points, table_of)
 
 
-def show_real(page: Page, r: brs.Real, s) -> None:
+def show_real(page: Page, r: rag_study.Real, s) -> None:
     """Part 5 and its sub-parts, in the handout's order; --curve adds 5a-b and 5g-i."""
     run = r.run
     page.part("Part 5", "§5.1-5.4", f"CacheBlend on a real LLaMA: {r.model_name} ({r.n_layers} layers)")
@@ -31,8 +28,8 @@ def show_real(page: Page, r: brs.Real, s) -> None:
     if run.curve_mode:
         show_real_curve(page, r, s)
     else:
-        blends = (len(s.real_curve_ratios) * (2 * len(br.RULE_NAMES) + 1 + len(br.INPUT_RULE_NAMES))
-                  + len(br.QUERY_RULES) * len(s.real_query_j))
+        blends = (len(s.real_curve_ratios) * (2 * len(blend_rag.RULE_NAMES) + 1 + len(blend_rag.INPUT_RULE_NAMES))
+                  + len(blend_rag.QUERY_RULES) * len(s.real_query_j))
         page.say(f"  Parts 5a-b and 5g-k, the quality curve of every selection rule, random and the two oracles at "
                  f"{', '.join(f'{x:.0%}' for x in s.real_curve_ratios)}, every rule's ranking oracle, the query rules "
                  f"over j, shorter chunks and a rule whose count adapts: --curve (about {blends} blends per item the "
@@ -52,7 +49,7 @@ def show_real(page: Page, r: brs.Real, s) -> None:
         real_curve_figure(page, r, s)
 
 
-def inputs_line(r: brs.Real) -> str:
+def inputs_line(r: rag_study.Real) -> str:
     """The run's inputs in one line: how many, from where, the prefix, the chunks and the question (ranges)."""
     items = r.run.items
     span = lambda xs: f"{min(xs)}" if min(xs) == max(xs) else f"{min(xs)}-{max(xs)}"  # noqa: E731
@@ -62,7 +59,7 @@ def inputs_line(r: brs.Real) -> str:
             f"behind the prefix) + a {span([it.n_question for it in items])}-token question")
 
 
-def cache_line(run: brs.Experiment) -> str:
+def cache_line(run: rag_study.Experiment) -> str:
     """What was measured (the curve or the KL at r), whether it came from the cache; the TTFT is always live."""
     return ("  the curve" if run.curve_mode else "  KL") + (
         " loaded from the cache (--recompute computes it again)" if run.loaded_from_cache else
@@ -78,7 +75,7 @@ def prefix_json(x: pc.Measured) -> dict:
             "real_prefix_kl": x.prefix_kl, "real_reuse_kl": x.reuse_kl, "real_blend_kl": x.blend_kl}
 
 
-def show_real_prefix(page: Page, r: brs.Real, s) -> None:
+def show_real_prefix(page: Page, r: rag_study.Real, s) -> None:
     """§5.1 measured: prefix caching, full reuse and CacheBlend against k chunks (prefix_caching.measured)."""
     x = r.prefix
     if x is None:
@@ -109,7 +106,7 @@ def real_prefix_notes(x: pc.Measured) -> list[str]:
             + change(x.blend_kl[0], x.blend_kl[-1], "{:.3f}") + "."]
 
 
-def show_real_mask(page: Page, r: brs.Real, s) -> None:
+def show_real_mask(page: Page, r: rag_study.Real, s) -> None:
     """The bottom-right mask's cost on SmolLM2, from the same runs as §5.1's table."""
     x = r.prefix
     if x is None:
@@ -137,13 +134,13 @@ def why_the_mask_is_wrong_real() -> str:
 
 
 # ============================================================================ §5.3-5.4: the rules at r
-def show_real_curve(page: Page, r: brs.Real, s) -> None:
+def show_real_curve(page: Page, r: rag_study.Real, s) -> None:
     run = r.run
     at, ratios, reuse, methods = run.at, run.ratios, run.kl_reuse, run.methods[1:]
     for name, kl, more, title in (
             ("5a", run.curve, [(f"{at:.0%} / reuse", "{:.2f}x")],
              f"Mean KL(full prefill || method) of the first answer token, nats, vs recompute ratio r\n  (full reuse: "
-             f"{reuse:.4f}; random: {br.RANDOM_RULE}'s counts, tokens at random; ranking-oracle: {run.rule}'s "
+             f"{reuse:.4f}; random: {blend_rag.RANDOM_RULE}'s counts, tokens at random; ranking-oracle: {run.rule}'s "
              "counts, the tokens\n  with the largest true deviation, recomputed; oracle (the patch oracle): the full "
              "prefill's K, V of the top r N\n  tokens by true deviation, at every layer)"),
             ("5b", run.curve_answer, [], f"The same, mean over the first {run.kl_tokens} answer tokens, "
@@ -154,12 +151,12 @@ def show_real_curve(page: Page, r: brs.Real, s) -> None:
                                for m in methods], "blend_real.real_experiment"))
 
 
-def ttft_json(r: brs.Real) -> dict:
+def ttft_json(r: rag_study.Real) -> dict:
     """Part 5c's keys: each method's TTFT, the reported rule's speed-up, every rule's counts, the run's setup."""
     run = r.run
-    return {"real_ttft_s": {m: run.ttft[m] for m in ("full prefill", *br.ALL_RULE_NAMES)},
+    return {"real_ttft_s": {m: run.ttft[m] for m in ("full prefill", *blend_rag.ALL_RULE_NAMES)},
             "real_ttft_speedup": run.ttft["full prefill"] / run.ttft[run.rule],
-            "real_counts": {m: run.counts[m] for m in br.ALL_RULE_NAMES}, "real_rule": run.rule,
+            "real_counts": {m: run.counts[m] for m in blend_rag.ALL_RULE_NAMES}, "real_rule": run.rule,
             "real_curve_measured": run.curve_mode, "real_threads": run.threads,
             "real_best_rule_this_run": run.best if run.curve_mode else None, "real_ttft_tier": run.ttft_tier,
             "real_ttft_fetch_s": run.ttft_fetch_s}
@@ -168,13 +165,13 @@ def ttft_json(r: brs.Real) -> dict:
 TIER_NAMES = {"ram": "RAM", "disk": "local disk, its pages dropped before each read"}
 
 
-def show_real_ttft(page: Page, r: brs.Real, s) -> None:
+def show_real_ttft(page: Page, r: rag_study.Real, s) -> None:
     run = r.run
     t, k, ref = run.ttft, f"{run.at:g}", handout(HANDOUT, "real_ttft", s)
     counts = lambda c: " ".join(map(str, c[:4])) + f" ... {c[-1]}"  # noqa: E731
     rows = [Row(["full prefill", t["full prefill"], 1.0, "100%", None, None, None])]
     rows += [Row([m, t[m], t["full prefill"] / t[m], run.share[m], run.curve.get(m, {}).get(k), run.score.get(m),
-                  Val(run.counts[m], fmt=counts)]) for m in br.ALL_RULE_NAMES]
+                  Val(run.counts[m], fmt=counts)]) for m in blend_rag.ALL_RULE_NAMES]
     add_table(page, Table(f"Part 5c (§5.4). Time to first token at r = {run.at:.0%}, CPU wall clock, median of "
                           f"{run.ttft_items} input(s), {run.threads} torch thread(s),\n  chunks' KV fetched from "
                           f"a real store ({TIER_NAMES[run.ttft_tier]}: {run.ttft_fetch_bytes / 1e6:.1f} MB of FP16 "
@@ -188,7 +185,7 @@ def show_real_ttft(page: Page, r: brs.Real, s) -> None:
     add_json(page, ttft_json(r))
 
 
-def real_notes(r: brs.Real) -> list[str]:
+def real_notes(r: rag_study.Real) -> list[str]:
     """The rule reported as CacheBlend and the best rule of this run (how far the oracles are: Part 5f)."""
     run = r.run
     t, k, rule, reuse, kl = run.ttft, f"{run.at:g}", run.rule, run.kl_reuse, run.curve
@@ -207,13 +204,13 @@ def real_notes(r: brs.Real) -> list[str]:
     return notes
 
 
-def recomputed_note(r: brs.Real) -> str:
+def recomputed_note(r: rag_study.Real) -> str:
     """Why "recomputed" is above r: every rule computes layer 0 in full (and a check-layer rule its layers up to
     the check), so its share of a full prefill's context-token layers is (full layers + the rest's counts) / L."""
     run, L = r.run, r.n_layers
     n = run.items[0].n_context
     groups: dict[tuple, list] = {}
-    for m in br.ALL_RULE_NAMES:
+    for m in blend_rag.ALL_RULE_NAMES:
         c = run.counts[m]
         full = 1 + next((i for i, x in enumerate(c) if x < n), len(c))   # layer 0 and the leading full layers
         groups.setdefault((full, tuple(c[full - 1:]), round(run.share[m], 12)), []).append(m)
@@ -237,7 +234,7 @@ def recomputed_note(r: brs.Real) -> str:
             "also computes every layer up to its check in full: " + "; ".join(said) + ".")
 
 
-def answers_json(run: brs.Experiment) -> dict:
+def answers_json(run: rag_study.Experiment) -> dict:
     """Part 5d's keys: full reuse's KL, the rule's (as CacheBlend), random's and the patch oracle's at r, the
     curves, how many greedy answers match full prefill's."""
     k, at = f"{run.at:g}", pk(run.at)
@@ -247,12 +244,12 @@ def answers_json(run: brs.Experiment) -> dict:
             "real_kl_curve": run.curve, "real_kl_answer_curve": run.curve_answer}
 
 
-def show_real_answers(page: Page, r: brs.Real, s) -> None:
+def show_real_answers(page: Page, r: rag_study.Real, s) -> None:
     run = r.run
     k, n = f"{run.at:g}", len(run.items)
     first = {"full prefill": "0", "full reuse": run.kl_reuse, **{m: c[k] for m, c in run.curve.items()}}
     answer = {"full prefill": "0", "full reuse": run.kl_answer_reuse, **{m: c[k] for m, c in run.curve_answer.items()}}
-    shown = run.rule if run.rule in run.items[0].text else br.blend_rule_of(run.rule)
+    shown = run.rule if run.rule in run.items[0].text else blend_rag.blend_rule_of(run.rule)
     add_table(page, Table(f"Part 5d (§5.3). KL and greedy answers at r = {run.at:.0%} (the answers of --rule "
                           f"{shown} shown below; the input rules' KL: Part 5j)", "§5.3",
                           cols("method", ("KL first token", "{:.4f}"), (f"KL first {run.kl_tokens} tokens", "{:.4f}"),
@@ -264,13 +261,13 @@ def show_real_answers(page: Page, r: brs.Real, s) -> None:
         page.say(answer_lines(it, shown))
 
 
-def answer_lines(it: brs.Answered, rule: str) -> str:
+def answer_lines(it: rag_study.Answered, rule: str) -> str:
     """One input's question, its reference answer where it has one, and the greedy answers."""
     return f"\n{it.question}" + (f"\n  (reference: {it.reference})" if it.reference else "") + "".join(
         f"\n  {m:14s} {it.text[m].strip()!r}" for m in ("full prefill", "full reuse", rule, "random") if m in it.text)
 
 
-def show_real_insights(page: Page, r: brs.Real, s) -> None:
+def show_real_insights(page: Page, r: rag_study.Real, s) -> None:
     toy, top, d = r.toy, pk(s.top_share), r.insights
     three = lambda f: lambda xs: " / ".join(f(x) for x in (min(xs), statistics.median(xs), max(xs)))  # noqa: E731
     add_table(page, Table(f"Part 5e (§5.3). The two insights on a real model\n  (deviation = full reuse's KV minus "
@@ -289,7 +286,7 @@ def show_real_insights(page: Page, r: brs.Real, s) -> None:
 
 
 # ============================================================================ §5.3: rules that read the input
-INPUT_SHOWN = ("flat", *br.INPUT_RULE_NAMES)
+INPUT_SHOWN = ("flat", *blend_rag.INPUT_RULE_NAMES)
 
 
 def removed(kl: float, reuse: float) -> float:
@@ -297,7 +294,7 @@ def removed(kl: float, reuse: float) -> float:
     return 1 - kl / reuse
 
 
-def show_input_rules(page: Page, r: brs.Real, s) -> None:
+def show_input_rules(page: Page, r: rag_study.Real, s) -> None:
     """flat, the rules that read the input (the question's attention, alone and with layer 0's deviation;
     EPIC's chunk starts) and flat's two oracles at each measured ratio: KL and the share of full reuse's
     KL removed; with --curve, the same at r with every chunk prefilled alone at position 0."""
@@ -322,11 +319,11 @@ def show_input_rules(page: Page, r: brs.Real, s) -> None:
                           rows, "blend_real.input_rule_curves", input_rule_notes(r)))
     if run.no_prefix:
         show_no_prefix(page, r)
-    add_json(page, {"real_input_rules": list(br.INPUT_RULE_NAMES),
+    add_json(page, {"real_input_rules": list(blend_rag.INPUT_RULE_NAMES),
                     "real_kl_removed": {m: removed(run.curve[m][f"{run.at:g}"], reuse) for m in shown}})
 
 
-def input_rule_notes(r: brs.Real) -> list[str]:
+def input_rule_notes(r: rag_study.Real) -> list[str]:
     """Which rule is closest to full prefill at each measured ratio, and the run's rule against flat at r."""
     run, k = r.run, f"{r.run.at:g}"
     rules = [m for m in INPUT_SHOWN if m in run.curve]
@@ -341,7 +338,7 @@ def input_rule_notes(r: brs.Real) -> list[str]:
     return notes
 
 
-def show_no_prefix(page: Page, r: brs.Real) -> None:
+def show_no_prefix(page: Page, r: rag_study.Real) -> None:
     """At r: full reuse, flat and the input rules when every chunk is prefilled alone at position 0 (each its
     own attention sink, as EPIC stores chunks) beside the same with the shared chat prefix."""
     run, k, x = r.run, f"{r.run.at:g}", r.run.no_prefix
@@ -355,20 +352,20 @@ def show_no_prefix(page: Page, r: brs.Real) -> None:
     add_json(page, {"real_kl_no_prefix": x})
 
 
-def show_query_depths(page: Page, r: brs.Real, s) -> None:
+def show_query_depths(page: Page, r: rag_study.Real, s) -> None:
     """Each query rule at r reading the question's attention at layers 1..j: KL against TTFT on this CPU."""
     run, q = r.run, r.run.query
     js = q["depths"]
     if not js:
         return
-    rows = [Row([j, *[q[key][m][i] for m in br.QUERY_RULES for key in ("kl", "ttft")], q["share"]["query"][i]])
+    rows = [Row([j, *[q[key][m][i] for m in blend_rag.QUERY_RULES for key in ("kl", "ttft")], q["share"]["query"][i]])
             for i, j in enumerate(js)]
     k = f"{run.at:g}"
     rows.append(Row(["flat", run.curve["flat"][k], run.ttft["flat"], None, None, run.share["flat"]]))
     add_table(page, Table(f"Part 5k (§5.4). The query rules at r = {run.at:.0%} reading the question's attention at "
                           "layers 1..j: mean first-token KL against TTFT\n  (CPU wall clock as Part 5c, the "
                           "question's pass over layers 0..j included); flat beside them", "§5.4",
-                          cols("j", *[(f"{head} {m}", fmt) for m in br.QUERY_RULES
+                          cols("j", *[(f"{head} {m}", fmt) for m in blend_rag.QUERY_RULES
                                       for head, fmt in (("KL", "{:.4f}"), ("TTFT s", "{:.2f}"))],
                                ("recomputed", pct1)), rows, "blend_real.real_experiment", depth_notes(r)))
     add_json(page, {"real_query_j": js, f"real_query_kl{pk(run.at)}": q["kl"]["query"],
@@ -376,12 +373,12 @@ def show_query_depths(page: Page, r: brs.Real, s) -> None:
                     "real_query_dev_ttft_s": q["ttft"]["query+dev"]})
 
 
-def depth_notes(r: brs.Real) -> list[str]:
+def depth_notes(r: rag_study.Real) -> list[str]:
     """The smallest j at which each query rule is closer to full prefill than flat, and what it costs."""
     run, q = r.run, r.run.query
     flat = run.curve["flat"][f"{run.at:g}"]
     out = []
-    for m in br.QUERY_RULES:
+    for m in blend_rag.QUERY_RULES:
         j = next((j for j, kl in zip(q["depths"], q["kl"][m]) if kl < flat), None)
         out.append(f"{m}: " + ("no j measured is closer to full prefill than flat" if j is None else
                                f"closer than flat first at j = {j}"
@@ -395,11 +392,11 @@ SPLIT_COLS = (("ranking oracle", "{:.4f}"), ("patch oracle", "{:.4f}"), ("rankin
               ("recompute's part", "{:+.4f}"), "larger part")
 
 
-def split_cells(d: br.Decomposition, x: float) -> list:
+def split_cells(d: blend_rag.Decomposition, x: float) -> list:
     return [d.rule_kl[x], d.ranking[x], d.patch[x], d.ranking_part(x), d.recompute_part(x), d.dominant(x)]
 
 
-def show_real_split(page: Page, r: brs.Real, s) -> None:
+def show_real_split(page: Page, r: rag_study.Real, s) -> None:
     """The run's rule, its ranking oracle and the patch oracle at each measured ratio."""
     d, at = r.split, r.run.at
     add_table(page, Table(f"Part 5f (§5.3). Where {d.rule}'s distance from full prefill comes from, mean first-token "
@@ -413,7 +410,7 @@ def show_real_split(page: Page, r: brs.Real, s) -> None:
     add_json(page, {f"real_dominant{pk(at)}": d.dominant(at)})
 
 
-def split_verdict(d: br.Decomposition, at: float) -> str:
+def split_verdict(d: blend_rag.Decomposition, at: float) -> str:
     """Which part of the rule's distance to the patch oracle dominates at `at`, in the words the numbers allow."""
     gap, rank, rec = d.rule_kl[at] - d.patch[at], d.ranking_part(at), d.recompute_part(at)
     head = (f"at {at:.0%}: {d.rule} {d.rule_kl[at]:.4f}, its ranking oracle {d.ranking[at]:.4f}, the patch oracle "
@@ -434,7 +431,7 @@ def split_verdict(d: br.Decomposition, at: float) -> str:
         "stale K, V") + ".")
 
 
-def ranking_room(d: br.Decomposition, at: float, splits: dict) -> str:
+def ranking_room(d: blend_rag.Decomposition, at: float, splits: dict) -> str:
     """How much a better ranking could still gain over the rule at `at` (the decomposition), and how close
     the rules measured come to the rule's ranking oracle."""
     gap = d.rule_kl[at] - d.patch[at]
@@ -451,7 +448,7 @@ def ranking_room(d: br.Decomposition, at: float, splits: dict) -> str:
                 f"{d.ranking[at]:.4f})."))
 
 
-def show_rule_splits(page: Page, r: brs.Real, s) -> None:
+def show_rule_splits(page: Page, r: rag_study.Real, s) -> None:
     """Every rule measured, its ranking oracle (same counts) and the patch oracle at the run's ratio."""
     at = r.run.at
     add_table(page, Table(f"Part 5g (§5.3). Every rule at r = {at:.0%} beside its own ranking oracle (the "
@@ -461,7 +458,7 @@ def show_rule_splits(page: Page, r: brs.Real, s) -> None:
     add_json(page, {"real_kl_ranking_oracle": {m: d.ranking for m, d in r.splits.items()}})
 
 
-def show_chunk_lengths(page: Page, c: br.ChunkLengths, s) -> None:
+def show_chunk_lengths(page: Page, c: blend_rag.ChunkLengths, s) -> None:
     """The built-in items at several chunk lengths: the rule's curve, the two oracles at `at`, how spread
     the deviation is, and the ratio that matches the reference length's quality at `at`."""
     at, ratios = c.at, c.row(c.reference).split.ratios
@@ -481,12 +478,12 @@ def show_chunk_lengths(page: Page, c: br.ChunkLengths, s) -> None:
                     "real_chunk_top_share": {str(x.chunk_tokens): x.top_share for x in c.rows}})
 
 
-def bounds_per_1k(x: br.ChunkLength) -> float:
+def bounds_per_1k(x: blend_rag.ChunkLength) -> float:
     """Chunk boundaries per 1,000 context tokens: where full reuse loses what the chunks would have seen."""
     return 1000 * (x.n_chunks - 1) / x.n_context
 
 
-def chunk_notes(c: br.ChunkLengths) -> list[str]:
+def chunk_notes(c: blend_rag.ChunkLengths) -> list[str]:
     """Whether the ratio is enough at each other length, and why, from the table's numbers."""
     at, ref, notes = c.at, c.row(c.reference), []
     for x in c.rows:
@@ -506,7 +503,7 @@ def chunk_notes(c: br.ChunkLengths) -> list[str]:
     return notes
 
 
-def show_adaptive(page: Page, r: brs.Real, s) -> None:
+def show_adaptive(page: Page, r: rag_study.Real, s) -> None:
     """The adaptive rule at each share target beside flat recomputing the same mean share."""
     a = r.adaptive
     fields = [Field("share held", pct1, get="target"), Field("recomputed", pct1, get="recomputed"),
@@ -524,12 +521,12 @@ def show_adaptive(page: Page, r: brs.Real, s) -> None:
     add_json(page, {"real_adaptive": a.rows})
 
 
-def closer(m: br.Matched) -> str:
+def closer(m: blend_rag.Matched) -> str:
     """Which rule is closer to full prefill at one matched share ("same" when the KLs print alike)."""
     return "same" if abs(m.kl - m.flat_kl) < 5e-5 else "adaptive" if m.kl < m.flat_kl else "flat"
 
 
-def real_curve_figure(page: Page, r: brs.Real, s) -> None:
+def real_curve_figure(page: Page, r: rag_study.Real, s) -> None:
     """First-answer-token KL against the recompute ratio, one line per rule, random, the ranking oracle of
     the run's rule and the patch oracle."""
     run = r.run

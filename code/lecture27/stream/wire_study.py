@@ -22,10 +22,9 @@ import math
 import time
 from dataclasses import dataclass
 
-import codec_real as cr
-import kvcache as kv
-import wire
-import wire_run as wr
+from lecture27 import kvcache as kv
+from lecture27 import wire
+from lecture27.stream import wire_run as wr
 
 POLICIES = ("adaptive", *(f"level{i}" for i in range(kv.N_LEVELS)), "text")
 KILL_TRACE = "handout"     # the kill-the-sender run: this trace (every study has it), the adaptive policy, the
@@ -120,18 +119,19 @@ def context_of(tok, item, context_tokens: int) -> tuple[list, list]:
     return ids[:context_tokens], tok.encode(question_text(item)).ids
 
 
-def wire_study(traces: dict, context_tokens: int, chunk_tokens: int, scale: float, slo_s: float,
+def wire_study(specs, traces: dict, context_tokens: int, chunk_tokens: int, scale: float, slo_s: float,
                accuracy: dict | None = None, answer_tokens: int = wr.ANSWER_TOKENS, item: int = 0,
                policies=POLICIES, gguf=None) -> WireStudy:
-    """study_of() on SmolLM2 (or the GGUF at `gguf`): its codec's levels (codec_real.real_codec_specs), the
-    context of RAG item `item` (context_of). The study's seconds count the model's loading."""
+    """study_of() on SmolLM2 (or the GGUF at `gguf`) with `specs`, its codec's levels finest first (as
+    codec.smollm2.real_codec_specs fits them), on the context of RAG item `item` (context_of). The study's
+    seconds count the model's loading."""
     from common.english import RAG_ITEMS
     from common.gguf_llama import gguf_file, load_gguf_llama
     t0 = time.perf_counter()
     path = gguf_file(gguf)
     model, tok, _ = load_gguf_llama(path)
     ids, question = context_of(tok, RAG_ITEMS[item], context_tokens)
-    r = study_of(model, ids, question, cr.real_codec_specs(path), traces, chunk_tokens, scale, slo_s, accuracy,
+    r = study_of(model, ids, question, specs, traces, chunk_tokens, scale, slo_s, accuracy,
                  answer_tokens, policies, lambda x: tok.decode(list(x)), keep_streams=True)
     return dataclasses.replace(r, question=RAG_ITEMS[item].question, seconds=time.perf_counter() - t0)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from common.present import (DASH, Chart, Field, Handout, Page, Ref, Row, Series, Table, Val, cdf, change,
                             chart_figure, cols, handout, pct0, segment_bars, table_of, text_table)
 from common.timemodel import get_model
-from rag_caches import CACHES
-from tiers_study import GB, Chat, Handoff, Rag, ServiceVsLibrary, Waist
+from lecture27.rag_caches import CACHES
+from lecture27.store.tiers_study import GB, Chat, Handoff, Rag, ServiceVsLibrary, Waist
 
 # handout §7: the inference stack's four layers (engine, data store, orchestrator, API, as the handout names
 # them) beside the classic computer system. The handout's own table was lost: the right-hand column is this
