@@ -31,7 +31,8 @@ def test_greedy_of_a_batch_equals_each_input_alone():
     alone = [greedy(model, lg[:, -1], c, 8)[0] for lg, c in outs]
     stop = alone[1][2]  # row 1 stops after its third token
     alone = [greedy(model, lg[:, -1], c, 8, stop)[0] for lg, c in outs]
-    batch = greedy(model, torch.cat([lg[:, -1] for lg, _ in outs]), blend_rag.stack_caches([c for _, c in outs]), 8, stop)
+    batch = greedy(model, torch.cat([lg[:, -1] for lg, _ in outs]), blend_rag.stack_caches([c for _, c in outs]), 8,
+                   stop)
     assert batch == alone and len(alone[1]) <= 3 and max(map(len, alone)) == 8
 
 
@@ -259,14 +260,15 @@ def random_rag(seed):
 def test_input_rules_are_full_prefill_at_one_and_full_reuse_at_zero_on_a_rag_input(kl_rounding):
     """item_input_rules: every input rule after its own pass; at r = 1 KL 0 (up to rounding), at r = 0 full
     reuse's KL; a depth at the last layer is the rule itself, a shallower one is measured."""
+    from lecture27 import blend_rules
     from lecture27.blend import rag as blend_rag
     model, rd = random_rag(3)
-    out = blend_rag.item_input_rules(model, rd, ratios=(0.0, 1.0), rules=blend_rag.INPUT_RULE_NAMES, at=1.0, depths=(1, 3),
-                              reuse=True, kl_tokens=2)
+    out = blend_rag.item_input_rules(model, rd, ratios=(0.0, 1.0), rules=blend_rules.INPUT_RULE_NAMES, ratio=1.0,
+                                     depths=(1, 3), reuse=True, kl_tokens=2)
     tol = kl_rounding(model(rd.tokens)[0][0, -1])
     reuse = out["kl_first"]["full reuse"]["0"]
     assert reuse > 1e-4
-    for name in blend_rag.INPUT_RULE_NAMES:
+    for name in blend_rules.INPUT_RULE_NAMES:
         assert abs(out["kl_first"][name]["1"]) < tol
         assert out["kl_first"][name]["0"] == pytest.approx(reuse, rel=1e-4)
     assert out["kl_first"]["query j=3"] == {"1": out["kl_first"]["query"]["1"]}  # 4 layers: j = 3 is every one
@@ -283,27 +285,40 @@ def test_alone_doc_puts_the_prefix_in_the_first_chunk():
 
 @torch.no_grad()
 def test_item_ttft_times_every_rule_with_its_own_pass():
+    from lecture27 import blend_rules
     from lecture27.blend import rag as blend_rag
     model, rd = random_rag(4)
-    t = blend_rag.item_ttft(model, rd, 0.3, {**{m: blend_rag.blend_rules.ALL_RULES[m] for m in blend_rag.ALL_RULE_NAMES},
-                                      "query j=1": blend_rag.at_depth("query", 1)})
-    assert set(t) == {"full prefill", *blend_rag.ALL_RULE_NAMES, "query j=1", "fetch", "fetch bytes"}
-    assert all(v > 0 for v in t.values()) and all(t[m] > t["fetch"] for m in blend_rag.ALL_RULE_NAMES)
+    t = blend_rag.item_ttft(model, rd, 0.3, {**{m: blend_rules.ALL_RULES[m] for m in blend_rules.ALL_RULE_NAMES},
+                                             "query j=1": blend_rules.at_depth("query", 1)}, model_id="random-4")
+    assert set(t) == {"full prefill", *blend_rules.ALL_RULE_NAMES, "query j=1", "fetch", "fetch bytes"}
+    assert all(v > 0 for v in t.values()) and all(t[m] > t["fetch"] for m in blend_rules.ALL_RULE_NAMES)
 
 
 @pytest.mark.parametrize("tier", ["ram", "disk"])
 def test_the_timed_chunks_come_from_a_real_store_as_fp16(tier, tmp_path):
-    """item_ttft's chunks: every chunk of full reuse's cache (the prefix as one more) stored as an FP16 record
-    in a kvstore tier and fetched back: the same positions, every value within FP16's rounding."""
+    """item_ttft's chunks: every chunk of the input (the prefix as one more) prefilled alone behind the prefix,
+    stored as an FP16 record in a kvstore tier under its content's key (model, prefix, tokens) and fetched
+    back: every value within FP16's rounding of what was prefilled. Placed (kvstore.assemble), they are full
+    reuse's cache (precompute_chunks): the same positions, V within FP16's rounding, K (rotated after the
+    rounding) within FP16's rounding of each RoPE channel pair's length."""
     from lecture27.blend import rag as blend_rag
     from lecture27 import blend_world as bw
+    from lecture27 import kvstore as ks
     model, rd = random_rag(4)
-    pre = bw.precompute_chunks(model, rd.doc, rd.chunks)
-    store, keys, spans = blend_rag.chunk_store(pre, rd.chunks, tier, tmp_path)
-    assert spans[0][0] == 0 and spans[-1][1] == pre.k[0].shape[2]
-    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-    got = blend_rag.fetch_chunks(store, keys, spans, model.cfg.n_kv_heads)
+    store, keys = blend_rag.chunk_store(model, rd, tier, tmp_path, "random-4")
+    doc = rd.doc[0].tolist()
+    assert [t for k in keys for t in k.tokens] == doc and {k.model for k in keys} == {"random-4"}
+    assert keys[0] == ks.ChunkKey("random-4", tuple(doc[:2])) and all(k.prefix == tuple(doc[:2]) for k in keys[1:])
+    arrays = blend_rag.fetch_chunks(store, keys)
+    for X, W in zip(arrays, ks.chunk_kvs(model, doc[:2], [k.tokens for k in keys[1:]])):
+        X, W = torch.as_tensor(X), torch.as_tensor(W)
+        assert ((X - W).abs() <= W.abs() * 2 ** -11 + 2 ** -24).all()
+    got, pre = ks.assemble(keys, arrays, model.cfg), bw.precompute_chunks(model, rd.doc, rd.chunks)
     assert got.pos.tolist() == pre.pos.tolist()
-    for a, b in zip(got.k + got.v, pre.k + pre.v):
+    for a, b in zip(got.v, pre.v):
         assert ((a - b).abs() <= b.abs() * 2 ** -11 + 2 ** -24).all()
+    for a, b in zip(got.k, pre.k):   # a rotation moves a pair's rounding error between its two channels
+        half = b.shape[-1] // 2
+        pair = (b[..., :half] ** 2 + b[..., half:] ** 2).sqrt().repeat(1, 1, 1, 2)
+        assert ((a - b).abs() <= pair * (2 ** -11 + 2 ** -20) + 2 ** -22).all()
     assert store.tier.used == sum(len(store.tier.get(store.name(k))) for k in keys)

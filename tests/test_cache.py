@@ -101,7 +101,7 @@ def test_a_planted_change_to_the_training_loss_retrains(ckdir, tmp_path, monkeyp
     assert checkpoints.EVENTS[-1] == {"name": "city", "loaded": False, "seconds": checkpoints.EVENTS[-1]["seconds"]}
     assert changed_model.cache_key != first.cache_key and len(list(ckdir.glob("city-*.pt"))) == 2
     said = [ln for ln in capsys.readouterr().out.splitlines() if "changed" in ln]
-    assert said == ["[checkpoints] city: code of checkpoints.train_lm changed; training it again"]
+    assert said == ["[checkpoints] city: code of common.checkpoints.train_lm changed; training it again"]
 
 
 def test_the_record_trainers_key_follows_its_loss(tmp_path, monkeypatch):
@@ -109,15 +109,15 @@ def test_the_record_trainers_key_follows_its_loss(tmp_path, monkeypatch):
     the constants they read; a planted change to the loss changes only train_lm's entry."""
     from lecture27 import record_trainer as rt
     before = checkpoints.code_identity(captured(rt.record_model, monkeypatch))
-    assert {"checkpoints.train_lm", "checkpoints.init_weights", "llama.Llama", "blend_world.sample_records",
-            "record_trainer.reseed_values"} <= before["code"].keys()
-    assert "record_trainer.TARGET_ACC" in before["values"]  # (TRAIN reaches the key as the training config)
+    assert {"common.checkpoints.train_lm", "common.checkpoints.init_weights", "common.llama.Llama",
+            "lecture27.blend_world.sample_records", "lecture27.record_trainer.reseed_values"} <= before["code"].keys()
+    assert "lecture27.record_trainer.TARGET_ACC" in before["values"]  # (TRAIN reaches the key as the training config)
     plant(monkeypatch, tmp_path, checkpoints.train_lm, LOSS, LOSS + " * 2")
     after = checkpoints.code_identity(captured(rt.record_model, monkeypatch))
-    assert changed(before, after) == {"checkpoints.train_lm"}
+    assert changed(before, after) == {"common.checkpoints.train_lm"}
     monkeypatch.setattr(rt, "TARGET_ACC", 0.5)
     again = checkpoints.code_identity(captured(rt.record_model, monkeypatch))
-    assert changed(after, again) == {"record_trainer.TARGET_ACC"}
+    assert changed(after, again) == {"lecture27.record_trainer.TARGET_ACC"}
 
 
 def test_prints_comments_docstrings_and_layout_do_not_retrain(ckdir, tmp_path, monkeypatch, capsys):
@@ -164,7 +164,7 @@ def test_a_planted_change_to_the_codecs_fit_refits(ckdir, tmp_path, monkeypatch,
     study()
     assert not checkpoints.EVENTS[-1]["loaded"] and len(list(ckdir.glob("codec-toy-*.pt"))) == 2
     said = [ln for ln in capsys.readouterr().out.splitlines() if "changed" in ln]
-    assert said == [f"[codec] codec-toy: code of kvcache.{fit} changed; computing it again"]
+    assert said == [f"[codec] codec-toy: code of lecture27.kvcache.{fit} changed; computing it again"]
 
 
 def test_the_record_codec_studys_key_follows_the_fit_and_the_trainer(tmp_path, monkeypatch):
@@ -174,13 +174,14 @@ def test_the_record_codec_studys_key_follows_the_fit_and_the_trainer(tmp_path, m
     monkeypatch.setattr(cs, "record_world", lambda: {"model": None, "ident": {}, "docs": None})
     study = lambda: cs.record_codec_study()  # noqa: E731
     before = checkpoints.code_identity(captured(study, monkeypatch))
-    assert {"kvcache.fit_codec", "kvcache.quantize", "coder.make_tables", "coder_parallel.encode_streams",
-            "codec_study.search_steps"} <= before["code"].keys()
-    assert {"kvcache.CODEC_GROUP", "kvcache.LEVEL_FACTOR", "codec_study.CODEC_N_CALIB"} <= before["values"].keys()
-    assert not [k for k in before["code"] if k.startswith(("present.", "cli."))]
+    assert {"lecture27.kvcache.fit_codec", "lecture27.kvcache.quantize", "lecture27.coder.make_tables",
+            "lecture27.coder_parallel.encode_streams", "lecture27.codec.study.search_steps"} <= before["code"].keys()
+    assert {"lecture27.kvcache.CODEC_GROUP", "lecture27.kvcache.LEVEL_FACTOR",
+            "lecture27.codec.study.CODEC_N_CALIB"} <= before["values"].keys()
+    assert not [k for k in before["code"] if k.startswith(("common.present.", "common.cli."))]
     plant(monkeypatch, tmp_path, kv.fit_codec, new="planted = 1")
     after = checkpoints.code_identity(captured(study, monkeypatch))
-    assert changed(before, after) == {"kvcache.fit_codec"}
+    assert changed(before, after) == {"lecture27.kvcache.fit_codec"}
 
 
 # ------------------------------------------------------------------ presentation code
@@ -294,3 +295,14 @@ def test_a_script_with_a_bad_checkpoint_folder_stops_in_one_line(folder, why):
                        env=dict(os.environ, L27_CHECKPOINTS=folder), capture_output=True, text=True, timeout=300)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: L27_CHECKPOINTS={folder}: {why}")
+
+
+def test_two_modules_of_one_name_key_apart():
+    """The key names code by its module's qualified name under code/, so the codec's page and CacheBlend's
+    page, two files named page.py, never share an entry; a script keys the same whether it runs as
+    __main__ or is imported."""
+    from lecture27.blend import page as blend_page
+    from lecture27.codec import page as codec_page
+    assert checkpoints._stem(codec_page) == "lecture27.codec.page" != checkpoints._stem(blend_page)
+    script = checkpoints.CODE_DIR / "lecture27" / "04_cacheblend.py"
+    assert checkpoints._qualified(script) == "lecture27.04_cacheblend"

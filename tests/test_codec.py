@@ -1,16 +1,20 @@
 """The CacheGen-style codec of kvcache.py: bit-exact round trips through the bitstream,
 groups that decode alone (exercise 3), a bitstream that names what decoding needs, levels that shrink,
 and (with the record-world model) the accuracy claims of 02_cachegen_codec.py."""
+import json
+
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings, strategies as hs
 
+from lecture27.codec import smollm2
 from lecture27.codec import study as cs
 from lecture27 import coder as ac
 from lecture27 import kvcache as kv
 from common.llama import Llama, LlamaConfig
 from common.llama import array_to_kv, kv_to_array
+from common.present import plain
 
 L, C = 4, 32   # the record-world model's shape: 4 layers x (K, V) x 2 heads x 16 dims
 
@@ -37,7 +41,7 @@ def specs_for(calib, delta, levels=1):
 
 # ---------------------------------------------------------------------------------- round trip
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 10 ** 6), T=st.integers(1, 45), delta=st.booleans(), scale=st.sampled_from([0.3, 1, 30]))
+@given(seed=hs.integers(0, 10 ** 6), T=hs.integers(1, 45), delta=hs.booleans(), scale=hs.sampled_from([0.3, 1, 30]))
 def test_roundtrip_equals_quantized_exactly(calib, seed, T, delta, scale):
     spec = specs_for(calib, delta)[0]
     X = synthetic_kv(seed, 1, T)[0] * scale          # scale 30: far outside calibration, clipped
@@ -178,11 +182,18 @@ def test_recipe_is_finer_in_shallow_layers():
 
 
 def test_spec_survives_the_cache_format(calib):
+    """One serialisation in every form it is stored in: numpy arrays, plain lists (a cached result), JSON
+    (the restarted engine's stdin) and tensors (codec.smollm2's checkpoint)."""
     spec = specs_for(calib, True)[0]
-    back = kv.spec_from_dict(kv.spec_to_dict(spec))
+    d = kv.spec_to_dict(spec)
+    assert {k for k, v in d.items() if isinstance(v, np.ndarray)} == {"steps", "anchor_scale", "radius", "sizes", "cdf"}
+    assert d["sizes"].sum() == d["cdf"].size and len(d["sizes"]) == len(spec.tables)
     X = synthetic_kv(4, 1, 12)[0]
-    assert back.fingerprint == spec.fingerprint
-    assert kv.codec_encode(X, back) == kv.codec_encode(X, spec)
+    forms = [d, plain(d), json.loads(json.dumps(plain(d))), smollm2.spec_tensors(spec)]
+    for form in forms:
+        back = kv.spec_from_dict(form)
+        assert back.fingerprint == spec.fingerprint and back.tables == spec.tables
+        assert kv.codec_encode(X, back) == kv.codec_encode(X, spec)
 
 
 @pytest.mark.parametrize("walk", [False, True])

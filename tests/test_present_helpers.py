@@ -158,8 +158,8 @@ class Settings:
 
 def test_fact_is_a_row_with_its_own_key_format_and_handout():
     ref = Ref("99.4%", {"chunk_len": 5})
-    t = Table("", "§5.3", [Col("quantity"), Col("ours", "{:.1%}")],
-              [fact("CacheBlend", 0.995, "blend_acc", handout=ref), fact("chunk length", 5, fmt="{}"),
+    t = Table(title="", section="§5.3", cols=[Col("quantity"), Col("ours", "{:.1%}")],
+              rows=[fact("CacheBlend", 0.995, "blend_acc", handout=ref), fact("chunk length", 5, fmt="{}"),
                fact("nothing measured", None)])
     assert [line.split() for line in render_text(t).splitlines()[2:]] == [
         ["CacheBlend", "99.5%", "99.4%"], ["chunk", "length", "5", "-"], ["nothing", "measured", "-", "-"]]
@@ -186,14 +186,15 @@ def test_cdf_points():
 
 def test_chart_figure_draws_every_panel(tmp_path):
     page = Page("99", "charts", "§0", figures=tmp_path)
-    charts = [Chart([Series([0, 1], [2.0, 3.0], "K", "bar"), Series([0, 1], [1.0, 0.5], "V", "bar")],
+    charts = [Chart(series=[Series([0, 1], [2.0, 3.0], "K", "bar"), Series([0, 1], [1.0, 0.5], "V", "bar")],
                     ylabel="ratio", band=(2.4, 2.9, "handout"), hlines=[(1, {"color": "k"})]),
-              Chart([Series([1, 2, 4], [0.1, 0.5, 1.0], "CDF", "step"), Series(2, 0.5, "point", "scatter"),
+              Chart(series=[Series([1, 2, 4], [0.1, 0.5, 1.0], "CDF", "step"), Series(2, 0.5, "point", "scatter"),
                      Series([1, 2, 4], [0.2, None, 0.9], "a gap", style={"marker": "o"})],
                     xscale="log", vlines=[(3, {"ls": "--"})], hlines=[(0.5, {**REFERENCE, "label": "chance"})],
                     legend=None, grid="both", minor_ticks=False),
-              Chart([Series(["a", "b"], [1.0, 10.0], kind="barh", style={"color": ["red", "blue"]}, fmt=" {:.1f} ms")],
-                    "ms", title="bars", xscale="log", legend=None)]
+              Chart(series=[Series(["a", "b"], [1.0, 10.0], kind="barh", style={"color": ["red", "blue"]},
+                                   fmt=" {:.1f} ms")],
+                    xlabel="ms", title="bars", xscale="log", legend=None)]
     chart_figure(page, "99_charts.png", charts, "three panels", figsize=(9, 3))
     path = tmp_path / "99_charts.png"
     assert matplotlib.image.imread(path).shape[:2] == (360, 1080)   # 9 x 3 inches at 120 dpi, one row
@@ -212,7 +213,7 @@ def test_segment_bars_are_drawn_and_recorded(tmp_path):
 
 def test_figures_draw_nothing_with_plotting_off(tmp_path):
     off = Page("99", "test", "§0", figures=tmp_path / "off", plot=False)
-    chart_figure(off, "99_none.png", Chart([Series([0], [1])]))
+    chart_figure(off, "99_none.png", Chart(series=[Series([0], [1])]))
     segment_bars(off, "bars.png", {"a": [(1.0, "x", "PCIe")]}, {"PCIe": "tab:blue"}, "s", "t")
     assert off.blocks == [] and not (tmp_path / "off").exists()
 
@@ -237,9 +238,9 @@ def test_a_handout_figure_holds_for_its_inputs_compared_as_numbers():
 def test_one_reason_per_difference_and_json_columns_scaled_and_without_blanks():
     from common.present import Row, why_notes
     w = Ref("9", {}, why="w")
-    t = Table("t", "§1", [Col("q"), Col("GB", "{}", "kv_gb", 1e-9), Col("x", "{}", "x"),
+    t = Table(title="t", section="§1", cols=[Col("q"), Col("GB", "{}", "kv_gb", 1e-9), Col("x", "{}", "x"),
                           Col("y", "{}", "lv[].gb", 1e-9)],
-              [Row(["a", 2e9, 1, 3e9], w), Row(["b", 4e9, None, 4e9], w), Row(["c", 1e9, 3, 5e9])])
+              rows=[Row(["a", 2e9, 1, 3e9], w), Row(["b", 4e9, None, 4e9], w), Row(["c", 1e9, 3, 5e9])])
     assert why_notes(t) == ["w"] and render_text(t).count("* handout: w") == 1
     assert table_json(t) == {"kv_gb": [2.0, 4.0, 1.0], "x": [1, 3], "lv": [{"gb": 3.0}, {"gb": 4.0}, {"gb": 5.0}]}
 

@@ -117,7 +117,8 @@ def test_adaptive_at_ratio_one_is_full_prefill(model, rec):
 # ------------------------------------------------------------------------------------ the studies' results
 def decomposition(rule_kl, ranking, patch, reuse=1.0):
     from lecture27.blend import rag as blend_rag
-    return blend_rag.Decomposition("test", "flat", 2, reuse, rule_kl, ranking, patch)
+    return blend_rag.Decomposition(source="test", rule="flat", n_inputs=2, reuse=reuse, rule_kl=rule_kl,
+                                   ranking=ranking, patch=patch)
 
 
 def test_decomposition_splits_the_distance_to_the_patch_oracle():
@@ -142,9 +143,9 @@ def test_decompose_reads_the_rules_ranking_oracle_and_the_patch_oracle():
 
 def test_best_rule_is_the_most_kl_removed_per_second():
     from lecture27.blend import rag as blend_rag
-    res = {"at": 0.15, "methods": ["full reuse", "flat", "progressive", "random"], "kl_reuse": 1.0,
-           "curve": {"flat": {"0.15": 0.5}, "progressive": {"0.15": 0.5}}, "ttft": {"flat": 1.0, "progressive": 2.0}}
-    best, scores = blend_rag.best_rule(res)
+    best, scores = blend_rag.best_rule(ratio=0.15, methods=["full reuse", "flat", "progressive", "random"],
+                                       kl_reuse=1.0, curve={"flat": {"0.15": 0.5}, "progressive": {"0.15": 0.5}},
+                                       ttft={"flat": 1.0, "progressive": 2.0})
     assert best == "flat" and scores == {"flat": pytest.approx(0.5), "progressive": pytest.approx(0.25)}
 
 
@@ -192,7 +193,7 @@ def page_of(tables_fn, tmp_path, monkeypatch):
 def test_split_verdict_says_what_the_numbers_say(cb, tmp_path, monkeypatch, rule_kl, ranking, patch, word):
     from types import SimpleNamespace
     d = decomposition({0.05: 0.3, 0.15: rule_kl}, {0.05: 0.2, 0.15: ranking}, {0.05: 0.1, 0.15: patch})
-    page = page_of(lambda p: cb.show_real_split(p, SimpleNamespace(split=d, run=SimpleNamespace(at=0.15)), None),
+    page = page_of(lambda p: cb.show_real_split(p, SimpleNamespace(split=d, run=SimpleNamespace(ratio=0.15)), None),
                    tmp_path, monkeypatch)
     (t,) = page.tables
     assert word in t.notes[0]
@@ -207,7 +208,8 @@ def test_chunk_notes_say_enough_only_where_the_ratio_matches(cb):
     from lecture27.blend import rag as blend_rag
     long = blend_rag.ChunkLength(256, 1539, 6, decomposition({0.05: 0.3, 0.15: 0.084, 0.3: 0.07}, {}, {}), 0.57)
     mid = blend_rag.ChunkLength(128, 771, 6, decomposition({0.05: 0.25, 0.15: 0.057, 0.3: 0.036}, {}, {}), 0.55)
-    short = blend_rag.ChunkLength(64, 387, 6, decomposition({0.05: 0.1, 0.15: 0.086, 0.3: 0.075}, {}, {0.15: 0.082}), 0.45)
+    short = blend_rag.ChunkLength(64, 387, 6, decomposition({0.05: 0.1, 0.15: 0.086, 0.3: 0.075}, {}, {0.15: 0.082}),
+                                  0.45)
     notes = cb.chunk_notes(blend_rag.ChunkLengths("flat", 0.15, 0.15, 256, [short, mid, long]))
     assert len(notes) == 2
     assert "15% is not enough: flat needs 30%" in notes[0] and "more spread" in notes[0]
@@ -218,17 +220,22 @@ def test_adaptive_table_marks_the_closer_rule(cb, tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from lecture27.blend import rag as blend_rag
-    rows = [blend_rag.Matched(0.5, 0.15, (0.14, 0.16), 0.068, 0.12, 0.156, 0.032),
-            blend_rag.Matched(0.7, 0.23, (0.22, 0.23), 0.020, 0.19, 0.226, 0.029)]
+    rows = [blend_rag.Matched(target=0.5, recomputed=0.15, spread=(0.14, 0.16), kl=0.068, flat_ratio=0.12,
+                              flat_recomputed=0.156, flat_kl=0.032),
+            blend_rag.Matched(target=0.7, recomputed=0.23, spread=(0.22, 0.23), kl=0.020, flat_ratio=0.19,
+                              flat_recomputed=0.226, flat_kl=0.029)]
     d = decomposition({0.15: 0.12}, {0.15: 0.055}, {0.15: 0.029})
-    check = blend_rag.Decomposition("test", "check-kv", 2, 1.0, {0.15: 0.096}, {0.15: 0.053}, {0.15: 0.029})
-    r = SimpleNamespace(adaptive=blend_rag.RuleComparison("test", 1, 0.05, rows), split=d, run=SimpleNamespace(at=0.15),
+    check = blend_rag.Decomposition(source="test", rule="check-kv", n_inputs=2, reuse=1.0, rule_kl={0.15: 0.096},
+                                    ranking={0.15: 0.053}, patch={0.15: 0.029})
+    r = SimpleNamespace(adaptive=blend_rag.RuleComparison("test", 1, 0.05, rows), split=d,
+                        run=SimpleNamespace(ratio=0.15),
                         splits={"flat": d, "check-kv": check})
     (t,) = page_of(lambda p: cb.show_adaptive(p, r, None), tmp_path, monkeypatch).tables
     assert [row.cells[-1] for row in t.rows] == ["flat", "adaptive"]
     assert "at 1 of 2 matched shares" in t.notes[0] and "remove 71% of flat's distance" in t.notes[0]
     assert "no rule measured gets there (closest: check-kv 0.0960" in t.notes[0]
-    good = blend_rag.Decomposition("test", "check-kv", 2, 1.0, {0.15: 0.05}, {0.15: 0.053}, {0.15: 0.029})
+    good = blend_rag.Decomposition(source="test", rule="check-kv", n_inputs=2, reuse=1.0, rule_kl={0.15: 0.05},
+                                   ranking={0.15: 0.053}, patch={0.15: 0.029})
     assert "check-kv gets there" in cb.ranking_room(d, 0.15, {"flat": d, "check-kv": good})
     past = decomposition({0.15: 0.084}, {0.15: 0.118}, {0.15: 0.087})
     assert "no ranking has a gap to close" in cb.ranking_room(past, 0.15, {"flat": past})
@@ -241,12 +248,11 @@ def test_recomputed_note_says_which_layers_are_computed_in_full(cb):
     is computed in full: the note says so for every rule, with the share the table prints."""
     from types import SimpleNamespace
 
-    from lecture27.blend import rag as blend_rag
     from lecture27 import blend_rules
     n, L, r = 1539, 30, 0.15
     run = SimpleNamespace(items=[SimpleNamespace(n_context=n)], counts={m: blend_rules.ALL_RULES[m].counts(n, r, L)
-                                                                         for m in blend_rag.ALL_RULE_NAMES},
-                          share={m: blend_rag.work_share(n, 33, r, L, m) for m in blend_rag.ALL_RULE_NAMES})
+                                                                         for m in blend_rules.ALL_RULE_NAMES},
+                          share={m: blend_rules.work_share(n, 33, r, L, m) for m in blend_rules.ALL_RULE_NAMES})
     note = cb.recomputed_note(SimpleNamespace(run=run, n_layers=L))
     assert "flat, chunk-start: layer 0 in full, then 231 of the 1,539 tokens (15.0%) at each of layers 1-29" in note
     # the query rules: flat's counts and the question's pass, 33 tokens at layers 0-29 over 30 x 1,539
@@ -263,7 +269,7 @@ def test_recomputed_note_says_which_layers_are_computed_in_full(cb):
 # ---------------------------------------------------------------------------- rules that read the input
 def ready_blend(model, rec, chunks, ratio, rule, pre=None):
     pre = pre if pre is not None else bw.precompute_chunks(model, rec.doc, chunks)
-    return bw.blend(model, rec, chunks, ratio, rule=rules.ready(rule, model, rec, chunks, pre), pre=pre, trace=True)
+    return bw.blend(model, rec, chunks, ratio, rule=rule.ready(model, rec, chunks, pre), pre=pre, trace=True)
 
 
 @pytest.mark.parametrize("name", list(rules.INPUT_RULES))
@@ -327,7 +333,9 @@ def test_query_rule_recomputes_the_top_tokens_of_the_questions_attention(model, 
 def test_query_rule_depth_reads_fewer_layers_and_counts_its_pass():
     q = rules.QueryAttention(layers=2)
     assert q.depth(30) == 2 and rules.QueryAttention().depth(30) == 29
-    assert rules.extra_token_layers(q, 10, 30) == 30 and rules.extra_token_layers(rules.FLAT, 10, 30) == 0
+    assert q.extra_token_layers(10, 30) == 30 and rules.FLAT.extra_token_layers(10, 30) == 0
+    assert all(rules.RULES[m].ready(None, None, None, None) is rules.RULES[m] for m in rules.RULES)
+    assert rules.ChunkStart().extra_token_layers(10, 30) == 0
 
 
 def test_exact_tokens_are_the_prefix_and_the_first_chunk():
@@ -356,14 +364,13 @@ def test_input_rule_tables_print_the_curves_and_the_depths(cb, tmp_path, monkeyp
     import json
     from types import SimpleNamespace
 
-    from lecture27.blend import rag as blend_rag
     curve = {"flat": {"0.05": 0.2, "0.15": 0.1}, "query": {"0.05": 0.15, "0.15": 0.05},
              "query+dev": {"0.05": 0.12, "0.15": 0.04}, "chunk-start": {"0.05": 0.25, "0.15": 0.2},
              "random": {"0.05": 0.3, "0.15": 0.28}, "oracle": {"0.05": 0.1, "0.15": 0.02}}
     ttft = {"flat": 1.0, "query": 1.2, "query+dev": 1.25, "chunk-start": 1.0, "query j=1": 1.05, "query j=4": 1.1}
     query = {"depths": [1, 4], "kl": {"query": [0.12, 0.06], "query+dev": [0.09, 0.05]},
              "ttft": {"query": [1.05, 1.1], "query+dev": [1.06, 1.12]}, "share": {"query": [0.2, 0.21]}}
-    run = SimpleNamespace(ratios=(0.05, 0.15), at=0.15, kl_reuse=0.4, curve=curve, ttft=ttft, rule="query+dev",
+    run = SimpleNamespace(ratios=(0.05, 0.15), ratio=0.15, kl_reuse=0.4, curve=curve, ttft=ttft, rule="query+dev",
                           share={m: 0.18 for m in ttft}, ranking={"flat": {"0.05": 0.15, "0.15": 0.06}},
                           no_prefix=None, query=query)
     page = page_of(lambda p: (cb.show_input_rules(p, SimpleNamespace(run=run), None),
@@ -381,4 +388,4 @@ def test_input_rule_tables_print_the_curves_and_the_depths(cb, tmp_path, monkeyp
     got = json.loads(json.dumps(page.json()))
     assert got["real_query_j"] == [1, 4] and got["real_query_kl15"] == [0.12, 0.06]
     assert got["real_query_ttft_s"] == [1.05, 1.1] and got["real_kl_removed"]["query"] == pytest.approx(0.875)
-    assert blend_rag.QUERY_RULES == ("query", "query+dev")
+    assert rules.QUERY_RULES == ("query", "query+dev")

@@ -30,13 +30,15 @@ def make_page(tmp, script, settings, title="KV size"):
     page = Page(script, f"the ledger {script}", "§1", settings, Settings(), figures=tmp)
     page.part("Part 1", "§1.2", title)
     page.say("a paragraph that explains")
-    page.table(Table(title, "§1.2", [Col("quantity"), Col("ours", "{:.2f}", "ours")],
-                     [Row(["KV", 10.74], HANDOUT("kv", settings)), Row(["bandwidth", 14.8], HANDOUT("bw", settings))],
+    page.table(Table(title=title, section="§1.2", cols=[Col("quantity"), Col("ours", "{:.2f}", "ours")],
+                     rows=[Row(["KV", 10.74], HANDOUT("kv", settings)), Row(["bandwidth", 14.8], HANDOUT("bw",
+                                                                                                         settings))],
                      source="ledger.kv_bytes", notes=["a note computed from the rows"]))
     with page.figure(f"{script}_size.png", "KV size") as (fig, ax):
         ax.plot([1, 2, 3], [1, 4, 9])
     page.exercise(1, "§1.2", "how big is a context")
-    page.table(Table("Exercise 1", "§1.2", [Col("quantity"), Col("ours")], [Row(["KV bytes", "327,680 B"])],
+    page.table(Table(title="Exercise 1", section="§1.2", cols=[Col("quantity"), Col("ours")], rows=[Row(["KV bytes",
+                                                                                                         "327,680 B"])],
                      source="ledger.kv_bytes"))
     page.finish()
     return page
@@ -164,9 +166,9 @@ def test_exercises_are_laid_out_in_order(tmp_path):
     page = Page("05", "LMCache", "§6-7", Settings(), Settings(), figures=tmp_path)
     page.part("Part 3", "§7", "the narrow waist")
     page.exercise(10, "§7", "the hint")
-    page.table(Table("ten", "§7", [Col("q")], [Row(["hint table"])]))
+    page.table(Table(title="ten", section="§7", cols=[Col("q")], rows=[Row(["hint table"])]))
     page.exercise(9, "§6.1", "the service")
-    page.table(Table("nine", "§6.1", [Col("q")], [Row(["service table"])]))
+    page.table(Table(title="nine", section="§6.1", cols=[Col("q")], rows=[Row(["service table"])]))
     page.part("Part 4", "§5.1", "RAG")
     page.finish()
     doc = report.build_report(tmp_path / "pages", tmp_path / "report.html").read_text()

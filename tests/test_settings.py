@@ -4,15 +4,20 @@
 value), and the script builds one frozen Settings object that its computing functions take instead of the
 argparse Namespace. Read from the source, so nothing is run."""
 import ast
+import dataclasses
+import importlib
 from pathlib import Path
 
 import pytest
 
+from common import cli
+
 LECTURE = Path(__file__).resolve().parents[1] / "code" / "lecture27"
 COMMON = LECTURE.parent / "common"
 SCRIPTS = sorted(LECTURE.glob("0[1-5]_*.py"))
-LIBRARY = sorted(p for p in [*LECTURE.glob("*.py"), *COMMON.glob("*.py")]
-                 if not p.name[:2].isdigit() and p.name not in ("run_all.py", "__init__.py"))
+LIBRARY = {".".join(p.relative_to(LECTURE.parent).with_suffix("").parts): p
+           for p in [*LECTURE.glob("*.py"), *LECTURE.glob("*/*.py"), *COMMON.glob("*.py")]
+           if not p.name[:2].isdigit() and p.name not in ("run_all.py", "shipped_settings.py", "__init__.py")}
 
 
 def tree(path):
@@ -32,9 +37,13 @@ def constants(path) -> dict[str, ast.AST]:
     return out
 
 
-def settings_fields(t) -> set[str]:
-    return {a.target.id for c in t.body if isinstance(c, ast.ClassDef) and c.name == "Settings"
-            for a in c.body if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)}
+def settings_fields(path) -> set[str]:
+    """The fields of the script's Settings: one per constant above the class (common.cli.settings), and those
+    the class declares itself."""
+    t = tree(path)
+    cls = next(c for c in t.body if isinstance(c, ast.ClassDef) and c.name == "Settings")
+    own = {a.target.id for a in cls.body if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)}
+    return own | {n.lower() for n in cli.top_constants(path, "Settings")}
 
 
 def literal(node):
@@ -46,24 +55,26 @@ def literal(node):
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_every_constant_is_read(script):
+    """A constant is read by name, or it is a field of Settings (field `chunk_len` holds CHUNK_LEN) that the
+    script or a library it imports reads (`s.chunk_len`)."""
     t = tree(script)
     loads = {n.id for n in ast.walk(t) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-    if any(isinstance(n, ast.Call) and getattr(n.func, "id", "") == "globals" for n in ast.walk(t)):
-        # Settings read from the constants by name at run time: field `chunk_len` reads CHUNK_LEN
-        loads |= {f.upper() for f in settings_fields(t)}
+    attributes = {n.attr for path in [script, *imported_library(script)] for n in ast.walk(tree(path))
+                  if isinstance(n, ast.Attribute)}
+    loads |= {f.upper() for f in settings_fields(script) & attributes}
     unread = sorted(set(constants(script)) - loads)
     assert not unread, f"{script.name}: constants nothing reads: {unread}"
 
 
 def imported_library(script) -> list[Path]:
-    """The library modules a script imports (directly)."""
+    """The library modules a script imports (directly), by their qualified names."""
     names = set()
     for n in ast.walk(tree(script)):
         if isinstance(n, ast.Import):
-            names |= {a.name.split(".")[-1] for a in n.names}
-        elif isinstance(n, ast.ImportFrom):
-            names |= {(n.module or "").split(".")[-1]} | {a.name for a in n.names}
-    return [lib for lib in LIBRARY if lib.stem in names]
+            names |= {a.name for a in n.names}
+        elif isinstance(n, ast.ImportFrom) and n.module:
+            names |= {n.module} | {f"{n.module}.{a.name}" for a in n.names}
+    return [path for name, path in LIBRARY.items() if name in names]
 
 
 def same_value(a, b) -> bool:
@@ -106,9 +117,13 @@ def test_no_library_default_mirrors_a_script_constant(script):
 def test_one_frozen_settings_object_instead_of_the_namespace(script):
     t = tree(script)
     frozen = [c for c in t.body if isinstance(c, ast.ClassDef) and c.name == "Settings" and any(
-        isinstance(d, ast.Call) and any(k.arg == "frozen" and literal(k.value) is True for k in d.keywords)
+        isinstance(d, ast.Call) and getattr(d.func, "id",
+                                            "") == "settings" and [ast.unparse(x) for x in d.args] == ["globals()"]
         for d in c.decorator_list)]
-    assert frozen, f"{script.name}: no @dataclass(frozen=True) class Settings"
+    assert frozen, f"{script.name}: no @settings(globals()) class Settings (common.cli: a frozen dataclass)"
+    module = importlib.import_module(f"lecture27.{script.stem}")
+    assert module.Settings.__dataclass_params__.frozen
+    assert {f.name for f in dataclasses.fields(module.Settings)} == settings_fields(script)
     takes_namespace = [fn.name for fn in ast.walk(t) if isinstance(fn, ast.FunctionDef) and fn.name not in
                        ("main", "parse", "parse_args", "settings") and any(
                            a.arg in ("a", "args", "ns", "namespace") for a in fn.args.args)]

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st_
+from hypothesis import given, settings, strategies as hs
 
 from lecture27 import streaming as st
 from lecture27.stream import page as sp
@@ -100,7 +100,7 @@ def test_replay_times_add_up():
 
 # ------------------------------------------------------------------------------------ the policy
 @settings(max_examples=200, deadline=None)
-@given(st_.floats(0.001, 200), st_.floats(0, 3), st_.integers(0, 7))
+@given(hs.floats(0.001, 200), hs.floats(0, 3), hs.integers(0, 7))
 def test_never_picks_a_config_that_misses_when_a_cheaper_one_fits(est, budget, i):
     s = setup()
     chunk = s.plan[i]
@@ -178,14 +178,14 @@ def test_gives_up_a_kv_chunk_when_the_link_collapses_mid_transfer():
     assert st.adaptive(s, tr, 4.0, give_up=False, parallel=True).ttft_s > 4.0
 
 
-traces_above_floor = st_.lists(st_.tuples(st_.floats(0.05, 2.0), st_.floats(0.02, 40.0)), min_size=0,
+traces_above_floor = hs.lists(hs.tuples(hs.floats(0.05, 2.0), hs.floats(0.02, 40.0)), min_size=0,
                                max_size=5).map(
     lambda segs: st.Trace(tuple(itertools.accumulate([0.0] + [d for d, _ in segs]))[:len(segs) + 1],
                           tuple([g for _, g in segs] + [0.5])))
 
 
 @settings(max_examples=150, deadline=None)
-@given(traces_above_floor, st_.floats(3.2, 8.0), st_.sampled_from([LEVELS, REAL_SIZE_LEVELS]), st_.booleans())
+@given(traces_above_floor, hs.floats(3.2, 8.0), hs.sampled_from([LEVELS, REAL_SIZE_LEVELS]), hs.booleans())
 def test_meets_the_slo_whenever_always_text_does(trace, slo, levels, parallel):
     """The give-up deadline's guarantee, on links never slower than 20 Mb/s (above the 10 Mb/s the deadline
     assumes for token ids): adaptive misses an SLO that always-text meets only after a risked chunk during
@@ -270,13 +270,13 @@ def test_oracle_matches_brute_force(slo, parallel):
         assert st.outcome_key(o, slo) == st.outcome_key(b, slo)
 
 
-traces = st_.lists(st_.tuples(st_.floats(0.05, 2.0), st_.floats(0.0, 40.0)), min_size=0, max_size=4).map(
+traces = hs.lists(hs.tuples(hs.floats(0.05, 2.0), hs.floats(0.0, 40.0)), min_size=0, max_size=4).map(
     lambda segs: st.Trace(tuple(itertools.accumulate([0.0] + [d for d, _ in segs]))[:len(segs) + 1],
                           tuple([g for _, g in segs] + [1.0])))
 
 
 @settings(max_examples=40, deadline=None)
-@given(traces, st_.floats(0.5, 8.0), st_.sampled_from([1536, 3072]), st_.booleans())
+@given(traces, hs.floats(0.5, 8.0), hs.sampled_from([1536, 3072]), hs.booleans())
 def test_oracle_never_worse_than_any_policy(trace, slo, chunk, parallel):
     s = setup(chunk)
     key = st.outcome_key(st.oracle(s, trace, slo, parallel=parallel), slo)

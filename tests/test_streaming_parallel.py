@@ -4,7 +4,7 @@ waits only for the chunks before it. Serial: one chunk at a time. The oracle mus
 under either model (checked by brute force). Levels are synthetic, as in test_streaming.py."""
 
 import pytest
-from hypothesis import given, settings, strategies as st_
+from hypothesis import given, settings, strategies as hs
 
 from lecture27 import streaming as st
 from common import timemodel as tm
@@ -68,7 +68,7 @@ def test_always_kv_is_unchanged():
 
 
 # ------------------------------------------------------------------------------ the replay itself
-choices = st_.lists(st_.sampled_from(["level0", "level1", "level2", "level3", "text"]), min_size=8, max_size=8)
+choices = hs.lists(hs.sampled_from(["level0", "level1", "level2", "level3", "text"]), min_size=8, max_size=8)
 
 
 @settings(max_examples=100, deadline=None)
@@ -146,7 +146,7 @@ def test_a_text_chunk_waits_for_the_gpu_in_the_prediction(levels):
 
 # --------------------------------------------------------------------------------------- the oracle
 @settings(max_examples=60, deadline=None)
-@given(traces, st_.floats(0.2, 6.0), st_.sampled_from([LEVELS, SMALL_LEVELS]), st_.booleans())
+@given(traces, hs.floats(0.2, 6.0), hs.sampled_from([LEVELS, SMALL_LEVELS]), hs.booleans())
 def test_oracle_is_the_best_schedule(trace, slo, levels, parallel):
     """Against every one of the 5^3 schedules of a 3-chunk context, in either model."""
     s = setup(chunk=2048, context=6144, levels=levels)

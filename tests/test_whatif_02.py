@@ -12,7 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from lecture27 import blend_world as bw
+from lecture27 import kvcache as kv
 from lecture27.codec import page as cp
+from lecture27.codec import study as cs
 from common.present import holds
 
 RUNS = {  # name: (constants edited, command line)
@@ -86,7 +88,7 @@ def test_verdicts_say_what_the_numbers_say(runs, name):
     assert ("Lossless" in coder) == d["ac_roundtrip_exact"]
     # the levels: a loss beyond two standard errors is called real, one within them noise
     lv = d["levels"]
-    n = mod.cs.CODEC_N_EVAL * bw.N_RECORDS
+    n = cs.CODEC_N_EVAL * bw.N_RECORDS
     gap = lv[0]["accuracy"] - lv[-1]["accuracy"]
     noise = sum(x["accuracy"] * (1 - x["accuracy"]) / n for x in (lv[0], lv[-1])) ** 0.5
     levels_note = tables["codec_study.codec_study"]["notes"][0]
@@ -111,8 +113,8 @@ def test_verdicts_say_what_the_numbers_say(runs, name):
     streams = d["coder_parallel_streams"]
     assert streams[:-1] == sorted(set(out[name].s.coder_streams)) and streams[-1] == 200 * 256   # all: one a row
     assert d["coder_parallel_added_bytes"][0] == 0 if streams[0] == 1 else d["coder_parallel_added_bytes"][0] > 0
-    spec = mod.kv.spec_from_dict(mod.cs.record_codec_study()["specs"][0])
-    assert f"bitstreams: {cp.LAYOUT_WORDS[mod.kv.stream_plan(spec, 24).layout]}," in notes
+    spec = kv.spec_from_dict(cs.record_codec_study()["specs"][0])
+    assert f"bitstreams: {cp.LAYOUT_WORDS[kv.stream_plan(spec, 24).layout]}," in notes
     e4 = d["exercise4"]
     saves = e4["fixed_bits"] - e4["coded_bits_per_symbol"] > 0.005
     assert ("saves nothing" not in tables["coder.exercise4"]["notes"][0]) == saves
@@ -149,7 +151,7 @@ def test_the_handout_is_read_only_through_present_handout():
     02's own."""
     import ast
     folder = Path(cp.__file__).parent
-    for path in (folder / "02_cachegen_codec.py", folder / "codec_page.py", folder / "codec_measures.py"):
+    for path in (folder.parent / "02_cachegen_codec.py", folder / "page.py", folder / "measures.py"):
         tree = ast.parse(path.read_text())
         imported = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
                     and n.module == "common.present" for a in n.names}
@@ -163,4 +165,4 @@ def test_the_handout_is_read_only_through_present_handout():
         own = [n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and "handout" in n.name.lower()]
         assert not own, f"{path.name}: a handout lookup of its own: {own}"
     assert any(isinstance(n, ast.Call) and getattr(n.func, "id", "") == "handout"
-               for n in ast.walk(ast.parse((folder / "codec_page.py").read_text())))
+               for n in ast.walk(ast.parse((folder / "page.py").read_text())))

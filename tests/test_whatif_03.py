@@ -14,6 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from lecture27 import streaming as st
+from lecture27.codec import smollm2
+from lecture27.stream import study
+from lecture27.stream import wire_study
 from common.gguf_llama import find_smollm2_gguf
 from common.present import DASH, Ref
 
@@ -311,33 +315,48 @@ def test_another_trace_with_the_real_levels(files, monkeypatch, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ a planted bug
-LIBRARY = [SCRIPT.with_name("streaming_page.py"), SCRIPT.with_name("streaming_study.py")]
+LIBRARY = {"lecture27.stream.page": SCRIPT.parent / "stream" / "page.py",
+           "lecture27.stream.study": SCRIPT.parent / "stream" / "study.py"}   # 03's page and study modules
+
+
+def _plant(name: str, source: str):
+    """The module `name` made from `source`, standing in for the real one (in sys.modules and as its package's
+    attribute, where `from lecture27.stream import study` finds it) until _restore."""
+    planted = types.ModuleType(name)
+    planted.__file__ = str(LIBRARY[name])
+    package, leaf = name.rsplit(".", 1)
+    sys.modules[name] = planted
+    setattr(importlib.import_module(package), leaf, planted)
+    exec(compile(source, str(LIBRARY[name]), "exec"), planted.__dict__)
+    return planted
+
+
+def _restore(saved: dict) -> None:
+    for name, m in saved.items():
+        package, leaf = name.rsplit(".", 1)
+        sys.modules[name] = m
+        setattr(importlib.import_module(package), leaf, m)
 
 
 def mutated(old: str, new: str):
     """03_streaming with one piece of its source, or of the page or study module it imports, replaced (a
     planted bug), as a module of its own (a planted library module stands in for the real one while the
     script is loaded)."""
-    where = [p for p in [SCRIPT, *LIBRARY] if old in p.read_text()]
-    assert len(where) == 1 and where[0].read_text().count(old) == 1, old
-    saved = {p.stem: sys.modules.get(p.stem) for p in LIBRARY}
+    where = [name for name, path in [(None, SCRIPT), *LIBRARY.items()] if old in path.read_text()]
+    assert len(where) == 1 and (LIBRARY.get(where[0]) or SCRIPT).read_text().count(old) == 1, old
+    saved = {name: importlib.import_module(name) for name in LIBRARY}
     try:
-        if where[0] != SCRIPT:
-            planted = types.ModuleType(where[0].stem)
-            planted.__file__ = str(where[0])
-            sys.modules[where[0].stem] = planted
-            exec(compile(where[0].read_text().replace(old, new), str(where[0]), "exec"), planted.__dict__)
-            if where[0].stem == "streaming_study":            # the page reads the study's dataclasses too
-                sys.modules.pop("streaming_page", None)
+        if where[0] is not None:
+            _plant(where[0], LIBRARY[where[0]].read_text().replace(old, new))
+            if where[0] == "lecture27.stream.study":            # the page reads the study's dataclasses too
+                _plant("lecture27.stream.page", LIBRARY["lecture27.stream.page"].read_text())
         mod = types.ModuleType("streaming_script_mutant")
         mod.__file__ = str(SCRIPT)
         sys.modules[mod.__name__] = mod
         src = SCRIPT.read_text()
-        exec(compile(src.replace(old, new) if where[0] == SCRIPT else src, str(SCRIPT), "exec"), mod.__dict__)
+        exec(compile(src.replace(old, new) if where[0] is None else src, str(SCRIPT), "exec"), mod.__dict__)
     finally:
-        for name, m in saved.items():
-            if m is not None:
-                sys.modules[name] = m
+        _restore(saved)
     return mod
 
 
@@ -408,12 +427,14 @@ def test_the_wire_part_reads_its_constants_and_flags(monkeypatch):
     monkeypatch.setattr(s3, "WIRE_SUITE_TRACES", (2, 7))
     s, _, _ = s3.parse(["--trace-suite", "3"])
     assert s.wire_context == 96 and s.wire_suite_traces == (2, 7)
-    seen = {}
-    monkeypatch.setattr(s3.wire_study, "wire_study", lambda traces, *a: seen.update(traces=traces, args=a))
-    levels = s3.study.Levels([{"level": i, "accuracy": a} for i, a in enumerate((0.9, 0.8, 0.7, 0.6))], "SmolLM2", 1.0,
-                             "exact")
+    seen, specs = {}, ["the codec's levels, finest first"]
+    monkeypatch.setattr(smollm2, "real_codec_specs", lambda: specs)
+    monkeypatch.setattr(wire_study, "wire_study", lambda got, traces, *a: seen.update(specs=got, traces=traces, args=a))
+    levels = study.Levels([{"level": i, "accuracy": a} for i, a in enumerate((0.9, 0.8, 0.7, 0.6))], "SmolLM2", 1.0,
+                          "exact")
     s3.part5_wire(s, levels)
-    suite = s3.st.trace_suite(8, s.suite_seed, s.suite_gbps, s.suite_dwell_s, s.suite_jump, s.suite_horizon_s)
-    assert seen["traces"] == {"handout": s3.study.trace_from(s.trace), "steady": s3.st.Trace.steady(s.steady_gbps),
+    suite = st.trace_suite(8, s.suite_seed, s.suite_gbps, s.suite_dwell_s, s.suite_jump, s.suite_horizon_s)
+    assert seen["specs"] is specs      # the codec's levels given by 03, fitted on SmolLM2 (codec.smollm2)
+    assert seen["traces"] == {"handout": study.trace_from(s.trace), "steady": st.Trace.steady(s.steady_gbps),
                               "suite 2": suite[2], "suite 7": suite[7]}
     assert seen["args"][:5] == (96, s3.WIRE_CHUNK_TOKENS, s3.WIRE_SCALE, s3.WIRE_SLO, {0: 0.9, 1: 0.8, 2: 0.7, 3: 0.6})

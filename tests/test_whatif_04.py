@@ -51,14 +51,14 @@ def test_the_handout_is_looked_up_only_through_present_handout():
     """04 and the modules that show it call no handout table (HANDOUT(...), HANDOUT.figure(...), a .figure(...))
     and define no lookup of their own: every handout figure comes through common.present.handout."""
     lecture = Path(__file__).resolve().parents[1] / "code" / "lecture27"
-    for name in ("04_cacheblend.py", "blend_page.py", "blend_real_page.py", "blend_real_study.py"):
+    for name in ("04_cacheblend.py", "blend/page.py", "blend/rag_page.py", "blend/rag_study.py"):
         tree = ast.parse((lecture / name).read_text())
         calls = [n.func for n in ast.walk(tree) if isinstance(n, ast.Call)]
         direct = [ast.unparse(f) for f in calls if isinstance(f, ast.Name) and f.id == "HANDOUT"
                   or isinstance(f, ast.Attribute) and f.attr == "figure"]
         own = [f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name in ("h", "handout", "said")]
         assert not direct and not own, (name, direct, own)
-    page = ast.parse((lecture / "blend_page.py").read_text())
+    page = ast.parse((lecture / "blend" / "page.py").read_text())
     assert any(isinstance(f, ast.Name) and f.id == "handout" for n in ast.walk(page) if isinstance(n, ast.Call)
                for f in [n.func])
 

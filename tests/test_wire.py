@@ -1,4 +1,5 @@
-"""wire.py's paced socket and wire_run.py's policy over it, on a tiny random LLaMA (a few ms per chunk).
+"""wire.py's paced socket and the runs on it (stream/: measure, wire_runs, simulated, compare), on a tiny
+random LLaMA (a few ms per chunk).
 
 No test here bounds a time: the machine is shared. What holds on any machine: the plan follows the
 trace exactly (a pure function); bytes arrive as sent; a transfer never ends before its plan; a dead
@@ -12,7 +13,10 @@ from lecture27 import kvcache as kv
 from lecture27 import streaming as st
 from lecture27.stream import page as sp
 from lecture27 import wire
-from lecture27.stream import wire_run as wr
+from lecture27.stream import compare
+from lecture27.stream import measure
+from lecture27.stream import simulated
+from lecture27.stream import wire_runs
 from lecture27.stream import wire_study as ws
 from common.llama import Llama, LlamaConfig
 from common.present import Page
@@ -37,7 +41,7 @@ def tiny_inputs():
 def tiny(tiny_inputs):
     """(model, Prepared): the 96 tokens in 4 chunks of 24."""
     model, ids, question, specs = tiny_inputs
-    return model, wr.prepare(model, ids, question, 24, specs)
+    return model, measure.prepare(model, ids, question, 24, specs)
 
 
 def test_wire_scale_divides_bandwidths_only():
@@ -91,18 +95,19 @@ def test_a_silent_sender_times_out():
 def test_killed_sender_falls_back_to_text_and_answers_right(tiny):
     model, prep = tiny
     first = len(prep.payloads["level0"][0])
-    r = wr.run(prep, model, SLOW, "level0", SLO_S, faults=wire.Faults(die_after_bytes=first + 1))
+    r = wire_runs.run(prep, model, SLOW, "level0", SLO_S, faults=wire.Faults(die_after_bytes=first + 1))
     assert r.fell_back and r.choices[0] == "level0" and r.choices[1:] == ["text"] * 3
-    assert r.rows[1]["lost"] and r.rows[1]["arrival"] is None
+    assert r.rows[1].lost and r.rows[1].arrival is None
+    assert all(isinstance(x, wire_runs.WireChunk) for x in r.rows) and r.rows[0].arrival.chunk == 0
     assert r.same_answer and r.first_token_kl < 1e-3
 
 
 def test_a_corrupt_chunk_is_recomputed_never_used(tiny):
     model, prep = tiny
-    clean = wr.run(prep, model, SLOW, "level0", SLO_S)
-    bad = wr.run(prep, model, SLOW, "level0", SLO_S, faults=wire.Faults(corrupt=frozenset({1})))
+    clean = wire_runs.run(prep, model, SLOW, "level0", SLO_S)
+    bad = wire_runs.run(prep, model, SLOW, "level0", SLO_S, faults=wire.Faults(corrupt=frozenset({1})))
     assert clean.bytes_equal and not bad.bytes_equal
-    assert bad.rows[1]["why"].startswith("recomputed") and [r["why"] for r in clean.rows] == [None] * 4
+    assert bad.rows[1].why.startswith("recomputed") and [r.why for r in clean.rows] == [None] * 4
     assert bad.same_answer
     # chunk 1 recomputed from exact KV: the answer is at least as close to the full prefill's as with KV
     assert bad.first_token_kl <= clean.first_token_kl + 1e-6
@@ -110,7 +115,7 @@ def test_a_corrupt_chunk_is_recomputed_never_used(tiny):
 
 def test_measured_setup_feeds_the_simulator_this_cpus_times(tiny):
     _, prep = tiny
-    setup = wr.measured_setup(prep)
+    setup = simulated.measured_setup(prep)
     res = st.fixed(setup, SLOW, "level0", parallel=True)
     link, cpu = 0.0, 0.0      # by hand: each chunk paced, then decoded on the CPU in order
     for (first, n), dec in zip(prep.plan, prep.decode_s["level0"]):
@@ -124,7 +129,7 @@ def test_measured_setup_feeds_the_simulator_this_cpus_times(tiny):
 @pytest.mark.parametrize("policy", ["adaptive", "level3", "text"])
 def test_measured_beside_simulated_from_real_runs(tiny, policy):
     model, prep = tiny
-    row = wr.compare(prep, model, SLOW, policy, SLO_S)
+    row = compare.compare(prep, model, SLOW, policy, SLO_S)
     assert set(row.entry()) == {"measured_ttft_s", "simulated_ttft_s", "measured_choices", "simulated_choices",
                                 "measured_slo_met", "simulated_slo_met"}
     assert row.bytes_equal and row.same_answer
@@ -134,9 +139,9 @@ def test_measured_beside_simulated_from_real_runs(tiny, policy):
     if policy != "adaptive":
         assert row.measured_choices == row.simulated_choices == [policy] * 4
         # the wire never beats the link: each KV chunk's last byte is no earlier than the trace allows
-        links = st.replay(wr.measured_setup(prep), SLOW, [policy] * 4, parallel=True)
+        links = st.replay(simulated.measured_setup(prep), SLOW, [policy] * 4, parallel=True)
         assert all(m >= s["link_end"] for m, s in zip(ready, links.rows))
-    gap = abs(row.measured_ttft_s - row.simulated_ttft_s) > wr.GAP_SHARE * row.measured_ttft_s
+    gap = abs(row.measured_ttft_s - row.simulated_ttft_s) > compare.GAP_SHARE * row.measured_ttft_s
     assert (row.cause is not None) == gap
     assert row.cause is None or row.cause in row.parts_s or row.cause.startswith("choices")
 
@@ -162,8 +167,8 @@ def test_the_study_and_its_table_are_built_from_real_runs(tiny_inputs, monkeypat
     listed = [(i, ch, a, b) for by in r.runs.values() for c in by.values()
               for i, (ch, (a, b, _, _)) in enumerate(zip(c.measured_choices, c.measured_spans))]
     assert fetched[:len(listed)] == listed              # the study's runs, then the kill run's fetches
-    assert len(fetched) > len(listed) and r.kill.rows[ws.KILL_CHUNK]["lost"].startswith(f"chunk {ws.KILL_CHUNK}")
-    assert "connection lost" in r.kill.rows[ws.KILL_CHUNK]["lost"] and r.kill_ok and r.bytes_equal
+    assert len(fetched) > len(listed) and r.kill.rows[ws.KILL_CHUNK].lost.startswith(f"chunk {ws.KILL_CHUNK}")
+    assert "connection lost" in r.kill.rows[ws.KILL_CHUNK].lost and r.kill_ok and r.bytes_equal
     for by in r.runs.values():
         assert by["level0"].measured_choices == by["level0"].simulated_choices == ["level0"] * 4
         assert by["text"].measured_choices == ["text"] * 4 and by["text"].same_answer
@@ -193,7 +198,7 @@ def test_the_link_side_parts_add_up_to_the_links_gap(tiny):
     per-level chunk size differs from each chunk's real bytes: no part of the gap goes unnamed."""
     model, prep = tiny
     for policy in ("level0", "level3"):
-        row = wr.compare(prep, model, SLOW, policy, SLO_S)
+        row = compare.compare(prep, model, SLOW, policy, SLO_S)
         link = sum(row.parts_s[k] for k in ("Python overhead", "pacing granularity", "TCP", "trace timing"))
         link -= sum(c - max(b, r) for (_, b, c, _), (_, _, _, r) in
                     zip(row.measured_spans, [(0, 0, 0, 0)] + row.measured_spans[:-1]))   # compute-side overhead

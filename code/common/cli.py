@@ -52,6 +52,39 @@ class Parser(argparse.ArgumentParser):
         fail(message, prog=self.prog)
 
 
+def settings(namespace: dict):
+    """Class decorator that makes a script's frozen Settings dataclass: one field per UPPER_CASE constant of two
+    or more letters assigned at the top of the script above the class (field chunk_len <- CHUNK_LEN, in the
+    order they are written), then the fields the class itself declares (settings no constant holds: which
+    Parts run, a server's URL; each with its default). The constants are the one list of the script's
+    settings: the class does not list them again. `namespace`: the script's globals()."""
+    def make(cls):
+        own = dict(cls.__dict__.get("__annotations__", {}))
+        names = [n for n in top_constants(Path(namespace["__file__"]), cls.__name__) if n.lower() not in own]
+        cls.__annotations__ = {**{n.lower(): _kind(namespace[n]) for n in names}, **own}
+        return dataclasses.dataclass(frozen=True)(cls)
+    return make
+
+
+def top_constants(script: Path, above: str) -> list[str]:
+    """The UPPER_CASE names (two or more letters) that the module-level statements of `script` assign before
+    the class `above`, in order: a script's settings."""
+    out = []
+    for node in ast.parse(script.read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name == above:
+            break
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node,
+                                                                                                ast.AnnAssign) else []
+        out += [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name) and n.id.isupper()
+                and len(n.id) > 1 and n.id not in out]
+    return out
+
+
+def _kind(value) -> type:
+    """A setting's type as its field declares it: a list is frozen into a tuple (constants_of)."""
+    return tuple if isinstance(value, list) else object if value is None else type(value)
+
+
 def constants_of(cls, namespace: dict) -> dict:
     """The script constants behind cls's fields (field chunk_len <- CHUNK_LEN), read from the script's
     globals() at call time, so a student's edit is what the run uses; lists become tuples (frozen)."""
@@ -138,5 +171,6 @@ def module_command(module: str, *args: str) -> tuple[list[str], dict]:
     interpreter: `python -m module args`, with code/ on its PYTHONPATH, so that the module and everything it
     imports go by the qualified names a library module uses, with no path set up by hand."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), *filter(None,
+                                                                                           [env.get("PYTHONPATH")])])
     return [sys.executable, "-m", module, *args], env

@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LlamaConfig:
     vocab_size: int
     d_model: int = 64

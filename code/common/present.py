@@ -142,7 +142,7 @@ class Row:
     key: str | None = None          # this row's name in JSON dicts ("{row}" of a column's key)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Table:
     title: str
     section: str                    # the handout's section, for example "§1.2"
@@ -242,7 +242,8 @@ def table_of(title: str, section: str, fields: list[Field], results, source: str
     items = results.items() if isinstance(results, dict) else [(None, r) for r in results]
     ref = lambda name, r: handout[name] if isinstance(handout, dict) else handout(r) if callable(handout) else handout
     rows = [Row([f.of(name, r) for f in fields], ref(name, r), name) for name, r in items]
-    return Table(title, section, list(fields), rows, source, list(notes), dict(json or {}))
+    return Table(title=title, section=section, cols=list(fields), rows=rows, source=source, notes=list(notes),
+                 json=dict(json or {}))
 
 
 def points(result, fields: list[Field]) -> list[dict]:
@@ -253,7 +254,7 @@ def points(result, fields: list[Field]) -> list[dict]:
 
 def text_table(title: str, section: str, headers: list[str], rows, source: str = "") -> Table:
     """A table of given text (the slides' benchmarks, a mapping), no values of ours: one Row per tuple."""
-    return Table(title, section, cols(*headers), [Row(list(r)) for r in rows], source)
+    return Table(title=title, section=section, cols=cols(*headers), rows=[Row(list(r)) for r in rows], source=source)
 
 
 # ----------------------------------------------------------------------------- sentences from numbers
@@ -661,7 +662,7 @@ class Series:
     fmt: str | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Chart:
     """One panel described by data: its series, axis labels and scales, the handout's range as a grey band
     (lo, hi, label), reference lines across it (hlines at y, vlines at x: (value, style) pairs, the style

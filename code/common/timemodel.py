@@ -65,7 +65,7 @@ GPUS = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     name: str
     n_layers: int
@@ -91,13 +91,15 @@ def _dense(name, L, d, H, Hkv, hd, d_ff, vocab, tied=False, tag=""):
     per_layer = d * H * hd + 2 * d * Hkv * hd + H * hd * d + 3 * d * d_ff  # Wq, Wk+Wv, Wo, SwiGLU
     linear = L * per_layer
     total = linear + vocab * d * (1 if tied else 2) + (2 * L + 1) * d  # + embeddings (+ LM head) + norms
-    return ModelSpec(name, L, d, H, Hkv, hd, linear, total, total, tag=tag)
+    return ModelSpec(name=name, n_layers=L, d_model=d, n_heads=H, n_kv_heads=Hkv, head_dim=hd, linear_params=linear,
+                     total_params=total, active_params=total, tag=tag)
 
 
 def _moe(name, L, d, H, Hkv, hd, vocab, total, active, kv_latent=0, qk_dim=0, tag=""):
     """An MoE model: active and total parameters from the model card; embedding + LM head removed."""
     linear = active - 2 * vocab * d
-    return ModelSpec(name, L, d, H, Hkv, hd, linear, total, active, kv_latent, qk_dim, tag)
+    return ModelSpec(name=name, n_layers=L, d_model=d, n_heads=H, n_kv_heads=Hkv, head_dim=hd, linear_params=linear,
+                     total_params=total, active_params=active, kv_latent=kv_latent, qk_dim=qk_dim, tag=tag)
 
 
 MODELS = {

@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lecture27 import ledger  # noqa: E402
 from common import timemodel as tm  # noqa: E402
-from common.cli import (Parser, fraction, nonneg_float, positive_float, positive_int, settings_from,  # noqa: E402
+from common.cli import (settings, Parser, fraction, nonneg_float, positive_float, positive_int, settings_from,
+                         # noqa: E402
                         shipped_defaults)
 from common.present import (DASH, Chart, Handout, Page, Ref, Row, Series, Table, Val, chart_figure, cols,  # noqa: E402
                             fact, handout, pct2, plural, text_table)
@@ -54,31 +55,9 @@ STORE_CONTEXT = 10_000           # Part 3b: "a 10K-token context"
 ECON_CONTEXTS = [1 * K, 4 * K, 10_000, 32 * K, 128 * K]
 
 
-@dataclass(frozen=True)
+@settings(globals())
 class Settings:
     """One run's inputs: the constants above, as the command line left them (field = constant's name)."""
-    model: str
-    context: int
-    bytes_per_value: float
-    size_contexts: list
-    day_model: str
-    day_gpu: str
-    day_tokens_per_s: float
-    gpu: str
-    n_gpus: int
-    contexts: list
-    recompute_context: int
-    compression: float
-    gpu_hour_usd: float
-    gpus_per_node: int
-    storage_tb_per_node: float
-    storage_usd_per_tb_hour: float
-    hit_saves: float
-    hit_rate: float
-    nodes: int
-    years: float
-    store_context: int
-    econ_contexts: list
 
 
 # The handout's figures printed beside ours, each with the inputs it holds for: a figure shows only when
@@ -114,7 +93,7 @@ class ModelKV:
     sizes: dict                  # context length -> KV bytes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Sizes:
     models: list                 # one ModelKV per model of common/timemodel.py
     day_bytes_per_token: int     # DAY_MODEL's KV per token
@@ -131,7 +110,7 @@ def kv_sizes(s: Settings) -> Sizes:
     models = [ModelKV(k, m.name, m.tag, ledger.kv_layout(m), tm.kv_bytes_per_token(m, bpv),
                       {n: ledger.kv_bytes(m, n, bpv) for n in s.size_contexts}) for k, m in tm.MODELS.items()]
     curve = [2 ** i for i in range(7, 18)]  # 128 .. 128K tokens
-    return Sizes(models, day_bytes_per_token=tm.kv_bytes_per_token(s.day_model, bpv),
+    return Sizes(models=models, day_bytes_per_token=tm.kv_bytes_per_token(s.day_model, bpv),
                  day_bytes=ledger.gpu_day_bytes(s.day_model, s.day_tokens_per_s, bpv),
                  ex1_bytes_per_token=tm.kv_bytes_per_token(s.model, bpv),
                  ex1_bytes=ledger.kv_bytes(s.model, s.context, bpv),
@@ -140,7 +119,7 @@ def kv_sizes(s: Settings) -> Sizes:
 
 
 # ------------------------------------------------------------------------------------- Part 2
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FetchOrRecompute:
     rows: list                   # one ledger.FetchRow per context of CONTEXTS
     recompute_16k_s: float       # the handout's 16K tokens, whatever CONTEXTS holds
@@ -192,8 +171,9 @@ def ctx_name(n):
 
 def quantities(title: str, section: str, source: str, *rows, notes=()) -> Table:
     """A table of (quantity, our value, the handout's figure or "-") rows."""
-    return Table(title, section, cols("quantity", "ours"), [fact(q, v, handout=h) for q, v, h in rows], source,
-                 list(notes))
+    return Table(title=title, section=section, cols=cols("quantity", "ours"), rows=[fact(q, v, handout=h) for q, v,
+                                                                                    h in rows], source=source,
+                 notes=list(notes))
 
 
 def show_sizes(page: Page, r: Sizes, s: Settings) -> None:
@@ -201,14 +181,16 @@ def show_sizes(page: Page, r: Sizes, s: Settings) -> None:
     size = plural(bpv, "byte", "{:g}")         # of one value: "2 bytes", "1 byte"
     page.part("Part 1", "§1.2", "KV size (" + ("BF16; FP16 for the small models" if bpv == 2 else
                                               f"{size} per value") + ")")
-    page.table(Table("", "§1.2", cols("model", "attention", "layers", "KV heads", "hd", ("B/token", "{:,}",
+    page.table(Table(title="", section="§1.2", cols=cols("model", "attention", "layers", "KV heads", "hd", ("B/token",
+                                                                                                            "{:,}",
                                       "bytes_per_token.{row}"), ("KiB/tok", "{:.1f}"),
                                       *[(ctx_name(n), fmt_bytes) for n in s.size_contexts]),
-                     [Row([m.name, m.tag, m.layout.layers, m.layout.kv_heads or f"latent {m.layout.mla_latent}",
+                     rows=[Row([m.name, m.tag, m.layout.layers, m.layout.kv_heads or f"latent {m.layout.mla_latent}",
                            m.layout.head_dim, m.bytes_per_token, m.bytes_per_token / 1024, *m.sizes.values()],
-                          handout(HANDOUT, f"kib.{m.key}", s), m.key) for m in r.models], "01_kv_ledger.kv_sizes",
-                     [f"(KV heads x head dim (hd) x 2 (K and V) x layers x {size}; MLA caches one latent + one "
-                      "RoPE key per layer)"], {"llama31_70b_bytes_per_token": by["llama-3.1-70b"].bytes_per_token,
+                          handout(HANDOUT, f"kib.{m.key}",
+                                  s), m.key) for m in r.models], source="01_kv_ledger.kv_sizes",
+                     notes=[f"(KV heads x head dim (hd) x 2 (K and V) x layers x {size}; MLA caches one latent + one "
+                      "RoPE key per layer)"], json={"llama31_70b_bytes_per_token": by["llama-3.1-70b"].bytes_per_token,
                                                 "llama31_70b_32k_gb": r.llama70b_32k_bytes / 1e9,
                                                 "deepseek_r1_kib_per_token": by["deepseek-r1"].bytes_per_token / 1024}))
     tok, day = r.day_bytes_per_token, r.day_bytes
@@ -227,8 +209,9 @@ def show_sizes(page: Page, r: Sizes, s: Settings) -> None:
     lines = [Series(r.curve_contexts, r.curves[m.key], f"{m.name} ({m.tag.split(',')[0]})"
                     + ("" if f == m.name else f" = {f}"), style={"ls": "-" if f == m.name else "--", "marker": "."})
              for m in r.models for f in [first.setdefault(m.bytes_per_token, m.name)]]
-    chart_figure(page, "01_kv_size.png", Chart(lines, "context length (tokens)", "KV bytes", "KV size vs context "
-                 "length (handout §1.2)", "log", "log", legend={"fontsize": 7}))
+    chart_figure(page, "01_kv_size.png", Chart(series=lines, xlabel="context length (tokens)", ylabel="KV bytes",
+                                               title="KV size vs context "
+                 "length (handout §1.2)", xscale="log", yscale="log", legend={"fontsize": 7}))
 
 
 def row_handout(n: int, s: Settings) -> str:
@@ -247,14 +230,15 @@ def show_fetch_or_recompute(page: Page, r: FetchOrRecompute, s: Settings) -> Non
     page.say("tiers: " + ", ".join(f"{k} {bw / 1e9:g} GB/s" for k, bw in ledger.TIERS.items()))
     page.data(mfu=tm.MFU, tp_comm_efficiency=tm.TP_COMM_EFFICIENCY,
               part2_setup={"model": s.model, "gpu": s.gpu, "n_gpus": s.n_gpus})
-    page.table(Table("break-even: GB/s at which fetching the KV takes as long as recomputing it; then the seconds to "
-                     "fetch it from each tier", "§1.4", cols(("context", ctx_name, "contexts"), ("KV", fmt_bytes),
+    page.table(Table(title="break-even: GB/s at which fetching the KV takes as long as recomputing it; then the seconds to "
+                     "fetch it from each tier", section="§1.4", cols=cols(("context", ctx_name, "contexts"), ("KV",
+                                                                                                              fmt_bytes),
                      ("recompute s", "{:.3f}"), ("break-even", "{:.2f}", "breakeven_gbytes_per_s"), *ledger.TIERS),
-                     [Row([x.context, x.kv_bytes, x.recompute_s, x.breakeven_bytes_per_s / 1e9]
+                     rows=[Row([x.context, x.kv_bytes, x.recompute_s, x.breakeven_bytes_per_s / 1e9]
                           + [f"{t:.3f}" + ("*" if t > x.recompute_s else " ") for t in x.fetch_s.values()],
-                          row_handout(x.context, s)) for x in r.rows], "ledger.fetch_or_recompute",
-                     ["* slower than recomputing: storing it there was wasted"],
-                     {"recompute_16k_s": r.recompute_16k_s}))
+                          row_handout(x.context, s)) for x in r.rows], source="ledger.fetch_or_recompute",
+                     notes=["* slower than recomputing: storing it there was wasted"],
+                     json={"recompute_16k_s": r.recompute_16k_s}))
     raw, thr, c = r.ex2_raw_bytes, r.ex2_threshold_bytes_per_s, s.compression
     page.exercise(2, "§1.4", f"{s.recompute_context:,} tokens, KV {fmt_bytes(raw)} compressed {c:g}x -> "
                              f"{fmt_bytes(raw / c)}, recompute {r.ex2_recompute_s:.3f} s")
@@ -264,11 +248,11 @@ def show_fetch_or_recompute(page: Page, r: FetchOrRecompute, s: Settings) -> Non
                               json=thr * 8 / 1e9), handout(HANDOUT, "ex2", s))))
     gbps = lambda xs: [x / 1e9 for x in xs]
     chart_figure(page, "01_breakeven_bandwidth.png", Chart(
-        [Series(r.curve_contexts, gbps(r.curve_raw), "break-even (raw KV)", style={"color": "k", "marker": "o"}),
+        series=[Series(r.curve_contexts, gbps(r.curve_raw), "break-even (raw KV)", style={"color": "k", "marker": "o"}),
          Series(r.curve_contexts, gbps(r.curve_compressed), f"break-even ({c:g}x compressed)",
                 style={"color": "k", "ls": "--"})],
-        "context length (tokens)", "GB/s", f"A tier above the black line fetches faster than recomputing\n{m}, "
-        f"{s.n_gpus} x {s.gpu} (handout §1.4)", "log", "log", axes={"ylim": (0.5, 2000)},
+        xlabel="context length (tokens)", ylabel="GB/s", title=f"A tier above the black line fetches faster than recomputing\n{m}, "
+        f"{s.n_gpus} x {s.gpu} (handout §1.4)", xscale="log", yscale="log", axes={"ylim": (0.5, 2000)},
         hlines=[(bw / 1e9, {"color": f"C{i}", "lw": 1.5, "label": f"{name} ({bw / 1e9:g} GB/s)"})
                 for i, (name, bw) in enumerate(ledger.TIERS.items())],
         legend=dict(fontsize=7, loc="upper center", ncol=2)))
@@ -317,15 +301,16 @@ def show_own_account(page: Page, ours: list, s: Settings) -> None:
         notes.append("(the slides' 'a cached prompt reused 2-3 times a week' depends on a request mix they do not "
                      "give; this account needs the weekly hits above)")
     ctx10k = lambda x, k: Val(getattr(x, k), f"ctx10k_{k}" if x.context == s.store_context else None)
-    page.table(Table(f"\n(b) our account: {tm.MODELS[s.model].name} on {s.n_gpus} x {tm.GPUS[s.gpu].name} at "
+    page.table(Table(title=f"\n(b) our account: {tm.MODELS[s.model].name} on {s.n_gpus} x {tm.GPUS[s.gpu].name} at "
                      f"${s.gpu_hour_usd:g}/GPU-hour, storage ${s.storage_usd_per_tb_hour:g}/TB-hour; a hit saves the "
-                     "recompute", "§1.3", cols(("context", "{:,}"), ("KV", fmt_bytes), ("storage $/h", "{:.5f}"),
+                     "recompute", section="§1.3", cols=cols(("context", "{:,}"), ("KV", fmt_bytes), ("storage $/h",
+                                                                                                     "{:.5f}"),
                      ("recompute s", "{:.3f}"), ("hit saves $", "{:.5f}"), ("break-even hits/h", "{:.3f}"),
                      ("hits/week", "{:.1f}")),
-                     [Row([x.context, x.kv_bytes, ctx10k(x, "storage_usd_per_h"), x.recompute_s,
+                     rows=[Row([x.context, x.kv_bytes, ctx10k(x, "storage_usd_per_h"), x.recompute_s,
                            ctx10k(x, "hit_saves_usd"), ctx10k(x, "breakeven_hits_per_h"), x.breakeven_hits_per_h * 168],
                           handout(HANDOUT, "ctx10k", s) if x.context == s.store_context else DASH) for x in ours],
-                     "ledger.context_economics", notes))
+                     source="ledger.context_economics", notes=notes))
 
 
 # ------------------------------------------------------------------------------------- the run

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -51,7 +50,7 @@ from lecture27.codec import measures as cm  # noqa: E402
 from lecture27.codec import page as cp  # noqa: E402
 from lecture27.codec import study as cs  # noqa: E402
 from lecture27 import kvcache as kv  # noqa: E402
-from common.cli import Parser, positive_float, settings_from, shipped_defaults  # noqa: E402
+from common.cli import settings, Parser, positive_float, settings_from, shipped_defaults  # noqa: E402
 from common.llama import single_thread  # noqa: E402
 from common.present import Page  # noqa: E402
 
@@ -68,37 +67,28 @@ EX3_CONTEXTS = 200          # exercise 3: contexts for the error-by-position com
 CODER_STREAMS = (1, 16, 256)  # exercise 3: the parallel coder's stream counts (and all: one per (layer, K/V, channel))
 REAL_ENTROPY_STEP = 0.25    # Part 1c on the real model: values quantized at this x each layer's RMS
 REAL_BASELINE_BITS = (8, 6, 4)   # Part 2 on the real model: plain n-bit quantization rows
-TITLE = "CacheGen part one: compress KV like video"
 
 
-@dataclass(frozen=True)
+@settings(globals())
 class Settings:
     """One run's inputs: the constants above, as the command line left them (field = constant's name)."""
-    model: str
-    gguf: str | None
-    sensitivity_step: float
-    sensitivity_steps: tuple
-    entropy_level: int
-    zlib_level: int
-    baseline_bits: tuple
-    ex3_contexts: int
-    coder_streams: tuple
-    ex4_probs: dict
-    ex4_samples: int
-    real_entropy_step: float
-    real_baseline_bits: tuple
+
+
+TITLE = "CacheGen part one: compress KV like video"
 
 
 # ------------------------------------------------------------------------------------- the record world
 def observations(run: cm.RecordRun, s: Settings) -> cm.Observations:
     """Part 1 (§3.2): token locality, each layer's sensitivity at the run's coarse steps, and the entropy of
     the values at level ENTROPY_LEVEL's steps under each grouping of the tables."""
-    st, steps = run.study, sorted({*s.sensitivity_steps, s.sensitivity_step})
+    study, steps = run.study, sorted({*s.sensitivity_steps, s.sensitivity_step})
     layers = cm.cached_sensitivity(run.model, run.Xe, run.ev, run.rms, steps, s.sensitivity_step)
-    return cm.Observations(st.n_calib, st.n_eval, run.Xe.shape[1], int(np.prod(run.Xe.shape[2:])),
-                           cm.delta_variance_ratios(run.Xe, kv.CODEC_GROUP),
-                           cm.Sensitivity(steps, s.sensitivity_step, layers, st.acc_fp16, st.steps_over_rms),
-                           cm.entropy_at(run.Xc, run.Xe, st.specs[s.entropy_level].steps))
+    return cm.Observations(n_calib=study.n_calib, n_eval=study.n_eval, tokens=run.Xe.shape[1],
+                           values_per_token=int(np.prod(run.Xe.shape[2:])),
+                           locality=cm.delta_variance_ratios(run.Xe, kv.CODEC_GROUP),
+                           sensitivity=cm.Sensitivity(steps, s.sensitivity_step, layers, study.acc_fp16,
+                                                      study.steps_over_rms),
+                           entropy=cm.entropy_at(run.Xc, run.Xe, study.specs[s.entropy_level].steps))
 
 
 def codec_table(run: cm.RecordRun, s: Settings) -> cm.Codecs:

@@ -42,7 +42,7 @@ Part 5 (§4.2 over a real connection, as CacheGen's evaluation streams real bits
 The codec's four levels come from cs.codec_levels() (measured by 02 on the record-world model) and,
 for Parts 2c and 5, codec_real.real_codec_levels() (fitted on first use, about a minute, then cached; Part 5's
 codec tables at those levels: codec_real.real_codec_specs()); the simulation, the policy and the
-oracle are in streaming.py, the socket and the runs on it in wire.py, wire_run.py and wire_study.py.
+oracle are in streaming.py, the socket and the runs on it in wire.py and stream/ (measure, wire_runs, simulated, compare, wire_study).
 Recompute times: common/timemodel.py.
 This file holds the inputs (the constants, the command line) and one function per Part; what each Part asks
 of streaming.py is in streaming_study.py, how it is shown (tables, notes, figures, --json) in streaming_page.py.
@@ -52,7 +52,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -62,7 +61,7 @@ from lecture27.codec import study as cs  # noqa: E402
 from lecture27 import streaming as st  # noqa: E402
 from lecture27.stream import study  # noqa: E402
 from lecture27.stream import wire_study  # noqa: E402
-from common.cli import (Parser, fail, nonneg_int, positive_float, positive_int, settings_from,  # noqa: E402
+from common.cli import (settings, Parser, fail, nonneg_int, positive_float, positive_int, settings_from,  # noqa: E402
                         shipped_defaults)
 from common.gguf_llama import smollm2_or_explain  # noqa: E402
 from common.present import Page  # noqa: E402
@@ -108,50 +107,17 @@ WIRE_SLO = 1.5                 # seconds: the runs' SLO
 WIRE_SUITE_TRACES = (4, 15)    # the two of the suite's traces (SUITE_SEED's, numbered from 0): a rising, a falling
 WIRE_ITEM = 2                  # the RAG item (common/english.py) whose passages open the context
 WIRE_ANSWER_TOKENS = 4         # greedy tokens of the answer compared with the full prefill's
-SMOLLM2_WINDOW = 8192          # SmolLM2's context window (its model card)
 # ---- files instead of the constants above
 TRACE_FILE = None              # --trace FILE: a CSV trace instead of TRACE
 LEVELS_FILE = None             # --levels FILE: a JSON list of levels instead of the codec's (exercises, tests)
 
 
-@dataclass(frozen=True)
+@settings(globals())
 class Settings:
     """One run's inputs: the constants above, as the command line left them (field = constant's name)."""
-    model: str
-    gpu: str
-    n_gpus: int
-    context: int
-    bandwidths: tuple
-    note_model: str
-    note_gpu: str
-    note_link_gbps: float
-    no_loss_points: float
-    chunk_tokens: int
-    trace: tuple                       # ((from time s, Gb/s), ...): TRACE, or the --trace file's
-    trace_file: str | None
-    slo: float
-    steady_gbps: float
-    long_context: int
-    max_context: int
-    parallel: bool                     # False: --serial, one chunk at a time
-    chunk_sizes: tuple
-    half_efficiency_tokens: float
-    levels_file: str | None
-    suite_traces: int
-    suite_seed: int
-    suite_contexts: tuple
-    suite_gbps: tuple
-    suite_dwell_s: tuple
-    suite_jump: float
-    suite_horizon_s: float
-    suite_exceptions_shown: int
-    wire_context: int
-    wire_chunk_tokens: int
-    wire_scale: float
-    wire_slo: float
-    wire_suite_traces: tuple
-    wire_item: int
-    wire_answer_tokens: int
+
+
+SMOLLM2_WINDOW = 8192          # SmolLM2's context window (its model card)
 
 
 # ------------------------------------------------------------------------------------------ inputs

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -76,12 +76,13 @@ from lecture27.blend import mask_pitfall as mp  # noqa: E402
 from lecture27.blend import prefix_caching as pc  # noqa: E402
 from lecture27.blend import record_blend as rb  # noqa: E402
 from lecture27 import record_trainer as rt  # noqa: E402  (rt.SEED, rt.LOCALITY: the trainer's defaults)
-from lecture27.blend_rules import ALL_RULES  # noqa: E402
+from lecture27 import blend_rules  # noqa: E402
 from lecture27.blend_world import DOC_LEN  # noqa: E402
 from common import timemodel as tm  # noqa: E402
 from common.checkpoints import TrainingFailed  # noqa: E402
 from common.city import city_model  # noqa: E402
-from common.cli import (Parser, fail, fraction, nonneg_float, positive_float, positive_int, settings_from,  # noqa: E402
+from common.cli import (settings, Parser, fail, fraction, nonneg_float, positive_float, positive_int, settings_from,
+                         # noqa: E402
                         shipped_defaults)
 from common.llama import idle_threads, single_thread  # noqa: E402
 from common.present import Page  # noqa: E402
@@ -122,12 +123,8 @@ LAYERS, READ_MS, PREFILL_MS = 32, 10.0, 20.0   # exercise 8: the controller's in
 ITEMS = 4                                 # RAG items (of 8); their KL is cached, the TTFT measured live
 REAL_CHUNK_TOKENS = 256                   # tokens per retrieved chunk (6 chunks + the question per item)
 REAL_RATIO = 0.15                         # CacheBlend's default recompute ratio
-# The selection rule reported as CacheBlend. query (the question's attention over full reuse's cache, layers 1-29)
-# is closer to full prefill than flat at 15% on every public input set: mean first-token KL 0.064 vs 0.084 on the
-# built-in items, 0.038 vs 0.122 on passages_six.json, 0.025 vs 0.030 on passages_example.json, 0.052 vs 0.125 on
-# passages_varied.json, removing 81%, 84%, 69% and 75% of full reuse's KL. query+dev is closer on the built-in items
-# (0.051) but removes 69% on passages_varied.json; chunk-start is behind flat everywhere. The question's pass costs
-# its 18-33 tokens at every layer: 2% of a full prefill's context-token layers beside flat's 18% (Part 5c).
+# The selection rule reported as CacheBlend: query ranks the tokens by the question's attention over full reuse's
+# cache, chosen as the rule closest to full prefill at 15% on the public input sets (Parts 5c and 5j measure it).
 RULE = "query"
 REAL_CURVE_RATIOS = [0.05, 0.15, 0.30, 0.50]  # --curve: every rule, random and the two oracles at these ratios
 REAL_QUERY_J = [1, 4, 15, 29]              # --curve: the query rules at r read the question's attention at layers 1..j
@@ -142,53 +139,11 @@ REAL_PREFIX_KS = [2, 4, 6]                # §5.1 on SmolLM2: k chunks of REAL_C
 REAL_PREFIX_ITEMS = 2                     # built-in items measured at each k (about a minute on one idle core)
 
 
-@dataclass(frozen=True)
+@settings(globals())
 class Settings:
     """One run's settings: the constants above (field = constant's name), as the command line set them;
     then those whose defaults are not 04's constants: the record model's (record_trainer's), and what
     chooses which Parts run and how."""
-    prefix_ks: tuple
-    prefix_devices: tuple
-    city_chunks: int
-    city_chunk_len: int
-    city_docs: int
-    ex5_shift: int
-    chunk_len: int
-    ratio: float
-    docs: int
-    ex6_chunk_len: int
-    top_share: float
-    curve_ratios: tuple
-    curve_chunk_lens: tuple
-    recover: float
-    rag_chunks: int
-    rag_chunk_tokens: int
-    rag_question: int
-    gpu: str
-    min_ratio: float
-    systems: tuple                  # ((model, n_gpus), ...)
-    devices: dict
-    paper_context: int
-    paper_ratio: float
-    paper_device: str
-    query_depths: tuple
-    layers: int
-    read_ms: float
-    prefill_ms: float
-    items: int
-    real_chunk_tokens: int
-    real_ratio: float
-    rule: str
-    real_curve_ratios: tuple
-    real_query_j: tuple
-    real_short_chunks: tuple
-    adaptive_targets: tuple
-    adaptive_layer: int
-    adaptive_floor: float
-    real_ttft_items: int
-    real_tier: str
-    real_prefix_ks: tuple
-    real_prefix_items: int
     seed: int = rt.SEED             # the record model's training seed and locality penalty: the trainer's
     locality: float = rt.LOCALITY
     model: str = "record"           # "record": Parts 0-4; "smollm2": Part 5
@@ -267,25 +222,26 @@ def record_world(s: Settings, page: Page) -> None:
 
 # ============================================================================ Part 5: a real model
 def part5_real(s: Settings) -> rag_study.Real:
-    """SmolLM2-135M on RAG inputs (blend_real_study.py): KL to full prefill of one rule, random and the
+    """SmolLM2-135M on RAG inputs (blend/rag_study.py): KL to full prefill of one rule, random and the
     oracles at r (or, with --curve, of every selection rule at REAL_CURVE_RATIOS); live TTFT per rule; the
     two insights beside the record world's; §5.1 and the mask pitfall measured; where the distance comes from."""
     lm = rag_study.load(s.gguf)
     rags, source = rag_study.inputs(lm, s.passages, s.items, s.real_chunk_tokens)
-    run = rag_study.experiment(lm, rags, s.real_ratio, s.rule, s.curve, s.real_curve_ratios, s.real_ttft_items,
-                         s.recompute, s.real_tier, depths=s.real_query_j)
+    run = rag_study.experiment(lm, rags, ratio=s.real_ratio, rule=s.rule, curve=s.curve,
+                               curve_ratios=s.real_curve_ratios, ttft_items=s.real_ttft_items,
+                               recompute=s.recompute, tier=s.real_tier, depths=s.real_query_j)
     found = rag_study.deviation(run, s.top_share)
     toy = rag_study.toy_insights(s.seed, s.locality, s.chunk_len, s.ratio, s.top_share)
     prefix = None if s.passages else pc.measured(
         lm.model, lm.tok, lm.model_id, s.real_prefix_items, s.real_prefix_ks, s.real_chunk_tokens,
-        blend_rag.blend_rule_of(s.rule), s.real_ratio, mp.MASKS, recompute=s.recompute)
+        blend_rules.blend_rule_of(s.rule), s.real_ratio, mp.MASKS, recompute=s.recompute)
     splits = {m: blend_rag.decompose(run.curves, m, source) for m in run.curves.ranking}
     chunks, adaptive = rag_study.curve_studies(
         lm, rags, run, source, built_in=not s.passages, items=s.items, short_chunks=s.real_short_chunks,
         chunk_tokens=s.real_chunk_tokens, top=s.top_share, targets=s.adaptive_targets, layer=s.adaptive_layer,
         floor=s.adaptive_floor, recompute=s.recompute) if s.curve else (None, None)
-    return rag_study.Real(run, source, lm.name, run.deviation[0].shape[0], RULE, found, toy, prefix, splits[s.rule],
-                    splits, chunks, adaptive)
+    return rag_study.Real(run=run, source=source, model_name=lm.name, n_layers=run.deviation[0].shape[0],
+                          default_rule=RULE, insights=found, toy=toy, prefix=prefix, split=splits[s.rule], splits=splits, chunks=chunks, adaptive=adaptive)
 
 
 # ============================================================================ the command line
@@ -309,7 +265,7 @@ def parser() -> Parser:
     g.add_argument("--real-ratio", type=fraction, default=REAL_RATIO, help="CacheBlend's recompute ratio r on it")
     g.add_argument("--gguf", metavar="PATH", help="another LLaMA GGUF file")
     g.add_argument("--items", type=positive_int, default=ITEMS, help="RAG items (max 8)")
-    g.add_argument("--rule", choices=list(ALL_RULES), default=RULE,
+    g.add_argument("--rule", choices=list(blend_rules.ALL_RULES), default=RULE,
                    help="blend()'s selection rule reported as CacheBlend (JSON real_kl_blend<r>: real_kl_blend15)")
     g.add_argument("--passages", metavar="FILE",
                    help='your own inputs, JSON [{"question": str, "passages": [str, ...], "answer": str (optional)}, '

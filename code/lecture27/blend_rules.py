@@ -1,5 +1,5 @@
-"""Selection rules for blend_world.blend beside the handout's progressive filter, and the oracle that
-bounds them all (handout §5.3; measured on a real model in blend_real.py).
+"""Selection rules for blend_world.blend beside the handout's progressive filter, the oracle that bounds
+them all (handout §5.3; measured on a real model in blend/rag.py), and the one registry of the rules' names.
 
 A rule is what blend() asks three things of (blend_world.Filter): how many tokens each layer
 recomputes, what ranks the tokens a layer has just recomputed, and which of them go on. Each rule here
@@ -13,8 +13,9 @@ changes one of the three:
   Adaptive     one check layer whose count adapts to the input: the smallest set holding a fixed share
                of the deviation measured there (at least r N tokens)
 
-Rules that read the input before blend() runs (INPUT_RULES; `ready(model, rec, chunks, pre)` does that
-work and returns the rule blend() is given, so that the work is inside whatever times it):
+Rules that read the input before blend() runs (INPUT_RULES; their `ready(model, rec, chunks, pre)` does that
+work and returns the rule blend() is given, so that the work is inside whatever times it; every other rule's
+ready, blend_world.Filter's, returns the rule itself):
   query        flat's counts, the set picked by what the question reads: the question's tokens run over
                full reuse's cache (its stale K, V) and every context token is scored by the attention the
                question pays it at layers 1..j, summed over heads and question tokens (QueryAttention)
@@ -29,6 +30,11 @@ Two ceilings split a rule's distance from full prefill in two:
   oracle_cache   the patch oracle: the full prefill's own K, V for the most deviated tokens of every
                layer, no recompute. Ranking oracle -> patch oracle is what recomputing from a partly
                stale cache loses (a recomputed token attends to neighbours that kept their stale K, V).
+
+The registry: RULES, INPUT_RULES and ALL_RULES map names to rules; RULE_NAMES, INPUT_RULE_NAMES and
+ALL_RULE_NAMES are their names in order, QUERY_RULES the rules whose depth j varies (at_depth, depth_name),
+blend_rule_of the rule of RULES whose counts a rule keeps; recompute_share and work_share are what a rule
+computes, as a share of a full prefill.
 """
 from __future__ import annotations
 
@@ -79,7 +85,7 @@ class Adaptive(CheckLayer):
         return torch.arange(m).expand(B, m)  # before the check every token, after it the check's set
 
 
-# blend()'s rules by name (blend_real measures every one; 04 --rule picks one)
+# blend()'s rules by name (blend/rag.py measures every one; 04 --rule picks one)
 RULES = {"progressive": bw.PROGRESSIVE, "flat": FLAT,
          "check-k": CheckLayer(by="k"), "check-v": CheckLayer(by="v"), "check-kv": CheckLayer(by="kv")}
 
@@ -107,13 +113,11 @@ def question_attention(model, pre: KVCache, question: torch.Tensor, layers: int)
         blk = model.layers[layer]
         q, k, v = blk.qkv(x, pos_q)
         k, v = torch.cat([pre.k[layer], k], 2), torch.cat([pre.v[layer], v], 2)
-        rep = q.shape[1] // k.shape[1]  # grouped-query attention: query head h reads KV head h // rep
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        w = ((q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])).masked_fill(~seen, float("-inf")).softmax(-1)
+        w = blk.attention_weights(q, k, seen)  # (B, H, Tq, N + Tq)
         if layer >= 1:
             score += w[..., :N].sum((1, 2))
         if layer < layers:  # the next layer's input: this layer's output from the same weights
-            x = blk.after_attention(x, (w @ v).transpose(1, 2).reshape(B, Tq, -1))
+            x = blk.after_attention(x, blk.mix(w, v))
     return score
 
 
@@ -179,23 +183,48 @@ class ChunkStart(bw.Filter):
             return super().keep(score, n, tokens, layer)
         return super().keep(self.order.expand(score.shape[0], -1), n, tokens, layer)
 
-    def extra_token_layers(self, n_question: int, n_layers: int) -> int:
-        return 0
-
 
 # rules that read the input before blend() runs (ready()); 04 --rule picks one of RULES or these
 INPUT_RULES = {"query": QueryAttention(), "query+dev": QueryAttention(with_dev=True), "chunk-start": ChunkStart()}
 ALL_RULES = {**RULES, **INPUT_RULES}
 
 
-def ready(rule, model, rec, chunks, pre: KVCache):
-    """The rule blend() is given for this input: an input rule after its own work (ready), any other as it is."""
-    return rule.ready(model, rec, chunks, pre) if hasattr(rule, "ready") else rule
+# ------------------------------------------------------------------------------------ the rules by name
+RULE_NAMES = tuple(RULES)              # blend()'s selection rules, all measured
+INPUT_RULE_NAMES = tuple(INPUT_RULES)  # the rules that read the input first
+ALL_RULE_NAMES = (*RULE_NAMES, *INPUT_RULE_NAMES)
+QUERY_RULES = ("query", "query+dev")  # the rules whose depth j (layers the question's attention is read from) varies
 
 
-def extra_token_layers(rule, n_question: int, n_layers: int) -> int:
-    """Token-layers a rule computes beside blend()'s (the question's pass of a query rule), 0 for the others."""
-    return rule.extra_token_layers(n_question, n_layers) if hasattr(rule, "extra_token_layers") else 0
+def at_depth(name: str, j: int) -> QueryAttention:
+    """The query rule `name` reading the question's attention at layers 1..j."""
+    return replace(INPUT_RULES[name], layers=j)
+
+
+def depth_name(name: str, j: int) -> str:
+    return f"{name} j={j}"
+
+
+def blend_rule_of(rule: str) -> str:
+    """The rule of RULES a rule shares its counts with: itself, or flat for an input rule (INPUT_RULES keep
+    flat's counts: its ranking oracle is theirs)."""
+    return rule if rule in RULES else "flat"
+
+
+def recompute_share(n_context: int, ratio: float, n_layers: int, rule: str) -> float:
+    """Context-token layers recomputed by `rule` (a name of RULES) at `ratio`, as a share of a full prefill's
+    (layer 0 in full)."""
+    counts = RULES[rule].counts(n_context, ratio, n_layers)
+    return (n_context + sum(counts)) / (n_layers * n_context)
+
+
+def work_share(n_context: int, n_question: int, ratio: float, n_layers: int, rule) -> float:
+    """What a rule computes beside the question's own prefill, as a share of a full prefill's context-token
+    layers: layer 0 in full, its counts at layers 1.., and the token-layers of its own pass over the input
+    (a query rule's question at layers 0..j; extra_token_layers). rule: a name of ALL_RULES or a rule."""
+    rule = ALL_RULES[rule] if isinstance(rule, str) else rule
+    extra = rule.extra_token_layers(n_question, n_layers)
+    return (n_context + sum(rule.counts(n_context, ratio, n_layers)) + extra) / (n_layers * n_context)
 
 
 @dataclass(frozen=True)

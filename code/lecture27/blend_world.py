@@ -182,7 +182,11 @@ class Filter:
                        precomputed K, V;
       keep(score, n, tokens, layer)  which n of `tokens` (B, m: the document indices score's columns rank) go
                        on to be recomputed at `layer` (layer 1's from layer 0's attention deviation): the n
-                       largest, in document order."""
+                       largest, in document order.
+    Two more that a rule reading the input before blend() runs answers otherwise (blend_rules.INPUT_RULES):
+      ready(model, rec, chunks, pre)  the rule blend() is given for this input, after the rule's own work on
+                       it: this rule as it is;
+      extra_token_layers(n_question, L)  token-layers that work computes beside blend()'s: none."""
     schedule: tuple = (1.25, 1.0, 0.75)
 
     def counts(self, n_tokens: int, ratio: float, n_layers: int) -> list[int]:
@@ -201,6 +205,12 @@ class Filter:
     def keep(self, score: torch.Tensor, n: int, tokens: torch.Tensor, layer: int) -> torch.Tensor:
         """Columns (B, n) of score (B, m) that go on: the n largest, sorted."""
         return score.topk(n, dim=1).indices.sort(1).values
+
+    def ready(self, model, rec, chunks, pre: KVCache) -> Filter:
+        return self
+
+    def extra_token_layers(self, n_question: int, n_layers: int) -> int:
+        return 0
 
 
 PROGRESSIVE = Filter()  # the handout's: 1.25 r N tokens at layer 1, r N at layer 2, 0.75 r N from layer 3

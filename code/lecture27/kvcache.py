@@ -4,7 +4,7 @@ coding with one table per (layer, K/V, channel); its bitstream of independent gr
 streams a GPU would code side by side (the stream plan); the levels at coarser steps and CacheGen's
 published recipe. numpy only: pure functions on arrays that return data. The arithmetic coder is
 coder.py's (one stream) and coder_parallel.py's (many at once); measuring a codec on a model (the step
-search, the answers read from decoded KV) is codec_study.py's; the scripts print and plot.
+search, the answers read from decoded KV) is codec/study.py's (codec/smollm2.py's on a real LLaMA); the scripts print and plot.
 
 Sections of this file:
   1. CacheGen-style codec    -- anchor + delta, per-layer quantization, per-(channel, layer) tables (§3.3)
@@ -54,7 +54,7 @@ STREAM_END_BYTES = 1 / 3   # a stream's end costs about a third of a byte over i
 PARALLEL_MIN_STREAMS = 256  # fewer streams side by side: the serial coder is faster (it makes the same bytes)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class CodecSpec:
     """What the encoder and the decoder share: fitted once per model (and level) by `fit_codec`."""
     steps: np.ndarray          # (L, 2) float32: quantization step of deltas (or raw values), per layer and K/V
@@ -127,7 +127,7 @@ def dequantize(q, spec: CodecSpec) -> np.ndarray:
     return x
 
 
-def _symbols(q: np.ndarray, spec: CodecSpec):
+def symbols(q: np.ndarray, spec: CodecSpec):
     """Integers (..., T, L, 2, C) -> (symbols, table ids), same shape: value tables are numbered
     (layer, K/V, channel); anchor tables follow them."""
     L, _, C = spec.shape
@@ -157,13 +157,13 @@ def _fit_counts(calib, steps, delta: bool, level: int, group: int | None):
     if not np.all(steps > 0):
         raise ValueError("quantization steps must be positive")
     anchor_scale = np.maximum(np.abs(calib).max(axis=tuple(range(calib.ndim - 3))), 1e-8) / ANCHOR_MAX
-    spec = CodecSpec(steps, bool(delta), anchor_scale.astype(np.float32),
-                     np.full((L, 2), CODEC_MAX_RADIUS), (), int(level), int(group))
+    spec = CodecSpec(steps=steps, delta=bool(delta), anchor_scale=anchor_scale.astype(np.float32),
+                     radius=np.full((L, 2), CODEC_MAX_RADIUS), level=int(level), group=int(group))
     q = quantize(calib, spec)
     free = q if not delta else q[..., ~_anchor_mask(q.shape[-4], group), :, :, :]
     seen = np.abs(free).max(axis=tuple(range(free.ndim - 3)) + (free.ndim - 1,)) if free.size else np.zeros((L, 2))
     spec = replace(spec, radius=np.minimum(CODEC_MAX_RADIUS, np.ceil(seen * 1.25) + 2).astype(np.int64))
-    syms, ids = _symbols(q, spec)  # the radius covers every value seen, so q is unchanged by it
+    syms, ids = symbols(q, spec)  # the radius covers every value seen, so q is unchanged by it
     sizes = _table_sizes(spec)
     # counted with each table's symbols end to end (table j's from first[j]): fewer bins than tables x the
     # largest size, so the count stays in the CPU cache; then laid out as (tables, largest size)
@@ -217,12 +217,12 @@ def stream_plans(spec: CodecSpec) -> list:
     """Every layout's StreamPlan: a full group's expected bytes (the entropy of each table times the
     symbols it codes in a group) and, for S streams, (S - 1) x (STREAM_END_BYTES + the bytes of a
     stream's length)."""
-    st = spec.stack
-    inner = np.ones(st.cdf.size - 1, bool)
-    inner[(st.start + st.size)[:-1]] = False                    # entries that cross into the next table
-    p = np.diff(st.cdf) / AC_TOTAL
+    stack = spec.stack
+    inner = np.ones(stack.cdf.size - 1, bool)
+    inner[(stack.start + stack.size)[:-1]] = False              # entries that cross into the next table
+    p = np.diff(stack.cdf) / AC_TOTAL
     h = np.where(inner & (p > 0), -p * np.log2(np.where(p > 0, p, 1)), 0)
-    table_bits = np.bincount(np.repeat(np.arange(len(st.size)), st.size + 1)[:-1], h, len(st.size))
+    table_bits = np.bincount(np.repeat(np.arange(len(stack.size)), stack.size + 1)[:-1], h, len(stack.size))
     n_value = table_bits.size // 2 if spec.delta else table_bits.size
     group_bits = table_bits[:n_value].sum() * (spec.group - spec.delta) + table_bits[n_value:].sum()
     out = []
@@ -286,7 +286,7 @@ def codec_encode_many(X, spec: CodecSpec, layout: str | None = None) -> list:
         raise ValueError(f"need KV of shape (N, T, {', '.join(map(str, spec.shape))}) with 0 < T < 65536")
     N, T = X.shape[:2]
     layout = stream_plan(spec, T).layout if layout is None else layout
-    syms, ids = _symbols(quantize(X, spec), spec)
+    syms, ids = symbols(quantize(X, spec), spec)
     order, lengths, S = _stream_order(T, spec, layout)
     at = (np.arange(N)[:, None] * order.size + order).ravel()
     data, nbytes = _encode_any(syms.ravel()[at], np.tile(lengths, N), spec, ids.ravel()[at])
@@ -351,7 +351,7 @@ def _group_streams(data: bytes, h: dict, spec: CodecSpec, q, groups):
     """The streams of each group to decode: (q's values, where they go, their tables, their symbol
     counts, their byte counts, their bytes)."""
     order, lengths, S = _stream_order(h["tokens"], spec, h["layout"])
-    _, ids = _symbols(q, spec)
+    _, ids = symbols(q, spec)
     flat, ids = q.reshape(-1), ids.reshape(-1)
     start, first = np.cumsum([h["payload_start"]] + h["group_bytes"]), np.cumsum(np.r_[0, lengths])
     out = []
@@ -408,20 +408,29 @@ def kv_rms(X) -> np.ndarray:
 
 def codec_bits(spec: CodecSpec, X) -> float:
     """Ideal arithmetic-coded bits of contexts X (N, T, L, 2, C) under the spec's tables."""
-    syms, ids = _symbols(quantize(X, spec), spec)
+    syms, ids = symbols(quantize(X, spec), spec)
     return ideal_bits(syms.ravel(), list(spec.tables), ids.ravel())
 
 
 def spec_to_dict(spec: CodecSpec) -> dict:
-    return {"steps": spec.steps.tolist(), "delta": spec.delta, "anchor_scale": spec.anchor_scale.tolist(),
-            "radius": spec.radius.tolist(), "tables": [list(t.cdf) for t in spec.tables],
-            "level": spec.level, "group": spec.group}
+    """A CodecSpec as flat arrays: steps, anchor_scale, radius, and its thousands of tables as one array of
+    their CDFs end to end (cdf) and one of their lengths (sizes), which load in a blink where a list of
+    lists takes seconds; with delta, level and group. What a checkpoint stores (as tensors or, through
+    present.plain, lists) and what a restarted engine reads as JSON (each array's .tolist())."""
+    return {"steps": np.asarray(spec.steps, np.float32), "anchor_scale": np.asarray(spec.anchor_scale, np.float32),
+            "radius": np.asarray(spec.radius, np.int64), "delta": bool(spec.delta), "level": int(spec.level),
+            "group": int(spec.group), "sizes": np.array([len(t.cdf) for t in spec.tables], np.int64),
+            "cdf": np.array([c for t in spec.tables for c in t.cdf], np.int64)}
 
 
 def spec_from_dict(d: dict) -> CodecSpec:
-    return CodecSpec(np.array(d["steps"], np.float32), bool(d["delta"]), np.array(d["anchor_scale"], np.float32),
-                     np.array(d["radius"], np.int64), tuple(FreqTable(tuple(c)) for c in d["tables"]),
-                     int(d["level"]), int(d["group"]))
+    """spec_to_dict's inverse; each array given as a numpy array, a CPU tensor or a (nested) list."""
+    sizes, cdf = np.asarray(d["sizes"], np.int64).tolist(), np.asarray(d["cdf"], np.int64).tolist()
+    ends = np.cumsum(sizes, dtype=np.int64).tolist()
+    return CodecSpec(steps=np.asarray(d["steps"], np.float32), delta=bool(d["delta"]),
+                     anchor_scale=np.asarray(d["anchor_scale"], np.float32), radius=np.asarray(d["radius"], np.int64),
+                     tables=tuple(FreqTable(tuple(cdf[e - n:e])) for e, n in zip(ends, sizes)),
+                     level=int(d["level"]), group=int(d["group"]))
 
 
 # ====================================================================== 2. Levels and the recipe

@@ -2,26 +2,26 @@
 a Redis server), read back and checked. tiers.py simulates tiers from capacities and bandwidths; this one
 stores the bytes, so fetching a chunk costs what this machine makes it cost.
 
-A chunk is content-addressed as LMCache keys it (`ChunkKey`): the model that made its KV, the tokens it was
-prefilled behind (a shared system prompt, at positions 0..P-1) and its own tokens. The same key names the
-same KV on every tier and in every process: an engine that restarts finds its chunks again by their tokens.
+A chunk is content-addressed as LMCache keys it (`ChunkKey`): the model that made its KV (`model_id`), the
+tokens it was prefilled behind (a shared system prompt, at positions 0..P-1) and its own tokens. The same key
+names the same KV on every tier and in every process: an engine that restarts finds its chunks again by their
+tokens. A request's chunks are served LMCache's way: `chunk_keys` names them, `chunk_kvs` computes each one's
+KV alone behind the prefix (what a store holds does not depend on where a request puts it), and `assemble`
+places the fetched chunks one after another, each chunk's K moved to its place by shift_kv.
 
-A tier holds named records (bytes) with a byte budget and LRU eviction, as tiers.Tier does:
+A tier (`Tier`) holds named records (bytes) with a byte budget and LRU eviction, as tiers.Tier does:
   RamTier   a dict in this process's memory;
-  DiskTier  one file per chunk. A record is written to a temporary name, fsync'd, then renamed, so a writer
-            killed half way leaves no half chunk under a chunk's name (its temporary file is removed later).
-            The written pages are dropped from the OS page cache, so the next read comes from the disk;
-            `drop_cache` does the same before a timed read and `page_cache_share` says what was measured.
+  DiskTier  one file per chunk, written whole or not at all (common.files.write_atomic: a writer killed half
+            way leaves no half chunk under a chunk's name, and its temporary file is removed later). The
+            written pages are dropped from the OS page cache, so the next read comes from the disk;
+            `drop_cache` does the same before a timed read and common.files.page_cache_share says what was
+            measured.
   RedisTier (kvstore_redis.py) a real redis-server, the remote store engines share.
-Every tier has put(name, blob) -> bool, get(name) -> bytes | None, has, discard, used, names (LRU order).
 
-`ChunkStore(tier, fmt)` stores a chunk's KV, an array (T, L, 2, C) as common.llama.kv_to_array makes it, in
-one of two formats (FORMATS): "fp16", 2 bytes a value; or "cachegen", kvcache's bitstream at one codec spec
-(a level). A record is a header (magic, version, format, level, the key's digest, the shape, the payload's
-length), the payload, and a CRC-32 of both. `get` returns the float32 KV, or None: a clean miss. A record
-that fails its checksum, names another key, or does not decode is a miss with one line on stderr (and is
-discarded, so the next put stores it again), never wrong KV. fp16 returns the FP16 values exactly; cachegen
-returns kvcache.dequantize of the codec's integers, exactly what the codec decodes.
+`ChunkStore(tier, fmt)` stores a chunk's KV as a record (kvrecord.py: header, payload in one of
+kvrecord.FORMATS, checksum). `get` returns the float32 KV, or None: a clean miss. A record that fails its
+checksum, names another key, or does not decode is a miss with one line on stderr (and is discarded, so the
+next put stores it again), never wrong KV.
 """
 from __future__ import annotations
 
@@ -29,31 +29,29 @@ import functools
 import hashlib
 import json
 import os
-import struct
 import sys
 import time
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
+import torch
 
+from common.files import drop_cache, remove_dead_writers, write_atomic
+from common.llama import KVCache, LlamaConfig, array_to_kv, kv_to_array, shift_kv
 from lecture27 import kvcache as kv
+from lecture27 import kvrecord
+from lecture27.kvrecord import Corrupt
 
-FORMATS = ("fp16", "cachegen")
-RECORD_MAGIC = b"L27K"
-RECORD_VERSION = 1
-_HEAD = struct.Struct("<4sBBB16sIHHQ")   # magic, version, format, level, key digest, T, L, C, payload bytes
-_CRC = struct.Struct("<I")
-TEMP_SUFFIX = ".tmp"                      # a DiskTier record being written: .<name>.<writer pid>.<random>.tmp
-RECORD_SUFFIX = ".kv"
+RECORD_SUFFIX = ".kv"   # a DiskTier record's file: <name>.kv
 
 
 @dataclass(frozen=True)
 class ChunkKey:
     """What a chunk's KV depends on: the model, the tokens it was prefilled behind, its own tokens."""
-    model: str                # the model file (e.g. "SmolLM2-135M-Instruct.Q4_1.gguf:<size>")
+    model: str                # the model file (model_id, e.g. "SmolLM2-135M-Instruct.Q4_1.gguf:<size>")
     tokens: tuple             # the chunk's tokens
     prefix: tuple = ()        # the tokens before it when it was prefilled (positions 0..P-1)
 
@@ -64,69 +62,93 @@ class ChunkKey:
         return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
-class Corrupt(ValueError):
-    """A record that is not what its name says: a miss, never KV."""
+def model_id(path) -> str:
+    """The model as a chunk key names it: its file's name and size."""
+    path = Path(path)
+    return f"{path.name}:{path.stat().st_size}"
 
 
-# ------------------------------------------------------------------------------------------ records
-def pack(key: ChunkKey, kvs, fmt: str, spec: kv.CodecSpec | None = None) -> bytes:
-    """A chunk's record: header, payload (FP16 values in (T, L, 2, C) order, or the codec's bitstream), CRC-32."""
-    X = np.asarray(kvs, np.float32)
-    if X.ndim != 4 or X.shape[2] != 2:
-        raise ValueError(f"a chunk's KV is (T, L, 2, C), not {X.shape}")
-    if fmt == "fp16":
-        payload, level = X.astype(np.float16).tobytes(), 0
-    elif fmt == "cachegen":
-        if spec is None or spec.shape != X.shape[1:]:
-            raise ValueError("the cachegen format needs the codec spec of this model's (L, 2, C)")
-        payload, level = kv.codec_encode(X, spec), spec.level
-    else:
-        raise ValueError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
-    T, L, _, C = X.shape
-    head = _HEAD.pack(RECORD_MAGIC, RECORD_VERSION, FORMATS.index(fmt), level, key.digest, T, L, C, len(payload))
-    return head + payload + _CRC.pack(zlib.crc32(payload, zlib.crc32(head)))
+# ------------------------------------------------------------------------------------------ a request's chunks
+def chunk_keys(model: str, prefix, chunks) -> list:
+    """The keys of a context: the prefix's (when there is one), then each chunk's, prefilled behind the prefix."""
+    prefix = tuple(prefix)
+    return ([ChunkKey(model, prefix)] if prefix else []) + [ChunkKey(model, tuple(c), prefix) for c in chunks]
 
 
-def check(record, key: ChunkKey) -> tuple[str, tuple, memoryview]:
-    """(format, shape (T, L, 2, C), payload) of a record of `key`; Corrupt if its length, checksum or key is off."""
-    view = memoryview(record)
-    if len(view) < _HEAD.size + _CRC.size:
-        raise Corrupt("is shorter than a record")
-    magic, version, fmt, _, digest, T, L, C, n = _HEAD.unpack_from(view)
-    if magic != RECORD_MAGIC or version != RECORD_VERSION or fmt >= len(FORMATS):
-        raise Corrupt("is not a chunk record of this version")
-    if len(view) != _HEAD.size + n + _CRC.size:
-        raise Corrupt(f"is {len(view)} bytes, its header announces {_HEAD.size + n + _CRC.size}")
-    (crc,) = _CRC.unpack_from(view, len(view) - _CRC.size)
-    if zlib.crc32(view[:-_CRC.size]) != crc:
-        raise Corrupt("fails its checksum")
-    if digest != key.digest:
-        raise Corrupt("holds another chunk's KV")
-    return FORMATS[fmt], (T, L, 2, C), view[_HEAD.size:-_CRC.size]
+@torch.no_grad()
+def chunk_kvs(model, prefix, chunks) -> list:
+    """The KV (T, L, 2, C) of the prefix (when there is one), then of each chunk prefilled alone behind it at
+    positions P..P+c-1, chunk_keys' order. Not yet moved to a request's positions: assemble does that."""
+    P = len(prefix)
+    pre, out = None, []
+    if P:
+        _, pre = model(torch.tensor([list(prefix)]), last=True)
+        out.append(kv_to_array(pre)[0])
+    for c in chunks:
+        _, cache = model(torch.tensor([list(c)]), cache=pre, last=True)
+        out.append(kv_to_array(KVCache([k[:, :, P:] for k in cache.k], [v[:, :, P:] for v in cache.v]))[0])
+    return out
 
 
-def unpack(fmt: str, shape: tuple, payload, spec: kv.CodecSpec | None = None) -> np.ndarray:
-    """A checked record's payload -> float32 KV (T, L, 2, C)."""
-    if fmt == "fp16":
-        return np.frombuffer(payload, np.float16).reshape(shape).astype(np.float32)
-    if spec is None:
-        raise Corrupt("is a cachegen record and this store has no codec spec")
-    try:
-        q = kv.codec_decode(bytes(payload), spec)
-    except ValueError as e:   # CorruptStream, or another spec's fingerprint
-        raise Corrupt(f"does not decode ({e})") from None
-    if q.shape != shape:
-        raise Corrupt(f"decodes to {q.shape}, its header says {shape}")
-    return kv.dequantize(q, spec)
+def assemble(keys, arrays, cfg: LlamaConfig) -> KVCache:
+    """The context's cache from its chunks' fetched KV, in the keys' order: each record placed after the one
+    before, its K moved from where it was prefilled (behind its prefix, at P) to its place by shift_kv (V
+    carries no position); a record already at its place (the prefix, the first chunk) is not rotated."""
+    caches, start = [], 0
+    for key, X in zip(keys, arrays):
+        c, delta = array_to_kv(X, cfg.n_kv_heads), start - len(key.prefix)
+        k = [shift_kv(k, delta, cfg.rope_theta) for k in c.k] if delta else c.k
+        caches.append(KVCache(k, c.v, torch.arange(start, start + len(X))))
+        start += len(X)
+    return KVCache.cat(caches)
+
+
+# ------------------------------------------------------------------------------------------ the tier interface
+@runtime_checkable
+class Tier(Protocol):
+    """Named records (bytes) within a byte budget, least recently used evicted first: what ChunkStore stores in."""
+    name: str
+    budget: int
+
+    @property
+    def used(self) -> int:
+        """Bytes of the records held."""
+
+    @property
+    def evictions(self) -> int:
+        """Records evicted to make room so far."""
+
+    def names(self) -> list:
+        """The records' names in eviction order, next victim first."""
+
+    def has(self, name: str) -> bool:
+        """Whether the record is held (without making it more recent)."""
+
+    def touch(self, name: str) -> bool:
+        """Make the record the most recently used; False when it is not held."""
+
+    def put(self, name: str, blob: bytes) -> bool:
+        """Store a record, evicting the least recently used ones to make room; False: bigger than the budget."""
+
+    def get(self, name: str):
+        """The record's bytes (and it becomes the most recently used), or None."""
+
+    def discard(self, name: str) -> None:
+        """Remove the record if it is held."""
+
+    def evict_oldest(self) -> int:
+        """Remove the least recently used record; its size in bytes."""
+
+    def drop_cache(self, name: str) -> None:
+        """Before a timed read: make the next get read the record from the tier's medium, not from a cache."""
 
 
 # ------------------------------------------------------------------------------------------ the store
 class ChunkStore:
     """One tier, one format: put(key, kv) and get(key) -> float32 KV or None (a miss)."""
 
-    def __init__(self, tier, fmt: str = "fp16", spec: kv.CodecSpec | None = None, say=None):
-        if fmt not in FORMATS:
-            raise ValueError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
+    def __init__(self, tier: Tier, fmt: str = "fp16", spec: kv.CodecSpec | None = None, say=None):
+        kvrecord.check_format(fmt)
         if fmt == "cachegen" and spec is None:
             raise ValueError("the cachegen format needs a codec spec (kvcache.CodecSpec at one level)")
         self.tier, self.fmt, self.spec = tier, fmt, spec
@@ -138,7 +160,7 @@ class ChunkStore:
         return key.digest.hex() + ("-fp16" if self.fmt == "fp16" else f"-cachegen{self.spec.level}")
 
     def encode(self, key: ChunkKey, kvs) -> bytes:
-        return pack(key, kvs, self.fmt, self.spec)
+        return kvrecord.pack(key.digest, kvs, self.fmt, self.spec)
 
     def put(self, key: ChunkKey, kvs) -> bool:
         """Store a chunk (or make it most recently used if the tier has it). False: bigger than the tier."""
@@ -156,14 +178,14 @@ class ChunkStore:
             self.misses += 1
             return None
         try:
-            return check(record, key)
+            return kvrecord.check(record, key.digest)
         except Corrupt as e:
             return self._bad(name, e)
 
     def decode(self, key: ChunkKey, fetched) -> np.ndarray | None:
         """A fetched record -> float32 KV (T, L, 2, C), or None when it does not decode."""
         try:
-            return unpack(*fetched, self.spec)
+            return kvrecord.unpack(*fetched, self.spec)
         except Corrupt as e:
             return self._bad(self.name(key), e)
 
@@ -193,9 +215,10 @@ class ChunkStore:
                     out[i] = self.decode(keys[i], fetched[i])
                 continue
             for i, q in zip(idx, qs):
-                shape = fetched[i][1]
-                out[i] = (kv.dequantize(q, self.spec) if q.shape == shape
-                          else self._bad(self.name(keys[i]), Corrupt(f"decodes to {q.shape}, its header says {shape}")))
+                try:
+                    out[i] = kvrecord.dequantized(q, fetched[i][1], self.spec)
+                except Corrupt as e:
+                    out[i] = self._bad(self.name(keys[i]), e)
         return out
 
     def get(self, key: ChunkKey) -> np.ndarray | None:
@@ -220,7 +243,7 @@ class ChunkStore:
 
 
 # ------------------------------------------------------------------------------------------ tiers
-def make_room(tier, name: str, nbytes: int) -> bool:
+def make_room(tier: RamTier | DiskTier, name: str, nbytes: int) -> bool:
     """Before a put: False when the record is already there (it is touched, nothing to write) or can never
     fit the tier's budget; else the least recently used records are evicted until nbytes more fit, True."""
     if tier.touch(name) or nbytes > tier.budget:
@@ -286,7 +309,7 @@ class DiskTier:
         self.folder, self.budget, self.evictions = Path(folder), budget, 0
         self.folder.mkdir(parents=True, exist_ok=True)
         self._tick = 0
-        self.removed_temp = remove_dead_writers(self.folder)
+        self.removed_temp = remove_dead_writers(self.folder)   # killed writers' temporary files
         files = []
         for p in self.folder.glob("*" + RECORD_SUFFIX):
             try:
@@ -350,93 +373,3 @@ class DiskTier:
 
     def drop_cache(self, name: str) -> None:
         drop_cache(self.path(name))
-
-
-def write_atomic(path: Path, blob) -> None:
-    """Write to a temporary name in the same folder, fsync, drop its pages from the page cache, rename over
-    `path`, fsync the folder: a reader sees the whole record or none, even if this process is killed."""
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}{TEMP_SUFFIX}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        view = memoryview(blob)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-        _fadvise_dontneed(fd)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
-def remove_dead_writers(folder: Path) -> int:
-    """Remove the temporary files of writers that are no longer running (killed mid-write). Returns how many."""
-    n = 0
-    for p in folder.glob("." + "*" + TEMP_SUFFIX):
-        parts = p.name.split(".")
-        pid = int(parts[-3]) if len(parts) >= 4 and parts[-3].isdigit() else None
-        if pid is None or not pid_alive(pid):
-            p.unlink(missing_ok=True)
-            n += 1
-    return n
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True   # no /proc (not Linux): kill(pid, 0) succeeded
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _fadvise_dontneed(fd: int) -> bool:
-    if not hasattr(os, "posix_fadvise"):
-        return False
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    return True
-
-
-def drop_cache(path) -> bool:
-    """Drop a file's pages from the OS page cache (fsync, then POSIX_FADV_DONTNEED), so the next read comes
-    from the disk. False where the OS offers no posix_fadvise (the read may then come from the cache)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        return _fadvise_dontneed(fd)
-    finally:
-        os.close(fd)
-
-
-def page_cache_share(path) -> float | None:
-    """Share of a file's pages in the OS page cache now (mincore(2) on a mapping of it), None where unknown:
-    what a timed read of it will measure, the disk (0) or the cache (1)."""
-    import ctypes
-    import mmap
-    size = os.path.getsize(path)
-    if size == 0:
-        return 0.0
-    try:
-        mincore = ctypes.CDLL(None, use_errno=True).mincore
-    except (OSError, AttributeError):
-        return None
-    page = mmap.PAGESIZE
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mm:
-        buf = (ctypes.c_char * size).from_buffer(mm)
-        vec = (ctypes.c_ubyte * (-(-size // page)))()
-        ok = mincore(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(size), vec) == 0
-        del buf
-    return float(np.frombuffer(vec, np.uint8).__and__(1).mean()) if ok else None

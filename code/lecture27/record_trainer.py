@@ -2,8 +2,8 @@
 key's value from a context of random records, and a small penalty teaches it the locality of a
 pretrained LLM. Trained once (under a minute on one core), then loaded from code/checkpoints/.
 
-    python code/lecture27/record_trainer.py               # train (or load) the model and check it
-    python code/lecture27/record_trainer.py --seeds 0-19  # the seed sweep: every seed trains (slow: ~45 s each)
+    PYTHONPATH=code python -m lecture27.record_trainer               # train (or load) the model and check it
+    PYTHONPATH=code python -m lecture27.record_trainer --seeds 0-19  # the seed sweep: every seed trains (slow: ~45 s each)
 """
 from __future__ import annotations
 
@@ -363,11 +363,11 @@ def sweep_table(rows: list[dict], chunk_len: int, n_docs: int, frac: float):
                  f"steps: median {statistics.median(steps):.0f}, max {max(steps)}; at the sweep's median "
                  f"{rate:.0f} ms/step that is median {statistics.median(steps) * rate / 1e3:.0f} s, "
                  f"max {max(steps) * rate / 1e3:.0f} s"]
-    return Table(f"record model over {len(rows)} seeds (top-{frac:.0%} share of the KV deviation: chunks of "
-                 f"{chunk_len}, layers 1-3, {n_docs} held-out documents)", "§0.4",
-                 cols("seed", "drop step", "attempts", "values re-seeded", "steps", ("held-out acc", "{:.2%}"),
+    return Table(title=f"record model over {len(rows)} seeds (top-{frac:.0%} share of the KV deviation: chunks of "
+                 f"{chunk_len}, layers 1-3, {n_docs} held-out documents)", section="§0.4",
+                 cols=cols("seed", "drop step", "attempts", "values re-seeded", "steps", ("held-out acc", "{:.2%}"),
                       (f"top-{frac:.0%} share", "{:.1%}"), ("train s", "{:.0f}"), ("ms/step", "{:.0f}")),
-                 body, source="record_trainer.seed_sweep", notes=notes)
+                 rows=body, source="record_trainer.seed_sweep", notes=notes)
 
 
 # ------------------------------------------------------------------------------------ main

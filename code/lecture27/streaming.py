@@ -416,9 +416,9 @@ def _give_up_guard(setup: Setup, chunk: tuple, est_gbps: float, t: float, gpu_fr
     RISK_FACTOR times earlier than next_at; once `at` has come, only the risky ones may start."""
     if not max(t, gpu_free) <= at + 1e-9:
         return None
-    kv = {o.name: predict_s(setup, chunk, o, est_gbps) for o in setup.options if not o.recompute}
-    risky = frozenset(nm for nm, p in kv.items() if t + p > at and t + RISK_FACTOR * p <= next_at)
-    return _Guard(at, frozenset(kv) if at - t > 1e-9 else risky, risky)
+    kv_pred = {o.name: predict_s(setup, chunk, o, est_gbps) for o in setup.options if not o.recompute}
+    risky = frozenset(nm for nm, p in kv_pred.items() if t + p > at and t + RISK_FACTOR * p <= next_at)
+    return _Guard(at, frozenset(kv_pred) if at - t > 1e-9 else risky, risky)
 
 
 def _given_up(guard: _Guard | None, opt: Option, f: Transfer) -> bool:

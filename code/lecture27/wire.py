@@ -131,7 +131,7 @@ def _sender(port: int, payloads: dict, names: tuple, quantum: int, faults: Fault
     sock.close()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Arrival:
     """One chunk received. Times are on the run's clock (seconds since START): asked (request sent),
     last_byte (its last byte read), planned (the plan's last write), sent (when the sender made its last write)."""
@@ -242,7 +242,8 @@ class Wire:
             raise WireTimeout(f"chunk {chunk} ({option}): {what} after {len(data)} bytes of "
                               f"{len(self.payloads[option][chunk])}") from None
         data = bytes(data)
-        return Arrival(chunk, option, data, zlib.crc32(data) == crc and len(data) == n, asked, last, planned, sent)
+        return Arrival(chunk=chunk, option=option, data=data, crc_ok=zlib.crc32(data) == crc and len(data) == n,
+                       asked=asked, last_byte=last, planned=planned, sent=sent)
 
 
 if __name__ == "__main__":      # the sender process: its arguments come pickled on stdin from Wire

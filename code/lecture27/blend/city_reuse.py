@@ -37,7 +37,7 @@ class City:
     entropy: float                  # the language's true entropy of words 2-8
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Shift:
     shift: int
     k_rotated_max_diff: float
@@ -89,8 +89,9 @@ def shift_check(d: CityDocs, chunk_len: int, shift: int) -> Shift:
         caches.append(KVCache(k=kv.k, v=kv.v, pos=kv.pos + start))
     unrot, _ = model(d.q, cache=KVCache.cat(caches))
     lp_unrot = unrot[:, :-1].log_softmax(-1)
-    return Shift(shift, k_rot, k_raw, v_diff, max(float(k.abs().max()) for k in at_s.k),
-                 cross_entropy(lp_unrot, d.tgt), float(kl_divergence(d.lp_full, lp_unrot).mean()))
+    return Shift(shift=shift, k_rotated_max_diff=k_rot, k_unrotated_max_diff=k_raw, v_max_diff=v_diff,
+                 k_max_abs=max(float(k.abs().max()) for k in at_s.k), ce_unrotated=cross_entropy(lp_unrot, d.tgt),
+                 kl_unrotated=float(kl_divergence(d.lp_full, lp_unrot).mean()))
 
 
 @dataclass

@@ -48,7 +48,7 @@ MASKS = {"position": bw.position_mask, "bottom-right": bottom_right_mask}  # ble
 FIRST_LAYER_CHANGED = 2
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MaskCost:
     """Accuracy on split records of CacheBlend at `ratio` under each mask of MASKS (name -> accuracy), the
     same for the unsplit records, and layers_read: how many leading layers of the context's KV the
@@ -94,9 +94,10 @@ def record_cost(model, rec: bw.Records, chunk_len: int, ratio: float, pre=None) 
         logits, trace = bw.blend(model, rec, chunk_len, ratio, pre=pre, mask=mask, trace=True)
         correct[name], picks = bw.answer_correct(logits, rec), trace.recomputed[0]
     acc = lambda ok, m: bw.accuracy(ok, m) if m.any() else None  # noqa: E731
-    return MaskCost(ratio, chunk_len, {n: acc(ok, split) for n, ok in correct.items()},
-                    {n: acc(ok, ~split) for n, ok in correct.items()}, layers_read(model, rec, chunk_len, pre),
-                    future_keys(picks, bw.DOC_LEN), picks.shape[1])
+    return MaskCost(ratio=ratio, chunk_len=chunk_len, split={n: acc(ok, split) for n, ok in correct.items()},
+                    unsplit={n: acc(ok, ~split) for n, ok in correct.items()},
+                    layers_read=layers_read(model, rec, chunk_len, pre), future_keys=future_keys(picks, bw.DOC_LEN),
+                    picks=picks.shape[1])
 
 
 def future_keys(picks: torch.Tensor, n_context: int) -> float:

@@ -3,7 +3,7 @@ per Part (s: 04's Settings), each with its tables, notes and figures, and its `-
 the result's fields in one place (one add_json call, its dict built by a *_json function where it is
 more than a few keys). The handout's figures that stand beside ours are HANDOUT, looked up only through
 common.present.handout. Nothing here computes a lecture figure: the results come from prefix_caching.py,
-city_reuse.py, record_blend.py, mask_pitfall.py and blend_timing.py."""
+city_reuse.py, record_blend.py, mask_pitfall.py and timing.py."""
 from __future__ import annotations
 
 import math
@@ -101,12 +101,13 @@ def show_prefix(page: Page, st: pc.PrefixStudy, s) -> None:
         by = {how: getattr(x, f"{how}_ttft_s") for how in HOWS}      # method -> device -> TTFT per k
         rows = [Row([k, 1e3 * x.full_ttft_s[i], *[1e3 * by[how][d][i] for how in HOWS for d in st.devices]])
                 for i, k in enumerate(st.ks)]
-        add_table(page, Table(f"{tm.get_model(m).name} ({tm.get_model(m).tag}) on {x.n_gpus} x {s.gpu}: TTFT (ms) "
+        add_table(page,
+                  Table(title=f"{tm.get_model(m).name} ({tm.get_model(m).tag}) on {x.n_gpus} x {s.gpu}: TTFT (ms) "
                               f"of k chunks x {st.chunk_tokens} tokens + a {st.question}-token question; the KV read "
                               f"from {' or '.join(st.devices)}, pipelined (CacheBlend recomputes {s.min_ratio:.0%})",
-                              "§5.1", cols("k", ("full prefill", "{:.0f}"),
+                              section="§5.1", cols=cols("k", ("full prefill", "{:.0f}"),
                                            *[(f"{how} {d}", "{:.0f}") for how in HOWS for d in st.devices]),
-                              rows, "prefix_caching.system_prefix"))
+                              rows=rows, source="prefix_caching.system_prefix"))
     show_saved_share(page, st, s)
     prefix_figure(page, st, s)
     add_json(page, prefix_json(st))
@@ -128,9 +129,10 @@ def show_saved_share(page: Page, st: pc.PrefixStudy, s) -> None:
             for m, x in st.systems.items() for label, how, ref in methods]
     verdicts = "; ".join(f"{saved_verdict(f'{names[m]}: prefix caching', x.prefix_saved_share)}, "
                          f"{saved_verdict(f'CacheBlend {r}', x.blend_saved_share)}" for m, x in st.systems.items())
-    add_table(page, Table("Share of full prefill's GPU time each method does not spend, by k", "§5.1",
-                          cols("method", *[(f"k={k}", "{:.0%}") for k in st.ks]), rows, "prefix_caching.system_prefix",
-                          [f"{verdicts}. Only the first chunk can be a prefix, so prefix caching prefills the other "
+    add_table(page, Table(title="Share of full prefill's GPU time each method does not spend, by k", section="§5.1",
+                          cols=cols("method", *[(f"k={k}",
+                                                 "{:.0%}") for k in st.ks]), rows=rows, source="prefix_caching.system_prefix",
+                          notes=[f"{verdicts}. Only the first chunk can be a prefix, so prefix caching prefills the other "
                            f"k - 1; CacheBlend recomputes {r} of every chunk wherever it sits, full reuse none (and "
                            "loses what the chunks would have seen of each other, §5.2)."]))
 
@@ -141,7 +143,8 @@ def prefix_figure(page: Page, st: pc.PrefixStudy, s) -> None:
     lines = [Series(st.ks, [100 * v for v in getattr(x, f"{how}_saved_share")], f"{tm.get_model(m).name}, {label}",
                     style=dict(marker=mark, color=color, ls=ls, **(dict(mfc="none", ms=8) if mark == "o" else {})))
              for (m, x), mark in zip(st.systems.items(), "oxs^") for how, color, ls, label in methods]
-    chart_figure(page, "04_prefix_caching.png", Chart(lines, "k retrieved chunks", "% of full prefill's GPU time saved",
+    chart_figure(page, "04_prefix_caching.png", Chart(series=lines, xlabel="k retrieved chunks",
+                                                      ylabel="% of full prefill's GPU time saved",
                  axes={"ylim": (0, 100)}), f"§5.1: share of full prefill's GPU time saved\n(k chunks of "
                  f"{st.chunk_tokens} tokens" + (f"; handout: {ref.figure})" if isinstance(ref, Ref) else ")"),
                  figsize=(6.4, 4.2))
@@ -153,12 +156,12 @@ def show_moved_chunk(page: Page, e: city_reuse.Moved, s) -> None:
     page.exercise(5, "§5.1", f"a chunk's KV computed at position 0, moved to position {x.shift} (city model, "
                              "all layers)")
     at = f"computed at {x.shift}"
-    add_table(page, Table("", "§5.1", cols("quantity", ("max |difference|", "{:.1e}")), [
+    add_table(page, Table(title="", section="§5.1", cols=cols("quantity", ("max |difference|", "{:.1e}")), rows=[
         fact(f"K at 0 rotated by {x.shift} (shift_kv) vs K {at}", x.k_rotated_max_diff),
         fact(f"K at 0, not rotated, vs K {at}", x.k_unrotated_max_diff, fmt="{:.2f}"),
         fact(f"V at 0 vs V {at}", x.v_max_diff),
         fact("(largest |K| value, for scale)", x.k_max_abs, fmt="{:.2f}")],
-        "city_reuse.shift_check", [shift_note(x, e.rotated)]))
+        source="city_reuse.shift_check", notes=[shift_note(x, e.rotated)]))
     add_json(page, {"ex5": x})
 
 
@@ -176,13 +179,14 @@ def shift_note(e: city_reuse.Shift, rotated: city_reuse.City) -> str:
 def show_city(page: Page, c: city_reuse.City, s) -> None:
     page.part("Part 1", "§5.2", f"City language: {s.city_chunks} chunks x {s.city_chunk_len} tokens + a question of "
                                 f"{s.city_chunk_len} tokens, {s.city_docs} documents")
-    add_table(page, Table("Independent sentences: reuse loses " + ("nothing." if c.kl < 1e-3 else
+    add_table(page, Table(title="Independent sentences: reuse loses " + ("nothing." if c.kl < 1e-3 else
                                                                    f"{c.kl:.4f} nats (KL)."),
-                          "§5.2", cols("city language", ("ours", "{:.4f}")), [
+                          section="§5.2", cols=cols("city language", ("ours", "{:.4f}")), rows=[
         fact("cross-entropy, full prefill (nats/token)", c.ce_full, handout=handout(HANDOUT, "city_ce_full", s)),
         fact("cross-entropy, full reuse (nats/token)", c.ce_reuse, handout=handout(HANDOUT, "city_ce_reuse", s)),
         fact("KL(full prefill || full reuse)", c.kl, fmt="{:.5f}", handout=handout(HANDOUT, "city_kl", s)),
-        fact("true entropy of words 2-8 (nats/token)", c.entropy)], "city_reuse.city_losses", [city_note(c, s)]))
+        fact("true entropy of words 2-8 (nats/token)", c.entropy)], source="city_reuse.city_losses", notes=[city_note(c,
+                                                                                                                      s)]))
     add_json(page, {"city_ce_full": c.ce_full, "city_ce_reuse": c.ce_reuse, "city_kl": c.kl})
 
 
@@ -241,12 +245,12 @@ def show_records(page: Page, run: rb.RecordRun, s) -> None:
     rows = [Row([LABELS[m] + (f" {r}" if m in ("blend", "random") else ""), run.acc[m].split, run.acc[m].unsplit,
                  handout_text(handout(HANDOUT, ref[m], s)),
                  handout_text(handout(HANDOUT, "unsplit_reuse", s) if m == "reuse" else None)]) for m in rb.METHODS]
-    add_table(page, Table(f"Record world, chunks of {run.chunk_len}: split records {ids} (values at positions "
+    add_table(page, Table(title=f"Record world, chunks of {run.chunk_len}: split records {ids} (values at positions "
                           f"{[2 * i + 1 for i in ids]});\n{run.n_split:,} questions on split records, "
-                          f"{run.n_unsplit:,} on unsplit; chance 1/{N_RECORDS} = {1 / N_RECORDS:.1%}.", "§5.2, §5.3",
-                          cols("method", ("split records", pct1), ("unsplit records", pct1),
-                               "handout split", "handout unsplit"), rows, "record_blend.record_experiment",
-                          random_note(run, s)))
+                          f"{run.n_unsplit:,} on unsplit; chance 1/{N_RECORDS} = {1 / N_RECORDS:.1%}.", section="§5.2, §5.3",
+                          cols=cols("method", ("split records", pct1), ("unsplit records", pct1),
+                               "handout split", "handout unsplit"), rows=rows, source="record_blend.record_experiment",
+                          notes=random_note(run, s)))
     add_json(page, records_json(run))
 
 
@@ -271,13 +275,14 @@ def show_input_rules(page: Page, run: rb.RecordRun, acc: dict, s) -> None:
     rows += [Row([f"{m} {r}", a.split, a.unsplit]) for m, a in acc.items()]
     rows.append(Row([f"{LABELS['random']} {r}", run.acc["random"].split, run.acc["random"].unsplit]))
     q = acc.get("query")
-    add_table(page, Table(f"Record world, chunks of {run.chunk_len}, r = {r}: the rules that read the input before "
+    add_table(page,
+              Table(title=f"Record world, chunks of {run.chunk_len}, r = {r}: the rules that read the input before "
                           "blend() (blend_rules.INPUT_RULES);\n  query: the tokens the question's tokens attend to "
                           "most over full reuse's cache; query+dev: with layer 0's deviation; chunk-start: the\n  "
-                          "first tokens of every chunk (EPIC)", "§5.3",
-                          cols("method", ("split records", pct1), ("unsplit records", pct1)), rows,
-                          "record_blend.input_rules",
-                          [query_record_note(run, acc)] if q and q.split is not None else []))
+                          "first tokens of every chunk (EPIC)", section="§5.3",
+                          cols=cols("method", ("split records", pct1), ("unsplit records", pct1)), rows=rows,
+                          source="record_blend.input_rules",
+                          notes=[query_record_note(run, acc)] if q and q.split is not None else []))
     add_json(page, {"query_split_acc": q.split if q else None,
                     "input_rules_split_acc": {m: a.split for m, a in acc.items()}})
 
@@ -295,11 +300,12 @@ def query_record_note(run: rb.RecordRun, acc: dict) -> str:
 # ---------------------------------------------------------------------------- §5.2, exercise 6
 def show_split_at(page: Page, e: rb.SplitAt, s) -> None:
     page.exercise(6, "§5.2", f"chunk length {e.chunk_len}: how many records are split, and full reuse's accuracy")
-    add_table(page, Table("", "§5.2", cols("exercise 6", ("ours", pct1)), [
+    add_table(page, Table(title="", section="§5.2", cols=cols("exercise 6", ("ours", pct1)), rows=[
         fact(f"records split by chunks of {e.chunk_len}", e.split_records, fmt=lambda x: f"{len(x)} {x}",
              handout=handout(HANDOUT, "ex6_split", s)),
         fact("full reuse: accuracy on every question", e.reuse_acc, handout=handout(HANDOUT, "ex6_reuse", s)),
-        fact("full prefill: accuracy on every question", e.full_acc)], "record_blend.split_at", [split_note(e)]))
+        fact("full prefill: accuracy on every question",
+             e.full_acc)], source="record_blend.split_at", notes=[split_note(e)]))
     add_json(page, {"ex6": e})
 
 
@@ -345,14 +351,16 @@ def show_findings(page: Page, p: rb.Findings, s) -> None:
                    handout=handout(HANDOUT, f"blend_c{n}", s, chunk_len=n)) for n, acc in p.blend_at_ratio.items()],
             fact(f"lowest ratio recovering >= {p.recover:.0%} of split records, chunk length "
                  + " / ".join(map(str, p.lowest)), " / ".join(pct1(x) for x in p.lowest.values()))]
-    add_table(page, Table(f"chunks of {s.chunk_len}; deviation = precomputed chunks' KV minus full prefill's, per "
-                          "layer", "§5.3", cols("insight", ("ours", pct1)), rows, "record_blend.insights"))
+    add_table(page,
+              Table(title=f"chunks of {s.chunk_len}; deviation = precomputed chunks' KV minus full prefill's, per "
+                          "layer", section="§5.3", cols=cols("insight", ("ours",
+                                                                         pct1)), rows=rows, source="record_blend.insights"))
     c = p.curve
-    add_table(page, Table("compute-quality curve: accuracy on split records", "§5.3",
-                          cols(("ratio", "{:.0%}"), *[(f"c={n} {how}", pct1) for n in c.blend
+    add_table(page, Table(title="compute-quality curve: accuracy on split records", section="§5.3",
+                          cols=cols(("ratio", "{:.0%}"), *[(f"c={n} {how}", pct1) for n in c.blend
                                                       for how in ("blend", "random")]),
-                          [Row([x] + [acc[i] for n in c.blend for acc in (c.blend[n], c.random[n])])
-                           for i, x in enumerate(c.ratios)], "record_blend.curve"))
+                          rows=[Row([x] + [acc[i] for n in c.blend for acc in (c.blend[n], c.random[n])])
+                           for i, x in enumerate(c.ratios)], source="record_blend.curve"))
     curve_figure(page, c, s)
     concentration_figure(page, f.deviation, s)
     add_json(page, findings_json(p, s))
@@ -367,7 +375,7 @@ def curve_figure(page: Page, c: rb.Curve, s) -> None:
     floor = dict(color="gray", ls="-.", lw=0.8, label=f"the controller's floor, --min-ratio {s.min_ratio:.0%} "
                                                        "(§5.4)")
     chart_figure(page, "04_compute_quality.png", Chart(
-        lines, "recompute ratio r (% of context tokens)", "accuracy on split records (%)",
+        series=lines, xlabel="recompute ratio r (% of context tokens)", ylabel="accuracy on split records (%)",
         legend=dict(loc="lower right"), hlines=[(100 / N_RECORDS, {**REFERENCE, "label": f"chance (1/{N_RECORDS})"})],
         vlines=[(100 * s.min_ratio, floor)]), "compute vs quality: recomputing the right tokens", figsize=(6.4, 4))
 
@@ -378,8 +386,8 @@ def concentration_figure(page: Page, dev, s) -> None:
     lines = [Series(x, (100 * rb.lorenz(dev[i])).tolist(), f"layer {i}", style=dict(marker="."))
              for i in range(1, dev.shape[0])]
     chart_figure(page, "04_deviation_concentration.png", Chart(
-        lines + [Series([0, 100], [0, 100], "evenly spread", style=REFERENCE)],
-        "top x% of context tokens (by KV deviation)", "% of the layer's KV deviation",
+        series=lines + [Series([0, 100], [0, 100], "evenly spread", style=REFERENCE)],
+        xlabel="top x% of context tokens (by KV deviation)", ylabel="% of the layer's KV deviation",
         vlines=[(100 * s.top_share, dict(color="gray", ls="--", lw=0.8))]), "How concentrated is full reuse's KV "
         f"deviation?\n(chunks of {s.chunk_len}"
         + (f"; handout: top {s.top_share:.0%} hold {ref.figure})" if isinstance(ref, Ref) else ")"),
@@ -401,14 +409,16 @@ def show_mask(page: Page, c: mp.MaskCost, s) -> None:
         page.say(f"  The mask pitfall (§5.3): chunks of {s.chunk_len} split no record, so there is nothing for "
                  "either mask to repair here.")
         return
-    add_table(page, Table(f"Pitfall: the causal mask of the recomputed tokens. CacheBlend {s.ratio:.0%}, chunks of "
-                          f"{s.chunk_len}", "§5.3", cols("mask at layers 1..L-1", ("split records", pct1),
-                                                         ("unsplit records", pct1)), [
+    add_table(page,
+              Table(title=f"Pitfall: the causal mask of the recomputed tokens. CacheBlend {s.ratio:.0%}, chunks of "
+                          f"{s.chunk_len}", section="§5.3", cols=cols("mask at layers 1..L-1", ("split records", pct1),
+                                                         ("unsplit records", pct1)), rows=[
         Row(["position mask (blend's): each row sees the keys up to its own position",
              c.split["position"], c.unsplit["position"]]),
         Row(["bottom-right mask (the pitfall): the rows taken as the last ones",
              c.split["bottom-right"], c.unsplit["bottom-right"]])],
-        "mask_pitfall.record_cost", [why_the_mask_is_wrong(c.future_keys, c.picks, DOC_LEN), mask_cost_note(c)]))
+        source="mask_pitfall.record_cost", notes=[why_the_mask_is_wrong(c.future_keys, c.picks, DOC_LEN),
+                                                  mask_cost_note(c)]))
     add_json(page, {"mask_position_split_acc": c.split["position"], "mask_pitfall_split_acc": c.split["bottom-right"]})
 
 
@@ -430,10 +440,11 @@ def show_check_cost(page: Page, ex: list[bt.CheckCost], rho: float, s) -> None:
                              f"tokens, {s.gpu}, time model)")
     rows = [Row([f"{tm.get_model(e.model).name}, at layer {i}", gflop, ms, e.full_layer_ms])
             for e in ex for i, gflop, ms in ((0, e.layer0_gflop, e.layer0_ms), (1, e.layer1_gflop, e.layer1_ms))]
-    add_table(page, Table("", "§5.3", cols("check of the deviation (all tokens)", ("GFLOP", "{:.0f}"),
+    add_table(page, Table(title="", section="§5.3", cols=cols("check of the deviation (all tokens)", ("GFLOP",
+                                                                                                      "{:.0f}"),
                                            ("ms", "{:.1f}"), ("one full layer, ms", "{:.1f}")),
-                          rows, "blend_timing.check_cost",
-                          [check_note(ex, rho)]))
+                          rows=rows, source="blend_timing.check_cost",
+                          notes=[check_note(ex, rho)]))
     add_json(page, {"ex7": ex})
 
 
@@ -458,13 +469,14 @@ def show_pipelining(page: Page, timings: dict[str, bt.SystemTiming], s, waits: l
             ("full recompute of the layer", t.full_layer_ms), (f"recompute {s.min_ratio:.0%}", t.floor_layer_ms))]
         rows += [Row([f"load from {d}", x.load_ms, x.ratio, 1e3 * x.ttft_s, x.speedup, x.choice])
                  for d, x in t.devices.items()]
-        add_table(page, Table(f"{tm.get_model(model).name} ({t.tag}) on {t.n_gpus} x {s.gpu}: {s.rag_chunks} x "
+        add_table(page, Table(title=f"{tm.get_model(model).name} ({t.tag}) on {t.n_gpus} x {s.gpu}: {s.rag_chunks} x "
                               f"{s.rag_chunk_tokens} tokens + {s.rag_question}-token question; full prefill TTFT "
-                              f"{1e3 * t.prefill_s:.0f} ms", "§5.4",
-                              cols("per layer", ("ms", "{:.1f}"), ("controller ratio", "{:.0%}"),
+                              f"{1e3 * t.prefill_s:.0f} ms", section="§5.4",
+                              cols=cols("per layer", ("ms", "{:.1f}"), ("controller ratio", "{:.0%}"),
                                    ("TTFT CacheBlend (ms)", "{:.0f}"), ("vs full prefill", "{:.2f}x"),
-                                   Col("controller's choice", left=True)), rows, "blend_timing.system_timing",
-                              [f"{d}: {x.reason}." for d, x in t.devices.items() if x.choice != lc.BLEND]))
+                                   Col("controller's choice",
+                                       left=True)), rows=rows, source="blend_timing.system_timing",
+                              notes=[f"{d}: {x.reason}." for d, x in t.devices.items() if x.choice != lc.BLEND]))
     show_comparison(page, timings, s)
     show_throughput(page, timings, s)
     if waits:
@@ -482,13 +494,14 @@ def show_query_wait(page: Page, waits: list, s) -> None:
         rows = [Row(["no ranking pass (blend)", 1e3 * w.plain_s, 1.0, w.prefill_s / w.plain_s])]
         rows += [Row([f"layers 1..{j}" + (" (all)" if j == w.n_layers - 1 else ""), 1e3 * t, t / w.plain_s,
                       w.prefill_s / t]) for j, t in zip(w.depths, w.ttft_s)]
-        add_table(page, Table(f"{tm.get_model(w.model).name} on {w.n_gpus} x {s.gpu}, KV on {w.device}: a query rule "
+        add_table(page,
+                  Table(title=f"{tm.get_model(w.model).name} on {w.n_gpus} x {s.gpu}, KV on {w.device}: a query rule "
                               f"at the controller's {w.ratio:.0%} (per layer: load {w.load_ms:.1f} ms, recompute "
                               f"{w.recompute_ms:.1f} ms,\n  the question's pass {w.pass_ms:.2f} ms); the ranking "
-                              "needs layers 0..j's KV before any layer recomputes", "§5.4",
-                              cols("ranking reads", ("TTFT (ms)", "{:.0f}"), ("vs blend", "{:.2f}x"),
-                                   ("vs full prefill", "{:.2f}x")), rows, "blend_timing.query_wait",
-                              [query_wait_note(w)]))
+                              "needs layers 0..j's KV before any layer recomputes", section="§5.4",
+                              cols=cols("ranking reads", ("TTFT (ms)", "{:.0f}"), ("vs blend", "{:.2f}x"),
+                                   ("vs full prefill", "{:.2f}x")), rows=rows, source="blend_timing.query_wait",
+                              notes=[query_wait_note(w)]))
     add_json(page, {"timing_query_wait": {w.model: {"depths": w.depths, "ttft_s": w.ttft_s, "blend_s": w.plain_s,
                                                     "device": w.device} for w in waits}})
 
@@ -515,9 +528,9 @@ def show_comparison(page: Page, timings: dict[str, bt.SystemTiming], s) -> None:
     rows.append(fact(f"TTFT speed-up over full prefill ({dev}, {' / '.join(tm.get_model(m).name for m in timings)})",
                      " / ".join(f"{t.devices[dev].speedup:.1f}x" for t in timings.values()),
                      handout=handout(HANDOUT, "ttft_speedup", s)))
-    add_table(page, Table(f"Load vs recompute ({s.gpu}; paper points on the same GPU)", "§5.4",
-                          cols("comparison", ("ours", "{:.1f}")), rows, "blend_timing.system_timing",
-                          speedup_notes(timings, s)))
+    add_table(page, Table(title=f"Load vs recompute ({s.gpu}; paper points on the same GPU)", section="§5.4",
+                          cols=cols("comparison", ("ours", "{:.1f}")), rows=rows, source="blend_timing.system_timing",
+                          notes=speedup_notes(timings, s)))
 
 
 def speedup_notes(timings: dict[str, bt.SystemTiming], s) -> list[str]:
@@ -550,10 +563,10 @@ def show_throughput(page: Page, timings: dict[str, bt.SystemTiming], s) -> None:
     rows = [Row([f"{tm.get_model(m).name}, {s.paper_device}, recompute {r:.0%}", x.full_rps, x.blend_rps, x.bound,
                  x.blend_rps / x.full_rps], handout(HANDOUT, "throughput", s)) for m, t in timings.items()
             for r, x in t.throughput.items()]
-    add_table(page, Table(f"Throughput of one server kept busy by RAG requests ({s.gpu})", "§5.4",
-                          cols("throughput (requests/s)", ("full prefill", "{:.2f}"), ("CacheBlend", "{:.2f}"),
-                               "bound by", ("ratio", "{:.1f}x")), rows, "blend_timing.throughput",
-                          [throughput_note(timings, s)]))
+    add_table(page, Table(title=f"Throughput of one server kept busy by RAG requests ({s.gpu})", section="§5.4",
+                          cols=cols("throughput (requests/s)", ("full prefill", "{:.2f}"), ("CacheBlend", "{:.2f}"),
+                               "bound by", ("ratio", "{:.1f}x")), rows=rows, source="blend_timing.throughput",
+                          notes=[throughput_note(timings, s)]))
 
 
 def floor_serves_most(timings: dict[str, bt.SystemTiming], min_ratio: float) -> bool:
@@ -572,10 +585,11 @@ def throughput_note(timings: dict[str, bt.SystemTiming], s) -> str:
 
 def timing_figure(page: Page, timings: dict[str, bt.SystemTiming], s) -> None:
     colors = lambda t: ["tab:red", "tab:orange"] + ["tab:blue"] * len(t.devices)  # noqa: E731
-    panels = [Chart([Series(["full recompute", f"{s.min_ratio:.0%} recompute"] + [f"load: {d}" for d in t.devices],
+    panels = [Chart(series=[Series(["full recompute",
+                                    f"{s.min_ratio:.0%} recompute"] + [f"load: {d}" for d in t.devices],
                             [t.full_layer_ms, t.floor_layer_ms] + [x.load_ms for x in t.devices.values()], kind="barh",
                             style={"color": colors(t)}, fmt=" {:.1f} ms")],
-                    "ms per layer (log scale)", title=f"{tm.get_model(model).name} ({t.tag}), {t.n_gpus} x {s.gpu}",
+                    xlabel="ms per layer (log scale)", title=f"{tm.get_model(model).name} ({t.tag}), {t.n_gpus} x {s.gpu}",
                     xscale="log", legend=None) for model, t in timings.items()]
     chart_figure(page, "04_load_vs_recompute.png", panels, f"one layer of a {s.rag_chunks} x {s.rag_chunk_tokens}"
                  "-token RAG context: recompute vs load", figsize=(5 * len(panels), 3.8))
@@ -592,7 +606,8 @@ def show_controller(page: Page, c: lc.Choice, s) -> None:
     if c.choice != lc.BLEND:
         rows.append(fact(f"  blending from the SSD anyway, at {c.stored_ratio:.0%} (ms)", 1e3 * c.stored_ttft_s))
     rows.append(fact("TTFT, full prefill (ms)", 1e3 * c.full_s, handout=handout(HANDOUT, "ex8_full_ms", s)))
-    add_table(page, Table("", "§5.4", cols("exercise 8", ("ours", "{:.0f}")), rows, "loading_controller.choose",
-                          [c.reason[0].upper() + c.reason[1:] + "."]))
+    add_table(page, Table(title="", section="§5.4", cols=cols("exercise 8", ("ours", "{:.0f}")), rows=rows,
+                          source="loading_controller.choose",
+                          notes=[c.reason[0].upper() + c.reason[1:] + "."]))
     add_json(page, {"ex8_choice": c.choice, "ex8_ratio": c.ratio, "ex8_ttft_ms": 1e3 * c.ttft_s,
                     "ex8_full_ms": 1e3 * c.full_s})

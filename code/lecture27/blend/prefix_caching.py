@@ -40,7 +40,7 @@ def cpu_timed(fn):
 
 
 # ============================================================================ on the time model
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SystemPrefix:
     """One (model, GPUs) system, lists over k: TTFT of each method in seconds (the three that load KV per
     device: {device: list}), and the share of full prefill's GPU time each method does not spend."""
@@ -55,7 +55,7 @@ class SystemPrefix:
     blend_saved_share: list
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PrefixStudy:
     """§5.1 on the time model: k chunks of chunk_tokens + a question of `question` tokens on `gpu`;
     CacheBlend recomputes `ratio`; systems: model -> SystemPrefix."""
@@ -95,14 +95,18 @@ def system_prefix(model: str, n_gpus: int, gpu: str, devices: dict, ks, chunk_to
         saved["prefix"].append(1 - (L * rest_layer + q_s) / full_s)
         saved["reuse"].append(1 - q_s / full_s)
         saved["blend"].append(1 - (recompute + q_s) / full_s)
-    return SystemPrefix(model, n_gpus, full, pre, reuse, blend, saved["prefix"], saved["reuse"], saved["blend"])
+    return SystemPrefix(model=model, n_gpus=n_gpus, full_ttft_s=full, prefix_ttft_s=pre, reuse_ttft_s=reuse,
+                        blend_ttft_s=blend, prefix_saved_share=saved["prefix"], reuse_saved_share=saved["reuse"],
+                        blend_saved_share=saved["blend"])
 
 
 def time_model(systems, gpu: str, devices: dict, ks, chunk_tokens: int, question: int, ratio: float) -> PrefixStudy:
     """§5.1 for each (model, n_gpus) of `systems`; devices: name -> (how, bytes/s) as loading_controller.load_time
     reads them (the tiers the chunks' KV is kept in)."""
-    return PrefixStudy(list(ks), chunk_tokens, question, gpu, ratio, list(devices),
-                       {m: system_prefix(m, g, gpu, devices, ks, chunk_tokens, question, ratio) for m, g in systems})
+    return PrefixStudy(ks=list(ks), chunk_tokens=chunk_tokens, question=question, gpu=gpu, ratio=ratio,
+                       devices=list(devices),
+                       systems={m: system_prefix(m, g, gpu, devices, ks, chunk_tokens, question, ratio)
+                                for m, g in systems})
 
 
 # ============================================================================ measured on SmolLM2
@@ -112,7 +116,7 @@ def key_chunks(k: int) -> tuple[int, int]:
     return (0, 1) if k == 2 else (1, max(2, k - 2))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Measured:
     """SmolLM2 on this CPU, lists over k: TTFT in seconds (median over the items, CPU time of one torch thread,
     chunks' KV in memory) and the first answer token's KL(full prefill || method) in nats (mean over the items).
@@ -157,8 +161,9 @@ def first_chunk(pre, rd):
 @torch.no_grad()
 def measure_one(model, rd, rule, ratio: float, masks: dict) -> dict:
     """One RAG input: each method's TTFT on one thread (CPU time, cpu_timed; the chunks' KV precomputed before,
-    untimed; shift_kv of every layer's K timed apart, as blend_real.item_ttft does, for the two methods that
-    place every chunk) and its first answer token's KL to full prefill; CacheBlend once per mask of `masks`."""
+    untimed; shift_kv of every layer's K timed apart, as rag.item_ttft times placing its chunks, for the two
+    methods that place every chunk) and its first answer token's KL to full prefill; CacheBlend once per mask
+    of `masks`."""
     from common.llama import kl_divergence, shift_kv, single_thread
 
     pre = bw.precompute_chunks(model, rd.doc, rd.chunks)
@@ -216,6 +221,8 @@ def measured(model, tok, model_id: str, items: int, ks, chunk_tokens: int, rule_
     ttft = lambda m: [statistics.median(r["ttft"][m] for r in by_k[k]) for k in ks]  # noqa: E731
     kl = lambda m: [statistics.fmean(r["kl"][m] for r in by_k[k]) for k in ks]  # noqa: E731
     mask_kl = {m: kl(f"blend {m}") for m in masks}
-    return Measured(list(ks), items, chunk_tokens, rule_name, ratio, [by_k[k][0]["n_tokens"] for k in ks],
-                    ttft("full"), ttft("prefix"), ttft("reuse"), ttft("blend"), kl("prefix"), kl("reuse"),
-                    mask_kl[next(iter(masks))], mask_kl, not computed, res["compute_seconds"])
+    return Measured(ks=list(ks), n_items=items, chunk_tokens=chunk_tokens, rule=rule_name, ratio=ratio,
+                    n_tokens=[by_k[k][0]["n_tokens"] for k in ks], full_ttft_s=ttft("full"),
+                    prefix_ttft_s=ttft("prefix"), reuse_ttft_s=ttft("reuse"), blend_ttft_s=ttft("blend"),
+                    prefix_kl=kl("prefix"), reuse_kl=kl("reuse"), blend_kl=mask_kl[next(iter(masks))],
+                    mask_kl=mask_kl, loaded=not computed, compute_seconds=res["compute_seconds"])

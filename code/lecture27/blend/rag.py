@@ -40,7 +40,7 @@ import json
 import shutil
 import statistics
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -51,13 +51,11 @@ from lecture27 import blend_world as bw
 from lecture27 import kvstore as ks
 from common.english import CHAT_PREFIX, RAG_ITEMS, RagInput, RagItem, question_text, rag_chunks
 from common.clock import timed
-from common.llama import KVCache, greedy, kl_divergence, shift_kv, single_thread
-from common.llama import array_to_kv, kv_to_array
+from common.llama import KVCache, greedy, kl_divergence, single_thread
 
 ANSWER_TOKENS = 20    # greedy answer length
 KL_TOKENS = 8         # answer tokens over which the KL is also averaged (teacher-forced)
 SEED = 0
-RULE_NAMES = tuple(blend_rules.RULES)  # blend()'s selection rules, all measured
 RANDOM_RULE = "flat"  # the random baseline: r N tokens at every layer chosen at random (the oracle's budget)
 
 
@@ -143,7 +141,7 @@ def ranking_name(rule: str, ranked: tuple) -> str:
 
 
 @torch.no_grad()
-def item_curve(model, rd: bw.RagDoc, *, ratios, at: float, rules=RULE_NAMES, ranked=(),
+def item_curve(model, rd: bw.RagDoc, *, ratios, ratio: float, rules=blend_rules.RULE_NAMES, ranked=(),
                seed: int = SEED, answer_tokens: int = ANSWER_TOKENS, kl_tokens: int = KL_TOKENS,
                eos: int | None = None) -> dict:
     """Every rule at every ratio on one RAG input, sharing one full prefill and one precompute.
@@ -152,7 +150,7 @@ def item_curve(model, rd: bw.RagDoc, *, ratios, at: float, rules=RULE_NAMES, ran
     (oracle_cache: the true full-prefill K, V of the top r N tokens by true deviation, per layer).
     kl_first / kl_answer: {method: {ratio: KL}} (full reuse under the key "0"): KL(full || method) of the
     first answer token and its mean over the first kl_tokens, teacher-forced on full prefill's greedy
-    answer. answers: greedy answers of full prefill, full reuse and every method at ratio `at` (of the
+    answer. answers: greedy answers of full prefill, full reuse and every method at the run's `ratio` (of the
     ranking oracles only the run's rule's)."""
     lg, full_cache = model(rd.tokens, last=True)
     first = lg[:, -1]
@@ -167,7 +165,7 @@ def item_curve(model, rd: bw.RagDoc, *, ratios, at: float, rules=RULE_NAMES, ran
         lp = answer_logprobs(model, logits, cache, ref)
         kl_first.setdefault(method, {})[_key(r)] = float(kl_divergence(lp_full[0], lp[0]))
         kl_answer.setdefault(method, {})[_key(r)] = float(kl_divergence(lp_full, lp).mean())
-        if (abs(r - at) < 1e-9 and not method.startswith("ranking-oracle ")) or method == "full reuse":
+        if (abs(r - ratio) < 1e-9 and not method.startswith("ranking-oracle ")) or method == "full reuse":
             to_decode.append((method, logits, cache))
 
     lg, c = model(rd.question, cache=pre, last=True)
@@ -186,7 +184,7 @@ def item_curve(model, rd: bw.RagDoc, *, ratios, at: float, rules=RULE_NAMES, ran
             score(ranking_name(rule, ranked), r, lg[:, -1], tr.cache)
         lg, c = model(rd.question, cache=blend_rules.oracle_cache(pre, full_cache, r), last=True)
         score("oracle", r, lg[:, -1], c)
-    # the greedy answers at ratio `at`, decoded together (one batch)
+    # the greedy answers at the run's ratio, decoded together (one batch)
     rows = greedy(model, torch.cat([lg for _, lg, _ in to_decode]), stack_caches([c for *_, c in to_decode]),
                   answer_tokens, eos)
     answers = {"full prefill": answer, **{m: row for (m, _, _), row in zip(to_decode, rows)}}
@@ -201,95 +199,65 @@ STORE_BUDGET = 1 << 30          # the tier's byte budget (room for any input's c
 
 
 @torch.no_grad()
-def chunk_store(pre: KVCache, chunks, tier: str, folder: Path) -> tuple:
-    """Each chunk of full reuse's cache `pre` (the shared prefix as one more) stored as an FP16 record in a real
-    kvstore tier, keyed by its tokens' span (a chunk store keyed by content: the input is one request).
-    -> (store, keys, spans)."""
-    ids = bw.chunk_ids(pre.k[0].shape[2], chunks)
-    n_pre = int((ids == bw.PREFIX).sum())
-    spans = ([(0, n_pre)] if n_pre else []) + bw.chunk_spans(ids)
+def chunk_store(model, rd: bw.RagDoc, tier: str, folder: Path, model_id: str) -> tuple:
+    """The input's chunks (the shared prefix as one more), each prefilled alone behind the prefix
+    (kvstore.chunk_kvs), stored as FP16 records in a real kvstore tier under their content's keys, as LMCache
+    keys them (kvstore.chunk_keys: the model `model_id`, the prefix, the chunk's tokens). -> (store, keys)."""
+    ids = bw.chunk_ids(rd.doc.shape[1], rd.chunks)
+    n_pre, doc = int((ids == bw.PREFIX).sum()), rd.doc[0].tolist()
+    prefix, chunks = doc[:n_pre], [doc[a:b] for a, b in bw.chunk_spans(ids)]
     t = ks.RamTier(STORE_BUDGET) if tier == "ram" else ks.DiskTier(folder, STORE_BUDGET)
     store = ks.ChunkStore(t, "fp16")
-    keys = [ks.ChunkKey("item_ttft", (a, b)) for a, b in spans]
-    for key, (a, b) in zip(keys, spans):
-        part = KVCache([k[:, :, a:b] for k in pre.k], [v[:, :, a:b] for v in pre.v])
-        store.put(key, kv_to_array(part)[0])
-    return store, keys, spans
+    keys = ks.chunk_keys(model_id, prefix, chunks)
+    for key, X in zip(keys, ks.chunk_kvs(model, prefix, chunks)):
+        store.put(key, X)
+    return store, keys
 
 
-def fetch_chunks(store, keys, spans, n_kv_heads: int) -> KVCache:
+def fetch_chunks(store, keys) -> list:
     """Every chunk's record read from its tier (a disk record's pages dropped from the page cache first, so
-    the disk is read), checked and widened to float32: the cache blend() starts from."""
+    the disk is read), checked and widened to float32: each chunk's KV as it was prefilled, before
+    kvstore.assemble places it."""
     for k in keys:
         store.tier.drop_cache(store.name(k))
-    arrays = store.get_many(keys)
-    return KVCache.cat([array_to_kv(X, n_kv_heads, torch.arange(a, b)) for X, (a, b) in zip(arrays, spans)])
+    return store.get_many(keys)
 
 
 @torch.no_grad()
-def item_ttft(model, rd: bw.RagDoc, ratio: float, rules=RULE_NAMES, tier: str = "ram") -> dict:
+def item_ttft(model, rd: bw.RagDoc, ratio: float, rules=blend_rules.RULE_NAMES, tier: str = "ram", *,
+              model_id: str) -> dict:
     """Wall-clock TTFT of one input on one torch thread (on shared cores a second thread that waits for
     a core slows blend's many small steps far more than a prefill's large ones): full prefill, and per
     rule the chunks' KV fetched from a real store's tier (`tier`, one of STORE_TIERS: chunk_store,
-    fetch_chunks) + shift_kv of every layer's K (placing the stored chunks, timed apart because
-    precompute_chunks already did it) + the rule's own work on the input (blend_rules.ready: a query rule's
-    pass of the question over full reuse's cache) + blend(). rules: names of blend_rules.ALL_RULES, or
-    {name: rule}. The chunks' precompute and storing are not timed: they run before, on the caller's
-    threads. The fetch's seconds and bytes come back under "fetch" and "fetch bytes"."""
+    fetch_chunks) + placing them (kvstore.assemble: shift_kv of each chunk's K to its place) + the rule's
+    own work on the input (its ready(): a query rule's pass of the question over full reuse's cache) +
+    blend(). rules: names of blend_rules.ALL_RULES, or {name: rule}. model_id: the model as the chunks'
+    keys name it (kvstore.model_id). The chunks' prefill and storing are not timed: they run before, on the
+    caller's threads. The fetch's seconds (the records read, checked and widened, before placing) and bytes
+    come back under "fetch" and "fetch bytes"."""
     from common.checkpoints import checkpoint_dir
     rules = rules if isinstance(rules, dict) else {name: blend_rules.ALL_RULES[name] for name in rules}
-    pre = bw.precompute_chunks(model, rd.doc, rd.chunks)
     folder = Path(tempfile.mkdtemp(prefix="kvstore-", dir=checkpoint_dir()))
     try:
-        store, keys, spans = chunk_store(pre, rd.chunks, tier, folder)
+        store, keys = chunk_store(model, rd, tier, folder, model_id)
         nbytes = store.tier.used
         out = {}
         with single_thread():
             _, t_full = timed(lambda: model(rd.tokens, last=True))
-            _, t_shift = timed(lambda: [shift_kv(k, 1000, model.cfg.rope_theta) for k in pre.k])
             out["full prefill"] = t_full
             fetches = []
             for name, rule in rules.items():
-                got, t_fetch = timed(lambda: fetch_chunks(store, keys, spans, model.cfg.n_kv_heads))
+                arrays, t_fetch = timed(lambda: fetch_chunks(store, keys))
+                got, t_place = timed(lambda: ks.assemble(keys, arrays, model.cfg))
                 fetches.append(t_fetch)
-                out[name] = t_fetch + t_shift + timed(lambda: bw.blend(
-                    model, rd, rd.chunks, ratio, rule=blend_rules.ready(rule, model, rd, rd.chunks, got), pre=got))[1]
+                out[name] = t_fetch + t_place + timed(lambda: bw.blend(
+                    model, rd, rd.chunks, ratio, rule=rule.ready(model, rd, rd.chunks, got), pre=got))[1]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return {**out, "fetch": statistics.median(fetches), "fetch bytes": nbytes}
 
 
-def work_share(n_context: int, n_question: int, ratio: float, n_layers: int, rule) -> float:
-    """What a rule computes beside the question's own prefill, as a share of a full prefill's context-token
-    layers: layer 0 in full, its counts at layers 1.., and the token-layers of its own pass over the input
-    (a query rule's question at layers 0..j; blend_rules.extra_token_layers). rule: a name of ALL_RULES or
-    a rule."""
-    rule = blend_rules.ALL_RULES[rule] if isinstance(rule, str) else rule
-    extra = blend_rules.extra_token_layers(rule, n_question, n_layers)
-    return (n_context + sum(rule.counts(n_context, ratio, n_layers)) + extra) / (n_layers * n_context)
-
-
-def blend_rule_of(rule: str) -> str:
-    """The rule of blend_rules.RULES a rule shares its counts with: itself, or flat for an input rule
-    (INPUT_RULES keep flat's counts: its ranking oracle is theirs)."""
-    return rule if rule in blend_rules.RULES else "flat"
-
-
 # ------------------------------------------------------------------------------------ rules that read the input
-INPUT_RULE_NAMES = tuple(blend_rules.INPUT_RULES)
-ALL_RULE_NAMES = (*RULE_NAMES, *INPUT_RULE_NAMES)
-QUERY_RULES = ("query", "query+dev")  # the rules whose depth j (layers the question's attention is read from) varies
-
-
-def at_depth(name: str, j: int):
-    """The query rule `name` reading the question's attention at layers 1..j."""
-    return replace(blend_rules.INPUT_RULES[name], layers=j)
-
-
-def depth_name(name: str, j: int) -> str:
-    return f"{name} j={j}"
-
-
 def alone_doc(rd: bw.RagDoc) -> bw.RagDoc:
     """The same input with no shared prefix: the chat prefix belongs to the first chunk and every chunk is
     prefilled alone at position 0 (carrying an attention sink of its own), as EPIC stores chunks."""
@@ -298,11 +266,12 @@ def alone_doc(rd: bw.RagDoc) -> bw.RagDoc:
 
 
 @torch.no_grad()
-def item_input_rules(model, rd: bw.RagDoc, *, ratios, rules, at: float, depths=(), reuse: bool = False,
+def item_input_rules(model, rd: bw.RagDoc, *, ratios, rules, ratio: float, depths=(), reuse: bool = False,
                      kl_tokens: int = KL_TOKENS, eos: int | None = None) -> dict:
-    """Rules of blend_rules.ALL_RULES (each after its own work on the input, blend_rules.ready) at every
+    """Rules of blend_rules.ALL_RULES (each after its own work on the input, its ready()) at every
     ratio on one RAG input, sharing one full prefill and one precompute of rd.chunks; with `depths`, each
-    query rule (QUERY_RULES) also at ratio `at` reading layers 1..j for j in depths (depth_name); with
+    query rule (blend_rules.QUERY_RULES) also at the run's `ratio` reading layers 1..j for j in depths
+    (blend_rules.depth_name); with
     `reuse`, full reuse (key "0") and the patch oracle too. kl_first / kl_answer as item_curve's:
     first answer token and the mean over the first kl_tokens of full prefill's greedy answer,
     teacher-forced."""
@@ -319,8 +288,7 @@ def item_input_rules(model, rd: bw.RagDoc, *, ratios, rules, at: float, depths=(
         kl_answer.setdefault(method, {})[_key(r)] = float(kl_divergence(lp_full, lp).mean())
 
     def run(method, rule, r):
-        lg, tr = bw.blend(model, rd, rd.chunks, r, rule=blend_rules.ready(rule, model, rd, rd.chunks, pre), pre=pre,
-                          trace=True)
+        lg, tr = bw.blend(model, rd, rd.chunks, r, rule=rule.ready(model, rd, rd.chunks, pre), pre=pre, trace=True)
         score(method, r, lg[:, -1], tr.cache)
 
     if reuse:
@@ -333,18 +301,19 @@ def item_input_rules(model, rd: bw.RagDoc, *, ratios, rules, at: float, depths=(
             lg, c = model(rd.question, cache=blend_rules.oracle_cache(pre, full_cache, r), last=True)
             score("oracle", r, lg[:, -1], c)
     L = model.cfg.n_layers
-    for name in QUERY_RULES if depths else ():
+    for name in blend_rules.QUERY_RULES if depths else ():
         for j in depths:
-            if name in rules and at in ratios and at_depth(name, j).depth(L) == blend_rules.ALL_RULES[name].depth(L):
-                kl_first[depth_name(name, j)] = {_key(at): kl_first[name][_key(at)]}  # the rule itself: every layer
-                kl_answer[depth_name(name, j)] = {_key(at): kl_answer[name][_key(at)]}
+            deep, method = blend_rules.at_depth(name, j), blend_rules.depth_name(name, j)
+            if name in rules and ratio in ratios and deep.depth(L) == blend_rules.ALL_RULES[name].depth(L):
+                kl_first[method] = {_key(ratio): kl_first[name][_key(ratio)]}  # the rule itself: every layer
+                kl_answer[method] = {_key(ratio): kl_answer[name][_key(ratio)]}
             else:
-                run(depth_name(name, j), at_depth(name, j), at)
+                run(method, deep, ratio)
     return {"kl_first": kl_first, "kl_answer": kl_answer, "n_context": rd.doc.shape[1],
             "n_question": rd.question.shape[1]}
 
 
-def input_rule_curves(model, tok, rags: list[RagInput], *, ratios, at: float, rules, model_id: str, depths=(),
+def input_rule_curves(model, tok, rags: list[RagInput], *, ratios, ratio: float, rules, model_id: str, depths=(),
                       alone: bool = False, recompute: bool = False, progress: bool = True) -> dict:
     """item_input_rules on every input (alone: the inputs with no shared prefix, alone_doc, with full
     reuse and the patch oracle), cached (checkpoints.cached_result "blend-smollm2-input-rules", keyed by
@@ -356,15 +325,15 @@ def input_rule_curves(model, tok, rags: list[RagInput], *, ratios, at: float, ru
 
     eos = tok.token_to_id("<|im_end|>")
     ident = {"model": model_id, "inputs": inputs_digest(rags), "ratios": list(ratios), "rules": list(rules),
-             "depths": list(depths), "at": at, "alone": alone, "tokens": KL_TOKENS}
+             "depths": list(depths), "ratio": ratio, "alone": alone, "tokens": KL_TOKENS}
 
     def compute():
         items = []
         for rag in tqdm(rags, desc=f"SmolLM2 RAG items ({len(rules)} input rules{', alone' if alone else ''})",
                         disable=not progress):
             rd = alone_doc(bw.rag_doc(rag)) if alone else bw.rag_doc(rag)
-            items.append(item_input_rules(model, rd, ratios=ratios, rules=rules, at=at, depths=depths, reuse=alone,
-                                          eos=eos))
+            items.append(item_input_rules(model, rd, ratios=ratios, rules=rules, ratio=ratio, depths=depths,
+                                          reuse=alone, eos=eos))
         return {"items": items}
 
     computed = []
@@ -390,13 +359,34 @@ def inputs_digest(rags: list[RagInput]) -> str:
     return h.hexdigest()[:16]
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
+class Answered:
+    """One input as measured (item_curve) and answered: its question, the reference answer, each method's
+    greedy answer, its lengths, its KL to full prefill {method: {ratio: KL}} (first answer token and the
+    mean over the first KL_TOKENS) and full reuse's KV deviation (L, N)."""
+    question: str
+    reference: str
+    text: dict                      # method -> greedy answer
+    n_context: int
+    n_question: int
+    chunk_lens: list
+    kl_first: dict
+    kl_answer: dict
+    deviation: torch.Tensor
+
+    @classmethod
+    def from_plain(cls, d: dict) -> Answered:
+        """The input from its cached plain data (cached_result stores the deviation as nested lists)."""
+        return cls(**{**d, "deviation": torch.as_tensor(d["deviation"])})
+
+
+@dataclass(kw_only=True)
 class Curves:
     """Mean over the inputs of KL(full prefill || method), first answer token (`kl`) and over the first
     KL_TOKENS answer tokens (`kl_answer`), {method: {ratio: KL}}; full reuse apart (`reuse`,
     `reuse_answer`). methods: full reuse, the rules, random, the ranking oracle of the run's rule, the
     patch oracle; ranking: the ranking oracle of every rule measured, {rule: {ratio: KL}}. items: each
-    input's measurement as item_curve returns it (plain data, as cached)."""
+    input's measurement (Answered)."""
     ratios: tuple
     methods: list
     kl: dict
@@ -409,24 +399,26 @@ class Curves:
     compute_seconds: float
 
 
-def kl_curves(model, tok, rags: list[RagInput], *, ratios, at: float, rules, ranked, model_id: str,
+def kl_curves(model, tok, rags: list[RagInput], *, ratios, ratio: float, rules, ranked, model_id: str,
               seed: int = SEED, recompute: bool = False, progress: bool = True, name: str = "blend-smollm2") -> Curves:
     """item_curve on every input, cached (checkpoints.cached_result `name`, keyed by the model file, the
-    inputs' tokens, the rules, the ranked rules (ranked[0]: the run's rule), ratios and the code)."""
+    inputs' tokens, the rules, the ranked rules (ranked[0]: the run's rule), ratios and the code); each input
+    rebuilt from the cached plain data (Answered.from_plain)."""
     from tqdm import tqdm
 
     from common.checkpoints import cached_result
 
     eos = tok.token_to_id("<|im_end|>")
     ident = {"model": model_id, "inputs": inputs_digest(rags), "ratios": ratios,
-             "rules": rules, "ranked": ranked, "random": RANDOM_RULE, "seed": seed, "at": at,
+             "rules": rules, "ranked": ranked, "random": RANDOM_RULE, "seed": seed, "ratio": ratio,
              "tokens": [ANSWER_TOKENS, KL_TOKENS]}
 
     def compute():
         items = []
         desc = f"SmolLM2 RAG items ({len(rules)} rules, {len(ratios)} ratios)"
         for rag in tqdm(rags, desc=desc, disable=not progress):
-            r = item_curve(model, bw.rag_doc(rag), ratios=ratios, at=at, rules=rules, ranked=ranked, seed=seed, eos=eos)
+            r = item_curve(model, bw.rag_doc(rag), ratios=ratios, ratio=ratio, rules=rules, ranked=ranked, seed=seed,
+                           eos=eos)
             r["text"] = {n: tok.decode(a) for n, a in r.pop("answers").items()}
             r["question"], r["reference"] = rag.item.question, rag.item.answer
             items.append(r)
@@ -435,8 +427,8 @@ def kl_curves(model, tok, rags: list[RagInput], *, ratios, at: float, rules, ran
     computed = []  # compute() ran in this call (else the KL came from the cache)
     res = cached_result(name, ident, lambda: computed.append(1) or compute(), refit=recompute, tag="04",
                         flag="--recompute")
-    items = res["items"]
-    mean = lambda key, m, r: statistics.fmean(it[key][m][_key(r)] for it in items)  # noqa: E731
+    items = [Answered.from_plain(it) for it in res["items"]]
+    mean = lambda key, m, r: statistics.fmean(getattr(it, key)[m][_key(r)] for it in items)  # noqa: E731
     measured = [*rules, "random", *(ranking_name(r, ranked) for r in ranked), "oracle"]
     kl = {m: {r: mean("kl_first", m, r) for r in ratios} for m in measured}
     return Curves(ratios=tuple(ratios), methods=["full reuse", *rules, "random", "ranking-oracle", "oracle"],
@@ -446,85 +438,129 @@ def kl_curves(model, tok, rags: list[RagInput], *, ratios, at: float, rules, ran
                   loaded_from_cache=not computed, compute_seconds=res.get("compute_seconds"))
 
 
-def real_experiment(model, tok, rags: list[RagInput], at: float, model_id: str, rule: str, curve: bool, ratios, *,
+@dataclass(kw_only=True)
+class Experiment:
+    """real_experiment's result. Dicts keyed by method name; the KL curves {method: {ratio: KL}} with the
+    ratio written as "0.15"."""
+    items: list                     # Answered, one per input
+    ratios: tuple
+    ratio: float                    # the run's ratio
+    rule: str                       # the rule reported as CacheBlend
+    curve_mode: bool                # every rule measured at every ratio
+    methods: list
+    curve: dict                     # first answer token's KL
+    curve_answer: dict              # mean over the first kl_tokens answer tokens
+    kl_reuse: float
+    kl_answer_reuse: float
+    ranking: dict                   # rule -> its ranking oracle's curve (an input rule: flat's)
+    ttft: dict                      # method -> seconds
+    ttft_items: int
+    ttft_tier: str                  # the store tier the timed runs fetched the chunks from
+    ttft_fetch_s: float             # ... and the fetch's seconds (median over the rules' runs)
+    ttft_fetch_bytes: int           # ... of that many bytes of FP16 records
+    threads: int
+    counts: dict                    # rule -> tokens recomputed at layers 1..
+    share: dict                     # rule -> recomputed share of a full prefill's context-token layers
+    same_answer: dict               # method -> inputs whose greedy answer is full prefill's
+    kl_tokens: int
+    loaded_from_cache: bool
+    compute_seconds: float | None
+    curves: Curves
+    query: dict                     # each query rule at `ratio` over j: {"depths", "kl", "ttft", "share": {rule: []}}
+    no_prefix: dict | None          # --curve: {method: KL at `ratio`} with every chunk prefilled alone at position 0
+    best: str                       # the rule with the most quality per measured TTFT (of those measured)
+    score: dict                     # rule -> its quality per TTFT (best_rule)
+
+    @property
+    def deviation(self) -> list:
+        """Per input (L, N) of full reuse's KV deviation."""
+        return [it.deviation for it in self.items]
+
+
+def real_experiment(model, tok, rags: list[RagInput], ratio: float, model_id: str, rule: str, curve: bool, ratios, *,
                     ttft_items: int, tier: str, depths=(), alone: bool = False, seed: int = SEED,
-                    recompute: bool = False, progress: bool = True) -> dict:
+                    recompute: bool = False, progress: bool = True) -> Experiment:
     """KL to full prefill on `rags` (kl_curves and input_rule_curves, cached) and the TTFT of every rule at
-    ratio `at`, always measured live (item_ttft: one thread, the chunks fetched from `tier`), median over the
+    `ratio`, always measured live (item_ttft: one thread, the chunks fetched from `tier`), median over the
     first `ttft_items` inputs.
-    curve=False: `rule` (or flat, when it is an input rule), the input rules (INPUT_RULE_NAMES), random,
-    the ranking oracle and the patch oracle at `at` only (one blend per method and input); curve=True:
+    curve=False: `rule` (or flat, when it is an input rule), the input rules (blend_rules.INPUT_RULE_NAMES), random,
+    the ranking oracle and the patch oracle at `ratio` only (one blend per method and input); curve=True:
     every rule of ALL_RULE_NAMES, random, every rule's ranking oracle and the patch oracle at each of
-    `ratios` and `at`, and each query rule at `at` reading layers 1..j for j in `depths` (KL and TTFT);
-    alone (with curve): flat and the input rules at `at` on the inputs with no shared prefix (alone_doc).
+    `ratios` and `ratio`, and each query rule at `ratio` reading layers 1..j for j in `depths` (KL and TTFT);
+    alone (with curve): flat and the input rules at `ratio` on the inputs with no shared prefix (alone_doc).
     An input rule keeps flat's counts: its ranking oracle is flat's."""
     from tqdm import tqdm
 
     check_context(model, rags)
-    ratios = tuple(sorted(set(ratios) | {at})) if curve else (at,)
-    base = blend_rule_of(rule)
-    rules = RULE_NAMES if curve else (base,)
+    ratios = tuple(sorted(set(ratios) | {ratio})) if curve else (ratio,)
+    base = blend_rules.blend_rule_of(rule)
+    rules = blend_rules.RULE_NAMES if curve else (base,)
     ranked = (base, *(r for r in rules if r != base))
-    c = kl_curves(model, tok, rags, ratios=ratios, at=at, rules=rules, ranked=ranked, model_id=model_id, seed=seed,
-                  recompute=recompute, progress=progress, name="blend-smollm2-curve" if curve else "blend-smollm2")
+    c = kl_curves(model, tok, rags, ratios=ratios, ratio=ratio, rules=rules, ranked=ranked, model_id=model_id,
+                  seed=seed, recompute=recompute, progress=progress,
+                  name="blend-smollm2-curve" if curve else "blend-smollm2")
     depths = tuple(depths) if curve else ()
-    q = input_rule_curves(model, tok, rags, ratios=ratios, at=at, rules=INPUT_RULE_NAMES, model_id=model_id,
-                          depths=depths, recompute=recompute, progress=progress)
+    q = input_rule_curves(model, tok, rags, ratios=ratios, ratio=ratio, rules=blend_rules.INPUT_RULE_NAMES,
+                          model_id=model_id, depths=depths, recompute=recompute, progress=progress)
     c.kl.update({m: {float(k): v for k, v in kl.items()} for m, kl in q["kl"].items()})
     c.kl_answer.update({m: {float(k): v for k, v in kl.items()} for m, kl in q["kl_answer"].items()})
-    c.ranking.update({m: c.ranking[blend_rule_of(m)] for m in INPUT_RULE_NAMES if blend_rule_of(m) in c.ranking})
-    measured = (*rules, *INPUT_RULE_NAMES)
+    c.ranking.update({m: c.ranking[blend_rules.blend_rule_of(m)] for m in blend_rules.INPUT_RULE_NAMES
+                      if blend_rules.blend_rule_of(m) in c.ranking})
+    measured = (*rules, *blend_rules.INPUT_RULE_NAMES)
     c.methods = ["full reuse", *measured, "random", "ranking-oracle", "oracle"]
     items, methods = c.items, c.methods
     by_key = lambda d: {_key(r): v for r, v in d.items()}  # noqa: E731
-    timed = {**{m: blend_rules.ALL_RULES[m] for m in ALL_RULE_NAMES},
-             **{depth_name(m, j): at_depth(m, j) for m in QUERY_RULES for j in depths}}
-    times = [item_ttft(model, bw.rag_doc(rag), at, timed, tier) for rag in tqdm(rags[:ttft_items], desc="TTFT (live)",
-                                                                              disable=not progress)]
+    to_time = {**{m: blend_rules.ALL_RULES[m] for m in blend_rules.ALL_RULE_NAMES},
+               **{blend_rules.depth_name(m, j): blend_rules.at_depth(m, j)
+                  for m in blend_rules.QUERY_RULES for j in depths}}
+    times = [item_ttft(model, bw.rag_doc(rag), ratio, to_time, tier, model_id=model_id)
+             for rag in tqdm(rags[:ttft_items], desc="TTFT (live)", disable=not progress)]
     fetch_s, fetch_bytes = statistics.median(t.pop("fetch") for t in times), times[0].pop("fetch bytes")
     ttft = {m: statistics.median(t[m] for t in times) for m in times[0]}
-    n_ctx, n_q = items[0]["n_context"], items[0]["n_question"]
-    L = len(items[0]["deviation"])
-    counts = {r: blend_rules.ALL_RULES[r].counts(n_ctx, at, L) for r in ALL_RULE_NAMES}
-    same = {m: sum(it["text"][m] == it["text"]["full prefill"] for it in items)
-            for m in ["full prefill", *methods] if m in items[0]["text"]}
-    k = _key(at)
+    n_ctx, n_q = items[0].n_context, items[0].n_question
+    L = len(items[0].deviation)
+    counts = {r: blend_rules.ALL_RULES[r].counts(n_ctx, ratio, L) for r in blend_rules.ALL_RULE_NAMES}
+    same = {m: sum(it.text[m] == it.text["full prefill"] for it in items)
+            for m in ["full prefill", *methods] if m in items[0].text}
+    k = _key(ratio)
     query = {"depths": list(depths),
-             "kl": {m: [q["kl"][depth_name(m, j)][k] for j in depths] for m in QUERY_RULES},
-             "ttft": {m: [ttft[depth_name(m, j)] for j in depths] for m in QUERY_RULES},
-             "share": {m: [work_share(n_ctx, n_q, at, L, at_depth(m, j)) for j in depths] for m in QUERY_RULES}}
+             "kl": {m: [q["kl"][blend_rules.depth_name(m, j)][k] for j in depths] for m in blend_rules.QUERY_RULES},
+             "ttft": {m: [ttft[blend_rules.depth_name(m, j)] for j in depths] for m in blend_rules.QUERY_RULES},
+             "share": {m: [blend_rules.work_share(n_ctx, n_q, ratio, L, blend_rules.at_depth(m, j)) for j in depths]
+                       for m in blend_rules.QUERY_RULES}}
     no_prefix = None
     if curve and alone:
-        a = input_rule_curves(model, tok, rags, ratios=(at,), at=at, rules=("flat", *INPUT_RULE_NAMES),
-                              model_id=model_id, alone=True, recompute=recompute, progress=progress)
+        a = input_rule_curves(model, tok, rags, ratios=(ratio,), ratio=ratio,
+                              rules=("flat", *blend_rules.INPUT_RULE_NAMES), model_id=model_id, alone=True,
+                              recompute=recompute, progress=progress)
         no_prefix = {m: kl[k] if m != "full reuse" else kl["0"] for m, kl in a["kl"].items()}
-    return {"items": items, "ratios": ratios, "at": at, "rule": rule, "curve_mode": curve, "methods": methods,
-            "curve": {m: by_key(c.kl[m]) for m in methods[1:]},
-            "curve_answer": {m: by_key(c.kl_answer[m]) for m in methods[1:]},
-            "ranking": {r: by_key(v) for r, v in c.ranking.items()},
-            "kl_reuse": c.reuse, "kl_answer_reuse": c.reuse_answer,
-            "ttft": ttft, "ttft_items": len(times), "ttft_tier": tier, "ttft_fetch_s": fetch_s,
-            "ttft_fetch_bytes": fetch_bytes, "threads": 1, "counts": counts,
-            "share": {r: work_share(n_ctx, n_q, at, L, r) for r in ALL_RULE_NAMES},
-            "same_answer": same, "kl_tokens": KL_TOKENS,
-            "loaded_from_cache": c.loaded_from_cache and q["loaded_from_cache"],
-            "compute_seconds": (c.compute_seconds or 0) + (q["compute_seconds"] or 0), "curves": c,
-            "query": query, "no_prefix": no_prefix,
-            "deviation": [torch.as_tensor(it["deviation"]) for it in items]}  # per item (L, N_i); cached as lists
+    first = {m: by_key(c.kl[m]) for m in methods[1:]}
+    best, score = best_rule(methods=methods, curve=first, kl_reuse=c.reuse, ttft=ttft, ratio=ratio)
+    return Experiment(items=items, ratios=ratios, ratio=ratio, rule=rule, curve_mode=curve, methods=methods,
+                      curve=first, curve_answer={m: by_key(c.kl_answer[m]) for m in methods[1:]},
+                      kl_reuse=c.reuse, kl_answer_reuse=c.reuse_answer,
+                      ranking={r: by_key(v) for r, v in c.ranking.items()},
+                      ttft=ttft, ttft_items=len(times), ttft_tier=tier, ttft_fetch_s=fetch_s,
+                      ttft_fetch_bytes=fetch_bytes, threads=1, counts=counts,
+                      share={r: blend_rules.work_share(n_ctx, n_q, ratio, L, r) for r in blend_rules.ALL_RULE_NAMES},
+                      same_answer=same, kl_tokens=KL_TOKENS,
+                      loaded_from_cache=c.loaded_from_cache and q["loaded_from_cache"],
+                      compute_seconds=(c.compute_seconds or 0) + (q["compute_seconds"] or 0), curves=c,
+                      query=query, no_prefix=no_prefix, best=best, score=score)
 
 
-def best_rule(res: dict) -> tuple[str, dict]:
-    """The rule with the most quality per measured TTFT at ratio `at`, among the rules measured: the largest
-    share of full reuse's first-token KL removed, (KL_reuse - KL_rule) / KL_reuse, per second of TTFT.
-    Returns (name, scores)."""
-    k = _key(res["at"])
-    rules = [m for m in res["methods"] if m in blend_rules.ALL_RULES]
-    scores = {rule: (1 - res["curve"][rule][k] / res["kl_reuse"]) / res["ttft"][rule] for rule in rules}
+def best_rule(*, methods, curve: dict, kl_reuse: float, ttft: dict, ratio: float) -> tuple[str, dict]:
+    """The rule with the most quality per measured TTFT at `ratio`, among the rules measured (`methods`):
+    the largest share of full reuse's first-token KL removed, (KL_reuse - KL_rule) / KL_reuse, per second of
+    TTFT. Returns (name, scores)."""
+    k = _key(ratio)
+    rules = [m for m in methods if m in blend_rules.ALL_RULES]
+    scores = {rule: (1 - curve[rule][k] / kl_reuse) / ttft[rule] for rule in rules}
     return max(scores, key=scores.get), scores
 
 
 # ------------------------------------------------------------------------------------ where the error comes from
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Decomposition:
     """A rule's mean first-token KL to full prefill split in two at each recompute ratio (numbers as keys):
     rule -> ranking oracle (its counts, the true ranking) is what its ranking loses; ranking oracle ->
@@ -558,13 +594,13 @@ class Decomposition:
 
 def decompose(c: Curves, rule: str, source: str) -> Decomposition:
     """`rule`'s decomposition from curves that measured it and its ranking oracle (kl_curves)."""
-    return Decomposition(source, rule, len(c.items), c.reuse, dict(c.kl[rule]), dict(c.ranking[rule]),
-                         dict(c.kl["oracle"]))
+    return Decomposition(source=source, rule=rule, n_inputs=len(c.items), reuse=c.reuse, rule_kl=dict(c.kl[rule]),
+                         ranking=dict(c.ranking[rule]), patch=dict(c.kl["oracle"]))
 
 
 def deviation_top_share(c: Curves, frac: float) -> float:
     """Share of full reuse's KV deviation held by the top ceil(frac N) tokens, mean over layers 1.. and inputs."""
-    devs = [torch.as_tensor(it["deviation"]) for it in c.items]
+    devs = [it.deviation for it in c.items]
     return statistics.fmean(bw.top_share(d[i][None], frac) for d in devs for i in range(1, len(d)))
 
 
@@ -582,7 +618,7 @@ class ChunkLength:
 class ChunkLengths:
     """The same items and rule at several chunk lengths (rows, shortest first)."""
     rule: str
-    at: float       # the ratio the question is asked at (15%)
+    ratio: float    # the ratio the question is asked at (15%)
     top: float      # the token share top_share is measured for (also 15%)
     reference: int  # the chunk length the others are held against (the run's)
     rows: list
@@ -592,28 +628,28 @@ class ChunkLengths:
 
     def needed(self, row: ChunkLength) -> float | None:
         """The smallest measured ratio at which `row`'s rule is as close to full prefill as the rule is at
-        `at` with the reference chunks; None when no measured ratio gets there."""
-        target = self.row(self.reference).split.rule_kl[self.at]
+        `ratio` with the reference chunks; None when no measured ratio gets there."""
+        target = self.row(self.reference).split.rule_kl[self.ratio]
         return next((r for r in sorted(row.split.ratios) if row.split.rule_kl[r] <= target * (1 + 1e-9)), None)
 
 
-def chunk_length_study(model, tok, *, n_items: int, lengths, reference: int, ratios, at: float, rule: str,
+def chunk_length_study(model, tok, *, n_items: int, lengths, reference: int, ratios, ratio: float, rule: str,
                        model_id: str, top: float, recompute: bool = False, progress: bool = True) -> ChunkLengths:
     """The built-in items cut to `reference` and to each of `lengths` tokens per chunk, every rule and its
     ranking oracle at `ratios` (kl_curves with --curve's settings: the reference shares --curve's result)."""
     rows = []
     for n in sorted({*lengths, reference}):
         rags = built_in_inputs(tok, n_items, n)
-        c = kl_curves(model, tok, rags, ratios=ratios, at=at, rules=RULE_NAMES,
-                      ranked=(rule, *(r for r in RULE_NAMES if r != rule)), model_id=model_id,
+        c = kl_curves(model, tok, rags, ratios=ratios, ratio=ratio, rules=blend_rules.RULE_NAMES,
+                      ranked=(rule, *(r for r in blend_rules.RULE_NAMES if r != rule)), model_id=model_id,
                       recompute=recompute, progress=progress, name="blend-smollm2-curve")
-        rows.append(ChunkLength(n, c.items[0]["n_context"], len(c.items[0]["chunk_lens"]),
+        rows.append(ChunkLength(n, c.items[0].n_context, len(c.items[0].chunk_lens),
                                 decompose(c, rule, f"built-in items, {n}-token chunks"), deviation_top_share(c, top)))
-    return ChunkLengths(rule, at, top, reference, rows)
+    return ChunkLengths(rule, ratio, top, reference, rows)
 
 
 # ------------------------------------------------------------------------------------ a rule whose count adapts
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Matched:
     """The adaptive rule at one share target beside flat recomputing the same mean share (means over inputs)."""
     target: float          # share of the deviation measured at the check layer that the kept set holds
@@ -681,6 +717,7 @@ def compare_rules(model, tok, rags: list[RagInput], *, targets, layer: int, floo
              "layer": layer, "floor": floor}
     res = cached_result("blend-smollm2-adaptive", ident, compute, refit=recompute, tag="04", flag="--recompute")
     mean = lambda runs, i: statistics.fmean(x[i] for x in runs)  # noqa: E731
-    rows = [Matched(t, mean(a, 1), (min(s for _, s in a), max(s for _, s in a)), mean(a, 0), r, mean(f, 1), mean(f, 0))
+    rows = [Matched(target=t, recomputed=mean(a, 1), spread=(min(s for _, s in a), max(s for _, s in a)),
+                    kl=mean(a, 0), flat_ratio=r, flat_recomputed=mean(f, 1), flat_kl=mean(f, 0))
             for t, a, f, r in zip(targets, res["adaptive"], res["flat"], res["ratios"])]
     return RuleComparison(source, layer, floor, rows)

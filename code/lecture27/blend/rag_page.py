@@ -1,6 +1,6 @@
 """How 04's Part 5 (CacheBlend on a real LLaMA, handout §5.1-5.4) is shown: show_real(page, r, s) lays out
 Parts 5 and 5a-5i, one show_* each with its tables and notes, and its `--json` keys taken from the
-result's fields in one place (one add_json call). Every rule of blend_rules.RULES that blend_real_study
+result's fields in one place (one add_json call). Every rule of blend_rules.RULES that rag.real_experiment
 measured gets its row: a rule added there is shown with no change here. Nothing here computes a lecture
 figure."""
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import statistics
 
 
+from lecture27 import blend_rules
 from lecture27.blend import rag as blend_rag
 from lecture27.blend import rag_study
 from lecture27.blend import prefix_caching as pc
@@ -28,8 +29,8 @@ def show_real(page: Page, r: rag_study.Real, s) -> None:
     if run.curve_mode:
         show_real_curve(page, r, s)
     else:
-        blends = (len(s.real_curve_ratios) * (2 * len(blend_rag.RULE_NAMES) + 1 + len(blend_rag.INPUT_RULE_NAMES))
-                  + len(blend_rag.QUERY_RULES) * len(s.real_query_j))
+        blends = (len(s.real_curve_ratios) * (2 * len(blend_rules.RULE_NAMES) + 1 + len(blend_rules.INPUT_RULE_NAMES))
+                  + len(blend_rules.QUERY_RULES) * len(s.real_query_j))
         page.say(f"  Parts 5a-b and 5g-k, the quality curve of every selection rule, random and the two oracles at "
                  f"{', '.join(f'{x:.0%}' for x in s.real_curve_ratios)}, every rule's ranking oracle, the query rules "
                  f"over j, shorter chunks and a rule whose count adapts: --curve (about {blends} blends per item the "
@@ -59,7 +60,7 @@ def inputs_line(r: rag_study.Real) -> str:
             f"behind the prefix) + a {span([it.n_question for it in items])}-token question")
 
 
-def cache_line(run: rag_study.Experiment) -> str:
+def cache_line(run: blend_rag.Experiment) -> str:
     """What was measured (the curve or the KL at r), whether it came from the cache; the TTFT is always live."""
     return ("  the curve" if run.curve_mode else "  KL") + (
         " loaded from the cache (--recompute computes it again)" if run.loaded_from_cache else
@@ -113,13 +114,15 @@ def show_real_mask(page: Page, r: rag_study.Real, s) -> None:
         return
     pos, wrong = x.mask_kl["position"], x.mask_kl["bottom-right"]
     worse = all(w > p for p, w in zip(pos, wrong))
-    add_table(page, Table(f"Pitfall (§5.3): CacheBlend {x.ratio:.0%} ({x.rule}) with the position mask and with the "
+    add_table(page,
+              Table(title=f"Pitfall (§5.3): CacheBlend {x.ratio:.0%} ({x.rule}) with the position mask and with the "
                           "bottom-right mask of the released blenders,\n  KL(full prefill || method) of the first "
-                          f"answer token (mean of {x.n_items} items)", "§5.3",
-                          cols("k chunks", ("position mask", "{:.4f}"), ("bottom-right mask", "{:.4f}"),
+                          f"answer token (mean of {x.n_items} items)", section="§5.3",
+                          cols=cols("k chunks", ("position mask", "{:.4f}"), ("bottom-right mask", "{:.4f}"),
                                ("bottom-right / position", "{:.2f}x")),
-                          [Row([k, p, w, w / p]) for k, p, w in zip(x.ks, pos, wrong)], "prefix_caching.measured",
-                          [why_the_mask_is_wrong_real(), "The bottom-right mask " + (
+                          rows=[Row([k, p, w, w / p]) for k, p, w in zip(x.ks, pos,
+                                                                         wrong)], source="prefix_caching.measured",
+                          notes=[why_the_mask_is_wrong_real(), "The bottom-right mask " + (
                               "moves the first token further from full prefill at every k" if worse else
                               "is not worse at every k") + f": at k = {x.ks[-1]}, {wrong[-1]:.4f} against "
                                                            f"{pos[-1]:.4f}."]))
@@ -136,7 +139,7 @@ def why_the_mask_is_wrong_real() -> str:
 # ============================================================================ §5.3-5.4: the rules at r
 def show_real_curve(page: Page, r: rag_study.Real, s) -> None:
     run = r.run
-    at, ratios, reuse, methods = run.at, run.ratios, run.kl_reuse, run.methods[1:]
+    at, ratios, reuse, methods = run.ratio, run.ratios, run.kl_reuse, run.methods[1:]
     for name, kl, more, title in (
             ("5a", run.curve, [(f"{at:.0%} / reuse", "{:.2f}x")],
              f"Mean KL(full prefill || method) of the first answer token, nats, vs recompute ratio r\n  (full reuse: "
@@ -145,18 +148,19 @@ def show_real_curve(page: Page, r: rag_study.Real, s) -> None:
              "prefill's K, V of the top r N\n  tokens by true deviation, at every layer)"),
             ("5b", run.curve_answer, [], f"The same, mean over the first {run.kl_tokens} answer tokens, "
              f"teacher-forced on\n  full prefill's greedy answer (full reuse: {run.kl_answer_reuse:.4f})")):
-        add_table(page, Table(f"Part {name} (§5.3). {title}", "§5.3",
-                              cols("rule", *[(f"r={x:.0%}", "{:.4f}") for x in ratios], *more),
-                              [Row([m, *[kl[m][f"{x:g}"] for x in ratios]] + [kl[m][f"{at:g}"] / reuse] * len(more))
-                               for m in methods], "blend_real.real_experiment"))
+        add_table(page, Table(title=f"Part {name} (§5.3). {title}", section="§5.3",
+                              cols=cols("rule", *[(f"r={x:.0%}", "{:.4f}") for x in ratios], *more),
+                              rows=[Row([m,
+                                         *[kl[m][f"{x:g}"] for x in ratios]] + [kl[m][f"{at:g}"] / reuse] * len(more))
+                               for m in methods], source="blend_real.real_experiment"))
 
 
 def ttft_json(r: rag_study.Real) -> dict:
     """Part 5c's keys: each method's TTFT, the reported rule's speed-up, every rule's counts, the run's setup."""
     run = r.run
-    return {"real_ttft_s": {m: run.ttft[m] for m in ("full prefill", *blend_rag.ALL_RULE_NAMES)},
+    return {"real_ttft_s": {m: run.ttft[m] for m in ("full prefill", *blend_rules.ALL_RULE_NAMES)},
             "real_ttft_speedup": run.ttft["full prefill"] / run.ttft[run.rule],
-            "real_counts": {m: run.counts[m] for m in blend_rag.ALL_RULE_NAMES}, "real_rule": run.rule,
+            "real_counts": {m: run.counts[m] for m in blend_rules.ALL_RULE_NAMES}, "real_rule": run.rule,
             "real_curve_measured": run.curve_mode, "real_threads": run.threads,
             "real_best_rule_this_run": run.best if run.curve_mode else None, "real_ttft_tier": run.ttft_tier,
             "real_ttft_fetch_s": run.ttft_fetch_s}
@@ -167,28 +171,30 @@ TIER_NAMES = {"ram": "RAM", "disk": "local disk, its pages dropped before each r
 
 def show_real_ttft(page: Page, r: rag_study.Real, s) -> None:
     run = r.run
-    t, k, ref = run.ttft, f"{run.at:g}", handout(HANDOUT, "real_ttft", s)
+    t, k, ref = run.ttft, f"{run.ratio:g}", handout(HANDOUT, "real_ttft", s)
     counts = lambda c: " ".join(map(str, c[:4])) + f" ... {c[-1]}"  # noqa: E731
     rows = [Row(["full prefill", t["full prefill"], 1.0, "100%", None, None, None])]
     rows += [Row([m, t[m], t["full prefill"] / t[m], run.share[m], run.curve.get(m, {}).get(k), run.score.get(m),
-                  Val(run.counts[m], fmt=counts)]) for m in blend_rag.ALL_RULE_NAMES]
-    add_table(page, Table(f"Part 5c (§5.4). Time to first token at r = {run.at:.0%}, CPU wall clock, median of "
+                  Val(run.counts[m], fmt=counts)]) for m in blend_rules.ALL_RULE_NAMES]
+    add_table(page,
+              Table(title=f"Part 5c (§5.4). Time to first token at r = {run.ratio:.0%}, CPU wall clock, median of "
                           f"{run.ttft_items} input(s), {run.threads} torch thread(s),\n  chunks' KV fetched from "
                           f"a real store ({TIER_NAMES[run.ttft_tier]}: {run.ttft_fetch_bytes / 1e6:.1f} MB of FP16 "
                           f"records in {run.ttft_fetch_s * 1e3:.0f} ms) + shift_kv + blend; noisy on a shared machine."
                           + (
                               f" Paper (GPU): {ref.figure}" if isinstance(ref, Ref) else ""),
-                          "§5.4", cols("rule", ("TTFT s", "{:.2f}"), ("speed-up", "{:.2f}x"), ("recomputed", pct1),
+                          section="§5.4", cols=cols("rule", ("TTFT s", "{:.2f}"), ("speed-up", "{:.2f}x"),
+                                                    ("recomputed", pct1),
                                        ("KL first token", "{:.4f}"), ("KL removed / s", "{:.2f}"),
-                                       "tokens at layers 1 2 3 4 ... last"), rows, "blend_real.real_experiment",
-                          real_notes(r) + [recomputed_note(r)]))
+                                       "tokens at layers 1 2 3 4 ... last"), rows=rows, source="blend_real.real_experiment",
+                          notes=real_notes(r) + [recomputed_note(r)]))
     add_json(page, ttft_json(r))
 
 
 def real_notes(r: rag_study.Real) -> list[str]:
     """The rule reported as CacheBlend and the best rule of this run (how far the oracles are: Part 5f)."""
     run = r.run
-    t, k, rule, reuse, kl = run.ttft, f"{run.at:g}", run.rule, run.kl_reuse, run.curve
+    t, k, rule, reuse, kl = run.ttft, f"{run.ratio:g}", run.rule, run.kl_reuse, run.curve
     gain = lambda m: f"{1 - kl[m][k] / reuse:.0%} of full reuse's KL removed in {t[m]:.2f} s"  # noqa: E731
     notes = []
     if run.curve_mode:                # every rule measured: the one with the most quality per second
@@ -210,7 +216,7 @@ def recomputed_note(r: rag_study.Real) -> str:
     run, L = r.run, r.n_layers
     n = run.items[0].n_context
     groups: dict[tuple, list] = {}
-    for m in blend_rag.ALL_RULE_NAMES:
+    for m in blend_rules.ALL_RULE_NAMES:
         c = run.counts[m]
         full = 1 + next((i for i, x in enumerate(c) if x < n), len(c))   # layer 0 and the leading full layers
         groups.setdefault((full, tuple(c[full - 1:]), round(run.share[m], 12)), []).append(m)
@@ -234,10 +240,10 @@ def recomputed_note(r: rag_study.Real) -> str:
             "also computes every layer up to its check in full: " + "; ".join(said) + ".")
 
 
-def answers_json(run: rag_study.Experiment) -> dict:
+def answers_json(run: blend_rag.Experiment) -> dict:
     """Part 5d's keys: full reuse's KL, the rule's (as CacheBlend), random's and the patch oracle's at r, the
     curves, how many greedy answers match full prefill's."""
-    k, at = f"{run.at:g}", pk(run.at)
+    k, at = f"{run.ratio:g}", pk(run.ratio)
     return {"real_kl_reuse": run.kl_reuse, "real_kl_answer_reuse": run.kl_answer_reuse,
             f"real_kl_blend{at}": run.curve[run.rule][k], f"real_kl_random{at}": run.curve["random"][k],
             f"real_kl_oracle{at}": run.curve["oracle"][k], "real_same_answer": run.same_answer,
@@ -246,22 +252,23 @@ def answers_json(run: rag_study.Experiment) -> dict:
 
 def show_real_answers(page: Page, r: rag_study.Real, s) -> None:
     run = r.run
-    k, n = f"{run.at:g}", len(run.items)
+    k, n = f"{run.ratio:g}", len(run.items)
     first = {"full prefill": "0", "full reuse": run.kl_reuse, **{m: c[k] for m, c in run.curve.items()}}
     answer = {"full prefill": "0", "full reuse": run.kl_answer_reuse, **{m: c[k] for m, c in run.curve_answer.items()}}
-    shown = run.rule if run.rule in run.items[0].text else blend_rag.blend_rule_of(run.rule)
-    add_table(page, Table(f"Part 5d (§5.3). KL and greedy answers at r = {run.at:.0%} (the answers of --rule "
-                          f"{shown} shown below; the input rules' KL: Part 5j)", "§5.3",
-                          cols("method", ("KL first token", "{:.4f}"), (f"KL first {run.kl_tokens} tokens", "{:.4f}"),
+    shown = run.rule if run.rule in run.items[0].text else blend_rules.blend_rule_of(run.rule)
+    add_table(page, Table(title=f"Part 5d (§5.3). KL and greedy answers at r = {run.ratio:.0%} (the answers of --rule "
+                          f"{shown} shown below; the input rules' KL: Part 5j)", section="§5.3",
+                          cols=cols("method", ("KL first token", "{:.4f}"), (f"KL first {run.kl_tokens} tokens",
+                                                                             "{:.4f}"),
                                ("same greedy answer", lambda x: f"{x}/{n}")),
-                          [Row([m, first[m], answer[m], same]) for m, same in run.same_answer.items()],
-                          "blend_real.real_experiment"))
+                          rows=[Row([m, first[m], answer[m], same]) for m, same in run.same_answer.items()],
+                          source="blend_real.real_experiment"))
     add_json(page, answers_json(run))
     for it in run.items:
         page.say(answer_lines(it, shown))
 
 
-def answer_lines(it: rag_study.Answered, rule: str) -> str:
+def answer_lines(it: blend_rag.Answered, rule: str) -> str:
     """One input's question, its reference answer where it has one, and the greedy answers."""
     return f"\n{it.question}" + (f"\n  (reference: {it.reference})" if it.reference else "") + "".join(
         f"\n  {m:14s} {it.text[m].strip()!r}" for m in ("full prefill", "full reuse", rule, "random") if m in it.text)
@@ -270,9 +277,11 @@ def answer_lines(it: rag_study.Answered, rule: str) -> str:
 def show_real_insights(page: Page, r: rag_study.Real, s) -> None:
     toy, top, d = r.toy, pk(s.top_share), r.insights
     three = lambda f: lambda xs: " / ".join(f(x) for x in (min(xs), statistics.median(xs), max(xs)))  # noqa: E731
-    add_table(page, Table(f"Part 5e (§5.3). The two insights on a real model\n  (deviation = full reuse's KV minus "
-                          f"full prefill's, layers 1-{len(d.top_per_layer)})", "§5.3",
-                          cols("insight", ("SmolLM2-135M", pct1), ("record world", pct1), "handout / paper"), [
+    add_table(page,
+              Table(title=f"Part 5e (§5.3). The two insights on a real model\n  (deviation = full reuse's KV minus "
+                          f"full prefill's, layers 1-{len(d.top_per_layer)})", section="§5.3",
+                          cols=cols("insight", ("SmolLM2-135M", pct1), ("record world", pct1),
+                                    "handout / paper"), rows=[
         Row([f"top {s.top_share:.0%} of tokens: share of KV deviation", d.top_share,
              toy.top_share if toy else None, handout_text(handout(HANDOUT, "top_share", s))]),
         Row(["  per layer: min / median / max", Val(d.top_per_layer, fmt=three(pct1)), None, DASH]),
@@ -280,13 +289,13 @@ def show_real_insights(page: Page, r: rag_study.Real, s) -> None:
              Val(d.rank_corr, fmt=three("{:.2f}".format)),
              " ".join(f"{c:.2f}" for c in toy.rank_corr) if toy else None,
              handout_text(handout(HANDOUT, "rank_corr", s))])],
-        "blend_real_study.deviation"))
+        source="blend_real_study.deviation"))
     add_json(page, {f"real_top{top}_deviation_share": d.top_share, f"real_top{top}_per_layer": d.top_per_layer,
                     "real_adjacent_layer_rank_corr": d.rank_corr})
 
 
 # ============================================================================ §5.3: rules that read the input
-INPUT_SHOWN = ("flat", *blend_rag.INPUT_RULE_NAMES)
+INPUT_SHOWN = ("flat", *blend_rules.INPUT_RULE_NAMES)
 
 
 def removed(kl: float, reuse: float) -> float:
@@ -301,38 +310,39 @@ def show_input_rules(page: Page, r: rag_study.Real, s) -> None:
     run = r.run
     ratios, reuse = run.ratios, run.kl_reuse
     shown = [m for m in (*INPUT_SHOWN, "random") if m in run.curve]
-    rows = [Row([m, *[run.curve[m][f"{x:g}"] for x in ratios], removed(run.curve[m][f"{run.at:g}"], reuse),
+    rows = [Row([m, *[run.curve[m][f"{x:g}"] for x in ratios], removed(run.curve[m][f"{run.ratio:g}"], reuse),
                  run.ttft.get(m), run.share.get(m)]) for m in shown]
     oracle = run.ranking.get("flat")
     if oracle:
         rows.append(Row(["ranking oracle (flat's counts)", *[oracle[f"{x:g}"] for x in ratios],
-                         removed(oracle[f"{run.at:g}"], reuse), None, None]))
+                         removed(oracle[f"{run.ratio:g}"], reuse), None, None]))
     rows.append(Row(["patch oracle", *[run.curve["oracle"][f"{x:g}"] for x in ratios],
-                     removed(run.curve["oracle"][f"{run.at:g}"], reuse), None, None]))
-    add_table(page, Table(f"Part 5j (§5.3). Ranking by what the question reads: mean first-token KL(full prefill "
+                     removed(run.curve["oracle"][f"{run.ratio:g}"], reuse), None, None]))
+    add_table(page, Table(title=f"Part 5j (§5.3). Ranking by what the question reads: mean first-token KL(full prefill "
                           f"|| rule), nats (full reuse: {reuse:.4f});\n  query: flat's counts, the tokens the question "
                           "attends to most over full reuse's cache, layers 1 to the last;\n  query+dev: that and layer "
                           "0's attention deviation, each a share of its total;\n  chunk-start: the first tokens of "
                           "every chunk (EPIC's LegoLink); TTFT as Part 5c (with the question's pass)",
-                          "§5.3", cols("rule", *[(f"r={x:.0%}", "{:.4f}") for x in ratios],
-                                       (f"removed at {run.at:.0%}", pct1), ("TTFT s", "{:.2f}"), ("recomputed", pct1)),
-                          rows, "blend_real.input_rule_curves", input_rule_notes(r)))
+                          section="§5.3", cols=cols("rule", *[(f"r={x:.0%}", "{:.4f}") for x in ratios],
+                                       (f"removed at {run.ratio:.0%}", pct1), ("TTFT s", "{:.2f}"),
+                                       ("recomputed", pct1)),
+                          rows=rows, source="blend_real.input_rule_curves", notes=input_rule_notes(r)))
     if run.no_prefix:
         show_no_prefix(page, r)
-    add_json(page, {"real_input_rules": list(blend_rag.INPUT_RULE_NAMES),
-                    "real_kl_removed": {m: removed(run.curve[m][f"{run.at:g}"], reuse) for m in shown}})
+    add_json(page, {"real_input_rules": list(blend_rules.INPUT_RULE_NAMES),
+                    "real_kl_removed": {m: removed(run.curve[m][f"{run.ratio:g}"], reuse) for m in shown}})
 
 
 def input_rule_notes(r: rag_study.Real) -> list[str]:
     """Which rule is closest to full prefill at each measured ratio, and the run's rule against flat at r."""
-    run, k = r.run, f"{r.run.at:g}"
+    run, k = r.run, f"{r.run.ratio:g}"
     rules = [m for m in INPUT_SHOWN if m in run.curve]
     best = {x: min(rules, key=lambda m: run.curve[m][f"{x:g}"]) for x in run.ratios}
     rule, flat = run.rule, run.curve.get("flat", {}).get(k)
     notes = ["closest to full prefill: " + ", ".join(f"{x:.0%} {m}" for x, m in best.items()) + "."]
     if flat is not None and rule != "flat" and rule in run.curve:
         mine = run.curve[rule][k]
-        notes.append(f"--rule {rule} at {run.at:.0%}: {mine:.4f} against flat's {flat:.4f} (" + (
+        notes.append(f"--rule {rule} at {run.ratio:.0%}: {mine:.4f} against flat's {flat:.4f} (" + (
             f"{1 - mine / flat:.0%} less" if mine < flat else f"{mine / flat - 1:.0%} more" if mine > flat else
             "the same") + f"), {run.ttft[rule]:.2f} s against {run.ttft['flat']:.2f} s to the first token.")
     return notes
@@ -341,14 +351,15 @@ def input_rule_notes(r: rag_study.Real) -> list[str]:
 def show_no_prefix(page: Page, r: rag_study.Real) -> None:
     """At r: full reuse, flat and the input rules when every chunk is prefilled alone at position 0 (each its
     own attention sink, as EPIC stores chunks) beside the same with the shared chat prefix."""
-    run, k, x = r.run, f"{r.run.at:g}", r.run.no_prefix
+    run, k, x = r.run, f"{r.run.ratio:g}", r.run.no_prefix
     rows = [Row([m, x[m], run.kl_reuse if m == "full reuse" else run.curve[m][k]])
             for m in ("full reuse", *INPUT_SHOWN, "oracle") if m in x]
-    add_table(page, Table(f"Part 5j (§5.3). At r = {run.at:.0%}, every chunk prefilled alone at position 0 (the "
+    add_table(page,
+              Table(title=f"Part 5j (§5.3). At r = {run.ratio:.0%}, every chunk prefilled alone at position 0 (the "
                           "chat prefix part of the first chunk, each chunk\n  its own attention sink) beside every "
-                          "chunk prefilled behind the shared chat prefix; mean first-token KL, nats", "§5.3",
-                          cols("method", ("alone at 0", "{:.4f}"), ("behind the prefix", "{:.4f}")), rows,
-                          "blend_real.input_rule_curves"))
+                          "chunk prefilled behind the shared chat prefix; mean first-token KL, nats", section="§5.3",
+                          cols=cols("method", ("alone at 0", "{:.4f}"), ("behind the prefix", "{:.4f}")), rows=rows,
+                          source="blend_real.input_rule_curves"))
     add_json(page, {"real_kl_no_prefix": x})
 
 
@@ -358,27 +369,29 @@ def show_query_depths(page: Page, r: rag_study.Real, s) -> None:
     js = q["depths"]
     if not js:
         return
-    rows = [Row([j, *[q[key][m][i] for m in blend_rag.QUERY_RULES for key in ("kl", "ttft")], q["share"]["query"][i]])
-            for i, j in enumerate(js)]
-    k = f"{run.at:g}"
+    rows = [Row([j, *[q[key][m][i] for m in blend_rules.QUERY_RULES for key in ("kl", "ttft")],
+                 q["share"]["query"][i]]) for i, j in enumerate(js)]
+    k = f"{run.ratio:g}"
     rows.append(Row(["flat", run.curve["flat"][k], run.ttft["flat"], None, None, run.share["flat"]]))
-    add_table(page, Table(f"Part 5k (§5.4). The query rules at r = {run.at:.0%} reading the question's attention at "
-                          "layers 1..j: mean first-token KL against TTFT\n  (CPU wall clock as Part 5c, the "
-                          "question's pass over layers 0..j included); flat beside them", "§5.4",
-                          cols("j", *[(f"{head} {m}", fmt) for m in blend_rag.QUERY_RULES
+    add_table(page,
+              Table(title=f"Part 5k (§5.4). The query rules at r = {run.ratio:.0%} reading the question's attention "
+                          "at layers 1..j: mean first-token KL against TTFT\n  (CPU wall clock as Part 5c, the "
+                          "question's pass over layers 0..j included); flat beside them", section="§5.4",
+                          cols=cols("j", *[(f"{head} {m}", fmt) for m in blend_rules.QUERY_RULES
                                       for head, fmt in (("KL", "{:.4f}"), ("TTFT s", "{:.2f}"))],
-                               ("recomputed", pct1)), rows, "blend_real.real_experiment", depth_notes(r)))
-    add_json(page, {"real_query_j": js, f"real_query_kl{pk(run.at)}": q["kl"]["query"],
-                    "real_query_ttft_s": q["ttft"]["query"], f"real_query_dev_kl{pk(run.at)}": q["kl"]["query+dev"],
+                               ("recomputed",
+                                pct1)), rows=rows, source="blend_real.real_experiment", notes=depth_notes(r)))
+    add_json(page, {"real_query_j": js, f"real_query_kl{pk(run.ratio)}": q["kl"]["query"],
+                    "real_query_ttft_s": q["ttft"]["query"], f"real_query_dev_kl{pk(run.ratio)}": q["kl"]["query+dev"],
                     "real_query_dev_ttft_s": q["ttft"]["query+dev"]})
 
 
 def depth_notes(r: rag_study.Real) -> list[str]:
     """The smallest j at which each query rule is closer to full prefill than flat, and what it costs."""
     run, q = r.run, r.run.query
-    flat = run.curve["flat"][f"{run.at:g}"]
+    flat = run.curve["flat"][f"{run.ratio:g}"]
     out = []
-    for m in blend_rag.QUERY_RULES:
+    for m in blend_rules.QUERY_RULES:
         j = next((j for j, kl in zip(q["depths"], q["kl"][m]) if kl < flat), None)
         out.append(f"{m}: " + ("no j measured is closer to full prefill than flat" if j is None else
                                f"closer than flat first at j = {j}"
@@ -398,15 +411,16 @@ def split_cells(d: blend_rag.Decomposition, x: float) -> list:
 
 def show_real_split(page: Page, r: rag_study.Real, s) -> None:
     """The run's rule, its ranking oracle and the patch oracle at each measured ratio."""
-    d, at = r.split, r.run.at
-    add_table(page, Table(f"Part 5f (§5.3). Where {d.rule}'s distance from full prefill comes from, mean first-token "
+    d, at = r.split, r.run.ratio
+    add_table(page,
+              Table(title=f"Part 5f (§5.3). Where {d.rule}'s distance from full prefill comes from, mean first-token "
                           "KL (nats)\n"
                           f"  ranking oracle: {d.rule}'s counts and nesting, its tokens picked by their true "
                           "deviation, recomputed by blend();\n  patch oracle: the full prefill's own K, V for as many "
-                          "tokens of every layer, no recompute", "§5.3",
-                          cols(("r", "{:.0%}"), (d.rule, "{:.4f}"), *SPLIT_COLS),
-                          [Row([x, *split_cells(d, x)]) for x in d.ratios], "blend_real.decompose",
-                          [split_verdict(d, at)]))
+                          "tokens of every layer, no recompute", section="§5.3",
+                          cols=cols(("r", "{:.0%}"), (d.rule, "{:.4f}"), *SPLIT_COLS),
+                          rows=[Row([x, *split_cells(d, x)]) for x in d.ratios], source="blend_real.decompose",
+                          notes=[split_verdict(d, at)]))
     add_json(page, {f"real_dominant{pk(at)}": d.dominant(at)})
 
 
@@ -450,30 +464,31 @@ def ranking_room(d: blend_rag.Decomposition, at: float, splits: dict) -> str:
 
 def show_rule_splits(page: Page, r: rag_study.Real, s) -> None:
     """Every rule measured, its ranking oracle (same counts) and the patch oracle at the run's ratio."""
-    at = r.run.at
-    add_table(page, Table(f"Part 5g (§5.3). Every rule at r = {at:.0%} beside its own ranking oracle (the "
-                          "check-layer rules compute layers 0-1 in full)", "§5.3",
-                          cols("rule", ("KL", "{:.4f}"), *SPLIT_COLS),
-                          [Row([m, *split_cells(d, at)]) for m, d in r.splits.items()], "blend_real.decompose"))
+    at = r.run.ratio
+    add_table(page, Table(title=f"Part 5g (§5.3). Every rule at r = {at:.0%} beside its own ranking oracle (the "
+                          "check-layer rules compute layers 0-1 in full)", section="§5.3",
+                          cols=cols("rule", ("KL", "{:.4f}"), *SPLIT_COLS),
+                          rows=[Row([m, *split_cells(d, at)]) for m,
+                                d in r.splits.items()], source="blend_real.decompose"))
     add_json(page, {"real_kl_ranking_oracle": {m: d.ranking for m, d in r.splits.items()}})
 
 
 def show_chunk_lengths(page: Page, c: blend_rag.ChunkLengths, s) -> None:
     """The built-in items at several chunk lengths: the rule's curve, the two oracles at `at`, how spread
     the deviation is, and the ratio that matches the reference length's quality at `at`."""
-    at, ratios = c.at, c.row(c.reference).split.ratios
+    at, ratios = c.ratio, c.row(c.reference).split.ratios
     rows = [Row([x.chunk_tokens, x.n_context, bounds_per_1k(x), x.split.reuse, *[x.split.rule_kl[q] for q in ratios],
                  x.split.ranking[at], x.split.patch[at], x.top_share, c.needed(x)]) for x in c.rows]
-    add_table(page, Table(f"Part 5h (§5.3). Shorter chunks: the built-in items cut to each chunk length, mean "
+    add_table(page, Table(title=f"Part 5h (§5.3). Shorter chunks: the built-in items cut to each chunk length, mean "
                           f"first-token KL of full reuse, of {c.rule}\n  at each r and of its two oracles at {at:.0%}; "
                           "bounds/1k: chunk boundaries per 1,000 context tokens; last column: the least\n  measured r "
                           f"at which {c.rule} gets as close to full prefill as at {at:.0%} with {c.reference}-token "
-                          "chunks", "§5.3",
-                          cols("chunk", "context", ("bounds/1k", "{:.1f}"), ("reuse", "{:.4f}"),
+                          "chunks", section="§5.3",
+                          cols=cols("chunk", "context", ("bounds/1k", "{:.1f}"), ("reuse", "{:.4f}"),
                                *[(f"r={q:.0%}", "{:.4f}") for q in ratios], (f"ranking {at:.0%}", "{:.4f}"),
                                (f"patch {at:.0%}", "{:.4f}"), (f"top {c.top:.0%} hold", pct1),
-                               (f"r like {c.reference}", "{:.0%}")), rows, "blend_real.chunk_length_study",
-                          chunk_notes(c)))
+                               (f"r like {c.reference}", "{:.0%}")), rows=rows, source="blend_real.chunk_length_study",
+                          notes=chunk_notes(c)))
     add_json(page, {"real_chunk_kl": {str(x.chunk_tokens): x.split.rule_kl for x in c.rows},
                     "real_chunk_top_share": {str(x.chunk_tokens): x.top_share for x in c.rows}})
 
@@ -485,7 +500,7 @@ def bounds_per_1k(x: blend_rag.ChunkLength) -> float:
 
 def chunk_notes(c: blend_rag.ChunkLengths) -> list[str]:
     """Whether the ratio is enough at each other length, and why, from the table's numbers."""
-    at, ref, notes = c.at, c.row(c.reference), []
+    at, ref, notes = c.ratio, c.row(c.reference), []
     for x in c.rows:
         if x is ref:
             continue
@@ -517,7 +532,7 @@ def show_adaptive(page: Page, r: rag_study.Real, s) -> None:
                              "first-token KL", "§5.3", fields, a.rows, "blend_real.compare_rules",
                              [f"the adaptive rule is closer to full prefill than flat at "
                               f"{sum(closer(m) == 'adaptive' for m in a.rows)} of {len(a.rows)} matched shares; "
-                              + ranking_room(r.split, r.run.at, r.splits)]))
+                              + ranking_room(r.split, r.run.ratio, r.splits)]))
     add_json(page, {"real_adaptive": a.rows})
 
 
@@ -536,6 +551,6 @@ def real_curve_figure(page: Page, r: rag_study.Real, s) -> None:
     lines = [Series([100 * x for x in run.ratios], [run.curve[m][f"{x:g}"] for x in run.ratios],
                     label.get(m, m), style=dict(marker="o", ms=3, **style.get(m, {}))) for m in run.methods[1:]]
     chart_figure(page, "04_real_curve_passages.png" if s.passages else "04_real_curve.png", Chart(
-        lines, "recompute ratio r (%)", "KL(full prefill || method), first answer token (nats)", yscale="log",
+        series=lines, xlabel="recompute ratio r (%)", ylabel="KL(full prefill || method), first answer token (nats)", yscale="log",
         hlines=[(run.kl_reuse, dict(color="tab:red", lw=1, label="full reuse"))]),
         f"{r.model_name}: which tokens to recompute ({len(run.items)} inputs)", figsize=(7, 4))

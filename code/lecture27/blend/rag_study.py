@@ -1,12 +1,12 @@
 """04's Part 5: CacheBlend on a real LLaMA (SmolLM2-135M-Instruct, or another GGUF file), handout §5.1-5.4,
-as results with named fields. The measuring is blend_real.py's and prefix_caching.measured's; this module
+as results with named fields. The measuring is rag.py's and prefix_caching.measured's; this module
 loads the model and the inputs, runs them, and keeps what 04 shows:
 
     load            the model, its tokenizer and the key its cached results are filed under
     inputs          the built-in RAG items, or the student's own passages (one chunk per passage)
     experiment      KL to full prefill of every rule measured (blend_rules.ALL_RULES with --curve), random and
                     the two oracles; live TTFT per rule; greedy answers; the query rules over j and the
-                    chunks prefilled with no shared prefix (--curve) (blend_real.real_experiment)
+                    chunks prefilled with no shared prefix (--curve): rag.real_experiment's Experiment
     deviation       the two insights on the real model's KV deviation
     toy_insights    the record world's, beside them
     curve_studies   --curve: the built-in items with shorter chunks, a rule whose count adapts beside flat
@@ -15,23 +15,19 @@ A new selection rule added to blend_rules.RULES is measured by every one of them
 """
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 
+from lecture27 import blend_rules
+from lecture27 import kvstore as ks
 from lecture27.blend import rag as blend_rag
 from lecture27.blend import prefix_caching as pc
 from lecture27.blend_world import heldout, spearman, top_share
 from lecture27.blend.record_blend import insights
 from lecture27.record_trainer import record_model
 from common.checkpoints import TrainingFailed
-
-
-def _fields(cls, d: dict) -> dict:
-    """The entries of `d` that are fields of the dataclass `cls`."""
-    return {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d}
 
 
 @dataclass
@@ -41,53 +37,6 @@ class LM:
     tok: object
     name: str
     model_id: str
-
-
-@dataclass
-class Answered:
-    """One input as measured (blend_real.item_curve, cached as plain data): its question, the reference
-    answer, each method's greedy answer, its lengths."""
-    question: str
-    reference: str
-    text: dict                      # method -> greedy answer
-    n_context: int
-    n_question: int
-    chunk_lens: list
-
-
-@dataclass
-class Experiment:
-    """blend_real.real_experiment's result. Dicts keyed by method name; the KL curves {method: {ratio: KL}}
-    with the ratio written as "0.15"."""
-    items: list                     # Answered, one per input
-    ratios: tuple
-    at: float                       # the run's ratio
-    rule: str                       # the rule reported as CacheBlend
-    curve_mode: bool                # every rule measured at every ratio
-    methods: list
-    curve: dict                     # first answer token's KL
-    curve_answer: dict              # mean over the first kl_tokens answer tokens
-    kl_reuse: float
-    kl_answer_reuse: float
-    ranking: dict                   # rule -> its ranking oracle's curve (an input rule: flat's)
-    ttft: dict                      # method -> seconds
-    ttft_items: int
-    ttft_tier: str                  # the store tier the timed runs fetched the chunks from
-    ttft_fetch_s: float             # ... and the fetch's seconds (median over the rules' runs)
-    ttft_fetch_bytes: int           # ... of that many bytes of FP16 records
-    threads: int
-    counts: dict                    # rule -> tokens recomputed at layers 1..
-    share: dict                     # rule -> recomputed share of a full prefill's context-token layers
-    same_answer: dict               # method -> inputs whose greedy answer is full prefill's
-    kl_tokens: int
-    loaded_from_cache: bool
-    compute_seconds: float | None
-    curves: blend_rag.Curves
-    query: dict                     # each query rule at `at` over j: {"depths", "kl", "ttft", "share": {rule: [...]}}
-    no_prefix: dict | None          # --curve: {method: KL at `at`} with every chunk prefilled alone at position 0
-    deviation: list                 # per input (L, N) of full reuse's KV deviation
-    best: str                       # the rule with the most quality per measured TTFT (of those measured)
-    score: dict
 
 
 @dataclass
@@ -105,9 +54,10 @@ class ToyInsights:
     rank_corr: list[float]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Real:
-    run: Experiment
+    """Part 5 as 04 shows it: the experiment and the studies beside it."""
+    run: blend_rag.Experiment
     source: str                     # where the inputs came from
     model_name: str
     n_layers: int
@@ -126,7 +76,7 @@ def load(gguf: str | None) -> LM:
 
     model, tok, info = load_gguf_llama(gguf, progress=True)
     path = Path(info["path"])
-    return LM(model, tok, path.stem, f"{path.name}:{path.stat().st_size}")
+    return LM(model, tok, path.stem, ks.model_id(path))
 
 
 def inputs(lm: LM, passages: str | None, items: int, chunk_tokens: int) -> tuple[list, str]:
@@ -137,18 +87,15 @@ def inputs(lm: LM, passages: str | None, items: int, chunk_tokens: int) -> tuple
 
 
 def experiment(lm: LM, rags: list, ratio: float, rule: str, curve: bool, curve_ratios, ttft_items: int,
-               recompute: bool, tier: str, depths=()) -> Experiment:
-    """blend_real.real_experiment; with curve, also the query rules over `depths` and the inputs with no
-    shared prefix."""
-    res = blend_rag.real_experiment(lm.model, lm.tok, rags, ratio, lm.model_id, rule, curve, curve_ratios,
-                             ttft_items=min(ttft_items, len(rags)), tier=tier, depths=depths, alone=curve,
-                             recompute=recompute)
-    best, score = blend_rag.best_rule(res)
-    items = [Answered(**_fields(Answered, it)) for it in res["items"]]
-    return Experiment(**_fields(Experiment, {**res, "items": items}), best=best, score=score)
+               recompute: bool, tier: str, depths=()) -> blend_rag.Experiment:
+    """rag.real_experiment on the loaded model; with curve, also the query rules over `depths` and the inputs
+    with no shared prefix."""
+    return blend_rag.real_experiment(lm.model, lm.tok, rags, ratio, lm.model_id, rule, curve, curve_ratios,
+                                     ttft_items=min(ttft_items, len(rags)), tier=tier, depths=depths, alone=curve,
+                                     recompute=recompute)
 
 
-def deviation(run: Experiment, top: float) -> Deviation:
+def deviation(run: blend_rag.Experiment, top: float) -> Deviation:
     dev, L = run.deviation, run.deviation[0].shape[0]
     per_layer = [statistics.fmean(top_share(d[i][None], top) for d in dev) for i in range(1, L)]
     corr = [statistics.fmean(spearman(d[i][None], d[i + 1][None]) for d in dev) for i in range(1, L - 1)]
@@ -165,14 +112,14 @@ def toy_insights(seed: int, locality: float, chunk_len: int, ratio: float, top: 
     return ToyInsights(found.top_share, found.rank_corr)
 
 
-def curve_studies(lm: LM, rags: list, run: Experiment, source: str, *, built_in: bool, items: int, short_chunks,
-                  chunk_tokens: int, top: float, targets, layer: int, floor: float, recompute: bool):
+def curve_studies(lm: LM, rags: list, run: blend_rag.Experiment, source: str, *, built_in: bool, items: int,
+                  short_chunks, chunk_tokens: int, top: float, targets, layer: int, floor: float, recompute: bool):
     """--curve: the built-in items with shorter chunks (not for --passages) and the adaptive rule beside flat
     at the same mean recomputed share (both cached): (ChunkLengths or None, RuleComparison)."""
     chunks = blend_rag.chunk_length_study(
         lm.model, lm.tok, n_items=items, lengths=short_chunks, reference=chunk_tokens, ratios=run.ratios,
-        at=run.at, rule=blend_rag.blend_rule_of(run.rule), model_id=lm.model_id, top=top,
+        ratio=run.ratio, rule=blend_rules.blend_rule_of(run.rule), model_id=lm.model_id, top=top,
         recompute=recompute) if built_in else None
     adaptive = blend_rag.compare_rules(lm.model, lm.tok, rags, targets=targets, layer=layer, floor=floor,
-                                model_id=lm.model_id, source=source, recompute=recompute)
+                                       model_id=lm.model_id, source=source, recompute=recompute)
     return chunks, adaptive

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lecture27.blend_rules import INPUT_RULES, Random, ready
+from lecture27.blend_rules import INPUT_RULES, Random
 from lecture27.blend_world import (N_RECORDS, PROGRESSIVE, accuracy, answer_correct, answer_slots, blend,
                          full_prefill, full_reuse, heldout, kv_deviation, precompute_chunks, spearman, split_mask,
                          split_records, top_share)
@@ -31,7 +31,7 @@ METHODS = ("full", "reuse", "blend", "random")
 
 
 # ============================================================================ the record world's model (§0.4)
-@dataclass
+@dataclass(kw_only=True)
 class Training:
     """What the cache holds about the record model's training (record_trainer.record_model's metadata)."""
     steps: int
@@ -55,9 +55,10 @@ def trained(retrain: bool, seed: int, locality: float):
     training fails."""
     model, meta = record_model(retrain, seed, locality=locality)
     m = meta["metrics"]
-    return model, Training(m["steps"], m["train_seconds"], m["drop_step"], m["heldout_acc"], m["heldout_questions"],
-                           meta["ident"]["train"]["locality"], m.get("locality_from_step"), cache_loaded("records"),
-                           meta)
+    return model, Training(steps=m["steps"], train_seconds=m["train_seconds"], drop_step=m["drop_step"],
+                           heldout_acc=m["heldout_acc"], heldout_questions=m["heldout_questions"],
+                           locality=meta["ident"]["train"]["locality"], locality_from_step=m.get("locality_from_step"),
+                           loaded=cache_loaded("records"), meta=meta)
 
 
 # ============================================================================ §5.2-5.3: records
@@ -68,7 +69,7 @@ class Accuracy:
     all: float
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RecordRun:
     rec: object                     # the held-out Records
     pre: KVCache                    # their chunks, precomputed once for Parts 2-3 and exercise 6
@@ -104,7 +105,8 @@ def record_experiment(model, docs: int, chunk_len: int, ratio: float, seed: int)
     split = split_mask(rec, chunk_len)
     acc = {m: Accuracy(acc_or_none(ok, split), acc_or_none(ok, ~split), accuracy(ok))
            for m, ok in methods(model, rec, chunk_len, ratio, seed, pre).items()}
-    return RecordRun(rec, pre, split_records(chunk_len), int(split.sum()), acc, chunk_len, ratio, seed, docs)
+    return RecordRun(rec=rec, pre=pre, split_ids=split_records(chunk_len), n_split=int(split.sum()), acc=acc,
+                     chunk_len=chunk_len, ratio=ratio, seed=seed, docs=docs)
 
 
 @torch.no_grad()
@@ -116,7 +118,7 @@ def input_rules(model, run: RecordRun) -> dict[str, Accuracy]:
     split = split_mask(run.rec, run.chunk_len)
     out = {}
     for name, rule in INPUT_RULES.items():
-        rule = ready(rule, model, run.rec, run.chunk_len, run.pre)
+        rule = rule.ready(model, run.rec, run.chunk_len, run.pre)
         ok = answer_correct(blend(model, run.rec, run.chunk_len, run.ratio, rule=rule, pre=run.pre), run.rec)
         out[name] = Accuracy(acc_or_none(ok, split), acc_or_none(ok, ~split), accuracy(ok))
     return out
@@ -145,7 +147,7 @@ def split_at(model, run: RecordRun, chunk_len: int) -> SplitAt:
 
 
 # ============================================================================ §5.3: insights
-@dataclass
+@dataclass(kw_only=True)
 class Insights:
     top_share: float                # share of the deviation held by the top `top` tokens, layers 1..
     top_per_layer: list[float]
@@ -188,7 +190,8 @@ def insights(model, rec, chunk_len: int, ratio: float, top: float, pre=None) -> 
     picks = trace.recomputed[0]
     coverage = float(torch.stack([(picks == p).any(1) for p in firsts], 1).float().mean()) if firsts else None
     first_share = [float(dev[i][:, firsts].sum() / dev[i].sum()) if firsts else None for i in range(1, L)]
-    return Insights(sum(per_layer) / len(per_layer), per_layer, corr, corr0, coverage, first_share, dev)
+    return Insights(top_share=sum(per_layer) / len(per_layer), top_per_layer=per_layer, rank_corr=corr,
+                    layer0_vs_layer1=corr0, layer0_coverage=coverage, first_value_share=first_share, deviation=dev)
 
 
 def curve(model, rec, seed: int, ratios, chunk_lens, pre: dict | None = None) -> Curve:

@@ -44,7 +44,7 @@ class Paper:
 
 
 # ---------------------------------------------------------------------------- §5.3, exercise 7
-@dataclass
+@dataclass(kw_only=True)
 class CheckCost:
     model: str
     n_gpus: int
@@ -69,13 +69,14 @@ def check_cost(model: str, n_gpus: int, n_ctx: int, gpu: str) -> CheckCost:
     layer0 = tm.prefill_layer_time(model, gpu, n_ctx, 0, n_gpus)            # a full layer, all tokens
     layer_flops = 2 * m.linear_params / m.n_layers * n_ctx + attn
     per_flop = layer0 / layer_flops                                        # the time model's s/FLOP here
-    return CheckCost(model, n_gpus, n_ctx, (attn + q_proj) / 1e9, (layer_flops + attn + q_proj) / 1e9,
-                     1e3 * (attn + q_proj) * per_flop, 1e3 * (layer0 + (attn + q_proj) * per_flop),
-                     1e3 * layer0, 1e3 * m.n_layers * layer0)
+    return CheckCost(model=model, n_gpus=n_gpus, n_ctx=n_ctx, layer0_gflop=(attn + q_proj) / 1e9,
+                     layer1_gflop=(layer_flops + attn + q_proj) / 1e9, layer0_ms=1e3 * (attn + q_proj) * per_flop,
+                     layer1_ms=1e3 * (layer0 + (attn + q_proj) * per_flop), full_layer_ms=1e3 * layer0,
+                     full_prefill_ms=1e3 * m.n_layers * layer0)
 
 
 # ---------------------------------------------------------------------------- §5.4
-@dataclass
+@dataclass(kw_only=True)
 class DeviceTiming:
     load_ms: float                  # one layer's KV read from the device
     ratio: float                    # the controller's recompute ratio
@@ -102,7 +103,7 @@ class Throughput:
     bound: str                      # "GPU" or the device
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SystemTiming:
     n_gpus: int
     tag: str
@@ -141,13 +142,15 @@ def system_timing(model: str, n_gpus: int, rag: Rag, paper: Paper) -> SystemTimi
         recompute = tm.recompute_time(model, gpu, n_ctx, r, n_gpus) / m.n_layers
         ttft = lc.pipelined_ttft(m.n_layers, load, recompute, question)
         c = lc.choose(m.n_layers, full_layer, loads, device, rag.min_ratio, question)
-        devices[device] = DeviceTiming(1e3 * load, r, 1e3 * recompute, ttft, prefill / ttft, full_layer / load,
-                                       choice_label(c), c.reason)
+        devices[device] = DeviceTiming(load_ms=1e3 * load, ratio=r, recompute_ms=1e3 * recompute, ttft_s=ttft,
+                                       speedup=prefill / ttft, load_vs_full=full_layer / load,
+                                       choice=choice_label(c), reason=c.reason)
     point = PaperPoint(1e3 * tm.recompute_time(model, gpu, paper.context, paper.ratio, n_gpus) / m.n_layers,
                        1e3 * lc.load_time(model, paper.context, paper.device, n_gpus, rag.devices))
     tput = {r: throughput(model, n_gpus, r, paper.device, rag)
             for r in sorted({devices[paper.device].ratio, rag.min_ratio})}
-    return SystemTiming(n_gpus, m.tag, 1e3 * full_layer, 1e3 * floor_layer, prefill, devices, point, tput)
+    return SystemTiming(n_gpus=n_gpus, tag=m.tag, full_layer_ms=1e3 * full_layer, floor_layer_ms=1e3 * floor_layer,
+                        prefill_s=prefill, devices=devices, paper=point, throughput=tput)
 
 
 def choice_label(c: lc.Choice) -> str:
@@ -164,7 +167,7 @@ def controller_example(layers: int, read_ms: float, prefill_ms: float, min_ratio
 
 
 # ---------------------------------------------------------------------------- §5.4, a rule that reads the question
-@dataclass
+@dataclass(kw_only=True)
 class QueryWait:
     """A query rule on the time model, KV read from `device` at the device's controller ratio: per depth j
     (the question's attention read at layers 1..j; j = -1 is the plain pipeline), the TTFT and its cost
@@ -194,7 +197,8 @@ def query_wait(model: str, n_gpus: int, rag: Rag, device: str, depths) -> QueryW
     recompute = tm.recompute_time(model, gpu, n_ctx, r, n_gpus) / L
     question = tm.prefill_time(model, gpu, rag.question, n_ctx, n_gpus)
     js = sorted({min(j, L - 1) for j in depths})
-    return QueryWait(model, n_gpus, device, r, L, 1e3 * load, 1e3 * recompute, 1e3 * question / L, js,
-                     [lc.ranked_ttft(L, load, recompute, j, question / L, question) for j in js],
-                     lc.pipelined_ttft(L, load, recompute, question),
-                     tm.prefill_time(model, gpu, n_ctx + rag.question, 0, n_gpus))
+    return QueryWait(model=model, n_gpus=n_gpus, device=device, ratio=r, n_layers=L, load_ms=1e3 * load,
+                     recompute_ms=1e3 * recompute, pass_ms=1e3 * question / L, depths=js,
+                     ttft_s=[lc.ranked_ttft(L, load, recompute, j, question / L, question) for j in js],
+                     plain_s=lc.pipelined_ttft(L, load, recompute, question),
+                     prefill_s=tm.prefill_time(model, gpu, n_ctx + rag.question, 0, n_gpus))

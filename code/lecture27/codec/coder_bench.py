@@ -18,7 +18,7 @@ from lecture27.coder_parallel import decode_streams, encode_streams, stack_table
 THROUGHPUT_MAX_STEPS = 5_000    # the parallel coder is timed on at most this many symbols of each stream
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CoderThroughput:
     """Symbols per second (wall clock) of each coder on the same symbols, and what streams cost."""
     symbols: int                   # symbols in all
@@ -74,8 +74,10 @@ def coder_throughput(symbols, table_ids, tables, stream_counts, repeats: int = 1
         dec.append(sub.size / td)
         added.append(sum(sizes) + sum(len(varint(b)) for b in sizes[:-1]) - len(one))
     c_enc, c_dec = _constriction_throughput(flat, flat_ids, tables, repeats)
-    return CoderThroughput(int(flat.size), len(one), flat.size / t_enc, flat.size / t_dec, tuple(counts),
-                           tuple(enc), tuple(dec), tuple(added), c_enc, c_dec)
+    return CoderThroughput(symbols=int(flat.size), one_stream_bytes=len(one), serial_encode=flat.size / t_enc,
+                           serial_decode=flat.size / t_dec, streams=tuple(counts), parallel_encode=tuple(enc),
+                           parallel_decode=tuple(dec), added_bytes=tuple(added), constriction_encode=c_enc,
+                           constriction_decode=c_dec)
 
 
 def _constriction_throughput(syms, ids, tables, repeats: int):

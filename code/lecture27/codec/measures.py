@@ -4,7 +4,7 @@ grouped), the baseline codecs of §3.4's table, the arithmetic coder on whole co
 and 4, and the same measurements on a real LLaMA. Every function returns a dataclass; a cached study,
 which loads as a dict, becomes one here, where it is loaded.
 
-The record-world study is codec_study.py's, the real model's codec_real.py's, the codec kvcache.py's.
+The record-world study is codec/study.py's, the real model's codec/smollm2.py's, the codec kvcache.py's.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ class Sensitivity:
     measured_steps: list      # per layer [K, V]: the coarsest steps (x RMS) the search kept
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Observations:
     """Part 1 on the record-world model, and the documents it is measured on."""
     n_calib: int
@@ -105,7 +105,7 @@ class Level:
     agree: float | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Codecs:
     """Part 2 and the levels: every codec, the levels, the mode the measured codec chose (and on the
     record world: the sizes it chose between, the recipe's steps, the answers behind an accuracy)."""
@@ -137,7 +137,7 @@ class OneStream:
     roundtrip_exact: bool
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Bitstreams:
     contexts: int
     symbols: int
@@ -213,9 +213,9 @@ class Exercise4:
 
 
 # ------------------------------------------------------------------------------------- the record world
-@dataclass
+@dataclass(kw_only=True)
 class RecordStudy:
-    """The record-world codec study (codec_study.record_codec_study) as loaded."""
+    """The record-world codec study (codec/study.py's record_codec_study) as loaded."""
     n_calib: int
     n_eval: int
     tokens_per_context: int
@@ -251,12 +251,14 @@ def record_study(refit: bool) -> RecordStudy:
                            "measured" if v == chosen else None, d["variants"][v]["bytes_per_token"],
                            d["variants"][v]["accuracy"]) for v in ("delta", "raw"))
     return RecordStudy(
-        d["n_calib"], d["n_eval"], d["tokens_per_context"], d["acc_fp16"], d["steps_over_rms"], bool(d["delta"]),
-        (d["calib_bits"]["delta"], d["calib_bits"]["raw"]),
-        [Level(lv["level"], lv["bytes_per_token"], lv["bits_per_value"], lv["accuracy"]) for lv in d["levels"]],
-        [kv.spec_from_dict(x) for x in d["specs"]],
-        Codec("recipe (anchor+delta, finer shallow)", "recipe", d["recipe"]["bytes_per_token"],
-              d["recipe"]["accuracy"]), [x[0] for x in d["recipe"]["steps_over_rms"]], variants)
+        n_calib=d["n_calib"], n_eval=d["n_eval"], tokens_per_context=d["tokens_per_context"], acc_fp16=d["acc_fp16"],
+        steps_over_rms=d["steps_over_rms"], uses_deltas=bool(d["delta"]),
+        calib_bits=(d["calib_bits"]["delta"], d["calib_bits"]["raw"]),
+        levels=[Level(lv["level"], lv["bytes_per_token"], lv["bits_per_value"], lv["accuracy"]) for lv in d["levels"]],
+        specs=[kv.spec_from_dict(x) for x in d["specs"]],
+        recipe=Codec("recipe (anchor+delta, finer shallow)", "recipe", d["recipe"]["bytes_per_token"],
+                     d["recipe"]["accuracy"]),
+        recipe_steps=[x[0] for x in d["recipe"]["steps_over_rms"]], variants=variants)
 
 
 def record_run(refit: bool) -> RecordRun:
@@ -278,10 +280,11 @@ def record_quality(run: RecordRun):
 def record_codecs(run: RecordRun, baselines: list) -> Codecs:
     """Part 2's rows from the baselines and the study: the recipe, the measured codec and the same steps in
     the other mode; and the quality levels."""
-    st = run.study
-    per_token = [bits / 8 / st.n_calib / st.tokens_per_context for bits in st.calib_bits]
-    return Codecs(baselines + [st.recipe, *st.variants], st.levels, st.uses_deltas, *per_token, st.recipe_steps,
-                  st.n_eval * bw.N_RECORDS)
+    study = run.study
+    per_token = [bits / 8 / study.n_calib / study.tokens_per_context for bits in study.calib_bits]
+    return Codecs(codecs=baselines + [study.recipe, *study.variants], levels=study.levels, uses_deltas=study.uses_deltas,
+                  calib_delta_bytes_per_token=per_token[0], calib_raw_bytes_per_token=per_token[1],
+                  recipe_steps=study.recipe_steps, n_answers=study.n_eval * bw.N_RECORDS)
 
 
 # ------------------------------------------------------------------------------------- calculators
@@ -377,7 +380,7 @@ def baseline_rows(Xc, Xe, quality, bits, zlib_level) -> list[Codec]:
 def coder_check(spec, Xe, n_contexts) -> tuple[OneStream, Bitstreams]:
     """Part 3: one whole context's symbols as one arithmetic-coded stream: actual vs ideal bytes and a
     bit-exact round trip; then the codec's bitstreams of n_contexts contexts, timed."""
-    syms, ids = kv._symbols(kv.quantize(Xe[0], spec), spec)
+    syms, ids = kv.symbols(kv.quantize(Xe[0], spec), spec)
     syms, ids = syms.ravel(), ids.ravel()
     data = coder.encode(syms, list(spec.tables), ids)
     back = coder.decode(data, list(spec.tables), syms.size, ids)
@@ -391,8 +394,9 @@ def coder_check(spec, Xe, n_contexts) -> tuple[OneStream, Bitstreams]:
     n_sym = n_contexts * Xe[0].size
     exact = all(np.array_equal(q, kv.quantize(x, spec)) for q, x in zip(decoded, Xe))
     ideal = sum(kv.codec_bits(spec, x[None]) for x in Xe[:n_contexts]) / 8
-    return one, Bitstreams(n_contexts, n_sym, n_sym / (t1 - t0), n_sym / (t2 - t1), sum(map(len, streams)), ideal,
-                           exact)
+    return one, Bitstreams(contexts=n_contexts, symbols=n_sym, encode_sym_per_s=n_sym / (t1 - t0),
+                           decode_sym_per_s=n_sym / (t2 - t1), bytes=sum(map(len, streams)), ideal_bytes=ideal,
+                           roundtrip_exact=exact)
 
 
 def stream_layout(spec, tokens: int) -> Layout:
@@ -448,7 +452,7 @@ def coder_throughput(spec, q, counts, unit: str) -> Throughput:
     """Exercise 3 measured on contexts q (N, T, L, 2, C) quantized at `spec`: their symbols as rows, one
     per (context, layer, K/V, channel) over the T tokens, through the serial coder, the parallel coder at
     each of `counts` streams and at all the rows, and constriction's range coder."""
-    syms, ids = kv._symbols(q, spec)
+    syms, ids = kv.symbols(q, spec)
     T = q.shape[1]
     rows, row_ids = (a.transpose(0, 2, 3, 4, 1).reshape(-1, T) for a in (syms, ids))
     coders = coder_bench.coder_throughput(rows, row_ids, spec.tables, (*counts, len(rows)))
@@ -496,7 +500,7 @@ def locality_by_thirds(locality: list, layers: int) -> list[LocalitySpan]:
     return out
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Real:
     """02's measurements on a real LLaMA (codec_real's prose): Parts 1a, 1c and 2, and the levels."""
     name: str
@@ -539,10 +543,11 @@ def real_measures(gguf, refit: bool, entropy_step: float, baseline_bits, zlib_le
     d = r["delta_ratio"]
     locality = [LayerLocality(a[0], p[0], a[1], p[1]) for a, p in zip(d["anchor"], d["previous"])]
     name = Path(r["info"]["path"]).stem     # the file's name, as 04 names it (its metadata's name is a run's)
-    return Real(name, r["L"], r["C"], r["tokens"], r["n_calib"], r["n_eval"], locality,
-                locality_by_thirds(locality, r["L"]), r["entropy"],
-                Codecs(rows, levels, r["delta"]), r["rel_steps"], kv.spec_from_dict(r["coded"]["spec"]),
-                np.array(r["coded"]["q"]))
+    return Real(name=name, layers=r["L"], channels=r["C"], tokens=r["tokens"], n_calib=r["n_calib"],
+                n_eval=r["n_eval"], locality=locality, thirds=locality_by_thirds(locality, r["L"]),
+                entropy=r["entropy"], codecs=Codecs(codecs=rows, levels=levels, uses_deltas=r["delta"]),
+                rel_steps=r["rel_steps"], coded_spec=kv.spec_from_dict(r["coded"]["spec"]),
+                coded_q=np.array(r["coded"]["q"]))
 
 
 def measure_real(path, refit: bool, entropy_step: float, baseline_bits, zlib_level: int) -> dict:

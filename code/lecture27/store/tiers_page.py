@@ -159,18 +159,20 @@ def show_chat(page: Page, c: Chat, s) -> None:
     page.table(text_table("  for reference (handout §6.3, not simulated here):", "§6.3",
                           ["slides' LMCache benchmark", "metric", "LMCache", "engine's own offload", "ratio"], SLIDES))
     chart_figure(page, "05_ttft_cdf.png", Chart(   # cpu50 dashed: it lies on gpu_only when it never hits
-        [Series(*cdf(r.ttft), name, "step", {"ls": "--" if name == "cpu50" else "-"}) for name, r in c.served.items()],
-        "time to first token (s)", "share of requests",
-        f"Multi-turn chat, {get_model(s.model).name} on one {s.gpu}: TTFT by KV storage tiers", "log"), figsize=(7, 4))
+        series=[Series(*cdf(r.ttft), name, "step", {"ls": "--" if name == "cpu50" else "-"}) for name,
+                r in c.served.items()],
+        xlabel="time to first token (s)", ylabel="share of requests",
+        title=f"Multi-turn chat, {get_model(s.model).name} on one {s.gpu}: TTFT by KV storage tiers", xscale="log"), figsize=(7, 4))
 
 
 def show_waist(page: Page, w: Waist, s) -> None:
     page.part("Part 3", "§7", "The narrow waist: what the OpenAI API cannot tell the cache")
-    page.table(Table(f"{s.doc_requests} requests, {1 - s.oneshot_share:.0%} on {s.docs} documents of {s.doc_tokens} "
+    page.table(Table(title=f"{s.doc_requests} requests, {1 - s.oneshot_share:.0%} on {s.docs} documents of {s.doc_tokens} "
                      f"tokens, {s.oneshot_share:.0%} one-shot prompts of {s.oneshot_tokens} tokens; cache "
-                     f"{s.doc_cache_gb:g} GB", "§7", cols("policy", ("document hit rate", "{:.0%}")),
-                     [Row(["LRU (sees only tokens)", w.lru], figure("lru", s)),
-                      Row(['hinted ("will be reused")', w.hinted], figure("hinted", s))], "tiers_study.doc_hit_rate",
+                     f"{s.doc_cache_gb:g} GB", section="§7", cols=cols("policy", ("document hit rate", "{:.0%}")),
+                     rows=[Row(["LRU (sees only tokens)", w.lru], figure("lru", s)),
+                      Row(['hinted ("will be reused")', w.hinted], figure("hinted",
+                                                                          s))], source="tiers_study.doc_hit_rate",
                      json={"lru_doc_hit_rate": w.lru, "hinted_doc_hit_rate": w.hinted}))
     page.table(text_table("\n§7: the inference stack's layers (handout) beside the classic computer system (our "
                           "reading; the table was lost)", "§7",
@@ -193,17 +195,18 @@ def show_service_vs_library(page: Page, e: ServiceVsLibrary, s) -> None:
             ("handoff time, s (Part 1)", e.handoff_s, "{:.3f}", "{:.3f}"),
             (f"CPU memory for {e.engines} engines sharing {s.docs} documents, GB", e.memory_gb, "{:.1f}", "{:.1f}"),
             ("an engine restarts: its KV back after, s", e.restart_s, "{:.2f} (recompute)", "{:.3f} (PCIe read)")]
-    page.table(Table(f"  ({e.engines} engines on a node; the documents of Part 3, {e.doc_gb:.1f} GB of KV)", "§6.1",
-                     cols("exercise 9: KV library in each engine vs one KV service", "library", "service"),
-                     [Row([label, Val(x.library, fmt=fl), Val(x.service, fmt=fs)]) for label, x, fl, fs in rows]
+    page.table(Table(title=f"  ({e.engines} engines on a node; the documents of Part 3, {e.doc_gb:.1f} GB of KV)",
+                     section="§6.1",
+                     cols=cols("exercise 9: KV library in each engine vs one KV service", "library", "service"),
+                     rows=[Row([label, Val(x.library, fmt=fl), Val(x.service, fmt=fs)]) for label, x, fl, fs in rows]
                      + [Row(["IPC a request adds, ms", "0", Val(e.ipc_ms, fmt="{:.3f}")])],
-                     "tiers_study.service_vs_library",
-                     [f"The service keeps the documents' KV once ({svc} GB" + (f", not {lib})" if lib != svc else ")")
+                     source="tiers_study.service_vs_library",
+                     notes=[f"The service keeps the documents' KV once ({svc} GB" + (f", not {lib})" if lib != svc else ")")
                       + ", survives an engine's restart or upgrade, and lets researchers add plugins without touching "
                       f"the engine. It costs an IPC round trip per call ({s.ex9_ipc_us:g} us assumed, {s.ex9_calls} "
                       f"calls: {e.ipc_share_of_ttft:.2%} of Part 2's mean TTFT with the fast CPU tier), a "
                       "shared-memory interface agreed with every engine, and one more service to run and keep alive."],
-                     service_json(e)))
+                     json=service_json(e)))
 
 
 def rag_notes(r: Rag, s) -> list:
@@ -295,10 +298,12 @@ def show_rag(page: Page, r: Rag, s) -> None:
                        lines("p99_ttft_s", ":", "{} cache, p99"))
     k_axis = "documents per request (k)"
     chart_figure(page, "05_rag.png", [
-        Chart(hits + [Series(r.ks, [1 / k for k in r.ks], "1/k: the first document's share",
-                             style={"color": "k", "ls": "--", "lw": 1})], k_axis,
-              "share of document tokens not prefilled", "hit rate", axes={"xticks": r.ks, "ylim": (0, 1.05)}),
-        Chart([mean[0], p99[0], mean[1], p99[1]], k_axis, "time to first token (s)", "TTFT", yscale="log",
+        Chart(series=hits + [Series(r.ks, [1 / k for k in r.ks], "1/k: the first document's share",
+                             style={"color": "k", "ls": "--", "lw": 1})], xlabel=k_axis,
+              ylabel="share of document tokens not prefilled", title="hit rate", axes={"xticks": r.ks, "ylim": (0,
+                                                                                                                1.05)}),
+        Chart(series=[mean[0], p99[0], mean[1], p99[1]], xlabel=k_axis, ylabel="time to first token (s)", title="TTFT",
+              yscale="log",
               axes={"xticks": r.ks})],
         f"RAG, {s.rag_docs:,} documents (Zipf {s.rag_zipf:g}) on Part 2's {s.rag_tiers}: a prefix cache against a "
         "chunk cache (handout §5.1)", figsize=(9, 3.8))

@@ -77,7 +77,7 @@ def make_store(tiers: list) -> TieredStore:
                         for i, (name, gb, bw) in enumerate(tiers)])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Served:
     """One storage configuration serving the chat trace: per request (arrays in arrival order) and over
     the run. Hit rates are shares of history tokens; recompute_share is of the GPU's busy seconds."""
@@ -212,7 +212,7 @@ class Pair:
     service: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServiceVsLibrary:
     """Each quantity for a KV library inside every engine and for one KV service: "library" / "service"."""
     engines: int
@@ -265,10 +265,10 @@ def service_vs_library(h: Handoff, chat: Chat, model, gpu, docs, doc_tokens, eng
     lib, svc = h.routes["library_copy"], h.routes["shared_pool"]
     ipc_s = calls * ipc_us * 1e-6
     return ServiceVsLibrary(
-        engines, doc_bytes / GB, Pair(len(lib.hops), len(svc.hops)), Pair(lib.seconds, svc.seconds),
-        Pair(engines * doc_bytes / GB, doc_bytes / GB),
-        Pair(docs * prefill_time(model, gpu, doc_tokens, 0), doc_bytes / (pcie_gbps * GB)),
-        ipc_s * 1e3, ipc_s / chat.served["cpu_fast"].mean_ttft_s)
+        engines=engines, doc_gb=doc_bytes / GB, copies=Pair(len(lib.hops), len(svc.hops)),
+        handoff_s=Pair(lib.seconds, svc.seconds), memory_gb=Pair(engines * doc_bytes / GB, doc_bytes / GB),
+        restart_s=Pair(docs * prefill_time(model, gpu, doc_tokens, 0), doc_bytes / (pcie_gbps * GB)),
+        ipc_ms=ipc_s * 1e3, ipc_share_of_ttft=ipc_s / chat.served["cpu_fast"].mean_ttft_s)
 
 
 def rag_reuse(tiers: list, ks, requests, docs, zipf, rate, seed, model, gpu, doc_tokens, question_tokens,

@@ -9,7 +9,7 @@ import math
 from lecture27 import streaming as st
 from lecture27.stream import study
 from lecture27 import wire
-from lecture27.stream import wire_run as wr
+from lecture27.stream import compare
 from lecture27.stream import wire_study
 from common import timemodel as tm
 from common.present import (DASH, Chart, Col, Field, Handout, Page, Ref, Row, Series, Table, Val, cdf, change,
@@ -83,10 +83,10 @@ def pm(x, se, f):
 
 # ------------------------------------------------------------------------------------------ Part 1
 def part1_json(r: study.OneShot) -> dict:
-    kv = [o for o in r.options if not o.recompute]
+    kv_options = [o for o in r.options if not o.recompute]
     return {"llama31_70b_12k_recompute_s": r.recompute_s,
-            "levels_bits_per_value": {o.name: o.bits_per_value for o in kv},
-            "breakeven_gbit_per_s": {o.name: r.breakeven[o.name] for o in kv},
+            "levels_bits_per_value": {o.name: o.bits_per_value for o in kv_options},
+            "breakeven_gbit_per_s": {o.name: r.breakeven[o.name] for o in kv_options},
             "ttft_s_at_gbit_per_s": {f"{b.gbps:g}": {o.name: b.ttft[o.name] for o in r.options} for b in r.rows},
             "best_at_gbit_per_s": {f"{b.gbps:g}": b.best for b in r.rows},
             "fastest_at_gbit_per_s": {f"{b.gbps:g}": b.fastest for b in r.rows},
@@ -128,26 +128,26 @@ def show_part1(page: Page, r: study.OneShot, s) -> None:
     best = "ours:    best " + "; ".join(f"{o} at {a:g}" + (f"-{b:g}" if b != a else "") + " Gb/s"
                                        for o, a, b in r.best_ranges)
     page.table(Table(
-        f"\nTTFT (context on the GPU), seconds.\n'best' = fastest of {', '.join(r.no_loss)} (within "
-        f"{s.no_loss_points * 100:.1f} points of lossless).", "§4.1",
-        cols(("Gb/s", "{:g}"), *[(f"{o.name} s", "{:.2f}") for o in r.options], "best (no loss)", "fastest"),
-        [Row([b.gbps, *(b.ttft[o.name] for o in r.options), b.best, b.fastest]) for b in r.rows],
-        "streaming_study.one_shot", [*quote(handout(HANDOUT, "part1", s)), best, headline_note(r, s)]))
+        title=f"\nTTFT (context on the GPU), seconds.\n'best' = fastest of {', '.join(r.no_loss)} (within "
+        f"{s.no_loss_points * 100:.1f} points of lossless).", section="§4.1",
+        cols=cols(("Gb/s", "{:g}"), *[(f"{o.name} s", "{:.2f}") for o in r.options], "best (no loss)", "fastest"),
+        rows=[Row([b.gbps, *(b.ttft[o.name] for o in r.options), b.best, b.fastest]) for b in r.rows],
+        source="streaming_study.one_shot", notes=[*quote(handout(HANDOUT, "part1", s)), best, headline_note(r, s)]))
     if r.note:
         page.table(note_table(r.note, s))
     chart_figure(page, "03_ttft_vs_bandwidth.png", [Chart(
-        [Series([b.gbps for b in r.rows], [b.ttft[o.name] for b in r.rows], f"{o.name} (acc {o.accuracy:.2f})",
+        series=[Series([b.gbps for b in r.rows], [b.ttft[o.name] for b in r.rows], f"{o.name} (acc {o.accuracy:.2f})",
                 style={"marker": "o", "ms": 3, "color": COLORS.get(o.name)}) for o in r.options],
-        "link bandwidth, Gb/s", "TTFT (context on GPU), s", f"{m}, {s.n_gpus} x {s.gpu}, {s.context // K}K-token "
-        "context", "log", "log", grid="both")], figsize=(7, 4.2))
+        xlabel="link bandwidth, Gb/s", ylabel="TTFT (context on GPU), s", title=f"{m}, {s.n_gpus} x {s.gpu}, {s.context // K}K-token "
+        "context", xscale="log", yscale="log", grid="both")], figsize=(7, 4.2))
 
 
 def note_table(n: study.Note8B, s) -> Table:
     json = {"llama31_8b_12k_recompute_s": n.recompute_s, "llama31_8b_raw_breakeven_gbit_per_s": n.raw_breakeven_gbit,
             "llama31_8b_compression_for_25gbit": n.compression}
     return Table(
-        f"\nNote (§4.1, pitfall 1): {tm.MODELS[s.note_model].name} on one {s.note_gpu}, a {s.context:,}-token "
-        "context: recompute it, or fetch its KV?", "§4.1", cols("", ("ours", "{:.1f}")), [
+        title=f"\nNote (§4.1, pitfall 1): {tm.MODELS[s.note_model].name} on one {s.note_gpu}, a {s.context:,}-token "
+        "context: recompute it, or fetch its KV?", section="§4.1", cols=cols("", ("ours", "{:.1f}")), rows=[
             Row(["recompute the context, s (the time model's anchor)", Val(n.recompute_s, fmt="{:.2f}")],
                 handout(HANDOUT, "8b_recompute_s", s)),
             Row([f"links that lose to recomputing, raw KV ({tm.kv_bytes_per_token(s.note_model) // K} KiB/token), "
@@ -155,7 +155,7 @@ def note_table(n: study.Note8B, s) -> Table:
             Row([f"KV compression whose break-even is {s.note_link_gbps:g} Gb/s",
                  Val(n.compression, fmt=lambda c: f"{c:.2f}x ({16 / c:.1f} bits/value)")]),
             *[Row([f"{k} KV beats recomputing above, Gb/s", v]) for k, v in n.levels_breakeven_gbit.items()]],
-        "streaming_study.recompute_or_fetch", json=json)
+        source="streaming_study.recompute_or_fetch", json=json)
 
 
 # ------------------------------------------------------------------------------------------ Part 2
@@ -167,11 +167,11 @@ def policy_json(runs: study.Policies) -> dict:
 def policies_table(page, s, run, title, json, fmt=compact, notes=()):
     """The four policies on the trace, with the verdicts under them."""
     runs = run.runs
-    page.table(Table(title, "§4.2", [
+    page.table(Table(title=title, section="§4.2", cols=[
         Col("policy"), Col("choices", fmt), Col("TTFT s", "{:.2f}"), Col(f"SLO {s.slo:g} s", met),
         Col("quality", "{:.3f}"), Col("recomputed tokens", "{:,}"), Col("GPU s", "{:.2f}")],
-        [Row([name, r.choices, r.ttft_s, runs.on_time(r), r.quality, r.text_tokens, r.gpu_s], key=name)
-         for name, r in runs.named().items()], "streaming_study.policies", [*notes, *so_notes(s, run)], json))
+        rows=[Row([name, r.choices, r.ttft_s, runs.on_time(r), r.quality, r.text_tokens, r.gpu_s], key=name)
+         for name, r in runs.named().items()], source="streaming_study.policies", notes=[*notes, *so_notes(s, run)], json=json))
 
 
 def sooner_note(name: str, r, ad, ok: bool, ok_ad: bool) -> str:
@@ -223,10 +223,10 @@ def chunk_table(page, run, notes, json=None):
                  r.choice + (f" ({SHORT[r.gave_up]} given up)" if r.gave_up else ""), r.predicted, r.finish,
                  None if r.measured_gbps is None else f"{r.measured_gbps:.2f}" + " (probe)" * r.probe, r.gpu_start])
             for i, (r, (first, n)) in enumerate(zip(study.chunks(run.runs.adaptive), run.setup.plan))]
-    page.table(Table("The adaptive policy, chunk by chunk:", "§4.2", cols(
+    page.table(Table(title="The adaptive policy, chunk by chunk:", section="§4.2", cols=cols(
         "chunk", "tokens", ("start s", "{:.3f}"), ("est Gb/s", "{:.2f}"), ("budget s", "{:.3f}"), "choice",
-        ("predicted s", "{:.3f}"), ("finish s", "{:.3f}"), "measured Gb/s", ("GPU from s", "{:.3f}")), rows,
-        "streaming.adaptive", notes, json or {}))
+        ("predicted s", "{:.3f}"), ("finish s", "{:.3f}"), "measured Gb/s", ("GPU from s", "{:.3f}")), rows=rows,
+        source="streaming.adaptive", notes=notes, json=json or {}))
 
 
 def shape_notes(s, run, answers="answers") -> list[str]:
@@ -335,17 +335,17 @@ def real_levels_table(run: study.TraceRun) -> Table:
     """The levels measured on SmolLM2, each with its noise, and whether their steps stand out of it."""
     lvs = study.measured(run.levels)
     return Table(
-        f"Measured on {lvs[0].positions:,} next-token positions of evaluation prose" + (
+        title=f"Measured on {lvs[0].positions:,} next-token positions of evaluation prose" + (
             f" ({lvs[0].paragraphs} paragraphs; +- one standard error over paragraphs;\nstep: the paired change "
-            "from the finer level, each paragraph scored at both)." if lvs[0].paragraphs else "."), "§4.2",
-        cols("level", ("bits/value", "{:.2f}"), ("GB / context", "{:.3f}"), "KL from FP16", "top-1 = FP16's",
+            "from the finer level, each paragraph scored at both)." if lvs[0].paragraphs else "."), section="§4.2",
+        cols=cols("level", ("bits/value", "{:.2f}"), ("GB / context", "{:.3f}"), "KL from FP16", "top-1 = FP16's",
              "KL step", "top-1 step"),
-        [Row([o.name, o.bits_per_value, o.bits_per_token * run.setup.context_tokens / 8e9, pm(lv.kl, lv.kl_se, ".4f"),
+        rows=[Row([o.name, o.bits_per_value, o.bits_per_token * run.setup.context_tokens / 8e9, pm(lv.kl, lv.kl_se, ".4f"),
               pm(100 * o.accuracy, 100 * lv.agree_se, ".1f") + "%",
               "" if math.isnan(lv.kl_step) else pm(lv.kl_step, lv.kl_step_se, "+.4f"),
               "" if math.isnan(lv.agree_step) else pm(100 * lv.agree_step, 100 * lv.agree_step_se, "+.1f")])
-         for o, lv in zip(run.setup.options, lvs)], "codec_real.real_codec_levels", noise_note(run.noise),
-        {"real_levels": run.levels})
+         for o, lv in zip(run.setup.options, lvs)], source="codec_real.real_codec_levels", notes=noise_note(run.noise),
+        json={"real_levels": run.levels})
 
 
 def noise_note(noise: study.Noise | None) -> list[str]:
@@ -394,9 +394,9 @@ def model_note(name: str, run: study.TraceRun, s) -> str:
 
 def fixed_note(runs: list) -> str:
     """What the two models change for a fixed policy: nothing for a KV level, the token ids' overlap for text."""
-    kv = [(r.in_model(True).finest.ttft_s, r.in_model(False).finest.ttft_s) for r in runs]
+    finest = [(r.in_model(True).finest.ttft_s, r.in_model(False).finest.ttft_s) for r in runs]
     text = max(abs(r.in_model(True).text.ttft_s - r.in_model(False).text.ttft_s) for r in runs)
-    return (("A fixed KV level never uses the GPU: the same TTFT in both models. " if all(a == b for a, b in kv)
+    return (("A fixed KV level never uses the GPU: the same TTFT in both models. " if all(a == b for a, b in finest)
              else "A fixed KV level's TTFT differs between the models. ") + f"Always text differs by "
             f"{text * 1e3:.2f} ms at most: only the GPU works there, and the token ids of the next chunk cross "
             "during a recompute.")
@@ -498,14 +498,14 @@ def show_part4(page: Page, suite: study.Suite, s) -> None:
              "does; its SLO-miss rate is at most the best fixed policy's; its on-time quality at least always "
              "level0's."] + [x for c in suite.cells for x in promise_notes(c, n, s.suite_exceptions_shown)]
     page.table(Table(
-        "quality: of what arrived, late or not; on-time quality: a context past the SLO counts 0. naive adaptive: "
+        title="quality: of what arrived, late or not; on-time quality: a context past the SLO counts 0. naive adaptive: "
         "the\nsame rule keeping its last KV measurement through text and waiting for every KV chunk (no probe, no "
-        "give-up).", "§4.2", cols("levels, context", "policy", ("SLO missed", "{:.1%}"), ("mean TTFT s", "{:.2f}"),
+        "give-up).", section="§4.2", cols=cols("levels, context", "policy", ("SLO missed", "{:.1%}"), ("mean TTFT s", "{:.2f}"),
                                  ("p95 TTFT s", "{:.2f}"), ("quality", "{:.4f}"), ("on-time quality", "{:.4f}"),
                                  ("recomputed tokens", "{:,.0f}")),
-        [Row([f"{c.levels} {c.context // K}K", p, m.violation_rate, m.mean_ttft_s, m.p95_ttft_s, m.mean_quality,
+        rows=[Row([f"{c.levels} {c.context // K}K", p, m.violation_rate, m.mean_ttft_s, m.p95_ttft_s, m.mean_quality,
               m.mean_quality_on_time, m.mean_text_tokens]) for c in suite.cells for p, m in c.model.policies.items()],
-        "streaming_study.suite", notes, suite_json(suite, s)))
+        source="streaming_study.suite", notes=notes, json=suite_json(suite, s)))
     suite_models(page, suite)
     figure_suite(page, s, suite)
 
@@ -521,10 +521,10 @@ def suite_models(page: Page, suite: study.Suite) -> None:
                      + change(ser.adaptive.violation_rate, par.adaptive.violation_rate, "{:.1%}")
                      + f" from serial to parallel; traces where a fixed policy meets the SLO and adaptive does not: "
                        f"{len(par.exceptions)} in parallel, {len(ser.exceptions)} serially")
-    page.table(Table("Both models of the link and the GPU (parallel: at once; serial: one chunk at a time):",
-                     "§4.2", cols("levels, context", "policy", ("parallel: missed", "{:.1%}"),
+    page.table(Table(title="Both models of the link and the GPU (parallel: at once; serial: one chunk at a time):",
+                     section="§4.2", cols=cols("levels, context", "policy", ("parallel: missed", "{:.1%}"),
                                   ("serial: missed", "{:.1%}"), ("parallel: TTFT s", "{:.2f}"),
-                                  ("serial: TTFT s", "{:.2f}")), rows, "streaming_study.in_model", notes))
+                                  ("serial: TTFT s", "{:.2f}")), rows=rows, source="streaming_study.in_model", notes=notes))
 
 
 # ------------------------------------------------------------------------------------------ Part 5
@@ -540,12 +540,12 @@ def wire_inputs_table(r) -> Table:
                  None if o.recompute else 1e3 * sum(r.decode_s[o.name]) / n,
                  1e3 * sum(r.recompute_s) / n if o.recompute else None, o.accuracy]) for o in r.options]
     return Table(
-        f"Measured on this CPU before the runs (one torch thread), {n} chunks of {r.chunk_tokens} tokens: each level's "
+        title=f"Measured on this CPU before the runs (one torch thread), {n} chunks of {r.chunk_tokens} tokens: each level's "
         f"bitstream ({r.layout} layout: one stream per (layer, K/V, channel) of a group, as a GPU decoder runs "
         "them), its decode, and each chunk's recompute after the chunks before it; accuracy: Part 2c's agreement "
-        "with FP16 (the policy's quality).", "§4.2",
-        cols("option", ("bits/token", "{:,.0f}"), ("KiB/chunk", "{:.1f}"), ("decode ms/chunk", "{:.0f}"),
-             ("recompute ms/chunk", "{:.0f}"), ("accuracy", "{:.3f}")), rows, "wire_run.prepare")
+        "with FP16 (the policy's quality).", section="§4.2",
+        cols=cols("option", ("bits/token", "{:,.0f}"), ("KiB/chunk", "{:.1f}"), ("decode ms/chunk", "{:.0f}"),
+             ("recompute ms/chunk", "{:.0f}"), ("accuracy", "{:.3f}")), rows=rows, source="wire_run.prepare")
 
 
 def wire_notes(r, s) -> list[str]:
@@ -556,10 +556,10 @@ def wire_notes(r, s) -> list[str]:
     for _, _, c in off:
         causes[c.cause] = causes.get(c.cause, 0) + 1
     steady = r.runs.get("steady", {})
-    within = sum(abs(gap(c)) <= wr.GAP_SHARE for c in steady.values())
+    within = sum(abs(gap(c)) <= compare.GAP_SHARE for c in steady.values())
     late, transfer, n = r.pacing
-    k, lost = r.kill, next((i for i, x in enumerate(r.kill.rows) if x["lost"] is not None), None)
-    out = [f"gap: simulated / measured - 1. Measured and simulated differ by more than {wr.GAP_SHARE:.0%} in "
+    k, lost = r.kill, next((i for i, x in enumerate(r.kill.rows) if x.lost is not None), None)
+    out = [f"gap: simulated / measured - 1. Measured and simulated differ by more than {compare.GAP_SHARE:.0%} in "
            f"{len(off)} of {len(runs)} runs; cause: the largest part of the gap measured in the run (wire_run.parts: "
            "decode or recompute time against the times the simulator was fed, pacing granularity, TCP, Python "
            "overhead, trace timing: a chunk asked for a little later meeting a slower stretch of the trace), or the "
@@ -571,16 +571,16 @@ def wire_notes(r, s) -> list[str]:
                f"{slow['recompute']:.2f}x the time measured alone before them (the simulator's): the compute thread "
                "shares this CPU with the link thread, the sender process and whatever else runs.")
     if steady:
-        out.append(f"Steady trace: the simulator within {wr.GAP_SHARE:.0%} of the measurement in {within} of "
+        out.append(f"Steady trace: the simulator within {compare.GAP_SHARE:.0%} of the measurement in {within} of "
                    f"{len(steady)} policies" + ("." if within == len(steady) else "; " + "; ".join(
                        f"{p} {pct0(gap(c))} ({c.cause})" for p, c in steady.items()
-                       if abs(gap(c)) > wr.GAP_SHARE) + "."))
+                       if abs(gap(c)) > compare.GAP_SHARE) + "."))
     out.append(f"Pacing (a benchmark figure, not a test): the sender's last write came {late * 1e3:.2f} ms after the "
                f"token bucket's plan on average ({n} transfers), {pct1(late / transfer)} of a KV chunk's mean transfer "
                f"({transfer * 1e3:.0f} ms, request to last byte).")
     out.append(f"Sender killed (trace {wire_study.KILL_TRACE}, adaptive) once it had sent {r.kill_after_bytes:,} "
                "bytes: "
-               + (f"{k.rows[lost]['lost']}; chunks {lost}-{len(k.rows) - 1} recomputed from the request's text: "
+               + (f"{k.rows[lost].lost}; chunks {lost}-{len(k.rows) - 1} recomputed from the request's text: "
                   f"{compact(k.choices)}, TTFT {k.ttft_s:.2f} s, KL {k.first_token_kl:.4f}, answer "
                   f"{'the full prefill' + chr(39) + 's' if k.same_answer else 'DIFFERENT'}: "
                   f"{'falls back and answers right' if r.kill_ok else 'FAILED'}." if lost is not None else
@@ -614,13 +614,13 @@ def show_wire(page: Page, r, s) -> None:
                  c.measured_slo_met, c.simulated_slo_met, c.first_token_kl, c.same_answer, c.cause or ""],
                 key=f"{t}/{p}") for t, by in r.runs.items() for p, c in by.items()]
     page.table(Table(
-        "Measured on the socket against simulated with this CPU's times: TTFT (context ready), choices, SLO verdicts; "
-        "KL and answer: of the run's KV; cause: of a gap above 10%.", "§4.2",
-        [Col("trace"), Col("policy"), Col("measured s", "{:.3f}"), Col("simulated s", "{:.3f}"),
+        title="Measured on the socket against simulated with this CPU's times: TTFT (context ready), choices, SLO verdicts; "
+        "KL and answer: of the run's KV; cause: of a gap above 10%.", section="§4.2",
+        cols=[Col("trace"), Col("policy"), Col("measured s", "{:.3f}"), Col("simulated s", "{:.3f}"),
          Col("gap", lambda x: f"{x:+.0%}"), Col("measured", runs_of, left=True), Col("simulated", runs_of, left=True),
          Col("SLO meas.", met), Col("SLO sim.", met), Col("KL", "{:.4f}"), Col("answer", lambda x: "same" if x
                                                                               else "DIFFERS"),
-         Col("cause", left=True)], rows, "wire_study.wire_study", wire_notes(r, s), r.json()))
+         Col("cause", left=True)], rows=rows, source="wire_study.wire_study", notes=wire_notes(r, s), json=r.json()))
     figure_wire(page, r, "handout")
 
 
@@ -694,7 +694,7 @@ def figure_trace(page: Page, name: str, run: study.TraceRun, slo: float, title: 
 def figure_suite(page: Page, s, suite: study.Suite) -> None:
     """CDF of TTFT over the suite, one panel per level set and context, one line per policy."""
     ctxs = list(s.suite_contexts)
-    charts = [Chart([Series(*cdf(r.ttft_s for r in res), p, "step",
+    charts = [Chart(series=[Series(*cdf(r.ttft_s for r in res), p, "step",
                             {"color": SUITE_STYLES[p][0], "ls": SUITE_STYLES[p][1]}) for p, res in c.runs.items()],
                     title=f"{c.levels} levels, {c.context // K}K tokens", xscale="log", grid="both", legend=None,
                     vlines=[(s.slo, {"color": "0.5", "ls": "--", "lw": 1})], axes={"ylim": (0, 1.02)})

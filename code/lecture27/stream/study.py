@@ -67,7 +67,7 @@ class Note8B:
     levels_breakeven_gbit: dict     # level -> its break-even bandwidth
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OneShot:
     levels: Levels
     options: list                   # st.Option: raw, the levels finest first, text
@@ -105,7 +105,8 @@ def one_shot(model, gpu, n_gpus, context, bandwidths, lv: Levels, no_loss_points
         rows.append(Bandwidth(g, ttft, min(ttft, key=ttft.get), min(no_loss, key=ttft.get), t8 / ttft[finest.name]))
     recompute = tm.prefill_time(model, gpu, context, 0, n_gpus)
     breakeven = {o.name: o.bits_per_token * context / recompute / st.GBIT for o in opts if not o.recompute}
-    return OneShot(lv, opts, no_loss, rows, recompute, breakeven, finest, runs_of_best(rows))
+    return OneShot(levels=lv, options=opts, no_loss=no_loss, rows=rows, recompute_s=recompute, breakeven=breakeven,
+                   finest=finest, best_ranges=runs_of_best(rows))
 
 
 def recompute_or_fetch(model, gpu, context, link_gbps, levels) -> Note8B:
@@ -119,7 +120,7 @@ def recompute_or_fetch(model, gpu, context, link_gbps, levels) -> Note8B:
 
 
 # ------------------------------------------------------------------------- §4.2: one trace
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Chunk:
     """One chunk of a policy's run, as streaming.py records it (its row, read by name)."""
     start: float
@@ -172,7 +173,7 @@ def policies(setup: st.Setup, trace: st.Trace, slo: float, parallel: bool) -> Po
                     slo)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Why:
     """Why a run looks as it does (explain)."""
     context: int
@@ -210,21 +211,24 @@ def explain(setup: st.Setup, runs: Policies, trace: st.Trace) -> Why:
     coarser = [k for k in after if rows[k].choice not in (finest.name, "text")]
     by_time_left = [k for k in coarser if rows[k].fit]
     return Why(
-        ctx, finest.name, coarsest.name, coarsest.accuracy, finest.bits_per_token * ctx / 8e9, runs.finest.ttft_s,
-        drop, bool(drop) and ad.ttft_s <= drop[0], bool(coarser), coarser, by_time_left, finest.bits_per_value,
-        8 / finest.bits_per_value, recompute_s,
+        context=ctx, finest=finest.name, coarsest=coarsest.name, coarsest_accuracy=coarsest.accuracy,
+        finest_gb=finest.bits_per_token * ctx / 8e9, finest_s=runs.finest.ttft_s, drop=drop,
+        complete_before_drop=bool(drop) and ad.ttft_s <= drop[0], coarser_after_drop=bool(coarser),
+        coarser_chunks=coarser, by_time_left=by_time_left, finest_bits_per_value=finest.bits_per_value,
+        vs_8bit=8 / finest.bits_per_value, text_recompute_s=recompute_s,
         # text beats the coarsest level when its bits take longer than recomputing (token ids included)
-        (coarsest.bits_per_token - text.bits_per_token) * ctx / recompute_s / st.GBIT, min(trace.gbps),
-        {"finest level while the link is good": bool(before) and set(before) == {finest.name},
-         "text after the drop": any(rows[k].choice == "text" for k in after),
-         "a coarser level after the drop, chosen by the time left": bool(by_time_left),
-         "the SLO met": runs.on_time(ad)},
-        max(range(len(rows)), key=lambda k: rows[k].finish - rows[k].predicted))
+        text_breakeven_gbit=(coarsest.bits_per_token - text.bits_per_token) * ctx / recompute_s / st.GBIT,
+        slowest_gbps=min(trace.gbps),
+        shape={"finest level while the link is good": bool(before) and set(before) == {finest.name},
+               "text after the drop": any(rows[k].choice == "text" for k in after),
+               "a coarser level after the drop, chosen by the time left": bool(by_time_left),
+               "the SLO met": runs.on_time(ad)},
+        worst_chunk=max(range(len(rows)), key=lambda k: rows[k].finish - rows[k].predicted))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MeasuredLevel:
-    """A level measured on a real model (codec_real): its KL from FP16 and top-1 agreement, each with its
+    """A level measured on a real model (codec/smollm2.py): its KL from FP16 and top-1 agreement, each with its
     standard error over paragraphs, and the paired step from the finer level (nan: not measured)."""
     level: int
     kl: float
@@ -260,7 +264,7 @@ def level_noise_verdict(levels: list) -> Noise | None:
                  ) if steps else None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TraceRun:
     """The policies on one context and trace, in both models of the link and the GPU."""
     setup: st.Setup
@@ -283,12 +287,12 @@ def trace_run(setup: st.Setup, levels_name: str, trace: st.Trace, slo: float, pa
     """The four policies on `trace` in both models; the adaptive one also on a steady link if asked."""
     runs = policies(setup, trace, slo, parallel)
     steady = None if steady_gbps is None else st.adaptive(setup, st.Trace.steady(steady_gbps), slo, parallel=parallel)
-    return TraceRun(setup, trace, levels_name, runs, explain(setup, runs, trace),
-                    policies(setup, trace, slo, not parallel), parallel, steady)
+    return TraceRun(setup=setup, trace=trace, levels_name=levels_name, runs=runs, why=explain(setup, runs, trace),
+                    other=policies(setup, trace, slo, not parallel), parallel=parallel, steady=steady)
 
 
 # ------------------------------------------------------------------------- §4.2: chunk size
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ChunkSize:
     chunk_tokens: int
     chunks: int
@@ -310,10 +314,10 @@ class ChunkSizes:
 def chunk_size(setup: st.Setup, trace: st.Trace, slo: float, parallel: bool, half_tokens) -> ChunkSize:
     ad = st.adaptive(setup, trace, slo, parallel=parallel)
     n = setup.plan[0][1]
-    return ChunkSize(n, len(setup.plan), st.batch_slowdown(n, half_tokens), ad,
-                     st.oracle(setup, trace, slo, parallel=parallel), st.fixed(setup, trace, "text",
-                                                                               parallel=parallel).ttft_s,
-                     max(r.finish - r.predicted for r in chunks(ad)))
+    return ChunkSize(chunk_tokens=n, chunks=len(setup.plan), slowdown=st.batch_slowdown(n, half_tokens), adaptive=ad,
+                     oracle=st.oracle(setup, trace, slo, parallel=parallel),
+                     text_ttft_s=st.fixed(setup, trace, "text", parallel=parallel).ttft_s,
+                     overrun_s=max(r.finish - r.predicted for r in chunks(ad)))
 
 
 def chunk_sizes(rows: list, trace: st.Trace) -> ChunkSizes:
@@ -339,7 +343,7 @@ class Summary:
     p95_ttft_s: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Broken:
     """A trace where a fixed policy met the SLO and the adaptive one did not, with the reason
     (streaming.promise_exceptions): the adaptive chunk that overran its prediction most."""
@@ -374,7 +378,7 @@ def in_model(setup: st.Setup, traces: list, slo: float, parallel: bool) -> tuple
     return runs, InModel(parallel, summary, [Broken(**e) for e in st.promise_exceptions(runs, traces, slo)])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SuiteCell:
     """One level set and context over the suite."""
     levels: str
@@ -401,9 +405,10 @@ def suite_cell(name: str, setup: st.Setup, traces: list, slo: float, parallel: b
     _, other = in_model(setup, traces, slo, not parallel)
     fixed = {p: model.policies[p].violation_rate for p in ("always level0", "always text")}
     ad = model.adaptive
-    return SuiteCell(name, setup.context_tokens, runs, model, other, min(fixed, key=fixed.get),
-                     ad.violation_rate <= min(fixed.values()) + 1e-12,
-                     ad.mean_quality_on_time >= model.policies["always level0"].mean_quality_on_time - 1e-12)
+    return SuiteCell(levels=name, context=setup.context_tokens, runs=runs, model=model, other=other,
+                     best_fixed=min(fixed, key=fixed.get), rate_ok=ad.violation_rate <= min(fixed.values()) + 1e-12,
+                     quality_on_time_ok=ad.mean_quality_on_time
+                     >= model.policies["always level0"].mean_quality_on_time - 1e-12)
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
 """03's Part over a real connection (handout §4.2 on this machine, as CacheGen's evaluation streams real
 bitstreams over a shaped link): SmolLM2's KV of a context, coded at the levels measured on SmolLM2 (Part
-2c's codec, fitted as codec_real fits it), streamed through wire.py's paced socket on several traces by
+2c's codec, fitted as codec/smollm2.py fits it, given by 03), streamed through wire.py's paced socket on several traces by
 each policy, and beside each run the simulator fed this CPU's measured recompute and decode times
-(wire_run.compare); then a run whose sender is killed mid-stream. Nothing here prints; 03's page
-(streaming_page.show_wire) shows it.
+(compare.compare); then a run whose sender is killed mid-stream. Nothing here prints; 03's page
+(stream/page.py's show_wire) shows it.
 
-The codec's levels are fitted once (codec_real.real_codec_specs, cached: a codec is no timing);
+The codec's levels are fitted once (codec.smollm2.real_codec_specs, cached: a codec is no timing);
 every time is measured in the run that prints it. The context is a RAG item of common/english.py (its key
 passages, then its distractors, then calibration prose to fill it), read as one prompt in SmolLM2's chat
 format; the question follows it, and the greedy answer of a full prefill is the reference every run's answer
@@ -24,17 +24,20 @@ from dataclasses import dataclass
 
 from lecture27 import kvcache as kv
 from lecture27 import wire
-from lecture27.stream import wire_run as wr
+from lecture27.stream import answer
+from lecture27.stream import compare
+from lecture27.stream import measure
+from lecture27.stream import wire_runs
 
 POLICIES = ("adaptive", *(f"level{i}" for i in range(kv.N_LEVELS)), "text")
 KILL_TRACE = "handout"     # the kill-the-sender run: this trace (every study has it), the adaptive policy, the
 KILL_CHUNK = 1             # sender dying inside this chunk's transfer (at the choices the trace's adaptive run made)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WireStudy:
     """The Part's runs. traces: name -> the trace the socket was paced to (bandwidths divided by `scale`);
-    runs: trace -> policy -> wire_run.Compared; kill: the kill-the-sender run (wire_run.WireRun), its sender
+    runs: trace -> policy -> compare.Compared; kill: the kill-the-sender run (wire_runs.WireRun), its sender
     told to die once it had sent kill_after_bytes; the measured inputs the simulator was fed."""
     scale: float
     kv_ratio: float            # wire.wire_scale(): the lecture model's FP16 KV bytes per token over SmolLM2's
@@ -47,7 +50,7 @@ class WireStudy:
     decode_s: dict             # level -> measured seconds per chunk
     traces: dict
     runs: dict
-    kill: wr.WireRun
+    kill: wire_runs.WireRun
     kill_after_bytes: int
     question: str              # the question, as text
     answer: str                # the full prefill's greedy answer, as text
@@ -55,7 +58,7 @@ class WireStudy:
     answers_computed: int      # distinct KVs whose answer was computed (AnswerCheck); the other runs' KV equals one
     answers_reused: int
     answers_s: float           # wall seconds: answering
-    prepare_s: float           # wall seconds: measuring the context (wire_run.prepare)
+    prepare_s: float           # wall seconds: measuring the context (measure.prepare)
     seconds: float             # wall seconds: the whole study (wire_study(): the model's loading included)
 
     @property
@@ -67,7 +70,7 @@ class WireStudy:
     def kill_ok(self) -> bool:
         """The killed sender was noticed, every chunk from the lost one on was recomputed, and the answer is
         the full prefill's."""
-        lost = next((i for i, r in enumerate(self.kill.rows) if r["lost"] is not None), None)
+        lost = next((i for i, r in enumerate(self.kill.rows) if r.lost is not None), None)
         return (self.kill.fell_back and lost is not None and self.kill.same_answer
                 and all(c == "text" for c in self.kill.choices[lost:]))
 
@@ -83,9 +86,10 @@ class WireStudy:
         transfers)."""
         runs = [c for by in self.runs.values() for c in by.values()]
         n = sum(a is not None for c in runs for a, *_ in c.measured_spans)
-        kv = [b - a for c in runs for (a, b, *_), ch in zip(c.measured_spans, c.measured_choices)
-              if a is not None and ch != "text"]
-        return sum(c.parts_s["pacing granularity"] for c in runs) / max(n, 1), sum(kv) / max(len(kv), 1), n
+        kv_transfers = [b - a for c in runs for (a, b, *_), ch in zip(c.measured_spans, c.measured_choices)
+                        if a is not None and ch != "text"]
+        return (sum(c.parts_s["pacing granularity"] for c in runs) / max(n, 1),
+                sum(kv_transfers) / max(len(kv_transfers), 1), n)
 
     @property
     def slowdown(self) -> dict:
@@ -120,7 +124,7 @@ def context_of(tok, item, context_tokens: int) -> tuple[list, list]:
 
 
 def wire_study(specs, traces: dict, context_tokens: int, chunk_tokens: int, scale: float, slo_s: float,
-               accuracy: dict | None = None, answer_tokens: int = wr.ANSWER_TOKENS, item: int = 0,
+               accuracy: dict | None = None, answer_tokens: int = answer.ANSWER_TOKENS, item: int = 0,
                policies=POLICIES, gguf=None) -> WireStudy:
     """study_of() on SmolLM2 (or the GGUF at `gguf`) with `specs`, its codec's levels finest first (as
     codec.smollm2.real_codec_specs fits them), on the context of RAG item `item` (context_of). The study's
@@ -137,20 +141,20 @@ def wire_study(specs, traces: dict, context_tokens: int, chunk_tokens: int, scal
 
 
 def study_of(model, ids, question, specs, traces: dict, chunk_tokens: int, scale: float, slo_s: float,
-             accuracy: dict | None = None, answer_tokens: int = wr.ANSWER_TOKENS, policies=POLICIES,
+             accuracy: dict | None = None, answer_tokens: int = answer.ANSWER_TOKENS, policies=POLICIES,
              words=lambda x: " ".join(map(str, x)), keep_streams: bool = False) -> WireStudy:
     """Every trace (name -> trace at the lecture's bandwidths, divided by `scale` here) x policy streamed over
-    one sender, the context measured first on this CPU (wire_run.prepare), then the kill-the-sender run on
+    one sender, the context measured first on this CPU (measure.prepare), then the kill-the-sender run on
     KILL_TRACE. accuracy: level -> the quality a chunk at that level counts for; words: token ids -> text;
     keep_streams: as prepare takes it."""
     from common.llama import single_thread
     t0 = time.perf_counter()
     scaled = {name: wire.scaled(tr, scale) for name, tr in traces.items()}
     with single_thread():
-        prep = wr.prepare(model, ids, question, chunk_tokens, specs, accuracy, answer_tokens,
-                          keep_streams=keep_streams)
+        prep = measure.prepare(model, ids, question, chunk_tokens, specs, accuracy, answer_tokens,
+                               keep_streams=keep_streams)
         prepare_s = time.perf_counter() - t0
-        check = wr.AnswerCheck(prep, model)
+        check = answer.AnswerCheck(prep, model)
         runs = {name: {} for name in scaled}
         with contextlib.ExitStack() as wires:
             w = None
@@ -158,17 +162,20 @@ def study_of(model, ids, question, specs, traces: dict, chunk_tokens: int, scale
                 for p in policies:
                     if w is None or w.broken:        # a run that lost its sender leaves the next one a new one
                         w = wires.enter_context(wire.Wire(tr, prep.payloads))
-                    runs[name][p] = wr.compare(prep, model, tr, p, slo_s, w, check)
+                    runs[name][p] = compare.compare(prep, model, tr, p, slo_s, w, check)
         kill_after = kill_bytes(prep, runs[KILL_TRACE]["adaptive"].measured_choices)
-        kill = wr.run(prep, model, scaled[KILL_TRACE], "adaptive", slo_s,
-                      faults=wire.Faults(die_after_bytes=kill_after), check=check)
-    return WireStudy(scale, wire.wire_scale(model.cfg.kv_bytes_per_token()), len(ids), chunk_tokens, slo_s, wr.LAYOUT,
-                     prep.options, prep.recompute_s, prep.decode_s, scaled, runs, kill, kill_after, words(question),
-                     words(prep.ref_answer), len(prep.ref_answer), check.computed, check.reused, check.seconds,
-                     prepare_s, time.perf_counter() - t0)
+        kill = wire_runs.run(prep, model, scaled[KILL_TRACE], "adaptive", slo_s,
+                             faults=wire.Faults(die_after_bytes=kill_after), check=check)
+    return WireStudy(scale=scale, kv_ratio=wire.wire_scale(model.cfg.kv_bytes_per_token()), context_tokens=len(ids),
+                     chunk_tokens=chunk_tokens, slo_s=slo_s, layout=measure.LAYOUT, options=prep.options,
+                     recompute_s=prep.recompute_s, decode_s=prep.decode_s, traces=scaled, runs=runs, kill=kill,
+                     kill_after_bytes=kill_after, question=words(question), answer=words(prep.ref_answer),
+                     answer_tokens=len(prep.ref_answer), answers_computed=check.computed,
+                     answers_reused=check.reused, answers_s=check.seconds, prepare_s=prepare_s,
+                     seconds=time.perf_counter() - t0)
 
 
-def kill_bytes(prep: wr.Prepared, choices: list) -> int:
+def kill_bytes(prep: measure.Prepared, choices: list) -> int:
     """The payload bytes after which the sender dies: the chunks before KILL_CHUNK and half of that one, at
     `choices`."""
     sizes = [len(prep.payloads[c][i]) for i, c in enumerate(choices)]

@@ -1,0 +1,99 @@
+"""A context measured once on this CPU, before it is streamed over the wire (handout §4.2 on this machine):
+each chunk's recompute (the model's prefill of that chunk after the exact KV of the chunks before it), its
+bitstream at every codec level (the sender's payloads, in LAYOUT) and each bitstream's decode (put after the
+KV before it, as a run does), and the full prefill's answer (the first token's distribution, the greedy
+tokens). simulated.measured_setup turns those times into the simulator's streaming.Setup.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lecture27 import kvcache as kv
+from lecture27 import streaming as st
+from lecture27.stream import answer
+from lecture27.stream import chunk_kv
+from common.llama import kv_to_array
+
+LAYOUT = "channel"        # one stream per (layer, K/V, channel) of a group, as CacheGen's GPU decoder runs them:
+                          # numpy's parallel decoder is fast only with many streams (a short chunk in the
+                          # codec's own choice of layout is a few streams, decoded 10x slower)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prepared:
+    """A context measured on this CPU; everything a run needs besides the trace and the policy."""
+    plan: tuple               # (first token, tokens) per chunk
+    ids: tuple                # the context's token ids
+    question: tuple           # token ids read after the context: the answer's first token follows them
+    specs: tuple              # the codec's CodecSpecs, finest level first
+    options: tuple            # streaming.Options: the levels (bits per token as coded), text last
+    payloads: dict            # option name -> bytes per chunk ("text": the token ids as int32)
+    recompute_s: tuple        # measured seconds per chunk
+    decode_s: dict            # level name -> measured seconds per chunk
+    ref_logp: torch.Tensor    # the full prefill's first-answer-token log-probabilities (vocab,)
+    ref_answer: tuple         # the full prefill's greedy tokens
+
+
+def prepare(model, ids, question, chunk_tokens: int, specs, accuracy: dict | None = None,
+            answer_tokens: int = answer.ANSWER_TOKENS, layout: str | None = LAYOUT,
+            keep_streams: bool = False) -> Prepared:
+    """Measure a context on this CPU (see the module's docstring). accuracy: level -> the answer accuracy
+    a chunk at that level counts for (the policy's quality; default 1 for every level); layout: the
+    bitstreams' (None: the codec's own choice, kvcache.stream_plan); keep_streams: the bitstreams kept in
+    the checkpoint folder, under the quantized KV they code (a bitstream is no timing: every time is
+    measured in this call, and every bitstream decoded and checked bit for bit)."""
+    plan = tuple(st.chunk_plan(len(ids), chunk_tokens))
+    cache, recompute = None, []
+    with torch.no_grad():
+        model(torch.tensor([ids[:plan[0][1]]]), last=True)   # untimed: a model's first forward allocates its buffers
+        for first, n in plan:
+            t = time.perf_counter()
+            _, cache = model(torch.tensor([ids[first:first + n]]), cache=cache, last=True)
+            recompute.append(time.perf_counter() - t)
+    X = kv_to_array(cache)[0]
+    payloads, decode_s, options = {}, {}, []
+    for spec in specs:
+        name = f"level{spec.level}"
+        payloads[name] = _streams(X, plan, spec, layout, keep_streams)
+        decode_s[name] = []
+        kv.codec_decode(payloads[name][0], specs, groups=[0])  # untimed: a spec's first decode builds its tables
+        for (f, n), data in zip(plan, payloads[name]):
+            before = chunk_kv.head(cache, f)
+            t = time.perf_counter()              # the compute thread's work for a KV chunk, as a run does it
+            q, _ = chunk_kv.decode_onto(before, data, spec, model.cfg.n_kv_heads, f, n)
+            decode_s[name].append(time.perf_counter() - t)
+            assert np.array_equal(q, kv.quantize(X[f:f + n], spec)), "a bitstream did not decode bit for bit"
+        bits = 8 * sum(map(len, payloads[name])) / len(ids)
+        options.append(st.Option(name, bits, 1.0 if accuracy is None else accuracy[spec.level],
+                                 bits_per_value=bits / X[0].size))
+    payloads["text"] = [np.asarray(ids[f:f + n], np.int32).tobytes() for f, n in plan]
+    options.append(st.Option("text", 8 * st.TEXT_BYTES_PER_TOKEN, 1.0, recompute=True))
+    ref_logp, ref_answer = answer.answer_after(model, cache, tuple(question), answer_tokens)
+    return Prepared(plan=plan, ids=tuple(ids), question=tuple(question), specs=tuple(specs), options=tuple(options),
+                    payloads=payloads, recompute_s=tuple(recompute),
+                    decode_s={k: tuple(v) for k, v in decode_s.items()}, ref_logp=ref_logp, ref_answer=ref_answer)
+
+
+def _streams(X, plan, spec, layout, keep: bool) -> list:
+    """Each chunk's bitstream; the chunks of one length coded side by side (kvcache.codec_encode_many);
+    keep: cached under a digest of the quantized chunks, the spec and the layout (common.checkpoints)."""
+    from common.checkpoints import cached
+
+    def compute():
+        out = {}
+        for n in {n for _, n in plan}:
+            firsts = [f for f, m in plan if m == n]
+            out |= dict(zip(firsts, kv.codec_encode_many(np.stack([X[f:f + n] for f in firsts]), spec, layout)))
+        return {"streams": [torch.frombuffer(bytearray(out[f]), dtype=torch.uint8) for f, _ in plan]}
+
+    digest = hashlib.sha256()
+    for f, n in plan:
+        digest.update(np.ascontiguousarray(kv.quantize(X[f:f + n], spec)).tobytes())
+    ident = {"symbols": digest.hexdigest(), "spec": spec.fingerprint, "layout": layout, "plan": plan}
+    return cached("wire-streams", ident, compute, use=lambda d, _: [t.numpy().tobytes() for t in d["streams"]],
+                  tag="wire", store=keep)
