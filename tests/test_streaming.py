@@ -24,7 +24,7 @@ LEVELS = [dict(level=i, bits_per_value=b, accuracy=a) for i, (b, a) in
 # not depend on the cached codec
 SMALL_LEVELS = [dict(level=i, bits_per_value=b, accuracy=a) for i, (b, a) in
                 enumerate([(1.26, 0.9999), (0.98, 0.9993), (0.76, 0.991), (0.55, 0.876)])]
-# the sizes of the levels measured on SmolLM2 (codec_real, Part 2c): a real LLaMA needs 2.6-4.1 bits/value
+# the sizes of the levels measured on SmolLM2 (codec/smollm2.py, Part 2c): a real LLaMA needs 2.6-4.1 bits/value
 REAL_SIZE_LEVELS = [dict(level=i, bits_per_value=b, accuracy=a) for i, (b, a) in
                     enumerate([(4.12, 0.934), (3.62, 0.945), (3.13, 0.876), (2.65, 0.883)])]
 HANDOUT_TRACE = st.Trace((0.0, 0.3, 3.0), (10.0, 1.0, 5.0))
@@ -429,7 +429,7 @@ def test_chunk_sizes_verdicts():
 
 
 def test_level_noise_by_hand():
-    """codec_real's noise: standard errors over paragraphs and paired steps between neighbouring levels."""
+    """codec/smollm2.py's noise: standard errors over paragraphs and paired steps between neighbouring levels."""
     from lecture27.codec import smollm2
     assert smollm2.standard_error([0.01, 0.03]) == pytest.approx(0.01)        # sd 0.01414 / sqrt(2)
     levels = [{"kl_para": [0.01, 0.03], "agree_para": [0.9, 1.0]}, {"kl_para": [0.02, 0.06], "agree_para": [1.0, 0.9]}]
@@ -463,7 +463,7 @@ def test_runs_of():
 
 
 def run(*args, tmp_path=None):
-    # --no-real: Part 2c needs the SmolLM2 codec (tests/test_codec_real.py runs it)
+    # --no-real: Part 2c needs the SmolLM2 codec (tests/test_codec_smollm2.py runs it)
     return subprocess.run([sys.executable, str(SCRIPT), "--no-real", *args], capture_output=True, text=True,
                           timeout=120)
 

@@ -74,7 +74,7 @@ def test_verdicts_say_what_the_numbers_say(runs, name):
     d, tables = out[name].json, out[name].tables
     # Part 1b: the layer named as losing the most has the lowest accuracy at the chosen step
     acc = d["layer_sensitivity_acc"]
-    note = tables["codec_measures.layer_sensitivity"]["notes"][0]
+    note = tables["codec.measures.layer_sensitivity"]["notes"][0]
     if min(acc) == max(acc):
         assert "answers alike" in note
     else:
@@ -83,7 +83,7 @@ def test_verdicts_say_what_the_numbers_say(runs, name):
         assert ("not the shallowest" in note) == (low != 0)
     # Part 3: the one-stream coder lands below or over the ideal as the bytes say
     gap = d["ac_actual_bytes"] - d["ac_ideal_bytes"]
-    coder = " ".join(tables["codec_measures.coder_check"]["notes"])
+    coder = " ".join(tables["codec.measures.coder_check"]["notes"])
     assert f"{abs(gap):.2f} B {'below' if gap < 0 else 'over'}" in coder
     assert ("Lossless" in coder) == d["ac_roundtrip_exact"]
     # the levels: a loss beyond two standard errors is called real, one within them noise
@@ -91,20 +91,20 @@ def test_verdicts_say_what_the_numbers_say(runs, name):
     n = cs.CODEC_N_EVAL * bw.N_RECORDS
     gap = lv[0]["accuracy"] - lv[-1]["accuracy"]
     noise = sum(x["accuracy"] * (1 - x["accuracy"]) / n for x in (lv[0], lv[-1])) ** 0.5
-    levels_note = tables["codec_study.codec_study"]["notes"][0]
+    levels_note = tables["codec.study.codec_study"]["notes"][0]
     assert f"points {'below' if gap >= 0 else 'above'} level 0" in levels_note
     assert ("within two standard errors" in levels_note) == (abs(gap) <= 2 * noise)
     # Part 2: "smaller than 8-bit" when the measured codec is
-    part2 = tables["codec_measures.record_codecs"]["notes"][0]
+    part2 = tables["codec.measures.record_codecs"]["notes"][0]
     assert f"{d['bytes_8bit'] / d['bytes_measured']:.2f}x smaller than 8-bit" in part2
     # exercise 3: the chain's error is said to add up only where it grows past the anchor's
-    rows = [[float(x) for x in r] for r in tables["codec_measures.independence"]["rows"]]
+    rows = [[float(x) for x in r] for r in tables["codec.measures.independence"]["rows"]]
     grows = rows[-1][2] > max(rows[1][2], max(r[1] for r in rows[1:]))
-    assert ("errors add up along the chain" in tables["codec_measures.independence"]["notes"][0]) == grows
+    assert ("errors add up along the chain" in tables["codec.measures.independence"]["notes"][0]) == grows
     # exercise 4: a saving over the fixed-length code is claimed only where there is one
     # exercise 3 measured: the ratios and bytes the notes name are the table's; "slower than the serial
     # coder" only where the fewest streams are; the codec's layout is the one its bitstreams name
-    thr, dec = tables["coder_bench.coder_throughput"], d["coder_decode_sym_per_s"]
+    thr, dec = tables["codec.coder_bench.coder_throughput"], d["coder_decode_sym_per_s"]
     notes = " ".join(thr["notes"])
     assert f"decodes {dec['parallel'] / dec['serial']:.1f}x the serial coder's" in notes
     assert f"compiled coder {dec['constriction'] / dec['parallel']:.1f}x ours" in notes

@@ -184,7 +184,7 @@ def check_suite_models(t):
 def check_verdicts(page, s):
     parts = tables_by_part(page)
     for part, t in parts:
-        if t.source == "streaming_study.policies":
+        if t.source == "stream.study.policies":
             met = check_policies(t, s)
             shape_notes = t.notes if part == "Part 2b" else next(
                 c.notes for p, c in parts if p == part and c.source == "streaming.adaptive")
@@ -194,17 +194,17 @@ def check_verdicts(page, s):
                 check_coarser_note(t.notes, s)
         elif t.source == "streaming.adaptive":
             check_chunks_against_shape(t, s)
-        elif t.source == "streaming_study.trace_run":
+        elif t.source == "stream.study.trace_run":
             check_models(t, s)
-        elif t.source == "streaming_study.in_model":
+        elif t.source == "stream.study.in_model":
             check_suite_models(t)
-        elif t.source == "streaming_study.chunk_sizes":
+        elif t.source == "stream.study.chunk_sizes":
             for r in t.rows:
                 assert r.cells[6] == (value(r.cells[5]) <= s.slo)
             by_size = sorted(t.rows, key=lambda r: r.cells[0])
             costs = value(by_size[0].cells[3]) > value(by_size[-1].cells[3]) * 1.001
             assert ("small batches cost little here" in t.notes[-1]) == (not costs)
-        elif t.source == "streaming_study.one_shot" and t.title.strip().startswith("TTFT"):
+        elif t.source == "stream.study.one_shot" and t.title.strip().startswith("TTFT"):
             said = next(n for n in t.notes if n.startswith("ours:")).removeprefix("ours:").strip()
             ranges = [re.fullmatch(r"(?:best )?(\w+) at ([\d.]+)(?:-([\d.]+))? Gb/s", p.strip()).groups()
                       for p in said.split(";")]
@@ -267,7 +267,7 @@ def test_a_coarser_level_taken_as_the_fastest_option_is_counted(tmp_path, monkey
     (tmp_path / "t.csv").write_text("0.0,5.0\n1.0,0.5\n2.5,0.2\n3.5,10\n")
     page, s = run(s3, ["--no-real", "--no-plot", "--trace", str(tmp_path / "t.csv")], monkeypatch)
     check(s3, page, s)
-    long = next(t for p, t in tables_by_part(page) if p == "Part 2b" and t.source == "streaming_study.policies")
+    long = next(t for p, t in tables_by_part(page) if p == "Part 2b" and t.source == "stream.study.policies")
     coarser = sum(c in ("level1", "level2", "level3") for c in page.json()["long_trace_choices"])
     fit, fastest = coarser_said(long.notes)
     assert 1 <= fit + fastest <= coarser
@@ -287,7 +287,7 @@ def test_the_handouts_inputs_show_the_handouts_figures(files, monkeypatch):
 
 def test_an_edited_context_blanks_the_notes_handout_column(files, monkeypatch):
     page, s = run(s3, files(EDITS["a 24K context"][0] + ["--no-plot"]), monkeypatch, CONTEXT=24 * 1024)
-    note = next(t for t in page.tables if t.source == "streaming_study.recompute_or_fetch")
+    note = next(t for t in page.tables if t.source == "stream.study.recompute_or_fetch")
     assert all(r.handout in (None, DASH) for r in note.rows)
     assert page.json()["llama31_8b_12k_recompute_s"] > 1.9 * 0.36        # the key holds the edited context's
 

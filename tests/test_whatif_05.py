@@ -28,7 +28,7 @@ def pages():
 
 
 def chat(page):
-    return next(t for t in page.tables if t.source == "tiers_study.serve")
+    return next(t for t in page.tables if t.source == "store.tiers_study.serve")
 
 
 def config(page, name):

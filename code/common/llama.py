@@ -219,6 +219,18 @@ class KVCache:
                        pos=torch.cat([c.pos for c in caches]))
 
 
+
+def place_chunks(caches: list[KVCache], theta: float) -> KVCache:
+    """Chunks' caches placed one after another, in order: each K rotated by shift_kv from where it was
+    prefilled (its pos) to where it now sits (V carries no position); a cache already in place (a shared
+    prefix, the first chunk) is not rotated. How reused chunks become one context's cache (CacheBlend, §5)."""
+    out, start = [], 0
+    for c in caches:
+        delta = start - int(c.pos[0])
+        out.append(KVCache(k=[shift_kv(k, delta, theta) for k in c.k] if delta else c.k, v=c.v, pos=c.pos + delta))
+        start += len(c)
+    return KVCache.cat(out)
+
 def kv_to_array(cache: KVCache) -> np.ndarray:
     """KVCache (per layer (B, Hkv, T, hd)) -> float32 array (B, T, L, 2, C): the codec's and the store's
     layout, token by token, each token's layers, K then V, its C = Hkv * hd channels."""

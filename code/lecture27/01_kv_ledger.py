@@ -23,9 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lecture27 import ledger  # noqa: E402
 from common import timemodel as tm  # noqa: E402
-from common.cli import (settings, Parser, fraction, nonneg_float, positive_float, positive_int, settings_from,
-                         # noqa: E402
-                        shipped_defaults)
+from common.cli import (Parser, fraction, nonneg_float, positive_float, positive_int, settings,  # noqa: E402
+                        settings_from, shipped_defaults)
 from common.present import (DASH, Chart, Handout, Page, Ref, Row, Series, Table, Val, chart_figure, cols,  # noqa: E402
                             fact, handout, pct2, plural, text_table)
 
@@ -230,9 +229,9 @@ def show_fetch_or_recompute(page: Page, r: FetchOrRecompute, s: Settings) -> Non
     page.say("tiers: " + ", ".join(f"{k} {bw / 1e9:g} GB/s" for k, bw in ledger.TIERS.items()))
     page.data(mfu=tm.MFU, tp_comm_efficiency=tm.TP_COMM_EFFICIENCY,
               part2_setup={"model": s.model, "gpu": s.gpu, "n_gpus": s.n_gpus})
-    page.table(Table(title="break-even: GB/s at which fetching the KV takes as long as recomputing it; then the seconds to "
-                     "fetch it from each tier", section="§1.4", cols=cols(("context", ctx_name, "contexts"), ("KV",
-                                                                                                              fmt_bytes),
+    page.table(Table(title="break-even: GB/s at which fetching the KV takes as long as recomputing it; then the "
+                           "seconds to fetch it from each tier", section="§1.4",
+                     cols=cols(("context", ctx_name, "contexts"), ("KV", fmt_bytes),
                      ("recompute s", "{:.3f}"), ("break-even", "{:.2f}", "breakeven_gbytes_per_s"), *ledger.TIERS),
                      rows=[Row([x.context, x.kv_bytes, x.recompute_s, x.breakeven_bytes_per_s / 1e9]
                           + [f"{t:.3f}" + ("*" if t > x.recompute_s else " ") for t in x.fetch_s.values()],
@@ -251,8 +250,9 @@ def show_fetch_or_recompute(page: Page, r: FetchOrRecompute, s: Settings) -> Non
         series=[Series(r.curve_contexts, gbps(r.curve_raw), "break-even (raw KV)", style={"color": "k", "marker": "o"}),
          Series(r.curve_contexts, gbps(r.curve_compressed), f"break-even ({c:g}x compressed)",
                 style={"color": "k", "ls": "--"})],
-        xlabel="context length (tokens)", ylabel="GB/s", title=f"A tier above the black line fetches faster than recomputing\n{m}, "
-        f"{s.n_gpus} x {s.gpu} (handout §1.4)", xscale="log", yscale="log", axes={"ylim": (0.5, 2000)},
+        xlabel="context length (tokens)", ylabel="GB/s",
+        title=f"A tier above the black line fetches faster than recomputing\n{m}, {s.n_gpus} x {s.gpu} (handout §1.4)",
+        xscale="log", yscale="log", axes={"ylim": (0.5, 2000)},
         hlines=[(bw / 1e9, {"color": f"C{i}", "lw": 1.5, "label": f"{name} ({bw / 1e9:g} GB/s)"})
                 for i, (name, bw) in enumerate(ledger.TIERS.items())],
         legend=dict(fontsize=7, loc="upper center", ncol=2)))

@@ -30,11 +30,11 @@ Settings of the codec itself live in the library, because 03_streaming.py reads 
   kvcache.py      CODEC_GROUP (tokens per anchor group), ANCHOR_BITS, LEVEL_FACTOR and N_LEVELS (the
                   quality levels), RECIPE_GROUP_FACTOR (the published recipe's step growth),
                   STREAM_BUDGET and PARALLEL_MIN_STREAMS (how a group is cut into streams)
-  codec_study.py  MEASURE_TOL and STEP_* (the step search), CODEC_N_CALIB / CODEC_N_EVAL / CODEC_N_CODED
+  codec/study.py    MEASURE_TOL and STEP_* (the step search), CODEC_N_CALIB / CODEC_N_EVAL / CODEC_N_CODED
                   (documents) and their seeds
-  codec_real.py   REAL_MAX_KL (the real model's quality budget), REAL_CONTEXT / REAL_CONTINUATION
-The settings at the top of this file are the measurements' own. The measurements are codec_measures.py's;
-how each Part is shown (tables, notes, figures, --json keys, the handout's figures) is codec_page.py's.
+  codec/smollm2.py  REAL_MAX_KL (the real model's quality budget), REAL_CONTEXT / REAL_CONTINUATION
+The settings at the top of this file are the measurements' own. The measurements are codec/measures.py's;
+how each Part is shown (tables, notes, figures, --json keys, the handout's figures) is codec/page.py's.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ from lecture27.codec import measures as cm  # noqa: E402
 from lecture27.codec import page as cp  # noqa: E402
 from lecture27.codec import study as cs  # noqa: E402
 from lecture27 import kvcache as kv  # noqa: E402
-from common.cli import settings, Parser, positive_float, settings_from, shipped_defaults  # noqa: E402
+from common.cli import Parser, positive_float, settings, settings_from, shipped_defaults  # noqa: E402
 from common.llama import single_thread  # noqa: E402
 from common.present import Page  # noqa: E402
 
@@ -147,7 +147,7 @@ def parse(argv) -> tuple:
 
 def main(argv=None):
     s, defaults, a = parse(argv)
-    if s.model == "smollm2":  # its long forwards run on the idle cores (codec_measures.real_measures)
+    if s.model == "smollm2":  # its long forwards run on the idle cores (codec/measures.real_measures)
         from common.gguf_llama import smollm2_or_explain
         gguf = smollm2_or_explain(s.gguf)
         if gguf is None:

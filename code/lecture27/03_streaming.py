@@ -20,7 +20,7 @@ Part 2 (§4.2): the adaptive policy chunk by chunk on a trace (10 -> 1 -> 5 Gb/s
 Part 2b (§4.2, longer context): the same trace and SLO with 48K tokens, still streaming when the link
         drops, so the policy has something to adapt to.
 Part 2c (§4.2, real levels): Part 2 again with the levels measured on a real LLaMA (SmolLM2-135M,
-        codec_real.py). The record-world model tolerates about 1.8 bits per value, a real LLaMA needs
+        codec/smollm2.py). The record-world model tolerates about 1.8 bits per value, a real LLaMA needs
         2.6-4.1: with levels that large the handout's shape appears (finest level, text after the drop, a
         coarser level).
 Part 2d (§4.2): Parts 2-2c in both models of a fetch. The link and the GPU work at once (the default): while
@@ -40,12 +40,12 @@ Part 5 (§4.2 over a real connection, as CacheGen's evaluation streams real bits
         CPU's measured recompute and decode times, the cause of every gap above 10% named; a sender killed
         mid-stream; the answer checked against a full prefill. About a minute on a busy 2-core machine.
 The codec's four levels come from cs.codec_levels() (measured by 02 on the record-world model) and,
-for Parts 2c and 5, codec_real.real_codec_levels() (fitted on first use, about a minute, then cached; Part 5's
-codec tables at those levels: codec_real.real_codec_specs()); the simulation, the policy and the
-oracle are in streaming.py, the socket and the runs on it in wire.py and stream/ (measure, wire_runs, simulated, compare, wire_study).
+for Parts 2c and 5, smollm2.real_codec_levels() (fitted on first use, about a minute, then cached; Part 5's
+codec tables at those levels: smollm2.real_codec_specs()); the simulation, the policy and the oracle are in
+streaming.py, the socket in wire.py, the runs on it in stream/ (measure, wire_runs, simulated, compare, wire_study).
 Recompute times: common/timemodel.py.
 This file holds the inputs (the constants, the command line) and one function per Part; what each Part asks
-of streaming.py is in streaming_study.py, how it is shown (tables, notes, figures, --json) in streaming_page.py.
+of streaming.py is in stream/study.py, how it is shown (tables, notes, figures, --json) in stream/page.py.
 """
 from __future__ import annotations
 
@@ -61,8 +61,8 @@ from lecture27.codec import study as cs  # noqa: E402
 from lecture27 import streaming as st  # noqa: E402
 from lecture27.stream import study  # noqa: E402
 from lecture27.stream import wire_study  # noqa: E402
-from common.cli import (settings, Parser, fail, nonneg_int, positive_float, positive_int, settings_from,  # noqa: E402
-                        shipped_defaults)
+from common.cli import (Parser, fail, nonneg_int, positive_float, positive_int, settings,  # noqa: E402
+                        settings_from, shipped_defaults)
 from common.gguf_llama import smollm2_or_explain  # noqa: E402
 from common.present import Page  # noqa: E402
 from lecture27.stream.page import (show_models, show_part1, show_part2, show_part2_long,  # noqa: E402

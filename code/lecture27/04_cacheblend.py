@@ -33,13 +33,13 @@ In the handout's order:
         The pitfall of the released blenders (mask_pitfall.py): the recomputed tokens' causal mask aligned
         to the bottom right, against blend's position mask. Exercise 7: the check's cost at layer 0 vs
         layer 1 (time model).
-§5.4    Part 4: hiding recompute behind loading (blend_timing.py, on common/timemodel.py): per layer load vs recompute
+§5.4    Part 4: hiding recompute behind loading (blend/timing.py, on common/timemodel.py): per layer load vs recompute
         per storage device, the controller's ratio, pipelined TTFT; LLaMA-7B vs 70B; requests/s of a
         busy server, full prefill vs CacheBlend (the paper's 2.8-5x throughput); the controller
         (loading_controller.py) also says when not to reuse: a read slower than the layer's prefill means a
         full prefill, or the fastest device that still pays; a query rule ranking by layers 1..j waits for
         their KV (QUERY_DEPTHS). Exercise 8.
-Part 5 (--model smollm2 and the flags of its own group; blend_real_study.py, blend_real.py): the same blend() on
+Part 5 (--model smollm2 and the flags of its own group; blend/rag_study.py, blend/rag.py): the same blend() on
         SmolLM2-135M-Instruct, RAG items of 6 chunks x 256 tokens + the question (or --passages FILE: your
         own, one chunk per passage): KL to full prefill of CacheBlend (RULE), random and an oracle at
         15% (cached), each selection rule's measured CPU TTFT at 15% (live), greedy answers, the two
@@ -54,8 +54,8 @@ Part 5 (--model smollm2 and the flags of its own group; blend_real_study.py, ble
         the two oracles, and a figure; every rule's ranking oracle; the query rules over j, the layers the
         question's attention is read from, KL against TTFT (Part 5k); every chunk prefilled alone at
         position 0; the built-in items with shorter chunks; a rule whose count adapts to the input beside flat.
-Each Part is computed here (by the library) and shown by blend_page.py (Parts 0-4, exercises 5-8) or
-blend_real_page.py (Part 5): their tables, notes, figures and --json keys.
+Each Part is computed here (by the library) and shown by blend/page.py (Parts 0-4, exercises 5-8) or
+blend/rag_page.py (Part 5): their tables, notes, figures and --json keys.
 """
 from __future__ import annotations
 
@@ -81,9 +81,8 @@ from lecture27.blend_world import DOC_LEN  # noqa: E402
 from common import timemodel as tm  # noqa: E402
 from common.checkpoints import TrainingFailed  # noqa: E402
 from common.city import city_model  # noqa: E402
-from common.cli import (settings, Parser, fail, fraction, nonneg_float, positive_float, positive_int, settings_from,
-                         # noqa: E402
-                        shipped_defaults)
+from common.cli import (Parser, fail, fraction, nonneg_float, positive_float, positive_int, settings,  # noqa: E402
+                        settings_from, shipped_defaults)
 from common.llama import idle_threads, single_thread  # noqa: E402
 from common.present import Page  # noqa: E402
 
@@ -119,7 +118,7 @@ DEVICES = {  # storage device -> read bandwidth, bytes/s
 PAPER_CONTEXT, PAPER_RATIO, PAPER_DEVICE = 4096, 0.15, "NVMe SSD"   # CacheBlend's per-layer example
 QUERY_DEPTHS = [1, 4, 16, 79]             # a query rule ranks by the question's attention at layers 1..j (to the last)
 LAYERS, READ_MS, PREFILL_MS = 32, 10.0, 20.0   # exercise 8: the controller's inputs (per layer: read, prefill)
-# ---- Part 5: the real model (blend_real_study.py)
+# ---- Part 5: the real model (blend/rag_study.py)
 ITEMS = 4                                 # RAG items (of 8); their KL is cached, the TTFT measured live
 REAL_CHUNK_TOKENS = 256                   # tokens per retrieved chunk (6 chunks + the question per item)
 REAL_RATIO = 0.15                         # CacheBlend's default recompute ratio
@@ -241,7 +240,8 @@ def part5_real(s: Settings) -> rag_study.Real:
         chunk_tokens=s.real_chunk_tokens, top=s.top_share, targets=s.adaptive_targets, layer=s.adaptive_layer,
         floor=s.adaptive_floor, recompute=s.recompute) if s.curve else (None, None)
     return rag_study.Real(run=run, source=source, model_name=lm.name, n_layers=run.deviation[0].shape[0],
-                          default_rule=RULE, insights=found, toy=toy, prefix=prefix, split=splits[s.rule], splits=splits, chunks=chunks, adaptive=adaptive)
+                          default_rule=RULE, insights=found, toy=toy, prefix=prefix, split=splits[s.rule],
+                          splits=splits, chunks=chunks, adaptive=adaptive)
 
 
 # ============================================================================ the command line
@@ -315,7 +315,7 @@ def main(argv=None) -> Page | None:
     page = Page("04" if s.model == "record" else "04_smollm2", "CacheBlend: non-prefix KV reuse, selective recompute"
                 + ("" if s.model == "record" else ", on a real LLaMA"), "§5", s, defaults, not a.no_plot)
     if s.model == "smollm2":
-        with idle_threads():  # the TTFT is measured on one thread inside (blend_real.item_ttft)
+        with idle_threads():  # the TTFT is measured on one thread inside (blend/rag.item_ttft)
             real = part5_real(s)
         rag_page.show_real(page, real, s)                # Part 5, §5.1-5.4: the same blend() on a real LLaMA
     else:

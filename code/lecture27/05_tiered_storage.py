@@ -19,14 +19,15 @@ Part 4  RAG (§5.1): requests of k documents from a shared corpus, popular ones 
 Part 5  on this machine (--model smollm2): LMCache's store for real. SmolLM2-135M's KV of a RAG context stored
         in RAM, on disk and in a Redis server, in FP16 and in CacheGen's bitstream, served back and timed
         against a full prefill on this CPU and the time model; then exercise 9 with two processes: a
-        restarted engine finds the chunks in Redis and skips their prefill (store_real.py, kvstore.py).
+        restarted engine finds the chunks in Redis and skips their prefill (store/machine.py, kvstore.py).
 
     python code/lecture27/05_tiered_storage.py --model smollm2 [--redis redis://host:6379]
 
 Parts 1-4 run in a few seconds, Part 5 in about half a minute; figures/05_handoff.png (Part 1),
 figures/05_ttft_cdf.png (Part 2), figures/05_rag.png (Part 4), figures/05_store.png (Part 5). This file holds the
-inputs (the constants, the command line) and one function per Part; the computing is in tiers_study.py and
-store_real.py, how each Part is shown (tables, notes, figures, --json) in tiers_page.py and store_page.py.
+inputs (the constants, the command line) and one function per Part; the computing is in store/tiers_study.py
+and store/machine.py, how each Part is shown (tables, notes, figures, --json) in store/tiers_page.py and
+store/machine_page.py.
 """
 from __future__ import annotations
 
@@ -41,11 +42,12 @@ from lecture27.codec import smollm2  # noqa: E402
 from lecture27.store import machine  # noqa: E402
 from lecture27.store import tiers_study as study  # noqa: E402
 from lecture27.blend_rules import RULES  # noqa: E402
-from common.cli import (settings, Parser, fraction, nonneg_float, positive_float, positive_int, settings_from,  # noqa: E402
-                        shipped_defaults)
+from common.cli import (Parser, fraction, nonneg_float, positive_float, positive_int, settings,  # noqa: E402
+                        settings_from, shipped_defaults)
 from common.present import Page  # noqa: E402
 from lecture27.store.machine_page import show_store  # noqa: E402
-from lecture27.store.tiers_page import show_chat, show_handoff, show_rag, show_service_vs_library, show_waist  # noqa: E402
+from lecture27.store.tiers_page import (show_chat, show_handoff, show_rag,  # noqa: E402
+                                        show_service_vs_library, show_waist)
 
 # ------------------------------------------------------------------ Part 1: GPU A -> GPU B handoff
 HANDOFF_MODEL = "llama-3.1-70b"

@@ -41,7 +41,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-
 import torch
 
 from lecture27 import blend_world as bw

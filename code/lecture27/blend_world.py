@@ -27,11 +27,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-
 import torch
 
 from common.english import RagInput
-from common.llama import KVCache, Llama, LlamaConfig, causal_mask, shift_kv
+from common.llama import KVCache, Llama, LlamaConfig, causal_mask, place_chunks
 
 # ------------------------------------------------------------------------------------ the world
 N_RECORDS = 12           # records per document
@@ -120,15 +119,20 @@ def precompute_chunks(model: Llama, doc: torch.Tensor, chunks) -> KVCache:
     """Full KV reuse's cache: each chunk prefilled alone at positions 0..c-1 (as if stored earlier), its K moved
     to the chunk's real place by shift_kv (V carries no position), caches concatenated. A shared prefix of P
     tokens (chunk id PREFIX) is prefilled once and every chunk after it, at P..P+c-1 (behind one system prompt)."""
+    return place_chunks(stored_chunks(model, doc, chunks), model.cfg.rope_theta)
+
+
+def stored_chunks(model: Llama, doc: torch.Tensor, chunks) -> list[KVCache]:
+    """What a chunk store holds of this context: the shared prefix's cache (if any), then each chunk's own,
+    prefilled alone behind the prefix, at P..P+c-1 (pos says so), not yet moved to its place (place_chunks)."""
     ids = chunk_ids(doc.shape[1], chunks)
     n_pre = int((ids == PREFIX).sum())
     prefix = model(doc[:, :n_pre], last=True)[1] if n_pre else None
     caches = [prefix] if n_pre else []
     for start, end in chunk_spans(ids):
         _, c = model(doc[:, start:end], cache=prefix, last=True)  # the prefix's rows come back first: drop them
-        caches.append(KVCache(k=[shift_kv(k[:, :, n_pre:], start - n_pre, model.cfg.rope_theta) for k in c.k],
-                              v=[v[:, :, n_pre:] for v in c.v], pos=c.pos[n_pre:] + start - n_pre))
-    return KVCache.cat(caches)
+        caches.append(KVCache(k=[k[:, :, n_pre:] for k in c.k], v=[v[:, :, n_pre:] for v in c.v], pos=c.pos[n_pre:]))
+    return caches
 
 
 # ------------------------------------------------------------------------------------ a RAG input

@@ -4,7 +4,8 @@ coding with one table per (layer, K/V, channel); its bitstream of independent gr
 streams a GPU would code side by side (the stream plan); the levels at coarser steps and CacheGen's
 published recipe. numpy only: pure functions on arrays that return data. The arithmetic coder is
 coder.py's (one stream) and coder_parallel.py's (many at once); measuring a codec on a model (the step
-search, the answers read from decoded KV) is codec/study.py's (codec/smollm2.py's on a real LLaMA); the scripts print and plot.
+search, the answers read from decoded KV) is codec/study.py's (codec/smollm2.py's on a real LLaMA); the scripts
+print and plot.
 
 Sections of this file:
   1. CacheGen-style codec    -- anchor + delta, per-layer quantization, per-(channel, layer) tables (§3.3)

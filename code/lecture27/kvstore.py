@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from common.files import drop_cache, remove_dead_writers, write_atomic
-from common.llama import KVCache, LlamaConfig, array_to_kv, kv_to_array, shift_kv
+from common.llama import KVCache, LlamaConfig, array_to_kv, kv_to_array, place_chunks
 from lecture27 import kvcache as kv
 from lecture27 import kvrecord
 from lecture27.kvrecord import Corrupt
@@ -94,13 +94,9 @@ def assemble(keys, arrays, cfg: LlamaConfig) -> KVCache:
     """The context's cache from its chunks' fetched KV, in the keys' order: each record placed after the one
     before, its K moved from where it was prefilled (behind its prefix, at P) to its place by shift_kv (V
     carries no position); a record already at its place (the prefix, the first chunk) is not rotated."""
-    caches, start = [], 0
-    for key, X in zip(keys, arrays):
-        c, delta = array_to_kv(X, cfg.n_kv_heads), start - len(key.prefix)
-        k = [shift_kv(k, delta, cfg.rope_theta) for k in c.k] if delta else c.k
-        caches.append(KVCache(k, c.v, torch.arange(start, start + len(X))))
-        start += len(X)
-    return KVCache.cat(caches)
+    stored = [array_to_kv(X, cfg.n_kv_heads, torch.arange(len(key.prefix), len(key.prefix) + len(X)))
+              for key, X in zip(keys, arrays)]
+    return place_chunks(stored, cfg.rope_theta)
 
 
 # ------------------------------------------------------------------------------------------ the tier interface

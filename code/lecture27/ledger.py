@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from common import timemodel as tm
 
 SECONDS_PER_DAY = 86_400
@@ -107,7 +106,8 @@ def slides_economics(gpu_hour_usd, gpus_per_node, storage_tb_per_node, storage_u
     storage = storage_usd_h * hours * nodes                       # storage paid, $
     return SlidesAccount(node_usd_per_h=node_usd_h, storage_usd_per_h=storage_usd_h, hours=hours,
                          breakeven_if_hit_saves_all=storage_usd_h / node_usd_h,
-                         breakeven_hit_rate=storage_usd_h / (node_usd_h * hit_saves), gpu_time_saved_usd=saved, storage_usd=storage, net_usd=saved - storage,
+                         breakeven_hit_rate=storage_usd_h / (node_usd_h * hit_saves), gpu_time_saved_usd=saved,
+                         storage_usd=storage, net_usd=saved - storage,
                          net_if_33m_read_as_gross_usd=(saved - storage) - storage)
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from common import timemodel as tm
 
 BLEND, FULL_PREFILL = "blend", "full prefill"

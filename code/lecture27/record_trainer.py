@@ -2,8 +2,8 @@
 key's value from a context of random records, and a small penalty teaches it the locality of a
 pretrained LLM. Trained once (under a minute on one core), then loaded from code/checkpoints/.
 
-    PYTHONPATH=code python -m lecture27.record_trainer               # train (or load) the model and check it
-    PYTHONPATH=code python -m lecture27.record_trainer --seeds 0-19  # the seed sweep: every seed trains (slow: ~45 s each)
+    PYTHONPATH=code python -m lecture27.record_trainer               # train (or load) the model, check it
+    PYTHONPATH=code python -m lecture27.record_trainer --seeds 0-19  # the seed sweep: each seed trains (~45 s)
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-
 
 import torch
 from tqdm import tqdm

@@ -31,7 +31,6 @@ import time
 import zlib
 from dataclasses import dataclass
 
-
 from lecture27 import streaming as st
 from common import timemodel as tm
 from common.cli import module_command

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 import torch
 
 from lecture27.blend_world import precompute_chunks

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 import torch
 
 from lecture27 import blend_world as bw

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 
-
 from lecture27.blend import timing as bt
 from lecture27.blend import city_reuse
 from lecture27 import loading_controller as lc
@@ -107,7 +106,7 @@ def show_prefix(page: Page, st: pc.PrefixStudy, s) -> None:
                               f"from {' or '.join(st.devices)}, pipelined (CacheBlend recomputes {s.min_ratio:.0%})",
                               section="§5.1", cols=cols("k", ("full prefill", "{:.0f}"),
                                            *[(f"{how} {d}", "{:.0f}") for how in HOWS for d in st.devices]),
-                              rows=rows, source="prefix_caching.system_prefix"))
+                              rows=rows, source="blend.prefix_caching.system_prefix"))
     show_saved_share(page, st, s)
     prefix_figure(page, st, s)
     add_json(page, prefix_json(st))
@@ -130,11 +129,11 @@ def show_saved_share(page: Page, st: pc.PrefixStudy, s) -> None:
     verdicts = "; ".join(f"{saved_verdict(f'{names[m]}: prefix caching', x.prefix_saved_share)}, "
                          f"{saved_verdict(f'CacheBlend {r}', x.blend_saved_share)}" for m, x in st.systems.items())
     add_table(page, Table(title="Share of full prefill's GPU time each method does not spend, by k", section="§5.1",
-                          cols=cols("method", *[(f"k={k}",
-                                                 "{:.0%}") for k in st.ks]), rows=rows, source="prefix_caching.system_prefix",
-                          notes=[f"{verdicts}. Only the first chunk can be a prefix, so prefix caching prefills the other "
-                           f"k - 1; CacheBlend recomputes {r} of every chunk wherever it sits, full reuse none (and "
-                           "loses what the chunks would have seen of each other, §5.2)."]))
+                          cols=cols("method", *[(f"k={k}", "{:.0%}") for k in st.ks]), rows=rows,
+                          source="blend.prefix_caching.system_prefix",
+                          notes=[f"{verdicts}. Only the first chunk can be a prefix, so prefix caching prefills the "
+                                 f"other k - 1; CacheBlend recomputes {r} of every chunk wherever it sits, full reuse "
+                                 "none (and loses what the chunks would have seen of each other, §5.2)."]))
 
 
 def prefix_figure(page: Page, st: pc.PrefixStudy, s) -> None:
@@ -161,7 +160,7 @@ def show_moved_chunk(page: Page, e: city_reuse.Moved, s) -> None:
         fact(f"K at 0, not rotated, vs K {at}", x.k_unrotated_max_diff, fmt="{:.2f}"),
         fact(f"V at 0 vs V {at}", x.v_max_diff),
         fact("(largest |K| value, for scale)", x.k_max_abs, fmt="{:.2f}")],
-        source="city_reuse.shift_check", notes=[shift_note(x, e.rotated)]))
+        source="blend.city_reuse.shift_check", notes=[shift_note(x, e.rotated)]))
     add_json(page, {"ex5": x})
 
 
@@ -185,8 +184,8 @@ def show_city(page: Page, c: city_reuse.City, s) -> None:
         fact("cross-entropy, full prefill (nats/token)", c.ce_full, handout=handout(HANDOUT, "city_ce_full", s)),
         fact("cross-entropy, full reuse (nats/token)", c.ce_reuse, handout=handout(HANDOUT, "city_ce_reuse", s)),
         fact("KL(full prefill || full reuse)", c.kl, fmt="{:.5f}", handout=handout(HANDOUT, "city_kl", s)),
-        fact("true entropy of words 2-8 (nats/token)", c.entropy)], source="city_reuse.city_losses", notes=[city_note(c,
-                                                                                                                      s)]))
+        fact("true entropy of words 2-8 (nats/token)", c.entropy)], source="blend.city_reuse.city_losses",
+                          notes=[city_note(c, s)]))
     add_json(page, {"city_ce_full": c.ce_full, "city_ce_reuse": c.ce_reuse, "city_kl": c.kl})
 
 
@@ -247,9 +246,11 @@ def show_records(page: Page, run: rb.RecordRun, s) -> None:
                  handout_text(handout(HANDOUT, "unsplit_reuse", s) if m == "reuse" else None)]) for m in rb.METHODS]
     add_table(page, Table(title=f"Record world, chunks of {run.chunk_len}: split records {ids} (values at positions "
                           f"{[2 * i + 1 for i in ids]});\n{run.n_split:,} questions on split records, "
-                          f"{run.n_unsplit:,} on unsplit; chance 1/{N_RECORDS} = {1 / N_RECORDS:.1%}.", section="§5.2, §5.3",
+                          f"{run.n_unsplit:,} on unsplit; chance 1/{N_RECORDS} = {1 / N_RECORDS:.1%}.",
+                          section="§5.2, §5.3",
                           cols=cols("method", ("split records", pct1), ("unsplit records", pct1),
-                               "handout split", "handout unsplit"), rows=rows, source="record_blend.record_experiment",
+                               "handout split", "handout unsplit"), rows=rows,
+                          source="blend.record_blend.record_experiment",
                           notes=random_note(run, s)))
     add_json(page, records_json(run))
 
@@ -281,7 +282,7 @@ def show_input_rules(page: Page, run: rb.RecordRun, acc: dict, s) -> None:
                           "most over full reuse's cache; query+dev: with layer 0's deviation; chunk-start: the\n  "
                           "first tokens of every chunk (EPIC)", section="§5.3",
                           cols=cols("method", ("split records", pct1), ("unsplit records", pct1)), rows=rows,
-                          source="record_blend.input_rules",
+                          source="blend.record_blend.input_rules",
                           notes=[query_record_note(run, acc)] if q and q.split is not None else []))
     add_json(page, {"query_split_acc": q.split if q else None,
                     "input_rules_split_acc": {m: a.split for m, a in acc.items()}})
@@ -305,7 +306,7 @@ def show_split_at(page: Page, e: rb.SplitAt, s) -> None:
              handout=handout(HANDOUT, "ex6_split", s)),
         fact("full reuse: accuracy on every question", e.reuse_acc, handout=handout(HANDOUT, "ex6_reuse", s)),
         fact("full prefill: accuracy on every question",
-             e.full_acc)], source="record_blend.split_at", notes=[split_note(e)]))
+             e.full_acc)], source="blend.record_blend.split_at", notes=[split_note(e)]))
     add_json(page, {"ex6": e})
 
 
@@ -353,14 +354,14 @@ def show_findings(page: Page, p: rb.Findings, s) -> None:
                  + " / ".join(map(str, p.lowest)), " / ".join(pct1(x) for x in p.lowest.values()))]
     add_table(page,
               Table(title=f"chunks of {s.chunk_len}; deviation = precomputed chunks' KV minus full prefill's, per "
-                          "layer", section="§5.3", cols=cols("insight", ("ours",
-                                                                         pct1)), rows=rows, source="record_blend.insights"))
+                          "layer", section="§5.3", cols=cols("insight", ("ours", pct1)), rows=rows,
+                    source="blend.record_blend.insights"))
     c = p.curve
     add_table(page, Table(title="compute-quality curve: accuracy on split records", section="§5.3",
                           cols=cols(("ratio", "{:.0%}"), *[(f"c={n} {how}", pct1) for n in c.blend
                                                       for how in ("blend", "random")]),
                           rows=[Row([x] + [acc[i] for n in c.blend for acc in (c.blend[n], c.random[n])])
-                           for i, x in enumerate(c.ratios)], source="record_blend.curve"))
+                           for i, x in enumerate(c.ratios)], source="blend.record_blend.curve"))
     curve_figure(page, c, s)
     concentration_figure(page, f.deviation, s)
     add_json(page, findings_json(p, s))
@@ -417,7 +418,7 @@ def show_mask(page: Page, c: mp.MaskCost, s) -> None:
              c.split["position"], c.unsplit["position"]]),
         Row(["bottom-right mask (the pitfall): the rows taken as the last ones",
              c.split["bottom-right"], c.unsplit["bottom-right"]])],
-        source="mask_pitfall.record_cost", notes=[why_the_mask_is_wrong(c.future_keys, c.picks, DOC_LEN),
+        source="blend.mask_pitfall.record_cost", notes=[why_the_mask_is_wrong(c.future_keys, c.picks, DOC_LEN),
                                                   mask_cost_note(c)]))
     add_json(page, {"mask_position_split_acc": c.split["position"], "mask_pitfall_split_acc": c.split["bottom-right"]})
 
@@ -443,7 +444,7 @@ def show_check_cost(page: Page, ex: list[bt.CheckCost], rho: float, s) -> None:
     add_table(page, Table(title="", section="§5.3", cols=cols("check of the deviation (all tokens)", ("GFLOP",
                                                                                                       "{:.0f}"),
                                            ("ms", "{:.1f}"), ("one full layer, ms", "{:.1f}")),
-                          rows=rows, source="blend_timing.check_cost",
+                          rows=rows, source="blend.timing.check_cost",
                           notes=[check_note(ex, rho)]))
     add_json(page, {"ex7": ex})
 
@@ -475,7 +476,7 @@ def show_pipelining(page: Page, timings: dict[str, bt.SystemTiming], s, waits: l
                               cols=cols("per layer", ("ms", "{:.1f}"), ("controller ratio", "{:.0%}"),
                                    ("TTFT CacheBlend (ms)", "{:.0f}"), ("vs full prefill", "{:.2f}x"),
                                    Col("controller's choice",
-                                       left=True)), rows=rows, source="blend_timing.system_timing",
+                                       left=True)), rows=rows, source="blend.timing.system_timing",
                               notes=[f"{d}: {x.reason}." for d, x in t.devices.items() if x.choice != lc.BLEND]))
     show_comparison(page, timings, s)
     show_throughput(page, timings, s)
@@ -500,7 +501,7 @@ def show_query_wait(page: Page, waits: list, s) -> None:
                               f"{w.recompute_ms:.1f} ms,\n  the question's pass {w.pass_ms:.2f} ms); the ranking "
                               "needs layers 0..j's KV before any layer recomputes", section="§5.4",
                               cols=cols("ranking reads", ("TTFT (ms)", "{:.0f}"), ("vs blend", "{:.2f}x"),
-                                   ("vs full prefill", "{:.2f}x")), rows=rows, source="blend_timing.query_wait",
+                                   ("vs full prefill", "{:.2f}x")), rows=rows, source="blend.timing.query_wait",
                               notes=[query_wait_note(w)]))
     add_json(page, {"timing_query_wait": {w.model: {"depths": w.depths, "ttft_s": w.ttft_s, "blend_s": w.plain_s,
                                                     "device": w.device} for w in waits}})
@@ -529,7 +530,7 @@ def show_comparison(page: Page, timings: dict[str, bt.SystemTiming], s) -> None:
                      " / ".join(f"{t.devices[dev].speedup:.1f}x" for t in timings.values()),
                      handout=handout(HANDOUT, "ttft_speedup", s)))
     add_table(page, Table(title=f"Load vs recompute ({s.gpu}; paper points on the same GPU)", section="§5.4",
-                          cols=cols("comparison", ("ours", "{:.1f}")), rows=rows, source="blend_timing.system_timing",
+                          cols=cols("comparison", ("ours", "{:.1f}")), rows=rows, source="blend.timing.system_timing",
                           notes=speedup_notes(timings, s)))
 
 
@@ -565,7 +566,7 @@ def show_throughput(page: Page, timings: dict[str, bt.SystemTiming], s) -> None:
             for r, x in t.throughput.items()]
     add_table(page, Table(title=f"Throughput of one server kept busy by RAG requests ({s.gpu})", section="§5.4",
                           cols=cols("throughput (requests/s)", ("full prefill", "{:.2f}"), ("CacheBlend", "{:.2f}"),
-                               "bound by", ("ratio", "{:.1f}x")), rows=rows, source="blend_timing.throughput",
+                               "bound by", ("ratio", "{:.1f}x")), rows=rows, source="blend.timing.throughput",
                           notes=[throughput_note(timings, s)]))
 
 
@@ -589,7 +590,8 @@ def timing_figure(page: Page, timings: dict[str, bt.SystemTiming], s) -> None:
                                     f"{s.min_ratio:.0%} recompute"] + [f"load: {d}" for d in t.devices],
                             [t.full_layer_ms, t.floor_layer_ms] + [x.load_ms for x in t.devices.values()], kind="barh",
                             style={"color": colors(t)}, fmt=" {:.1f} ms")],
-                    xlabel="ms per layer (log scale)", title=f"{tm.get_model(model).name} ({t.tag}), {t.n_gpus} x {s.gpu}",
+                    xlabel="ms per layer (log scale)",
+                    title=f"{tm.get_model(model).name} ({t.tag}), {t.n_gpus} x {s.gpu}",
                     xscale="log", legend=None) for model, t in timings.items()]
     chart_figure(page, "04_load_vs_recompute.png", panels, f"one layer of a {s.rag_chunks} x {s.rag_chunk_tokens}"
                  "-token RAG context: recompute vs load", figsize=(5 * len(panels), 3.8))

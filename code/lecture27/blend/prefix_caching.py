@@ -24,7 +24,6 @@ import statistics
 import time
 from dataclasses import dataclass
 
-
 import torch
 
 from lecture27 import blend_world as bw
@@ -160,20 +159,21 @@ def first_chunk(pre, rd):
 
 @torch.no_grad()
 def measure_one(model, rd, rule, ratio: float, masks: dict) -> dict:
-    """One RAG input: each method's TTFT on one thread (CPU time, cpu_timed; the chunks' KV precomputed before,
-    untimed; shift_kv of every layer's K timed apart, as rag.item_ttft times placing its chunks, for the two
-    methods that place every chunk) and its first answer token's KL to full prefill; CacheBlend once per mask
-    of `masks`."""
-    from common.llama import kl_divergence, shift_kv, single_thread
+    """One RAG input: each method's TTFT on one thread (CPU time, cpu_timed; the chunks' KV prefilled before,
+    untimed, as a store holds them; placing them, each chunk's K shifted to its place, timed for the two methods
+    that place every chunk, as kvstore.assemble places fetched chunks) and its first answer token's KL to full
+    prefill; CacheBlend once per mask of `masks`."""
+    from common.llama import kl_divergence, single_thread
 
-    pre = bw.precompute_chunks(model, rd.doc, rd.chunks)
+    stored = bw.stored_chunks(model, rd.doc, rd.chunks)
+    pre = bw.place_chunks(stored, model.cfg.rope_theta)
     head, n = first_chunk(pre, rd)
     rest = torch.cat([rd.doc[:, n:], rd.question], 1)
     lp = lambda lg: lg[0, -1].log_softmax(-1)  # noqa: E731
     with single_thread():
         (lg, _), t_full = cpu_timed(lambda: model(rd.tokens, last=True))
         (lg_prefix, _), t_prefix = cpu_timed(lambda: model(rest, cache=head, last=True))
-        _, t_shift = cpu_timed(lambda: [shift_kv(k, 1000, model.cfg.rope_theta) for k in pre.k])
+        _, t_shift = cpu_timed(lambda: bw.place_chunks(stored, model.cfg.rope_theta))
         (lg_reuse, _), t_reuse = cpu_timed(lambda: model(rd.question, cache=pre, last=True))
         blends = {}
         for name, mask in masks.items():

@@ -43,7 +43,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-
 import torch
 
 from lecture27 import blend_rules

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import statistics
 
-
 from lecture27 import blend_rules
 from lecture27.blend import rag as blend_rag
 from lecture27.blend import rag_study
@@ -91,7 +90,7 @@ def show_real_prefix(page: Page, r: rag_study.Real, s) -> None:
                              f"of {x.n_items} items, chunks' KV in memory); KL(full prefill || method), first answer "
                              "token, nats" + (" (loaded from the cache)" if x.loaded else
                                               f" (computed in {x.compute_seconds:.0f} s, cached)"),
-                             "§5.1", fields, points(x, fields), "prefix_caching.measured", real_prefix_notes(x)))
+                             "§5.1", fields, points(x, fields), "blend.prefix_caching.measured", real_prefix_notes(x)))
     add_json(page, prefix_json(x))
 
 
@@ -121,7 +120,8 @@ def show_real_mask(page: Page, r: rag_study.Real, s) -> None:
                           cols=cols("k chunks", ("position mask", "{:.4f}"), ("bottom-right mask", "{:.4f}"),
                                ("bottom-right / position", "{:.2f}x")),
                           rows=[Row([k, p, w, w / p]) for k, p, w in zip(x.ks, pos,
-                                                                         wrong)], source="prefix_caching.measured",
+                                                                         wrong)],
+                    source="blend.prefix_caching.measured",
                           notes=[why_the_mask_is_wrong_real(), "The bottom-right mask " + (
                               "moves the first token further from full prefill at every k" if worse else
                               "is not worse at every k") + f": at k = {x.ks[-1]}, {wrong[-1]:.4f} against "
@@ -152,7 +152,7 @@ def show_real_curve(page: Page, r: rag_study.Real, s) -> None:
                               cols=cols("rule", *[(f"r={x:.0%}", "{:.4f}") for x in ratios], *more),
                               rows=[Row([m,
                                          *[kl[m][f"{x:g}"] for x in ratios]] + [kl[m][f"{at:g}"] / reuse] * len(more))
-                               for m in methods], source="blend_real.real_experiment"))
+                               for m in methods], source="blend.rag.real_experiment"))
 
 
 def ttft_json(r: rag_study.Real) -> dict:
@@ -186,7 +186,8 @@ def show_real_ttft(page: Page, r: rag_study.Real, s) -> None:
                           section="§5.4", cols=cols("rule", ("TTFT s", "{:.2f}"), ("speed-up", "{:.2f}x"),
                                                     ("recomputed", pct1),
                                        ("KL first token", "{:.4f}"), ("KL removed / s", "{:.2f}"),
-                                       "tokens at layers 1 2 3 4 ... last"), rows=rows, source="blend_real.real_experiment",
+                                       "tokens at layers 1 2 3 4 ... last"), rows=rows,
+                    source="blend.rag.real_experiment",
                           notes=real_notes(r) + [recomputed_note(r)]))
     add_json(page, ttft_json(r))
 
@@ -262,7 +263,7 @@ def show_real_answers(page: Page, r: rag_study.Real, s) -> None:
                                                                              "{:.4f}"),
                                ("same greedy answer", lambda x: f"{x}/{n}")),
                           rows=[Row([m, first[m], answer[m], same]) for m, same in run.same_answer.items()],
-                          source="blend_real.real_experiment"))
+                          source="blend.rag.real_experiment"))
     add_json(page, answers_json(run))
     for it in run.items:
         page.say(answer_lines(it, shown))
@@ -289,7 +290,7 @@ def show_real_insights(page: Page, r: rag_study.Real, s) -> None:
              Val(d.rank_corr, fmt=three("{:.2f}".format)),
              " ".join(f"{c:.2f}" for c in toy.rank_corr) if toy else None,
              handout_text(handout(HANDOUT, "rank_corr", s))])],
-        source="blend_real_study.deviation"))
+        source="blend.rag_study.deviation"))
     add_json(page, {f"real_top{top}_deviation_share": d.top_share, f"real_top{top}_per_layer": d.top_per_layer,
                     "real_adjacent_layer_rank_corr": d.rank_corr})
 
@@ -326,7 +327,7 @@ def show_input_rules(page: Page, r: rag_study.Real, s) -> None:
                           section="§5.3", cols=cols("rule", *[(f"r={x:.0%}", "{:.4f}") for x in ratios],
                                        (f"removed at {run.ratio:.0%}", pct1), ("TTFT s", "{:.2f}"),
                                        ("recomputed", pct1)),
-                          rows=rows, source="blend_real.input_rule_curves", notes=input_rule_notes(r)))
+                          rows=rows, source="blend.rag.input_rule_curves", notes=input_rule_notes(r)))
     if run.no_prefix:
         show_no_prefix(page, r)
     add_json(page, {"real_input_rules": list(blend_rules.INPUT_RULE_NAMES),
@@ -359,7 +360,7 @@ def show_no_prefix(page: Page, r: rag_study.Real) -> None:
                           "chat prefix part of the first chunk, each chunk\n  its own attention sink) beside every "
                           "chunk prefilled behind the shared chat prefix; mean first-token KL, nats", section="§5.3",
                           cols=cols("method", ("alone at 0", "{:.4f}"), ("behind the prefix", "{:.4f}")), rows=rows,
-                          source="blend_real.input_rule_curves"))
+                          source="blend.rag.input_rule_curves"))
     add_json(page, {"real_kl_no_prefix": x})
 
 
@@ -380,7 +381,7 @@ def show_query_depths(page: Page, r: rag_study.Real, s) -> None:
                           cols=cols("j", *[(f"{head} {m}", fmt) for m in blend_rules.QUERY_RULES
                                       for head, fmt in (("KL", "{:.4f}"), ("TTFT s", "{:.2f}"))],
                                ("recomputed",
-                                pct1)), rows=rows, source="blend_real.real_experiment", notes=depth_notes(r)))
+                                pct1)), rows=rows, source="blend.rag.real_experiment", notes=depth_notes(r)))
     add_json(page, {"real_query_j": js, f"real_query_kl{pk(run.ratio)}": q["kl"]["query"],
                     "real_query_ttft_s": q["ttft"]["query"], f"real_query_dev_kl{pk(run.ratio)}": q["kl"]["query+dev"],
                     "real_query_dev_ttft_s": q["ttft"]["query+dev"]})
@@ -419,7 +420,7 @@ def show_real_split(page: Page, r: rag_study.Real, s) -> None:
                           "deviation, recomputed by blend();\n  patch oracle: the full prefill's own K, V for as many "
                           "tokens of every layer, no recompute", section="§5.3",
                           cols=cols(("r", "{:.0%}"), (d.rule, "{:.4f}"), *SPLIT_COLS),
-                          rows=[Row([x, *split_cells(d, x)]) for x in d.ratios], source="blend_real.decompose",
+                          rows=[Row([x, *split_cells(d, x)]) for x in d.ratios], source="blend.rag.decompose",
                           notes=[split_verdict(d, at)]))
     add_json(page, {f"real_dominant{pk(at)}": d.dominant(at)})
 
@@ -469,7 +470,7 @@ def show_rule_splits(page: Page, r: rag_study.Real, s) -> None:
                           "check-layer rules compute layers 0-1 in full)", section="§5.3",
                           cols=cols("rule", ("KL", "{:.4f}"), *SPLIT_COLS),
                           rows=[Row([m, *split_cells(d, at)]) for m,
-                                d in r.splits.items()], source="blend_real.decompose"))
+                                d in r.splits.items()], source="blend.rag.decompose"))
     add_json(page, {"real_kl_ranking_oracle": {m: d.ranking for m, d in r.splits.items()}})
 
 
@@ -487,7 +488,7 @@ def show_chunk_lengths(page: Page, c: blend_rag.ChunkLengths, s) -> None:
                           cols=cols("chunk", "context", ("bounds/1k", "{:.1f}"), ("reuse", "{:.4f}"),
                                *[(f"r={q:.0%}", "{:.4f}") for q in ratios], (f"ranking {at:.0%}", "{:.4f}"),
                                (f"patch {at:.0%}", "{:.4f}"), (f"top {c.top:.0%} hold", pct1),
-                               (f"r like {c.reference}", "{:.0%}")), rows=rows, source="blend_real.chunk_length_study",
+                               (f"r like {c.reference}", "{:.0%}")), rows=rows, source="blend.rag.chunk_length_study",
                           notes=chunk_notes(c)))
     add_json(page, {"real_chunk_kl": {str(x.chunk_tokens): x.split.rule_kl for x in c.rows},
                     "real_chunk_top_share": {str(x.chunk_tokens): x.top_share for x in c.rows}})
@@ -529,7 +530,7 @@ def show_adaptive(page: Page, r: rag_study.Real, s) -> None:
     add_table(page, table_of(f"Part 5i (§5.3). A rule whose count adapts: layers up to {a.layer} in full, then the "
                              f"smallest set holding a share of layer {a.layer}'s\n  measured deviation (at least "
                              f"{a.floor:.0%} of the tokens), beside flat recomputing the same mean share; mean "
-                             "first-token KL", "§5.3", fields, a.rows, "blend_real.compare_rules",
+                             "first-token KL", "§5.3", fields, a.rows, "blend.rag.compare_rules",
                              [f"the adaptive rule is closer to full prefill than flat at "
                               f"{sum(closer(m) == 'adaptive' for m in a.rows)} of {len(a.rows)} matched shares; "
                               + ranking_room(r.split, r.run.ratio, r.splits)]))
@@ -551,6 +552,7 @@ def real_curve_figure(page: Page, r: rag_study.Real, s) -> None:
     lines = [Series([100 * x for x in run.ratios], [run.curve[m][f"{x:g}"] for x in run.ratios],
                     label.get(m, m), style=dict(marker="o", ms=3, **style.get(m, {}))) for m in run.methods[1:]]
     chart_figure(page, "04_real_curve_passages.png" if s.passages else "04_real_curve.png", Chart(
-        series=lines, xlabel="recompute ratio r (%)", ylabel="KL(full prefill || method), first answer token (nats)", yscale="log",
+        series=lines, xlabel="recompute ratio r (%)", ylabel="KL(full prefill || method), first answer token (nats)",
+        yscale="log",
         hlines=[(run.kl_reuse, dict(color="tab:red", lw=1, label="full reuse"))]),
         f"{r.model_name}: which tokens to recompute ({len(run.items)} inputs)", figsize=(7, 4))

@@ -19,7 +19,6 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from lecture27 import blend_rules
 from lecture27 import kvstore as ks
 from lecture27.blend import rag as blend_rag

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-
 import torch
 
 from lecture27.blend_rules import INPUT_RULES, Random

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from lecture27 import loading_controller as lc
 from common import timemodel as tm
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 import numpy as np
 
 from lecture27 import blend_world as bw
@@ -282,7 +281,8 @@ def record_codecs(run: RecordRun, baselines: list) -> Codecs:
     the other mode; and the quality levels."""
     study = run.study
     per_token = [bits / 8 / study.n_calib / study.tokens_per_context for bits in study.calib_bits]
-    return Codecs(codecs=baselines + [study.recipe, *study.variants], levels=study.levels, uses_deltas=study.uses_deltas,
+    return Codecs(codecs=baselines + [study.recipe, *study.variants], levels=study.levels,
+                  uses_deltas=study.uses_deltas,
                   calib_delta_bytes_per_token=per_token[0], calib_raw_bytes_per_token=per_token[1],
                   recipe_steps=study.recipe_steps, n_answers=study.n_eval * bw.N_RECORDS)
 
@@ -502,7 +502,7 @@ def locality_by_thirds(locality: list, layers: int) -> list[LocalitySpan]:
 
 @dataclass(kw_only=True)
 class Real:
-    """02's measurements on a real LLaMA (codec_real's prose): Parts 1a, 1c and 2, and the levels."""
+    """02's measurements on a real LLaMA (smollm2.py's prose): Parts 1a, 1c and 2, and the levels."""
     name: str
     layers: int
     channels: int
@@ -526,7 +526,7 @@ class RealCoders:
 
 
 def real_measures(gguf, refit: bool, entropy_step: float, baseline_bits, zlib_level: int) -> Real:
-    """SmolLM2: the measured codec (codec_real: step search under a KL budget), the baselines and the
+    """SmolLM2: the measured codec (smollm2.py: step search under a KL budget), the baselines and the
     recipe at the same size, all on the evaluation prose. Cached in code/checkpoints/ like the study it
     builds on (several minutes of forwards and codec fits); refit measures again."""
     from common.gguf_llama import gguf_file
@@ -567,7 +567,7 @@ def measure_real(path, refit: bool, entropy_step: float, baseline_bits, zlib_lev
     level0 = study["levels"][0]
     rows[f"measured ({'anchor+delta' if delta else 'no deltas'})"] = (level0["bytes_per_token"], level0)
     ratios = delta_variance_ratios(Xe, kv.CODEC_GROUP)
-    spec0 = kv.fit_codec(Xc, np.asarray(study["steps"]), delta)   # level 0's spec, as codec_real.fit made it
+    spec0 = kv.fit_codec(Xc, np.asarray(study["steps"]), delta)   # level 0's spec, as smollm2.fit made it
     return {"info": prose.info, "tokens": T, "n_eval": len(Xe), "n_calib": len(Xc), "L": L, "C": C,
             "delta_ratio": {ref: [[lv.ratio(k, ref) for k in KV_NAMES] for lv in ratios]
                             for ref in ("anchor", "previous")},

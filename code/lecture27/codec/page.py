@@ -1,10 +1,8 @@
 """How 02_cachegen_codec.py shows each Part of handout §3: its tables, notes and figures, and its `--json`
-keys, all read from the Part's result (codec_measures.py's dataclasses), with the handout's figures printed
+keys, all read from the Part's result (measures.py's dataclasses), with the handout's figures printed
 beside ours. One show_<part>(page, result, settings) per Part; nothing here computes a lecture figure.
 """
 from __future__ import annotations
-
-
 
 from lecture27.codec import measures as cm
 from lecture27.codec import smollm2
@@ -72,7 +70,7 @@ def show_observations(page: Page, r: cm.Observations, s) -> None:
         section="§3.2", cols=cols("", ("raw/delta var (anchor)", times2), ("raw/delta var (previous)", times2)),
         rows=[Row([f"layer {i} {k}", lv.ratio(k, "anchor"), lv.ratio(k, "previous")],
              handout(HANDOUT, "delta_ratio", s) if (i, k) == (0, "K") else None)
-         for i, lv in enumerate(r.locality) for k in cm.KV_NAMES], source="codec_measures.delta_variance_ratios"))
+         for i, lv in enumerate(r.locality) for k in cm.KV_NAMES], source="codec.measures.delta_variance_ratios"))
     page.table(sensitivity_table(r.sensitivity, s))
     page.table(entropy_table(r.entropy, f"Part 1c (§3.2, §3.3). Entropy of the values quantized at level "
                              f"{s.entropy_level}'s steps, tables fitted on calibration contexts,\nmeasured on "
@@ -122,7 +120,7 @@ def sensitivity_table(sens: cm.Sensitivity, s) -> Table:
         cols=cols("", *((f"{kind} @{x:g}", pct1) for kind, x in columns),
              ("measured steps K / V", lambda v: " / ".join(f"{x:.3g}" for x in v))),
         rows=[Row([f"layer {x.layer}", *(sensitivity_accuracy(x, kind, t) for kind, t in columns), m])
-         for x, m in zip(sens.layers, sens.measured_steps)], source="codec_measures.layer_sensitivity",
+         for x, m in zip(sens.layers, sens.measured_steps)], source="codec.measures.layer_sensitivity",
         notes=[f"At steps of {sens.step:g} x RMS {sensitivity_verdict(sens)}"])
 
 
@@ -132,7 +130,7 @@ def entropy_table(entropy: dict, title: str) -> Table:
     smaller = {g: None if g == cm.GLOBAL else 1 - b / g0 for g, b in entropy.items()}
     return table_of(title, "§3.2", [Field("tables"), Field("bits/value", "{:.3f}", get=entropy),
                                     Field("smaller than global", "{:+.1%}", get=smaller)],
-                    entropy, "codec_measures.grouping_entropy")
+                    entropy, "codec.measures.grouping_entropy")
 
 
 def locality_figure(page: Page, locality: list, s) -> None:
@@ -168,17 +166,17 @@ def show_codec_table(page: Page, c: cm.Codecs, s) -> None:
     fp16, m = c.fp16, c.measured
     vs = [size_words(c, f"{b}bit", s) for b in s.baseline_bits]
     page.table(Table(
-        title="Part 2 (§3.4). The codec table (accuracy on unseen records; the arithmetic-coded rows count\nevery byte of "
-        f"the bitstream, header included, on {cs.CODEC_N_CODED} coded contexts)", section="§3.4",
+        title="Part 2 (§3.4). The codec table (accuracy on unseen records; the arithmetic-coded rows count\nevery byte "
+        f"of the bitstream, header included, on {cs.CODEC_N_CODED} coded contexts)", section="§3.4",
         cols=cols("codec", ("bytes/token", "{:.1f}"), ("ratio to FP16", times2), ("accuracy", pct2)),
         rows=[Row([*codec_cells(x, fp16.bytes_per_token), x.quality], handout(HANDOUT, x.key or "", s))
-         for x in c.codecs], source="codec_measures.record_codecs",
+         for x in c.codecs], source="codec.measures.record_codecs",
         notes=[f"Measured codec: {', '.join(vs)}, accuracy {100 * (m.quality - fp16.quality):+.2f} points vs FP16.",
          f"Mode chosen on calibration bits: {'anchor+delta' if c.uses_deltas else 'no deltas'} (calibration: "
          f"{c.calib_delta_bytes_per_token:.1f} vs {c.calib_raw_bytes_per_token:.1f} B/token with / without "
          f"deltas). Recipe: steps / RMS by layer {', '.join(f'{x:.3g}' for x in c.recipe_steps)}, sized to the "
          f"measured codec's bytes."]))
-    page.table(headline_table(c, "record-world model", "codec_measures.record_codecs", s))
+    page.table(headline_table(c, "record-world model", "codec.measures.record_codecs", s))
     pareto_figure(page, c)
     named = [x for x in c.codecs if x.key not in (None, "fp16", "zlib")]
     page.data(**plain({"fp16_bytes_per_token": fp16.bytes_per_token, "acc_fp16": fp16.quality,
@@ -198,7 +196,8 @@ def headline_table(codecs: cm.Codecs, model_name: str, source: str, s) -> Table:
                      Row(["KV smaller than FP16", times_smaller("fp16")], handout(HANDOUT, "slides_kv", s)),
                      Row(["transfer faster than FP16 KV, same link", times_smaller("fp16")],
                          handout(HANDOUT, "slides_transfer", s))],
-                 source=source, notes=["At a fixed bandwidth transfer time is bytes / bandwidth, so our transfer speed-up is the "
+                 source=source,
+                 notes=["At a fixed bandwidth transfer time is bytes / bandwidth, so our transfer speed-up is the "
                           "size ratio; the slides' transfer range is end to end (decoding and network included)."])
 
 
@@ -230,7 +229,7 @@ def show_coder(page: Page, r: cm.CoderCheck, s) -> None:
              one.roundtrip_exact], handout(HANDOUT, "coder", s)),
         Row([f"{many.contexts} contexts, codec bitstreams", many.symbols, f"{many.ideal_bytes:.1f}", many.bytes,
              f"{many.bytes - many.ideal_bytes:+.1f}", many.roundtrip_exact])],
-        source="codec_measures.coder_check", notes=[
+        source="codec.measures.coder_check", notes=[
         f"The codec's bitstreams of {many.contexts} contexts, this run ({plan_words(r.layout, many.contexts)}): "
         f"encode {many.encode_sym_per_s:,.0f} symbols/s, decode {many.decode_sym_per_s:,.0f} symbols/s. "
         + ("Lossless: the loss is only in quantization." if exact else "A round trip differs: a coder bug."),
@@ -277,11 +276,11 @@ def levels_table(c: cm.Codecs, s) -> Table:
     se_of = {lv.level: e for lv, e in zip(c.levels, cm.level_noise(c.levels, c.n_answers))}
     fp16 = c.fp16.bytes_per_token
     return table_of(
-        "Quality levels (§4.2) of the measured codec (codec_study.codec_levels(), read by 03_streaming.py)", "§4.2",
+        "Quality levels (§4.2) of the measured codec (codec.study.codec_levels(), read by 03_streaming.py)", "§4.2",
         [Field("level (for 03)", "level {}", get="level"), *level_fields("{:g}x", "{:.1f}"),
          Field("ratio to FP16", times2, get=lambda lv: fp16 / lv.bytes_per_token),
          Field("accuracy", pct2, get="accuracy"), Field("+- SE pts", "{:.2f}", get=lambda lv: 100 * se_of[lv.level])],
-        c.levels, "codec_study.codec_study", [levels_note(c, s)],
+        c.levels, "codec.study.codec_study", [levels_note(c, s)],
         handout=lambda lv: handout(HANDOUT, f"level{lv.level}", s))
 
 
@@ -316,7 +315,7 @@ def show_exercise3(page: Page, r: cm.Exercise3, s) -> None:
         "(serial):", "§3.3",
         [Field("position in group", get="position"), Field("|error|/step, anchor", "{:.3f}", get="anchor"),
          Field("|error|/step, previous-token chain", "{:.3f}", get="chain")], e.by_position,
-        "codec_measures.independence", [chain_note(e)]))
+        "codec.measures.independence", [chain_note(e)]))
     show_throughput(page, r.throughput, s)
 
 
@@ -385,11 +384,11 @@ def show_throughput(page: Page, t: cm.Throughput, s) -> None:
              f"On a GPU each stream is a thread (CacheGen's coder: one per (layer, channel)): {t.rows:,} streams "
              f"of {t.tokens} symbols decode in {t.tokens} sequential steps instead of {c.symbols:,}, "
              f"{c.symbols // t.tokens:,}x fewer, where numpy here still pays a few dozen calls a step."]
-    page.table(Table(title="Exercise 3 measured (§3.3): streams that decode independently, coded side by side (symbols/s, "
-                     "wall clock, this run)", section="§3.3",
+    page.table(Table(title="Exercise 3 measured (§3.3): streams that decode independently, coded side by side "
+                           "(symbols/s, wall clock, this run)", section="§3.3",
                      cols=cols("coder", ("streams", "{:,}"), ("encode M sym/s", mega), ("decode M sym/s", mega),
                           ("decode vs serial", times), ("added bytes", "{:+,}"), ("added", "{:+.2%}")),
-                     rows=coder_rows(t), source="coder_bench.coder_throughput", notes=notes))
+                     rows=coder_rows(t), source="codec.coder_bench.coder_throughput", notes=notes))
     every = list(c.streams).index(t.rows)     # the parallel coder at one stream per row
     encode = {"serial": c.serial_encode, "parallel": c.parallel_encode[every]}
     decode = {"serial": c.serial_decode, "parallel": c.parallel_decode[every]}
@@ -430,12 +429,13 @@ def show_real_observations(page: Page, r: cm.Real, s) -> None:
              f"{r.n_eval} evaluation paragraphs of the project's own prose, {r.tokens} context tokens each.")
     page.part("Part 1", "§3.2", f"CacheGen's observations on {r.name}")
     page.table(Table(
-        title="Part 1a (§3.2, real model). Variance of raw values over variance of deltas, by thirds of the layers\n(>1: "
-        "deltas smaller)", section="§3.2", cols=cols("", ("anchor: mean", times2), "range", ("previous: mean", times2), "range"),
+        title="Part 1a (§3.2, real model). Variance of raw values over variance of deltas, by thirds of the "
+              "layers\n(>1: deltas smaller)", section="§3.2",
+        cols=cols("", ("anchor: mean", times2), "range", ("previous: mean", times2), "range"),
         rows=[Row([f"layers {x.first}-{x.last} {x.kind}", *(f for m in (x.anchor, x.previous)
                                                       for f in (m[0], f"{m[1]:.2f}-{m[2]:.2f}x"))],
              handout(HANDOUT, "delta_ratio", s) if i == 0 else None) for i, x in enumerate(r.thirds)],
-        source="codec_measures.delta_variance_ratios"))
+        source="codec.measures.delta_variance_ratios"))
     page.table(entropy_table(r.entropy, f"Part 1c (§3.2, real model). Entropy at steps of {s.real_entropy_step:g} "
                                         f"x RMS, tables fitted on calibration prose"))
     page.data(**plain({"model": r.name, "delta_var_ratio": r.locality, "entropy_bits": r.entropy}))
@@ -446,21 +446,23 @@ def show_real_codecs(page: Page, r: cm.Real, s) -> None:
     page.part("Part 2", "§3.4", f"The codec table on {r.name}, and its quality levels")
     c, fp16 = r.codecs, r.codecs.fp16.bytes_per_token
     page.table(Table(
-        title=f"Part 2 (§3.4, real model). Continuations of {smollm2.REAL_CONTINUATION} tokens attending to the decoded context "
-        f"KV\n(coded rows: bytes of {smollm2.REAL_CODED} contexts really coded, bit-exact round trip checked)", section="§3.4",
+        title=f"Part 2 (§3.4, real model). Continuations of {smollm2.REAL_CONTINUATION} tokens attending to the "
+              f"decoded context KV\n(coded rows: bytes of {smollm2.REAL_CODED} contexts really coded, bit-exact "
+              "round trip checked)", section="§3.4",
         cols=cols("codec", ("bytes/token", "{:,.0f}"), ("ratio to FP16", times2), ("NLL (nats/token)", "{:.4f}"),
              ("KL from FP16", "{:.4f}"), ("top-1 = FP16's", pct1)),
         rows=[Row([*codec_cells(x, fp16), x.quality.nll, x.quality.kl, x.quality.agree]) for x in c.codecs],
-        source="codec_measures.measure_real",
-        notes=["Measured steps / RMS (shallow, middle, deep thirds; K / V): " + ", ".join(f"{k:.3g} / {v:.3g}" for k, v in
-         r.rel_steps) + f"; KL from FP16 kept below {smollm2.REAL_MAX_KL} nats/token on calibration prose; recipe sized to "
-         "the same bytes."]))
-    page.table(headline_table(c, r.name, "codec_measures.measure_real", s))
+        source="codec.measures.measure_real",
+        notes=["Measured steps / RMS (shallow, middle, deep thirds; K / V): "
+               + ", ".join(f"{k:.3g} / {v:.3g}" for k, v in r.rel_steps)
+               + f"; KL from FP16 kept below {smollm2.REAL_MAX_KL} nats/token on calibration prose; recipe sized to "
+               "the same bytes."]))
+    page.table(headline_table(c, r.name, "codec.measures.measure_real", s))
     page.table(table_of(
-        "Quality levels (§4.2) of the measured codec on the real model (codec_real.real_codec_levels(), read by 03)",
+        "Quality levels (§4.2) of the measured codec on the real model (codec.smollm2.real_codec_levels(), read by 03)",
         "§4.2", [Field("level (03 Part 2c)", get=lambda lv: f"level {lv.level}"), *level_fields("{:.3g}x", "{:,.0f}"),
                  Field("KL from FP16", "{:.4f}", get="kl"), Field("top-1 = FP16's", pct1, get="agree")],
-        c.levels, "codec_real.fit"))
+        c.levels, "codec.smollm2.fit"))
     page.data(**plain({"fp16_bytes_per_token": fp16, "zlib_ratio": fp16 / c.row("zlib").bytes_per_token,
                        **keyed("bytes_", c.codecs, "bytes_per_token"), **quality_json(c.codecs),
                        "levels": level_json(c.levels, "bytes_per_token", "bits_per_value", "kl", "agree")}))

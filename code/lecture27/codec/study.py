@@ -13,8 +13,6 @@ KV instead of the exact one: model(question_tokens, cache=decoded context KV).
 """
 from __future__ import annotations
 
-
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -129,7 +127,8 @@ def codec_study(model, calib, evalset, progress: bool = True) -> dict:
     bar = tqdm(desc="codec: step search", disable=not progress, leave=False)
 
     def evaluate(steps):  # raw quantization at these steps, answers on calibration documents
-        spec = kv.CodecSpec(steps=np.asarray(steps, np.float32), delta=False, anchor_scale=np.ones((L, 2, C), np.float32),
+        spec = kv.CodecSpec(steps=np.asarray(steps, np.float32), delta=False,
+                            anchor_scale=np.ones((L, 2, C), np.float32),
                             radius=np.full((L, 2), kv.CODEC_MAX_RADIUS))
         return answer_accuracy(model, kv.dequantize(kv.quantize(Xc, spec), spec), *calib[1:])
 
@@ -194,18 +193,17 @@ def codec_levels(refit: bool = False) -> list[dict]:
 
 def main(argv=None):
     from common.cli import Parser
-    from common.present import Row, Table, cols, render_text
+    from common.present import Field, render_text, table_of
     p = Parser(__doc__)
     p.add_argument("--refit", action="store_true", help="redo the step search and the tables (cached otherwise)")
     a = p.parse_args(argv)
     study = record_codec_study(a.refit)
-    print(render_text(Table(
-        title=f"CacheGen-style codec on the record-world model: {'anchor+delta' if study['delta'] else 'no deltas'}; "
-        f"level i = steps x {kv.LEVEL_FACTOR:.3g}^i", section="§4.2",
-        cols=cols("level", ("bytes/token", "{:.1f}"), ("bits/value", "{:.2f}"), ("accuracy", "{:.2%}"),
-             ("FP16 accuracy", "{:.2%}")),
-        rows=[Row([lv["level"], lv["bytes_per_token"], lv["bits_per_value"], lv["accuracy"], lv["fp16_accuracy"]])
-         for lv in study["levels"]], source="codec_study.codec_study")))
+    title = (f"CacheGen-style codec on the record-world model: {'anchor+delta' if study['delta'] else 'no deltas'}; "
+             f"level i = steps x {kv.LEVEL_FACTOR:.3g}^i")
+    fields = [Field("level", get="level"), Field("bytes/token", "{:.1f}", get="bytes_per_token"),
+              Field("bits/value", "{:.2f}", get="bits_per_value"), Field("accuracy", "{:.2%}", get="accuracy"),
+              Field("FP16 accuracy", "{:.2%}", get="fp16_accuracy")]
+    print(render_text(table_of(title, "§4.2", fields, study["levels"], "codec.study.codec_study")))
 
 
 if __name__ == "__main__":

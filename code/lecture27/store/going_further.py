@@ -53,5 +53,5 @@ def going_further_table(settings: dict[str, dict], wide: bool = True) -> Table:
     columns = [Col("mechanism")] + (text if wide else [text[1], text[2]])
     return Table(title="Going further: each mechanism here and the real system's knob (LMCache's configuration, vLLM)",
                  section="§6-7", cols=columns, rows=rows,
-                 source="going_further.going_further_table",
+                 source="store.going_further.going_further_table",
                  notes=["To run the real thing (needs a GPU; not run here):", "    " + SERVE_COMMAND])

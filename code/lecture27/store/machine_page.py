@@ -1,6 +1,6 @@
 """How 05's Part 5 (LMCache's store on this machine, handout §1, §4, §6; exercise 9) is shown: its tables,
 notes, figure and --json keys (the spec's store_* keys, StoreRun.json(), in one place). The numbers are
-store_real's measurement; every sentence here is chosen by them. Nothing here computes a lecture figure.
+store/machine.py's measurement; every sentence here is chosen by them. Nothing here computes a lecture figure.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def serving_table(r: StoreRun) -> Table:
                  section="§1, §6",
                  cols=cols("served from", ("bytes", "{:,}"), ("fetch, ms", "{:.1f}"), ("decode", "{:.2f}"),
                       ("TTFT", "{:.2f}"), ("time model", "{:.2f}"), Col("first token", left=True)),
-                 rows=rows, source="store_real.measure_store", notes=serving_notes(r), json=r.json())
+                 rows=rows, source="store.machine.measure_store", notes=serving_notes(r), json=r.json())
 
 
 def serving_notes(r: StoreRun) -> list:
@@ -148,7 +148,7 @@ def show_restart(page: Page, r: StoreRun) -> None:
     page.table(Table(title="the Redis server is a process of its own: it outlives the engine", section="§6.1",
                      cols=cols("engine", Col("what it did", left=True), ("TTFT, s", "{:.2f}"),
                           Col("first token", left=True)), rows=rows,
-                     source="store_real.restart_engine",
+                     source="store.machine.restart_engine",
                      notes=[("The restart kept the KV: " if d.hits == d.chunks else "The restart lost some of the KV: ")
                       + f"the second engine skipped the prefill of {d.hits} of {d.chunks} records and answered in "
                       f"{d.ttft_s:.2f} s, against {r.full_prefill_s:.2f} s for a full prefill, with "

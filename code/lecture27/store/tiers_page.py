@@ -72,7 +72,7 @@ def show_handoff(page: Page, h: Handoff, s) -> None:
               Field("vs zero-copy", "{:.1f}x", get=lambda r: r.seconds / zero_copy)]
     page.table(table_of(f"hand {s.handoff_tokens:,} tokens of {get_model(s.handoff_model).name} KV ({h.nbytes / GB:.2f}"
                         f" GB; handout: {figure('handoff_gb', s)}) from GPU A to GPU B", "§6.2", fields,
-                        h.routes, "tiers_study.handoff_paths",
+                        h.routes, "store.tiers_study.handoff_paths",
                         [f"{name}: " + " -> ".join(r.stops) for name, r in h.routes.items()]
                         + ["Store and forward: each copy moves all the bytes once over its link. A library inside each "
                            "engine cannot map the other process's CPU memory, so it relays through a remote pool or "
@@ -154,7 +154,7 @@ def show_chat(page: Page, c: Chat, s) -> None:
     page.table(table_of(f"{s.users} users x {s.turns} turns ({s.user_tokens} + {s.answer_tokens} tokens a turn), "
                         f"{s.rate:g} req/s, {get_model(s.model).name} on one {s.gpu};\n  all histories {c.total_gb:.1f}"
                         f" GB of KV (handout: {figure('all_kv_gb', s)}), GPU room {s.gpu_gb:g} GB (handout: "
-                        f"{figure('gpu_room_gb', s)})", "§6.3", fields, c.served, "tiers_study.serve",
+                        f"{figure('gpu_room_gb', s)})", "§6.3", fields, c.served, "store.tiers_study.serve",
                         chat_notes(c, s), chat_json(c)))
     page.table(text_table("  for reference (handout §6.3, not simulated here):", "§6.3",
                           ["slides' LMCache benchmark", "metric", "LMCache", "engine's own offload", "ratio"], SLIDES))
@@ -162,17 +162,19 @@ def show_chat(page: Page, c: Chat, s) -> None:
         series=[Series(*cdf(r.ttft), name, "step", {"ls": "--" if name == "cpu50" else "-"}) for name,
                 r in c.served.items()],
         xlabel="time to first token (s)", ylabel="share of requests",
-        title=f"Multi-turn chat, {get_model(s.model).name} on one {s.gpu}: TTFT by KV storage tiers", xscale="log"), figsize=(7, 4))
+        title=f"Multi-turn chat, {get_model(s.model).name} on one {s.gpu}: TTFT by KV storage tiers",
+        xscale="log"), figsize=(7, 4))
 
 
 def show_waist(page: Page, w: Waist, s) -> None:
     page.part("Part 3", "§7", "The narrow waist: what the OpenAI API cannot tell the cache")
-    page.table(Table(title=f"{s.doc_requests} requests, {1 - s.oneshot_share:.0%} on {s.docs} documents of {s.doc_tokens} "
-                     f"tokens, {s.oneshot_share:.0%} one-shot prompts of {s.oneshot_tokens} tokens; cache "
-                     f"{s.doc_cache_gb:g} GB", section="§7", cols=cols("policy", ("document hit rate", "{:.0%}")),
+    page.table(Table(title=f"{s.doc_requests} requests, {1 - s.oneshot_share:.0%} on {s.docs} documents of "
+                           f"{s.doc_tokens} tokens, {s.oneshot_share:.0%} one-shot prompts of {s.oneshot_tokens} "
+                           f"tokens; cache {s.doc_cache_gb:g} GB", section="§7",
+                     cols=cols("policy", ("document hit rate", "{:.0%}")),
                      rows=[Row(["LRU (sees only tokens)", w.lru], figure("lru", s)),
                       Row(['hinted ("will be reused")', w.hinted], figure("hinted",
-                                                                          s))], source="tiers_study.doc_hit_rate",
+                                                                          s))], source="store.tiers_study.doc_hit_rate",
                      json={"lru_doc_hit_rate": w.lru, "hinted_doc_hit_rate": w.hinted}))
     page.table(text_table("\n§7: the inference stack's layers (handout) beside the classic computer system (our "
                           "reading; the table was lost)", "§7",
@@ -200,8 +202,9 @@ def show_service_vs_library(page: Page, e: ServiceVsLibrary, s) -> None:
                      cols=cols("exercise 9: KV library in each engine vs one KV service", "library", "service"),
                      rows=[Row([label, Val(x.library, fmt=fl), Val(x.service, fmt=fs)]) for label, x, fl, fs in rows]
                      + [Row(["IPC a request adds, ms", "0", Val(e.ipc_ms, fmt="{:.3f}")])],
-                     source="tiers_study.service_vs_library",
-                     notes=[f"The service keeps the documents' KV once ({svc} GB" + (f", not {lib})" if lib != svc else ")")
+                     source="store.tiers_study.service_vs_library",
+                     notes=[f"The service keeps the documents' KV once ({svc} GB"
+                            + (f", not {lib})" if lib != svc else ")")
                       + ", survives an engine's restart or upgrade, and lets researchers add plugins without touching "
                       f"the engine. It costs an IPC round trip per call ({s.ex9_ipc_us:g} us assumed, {s.ex9_calls} "
                       f"calls: {e.ipc_share_of_ttft:.2%} of Part 2's mean TTFT with the fast CPU tier), a "

@@ -3,7 +3,7 @@ answer a dataclass read by name: KV handed from one GPU to another along each pa
 chat served by one GPU with its KV on each storage configuration (§6.3), a cache that sees only tokens
 against one told what will be reused (§7), a KV service against a KV library in every engine (exercise
 9), and RAG requests served by a prefix cache and a chunk cache (§5.1). Nothing here prints; 05's page
-(tiers_page.py) shows it.
+(tiers_page.py, beside this file) shows it.
 """
 from __future__ import annotations
 

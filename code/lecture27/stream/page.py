@@ -1,6 +1,6 @@
 """How 03_streaming.py shows each Part (handout §4): its tables, notes, figures and --json keys, one
 show_<part>(page, result, settings) per Part, each --json key taken from the result in one place (the
-Part's *_json function). The results are streaming_study's; the handout's figures are HANDOUT below.
+Part's *_json function). The results are stream/study.py's; the handout's figures are HANDOUT below.
 """
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def sizes_table(r: study.OneShot, s) -> Table:
                  Field("GB / context", "{:.3f}", get=lambda o: o.bits_per_token * s.context / 8e9),
                  Field("accuracy", "{:.3f}", get="accuracy"),
                  Field("break-even vs text", "{:.1f} Gb/s", get=lambda o: r.breakeven.get(o.name))],
-        r.options, "streaming_study.one_shot", json=part1_json(r))
+        r.options, "stream.study.one_shot", json=part1_json(r))
 
 
 def headline_note(r: study.OneShot, s) -> str:
@@ -132,14 +132,15 @@ def show_part1(page: Page, r: study.OneShot, s) -> None:
         f"{s.no_loss_points * 100:.1f} points of lossless).", section="§4.1",
         cols=cols(("Gb/s", "{:g}"), *[(f"{o.name} s", "{:.2f}") for o in r.options], "best (no loss)", "fastest"),
         rows=[Row([b.gbps, *(b.ttft[o.name] for o in r.options), b.best, b.fastest]) for b in r.rows],
-        source="streaming_study.one_shot", notes=[*quote(handout(HANDOUT, "part1", s)), best, headline_note(r, s)]))
+        source="stream.study.one_shot", notes=[*quote(handout(HANDOUT, "part1", s)), best, headline_note(r, s)]))
     if r.note:
         page.table(note_table(r.note, s))
     chart_figure(page, "03_ttft_vs_bandwidth.png", [Chart(
         series=[Series([b.gbps for b in r.rows], [b.ttft[o.name] for b in r.rows], f"{o.name} (acc {o.accuracy:.2f})",
                 style={"marker": "o", "ms": 3, "color": COLORS.get(o.name)}) for o in r.options],
-        xlabel="link bandwidth, Gb/s", ylabel="TTFT (context on GPU), s", title=f"{m}, {s.n_gpus} x {s.gpu}, {s.context // K}K-token "
-        "context", xscale="log", yscale="log", grid="both")], figsize=(7, 4.2))
+        xlabel="link bandwidth, Gb/s", ylabel="TTFT (context on GPU), s",
+        title=f"{m}, {s.n_gpus} x {s.gpu}, {s.context // K}K-token context", xscale="log", yscale="log",
+        grid="both")], figsize=(7, 4.2))
 
 
 def note_table(n: study.Note8B, s) -> Table:
@@ -155,7 +156,7 @@ def note_table(n: study.Note8B, s) -> Table:
             Row([f"KV compression whose break-even is {s.note_link_gbps:g} Gb/s",
                  Val(n.compression, fmt=lambda c: f"{c:.2f}x ({16 / c:.1f} bits/value)")]),
             *[Row([f"{k} KV beats recomputing above, Gb/s", v]) for k, v in n.levels_breakeven_gbit.items()]],
-        source="streaming_study.recompute_or_fetch", json=json)
+        source="stream.study.recompute_or_fetch", json=json)
 
 
 # ------------------------------------------------------------------------------------------ Part 2
@@ -171,7 +172,8 @@ def policies_table(page, s, run, title, json, fmt=compact, notes=()):
         Col("policy"), Col("choices", fmt), Col("TTFT s", "{:.2f}"), Col(f"SLO {s.slo:g} s", met),
         Col("quality", "{:.3f}"), Col("recomputed tokens", "{:,}"), Col("GPU s", "{:.2f}")],
         rows=[Row([name, r.choices, r.ttft_s, runs.on_time(r), r.quality, r.text_tokens, r.gpu_s], key=name)
-         for name, r in runs.named().items()], source="streaming_study.policies", notes=[*notes, *so_notes(s, run)], json=json))
+         for name, r in runs.named().items()], source="stream.study.policies",
+        notes=[*notes, *so_notes(s, run)], json=json))
 
 
 def sooner_note(name: str, r, ad, ok: bool, ok_ad: bool) -> str:
@@ -340,12 +342,12 @@ def real_levels_table(run: study.TraceRun) -> Table:
             "from the finer level, each paragraph scored at both)." if lvs[0].paragraphs else "."), section="§4.2",
         cols=cols("level", ("bits/value", "{:.2f}"), ("GB / context", "{:.3f}"), "KL from FP16", "top-1 = FP16's",
              "KL step", "top-1 step"),
-        rows=[Row([o.name, o.bits_per_value, o.bits_per_token * run.setup.context_tokens / 8e9, pm(lv.kl, lv.kl_se, ".4f"),
-              pm(100 * o.accuracy, 100 * lv.agree_se, ".1f") + "%",
+        rows=[Row([o.name, o.bits_per_value, o.bits_per_token * run.setup.context_tokens / 8e9,
+              pm(lv.kl, lv.kl_se, ".4f"), pm(100 * o.accuracy, 100 * lv.agree_se, ".1f") + "%",
               "" if math.isnan(lv.kl_step) else pm(lv.kl_step, lv.kl_step_se, "+.4f"),
               "" if math.isnan(lv.agree_step) else pm(100 * lv.agree_step, 100 * lv.agree_step_se, "+.1f")])
-         for o, lv in zip(run.setup.options, lvs)], source="codec_real.real_codec_levels", notes=noise_note(run.noise),
-        json={"real_levels": run.levels})
+         for o, lv in zip(run.setup.options, lvs)], source="codec.smollm2.real_codec_levels",
+        notes=noise_note(run.noise), json={"real_levels": run.levels})
 
 
 def noise_note(noise: study.Noise | None) -> list[str]:
@@ -418,7 +420,7 @@ def show_models(page: Page, runs: list, s) -> None:
          Field("serial s", "{:.2f}", get=lambda x: x[4].ttft_s),
          Field("parallel: recomputed", "{:,}", get=lambda x: x[3].text_tokens),
          Field("serial: recomputed", "{:,}", get=lambda x: x[4].text_tokens)],
-        rows, "streaming_study.trace_run", [model_note(name, run, s) for name, _, run in shown]
+        rows, "stream.study.trace_run", [model_note(name, run, s) for name, _, run in shown]
         + [fixed_note([run for _, _, run in shown])], json))
 
 
@@ -457,7 +459,7 @@ def show_part3(page: Page, c: study.ChunkSizes, s) -> None:
             Field("SLO", met, get=lambda x: x.adaptive.ttft_s <= s.slo),
             Field("quality", "{:.3f}", get="adaptive.quality"), Field("GPU s", "{:.2f}", get="adaptive.gpu_s"),
             Field("oracle s", "{:.2f}", get="oracle.ttft_s"), Field("oracle q", "{:.3f}", get="oracle.quality")],
-        c.rows, "streaming_study.chunk_sizes",
+        c.rows, "stream.study.chunk_sizes",
         [f"adaptive's choices, {x.chunk_tokens:,}-token chunks: {runs_of(x.adaptive.choices)}" for x in c.rows]
         + quote(handout(HANDOUT, "chunks", s)) + [chunk_verdict(c)], part3_json(c, s)))
 
@@ -498,14 +500,15 @@ def show_part4(page: Page, suite: study.Suite, s) -> None:
              "does; its SLO-miss rate is at most the best fixed policy's; its on-time quality at least always "
              "level0's."] + [x for c in suite.cells for x in promise_notes(c, n, s.suite_exceptions_shown)]
     page.table(Table(
-        title="quality: of what arrived, late or not; on-time quality: a context past the SLO counts 0. naive adaptive: "
-        "the\nsame rule keeping its last KV measurement through text and waiting for every KV chunk (no probe, no "
-        "give-up).", section="§4.2", cols=cols("levels, context", "policy", ("SLO missed", "{:.1%}"), ("mean TTFT s", "{:.2f}"),
+        title="quality: of what arrived, late or not; on-time quality: a context past the SLO counts 0. naive "
+              "adaptive: the\nsame rule keeping its last KV measurement through text and waiting for every KV chunk "
+              "(no probe, no give-up).", section="§4.2",
+        cols=cols("levels, context", "policy", ("SLO missed", "{:.1%}"), ("mean TTFT s", "{:.2f}"),
                                  ("p95 TTFT s", "{:.2f}"), ("quality", "{:.4f}"), ("on-time quality", "{:.4f}"),
                                  ("recomputed tokens", "{:,.0f}")),
         rows=[Row([f"{c.levels} {c.context // K}K", p, m.violation_rate, m.mean_ttft_s, m.p95_ttft_s, m.mean_quality,
               m.mean_quality_on_time, m.mean_text_tokens]) for c in suite.cells for p, m in c.model.policies.items()],
-        source="streaming_study.suite", notes=notes, json=suite_json(suite, s)))
+        source="stream.study.suite", notes=notes, json=suite_json(suite, s)))
     suite_models(page, suite)
     figure_suite(page, s, suite)
 
@@ -524,7 +527,8 @@ def suite_models(page: Page, suite: study.Suite) -> None:
     page.table(Table(title="Both models of the link and the GPU (parallel: at once; serial: one chunk at a time):",
                      section="§4.2", cols=cols("levels, context", "policy", ("parallel: missed", "{:.1%}"),
                                   ("serial: missed", "{:.1%}"), ("parallel: TTFT s", "{:.2f}"),
-                                  ("serial: TTFT s", "{:.2f}")), rows=rows, source="streaming_study.in_model", notes=notes))
+                                  ("serial: TTFT s", "{:.2f}")), rows=rows,
+                     source="stream.study.in_model", notes=notes))
 
 
 # ------------------------------------------------------------------------------------------ Part 5
@@ -540,12 +544,12 @@ def wire_inputs_table(r) -> Table:
                  None if o.recompute else 1e3 * sum(r.decode_s[o.name]) / n,
                  1e3 * sum(r.recompute_s) / n if o.recompute else None, o.accuracy]) for o in r.options]
     return Table(
-        title=f"Measured on this CPU before the runs (one torch thread), {n} chunks of {r.chunk_tokens} tokens: each level's "
-        f"bitstream ({r.layout} layout: one stream per (layer, K/V, channel) of a group, as a GPU decoder runs "
+        title=f"Measured on this CPU before the runs (one torch thread), {n} chunks of {r.chunk_tokens} tokens: each "
+        f"level's bitstream ({r.layout} layout: one stream per (layer, K/V, channel) of a group, as a GPU decoder runs "
         "them), its decode, and each chunk's recompute after the chunks before it; accuracy: Part 2c's agreement "
         "with FP16 (the policy's quality).", section="§4.2",
         cols=cols("option", ("bits/token", "{:,.0f}"), ("KiB/chunk", "{:.1f}"), ("decode ms/chunk", "{:.0f}"),
-             ("recompute ms/chunk", "{:.0f}"), ("accuracy", "{:.3f}")), rows=rows, source="wire_run.prepare")
+             ("recompute ms/chunk", "{:.0f}"), ("accuracy", "{:.3f}")), rows=rows, source="stream.measure.prepare")
 
 
 def wire_notes(r, s) -> list[str]:
@@ -560,7 +564,7 @@ def wire_notes(r, s) -> list[str]:
     late, transfer, n = r.pacing
     k, lost = r.kill, next((i for i, x in enumerate(r.kill.rows) if x.lost is not None), None)
     out = [f"gap: simulated / measured - 1. Measured and simulated differ by more than {compare.GAP_SHARE:.0%} in "
-           f"{len(off)} of {len(runs)} runs; cause: the largest part of the gap measured in the run (wire_run.parts: "
+           f"{len(off)} of {len(runs)} runs; cause: the largest part of the gap measured in the run (compare.parts: "
            "decode or recompute time against the times the simulator was fed, pacing granularity, TCP, Python "
            "overhead, trace timing: a chunk asked for a little later meeting a slower stretch of the trace), or the "
            "choices when the socket's throughput led the policy elsewhere"
@@ -614,13 +618,13 @@ def show_wire(page: Page, r, s) -> None:
                  c.measured_slo_met, c.simulated_slo_met, c.first_token_kl, c.same_answer, c.cause or ""],
                 key=f"{t}/{p}") for t, by in r.runs.items() for p, c in by.items()]
     page.table(Table(
-        title="Measured on the socket against simulated with this CPU's times: TTFT (context ready), choices, SLO verdicts; "
-        "KL and answer: of the run's KV; cause: of a gap above 10%.", section="§4.2",
+        title="Measured on the socket against simulated with this CPU's times: TTFT (context ready), choices, SLO "
+        "verdicts; KL and answer: of the run's KV; cause: of a gap above 10%.", section="§4.2",
         cols=[Col("trace"), Col("policy"), Col("measured s", "{:.3f}"), Col("simulated s", "{:.3f}"),
          Col("gap", lambda x: f"{x:+.0%}"), Col("measured", runs_of, left=True), Col("simulated", runs_of, left=True),
-         Col("SLO meas.", met), Col("SLO sim.", met), Col("KL", "{:.4f}"), Col("answer", lambda x: "same" if x
-                                                                              else "DIFFERS"),
-         Col("cause", left=True)], rows=rows, source="wire_study.wire_study", notes=wire_notes(r, s), json=r.json()))
+         Col("SLO meas.", met), Col("SLO sim.", met), Col("KL", "{:.4f}"),
+         Col("answer", lambda x: "same" if x else "DIFFERS"), Col("cause", left=True)], rows=rows,
+        source="stream.wire_study.wire_study", notes=wire_notes(r, s), json=r.json()))
     figure_wire(page, r, "handout")
 
 

