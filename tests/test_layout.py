@@ -161,3 +161,27 @@ def test_every_script_reads_the_handout_only_through_present_handout():
             reads = handout_reads(name)
             assert not reads["direct"] and not reads["attributes"] and not reads["own"], (name, reads)
         assert handout_reads(page)["present"], f"{page} shows no handout figure through present.handout"
+
+
+def test_every_table_names_the_function_that_computed_it():
+    """A table's source ("codec.measures.coder_check": a module under code/lecture27/, then a function), as the
+    report prints it beside the table, names a function that exists: a module moved or a function renamed is
+    caught here. Read from the code: every source= string, and every string that reads like a source (a dotted
+    name whose first part is a module or folder of code/lecture27/)."""
+    import importlib
+    import re
+    tops = {p.stem for p in (ROOT / "lecture27").iterdir() if p.suffix == ".py" or p.is_dir()}
+    sources = set()
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and re.fullmatch(r"[a-z_0-9]+(\.[a-z_0-9]+)+", node.value) and node.value.split(".")[0] in tops
+                    and node.value.rsplit(".", 1)[1] not in ("py", "json", "png", "txt")):   # not a file
+                sources.add(node.value)
+            if isinstance(node, ast.keyword) and node.arg == "source" and isinstance(node.value, ast.Constant):
+                sources.add(node.value.value)   # whatever it reads like
+    sources.discard("")
+    assert len(sources) > 40
+    for source in sorted(sources):
+        module, fn = source.rsplit(".", 1)
+        assert callable(getattr(importlib.import_module(f"lecture27.{module}"), fn, None)), source

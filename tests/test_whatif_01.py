@@ -96,7 +96,7 @@ def test_every_exercise_has_its_heading_and_every_table_its_source(pages):
     for page in pages.values():
         assert [b["n"] for b in page.blocks if b["kind"] == "exercise"] == [1, 2]
         for t in page.tables:
-            module, fn = t.source.split(".")
+            module, fn = t.source.rsplit(".", 1)
             assert callable(getattr(importlib.import_module(f"lecture27.{module}"), fn)), t.source
 
 

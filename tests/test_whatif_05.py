@@ -94,12 +94,9 @@ def test_the_cpu50_sentence_follows_the_numbers(pages, run):
 
 
 def source_module(name: str):
-    """The module a table's source ("module.function") names: a mechanism of code/lecture27/ or a module of 05's
-    section folder, store/."""
-    for package in ("lecture27", "lecture27.store"):
-        if importlib.util.find_spec(f"{package}.{name}") is not None:
-            return importlib.import_module(f"{package}.{name}")
-    raise ModuleNotFoundError(name)
+    """The module a table's source ("module.function") names, under code/lecture27/: a mechanism (tiers) or a
+    module of 05's section folder (store.tiers_study)."""
+    return importlib.import_module(f"lecture27.{name}")
 
 
 def test_the_exercises_have_headings_and_the_tables_their_sources(pages):
@@ -107,7 +104,7 @@ def test_the_exercises_have_headings_and_the_tables_their_sources(pages):
         assert sorted(b["n"] for b in page.blocks if b["kind"] == "exercise") == [9, 10]
         for t in page.tables:
             if t.source:
-                module, fn = t.source.split(".")
+                module, fn = t.source.rsplit(".", 1)
                 assert callable(getattr(source_module(module), fn)), t.source
         assert all(t.source for t in page.tables if t.has_handout() or any(c.key for c in t.cols))
 
