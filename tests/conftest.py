@@ -86,3 +86,29 @@ def cli_exit(monkeypatch, capsys):
         return e.value.code, capsys.readouterr().err
 
     return run
+
+
+@pytest.fixture(scope="module")
+def tiny_inputs():
+    """The paced socket's tests (test_wire*.py): (model, context ids, question ids, specs): a tiny random LLaMA,
+    96 tokens of context, a codec of 4 levels fitted on the model's own KV."""
+    import numpy as np
+    import torch
+    from common.llama import Llama, LlamaConfig
+    from lecture27 import kvcache as kv
+    from lecture27.codec import study as cs
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=97)).eval()
+    rng = np.random.default_rng(0)
+    Xc = cs.context_kv(model, rng.integers(0, 97, (8, 40)))
+    rms = kv.kv_rms(Xc)
+    specs = [kv.fit_codec(Xc, rms * 0.05 * kv.LEVEL_FACTOR ** i, True, level=i) for i in range(kv.N_LEVELS)]
+    return model, rng.integers(0, 97, 96).tolist(), rng.integers(0, 97, 4).tolist(), specs
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_inputs):
+    """(model, Prepared): tiny_inputs' 96 tokens in 4 chunks of 24."""
+    from lecture27.stream import measure
+    model, ids, question, specs = tiny_inputs
+    return model, measure.prepare(model, ids, question, 24, specs)

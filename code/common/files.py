@@ -22,11 +22,13 @@ def temp_name(path: Path) -> Path:
     return path.parent / f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}{TEMP_SUFFIX}"
 
 
-def write_atomic(path: Path, blob) -> None:
+def write_atomic(path: Path, blob, mode: int = 0o600) -> None:
     """Write to a temporary name in the same folder, fsync, drop its pages from the page cache, rename over
-    `path`, fsync the folder: a reader sees the whole file or none, even if this process is killed."""
+    `path`, fsync the folder: a reader sees the whole file or none, even if this process is killed. The file
+    is readable by its owner only (`mode`): what it holds can be a user's prompt. A write that fails (a full
+    disk, a file-size limit) raises OSError and leaves neither the file nor its temporary behind."""
     tmp = temp_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         view = memoryview(blob)
         while view:

