@@ -222,7 +222,7 @@ def test_04_runs_with_other_curve_ratio_and_chunk_len(tmp_path, capsys, monkeypa
     c5 = res["curve"]["c5_deviation"]
     assert c5[0] <= 0.5 and c5[-1] >= 0.95                          # full reuse loses split records; r = 1 recovers
     assert res["chunk3_blend10"] is None and "chunk3_blend20" not in res
-    assert res["ex6"]["split_records"] == [] and res["ex6"]["reuse_equals_full"]
+    assert res["ex6"]["split_records"] == [] and abs(res["ex6"]["reuse_acc"] - res["ex6"]["full_acc"]) <= 0.005
     assert res["unsplit_acc_reuse"] >= 0.95
     blend = rows04(page, "CacheBlend 10%")                          # the handout's r was 20%, its chunks 5
     assert blend["handout split"] == blend["handout unsplit"] == "-"

