@@ -162,7 +162,7 @@ def rag_reuse(s: Settings) -> study.Rag:
 
 def on_this_machine(s: Settings, path, redis_url: str | None) -> machine.StoreRun:
     """Part 5 (§1, §4, §6): SmolLM2's RAG context stored in every tier and format, served back, timed; Redis:
-    the server at redis_url (s.redis without its password redacted), or one of our own."""
+    the server at redis_url (the URL s.redis shows with its password redacted), or one of our own."""
     from common.gguf_llama import load_gguf_llama
     model, tok, _ = load_gguf_llama(path)
     spec = smollm2.real_codec_specs(path)[s.store_level]     # the codec's level, fitted once and cached
@@ -270,7 +270,7 @@ def main_on_this_machine(s: Settings, defaults: Settings, json_path: str | None,
         return None
     page = Page("05_smollm2", "LMCache's store on this machine: real KV in RAM, on disk, in Redis", "§6-7", s,
                 defaults, plot=plot)
-    show_store(page, on_this_machine(s, path, redis_url), s)                      # Part 5 and exercise 9, for real
+    show_store(page, on_this_machine(s, path, redis_url), s)           # Part 5 and exercise 9, for real
     page.finish(json_path)
     return page
 
