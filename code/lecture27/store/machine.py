@@ -261,7 +261,9 @@ def make_records(model, rd: bw.RagDoc, rag: RagInput, keys, spec) -> Made:
         logits, t_full = timed(lambda: model(rd.tokens, last=True)[0])
     with idle_threads():
         arrays = ks.chunk_kvs(model, rag.prefix, rag.chunks)
-    spec.stack   # the codec's tables stacked for its decoder: made once, when the codec is loaded, not per request
+    # the codec's tables as its decoder reads them (stacked, each bucket's lookup row, the search keys): made once,
+    # when an engine loads the codec, not per request (03's wire builds them before it times a decode too)
+    spec.stack.lookup, spec.stack.keys
     records, encode_s = {}, {}
     for fmt in kvrecord.FORMATS:
         probe = ks.ChunkStore(ks.RamTier(0), fmt, spec)
