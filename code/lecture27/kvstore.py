@@ -324,7 +324,7 @@ class DiskTier:
     def __init__(self, folder, budget: int, say=None):
         self.folder, self.budget, self.evictions = Path(folder), budget, 0
         self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)   # a prompt's KV is readable as its text
-        self.say, self.failed = say or (lambda line: print(line, file=sys.stderr)), None
+        self.say, self.said = say or (lambda line: print(line, file=sys.stderr)), False   # a failed read or write
         self._tick = 0
         self.removed_temp = remove_dead_writers(self.folder)   # killed writers' temporary files
         files = []
@@ -394,9 +394,9 @@ class DiskTier:
         return data
 
     def _failed(self, what: str, e: OSError) -> None:
-        if self.failed is None:
+        if not self.said:
             self.say(f"kvstore: disk tier {self.folder}: {what} a chunk ({e.strerror or e}): a miss (recompute it)")
-        self.failed = e
+        self.said = True
 
     def discard(self, name: str) -> None:
         self.path(name).unlink(missing_ok=True)

@@ -163,17 +163,16 @@ def measure_one(model, rd, rule, ratio: float, masks: dict) -> dict:
     untimed, as a store holds them; placing them, each chunk's K shifted to its place, timed for the two methods
     that place every chunk, as kvstore.assemble places fetched chunks) and its first answer token's KL to full
     prefill; CacheBlend once per mask of `masks`."""
-    from common.llama import kl_divergence, single_thread
+    from common.llama import kl_divergence, place_chunks, single_thread
 
     stored = bw.stored_chunks(model, rd.doc, rd.chunks)
-    pre = bw.place_chunks(stored, model.cfg.rope_theta)
-    head, n = first_chunk(pre, rd)
-    rest = torch.cat([rd.doc[:, n:], rd.question], 1)
     lp = lambda lg: lg[0, -1].log_softmax(-1)  # noqa: E731
     with single_thread():
         (lg, _), t_full = cpu_timed(lambda: model(rd.tokens, last=True))
+        pre, t_shift = cpu_timed(lambda: place_chunks(stored, model.cfg.rope_theta))
+        head, n = first_chunk(pre, rd)
+        rest = torch.cat([rd.doc[:, n:], rd.question], 1)
         (lg_prefix, _), t_prefix = cpu_timed(lambda: model(rest, cache=head, last=True))
-        _, t_shift = cpu_timed(lambda: bw.place_chunks(stored, model.cfg.rope_theta))
         (lg_reuse, _), t_reuse = cpu_timed(lambda: model(rd.question, cache=pre, last=True))
         blends = {}
         for name, mask in masks.items():
