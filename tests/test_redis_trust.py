@@ -165,18 +165,25 @@ def test_redact_replaces_the_password_in_every_url_form():
 def test_a_server_with_maxmemory_never_breaks_the_tier(folder, capsys):
     """The server (1 MB, allkeys-lru) evicts records the tier's index still holds: no error, a get of one is a
     miss that leaves the index, and the next put stores it again. (The server's LRU clock ticks once a second:
-    the pauses make the records to evict, then every key but the one put last, older than the rest.)"""
+    the pauses make the records to evict, then every key but the one put last, older than the rest; its LRU is
+    approximate, so on a busy machine a round may evict only index keys: then another round is put.)"""
     with running(folder) as s:
         admin = rs.connect(s.url)
         admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) + 1_000_000)
         admin.config_set("maxmemory-policy", "allkeys-lru")
         tier = kr.RedisTier(s.url, 3_000_000, "t")
-        blobs = {f"c{i}": os.urandom(50_000) for i in range(30)}
-        for i, (name, blob) in enumerate(blobs.items()):
-            if i == 10:
-                time.sleep(1.1)
-            assert tier.put(name, blob) and tier.get(name) in (None, blob) and tier.used <= tier.budget
-        gone = [name for name in tier.names() if not admin.exists(tier.keys.record + name)]
+        blobs, gone = {}, []
+        for round_ in range(6):
+            for i in range(10 if round_ else 30):
+                if round_ == 0 and i == 10:
+                    time.sleep(1.1)
+                name = f"c{len(blobs)}"
+                blob = blobs[name] = os.urandom(50_000)
+                assert tier.put(name, blob) and tier.get(name) in (None, blob) and tier.used <= tier.budget
+            gone = [name for name in tier.names() if not admin.exists(tier.keys.record + name)]
+            if gone:
+                break
+            time.sleep(1.1)
         assert gone, "the server evicted nothing the index holds: the test could not tell"
         name = gone[0]
         assert not tier.has(name) and tier.get(name) is None and name not in tier.names()
