@@ -16,7 +16,7 @@ def page():
     from common.gguf_llama import find_smollm2_gguf
     if find_smollm2_gguf() is None:
         pytest.skip("SmolLM2 is not installed")
-    return mod.main(["--model", "smollm2", "--store-chunks", "2", "--store-chunk-tokens", "16"])
+    return mod.main(["--model", "smollm2", "--store-chunks", "2", "--store-chunk-tokens", "16", "--no-serve"])
 
 
 def table(page, source):
@@ -69,8 +69,8 @@ def test_the_figure_is_drawn(page):
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--store-chunks", "2"], "--store-chunks: Part 5's flags need --model smollm2"),
-    (["--redis", "redis://localhost:6379"], "--redis: Part 5's flags need --model smollm2"),
+    (["--store-chunks", "2"], "--store-chunks: Parts 5 and 6's flags need --model smollm2"),
+    (["--redis", "redis://localhost:6379"], "--redis: Parts 5 and 6's flags need --model smollm2"),
     (["--model", "smollm2", "--redis", "localhost:6379"], "a Redis URL starts with redis://"),
     (["--model", "smollm2", "--redis", "unix:///nonexistent/redis.sock"], "--redis: no Redis server answers at"),
     (["--model", "smollm2", "--store-level", "7"], "invalid choice"),
@@ -112,7 +112,8 @@ def test_a_redis_password_appears_in_no_file_and_no_command_line(tmp_path, monke
         watcher = threading.Thread(target=watch)
         watcher.start()
         try:
-            page = mod.main(["--model", "smollm2", "--store-chunks", "2", "--store-chunk-tokens", "16", "--redis", url,
+            page = mod.main(["--model", "smollm2", "--store-chunks", "2", "--store-chunk-tokens", "16", "--no-serve",
+                             "--redis", url,
                              "--json", str(tmp_path / "figures" / "05.json")])
         finally:
             done.set()
@@ -124,3 +125,27 @@ def test_a_redis_password_appears_in_no_file_and_no_command_line(tmp_path, monke
         assert "***" in page.settings.redis and secret not in str(page.settings)
     finally:
         server.stop()
+
+
+def test_part6_serves_smollm2_with_the_store_and_without_it():
+    """Part 6 (served): three engines started as servers, the openai client's requests, the spec's serve_* keys."""
+    from common.gguf_llama import find_smollm2_gguf
+    if find_smollm2_gguf() is None:
+        pytest.skip("SmolLM2 is not installed")
+    page = mod.main(["--model", "smollm2", "--store-chunks", "2", "--store-chunk-tokens", "16", "--serve-requests",
+                     "2", "--serve-doc-words", "40", "--serve-max-tokens", "2"])
+    j = page.json()
+    assert j["serve_errors"] == 0 and j["serve_users"] == mod.SERVE_USERS
+    assert set(j["serve_ttft_s"]) == {"store", "no_store"}
+    assert all(0 < x["p50"] <= x["p99"] for x in j["serve_ttft_s"].values())
+    assert j["serve_cached_share"] > 0.5 and j["serve_second_engine_hit_share"] >= 0.9
+    assert j["serve_same_answer"] is True
+    t = table(page, "engine.served.measure_served")
+    assert [r.cells[0] for r in t.rows][:2] == ["A, the store", "C, no store"]
+    assert t.rows[0].cells[4] == j["serve_ttft_s"]["store"]["p50"]
+    notes = " ".join(t.notes)
+    store, plain = j["serve_ttft_s"]["store"]["p50"], j["serve_ttft_s"]["no_store"]["p50"]
+    assert f"{store / plain:.2f}x the {plain:.2f} s of a full prefill" in notes
+    assert "Two engines, one store" in notes and "Errors: 0." in notes
+    drawn = [Path(b["path"]).name for b in page.blocks if b["kind"] == "figure"]
+    assert drawn == ["05_store.png", "05_served.png"]

@@ -20,11 +20,15 @@ Part 5  on this machine (--model smollm2): LMCache's store for real. SmolLM2-135
         in RAM, on disk and in a Redis server, in FP16 and in CacheGen's bitstream, served back and timed
         against a full prefill on this CPU and the time model; then exercise 9 with two processes: a
         restarted engine finds the chunks in Redis and skips their prefill (store/machine.py, kvstore.py).
+Part 6  served (--model smollm2; --no-serve skips it): serve.py, SmolLM2 behind the OpenAI API with the store
+        behind it, started as a server and benchmarked by the openai client with the store and without it;
+        a second engine answers from the first's Redis (engine/served.py, engine/bench.py).
 
     python code/lecture27/05_tiered_storage.py --model smollm2 [--redis redis://host:6379]
 
-Parts 1-4 run in a few seconds, Part 5 in about half a minute; figures/05_handoff.png (Part 1),
-figures/05_ttft_cdf.png (Part 2), figures/05_rag.png (Part 4), figures/05_store.png (Part 5). This file holds the
+Parts 1-4 run in a few seconds, Parts 5 and 6 in about half a minute each; figures/05_handoff.png (Part 1),
+figures/05_ttft_cdf.png (Part 2), figures/05_rag.png (Part 4), figures/05_store.png (Part 5), figures/05_served.png
+(Part 6). This file holds the
 inputs (the constants, the command line) and one function per Part; the computing is in store/tiers_study.py
 and store/machine.py, how each Part is shown (tables, notes, figures, --json) in store/tiers_page.py and
 store/machine_page.py.
@@ -47,6 +51,8 @@ from common.cli import (Parser, fraction, nonneg_float, nonneg_int, positive_flo
                         settings, settings_from, shipped_defaults)
 from common.present import Page  # noqa: E402
 from lecture27.store.machine_page import show_store  # noqa: E402
+from lecture27.engine.page import show_served  # noqa: E402
+from lecture27.engine.served import ServedRun, measure_served  # noqa: E402
 from lecture27.store.tiers_page import (show_chat, show_handoff, show_rag,  # noqa: E402
                                         show_service_vs_library, show_waist)
 
@@ -109,6 +115,14 @@ STORE_LEVEL = 0              # the CacheGen format's codec level (03's Part 2c l
 STORE_RATIO = 0.15           # CacheBlend's recompute ratio when a request is served (04's REAL_RATIO) ...
 STORE_RULE = "flat"          # ... and blend()'s own selection rule (04's default, query, adds the question's pass)
 REDIS_TTL_S = 86_400         # --redis: our keys on a server others share expire after this long (a killed run's too)
+
+# ------------------------------------------------------------------ Part 6: served (--model smollm2)
+SERVE_USERS = 2              # users sending RAG requests at once
+SERVE_REQUESTS = 4           # timed RAG requests (after one warm-up request per item)
+SERVE_ITEMS = 2              # built-in RAG items their documents come from
+SERVE_DOCS = 4               # documents a request carries ...
+SERVE_DOC_WORDS = 110        # ... of this many words (about 600 tokens of documents: the Part within 40 s)
+SERVE_MAX_TOKENS = 8         # answer tokens a request
 
 
 @settings(globals())
@@ -219,6 +233,13 @@ def parse(argv) -> tuple:
                    help="Part 5: the CacheGen format's codec level (0 finest .. 3 coarsest)")
     g.add_argument("--store-ratio", type=fraction, default=STORE_RATIO, help="Part 5: CacheBlend's recompute ratio")
     g.add_argument("--store-rule", default=STORE_RULE, choices=sorted(RULES), help="Part 5: the selection rule")
+    g.add_argument("--no-serve", action="store_true", help="skip Part 6 (SmolLM2 served behind the OpenAI API)")
+    g.add_argument("--serve-users", type=positive_int, default=SERVE_USERS, help="Part 6: users at once")
+    g.add_argument("--serve-requests", type=positive_int, default=SERVE_REQUESTS, help="Part 6: timed RAG requests")
+    g.add_argument("--serve-items", type=positive_int, default=SERVE_ITEMS, help="Part 6: RAG items")
+    g.add_argument("--serve-docs", type=positive_int, default=SERVE_DOCS, help="Part 6: documents a request")
+    g.add_argument("--serve-doc-words", type=positive_int, default=SERVE_DOC_WORDS, help="Part 6: words a document")
+    g.add_argument("--serve-max-tokens", type=positive_int, default=SERVE_MAX_TOKENS, help="Part 6: answer tokens")
     a = p.parse_args(argv)
     store_flags = [f for f, v, d in (("--gguf", a.gguf, None), ("--redis", a.redis, os.environ.get(REDIS_ENV)),
                                      ("--redis-ttl", a.redis_ttl_s, REDIS_TTL_S),
@@ -226,9 +247,15 @@ def parse(argv) -> tuple:
                                      ("--store-chunk-tokens", a.store_chunk_tokens, STORE_CHUNK_TOKENS),
                                      ("--store-level", a.store_level, STORE_LEVEL),
                                      ("--store-ratio", a.store_ratio, STORE_RATIO),
-                                     ("--store-rule", a.store_rule, STORE_RULE)) if v != d]
+                                     ("--store-rule", a.store_rule, STORE_RULE), ("--no-serve", a.no_serve, False),
+                                     ("--serve-users", a.serve_users, SERVE_USERS),
+                                     ("--serve-requests", a.serve_requests, SERVE_REQUESTS),
+                                     ("--serve-items", a.serve_items, SERVE_ITEMS),
+                                     ("--serve-docs", a.serve_docs, SERVE_DOCS),
+                                     ("--serve-doc-words", a.serve_doc_words, SERVE_DOC_WORDS),
+                                     ("--serve-max-tokens", a.serve_max_tokens, SERVE_MAX_TOKENS)) if v != d]
     if store_flags and a.track != "smollm2":
-        p.error(f"{', '.join(store_flags)}: Part 5's flags need --model smollm2")
+        p.error(f"{', '.join(store_flags)}: Parts 5 and 6's flags need --model smollm2")
     if a.redis is not None and not a.redis.startswith(("redis://", "rediss://", "unix://")):
         p.error(f"--redis {redis_server.redact(a.redis)}: a Redis URL starts with redis://, rediss:// or unix://")
     if a.redis is not None:
@@ -236,6 +263,10 @@ def parse(argv) -> tuple:
             redis_server.connect(a.redis).close()
         except redis_server.RedisUnavailable as e:
             p.error(f"--redis: {e}")
+    if a.serve_docs < 4:
+        p.error("--serve-docs: a request carries at least 4 documents (two key passages, two distractors)")
+    if a.serve_items >= 8:
+        p.error("--serve-items: at most 7 (of the 8 built-in items, one is kept for the repeated prompt)")
     if max(a.rag_ks) > a.rag_docs:
         p.error(f"--rag-ks: a request cannot retrieve {max(a.rag_ks)} different documents from {a.rag_docs}")
     if a.user_tokens + a.answer_tokens > 128 * 1024 // a.turns:
@@ -248,7 +279,7 @@ def parse(argv) -> tuple:
 def main(argv=None) -> Page | None:
     s, defaults, a = parse(argv)
     if s.track == "smollm2":
-        return main_on_this_machine(s, defaults, a.json, not a.no_plot, a.redis)
+        return main_on_this_machine(s, defaults, a.json, not a.no_plot, a.redis, serve=not a.no_serve)
     page = Page("05", "LMCache: zero-copy sharing, tiered storage, the narrow waist", "§6-7", s, defaults,
                 plot=not a.no_plot)
     handoff, chat = hand_off(s), chat_tiers(s)
@@ -261,9 +292,19 @@ def main(argv=None) -> Page | None:
     return page
 
 
+def served(s: Settings, path, redis_url: str | None) -> ServedRun:
+    """Part 6 (§6-§7): SmolLM2 served behind the OpenAI API, the store on and off, a second engine on one Redis."""
+    from tqdm import tqdm
+    with tqdm(total=4, leave=False, bar_format="{desc} ({n}/{total} done)") as bar:
+        return measure_served(users=s.serve_users, requests=s.serve_requests, items=s.serve_items, docs=s.serve_docs,
+                              words=s.serve_doc_words, max_tokens=s.serve_max_tokens, redis_url=redis_url,
+                              gguf=s.gguf, bar=bar)
+
+
 def main_on_this_machine(s: Settings, defaults: Settings, json_path: str | None, plot: bool,
-                         redis_url: str | None = None) -> Page | None:
-    """Part 5, a section of its own (figures/pages/05_smollm2.json beside 05.json), or why it cannot run."""
+                         redis_url: str | None = None, serve: bool = True) -> Page | None:
+    """Parts 5 and 6, a section of their own (figures/pages/05_smollm2.json beside 05.json), or why they cannot
+    run."""
     from common.gguf_llama import smollm2_or_explain
     path = smollm2_or_explain(s.gguf)
     if path is None:
@@ -271,6 +312,8 @@ def main_on_this_machine(s: Settings, defaults: Settings, json_path: str | None,
     page = Page("05_smollm2", "LMCache's store on this machine: real KV in RAM, on disk, in Redis", "§6-7", s,
                 defaults, plot=plot)
     show_store(page, on_this_machine(s, path, redis_url), s)           # Part 5 and exercise 9, for real
+    if serve:
+        show_served(page, served(s, path, redis_url), s)                # Part 6, an engine you can talk to
     page.finish(json_path)
     return page
 

@@ -90,13 +90,14 @@ def chunk_keys(model: str, prefix, chunks) -> list:
 
 
 @torch.no_grad()
-def chunk_kvs(model, prefix, chunks) -> list:
+def chunk_kvs(model, prefix, chunks, pre: KVCache | None = None) -> list:
     """The KV (T, L, 2, C) of the prefix (when there is one), then of each chunk prefilled alone behind it at
-    positions P..P+c-1, chunk_keys' order. Not yet moved to a request's positions: assemble does that."""
+    positions P..P+c-1, chunk_keys' order. Not yet moved to a request's positions: assemble does that.
+    pre: the prefix's cache, when it is at hand (it is not prefilled again)."""
     P = len(prefix)
-    pre, out = None, []
+    out = []
     if P:
-        _, pre = model(torch.tensor([list(prefix)]), last=True)
+        pre = pre if pre is not None else model(torch.tensor([list(prefix)]), last=True)[1]
         out.append(kv_to_array(pre)[0])
     for c in chunks:
         _, cache = model(torch.tensor([list(c)]), cache=pre, last=True)

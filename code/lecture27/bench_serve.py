@@ -1,0 +1,170 @@
+"""Benchmark an OpenAI-compatible server (handout §5.1, §6.3, §7): time to first token, p50 and p99, total time,
+tokens/s and errors, for a multi-turn chat and for RAG documents retrieved in new orders, with concurrent users.
+
+    python code/lecture27/bench_serve.py                       # starts our engine with the store, then without
+    python code/lecture27/bench_serve.py --url http://127.0.0.1:8000/v1 [--url no_store=http://...:8001/v1]
+    python code/lecture27/bench_serve.py --peer llama.cpp      # + llama.cpp's server on the same GGUF file
+
+Without --url it starts serve.py on a free port twice, one after the other on this CPU: with the KV store
+(prefixes reused exactly, messages reused in any order and blended) and with --no-store; each runs the same
+requests. --peer llama.cpp (needs llama-cpp-python, built from source by pip: not in requirements.txt) starts
+llama.cpp's OpenAI server with its prompt cache, which reuses the longest common prefix of the prompt before.
+The table puts them side by side, figures/serve_bench.png draws TTFT p50 and p99; --json PATH writes it all.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
+
+from common.cli import Parser, positive_int  # noqa: E402
+from common.present import Page, Row, Table, cols, pct0  # noqa: E402
+from lecture27.engine import bench, launch  # noqa: E402
+
+USERS = 4                   # concurrent users
+RAG_REQUESTS = 8            # timed RAG requests (after one warm-up request per item)
+RAG_ITEMS = 2               # built-in RAG items the requests draw their documents from
+CHAT_TURNS = 3              # turns per chat user
+MAX_TOKENS = 16             # answer tokens per request
+KV_CHECKS = 2               # RAG requests sent once more asking our engine for the first token's KL
+THREADS = 2                 # torch threads of an engine started here (this CPU's cores)
+WORKLOADS = ("rag", "chat")
+REUSES = {"store": "prefixes exactly; messages in any order, blended",
+          "no_store": "nothing (every prompt prefilled)",
+          "llama.cpp": "the longest common prefix of its last prompt (its prompt cache)"}
+
+
+def parse(argv=None):
+    p = Parser(__doc__)
+    p.add_argument("--url", action="append", default=[], metavar="[NAME=]URL",
+                   help="a server's /v1 URL, repeatable (default: start ours with and without the store)")
+    p.add_argument("--model", default=None, help="the model name to ask for (default: the server's first)")
+    p.add_argument("--api-key", default=None, help="Bearer token for the servers")
+    p.add_argument("--workload", choices=[*WORKLOADS, "both"], default="both", help="what to run")
+    p.add_argument("--users", type=positive_int, default=USERS, help="concurrent users")
+    p.add_argument("--rag-requests", type=positive_int, default=RAG_REQUESTS, help="timed RAG requests")
+    p.add_argument("--rag-items", type=positive_int, default=RAG_ITEMS, help="RAG items the documents come from")
+    p.add_argument("--docs", type=positive_int, default=bench.DOCS, help="documents a RAG request carries")
+    p.add_argument("--chat-turns", type=positive_int, default=CHAT_TURNS, help="turns per chat user")
+    p.add_argument("--max-tokens", type=positive_int, default=MAX_TOKENS, help="answer tokens per request")
+    p.add_argument("--threads", type=positive_int, default=THREADS, help="torch threads of a server started here")
+    p.add_argument("--peer", choices=["llama.cpp"], default=None, help="also start llama.cpp's server and run it")
+    a = p.parse_args(argv)
+    if a.docs < 4:
+        p.error("--docs: a RAG request carries at least 4 documents (two key passages, two distractors)")
+    if a.peer and not launch.llama_cpp_installed():
+        p.error("--peer llama.cpp: llama-cpp-python is not installed (pip install 'llama-cpp-python[server]', a "
+                "build from source of about 15 minutes)")
+    return a
+
+
+def servers(a):
+    """[(name, a started server or None, url)]: the URLs given, else ours with and without the store (started one
+    at a time, when their turn comes), then the peer."""
+    if a.url:
+        out = []
+        for i, u in enumerate(a.url):
+            name, _, url = u.rpartition("=") if "=" in u.split("//")[0] else ("", "", u)
+            out.append((name or f"server{i + 1}", None, url))
+        return out
+    out = [("store", launch.engine(threads=a.threads), None), ("no_store", launch.engine("--no-store",
+                                                                                        threads=a.threads), None)]
+    if a.peer:
+        from common.gguf_llama import gguf_file
+        out.append(("llama.cpp", launch.llama_cpp(gguf_file(None), launch.free_port(), a.threads), None))
+    return out
+
+
+def model_name(url: str, api_key: str | None) -> str:
+    return bench.client_for(url, api_key).models.list().data[0].id
+
+
+def run_one(a, name: str, url: str) -> list:
+    from tqdm import tqdm
+    model = a.model or model_name(url, a.api_key)
+    runs = []
+    todo = ([("rag", a.rag_requests)] if a.workload in ("rag", "both") else []) + \
+        ([("chat", a.users * a.chat_turns)] if a.workload in ("chat", "both") else [])
+    for workload, n in todo:
+        with tqdm(total=n, desc=f"{name}: {workload}", leave=False) as bar:
+            if workload == "rag":
+                runs.append(bench.run_rag(name, url, model, users=a.users, requests=a.rag_requests,
+                                          items=a.rag_items, max_tokens=a.max_tokens, docs=a.docs,
+                                          kv_checks=KV_CHECKS if name == "store" else 0, api_key=a.api_key,
+                                          progress=bar.update))
+            else:
+                runs.append(bench.run_chat(name, url, model, users=a.users, turns=a.chat_turns,
+                                           max_tokens=a.max_tokens, api_key=a.api_key, progress=bar.update))
+    return runs
+
+
+def same_answers(runs: list, base: str = "no_store") -> dict:
+    """{(server, workload): share of its answers equal to `base`'s, request by request (greedy decoding)}."""
+    ref = {(r.workload, s.user, s.turn): s.text for r in runs if r.server == base for s in r.samples}
+    out = {}
+    for r in runs:
+        if r.server != base:
+            pairs = [(s.text, ref.get((r.workload, s.user, s.turn))) for s in r.samples]
+            pairs = [(x, y) for x, y in pairs if y is not None]
+            out[r.server, r.workload] = sum(x == y for x, y in pairs) / len(pairs) if pairs else None
+    return out
+
+
+def show(page: Page, runs: list, a) -> None:
+    same = same_answers(runs)
+    f = lambda x, spec="{:.2f}": "-" if x is None else spec.format(x)   # noqa: E731
+    rows = [Row([r.server, r.workload, len(r.samples), r.errors, f(r.p(0.5)), f(r.p(0.99)), f(r.wall_s, "{:.1f}"),
+                 f(r.tokens_per_s, "{:.1f}"), pct0(r.cached_share), f(same.get((r.server, r.workload)), "{:.0%}"),
+                 f(r.summary().get("first_token_kl_mean"), "{:.3f}")]) for r in runs]
+    page.table(Table(title=f"{a.users} users at once, temperature 0, {a.max_tokens} answer tokens (TTFT in seconds, "
+                           "measured by this client to the first streamed text)", section="§5.1, §6.3, §7",
+                     cols=cols("server", "workload", "requests", "errors", "TTFT p50", "TTFT p99", "total, s",
+                               "tokens/s", "from store", "same answer", "KL"),
+                     rows=rows, source="engine.bench.run_rag",
+                     notes=[f"{name}: reuses {REUSES.get(name, 'whatever it reuses')}." for name in
+                            dict.fromkeys(r.server for r in runs)] +
+                     ["same answer: the answer's text equal to no_store's for the same request (greedy); KL: the first "
+                      "answer token's KL to a full prefill, measured by our engine (kv_check) on RAG requests it "
+                      "blended."]))
+    with page.figure("serve_bench.png", "time to first token, p50 (bar) and p99 (line)", figsize=(7, 3.5)) as (fig, ax):
+        if ax is not None:
+            names = list(dict.fromkeys(r.server for r in runs))
+            loads = list(dict.fromkeys(r.workload for r in runs))
+            width = 0.8 / len(names)
+            for i, name in enumerate(names):
+                for j, w in enumerate(loads):
+                    r = next((r for r in runs if r.server == name and r.workload == w), None)
+                    if r is None or r.p(0.5) is None:
+                        continue
+                    x = j + (i - (len(names) - 1) / 2) * width
+                    ax.bar(x, r.p(0.5), width * 0.9, color=f"C{i}", label=name if j == 0 else None)
+                    ax.vlines(x, r.p(0.5), r.p(0.99), color="black", lw=1)
+            ax.set_xticks(range(len(loads)), loads)
+            ax.set_ylabel("seconds")
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+
+
+def main(argv=None) -> list:
+    a = parse(argv)
+    page = Page("bench_serve", "an OpenAI-compatible server, benchmarked", "§5.1, §6.3, §7", plot=not a.no_plot)
+    runs = []
+    for name, server, url in servers(a):
+        if server is None:
+            runs += run_one(a, name, url)
+            continue
+        with server:
+            print(f"{name}: {server.url} (pid {server.pid})", flush=True)
+            runs += run_one(a, name, server.url)
+    show(page, runs, a)
+    if a.json:
+        data = {"users": a.users, "runs": [{"server": r.server, "workload": r.workload, **r.summary()} for r in runs],
+                "same_answer": {f"{s}/{w}": v for (s, w), v in same_answers(runs).items()}}
+        Path(a.json).write_text(json.dumps(data, indent=2) + "\n")
+        print(f"wrote {a.json}")
+    return runs
+
+
+if __name__ == "__main__":
+    main()

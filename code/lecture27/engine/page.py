@@ -1,0 +1,77 @@
+"""How 05's Part "served" is shown: its table, notes, figure and --json keys (ServedRun.json()). The numbers are
+served.py's measurement; every sentence here is chosen by them. Nothing here computes a lecture figure."""
+from __future__ import annotations
+
+from common.present import Page, Row, Table, cols, pct0
+from lecture27.engine.served import ServedRun, parse_kv
+
+
+def show_served(page: Page, r: ServedRun, s) -> None:
+    page.part("Part 6", "§6-§7", "served: SmolLM2 behind the OpenAI API, the store behind it")
+    st, no = r.store, r.no_store
+    page.say(f"serve.py, started three times as a server of its own on 127.0.0.1, one request at a time on one thread; "
+             f"the official openai client streams every answer ({s.serve_max_tokens} tokens, temperature 0). RAG: "
+             f"{s.serve_docs} documents of {s.serve_doc_words} words a request (a system message, each document a "
+             f"message, the question last), {len(st.samples)} timed requests in new orders from {r.users} users at "
+             f"once, after one warm-up request per item. Redis: {r.redis_note}.")
+    rows = [Row([name, run.workload, len(run.samples), run.errors, run.p(0.5), run.p(0.99), pct0(run.cached_share)])
+            for name, run in (("A, the store", st), ("C, no store", no))]
+    rows += [Row([name, "one prompt", 1, int(x.error is not None), x.ttft_s, x.ttft_s, served_share(x)])
+             for name, x in (("A, a long prompt, first", r.first), ("A, the same again", r.again),
+                             ("C, the same, no store", r.plain), ("B, a new engine on A's Redis", r.second))]
+    page.table(Table(title="time to the first streamed token, seconds, as the client measures it", section="§6-§7",
+                     cols=cols("engine", "what", ("requests", "{:,}"), ("errors", "{:,}"), ("TTFT p50", "{:.2f}"),
+                               ("TTFT p99", "{:.2f}"), "from store"),
+                     rows=rows, source="engine.served.measure_served", notes=notes(r), json=r.json()))
+    figure(page, r)
+
+
+def served_share(x) -> str:
+    kv = parse_kv(x.kv)
+    return pct0((kv["prefix"] + kv["blended"]) / (kv["prefix"] + kv["blended"] + kv["recomputed"])) if kv else "-"
+
+
+def notes(r: ServedRun) -> list:
+    st, no = r.store, r.no_store
+    out = []
+    if st.p(0.5) and no.p(0.5):
+        out.append(f"RAG: with the store the median first token comes after {st.p(0.5):.2f} s, "
+                   f"{st.p(0.5) / no.p(0.5):.2f}x the {no.p(0.5):.2f} s of a full prefill (p99 {st.p(0.99):.2f} s "
+                   f"against {no.p(0.99):.2f} s); {pct0(st.cached_share)} of the prompt tokens came from the store, "
+                   "the documents as chunks stored alone, shifted to their places and blended (CacheBlend)"
+                   + (f", the first token's KL to a full prefill {st.kls[0]:.3f} nats (kv_check)." if st.kls else "."))
+    if r.first.ttft_s and r.again.ttft_s:
+        out.append(f"A repeated prompt: {r.again.ttft_s:.2f} s against {r.first.ttft_s:.2f} s the first time "
+                   f"({r.again.ttft_s / r.first.ttft_s:.2f}x): its exact prefix came from the store, and its answer "
+                   + ("is the one the engine without a store gives, token for token." if r.same_answer else
+                      "differs from the engine without a store's: float rounding of a prefill in two pieces moved "
+                      "a near tie."))
+    share = r.second_hit_share
+    if share is not None:
+        out.append(f"Two engines, one store: engine B, a new process with empty RAM and disk, found {pct0(share)} of "
+                   f"its context's KV in the Redis server engine A had written, and answered in "
+                   f"{r.second.ttft_s:.2f} s.")
+    out.append(f"Errors: {r.errors}. One model answers one request at a time: with {r.users} users at once a request "
+               "waits for the ones before it, and that wait is in every TTFT here (the engine's /metrics keeps it "
+               "apart, l27_queue_seconds).")
+    return out
+
+
+def figure(page: Page, r: ServedRun) -> None:
+    with page.figure("05_served.png", "SmolLM2 served on this CPU: RAG requests, time to first token",
+                     figsize=(7, 3.2)) as (fig, ax):
+        if ax is None:
+            return
+        names = ["A, the store", "C, no store", "A, a prompt again", "A, first time"]
+        values = [(r.store.p(0.5), r.store.p(0.99)), (r.no_store.p(0.5), r.no_store.p(0.99)),
+                  (r.again.ttft_s, r.again.ttft_s), (r.first.ttft_s, r.first.ttft_s)]
+        for i, (name, (p50, p99)) in enumerate(zip(names, values)):
+            if p50 is None:
+                continue
+            ax.barh(i, p50, color=f"C{i}")
+            ax.hlines(i, p50, p99, color="black", lw=1)
+            ax.text(p99, i, f"  {p50:.2f} s" + (f" (p99 {p99:.2f})" if p99 != p50 else ""), va="center", fontsize=8)
+        ax.set_yticks(range(len(names)), names)
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds (bar: median; line: to p99)")
+        ax.set_xlim(0, 1.35 * max(v for pair in values for v in pair if v is not None))

