@@ -87,9 +87,14 @@ def test_a_chat_completion_and_the_same_streamed(engine):
     assert chunks[-1].usage.completion_tokens == 8 and chunks[-2].choices[0].finish_reason == "length"
     listed = client(engine).models.list().data
     assert [m.id for m in listed] == [engine.model] == ["SmolLM2-135M-Instruct"]
-    done = client(engine).completions.create(model=engine.model, prompt="One, two, three,", max_tokens=4,
+    done = client(engine).completions.create(model=engine.model, prompt="One, two, three,", max_tokens=6,
                                              temperature=0)
-    assert done.choices[0].text and done.usage.prompt_tokens > 0
+    text = done.choices[0].text
+    assert text and done.usage.prompt_tokens > 0 and done.choices[0].finish_reason == "length"
+    stop = text.strip().split()[1]   # a word of the answer, longer than four characters or not
+    cut = client(engine).completions.create(model=engine.model, prompt="One, two, three,", max_tokens=6,
+                                            temperature=0, stop=[stop, "unseen stop string"])
+    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
 
 
 def test_a_repeated_prompt_comes_from_the_store_with_the_answer_of_no_store(engine, plain):
@@ -227,3 +232,33 @@ def test_sigterm_stops_the_server_and_the_redis_server_it_started(engine):
     assert not alive(pid) and not any(alive(k) for k in kids) and not Path(folder).exists()
     assert "stopped" in s.lines[-1]
     s.stop()
+
+
+def test_a_redis_password_stays_off_command_lines_and_output_and_a_dead_redis_costs_misses(tmp_path):
+    """An engine on a Redis server that asks for a password (the URL in L27_REDIS_URL): it serves from that server,
+    the password is on no process's command line and in none of its output; then the server is killed (SIGKILL):
+    the engine answers on, every Redis read a miss."""
+    from common import redis_server as rs
+    try:
+        server = rs.RedisServer(tmp_path / "srv").start()
+    except rs.RedisUnavailable as e:
+        pytest.skip(str(e))
+    secret = "pw-" + os.urandom(6).hex()
+    try:
+        rs.connect(server.url).config_set("requirepass", secret)
+        url = server.url.replace("unix://", f"unix://:{secret}@")
+        with started(launch.engine(redis_url=url)) as s:
+            lines = [p.read_bytes() for p in Path("/proc").glob("[0-9]*/cmdline") if p.exists()]
+            assert not any(secret.encode() in c for c in lines)
+            answer(s, rag((0, 2, 1)), max_tokens=2)
+            assert bench.wait_idle(s.url)
+            server.proc.kill()
+            server.proc.wait()
+            r = answer(s, rag((0, 2, 1)), max_tokens=2)   # RAM still holds it: served as before
+            assert r.usage.prompt_tokens_details.cached_tokens > 0
+            assert answer(s, rag((1, 0, 2)), max_tokens=2).choices[0].message.content
+            assert bench.wait_idle(s.url)
+            assert metric(s, "l27_request_errors_total") == 0
+        assert not any(secret in line for line in s.lines) and any("***" in line for line in s.lines)
+    finally:
+        server.stop()

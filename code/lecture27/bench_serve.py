@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
 
 from common.cli import Parser, positive_int  # noqa: E402
-from common.present import Page, Row, Table, cols, pct0  # noqa: E402
+from common.present import Page, Row, Table, cols  # noqa: E402
 from lecture27.engine import bench, launch  # noqa: E402
 
 USERS = 4                   # concurrent users
@@ -29,7 +29,8 @@ RAG_ITEMS = 2               # built-in RAG items the requests draw their documen
 CHAT_TURNS = 3              # turns per chat user
 MAX_TOKENS = 16             # answer tokens per request
 KV_CHECKS = 2               # RAG requests sent once more asking our engine for the first token's KL
-THREADS = 2                 # torch threads of an engine started here (this CPU's cores)
+THREADS = 1                 # threads of a server started here: one, as 04 and 05 time theirs (a second thread that
+                            # waits for a core the client holds slows every step)
 WORKLOADS = ("rag", "chat")
 REUSES = {"store": "prefixes exactly; messages in any order, blended",
           "no_store": "nothing (every prompt prefilled)",
@@ -112,22 +113,28 @@ def same_answers(runs: list, base: str = "no_store") -> dict:
     return out
 
 
+def shown(x, spec: str = "{:.2f}") -> str:
+    return "-" if x is None else spec.format(x)
+
+
 def show(page: Page, runs: list, a) -> None:
     same = same_answers(runs)
-    f = lambda x, spec="{:.2f}": "-" if x is None else spec.format(x)   # noqa: E731
-    rows = [Row([r.server, r.workload, len(r.samples), r.errors, f(r.p(0.5)), f(r.p(0.99)), f(r.wall_s, "{:.1f}"),
-                 f(r.tokens_per_s, "{:.1f}"), pct0(r.cached_share), f(same.get((r.server, r.workload)), "{:.0%}"),
-                 f(r.summary().get("first_token_kl_mean"), "{:.3f}")]) for r in runs]
+    rows = [Row([r.server, r.workload, len(r.samples), r.errors, shown(r.p(0.5)), shown(r.p(0.99)), shown(r.queue_s),
+                 shown(r.wall_s, "{:.1f}"), shown(r.tokens_per_s, "{:.1f}"), shown(r.cached_share, "{:.0%}"),
+                 shown(same.get((r.server, r.workload)), "{:.0%}"), shown(r.summary().get("first_token_kl_mean"), "{:.3f}")])
+            for r in runs]
     page.table(Table(title=f"{a.users} users at once, temperature 0, {a.max_tokens} answer tokens (TTFT in seconds, "
                            "measured by this client to the first streamed text)", section="§5.1, §6.3, §7",
-                     cols=cols("server", "workload", "requests", "errors", "TTFT p50", "TTFT p99", "total, s",
+                     cols=cols("server", "workload", "requests", "errors", "TTFT p50", "TTFT p99", "queued", "total, s",
                                "tokens/s", "from store", "same answer", "KL"),
                      rows=rows, source="engine.bench.run_rag",
                      notes=[f"{name}: reuses {REUSES.get(name, 'whatever it reuses')}." for name in
                             dict.fromkeys(r.server for r in runs)] +
-                     ["same answer: the answer's text equal to no_store's for the same request (greedy); KL: the first "
-                      "answer token's KL to a full prefill, measured by our engine (kv_check) on RAG requests it "
-                      "blended."]))
+                     ["queued: the mean time a request waited for the model inside its TTFT (our engine answers one "
+                      "request at a time; -: the server does not say). From store: the prompt tokens the server says it served from its cache (OpenAI's cached_tokens; "
+                      "-: it does not say). Same answer: the answer's text equal to no_store's for the same request "
+                      "(greedy). KL: the first answer token's KL to a full prefill, measured by our engine (kv_check) "
+                      "on RAG requests it blended."]))
     with page.figure("serve_bench.png", "time to first token, p50 (bar) and p99 (line)", figsize=(7, 3.5)) as (fig, ax):
         if ax is not None:
             names = list(dict.fromkeys(r.server for r in runs))

@@ -72,6 +72,8 @@ def parse(argv=None):
     a = p.parse_args(argv)
     if a.redis is not None and not a.redis.startswith(("redis://", "rediss://", "unix://")):
         p.error(f"--redis {redis_server.redact(a.redis)}: a Redis URL starts with redis://, rediss:// or unix://")
+    if a.port > 65535:
+        p.error(f"--port {a.port}: a port is at most 65535")
     if a.disk_dir is not None and Path(a.disk_dir).exists() and not Path(a.disk_dir).is_dir():
         p.error(f"--disk-dir {a.disk_dir}: not a folder")
     return a, p

@@ -23,7 +23,7 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -67,7 +67,7 @@ class Sampling(BaseModel):
     max_tokens: int | None = None
     temperature: float = Field(1.0, ge=0, le=2)
     seed: int | None = None
-    stop: str | list[str] | None = Field(None, max_length=4)
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None   # up to 4 stop strings, as OpenAI takes
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
@@ -265,7 +265,8 @@ class Answer:
         self.kind, self.model, self.prompt_tokens, self.reuse, self.req, self.metrics = \
             kind, model, prompt_tokens, reuse, req, metrics
         self.id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
-        self.created, self.text, self.finish, self.tokens, self.kl, self.first = int(time.time()), [], None, 0, None, True
+        self.created, self.text, self.finish, self.tokens, self.kl = int(time.time()), [], None, 0, None
+        self.first, self.first_chunk = True, True   # the first text not yet seen (TTFT), the first chunk not yet sent
 
     def got(self, what: str, data: dict) -> None:
         if what == "text":
@@ -325,7 +326,6 @@ class Answer:
     async def stream(self, events: asyncio.Queue, include_usage: bool):
         """Server-sent events: a chunk per piece of text, the finish reason, the usage if asked, [DONE]. A client
         that goes away cancels this generator: the engine stops its answer at the next token."""
-        self.first_chunk = True
         try:
             while self.finish is None:
                 what, data = await events.get()

@@ -105,17 +105,18 @@ class Sample:
     error: str | None = None
     kv: str | None = None     # our engine's x-kv-cache header (None from another server)
     kl: float | None = None   # kv_check's first-token KL (our engine, when asked)
+    queue_s: float | None = None   # our engine's x-queue-seconds: the wait for the model inside the TTFT
 
 
 def ask(client, model: str, messages: list, max_tokens: int, workload: str, user: int, turn: int,
         kv_check: bool = False) -> Sample:
     """One streamed chat completion at temperature 0, timed."""
-    t0, first, parts, usage, kv, kl = time.perf_counter(), None, [], None, None, None
+    t0, first, parts, usage, kv, kl, queued = time.perf_counter(), None, [], None, None, None, None
     try:
         raw = client.chat.completions.with_raw_response.create(
             model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"kv_check": True} if kv_check else None)
-        kv = raw.headers.get("x-kv-cache")
+        kv, queued = raw.headers.get("x-kv-cache"), raw.headers.get("x-queue-seconds")
         for chunk in raw.parse():
             if chunk.choices and chunk.choices[0].delta.content:
                 first = first if first is not None else time.perf_counter() - t0
@@ -128,8 +129,9 @@ def ask(client, model: str, messages: list, max_tokens: int, workload: str, user
         return Sample(workload, user, turn, None, time.perf_counter() - t0, 0, 0, 0, "", f"{type(e).__name__}: {e}")
     details = getattr(usage, "prompt_tokens_details", None) if usage else None
     return Sample(workload, user, turn, first, time.perf_counter() - t0, usage.prompt_tokens if usage else 0,
-                  (details.cached_tokens or 0) if details else 0, usage.completion_tokens if usage else 0,
-                  "".join(parts), None, kv, kl)
+                  (details.cached_tokens or 0) if details else 0,
+                  usage.completion_tokens if usage else len(parts),   # no usage: a streamed piece a token
+                  "".join(parts), None, kv, kl, float(queued) if queued else None)
 
 
 # ------------------------------------------------------------------------------------------------ a run
@@ -156,9 +158,16 @@ class Run:
         return t[min(len(t) - 1, max(0, round(q * len(t) + 0.5) - 1))] if t else None
 
     @property
-    def cached_share(self) -> float:
+    def cached_share(self) -> float | None:
+        """Prompt tokens the server served from its cache over all (None: it reports no usage)."""
         prompt = sum(s.prompt_tokens for s in self.samples)
-        return sum(s.cached_tokens for s in self.samples) / prompt if prompt else 0.0
+        return sum(s.cached_tokens for s in self.samples) / prompt if prompt else None
+
+    @property
+    def queue_s(self) -> float | None:
+        """The mean time a request waited for the model, as our engine reports it (None from another server)."""
+        q = [s.queue_s for s in self.samples if s.queue_s is not None]
+        return statistics.fmean(q) if q else None
 
     @property
     def tokens_per_s(self) -> float:
@@ -168,6 +177,7 @@ class Run:
         return {"requests": len(self.samples), "errors": self.errors, "ttft_p50_s": self.p(0.5),
                 "ttft_p99_s": self.p(0.99), "ttft_mean_s": statistics.fmean(self.ttfts()) if self.ttfts() else None,
                 "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s, "cached_share": self.cached_share,
+                "queue_mean_s": self.queue_s,
                 **({"first_token_kl_mean": statistics.fmean(self.kls), "first_token_kl_max": max(self.kls)}
                    if self.kls else {})}
 

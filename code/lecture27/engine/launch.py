@@ -67,7 +67,7 @@ class Server:
             proc.wait()
 
     def __enter__(self) -> "Server":
-        return self.start()
+        return self if self.proc is not None else self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
@@ -93,9 +93,10 @@ def llama_cpp_installed() -> bool:
 
 def llama_cpp(gguf: Path, port: int, threads: int = 1, n_ctx: int = 4096) -> Server:
     """llama-cpp-python's OpenAI server on the same GGUF file, its prompt cache on (it reuses the longest common
-    prefix of the last prompt it served, in RAM), the chat format the file's template names."""
+    prefix of a prompt it has served, in RAM), ChatML as the file's template is."""
     argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-            "--n_threads", str(threads), "--n_ctx", str(n_ctx), "--cache", "true", "--verbose", "false"]
+            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
+            "--chat_format", "chatml", "--cache", "true", "--verbose", "false"]
     s = Server(argv, dict(os.environ), ready=LLAMA_CPP_READY)
     s.model = Path(gguf).name
     return s
