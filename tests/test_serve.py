@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from common.files import pid_alive
 from lecture27.engine import bench, launch
 from lecture27.engine.served import parse_kv
 
@@ -208,14 +209,6 @@ def children(pid: int) -> set:
     return out
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-
-
 def test_sigterm_stops_the_server_and_the_redis_server_it_started(engine):
     if not Path("/proc/self/task").exists():
         pytest.skip("needs /proc (Linux)")
@@ -227,38 +220,28 @@ def test_sigterm_stops_the_server_and_the_redis_server_it_started(engine):
     os.kill(pid, signal.SIGTERM)
     s.proc.wait(30)
     deadline = time.monotonic() + 10
-    while any(alive(k) for k in kids) and time.monotonic() < deadline:
+    while any(pid_alive(k) for k in kids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not alive(pid) and not any(alive(k) for k in kids) and not Path(folder).exists()
+    assert not pid_alive(pid) and not any(pid_alive(k) for k in kids) and not Path(folder).exists()
     assert "stopped" in s.lines[-1]
     s.stop()
 
 
-def test_a_redis_password_stays_off_command_lines_and_output_and_a_dead_redis_costs_misses(tmp_path):
+def test_a_redis_password_stays_off_command_lines_and_output_and_a_dead_redis_costs_misses(password_redis):
     """An engine on a Redis server that asks for a password (the URL in L27_REDIS_URL): it serves from that server,
     the password is on no process's command line and in none of its output; then the server is killed (SIGKILL):
     the engine answers on, every Redis read a miss."""
-    from common import redis_server as rs
-    try:
-        server = rs.RedisServer(tmp_path / "srv").start()
-    except rs.RedisUnavailable as e:
-        pytest.skip(str(e))
-    secret = "pw-" + os.urandom(6).hex()
-    try:
-        rs.connect(server.url).config_set("requirepass", secret)
-        url = server.url.replace("unix://", f"unix://:{secret}@")
-        with started(launch.engine(redis_url=url)) as s:
-            lines = [p.read_bytes() for p in Path("/proc").glob("[0-9]*/cmdline") if p.exists()]
-            assert not any(secret.encode() in c for c in lines)
-            answer(s, rag((0, 2, 1)), max_tokens=2)
-            assert bench.wait_idle(s.url)
-            server.proc.kill()
-            server.proc.wait()
-            r = answer(s, rag((0, 2, 1)), max_tokens=2)   # RAM still holds it: served as before
-            assert r.usage.prompt_tokens_details.cached_tokens > 0
-            assert answer(s, rag((1, 0, 2)), max_tokens=2).choices[0].message.content
-            assert bench.wait_idle(s.url)
-            assert metric(s, "l27_request_errors_total") == 0
-        assert not any(secret in line for line in s.lines) and any("***" in line for line in s.lines)
-    finally:
-        server.stop()
+    server, url, secret = password_redis
+    with started(launch.engine(redis_url=url)) as s:
+        lines = [p.read_bytes() for p in Path("/proc").glob("[0-9]*/cmdline") if p.exists()]
+        assert not any(secret.encode() in c for c in lines)
+        answer(s, rag((0, 2, 1)), max_tokens=2)
+        assert bench.wait_idle(s.url)
+        server.proc.kill()
+        server.proc.wait()
+        r = answer(s, rag((0, 2, 1)), max_tokens=2)   # RAM still holds it: served as before
+        assert r.usage.prompt_tokens_details.cached_tokens > 0
+        assert answer(s, rag((1, 0, 2)), max_tokens=2).choices[0].message.content
+        assert bench.wait_idle(s.url)
+        assert metric(s, "l27_request_errors_total") == 0
+    assert not any(secret in line for line in s.lines) and any("***" in line for line in s.lines)

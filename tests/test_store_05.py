@@ -80,51 +80,39 @@ def test_part5_flags_refuse_what_they_cannot_do(cli_exit, args, says):
     assert code == 2 and says in err and "Traceback" not in err
 
 
-def test_a_redis_password_appears_in_no_file_and_no_command_line(tmp_path, monkeypatch):
+def test_a_redis_password_appears_in_no_file_and_no_command_line(tmp_path, monkeypatch, password_redis):
     """05 --model smollm2 --redis with a password: the run works on that server, and the password is in no file
     it writes (pages, JSON, figures, the report) and on no process's command line while it runs (the
     restarted engine gets the URL on its standard input)."""
-    import os
     import threading
     from common.gguf_llama import find_smollm2_gguf
-    from common import redis_server as rs
     if find_smollm2_gguf() is None:
         pytest.skip("SmolLM2 is not installed")
-    try:
-        server = rs.RedisServer(tmp_path / "srv").start()
-    except rs.RedisUnavailable as e:
-        pytest.skip(str(e))
-    secret = "pw-" + os.urandom(6).hex()
-    try:
-        rs.connect(server.url).config_set("requirepass", secret)
-        url = server.url.replace("unix://", f"unix://:{secret}@")
-        monkeypatch.setenv("L27_FIGURES", str(tmp_path / "figures"))
-        seen, done = set(), threading.Event()
+    server, url, secret = password_redis
+    monkeypatch.setenv("L27_FIGURES", str(tmp_path / "figures"))
+    seen, done = set(), threading.Event()
 
-        def watch():   # every process's command line, while the run lasts
-            while not done.is_set():
-                for p in Path("/proc").glob("[0-9]*"):
-                    try:
-                        seen.add(p.joinpath("cmdline").read_bytes())
-                    except OSError:
-                        pass
-                done.wait(0.05)
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-        try:
-            page = mod.main(["--model", "smollm2", "--store-chunks", "2", "--store-chunk-tokens", "16", "--no-serve",
-                             "--redis", url,
-                             "--json", str(tmp_path / "figures" / "05.json")])
-        finally:
-            done.set()
-            watcher.join()
-        assert page.json()["store_restart_same_token"] is True         # the second engine read that server
-        assert seen and not any(secret.encode() in c for c in seen)
-        files = [p for p in (tmp_path / "figures").rglob("*") if p.is_file()]
-        assert files and not [p for p in files if secret.encode() in p.read_bytes()]
-        assert "***" in page.settings.redis and secret not in str(page.settings)
+    def watch():   # every process's command line, while the run lasts
+        while not done.is_set():
+            for p in Path("/proc").glob("[0-9]*"):
+                try:
+                    seen.add(p.joinpath("cmdline").read_bytes())
+                except OSError:
+                    pass
+            done.wait(0.05)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        page = mod.main(["--model", "smollm2", "--store-chunks", "2", "--store-chunk-tokens", "16", "--no-serve",
+                         "--redis", url, "--json", str(tmp_path / "figures" / "05.json")])
     finally:
-        server.stop()
+        done.set()
+        watcher.join()
+    assert page.json()["store_restart_same_token"] is True         # the second engine read that server
+    assert seen and not any(secret.encode() in c for c in seen)
+    files = [p for p in (tmp_path / "figures").rglob("*") if p.is_file()]
+    assert files and not [p for p in files if secret.encode() in p.read_bytes()]
+    assert "***" in page.settings.redis and secret not in str(page.settings)
 
 
 def test_part6_serves_smollm2_with_the_store_and_without_it():

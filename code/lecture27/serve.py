@@ -151,7 +151,7 @@ def main(argv=None) -> None:
         uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)).run(sockets=[sock])
     finally:
         engine.stop()
-        steps = [tiers.stores[-1].tier.close] if tiers and hasattr(tiers.stores[-1].tier, "close") else []
+        steps = [s.tier.close for s in (tiers.stores if tiers else []) if hasattr(s.tier, "close")]   # Redis clients
         for step in steps + ([server.stop] if server else []) + [lambda: shutil.rmtree(folder, ignore_errors=True)]:
             try:
                 step()

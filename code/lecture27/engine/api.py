@@ -184,7 +184,8 @@ def make_app(engine: Engine, model_name: str, context_length: int, api_key: str 
                              "model_not_found")
         if not len(prompt):
             raise BadRequest("The prompt is empty.", "prompt", "invalid_value")
-        asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        asked = getattr(body, "max_completion_tokens", None)
+        asked = body.max_tokens if asked is None else asked
         if asked is not None and asked < 1:
             raise BadRequest(f"max_tokens must be at least 1, got {asked}.", "max_tokens", "invalid_value")
         wanted = asked if asked is not None else min(default_max, max(1, context_length - len(prompt)))

@@ -254,6 +254,6 @@ class KVConnector:
         return now, [(k, c) for k, c in later if not self.tiers.has(k)]
 
     @torch.no_grad()
-    def prefill_alone(self, prompt_system: tuple, chunk: tuple) -> np.ndarray:
+    def prefill_alone(self, system: tuple, chunk: tuple) -> np.ndarray:
         """A message's KV prefilled alone behind the system message: its chunk record."""
-        return ks.chunk_kvs(self.model, prompt_system, [chunk])[-1]
+        return ks.chunk_kvs(self.model, system, [chunk])[-1]

@@ -28,7 +28,7 @@ from lecture27.engine.chat import Prompt
 from lecture27.engine.connector import KVConnector, Prefilled
 
 REQUEST, STORE = 0, 1     # the model queue's priorities: every request before any store job
-MAX_STORE_JOBS = 64       # store jobs waiting for the model at most; past that the oldest are dropped
+MAX_STORE_JOBS = 64       # store jobs waiting for the model at most; past that a message is not stored alone
 
 
 @dataclass
