@@ -82,7 +82,8 @@ def model_name(url: str, api_key: str | None) -> str:
     return bench.client_for(url, api_key).models.list().data[0].id
 
 
-def run_one(a, name: str, url: str) -> list:
+def run_one(a, name: str, url: str) -> tuple[list, tuple]:
+    """The workloads on one server, then a long prompt it has not seen, sent twice: (runs, (first, again))."""
     from tqdm import tqdm
     model = a.model or model_name(url, a.api_key)
     runs = []
@@ -98,7 +99,7 @@ def run_one(a, name: str, url: str) -> list:
             else:
                 runs.append(bench.run_chat(name, url, model, users=a.users, turns=a.chat_turns,
                                            max_tokens=a.max_tokens, api_key=a.api_key, progress=bar.update))
-    return runs
+    return runs, bench.repeated_prompt(url, model, a.max_tokens, a.rag_items, a.api_key, docs=a.docs)
 
 
 def same_answers(runs: list, base: str = "no_store") -> dict:
@@ -115,6 +116,18 @@ def same_answers(runs: list, base: str = "no_store") -> dict:
 
 def shown(x, spec: str = "{:.2f}") -> str:
     return "-" if x is None else spec.format(x)
+
+
+def show_repeats(page: Page, repeats: dict) -> None:
+    rows = [Row([name, shown(first.ttft_s), shown(again.ttft_s),
+                 shown(again.ttft_s / first.ttft_s if first.ttft_s and again.ttft_s else None),
+                 "yes" if again.text == first.text else "no"]) for name, (first, again) in repeats.items()]
+    page.table(Table(title="a long prompt no server has seen (a RAG item's documents in another order, a question of its "
+                           "own), sent twice", section="§6",
+                     cols=cols("server", "TTFT first, s", "TTFT again, s", "again / first", "same answer"),
+                     rows=rows, source="engine.bench.repeated_prompt",
+                     notes=["Our engine's second time reads the prompt's exact prefix from its store and prefills the "
+                            "last token; llama.cpp's from its prompt cache."]))
 
 
 def show(page: Page, runs: list, a) -> None:
@@ -156,18 +169,24 @@ def show(page: Page, runs: list, a) -> None:
 def main(argv=None) -> list:
     a = parse(argv)
     page = Page("bench_serve", "an OpenAI-compatible server, benchmarked", "§5.1, §6.3, §7", plot=not a.no_plot)
-    runs = []
+    runs, repeats = [], {}
     for name, server, url in servers(a):
-        if server is None:
-            runs += run_one(a, name, url)
-            continue
-        with server:
+        if server is not None:
+            server.start()
             print(f"{name}: {server.url} (pid {server.pid})", flush=True)
-            runs += run_one(a, name, server.url)
+        try:
+            done, repeats[name] = run_one(a, name, url or server.url)
+            runs += done
+        finally:
+            if server is not None:
+                server.stop()
     show(page, runs, a)
+    show_repeats(page, repeats)
     if a.json:
         data = {"users": a.users, "runs": [{"server": r.server, "workload": r.workload, **r.summary()} for r in runs],
-                "same_answer": {f"{s}/{w}": v for (s, w), v in same_answers(runs).items()}}
+                "same_answer": {f"{s}/{w}": v for (s, w), v in same_answers(runs).items()},
+                "repeat": {name: {"first_ttft_s": f.ttft_s, "again_ttft_s": g.ttft_s, "same_answer": f.text == g.text}
+                           for name, (f, g) in repeats.items()}}
         Path(a.json).write_text(json.dumps(data, indent=2) + "\n")
         print(f"wrote {a.json}")
     return runs
