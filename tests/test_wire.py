@@ -123,9 +123,9 @@ def test_the_study_and_its_table_are_built_from_real_runs(tiny_inputs, monkeypat
     model, ids, question, specs = tiny_inputs
     fetched, real_fetch = [], wire.Wire.fetch
 
-    def recording(self, chunk, option):
-        a = real_fetch(self, chunk, option)
-        fetched.append((chunk, option, a.asked, a.last_byte))
+    def recording(self, chunk, option, give_up_at=None):
+        a = real_fetch(self, chunk, option, give_up_at)
+        fetched.append((chunk, "text" if a.given_up else option, a.asked, a.last_byte))   # given up: recomputed
         return a
 
     monkeypatch.setattr(wire.Wire, "fetch", recording)

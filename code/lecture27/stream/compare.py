@@ -34,7 +34,10 @@ def parts(m: wire_runs.WireRun, prep, trace: st.Trace, sim: st.Result | None = N
             out["recompute time"] += r.compute_s - setup.recompute_s(first, n)
         else:
             out["decode time"] += r.compute_s - setup.decode_s(first, n, opt.name)
-        if a is not None:
+        if a is not None and a.given_up:     # its link time was lost on purpose: the policy gave it up
+            out["Python overhead"] += a.asked - prev_byte
+            prev_byte = a.last_byte
+        elif a is not None:
             bits = 8 * len(a.data)
             out["TCP"] += (a.planned - trace.transfer_end(a.asked, bits)) + (a.last_byte - a.sent)
             out["pacing granularity"] += a.sent - a.planned
