@@ -438,6 +438,8 @@ class Wire:
             self.broken = True
             raise WireTimeout(f"probe: connection lost ({e})") from None
         self.link_free = 0.0
+        if total == 0:     # not a byte through: at most one byte over the probe's seconds (never 0, see WireLink)
+            return 8 / max(self.now() - start, 1e-9) / st.GBIT, self.now()
         return _window_gbps(arrivals, window), self.now()
 
     def quantum_cap(self) -> int:

@@ -34,10 +34,10 @@ def parts(m: wire_runs.WireRun, prep, trace: st.Trace, sim: st.Result | None = N
             out["recompute time"] += r.compute_s - setup.recompute_s(first, n)
         else:
             out["decode time"] += r.compute_s - setup.decode_s(first, n, opt.name)
-        if a is not None and a.given_up:     # its link time was lost on purpose: the policy gave it up
-            out["Python overhead"] += a.asked - prev_byte
-            prev_byte = a.last_byte
-        elif a is not None:
+        if r.abandoned is not None:          # a transfer the policy gave up: its link seconds were lost on purpose
+            out["Python overhead"] += r.abandoned.asked - prev_byte
+            prev_byte = r.abandoned.last_byte
+        if a is not None:
             bits = 8 * len(a.data)
             out["TCP"] += (a.planned - trace.transfer_end(a.asked, bits)) + (a.last_byte - a.sent)
             out["pacing granularity"] += a.sent - a.planned
@@ -99,7 +99,8 @@ def compare(prep, model, trace: st.Trace, policy: str, slo_s: float, w: wire.Wir
     m = wire_runs.run(prep, model, trace, policy, slo_s, w=w, check=check)
     s = simulated.simulate(prep, trace, policy, slo_s)
     p = parts(m, prep, trace, s)
-    links = [(None, None) if r.arrival is None else (r.arrival.asked, r.arrival.last_byte) for r in m.rows]
+    links = [(None, None) if r.arrival is None else ((r.abandoned or r.arrival).asked, r.arrival.last_byte)
+             for r in m.rows]             # a chunk given up: from its cancelled transfer to its token ids' last byte
     return Compared(measured_ttft_s=m.ttft_s, simulated_ttft_s=s.ttft_s, measured_choices=m.choices,
                     simulated_choices=s.choices, measured_slo_met=m.slo_met,
                     simulated_slo_met=s.ttft_s <= slo_s + 1e-12, first_token_kl=m.first_token_kl,

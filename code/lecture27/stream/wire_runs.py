@@ -36,13 +36,14 @@ COMPUTE_WAIT_S = 600.0    # the compute thread waits at most this long for the l
 @dataclass(frozen=True)
 class Fetched:
     """What the link thread did for one chunk: its choice (text for a chunk given up), why the sender counts
-    as lost (None while it serves), the chunk's wire.Arrival (None for a chunk the wire did not carry) and the
-    level given up (None when none was)."""
+    as lost (None while it serves), the chunk's wire.Arrival (None for a chunk the wire did not carry), the
+    level given up (None when none was) and the Arrival of its cancelled transfer."""
     chunk: int
     choice: str
     lost: str | None
     arrival: wire.Arrival | None
     gave_up: str | None = None
+    abandoned: wire.Arrival | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,7 +52,7 @@ class WireChunk:
     planned and sent times are the arrival's; gave_up), then the compute side: when the compute thread
     started on it, when its KV was ready, the seconds between, and why it was recomputed instead of its
     choice (None when it was not); est_gbps: the throughput the adaptive policy assumed (None for a fixed
-    policy)."""
+    policy); abandoned: the Arrival of a transfer given up (its arrival is then the token ids')."""
     choice: str
     lost: str | None
     arrival: wire.Arrival | None
@@ -61,6 +62,7 @@ class WireChunk:
     why: str | None
     gave_up: str | None = None
     est_gbps: float | None = None
+    abandoned: wire.Arrival | None = None
 
 
 @dataclass(kw_only=True)
@@ -134,26 +136,33 @@ class WireLink:
 
     def fetch(self, i: int, chunk: tuple, name: str, t: float, gpu_free: float, give_up_at: float | None):
         pred = st.Slowed(self.setup, self.margin().slowdown)
-        arrival, gave_up, measured = None, None, None
-        if self.lost is None:
-            cancel_at = None if give_up_at is None else give_up_at - pred.decode_s(*chunk, name)
-            try:
-                arrival = self.w.fetch(i, name, cancel_at)
-            except wire.WireTimeout as e:
-                self.lost = str(e)
-        if self.lost is not None and arrival is None:
+        cancel_at = None if give_up_at is None else give_up_at - pred.decode_s(*chunk, name)
+        arrival, gave_up, measured, abandoned = self._fetch(i, name, cancel_at), None, None, None
+        if arrival is None:
             name = "text"
         elif not self.setup.option(name).recompute:
-            measured = arrival.gbps
+            # the throughput its bytes measured; a transfer given up before its first write measures at most a
+            # byte over its seconds (never 0, which would leave the policy no fastest option)
+            measured = 8 * max(len(arrival.data), 1) / max(arrival.last_byte - arrival.asked, 1e-9) / st.GBIT
             if arrival.given_up or (give_up_at is not None and
                                     max(arrival.last_byte, gpu_free) + pred.decode_s(*chunk, name) > give_up_at):
-                gave_up, name = name, "text"        # it cannot be ready by its deadline: recompute it
+                gave_up, name, abandoned = name, "text", arrival   # it cannot be ready by its deadline:
+                arrival = self._fetch(i, name, None)                 # recompute it, its token ids fetched
         link_end = self.w.now() if arrival is None else arrival.last_byte
         gpu_start = max(link_end, gpu_free)
         gpu_s = pred.recompute_s(*chunk) if name == "text" else pred.decode_s(*chunk, name)
-        self.jobs.put(Fetched(i, name, self.lost, arrival, gave_up))
-        f = st.Transfer(t if arrival is None else arrival.asked, link_end, gpu_start, gpu_s, gpu_start + gpu_s)
-        return f, measured, gave_up
+        self.jobs.put(Fetched(i, name, self.lost, arrival, gave_up, abandoned))
+        start = t if abandoned is None and arrival is None else (abandoned or arrival).asked
+        return st.Transfer(start, link_end, gpu_start, gpu_s, gpu_start + gpu_s), measured, gave_up
+
+    def _fetch(self, i: int, name: str, give_up_at: float | None) -> wire.Arrival | None:
+        """The chunk over the Wire, or None once the sender is lost (then for good)."""
+        if self.lost is None:
+            try:
+                return self.w.fetch(i, name, give_up_at)
+            except wire.WireTimeout as e:
+                self.lost = str(e)
+        return None
 
 
 def run(prep, model, trace: st.Trace, policy: str, slo_s: float, faults: wire.Faults = wire.Faults(),
@@ -215,9 +224,9 @@ def _compute(w: wire.Wire, prep, model, res: WireRun, jobs: queue.Queue, setup: 
         i, name, arrival = job.chunk, job.choice, job.arrival
         first, n = prep.plan[i]
         t0, why = w.now(), None
-        if arrival is not None:        # a transfer given up brought the first bytes of its level's chunk
-            sent = prep.payloads[arrival.option][i]
-            res.bytes_equal &= arrival.data == (sent[:len(arrival.data)] if arrival.given_up else sent)
+        for a in (x for x in (job.abandoned, arrival) if x is not None):   # one given up: its first bytes
+            sent = prep.payloads[a.option][i]
+            res.bytes_equal &= a.data == (sent[:len(a.data)] if a.given_up else sent)
         if arrival is not None and name != "text":
             try:
                 if not arrival.crc_ok:
@@ -230,7 +239,7 @@ def _compute(w: wire.Wire, prep, model, res: WireRun, jobs: queue.Queue, setup: 
             cache = chunk_kv.recompute_onto(model, cache, prep.ids, first, n)
         ready = w.now()
         res.rows.append(WireChunk(choice=name, lost=job.lost, arrival=arrival, compute_start=t0, ready=ready,
-                                  compute_s=ready - t0, why=why, gave_up=job.gave_up))
+                                  compute_s=ready - t0, why=why, gave_up=job.gave_up, abandoned=job.abandoned))
         text = name == "text" or why is not None
         predicted = setup.recompute_s(first, n) if text else setup.decode_s(first, n, name)
         came = t0 if arrival is None else arrival.last_byte
