@@ -3,6 +3,7 @@ policy run both ways (compare), where the run's seconds went beside the simulato
 of a TTFT gap above GAP_SHARE (cause)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from lecture27 import streaming as st
@@ -68,7 +69,8 @@ class Compared:
     """One trace and policy measured on the wire and simulated with this CPU's times. The first six fields
     are the spec's wire_runs entry (entry()); then the answer's check, the cause of a TTFT gap above
     GAP_SHARE (None within it), the measured parts (parts()) and both timelines, per chunk (link start,
-    link end, compute start, ready) seconds (the link's None for a chunk the wire did not carry)."""
+    link end, compute start, ready) seconds (the link's None for a chunk the wire did not carry); per chunk the
+    level given up on the socket (None where none was), the adaptive run's probes and learned margin."""
     measured_ttft_s: float
     simulated_ttft_s: float
     measured_choices: list
@@ -84,6 +86,9 @@ class Compared:
     simulated_ready_s: list
     measured_spans: list
     simulated_spans: list
+    gave_up: list = dataclasses.field(default_factory=list)
+    probes: int = 0
+    margin: st.Margin | None = None
 
     ENTRY = ("measured_ttft_s", "simulated_ttft_s", "measured_choices", "simulated_choices", "measured_slo_met",
              "simulated_slo_met")
@@ -107,4 +112,5 @@ def compare(prep, model, trace: st.Trace, policy: str, slo_s: float, w: wire.Wir
                     same_answer=m.same_answer, bytes_equal=m.bytes_equal, cause=cause(m, s, p), parts_s=p,
                     measured_ready_s=[r.ready for r in m.rows], simulated_ready_s=[r["finish"] for r in s.rows],
                     measured_spans=[link + (r.compute_start, r.ready) for link, r in zip(links, m.rows)],
-                    simulated_spans=[(r["start"], r["link_end"], r["gpu_start"], r["finish"]) for r in s.rows])
+                    simulated_spans=[(r["start"], r["link_end"], r["gpu_start"], r["finish"]) for r in s.rows],
+                    gave_up=[r.gave_up for r in m.rows], probes=m.probes, margin=m.margin)

@@ -68,7 +68,8 @@ class WireChunk:
 @dataclass(kw_only=True)
 class WireRun:
     """One context streamed over the wire: its policy and SLO, a WireChunk per chunk, the TTFT (the last
-    chunk's KV ready), the answer's check against the full prefill's, and the faults met."""
+    chunk's KV ready), the answer's check against the full prefill's, and the faults met; the adaptive
+    policy's probes and the margin it had learned by the end of the run (None for a fixed policy)."""
     policy: str
     slo_s: float
     rows: list = field(default_factory=list)
@@ -77,6 +78,8 @@ class WireRun:
     same_answer: bool = False
     bytes_equal: bool = True          # every chunk received is byte for byte the one the sender holds
     fell_back: bool = False           # the sender was lost and the chunks left were recomputed
+    probes: int = 0
+    margin: st.Margin | None = None
 
     @property
     def choices(self) -> list:
@@ -189,6 +192,7 @@ def run(prep, model, trace: st.Trace, policy: str, slo_s: float, faults: wire.Fa
         link.join(COMPUTE_WAIT_S)
     if decided:                  # the adaptive policy's own rows: the throughput it assumed per chunk
         res.rows = [dataclasses.replace(r, est_gbps=d["est_gbps"]) for r, d in zip(res.rows, decided[0].rows)]
+        res.probes, res.margin = sum(d["probe"] for d in decided[0].rows), learned.margin()
     res.ttft_s = max(r.ready for r in res.rows)
     res.first_token_kl, res.same_answer = (check or answer.AnswerCheck(prep, model))(cache)
     return res
