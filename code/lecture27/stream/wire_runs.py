@@ -103,14 +103,13 @@ class Learned:
         self.steps.append((predicted_s, measured_s, lost_s))
 
     def margin(self) -> st.Margin:
-        """streaming.Margin: slowdown = the measured compute over the predicted, summed (at least 1);
-        overhead_s = the most a chunk has lost besides its slowed prediction (its hand-over, and its compute
-        past slowdown x predicted)."""
+        """streaming.Margin: slowdown = the slowest a chunk's compute has run against its prediction (at least
+        1: a few chunks are all the run has, and the chunk a give-up leaves to the end must not run slower than
+        the margin says); overhead_s = the most a chunk has lost besides (its hand-over, a text chunk's request)."""
         steps = list(self.steps)
         if not steps:
             return st.Margin()
-        slow = max(1.0, sum(m for _, m, _ in steps) / sum(p for p, _, _ in steps))
-        return st.Margin(slow, max(lost + max(0.0, m - p * slow) for p, m, lost in steps))
+        return st.Margin(max(1.0, max(m / p for p, m, _ in steps)), max(lost for _, _, lost in steps))
 
 
 class WireLink:
