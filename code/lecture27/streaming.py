@@ -335,8 +335,8 @@ def adaptive(setup: Setup, trace: Trace, slo_s: float, first_est_gbps: float | N
 
 @dataclass(frozen=True)
 class Margin:
-    """What a run has measured of its own clock against the policy's predictions: `slowdown`, the compute's
-    measured seconds over its predicted ones (never below 1: a faster compute is no reason to wait longer);
+    """What a run has measured of its own clock against the policy's predictions: `slowdown`, how many times
+    its predicted seconds the compute has taken (never below 1: a faster compute is no reason to wait longer);
     `overhead_s`, seconds a chunk loses on top of its predicted compute (the hand-over from the link to the
     compute, a request's way to the sender). The policy predicts every decode and recompute `slowdown` times
     the setup's and keeps `overhead_s` per chunk left off each give-up deadline. The simulator's clock runs
