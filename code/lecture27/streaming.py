@@ -369,8 +369,9 @@ class SimLink:
       margin(): Margin, what the run has measured of itself so far;
       probe(t, gpu_free): probe bytes on the idle link from t: (the throughput measured, when the probe ended);
       fetch(i, chunk, name, t, gpu_free, give_up_at): fetch chunk i at option `name` from t: (its Transfer,
-        the throughput its bits measured or None, the level given up or None). With give_up_at, a KV chunk
-        not ready by then is given up: its transfer stopped, the chunk recomputed."""
+        the throughput its bits measured or None, the level given up or None). With give_up_at (a function of
+        the time asked: the deadline with the margin learned by then, which only moves earlier as the run
+        learns), a KV chunk not ready by then is given up: its transfer stopped, the chunk recomputed."""
 
     def __init__(self, setup: Setup, trace: Trace, parallel: bool, probe: bool):
         self.setup, self.trace, self.parallel, self.probing = setup, trace, parallel, probe
@@ -388,6 +389,7 @@ class SimLink:
         setup, opt = self.setup, self.setup.option(name)
         f = fetch_chunk(setup, self.trace, t, chunk, opt, gpu_free)
         measured, gave_up = _measured(setup, chunk, name, f), None
+        give_up_at = None if give_up_at is None else give_up_at(t)   # the margin does not move here
         if give_up_at is not None and f.ready > give_up_at:     # stop waiting: recompute it instead
             dec = setup.decode_s(*chunk, name)       # the moment it can no longer be ready in time
             when = give_up_at if dec == 0 else max(t, give_up_at - dec)
@@ -454,7 +456,9 @@ def run_adaptive(setup: Setup, link, slo_s: float, est_gbps: float, probe: bool 
             est, t_link = link.probe(t, gpu)                   # measure the idle link, then decide again
             probed = True
         risked = guard is not None and name in guard.risky
-        at = guard.at if guard is not None and not setup.option(name).recompute and not risked else None
+        at = None
+        if guard is not None and not setup.option(name).recompute and not risked:
+            at = _deadline_now(setup, link, slo_s, i, guard.at, known, gpu)
         f, measured, gave_up = link.fetch(i, chunk, name, t, gpu, at)
         probed |= probe and not parallel and (gave_up is not None or setup.option(name).recompute)
         res.rows.append(_row(f, "text" if gave_up else name, measured, est_gbps=est, budget_s=budget,
@@ -463,6 +467,20 @@ def run_adaptive(setup: Setup, link, slo_s: float, est_gbps: float, probe: bool 
         t_link, gpu = advance(f, gpu, parallel)
         left -= chunk[1]
     return _finish(res, setup)
+
+
+def _deadline_now(setup: Setup, link, slo_s: float, i: int, at: float, known: Margin, gpu_free: float):
+    """Chunk i's give-up deadline as a function of the time `now` the link asks it while it waits: `at`, or
+    earlier once the margin the run has learned since the chunk was decided says so (a compute seen slower
+    than before); none (inf) once that deadline is before now or before the GPU is free (gpu_free, as the
+    chunk was decided): all-text is late too, so the chunk is waited for, as _give_up_guard has it."""
+    def deadline(now: float) -> float:
+        m = link.margin()
+        if m == known:
+            return at
+        new = _all_text_deadlines(Slowed(setup, m.slowdown), slo_s, m.overhead_s)[i]
+        return math.inf if new < max(now, gpu_free) else min(at, new)
+    return deadline
 
 
 def _all_text_deadlines(setup: Setup, slo_s: float, overhead_s: float = 0.0) -> list:

@@ -56,6 +56,7 @@ CONNECT_TIMEOUT_S = 60.0         # a spawned sender may take this long to connec
 PROOF_S = 2.0                    # a connection has this long to send the token before it is closed
 TOKEN_BYTES = 32                 # the receiver's random token, which its sender sends first
 REAP_S = 5.0                     # a sender is given this long to exit before it is killed
+GIVE_UP_POLL_S = 0.005          # a chunk's give-up time is asked again this often while its bytes come
 PROBE_TICK_S = 0.002             # a probe writes what the trace lets through every this many seconds
 PROBE_WINDOW_S = 0.02            # a probe's throughput: over its last window this long (about 10 writes)
 PROBE_CHANGE = 2.0               # a probe stops one window after a window's throughput differs this much from
@@ -343,12 +344,15 @@ class Wire:
         self.sock.sendall(_START.pack(START, self.epoch, len(self.trace.times))
                           + b"".join(_POINT.pack(t, g) for t, g in zip(self.trace.times, self.trace.gbps)))
 
-    def fetch(self, chunk: int, option: str, give_up_at: float | None = None) -> Arrival:
+    def fetch(self, chunk: int, option: str, give_up_at=None) -> Arrival:
         """Ask for a chunk at an option and read it to its END frame. The sender paces it by send_plan from
         max(asked, link free), so each frame is expected as that plan has it (kind, chunk, size) by its
-        deadlines() time. give_up_at (run's clock): if the chunk is not in by then, a CANCEL stops its
-        transfer and the Arrival is given_up, with the bytes that came. Raises WireTimeout, or
-        WireProtocolError for a frame the plan does not have."""
+        deadlines() time. give_up_at (run's clock; a number, or a function asked again every GIVE_UP_POLL_S
+        while the chunk's bytes come): if the chunk is not in by then, a CANCEL stops its transfer and the
+        Arrival is given_up, with the bytes that came. Raises WireTimeout, or WireProtocolError for a frame
+        the plan does not have."""
+        if give_up_at is not None and not callable(give_up_at):
+            give_up_at = (lambda at: lambda: at)(give_up_at)
         asked, size = self.now(), len(self.payloads[option][chunk])
         plan = send_plan(self.trace, max(asked, self.link_free), size, self.quantum)
         frames = [(DATA, chunk, b - a) for a, (_, b) in zip([0] + [c for _, c in plan], plan)] + [(END, chunk, size)]
@@ -356,7 +360,7 @@ class Wire:
         try:
             self.sock.sendall(_REQUEST.pack(REQUEST, chunk, self.names.index(option)))
             for want, due in zip(frames, deadlines(plan, self.margin_s)):
-                if want[0] == DATA and give_up_at is not None and cancelled is None and not self._ready_by(give_up_at):
+                if want[0] == DATA and give_up_at is not None and cancelled is None and not self._comes(give_up_at):
                     cancelled = self.now()                 # not in by the give-up time: stop its transfer
                     self.sock.sendall(_REQUEST.pack(CANCEL, chunk, 0))
                 head = self._head(chunk, option, want, due, len(data), size, cancelled is not None)
@@ -382,6 +386,14 @@ class Wire:
                            last_byte=cancelled, planned=planned, sent=sent, given_up=True)
         return Arrival(chunk=chunk, option=option, data=data, crc_ok=zlib.crc32(data) == crc,
                        asked=asked, last_byte=last, planned=planned, sent=sent)
+
+    def _comes(self, give_up_at) -> bool:
+        """Whether the next frame comes before the give-up time, which give_up_at() says anew every
+        GIVE_UP_POLL_S (it may move earlier while the bytes come)."""
+        while (at := give_up_at()) > self.now():
+            if self._ready_by(min(at, self.now() + GIVE_UP_POLL_S)):
+                return True
+        return False
 
     def _ready_by(self, t: float) -> bool:
         """Whether a frame is in, or comes, before the run's time t (False once t has passed)."""

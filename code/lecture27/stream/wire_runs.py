@@ -137,9 +137,11 @@ class WireLink:
         return 0.0, max(self.w.now(), gpu_free)
 
     def fetch(self, i: int, chunk: tuple, name: str, t: float, gpu_free: float, give_up_at: float | None):
+        def cancel_at() -> float:          # the bytes must be in by then for the chunk to be ready by its deadline
+            return give_up_at(self.w.now()) - st.Slowed(self.setup, self.margin().slowdown).decode_s(*chunk, name)
+
+        arrival, gave_up, measured, abandoned = self._fetch(i, name, give_up_at and cancel_at), None, None, None
         pred = st.Slowed(self.setup, self.margin().slowdown)
-        cancel_at = None if give_up_at is None else give_up_at - pred.decode_s(*chunk, name)
-        arrival, gave_up, measured, abandoned = self._fetch(i, name, cancel_at), None, None, None
         if arrival is None:
             name = "text"
         elif not self.setup.option(name).recompute:
@@ -147,7 +149,8 @@ class WireLink:
             # byte over its seconds (never 0, which would leave the policy no fastest option)
             measured = 8 * max(len(arrival.data), 1) / max(arrival.last_byte - arrival.asked, 1e-9) / st.GBIT
             if arrival.given_up or (give_up_at is not None and
-                                    max(arrival.last_byte, gpu_free) + pred.decode_s(*chunk, name) > give_up_at):
+                                    max(arrival.last_byte, gpu_free) + pred.decode_s(*chunk, name) >
+                                    give_up_at(arrival.last_byte)):
                 gave_up, name, abandoned = name, "text", arrival   # it cannot be ready by its deadline:
                 arrival = self._fetch(i, name, None)                 # recompute it, its token ids fetched
         link_end = self.w.now() if arrival is None else arrival.last_byte
@@ -157,7 +160,7 @@ class WireLink:
         start = t if abandoned is None and arrival is None else (abandoned or arrival).asked
         return st.Transfer(start, link_end, gpu_start, gpu_s, gpu_start + gpu_s), measured, gave_up
 
-    def _fetch(self, i: int, name: str, give_up_at: float | None) -> wire.Arrival | None:
+    def _fetch(self, i: int, name: str, give_up_at) -> wire.Arrival | None:
         """The chunk over the Wire, or None once the sender is lost (then for good)."""
         if self.lost is None:
             try:
