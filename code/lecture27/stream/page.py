@@ -572,8 +572,9 @@ def wire_notes(r, s) -> list[str]:
            + "."]
     ad = [(t, by["adaptive"]) for t, by in r.runs.items() if "adaptive" in by]
     given = [f"{t} chunk {i} ({SHORT[g]})" for t, c in ad for i, g in enumerate(c.gave_up) if g]
+    probes = plural(sum(c.probes for _, c in ad), "probe", "{}")
     out.append("Adaptive on the socket: " + (f"gave up {', '.join(given)} (cancelled, then recomputed)" if given else
-                                             "gave up no KV chunk") + f"; {plural(sum(c.probes for _, c in ad), 'probe', '{}')}; "
+                                             "gave up no KV chunk") + f"; {probes}; "
                "the margin it had learned by its last chunk (compute slowdown against the times measured alone, "
                "and the most a chunk lost besides): " + "; ".join(
                    f"{t} x{c.margin.slowdown:.2f} + {1e3 * c.margin.overhead_s:.0f} ms" for t, c in ad if c.margin)

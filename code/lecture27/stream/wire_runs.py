@@ -93,7 +93,8 @@ class WireRun:
 class Learned:
     """The margin the policy learns within a run: each chunk's compute as the compute thread measured it,
     against its predicted seconds (the times measured alone before the runs), and what the chunk lost besides
-    (the hand-over from the link thread; a text chunk's request for its token ids). The compute thread adds,
+    (the hand-over from the link thread; a text chunk's request for its token ids, a KV chunk's last byte
+    past its plan: TCP and pacing). The compute thread adds,
     the link thread reads (a list: appends and copies are atomic)."""
 
     def __init__(self):
@@ -105,7 +106,7 @@ class Learned:
     def margin(self) -> st.Margin:
         """streaming.Margin: slowdown = the slowest a chunk's compute has run against its prediction (at least
         1: a few chunks are all the run has, and the chunk a give-up leaves to the end must not run slower than
-        the margin says); overhead_s = the most a chunk has lost besides (its hand-over, a text chunk's request)."""
+        the margin says); overhead_s = the most a chunk has lost besides (hand-over, request, TCP, pacing)."""
         steps = list(self.steps)
         if not steps:
             return st.Margin()
@@ -249,8 +250,11 @@ def _compute(w: wire.Wire, prep, model, res: WireRun, jobs: queue.Queue, setup: 
         text = name == "text" or why is not None
         predicted = setup.recompute_s(first, n) if text else setup.decode_s(first, n, name)
         came = t0 if arrival is None else arrival.last_byte
-        request = arrival.last_byte - arrival.asked if arrival is not None and arrival.option == "text" else 0.0
-        learned.add(predicted, ready - t0, max(0.0, t0 - max(came, prev_ready)) + request)
+        # what the link lost besides: a text chunk's request for its token ids, a KV chunk's last byte past
+        # the token bucket's plan (TCP, pacing)
+        link = 0.0 if arrival is None else (arrival.last_byte - arrival.asked if arrival.option == "text"
+                                            else max(0.0, arrival.last_byte - arrival.planned))
+        learned.add(predicted, ready - t0, max(0.0, t0 - max(came, prev_ready)) + link)
         prev_ready = ready
         res.fell_back |= job.lost is not None
     return cache
