@@ -123,9 +123,12 @@ def test_the_study_and_its_table_are_built_from_real_runs(tiny_inputs, monkeypat
     model, ids, question, specs = tiny_inputs
     fetched, real_fetch = [], wire.Wire.fetch
 
-    def recording(self, chunk, option):
-        a = real_fetch(self, chunk, option)
-        fetched.append((chunk, option, a.asked, a.last_byte))
+    def recording(self, chunk, option, give_up_at=None):
+        a = real_fetch(self, chunk, option, give_up_at)
+        if fetched and fetched[-1][:2] == (chunk, "given up"):   # a chunk given up, then its token ids: one span
+            fetched[-1] = (chunk, option, fetched[-1][2], a.last_byte)
+        else:
+            fetched.append((chunk, "given up" if a.given_up else option, a.asked, a.last_byte))
         return a
 
     monkeypatch.setattr(wire.Wire, "fetch", recording)
@@ -174,3 +177,41 @@ def test_the_link_side_parts_add_up_to_the_links_gap(tiny):
         sizes = sum(SLOW.transfer_end(start, 8 * len(prep.payloads[policy][i])) - end
                     for i, (start, end, _, _) in enumerate(row.simulated_spans))
         assert row.measured_spans[-1][1] - row.simulated_spans[-1][1] == pytest.approx(link + sizes, abs=1e-9)
+
+
+def test_a_cancelled_transfer_frees_the_link_for_the_next():
+    """Wire.fetch with a give-up time on a link that has stalled: the transfer is cancelled on the socket (the
+    bytes that came are the chunk's first ones), and the next transfer starts at once, not after the stalled
+    chunk's plan (hundreds of seconds at the stall's rate)."""
+    payloads = {"a": [bytes(range(256)) * 160, b"\x07" * 100]}
+    stall = st.Trace((0.0, 0.02, 0.2), (0.008, 1e-7, 0.008))      # 8 Mb/s, 100 b/s from 20 ms to 0.2 s, 8 Mb/s
+    with wire.Wire(stall, payloads) as w:
+        w.start()
+        a = w.fetch(0, "a", give_up_at=0.1)
+        assert a.given_up and 0 < len(a.data) < len(payloads["a"][0])
+        assert a.data == payloads["a"][0][:len(a.data)] and a.crc_ok
+        plan_end = stall.transfer_end(a.asked, 8 * len(payloads["a"][0]))
+        b = w.fetch(1, "a")
+        assert b.data == payloads["a"][1] and not b.given_up
+        assert b.asked < 0.2 < plan_end and b.last_byte < plan_end
+        g, end = w.probe(w.now() + 0.03)                           # a probe on the same sender, then a chunk
+        assert g > 0 and end >= b.last_byte
+        assert w.fetch(1, "a").data == payloads["a"][1]
+    assert w.proc.poll() is not None
+
+
+def test_adaptive_gives_up_a_stalled_chunk_on_the_socket(tiny):
+    """The adaptive policy on the socket (streaming.run_adaptive through WireLink): the link stalls after its
+    first chunks; the chunk caught in the stall is given up at its deadline (a CANCEL on the socket), recomputed,
+    and the run ends long before that chunk would have arrived; every later chunk is recomputed too, and the
+    KV answers as the full prefill does."""
+    model, prep = tiny
+    stall = st.Trace((0.0, 0.1), (0.0008, 0.00001))                # then 10 kb/s: a KV chunk takes seconds
+    r = wire_runs.run(prep, model, stall, "adaptive", 0.6)
+    k = next(i for i, row in enumerate(r.rows) if row.gave_up)
+    row = r.rows[k]
+    assert row.choice == "text" and row.abandoned.given_up and row.abandoned.option == row.gave_up
+    assert row.arrival.option == "text" and row.arrival.asked >= row.abandoned.last_byte     # then its token ids
+    full = stall.transfer_end(row.abandoned.asked, 8 * len(prep.payloads[row.gave_up][k]))
+    assert r.ttft_s < full and all(c == "text" for c in r.choices[k:])
+    assert r.bytes_equal and r.same_answer and all(x.est_gbps is not None for x in r.rows)

@@ -10,6 +10,7 @@ whose bandwidth changes while a context streams in.
     python code/lecture27/03_streaming.py --trace-suite 200     # + Part 4: 200 random traces, CDF figure
     python code/lecture27/03_streaming.py --serial              # one chunk at a time: the link idle during a recompute
     python code/lecture27/03_streaming.py --wire-scale 250      # Part 5 on a link twice as fast
+    python code/lecture27/03_streaming.py --trace code/lecture27/stream/traces/collapse.csv   # also ramp, bursts
 
 Part 1 (§4.1, pitfall 1): LLaMA-3.1-70B on 4 x A100 fetching a 12K-token context over a steady link:
         time to first token sending text (then recomputing), raw KV, or KV at each codec level; the

@@ -327,11 +327,87 @@ PROBE_WINDOW_S = 0.01   # probe bytes are timed over windows this long: a change
 
 def adaptive(setup: Setup, trace: Trace, slo_s: float, first_est_gbps: float | None = None,
              probe: bool = True, give_up: bool = True, *, parallel: bool) -> Result:
+    """The adaptive policy (run_adaptive) on the simulator's clock: the link is the trace, the GPU's times are
+    the setup's (SimLink), so what it measures of its own run is what it predicted (no margin)."""
+    est = trace.rate_at(0.0) if first_est_gbps is None else first_est_gbps
+    return run_adaptive(setup, SimLink(setup, trace, parallel, probe), slo_s, est, probe, give_up, parallel=parallel)
+
+
+@dataclass(frozen=True)
+class Margin:
+    """What a run has measured of its own clock against the policy's predictions: `slowdown`, how many times
+    its predicted seconds the compute has taken (never below 1: a faster compute is no reason to wait longer);
+    `overhead_s`, seconds a chunk loses on top of its predicted compute (the hand-over from the link to the
+    compute, a request's way to the sender). The policy predicts every decode and recompute `slowdown` times
+    the setup's and keeps `overhead_s` per chunk left off each give-up deadline. The simulator's clock runs
+    exactly as predicted: Margin() changes no decision."""
+    slowdown: float = 1.0
+    overhead_s: float = 0.0
+
+
+class Slowed:
+    """A setup whose decode and recompute take `slowdown` times the setup's: what the policy predicts with
+    its margin (every other attribute is the setup's)."""
+
+    def __init__(self, setup: Setup, slowdown: float):
+        self.setup, self.slowdown = setup, slowdown
+
+    def __getattr__(self, name):
+        return getattr(self.setup, name)
+
+    def recompute_s(self, first: int, n: int) -> float:
+        return self.setup.recompute_s(first, n) * self.slowdown
+
+    def decode_s(self, first: int, n: int, name: str) -> float:
+        return self.setup.decode_s(first, n, name) * self.slowdown
+
+
+class SimLink:
+    """The simulator's link and GPU for run_adaptive: transfers as the trace carries them, the GPU's times the
+    setup's. The interface a link gives the policy (a socket's is stream/wire_runs.py's):
+      now(link_free): the time a chunk is decided, once the previous transfer ended at link_free;
+      margin(): Margin, what the run has measured of itself so far;
+      probe(t, gpu_free): probe bytes on the idle link from t: (the throughput measured, when the probe ended);
+      fetch(i, chunk, name, t, gpu_free, give_up_at): fetch chunk i at option `name` from t: (its Transfer,
+        the throughput its bits measured or None, the level given up or None). With give_up_at (a function of
+        the time asked: the deadline with the margin learned by then, which only moves earlier as the run
+        learns), a KV chunk not ready by then is given up: its transfer stopped, the chunk recomputed."""
+
+    def __init__(self, setup: Setup, trace: Trace, parallel: bool, probe: bool):
+        self.setup, self.trace, self.parallel, self.probing = setup, trace, parallel, probe
+
+    def now(self, link_free: float) -> float:
+        return link_free
+
+    def margin(self) -> Margin:
+        return Margin()
+
+    def probe(self, t: float, gpu_free: float) -> tuple[float, float]:
+        return _probe(self.trace, t, gpu_free)
+
+    def fetch(self, i: int, chunk: tuple, name: str, t: float, gpu_free: float, give_up_at: float | None):
+        setup, opt = self.setup, self.setup.option(name)
+        f = fetch_chunk(setup, self.trace, t, chunk, opt, gpu_free)
+        measured, gave_up = _measured(setup, chunk, name, f), None
+        give_up_at = None if give_up_at is None else give_up_at(t)   # the margin does not move here
+        if give_up_at is not None and f.ready > give_up_at:     # stop waiting: recompute it instead
+            dec = setup.decode_s(*chunk, name)       # the moment it can no longer be ready in time
+            when = give_up_at if dec == 0 else max(t, give_up_at - dec)
+            measured = _rate(self.trace, t, when) if when != t else measured
+            gave_up, f = name, fetch_chunk(setup, self.trace, when, chunk, setup.option("text"), gpu_free)
+        if self.probing and not self.parallel and setup.option(gave_up and "text" or name).recompute:
+            measured = _idle_link_rate(self.trace, f)
+        return f, measured, gave_up
+
+
+def run_adaptive(setup: Setup, link, slo_s: float, est_gbps: float, probe: bool = True, give_up: bool = True, *,
+                 parallel: bool) -> Result:
     """Chunk by chunk, as soon as the link is free: the throughput measured on the previous KV chunk is
     assumed to hold; each chunk gets its token share of the time left before the SLO, budget = (SLO -
     now) * n_chunk / n_left, i.e. "if every remaining chunk took this long, the context would arrive on
     time", and choose() picks its configuration (a text chunk's prediction includes waiting for the GPU).
-    The first chunk uses first_est_gbps (default: a probe of the link at t = 0).
+    The first chunk uses est_gbps. `link` is the clock and the link it runs on (SimLink's interface): the
+    simulator's, or a real socket's; the decisions are the same code on either.
 
     Two rules keep the policy measuring, so that it never gets stuck:
     - probe (keep measuring during text): token ids are too few bytes to measure a link. In the parallel
@@ -344,9 +420,9 @@ def adaptive(setup: Setup, trace: Trace, slo_s: float, first_est_gbps: float | N
     - give_up (never stuck in a KV transfer): while recomputing everything left (all-text) would still
       meet the SLO, a KV chunk is started with a deadline, the last moment from which all-text still
       meets it (token ids counted at TEXT_FLOOR_GBPS; the GPU must be free by then too). If the link
-      collapses mid-transfer and the chunk is not in by then, the policy stops waiting, measures the link
-      from the bits that did arrive, and recomputes the chunk instead (the recompute of a chunk costs the
-      same whoever does it).
+      collapses mid-transfer and the chunk is not ready by then, the policy stops waiting, measures the
+      link from the bits that did arrive, and recomputes the chunk instead (the recompute of a chunk costs
+      the same whoever does it).
       One exception: a chunk predicted to miss that deadline, but to arrive RISK_FACTOR times faster
       than needed for the chunks after it to still be recomputed in time, is waited for
       (row["risked"]). Without it a policy that once gave up would sit on the deadline, where every
@@ -354,49 +430,71 @@ def adaptive(setup: Setup, trace: Trace, slo_s: float, first_est_gbps: float | N
       So: whenever "always text" meets the SLO, the adaptive policy does too, unless the link fell
       below 1/RISK_FACTOR of its measured rate during a risked chunk.
       When even all-text cannot meet the SLO there is no deadline: the chunk is waited for.
+    The margin (link.margin(): how much slower than predicted the run's compute has been, and what each
+    chunk lost besides) is learned as the run goes: every prediction, the GPU's backlog and the deadlines
+    take it, so a give-up deadline leaves room for the compute this run actually has.
     Each row records the choice actually fetched; a chunk given up on has choice "text" and
     gave_up = the level it abandoned (those link seconds are lost)."""
-    est = trace.rate_at(0.0) if first_est_gbps is None else first_est_gbps
-    res, link, gpu = Result("adaptive"), 0.0, 0.0
+    est, res, t_link, gpu = est_gbps, Result("adaptive"), 0.0, 0.0
     left = setup.context_tokens
-    deadline = _all_text_deadlines(setup, slo_s)
+    deadline, known = None, None
     for i, chunk in enumerate(setup.plan):
         # §4.2: the throughput last measured (est) is assumed to hold, and choose() takes the least lossy
         # configuration predicted to finish within the chunk's token share of the time left (text if none)
+        margin = link.margin()
+        if margin != known:          # the deadlines with what the run has learned of its own compute
+            known, pred = margin, Slowed(setup, margin.slowdown)
+            deadline = _all_text_deadlines(pred, slo_s, margin.overhead_s)
         probed = False
         while True:
-            t = link
+            t = link.now(t_link)
             budget = max(0.0, slo_s - t) * chunk[1] / left
-            guard = _give_up_guard(setup, chunk, est, t, gpu, deadline[i], deadline[i + 1]) if give_up else None
-            name, pred = choose(setup, chunk, est, budget, None if guard is None else guard.allowed, gpu - t)
+            guard = _give_up_guard(pred, chunk, est, t, gpu, deadline[i], deadline[i + 1]) if give_up else None
+            name, p = choose(pred, chunk, est, budget, None if guard is None else guard.allowed, gpu - t)
             if not (parallel and probe and _text_would_wait(setup.option(name), t, gpu)):
                 break
-            est, link = _probe(trace, t, gpu)                  # measure the idle link, then decide again
+            est, t_link = link.probe(t, gpu)                   # measure the idle link, then decide again
             probed = True
         risked = guard is not None and name in guard.risky
-        f = fetch_chunk(setup, trace, t, chunk, setup.option(name), gpu)
-        measured, gave_up = _measured(setup, chunk, name, f), None
-        if _given_up(guard, setup.option(name), f):           # stop waiting: recompute it instead
-            measured, gave_up, name = _rate(trace, t, guard.at), name, "text"
-            f = fetch_chunk(setup, trace, guard.at, chunk, setup.option(name), gpu)
-        if probe and not parallel and setup.option(name).recompute:
-            measured, probed = _idle_link_rate(trace, f), True
-        res.rows.append(_row(f, name, measured, est_gbps=est, budget_s=budget, predicted=t + pred, gave_up=gave_up,
-                             probe=probed, risked=risked) | dict(start=t))
+        at = None
+        if guard is not None and not setup.option(name).recompute and not risked:
+            at = _deadline_now(setup, link, slo_s, i, guard.at, known, gpu)
+        f, measured, gave_up = link.fetch(i, chunk, name, t, gpu, at)
+        probed |= probe and not parallel and (gave_up is not None or setup.option(name).recompute)
+        res.rows.append(_row(f, "text" if gave_up else name, measured, est_gbps=est, budget_s=budget,
+                             predicted=t + p, gave_up=gave_up, probe=probed, risked=risked) | dict(start=t))
         est = measured if measured is not None else est
-        link, gpu = advance(f, gpu, parallel)
+        t_link, gpu = advance(f, gpu, parallel)
         left -= chunk[1]
     return _finish(res, setup)
 
 
-def _all_text_deadlines(setup: Setup, slo_s: float) -> list:
+def _deadline_now(setup: Setup, link, slo_s: float, i: int, at: float, known: Margin, gpu_free: float):
+    """Chunk i's give-up deadline as a function of the time `now` the link asks it while it waits: `at`, or
+    earlier once the margin the run has learned since the chunk was decided says so (a compute seen slower
+    than before); none (inf) once that deadline is before now or before the GPU is free (gpu_free, as the
+    chunk was decided): all-text is late too, so the chunk is waited for, as _give_up_guard has it."""
+    def deadline(now: float) -> float:
+        m = link.margin()
+        if m == known:
+            return at
+        new = _all_text_deadlines(Slowed(setup, m.slowdown), slo_s, m.overhead_s)[i]
+        return math.inf if new < max(now, gpu_free) else min(at, new)
+    return deadline
+
+
+def _all_text_deadlines(setup: Setup, slo_s: float, overhead_s: float = 0.0) -> list:
     """Entry i, for 0 <= i <= the number of chunks: the last moment from which recomputing chunks i, i+1,
-    ... as text still meets the SLO (their token ids counted at TEXT_FLOOR_GBPS). Chunk i's give-up
-    deadline is entry i; a chunk risked past it must still be in by entry i + 1."""
+    ... as text still meets the SLO (their token ids counted at TEXT_FLOOR_GBPS, and overhead_s lost per
+    chunk: the margin's). Chunk i's give-up deadline is entry i; a chunk risked past it must still be in
+    by entry i + 1."""
     ids_s = setup.option("text").bits_per_token / (TEXT_FLOOR_GBPS * GBIT)   # a token id at the floor rate
     rest_s = list(itertools.accumulate(setup.recompute_s(f, n) for f, n in reversed(setup.plan)))[::-1] + [0.0]
     rest_tokens = list(itertools.accumulate(n for _, n in reversed(setup.plan)))[::-1] + [0]
-    return [slo_s - r - ids_s * n for r, n in zip(rest_s, rest_tokens)]
+    if overhead_s == 0:
+        return [slo_s - r - ids_s * n for r, n in zip(rest_s, rest_tokens)]
+    rest_chunks = range(len(setup.plan), -1, -1)
+    return [slo_s - r - ids_s * n - overhead_s * k for r, n, k in zip(rest_s, rest_tokens, rest_chunks)]
 
 
 @dataclass(frozen=True)
@@ -419,12 +517,6 @@ def _give_up_guard(setup: Setup, chunk: tuple, est_gbps: float, t: float, gpu_fr
     kv_pred = {o.name: predict_s(setup, chunk, o, est_gbps) for o in setup.options if not o.recompute}
     risky = frozenset(nm for nm, p in kv_pred.items() if t + p > at and t + RISK_FACTOR * p <= next_at)
     return _Guard(at, frozenset(kv_pred) if at - t > 1e-9 else risky, risky)
-
-
-def _given_up(guard: _Guard | None, opt: Option, f: Transfer) -> bool:
-    """A KV chunk started under a guard, not risked, and still not in at the deadline (the link collapsed
-    mid-chunk): the policy stops waiting for it."""
-    return guard is not None and not opt.recompute and opt.name not in guard.risky and f.ready > guard.at
 
 
 def _text_would_wait(opt: Option, t: float, gpu_free: float) -> bool:

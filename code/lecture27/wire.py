@@ -17,9 +17,14 @@ The receiver trusts only the sender it started: it makes a random token, hands i
 and the first connection whose first bytes are the token within PROOF_S is its sender; any other is closed.
 
 Frames, receiver to sender: START (a run's clock origin and the trace it is paced to: one sender serves
-run after run), REQUEST (chunk, option), STOP. Sender to receiver, per request: DATA pieces (one per paced
-write), then END (total bytes, the CRC-32 of the chunk's own bytes, taken before a fault may flip one; the
-planned and the actual time of the last write).
+run after run), REQUEST (chunk, option), PROBE (filler bytes until a time), CANCEL (stop the transfer under
+way), STOP. Sender to receiver, per request: DATA pieces (one per paced write), then END (total bytes, the
+CRC-32 of the chunk's own bytes, taken before a fault may flip one; the planned and the actual time of the
+last write), or CANCELLED (the bytes sent, their CRC, the planned and actual time of the last write) when a
+CANCEL came first. The sender waits for its next write by watching the socket, so a CANCEL stops it within
+microseconds: the link is free again, as when the adaptive policy gives up a KV chunk stuck on a collapsed
+link. A PROBE's DATA pieces (labelled PROBE_CHUNK) carry what the trace lets through each PROBE_TICK_S, so the
+receiver measures the link's throughput over any window.
 The receiver computes the same plan, so it knows each frame's kind, chunk and size before it comes, and when it
 is due: a frame that differs from the plan raises WireProtocolError, and one not read by its write's planned time
 plus MARGIN_S, or a sender that died (end of stream, reset), raises WireTimeout. Either way the sender is lost.
@@ -30,6 +35,7 @@ import hmac
 import json
 import os
 import secrets
+import select
 import signal
 import socket
 import struct
@@ -50,6 +56,12 @@ CONNECT_TIMEOUT_S = 60.0         # a spawned sender may take this long to connec
 PROOF_S = 2.0                    # a connection has this long to send the token before it is closed
 TOKEN_BYTES = 32                 # the receiver's random token, which its sender sends first
 REAP_S = 5.0                     # a sender is given this long to exit before it is killed
+GIVE_UP_POLL_S = 0.005          # a chunk's give-up time is asked again this often while its bytes come
+PROBE_TICK_S = 0.002             # a probe writes what the trace lets through every this many seconds
+PROBE_WINDOW_S = 0.02            # a probe's throughput: over its last window this long (about 10 writes)
+PROBE_CHANGE = 2.0               # a probe stops one window after a window's throughput differs this much from
+                                 # its first window's (the suite's rates are 2.5x or more apart)
+PROBE_CHUNK = 0xFFFFFFFF         # the chunk a probe's DATA pieces are labelled with
 
 _START = struct.Struct("<BdI")         # kind, epoch (time.monotonic of the run's t = 0), trace points;
 _POINT = struct.Struct("<dd")          # then each point: from time s, Gb/s
@@ -57,7 +69,8 @@ _REQUEST = struct.Struct("<BII")       # kind, chunk, option index
 _HEADER = struct.Struct("<BII")        # kind, chunk, piece bytes (DATA) or total bytes (END)
 _END_TAIL = struct.Struct("<Idd")      # CRC-32 of the chunk's own bytes, planned and actual last write
 _SETUP = struct.Struct("<I")           # the sender's stdin: the JSON header's length, the header, every chunk's bytes
-START, REQUEST, STOP, DATA, END = 1, 2, 3, 4, 5
+_PROBE = struct.Struct("<Bd")          # kind, until (run's clock): the sender stops by itself then
+START, REQUEST, STOP, DATA, END, PROBE, CANCEL, CANCELLED = 1, 2, 3, 4, 5, 6, 7, 8
 
 
 class WireTimeout(Exception):
@@ -85,6 +98,18 @@ def send_plan(trace: st.Trace, t0: float, nbytes: int, quantum: int = QUANTUM_BY
     to c_j) goes when the trace has carried c_j bytes since t0."""
     ends = list(range(quantum, nbytes, quantum)) + [nbytes]
     return [(trace.transfer_end(t0, 8.0 * c), c) for c in ends]
+
+
+def probe_plan(trace: st.Trace, t0: float, until: float, tick: float = PROBE_TICK_S) -> list:
+    """A probe's writes from t0 to `until`: every `tick` seconds the filler bytes the trace carried since t0
+    (cumulative), [(time, bytes sent once it has)]; a tick that adds no byte has no write."""
+    out, k = [], 1
+    while (t := t0 + k * tick) < until + tick:
+        c = int((trace.bits_by(t) - trace.bits_by(t0)) / 8)
+        if c > (out[-1][1] if out else 0):
+            out.append((t, c))
+        k += 1
+    return out
 
 
 def deadlines(plan: list, margin_s: float = MARGIN_S) -> list:
@@ -150,6 +175,19 @@ def _sender(port: int, token: bytes, payloads: dict, names: tuple, quantum: int,
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)    # no Nagle delay on the END frame
     sock.sendall(token)
     epoch, trace, link_free, sent = 0.0, None, 0.0, 0
+
+    def wait_until(t: float) -> bool | None:
+        """Sleep until the run's time t, watching the socket: False at t, True once a CANCEL came (the transfer
+        stops), None once STOP came or the stream ended (the sender stops)."""
+        while (left := t - (time.monotonic() - epoch)) > 0:
+            if select.select([sock], [], [], left)[0]:
+                got = _recv_exact(sock, 1)
+                if got is None or got[0] == STOP:
+                    return None
+                _recv_exact(sock, _REQUEST.size - 1)        # a CANCEL (nothing else comes during a transfer)
+                return True
+        return False
+
     while True:
         kind = _recv_exact(sock, 1)
         if kind is None or kind[0] == STOP:
@@ -159,23 +197,40 @@ def _sender(port: int, token: bytes, payloads: dict, names: tuple, quantum: int,
             points = [_POINT.unpack(_recv_exact(sock, _POINT.size)) for _ in range(n)]
             trace, link_free = st.Trace(tuple(t for t, _ in points), tuple(g for _, g in points)), 0.0
             continue
-        _, i, k = _REQUEST.unpack(kind + _recv_exact(sock, _REQUEST.size - 1))
-        data = payloads[names[k]][i]
-        crc = zlib.crc32(data)
-        if i in faults.corrupt and data:
-            data = data[:len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1:]
-        plan = send_plan(trace, max(time.monotonic() - epoch, link_free), len(data), quantum)
-        pos = went = 0
+        if kind[0] == CANCEL:                   # for a transfer that ended before it came: nothing to stop
+            _recv_exact(sock, _REQUEST.size - 1)
+            continue
+        t0 = max(time.monotonic() - epoch, link_free)
+        if kind[0] == PROBE:
+            _, until = _PROBE.unpack(kind + _recv_exact(sock, _PROBE.size - 1))
+            i, data, crc = PROBE_CHUNK, b"", 0
+            plan = probe_plan(trace, t0, until)
+        else:
+            _, i, k = _REQUEST.unpack(kind + _recv_exact(sock, _REQUEST.size - 1))
+            data = payloads[names[k]][i]
+            crc = zlib.crc32(data)
+            if i in faults.corrupt and data:
+                data = data[:len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1:]
+            plan = send_plan(trace, t0, len(data), quantum)
+        pos, went, planned, stop = 0, t0, t0, False
         for t, end in plan:
-            while (went := time.monotonic() - epoch) < t:     # never early: sleep until the plan's time
-                time.sleep(t - went)
-            sock.sendall(_HEADER.pack(DATA, i, end - pos) + data[pos:end])
-            sent += end - pos
+            if (stop := wait_until(t)) is None:      # never early: wait until the plan's time
+                sock.close()
+                return
+            if stop:
+                break
+            went, planned = time.monotonic() - epoch, t
+            sock.sendall(_HEADER.pack(DATA, i, end - pos) + (data[pos:end] if data else bytes(end - pos)))
+            sent += (end - pos) if data else 0       # a probe's filler is no payload
             pos = end
             if faults.die_after_bytes is not None and sent >= faults.die_after_bytes:
                 os.kill(os.getpid(), signal.SIGKILL)
-        sock.sendall(_HEADER.pack(END, i, len(data)) + _END_TAIL.pack(crc, plan[-1][0], went))
-        link_free = plan[-1][0]
+        if stop or kind[0] == PROBE:
+            sock.sendall(_HEADER.pack(CANCELLED, i, pos) + _END_TAIL.pack(zlib.crc32(data[:pos]), planned, went))
+            link_free = time.monotonic() - epoch
+        else:
+            sock.sendall(_HEADER.pack(END, i, len(data)) + _END_TAIL.pack(crc, plan[-1][0], went))
+            link_free = plan[-1][0]
     sock.close()
 
 
@@ -202,7 +257,9 @@ def _accept_proven(listener: socket.socket, token: bytes, deadline: float) -> so
 @dataclass(frozen=True, kw_only=True)
 class Arrival:
     """One chunk received. Times are on the run's clock (seconds since START): asked (request sent),
-    last_byte (its last byte read), planned (the plan's last write), sent (when the sender made its last write)."""
+    last_byte (its last byte read), planned (the plan's last write), sent (when the sender made its last write).
+    given_up: the chunk was not in by its give-up time, and its transfer was cancelled (data: the bytes that
+    came before that; last_byte: when the receiver gave up)."""
     chunk: int
     option: str
     data: bytes
@@ -211,6 +268,7 @@ class Arrival:
     last_byte: float
     planned: float
     sent: float
+    given_up: bool = False
 
     @property
     def gbps(self) -> float:
@@ -286,24 +344,32 @@ class Wire:
         self.sock.sendall(_START.pack(START, self.epoch, len(self.trace.times))
                           + b"".join(_POINT.pack(t, g) for t, g in zip(self.trace.times, self.trace.gbps)))
 
-    def fetch(self, chunk: int, option: str) -> Arrival:
+    def fetch(self, chunk: int, option: str, give_up_at=None) -> Arrival:
         """Ask for a chunk at an option and read it to its END frame. The sender paces it by send_plan from
         max(asked, link free), so each frame is expected as that plan has it (kind, chunk, size) by its
-        deadlines() time. Raises WireTimeout, or WireProtocolError for a frame the plan does not have."""
+        deadlines() time. give_up_at (run's clock; a number, or a function asked again every GIVE_UP_POLL_S
+        while the chunk's bytes come): if the chunk is not in by then, a CANCEL stops its transfer and the
+        Arrival is given_up, with the bytes that came. Raises WireTimeout, or WireProtocolError for a frame
+        the plan does not have."""
+        if give_up_at is not None and not callable(give_up_at):
+            give_up_at = (lambda at: lambda: at)(give_up_at)
         asked, size = self.now(), len(self.payloads[option][chunk])
         plan = send_plan(self.trace, max(asked, self.link_free), size, self.quantum)
         frames = [(DATA, chunk, b - a) for a, (_, b) in zip([0] + [c for _, c in plan], plan)] + [(END, chunk, size)]
-        data, last = bytearray(), asked
+        data, last, cancelled = bytearray(), asked, None
         try:
             self.sock.sendall(_REQUEST.pack(REQUEST, chunk, self.names.index(option)))
             for want, due in zip(frames, deadlines(plan, self.margin_s)):
-                head = _recv_exact(self.sock, _HEADER.size, self.epoch + due)
-                if head is None:
-                    raise ConnectionResetError("end of stream")
-                if (got := _HEADER.unpack(head)) != want:
-                    self.broken = True
-                    raise WireProtocolError(f"chunk {chunk} ({option}): a frame (kind, chunk, bytes) {got} where "
-                                            f"the plan has {want}, after {len(data)} bytes of {size}")
+                if want[0] == DATA and give_up_at is not None and cancelled is None and not self._comes(give_up_at):
+                    cancelled = self.now()                 # not in by the give-up time: stop its transfer
+                    self.sock.sendall(_REQUEST.pack(CANCEL, chunk, 0))
+                head = self._head(chunk, option, want, due, len(data), size, cancelled is not None)
+                if head[0] == CANCELLED:
+                    crc, planned, sent = _END_TAIL.unpack(_recv_exact(self.sock, _END_TAIL.size, self.epoch + due))
+                    if head[2] != len(data):
+                        raise self._protocol(f"chunk {chunk} ({option}): cancelled after {head[2]} bytes, "
+                                             f"{len(data)} came")
+                    break
                 if want[0] == END:
                     crc, planned, sent = _END_TAIL.unpack(_recv_exact(self.sock, _END_TAIL.size, self.epoch + due))
                 else:
@@ -313,10 +379,103 @@ class Wire:
             self.broken = True
             what = "no byte within the timeout" if isinstance(e, TimeoutError) else f"connection lost ({e})"
             raise WireTimeout(f"chunk {chunk} ({option}): {what} after {len(data)} bytes of {size}") from None
-        self.link_free = plan[-1][0]
+        self.link_free = plan[-1][0] if cancelled is None else 0.0
         data = bytes(data)
+        if cancelled is not None:
+            return Arrival(chunk=chunk, option=option, data=data, crc_ok=zlib.crc32(data) == crc, asked=asked,
+                           last_byte=cancelled, planned=planned, sent=sent, given_up=True)
         return Arrival(chunk=chunk, option=option, data=data, crc_ok=zlib.crc32(data) == crc,
                        asked=asked, last_byte=last, planned=planned, sent=sent)
+
+    def _comes(self, give_up_at) -> bool:
+        """Whether the next frame comes before the give-up time, which give_up_at() says anew every
+        GIVE_UP_POLL_S (it may move earlier while the bytes come)."""
+        while (at := give_up_at()) > self.now():
+            if self._ready_by(min(at, self.now() + GIVE_UP_POLL_S)):
+                return True
+        return False
+
+    def _ready_by(self, t: float) -> bool:
+        """Whether a frame is in, or comes, before the run's time t (False once t has passed)."""
+        left = self.epoch + t - time.monotonic()
+        return left > 0 and bool(select.select([self.sock], [], [], left)[0])
+
+    def _protocol(self, msg: str) -> WireProtocolError:
+        self.broken = True
+        return WireProtocolError(msg)
+
+    def _head(self, chunk, option, want, due, got, size, cancelled: bool) -> tuple:
+        """The next frame's header, as the plan has it (`want`), or CANCELLED once a CANCEL was sent."""
+        head = _recv_exact(self.sock, _HEADER.size, self.epoch + due)
+        if head is None:
+            raise ConnectionResetError("end of stream")
+        got_head = _HEADER.unpack(head)
+        if got_head != want and not (cancelled and got_head[:2] == (CANCELLED, chunk)):
+            raise self._protocol(f"chunk {chunk} ({option}): a frame (kind, chunk, bytes) {got_head} where "
+                                 f"the plan has {want}, after {got} bytes of {size}")
+        return got_head
+
+    def probe(self, until: float, window: float = PROBE_WINDOW_S, change: float = PROBE_CHANGE) -> tuple:
+        """Probe bytes on the idle link from now until the run's time `until`, or one window after a
+        window's throughput differs `change` times from the first window's (a change of rate seen):
+        (the throughput over the last window, Gb/s; when the probe ended, run's clock). Raises WireTimeout."""
+        start = self.now()
+        arrivals, total, seen = [(start, 0)], 0, None     # (when, bytes so far) per piece read
+        try:
+            self.sock.sendall(_PROBE.pack(PROBE, until))
+            cancelled = False
+            while True:
+                end = until if seen is None else min(until, seen + window)
+                if not cancelled and not self._ready_by(end):
+                    cancelled = True
+                    self.sock.sendall(_REQUEST.pack(CANCEL, PROBE_CHUNK, 0))
+                head = _recv_exact(self.sock, _HEADER.size, time.monotonic() + self.margin_s)
+                if head is None:
+                    raise ConnectionResetError("end of stream")
+                kind, i, n = _HEADER.unpack(head)
+                if i != PROBE_CHUNK or kind not in (DATA, CANCELLED):
+                    raise self._protocol(f"probe: a frame (kind, chunk, bytes) {(kind, i, n)} where the probe has "
+                                         f"its own ({PROBE_CHUNK})")
+                if kind == CANCELLED:
+                    _recv_exact(self.sock, _END_TAIL.size, time.monotonic() + self.margin_s)
+                    break
+                if n > self.quantum_cap():
+                    raise self._protocol(f"probe: a piece of {n} bytes, past {self.quantum_cap()}")
+                _recv_exact(self.sock, n, time.monotonic() + self.margin_s)
+                total += n
+                arrivals.append((self.now(), total))
+                if seen is None and _rate_change(arrivals, window, change):
+                    seen = arrivals[-1][0]
+        except (OSError, TypeError) as e:
+            self.broken = True
+            raise WireTimeout(f"probe: connection lost ({e})") from None
+        self.link_free = 0.0
+        if total == 0:     # not a byte through: at most one byte over the probe's seconds (never 0, see WireLink)
+            return 8 / max(self.now() - start, 1e-9) / st.GBIT, self.now()
+        return _window_gbps(arrivals, window), self.now()
+
+    def quantum_cap(self) -> int:
+        """The largest piece a probe may send: what the trace's fastest rate carries in a tick (and a quantum)."""
+        return self.quantum + int(max(self.trace.gbps) * st.GBIT * PROBE_TICK_S / 8) + 1
+
+
+def _window_gbps(arrivals: list, window: float) -> float:
+    """The throughput of a probe's last `window` seconds: the bytes read after the first piece at least a window
+    before the last one, over the time between (from the probe's start when none is that old). Gb/s."""
+    t1, c1 = arrivals[-1]
+    t0, c0 = next(((t, c) for t, c in reversed(arrivals) if t1 - t >= window), arrivals[0])
+    return 8 * (c1 - c0) / max(t1 - t0, 1e-9) / st.GBIT
+
+
+def _rate_change(arrivals: list, window: float, change: float) -> bool:
+    """Whether the last window's throughput differs `change` times from the first window's (both full windows)."""
+    t_first = arrivals[0][0]
+    if arrivals[-1][0] - t_first < 2 * window:
+        return False
+    head = [(t, c) for t, c in arrivals if t - t_first <= window]
+    first = 8 * (head[-1][1] - arrivals[0][1]) / max(head[-1][0] - t_first, 1e-9) / st.GBIT
+    last = _window_gbps(arrivals, window)
+    return first <= 0 or last <= 0 or not (1 / change <= last / first <= change)
 
 
 if __name__ == "__main__":      # the sender process: its arguments come on stdin from Wire (write_setup)

@@ -3,6 +3,7 @@ policy run both ways (compare), where the run's seconds went beside the simulato
 of a TTFT gap above GAP_SHARE (cause)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from lecture27 import streaming as st
@@ -34,6 +35,9 @@ def parts(m: wire_runs.WireRun, prep, trace: st.Trace, sim: st.Result | None = N
             out["recompute time"] += r.compute_s - setup.recompute_s(first, n)
         else:
             out["decode time"] += r.compute_s - setup.decode_s(first, n, opt.name)
+        if r.abandoned is not None:          # a transfer the policy gave up: its link seconds were lost on purpose
+            out["Python overhead"] += r.abandoned.asked - prev_byte
+            prev_byte = r.abandoned.last_byte
         if a is not None:
             bits = 8 * len(a.data)
             out["TCP"] += (a.planned - trace.transfer_end(a.asked, bits)) + (a.last_byte - a.sent)
@@ -65,7 +69,8 @@ class Compared:
     """One trace and policy measured on the wire and simulated with this CPU's times. The first six fields
     are the spec's wire_runs entry (entry()); then the answer's check, the cause of a TTFT gap above
     GAP_SHARE (None within it), the measured parts (parts()) and both timelines, per chunk (link start,
-    link end, compute start, ready) seconds (the link's None for a chunk the wire did not carry)."""
+    link end, compute start, ready) seconds (the link's None for a chunk the wire did not carry); per chunk the
+    level given up on the socket (None where none was), the adaptive run's probes and learned margin."""
     measured_ttft_s: float
     simulated_ttft_s: float
     measured_choices: list
@@ -81,6 +86,9 @@ class Compared:
     simulated_ready_s: list
     measured_spans: list
     simulated_spans: list
+    gave_up: list = dataclasses.field(default_factory=list)
+    probes: int = 0
+    margin: st.Margin | None = None
 
     ENTRY = ("measured_ttft_s", "simulated_ttft_s", "measured_choices", "simulated_choices", "measured_slo_met",
              "simulated_slo_met")
@@ -96,11 +104,13 @@ def compare(prep, model, trace: st.Trace, policy: str, slo_s: float, w: wire.Wir
     m = wire_runs.run(prep, model, trace, policy, slo_s, w=w, check=check)
     s = simulated.simulate(prep, trace, policy, slo_s)
     p = parts(m, prep, trace, s)
-    links = [(None, None) if r.arrival is None else (r.arrival.asked, r.arrival.last_byte) for r in m.rows]
+    links = [(None, None) if r.arrival is None else ((r.abandoned or r.arrival).asked, r.arrival.last_byte)
+             for r in m.rows]             # a chunk given up: from its cancelled transfer to its token ids' last byte
     return Compared(measured_ttft_s=m.ttft_s, simulated_ttft_s=s.ttft_s, measured_choices=m.choices,
                     simulated_choices=s.choices, measured_slo_met=m.slo_met,
                     simulated_slo_met=s.ttft_s <= slo_s + 1e-12, first_token_kl=m.first_token_kl,
                     same_answer=m.same_answer, bytes_equal=m.bytes_equal, cause=cause(m, s, p), parts_s=p,
                     measured_ready_s=[r.ready for r in m.rows], simulated_ready_s=[r["finish"] for r in s.rows],
                     measured_spans=[link + (r.compute_start, r.ready) for link, r in zip(links, m.rows)],
-                    simulated_spans=[(r["start"], r["link_end"], r["gpu_start"], r["finish"]) for r in s.rows])
+                    simulated_spans=[(r["start"], r["link_end"], r["gpu_start"], r["finish"]) for r in s.rows],
+                    gave_up=[r.gave_up for r in m.rows], probes=m.probes, margin=m.margin)

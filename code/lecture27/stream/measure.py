@@ -79,6 +79,16 @@ def prepare(model, ids, question, chunk_tokens: int, specs, accuracy: dict | Non
                     decode_s={k: tuple(v) for k, v in decode_s.items()}, ref_logp=ref_logp, ref_answer=ref_answer)
 
 
+def build_decoders(specs) -> None:
+    """Each spec's decoder tables (its TableStack's lookup rows and search keys, about a second per level),
+    built once before anything is timed: the first decode would otherwise build them. A function of the spec
+    alone, so it may run while the model loads."""
+    for spec in specs:
+        stack = spec.stack
+        for part in ("lookup", "keys", "cdf32", "width32", "empty_slices"):
+            getattr(stack, part)
+
+
 def _streams(X, plan, spec, layout, keep: bool) -> list:
     """Each chunk's bitstream; the chunks of one length coded side by side (kvcache.codec_encode_many);
     keep: cached under a digest of the quantized chunks, the spec and the layout (common.checkpoints)."""

@@ -570,6 +570,18 @@ def wire_notes(r, s) -> list[str]:
            "choices when the socket's throughput led the policy elsewhere"
            + (": " + ", ".join(f"{c} x{m}" for c, m in sorted(causes.items(), key=lambda x: -x[1])) if causes else "")
            + "."]
+    ad = [(t, by["adaptive"]) for t, by in r.runs.items() if "adaptive" in by]
+    given = [f"{t} chunk {i} ({SHORT[g]})" for t, c in ad for i, g in enumerate(c.gave_up) if g]
+    probes = plural(sum(c.probes for _, c in ad), "probe", "{}")
+    out.append("Adaptive on the socket: " + (f"gave up {', '.join(given)} (cancelled, then recomputed)" if given else
+                                             "gave up no KV chunk") + f"; {probes}; "
+               "the margin it had learned by its last chunk (compute slowdown against the times measured alone, "
+               "and the most a chunk lost besides): " + "; ".join(
+                   f"{t} x{c.margin.slowdown:.2f} + {1e3 * c.margin.overhead_s:.0f} ms" for t, c in ad if c.margin)
+               + ". Fixed policies meeting the SLO where adaptive missed it: " + (", ".join(
+                   f"{t} ({', '.join(p for p, x in r.runs[t].items() if p != 'adaptive' and x.measured_slo_met)})"
+                   for t, c in ad if not c.measured_slo_met and any(
+                       x.measured_slo_met for p, x in r.runs[t].items() if p != "adaptive")) or "none") + ".")
     slow = r.slowdown
     out.append(f"    In the runs a KV chunk's decode took {slow['decode']:.2f}x, a text chunk's recompute "
                f"{slow['recompute']:.2f}x the time measured alone before them (the simulator's): the compute thread "
@@ -610,7 +622,10 @@ def show_wire(page: Page, r, s) -> None:
              f"Every bandwidth is divided by {r.scale:g} = {r.kv_ratio:.1f} ({tm.MODELS[wire.LECTURE_MODEL].name}'s "
              f"FP16 KV bytes per token over SmolLM2's, wire.wire_scale) x {r.scale / r.kv_ratio:.1f} (so that a chunk "
              "takes about as long on the link as this CPU takes to decode it); the traces keep their shape and times. "
-             f"Adaptive chooses each chunk from the throughput it measured on the socket; SLO {r.slo_s:g} s. Beside "
+             "Adaptive is the simulator's policy, the same code (streaming.run_adaptive) on the socket's clock: each "
+             "chunk chosen from the throughput measured on the socket, the idle link probed while text waits for "
+             "the CPU, a KV chunk not in by its give-up deadline cancelled on the socket and recomputed, and a "
+             f"margin learned from this run's own compute times; SLO {r.slo_s:g} s. Beside "
              "each run, the simulator (streaming.py, the parallel model) on the same scaled trace, fed this CPU's "
              "measured times.")
     page.table(wire_inputs_table(r))

@@ -31,9 +31,9 @@ def measured_setup(prep) -> MeasuredSetup:
 
 def simulate(prep, trace: st.Trace, policy: str, slo_s: float) -> st.Result:
     """The simulator on the same (scaled) trace with this CPU's measured times, in its parallel model; the
-    adaptive policy as a run on the wire runs it (streaming.adaptive without the probe and the give-up
-    deadline)."""
+    adaptive policy is the one a run on the wire runs (streaming.adaptive: the probe and the give-up deadline,
+    on the simulator's clock, where the compute runs as predicted: no margin)."""
     setup = measured_setup(prep)
     if policy == "adaptive":
-        return st.adaptive(setup, trace, slo_s, probe=False, give_up=False, parallel=True)
+        return st.adaptive(setup, trace, slo_s, parallel=True)
     return st.fixed(setup, trace, policy, parallel=True)

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import threading
 import time
 from dataclasses import dataclass
 
@@ -133,7 +134,12 @@ def wire_study(specs, traces: dict, context_tokens: int, chunk_tokens: int, scal
     from common.gguf_llama import gguf_file, load_gguf_llama
     t0 = time.perf_counter()
     path = gguf_file(gguf)
-    model, tok, _ = load_gguf_llama(path)
+    tables = threading.Thread(target=measure.build_decoders, args=(specs,), daemon=True)
+    tables.start()                 # numpy builds the decoder tables while torch loads the weights
+    try:
+        model, tok, _ = load_gguf_llama(path)
+    finally:
+        tables.join()
     ids, question = context_of(tok, RAG_ITEMS[item], context_tokens)
     r = study_of(model, ids, question, specs, traces, chunk_tokens, scale, slo_s, accuracy,
                  answer_tokens, policies, lambda x: tok.decode(list(x)), keep_streams=True)
