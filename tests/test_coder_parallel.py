@@ -189,6 +189,30 @@ def test_every_layout_roundtrips_and_groups_decode_alone(specs, layout, delta):
         assert np.array_equal(alone[rows], q[2][rows]) and not alone[:10].any()
 
 
+def test_bitstreams_of_every_layout_and_length_decode_together(specs):
+    """One call decodes contexts of 3, 10 and 37 tokens in different layouts side by side (the channel
+    layout's groups read in place as lanes, the others' streams laid end to end), each as it decodes alone."""
+    spec = specs[True]
+    Xs = [_kv(11, 1, 3)[0], _kv(12, 1, 37)[0], _kv(13, 1, 10)[0], _kv(14, 1, 37)[0]]
+    streams = [kv.codec_encode(X, spec, layout) for X, layout in zip(Xs, ["channel", "channel", "layer", "group"])]
+    together = kv.codec_decode_many(streams, spec)
+    for q, X, data in zip(together, Xs, streams):
+        assert np.array_equal(q, kv.quantize(X, spec)) and np.array_equal(q, kv.codec_decode(data, spec))
+
+
+def test_decode_lanes_is_decode_streams_on_columns():
+    """decode_lanes reads a (steps, lanes) matrix of streams of equal length: lane j is stream j."""
+    rng = np.random.default_rng(5)
+    tables = [ac.make_table(rng.random(n) + 0.01) for n in (5, 300, 2)]
+    steps, lanes = 7, 300
+    ids = rng.integers(0, 3, (steps, lanes))
+    syms = np.minimum(rng.integers(0, 300, (steps, lanes)), np.array([4, 299, 1])[ids])
+    data, nbytes = acp.encode_streams(syms.T.ravel(), np.full(lanes, steps), tables, ids.T.ravel())
+    assert np.array_equal(acp.decode_lanes(data, nbytes, ids, tables), syms)
+    with pytest.raises(ValueError):
+        acp.decode_lanes(data, nbytes[:-1], ids, tables)
+
+
 def test_one_stream_per_group_is_the_serial_coder_in_token_order(specs):
     spec = specs[True]
     X = _kv(8, 1, 23)[0]
