@@ -552,21 +552,19 @@ def test_store_machine_on_smollm2(smollm2, tmp_path, monkeypatch):
 
 
 def test_many_chunks_decode_together_as_one_by_one(spec, capsys, monkeypatch):
-    """Chunks of different lengths and stream layouts (decoded in one batch per layout) decode as they do alone."""
+    """Chunks of different lengths and stream layouts, decoded in one call, decode as they do alone."""
     tier = ks.RamTier(1 << 20)
     store = ks.ChunkStore(tier, "cachegen", spec)
     keys, arrays = keys_and_kvs(4)
     short = ks.ChunkKey("model-a", (1, 2, 3))
     store.put(short, synthetic_kv(3, 50))
-    encode = kv.codec_encode
-    with monkeypatch.context() as m:   # one chunk cut into two streams a group (K and V)
-        m.setattr(kv, "codec_encode", lambda X, spec: encode(X, spec, "K/V"))
-        store.put(keys[2], arrays[2])
-    for k, X in zip(keys[:2], arrays):
-        store.put(k, X)
+    store.put_record(keys[2], store.encode(keys[2], arrays[2], "K/V"))   # two streams a group (K and V)
+    store.put_record(keys[1], store.encode(keys[1], arrays[1], "channel"))   # one a (layer, K/V, channel)
+    store.put(keys[0], arrays[0])
     got = store.get_many([short, *keys])
     assert got[4] is None and all(np.array_equal(g, store.get(k)) for g, k in zip(got[:4], [short, *keys]))
-    assert {kv.codec_header(bytes(store.fetch(k)[2]))["layout"] for k in [short, *keys[:3]]} == {"group", "K/V"}
+    assert {kv.codec_header(bytes(store.fetch(k)[2]))["layout"] for k in [short, *keys[:3]]} == {"group", "K/V",
+                                                                                                "channel"}
     bad = bytearray(_raw(tier, store.name(keys[1])))
     bad[-30] ^= 0x40
     tier.records[store.name(keys[1])] = bytes(bad)

@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from lecture27.coder import (AC_TOTAL, CorruptStream, FreqTable, cdfs_by_size, decode, encode, ideal_bits, make_tables,
-                   unseen_uniform)
+from lecture27.coder import (AC_PRECISION, AC_TOTAL, CorruptStream, FreqTable, cdfs_by_size, decode, encode, ideal_bits,
+                             make_tables, unseen_uniform)
 from lecture27.coder_parallel import (TableStack, decode_lanes, decode_streams, encode_streams, read_varint_runs,
                                       read_varints, stack_tables, varint)
 
@@ -235,14 +235,61 @@ def stream_plans(spec: CodecSpec) -> list:
     return out
 
 
-def stream_plan(spec: CodecSpec, tokens: int) -> StreamPlan:
-    """The layout the codec uses for a context of `tokens` tokens: the one with the most streams whose
-    expected added bytes stay within STREAM_BUDGET of a group's payload; but one stream per group when
-    even those would leave the context fewer than PARALLEL_MIN_STREAMS streams (the serial coder codes
-    it then, and more streams would only add bytes)."""
+def stream_plan(spec: CodecSpec, tokens: int, gbps: float | None = None, decode_s: dict | None = None) -> StreamPlan:
+    """The layout the codec uses for a context of `tokens` tokens. Without a bandwidth: the one with the
+    most streams whose expected added bytes stay within STREAM_BUDGET of a group's payload; but one stream
+    per group when even those would leave the context fewer than PARALLEL_MIN_STREAMS streams (the serial
+    coder codes it then, and more streams would only add bytes). With the bandwidth of the link or tier the
+    bitstream is read over (gbps, 1e9 bytes/s) and each layout's decode seconds for such a context on this
+    machine (decode_s, layout_decode_seconds): the layout whose expected bytes over that bandwidth plus its
+    decode take the least time. More streams cost bytes and save decode time; the bandwidth sets the price."""
     plans = stream_plans(spec)
-    best = [p for p in plans if p.streams == 1 or p.added_share <= STREAM_BUDGET][-1]
-    return best if coder_for(best.streams * -(-tokens // spec.group)) == "parallel" else plans[0]
+    if gbps is None:
+        best = [p for p in plans if p.streams == 1 or p.added_share <= STREAM_BUDGET][-1]
+        return best if coder_for(best.streams * -(-tokens // spec.group)) == "parallel" else plans[0]
+    if gbps <= 0 or not decode_s or set(decode_s) != {p.layout for p in plans}:
+        raise ValueError("choosing a layout by time needs a positive bandwidth and every layout's decode seconds")
+    return min(plans, key=lambda p: context_bytes(spec, tokens, p) / (gbps * 1e9) + decode_s[p.layout])
+
+
+def context_bytes(spec: CodecSpec, tokens: int, plan: StreamPlan) -> float:
+    """A context's expected bitstream bytes in the plan's layout: the header, each group's length, and its
+    payload (a group's entropy, in proportion to its tokens, plus the bytes its extra streams add)."""
+    n_groups = -(-tokens // spec.group)
+    per_group = plan.group_bytes + plan.added_bytes
+    return (CODEC_HEADER_BYTES + n_groups * len(varint(int(per_group))) + plan.group_bytes * tokens / spec.group
+            + plan.added_bytes * n_groups)
+
+
+def sample_context(spec: CodecSpec, tokens: int, seed: int = 0) -> np.ndarray:
+    """A context's integers (tokens, L, 2, C) drawn from the codec's own tables: what its bitstream would
+    hold, for timing the decoder without a model."""
+    stack, ids = spec.stack, _table_ids(tokens, spec)
+    u = np.random.default_rng(seed).integers(0, AC_TOTAL, ids.shape)
+    at = np.searchsorted(stack.keys, ids << (AC_PRECISION + 1) | u, "right") - 1
+    L, _, C = spec.shape
+    offset = np.concatenate([np.repeat(np.asarray(spec.radius).ravel(), C), np.full(L * 2 * C, ANCHOR_MAX)])
+    return (at - stack.start[ids] - offset[ids]).astype(np.int32).reshape(tokens, *spec.shape)
+
+
+def layout_decode_seconds(spec: CodecSpec, tokens: int, repeats: int = 3) -> dict:
+    """{layout: seconds to decode a context of `tokens` tokens in it}, timed on this machine (best of
+    `repeats`) on a context drawn from the codec's tables (sample_context). A layout the serial coder
+    decodes is timed on one group and scaled by the context's groups: that coder's time grows with its
+    symbols, and a whole context would take it seconds."""
+    import time
+    X = dequantize(sample_context(spec, tokens), spec)
+    out = {}
+    for p in stream_plans(spec):
+        serial = coder_for(p.streams * -(-tokens // spec.group)) == "serial"
+        part = X[:min(tokens, spec.group)] if serial else X
+        data, best = codec_encode(part, spec, p.layout), math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            codec_decode(data, spec)
+            best = min(best, time.perf_counter() - t0)
+        out[p.layout] = best * tokens / len(part)
+    return out
 
 
 def coder_for(n_streams: int) -> str:
@@ -394,8 +441,9 @@ def _group_streams(data: bytes, h: dict, spec: CodecSpec, q, groups) -> list:
         raise CorruptStream(f"group {gs[np.argmax(last < 0)]}: its streams are longer than the group")
     counts = np.concatenate([counts, last[:, None]], axis=1)
     first, flat = np.cumsum(np.r_[0, lengths]), q.reshape(T, -1)
-    return [_Group(flat, slice(g * G, min(T, g * G + G)), h["layout"], order[first[g * S]:first[(g + 1) * S]] - g * G * flat.shape[1],
-                   lengths[g * S:(g + 1) * S], counts[i], buf[pos[i]:start[g + 1]]) for i, g in enumerate(gs.tolist())]
+    return [_Group(flat, slice(g * G, min(T, g * G + G)), h["layout"],
+                   order[first[g * S]:first[(g + 1) * S]] - g * G * flat.shape[1], lengths[g * S:(g + 1) * S],
+                   counts[i], buf[pos[i]:start[g + 1]]) for i, g in enumerate(gs.tolist())]
 
 
 def _decode_job(spec: CodecSpec, job: list):
