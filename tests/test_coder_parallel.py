@@ -244,6 +244,35 @@ def test_stream_plan_keeps_its_budget_and_its_estimate(specs):
     assert kv.coder_for(kv.PARALLEL_MIN_STREAMS) == "parallel" and kv.coder_for(kv.PARALLEL_MIN_STREAMS - 1) == "serial"
 
 
+def test_stream_plan_by_time_weighs_bytes_at_a_bandwidth_against_decode(specs):
+    """With a bandwidth and each layout's decode seconds, the layout of least bytes / bandwidth + decode: the
+    fastest decode over a fast link, the fewest bytes over a slow one, and the switch where both take as long;
+    its expected bytes are a real bitstream's within a tenth. Without a bandwidth, the bytes-only rule."""
+    spec, T = specs[False], 30
+    X = _kv(10, 4, T)
+    nbytes = {p.layout: kv.context_bytes(spec, T, p) for p in kv.stream_plans(spec)}
+    for layout, n in nbytes.items():
+        assert np.mean([len(d) for d in kv.codec_encode_many(X, spec, layout)]) == pytest.approx(n, rel=0.1)
+    decode = {"group": 4.0, "K/V": 3.0, "layer": 0.5, "channel": 0.1}
+    assert kv.stream_plan(spec, T, 1e3, decode).layout == "channel"
+    assert kv.stream_plan(spec, T, 1e-12, decode).layout == min(nbytes, key=nbytes.get)
+    switch = (nbytes["channel"] - nbytes["layer"]) / (decode["layer"] - decode["channel"]) / 1e9
+    assert kv.stream_plan(spec, T, switch * 1.01, decode).layout == "channel"
+    assert kv.stream_plan(spec, T, switch * 0.99, decode).layout == "layer"
+    assert kv.stream_plan(spec, T).layout == "group"                # the bytes-only rule, as 02's tables use it
+    with pytest.raises(ValueError):
+        kv.stream_plan(spec, T, 1.0, {"channel": 0.1})
+
+
+def test_a_sampled_context_holds_the_codecs_own_symbols(specs):
+    """sample_context draws each value from its table: in range, and its mean bits near the tables' entropy."""
+    spec = specs[True]
+    q = kv.sample_context(spec, 40, seed=1)
+    assert q.shape == (40, *spec.shape) and np.abs(q).max() <= max(spec.radius.max(), kv.ANCHOR_MAX)
+    plan = kv.stream_plans(spec)[0]
+    assert kv.codec_bits(spec, kv.dequantize(q, spec)[None]) / 8 == pytest.approx(plan.group_bytes * 4, rel=0.1)
+
+
 @pytest.mark.parametrize("max_steps", [10_000, 50])
 def test_the_benchmark_counts_the_bytes_streams_add(monkeypatch, max_steps):
     """coder_bench.coder_throughput: at each stream count, the bytes added to one stream are the streams'
