@@ -521,13 +521,16 @@ def test_a_store_given_its_read_rate_codes_in_the_layout_chosen_by_time(spec, mo
 
 
 def test_layout_decode_s_is_timed_once_and_cached(spec, tmp_path, monkeypatch):
+    """Timed once per codec, length and machine: a new process (here, an emptied memo) reads the file."""
     monkeypatch.setenv("L27_CHECKPOINTS", str(tmp_path))
+    monkeypatch.setattr(ks, "_LAYOUT_DECODE_S", {})
     calls = []
     real = kv.layout_decode_seconds
     monkeypatch.setattr(kv, "layout_decode_seconds", lambda s, t: calls.append(t) or real(s, t, repeats=1))
     first = ks.layout_decode_s(spec, 23)
     assert set(first) == set(kv.STREAM_LAYOUTS) and all(v > 0 for v in first.values())
-    assert ks.layout_decode_s(spec, 23) == first and calls == [23]
+    monkeypatch.setattr(ks, "_LAYOUT_DECODE_S", {})
+    assert ks.layout_decode_s(spec, 23) == first and calls == [23] and list(tmp_path.glob("codec-layout-decode-*.pt"))
 
 
 def fp16_bytes(j) -> int:

@@ -265,9 +265,15 @@ def layout_decode_s(spec: kv.CodecSpec, tokens: int) -> dict:
     import platform
 
     from common.checkpoints import cached
-    machine = {"node": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
-    return cached("codec-layout-decode", {"codec": f"{spec.fingerprint:08x}", "tokens": int(tokens), **machine},
-                  lambda: kv.layout_decode_seconds(spec, int(tokens)), tag="codec")
+    if (spec.fingerprint, tokens) not in _LAYOUT_DECODE_S:   # read once per process, each chunk's put asks
+        machine = {"node": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+        _LAYOUT_DECODE_S[spec.fingerprint, tokens] = cached(
+            "codec-layout-decode", {"codec": f"{spec.fingerprint:08x}", "tokens": int(tokens), **machine},
+            lambda: kv.layout_decode_seconds(spec, int(tokens)), tag="codec")
+    return _LAYOUT_DECODE_S[spec.fingerprint, tokens]
+
+
+_LAYOUT_DECODE_S: dict = {}
 
 
 # ------------------------------------------------------------------------------------------ tiers

@@ -10,8 +10,8 @@ the question's first token. Measured, on one torch thread as 04 times its TTFT:
   fetch    per tier and format: every record read back (a disk record's pages dropped from the page cache
            first; the share still cached is reported) and its checksum verified;
   decode   per format: records -> float32 KV (FP16 widened; the codec's arithmetic decoding of every chunk's
-           streams side by side, dequantized), once: the same bytes come from every tier (each tier's are
-           checked equal to RAM's);
+           streams side by side, dequantized), best of DECODE_REPEATS: the same bytes come from every tier (each
+           tier's are checked equal to RAM's);
   blend    per format: shift_kv, blend, the question: its first token;
   TTFT     fetch + decode + blend;
   prefill  the whole context and question prefilled at once (what the store saves).
@@ -19,6 +19,11 @@ Beside them the time model (common.timemodel) on a CPU device calibrated by that
 TTFT from the bytes, the tier's bandwidth (one probe record read alone), the measured decode, and the
 recompute's FLOPs. Then 01's break-even bandwidth (ledger.breakeven_bandwidth: fetch = recompute) and the
 bandwidth below which CacheGen's smaller bitstream beats FP16 despite its decode.
+
+The bitstream's stream layout (kvcache.STREAM_LAYOUTS: how each group of tokens is cut into independent streams)
+trades bytes on the link for decode time: the records are coded in the layout the codec chooses by time at the
+slowest tier's read rate (kvstore.ChunkStore with gbps), and every layout is shown beside it (measure_layouts), with
+the parallel coder's own rate on the same symbols (coder_rate) beside the store's decode.
 
 Exercise 9: the Redis server is a process of its own. The first engine (this process) computed the chunks'
 KV, holds it in FP16 as an engine's cache does, stored those bytes and answered from them. `restart_engine`
