@@ -533,10 +533,6 @@ def test_layout_decode_s_is_timed_once_and_cached(spec, tmp_path, monkeypatch):
     assert ks.layout_decode_s(spec, 23) == first and calls == [23] and list(tmp_path.glob("codec-layout-decode-*.pt"))
 
 
-def fp16_bytes(j) -> int:
-    return j["store_tiers"]["ram"]["fp16"]["bytes"]
-
-
 # ------------------------------------------------------------------------------------------ break-evens
 # Each formula on numbers where every term matters: dropping any one of them (a size, a decode, the recompute)
 # moves the result by far more than the tolerance.
@@ -619,9 +615,9 @@ def test_store_machine_on_smollm2(smollm2, tmp_path, monkeypatch):
     assert served["measured"] and (served["bytes"], served["decode_s"]) == (cg["bytes"], cg["decode_s"])
     assert served["pays_below_gbps"] == j["store_cachegen_pays_below_gbps"]
     assert j["store_decode_msym_s"] == pytest.approx(sum(X.size for X in arrays) / cg["decode_s"] / 1e6)
+    f = j["store_tiers"]["ram"]["fp16"]
     for x in j["store_layouts"].values():
-        assert x["pays_below_gbps"] == machine.pays_below_gbps(fp16_bytes(j), j["store_tiers"]["ram"]["fp16"]["decode_s"],
-                                                               x["bytes"], x["decode_s"])
+        assert x["pays_below_gbps"] == machine.pays_below_gbps(f["bytes"], f["decode_s"], x["bytes"], x["decode_s"])
     tiers = {"ram", "disk", "redis"} if "redis" in run.tiers else {"ram", "disk"}
     assert set(j["store_tiers"]) == tiers and run.same_bytes
     fp16 = j["store_tiers"]["ram"]["fp16"]

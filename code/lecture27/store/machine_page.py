@@ -21,6 +21,13 @@ def rate(gbps: float) -> str:
     return f"{unit(gbps, 'GB/s', 'MB/s')} ({unit(8 * gbps, 'Gb/s', 'Mb/s')})"
 
 
+def link_rate(gbps: float) -> str:
+    """A bandwidth in GB/s as a link's rate alone: Mb/s or Gb/s ("never" when it is infinite)."""
+    if gbps == float("inf"):
+        return "never"
+    return f"{8 * gbps:.3g} Gb/s" if gbps >= 0.125 else f"{8e3 * gbps:.3g} Mb/s"
+
+
 def token_text(token: int, ref: int) -> str:
     return f"{token} (= full prefill's)" if token == ref else f"{token} (full prefill: {ref})"
 
@@ -147,12 +154,13 @@ def layout_table(r: StoreRun) -> Table:
         rows.append(Row([name + (" (served)" if name == r.layout else ""), x.streams, f"{x.bytes:,}{star}",
                          f"{x.decode_s:.3f}{star}", r.symbols / x.decode_s / 1e6,
                          *[x.bytes / b + x.decode_s + blend for b in r.bandwidth.values()],
-                         rate(pays) if 0 < pays < float("inf") else pays_text(pays).split(":")[0]]))
+                         link_rate(pays) if 0 < pays < float("inf") else pays_text(pays).split(":")[0]]))
     tiers = [f"TTFT {TIER_NAMES[t]}" for t in r.bandwidth]
     served = r.layouts[r.layout]
     notes = ["Each group of a chunk's tokens (CacheGen's anchor and its deltas) is cut into independent streams "
              "(kvcache.STREAM_LAYOUTS): one, one per K/V, per (layer, K/V), per (layer, K/V, channel). More streams "
-             "cost bytes (each stream's end and its length) and let the parallel coder decode more symbols at each step. "
+             "cost bytes (each stream's end and its length) and let the parallel coder decode more symbols "
+             "at each step. "
              f"The codec chooses by time (kvcache.stream_plan with a bandwidth): the layout whose bytes at the read "
              f"rate plus its decode take least; at the slowest tier's {rate(r.layout_gbps)} that is {r.layout}.",
              f"TTFT per tier: the records' bytes / the tier's measured read rate + the decode + the blend and question "
@@ -167,7 +175,9 @@ def layout_table(r: StoreRun) -> Table:
              "each a pass through memory, where compiled code keeps a lane's state in registers.",
              f"Against recomputing ({r.recompute_s:.2f} s), the served layout "
              + versus_recompute(beats_recompute_above_gbps(served.bytes, served.decode_s, r.recompute_s),
-                                served.decode_s, r.recompute_s) + "."]
+                                served.decode_s, r.recompute_s) + ". The other layouts beat it over links faster than: "
+             + ", ".join(f"{name} {link_rate(beats_recompute_above_gbps(x.bytes, x.decode_s, r.recompute_s))}"
+                         for name, x in r.layouts.items() if name != r.layout) + "."]
     return Table(title="CacheGen's stream layouts: bytes on the link against decode time on this CPU",
                  section="§3.3, §6",
                  cols=cols(Col("layout", left=True), ("streams", "{:,}"), Col("bytes"), Col("decode, s"),
