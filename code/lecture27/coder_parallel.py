@@ -25,6 +25,9 @@ from lecture27.coder import (AC_MASK, AC_PRECISION, AC_SHIFT, AC_STATE_BITS, AC_
 #                                           streams laid end to end (lengths[j] symbols each) -> their
 #                                           bytes laid end to end and each stream's byte count
 #   syms = decode_streams(data, nbytes, lengths, stack, table_ids)
+#   syms = decode_lanes(data, nbytes, table_ids, stack)
+#                                           streams of equal length as the columns of a (steps, lanes)
+#                                           matrix: no laying end to end and back (the codec's channel layout)
 # The encoder's one sequential detail, the carry, is settled after the loop: each step records low as
 # it was before its shifts, carry bit included, and the carries of all streams are then added to the
 # bytes before them at once. The decoder finds a symbol in a lookup of 256 buckets per table (the
