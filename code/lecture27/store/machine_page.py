@@ -169,8 +169,8 @@ def layout_table(r: StoreRun) -> Table:
              "(seconds a run); the codec's expected bytes and its decode timed once on this machine "
              "(kvstore.layout_decode_s, cached); the figure leaves them out.",
              f"The served layout decodes {r.symbols:,} symbols at {r.decode_msym_s:.1f} M symbols/s; the parallel "
-             "coder's own rate on the same symbols, one stream per (chunk, layer, K/V, channel) as in 02's exercise "
-             f"3, is {r.coder_msym_s:.1f} M symbols/s ({served_share(r):.0%}). What remains to a compiled coder such "
+             "coder's own rate on the longest chunk's symbols, one stream per (layer, K/V, channel) as in 02's "
+             f"exercise 3, is {r.coder_msym_s:.1f} M symbols/s ({served_share(r):.0%}). What remains to a compiled coder such "
              "as constriction is numpy's: each step of the coder is a few dozen array operations over all lanes, "
              "each a pass through memory, where compiled code keeps a lane's state in registers.",
              f"Against recomputing ({r.recompute_s:.2f} s), the served layout "
