@@ -418,7 +418,7 @@ class _Group:
     q: np.ndarray          # the bitstream's integers, (T, L * 2 * C)
     rows: slice            # the group's tokens in q
     layout: str
-    order: np.ndarray      # its streams' symbols in q's group rows, flat (_stream_order)
+    order_of: object       # -> its streams' symbols in q's group rows, flat (_stream_order; made when needed)
     lengths: np.ndarray    # symbols of each stream
     nbytes: np.ndarray     # bytes of each stream
     data: np.ndarray       # the streams' bytes (uint8)
@@ -428,7 +428,8 @@ def _group_streams(data: bytes, h: dict, spec: CodecSpec, q, groups) -> list:
     """The groups of a bitstream (all, or `groups`) to decode; every group's stream lengths read at once
     (read_varint_runs)."""
     G, T = h["group"], h["tokens"]
-    order, lengths, S = _stream_order(T, spec, h["layout"])
+    S, n = _layout_streams(spec)[h["layout"]], int(np.prod(spec.shape))
+    whole = functools.cache(lambda: _stream_order(T, spec, h["layout"])[0])   # the channel layout needs none
     buf = np.frombuffer(data, np.uint8)
     start = np.cumsum([h["payload_start"]] + h["group_bytes"])
     n_groups = len(h["group_bytes"])
@@ -440,10 +441,14 @@ def _group_streams(data: bytes, h: dict, spec: CodecSpec, q, groups) -> list:
     if np.any(last < 0):
         raise CorruptStream(f"group {gs[np.argmax(last < 0)]}: its streams are longer than the group")
     counts = np.concatenate([counts, last[:, None]], axis=1)
-    first, flat = np.cumsum(np.r_[0, lengths]), q.reshape(T, -1)
-    return [_Group(flat, slice(g * G, min(T, g * G + G)), h["layout"],
-                   order[first[g * S]:first[(g + 1) * S]] - g * G * flat.shape[1], lengths[g * S:(g + 1) * S],
-                   counts[i], buf[pos[i]:start[g + 1]]) for i, g in enumerate(gs.tolist())]
+    flat = q.reshape(T, n)
+
+    def group(i: int, g: int) -> _Group:
+        rows = slice(g * G, min(T, g * G + G))
+        m = rows.stop - rows.start                 # the group's tokens: each of its S streams holds m * n / S symbols
+        return _Group(flat, rows, h["layout"], lambda: whole()[g * G * n:g * G * n + m * n] - g * G * n,
+                      np.full(S, m * n // S), counts[i], buf[pos[i]:start[g + 1]])
+    return [group(i, g) for i, g in enumerate(gs.tolist())]
 
 
 def _decode_job(spec: CodecSpec, job: list):
@@ -469,13 +474,14 @@ def _decode_job(spec: CodecSpec, job: list):
     rest = [g for g in job if not (columns and g.layout == "channel")]
     if not rest:
         return
-    ids = np.concatenate([_table_ids(g.rows.stop - g.rows.start, spec).reshape(-1)[g.order] for g in rest])
+    orders = [g.order_of() for g in rest]
+    ids = np.concatenate([_table_ids(g.rows.stop - g.rows.start, spec).reshape(-1)[o] for g, o in zip(rest, orders)])
     syms = _decode_any(np.concatenate([g.data for g in rest]), np.concatenate([g.nbytes for g in rest]),
                        np.concatenate([g.lengths for g in rest]), spec, ids)
     values, at = syms - offset[ids], 0
-    for g in rest:
-        g.q[g.rows].reshape(-1)[g.order] = values[at:at + g.order.size]
-        at += g.order.size
+    for g, o in zip(rest, orders):
+        g.q[g.rows].reshape(-1)[o] = values[at:at + o.size]
+        at += o.size
 
 
 def codec_decode(data: bytes, specs, groups=None) -> np.ndarray:
