@@ -189,6 +189,30 @@ def test_every_layout_roundtrips_and_groups_decode_alone(specs, layout, delta):
         assert np.array_equal(alone[rows], q[2][rows]) and not alone[:10].any()
 
 
+def test_bitstreams_of_every_layout_and_length_decode_together(specs):
+    """One call decodes contexts of 3, 10 and 37 tokens in different layouts side by side (the channel
+    layout's groups read in place as lanes, the others' streams laid end to end), each as it decodes alone."""
+    spec = specs[True]
+    Xs = [_kv(11, 1, 3)[0], _kv(12, 1, 37)[0], _kv(13, 1, 10)[0], _kv(14, 1, 37)[0]]
+    streams = [kv.codec_encode(X, spec, layout) for X, layout in zip(Xs, ["channel", "channel", "layer", "group"])]
+    together = kv.codec_decode_many(streams, spec)
+    for q, X, data in zip(together, Xs, streams):
+        assert np.array_equal(q, kv.quantize(X, spec)) and np.array_equal(q, kv.codec_decode(data, spec))
+
+
+def test_decode_lanes_is_decode_streams_on_columns():
+    """decode_lanes reads a (steps, lanes) matrix of streams of equal length: lane j is stream j."""
+    rng = np.random.default_rng(5)
+    tables = [ac.make_table(rng.random(n) + 0.01) for n in (5, 300, 2)]
+    steps, lanes = 7, 300
+    ids = rng.integers(0, 3, (steps, lanes))
+    syms = np.minimum(rng.integers(0, 300, (steps, lanes)), np.array([4, 299, 1])[ids])
+    data, nbytes = acp.encode_streams(syms.T.ravel(), np.full(lanes, steps), tables, ids.T.ravel())
+    assert np.array_equal(acp.decode_lanes(data, nbytes, ids, tables), syms)
+    with pytest.raises(ValueError):
+        acp.decode_lanes(data, nbytes[:-1], ids, tables)
+
+
 def test_one_stream_per_group_is_the_serial_coder_in_token_order(specs):
     spec = specs[True]
     X = _kv(8, 1, 23)[0]
@@ -218,6 +242,35 @@ def test_stream_plan_keeps_its_budget_and_its_estimate(specs):
     assert all(p.added_share > kv.STREAM_BUDGET for p in kv.stream_plans(spec) if p.streams > chosen.streams)
     assert kv.stream_plan(spec, 30).layout == "group"               # 3 groups: too few streams
     assert kv.coder_for(kv.PARALLEL_MIN_STREAMS) == "parallel" and kv.coder_for(kv.PARALLEL_MIN_STREAMS - 1) == "serial"
+
+
+def test_stream_plan_by_time_weighs_bytes_at_a_bandwidth_against_decode(specs):
+    """With a bandwidth and each layout's decode seconds, the layout of least bytes / bandwidth + decode: the
+    fastest decode over a fast link, the fewest bytes over a slow one, and the switch where both take as long;
+    its expected bytes are a real bitstream's within a tenth. Without a bandwidth, the bytes-only rule."""
+    spec, T = specs[False], 30
+    X = _kv(10, 4, T)
+    nbytes = {p.layout: kv.context_bytes(spec, T, p) for p in kv.stream_plans(spec)}
+    for layout, n in nbytes.items():
+        assert np.mean([len(d) for d in kv.codec_encode_many(X, spec, layout)]) == pytest.approx(n, rel=0.1)
+    decode = {"group": 4.0, "K/V": 3.0, "layer": 0.5, "channel": 0.1}
+    assert kv.stream_plan(spec, T, 1e3, decode).layout == "channel"
+    assert kv.stream_plan(spec, T, 1e-12, decode).layout == min(nbytes, key=nbytes.get)
+    switch = (nbytes["channel"] - nbytes["layer"]) / (decode["layer"] - decode["channel"]) / 1e9
+    assert kv.stream_plan(spec, T, switch * 1.01, decode).layout == "channel"
+    assert kv.stream_plan(spec, T, switch * 0.99, decode).layout == "layer"
+    assert kv.stream_plan(spec, T).layout == "group"                # the bytes-only rule, as 02's tables use it
+    with pytest.raises(ValueError):
+        kv.stream_plan(spec, T, 1.0, {"channel": 0.1})
+
+
+def test_a_sampled_context_holds_the_codecs_own_symbols(specs):
+    """sample_context draws each value from its table: in range, and its mean bits near the tables' entropy."""
+    spec = specs[True]
+    q = kv.sample_context(spec, 40, seed=1)
+    assert q.shape == (40, *spec.shape) and np.abs(q).max() <= max(spec.radius.max(), kv.ANCHOR_MAX)
+    plan = kv.stream_plans(spec)[0]
+    assert kv.codec_bits(spec, kv.dequantize(q, spec)[None]) / 8 == pytest.approx(plan.group_bytes * 4, rel=0.1)
 
 
 @pytest.mark.parametrize("max_steps", [10_000, 50])

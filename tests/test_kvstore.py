@@ -504,6 +504,88 @@ def test_the_cpu_device_gives_back_its_one_prefill():
     assert ledger.breakeven_bandwidth(m, cpu, 1570, 1, 2) == pytest.approx(23_040 * 1570 / 6.0, rel=1e-12)  # 01's
 
 
+def test_a_store_given_its_read_rate_codes_in_the_layout_chosen_by_time(spec, monkeypatch):
+    """ChunkStore(gbps=...) codes each cachegen record in kvcache.stream_plan's layout at that rate, with each
+    layout's decode timed on this machine (layout_decode_s); its records decode as any other."""
+    times = {"group": 5.0, "K/V": 4.0, "layer": 0.2, "channel": 0.1}
+    monkeypatch.setattr(ks, "layout_decode_s", lambda spec, tokens: times)
+    keys, arrays = keys_and_kvs(2)
+    for gbps in (1e3, 1e-9):
+        store = ks.ChunkStore(ks.RamTier(1 << 20), "cachegen", spec, gbps=gbps)
+        want = kv.stream_plan(spec, 23, gbps, times).layout
+        assert store.layout(23) == want
+        store.put(keys[0], arrays[0])
+        assert kv.codec_header(bytes(store.fetch(keys[0])[2]))["layout"] == want
+        assert np.array_equal(store.get(keys[0]), kv.dequantize(kv.quantize(arrays[0], spec), spec))
+    assert ks.ChunkStore(ks.RamTier(1 << 20), "cachegen", spec).layout(23) is None     # the codec's own choice
+
+
+def test_layout_decode_s_is_timed_once_and_cached(spec, tmp_path, monkeypatch):
+    """Timed once per codec, length and machine: a new process (here, an emptied memo) reads the file."""
+    monkeypatch.setenv("L27_CHECKPOINTS", str(tmp_path))
+    monkeypatch.setattr(ks, "_LAYOUT_DECODE_S", {})
+    calls = []
+    real = kv.layout_decode_seconds
+    monkeypatch.setattr(kv, "layout_decode_seconds", lambda s, t: calls.append(t) or real(s, t, repeats=1))
+    first = ks.layout_decode_s(spec, 23)
+    assert set(first) == set(kv.STREAM_LAYOUTS) and all(v > 0 for v in first.values())
+    monkeypatch.setattr(ks, "_LAYOUT_DECODE_S", {})
+    assert ks.layout_decode_s(spec, 23) == first and calls == [23] and list(tmp_path.glob("codec-layout-decode-*.pt"))
+
+
+# ------------------------------------------------------------------------------------------ break-evens
+# Each formula on numbers where every term matters: dropping any one of them (a size, a decode, the recompute)
+# moves the result by far more than the tolerance.
+def test_the_bitstream_beats_fp16_below_the_bandwidth_where_both_arrive_together():
+    from lecture27.store import machine
+    fp16, fp16_dec, cg, cg_dec = 12e6, 0.02, 4e6, 0.30
+    b = machine.pays_below_gbps(fp16, fp16_dec, cg, cg_dec)
+    assert b == pytest.approx((12e6 - 4e6) / (0.30 - 0.02) / 1e9, rel=1e-12)
+    assert fp16 / (b * 1e9) + fp16_dec == pytest.approx(cg / (b * 1e9) + cg_dec, rel=1e-12)   # together there
+    assert machine.pays_below_gbps(fp16, fp16_dec, cg, fp16_dec) == float("inf")   # smaller, decodes as fast
+    assert machine.pays_below_gbps(fp16, fp16_dec, fp16, cg_dec) == 0.0            # not smaller: never
+
+
+def test_fetch_and_decode_beat_recomputing_above_a_bandwidth_or_never():
+    from lecture27.store import machine
+    b = machine.beats_recompute_above_gbps(3.7e6, 0.30, 0.90)
+    assert b == pytest.approx(3.7e6 / (0.90 - 0.30) / 1e9, rel=1e-12)
+    assert 3.7e6 / (b * 1e9) + 0.30 == pytest.approx(0.90, rel=1e-12)             # fetch + decode = recompute
+    assert machine.beats_recompute_above_gbps(3.7e6, 0.95, 0.90) == float("inf")   # decode alone is slower
+
+
+def store_run_of(fp16=(12e6, 0.02), cg=(4e6, 0.30), recompute_s=0.90, layouts=None):
+    """A StoreRun holding only what the break-evens read: RAM's FP16 and CacheGen, the recompute, the layouts."""
+    import dataclasses
+    from lecture27.store import machine
+    tiers = {"ram": {f: machine.Served(bytes=n, fetch_s=0.0, decode_s=d, ttft_s=0.0, predicted_ttft_s=0.0)
+                     for f, (n, d) in (("fp16", fp16), ("cachegen", cg))}}
+    blank = {f.name: None for f in dataclasses.fields(machine.StoreRun) if f.default is dataclasses.MISSING
+             and f.default_factory is dataclasses.MISSING}
+    return machine.StoreRun(**{**blank, "tiers": tiers, "recompute_s": recompute_s, "n_context": 515, "n_chunks": 4,
+                               "chunk_tokens": 128, "bandwidth": {"ram": 5e9}, "breakeven_gbps": 0.04,
+                               "cachegen_pays_below_gbps": machine.pays_below_gbps(*fp16, *cg)},
+                            layouts=layouts or {}, layout="channel")
+
+
+def test_the_runs_break_evens_use_the_served_records_and_each_layouts():
+    from lecture27.store import machine
+    lay = {"layer": machine.LayoutRun(3e6, 0.60, 100, True), "channel": machine.LayoutRun(4e6, 0.30, 10_000, True)}
+    r = store_run_of(layouts=lay)
+    assert r.cachegen_breakeven_gbps == pytest.approx(4e6 / (0.90 - 0.30) / 1e9, rel=1e-12)
+    assert r.layout_pays_below_gbps("layer") == pytest.approx((12e6 - 3e6) / (0.60 - 0.02) / 1e9, rel=1e-12)
+    assert r.layout_pays_below_gbps("channel") == pytest.approx((12e6 - 4e6) / (0.30 - 0.02) / 1e9, rel=1e-12)
+
+
+def test_a_decode_slower_than_recomputing_never_wins_on_the_page():
+    from lecture27.store import machine_page
+    slow = " ".join(machine_page.breakeven_notes(store_run_of(cg=(4e6, 1.2))))
+    assert "never beats recomputing: its decode alone (1.20 s) is slower than the recompute (0.90 s)" in slow
+    assert "faster than any bandwidth" not in slow
+    fast = " ".join(machine_page.breakeven_notes(store_run_of()))
+    assert f"beats recomputing over any link faster than {machine_page.rate(4e6 / 0.6 / 1e9)}" in fast
+
+
 # ------------------------------------------------------------------------------------------ SmolLM2 (small)
 def test_store_machine_on_smollm2(smollm2, tmp_path, monkeypatch):
     """Stored chunks placed back equal blend_world's precompute; the measurement's keys; a restarted engine in
@@ -525,7 +607,17 @@ def test_store_machine_on_smollm2(smollm2, tmp_path, monkeypatch):
                                 rule="flat", folder=tmp_path)
     j = run.json()
     assert set(j) == {"store_tiers", "store_full_prefill_s", "store_breakeven_gbps", "store_cachegen_pays_below_gbps",
-                      "store_restart_same_token", "store_restart_ttft_s"}
+                      "store_restart_same_token", "store_restart_ttft_s", "store_layouts", "store_layout",
+                      "store_decode_msym_s"}
+    # every layout: its bytes and decode; the served one is the served records, and the break-even formulas
+    assert set(j["store_layouts"]) == set(kv.STREAM_LAYOUTS) and j["store_layout"] in kv.STREAM_LAYOUTS
+    served, cg = j["store_layouts"][j["store_layout"]], j["store_tiers"]["ram"]["cachegen"]
+    assert served["measured"] and (served["bytes"], served["decode_s"]) == (cg["bytes"], cg["decode_s"])
+    assert served["pays_below_gbps"] == j["store_cachegen_pays_below_gbps"]
+    assert j["store_decode_msym_s"] == pytest.approx(sum(X.size for X in arrays) / cg["decode_s"] / 1e6)
+    f = j["store_tiers"]["ram"]["fp16"]
+    for x in j["store_layouts"].values():
+        assert x["pays_below_gbps"] == machine.pays_below_gbps(f["bytes"], f["decode_s"], x["bytes"], x["decode_s"])
     tiers = {"ram", "disk", "redis"} if "redis" in run.tiers else {"ram", "disk"}
     assert set(j["store_tiers"]) == tiers and run.same_bytes
     fp16 = j["store_tiers"]["ram"]["fp16"]
@@ -552,21 +644,19 @@ def test_store_machine_on_smollm2(smollm2, tmp_path, monkeypatch):
 
 
 def test_many_chunks_decode_together_as_one_by_one(spec, capsys, monkeypatch):
-    """Chunks of different lengths and stream layouts (decoded in one batch per layout) decode as they do alone."""
+    """Chunks of different lengths and stream layouts, decoded in one call, decode as they do alone."""
     tier = ks.RamTier(1 << 20)
     store = ks.ChunkStore(tier, "cachegen", spec)
     keys, arrays = keys_and_kvs(4)
     short = ks.ChunkKey("model-a", (1, 2, 3))
     store.put(short, synthetic_kv(3, 50))
-    encode = kv.codec_encode
-    with monkeypatch.context() as m:   # one chunk cut into two streams a group (K and V)
-        m.setattr(kv, "codec_encode", lambda X, spec: encode(X, spec, "K/V"))
-        store.put(keys[2], arrays[2])
-    for k, X in zip(keys[:2], arrays):
-        store.put(k, X)
+    store.put_record(keys[2], store.encode(keys[2], arrays[2], "K/V"))   # two streams a group (K and V)
+    store.put_record(keys[1], store.encode(keys[1], arrays[1], "channel"))   # one a (layer, K/V, channel)
+    store.put(keys[0], arrays[0])
     got = store.get_many([short, *keys])
     assert got[4] is None and all(np.array_equal(g, store.get(k)) for g, k in zip(got[:4], [short, *keys]))
-    assert {kv.codec_header(bytes(store.fetch(k)[2]))["layout"] for k in [short, *keys[:3]]} == {"group", "K/V"}
+    assert {kv.codec_header(bytes(store.fetch(k)[2]))["layout"] for k in [short, *keys[:3]]} == {"group", "K/V",
+                                                                                                "channel"}
     bad = bytearray(_raw(tier, store.name(keys[1])))
     bad[-30] ^= 0x40
     tier.records[store.name(keys[1])] = bytes(bad)

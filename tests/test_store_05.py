@@ -53,6 +53,19 @@ def test_the_notes_say_what_the_numbers_say(page):
     assert ("It misses by up to" in notes) == (worst > page_mod.GAP_SHARE)
 
 
+def test_the_layout_table_shows_each_layout_of_the_json(page):
+    """One row per stream layout in store_layouts' order, its bytes and decode as the json holds them (* where
+    expected, not run), the served one marked; the notes give the served decode rate."""
+    t = table(page, "store.machine.measure_layouts")
+    j = page.json()
+    assert [r.cells[0].split(" ")[0] for r in t.rows] == list(j["store_layouts"])
+    assert [r.cells[0] for r in t.rows if "(served)" in r.cells[0]] == [j["store_layout"] + " (served)"]
+    for row, x in zip(t.rows, j["store_layouts"].values()):
+        star = "" if x["measured"] else "*"
+        assert row.cells[2:4] == [f"{x['bytes']:,}{star}", f"{x['decode_s']:.3f}{star}"]
+    assert f"at {j['store_decode_msym_s']:.1f} M symbols/s" in " ".join(t.notes)
+
+
 def test_exercise9_two_processes_give_the_same_first_token(page):
     j = page.json()
     if "redis" not in j["store_tiers"]:

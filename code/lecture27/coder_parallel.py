@@ -25,6 +25,9 @@ from lecture27.coder import (AC_MASK, AC_PRECISION, AC_SHIFT, AC_STATE_BITS, AC_
 #                                           streams laid end to end (lengths[j] symbols each) -> their
 #                                           bytes laid end to end and each stream's byte count
 #   syms = decode_streams(data, nbytes, lengths, stack, table_ids)
+#   syms = decode_lanes(data, nbytes, table_ids, stack)
+#                                           streams of equal length as the columns of a (steps, lanes)
+#                                           matrix: no laying end to end and back (the codec's channel layout)
 # The encoder's one sequential detail, the carry, is settled after the loop: each step records low as
 # it was before its shifts, carry bit included, and the carries of all streams are then added to the
 # bytes before them at once. The decoder finds a symbol in a lookup of 256 buckets per table (the
@@ -35,6 +38,7 @@ _BUCKETS = AC_TOTAL >> _BUCKET_SHIFT      # + 1 more, for a code value of AC_TOT
 _AC_TOP2 = 1 << (AC_SHIFT - 8)            # rng below this: two bytes to shift (rng >= 2^24 after a symbol)
 _LOOKUP_MAX_SIZE = 1 << 12                # the parallel decoder's tables: at most 4096 symbols
 PARALLEL_BLOCK = 16384                    # lanes coded together: a block's arrays stay in the CPU cache
+_LENGTH_RUNS = 8                          # streams of at most this many lengths are decoded one length at a time
 
 
 @dataclass(frozen=True, eq=False)
@@ -267,24 +271,66 @@ def decode_streams(data: bytes, nbytes, lengths, tables, table_ids=None) -> np.n
     stack, nbytes = stack_tables(tables), np.asarray(nbytes, np.int64).ravel()
     if nbytes.size != lengths.size or np.any(nbytes < 0) or nbytes.sum() != len(data):
         raise ValueError("nbytes must give each stream's byte count, adding up to len(data)")
-    lanes = _Lanes.of(lengths)
-    # each stream followed by two zero bytes: a read position stops at the first (bytes past a
-    # stream's end are zeros, as in coder.decode); buf16[p] holds bytes p and p + 1
+    buf16, start, end = _padded(data, nbytes)
+    runs = np.unique(lengths) if lengths.size <= PARALLEL_BLOCK else np.flatnonzero(np.bincount(lengths))
+    if runs.size > _LENGTH_RUNS:     # lanes longest first, the streams still running at step i first
+        lanes = _Lanes.of(lengths)
+        found = _decode_lanes(start[lanes.order], end[lanes.order], lanes.to_steps(ids * (_BUCKETS + 1)),
+                              lanes.active, stack, buf16)
+        return lanes.from_steps(found, np.int64)
+    # streams of one length at a time: each run of steps holds only lanes that are all still running, and
+    # a short stream (a 3-token context's) makes no longer one wait, nor the other way round
+    out = np.empty(ids.size, np.int64)
+    for n in runs[runs > 0].tolist():
+        mine = lengths == n
+        j = np.flatnonzero(mine)
+        at = slice(None) if j.size == lengths.size else np.repeat(mine, lengths)
+        base = np.ascontiguousarray((ids[at] * (_BUCKETS + 1)).reshape(j.size, n).T)
+        out[at] = _decode_lanes(start[j], end[j], base, [j.size] * n, stack, buf16).T.ravel()
+    return out
+
+
+def decode_lanes(data: bytes, nbytes, table_ids, tables) -> np.ndarray:
+    """Streams of equal length given as a matrix: table_ids (steps, lanes) holds the table of lane j's
+    i-th symbol, lane j's bytes are the j-th nbytes of `data`. -> the symbols, (steps, lanes) uint16: what
+    decode_streams gives, without laying the streams end to end first (a layout whose streams are the
+    columns of the context's values reads them in place)."""
+    table_ids = np.asarray(table_ids)
+    stack, nbytes = stack_tables(tables), np.asarray(nbytes, np.int64).ravel()
+    if table_ids.ndim != 2 or nbytes.size != table_ids.shape[1] or np.any(nbytes < 0) or nbytes.sum() != len(data):
+        raise ValueError("need (steps, lanes) table ids and each lane's byte count, adding up to len(data)")
+    if table_ids.size and (table_ids.min() < 0 or table_ids.max() >= len(stack)):
+        raise ValueError("a table id names no table")
+    buf16, start, end = _padded(data, nbytes)
+    return _decode_lanes(start, end, table_ids * (_BUCKETS + 1), [table_ids.shape[1]] * table_ids.shape[0], stack,
+                         buf16)
+
+
+def _padded(data, nbytes):
+    """Each stream's bytes followed by two zero bytes: a read position stops at the first (bytes past a
+    stream's end are zeros, as in coder.decode). -> (buf16: buf16[p] holds bytes p and p + 1, where each
+    stream's bytes start, where they end)."""
     start = np.cumsum(nbytes + 2) - (nbytes + 2)
-    buf, pad = np.zeros(len(data) + 2 * len(lengths) + 1, np.uint8), np.zeros(len(data) + 2 * len(lengths), bool)
+    buf, pad = np.zeros(len(data) + 2 * len(nbytes) + 1, np.uint8), np.zeros(len(data) + 2 * len(nbytes), bool)
     pad[start + nbytes], pad[start + nbytes + 1] = True, True
-    buf[:-1][~pad] = np.frombuffer(bytes(data), np.uint8)
-    buf16 = (buf[:-1].astype(np.uint16) << 8) | buf[1:]
-    start, end = start[lanes.order], (start + nbytes)[lanes.order]
-    code = np.zeros(len(lengths), np.int64)
+    buf[:-1][~pad] = np.frombuffer(data, np.uint8) if len(data) else 0
+    return (buf[:-1].astype(np.uint16) << 8) | buf[1:], start, start + nbytes
+
+
+def _decode_lanes(start, end, base, active, stack, buf16) -> np.ndarray:
+    """Lanes whose bytes lie in buf16 from start to end, decoded in blocks of PARALLEL_BLOCK lanes: base
+    (steps, lanes) holds each symbol's table's first lookup row; active[i] lanes run at step i (the first
+    ones). -> the symbols, (steps, lanes) uint16."""
+    code = np.zeros(len(start), np.int64)
     for q in range(0, AC_STATE_BITS // 8, 2):
         code = (code << 16) | buf16[np.minimum(start + q, end)]
-    pos, rng = np.minimum(start + AC_STATE_BITS // 8, end), np.full(len(lengths), 1 << AC_STATE_BITS, np.int64)
-    base = lanes.to_steps(ids * (_BUCKETS + 1))
+    pos, rng = np.minimum(start + AC_STATE_BITS // 8, end), np.full(len(start), 1 << AC_STATE_BITS, np.int64)
     found = np.empty(base.shape, np.uint16)
-    for b, counts in lanes.blocks():
-        _decode_block(code[b], rng[b], pos[b], end[b], base[:, b], found[:, b], counts, stack, buf16)
-    return lanes.from_steps(found, np.int64)
+    for b in range(0, len(start), PARALLEL_BLOCK):
+        e = min(len(start), b + PARALLEL_BLOCK)
+        counts = [min(max(a - b, 0), e - b) for a in active]
+        _decode_block(code[b:e], rng[b:e], pos[b:e], end[b:e], base[:, b:e], found[:, b:e], counts, stack, buf16)
+    return found
 
 
 def _decode_block(code, rng, pos, end, base, found, counts, stack, buf16):
@@ -365,3 +411,26 @@ def read_varints(data: bytes, pos: int, count: int, what: str):
                 break
         out.append(n)
     return out, pos
+
+
+def read_varint_runs(buf: np.ndarray, starts, count: int, what: str):
+    """read_varints at many places at once: `count` varints from each of `starts` in buf (uint8).
+    -> (values (len(starts), count) int64, the position after each run). A varint ends at its first
+    byte below 0x80: the runs are read from where those bytes lie, without a Python loop per varint."""
+    starts = np.asarray(starts, np.int64)
+    if count == 0 or starts.size == 0:
+        return np.zeros((starts.size, count), np.int64), starts.copy()
+    ends = np.flatnonzero(buf < 0x80)                            # the last byte of every varint there could be
+    first = np.searchsorted(ends, starts)
+    if np.any(first + count > ends.size):
+        raise CorruptStream(f"truncated {what}")
+    last = ends[first[:, None] + np.arange(count)]               # (runs, count): each varint's last byte
+    begin = np.concatenate([starts[:, None], last[:, :-1] + 1], axis=1)
+    n = last - begin + 1
+    if np.any(n > 5):                                           # 5 bytes hold 35 bits: more is not a length
+        raise CorruptStream(f"truncated {what}")
+    values = (buf[last] & 0x7F).astype(np.int64) << (7 * (n - 1))
+    for j in range(4):                                           # the bytes before the last, low bits first
+        more = n > j + 1
+        values |= np.where(more, (buf[np.where(more, begin + j, 0)] & 0x7F).astype(np.int64) << (7 * j), 0)
+    return values, last[:, -1] + 1

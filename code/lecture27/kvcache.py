@@ -21,9 +21,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from lecture27.coder import (AC_TOTAL, CorruptStream, FreqTable, cdfs_by_size, decode, encode, ideal_bits, make_tables,
-                   unseen_uniform)
-from lecture27.coder_parallel import TableStack, decode_streams, encode_streams, read_varints, stack_tables, varint
+from lecture27.coder import (AC_PRECISION, AC_TOTAL, CorruptStream, FreqTable, cdfs_by_size, decode, encode, ideal_bits,
+                             make_tables, unseen_uniform)
+from lecture27.coder_parallel import (TableStack, decode_lanes, decode_streams, encode_streams, read_varint_runs,
+                                      read_varints, stack_tables, varint)
 
 # ========================================================================= 1. CacheGen-style codec
 # A context's KV seen as one array X of shape (T, L, 2, C): token x layer x {K, V} x channel, where
@@ -234,14 +235,61 @@ def stream_plans(spec: CodecSpec) -> list:
     return out
 
 
-def stream_plan(spec: CodecSpec, tokens: int) -> StreamPlan:
-    """The layout the codec uses for a context of `tokens` tokens: the one with the most streams whose
-    expected added bytes stay within STREAM_BUDGET of a group's payload; but one stream per group when
-    even those would leave the context fewer than PARALLEL_MIN_STREAMS streams (the serial coder codes
-    it then, and more streams would only add bytes)."""
+def stream_plan(spec: CodecSpec, tokens: int, gbps: float | None = None, decode_s: dict | None = None) -> StreamPlan:
+    """The layout the codec uses for a context of `tokens` tokens. Without a bandwidth: the one with the
+    most streams whose expected added bytes stay within STREAM_BUDGET of a group's payload; but one stream
+    per group when even those would leave the context fewer than PARALLEL_MIN_STREAMS streams (the serial
+    coder codes it then, and more streams would only add bytes). With the bandwidth of the link or tier the
+    bitstream is read over (gbps, 1e9 bytes/s) and each layout's decode seconds for such a context on this
+    machine (decode_s, layout_decode_seconds): the layout whose expected bytes over that bandwidth plus its
+    decode take the least time. More streams cost bytes and save decode time; the bandwidth sets the price."""
     plans = stream_plans(spec)
-    best = [p for p in plans if p.streams == 1 or p.added_share <= STREAM_BUDGET][-1]
-    return best if coder_for(best.streams * -(-tokens // spec.group)) == "parallel" else plans[0]
+    if gbps is None:
+        best = [p for p in plans if p.streams == 1 or p.added_share <= STREAM_BUDGET][-1]
+        return best if coder_for(best.streams * -(-tokens // spec.group)) == "parallel" else plans[0]
+    if gbps <= 0 or not decode_s or set(decode_s) != {p.layout for p in plans}:
+        raise ValueError("choosing a layout by time needs a positive bandwidth and every layout's decode seconds")
+    return min(plans, key=lambda p: context_bytes(spec, tokens, p) / (gbps * 1e9) + decode_s[p.layout])
+
+
+def context_bytes(spec: CodecSpec, tokens: int, plan: StreamPlan) -> float:
+    """A context's expected bitstream bytes in the plan's layout: the header, each group's length, and its
+    payload (a group's entropy, in proportion to its tokens, plus the bytes its extra streams add)."""
+    n_groups = -(-tokens // spec.group)
+    per_group = plan.group_bytes + plan.added_bytes
+    return (CODEC_HEADER_BYTES + n_groups * len(varint(int(per_group))) + plan.group_bytes * tokens / spec.group
+            + plan.added_bytes * n_groups)
+
+
+def sample_context(spec: CodecSpec, tokens: int, seed: int = 0) -> np.ndarray:
+    """A context's integers (tokens, L, 2, C) drawn from the codec's own tables: what its bitstream would
+    hold, for timing the decoder without a model."""
+    stack, ids = spec.stack, _table_ids(tokens, spec)
+    u = np.random.default_rng(seed).integers(0, AC_TOTAL, ids.shape)
+    at = np.searchsorted(stack.keys, ids << (AC_PRECISION + 1) | u, "right") - 1
+    L, _, C = spec.shape
+    offset = np.concatenate([np.repeat(np.asarray(spec.radius).ravel(), C), np.full(L * 2 * C, ANCHOR_MAX)])
+    return (at - stack.start[ids] - offset[ids]).astype(np.int32).reshape(tokens, *spec.shape)
+
+
+def layout_decode_seconds(spec: CodecSpec, tokens: int, repeats: int = 3) -> dict:
+    """{layout: seconds to decode a context of `tokens` tokens in it}, timed on this machine (best of
+    `repeats`) on a context drawn from the codec's tables (sample_context). A layout the serial coder
+    decodes is timed on one group and scaled by the context's groups: that coder's time grows with its
+    symbols, and a whole context would take it seconds."""
+    import time
+    X = dequantize(sample_context(spec, tokens), spec)
+    out = {}
+    for p in stream_plans(spec):
+        serial = coder_for(p.streams * -(-tokens // spec.group)) == "serial"
+        part = X[:min(tokens, spec.group)] if serial else X
+        data, best = codec_encode(part, spec, p.layout), math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            codec_decode(data, spec)
+            best = min(best, time.perf_counter() - t0)
+        out[p.layout] = best * tokens / len(part)
+    return out
 
 
 def coder_for(n_streams: int) -> str:
@@ -339,52 +387,101 @@ def codec_decode_many(datas, specs, groups=None) -> list:
     """Bitstreams -> the quantized integers (T, L, 2, C) of each, exactly as `quantize` made them.
     `specs`: one CodecSpec or several (e.g. every level of a model); each header's fingerprint picks
     the one its data was coded with. `groups`: decode only these groups (the other rows stay 0).
-    The streams of every bitstream coded with one spec are decoded side by side."""
+    The streams of every bitstream coded with one spec are decoded side by side, whatever their layouts."""
     specs = [specs] if isinstance(specs, CodecSpec) else list(specs)
-    out, jobs = [], {}                               # spec fingerprint -> (spec, streams to decode)
+    out, jobs = [], {}                               # spec fingerprint -> (spec, groups to decode)
     for data in datas:
         h = codec_header(data)
         spec = next((s for s in specs if s.fingerprint == h["fingerprint"]), None)
         if spec is None:
             raise ValueError(f"no codec spec with fingerprint {h['fingerprint']:08x} (another model or level)")
-        q = np.zeros((h["tokens"], *spec.shape), np.int64)
+        q = np.zeros((h["tokens"], *spec.shape), np.int32)
         out.append(q)
         jobs.setdefault(spec.fingerprint, (spec, []))[1].extend(_group_streams(data, h, spec, q, groups))
     for spec, job in jobs.values():
-        if job:
-            _decode_job(spec, job)
-    return [q.astype(np.int32) for q in out]
-
-
-def _group_streams(data: bytes, h: dict, spec: CodecSpec, q, groups):
-    """The streams of each group to decode: (q's values, where they go, their tables, their symbol
-    counts, their byte counts, their bytes)."""
-    order, lengths, S = _stream_order(h["tokens"], spec, h["layout"])
-    _, ids = symbols(q, spec)
-    flat, ids = q.reshape(-1), ids.reshape(-1)
-    start, first = np.cumsum([h["payload_start"]] + h["group_bytes"]), np.cumsum(np.r_[0, lengths])
-    out = []
-    for g in range(len(h["group_bytes"])) if groups is None else groups:
-        counts, pos = read_varints(data, start[g], S - 1, "stream lengths")
-        counts.append(start[g + 1] - pos - sum(counts))
-        if counts[-1] < 0:
-            raise CorruptStream(f"group {g}: its streams are longer than the group")
-        where = order[first[g * S]:first[(g + 1) * S]]
-        out.append((flat, where, ids[where], lengths[g * S:(g + 1) * S], counts, data[pos:start[g + 1]]))
+        _decode_job(spec, job)
     return out
 
 
-def _decode_job(spec: CodecSpec, job):
-    """Decode the streams of several groups (of one or more bitstreams) at once, into their arrays."""
-    ids = np.concatenate([j[2] for j in job])
-    syms = _decode_any(b"".join(j[5] for j in job), np.concatenate([j[4] for j in job]),
-                       np.concatenate([j[3] for j in job]), spec, ids)
+def _table_ids(T: int, spec: CodecSpec) -> np.ndarray:
+    """The table of each value of T tokens that start a group, (T, L * 2 * C) (as `symbols` numbers them)."""
+    n = int(np.prod(spec.shape))
+    ids = np.tile(np.arange(n, dtype=np.int64), (T, 1))
+    if spec.delta:
+        ids[_anchor_mask(T, spec.group)] += n
+    return ids
+
+
+@dataclass(frozen=True)
+class _Group:
+    """A group of a bitstream to decode: where its values go, its streams' symbol and byte counts, its bytes."""
+    q: np.ndarray          # the bitstream's integers, (T, L * 2 * C)
+    rows: slice            # the group's tokens in q
+    layout: str
+    order_of: object       # -> its streams' symbols in q's group rows, flat (_stream_order; made when needed)
+    lengths: np.ndarray    # symbols of each stream
+    nbytes: np.ndarray     # bytes of each stream
+    data: np.ndarray       # the streams' bytes (uint8)
+
+
+def _group_streams(data: bytes, h: dict, spec: CodecSpec, q, groups) -> list:
+    """The groups of a bitstream (all, or `groups`) to decode; every group's stream lengths read at once
+    (read_varint_runs)."""
+    G, T = h["group"], h["tokens"]
+    S, n = _layout_streams(spec)[h["layout"]], int(np.prod(spec.shape))
+    whole = functools.cache(lambda: _stream_order(T, spec, h["layout"])[0])   # the channel layout needs none
+    buf = np.frombuffer(data, np.uint8)
+    start = np.cumsum([h["payload_start"]] + h["group_bytes"])
+    n_groups = len(h["group_bytes"])
+    gs = np.arange(n_groups) if groups is None else np.asarray(list(groups), np.int64).reshape(-1)
+    if gs.size and not np.all((0 <= gs) & (gs < n_groups)):
+        raise IndexError(f"the bitstream has groups 0..{n_groups - 1}")
+    counts, pos = read_varint_runs(buf, start[gs], S - 1, "stream lengths")
+    last = start[gs + 1] - pos - counts.sum(1)
+    if np.any(last < 0):
+        raise CorruptStream(f"group {gs[np.argmax(last < 0)]}: its streams are longer than the group")
+    counts = np.concatenate([counts, last[:, None]], axis=1)
+    flat = q.reshape(T, n)
+
+    def group(i: int, g: int) -> _Group:
+        rows = slice(g * G, min(T, g * G + G))
+        m = rows.stop - rows.start                 # the group's tokens: each of its S streams holds m * n / S symbols
+        return _Group(flat, rows, h["layout"], lambda: whole()[g * G * n:g * G * n + m * n] - g * G * n,
+                      np.full(S, m * n // S), counts[i], buf[pos[i]:start[g + 1]])
+    return [group(i, g) for i, g in enumerate(gs.tolist())]
+
+
+def _decode_job(spec: CodecSpec, job: list):
+    """Decode the groups of several bitstreams at once, into their arrays. In the channel layout a group's
+    streams are the columns of its rows of values (one per (layer, K/V, channel), one symbol per token): the
+    groups of one length are decoded as one matrix of lanes, read and written in place (coder_parallel.
+    decode_lanes). The other groups' streams are laid end to end for decode_streams (or the serial coder)."""
     L, _, C = spec.shape
     offset = np.concatenate([np.repeat(np.asarray(spec.radius).ravel(), C), np.full(L * 2 * C, ANCHOR_MAX)])
+    columns = [g for g in job if g.layout == "channel"]
+    if coder_for(sum(len(g.lengths) for g in columns)) != "parallel":
+        columns = []
+    by_length = {}
+    for g in columns:
+        by_length.setdefault(g.rows.stop - g.rows.start, []).append(g)
+    for m, gs in by_length.items():
+        ids = _table_ids(m, spec)
+        syms = decode_lanes(np.concatenate([g.data for g in gs]), np.concatenate([g.nbytes for g in gs]),
+                            np.tile(ids, (1, len(gs))), spec.stack)
+        values = syms.reshape(m, len(gs), -1).astype(np.int32) - offset[ids][:, None, :].astype(np.int32)
+        for k, g in enumerate(gs):
+            g.q[g.rows] = values[:, k]
+    rest = [g for g in job if not (columns and g.layout == "channel")]
+    if not rest:
+        return
+    orders = [g.order_of() for g in rest]
+    ids = np.concatenate([_table_ids(g.rows.stop - g.rows.start, spec).reshape(-1)[o] for g, o in zip(rest, orders)])
+    syms = _decode_any(np.concatenate([g.data for g in rest]), np.concatenate([g.nbytes for g in rest]),
+                       np.concatenate([g.lengths for g in rest]), spec, ids)
     values, at = syms - offset[ids], 0
-    for flat, where, *_ in job:
-        flat[where] = values[at:at + where.size]
-        at += where.size
+    for g, o in zip(rest, orders):
+        g.q[g.rows].reshape(-1)[o] = values[at:at + o.size]
+        at += o.size
 
 
 def codec_decode(data: bytes, specs, groups=None) -> np.ndarray:

@@ -56,9 +56,11 @@ def check_format(fmt: str) -> None:
         raise ValueError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
 
 
-def pack(digest: bytes, kvs, fmt: str, spec: kv.CodecSpec | None = None, key: bytes | None = None) -> bytes:
+def pack(digest: bytes, kvs, fmt: str, spec: kv.CodecSpec | None = None, key: bytes | None = None,
+         layout: str | None = None) -> bytes:
     """A chunk's record, under its key's 16-byte digest: header, payload (FP16 values in (T, L, 2, C) order, or
-    the codec's bitstream), the HMAC-SHA256 of both under `key` (when given), CRC-32."""
+    the codec's bitstream, in `layout` or the codec's own choice), the HMAC-SHA256 of both under `key` (when
+    given), CRC-32."""
     X = np.asarray(kvs, np.float32)
     if X.ndim != 4 or X.shape[2] != 2:
         raise ValueError(f"a chunk's KV is (T, L, 2, C), not {X.shape}")
@@ -68,7 +70,7 @@ def pack(digest: bytes, kvs, fmt: str, spec: kv.CodecSpec | None = None, key: by
     else:
         if spec is None or spec.shape != X.shape[1:]:
             raise ValueError("the cachegen format needs the codec spec of this model's (L, 2, C)")
-        payload, level = kv.codec_encode(X, spec), spec.level
+        payload, level = kv.codec_encode(X, spec, layout), spec.level
     T, L, _, C = X.shape
     kind = FORMATS.index(fmt) | (SIGNED if key else 0)
     body = HEAD.pack(RECORD_MAGIC, RECORD_VERSION, kind, level, digest, T, L, C, len(payload)) + payload

@@ -159,10 +159,13 @@ class ChunkStore:
     """One tier, one format: put(key, kv) and get(key) -> float32 KV or None (a miss)."""
 
     def __init__(self, tier: Tier, fmt: str = "fp16", spec: kv.CodecSpec | None = None, say=None,
-                 key: bytes | None = None, shape: tuple | None = None):
+                 key: bytes | None = None, shape: tuple | None = None, gbps: float | None = None):
         """key: sign every record written and accept only records signed with it (HMAC-SHA256); by default
         kvrecord.signing_key(), from the environment, so a restarted engine signs and checks as its parent.
-        shape: the model's (L, 2, C) (kv_shape), which every record must hold (the codec's, for cachegen)."""
+        shape: the model's (L, 2, C) (kv_shape), which every record must hold (the codec's, for cachegen).
+        gbps: the tier's read rate (1e9 bytes/s): a cachegen record is coded in the stream layout that is read
+        and decoded soonest at that rate (kvcache.stream_plan by time, each layout's decode timed once on this
+        machine: layout_decode_s); None: the codec's bytes-only choice."""
         kvrecord.check_format(fmt)
         if fmt == "cachegen" and spec is None:
             raise ValueError("the cachegen format needs a codec spec (kvcache.CodecSpec at one level)")
@@ -171,13 +174,21 @@ class ChunkStore:
         self.key = (kvrecord.signing_key() if key is None else key) or None   # b"": not signed
         self.say = say or (lambda line: print(line, file=sys.stderr))
         self.misses = self.corrupt = 0
+        self.gbps = gbps
+
+    def layout(self, tokens: int) -> str | None:
+        """The stream layout of a cachegen record of `tokens` tokens in this store (None: the codec's own)."""
+        if self.fmt != "cachegen" or self.gbps is None:
+            return None
+        return kv.stream_plan(self.spec, tokens, self.gbps, layout_decode_s(self.spec, tokens)).layout
 
     def name(self, key: ChunkKey) -> str:
         """The record's name in the tier: the key's digest and the format (the codec's level for cachegen)."""
         return key.digest.hex() + ("-fp16" if self.fmt == "fp16" else f"-cachegen{self.spec.level}")
 
-    def encode(self, key: ChunkKey, kvs) -> bytes:
-        return kvrecord.pack(key.digest, kvs, self.fmt, self.spec, self.key)
+    def encode(self, key: ChunkKey, kvs, layout: str | None = None) -> bytes:
+        """The chunk's record; a cachegen one in `layout`, or this store's (ChunkStore.layout)."""
+        return kvrecord.pack(key.digest, kvs, self.fmt, self.spec, self.key, layout or self.layout(len(kvs)))
 
     def put(self, key: ChunkKey, kvs) -> bool:
         """Store a chunk (or make it most recently used if the tier has it). False: bigger than the tier."""
@@ -207,35 +218,24 @@ class ChunkStore:
             return self._bad(self.name(key), e)
 
     def decode_many(self, keys, fetched) -> list:
-        """Fetched records of several chunks -> their KV (None where one does not decode). The cachegen
-        bitstreams of one stream layout are decoded together, every stream of every chunk side by side
-        (kvcache.codec_decode_many), as a GPU decodes a request's chunks. Layouts are kept apart because the
-        coder steps as long as the longest stream it holds: a short chunk (the 3-token chat prefix) is coded as
-        one long stream, and decoding it beside the others would make them all wait for it."""
+        """Fetched records of several chunks -> their KV (None where one does not decode). Every cachegen
+        bitstream of the request is decoded in one call, each stream of every chunk side by side
+        (kvcache.codec_decode_many), as a GPU decodes a request's chunks; a short chunk (the 3-token chat prefix)
+        has short streams, and makes no other wait."""
         if self.fmt == "fp16":
             return [self.decode(k, f) for k, f in zip(keys, fetched)]
-        datas, by_layout = [bytes(f[2]) for f in fetched], {}
-        for i, data in enumerate(datas):
-            try:
-                layout = kv.codec_header(data)["layout"]
-            except ValueError:
-                layout = None
-            by_layout.setdefault(layout, []).append(i)
         out = [None] * len(keys)
-        for layout, idx in by_layout.items():
+        try:
+            qs = kv.codec_decode_many([bytes(f[2]) for f in fetched], self.spec)
+        except (ValueError, IndexError):
+            qs = None
+        if qs is None:   # a bad bitstream among them: one by one, so each bad one is named and missed
+            return [self.decode(k, f) for k, f in zip(keys, fetched)]
+        for i, q in enumerate(qs):
             try:
-                qs = kv.codec_decode_many([datas[i] for i in idx], self.spec) if layout else None
-            except ValueError:
-                qs = None
-            if qs is None:   # a bad bitstream among them: one by one, so each bad one is named and missed
-                for i in idx:
-                    out[i] = self.decode(keys[i], fetched[i])
-                continue
-            for i, q in zip(idx, qs):
-                try:
-                    out[i] = kvrecord.dequantized(q, fetched[i][1], self.spec)
-                except Corrupt as e:
-                    out[i] = self._bad(self.name(keys[i]), e)
+                out[i] = kvrecord.dequantized(q, fetched[i][1], self.spec)
+            except Corrupt as e:
+                out[i] = self._bad(self.name(keys[i]), e)
         return out
 
     def get(self, key: ChunkKey) -> np.ndarray | None:
@@ -257,6 +257,24 @@ class ChunkStore:
         self.misses += 1
         self.corrupt += 1
         return None
+
+
+def layout_decode_s(spec: kv.CodecSpec, tokens: int) -> dict:
+    """{stream layout: seconds to decode a context of `tokens` tokens coded in it} on this machine
+    (kvcache.layout_decode_seconds), timed once per codec, context length and machine and then read from the
+    checkpoint folder, as the codec's levels are."""
+    import platform
+
+    from common.checkpoints import cached
+    if (spec.fingerprint, tokens) not in _LAYOUT_DECODE_S:   # read once per process, each chunk's put asks
+        machine = {"node": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+        _LAYOUT_DECODE_S[spec.fingerprint, tokens] = cached(
+            "codec-layout-decode", {"codec": f"{spec.fingerprint:08x}", "tokens": int(tokens), **machine},
+            lambda: kv.layout_decode_seconds(spec, int(tokens)), tag="codec")
+    return _LAYOUT_DECODE_S[spec.fingerprint, tokens]
+
+
+_LAYOUT_DECODE_S: dict = {}
 
 
 # ------------------------------------------------------------------------------------------ tiers

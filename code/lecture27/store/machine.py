@@ -10,8 +10,8 @@ the question's first token. Measured, on one torch thread as 04 times its TTFT:
   fetch    per tier and format: every record read back (a disk record's pages dropped from the page cache
            first; the share still cached is reported) and its checksum verified;
   decode   per format: records -> float32 KV (FP16 widened; the codec's arithmetic decoding of every chunk's
-           streams side by side, dequantized), once: the same bytes come from every tier (each tier's are
-           checked equal to RAM's);
+           streams side by side, dequantized), best of DECODE_REPEATS: the same bytes come from every tier (each
+           tier's are checked equal to RAM's);
   blend    per format: shift_kv, blend, the question: its first token;
   TTFT     fetch + decode + blend;
   prefill  the whole context and question prefilled at once (what the store saves).
@@ -19,6 +19,11 @@ Beside them the time model (common.timemodel) on a CPU device calibrated by that
 TTFT from the bytes, the tier's bandwidth (one probe record read alone), the measured decode, and the
 recompute's FLOPs. Then 01's break-even bandwidth (ledger.breakeven_bandwidth: fetch = recompute) and the
 bandwidth below which CacheGen's smaller bitstream beats FP16 despite its decode.
+
+The bitstream's stream layout (kvcache.STREAM_LAYOUTS: how each group of tokens is cut into independent streams)
+trades bytes on the link for decode time: the records are coded in the layout the codec chooses by time at the
+slowest tier's read rate (kvstore.ChunkStore with gbps), and every layout is shown beside it (measure_layouts), with
+the parallel coder's own rate on the same symbols (coder_rate) beside the store's decode.
 
 Exercise 9: the Redis server is a process of its own. The first engine (this process) computed the chunks'
 KV, holds it in FP16 as an engine's cache does, stored those bytes and answered from them. `restart_engine`
@@ -38,9 +43,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from lecture27 import blend_rules
+from lecture27.coder_parallel import decode_streams, encode_streams
 from lecture27 import blend_world as bw
 from lecture27 import kvcache as kv
 from lecture27 import kvstore as ks
@@ -59,6 +66,8 @@ STORE_ITEM = 0              # the built-in RAG item whose context is stored (the
 STORE_BUDGET = 1 << 30      # each tier's byte budget (room for the context in both formats)
 PROBE_READS = 3             # a tier's bandwidth: the median of this many reads of one probe record
 TIERS = ("ram", "disk", "redis")
+DECODE_REPEATS = 3          # a decode's time: the best of this many (two cores shared with other work are noisy)
+OTHER_LAYOUT_REPEATS = 2    # ... and of the layouts not served (a second each)
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,35 @@ class Setting:
     rule: str
 
 
+@dataclass(frozen=True)
+class LayoutRun:
+    """The context's records with the bitstream in one stream layout: their bytes and their decode on this CPU."""
+    bytes: int
+    decode_s: float
+    streams: int              # the request's streams in this layout, decoded side by side
+    measured: bool            # coded and decoded here; False: the codec's expected bytes and its decode timed
+                              # once on this machine (kvstore.layout_decode_s), for the layouts the serial coder
+                              # decodes (seconds each, every run)
+
+
+def pays_below_gbps(fp16_bytes: float, fp16_decode_s: float, nbytes: float, decode_s: float) -> float:
+    """GB/s below which records of `nbytes` decoded in decode_s reach the first token before FP16's (the same
+    blend follows both): where nbytes / b + decode_s = fp16_bytes / b + fp16_decode_s. inf: smaller and no
+    slower to decode, so always; 0: not smaller, so never."""
+    saved, extra = fp16_bytes - nbytes, decode_s - fp16_decode_s
+    if saved <= 0:
+        return 0.0
+    return saved / extra / tm.GB if extra > 0 else float("inf")
+
+
+def beats_recompute_above_gbps(nbytes: float, decode_s: float, recompute_s: float) -> float:
+    """GB/s above which fetching records of `nbytes` and decoding them (decode_s) beats recomputing their KV
+    (recompute_s): nbytes / (recompute_s - decode_s). inf: the decode alone is slower than the recompute, so
+    never."""
+    spare = recompute_s - decode_s
+    return nbytes / spare / tm.GB if spare > 0 else float("inf")
+
+
 @dataclass(frozen=True, kw_only=True)
 class StoreRun:
     """The measurement, fields named as the spec's store_* keys (json()) and what the Part says beside them."""
@@ -117,17 +155,31 @@ class StoreRun:
     recompute_s: float        # the time model's prefill of the context on it (the break-evens' recompute)
     predicted_blend_s: float  # the time model's recompute + question on it
     redis_note: str           # where the Redis server was, or why there is none
+    layouts: dict = field(default_factory=dict)   # {stream layout: LayoutRun}
+    layout: str = ""          # the layout the store's cachegen records are coded in (chosen at layout_gbps)
+    layout_gbps: float = 0.0  # the read rate the layout was chosen at: the slowest tier's, GB/s
+    symbols: int = 0          # values in the context's records: the symbols the bitstream codes
+    coder_msym_s: float = 0.0  # the parallel coder's own decode rate on the longest chunk's symbols, one stream
+                               # per (layer, K/V, channel) over its tokens (02's exercise 3 at all rows), M symbols/s
     restart: Restart | None = None
     same_bytes: bool = True   # every tier returned RAM's records byte for byte
     notes: list = field(default_factory=list)
 
     @property
     def cachegen_breakeven_gbps(self) -> float:
-        """GB/s above which fetching and decoding the bitstream beats recomputing (inf: its decode alone is
-        slower than the recompute)."""
+        """GB/s above which fetching and decoding the bitstream beats recomputing (inf: never)."""
         cg = self.tiers["ram"]["cachegen"]
-        spare = self.recompute_s - cg.decode_s
-        return cg.bytes / spare / tm.GB if spare > 0 else float("inf")
+        return beats_recompute_above_gbps(cg.bytes, cg.decode_s, self.recompute_s)
+
+    def layout_pays_below_gbps(self, layout: str) -> float:
+        """GB/s below which the records in this stream layout reach the first token before FP16's."""
+        f, x = self.tiers["ram"]["fp16"], self.layouts[layout]
+        return pays_below_gbps(f.bytes, f.decode_s, x.bytes, x.decode_s)
+
+    @property
+    def decode_msym_s(self) -> float:
+        """The served bitstream's decode rate, M symbols/s."""
+        return self.symbols / self.tiers["ram"]["cachegen"].decode_s / 1e6
 
     def json(self) -> dict:
         return {"store_tiers": {t: {f: {k: getattr(s, k) for k in ("bytes", "fetch_s", "decode_s", "ttft_s",
@@ -135,7 +187,11 @@ class StoreRun:
                                 for t, by in self.tiers.items()},
                 "store_full_prefill_s": self.full_prefill_s, "store_breakeven_gbps": self.breakeven_gbps,
                 "store_cachegen_pays_below_gbps": self.cachegen_pays_below_gbps,
-                "store_restart_same_token": self.restart_same_token, "store_restart_ttft_s": self.restart_ttft_s}
+                "store_restart_same_token": self.restart_same_token, "store_restart_ttft_s": self.restart_ttft_s,
+                "store_layouts": {name: {"bytes": x.bytes, "decode_s": x.decode_s,
+                                         "pays_below_gbps": self.layout_pays_below_gbps(name), "measured": x.measured}
+                                  for name, x in self.layouts.items()},
+                "store_layout": self.layout, "store_decode_msym_s": self.decode_msym_s}
 
 
 # ------------------------------------------------------------------------------------ chunks and their KV
@@ -252,11 +308,14 @@ class Measured:
     tokens: dict              # first answer token: "full prefill", then served "fp16" (engine 1's), "cachegen"
     restart: Restart | None   # exercise 9's second engine (None: no Redis here, or not asked)
     redis_note: str           # where the Redis server was, or why there is none
+    layouts: dict = field(default_factory=dict)   # {stream layout: LayoutRun}
+    coder_msym_s: float = 0.0  # the parallel coder's own decode rate on the context's symbols
 
 
-def make_records(model, rd: bw.RagDoc, rag: RagInput, keys, spec) -> Made:
+def make_records(model, rd: bw.RagDoc, rag: RagInput, keys, spec, gbps: float | None = None) -> Made:
     """The full prefill (one thread, timed), the chunks' KV (prefilled behind the prefix, untimed, on idle
-    threads) and their records in every format (timed: what storing costs the engine)."""
+    threads) and their records in every format (timed: what storing costs the engine); the bitstream in the
+    stream layout a store read at `gbps` (GB/s) chooses (ChunkStore.layout; None: the codec's bytes-only one)."""
     with torch.no_grad(), single_thread():
         logits, t_full = timed(lambda: model(rd.tokens, last=True)[0])
     with idle_threads():
@@ -266,17 +325,18 @@ def make_records(model, rd: bw.RagDoc, rag: RagInput, keys, spec) -> Made:
     spec.stack.lookup, spec.stack.keys
     records, encode_s = {}, {}
     for fmt in kvrecord.FORMATS:
-        probe = ks.ChunkStore(ks.RamTier(0), fmt, spec)
+        probe = ks.ChunkStore(ks.RamTier(0), fmt, spec, gbps=gbps if fmt == "cachegen" else None)
+        for X in arrays:   # each layout's decode, timed once on this machine, read before encoding is timed
+            probe.layout(len(X))
         records[fmt], encode_s[fmt] = timed(lambda: [probe.encode(k, X) for k, X in zip(keys, arrays)])
     payloads = {f: [bytes(kvrecord.check(r, k.digest)[2]) for r, k in zip(records[f], keys)] for f in kvrecord.FORMATS}
     return Made(t_full=t_full, token=int(logits[0, -1].argmax()), arrays=arrays, records=records, payloads=payloads,
                 encode_s=encode_s)
 
 
-def store_and_fetch(tiers: dict, made: Made, keys, spec) -> tuple[dict, dict, bool, dict]:
+def store_and_fetch(tiers: dict, made: Made, keys, spec) -> tuple[dict, bool, dict]:
     """Every format's records put in every tier, then fetched back (timed, serve_from).
-    -> ({tier: probe bytes/s}, {(tier, format): serve_from's result}, all bytes equal, {(tier, format): store})."""
-    bandwidth = {name: probe_bandwidth(t, len(made.records["fp16"][1])) for name, t in tiers.items()}
+    -> ({(tier, format): serve_from's result}, all bytes equal, {(tier, format): store})."""
     fetched, stores = {}, {}
     for name, tier in tiers.items():
         for fmt in kvrecord.FORMATS:
@@ -284,20 +344,63 @@ def store_and_fetch(tiers: dict, made: Made, keys, spec) -> tuple[dict, dict, bo
             for key, rec in zip(keys, made.records[fmt]):
                 store.put_record(key, rec)
             fetched[name, fmt] = serve_from(store, keys, made.payloads[fmt])
-    return bandwidth, fetched, all(f[2] for f in fetched.values()), stores
+    return fetched, all(f[2] for f in fetched.values()), stores
 
 
 def decode_and_answer(stores: dict, keys, model, rag: RagInput, ratio: float, rule: str) -> tuple[dict, dict, dict]:
-    """Per format, from RAM's records: decode to KV (timed), then place, blend and the question (timed, one
-    thread). -> ({format: decode s}, {format: blend s}, {format: first token})."""
+    """Per format, from RAM's records: decode to KV (timed, best of DECODE_REPEATS), then place, blend and the
+    question (timed, one thread). -> ({format: decode s}, {format: blend s}, {format: first token})."""
     decode_s, blend_s, tokens = {}, {}, {}
     for fmt in kvrecord.FORMATS:
         store = stores["ram", fmt]
         raw = [store.fetch(k) for k in keys]
-        got, decode_s[fmt] = timed(lambda: store.decode_many(keys, raw))
+        got, decode_s[fmt] = best_of(lambda: store.decode_many(keys, raw))
         with single_thread():
             tokens[fmt], blend_s[fmt] = timed(lambda: answer_first(model, rag, keys, got, ratio, rule))
     return decode_s, blend_s, tokens
+
+
+def best_of(fn, repeats: int = DECODE_REPEATS):
+    """(fn's result, its fastest time of `repeats` runs)."""
+    runs = [timed(fn) for _ in range(repeats)]
+    return runs[0][0], min(t for _, t in runs)
+
+
+def measure_layouts(made: Made, keys, spec, served_decode_s: float) -> dict:
+    """{stream layout: LayoutRun} of the context's bitstream records. A layout the parallel coder decodes for this
+    request is coded and decoded here, every chunk side by side (ChunkStore.decode_many, timed); the served
+    records' layout keeps the served decode. One the serial coder decodes would take seconds a run: its bytes are
+    the codec's expectation (kvcache.context_bytes) and its decode the one timed once on this machine."""
+    store = ks.ChunkStore(ks.RamTier(0), "cachegen", spec)
+    served = {kv.codec_header(p, lengths=False)["layout"] for p in made.payloads["cachegen"]}
+    overhead = sum(len(r) - len(p) for r, p in zip(made.records["cachegen"], made.payloads["cachegen"]))
+    out = {}
+    for plan in kv.stream_plans(spec):
+        streams = sum(plan.streams * -(-len(X) // spec.group) for X in made.arrays)
+        if served == {plan.layout}:
+            out[plan.layout] = LayoutRun(sum(map(len, made.records["cachegen"])), served_decode_s, streams, True)
+        elif kv.coder_for(streams) == "parallel":
+            records = [store.encode(k, X, plan.layout) for k, X in zip(keys, made.arrays)]
+            raw = [kvrecord.check(r, k.digest) for r, k in zip(records, keys)]
+            _, decode_s = best_of(lambda: store.decode_many(keys, raw), OTHER_LAYOUT_REPEATS)
+            out[plan.layout] = LayoutRun(sum(map(len, records)), decode_s, streams, True)
+        else:
+            out[plan.layout] = LayoutRun(
+                round(overhead + sum(kv.context_bytes(spec, len(X), plan) for X in made.arrays)),
+                sum(ks.layout_decode_s(spec, len(X))[plan.layout] for X in made.arrays), streams, False)
+    return out
+
+
+def coder_rate(arrays, spec) -> float:
+    """The parallel coder's own decode rate (M symbols/s) on the context's symbols, one stream per (layer, K/V,
+    channel) over a chunk's tokens, as 02's exercise 3 times it at all rows: what the store's decode is measured
+    against. Timed on the longest chunk (its rate per symbol is the context's; coding all of them takes seconds)."""
+    X = max(arrays, key=len)
+    syms, ids = (a.transpose(1, 2, 3, 0).reshape(-1) for a in kv.symbols(kv.quantize(X, spec), spec))
+    lengths = np.full(int(np.prod(spec.shape)), len(X))
+    data, nbytes = encode_streams(syms, lengths, spec.stack, ids)
+    _, seconds = best_of(lambda: decode_streams(data, nbytes, lengths, spec.stack, ids))
+    return syms.size / seconds / 1e6
 
 
 def measure_store(model, tok, path, *, n_chunks: int, chunk_tokens: int, spec: kv.CodecSpec, ratio: float, rule: str,
@@ -322,16 +425,21 @@ def measure_store(model, tok, path, *, n_chunks: int, chunk_tokens: int, spec: k
     setting = Setting(item=item, n_chunks=n_chunks, chunk_tokens=chunk_tokens, ratio=ratio, rule=rule)
     mid, rag = ks.model_id(path), store_input(tok, item, n_chunks, chunk_tokens)
     keys, rd = ks.chunk_keys(mid, rag.prefix, rag.chunks), bw.rag_doc(rag)
-    step(0)
-    made = make_records(model, rd, rag, keys, spec)
     folder = Path(tempfile.mkdtemp(prefix="kvstore-", dir=checkpoint_dir() if folder is None else folder))
     namespace = f"l27kv-{os.getpid()}-{os.urandom(3).hex()}"
     tiers, redis_note, server = open_tiers(folder, redis_url, namespace, budget, redis_ttl_s)
     try:
+        step(0)   # each tier's read rate first: the bitstream's layout is chosen at the slowest one's
+        record = kvrecord.HEAD.size + chunk_tokens * 2 * int(np.prod(spec.shape)) + kvrecord.CRC.size
+        bandwidth = {name: probe_bandwidth(t, record) for name, t in tiers.items()}
+        gbps = min(bandwidth.values()) / tm.GB
+        made = make_records(model, rd, rag, keys, spec, gbps)
         step(1)
-        bandwidth, fetched, same_bytes, stores = store_and_fetch(tiers, made, keys, spec)
+        fetched, same_bytes, stores = store_and_fetch(tiers, made, keys, spec)
         step(2)
         decode_s, blend_s, tokens = decode_and_answer(stores, keys, model, rag, ratio, rule)
+        layouts = measure_layouts(made, keys, spec, decode_s["cachegen"])
+        coder_msym_s = coder_rate(made.arrays, spec)
         step(3)
         done = restart_engine(tiers["redis"].url, namespace, path, setting, spec=spec,
                               ttl_s=tiers["redis"].ttl_s) if restart and "redis" in tiers else None
@@ -339,7 +447,8 @@ def measure_store(model, tok, path, *, n_chunks: int, chunk_tokens: int, spec: k
         bar.close()
         close_tiers(tiers, server, folder)
     got = Measured(bandwidth=bandwidth, fetched=fetched, same_bytes=same_bytes, decode_s=decode_s, blend_s=blend_s,
-                   tokens={"full prefill": made.token, **tokens}, restart=done, redis_note=redis_note)
+                   tokens={"full prefill": made.token, **tokens}, restart=done, redis_note=redis_note, layouts=layouts,
+                   coder_msym_s=coder_msym_s)
     return store_run(model, mid, rd, setting, spec.level, made, got)
 
 
@@ -360,21 +469,24 @@ def store_run(model, mid: str, rd: bw.RagDoc, setting: Setting, level: int, made
                       ttft_s=fetch_s + decode_s + got.blend_s[fmt],
                       predicted_ttft_s=nbytes[fmt] / got.bandwidth[tier] + decode_s + predicted_blend,
                       cached_share=cached_share)
-    saved, extra = nbytes["fp16"] - nbytes["cachegen"], got.decode_s["cachegen"] - got.decode_s["fp16"]
     values = sum(X.size for X in made.arrays)
+    coded = [kv.codec_header(p, lengths=False)["layout"] for p in made.payloads["cachegen"]]
     done = got.restart
     return StoreRun(
         tiers={name: {fmt: served(name, fmt) for fmt in kvrecord.FORMATS} for name in got.bandwidth},
         full_prefill_s=made.t_full,
         breakeven_gbps=ledger.breakeven_bandwidth(m, cpu, N, 1, tm.SERVED_BYTES_PER_VALUE) / tm.GB,
-        cachegen_pays_below_gbps=saved / extra / tm.GB if extra > 0 else float("inf"),
+        cachegen_pays_below_gbps=pays_below_gbps(nbytes["fp16"], got.decode_s["fp16"], nbytes["cachegen"],
+                                                 got.decode_s["cachegen"]),
         restart_same_token=None if done is None else done.token == got.tokens["fp16"],
         restart_ttft_s=None if done is None else done.ttft_s,
         n_context=N, n_question=Tq, n_chunks=setting.n_chunks, chunk_tokens=setting.chunk_tokens, level=level,
         bits_per_value=8 * sum(map(len, made.payloads["cachegen"])) / values,
         bandwidth=got.bandwidth, encode_s=made.encode_s, blend_s=got.blend_s, tokens=got.tokens,
         device=cpu, recompute_s=tm.prefill_time(m, cpu, N, 0), predicted_blend_s=predicted_blend,
-        redis_note=got.redis_note, restart=done, same_bytes=got.same_bytes)
+        redis_note=got.redis_note, restart=done, same_bytes=got.same_bytes, layouts=got.layouts,
+        layout=max(set(coded), key=coded.count), layout_gbps=min(got.bandwidth.values()) / tm.GB, symbols=values,
+        coder_msym_s=got.coder_msym_s)
 
 
 # ------------------------------------------------------------------------------------ exercise 9

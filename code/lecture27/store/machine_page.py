@@ -5,7 +5,7 @@ store/machine.py's measurement; every sentence here is chosen by them. Nothing h
 from __future__ import annotations
 
 from common.present import Col, Page, Row, Table, Val, cols, pct0, segment_bars
-from lecture27.store.machine import StoreRun
+from lecture27.store.machine import StoreRun, beats_recompute_above_gbps
 
 TIER_NAMES = {"ram": "RAM", "disk": "local disk", "redis": "Redis"}
 FORMAT_NAMES = {"fp16": "FP16", "cachegen": "CacheGen"}
@@ -19,6 +19,13 @@ def rate(gbps: float) -> str:
     def unit(x: float, big: str, small: str) -> str:
         return f"{x:.3g} {big}" if x >= 1 else f"{x * 1e3:.3g} {small}"
     return f"{unit(gbps, 'GB/s', 'MB/s')} ({unit(8 * gbps, 'Gb/s', 'Mb/s')})"
+
+
+def link_rate(gbps: float) -> str:
+    """A bandwidth in GB/s as a link's rate alone: Mb/s or Gb/s ("never" when it is infinite)."""
+    if gbps == float("inf"):
+        return "never"
+    return f"{8 * gbps:.3g} Gb/s" if gbps >= 0.125 else f"{8e3 * gbps:.3g} Mb/s"
 
 
 def token_text(token: int, ref: int) -> str:
@@ -36,6 +43,7 @@ def show_store(page: Page, r: StoreRun, s) -> None:
              f"blend at {s.store_ratio:.0%} ({s.store_rule}), then the question; one thread of this CPU. "
              f"Redis: {r.redis_note}.")
     page.table(serving_table(r))
+    page.table(layout_table(r))
     store_figure(page, r)
     show_restart(page, r)
 
@@ -62,8 +70,8 @@ def serving_notes(r: StoreRun) -> list:
              + ("Every tier returned RAM's records byte for byte." if r.same_bytes else
                 "A tier returned other bytes than RAM's: a bug, never tuning."),
              f"decode: FP16 widened to float32 in {r.tiers['ram']['fp16'].decode_s * 1e3:.0f} ms; CacheGen's "
-             f"arithmetic decoding {r.tiers['ram']['cachegen'].decode_s:.2f} s, for {pct0(1 - cg_share(r))} fewer "
-             "bytes. "
+             f"arithmetic decoding {r.tiers['ram']['cachegen'].decode_s:.2f} s ({r.decode_msym_s:.1f} M symbols/s, "
+             f"every chunk's streams side by side in the {r.layout} layout), for {pct0(1 - cg_share(r))} fewer bytes. "
              f"Storing cost the engine {r.encode_s['fp16'] * 1e3:.0f} ms (FP16) and {r.encode_s['cachegen']:.2f} s "
              "(CacheGen's encoding).",
              f"From RAM in FP16 the first token comes {r.full_prefill_s / fp16.ttft_s:.1f}x sooner than by a full "
@@ -105,17 +113,81 @@ def model_notes(r: StoreRun) -> list:
     return out
 
 
+def versus_recompute(gbps: float, decode_s: float, recompute_s: float) -> str:
+    """Where a format's fetch and decode beat recomputing: above a bandwidth, or never."""
+    if gbps == float("inf"):
+        return (f"never beats recomputing: its decode alone ({decode_s:.2f} s) is slower than the recompute "
+                f"({recompute_s:.2f} s)")
+    return f"beats recomputing over any link faster than {rate(gbps)}"
+
+
+def pays_text(gbps: float) -> str:
+    """Where a format beats FP16: below a bandwidth, always, or never."""
+    if gbps == float("inf"):
+        return "beats FP16 over any link: it is smaller and decodes as fast"
+    if gbps == 0:
+        return "never beats FP16: it is not smaller"
+    return f"beats FP16 only below {rate(gbps)}"
+
+
 def breakeven_notes(r: StoreRun) -> list:
     """01's break-even bandwidth on this CPU, and where CacheGen's smaller bitstream pays."""
     cg = r.tiers["ram"]["cachegen"]
     pays = r.cachegen_pays_below_gbps
     slowest = min(r.bandwidth.values()) / 1e9
+    tail = ("." if not 0 < pays < float("inf") or slowest <= pays else
+            f": every tier here reads faster (slowest {rate(slowest)}), so on this machine compression does not pay; "
+            "over a slow network it does.")
     return [f"Break-even on this machine (01's formula, the recompute {r.recompute_s:.2f} s): fetching the FP16 KV "
             f"beats recomputing it over any link faster than {rate(r.breakeven_gbps)}; the bitstream, with its "
-            f"{cg.decode_s:.2f} s decode, over any link faster than {rate(r.cachegen_breakeven_gbps)}. It beats FP16 "
-            f"only below {rate(pays)}" + (f": every tier here reads faster (slowest {rate(slowest)}), so on this "
-                                          "machine compression does not pay; over a slow network it does."
-                                          if slowest > pays else ".")]
+            f"{cg.decode_s:.2f} s decode, {versus_recompute(r.cachegen_breakeven_gbps, cg.decode_s, r.recompute_s)}. "
+            f"It {pays_text(pays)}{tail}"]
+
+
+def layout_table(r: StoreRun) -> Table:
+    """The bitstream in each stream layout: bytes against decode time, and where each pays."""
+    fp16 = r.tiers["ram"]["fp16"]
+    blend = r.blend_s["cachegen"]
+    rows = []
+    for name, x in r.layouts.items():
+        star, pays = "" if x.measured else "*", r.layout_pays_below_gbps(name)
+        rows.append(Row([name + (" (served)" if name == r.layout else ""), x.streams, f"{x.bytes:,}{star}",
+                         f"{x.decode_s:.3f}{star}", r.symbols / x.decode_s / 1e6,
+                         *[x.bytes / b + x.decode_s + blend for b in r.bandwidth.values()],
+                         link_rate(pays) if 0 < pays < float("inf") else pays_text(pays).split(":")[0]]))
+    tiers = [f"TTFT {TIER_NAMES[t]}" for t in r.bandwidth]
+    served = r.layouts[r.layout]
+    notes = ["Each group of a chunk's tokens (CacheGen's anchor and its deltas) is cut into independent streams "
+             "(kvcache.STREAM_LAYOUTS): one, one per K/V, per (layer, K/V), per (layer, K/V, channel). More streams "
+             "cost bytes (each stream's end and its length) and let the parallel coder decode more symbols "
+             "at each step. "
+             f"The codec chooses by time (kvcache.stream_plan with a bandwidth): the layout whose bytes at the read "
+             f"rate plus its decode take least; at the slowest tier's {rate(r.layout_gbps)} that is {r.layout}.",
+             f"TTFT per tier: the records' bytes / the tier's measured read rate + the decode + the blend and question "
+             f"({blend:.2f} s, measured with the served records). FP16: {fp16.bytes:,} bytes, decode "
+             f"{fp16.decode_s * 1e3:.0f} ms. *: expected, not run here: the serial coder decodes those layouts "
+             "(seconds a run); the codec's expected bytes and its decode timed once on this machine "
+             "(kvstore.layout_decode_s, cached); the figure leaves them out.",
+             f"The served layout decodes {r.symbols:,} symbols at {r.decode_msym_s:.1f} M symbols/s; the parallel "
+             "coder's own rate on the longest chunk's symbols, one stream per (layer, K/V, channel) as in 02's "
+             f"exercise 3, is {r.coder_msym_s:.1f} M symbols/s ({served_share(r):.0%}). What remains to a compiled coder such "
+             "as constriction is numpy's: each step of the coder is a few dozen array operations over all lanes, "
+             "each a pass through memory, where compiled code keeps a lane's state in registers.",
+             f"Against recomputing ({r.recompute_s:.2f} s), the served layout "
+             + versus_recompute(beats_recompute_above_gbps(served.bytes, served.decode_s, r.recompute_s),
+                                served.decode_s, r.recompute_s) + ". The other layouts beat it over links faster than: "
+             + ", ".join(f"{name} {link_rate(beats_recompute_above_gbps(x.bytes, x.decode_s, r.recompute_s))}"
+                         for name, x in r.layouts.items() if name != r.layout) + "."]
+    return Table(title="CacheGen's stream layouts: bytes on the link against decode time on this CPU",
+                 section="§3.3, §6",
+                 cols=cols(Col("layout", left=True), ("streams", "{:,}"), Col("bytes"), Col("decode, s"),
+                           ("M symbols/s", "{:.1f}"), *[(t, "{:.2f}") for t in tiers],
+                           Col("beats FP16 below", left=True)),
+                 rows=rows, source="store.machine.measure_layouts", notes=notes)
+
+
+def served_share(r: StoreRun) -> float:
+    return r.decode_msym_s / r.coder_msym_s if r.coder_msym_s else 0.0
 
 
 def store_figure(page: Page, r: StoreRun) -> None:
@@ -123,12 +195,19 @@ def store_figure(page: Page, r: StoreRun) -> None:
     bars = {f"{TIER_NAMES[t]}, {FORMAT_NAMES[f]}": [(x.fetch_s, "", "fetch"), (x.decode_s, "", "decode"),
                                                     (x.ttft_s - x.fetch_s - x.decode_s, "", "blend + question")]
             for t, by in r.tiers.items() for f, x in by.items()}
+    slowest = min(r.bandwidth, key=r.bandwidth.get)
+    for name, x in r.layouts.items():   # each layout run here, from the slowest tier: its bytes at its read rate
+        if not x.measured:
+            continue
+        bars[f"{name} layout, {TIER_NAMES[slowest]}"] = [
+            (x.bytes / r.bandwidth[slowest], "", "fetch"), (x.decode_s, "", "decode"),
+            (r.blend_s["cachegen"], "", "blend + question")]
     bars["full prefill"] = [(r.full_prefill_s, "", "prefill")]
     segment_bars(page, "05_store.png", bars, {"fetch": "tab:blue", "decode": "tab:orange",
                                               "blend + question": "tab:green", "prefill": "tab:gray"},
                  "seconds to the first token on one thread of this CPU",
-                 f"SmolLM2's {r.n_context:,}-token context served from a real store", (7.5, 3.5),
-                 dict(fontsize=7, loc="lower right"))
+                 f"SmolLM2's {r.n_context:,}-token context served from a real store", (8.5, 4.8),
+                 dict(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0))
 
 
 def show_restart(page: Page, r: StoreRun) -> None:
