@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -132,33 +133,34 @@ def main(argv=None) -> None:
     def say(line: str) -> None:
         print(line, flush=True)
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))   # as Ctrl-C: the cleanup below runs
     model, tok, info = load_gguf_llama(path)
     name = Path(path).stem.split(".")[0]   # SmolLM2-135M-Instruct: the file's name without its quantization
     folder = Path(tempfile.mkdtemp(prefix="engine-", dir=checkpoint_dir()))
-    tiers, server, model_id = (None, None, None) if a.no_store else open_store(a, model, folder, say)
-    connector = KVConnector(model, model_id, tiers, blend=not a.no_blend, ratio=a.ratio, rule=a.rule,
-                            block=a.block_tokens)
-    end_ids = {t for t in (tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"), info.get("eos_id"))
-               if t is not None}
-    engine = Engine(model, tok, connector, end_ids, threads=a.threads or torch.get_num_threads()).start()
-    app = make_app(engine, name, info.get("context_length") or 2048, a.api_key)
-    host, port = sock.getsockname()[:2]
-    store = "no store" if a.no_store else " -> ".join(t.tier.name for t in tiers.stores) + \
-        (", prefixes only" if a.no_blend else f", CacheBlend {a.ratio:.0%} ({a.rule})")
-    say(f"serving {name} at http://{host}:{port}/v1 ({store}; one request at a time, "
-        f"{engine.threads} thread{'s' * (engine.threads > 1)}); Ctrl-C stops it")
+    tiers = server = engine = None
     try:
+        tiers, server, model_id = (None, None, None) if a.no_store else open_store(a, model, folder, say)
+        connector = KVConnector(model, model_id, tiers, blend=not a.no_blend, ratio=a.ratio, rule=a.rule,
+                                block=a.block_tokens)
+        end_ids = {t for t in (tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"), info.get("eos_id"))
+                   if t is not None}
+        engine = Engine(model, tok, connector, end_ids, threads=a.threads or torch.get_num_threads()).start()
+        app = make_app(engine, name, info.get("context_length") or 2048, a.api_key)
+        host, port = sock.getsockname()[:2]
+        store = "no store" if a.no_store else " -> ".join(t.tier.name for t in tiers.stores) + \
+            (", prefixes only" if a.no_blend else f", CacheBlend {a.ratio:.0%} ({a.rule})")
+        say(f"serving {name} at http://{host}:{port}/v1 ({store}; one request at a time, "
+            f"{engine.threads} thread{'s' * (engine.threads > 1)}); Ctrl-C stops it")
         uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)).run(sockets=[sock])
     finally:
-        engine.stop()
-        steps = [s.tier.close for s in (tiers.stores if tiers else []) if hasattr(s.tier, "close")]   # Redis clients
+        steps = [engine.stop] if engine else []
+        steps += [s.tier.close for s in (tiers.stores if tiers else []) if hasattr(s.tier, "close")]   # Redis clients
         for step in steps + ([server.stop] if server else []) + [lambda: shutil.rmtree(folder, ignore_errors=True)]:
             try:
                 step()
             except Exception as e:   # the next steps still run
                 print(f"serve: cleanup: {e}", file=sys.stderr)
         say("stopped")
-
 
 if __name__ == "__main__":
     main()
