@@ -213,6 +213,22 @@ def test_decode_lanes_is_decode_streams_on_columns():
         acp.decode_lanes(data, nbytes[:-1], ids, tables)
 
 
+def test_decode_lanes_repeats_fewer_columns_across_the_lanes():
+    """table_ids of P columns for P x k lanes: lane j reads column j % P (several groups of the channel layout
+    side by side), across blocks of lanes that do not start at a multiple of P."""
+    rng = np.random.default_rng(6)
+    tables = [ac.make_table(rng.random(n) + 0.01) for n in (5, 300, 2)]
+    steps, P, k = 4, 7, -(-2 * acp.PARALLEL_BLOCK // 7) + 1
+    ids = rng.integers(0, 3, (steps, P))
+    full = np.tile(ids, (1, k))
+    syms = np.minimum(rng.integers(0, 300, full.shape), np.array([4, 299, 1])[full])
+    data, nbytes = acp.encode_streams(syms.T.ravel(), np.full(P * k, steps), tables, full.T.ravel())
+    assert np.array_equal(acp.decode_lanes(data, nbytes, ids, tables), syms)
+    assert np.array_equal(acp.decode_lanes(data, nbytes, full, tables), syms)
+    with pytest.raises(ValueError):
+        acp.decode_lanes(data, nbytes[:-1], ids, tables)
+
+
 def test_one_stream_per_group_is_the_serial_coder_in_token_order(specs):
     spec = specs[True]
     X = _kv(8, 1, 23)[0]
@@ -291,3 +307,19 @@ def test_the_benchmark_counts_the_bytes_streams_add(monkeypatch, max_steps):
         assert added == sum(sizes) + sum(len(acp.varint(b)) for b in sizes[:-1]) - thr.one_stream_bytes
     assert thr.added_bytes[0] == 0 and thr.added_bytes[-1] > thr.added_bytes[1] > 0
     assert min(thr.serial_encode, thr.serial_decode, *thr.parallel_encode, *thr.parallel_decode) > 0
+
+
+@pytest.mark.parametrize("top", [100, 1 << 20])
+def test_read_varint_runs_is_read_varints_at_each_start(top):
+    """Runs of varints read at once equal read_varints run by run: lengths below 128 (one byte each, the channel
+    layout's) and longer ones."""
+    rng = np.random.default_rng(int(top))
+    runs = [rng.integers(0, top, 5) for _ in range(4)]
+    data = b"".join(b"\xff" + b"".join(acp.varint(int(n)) for n in r) for r in runs)
+    starts, pos = [], 0
+    for r in runs:
+        starts.append(pos + 1)
+        pos += 1 + sum(len(acp.varint(int(n))) for n in r)
+    values, after = acp.read_varint_runs(np.frombuffer(data, np.uint8), starts, 5, "lengths")
+    for r, s, v, a in zip(runs, starts, values, after):
+        assert (list(v), a) == acp.read_varints(data, s, 5, "lengths") and list(v) == r.tolist()

@@ -608,7 +608,8 @@ def test_store_machine_on_smollm2(smollm2, tmp_path, monkeypatch):
     j = run.json()
     assert set(j) == {"store_tiers", "store_full_prefill_s", "store_breakeven_gbps", "store_cachegen_pays_below_gbps",
                       "store_restart_same_token", "store_restart_ttft_s", "store_layouts", "store_layout",
-                      "store_decode_msym_s"}
+                      "store_decode_msym_s", "store_coder_msym_s", "store_constriction_msym_s"}
+    assert j["store_coder_msym_s"] > 0 and (j["store_constriction_msym_s"] is None or j["store_constriction_msym_s"] > 0)
     # every layout: its bytes and decode; the served one is the served records, and the break-even formulas
     assert set(j["store_layouts"]) == set(kv.STREAM_LAYOUTS) and j["store_layout"] in kv.STREAM_LAYOUTS
     served, cg = j["store_layouts"][j["store_layout"]], j["store_tiers"]["ram"]["cachegen"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -226,3 +227,43 @@ def exercise4(probs: dict, n: int = 100_000, seed: int = 0) -> dict:
             "fixed_bits": math.ceil(math.log2(len(p))),
             "roundtrip_exact": bool(np.array_equal(decode(data, table, n), syms))}
 
+
+def best_time(f, repeats: int):
+    """(the fastest of `repeats` calls of f, in seconds; its result): a coder's time on a shared machine."""
+    best, out = math.inf, None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = f()
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def constriction_throughput(syms, ids, tables, repeats: int = 1):
+    """constriction's range coder (a compiled one, for scale) on these symbols, table by table (one call
+    per table, its model built beforehand, as our tables are); best of `repeats`. -> (encode, decode)
+    symbols/s, or (None, None) where constriction is not installed."""
+    try:
+        import constriction
+    except ImportError:
+        return None, None
+    order = np.argsort(ids, kind="stable")
+    cuts = np.flatnonzero(np.diff(ids[order])) + 1
+    runs = np.split(syms[order].astype(np.int32), cuts)
+    models = [constriction.stream.model.Categorical(tables[t].probs(), perfect=False)
+              for t in ids[order][np.r_[0, cuts]].tolist()] if syms.size else []
+
+    def enc():
+        coder = constriction.stream.queue.RangeEncoder()
+        for run, model in zip(runs, models):
+            coder.encode(run, model)
+        return coder.get_compressed()
+
+    te, data = best_time(enc, repeats)
+
+    def dec():
+        coder = constriction.stream.queue.RangeDecoder(data)
+        return [coder.decode(model, len(run)) for run, model in zip(runs, models)]
+
+    td, back = best_time(dec, repeats)
+    assert all(np.array_equal(a, b) for a, b in zip(back, runs)), "constriction did not decode bit for bit"
+    return syms.size / te, syms.size / td

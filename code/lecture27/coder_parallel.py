@@ -291,19 +291,21 @@ def decode_streams(data: bytes, nbytes, lengths, tables, table_ids=None) -> np.n
 
 
 def decode_lanes(data: bytes, nbytes, table_ids, tables) -> np.ndarray:
-    """Streams of equal length given as a matrix: table_ids (steps, lanes) holds the table of lane j's
-    i-th symbol, lane j's bytes are the j-th nbytes of `data`. -> the symbols, (steps, lanes) uint16: what
-    decode_streams gives, without laying the streams end to end first (a layout whose streams are the
-    columns of the context's values reads them in place)."""
+    """Streams of equal length given as a matrix: table_ids (steps, P) holds the table of lane j's i-th
+    symbol in column j % P (P: every lane, or fewer columns repeated across the lanes: several groups of the
+    channel layout side by side share one table per (layer, K/V, channel)); lane j's bytes are the j-th
+    nbytes of `data`. -> the symbols, (steps, lanes) uint16: what decode_streams gives, without laying the
+    streams end to end first (a layout whose streams are the columns of the context's values reads them in
+    place)."""
     table_ids = np.asarray(table_ids)
     stack, nbytes = stack_tables(tables), np.asarray(nbytes, np.int64).ravel()
-    if table_ids.ndim != 2 or nbytes.size != table_ids.shape[1] or np.any(nbytes < 0) or nbytes.sum() != len(data):
+    if (table_ids.ndim != 2 or not table_ids.shape[1] or nbytes.size % table_ids.shape[1] or np.any(nbytes < 0)
+            or nbytes.sum() != len(data)):
         raise ValueError("need (steps, lanes) table ids and each lane's byte count, adding up to len(data)")
     if table_ids.size and (table_ids.min() < 0 or table_ids.max() >= len(stack)):
         raise ValueError("a table id names no table")
     buf16, start, end = _padded(data, nbytes)
-    return _decode_lanes(start, end, table_ids * (_BUCKETS + 1), [table_ids.shape[1]] * table_ids.shape[0], stack,
-                         buf16)
+    return _decode_lanes(start, end, table_ids * (_BUCKETS + 1), [nbytes.size] * table_ids.shape[0], stack, buf16)
 
 
 def _padded(data, nbytes):
@@ -319,17 +321,20 @@ def _padded(data, nbytes):
 
 def _decode_lanes(start, end, base, active, stack, buf16) -> np.ndarray:
     """Lanes whose bytes lie in buf16 from start to end, decoded in blocks of PARALLEL_BLOCK lanes: base
-    (steps, lanes) holds each symbol's table's first lookup row; active[i] lanes run at step i (the first
-    ones). -> the symbols, (steps, lanes) uint16."""
-    code = np.zeros(len(start), np.int64)
-    for q in range(0, AC_STATE_BITS // 8, 2):
-        code = (code << 16) | buf16[np.minimum(start + q, end)]
-    pos, rng = np.minimum(start + AC_STATE_BITS // 8, end), np.full(len(start), 1 << AC_STATE_BITS, np.int64)
-    found = np.empty(base.shape, np.uint16)
-    for b in range(0, len(start), PARALLEL_BLOCK):
-        e = min(len(start), b + PARALLEL_BLOCK)
+    (steps, P) holds the first lookup row of the table of lane j's symbols in column j % P; active[i] lanes
+    run at step i (the first ones). -> the symbols, (steps, lanes) uint16."""
+    S, P = len(start), base.shape[1]
+    found = np.empty((base.shape[0], S), np.uint16)
+    for b in range(0, S, PARALLEL_BLOCK):
+        e = min(S, b + PARALLEL_BLOCK)
+        first, last = start[b:e], end[b:e]
+        code = np.zeros(e - b, np.int64)
+        for q in range(0, AC_STATE_BITS // 8, 2):          # the code value: a stream's first six bytes
+            code = (code << 16) | buf16[np.minimum(first + q, last)]
+        pos, rng = np.minimum(first + AC_STATE_BITS // 8, last), np.full(e - b, 1 << AC_STATE_BITS, np.int64)
         counts = [min(max(a - b, 0), e - b) for a in active]
-        _decode_block(code[b:e], rng[b:e], pos[b:e], end[b:e], base[:, b:e], found[:, b:e], counts, stack, buf16)
+        tables = base[:, b:e] if P == S else base[:, np.arange(b, e) % P]
+        _decode_block(code, rng, pos, last, tables, found[:, b:e], counts, stack, buf16)
     return found
 
 
@@ -420,6 +425,10 @@ def read_varint_runs(buf: np.ndarray, starts, count: int, what: str):
     starts = np.asarray(starts, np.int64)
     if count == 0 or starts.size == 0:
         return np.zeros((starts.size, count), np.int64), starts.copy()
+    if starts.max() + count <= buf.size:       # lengths below 128 (the channel layout's): one byte each
+        short = buf[starts[:, None] + np.arange(count)]
+        if np.all(short < 0x80):
+            return short.astype(np.int64), starts + count
     ends = np.flatnonzero(buf < 0x80)                            # the last byte of every varint there could be
     first = np.searchsorted(ends, starts)
     if np.any(first + count > ends.size):

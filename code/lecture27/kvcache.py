@@ -466,11 +466,11 @@ def _decode_job(spec: CodecSpec, job: list):
         by_length.setdefault(g.rows.stop - g.rows.start, []).append(g)
     for m, gs in by_length.items():
         ids = _table_ids(m, spec)
-        syms = decode_lanes(np.concatenate([g.data for g in gs]), np.concatenate([g.nbytes for g in gs]),
-                            np.tile(ids, (1, len(gs))), spec.stack)
-        values = syms.reshape(m, len(gs), -1).astype(np.int32) - offset[ids][:, None, :].astype(np.int32)
+        syms = decode_lanes(np.concatenate([g.data for g in gs]), np.concatenate([g.nbytes for g in gs]), ids,
+                            spec.stack).reshape(m, len(gs), -1)
+        off = offset[ids].astype(np.int32)
         for k, g in enumerate(gs):
-            g.q[g.rows] = values[:, k]
+            np.subtract(syms[:, k], off, out=g.q[g.rows])
     rest = [g for g in job if not (columns and g.layout == "channel")]
     if not rest:
         return

@@ -6,13 +6,11 @@ coder_parallel.py's; 02 prints the table.
 """
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from lecture27.coder import decode, encode
+from lecture27.coder import best_time, constriction_throughput, decode, encode
 from lecture27.coder_parallel import decode_streams, encode_streams, stack_tables, varint
 
 THROUGHPUT_MAX_STEPS = 5_000    # the parallel coder is timed on at most this many symbols of each stream
@@ -33,15 +31,6 @@ class CoderThroughput:
     constriction_decode: float | None = None
 
 
-def _best_time(f, repeats: int):
-    best, out = math.inf, None
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = f()
-        best = min(best, time.perf_counter() - t)
-    return best, out
-
-
 def coder_throughput(symbols, table_ids, tables, stream_counts, repeats: int = 1) -> CoderThroughput:
     """symbols, table_ids (R, n): R independent rows, e.g. one per (layer, K/V, channel) of a context;
     tables: the FreqTables the ids name. The serial coder codes all R x n symbols as one stream; the
@@ -53,8 +42,8 @@ def coder_throughput(symbols, table_ids, tables, stream_counts, repeats: int = 1
     R, n = syms.shape
     flat, flat_ids, stack = syms.ravel(), ids.ravel(), stack_tables(tables)
     stack.lookup, stack.keys                             # built beforehand, as constriction's models are
-    t_enc, one = _best_time(lambda: encode(flat, tables, flat_ids), repeats)
-    t_dec, back = _best_time(lambda: decode(one, tables, flat.size, flat_ids), repeats)
+    t_enc, one = best_time(lambda: encode(flat, tables, flat_ids), repeats)
+    t_dec, back = best_time(lambda: decode(one, tables, flat.size, flat_ids), repeats)
     assert np.array_equal(back, flat), "the serial coder did not decode bit for bit"
     counts = sorted({min(int(k), R) for k in stream_counts})
     enc, dec, added = [], [], []
@@ -62,8 +51,8 @@ def coder_throughput(symbols, table_ids, tables, stream_counts, repeats: int = 1
         lengths = np.array([len(r) * n for r in np.array_split(np.arange(R), k)])
         keep = np.arange(flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths) < THROUGHPUT_MAX_STEPS
         sub, sub_ids, sub_len = flat[keep], flat_ids[keep], np.minimum(lengths, THROUGHPUT_MAX_STEPS)
-        te, (data, nbytes) = _best_time(lambda: encode_streams(sub, sub_len, stack, sub_ids), repeats)
-        td, back = _best_time(lambda: decode_streams(data, nbytes, sub_len, stack, sub_ids), repeats)
+        te, (data, nbytes) = best_time(lambda: encode_streams(sub, sub_len, stack, sub_ids), repeats)
+        td, back = best_time(lambda: decode_streams(data, nbytes, sub_len, stack, sub_ids), repeats)
         assert np.array_equal(back, sub), "the parallel coder did not decode bit for bit"
         if keep.all():
             sizes = nbytes.tolist()
@@ -73,38 +62,8 @@ def coder_throughput(symbols, table_ids, tables, stream_counts, repeats: int = 1
         enc.append(sub.size / te)
         dec.append(sub.size / td)
         added.append(sum(sizes) + sum(len(varint(b)) for b in sizes[:-1]) - len(one))
-    c_enc, c_dec = _constriction_throughput(flat, flat_ids, tables, repeats)
+    c_enc, c_dec = constriction_throughput(flat, flat_ids, tables, repeats)
     return CoderThroughput(symbols=int(flat.size), one_stream_bytes=len(one), serial_encode=flat.size / t_enc,
                            serial_decode=flat.size / t_dec, streams=tuple(counts), parallel_encode=tuple(enc),
                            parallel_decode=tuple(dec), added_bytes=tuple(added), constriction_encode=c_enc,
                            constriction_decode=c_dec)
-
-
-def _constriction_throughput(syms, ids, tables, repeats: int):
-    """constriction's range coder on the same symbols, table by table (one call per table, its model
-    built beforehand, as our tables are) -> (encode, decode) symbols/s, or (None, None)."""
-    try:
-        import constriction
-    except ImportError:
-        return None, None
-    order = np.argsort(ids, kind="stable")
-    cuts = np.flatnonzero(np.diff(ids[order])) + 1
-    runs = np.split(syms[order].astype(np.int32), cuts)
-    models = [constriction.stream.model.Categorical(tables[t].probs(), perfect=False)
-              for t in ids[order][np.r_[0, cuts]].tolist()] if syms.size else []
-
-    def enc():
-        coder = constriction.stream.queue.RangeEncoder()
-        for run, model in zip(runs, models):
-            coder.encode(run, model)
-        return coder.get_compressed()
-
-    te, data = _best_time(enc, repeats)
-
-    def dec():
-        coder = constriction.stream.queue.RangeDecoder(data)
-        return [coder.decode(model, len(run)) for run, model in zip(runs, models)]
-
-    td, back = _best_time(dec, repeats)
-    assert all(np.array_equal(a, b) for a, b in zip(back, runs)), "constriction did not decode bit for bit"
-    return syms.size / te, syms.size / td

@@ -23,7 +23,7 @@ bandwidth below which CacheGen's smaller bitstream beats FP16 despite its decode
 The bitstream's stream layout (kvcache.STREAM_LAYOUTS: how each group of tokens is cut into independent streams)
 trades bytes on the link for decode time: the records are coded in the layout the codec chooses by time at the
 slowest tier's read rate (kvstore.ChunkStore with gbps), and every layout is shown beside it (measure_layouts), with
-the parallel coder's own rate on the same symbols (coder_rate) beside the store's decode.
+the coders' own rates on the same symbols (coder_rates) beside the store's decode.
 
 Exercise 9: the Redis server is a process of its own. The first engine (this process) computed the chunks'
 KV, holds it in FP16 as an engine's cache does, stored those bytes and answered from them. `restart_engine`
@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from lecture27 import blend_rules
+from lecture27.coder import constriction_throughput
 from lecture27.coder_parallel import decode_streams, encode_streams
 from lecture27 import blend_world as bw
 from lecture27 import kvcache as kv
@@ -66,7 +67,7 @@ STORE_ITEM = 0              # the built-in RAG item whose context is stored (the
 STORE_BUDGET = 1 << 30      # each tier's byte budget (room for the context in both formats)
 PROBE_READS = 3             # a tier's bandwidth: the median of this many reads of one probe record
 TIERS = ("ram", "disk", "redis")
-DECODE_REPEATS = 3          # a decode's time: the best of this many (two cores shared with other work are noisy)
+DECODE_REPEATS = 5          # a decode's time: the best of this many (two cores shared with other work are noisy)
 OTHER_LAYOUT_REPEATS = 2    # ... and of the layouts not served (a second each)
 
 
@@ -161,6 +162,7 @@ class StoreRun:
     symbols: int = 0          # values in the context's records: the symbols the bitstream codes
     coder_msym_s: float = 0.0  # the parallel coder's own decode rate on the longest chunk's symbols, one stream
                                # per (layer, K/V, channel) over its tokens (02's exercise 3 at all rows), M symbols/s
+    constriction_msym_s: float | None = None   # constriction's compiled range coder on the same symbols, one stream
     restart: Restart | None = None
     same_bytes: bool = True   # every tier returned RAM's records byte for byte
     notes: list = field(default_factory=list)
@@ -191,7 +193,8 @@ class StoreRun:
                 "store_layouts": {name: {"bytes": x.bytes, "decode_s": x.decode_s,
                                          "pays_below_gbps": self.layout_pays_below_gbps(name), "measured": x.measured}
                                   for name, x in self.layouts.items()},
-                "store_layout": self.layout, "store_decode_msym_s": self.decode_msym_s}
+                "store_layout": self.layout, "store_decode_msym_s": self.decode_msym_s,
+                "store_coder_msym_s": self.coder_msym_s, "store_constriction_msym_s": self.constriction_msym_s}
 
 
 # ------------------------------------------------------------------------------------ chunks and their KV
@@ -310,6 +313,7 @@ class Measured:
     redis_note: str           # where the Redis server was, or why there is none
     layouts: dict = field(default_factory=dict)   # {stream layout: LayoutRun}
     coder_msym_s: float = 0.0  # the parallel coder's own decode rate on the context's symbols
+    constriction_msym_s: float | None = None   # ... constriction's (None: not installed)
 
 
 def make_records(model, rd: bw.RagDoc, rag: RagInput, keys, spec, gbps: float | None = None) -> Made:
@@ -391,16 +395,18 @@ def measure_layouts(made: Made, keys, spec, served_decode_s: float) -> dict:
     return out
 
 
-def coder_rate(arrays, spec) -> float:
-    """The parallel coder's own decode rate (M symbols/s) on the context's symbols, one stream per (layer, K/V,
-    channel) over a chunk's tokens, as 02's exercise 3 times it at all rows: what the store's decode is measured
-    against. Timed on the longest chunk (its rate per symbol is the context's; coding all of them takes seconds)."""
+def coder_rates(arrays, spec) -> tuple[float, float | None]:
+    """The coders' own decode rates (M symbols/s) on the context's symbols, what the store's decode is measured
+    against: the parallel coder's, one stream per (layer, K/V, channel) over a chunk's tokens, as 02's exercise 3
+    times it at all rows; and constriction's compiled range coder's, one stream (None: not installed). Timed on
+    the longest chunk (its rate per symbol is the context's; coding all of them takes seconds)."""
     X = max(arrays, key=len)
     syms, ids = (a.transpose(1, 2, 3, 0).reshape(-1) for a in kv.symbols(kv.quantize(X, spec), spec))
     lengths = np.full(int(np.prod(spec.shape)), len(X))
     data, nbytes = encode_streams(syms, lengths, spec.stack, ids)
     _, seconds = best_of(lambda: decode_streams(data, nbytes, lengths, spec.stack, ids))
-    return syms.size / seconds / 1e6
+    _, compiled = constriction_throughput(syms, ids, spec.tables, DECODE_REPEATS)
+    return syms.size / seconds / 1e6, None if compiled is None else compiled / 1e6
 
 
 def measure_store(model, tok, path, *, n_chunks: int, chunk_tokens: int, spec: kv.CodecSpec, ratio: float, rule: str,
@@ -439,7 +445,7 @@ def measure_store(model, tok, path, *, n_chunks: int, chunk_tokens: int, spec: k
         step(2)
         decode_s, blend_s, tokens = decode_and_answer(stores, keys, model, rag, ratio, rule)
         layouts = measure_layouts(made, keys, spec, decode_s["cachegen"])
-        coder_msym_s = coder_rate(made.arrays, spec)
+        coder_msym_s, constriction_msym_s = coder_rates(made.arrays, spec)
         step(3)
         done = restart_engine(tiers["redis"].url, namespace, path, setting, spec=spec,
                               ttl_s=tiers["redis"].ttl_s) if restart and "redis" in tiers else None
@@ -448,7 +454,7 @@ def measure_store(model, tok, path, *, n_chunks: int, chunk_tokens: int, spec: k
         close_tiers(tiers, server, folder)
     got = Measured(bandwidth=bandwidth, fetched=fetched, same_bytes=same_bytes, decode_s=decode_s, blend_s=blend_s,
                    tokens={"full prefill": made.token, **tokens}, restart=done, redis_note=redis_note, layouts=layouts,
-                   coder_msym_s=coder_msym_s)
+                   coder_msym_s=coder_msym_s, constriction_msym_s=constriction_msym_s)
     return store_run(model, mid, rd, setting, spec.level, made, got)
 
 
@@ -486,7 +492,7 @@ def store_run(model, mid: str, rd: bw.RagDoc, setting: Setting, level: int, made
         device=cpu, recompute_s=tm.prefill_time(m, cpu, N, 0), predicted_blend_s=predicted_blend,
         redis_note=got.redis_note, restart=done, same_bytes=got.same_bytes, layouts=got.layouts,
         layout=max(set(coded), key=coded.count), layout_gbps=min(got.bandwidth.values()) / tm.GB, symbols=values,
-        coder_msym_s=got.coder_msym_s)
+        coder_msym_s=got.coder_msym_s, constriction_msym_s=got.constriction_msym_s)
 
 
 # ------------------------------------------------------------------------------------ exercise 9
