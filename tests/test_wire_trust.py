@@ -1,10 +1,10 @@
 """Whom wire.Wire trusts and what it takes from them: only the sender it started (it proves a token given on its
-stdin, never on a command line), only the frames the plan has (kind, chunk, size), and a sender on its plan
-however slow the trace.
+stdin, never on a command line), only the frames the plan has (kind, chunk, size), a probe's
+own pieces and a CANCELLED that answers its CANCEL, and a sender on its plan however slow the trace.
 
 A test double of the sender is this file run as a program (`python tests/test_wire_trust.py MODE`, put in
 place of the real sender through wire.module_command): it proves the token as the real one does, then answers
-a REQUEST as MODE says. No test bounds a time: the machine is shared."""
+a REQUEST, a PROBE or a CANCEL as MODE says. No test bounds a time: the machine is shared."""
 import io
 import json
 import secrets
@@ -48,6 +48,19 @@ ROGUES = {
     "a frame of no kind": lambda chunks, i, q: [wire._HEADER.pack(9, i, 0)],
     "silent": lambda chunks, i, q: [],
 }
+_TAIL = wire._END_TAIL.pack(0, 0.0, 0.0)
+# what a rogue sender answers a PROBE (the probe's pieces are labelled wire.PROBE_CHUNK, at most a tick's bytes)
+PROBE_ROGUES = {
+    "a probe piece labelled chunk 0": [_data(0, bytes(8))],
+    "a 3 MB probe piece": [_data(wire.PROBE_CHUNK, bytes(3_000_000))],
+    "a probe that ENDs": [wire._HEADER.pack(wire.END, wire.PROBE_CHUNK, 0) + _TAIL],
+}
+# what a rogue sender that sends no byte of chunk i answers the CANCEL that follows (or, unasked, the REQUEST)
+CANCEL_ROGUES = {
+    "cancelled after bytes that never came": lambda i: [wire._HEADER.pack(wire.CANCELLED, i, 5) + _TAIL],
+    "cancelled, another chunk": lambda i: [wire._HEADER.pack(wire.CANCELLED, 1 - i, 0) + _TAIL],
+}
+UNASKED = "cancelled before any CANCEL"
 
 
 def _rogue(mode: str) -> None:
@@ -61,8 +74,18 @@ def _rogue(mode: str) -> None:
             _, _, n = wire._START.unpack(kind + wire._recv_exact(sock, wire._START.size - 1))
             wire._recv_exact(sock, n * wire._POINT.size)
             continue
-        _, i, k = wire._REQUEST.unpack(kind + wire._recv_exact(sock, wire._REQUEST.size - 1))
-        for frame in ROGUES[mode](setup["payloads"][setup["names"][k]], i, setup["quantum"]):
+        if kind[0] == wire.PROBE:
+            wire._recv_exact(sock, wire._PROBE.size - 1)
+            frames = PROBE_ROGUES.get(mode, [])
+        else:
+            _, i, k = wire._REQUEST.unpack(kind + wire._recv_exact(sock, wire._REQUEST.size - 1))
+            if kind[0] == wire.CANCEL:
+                frames = CANCEL_ROGUES[mode](i) if mode in CANCEL_ROGUES else []
+            elif mode == UNASKED:
+                frames = [wire._HEADER.pack(wire.CANCELLED, i, 0) + _TAIL]
+            else:
+                frames = ROGUES.get(mode, lambda *_: [])(setup["payloads"][setup["names"][k]], i, setup["quantum"])
+        for frame in frames:
             sock.sendall(frame)
     sock.close()
 
@@ -122,6 +145,44 @@ def test_a_frame_the_plan_does_not_have_is_a_protocol_error(rogue, mode):
         assert w.broken
     assert w.proc.poll() is not None
     assert issubclass(wire.WireProtocolError, wire.WireTimeout)
+
+
+@pytest.mark.parametrize("mode", PROBE_ROGUES)
+def test_a_probe_answered_with_frames_it_does_not_have_is_a_protocol_error(rogue, mode):
+    """A PROBE answered with a piece labelled a chunk, a piece larger than the trace lets through a tick, or an
+    END: WireProtocolError, the sender lost and killed."""
+    rogue(mode)
+    with wire.Wire(st.Trace.steady(0.05), PAYLOADS, quantum=QUANTUM) as w:
+        w.start()
+        with pytest.raises(wire.WireProtocolError, match="probe: a"):
+            w.probe(w.now() + 0.05)
+        assert w.broken
+    assert w.proc.poll() is not None
+
+
+def test_a_probe_never_answered_times_out(rogue):
+    """A PROBE, then the CANCEL that stops it, answered by nothing: WireTimeout, not a probe's rate."""
+    rogue("silent")
+    with wire.Wire(st.Trace.steady(0.05), PAYLOADS, margin_s=0.2) as w:
+        w.start()
+        with pytest.raises(wire.WireTimeout, match="probe: connection lost"):
+            w.probe(w.now() + 0.05)
+        assert w.broken
+    assert w.proc.poll() is not None
+
+
+@pytest.mark.parametrize("mode", [*CANCEL_ROGUES, UNASKED])
+def test_a_cancelled_frame_that_does_not_match_the_cancel_is_a_protocol_error(rogue, mode):
+    """Chunk 0 sends no byte by its give-up time, so the Wire sends a CANCEL; the sender answers CANCELLED
+    after bytes that never came, or for another chunk; or CANCELLED comes before any CANCEL was sent:
+    WireProtocolError, never a given-up Arrival."""
+    rogue(mode)
+    with wire.Wire(st.Trace.steady(0.05), PAYLOADS, quantum=QUANTUM, margin_s=5.0) as w:
+        w.start()
+        with pytest.raises(wire.WireProtocolError, match="chunk 0 .a.: "):
+            w.fetch(0, "a", give_up_at=None if mode == UNASKED else w.now() + 0.05)
+        assert w.broken
+    assert w.proc.poll() is not None
 
 
 def test_a_silent_sender_times_out(rogue):
