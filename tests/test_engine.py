@@ -147,6 +147,12 @@ def test_a_hit_in_a_lower_tier_is_copied_up_and_a_put_reaches_every_tier(parts):
     assert tier == "ram" == ram.name and np.array_equal(got, X)
     assert ram.has(name)   # copied back up
     assert tiers.get(ks.ChunkKey(mid, (9,)))[0] is None
+    made = []                 # a put whose KV is a function: called only when a tier lacks the record
+    tiers.put(key, lambda: made.append(1) or X)
+    assert made == []
+    ram.discard(name)
+    tiers.put(key, lambda: made.append(1) or X)
+    assert made == [1] and ram.has(name) and np.array_equal(tiers.get(key)[0], X)
 
 
 def events(engine: Engine, prompt, **kw) -> list:

@@ -25,6 +25,7 @@ Blended KV is never stored: a store hands out only KV a full prefill would compu
 """
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field
 
@@ -68,14 +69,23 @@ class Tiers:
         with self.lock:
             return any(s.tier.has(s.name(key)) for s in self.stores)
 
-    def put(self, key: ks.ChunkKey, X: np.ndarray) -> None:
+    def put(self, key: ks.ChunkKey, X) -> None:
+        """Write a chunk through to every tier. X: its KV, or a function that makes it, called only when a tier
+        lacks the record (an exact repeat's blocks are all held: each is touched, none converted or coded)."""
+        if callable(X):
+            with self.lock:
+                if all(s.tier.touch(s.name(key)) for s in self.stores):
+                    return
+            X = X()             # outside the lock: the model thread reads the tiers meanwhile
         with self.lock:
             self._put(key, X, self.stores)
 
     def _put(self, key, X, stores) -> None:
-        record = stores[0].encode(key, X)   # one format, one signing key: the same bytes for every tier
-        for s in stores:
-            s.tier.touch(s.name(key)) or s.put_record(key, record)
+        lacking = [s for s in stores if not s.tier.touch(s.name(key))]
+        if lacking:
+            record = lacking[0].encode(key, X)   # one format, one signing key: the same bytes for every tier
+            for s in lacking:
+                s.put_record(key, record)
 
 
 @dataclass
@@ -224,31 +234,34 @@ class KVConnector:
 
     # ------------------------------------------------------------------------------------------------ writing
     def to_store(self, prompt: Prompt, done: Prefilled, cache: KVCache, sequence: list) -> tuple[list, list]:
-        """What a served request leaves in the store: ([(key, KV) to put now], [(key, chunk) to prefill alone
-        behind the system message first, when the model is idle]). sequence: the prompt and the answer's tokens
-        whose KV `cache` holds (every answer token but the last)."""
+        """What a served request leaves in the store: ([(key, KV or a function that makes it) to put now],
+        [(key, chunk) to prefill alone behind the system message first, when the model is idle]). sequence: the
+        prompt and the answer's tokens whose KV `cache` holds (every answer token but the last)."""
         if self.tiers is None:
             return [], []
         exact = len(sequence) if done.reuse.path != "blend" else done.exact
-        rows = kv_to_array(KVCache(cache.k, cache.v, cache.pos))[0] if exact else None
+        whole = functools.cache(lambda: kv_to_array(KVCache(cache.k, cache.v, cache.pos))[0])
+
+        def rows(a: int, b: int):     # the cache's rows a..b, converted (once) only when a tier lacks a record
+            return lambda: whole()[a:b]
         now, later = [], []
         ends = {len(prompt), len(sequence)}   # where a block shorter than BLOCK_TOKENS is kept: an exact repeat's end
         for a, b, key in block_keys(self.model_id, sequence[:exact], self.block):
             if b - a == self.block:
-                now.append((key, rows[a:b]))
+                now.append((key, rows(a, b)))
         for end in sorted(e for e in ends if e <= exact and e % self.block):
             a = end - end % self.block
-            now.append((ks.ChunkKey(self.model_id, tuple(sequence[a:end]), tuple(sequence[:a])), rows[a:end]))
+            now.append((ks.ChunkKey(self.model_id, tuple(sequence[a:end]), tuple(sequence[:a])), rows(a, end)))
         S = len(prompt.system)
         if S and exact >= S:
-            now.append((ks.ChunkKey(self.model_id, tuple(prompt.system)), rows[:S]))
+            now.append((ks.ChunkKey(self.model_id, tuple(prompt.system)), rows(0, S)))
         if self.blend and prompt.last_message:
             for i, (key, chunk) in enumerate(zip(message_keys(self.model_id, prompt),
                                                  (*prompt.chunks, prompt.last_message))):
                 if i in done.alone:
                     now.append((key, done.alone[i]))
                 elif i == 0 and exact >= S + len(chunk):   # the first message stands where it was stored
-                    now.append((key, rows[S:S + len(chunk)]))
+                    now.append((key, rows(S, S + len(chunk))))
                 else:
                     later.append((key, chunk))
         return now, [(k, c) for k, c in later if not self.tiers.has(k)]
