@@ -8,10 +8,13 @@ the receiver trusts, and what it accepts from it, are in test_wire_trust.py."""
 import numpy as np
 import pytest
 
+from lecture27 import kvcache as kv
+from lecture27 import kvstore as ks
 from lecture27 import streaming as st
 from lecture27.stream import page as sp
 from lecture27 import wire
 from lecture27.stream import compare
+from lecture27.stream import measure
 from lecture27.stream import simulated
 from lecture27.stream import wire_runs
 from lecture27.stream import wire_study as ws
@@ -19,6 +22,9 @@ from common.present import Page
 
 SLOW = st.Trace((0.0, 0.05), (0.0008, 0.0003))   # Gb/s: a 6 KB chunk takes 60-160 ms
 SLO_S = 0.3
+# a chunk's decode seconds per stream layout: the most streams decode fastest, and the fewest-bytes layout
+# ("group") is not the fastest, so a choice that ignores the link's rate cannot pass both ends
+DECODE_S = {"group": 0.030, "K/V": 0.031, "layer": 0.040, "channel": 0.002}
 
 
 def test_wire_scale_divides_bandwidths_only():
@@ -121,10 +127,12 @@ def test_the_study_and_its_table_are_built_from_real_runs(tiny_inputs, monkeypat
     order), the kill run lost a real sender, the --json holds exactly the spec's keys, and 03's table shows
     these runs."""
     model, ids, question, specs = tiny_inputs
-    fetched, real_fetch = [], wire.Wire.fetch
+    fetched, carried, real_fetch = [], [], wire.Wire.fetch
 
     def recording(self, chunk, option, give_up_at=None):
         a = real_fetch(self, chunk, option, give_up_at)
+        if not a.given_up:
+            carried.append((option, a.data))
         if fetched and fetched[-1][:2] == (chunk, "given up"):   # a chunk given up, then its token ids: one span
             fetched[-1] = (chunk, option, fetched[-1][2], a.last_byte)
         else:
@@ -144,8 +152,16 @@ def test_the_study_and_its_table_are_built_from_real_runs(tiny_inputs, monkeypat
     for by in r.runs.values():
         assert by["level0"].measured_choices == by["level0"].simulated_choices == ["level0"] * 4
         assert by["text"].measured_choices == ["text"] * 4 and by["text"].same_answer
+    # every KV chunk that came whole carries the layout chosen for its level at the handout trace's window rate
+    assert r.layout_gbps == ws.window_gbps(SLOW, SLO_S)
+    assert all(c.gbps == r.layout_gbps for c in r.layouts.values())
+    kv_fetched = [(option, data) for option, data in carried if option != "text"]
+    assert kv_fetched and all(kv.codec_header(data, lengths=False)["layout"] == r.layouts[option].layout
+                              for option, data in kv_fetched)
     j = r.json()
-    assert set(j) == {"wire_scale", "wire_runs", "wire_bytes_equal", "wire_kill_fallback_ok", "wire_first_token_kl"}
+    assert set(j) == {"wire_scale", "wire_runs", "wire_bytes_equal", "wire_kill_fallback_ok", "wire_first_token_kl",
+                      "wire_layouts"}
+    assert {name: x["layout"] for name, x in j["wire_layouts"].items()} == {n: c.layout for n, c in r.layouts.items()}
     assert j["wire_scale"] == 1000.0 and j["wire_kill_fallback_ok"] is True and j["wire_bytes_equal"] is True
     assert {t: set(by) for t, by in j["wire_runs"].items()} == {t: set(policies) for t in lecture}
     assert j["wire_first_token_kl"] == max(c.first_token_kl for by in r.runs.values() for c in by.values())
@@ -153,6 +169,8 @@ def test_the_study_and_its_table_are_built_from_real_runs(tiny_inputs, monkeypat
 
     page = Page("03", "test", "§4", plot=False)
     sp.show_wire(page, r, None)
+    layouts = next(t for t in page.tables if t.source == "stream.measure.choose_layouts")
+    assert [row.cells[:2] for row in layouts.rows] == [[n, c.layout] for n, c in r.layouts.items()]
     table = page.tables[-1]
     cells = {(row.cells[0], row.cells[1]): row.cells for row in table.rows}
     assert set(cells) == {(t, p) for t in lecture for p in policies}
@@ -215,3 +233,58 @@ def test_adaptive_gives_up_a_stalled_chunk_on_the_socket(tiny):
     full = stall.transfer_end(row.abandoned.asked, 8 * len(prep.payloads[row.gave_up][k]))
     assert r.ttft_s < full and all(c == "text" for c in r.choices[k:])
     assert r.bytes_equal and r.same_answer and all(x.est_gbps is not None for x in r.rows)
+
+
+@pytest.mark.parametrize("trace, seconds, gbps", [
+    (st.Trace((0.0, 0.3, 3.0), (10.0, 1.0, 5.0)), 1.5, (10 * 0.3 + 1 * 1.2) / 1.5),   # the handout's, SLO 1.5 s
+    (st.Trace((0.0, 0.3, 3.0), (10.0, 1.0, 5.0)), 4.0, (10 * 0.3 + 1 * 2.7 + 5 * 1.0) / 4),
+    (st.Trace((0.0, 0.3, 3.0), (10.0, 1.0, 5.0)), 0.2, 10.0),
+    (st.Trace.steady(25.0), 1.5, 25.0)])
+def test_the_layouts_rate_is_the_traces_mean_over_the_slo_window(trace, seconds, gbps):
+    assert ws.window_gbps(trace, seconds) == pytest.approx(gbps, rel=1e-12)
+    assert ws.window_gbps(wire.scaled(trace, 500.0), seconds) == pytest.approx(gbps / 500, rel=1e-12)
+
+
+def test_each_levels_layout_is_chosen_by_time_at_the_links_rate(tiny_inputs, monkeypatch):
+    """choose_layouts: at a link slow enough that bytes are all that count, each level takes its fewest-bytes
+    layout; at one fast enough that decode is all that counts, the fastest-decoding; between, the least of a
+    chunk's bytes over the link plus its decode, which flips where the table's tie rate says."""
+    _, _, _, specs = tiny_inputs
+    monkeypatch.setattr(ks, "layout_decode_s", lambda spec, tokens: dict(DECODE_S))
+    fewest = {f"level{s.level}": min(kv.stream_plans(s), key=lambda p: kv.context_bytes(s, 24, p)).layout
+              for s in specs}
+    assert set(fewest.values()) <= {"group", "K/V"}
+    assert {n: c.layout for n, c in measure.choose_layouts(specs, 24, 1e-9).items()} == fewest
+    assert {c.layout for c in measure.choose_layouts(specs, 24, 1e6).values()} == {"channel"}
+    for name, c in measure.choose_layouts(specs, 24, 0.01).items():
+        assert c.layout == c.best_at(c.gbps) and c.gbps == 0.01 and c.decode_s == DECODE_S
+        assert c.seconds(c.layout) <= min(c.seconds(x) for x in kv.STREAM_LAYOUTS)
+        tie = c.breakeven_gbps(c.runner_up)
+        assert {c.best_at(tie * 0.9), c.best_at(tie * 1.1)} == {c.layout, c.runner_up}
+
+
+class _Measured(Exception):
+    """Raised once the context is measured: the test needs its bitstreams, not the runs."""
+
+
+@pytest.mark.parametrize("gbps", [1e-9, 1e6])
+def test_the_wire_codes_its_bitstreams_at_the_traces_rate(tiny_inputs, monkeypatch, gbps):
+    """study_of, on a steady trace far too slow or far too fast for the decode to matter: each level's bitstreams,
+    as the sender holds them, are in the fewest-bytes layout on the slow link, the fastest-decoding on the fast."""
+    model, ids, question, specs = tiny_inputs
+    monkeypatch.setattr(ks, "layout_decode_s", lambda spec, tokens: dict(DECODE_S))
+    real_prepare, got = measure.prepare, []
+
+    def measured(*args, **kwargs):
+        got.append(real_prepare(*args, **kwargs))
+        raise _Measured
+
+    monkeypatch.setattr(measure, "prepare", measured)
+    with pytest.raises(_Measured):
+        ws.study_of(model, ids, question, specs, {"handout": st.Trace.steady(gbps)}, 24, 1.0, SLO_S)
+    prep = got[0]
+    want = {f"level{s.level}": min(kv.stream_plans(s), key=lambda p: kv.context_bytes(s, 24, p)).layout
+            if gbps < 1 else "channel" for s in specs}
+    assert prep.layouts == want
+    assert {name: {kv.codec_header(b, lengths=False)["layout"] for b in prep.payloads[name]} for name in want} == \
+        {name: {lay} for name, lay in want.items()}

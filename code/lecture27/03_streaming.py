@@ -34,8 +34,9 @@ Part 4 (§4.2 on many traces, --trace-suite N): one trace shows a mechanism, not
         tokens, a CDF of TTFT, and the promise checked: adaptive meets the SLO wherever a fixed policy does;
         then the SLO misses and mean TTFT of both models side by side.
 Part 5 (§4.2 over a real connection, as CacheGen's evaluation streams real bitstreams over a shaped link):
-        SmolLM2's KV of a WIRE_CONTEXT-token context, coded at Part 2c's levels, streamed chunk by chunk
-        through a localhost socket paced by a sender process (wire.py) to the handout's trace, a steady one
+        SmolLM2's KV of a WIRE_CONTEXT-token context, coded at Part 2c's levels (each in the stream layout
+        read and decoded soonest at the handout trace's mean rate over the SLO window, scaled), streamed chunk
+        by chunk through a localhost socket paced by a sender process (wire.py) to that trace, a steady one
         and two of the suite's, bandwidths divided by WIRE_SCALE; each policy, its text chunks recomputed
         for real on this CPU, its KV chunks decoded as they arrive; beside each run the simulator fed this
         CPU's measured recompute and decode times, the cause of every gap above 10% named; a sender killed

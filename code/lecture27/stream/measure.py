@@ -1,12 +1,21 @@
 """A context measured once on this CPU, before it is streamed over the wire (handout §4.2 on this machine):
 each chunk's recompute (the model's prefill of that chunk after the exact KV of the chunks before it), its
-bitstream at every codec level (the sender's payloads, in LAYOUT) and each bitstream's decode (put after the
-KV before it, as a run does), and the full prefill's answer (the first token's distribution, the greedy
-tokens). simulated.measured_setup turns those times into the simulator's streaming.Setup.
+bitstream at every codec level (the sender's payloads, each level in the stream layout choose_layouts picks
+for the link) and each bitstream's decode (put after the KV before it, as a run does), and the full prefill's
+answer (the first token's distribution, the greedy tokens). simulated.measured_setup turns those times into
+the simulator's streaming.Setup.
+
+The stream layout (kvcache.STREAM_LAYOUTS: how each group of tokens is cut into independent streams) trades
+bytes on the link for decode time: one stream per (layer, K/V, channel) adds a length and an end to each of
+thousands of streams, and decodes them side by side, ten times faster than one stream per group. Which pays
+depends on the link: choose_layouts takes each level's layout whose chunk crosses the link and decodes
+soonest (kvcache.stream_plan by time).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
 import time
 from dataclasses import dataclass
 
@@ -14,14 +23,72 @@ import numpy as np
 import torch
 
 from lecture27 import kvcache as kv
+from lecture27 import kvstore
 from lecture27 import streaming as st
 from lecture27.stream import answer
 from lecture27.stream import chunk_kv
 from common.llama import kv_to_array
 
-LAYOUT = "channel"        # one stream per (layer, K/V, channel) of a group, as CacheGen's GPU decoder runs them:
-                          # numpy's parallel decoder is fast only with many streams (a short chunk in the
-                          # codec's own choice of layout is a few streams, decoded 10x slower)
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutChoice:
+    """One level's stream layout for chunks of chunk_tokens tokens read over a link at gbps, and why: per layout,
+    a chunk's expected bitstream bytes (kvcache.context_bytes), its streams, and its decode seconds on this
+    machine (kvstore.layout_decode_s); the layout is the one whose bytes over the link plus decode take least."""
+    layout: str
+    gbps: float               # the link's rate it was chosen at, Gb/s (a trace's unit: 1e9 bits/s)
+    chunk_tokens: int
+    bytes: dict               # layout -> a chunk's expected bytes
+    streams: dict             # layout -> a chunk's streams
+    decode_s: dict            # layout -> a chunk's decode seconds
+    bytes_only: str           # the codec's choice without a bandwidth (kvcache.stream_plan's bytes-only rule)
+
+    def link_s(self, layout: str) -> float:
+        return 8 * self.bytes[layout] / (self.gbps * st.GBIT)
+
+    def seconds(self, layout: str) -> float:
+        """A chunk in `layout`: its bytes over the link, then its decode."""
+        return self.link_s(layout) + self.decode_s[layout]
+
+    @property
+    def runner_up(self) -> str:
+        """The layout that would take the least time after the chosen one."""
+        return min((x for x in self.bytes if x != self.layout), key=self.seconds)
+
+    def best_at(self, gbps: float) -> str:
+        """The layout with the least time on a link at `gbps` (Gb/s): at self.gbps, the chosen one."""
+        return min(self.bytes, key=dataclasses.replace(self, gbps=gbps).seconds)
+
+    def breakeven_gbps(self, other: str) -> float:
+        """The link rate (Gb/s) at which `other` takes as long as the chosen layout: the chosen one is sooner
+        above it when it has the more bytes, below it when it has the fewer (inf: never, it has the fewer bytes
+        and decodes faster)."""
+        dbytes, ddecode = self.bytes[self.layout] - self.bytes[other], self.decode_s[other] - self.decode_s[self.layout]
+        return 8 * dbytes / ddecode / st.GBIT if dbytes * ddecode > 0 else math.inf
+
+    def json(self) -> dict:
+        return {"layout": self.layout, "gbps": self.gbps, "chunk_tokens": self.chunk_tokens, "bytes": self.bytes,
+                "decode_s": self.decode_s, "seconds": {x: self.seconds(x) for x in self.bytes},
+                "bytes_only": self.bytes_only}
+
+
+def choose_layouts(specs, chunk_tokens: int, gbps: float) -> dict:
+    """Level name -> LayoutChoice: each level's stream layout for chunks of chunk_tokens tokens read over a link
+    at `gbps` (Gb/s), by time (kvcache.stream_plan with each layout's decode of such a chunk timed once on this
+    machine, kvstore.layout_decode_s). Each level apart: its bytes, and so what the extra streams cost in link
+    time against what they save in decode time, differ."""
+    out = {}
+    for spec in specs:
+        decode_s = kvstore.layout_decode_s(spec, chunk_tokens)
+        plans = kv.stream_plans(spec)
+        n_groups = -(-chunk_tokens // spec.group)
+        plan = kv.stream_plan(spec, chunk_tokens, gbps / 8, decode_s)   # kvcache's GB/s (1e9 bytes/s), a trace's Gb/s
+        out[f"level{spec.level}"] = LayoutChoice(
+            layout=plan.layout, gbps=gbps, chunk_tokens=chunk_tokens,
+            bytes={p.layout: kv.context_bytes(spec, chunk_tokens, p) for p in plans},
+            streams={p.layout: p.streams * n_groups for p in plans}, decode_s=dict(decode_s),
+            bytes_only=kv.stream_plan(spec, chunk_tokens).layout)
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +100,7 @@ class Prepared:
     specs: tuple              # the codec's CodecSpecs, finest level first
     options: tuple            # streaming.Options: the levels (bits per token as coded), text last
     payloads: dict            # option name -> bytes per chunk ("text": the token ids as int32)
+    layouts: dict             # level name -> the stream layout its bitstreams are coded in (read from their headers)
     recompute_s: tuple        # measured seconds per chunk
     decode_s: dict            # level name -> measured seconds per chunk
     ref_logp: torch.Tensor    # the full prefill's first-answer-token log-probabilities (vocab,)
@@ -40,11 +108,12 @@ class Prepared:
 
 
 def prepare(model, ids, question, chunk_tokens: int, specs, accuracy: dict | None = None,
-            answer_tokens: int = answer.ANSWER_TOKENS, layout: str | None = LAYOUT,
+            answer_tokens: int = answer.ANSWER_TOKENS, layouts: dict | str | None = None,
             keep_streams: bool = False) -> Prepared:
     """Measure a context on this CPU (see the module's docstring). accuracy: level -> the answer accuracy
-    a chunk at that level counts for (the policy's quality; default 1 for every level); layout: the
-    bitstreams' (None: the codec's own choice, kvcache.stream_plan); keep_streams: the bitstreams kept in
+    a chunk at that level counts for (the policy's quality; default 1 for every level); layouts: the
+    bitstreams' stream layout, per level name (choose_layouts' choices) or one for every level (None: the
+    codec's bytes-only choice, kvcache.stream_plan without a bandwidth); keep_streams: the bitstreams kept in
     the checkpoint folder, under the quantized KV they code (a bitstream is no timing: every time is
     measured in this call, and every bitstream decoded and checked bit for bit)."""
     plan = tuple(st.chunk_plan(len(ids), chunk_tokens))
@@ -59,6 +128,7 @@ def prepare(model, ids, question, chunk_tokens: int, specs, accuracy: dict | Non
     payloads, decode_s, options = {}, {}, []
     for spec in specs:
         name = f"level{spec.level}"
+        layout = layouts[name] if isinstance(layouts, dict) else layouts
         payloads[name] = _streams(X, plan, spec, layout, keep_streams)
         decode_s[name] = []
         kv.codec_decode(payloads[name][0], specs, groups=[0])  # untimed: a spec's first decode builds its tables
@@ -75,7 +145,9 @@ def prepare(model, ids, question, chunk_tokens: int, specs, accuracy: dict | Non
     options.append(st.Option("text", 8 * st.TEXT_BYTES_PER_TOKEN, 1.0, recompute=True))
     ref_logp, ref_answer = answer.answer_after(model, cache, tuple(question), answer_tokens)
     return Prepared(plan=plan, ids=tuple(ids), question=tuple(question), specs=tuple(specs), options=tuple(options),
-                    payloads=payloads, recompute_s=tuple(recompute),
+                    payloads=payloads, layouts={name: kv.codec_header(payloads[name][0], lengths=False)["layout"]
+                                                for name in decode_s},
+                    recompute_s=tuple(recompute),
                     decode_s={k: tuple(v) for k, v in decode_s.items()}, ref_logp=ref_logp, ref_answer=ref_answer)
 
 

@@ -537,19 +537,61 @@ def gap(c) -> float:
     return c.simulated_ttft_s / c.measured_ttft_s - 1
 
 
+def wire_layouts_table(r) -> Table:
+    """Each level's stream layout and why: per level the chosen layout and the next best, a chunk's bytes over
+    the link at the rate they were chosen at, its decode, the sum, and the rate at which the two would tie."""
+    rate, n = r.layout_gbps, r.chunk_tokens
+    rows = []
+    for name, c in r.layouts.items():
+        rows.append(Row([name] + [x for lay in (c.layout, c.runner_up) for x in (
+            lay, c.bytes[lay] / K, 1e3 * c.link_s(lay), 1e3 * c.decode_s[lay], 1e3 * c.seconds(lay))]
+            + [1e3 * c.breakeven_gbps(c.runner_up)]))
+    at = {t: window_rate(r, t) for t in r.traces}
+    other = [f"{t} {1e3 * g:.1f} Mb/s: " + (", ".join(f"{name} {c.best_at(g)}" for name, c in r.layouts.items()
+                                                   if c.best_at(g) != c.layout) or "the same")
+             for t, g in at.items() if t != wire_study.LAYOUT_TRACE]
+    only = {c.bytes_only for c in r.layouts.values()}
+    return Table(
+        title=f"Each level's stream layout (kvcache.STREAM_LAYOUTS: how a group of tokens is cut into streams), "
+        f"chosen for a {n}-token chunk on a link at {1e3 * rate:.2f} Mb/s (scaled): its expected bytes at that "
+        "rate, then its decode on this CPU; the sum is least for the chosen layout, the next best beside it.",
+        section="§4.2", cols=cols("level", Col("layout", left=True), ("KiB", "{:.1f}"), ("link ms", "{:.0f}"),
+                                  ("decode ms", "{:.0f}"), ("sum ms", "{:.0f}"), Col("next best", left=True),
+                                  ("KiB", "{:.1f}"),
+                                  ("link ms", "{:.0f}"), ("decode ms", "{:.0f}"), ("sum ms", "{:.0f}"),
+                                  ("tie at Mb/s", "{:.2f}")), rows=rows, source="stream.measure.choose_layouts",
+        notes=[f"The rate: the mean of trace {wire_study.LAYOUT_TRACE!r} over the SLO window (0-{r.slo_s:g} s), the "
+               f"bits the link can carry by the SLO over the SLO (wire_study.window_gbps): "
+               f"{r.scale * rate:.2f} Gb/s / {r.scale:g}. A context whose transfer must fit in the SLO sees that "
+               "rate on average; the rate of one moment would choose for a burst or a stall. A chunk's bytes are "
+               "the codec's expectation (kvcache.context_bytes: its groups' entropy, plus each extra stream's end "
+               "and length); each layout's decode of such a chunk is timed on this CPU once, best of 3, and cached "
+               "(kvstore.layout_decode_s); the least sum is kvcache.stream_plan's choice by time. More streams cost "
+               "bytes and save decode time: of two layouts, the one with more bytes is the sooner above the rate "
+               "where they tie, the other below it.",
+               "One sender holds one set of bitstreams for every trace, so the layouts are chosen once. At the other "
+               "traces' window rates: " + "; ".join(other) + f". Without a bandwidth the codec's bytes-only rule "
+               f"(02's) would code a {n}-token chunk in {', '.join(sorted(only))}: the fewest bytes, few streams."])
+
+
+def window_rate(r, trace: str) -> float:
+    """A trace's mean rate over the SLO window, Gb/s (scaled), as the layouts' rate is taken from LAYOUT_TRACE."""
+    return wire_study.window_gbps(r.traces[trace], r.slo_s)
+
+
 def wire_inputs_table(r) -> Table:
     """What the simulator was fed: per option its size as coded here, its decode or recompute measured."""
     n = len(r.recompute_s)
-    rows = [Row([o.name, o.bits_per_token, o.bits_per_token * r.chunk_tokens / 8 / K,
-                 None if o.recompute else 1e3 * sum(r.decode_s[o.name]) / n,
+    rows = [Row([o.name, r.layouts[o.name].layout if o.name in r.layouts else "", o.bits_per_token,
+                 o.bits_per_token * r.chunk_tokens / 8 / K, None if o.recompute else 1e3 * sum(r.decode_s[o.name]) / n,
                  1e3 * sum(r.recompute_s) / n if o.recompute else None, o.accuracy]) for o in r.options]
     return Table(
         title=f"Measured on this CPU before the runs (one torch thread), {n} chunks of {r.chunk_tokens} tokens: each "
-        f"level's bitstream ({r.layout} layout: one stream per (layer, K/V, channel) of a group, as a GPU decoder runs "
-        "them), its decode, and each chunk's recompute after the chunks before it; accuracy: Part 2c's agreement "
-        "with FP16 (the policy's quality).", section="§4.2",
-        cols=cols("option", ("bits/token", "{:,.0f}"), ("KiB/chunk", "{:.1f}"), ("decode ms/chunk", "{:.0f}"),
-             ("recompute ms/chunk", "{:.0f}"), ("accuracy", "{:.3f}")), rows=rows, source="stream.measure.prepare")
+        "level's bitstream (in its layout above), its decode, and each chunk's recompute after the chunks before it; "
+        "accuracy: Part 2c's agreement with FP16 (the policy's quality).", section="§4.2",
+        cols=cols("option", Col("layout", left=True), ("bits/token", "{:,.0f}"), ("KiB/chunk", "{:.1f}"),
+                  ("decode ms/chunk", "{:.0f}"), ("recompute ms/chunk", "{:.0f}"), ("accuracy", "{:.3f}")), rows=rows,
+        source="stream.measure.prepare")
 
 
 def wire_notes(r, s) -> list[str]:
@@ -628,6 +670,7 @@ def show_wire(page: Page, r, s) -> None:
              f"margin learned from this run's own compute times; SLO {r.slo_s:g} s. Beside "
              "each run, the simulator (streaming.py, the parallel model) on the same scaled trace, fed this CPU's "
              "measured times.")
+    page.table(wire_layouts_table(r))
     page.table(wire_inputs_table(r))
     rows = [Row([t, p, c.measured_ttft_s, c.simulated_ttft_s, gap(c), c.measured_choices, c.simulated_choices,
                  c.measured_slo_met, c.simulated_slo_met, c.first_token_kl, c.same_answer, c.cause or ""],

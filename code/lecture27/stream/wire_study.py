@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from lecture27 import kvcache as kv
+from lecture27 import streaming as st
 from lecture27 import wire
 from lecture27.stream import answer
 from lecture27.stream import compare
@@ -33,6 +34,8 @@ from lecture27.stream import wire_runs
 POLICIES = ("adaptive", *(f"level{i}" for i in range(kv.N_LEVELS)), "text")
 KILL_TRACE = "handout"     # the kill-the-sender run: this trace (every study has it), the adaptive policy, the
 KILL_CHUNK = 1             # sender dying inside this chunk's transfer (at the choices the trace's adaptive run made)
+LAYOUT_TRACE = "handout"   # each level's stream layout is chosen at this trace's mean rate over the SLO window
+                           # (03's --trace FILE replaces it): one sender holds one set of bitstreams for every trace
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,7 +48,8 @@ class WireStudy:
     context_tokens: int
     chunk_tokens: int
     slo_s: float
-    layout: str
+    layouts: dict              # level name -> measure.LayoutChoice: its bitstreams' layout, chosen at layout_gbps
+    layout_gbps: float         # Gb/s (scaled): LAYOUT_TRACE's mean rate over the SLO window (window_gbps)
     options: tuple             # streaming.Option per level (bits per token as coded here), then text
     recompute_s: tuple         # measured seconds per chunk
     decode_s: dict             # level -> measured seconds per chunk
@@ -108,8 +112,16 @@ class WireStudy:
     def json(self) -> dict:
         return {"wire_scale": self.scale,
                 "wire_runs": {t: {p: c.entry() for p, c in by.items()} for t, by in self.runs.items()},
+                "wire_layouts": {name: c.json() for name, c in self.layouts.items()},
                 "wire_bytes_equal": self.bytes_equal, "wire_kill_fallback_ok": self.kill_ok,
                 "wire_first_token_kl": self.first_token_kl}
+
+
+def window_gbps(trace, seconds: float) -> float:
+    """The link's mean rate over [0, seconds] (Gb/s): the bits it can carry by then over the seconds. Over the SLO
+    window it is the rate a whole context sees when its transfer has to fit in the SLO, the rate its bitstreams'
+    layout is chosen at (a rate at one moment would choose for a burst or a stall the context may never meet)."""
+    return trace.bits_by(seconds) / seconds / st.GBIT
 
 
 def context_of(tok, item, context_tokens: int) -> tuple[list, list]:
@@ -150,15 +162,18 @@ def study_of(model, ids, question, specs, traces: dict, chunk_tokens: int, scale
              accuracy: dict | None = None, answer_tokens: int = answer.ANSWER_TOKENS, policies=POLICIES,
              words=lambda x: " ".join(map(str, x)), keep_streams: bool = False) -> WireStudy:
     """Every trace (name -> trace at the lecture's bandwidths, divided by `scale` here) x policy streamed over
-    one sender, the context measured first on this CPU (measure.prepare), then the kill-the-sender run on
-    KILL_TRACE. accuracy: level -> the quality a chunk at that level counts for; words: token ids -> text;
-    keep_streams: as prepare takes it."""
+    one sender, the context measured first on this CPU (measure.prepare, each level's bitstreams in the layout
+    measure.choose_layouts picks at LAYOUT_TRACE's scaled rate over the SLO window), then the kill-the-sender
+    run on KILL_TRACE. accuracy: level -> the quality a chunk at that level counts for; words: token ids ->
+    text; keep_streams: as prepare takes it."""
     from common.llama import single_thread
     t0 = time.perf_counter()
     scaled = {name: wire.scaled(tr, scale) for name, tr in traces.items()}
+    layout_gbps = window_gbps(scaled[LAYOUT_TRACE], slo_s)
+    layouts = measure.choose_layouts(specs, chunk_tokens, layout_gbps)
     with single_thread():
         prep = measure.prepare(model, ids, question, chunk_tokens, specs, accuracy, answer_tokens,
-                               keep_streams=keep_streams)
+                               {name: c.layout for name, c in layouts.items()}, keep_streams=keep_streams)
         prepare_s = time.perf_counter() - t0
         check = answer.AnswerCheck(prep, model)
         runs = {name: {} for name in scaled}
@@ -173,7 +188,8 @@ def study_of(model, ids, question, specs, traces: dict, chunk_tokens: int, scale
         kill = wire_runs.run(prep, model, scaled[KILL_TRACE], "adaptive", slo_s,
                              faults=wire.Faults(die_after_bytes=kill_after), check=check)
     return WireStudy(scale=scale, kv_ratio=wire.wire_scale(model.cfg.kv_bytes_per_token()), context_tokens=len(ids),
-                     chunk_tokens=chunk_tokens, slo_s=slo_s, layout=measure.LAYOUT, options=prep.options,
+                     chunk_tokens=chunk_tokens, slo_s=slo_s, layouts=layouts, layout_gbps=layout_gbps,
+                     options=prep.options,
                      recompute_s=prep.recompute_s, decode_s=prep.decode_s, traces=scaled, runs=runs, kill=kill,
                      kill_after_bytes=kill_after, question=words(question), answer=words(prep.ref_answer),
                      answer_tokens=len(prep.ref_answer), answers_computed=check.computed,
