@@ -12,8 +12,8 @@ from common.gguf_llama import gguf_file
 from common.llama import kv_to_array
 from lecture27 import kvstore as ks
 from lecture27.engine.chat import chat_prompt, completion_prompt
-from lecture27.engine.connector import BLOCK_TOKENS, KVConnector, Tiers, block_keys, message_keys
-from lecture27.engine.generate import Engine, Request
+from lecture27.engine.connector import BLOCK_TOKENS, PIECE_TOKENS, KVConnector, Tiers, block_keys, message_keys
+from lecture27.engine.generate import STORE, Engine, Request
 
 DOCS = ["Lake Varna lies in a narrow valley carved by glaciers. Its deepest point is 212 metres below the surface.",
         "Lake Osric is wide and popular with sailors. Surveys with sonar measured its greatest depth at 147 metres.",
@@ -201,3 +201,51 @@ def test_decoding_stops_at_max_tokens_a_stop_string_and_the_end_of_turn(parts):
         assert "".join(d["delta"] for k, d in ev if k == "text") == tok.decode(ids[:2])
     finally:
         ended.stop()
+
+
+class _Spy:
+    """The connector's model, logging each forward's tokens; its second forward calls `then` (once)."""
+    def __init__(self, model, then):
+        self.model, self.then, self.log = model, then, []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, x, **kw):
+        self.log.append(x.shape[1])
+        if len(self.log) == 2:
+            self.then()
+        return self.model(x, **kw)
+
+
+def test_a_store_job_steps_aside_for_a_request_that_comes_while_it_runs(parts):
+    """A message stored alone is prefilled PIECE_TOKENS at a time: a request that comes during the first piece is
+    answered before the second, and the record is the message prefilled in one go, up to float32 rounding."""
+    model, tok, mid = parts
+    con = connector(parts)
+    system, chunk = tuple(chat_prompt(tok, chat()).system), tuple(range(1000, 1000 + 2 * PIECE_TOKENS + 5))
+    key = ks.ChunkKey(mid, chunk, system)
+    engine = Engine(model, tok, con, {tok.token_to_id("<|im_end|>")}, threads=1)
+    done = threading.Event()
+
+    def emit(kind, **data):
+        if kind == "end":
+            con.model.log.append("answered")
+            done.set()
+    request = Request(prompt=completion_prompt(tok, "Hello"), emit=emit, max_tokens=1)
+    con.model = _Spy(model, lambda: engine.submit(request))
+    engine._put(STORE, (key, con.prefill_pieces(system, chunk)))
+    engine.start()
+    try:
+        assert done.wait(120)
+        while engine.load()["store_jobs"] or not con.tiers.has(key):
+            assert engine.model_thread.is_alive()
+            done.wait(0.05)
+    finally:
+        engine.stop()
+    log = con.model.log
+    assert log[:2] == [len(system), PIECE_TOKENS] and log[-2:] == [PIECE_TOKENS, 5]
+    assert "answered" in log and log.index("answered") < len(log) - 2
+    want = ks.chunk_kvs(model, system, [chunk])[-1]
+    X, _ = con.tiers.get(key)
+    assert np.abs(X - want).max() <= 1e-3 * np.abs(want).max()

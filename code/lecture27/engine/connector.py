@@ -40,6 +40,7 @@ from lecture27.engine.chat import Prompt
 
 BLOCK_TOKENS = 32     # a prefix block (vLLM's default block is 16 tokens, LMCache's chunk 256): at most this many
                       # tokens of a chat's history are prefilled again on its next turn
+PIECE_TOKENS = 64     # a message prefilled alone to be stored runs this many tokens at a time (prefill_pieces)
 
 
 class Tiers:
@@ -266,7 +267,21 @@ class KVConnector:
                     later.append((key, chunk))
         return now, [(k, c) for k, c in later if not self.tiers.has(k)]
 
-    @torch.no_grad()
     def prefill_alone(self, system: tuple, chunk: tuple) -> np.ndarray:
         """A message's KV prefilled alone behind the system message: its chunk record."""
-        return ks.chunk_kvs(self.model, system, [chunk])[-1]
+        *_, X = self.prefill_pieces(system, chunk)
+        return X
+
+    @torch.no_grad()
+    def prefill_pieces(self, system: tuple, chunk: tuple, piece: int = PIECE_TOKENS):
+        """prefill_alone `piece` tokens at a time, each piece after the cache of those before it (a chunked
+        prefill: the same KV up to float32 rounding): yields None after each piece but the last, then the chunk
+        record. Between two pieces the engine serves a request that came (generate.py): a store job never makes a
+        request wait longer than a piece."""
+        S = len(system)
+        cache = self.model(torch.tensor([list(system)]), last=True)[1] if S else None
+        for a in range(0, len(chunk), piece):
+            _, cache = self.model(torch.tensor([list(chunk[a:a + piece])]), cache=cache, last=True)
+            if a + piece < len(chunk):
+                yield None
+        yield kv_to_array(KVCache([k[:, :, S:] for k in cache.k], [v[:, :, S:] for v in cache.v]))[0]

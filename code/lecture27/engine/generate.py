@@ -9,7 +9,8 @@ request at a time, under load that wait is most of a request's time to first tok
 
 Storing is off the request's critical path. A storing thread cuts what the answer left (the request's exact KV,
 its messages) into records after the response is sent; a message that must be prefilled alone to be stored
-goes back into the model's queue behind every request, so it runs only when no request waits.
+goes back into the model's queue behind every request, so it runs only when no request waits; it runs a piece
+at a time, and a request that comes meanwhile is served before the next piece.
 """
 from __future__ import annotations
 
@@ -104,13 +105,22 @@ class Engine:
                 with self.lock:
                     self.waiting[max(priority, REQUEST)] -= 1
                 if priority == STORE:
-                    key, chunk = job
-                    self.store(([(key, self.connector.prefill_alone(key.prefix, chunk))], []))
+                    self.store_piece(*job)
                     continue
                 try:
                     self.answer(job)
                 except Exception as e:   # one request's failure is its own: the engine serves on
                     job.emit("error", message=f"{type(e).__name__}: {e}")
+
+    def store_piece(self, key, pieces) -> None:
+        """Run a store job's prefill (connector.prefill_pieces) piece by piece; when it ends, hand its record to
+        the storing thread. A request that comes meanwhile is served first: the job goes back behind it, its
+        pieces so far kept."""
+        for X in pieces:
+            if X is not None:
+                return self.store(([(key, X)], []))
+            if self.waiting[REQUEST]:
+                return self._put(STORE, (key, pieces))
 
     def answer(self, req: Request) -> None:
         """Prefill (through the connector), then decode; the events go to req.emit."""
@@ -174,9 +184,9 @@ class Engine:
                 now, later = job if len(job) == 2 else self.connector.to_store(*job)
                 for key, X in now:
                     self.connector.tiers.put(key, X)
-                for item in later:
+                for key, chunk in later:
                     if self.waiting[STORE] < MAX_STORE_JOBS:
-                        self._put(STORE, item)
+                        self._put(STORE, (key, self.connector.prefill_pieces(key.prefix, chunk)))
             finally:
                 with self.lock:
                     self.storing -= 1
