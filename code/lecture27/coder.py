@@ -32,6 +32,7 @@ import numpy as np
 #   encode(symbols, tables, table_ids)       per-symbol tables: symbol i uses tables[table_ids[i]]
 #   decode(data, tables, n, table_ids)       (e.g. one table per (channel, layer) group)
 #   ideal_bits(symbols, table[s], [ids])     -sum log2 p under the same quantized tables
+#   constriction_throughput(symbols, ids, tables)   a compiled range coder's symbols/s on them, for scale
 # The bytes are the bare code value: the decoder must be given n, the tables and the table ids.
 AC_PRECISION = 16       # a table's frequencies sum to 2^16: the rarest symbol has p = 2^-16
 AC_TOTAL = 1 << AC_PRECISION
