@@ -132,18 +132,25 @@ def test_an_impostor_that_connects_first_is_refused(monkeypatch):
             s.close()
 
 
+def _sender_lost(error, match: str, call, **wire_kw):
+    """On the rogue sender: call(w) raises `error` (its message matching `match`), the Wire counts its sender lost
+    and the sender is killed. -> the error."""
+    with wire.Wire(st.Trace.steady(0.05), PAYLOADS, **wire_kw) as w:
+        w.start()
+        with pytest.raises(error, match=match) as e:
+            call(w)
+        assert w.broken
+    assert w.proc.poll() is not None
+    return e.value
+
+
 @pytest.mark.parametrize("mode", [m for m in ROGUES if m != "silent"])
 def test_a_frame_the_plan_does_not_have_is_a_protocol_error(rogue, mode):
     """A sender that proves the token, then answers chunk 0 with frames the plan does not have (each with a
     CRC that matches what it carries): fetch raises WireProtocolError (a WireTimeout: the sender is lost),
     never an Arrival, and the sender is killed."""
     rogue(mode)
-    with wire.Wire(st.Trace.steady(0.05), PAYLOADS, quantum=QUANTUM) as w:
-        w.start()
-        with pytest.raises(wire.WireProtocolError, match="chunk 0 .a.: a frame"):
-            w.fetch(0, "a")
-        assert w.broken
-    assert w.proc.poll() is not None
+    _sender_lost(wire.WireProtocolError, "chunk 0 .a.: a frame", lambda w: w.fetch(0, "a"), quantum=QUANTUM)
     assert issubclass(wire.WireProtocolError, wire.WireTimeout)
 
 
@@ -152,23 +159,13 @@ def test_a_probe_answered_with_frames_it_does_not_have_is_a_protocol_error(rogue
     """A PROBE answered with a piece labelled a chunk, a piece larger than the trace lets through a tick, or an
     END: WireProtocolError, the sender lost and killed."""
     rogue(mode)
-    with wire.Wire(st.Trace.steady(0.05), PAYLOADS, quantum=QUANTUM) as w:
-        w.start()
-        with pytest.raises(wire.WireProtocolError, match="probe: a"):
-            w.probe(w.now() + 0.05)
-        assert w.broken
-    assert w.proc.poll() is not None
+    _sender_lost(wire.WireProtocolError, "probe: a", lambda w: w.probe(w.now() + 0.05), quantum=QUANTUM)
 
 
 def test_a_probe_never_answered_times_out(rogue):
     """A PROBE, then the CANCEL that stops it, answered by nothing: WireTimeout, not a probe's rate."""
     rogue("silent")
-    with wire.Wire(st.Trace.steady(0.05), PAYLOADS, margin_s=0.2) as w:
-        w.start()
-        with pytest.raises(wire.WireTimeout, match="probe: connection lost"):
-            w.probe(w.now() + 0.05)
-        assert w.broken
-    assert w.proc.poll() is not None
+    _sender_lost(wire.WireTimeout, "probe: connection lost", lambda w: w.probe(w.now() + 0.05), margin_s=0.2)
 
 
 @pytest.mark.parametrize("mode", [*CANCEL_ROGUES, UNASKED])
@@ -177,23 +174,16 @@ def test_a_cancelled_frame_that_does_not_match_the_cancel_is_a_protocol_error(ro
     after bytes that never came, or for another chunk; or CANCELLED comes before any CANCEL was sent:
     WireProtocolError, never a given-up Arrival."""
     rogue(mode)
-    with wire.Wire(st.Trace.steady(0.05), PAYLOADS, quantum=QUANTUM, margin_s=5.0) as w:
-        w.start()
-        with pytest.raises(wire.WireProtocolError, match="chunk 0 .a.: "):
-            w.fetch(0, "a", give_up_at=None if mode == UNASKED else w.now() + 0.05)
-        assert w.broken
-    assert w.proc.poll() is not None
+    _sender_lost(wire.WireProtocolError, "chunk 0 .a.: ",
+                 lambda w: w.fetch(0, "a", give_up_at=None if mode == UNASKED else w.now() + 0.05),
+                 quantum=QUANTUM, margin_s=5.0)
 
 
 def test_a_silent_sender_times_out(rogue):
     """A sender that proves the token, then sends nothing: no frame by its planned time plus the margin."""
     rogue("silent")
-    with wire.Wire(st.Trace.steady(0.05), PAYLOADS, margin_s=0.2) as w:
-        w.start()
-        with pytest.raises(wire.WireTimeout, match="no byte within the timeout") as e:
-            w.fetch(0, "a")
-        assert not isinstance(e.value, wire.WireProtocolError)
-    assert w.proc.poll() is not None
+    e = _sender_lost(wire.WireTimeout, "no byte within the timeout", lambda w: w.fetch(0, "a"), margin_s=0.2)
+    assert not isinstance(e, wire.WireProtocolError)
 
 
 def test_a_run_whose_sender_sends_another_chunk_falls_back_to_text(tiny, rogue):
