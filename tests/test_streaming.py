@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as hs
+from hypothesis import example, given, settings, strategies as hs
 
 from lecture27 import streaming as st
 from lecture27.stream import page as sp
@@ -277,7 +277,8 @@ traces = hs.lists(hs.tuples(hs.floats(0.05, 2.0), hs.floats(0.0, 40.0)), min_siz
 
 @settings(max_examples=40, deadline=None)
 @given(traces, hs.floats(0.5, 8.0), hs.sampled_from([1536, 3072]), hs.booleans())
-def test_oracle_never_worse_than_any_policy(trace, slo, chunk, parallel):
+@example(st.Trace((0.0, 2.0, 3.0, 4.0), (1.75, 1.192092896e-07, 2.0, 1.0)), 1.0, 1536, False)  # a schedule that
+def test_oracle_never_worse_than_any_policy(trace, slo, chunk, parallel):     # ends at its deadline, at 2 Gb/s
     s = setup(chunk)
     key = st.outcome_key(st.oracle(s, trace, slo, parallel=parallel), slo)
     for r in (st.adaptive(s, trace, slo, parallel=parallel), st.fixed(s, trace, "level0", parallel=parallel),

@@ -586,8 +586,9 @@ def _can_finish_by(setup: Setup, trace: Trace, i: int, deadline: float):
     coarsest = min(o.bits_per_token for o in setup.options if not o.recompute)
     bits = [0.0, *itertools.accumulate(sorted(coarsest * n for _, n in rest))]
     gpu = [0.0, *itertools.accumulate(sorted(setup.recompute_s(f, n) for f, n in rest))]
-    by = trace.bits_by(deadline) * (1 + 1e-12) + 1.0          # a bit of slack for float sums
-    deadline += 1e-9
+    deadline += 1e-9                                         # a clock may pass the deadline by float rounding ...
+    by = trace.bits_by(deadline) * (1 + 1e-12) + 1.0          # ... and the bits by then with it (a bit of slack for
+                                                              # float sums): a link free by the deadline has room
 
     def test(link: float, gpu_free: float) -> bool:
         if max(link, gpu_free) > deadline:
