@@ -149,12 +149,13 @@ class _Lanes:
             return np.array(matrix.T, dtype, order="C").ravel()
         return matrix.reshape(-1)[self.where].astype(dtype or matrix.dtype, copy=False)
 
-    def blocks(self):
-        """(lane slice, running lanes at each step within it) of each block of PARALLEL_BLOCK lanes."""
-        S = len(self.lengths)
-        for b in range(0, S, PARALLEL_BLOCK):
-            e = min(S, b + PARALLEL_BLOCK)
-            yield slice(b, e), [min(max(a - b, 0), e - b) for a in self.active]
+
+def _blocks(lanes: int, active: list):
+    """(lane slice, running lanes at each step within it) of each block of PARALLEL_BLOCK lanes, where active[i]
+    lanes (the first ones) run at step i."""
+    for b in range(0, lanes, PARALLEL_BLOCK):
+        e = min(lanes, b + PARALLEL_BLOCK)
+        yield slice(b, e), [min(max(a - b, 0), e - b) for a in active]
 
 
 def _stream_lengths(lengths, total: int | None = None) -> np.ndarray:
@@ -178,7 +179,7 @@ def encode_streams(symbols, lengths, tables, table_ids=None):
     LO, W = lanes.to_steps(lo), lanes.to_steps(width)
     tops, shifts = np.zeros(LO.shape, np.int32), np.zeros(LO.shape, np.int8)
     low, rng = np.zeros(len(lengths), np.int64), np.full(len(lengths), 1 << AC_STATE_BITS, np.int64)
-    for b, counts in lanes.blocks():
+    for b, counts in _blocks(len(lengths), lanes.active):
         _encode_block(low[b], rng[b], LO[:, b], W[:, b], tops[:, b], shifts[:, b], counts)
     return _settle(tops, shifts, _final_value(low, rng), lanes.order)
 
@@ -328,16 +329,14 @@ def _decode_lanes(start, end, base, active, stack, buf16) -> np.ndarray:
     run at step i (the first ones). -> the symbols, (steps, lanes) uint16."""
     S, P = len(start), base.shape[1]
     found = np.empty((base.shape[0], S), np.uint16)
-    for b in range(0, S, PARALLEL_BLOCK):
-        e = min(S, b + PARALLEL_BLOCK)
-        first, last = start[b:e], end[b:e]
-        code = np.zeros(e - b, np.int64)
+    for at, counts in _blocks(S, active):
+        first, last = start[at], end[at]
+        code = np.zeros(len(first), np.int64)
         for q in range(0, AC_STATE_BITS // 8, 2):          # the code value: a stream's first six bytes
             code = (code << 16) | buf16[np.minimum(first + q, last)]
-        pos, rng = np.minimum(first + AC_STATE_BITS // 8, last), np.full(e - b, 1 << AC_STATE_BITS, np.int64)
-        counts = [min(max(a - b, 0), e - b) for a in active]
-        tables = base[:, b:e] if P == S else base[:, np.arange(b, e) % P]
-        _decode_block(code, rng, pos, last, tables, found[:, b:e], counts, stack, buf16)
+        pos, rng = np.minimum(first + AC_STATE_BITS // 8, last), np.full(len(first), 1 << AC_STATE_BITS, np.int64)
+        tables = base[:, at] if P == S else base[:, np.arange(at.start, at.stop) % P]
+        _decode_block(code, rng, pos, last, tables, found[:, at], counts, stack, buf16)
     return found
 
 
