@@ -1,19 +1,24 @@
-"""The engine's parts in this process, on SmolLM2 (engine/chat.py, connector.py, generate.py): a chat's segments are
-its whole prompt's tokens; a prompt served from stored prefix blocks is a full prefill's, up to float32 rounding;
-blending the messages at ratio 1 is a full prefill and at ratio 0 full reuse; the store never holds blended KV;
-decoding stops where it must."""
+"""The engine's parts in this process (engine/chat.py, runner.py, connector.py, scheduler.py, generate.py): a chat's
+segments are its whole prompt's tokens; a prefill in pieces and cached decode equal a full forward, and a batch gives
+each item what it gets alone; blending at ratio 1 is a full prefill and at ratio 0 full reuse; a repeat and a
+reordered request sent the moment the first one ends are served from the store; batched answers equal serial
+ones; the store holds only exact KV; store jobs finish under steady traffic; a stalled tier delays no step."""
 import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
 from common.gguf_llama import gguf_file
-from common.llama import kv_to_array
+from common.llama import Llama, LlamaConfig, array_to_kv, kv_to_array
 from lecture27 import kvstore as ks
+from lecture27.engine import runner
 from lecture27.engine.chat import chat_prompt, completion_prompt
-from lecture27.engine.connector import BLOCK_TOKENS, PIECE_TOKENS, KVConnector, Tiers, block_keys, message_keys
-from lecture27.engine.generate import STORE, Engine, Request
+from lecture27.engine.connector import BLOCK_TOKENS, HotCache, KVConnector, Tiers, block_keys, message_keys
+from lecture27.engine.generate import Engine
+from lecture27.engine.runner import Item, SeqCache
+from lecture27.engine.sequence import Request
 
 DOCS = ["Lake Varna lies in a narrow valley carved by glaciers. Its deepest point is 212 metres below the surface.",
         "Lake Osric is wide and popular with sailors. Surveys with sonar measured its greatest depth at 147 metres.",
@@ -21,8 +26,19 @@ DOCS = ["Lake Varna lies in a narrow valley carved by glaciers. Its deepest poin
 QUESTION = "Which lake is deeper, Lake Varna or Lake Osric?"
 
 
-def chat(order=(0, 1, 2), system="Answer from the documents.") -> list:
-    return [("system", system)] + [("user", DOCS[i]) for i in order] + [("user", QUESTION)]
+def chat(order=(0, 1, 2), system="Answer from the documents.", question=QUESTION) -> list:
+    return [("system", system)] + [("user", DOCS[i]) for i in order] + [("user", question)]
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal up to float32 rounding of sums taken in another order: logits of scale S agree to ~1e-4 S."""
+    return float((a - b).abs().max()) <= 2e-4 * float(b.abs().max()) + 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(vocab_size=97)).eval()
 
 
 @pytest.fixture(scope="module")
@@ -31,29 +47,113 @@ def parts(smollm2):
     return model, tok, ks.model_id(gguf_file(None))
 
 
-def connector(parts, **kw) -> KVConnector:
+def connector(parts, tiers=None, **kw) -> KVConnector:
     model, _, mid = parts
-    return KVConnector(model, mid, Tiers([ks.RamTier(1 << 30)], ks.kv_shape(model.cfg)), **kw)
+    tiers = tiers if tiers is not None else Tiers([ks.RamTier(1 << 30)], ks.kv_shape(model.cfg))
+    return KVConnector(mid, tiers, model.cfg.n_kv_heads, **kw)
 
 
-def full(model, tokens) -> torch.Tensor:
+def engine(parts, con=None, **kw) -> Engine:
+    model, tok, _ = parts
+    con = con if con is not None else connector(parts)
+    ends = {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")}
+    return Engine(model, tok, con, ends, threads=1, **kw).start()
+
+
+class Answer:
+    """A request's events, collected from the model thread."""
+
+    def __init__(self, eng: Engine, prompt, then=None, **kw):
+        self.events, self.done, self.times, self.then = [], threading.Event(), [], then
+        eng.submit(Request(prompt=prompt, emit=self.emit, **kw))
+
+    def emit(self, kind, **data):
+        self.events.append((kind, data))
+        self.times.append((kind, time.perf_counter()))
+        if kind == "end" and self.then:
+            self.then()
+        if kind in ("end", "error"):
+            self.done.set()
+
+    def wait(self, timeout=60) -> "Answer":
+        assert self.done.wait(timeout), self.events
+        assert self.events[-1][0] == "end", self.events[-1]
+        return self
+
+    @property
+    def text(self) -> str:
+        return "".join(d["delta"] for k, d in self.events if k == "text")
+
+    @property
+    def reuse(self):
+        return next(d["reuse"] for k, d in self.events if k == "start")
+
+    @property
+    def end(self) -> dict:
+        return self.events[-1][1]
+
+
+def settle(eng: Engine, timeout=120) -> None:
+    """Until the engine has no store job left and every write is done."""
+    deadline = time.monotonic() + timeout
+    while eng.load()["store_jobs"] or eng.load()["queued"] or eng.load()["running"]:
+        assert time.monotonic() < deadline and eng.model_thread.is_alive()
+        time.sleep(0.02)
+
+
+# ------------------------------------------------------------------------------------------------ the runner
+def test_a_prefill_in_pieces_and_cached_decode_equal_a_full_forward(tiny_model):
+    model = tiny_model
+    tokens = torch.randint(0, 97, (40,)).tolist()
+    cache = SeqCache.empty(model.cfg, 2)   # little room: the buffer must grow
+    for a in range(0, 33, 11):
+        lg = runner.run(model, [Item(tokens[a:min(a + 11, 33)], cache, True)])[0]
+    for t in range(33, 40):
+        with torch.no_grad():
+            full = model(torch.tensor([tokens[:t]]))[0][0, -1]
+        assert close(lg, full), t
+        lg = runner.run(model, [Item([tokens[t]], cache, True)])[0]
     with torch.no_grad():
-        return model(torch.tensor([tokens]), last=True)[0][0, -1]
+        want = kv_to_array(model(torch.tensor([tokens]))[1])[0]
+    assert len(cache) == 40 and np.abs(kv_to_array(cache.kvcache())[0] - want).max() <= 1e-5
 
 
-def close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal up to float32 rounding of sums taken in another order: logits of scale S agree to ~1e-4 S."""
-    return float((a - b).abs().max()) <= 2e-4 * float(b.abs().max()) + 1e-4
+def test_a_batch_gives_each_item_what_it_gets_alone(tiny_model):
+    model, rng = tiny_model, torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 97, (n,), generator=rng).tolist() for n in (1, 9, 30)]
+    behind = torch.randint(0, 97, (12,), generator=rng).tolist()
+
+    def caches():
+        with torch.no_grad():
+            held = SeqCache.of(model(torch.tensor([behind]))[1], 40)
+        return [SeqCache.empty(model.cfg, 40), SeqCache.empty(model.cfg, 40), held]
+    alone = [runner.run(model, [Item(p, c, True)])[0] for p, c in zip(prompts, caches())]
+    together_caches = caches()
+    items = [Item(p, c, i != 1) for i, (p, c) in enumerate(zip(prompts, together_caches))]
+    together = runner.run(model, items)
+    assert together[1] is None
+    for i in (0, 2):
+        assert close(together[i], alone[i])
+    with torch.no_grad():
+        want = model(torch.tensor([behind + prompts[2]]))[0][0, -1]
+    assert close(together[2], want)   # the third item attended to its own cache, not to the others'
+    assert [len(c) for c in together_caches] == [1, 9, 42]
 
 
-def store_all(con: KVConnector, prompt, done) -> None:
-    now, later = con.to_store(prompt, done, done.cache, prompt.tokens)
-    for key, X in now:
-        con.tiers.put(key, X)
-    for key, chunk in later:
-        con.tiers.put(key, con.prefill_alone(key.prefix, chunk))
+def test_the_hot_cache_keeps_its_byte_budget_least_recently_used_out():
+    block = torch.zeros(2, 2, 1, 4, 8)   # 512 bytes
+    hot = HotCache(3 * block.numel() * 4)
+    keys = [ks.ChunkKey("m", (i,)) for i in range(4)]
+    for k in keys[:3]:
+        assert hot.put(k, block)
+    hot.get(keys[0])                   # keys[0] is now the most recent: keys[1] goes first
+    hot.put(keys[3], block)
+    assert not hot.has(keys[1]) and all(hot.has(k) for k in (keys[0], keys[2], keys[3]))
+    assert hot.used == 3 * 512 and hot.evictions == 1
+    assert not hot.put(ks.ChunkKey("m", (9,)), torch.zeros(4, 2, 1, 8, 8))   # bigger than the budget
 
 
+# ------------------------------------------------------------------------------------------------ the chat
 def test_a_chats_segments_are_its_whole_prompts_tokens(parts):
     _, tok, _ = parts
     for messages in (chat(), chat((2, 0)), [("user", "Hi!")], [("system", "Be brief."), ("user", "a\n\nb"),
@@ -67,70 +167,97 @@ def test_a_chats_segments_are_its_whole_prompts_tokens(parts):
     assert len(p.chunks) == 3 and p.last_message == p.question[:len(p.last_message)]
 
 
-def test_a_prompt_served_from_stored_prefix_blocks_is_a_full_prefill(parts):
-    model, tok, _ = parts
-    con = connector(parts)
-    p = chat_prompt(tok, chat())
-    first = con.prefill(p)
-    assert first.reuse.path == "prefill" and first.reuse.recomputed == len(p)
-    assert close(first.logits, full(model, p.tokens))
-    store_all(con, p, first)
-    again = con.prefill(p)
-    assert again.reuse.path == "prefix" and again.reuse.prefix == len(p) - 1 and again.reuse.recomputed == 1
-    assert close(again.logits, full(model, p.tokens))
-    # a longer prompt that starts the same: its blocks up to the last whole one are reused, the rest prefilled
-    longer = chat_prompt(tok, chat() + [("assistant", "Lake Varna."), ("user", "By how much?")])
-    done = con.prefill(longer)
-    assert done.reuse.path == "prefix" and len(p) - BLOCK_TOKENS < done.reuse.prefix < len(p)
-    assert close(done.logits, full(model, longer.tokens))
-
-
+# ------------------------------------------------------------------------------------------------ CacheBlend
 def test_blend_at_ratio_1_is_a_full_prefill_and_at_ratio_0_full_reuse(parts):
     model, tok, mid = parts
-    for ratio in (1.0, 0.0):
-        con = connector(parts, ratio=ratio)
-        p = chat_prompt(tok, chat())
-        store_all(con, p, con.prefill(p))
-        moved = chat_prompt(tok, chat((2, 0, 1)))
-        done = con.prefill(moved)
-        assert done.reuse.path == "blend" and done.reuse.blended == sum(map(len, moved.chunks))
-        if ratio == 1.0:
-            assert close(done.logits, full(model, moved.tokens))
-        else:   # the chunks as stored, shifted to their places; the question over them
-            keys = ks.chunk_keys(mid, moved.system, moved.chunks)
-            pre = ks.assemble(keys, [con.tiers.get(k)[0] for k in keys], model.cfg)
-            with torch.no_grad():
-                reuse = model(torch.tensor([list(moved.question)]), cache=pre, last=True)[0][0, -1]
-            assert close(done.logits, reuse)
-            assert not close(done.logits, full(model, moved.tokens))   # reuse without recompute is not exact
+    p = chat_prompt(tok, chat((2, 0, 1)))
+    keys = ks.chunk_keys(mid, p.system, p.chunks)
+    blocks = [runner.array_to_block(X, model.cfg.n_kv_heads) for X in ks.chunk_kvs(model, p.system, p.chunks)]
+    rule = connector(parts).rule
+    with torch.no_grad():
+        full = model(torch.tensor([p.tokens]), last=True)[0][0, -1]
+        pre = ks.assemble(keys, ks.chunk_kvs(model, p.system, p.chunks), model.cfg)
+        reuse = model(torch.tensor([list(p.question)]), cache=pre, last=True)[0][0, -1]
+    one, cache = runner.blend(model, p.system, list(p.chunks), p.question, keys, blocks, 1.0, rule, 4)
+    zero, _ = runner.blend(model, p.system, list(p.chunks), p.question, keys, blocks, 0.0, rule, 4)
+    assert close(one, full) and close(zero, reuse) and not close(zero, full)
+    assert len(cache) == len(p) and cache.buf.shape[3] >= len(p) + 4
+
+
+# ------------------------------------------------------------------------------------------------ the engine
+def test_a_repeat_sent_at_once_is_served_from_the_store_exactly(parts):
+    """The second request is submitted in the first one's "end" event: the first one's blocks are in the hot cache
+    by then (no I/O, no wait for a writer), and its prefix is all but the last token. Both first-token KLs against
+    a full prefill are float32 rounding (below 1e-4 nats)."""
+    model, tok, _ = parts
+    eng = engine(parts)
+    p = chat_prompt(tok, chat())
+    try:
+        second = {}
+        first = Answer(eng, p, then=lambda: second.setdefault("a", Answer(eng, p, max_tokens=6, kv_check=True)),
+                       max_tokens=6, kv_check=True).wait()
+        again = second["a"].wait()
+    finally:
+        eng.stop()
+    assert first.reuse.path == "prefill" and first.reuse.recomputed == len(p)
+    assert again.reuse.path == "prefix" and again.reuse.prefix == len(p) - 1 and again.reuse.recomputed == 1
+    assert again.reuse.hits == {"hot": -(-(len(p) - 1) // BLOCK_TOKENS)}
+    assert again.text == first.text
+    assert abs(again.end["kl"]) < 1e-4 and abs(first.end["kl"]) < 1e-4
+
+
+def test_a_reordered_request_sent_at_once_is_blended_from_the_store(parts):
+    """The documents' chunks are store jobs from the moment the first request starts: a reordered request sent the
+    moment it ends finds every document's chunk (none computed again), and the system message's exact KV."""
+    model, tok, _ = parts
+    eng = engine(parts)
+    try:
+        moved, second = chat_prompt(tok, chat((2, 0, 1))), {}
+        first = Answer(eng, chat_prompt(tok, chat()), max_tokens=8,
+                       then=lambda: second.setdefault("a", Answer(eng, moved, max_tokens=4, kv_check=True))).wait()
+        again = second["a"].wait()
+    finally:
+        eng.stop()
+    assert first.reuse.path == "prefill"
+    r = again.reuse
+    assert r.path == "blend" and r.blended == sum(map(len, moved.chunks)) and r.prefix == len(moved.system)
+    assert r.recomputed == len(moved.question) and 0 < again.end["kl"] < 0.5
 
 
 def test_the_store_holds_only_exact_kv(parts):
-    """After a blended request, every prefix block and message chunk in the store is what a full prefill (of the
-    prefix, of the message behind the system message) computes: blended rows are never stored."""
+    """After a blended request, every prefix block and message chunk the store holds (hot and the RAM tier) is what
+    a full prefill (of the prefix, of the message behind the system message) computes: blended rows never are."""
     model, tok, mid = parts
     con = connector(parts)
-    p = chat_prompt(tok, chat())
-    store_all(con, p, con.prefill(p))
-    moved = chat_prompt(tok, chat((1, 2, 0)))
-    done = con.prefill(moved)
+    eng = engine(parts, con)
+    try:
+        Answer(eng, chat_prompt(tok, chat()), max_tokens=2).wait()
+        settle(eng)
+        moved = chat_prompt(tok, chat((1, 2, 0)))
+        done = Answer(eng, moved, max_tokens=2).wait()
+        settle(eng)
+    finally:
+        eng.stop()
     assert done.reuse.path == "blend"
-    store_all(con, moved, done)
     with torch.no_grad():
         exact = kv_to_array(model(torch.tensor([moved.tokens]))[1])[0]
     S = len(moved.system)
+
+    def stored(key):
+        hot, (ram, _) = con.hot.get(key), con.tiers.get(key)
+        assert (hot is None) == (ram is None), key
+        return None if hot is None else (runner.block_to_array(hot), ram)
     for a, b, key in block_keys(mid, moved.tokens):
-        X, _ = con.tiers.get(key)
+        got = stored(key)
         if b > S:   # past the system message the request's KV was blended: none of it is a prefix block
-            assert X is None, (a, b)
-        elif X is not None:
-            assert np.abs(X - exact[a:b]).max() <= 1e-3 * np.abs(exact[a:b]).max(), (a, b)
-    X, _ = con.tiers.get(ks.ChunkKey(mid, tuple(moved.system)))
-    assert X is not None and np.abs(X - exact[:S]).max() <= 1e-3 * np.abs(exact[:S]).max()
+            assert got is None, (a, b)
+        elif got is not None:
+            for X in got:
+                assert np.abs(X - exact[a:b]).max() <= 1e-3 * np.abs(exact[a:b]).max(), (a, b)
     for key, chunk in zip(message_keys(mid, moved), (*moved.chunks, moved.last_message)):
-        X, _ = con.tiers.get(key)
         want = ks.chunk_kvs(model, moved.system, [chunk])[-1]
-        assert X is not None and np.abs(X - want).max() <= 1e-3 * np.abs(want).max()
+        for X in stored(key):
+            assert X is not None and np.abs(X - want).max() <= 1e-3 * np.abs(want).max()
 
 
 def test_a_hit_in_a_lower_tier_is_copied_up_and_a_put_reaches_every_tier(parts):
@@ -155,97 +282,140 @@ def test_a_hit_in_a_lower_tier_is_copied_up_and_a_put_reaches_every_tier(parts):
     assert made == [1] and ram.has(name) and np.array_equal(tiers.get(key)[0], X)
 
 
-def events(engine: Engine, prompt, **kw) -> list:
-    done, out = threading.Event(), []
-
-    def emit(kind, **data):
-        out.append((kind, data))
-        if kind in ("end", "error"):
-            done.set()
-    engine.submit(Request(prompt=prompt, emit=emit, **kw))
-    assert done.wait(120)
-    return out
-
-
 def test_decoding_stops_at_max_tokens_a_stop_string_and_the_end_of_turn(parts):
     model, tok, _ = parts
-    con = KVConnector(model, "m", None)
-    ends = {tok.token_to_id("<|im_end|>")}
-    engine = Engine(model, tok, con, ends, threads=1).start()
+    con = connector(parts, store=False)
+    eng = engine(parts, con)
     try:
         p = completion_prompt(tok, "The days of the week are Monday, Tuesday,")
-        ev = events(engine, p, max_tokens=6, temperature=0)
-        text = "".join(d["delta"] for k, d in ev if k == "text")
-        assert ev[0][0] == "start" and ev[-1] == ("end", {"finish_reason": "length", "tokens": 6, "kl": None})
-        # the same greedy tokens as decoding by hand with the cache
-        with torch.no_grad():
+        a = Answer(eng, p, max_tokens=6, temperature=0).wait()
+        assert a.events[0][0] == "start" and a.end == {"finish_reason": "length", "tokens": 6, "kl": None}
+        with torch.no_grad():   # the same greedy tokens as decoding by hand with the cache
             logits, cache = model(torch.tensor([p.tokens]), last=True)
             ids = []
             for _ in range(6):
                 ids.append(int(logits[0, -1].argmax()))
                 logits, cache = model(torch.tensor([[ids[-1]]]), cache=cache, last=True)
-        assert text == tok.decode(ids)
-        stop = text.split()[1]   # a word the answer holds: the text ends before it
-        ev = events(engine, p, max_tokens=6, temperature=0, stop=(stop,))
-        cut = "".join(d["delta"] for k, d in ev if k == "text")
-        assert cut == text[:text.index(stop)] and ev[-1][1]["finish_reason"] == "stop"
-        a = events(engine, p, max_tokens=5, temperature=0.8, seed=7)
-        b = events(engine, p, max_tokens=5, temperature=0.8, seed=7)
-        assert [d for k, d in a if k == "text"] == [d for k, d in b if k == "text"]   # a seed makes sampling repeat
+        assert a.text == tok.decode(ids)
+        stop = a.text.split()[1]   # a word the answer holds: the text ends before it
+        cut = Answer(eng, p, max_tokens=6, temperature=0, stop=(stop,)).wait()
+        assert cut.text == a.text[:a.text.index(stop)] and cut.end["finish_reason"] == "stop"
+        s1 = Answer(eng, p, max_tokens=5, temperature=0.8, seed=7).wait()
+        s2 = Answer(eng, p, max_tokens=5, temperature=0.8, seed=7).wait()
+        assert s1.text == s2.text   # a seed makes sampling repeat
     finally:
-        engine.stop()
+        eng.stop()
     ended = Engine(model, tok, con, {ids[2]}, threads=1).start()   # the third token ends the answer, as an end of turn
     try:
-        ev = events(ended, p, max_tokens=6, temperature=0)
-        assert ev[-1][1]["finish_reason"] == "stop" and ev[-1][1]["tokens"] == 2
-        assert "".join(d["delta"] for k, d in ev if k == "text") == tok.decode(ids[:2])
+        e = Answer(ended, p, max_tokens=6, temperature=0).wait()
+        assert e.end["finish_reason"] == "stop" and e.end["tokens"] == 2 and e.text == tok.decode(ids[:2])
     finally:
         ended.stop()
 
 
-class _Spy:
-    """The connector's model, logging each forward's tokens; its second forward calls `then` (once)."""
-    def __init__(self, model, then):
-        self.model, self.then, self.log = model, then, []
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-    def __call__(self, x, **kw):
-        self.log.append(x.shape[1])
-        if len(self.log) == 2:
-            self.then()
-        return self.model(x, **kw)
+ASKS = [("completion", "The days of the week are Monday, Tuesday,", 12, ()),
+        ("chat", "Write the number 7 in words, then stop.", 9, ()),
+        ("chat", "Name three colours of the rainbow.", 16, (",",)),
+        ("completion", "One, two, three, four,", 20, (" seven",)),
+        ("chat", DOCS[0] + " " + DOCS[1] + " " + QUESTION, 7, ()),
+        ("completion", "def fibonacci(n):", 14, ("\n\n",)),
+        ("chat", "Hi!", 5, ()),
+        ("chat", DOCS[2] + " What runs in winter?", 11, (".",))]
 
 
-def test_a_store_job_steps_aside_for_a_request_that_comes_while_it_runs(parts):
-    """A message stored alone is prefilled PIECE_TOKENS at a time: a request that comes during the first piece is
-    answered before the second, and the record is the message prefilled in one go, up to float32 rounding."""
+def _ask(eng, tok, kind, text, max_tokens, stop):
+    p = completion_prompt(tok, text) if kind == "completion" else chat_prompt(tok, [("user", text)])
+    return Answer(eng, p, max_tokens=max_tokens, temperature=0, stop=stop)
+
+
+def test_batched_answers_equal_serial_ones(parts):
+    """8 requests of different lengths, stop strings and max_tokens sent at once (batched: prefilled in pieces
+    beside each other's decodes) get, token for token, the answers they get one at a time."""
+    model, tok, _ = parts
+    serial = engine(parts, connector(parts, store=False), max_running=1)
+    try:
+        alone = [_ask(serial, tok, *a).wait() for a in ASKS]
+    finally:
+        serial.stop()
+    batched = engine(parts, connector(parts, store=False), step_tokens=48)   # small steps: prompts in pieces
+    try:
+        together = [_ask(batched, tok, *a) for a in ASKS]
+        together = [t.wait() for t in together]
+        assert batched.steps < sum(a.end["tokens"] for a in alone)   # they ran side by side
+    finally:
+        batched.stop()
+    assert [t.text for t in together] == [a.text for a in alone]
+    assert [t.end for t in together] == [a.end for a in alone]
+
+
+def test_store_jobs_finish_under_steady_traffic(parts):
+    """A document seen once is stored (prefilled alone, at low priority) while other requests keep the engine busy:
+    it is held before they end."""
     model, tok, mid = parts
     con = connector(parts)
-    system, chunk = tuple(chat_prompt(tok, chat()).system), tuple(range(1000, 1000 + 2 * PIECE_TOKENS + 5))
-    key = ks.ChunkKey(mid, chunk, system)
-    engine = Engine(model, tok, con, {tok.token_to_id("<|im_end|>")}, threads=1)
-    done = threading.Event()
-
-    def emit(kind, **data):
-        if kind == "end":
-            con.model.log.append("answered")
-            done.set()
-    request = Request(prompt=completion_prompt(tok, "Hello"), emit=emit, max_tokens=1)
-    con.model = _Spy(model, lambda: engine.submit(request))
-    engine._put(STORE, (key, con.prefill_pieces(system, chunk)))
-    engine.start()
+    eng = engine(parts, con, step_tokens=64, store_tokens=16)
     try:
-        assert done.wait(120)
-        while engine.load()["store_jobs"] or not con.tiers.has(key):
-            assert engine.model_thread.is_alive()
-            done.wait(0.05)
+        busy = [_ask(eng, tok, "completion", f"Count from {n} to one hundred:", 40, ()) for n in (1, 2)]
+        p = chat_prompt(tok, chat())
+        Answer(eng, p, max_tokens=1).wait()
+        keys = message_keys(mid, p)[1:]
+        deadline = time.monotonic() + 120
+        while not all(con.hot.has(k) for k in keys):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert not any(b.done.is_set() for b in busy)
+        for b in busy:
+            b.wait()
     finally:
-        engine.stop()
-    log = con.model.log
-    assert log[:2] == [len(system), PIECE_TOKENS] and log[-2:] == [PIECE_TOKENS, 5]
-    assert "answered" in log and log.index("answered") < len(log) - 2
-    want = ks.chunk_kvs(model, system, [chunk])[-1]
-    X, _ = con.tiers.get(key)
-    assert np.abs(X - want).max() <= 1e-3 * np.abs(want).max()
+        eng.stop()
+
+
+class _StalledTier(ks.RamTier):
+    """A tier whose reads and writes hang while `stalled` is set (a Redis server under SIGSTOP)."""
+    name = "stalled"
+
+    def __init__(self):
+        super().__init__(1 << 30)
+        self.stalled, self.calls = threading.Event(), 0
+
+    def _wait(self):
+        self.calls += 1
+        while self.stalled.is_set():
+            time.sleep(0.01)
+
+    def put(self, name, blob):
+        self._wait()
+        return super().put(name, blob)
+
+    def has(self, name):
+        self._wait()
+        return super().has(name)
+
+
+def test_a_stalled_tier_delays_no_step(parts):
+    """While a tier hangs, the four requests decoding go on at their pace: their writes and the next request's
+    lookup wait for it, the steps do not."""
+    model, tok, _ = parts
+    stalled = _StalledTier()
+    con = connector(parts, Tiers([ks.RamTier(1 << 30), stalled], ks.kv_shape(model.cfg)))
+    eng, short = engine(parts, con), None
+    try:
+        Answer(eng, completion_prompt(tok, "Warm up."), max_tokens=2).wait()
+        settle(eng)
+        runs = [_ask(eng, tok, *a) for a in ASKS[:4]]
+        while not all(any(k == "text" for k, _ in r.events) for r in runs):
+            time.sleep(0.01)
+        stalled.stalled.set()
+        steps, since = eng.steps, time.perf_counter()
+        runs[0].wait(30)       # its KV is saved: hot at once, the stalled tier's write hangs in the writer
+        short = _ask(eng, tok, "chat", "Hi!", 3, ())   # its lookup hangs in the loader, behind the tier
+        for r in runs[1:]:
+            r.wait(30)
+        assert eng.steps > steps and eng.load()["store_jobs"] > 0 and not short.done.is_set()
+        gaps = [b - a for r in runs for (k1, a), (k2, b) in zip(r.times, r.times[1:]) if k1 == k2 == "text" and a > since]
+        assert gaps and max(gaps) < 2.0
+    finally:
+        stalled.stalled.clear()
+        if short is not None:
+            short.wait()
+        eng.stop()

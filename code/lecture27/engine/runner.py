@@ -1,0 +1,154 @@
+"""The model runner: one batched forward over every piece of work a step holds, and CacheBlend's pass.
+
+A step's items are runs of tokens, each behind a cache of its own (`SeqCache`): a request's next token (decode), a
+piece of a prompt (chunked prefill), a piece of a chunk prefilled alone to be stored. Their tokens go through the
+model together, side by side on one axis: the embedding, the norms, every linear layer (q, k, v, o, the MLP) and the
+head run once over all of them, which is where a CPU's time goes (a decode step reads every weight to make one
+token; eight requests' tokens read them once). Attention runs item by item over the item's own cache, each token
+seeing its item's keys at or before its position. An item's numbers are the ones it gets alone, up to float32
+rounding of sums over a larger matrix.
+
+`blend` is CacheBlend's pass (blend_world.blend, §5.3) over a request's reused chunks: its own forward, run in a
+step beside the batch (its layers select different tokens, so it does not share the batch's matrices).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from common.llama import KVCache, causal_mask, rope
+from lecture27 import blend_world as bw
+from lecture27 import kvstore as ks
+
+
+class SeqCache:
+    """One sequence's KV in one buffer (L, 2, Hkv, capacity, hd): K (after RoPE) and V of its first n tokens, at
+    positions 0..n-1. A step writes its tokens' rows in place (a decode step copies one row per layer, not the
+    cache), and the buffer doubles when it is full."""
+
+    def __init__(self, block: torch.Tensor, extra: int = 0):
+        """block: KV (L, 2, Hkv, T, hd) of the first T tokens (a KV block: the hot cache's form); room for `extra`
+        more tokens is made now."""
+        L, two, H, T, hd = block.shape
+        self.buf = torch.empty(L, two, H, T + max(extra, 1), hd)
+        self.buf[:, :, :, :T] = block
+        self.n = T
+
+    @classmethod
+    def empty(cls, cfg, extra: int) -> "SeqCache":
+        return cls(torch.empty(cfg.n_layers, 2, cfg.n_kv_heads, 0, cfg.head_dim), extra)
+
+    @classmethod
+    def of(cls, cache: KVCache, extra: int = 0) -> "SeqCache":
+        """From a KVCache (batch 1, positions 0..T-1), as model() and blend() return it."""
+        return cls(torch.stack([torch.stack([k[0], v[0]]) for k, v in zip(cache.k, cache.v)]), extra)
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel() * self.buf.element_size()
+
+    def reserve(self, more: int) -> None:
+        if self.n + more > self.buf.shape[3]:
+            L, two, H, cap, hd = self.buf.shape
+            bigger = torch.empty(L, two, H, max(2 * cap, self.n + more), hd)
+            bigger[:, :, :, :self.n] = self.buf[:, :, :, :self.n]
+            self.buf = bigger
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Put the step's K, V (1, Hkv, T, hd) of this layer at rows n..n+T-1; K, V of rows 0..n+T-1 (views)."""
+        T = k.shape[2]
+        self.buf[layer, 0, :, self.n:self.n + T] = k[0]
+        self.buf[layer, 1, :, self.n:self.n + T] = v[0]
+        return self.buf[layer, 0, :, :self.n + T][None], self.buf[layer, 1, :, :self.n + T][None]
+
+    def rows(self, a: int, b: int) -> torch.Tensor:
+        """A copy of rows a..b-1: a KV block (L, 2, Hkv, b-a, hd)."""
+        return self.buf[:, :, :, a:b].clone()
+
+    def kvcache(self) -> KVCache:
+        """The first n rows as a KVCache (views), for the code that takes one (a selection rule, kv_to_array)."""
+        rows = self.buf[:, :, :, :self.n]
+        return KVCache([r[0][None] for r in rows], [r[1][None] for r in rows], torch.arange(self.n))
+
+
+def block_to_array(block: torch.Tensor) -> np.ndarray:
+    """A KV block (L, 2, Hkv, T, hd) -> the store's float32 layout (T, L, 2, C) (kvcache.py's contract)."""
+    L, two, H, T, hd = block.shape
+    return block.permute(3, 0, 1, 2, 4).reshape(T, L, two, H * hd).numpy()
+
+
+def array_to_block(X: np.ndarray, n_kv_heads: int) -> torch.Tensor:
+    """The store's (T, L, 2, C) -> a KV block (L, 2, Hkv, T, hd)."""
+    T, L, two, C = X.shape
+    return torch.from_numpy(np.ascontiguousarray(X, np.float32)).reshape(T, L, two, n_kv_heads, C // n_kv_heads) \
+        .permute(1, 2, 3, 0, 4).contiguous()
+
+
+@dataclass
+class Item:
+    """A run of tokens behind a cache: what one unit of work puts into a step. logits: keep its last token's."""
+    tokens: list
+    cache: SeqCache
+    logits: bool
+
+
+@torch.no_grad()
+def run(model, items: list) -> list:
+    """One forward over every item's tokens (module docstring); each item's cache grows by its tokens. Returns the
+    last token's logits (vocab,) of each item that asked for them, None for the others."""
+    cfg = model.cfg
+    H, Hkv, hd, theta = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_theta
+    spans, a = [], 0
+    for it in items:
+        T, n = len(it.tokens), it.cache.n
+        it.cache.reserve(T)
+        pos = torch.arange(n, n + T)
+        spans.append((a, a + T, pos, None if T == 1 else causal_mask(pos, torch.arange(n + T))))
+        a += T
+    x = model.embed(torch.tensor([[t for it in items for t in it.tokens]]))
+    for layer, blk in enumerate(model.layers):
+        h = blk.attn_norm(x)
+        q, k, v = blk.wq(h), blk.wk(h), blk.wv(h)
+        outs = []
+        for it, (a, b, pos, mask) in zip(items, spans):
+            T = b - a
+            qi = rope(q[:, a:b].reshape(1, T, H, hd).transpose(1, 2), pos, theta)
+            ki = rope(k[:, a:b].reshape(1, T, Hkv, hd).transpose(1, 2), pos, theta)
+            K, V = it.cache.write(layer, ki, v[:, a:b].reshape(1, T, Hkv, hd).transpose(1, 2))
+            o = F.scaled_dot_product_attention(qi, K, V, attn_mask=mask, enable_gqa=True)
+            outs.append(o.transpose(1, 2).reshape(1, T, H * hd))
+        x = blk.after_attention(x, torch.cat(outs, 1) if len(outs) > 1 else outs[0])
+    for it in items:
+        it.cache.n += len(it.tokens)
+    wanted = [b - 1 for it, (a, b, *_) in zip(items, spans) if it.logits]
+    rows = iter(model.logits(x[:, wanted])[0]) if wanted else iter(())
+    return [next(rows) if it.logits else None for it in items]
+
+
+@torch.no_grad()
+def blend(model, system: tuple, chunks: list, question: tuple, keys: list, blocks: list, ratio: float, rule,
+          extra: int) -> tuple[torch.Tensor, SeqCache]:
+    """CacheBlend over a chat's reused chunks: the system message's KV and each chunk's (blocks, as stored: each
+    prefilled alone behind the system message), placed one after another (kvstore.assemble shifts each chunk's K
+    to its place), then blend_world.blend recomputes `ratio` of the tokens per layer (selected by `rule`) while
+    the question is computed in full at every layer. keys: kvstore.chunk_keys of (system, chunks). Returns the
+    question's last logits (vocab,) and the whole prompt's cache, room made for `extra` tokens."""
+    S = len(system)
+    pre = ks.assemble(keys, [block_to_array(b) for b in blocks], model.cfg)
+    ids = [bw.PREFIX] * S + [i for i, c in enumerate(chunks) for _ in c]
+    doc = bw.RagDoc(torch.tensor([[*system, *(t for c in chunks for t in c)]]), torch.tensor([list(question)]),
+                    torch.tensor(ids), rag=None)
+    ready = rule.ready(model, doc, doc.chunks, pre)
+    logits, trace = bw.blend(model, doc, doc.chunks, ratio, rule=ready, pre=pre, trace=True)
+    return logits[0, -1], SeqCache.of(trace.cache, extra)
+
+
+def blend_cost(ratio: float, context: int, question: int) -> int:
+    """The tokens a blend counts against a step's budget: the share of the context it recomputes, and the question."""
+    return int(np.ceil(ratio * context)) + question

@@ -1,0 +1,111 @@
+"""What the engine works on: a request as the API hands it over (`Request`), the request inside the engine
+(`Sequence`: where it is, its cache, its answer so far) and a run of tokens to compute behind a cache, a piece per
+step (`Prefill`: a prompt, a chunk prefilled alone, a store job, kv_check's full prefill)."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from lecture27 import kvstore as ks
+from lecture27.engine.chat import Prompt
+from lecture27.engine.connector import Loaded
+from lecture27.engine.runner import SeqCache
+
+
+@dataclass
+class Request:
+    """One completion: the prompt, how to decode, and where its events go. emit(kind, **data) is called from the
+    model thread: "start" (after the prefill: reuse, queue_s, prefill_s), "text" (delta, token), "end"
+    (finish_reason, tokens, kl), "error" (message)."""
+    prompt: Prompt
+    emit: Callable
+    max_tokens: int = 16
+    temperature: float = 0.0
+    seed: int | None = None
+    stop: tuple = ()
+    kv_check: bool = False     # also prefill in full and report the first token's KL (what reuse cost)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    queued_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(eq=False)
+class Prefill:
+    """Tokens to run behind a cache, a piece per step (chunked prefill). kind: "prompt" (a request's own prompt,
+    its last logits are the first answer token's), "system" and "chunk" (the blend path's system message and a
+    message prefilled alone behind it), "check" (kv_check's full prefill), "store" (a chunk prefilled alone to be
+    stored). key: the chunk saved when it ends, its rows from `skip` on."""
+    kind: str
+    todo: list
+    cache: SeqCache
+    owner: "Sequence | None" = None
+    key: ks.ChunkKey | None = None
+    skip: int = 0
+    index: int = -1            # the blend path's message index of a "chunk"
+
+    @property
+    def logits(self) -> bool:
+        return self.kind in ("prompt", "check")
+
+
+class Sequence:
+    """A request inside the engine. phase: "load" (the loader fetches its KV), "wait" (loaded, not admitted),
+    "prefill" (its parts run: the prompt after the held prefix, or the blend path's system message and the
+    chunks no tier held), "blend" (CacheBlend's pass is due), "decode" (a token a step), "check" (answered; its
+    kv_check prefill still runs), "done"."""
+
+    def __init__(self, req: Request, cfg):
+        self.req, self.prompt, self.cfg = req, req.prompt, cfg
+        self.phase, self.loaded, self.cache = "load", None, None
+        self.parts: list[Prefill] = []       # what must run before the first token (prefill phase)
+        self.check: Prefill | None = None    # kv_check's full prefill
+        self.blocks: list = []               # the blend path: the system message's block and each earlier message's
+        self.alone: dict = {}                # {message index: block} chunks prefilled alone here (saved after)
+        self.out, self.sent, self.finish, self.next_token = [], "", None, None
+        self.served_logits, self.kl = None, None
+        self.admitted_at = self.first_at = None
+        self.gen = torch.Generator().manual_seed(req.seed if req.seed is not None else random.getrandbits(63))
+
+    @property
+    def room(self) -> int:
+        """Tokens a prompt's cache must hold room for beyond the prompt: the answer."""
+        return self.req.max_tokens + 1
+
+    def admit(self, loaded: Loaded) -> None:
+        """Plan the prefill from what the connector loaded."""
+        self.loaded, self.admitted_at = loaded, time.perf_counter()
+        self.phase, tokens, extra = "prefill", self.prompt.tokens, self.room
+        if self.req.kv_check:
+            self.check = Prefill("check", list(tokens), SeqCache.empty(self.cfg, len(tokens)), owner=self)
+        if loaded.path != "blend":
+            cache = SeqCache(loaded.prefix, len(tokens) + extra) if loaded.prefix is not None else \
+                SeqCache.empty(self.cfg, len(tokens) + extra)
+            self.parts = [Prefill("prompt", list(tokens[loaded.covered:]), cache, owner=self)]
+            return
+        system = self.prompt.system
+        if system and loaded.system is None:   # the system message first: the chunks are computed behind it
+            self.parts = [Prefill("system", list(system), SeqCache.empty(self.cfg, len(system)), owner=self)]
+        else:
+            self.chunk_parts(loaded.system)
+
+    def chunk_parts(self, system_block) -> None:
+        """The blend path, once the system message's KV is at hand: every earlier message that no tier held is
+        prefilled alone behind it; with none, CacheBlend's pass is due."""
+        self.blocks = [system_block] if self.prompt.system else []
+        self.parts = []
+        for i, (chunk, block) in enumerate(zip(self.prompt.chunks, self.loaded.chunks)):
+            if block is None:
+                cache = SeqCache(system_block, len(chunk)) if system_block is not None else \
+                    SeqCache.empty(self.cfg, len(chunk))
+                self.parts.append(Prefill("chunk", list(chunk), cache, owner=self, skip=len(self.prompt.system),
+                                          index=i))
+        if not self.parts:
+            self.phase = "blend"
+
+    def units(self) -> list:
+        """This request's prefill work that may run this step, in order."""
+        return self.parts if self.phase == "prefill" else []
