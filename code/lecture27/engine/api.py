@@ -4,15 +4,15 @@ speaks it reaches the KV store behind it without knowing it is there).
     POST /v1/chat/completions   messages -> an answer; "stream": true sends server-sent events
     POST /v1/completions        a prompt -> its continuation, the same way
     GET  /v1/models             the one model served
-    GET  /health                alive, and what waits (requests queued, store jobs)
+    GET  /health                alive, and what waits (requests queued and running, store jobs and writes)
     GET  /metrics               Prometheus text: requests, prompt tokens by where their KV came from, store hits
                                 per tier, time to first token and time in the queue (histograms)
 
 What the store did for a request is in OpenAI's own field, usage.prompt_tokens_details.cached_tokens (prompt
 tokens whose KV came from the store), and in the header x-kv-cache (path=prefix|blend|prefill; prefix=exact
 tokens; blended=tokens of reused chunks; recomputed=tokens computed here; context=the tokens before the last
-message, which a store could have served) with x-kv-hits (records per tier) and
-x-queue-seconds. A request may ask for "kv_check": true (outside OpenAI's fields): the engine then also prefills
+message, which a store could have served) with x-kv-hits (records per place: hot, ram, disk, redis) and
+x-queue-seconds (arrival to first step). A request may ask for "kv_check": true (outside OpenAI's fields): the engine then also prefills
 the prompt in full and returns the first answer token's KL against what it served, in "kv_cache".
 Bad requests get OpenAI's error body ({"error": {"message", "type", "param", "code"}}) with HTTP 400 (401 for a
 wrong API key); nothing answers with a traceback.
@@ -116,11 +116,15 @@ class Metrics:
         self.cancelled = Counter("l27_cancelled", "Answers stopped because the client went away", registry=r)
         self.ttft = Histogram("l27_ttft_seconds", "Time from a request's arrival to its first answer token",
                               buckets=TTFT_BUCKETS, registry=r)
-        self.queue = Histogram("l27_queue_seconds", "Time a request waited for the model (one request at a time)",
+        self.queue = Histogram("l27_queue_seconds", "Time from a request's arrival to its first step (its KV looked up "
+                               "and loaded, a place among the running requests)",
                                buckets=TTFT_BUCKETS, registry=r)
-        Gauge("l27_queued", "Requests waiting for the model", registry=r).set_function(
+        Gauge("l27_running", "Requests being served at once (prefilling or decoding)", registry=r).set_function(
+            lambda: engine.load()["running"])
+        Gauge("l27_queued", "Requests waiting for their first step", registry=r).set_function(
             lambda: engine.load()["queued"])
-        Gauge("l27_store_jobs", "Records waiting to be stored", registry=r).set_function(
+        Gauge("l27_store_jobs", "Chunks waiting to be prefilled alone and records waiting to be written",
+              registry=r).set_function(
             lambda: engine.load()["store_jobs"])
 
 
