@@ -162,39 +162,168 @@ def test_redact_replaces_the_password_in_every_url_form():
 
 
 # ------------------------------------------------------------------------------------ a server evicting on its own
+def make_idle(admin, keys, seconds):
+    """The server's LRU sees each key unused for `seconds` (RESTORE's IDLETIME, the TTL kept): with
+    maxmemory-samples above the key count it evicts the idlest first, so a test chooses what goes."""
+    for key in keys:
+        admin.restore(key, max(admin.pttl(key), 0), admin.dump(key), replace=True, idletime=seconds)
+
+
+def squeeze(admin, by):
+    """The server's maxmemory set `by` bytes below what it uses now, allkeys-lru, looking at every key: it
+    evicts at once (CONFIG SET does), the idlest first."""
+    admin.config_set("maxmemory-samples", 64)
+    admin.config_set("maxmemory-policy", "allkeys-lru")
+    admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) - by)
+
+
+def index_keys(tier) -> list:
+    return [tier.keys.lru, tier.keys.size, tier.keys.used, tier.keys.clock, tier.keys.evictions]
+
+
+def in_step(admin, tier) -> dict:
+    """The tier's index is what the server holds: the LRU set names the records held, the size hash gives each
+    its STRLEN, the byte count is their sum, within the budget. The records' sizes by name."""
+    start = len(tier.keys.record)
+    held = {k.decode()[start:]: admin.strlen(k) for k in admin.scan_iter(match=kr.key_pattern(tier.namespace, "rec:"))}
+    assert set(tier.names()) == set(held)
+    assert {n.decode(): int(v) for n, v in admin.hgetall(tier.keys.size).items()} == held
+    assert tier.used == int(admin.get(tier.keys.used)) == sum(held.values()) <= tier.budget
+    return held
+
+
 def test_a_server_with_maxmemory_never_breaks_the_tier(folder, capsys):
-    """The server (1 MB, allkeys-lru) evicts records the tier's index still holds: no error, a get of one is a
-    miss that leaves the index, and the next put stores it again. (The server's LRU clock ticks once a second:
-    the pauses make the records to evict, then every key but the one put last, older than the rest; its LRU is
-    approximate, so on a busy machine a round may evict only index keys: then another round is put.)"""
+    """The server (maxmemory, allkeys-lru) evicts records the tier's index still holds: no error, a get of one is
+    a miss that leaves the index, puts go on under the pressure, reconcile() drops the rest, and the next put
+    stores the record again. The server evicts only records made idle (make_idle, more than the puts under
+    pressure need), never an index key: what it evicts is known without waiting on its clock."""
     with running(folder) as s:
         admin = rs.connect(s.url)
-        admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) + 1_000_000)
-        admin.config_set("maxmemory-policy", "allkeys-lru")
         tier = kr.RedisTier(s.url, 3_000_000, "t")
-        blobs, gone = {}, []
-        for round_ in range(12):
-            for i in range(10 if round_ else 30):
-                if round_ == 0 and i == 10:
-                    time.sleep(1.1)
+        blobs = {}
+
+        def put(rounds):
+            for _ in range(rounds):
                 name = f"c{len(blobs)}"
                 blob = blobs[name] = os.urandom(50_000)
                 assert tier.put(name, blob) and tier.get(name) in (None, blob) and tier.used <= tier.budget
-            gone = [name for name in tier.names() if not admin.exists(tier.keys.record + name)]
-            if gone:
-                break
-            time.sleep(1.1)
-        assert gone, (f"the server evicted nothing the index holds: the test could not tell (the server evicted "
-                      f"{admin.info('stats')['evicted_keys']} keys; the index holds {len(tier.names())} names)")
+        put(24)
+        first = list(blobs)[:20]
+        make_idle(admin, [tier.keys.record + name for name in first], 1000)
+        squeeze(admin, 200_000)                           # about 4 of the 20 go now
+        gone = [name for name in tier.names() if not admin.exists(tier.keys.record + name)]
+        assert gone and set(gone) <= set(first)
         name = gone[0]
         assert not tier.has(name) and tier.get(name) is None and name not in tier.names()
-        time.sleep(1.1)
-        assert tier.put(name, blobs[name]) and tier.get(name) == blobs[name] and name in tier.names()
+        put(5)                                            # the server evicts ~50 kB before the command after each
+        assert set(blobs) - set(first) <= {n for n in blobs if admin.exists(tier.keys.record + n)}
+        admin.config_set("maxmemory", 0)
         for other, blob in blobs.items():
             assert tier.get(other) in (None, blob)
+        stale = [n for n in tier.names() if not admin.exists(tier.keys.record + n)]
+        assert tier.reconcile() == (0, 0, len(stale), 0)
+        in_step(admin, tier)
+        assert tier.put(name, blobs[name]) and tier.get(name) == blobs[name] and name in tier.names()
         tier.clear()
         admin.close()
     assert capsys.readouterr().err == ""
+
+
+def test_a_server_evicting_the_index_keys_and_records_is_reconciled(folder, capsys):
+    """The server evicts the index keys (all five) and records under puts: the put that finds the index gone
+    runs reconcile(), which indexes the records left, and after one more pass the index, the sizes and the
+    byte count are what the server holds, within the budget."""
+    with running(folder) as s:
+        admin = rs.connect(s.url)
+        tier = kr.RedisTier(s.url, 600_000, "t")
+        names = [f"c{i}" for i in range(40)]
+        for name in names[:25]:
+            assert tier.put(name, os.urandom(20_000))
+        make_idle(admin, index_keys(tier), 2000)          # the idlest: the server evicts them first ...
+        make_idle(admin, [tier.keys.record + n for n in names[:10]], 1000)   # ... then some of these
+        squeeze(admin, 100_000)
+        held = {n for n in names[:25] if admin.exists(tier.keys.record + n)}
+        assert not admin.exists(*index_keys(tier)) and 0 < len(held) < 25
+        assert tier.put(names[25], os.urandom(20_000))    # finds the index gone: a pass
+        assert held <= set(tier.names()) | {n for n in held if not admin.exists(tier.keys.record + n)}
+        for name in names[26:]:                           # the server goes on evicting before each command
+            assert tier.put(name, os.urandom(20_000)) and tier.used <= tier.budget
+        admin.config_set("maxmemory", 0)
+        tier.reconcile()
+        assert len(in_step(admin, tier)) > 0
+        admin.close()
+    assert capsys.readouterr().err == ""
+
+
+def test_a_pass_indexes_the_records_whose_index_keys_were_deleted(folder):
+    """An admin's DEL of every index key: reconcile() indexes each record left with its size, the records the
+    server saw idle longest first; a put that finds the index gone runs the pass itself and evicts what it
+    finds past the budget, counted."""
+    with running(folder) as s:
+        admin = rs.connect(s.url)
+        tier = kr.RedisTier(s.url, 1000, "t")
+        for name in "abcde":
+            assert tier.put(name, name.encode() * 100)
+        make_idle(admin, [tier.keys.record + "d"], 300)
+        make_idle(admin, [tier.keys.record + "b"], 200)
+        admin.delete(*index_keys(tier))
+        assert tier.reconcile() == (5, 0, 0, 0)
+        assert tier.names() == ["d", "b", "a", "c", "e"] and in_step(admin, tier) == {n: 100 for n in "abcde"}
+        assert tier.put("f", b"f" * 100) and tier.names()[-1] == "f" and tier.used == 600
+        admin.delete(*index_keys(tier))
+        assert tier.put("g", b"g" * 700)                  # the pass finds 600 bytes more: the oldest three go
+        assert tier.names() == ["d", "e", "f", "g"] and tier.evictions == 3
+        in_step(admin, tier)
+        admin.close()
+
+
+def test_a_pass_drops_the_records_deleted_by_hand(folder):
+    with running(folder) as s:
+        admin = rs.connect(s.url)
+        tier = kr.RedisTier(s.url, 1000, "t")
+        for name in "abcde":
+            assert tier.put(name, name.encode() * 100)
+        admin.delete(tier.keys.record + "a", tier.keys.record + "c")
+        assert tier.reconcile() == (0, 0, 2, 0)
+        assert tier.names() == ["b", "d", "e"] and in_step(admin, tier) == {n: 100 for n in "bde"}
+        assert tier.reconcile() == (0, 0, 0, 0)
+        admin.close()
+
+
+def test_a_pass_corrects_a_size_changed_by_hand(folder):
+    """A record set by hand to other bytes under an indexed name: its size corrected, and the budget kept by
+    evicting the least recently used."""
+    with running(folder) as s:
+        admin = rs.connect(s.url)
+        tier = kr.RedisTier(s.url, 300, "t")
+        for name in "abc":
+            assert tier.put(name, name.encode() * 100)
+        admin.set(tier.keys.record + "c", b"c" * 150)
+        assert tier.reconcile() == (0, 1, 0, 1)
+        assert tier.names() == ["b", "c"] and in_step(admin, tier) == {"b": 100, "c": 150}
+        assert tier.evictions == 1 and tier.get("c") == b"c" * 150
+        admin.close()
+
+
+def test_a_put_runs_a_pass_only_when_the_server_dropped_keys(folder, monkeypatch):
+    """Every put is a pass's time (RECONCILE_S = 0): one runs where the server has expired or evicted keys since
+    the last, and none where it has not (after the namespace's first put, which finds no index)."""
+    monkeypatch.setattr(kr, "RECONCILE_S", 0.0)
+    with running(folder) as s:
+        admin = rs.connect(s.url)
+        tier = kr.RedisTier(s.url, 1000, "t")
+        passes, reconcile = [], tier.reconcile
+        tier.reconcile = lambda: passes.append(reconcile()) or passes[-1]
+        for name in "abcd":
+            assert tier.put(name, name.encode() * 100)
+        assert passes == [(0, 0, 0, 0)]
+        admin.pexpire(tier.keys.record + "a", 1)
+        time.sleep(0.05)
+        assert not admin.exists(tier.keys.record + "a")    # the server expires it (and counts it) now
+        assert tier.put("e", b"e" * 100) and passes[1:] == [(0, 0, 1, 0)]
+        assert tier.put("f", b"f" * 100) and len(passes) == 2
+        assert in_step(admin, tier) == {n: 100 for n in "bcdef"}
+        admin.close()
 
 
 def test_a_record_deleted_by_someone_else_leaves_the_index(folder):

@@ -12,7 +12,10 @@ A shared server is not ours alone, and the tier is written for that:
   writes False from then on (the server is asked again after RETRY_AFTER_S), said once in one line;
 - a server that evicts keys itself (maxmemory with an LRU policy) or a client that deletes them: each script
   takes the record's own key as the truth, drops index entries whose record is gone, counts a size that is
-  gone as 0 and rebuilds a byte count or clock that is gone, so the index and the records stay in step;
+  gone as 0 and rebuilds a byte count or clock that is gone; records the index lost (its keys evicted) and
+  sizes that changed are found by `reconcile()`, one pass over the namespace after which the index and the
+  byte count are exactly what the server holds, within the budget. A put runs it when it finds the index
+  keys gone, and every RECONCILE_S when the server has evicted or expired keys since the last pass;
 - keys on a server this process did not start carry a TTL (`ttl_s`, DEFAULT_TTL_S for a user's server),
   renewed by each write, so a run killed there leaves nothing behind for good;
 - the namespace is letters, digits and _ . - and clear() matches its keys only (key_pattern).
@@ -28,6 +31,8 @@ from common.redis_server import connect, redact
 
 DEFAULT_TTL_S = 24 * 3600   # the TTL a caller gives the keys it writes on a user's server: a killed run's go in a day
 RETRY_AFTER_S = 10.0        # after the server failed to answer: every call is a miss, without asking, for this long
+RECONCILE_S = 30.0          # a put runs reconcile() at most this often when the server has dropped keys since the last
+SCAN_COUNT = 1000           # the keys (index entries) one SCAN (ZSCAN, HSCAN) reply holds, and one script settles
 NAMESPACE = re.compile(r"[A-Za-z0-9_.-]+")
 
 
@@ -41,9 +46,19 @@ class NamespaceKeys(NamedTuple):
     evictions: str    # records evicted so far
 
 
-def key_pattern(namespace: str) -> str:
-    """The SCAN MATCH pattern of the namespace's keys, its glob characters escaped to match only themselves."""
-    return re.sub(r"([*?\[\]\\])", r"\\\1", "{" + namespace + "}") + ":*"
+class Reconciled(NamedTuple):
+    """What one reconcile() pass changed: records the index had lost, sizes corrected, index entries whose record
+    was gone, records evicted to fit the budget."""
+    indexed: int
+    resized: int
+    dropped: int
+    evicted: int
+
+
+def key_pattern(namespace: str, prefix: str = "") -> str:
+    """The SCAN MATCH pattern of the namespace's keys (those whose name after `{namespace}:` starts with `prefix`),
+    its glob characters escaped to match only themselves."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", "{" + namespace + "}:" + prefix) + "*"
 
 
 # Lua, run atomically by the server. KEYS: a NamespaceKeys (the LRU set, size hash, byte count, clock, record
@@ -103,15 +118,23 @@ local function oldest()           -- the next victim; with the LRU set gone, the
   return names[1]
 end
 """
+# A put answers 1 (stored) or 0 (bigger than the budget), plus 2 when it found the index incomplete: the byte
+# count or clock gone, or one of the LRU set and size hash without the other, or neither while bytes are counted
+# (a namespace's first put too). Its caller then runs reconcile(): records may be held that the index lost.
 _PUT = _COMMON + """
 local name, blob, budget = ARGV[2], ARGV[3], tonumber(ARGV[4])
+local lost = 2
+if redis.call('EXISTS', KEYS[3], KEYS[4]) == 2 then
+  local lru, sizes = redis.call('EXISTS', KEYS[1]), redis.call('EXISTS', KEYS[2])
+  if lru == sizes and (lru == 1 or tonumber(redis.call('GET', KEYS[3])) == 0) then lost = 0 end
+end
 if held(name) then
   redis.call('ZADD', KEYS[1], tick(), name)
   keep(KEYS[5] .. name) keep_index()
-  return 1
+  return 1 + lost
 end
 local n = string.len(blob)
-if n > budget then return 0 end
+if n > budget then return lost end
 local u = used()
 u = u - drop(name)                -- an index entry whose record is gone goes first
 local evicted = 0
@@ -127,7 +150,7 @@ redis.call('HSET', KEYS[2], name, n)
 redis.call('SET', KEYS[3], u + n)
 redis.call('INCRBY', KEYS[6], evicted)
 keep_index()
-return 1
+return 1 + lost
 """
 _TOUCH = _COMMON + """
 local name = ARGV[2]
@@ -171,11 +194,96 @@ remove(victim) keep_index()
 return n
 """
 
+# reconcile()'s scripts. settle(name) makes the index say what the server holds under one name: a record that is
+# gone leaves the LRU set and the size hash; one that is there is in both, with its true size (STRLEN). A record
+# the LRU set lacks is given a last use below `floor` (older than every use indexed when the pass began: the
+# index knows nothing of its uses, so it is the next victim), lower by the seconds the server saw it idle, so
+# the records the index lost leave in the server's own LRU order (0 s under an LFU policy, which keeps no idle
+# time). It answers what it did (indexed, resized, dropped or nothing) and the bytes it adds to the count.
+# STRLEN counts as a use to the server's own LRU: after a pass the server sees every record just used, which is
+# why a put runs one only where the server dropped keys, at most every RECONCILE_S.
+_SETTLE = _COMMON + """
+local floor = tonumber(ARGV[2])
+local function settle(name)
+  local key = KEYS[5] .. name
+  local last, had = redis.call('ZSCORE', KEYS[1], name), redis.call('HGET', KEYS[2], name)
+  had = had and tonumber(had)
+  if redis.call('EXISTS', key) == 0 then      -- EXISTS does not count as a use to the server's LRU
+    if not last and not had then return nil, 0 end
+    redis.call('ZREM', KEYS[1], name)
+    redis.call('HDEL', KEYS[2], name)
+    return 'dropped', -(had or 0)
+  end
+  if not last then                            -- read before STRLEN, which the server counts as a use
+    local idle = redis.pcall('OBJECT', 'IDLETIME', key)
+    redis.call('ZADD', KEYS[1], floor - (type(idle) == 'number' and idle or 0), name)
+  end
+  local n = redis.call('STRLEN', key)
+  if had == n then return (not last) and 'indexed' or nil, 0 end
+  redis.call('HSET', KEYS[2], name, n)
+  return (last and had) and 'resized' or 'indexed', n - (had or 0)
+end
+local done = {indexed = 0, resized = 0, dropped = 0}
+local function count(what)
+  if what then done[what] = done[what] + 1 end
+end
+"""
+# One batch of names (a SCAN reply): each settled, and the byte count moved by what they add. ARGV[3] 'found':
+# the names of records the SCAN found, those already in both the LRU set and the size hash left to the index's
+# own batches (each record's size read once a pass); 'indexed': names from the index, each settled.
+_SETTLE_BATCH = _SETTLE + """
+local u, found, added = used(), ARGV[3] == 'found', 0
+for i = 4, #ARGV do
+  local name = ARGV[i]
+  if not (found and redis.call('ZSCORE', KEYS[1], name) and redis.call('HEXISTS', KEYS[2], name) == 1) then
+    local what, n = settle(name)
+    count(what)
+    added = added + n
+  end
+end
+redis.call('SET', KEYS[3], u + added)
+keep_index()
+return {done.indexed, done.resized, done.dropped}
+"""
+# The pass's end. The LRU set and the size hash are compared whole (names, no record read), and a name in one
+# only is settled: the server may have evicted either during the batches. The byte count is then the sum of the
+# sizes, the least recently used are evicted until it is within the budget (ARGV[3]), and a clock that is gone
+# starts past the newest use. ARGV[2] is the pass's floor.
+_SETTLE_END = _SETTLE + """
+local budget = tonumber(ARGV[3])
+local lru, sizes = {}, {}
+local lru_names, flat = redis.call('ZRANGE', KEYS[1], 0, -1), redis.call('HGETALL', KEYS[2])
+for _, name in ipairs(lru_names) do lru[name] = true end
+for i = 1, #flat, 2 do sizes[flat[i]] = true end
+for _, name in ipairs(lru_names) do
+  if not sizes[name] then count((settle(name))) end
+end
+for i = 1, #flat, 2 do
+  if not lru[flat[i]] then count((settle(flat[i]))) end
+end
+local u, evicted = 0, 0
+for _, n in ipairs(redis.call('HVALS', KEYS[2])) do u = u + tonumber(n) end
+while u > budget do                           -- each turn drops an entry of the index: the loop ends
+  local victim = oldest()
+  if not victim then break end
+  u = u - drop(victim)
+  evicted = evicted + 1
+end
+redis.call('SET', KEYS[3], u)
+redis.call('INCRBY', KEYS[6], evicted)
+if redis.call('EXISTS', KEYS[4]) == 0 then
+  redis.call('SET', KEYS[4], math.max(0, tonumber(redis.call('ZREVRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2] or 0)))
+end
+keep_index()
+return {done.indexed, done.resized, done.dropped, evicted}
+"""
+
 
 class RedisTier:
     """Records in a Redis server under `namespace`, LRU within a byte budget kept by the server; keys written
     with a TTL of `ttl_s` seconds (None: none, for a server this process started). A server that does not answer
-    gives misses (get None, put/has/touch False, used/evictions 0, names []), said once on stderr."""
+    gives misses (get None, put/has/touch False, used/evictions 0, names [], reconcile all 0), said once on
+    stderr. reconcile() brings the index back to what the server holds; put runs it when needed (see put)."""
     name = "redis"
 
     def __init__(self, url: str, budget: int, namespace: str = "l27kv", *, ttl_s: int | None = None):
@@ -192,7 +300,10 @@ class RedisTier:
         self.keys = NamespaceKeys(lru=f"{ns}:lru", size=f"{ns}:size", used=f"{ns}:used", clock=f"{ns}:clock",
                                   record=f"{ns}:rec:", evictions=f"{ns}:evictions")
         self._scripts = {s: self.client.register_script(s)
-                         for s in (_PUT, _TOUCH, _GET, _HAS, _USED, _DISCARD, _EVICT_OLDEST)}
+                         for s in (_PUT, _TOUCH, _GET, _HAS, _USED, _DISCARD, _EVICT_OLDEST,
+                                   _SETTLE_BATCH, _SETTLE_END)}
+        self._next_pass = time.monotonic() + RECONCILE_S
+        self._dropped = None   # the server's counts of keys it evicted and expired, read as the last pass began
 
     def _ask(self, fallback, call, *args):
         """call(*args), or `fallback` when the server does not answer or refuses the command. A server that does
@@ -237,7 +348,25 @@ class RedisTier:
         return bool(self._ask(0, self._run, _TOUCH, name))
 
     def put(self, name: str, blob: bytes) -> bool:
-        return bool(self._ask(0, self._run, _PUT, name, bytes(blob), self.budget))
+        """Store the record (evicting the least recently used to fit); False when bigger than the budget. Then a
+        reconcile() pass if the put found the index keys gone, or if RECONCILE_S have passed and the server has
+        evicted or expired keys since the last pass: a server that drops none costs one INFO per RECONCILE_S."""
+        done = int(self._ask(0, self._run, _PUT, name, bytes(blob), self.budget))
+        if done & 2 or self._pass_due():
+            self.reconcile()
+        return bool(done & 1)
+
+    def _pass_due(self) -> bool:
+        now = time.monotonic()
+        if now < self._next_pass:
+            return False
+        self._next_pass = now + RECONCILE_S
+        dropped = self._ask(None, self._dropped_keys)
+        return dropped is None or dropped != self._dropped   # a server that does not tell: a pass each time
+
+    def _dropped_keys(self) -> tuple:
+        stats = self.client.info("stats")
+        return stats.get("evicted_keys"), stats.get("expired_keys")
 
     def get(self, name: str):
         """The record's bytes, or None: not held, or its bytes gone from the server (then out of the index too)."""
@@ -249,6 +378,46 @@ class RedisTier:
     def evict_oldest(self) -> int:
         """Remove the least recently used record (as a put that needs room does, inside its script); its bytes."""
         return int(self._ask(0, self._run, _EVICT_OLDEST))
+
+    def reconcile(self) -> Reconciled:
+        """One pass over the namespace, after which the index is what the server holds: every record key is in
+        the LRU set and the size hash with its true size (a record the index lost: as the next victim, see
+        _SETTLE), no index entry names a record that is gone, the byte count is the sum of the sizes, and the
+        least recently used are evicted (and counted) until it is within the budget. The SCANs go in batches of
+        SCAN_COUNT, each settled by one script, so the server serves others between them however big the
+        namespace (or the server's key space, which SCAN MATCH walks whole) is; records that others put or
+        evict meanwhile are settled by their own scripts or by the end's. What it changed."""
+        return self._ask(Reconciled(0, 0, 0, 0), self._reconcile)
+
+    def _reconcile(self) -> Reconciled:
+        self._next_pass = time.monotonic() + RECONCILE_S
+        self._dropped = self._ask(None, self._dropped_keys)   # what the server drops from now on: the next pass's
+        lowest = self.client.zrange(self.keys.lru, 0, 0, withscores=True)
+        floor = int(lowest[0][1]) - 1 if lowest else int(self.client.get(self.keys.clock) or 0)
+        done = [0, 0, 0]
+        prefix = len(self.keys.record)
+        for keys in self._scanned(self.client.scan, match=key_pattern(self.namespace, "rec:")):
+            self._settle(done, floor, "found", [key[prefix:] for key in keys])
+        for scan, key in ((self.client.zscan, self.keys.lru), (self.client.hscan, self.keys.size)):
+            for names in self._scanned(scan, key):
+                self._settle(done, floor, "indexed", names)
+        *end, evicted = self._run(_SETTLE_END, floor, self.budget)
+        return Reconciled(*(a + b for a, b in zip(done, end)), evicted)
+
+    def _settle(self, done: list, floor: int, mode: str, names: list) -> None:
+        if names:
+            for i, n in enumerate(self._run(_SETTLE_BATCH, floor, mode, *names)):
+                done[i] += n
+
+    @staticmethod
+    def _scanned(scan, *args, **kw):
+        """The names of each reply of a SCAN-family command, the cursor followed to its end (0)."""
+        cursor = 0
+        while True:
+            cursor, got = scan(*args, cursor=cursor, count=SCAN_COUNT, **kw)
+            yield [g[0] if isinstance(g, tuple) else g for g in got]
+            if cursor == 0:
+                return
 
     def drop_cache(self, name: str) -> None:
         """Nothing to drop: the server keeps records in its memory."""
