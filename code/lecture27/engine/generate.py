@@ -104,6 +104,7 @@ class Engine:
                     traceback.print_exc(file=sys.stderr)
                     for seq in list(self.scheduler.running):
                         self._fail(seq, f"{type(e).__name__}: {e}")
+                    self.scheduler.stores.clear()   # a store job that failed would fail every step after it
             for seq in [*self.scheduler.running, *self.scheduler.waiting]:
                 seq.req.emit("error", message="the engine stopped")
 

@@ -16,6 +16,8 @@ from lecture27.engine.chat import Prompt
 from lecture27.engine.connector import Loaded
 from lecture27.engine.runner import SeqCache
 
+ROOM_TOKENS = 256     # answer tokens a request's cache holds room for from the start
+
 
 @dataclass
 class Request:
@@ -72,8 +74,9 @@ class Sequence:
 
     @property
     def room(self) -> int:
-        """Tokens a prompt's cache must hold room for beyond the prompt: the answer."""
-        return self.req.max_tokens + 1
+        """Tokens a prompt's cache makes room for beyond the prompt: the answer's, up to ROOM_TOKENS (a longer
+        answer grows the cache as it goes)."""
+        return min(self.req.max_tokens, ROOM_TOKENS) + 1
 
     def admit(self, loaded: Loaded) -> None:
         """Plan the prefill from what the connector loaded."""
