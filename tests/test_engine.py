@@ -353,7 +353,7 @@ def test_store_jobs_finish_under_steady_traffic(parts):
     it is held before they end."""
     model, tok, mid = parts
     con = connector(parts)
-    eng = engine(parts, con, step_tokens=64, store_tokens=16)
+    eng = engine(parts, con, step_tokens=64, store_job_tokens=16)
     try:
         busy = [_ask(eng, tok, "completion", f"Count from {n} to one hundred:", 40, ()) for n in (1, 2)]
         p = chat_prompt(tok, chat())

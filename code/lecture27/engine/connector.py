@@ -21,7 +21,7 @@ How a prompt is served (`Lookup.path`), whichever reuses more:
            message first), each shifted to its place, and CacheBlend recomputes a few tokens per layer while the
            last message is computed in full;
   prefill  nothing held: a full prefill.
-When a request is loaded, each of its messages whose chunk no tier holds becomes a store job (`ChunkJob`: the
+When a request is loaded, each of its messages whose chunk no tier holds becomes a store job (`StoreJob`: the
 message prefilled alone behind the system message), which the engine runs at low priority; after the request
 (`KVConnector.to_save`) its exact KV is cut into prefix blocks.
 Blended KV is never stored: the store hands out only KV a full prefill would compute.
@@ -201,7 +201,7 @@ class Loaded:
     prefix: torch.Tensor | None = None
     system: torch.Tensor | None = None
     chunks: list = field(default_factory=list)
-    jobs: list = field(default_factory=list)    # ChunkJobs: messages no tier holds that this request will not compute
+    store_jobs: list = field(default_factory=list)   # StoreJobs: messages no tier holds that this request will not compute
 
     @property
     def covered(self) -> int:
@@ -209,7 +209,7 @@ class Loaded:
 
 
 @dataclass(frozen=True)
-class ChunkJob:
+class StoreJob:
     """A message's chunk to prefill alone behind the system message and save (a store job): typed, not a tuple."""
     key: ks.ChunkKey
 
@@ -308,7 +308,7 @@ class KVConnector:
             reuse.prefix = 0 if prefix is None else prefix.shape[3]
             reuse.path = "prefix" if reuse.prefix else "prefill"
             loaded = Loaded(reuse.path, reuse, prefix=prefix)
-        loaded.jobs = self.store_jobs(prompt, loaded.path)
+        loaded.store_jobs = self.store_jobs(prompt, loaded.path)
         return loaded
 
     def store_jobs(self, prompt: Prompt, path: str) -> list:
@@ -319,7 +319,7 @@ class KVConnector:
             return []
         keys = message_keys(self.model_id, prompt)
         skip = len(prompt.chunks) if path == "blend" else 1   # blend computes each missing earlier message itself
-        return [ChunkJob(k) for k in keys[skip:] if not self.held(k)]
+        return [StoreJob(k) for k in keys[skip:] if not self.held(k)]
 
     def prefix(self, tokens: list, upto: int, reuse: Reuse) -> torch.Tensor | None:
         """The KV block of tokens[:upto] from the held prefix blocks, as far as they are still there (None: none)."""

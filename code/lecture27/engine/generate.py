@@ -29,7 +29,7 @@ from lecture27 import kvstore as ks
 from lecture27.engine import runner
 from lecture27.engine.connector import KVConnector, message_keys
 from lecture27.engine.runner import Item, SeqCache
-from lecture27.engine.scheduler import MAX_RUNNING, STEP_TOKENS, STORE_TOKENS, Scheduler
+from lecture27.engine.scheduler import MAX_RUNNING, STEP_TOKENS, STORE_JOB_TOKENS, Scheduler
 from lecture27.engine.sequence import Prefill, Request, Sequence
 
 MAX_STORE_JOBS = 256     # store jobs waiting at most; past that a message is not stored alone
@@ -40,10 +40,11 @@ class Engine:
     answer (the chat format's end of turn, the model's end of text)."""
 
     def __init__(self, model, tok, connector: KVConnector, end_ids, threads: int = 1, *,
-                 step_tokens: int = STEP_TOKENS, store_tokens: int = STORE_TOKENS, max_running: int = MAX_RUNNING):
+                 step_tokens: int = STEP_TOKENS, store_job_tokens: int = STORE_JOB_TOKENS,
+                 max_running: int = MAX_RUNNING):
         self.model, self.tok, self.connector, self.end_ids = model, tok, connector, set(end_ids)
         self.threads = threads
-        self.scheduler = Scheduler(step_tokens, store_tokens, max_running, connector.ratio)
+        self.scheduler = Scheduler(step_tokens, store_job_tokens, max_running, connector.ratio)
         self.inbox: queue.Queue = queue.Queue()     # what other threads hand the model thread: callables
         self.loads: queue.Queue = queue.Queue()     # the loader's work: callables
         self.loading, self.lock = 0, threading.Lock()   # requests with the loader (counted for /health)
@@ -75,7 +76,7 @@ class Engine:
         """What waits: requests being loaded or waiting for a step, requests running, store jobs and writes."""
         s = self.scheduler
         return {"queued": self.loading + len(s.waiting), "running": len(s.running),
-                "store_jobs": len(s.stores) + self.connector.pending_writes, "steps": self.steps}
+                "store_jobs": len(s.store_jobs) + self.connector.pending_writes, "steps": self.steps}
 
     # ------------------------------------------------------------------------------------------------ loader
     def _load(self) -> None:
@@ -104,7 +105,7 @@ class Engine:
                     traceback.print_exc(file=sys.stderr)
                     for seq in list(self.scheduler.running):
                         self._fail(seq, f"{type(e).__name__}: {e}")
-                    self.scheduler.stores.clear()   # a store job that failed would fail every step after it
+                    self.scheduler.store_jobs.clear()   # a store job that failed would fail every step after it
             for seq in [*self.scheduler.running, *self.scheduler.waiting]:
                 seq.req.emit("error", message="the engine stopped")
 
@@ -112,13 +113,12 @@ class Engine:
         """Take what came, schedule, run one batch, post-process."""
         self._take(block=self.scheduler.idle())
         s = self.scheduler
-        for seq in [*s.waiting, *s.running]:
-            if seq.req.cancelled.is_set():
-                self._end(seq, "cancelled")
+        for seq in s.cancelled():
+            self._end(seq, "cancelled")
         for seq in s.admit():
             seq.admit(seq.loaded)
-            for job in seq.loaded.jobs:
-                self._add_store(job)
+            for job in seq.loaded.store_jobs:
+                self._add_store_job(job)
         batch = s.batch()
         if not batch:
             return
@@ -181,7 +181,7 @@ class Engine:
             if seq.phase == "check":
                 self._end(seq, seq.finish)
         elif unit.kind == "store":
-            self.scheduler.stores.remove(unit)
+            self.scheduler.store_jobs.remove(unit)
             self.connector.save(unit.key, unit.cache.rows(unit.skip, len(unit.cache)))
 
     # ------------------------------------------------------------------------------------------------ decoding
@@ -230,7 +230,7 @@ class Engine:
     def _end(self, seq: Sequence, reason: str) -> None:
         kl = None
         if seq.check is not None and seq.served_logits is not None and not seq.check.todo:
-            full = getattr(seq, "check_logits", None)
+            full = seq.check_logits
             if full is not None:
                 kl = float(kl_divergence(full.log_softmax(-1), seq.served_logits.log_softmax(-1)))
         seq.phase = "done"
@@ -252,11 +252,11 @@ class Engine:
         for key, block in c.to_save(seq.prompt, seq.loaded.reuse, seq.cache, sequence):
             c.save(key, block)
 
-    def _add_store(self, job) -> None:
+    def _add_store_job(self, job) -> None:
         """A store job: the chunk prefilled alone behind its system message (from the hot cache when it is there)."""
         s = self.scheduler
-        if len(s.stores) >= MAX_STORE_JOBS or self.connector.hot.has(job.key) or \
-                any(j.key == job.key for j in s.stores):
+        if len(s.store_jobs) >= MAX_STORE_JOBS or self.connector.hot.has(job.key) or \
+                any(j.key == job.key for j in s.store_jobs):
             return
         system = self.connector.hot.get(ks.ChunkKey(self.connector.model_id, job.system)) if job.system else None
         if system is not None and system.shape[3] == len(job.system):
@@ -266,7 +266,7 @@ class Engine:
             tokens = [*job.system, *job.tokens]
             unit = Prefill("store", tokens, SeqCache.empty(self.model.cfg, len(tokens)), key=job.key,
                            skip=len(job.system))
-        s.add_store(unit)
+        s.add_store_job(unit)
 
     def flush(self, seq: Sequence, upto: str, token) -> None:
         """Send the text past what was sent, up to `upto`."""

@@ -4,7 +4,7 @@ nano-vllm schedule).
 A step has a budget of STEP_TOKENS tokens. Every running request in its decode phase puts in one token, so a long
 prompt never stops the others' answers; a request whose CacheBlend pass is due puts in the tokens it recomputes
 (one pass a step); the prompts being prefilled take pieces of what is left, oldest request first; the store's
-jobs (a chunk prefilled alone to be stored) take the rest, and at least STORE_TOKENS whenever one waits, so
+jobs (a chunk prefilled alone to be stored) take the rest, and at least STORE_JOB_TOKENS whenever one waits, so
 under steady traffic a document seen once is reusable within a few steps. A new request is admitted at the next
 step while fewer than `max_running` run (1: one request at a time, as an engine without batching serves).
 """
@@ -17,7 +17,7 @@ from lecture27.engine.runner import blend_cost
 from lecture27.engine.sequence import Prefill, Sequence
 
 STEP_TOKENS = 256     # a step's tokens: SmolLM2 on two cores computes about this many in 0.5-0.7 s
-STORE_TOKENS = 32     # a step's tokens kept for the store's jobs while one waits
+STORE_JOB_TOKENS = 32  # a step's tokens kept for the store jobs while one waits
 MAX_RUNNING = 16      # requests admitted at once (decoding, prefilling)
 
 
@@ -34,19 +34,27 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, step_tokens: int = STEP_TOKENS, store_tokens: int = STORE_TOKENS,
+    def __init__(self, step_tokens: int = STEP_TOKENS, store_job_tokens: int = STORE_JOB_TOKENS,
                  max_running: int = MAX_RUNNING, ratio: float = 0.15):
-        self.step_tokens, self.store_tokens, self.max_running, self.ratio = step_tokens, store_tokens, max_running, ratio
+        self.step_tokens, self.store_job_tokens = step_tokens, store_job_tokens
+        self.max_running, self.ratio = max_running, ratio
         self.waiting: deque = deque()    # loaded, not admitted (first come, first served)
         self.running: list = []          # admitted and not done, in arrival order
-        self.stores: deque = deque()     # store jobs (Prefill of kind "store")
+        self.store_jobs: deque = deque()   # Prefill units of kind "store"
 
     def add(self, seq: Sequence) -> None:
         seq.phase = "wait"
         self.waiting.append(seq)
 
-    def add_store(self, job: Prefill) -> None:
-        self.stores.append(job)
+    def add_store_job(self, job: Prefill) -> None:
+        self.store_jobs.append(job)
+
+    def cancelled(self) -> list:
+        """The requests whose client went away, waiting or running: they leave the queues (the engine ends them)."""
+        gone = [s for s in [*self.waiting, *self.running] if s.req.cancelled.is_set()]
+        for seq in gone:
+            self.drop(seq)
+        return gone
 
     def drop(self, seq: Sequence) -> None:
         """A request that ended (or was cancelled): its work leaves the queues."""
@@ -56,7 +64,7 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def idle(self) -> bool:
-        return not (self.waiting or self.running or self.stores)
+        return not (self.waiting or self.running or self.store_jobs)
 
     def admit(self) -> list:
         """The waiting requests that join the running ones now (the engine plans their prefill)."""
@@ -76,7 +84,7 @@ class Scheduler:
         if b.blend is not None:
             p = b.blend.prompt
             budget -= blend_cost(self.ratio, len(p) - len(p.question), len(p.question))
-        reserve = self.store_tokens if self.stores else 0
+        reserve = self.store_job_tokens if self.store_jobs else 0
         units = [u for s in self.running for u in s.units()] + [s.check for s in self.running
                                                                 if s.check is not None and s.check.todo]
         for unit in units:
@@ -85,7 +93,7 @@ class Scheduler:
                 break
             b.pieces.append((unit, n))
             budget -= n
-        for job in self.stores:
+        for job in self.store_jobs:
             n = min(len(job.todo), budget)
             if n <= 0:
                 break

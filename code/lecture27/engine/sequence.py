@@ -68,7 +68,7 @@ class Sequence:
         self.blocks: list = []               # the blend path: the system message's block and each earlier message's
         self.alone: dict = {}                # {message index: block} chunks prefilled alone here (saved after)
         self.out, self.sent, self.finish, self.next_token = [], "", None, None
-        self.served_logits, self.kl = None, None
+        self.served_logits, self.check_logits = None, None   # the logits served, and a full prefill's (kv_check)
         self.admitted_at = self.first_at = None
         self.gen = torch.Generator().manual_seed(req.seed if req.seed is not None else random.getrandbits(63))
 
