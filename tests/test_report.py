@@ -277,3 +277,15 @@ def test_a_long_cell_wraps_in_the_report_too():
     assert re.search(r"table\.prose th, table\.prose td \{ white-space: normal", report.CSS)
     short = table_of("", "§4.2", [Field("trace"), Field("choices", get=0)], {"t": ("L1 x2, L2",)})
     assert '<table class="data">' in report.table_html(table_block(short))
+
+
+def test_a_reference_column_is_marked_in_the_report(tmp_path):
+    """A column of a real GPU's measurements (Col(reference=True)) is marked as the handout's column is."""
+    page = Page("01", "the ledger", "§1", Settings(), Settings(), figures=tmp_path)
+    page.table(Table(title="one GPU", section="§1.4", cols=[Col("quantity"), Col("time model"),
+                                                             Col("H200 measured (2026-12-04)", reference=True)],
+                     rows=[Row(["prefill", "360 ms", "348 ms"])], source="ledger.kv_bytes"))
+    page.finish()
+    doc = report.build_report(tmp_path / "pages", tmp_path / "report.html").read_text()
+    assert '<th>H200 measured (2026-12-04)</th>' in doc
+    assert '<td>prefill</td><td>360 ms</td><td class="reference">348 ms</td>' in doc

@@ -18,6 +18,7 @@ RUNS = {
     "free storage": ["--storage-usd-per-tb-hour", "0"],
     "8-bit KV": ["--bytes-per-value", "1"],
     "one GPU": ["--n-gpus", "1", "--gpu", "A100-80GB"],
+    "time model of another GPU beside the H200": ["--check-gpu", "A100-80GB"],
 }
 
 
@@ -118,3 +119,27 @@ def test_the_hit_saves_row_names_the_break_even_this_run_computes(tb, monkeypatc
     breakeven = cells(page, "break-even hit rate (a hit saves").cells[1].value
     assert source == f"ours: what makes {breakeven}" and breakeven == {1.0: "1.06%", 4.0: "4.24%"}[tb]
     assert bool(page.changes) == (tb != 1.0)
+
+
+def measured(page) -> dict:
+    """Part 2's one-GPU table: row key -> its cell in the H200's measured column (a reference column)."""
+    t = next(t for t in page.tables if t.source == "01_kv_ledger.one_gpu")
+    assert [c.header for c in t.cols if c.reference] == ["H200 measured (2026-12-04)"] and not t.has_handout()
+    return {r.key: r.cells[2] for r in t.rows}
+
+
+def test_the_h200s_measurements_stand_only_beside_the_inputs_they_were_measured_at(pages):
+    """The H200's figures stand beside the time model for an H200 with BF16 KV: 8-bit KV blanks the KV copies and
+    keeps the prefills, the time model of another GPU blanks every one, an edit of Part 2's model keeps them."""
+    default = measured(pages["default"])
+    assert default["prefill llama-3.1-8b 12288"] == "348 ms" and default["prefill llama-3.1-8b 32768"] == "1,251 ms"
+    assert default["kv llama-3.1-8b 12288 pinned"] == "29.1 ms (55 GB/s)"
+    assert default["kv llama-3.1-8b 12288 pageable"] == "92.4 ms (17 GB/s)" and DASH not in default.values()
+    eight = measured(pages["8-bit KV"])
+    assert all(eight[k] == (DASH if k.startswith("kv ") else default[k]) for k in default)
+    assert set(measured(pages["time model of another GPU beside the H200"]).values()) == {DASH}
+    assert measured(pages["exercise 1"]) == default and measured(pages["one GPU"]) == default
+    time_model = pages["default"].json()["one_gpu_timemodel_s"]
+    assert time_model["prefill llama-3.1-8b 12288"] == pytest.approx(0.36)          # the anchor, on an H200
+    assert pages["time model of another GPU beside the H200"].json()["one_gpu_timemodel_s"][
+        "prefill llama-3.1-8b 12288"] > 0.36                                          # a slower GPU

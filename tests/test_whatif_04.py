@@ -335,3 +335,44 @@ def test_the_query_rule_on_split_records_is_shown_beside_part2(runs):
     assert 0 <= res["query_split_acc"] <= 1 and set(res["input_rules_split_acc"]) == {"query", "query+dev",
                                                                                      "chunk-start"}
     assert cells(page, "query 20%")["split records"] == f"{100 * res['query_split_acc']:.1f}%"
+
+
+# ------------------------------------------------------------------------------------ Part 4 on one GPU, measured
+def one_gpu(page) -> tuple[dict, object]:
+    """The one-GPU table of Part 4: {row key: its printed cells by header}, and the Table."""
+    t = next(t for t in page.tables if t.source == "blend.timing.one_gpu")
+    headers, body = grid(t)
+    return {r.key: dict(zip(headers, cells)) for r, cells in zip(t.rows, body)}, t
+
+
+MEASURED = "H200 measured (2026-12-04)"
+
+
+def test_part4_shows_the_h200s_measurements_in_a_column_of_their_own(runs):
+    page, res, _ = runs["default"]
+    rows, t = one_gpu(page)
+    assert [c.header for c in t.cols if c.reference] == [MEASURED] and not t.has_handout()
+    assert rows["recompute llama-2-7b 4096"][MEASURED] == "0.867 ms (32% of the layer)"
+    assert rows["layer llama-3.1-70b 4096"][MEASURED] == "10.9 ms"
+    assert rows["pipeline llama-2-7b 4096 serial"][MEASURED] == "66.6 ms"
+    assert rows["pipeline llama-2-7b 16384 pipelined"][MEASURED] == "159 ms"
+    assert rows["pipeline llama-3.1-70b 4096 serial"][MEASURED] == DASH        # the H200 never ran it
+    assert res["one_gpu_timemodel_s"]["pipeline llama-2-7b 4096 serial"] == pytest.approx(0.0482, abs=1e-4)
+    assert res["one_gpu_timemodel_s"]["pipeline llama-2-7b 4096 pipelined"] == pytest.approx(0.0340, abs=1e-4)
+
+
+@pytest.mark.parametrize("argv", [["--min-ratio", "0.3"], ["--check-gpu", "H100"]])
+def test_a_what_if_blanks_the_measurements_whose_inputs_it_changes(cb, argv):
+    """A floor of 30% blanks the recompute and pipeline rows (the H200 recomputed 15%) and keeps a layer's full
+    prefill and its KV's read; the time model of another GPU beside them blanks every one."""
+    s, defaults, _ = cb.parse(argv)
+    page = Page("04", "", "§5", s, defaults, plot=False)
+    assert page.changes
+    bp.show_one_gpu(page, cb.part4_one_gpu(s), s)
+    default = Page("04", "", "§5", plot=False)
+    bp.show_one_gpu(default, cb.part4_one_gpu(part_settings(cb)), part_settings(cb))
+    rows, shown = one_gpu(page)[0], one_gpu(default)[0]
+    for key, cells in rows.items():
+        kept = argv[0] == "--min-ratio" and key.split()[0] in ("layer", "layer_kv")
+        assert cells[MEASURED] == (shown[key][MEASURED] if kept else DASH), key
+    assert any(cells[MEASURED] != DASH for cells in rows.values()) == (argv[0] == "--min-ratio")

@@ -117,12 +117,15 @@ class Col:
     value is None left out), "name.{row}" or "configs.{row}.hit_rate" a dict keyed by each row's key,
     "levels[].accuracy" a list with one dict per row (the columns with keys "levels[]..." fill it).
     `scale` multiplies the value written to JSON (for example bytes on screen, GB in JSON: 1e-9). Text
-    columns (`left=True`) are aligned left, numbers right; the first column is always left."""
+    columns (`left=True`) are aligned left, numbers right; the first column is always left. A `reference`
+    column holds figures measured elsewhere (a real GPU's, common/gpu_reference.py), each looked up through
+    `handout` like the handout's: the report marks it as it marks the handout's column."""
     header: str
     fmt: Fmt = "{}"
     key: str | None = None
     scale: float | None = None
     left: bool = False
+    reference: bool = False
 
 
 @dataclass
@@ -341,11 +344,13 @@ def wrap(text: str, indent: int | None = None) -> str:
 
 
 def table_block(t: Table) -> dict:
-    """The table as the report keeps it: its cells as printed, the handout column marked, the rows whose
-    handout figure differs from ours marked, with the reasons (report.table_html lays it out)."""
+    """The table as the report keeps it: its cells as printed, the handout column and any reference column
+    marked, the rows whose handout figure differs from ours marked, with the reasons (report.table_html lays
+    it out)."""
     headers, body = grid(t)
     return {"kind": "table", "title": t.title, "section": t.section, "source": t.source, "headers": headers,
             "rows": body, "notes": t.notes, "why": why_notes(t), "handout_col": t.has_handout(),
+            "reference_cols": [i for i, c in enumerate(t.cols) if c.reference],
             "differs": [isinstance(r.handout, Ref) and bool(r.handout.why) for r in t.rows]}
 
 

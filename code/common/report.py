@@ -41,7 +41,7 @@ table.data th, table.data td { border-bottom: 1px solid #e4e4e4; padding: 2px 8p
 table.data th:first-child, table.data td:first-child { text-align: left; white-space: normal; }
 table.prose th, table.prose td { white-space: normal; text-align: left; }
 table.data th { background: #f3f3f3; } td.handout { background: #eef5ff; }
-tr.differs td.handout { background: #ffe9d6; }
+tr.differs td.handout { background: #ffe9d6; } td.reference { background: #eef8ee; }
 .src { font-size: 12px; color: #666; } .src code { font-size: 12px; }
 .note { font-size: 13px; margin: 2px 0; } .why { font-size: 13px; margin: 2px 0; color: #8a3b00; }
 p.text { margin: 4px 0; white-space: pre-wrap; }
@@ -98,12 +98,14 @@ def image_tag(path: str) -> str:
 
 def table_html(b: dict) -> str:
     """One table block as HTML: caption, header, rows (the handout's column marked, a differing figure
-    marked and its reason beside it), notes, and the function that computed it."""
+    marked and its reason beside it; a reference column, a real GPU's measurements, marked too), notes, and
+    the function that computed it."""
     n = len(b["headers"])
     head = "".join(f"<th>{esc(h)}</th>" for h in b["headers"])
     rows = []
     for r, differs in zip(b["rows"], b.get("differs", [False] * len(b["rows"]))):
-        cells = [f'<td class="handout">{esc(c)}</td>' if b.get("handout_col") and i == n - 1 else f"<td>{esc(c)}</td>"
+        cells = [f'<td class="handout">{esc(c)}</td>' if b.get("handout_col") and i == n - 1 else
+                 f'<td class="reference">{esc(c)}</td>' if i in b.get("reference_cols", []) else f"<td>{esc(c)}</td>"
                  for i, c in enumerate(r)]
         rows.append('<tr class="differs">' if differs else "<tr>")
         rows.append("".join(cells) + "</tr>")

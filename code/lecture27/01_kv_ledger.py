@@ -8,10 +8,13 @@ storing it pays.
 
 Part 1: KV bytes per token and per context for the lecture's models; one GPU's KV per day.
 Part 2: LLaMA-3.1-70B on 8 x H100: recompute time (common/timemodel.py), the break-even bandwidth
-        KV bytes / recompute time, fetch time from each storage tier; exercise 2 (compression).
+        KV bytes / recompute time, fetch time from each storage tier; the time model on one GPU (LLaMA-3.1-8B
+        on an H200: full prefill, its KV from CPU memory) beside that GPU's measurement
+        (common/gpu_reference.json, a reference column); exercise 2 (compression).
 Part 3: is storing worth it: (a) the slides' account, both readings of its total; (b) our own per
         context account.
-Every figure is computed here; the "handout" column is the reference the handout prints.
+Every figure is computed here; the "handout" column is the reference the handout prints, the "H200
+measured" column the one a real GPU gave (gpu_check.py measures yours).
 """
 from __future__ import annotations
 
@@ -22,11 +25,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lecture27 import ledger  # noqa: E402
+from common import gpu_reference as gr  # noqa: E402
 from common import timemodel as tm  # noqa: E402
 from common.cli import (Parser, fraction, nonneg_float, positive_float, positive_int, settings,  # noqa: E402
                         settings_from, shipped_defaults)
-from common.present import (DASH, Chart, Handout, Page, Ref, Row, Series, Table, Val, chart_figure, cols,  # noqa: E402
-                            fact, handout, pct2, plural, text_table)
+from common.present import (DASH, Chart, Col, Handout, Page, Ref, Row, Series, Table, Val, chart_figure,  # noqa: E402
+                            cols, fact, handout, handout_text, pct2, plural, text_table)
 
 K = 1024
 # ---- Part 1 and exercise 1
@@ -41,6 +45,10 @@ GPU, N_GPUS = "H100", 8
 CONTEXTS = [1 * K, 2 * K, 4 * K, 8 * K, 16 * K, 32 * K, 64 * K]
 RECOMPUTE_CONTEXT = 16 * K       # exercise 2: "recomputing 16K tokens takes about 0.97 s"
 COMPRESSION = 3.0                # exercise 2: KV compressed 3x
+CHECK_GPU = "H200"               # the time model on one GPU, beside that GPU's measurement (common/gpu_reference.json)
+CHECK_MODEL = "llama-3.1-8b"     # ... of this model (the time model's anchor)
+CHECK_CONTEXTS = [1 * K, 4 * K, 12 * K, 32 * K]   # ... its full prefill at these lengths
+CHECK_KV_CONTEXT = 12 * K        # ... and this context's KV copied from CPU memory to the GPU
 # ---- Part 3: the slides' economics (slides p.9) and our own account
 GPU_HOUR_USD = 2.0               # slides p.9: $2 per GPU-hour
 GPUS_PER_NODE = 8                # slides p.9: an 8-GPU node
@@ -79,6 +87,10 @@ HANDOUT = Handout({
     "savings": Ref("$33M", P9), "navigation": Ref("$29M", P9), "ctx10k": Ref("3.3 GB, $0.0005, $0.0026, 0.19", {
         **L70B, **BF16, "gpu_hour_usd": 2.0, "storage_usd_per_tb_hour": 0.15, "store_context": 10_000}),
 })
+# A real GPU's measurements (common/gpu_reference.json), printed in a column of their own beside the time model for
+# that GPU; a figure shows only while the run's GPU row is the one measured and the KV is BF16. Nothing is computed
+# from them.
+MEASURED = Handout(gr.refs(gr.H200, {"gpu": "check_gpu", "bytes_per_value": "bytes_per_value"}))
 
 
 # ------------------------------------------------------------------------------------- Part 1
@@ -141,6 +153,24 @@ def fetch_or_recompute(s: Settings) -> FetchOrRecompute:
         ex2_threshold_bytes_per_s=ledger.breakeven_bandwidth(m, g, s.recompute_context, n, bpv, s.compression),
         curve_contexts=curve, curve_raw=[ledger.breakeven_bandwidth(m, g, c, n, bpv, 1.0) for c in curve],
         curve_compressed=[ledger.breakeven_bandwidth(m, g, c, n, bpv, s.compression) for c in curve])
+
+
+@dataclass(frozen=True, kw_only=True)
+class OneGpu:
+    prefill_s: dict              # CHECK_CONTEXTS -> a full prefill of CHECK_MODEL on one CHECK_GPU
+    kv_bytes: int                # CHECK_KV_CONTEXT's KV
+    kv_fetch_s: float            # ... copied from pinned CPU memory over the GPU's host link
+    kv_recompute_s: float        # ... recomputed instead (a full prefill of CHECK_KV_CONTEXT tokens)
+
+
+def one_gpu(s: Settings) -> OneGpu:
+    """The time model on one GPU: full prefill at each check context, and the check context's KV fetched from
+    CPU memory (its bytes over the GPU's host link) against recomputing it."""
+    m, g = s.check_model, s.check_gpu
+    kv = ledger.kv_bytes(m, s.check_kv_context, s.bytes_per_value)
+    return OneGpu(prefill_s={n: tm.prefill_time(m, g, n) for n in s.check_contexts}, kv_bytes=kv,
+                  kv_fetch_s=ledger.fetch_time(kv, tm.GPUS[g].pcie_bw),
+                  kv_recompute_s=tm.prefill_time(m, g, s.check_kv_context))
 
 
 # ------------------------------------------------------------------------------------- Part 3
@@ -220,7 +250,34 @@ def row_handout(n: int, s: Settings) -> str:
     return ", ".join(h.figure for h in refs if h != DASH) or DASH
 
 
-def show_fetch_or_recompute(page: Page, r: FetchOrRecompute, s: Settings) -> None:
+def show_one_gpu(page: Page, r: OneGpu, s: Settings) -> None:
+    """The time model on one GPU beside that GPU's measurement: a reference column, blank where the run's GPU row,
+    model, length or bytes per value are not the ones measured."""
+    g, m, n = tm.GPUS[s.check_gpu], tm.MODELS[s.check_model].name, s.check_kv_context
+    keys = {x: gr.row_key("prefill", s.check_model, x) for x in r.prefill_s}
+    kv = {memory: gr.row_key("kv", s.check_model, n, memory=memory) for memory in ("pinned", "pageable")}
+    row = lambda label, ms, key: Row([label, ms, handout_text(handout(MEASURED, key, s))], key=key)  # noqa: E731
+    rows = [row(f"full prefill, {x:,} tokens", 1e3 * t, keys[x]) for x, t in r.prefill_s.items()]
+    rows += [row(f"its KV of {n:,} tokens ({fmt_bytes(r.kv_bytes)}), pinned CPU memory -> GPU", 1e3 * r.kv_fetch_s,
+                 kv["pinned"]),
+             row("the same from pageable CPU memory", None, kv["pageable"])]
+    page.table(Table(title=f"The time model on one GPU: {m} on one {s.check_gpu} ({g.bf16_flops / 1e12:,.0f} TFLOP/s "
+                           f"BF16 at MFU {tm.MFU:.3f}, host link {g.pcie_bw / 1e9:g} GB/s), beside a measurement",
+                     section="§1.4", cols=[Col("one GPU", left=True), Col(f"time model, {s.check_gpu} (ms)", ms_text,
+                                                                          "one_gpu_timemodel_s.{row}", 1e-3),
+                                           Col(gr.H200.label, left=True, reference=True)],
+                     rows=rows, source="01_kv_ledger.one_gpu",
+                     notes=[f"On the time model, fetching the {n:,} tokens' KV from pinned CPU memory takes "
+                            f"{r.kv_fetch_s / r.kv_recompute_s:.1%} of recomputing it. The model has one host-link "
+                            "rate; pageable memory has another, slower one (gpu_check.py measures yours)."]))
+
+
+def ms_text(ms) -> str:
+    """Milliseconds: 1,260, 360, 24.8 (None: -)."""
+    return DASH if ms is None else f"{ms:,.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}"
+
+
+def show_fetch_or_recompute(page: Page, r: FetchOrRecompute, one: OneGpu, s: Settings) -> None:
     a1, tp, m = tm.ANCHOR_1GPU, tm.ANCHOR_TP, tm.MODELS[s.model].name
     page.part("Part 2", "§1.3, §1.4", f"Fetch or recompute: {m} on {s.n_gpus} x {tm.GPUS[s.gpu].name}")
     page.say(f"time model: MFU {tm.MFU:.3f} (fitted to {a1[0]} {a1[2]:,} tokens on 1 {a1[1]} = {a1[4]} s), TP "
@@ -238,6 +295,7 @@ def show_fetch_or_recompute(page: Page, r: FetchOrRecompute, s: Settings) -> Non
                           row_handout(x.context, s)) for x in r.rows], source="ledger.fetch_or_recompute",
                      notes=["* slower than recomputing: storing it there was wasted"],
                      json={"recompute_16k_s": r.recompute_16k_s}))
+    show_one_gpu(page, one, s)
     raw, thr, c = r.ex2_raw_bytes, r.ex2_threshold_bytes_per_s, s.compression
     page.exercise(2, "§1.4", f"{s.recompute_context:,} tokens, KV {fmt_bytes(raw)} compressed {c:g}x -> "
                              f"{fmt_bytes(raw / c)}, recompute {r.ex2_recompute_s:.3f} s")
@@ -324,6 +382,8 @@ def parse(argv) -> tuple:
     p.add_argument("--n-gpus", type=positive_int, default=N_GPUS, help="tensor-parallel GPUs")
     p.add_argument("--recompute-context", type=positive_int, default=RECOMPUTE_CONTEXT, help="exercise 2: tokens")
     p.add_argument("--compression", type=positive_float, default=COMPRESSION, help="exercise 2: KV compression ratio")
+    p.add_argument("--check-gpu", default=CHECK_GPU, choices=sorted(tm.GPUS),
+                   help="Part 2: the GPU of the time model set beside a real GPU's measurement")
     p.add_argument("--gpu-hour-usd", type=positive_float, default=GPU_HOUR_USD, help="Part 3: $ per GPU-hour")
     p.add_argument("--storage-usd-per-tb-hour", type=nonneg_float, default=STORAGE_USD_PER_TB_HOUR,
                    help="Part 3: $ per TB-hour of storage")
@@ -342,7 +402,7 @@ def main(argv=None) -> Page:
     page = Page("01", "The KV ledger", "§1", s, defaults, plot=not a.no_plot)
     sizes, fetch, worth = kv_sizes(s), fetch_or_recompute(s), is_storing_worth_it(s)
     show_sizes(page, sizes, s)
-    show_fetch_or_recompute(page, fetch, s)
+    show_fetch_or_recompute(page, fetch, one_gpu(s), s)
     show_slides_account(page, worth.slides, s)
     show_own_account(page, worth.ours, s)
     page.finish(a.json)

@@ -35,7 +35,9 @@ In the handout's order:
         layer 1 (time model).
 §5.4    Part 4: hiding recompute behind loading (blend/timing.py, on common/timemodel.py): per layer load vs recompute
         per storage device, the controller's ratio, pipelined TTFT; LLaMA-7B vs 70B; requests/s of a
-        busy server, full prefill vs CacheBlend (the paper's 2.8-5x throughput); the controller
+        busy server, full prefill vs CacheBlend (the paper's 2.8-5x throughput); the same per layer and over
+        every layer on one H200 (CHECK_GPU), beside that GPU's measurement (common/gpu_reference.json, a
+        column of its own; gpu_check.py measures yours); the controller
         (loading_controller.py) also says when not to reuse: a read slower than the layer's prefill means a
         full prefill, or the fastest device that still pays; a query rule ranking by layers 1..j waits for
         their KV (QUERY_DEPTHS). Exercise 8.
@@ -117,6 +119,8 @@ DEVICES = {  # storage device -> read bandwidth, bytes/s
 }
 PAPER_CONTEXT, PAPER_RATIO, PAPER_DEVICE = 4096, 0.15, "NVMe SSD"   # CacheBlend's per-layer example
 QUERY_DEPTHS = [1, 4, 16, 79]             # a query rule ranks by the question's attention at layers 1..j (to the last)
+CHECK_GPU = "H200"                        # Part 4 on one GPU of the time model, beside that GPU's measurement
+CHECK_CONTEXTS = [4096, 16384]            # ... at these context lengths (common/gpu_reference.json)
 LAYERS, READ_MS, PREFILL_MS = 32, 10.0, 20.0   # exercise 8: the controller's inputs (per layer: read, prefill)
 # ---- Part 5: the real model (blend/rag_study.py)
 ITEMS = 4                                 # RAG items (of 8); their KL is cached, the TTFT measured live
@@ -193,6 +197,12 @@ def part4_query_wait(s: Settings) -> list[bt.QueryWait]:
     return [bt.query_wait(model, n_gpus, rag(s), s.paper_device, s.query_depths) for model, n_gpus in s.systems]
 
 
+def part4_one_gpu(s: Settings) -> list[bt.OneGpuRow]:
+    """§5.3-5.4 on one CHECK_GPU of the time model: per system's model and context, a layer's full prefill, its
+    recompute at the floor, its KV's read from pinned CPU memory, and the pipeline over every layer."""
+    return bt.one_gpu([model for model, _ in s.systems], s.check_gpu, s.check_contexts, s.min_ratio)
+
+
 def exercise8(s: Settings):
     """§5.4, exercise 8: the controller on the exercise's per-layer read and prefill times."""
     return bt.controller_example(s.layers, s.read_ms, s.prefill_ms, s.min_ratio)
@@ -216,6 +226,7 @@ def record_world(s: Settings, page: Page) -> None:
     bp.show_mask(page, mp.record_cost(model, run.rec, s.chunk_len, s.ratio, run.pre), s)   # §5.3: the mask pitfall
     bp.show_check_cost(page, exercise7(s), found.insights.layer0_vs_layer1, s)   # §5.3: exercise 7
     bp.show_pipelining(page, part4_pipelining(s), s, part4_query_wait(s))        # §5.4: loading hides the recompute
+    bp.show_one_gpu(page, part4_one_gpu(s), s)                                   # §5.4: one GPU, a measured reference
     bp.show_controller(page, exercise8(s), s)                                    # §5.4: exercise 8, the controller
 
 
@@ -256,6 +267,8 @@ def parser() -> Parser:
     g.add_argument("--locality", type=nonneg_float, default=rt.LOCALITY,
                    help="weight of the record model's locality penalty (0: none; see record_trainer.TRAIN)")
     g.add_argument("--min-ratio", type=fraction, default=MIN_RATIO, help="the controller's quality floor")
+    g.add_argument("--check-gpu", choices=sorted(tm.GPUS), default=CHECK_GPU,
+                   help="Part 4: the GPU of the time model set beside a real GPU's measurement")
     g.add_argument("--layers", type=positive_int, default=LAYERS, help="exercise 8: number of layers")
     g.add_argument("--read-ms", type=positive_float, default=READ_MS, help="exercise 8: read one layer's KV (ms)")
     g.add_argument("--prefill-ms", type=positive_float, default=PREFILL_MS, help="exercise 8: prefill a layer (ms)")

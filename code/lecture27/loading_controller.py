@@ -13,6 +13,8 @@ controller has two halves:
     load_time          seconds to read one layer's KV of n tokens from a device
     controller_ratio   the ratio half
     pipelined_ttft     n layers of max(read, recompute), then the question
+    streamed_s         the same pipeline as two CUDA streams run it: the first read alone, n - 1 steps of
+                       max(read, recompute), the last recompute (what a GPU measures; gpu_check.py)
     ranked_ttft        the same when the set is ranked by the question's attention at layers 1..j: the
                        recompute waits for layers 0..j's KV and the question's pass over them
     choose             the whole controller: blend from which device at which ratio, or a full prefill, and why
@@ -47,6 +49,14 @@ def pipelined_ttft(n_layers: int, load_s: float, recompute_s: float, extra_s: fl
     """Layer l's recompute overlaps layer l+1's load: each layer costs max(load, recompute); extra_s
     (the question's prefill) comes after."""
     return n_layers * max(load_s, recompute_s) + extra_s
+
+
+def streamed_s(n_layers: int, load_s: float, recompute_s: float) -> float:
+    """The layers' loads on one stream, their recomputes on another, layer l's recompute waiting for layer l's
+    load: the first load runs alone, then n - 1 steps each as long as the longer of a load and a recompute
+    (layer l + 1 loading while layer l recomputes), then the last recompute. pipelined_ttft counts n steps of
+    the longer instead: the same when n is large."""
+    return load_s + (n_layers - 1) * max(load_s, recompute_s) + recompute_s
 
 
 def ranked_ttft(n_layers: int, load_s: float, recompute_s: float, depth: int, pass_s: float,

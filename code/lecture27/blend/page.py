@@ -16,6 +16,7 @@ from lecture27.blend import prefix_caching as pc
 from lecture27.blend import record_blend as rb
 from lecture27.blend_world import DOC_LEN, N_RECORDS
 from lecture27.record_trainer import plot_training
+from common import gpu_reference as gr
 from common import timemodel as tm
 from common.present import (REFERENCE, Chart, Col, Handout, Page, Ref, Row, Series, Table,
                             change, chart_figure, cols, fact, handout, handout_text, pct1, plain, refs)
@@ -48,6 +49,9 @@ HANDOUT = Handout({
     "ex8_full_ms": Ref("640", {"layers": 32, "prefill_ms": 20.0}),
     "real_ttft": Ref("2.2-3.3x", {"real_ratio": 0.15})})
 HOWS = ("prefix", "reuse", "blend")       # the three ways to use stored KV against k chunks
+# A real GPU's measurements (common/gpu_reference.json), in a column of their own beside the time model for that GPU
+# (Part 4); a figure shows only while the run's GPU row is the one measured and the recompute ratio the one it ran.
+MEASURED = Handout(gr.refs(gr.H200, {"gpu": "check_gpu", "ratio": "min_ratio"}))
 
 
 def number(ref: Ref) -> float:
@@ -595,6 +599,31 @@ def timing_figure(page: Page, timings: dict[str, bt.SystemTiming], s) -> None:
                     xscale="log", legend=None) for model, t in timings.items()]
     chart_figure(page, "04_load_vs_recompute.png", panels, f"one layer of a {s.rag_chunks} x {s.rag_chunk_tokens}"
                  "-token RAG context: recompute vs load", figsize=(5 * len(panels), 3.8))
+
+
+def show_one_gpu(page: Page, rows: list[bt.OneGpuRow], s) -> None:
+    """Part 4 on one GPU: the time model beside a real GPU's measurement of the same quantities (a reference
+    column, blank where the run's GPU row or floor ratio are not the ones measured, or the row was not run)."""
+    g = tm.GPUS[s.check_gpu]
+    ms = lambda x: f"{x:,.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}"  # noqa: E731
+    add_table(page, Table(
+        title=f"The same on one {s.check_gpu} ({g.bf16_flops / 1e12:,.0f} TFLOP/s BF16, host link {g.pcie_bw / 1e9:g} "
+              f"GB/s), the KV in pinned CPU memory: the time model beside a measurement", section="§5.4",
+        cols=[Col("one GPU", left=True), Col(f"time model, {s.check_gpu} (ms)", ms, "one_gpu_timemodel_s.{row}", 1e-3),
+              Col(gr.H200.label, left=True, reference=True)],
+        rows=[Row([r.label, 1e3 * r.model_s, handout_text(handout(MEASURED, r.key, s))], key=r.key) for r in rows],
+        source="blend.timing.one_gpu", notes=[one_gpu_note(rows, s)]))
+
+
+def one_gpu_note(rows: list[bt.OneGpuRow], s) -> str:
+    """What the time model says of the recompute's share of a layer and of the pipeline's saving, from the rows."""
+    by = {r.key: r.model_s for r in rows}
+    shares = sorted({round(by[k] / by[k.replace("recompute", "layer", 1)], 3) for k in by if k.startswith("recompute")})
+    saved = [1 - by[k] / by[k.replace("pipelined", "serial")] for k in by if k.endswith("pipelined")]
+    return (f"On the time model a {s.min_ratio:.0%} recompute costs {shares[0]:.0%}"
+            + (f"-{shares[-1]:.0%}" if f"{shares[-1]:.0%}" != f"{shares[0]:.0%}" else "")
+            + f" of the layer (the FLOPs' share), and the second stream saves {min(saved):.0%}-{max(saved):.0%} of "
+            "the serial time. gpu_check.py measures the same on your GPU.")
 
 
 # ---------------------------------------------------------------------------- §5.4, exercise 8

@@ -9,6 +9,8 @@ point; the requests/s of a busy server, full prefill against CacheBlend.
     throughput     §5.4: requests/s of a server kept busy, full prefill vs CacheBlend
     controller_example  exercise 8: the controller on given per-layer read and prefill times
     query_wait     §5.4 for a query rule: the pipelined TTFT when the ranking reads layers 1..j first
+    one_gpu        §5.3-5.4 on one GPU: a layer's full prefill, its recompute, its KV's read from pinned CPU
+                   memory, and every layer loaded and recomputed, one after the other or on two streams
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 from lecture27 import loading_controller as lc
 from common import timemodel as tm
+from common.gpu_reference import row_key
 
 
 @dataclass(frozen=True)
@@ -201,3 +204,39 @@ def query_wait(model: str, n_gpus: int, rag: Rag, device: str, depths) -> QueryW
                      ttft_s=[lc.ranked_ttft(L, load, recompute, j, question / L, question) for j in js],
                      plain_s=lc.pipelined_ttft(L, load, recompute, question),
                      prefill_s=tm.prefill_time(model, gpu, n_ctx + rag.question, 0, n_gpus))
+
+
+# ---------------------------------------------------------------------------- §5.3-5.4 on one GPU
+@dataclass(frozen=True)
+class OneGpuRow:
+    """One quantity on one GPU of the time model: its key (common.gpu_reference.row_key: the name a real GPU's
+    measurement of it has), its words and the time model's seconds."""
+    key: str
+    label: str
+    model_s: float
+
+
+def one_gpu(models, gpu: str, contexts, ratio: float) -> list[OneGpuRow]:
+    """§5.3-5.4 on one `gpu` of the time model, per model and context: one layer's full prefill, its recompute
+    of `ratio`, its KV read from pinned CPU memory (its bytes over the GPU's host link); then over every layer,
+    each layer's KV loaded and its `ratio` recomputed, one after the other (L x (load + recompute)) against
+    the loads on a second stream (loading_controller.streamed_s)."""
+    pinned = {"pinned CPU memory": ("per_gpu", tm.GPUS[gpu].pcie_bw)}
+    out = []
+    for model in models:
+        m = tm.get_model(model)
+        for n in contexts:
+            load = lc.load_time(model, n, "pinned CPU memory", 1, pinned)
+            rec = tm.recompute_time(model, gpu, n, ratio) / m.n_layers
+            where = f"{m.name}, {n:,} tokens"
+            out += [OneGpuRow(row_key("layer", model, n), f"{where}: one layer, full prefill",
+                              tm.prefill_layer_time(model, gpu, n)),
+                    OneGpuRow(row_key("recompute", model, n), f"{where}: one layer, {ratio:.0%} recomputed", rec),
+                    OneGpuRow(row_key("layer_kv", model, n, memory="pinned"),
+                              f"{where}: one layer's KV from pinned CPU memory", load),
+                    OneGpuRow(row_key("pipeline", model, n, schedule="serial"),
+                              f"{where}: {m.n_layers} layers, load then recompute", m.n_layers * (load + rec)),
+                    OneGpuRow(row_key("pipeline", model, n, schedule="pipelined"),
+                              f"{where}: {m.n_layers} layers, loads on a second stream",
+                              lc.streamed_s(m.n_layers, load, rec))]
+    return out
