@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from common.files import pid_alive
-from lecture27.engine import bench, launch
-from lecture27.engine.served import parse_kv
+from lecture27.serving import bench, launch
+from lecture27.serving.served import parse_kv
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 DOCS = ["Lake Varna lies in a narrow valley carved by glaciers. Its deepest point is 212 metres below the surface.",

@@ -87,6 +87,7 @@ def test_the_figure_is_drawn(page):
     (["--model", "smollm2", "--redis", "localhost:6379"], "a Redis URL starts with redis://"),
     (["--model", "smollm2", "--redis", "unix:///nonexistent/redis.sock"], "--redis: no Redis server answers at"),
     (["--model", "smollm2", "--store-level", "7"], "invalid choice"),
+    (["--model", "smollm2", "--serve-items", "1", "--serve-requests", "23"], "--serve-requests: at most 22"),
 ])
 def test_part5_flags_refuse_what_they_cannot_do(cli_exit, args, says):
     code, err = cli_exit("05_tiered_storage", *args)
@@ -141,7 +142,9 @@ def test_part6_serves_smollm2_with_the_store_and_without_it():
     assert all(0 < x["p50"] <= x["p99"] for x in j["serve_ttft_s"].values())
     assert j["serve_cached_share"] > 0.5 and j["serve_second_engine_hit_share"] >= 0.9
     assert j["serve_same_answer"] is True
-    t = table(page, "engine.served.measure_served")
+    assert j["serve_queue_mean_s"] >= 0 and f"waited {j['serve_queue_mean_s']:.2f} s on average" in " ".join(
+        table(page, "serving.served.measure_served").notes)
+    t = table(page, "serving.served.measure_served")
     assert [r.cells[0] for r in t.rows][:2] == ["A, the store", "C, no store"]
     assert t.rows[0].cells[4] == j["serve_ttft_s"]["store"]["p50"]
     notes = " ".join(t.notes)

@@ -22,7 +22,7 @@ Part 5  on this machine (--model smollm2): LMCache's store for real. SmolLM2-135
         restarted engine finds the chunks in Redis and skips their prefill (store/machine.py, kvstore.py).
 Part 6  served (--model smollm2; --no-serve skips it): serve.py, SmolLM2 behind the OpenAI API with the store
         behind it, started as a server and benchmarked by the openai client with the store and without it;
-        a second engine answers from the first's Redis (engine/served.py, engine/bench.py).
+        a second engine answers from the first's Redis (serving/served.py, serving/bench.py).
 
     python code/lecture27/05_tiered_storage.py --model smollm2 [--redis redis://host:6379]
 
@@ -51,8 +51,9 @@ from common.cli import (Parser, fraction, nonneg_float, nonneg_int, positive_flo
                         settings, settings_from, shipped_defaults)
 from common.present import Page  # noqa: E402
 from lecture27.store.machine_page import show_store  # noqa: E402
-from lecture27.engine.page import show_served  # noqa: E402
-from lecture27.engine.served import ServedRun, measure_served  # noqa: E402
+from lecture27.serving.bench import rag_orders  # noqa: E402
+from lecture27.serving.page import show_served  # noqa: E402
+from lecture27.serving.served import ServedRun, measure_served  # noqa: E402
 from lecture27.store.tiers_page import (show_chat, show_handoff, show_rag,  # noqa: E402
                                         show_service_vs_library, show_waist)
 
@@ -267,6 +268,10 @@ def parse(argv) -> tuple:
         p.error("--serve-docs: a request carries at least 4 documents (two key passages, two distractors)")
     if a.serve_items >= 8:
         p.error("--serve-items: at most 7 (of the 8 built-in items, one is kept for the repeated prompt)")
+    if a.serve_docs >= 4 and a.serve_requests + 1 > rag_orders(a.serve_items, a.serve_docs):
+        p.error(f"--serve-requests: at most {rag_orders(a.serve_items, a.serve_docs) - 1} (each item's "
+                f"{a.serve_docs} documents have {rag_orders(1, a.serve_docs)} orders besides their first, one of them "
+                "engine B's)")
     if max(a.rag_ks) > a.rag_docs:
         p.error(f"--rag-ks: a request cannot retrieve {max(a.rag_ks)} different documents from {a.rag_docs}")
     if a.user_tokens + a.answer_tokens > 128 * 1024 // a.turns:

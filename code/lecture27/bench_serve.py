@@ -1,19 +1,25 @@
-"""Benchmark an OpenAI-compatible server (handout §5.1, §6.3, §7): time to first token, p50 and p99, total time,
-tokens/s and errors, for a multi-turn chat and for RAG documents retrieved in new orders, with concurrent users.
+"""Benchmark an OpenAI-compatible server (handout §5.1, §6.3, §7) as its clients use it: time to first token, p50
+and p99, wall time, tokens/s and errors, for a crowd of chat users at once, RAG documents retrieved in new orders,
+a long prompt sent again, documents sent again and reordered, and a multi-turn chat.
 
     python code/lecture27/bench_serve.py                       # starts our engine with the store, then without
     python code/lecture27/bench_serve.py --url http://127.0.0.1:8000/v1 [--url no_store=http://...:8001/v1]
     python code/lecture27/bench_serve.py --peer llama.cpp      # + llama.cpp's server on the same GGUF file
 
-Without --url it starts serve.py on a free port twice, one after the other on this CPU: with the KV store
-(prefixes reused exactly, messages reused in any order and blended) and with --no-store; each runs the same
-requests. --peer llama.cpp (needs llama-cpp-python, built from source by pip: not in requirements.txt) starts
-llama.cpp's OpenAI server with its prompt cache, which reuses the longest common prefix of the prompt before.
-The table puts them side by side, figures/serve_bench.png draws TTFT p50 and p99; --json PATH writes it all.
+Without --url it starts serve.py on a free port, one server after the other on this CPU: with the KV store
+(prefixes reused exactly, messages reused in any order and blended), with --no-store, and for chat8 also with the
+store and --max-running 1 (one request at a time: "serial"); each runs the same requests. --peer llama.cpp (needs
+llama-cpp-python, built from source by pip: not in requirements.txt) starts llama.cpp's OpenAI server with its
+prompt cache, which reuses the longest common prefix of the prompt before. --url NAME=URL names a server; the
+ratios block compares the ones named store, no_store and serial. The workloads are serving/bench.py's: every
+timed request is sent the moment its user's answer before it ends, never after a look at /health; only a
+workload's warm-up waits for the server to be idle, and the table says what each warm-up sent. The tables put the
+servers side by side, figures/serve_bench.png draws TTFT p50 and p99; --json PATH writes it all.
 """
 from __future__ import annotations
 
 import json
+import secrets
 import sys
 from pathlib import Path
 
@@ -21,33 +27,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `com
 
 from common.cli import Parser, positive_int  # noqa: E402
 from common.present import Page, Row, Table, cols  # noqa: E402
-from lecture27.engine import bench, launch  # noqa: E402
+from lecture27.serving import bench, launch  # noqa: E402
 
-USERS = 4                   # concurrent users
+USERS = 4                   # concurrent users of rag and chat
+CHAT8_USERS = 8             # chat8: users at once, one request each (after one alone)
 RAG_REQUESTS = 8            # timed RAG requests (after one warm-up request per item)
-RAG_ITEMS = 2               # built-in RAG items the requests draw their documents from
+RAG_ITEMS = 2               # built-in RAG items the requests draw their documents from (repeat takes the next
+                            # item, reorder the one after it)
 CHAT_TURNS = 3              # turns per chat user
 MAX_TOKENS = 16             # answer tokens per request
 KV_CHECKS = 2               # RAG requests sent once more asking our engine for the first token's KL
 THREADS = 1                 # threads of a server started here: one, as 04 and 05 time theirs (a second thread that
                             # waits for a core the client holds slows every step)
-WORKLOADS = ("rag", "chat")
+WORKLOADS = ("chat8", "rag", "repeat", "reorder", "chat")
+SERIAL = ("--max-running", "1")   # the flags of ours one request at a time, for chat8's wall time
 REUSES = {"store": "prefixes exactly; messages in any order, blended",
           "no_store": "nothing (every prompt prefilled)",
+          "serial": "what store reuses, running one request at a time (--max-running 1)",
           "llama.cpp": "the longest common prefix of its last prompt (its prompt cache)"}
 
 
 def parse(argv=None):
     p = Parser(__doc__)
     p.add_argument("--url", action="append", default=[], metavar="[NAME=]URL",
-                   help="a server's /v1 URL, repeatable (default: start ours with and without the store)")
+                   help="a server's /v1 URL, repeatable; serial=URL runs chat8 only (default: start ours with and "
+                        "without the store, and one request at a time for chat8)")
     p.add_argument("--model", default=None, help="the model name to ask for (default: the server's first)")
     p.add_argument("--api-key", default=None, help="Bearer token for the servers")
-    p.add_argument("--workload", choices=[*WORKLOADS, "both"], default="both", help="what to run")
-    p.add_argument("--users", type=positive_int, default=USERS, help="concurrent users")
+    p.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all", help="what to run")
+    p.add_argument("--users", type=positive_int, default=USERS, help="concurrent users of rag and chat")
+    p.add_argument("--chat8-users", type=positive_int, default=CHAT8_USERS, help="chat8: users at once")
     p.add_argument("--rag-requests", type=positive_int, default=RAG_REQUESTS, help="timed RAG requests")
     p.add_argument("--rag-items", type=positive_int, default=RAG_ITEMS, help="RAG items the documents come from")
     p.add_argument("--docs", type=positive_int, default=bench.DOCS, help="documents a RAG request carries")
+    p.add_argument("--doc-words", type=positive_int, default=bench.DOC_WORDS, help="words a document")
     p.add_argument("--chat-turns", type=positive_int, default=CHAT_TURNS, help="turns per chat user")
     p.add_argument("--max-tokens", type=positive_int, default=MAX_TOKENS, help="answer tokens per request")
     p.add_argument("--threads", type=positive_int, default=THREADS, help="torch threads of a server started here")
@@ -55,51 +68,69 @@ def parse(argv=None):
     a = p.parse_args(argv)
     if a.docs < 4:
         p.error("--docs: a RAG request carries at least 4 documents (two key passages, two distractors)")
+    if a.rag_items > len(bench.RAG_ITEMS) - 2:
+        p.error(f"--rag-items: at most {len(bench.RAG_ITEMS) - 2} (of the {len(bench.RAG_ITEMS)} built-in items, "
+                "repeat and reorder each keep one)")
+    if a.rag_requests > bench.rag_orders(a.rag_items, a.docs):
+        p.error(f"--rag-requests: at most {bench.rag_orders(a.rag_items, a.docs)} (each item's {a.docs} documents "
+                f"have {bench.rag_orders(1, a.docs)} orders besides their first)")
+    if a.chat8_users >= len(bench.PROSE):
+        p.error(f"--chat8-users: at most {len(bench.PROSE) - 1} (one passage a user, one for the lone request)")
     if a.peer and not launch.llama_cpp_installed():
         p.error("--peer llama.cpp: llama-cpp-python is not installed (pip install 'llama-cpp-python[server]', a "
                 "build from source of about 15 minutes)")
+    a.workloads = WORKLOADS if a.workload == "all" else (a.workload,)
     return a
 
 
 def servers(a):
-    """[(name, a started server or None, url)]: the URLs given, else ours with and without the store (started one
-    at a time, when their turn comes), then the peer."""
+    """[(name, a server to start or None, its url or None, its workloads)]: the URLs given, else ours with and
+    without the store and, when chat8 runs, ours one request at a time (each started when its turn comes); then
+    the peer."""
     if a.url:
         out = []
         for i, u in enumerate(a.url):
             name, _, url = u.rpartition("=") if "=" in u.split("//")[0] else ("", "", u)
-            out.append((name or f"server{i + 1}", None, url))
-        return out
-    out = [("store", launch.engine(threads=a.threads), None), ("no_store", launch.engine("--no-store",
-                                                                                        threads=a.threads), None)]
-    if a.peer:
-        from common.gguf_llama import gguf_file
-        out.append(("llama.cpp", launch.llama_cpp(gguf_file(None), launch.free_port(), a.threads), None))
-    return out
+            out.append((name or f"server{i + 1}", None, url, None))
+    else:
+        out = [("store", launch.engine(threads=a.threads), None, None),
+               ("no_store", launch.engine("--no-store", threads=a.threads), None, None),
+               ("serial", launch.engine(*SERIAL, threads=a.threads), None, None)]
+        if a.peer:
+            from common.gguf_llama import gguf_file
+            out.append(("llama.cpp", launch.llama_cpp(gguf_file(None), launch.free_port(), a.threads), None, None))
+    out = [(name, s, url, [w for w in a.workloads if name != "serial" or w == "chat8"]) for name, s, url, _ in out]
+    return [x for x in out if x[3]]
 
 
 def model_name(url: str, api_key: str | None) -> str:
     return bench.client_for(url, api_key).models.list().data[0].id
 
 
-def run_one(a, name: str, url: str) -> tuple[list, tuple]:
-    """The workloads on one server, then a long prompt it has not seen, sent twice: (runs, (first, again))."""
+def run_one(a, name: str, url: str, model: str, workloads: list, tag: str) -> list:
+    """The workloads on one server, one after another: [Run]."""
     from tqdm import tqdm
-    model = a.model or model_name(url, a.api_key)
+    common = dict(max_tokens=a.max_tokens, tag=tag, api_key=a.api_key)
+    sized = dict(docs=a.docs, words=a.doc_words)
+    todo = {"chat8": (a.chat8_users + 1, lambda bar: bench.run_chat8(name, url, model, users=a.chat8_users,
+                                                                    progress=bar.update, **common)),
+            "rag": (a.rag_requests, lambda bar: bench.run_rag(
+                name, url, model, users=a.users, requests=a.rag_requests, items=a.rag_items,
+                kv_checks=KV_CHECKS if name != "no_store" and bench.is_ours(url) else 0, progress=bar.update,
+                **common, **sized)),
+            "repeat": (2, lambda bar: bench.run_repeat(name, url, model, item=a.rag_items, progress=bar.update,
+                                                       **common, **sized)),
+            "reorder": (3, lambda bar: bench.run_reorder(name, url, model, item=a.rag_items + 1,
+                                                         progress=bar.update, **common, **sized)),
+            "chat": (a.users * a.chat_turns, lambda bar: bench.run_chat(name, url, model, users=a.users,
+                                                                        turns=a.chat_turns, progress=bar.update,
+                                                                        **common))}
     runs = []
-    todo = ([("rag", a.rag_requests)] if a.workload in ("rag", "both") else []) + \
-        ([("chat", a.users * a.chat_turns)] if a.workload in ("chat", "both") else [])
-    for workload, n in todo:
+    for workload in workloads:
+        n, run = todo[workload]
         with tqdm(total=n, desc=f"{name}: {workload}", leave=False) as bar:
-            if workload == "rag":
-                runs.append(bench.run_rag(name, url, model, users=a.users, requests=a.rag_requests,
-                                          items=a.rag_items, max_tokens=a.max_tokens, docs=a.docs,
-                                          kv_checks=KV_CHECKS if name == "store" else 0, api_key=a.api_key,
-                                          progress=bar.update))
-            else:
-                runs.append(bench.run_chat(name, url, model, users=a.users, turns=a.chat_turns,
-                                           max_tokens=a.max_tokens, api_key=a.api_key, progress=bar.update))
-    return runs, bench.repeated_prompt(url, model, a.max_tokens, a.rag_items, a.api_key, docs=a.docs)
+            runs.append(run(bar))
+    return runs
 
 
 def same_answers(runs: list, base: str = "no_store") -> dict:
@@ -118,37 +149,47 @@ def shown(x, spec: str = "{:.2f}") -> str:
     return "-" if x is None else spec.format(x)
 
 
-def show_repeats(page: Page, repeats: dict) -> None:
-    rows = [Row([name, shown(first.ttft_s), shown(again.ttft_s),
-                 shown(again.ttft_s / first.ttft_s if first.ttft_s and again.ttft_s else None),
-                 "yes" if again.text == first.text else "no"]) for name, (first, again) in repeats.items()]
-    page.table(Table(title="a long prompt no server has seen (a RAG item's documents in another order, a question of its "
-                           "own), sent twice", section="§6",
-                     cols=cols("server", "TTFT first, s", "TTFT again, s", "again / first", "same answer"),
-                     rows=rows, source="engine.bench.repeated_prompt",
-                     notes=["Our engine's second time reads the prompt's exact prefix from its store and prefills the "
-                            "last token; llama.cpp's from its prompt cache."]))
+def served_share(s) -> float | None:
+    """The share of a request's prompt tokens the server says it served from its cache (None: it does not say)."""
+    return s.cached_tokens / s.prompt_tokens if s.prompt_tokens else None
+
+
+def table_notes(runs: list) -> list:
+    """What each server reuses, what each workload's warm-up sent, and how every column is measured."""
+    loads = dict.fromkeys(r.workload for r in runs)
+    warm = "; ".join(f"{w}, {bench.WARMUP[w]}" for w in loads)
+    crowd = ("; chat8 then sends one request alone, and its crowd the moment that answer ends (chat8's TTFT p50 "
+             "and p99 are the crowd's)" if "chat8" in loads else "")
+    reuses = [f"{name}: reuses {REUSES.get(name, 'whatever it reuses')}."
+              for name in dict.fromkeys(r.server for r in runs)]
+    failures = [f"{r.server}, {r.workload}: {r.errors} of its requests failed; the first: {first}" for r in runs
+                for first in [next((x.error for x in [r.alone, *r.samples] if x and x.error), None)] if first]
+    return reuses + failures + [
+        f"Warm-up, what a workload sent before its timed requests: {warm}. Then the client waited until our server was "
+        f"idle (its /health: nothing queued, nothing left to store){crowd}. No timed request waits for anything but "
+        "its user's answer before it. TTFT p50 and p99: nearest rank (the ceil(q n)-th smallest). Wall: from the first "
+        "timed request's start to the last answer's end; tokens/s: answer tokens over it. Queued: the mean time a "
+        "request waited for the model inside its TTFT (x-queue-seconds; -: the server does not say). From store: the "
+        "prompt tokens the server says it served from its cache (OpenAI's cached_tokens). Same answer: the answer's "
+        "text equal to no_store's for the same request (greedy). KL: the first answer token's KL to a full prefill, "
+        "measured by our engine (kv_check) on reused documents."]
 
 
 def show(page: Page, runs: list, a) -> None:
     same = same_answers(runs)
-    rows = [Row([r.server, r.workload, len(r.samples), r.errors, shown(r.p(0.5)), shown(r.p(0.99)), shown(r.queue_s),
-                 shown(r.wall_s, "{:.1f}"), shown(r.tokens_per_s, "{:.1f}"), shown(r.cached_share, "{:.0%}"),
-                 shown(same.get((r.server, r.workload)), "{:.0%}"), shown(r.summary().get("first_token_kl_mean"), "{:.3f}")])
-            for r in runs]
-    page.table(Table(title=f"{a.users} users at once, temperature 0, {a.max_tokens} answer tokens (TTFT in seconds, "
-                           "measured by this client to the first streamed text)", section="§5.1, §6.3, §7",
-                     cols=cols("server", "workload", "requests", "errors", "TTFT p50", "TTFT p99", "queued", "total, s",
-                               "tokens/s", "from store", "same answer", "KL"),
-                     rows=rows, source="engine.bench.run_rag",
-                     notes=[f"{name}: reuses {REUSES.get(name, 'whatever it reuses')}." for name in
-                            dict.fromkeys(r.server for r in runs)] +
-                     ["queued: the mean time a request waited for the model inside its TTFT (our engine answers one "
-                      "request at a time; -: the server does not say). From store: the prompt tokens the server says it served from its cache (OpenAI's cached_tokens; "
-                      "-: it does not say). Same answer: the answer's text equal to no_store's for the same request "
-                      "(greedy). KL: the first answer token's KL to a full prefill, measured by our engine (kv_check) "
-                      "on RAG requests it blended."]))
-    with page.figure("serve_bench.png", "time to first token, p50 (bar) and p99 (line)", figsize=(7, 3.5)) as (fig, ax):
+    rows = [Row([r.server, r.workload, r.users, r.requests, r.errors, shown(r.p(0.5)), shown(r.p(0.99)),
+                 shown(r.queue_s), shown(r.wall_s, "{:.1f}"), shown(r.tokens_per_s, "{:.1f}"),
+                 shown(r.cached_share, "{:.0%}"), shown(same.get((r.server, r.workload)), "{:.0%}"),
+                 shown(r.summary().get("first_token_kl_mean"), "{:.3f}")]) for r in runs]
+    page.table(Table(title=f"temperature 0, {a.max_tokens} answer tokens; each workload's warm-up, a wait for the "
+                           "server to be idle, then every request sent the moment its user's answer before it ended "
+                           "(TTFT in seconds, measured by this client to the first streamed text)",
+                     section="§5.1, §6.3, §7",
+                     cols=cols("server", "workload", "users", "requests", "errors", "TTFT p50", "TTFT p99", "queued",
+                               "wall, s", "tokens/s", "from store", "same answer", "KL"),
+                     rows=rows, source="serving.bench.at_once",
+                     notes=table_notes(runs)))
+    with page.figure("serve_bench.png", "time to first token, p50 (bar) and p99 (line)", figsize=(8, 3.5)) as (fig, ax):
         if ax is not None:
             names = list(dict.fromkeys(r.server for r in runs))
             loads = list(dict.fromkeys(r.workload for r in runs))
@@ -166,27 +207,103 @@ def show(page: Page, runs: list, a) -> None:
             ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
 
 
+STEPS = {"repeat": ("a long prompt, first", "the same again"),
+         "reorder": ("documents, first", "the same again", "the same, reordered")}
+
+
+def sequences(runs: list) -> dict:
+    """{workload: {server: {figure: value}}}: chat8's lone request against its crowd, repeat's and reorder's
+    requests one by one (what --json writes and the second table shows)."""
+    out = {}
+    for r in runs:
+        t = [s.ttft_s for s in r.samples]
+        if r.workload == "chat8":
+            lone = r.alone.ttft_s if r.alone else None
+            out.setdefault("chat8", {})[r.server] = {
+                "users": r.users, "lone_ttft_s": lone, "last_first_token_s": r.last_first_token_s,
+                "last_over_lone": bench.over(r.last_first_token_s, lone), "wall_s": r.wall_s}
+        elif r.workload == "repeat" and len(t) == 2:
+            out.setdefault("repeat", {})[r.server] = {
+                "first_ttft_s": t[0], "again_ttft_s": t[1], "again_over_first": bench.over(t[1], t[0]),
+                "same_answer": r.samples[0].text == r.samples[1].text}
+        elif r.workload == "reorder" and len(t) == 3:
+            out.setdefault("reorder", {})[r.server] = {
+                "first_ttft_s": t[0], "again_ttft_s": t[1], "reordered_ttft_s": t[2],
+                "reordered_over_first": bench.over(t[2], t[0]), "first_token_kl": r.samples[2].kl}
+    return out
+
+
+def show_sequences(page: Page, runs: list) -> None:
+    rows = []
+    for r in runs:
+        if r.workload == "chat8":
+            lone = r.alone.ttft_s if r.alone else None
+            rows += [Row([r.server, "chat8", "one request alone", shown(lone), "1.00", shown(served_share(r.alone),
+                                                                                             "{:.0%}"), "-"]),
+                     Row([r.server, "chat8", f"the last first token of {r.users} at once (wall {r.wall_s:.1f} s)",
+                          shown(r.last_first_token_s), shown(bench.over(r.last_first_token_s, lone)), "-", "-"])]
+        elif r.workload in STEPS:
+            first = r.samples[0].ttft_s
+            rows += [Row([r.server, r.workload, step, shown(s.ttft_s), shown(bench.over(s.ttft_s, first)),
+                          shown(served_share(s), "{:.0%}"), shown(s.kl, "{:.3f}")])
+                     for step, s in zip(STEPS[r.workload], r.samples)]
+    if rows:
+        page.table(Table(title="one request against another: a request alone, then a crowd; a prompt sent again; "
+                               "documents sent again and reordered, each the moment the answer before it ended",
+                         section="§5, §6, §7",
+                         cols=cols("server", "workload", "request", "TTFT, s", "x the first", "from store", "KL"),
+                         rows=rows, source="serving.bench.one_after_another",
+                         notes=["x the first: this TTFT over its workload's first (chat8: the lone request's). The "
+                                "long prompt and the documents are RAG items no other workload sends; before the "
+                                "first of them the client waited until the server was idle. KL: the reordered "
+                                "answer's first token against a full prefill (our engine's kv_check)."]))
+
+
+def show_ratios(page: Page, values: dict, failed: dict) -> None:
+    rows = [Row([what, shown(values[key], "{:.3f}" if target is None else "{:.2f}x"),
+                 "-" if target is None else f"<= {target:g}x",
+                 "-" if target is None or values[key] is None else ("yes" if values[key] <= target else "no")])
+            for key, what, target in bench.CRITERIA]
+    page.table(Table(title="the engine's targets", section="§7", cols=cols("figure", "measured", "target", "met"),
+                     rows=rows, source="serving.bench.ratios",
+                     notes=["-: a server or a workload that did not run (servers named store, no_store, serial)."] +
+                     [f"{name} did not run: {why}" for name, why in failed.items()]))
+
+
 def main(argv=None) -> list:
     a = parse(argv)
     page = Page("bench_serve", "an OpenAI-compatible server, benchmarked", "§5.1, §6.3, §7", plot=not a.no_plot)
-    runs, repeats = [], {}
-    for name, server, url in servers(a):
-        if server is not None:
-            server.start()
-            print(f"{name}: {server.url} (pid {server.pid})", flush=True)
+    tag = f" (benchmark run {secrets.token_hex(3)})" if a.url else ""   # a server given has seen no prompt of ours
+    runs, failed = [], {}
+    for name, server, url, workloads in servers(a):
         try:
-            done, repeats[name] = run_one(a, name, url or server.url)
-            runs += done
+            try:
+                if server is not None:
+                    server.start()
+                    print(f"{name}: {server.url} (pid {server.pid})", flush=True)
+                url = url or server.url
+                model = a.model or model_name(url, a.api_key)
+            except Exception as e:   # launch's RuntimeError, the client's errors: this server's, not the run's end
+                failed[name] = f"{type(e).__name__}: {e}"
+                print(f"{name}: did not run: {failed[name]}", flush=True)
+                continue
+            runs += run_one(a, name, url, model, workloads, tag)
         finally:
             if server is not None:
                 server.stop()
     show(page, runs, a)
-    show_repeats(page, repeats)
+    show_sequences(page, runs)
+    values = bench.ratios(runs)
+    show_ratios(page, values, failed)
     if a.json:
-        data = {"users": a.users, "runs": [{"server": r.server, "workload": r.workload, **r.summary()} for r in runs],
+        data = {"users": a.users, "chat8_users": a.chat8_users, "max_tokens": a.max_tokens,
+                "runs": [{"server": r.server, "workload": r.workload, **r.summary()} for r in runs],
                 "same_answer": {f"{s}/{w}": v for (s, w), v in same_answers(runs).items()},
-                "repeat": {name: {"first_ttft_s": f.ttft_s, "again_ttft_s": g.ttft_s, "same_answer": f.text == g.text}
-                           for name, (f, g) in repeats.items()}}
+                **sequences(runs),
+                "ratios": {key: {"value": values[key], "target": target,
+                                 "met": None if target is None or values[key] is None else values[key] <= target}
+                           for key, _, target in bench.CRITERIA},
+                "failed": failed}
         Path(a.json).write_text(json.dumps(data, indent=2) + "\n")
         print(f"wrote {a.json}")
     return runs

@@ -37,6 +37,7 @@ import random
 from dataclasses import dataclass, field
 
 from common import timemodel as tm
+from common.stats import percentile
 
 GBIT = 1e9
 TEXT_BYTES_PER_TOKEN = 4      # a token id sent as int32 (a 128K vocabulary needs 17 bits)
@@ -726,9 +727,8 @@ def suite_summary(results: list, slo_s: float) -> dict:
 
 
 def ttft_percentile(results: list, q: float) -> float:
-    """The q-quantile (0..1) of TTFT over a suite (nearest rank)."""
-    xs = sorted(r.ttft_s for r in results)
-    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+    """The q-quantile (0..1) of TTFT over a suite (common.stats.percentile: nearest rank, ceil(q * n))."""
+    return percentile([r.ttft_s for r in results], q)
 
 
 def promise_exceptions(runs: dict, traces: list, slo_s: float, fixed_names=("always level0", "always text")):

@@ -1,13 +1,15 @@
 """An engine you can talk to, measured (05's Part "served", handout §6-§7): serve.py started as a server of its
 own, the benchmark client (bench.py) talking to it over HTTP with the official `openai` client, as any program
-would. Every time here is the client's: what a user of the API waits.
+would: bench_serve.py's rag and repeat workloads in a smaller form. Every time here is the client's: what a user of
+the API waits.
 
 The run: three engines load at once, then each runs alone on this CPU while the others wait idle (each on one
 thread, as 04 and 05 time theirs):
   1. engine A with the store (RAM, disk, and a Redis server shared with B): the RAG workload (a warm-up stores
-     each item's documents; the timed requests bring them back in new orders, from `users` users at once), a
-     request asking for the first token's KL against a full prefill (kv_check), then a long prompt never seen
-     (another item's documents), and the same prompt again (prefix reuse);
+     each item's documents and the client waits until A is idle; the timed requests bring them back in new orders,
+     `users` users at once, each sending its next the moment its answer ends), a request asking for the first
+     token's KL against a full prefill (kv_check), then, A idle again, a long prompt never seen (another item's
+     documents), and the same prompt again the moment its answer ends (prefix reuse);
   2. engine B, a new process with empty RAM and disk tiers on the same Redis: one RAG request in an order A never
      saw; its documents' KV must come from A's records in Redis;
   3. engine C with --no-store: the same timed requests, and the repeated prompt once, whose greedy answer the
@@ -19,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from common import redis_server as rs
-from lecture27.engine import bench, launch
+from lecture27.serving import bench, launch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +56,7 @@ class ServedRun:
                                  for name, run in (("store", self.store), ("no_store", self.no_store))},
                 "serve_cached_share": self.store.cached_share, "serve_same_answer": self.same_answer,
                 "serve_second_engine_hit_share": self.second_hit_share, "serve_errors": self.errors,
-                "serve_users": self.users}
+                "serve_users": self.users, "serve_queue_mean_s": self.store.queue_s}
 
 
 def parse_kv(header: str | None) -> dict | None:
@@ -87,7 +89,7 @@ def measure_served(*, users: int, requests: int, items: int, docs: int, words: i
             a, b, c = pool.map(lambda e: e.start(), engines)
         step(1, "engine A, the store")
         store = bench.run_rag("store", a.url, a.model, kv_checks=1, **work)
-        first, again = bench.repeated_prompt(a.url, a.model, max_tokens, items, docs=docs, words=words)
+        (first, again), _ = bench.repeated_prompt(a.url, a.model, max_tokens, items, docs=docs, words=words)
         step(2, "engine B on A's Redis")
         item, messages = bench.rag_workload(requests + 1, items, docs, words, seed=1)[-1]
         second = bench.ask(bench.client_for(b.url), b.model, messages, max_tokens, "second engine", 0, item)

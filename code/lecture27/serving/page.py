@@ -3,17 +3,20 @@ served.py's measurement; every sentence here is chosen by them. Nothing here com
 from __future__ import annotations
 
 from common.present import Page, Row, Table, cols, pct0
-from lecture27.engine.served import ServedRun, parse_kv
+from lecture27.serving.served import ServedRun, parse_kv
 
 
 def show_served(page: Page, r: ServedRun, s) -> None:
     page.part("Part 6", "§6-§7", "served: SmolLM2 behind the OpenAI API, the store behind it")
     st, no = r.store, r.no_store
-    page.say(f"serve.py, started three times as a server of its own on 127.0.0.1, one request at a time on one thread; "
-             f"the official openai client streams every answer ({s.serve_max_tokens} tokens, temperature 0). RAG: "
-             f"{s.serve_docs} documents of {s.serve_doc_words} words a request (a system message, each document a "
-             f"message, the question last), {len(st.samples)} timed requests in new orders from {r.users} users at "
-             f"once, after one warm-up request per item. Redis: {r.redis_note}.")
+    page.say(f"serve.py, started three times as a server of its own on 127.0.0.1, on one thread; the official openai "
+             f"client streams every answer ({s.serve_max_tokens} tokens, temperature 0). RAG: {s.serve_docs} "
+             f"documents of {s.serve_doc_words} words a request (a system message, each document a message, the "
+             f"question last), {len(st.samples)} timed requests in new orders from {r.users} users at once, each "
+             "user sending its next request the moment its answer ends. Before them one warm-up request per item "
+             "puts its documents in the store in their first order, and the client waits until the engine is idle "
+             "(its /health: nothing queued, nothing left to store); it waits again before the long prompt, whose "
+             f"second time follows its first at once. Redis: {r.redis_note}.")
     rows = [Row([name, run.workload, len(run.samples), run.errors, run.p(0.5), run.p(0.99), pct0(run.cached_share)])
             for name, run in (("A, the store", st), ("C, no store", no))]
     rows += [Row([name, "one prompt", 1, int(x.error is not None), x.ttft_s, x.ttft_s, served_share(x)])
@@ -22,7 +25,7 @@ def show_served(page: Page, r: ServedRun, s) -> None:
     page.table(Table(title="time to the first streamed token, seconds, as the client measures it", section="§6-§7",
                      cols=cols("engine", "what", ("requests", "{:,}"), ("errors", "{:,}"), ("TTFT p50", "{:.2f}"),
                                ("TTFT p99", "{:.2f}"), "from store"),
-                     rows=rows, source="engine.served.measure_served", notes=notes(r), json=r.json()))
+                     rows=rows, source="serving.served.measure_served", notes=notes(r), json=r.json()))
     figure(page, r)
 
 
@@ -41,19 +44,24 @@ def notes(r: ServedRun) -> list:
                    "the documents as chunks stored alone, shifted to their places and blended (CacheBlend)"
                    + (f", the first token's KL to a full prefill {st.kls[0]:.3f} nats (kv_check)." if st.kls else "."))
     if r.first.ttft_s and r.again.ttft_s:
-        out.append(f"A repeated prompt: {r.again.ttft_s:.2f} s against {r.first.ttft_s:.2f} s the first time "
-                   f"({r.again.ttft_s / r.first.ttft_s:.2f}x): its exact prefix came from the store, and its answer "
+        prefix = (parse_kv(r.again.kv) or {}).get("prefix", 0)
+        out.append(f"A repeated prompt, sent again the moment its answer ended: {r.again.ttft_s:.2f} s against "
+                   f"{r.first.ttft_s:.2f} s the first time ({r.again.ttft_s / r.first.ttft_s:.2f}x): "
+                   + (f"its exact prefix ({prefix:,} tokens) came from the store, and its answer " if prefix else
+                      "the store served none of it (the first one's KV was not stored yet), so it was prefilled "
+                      "again, and its answer ")
                    + ("is the one the engine without a store gives, token for token." if r.same_answer else
-                      "differs from the engine without a store's: float rounding of a prefill in two pieces moved "
-                      "a near tie."))
+                      "differs from the engine without a store's" + (": float rounding of a prefill in two pieces "
+                                                                      "moved a near tie." if prefix else ".")))
     share = r.second_hit_share
     if share is not None:
         out.append(f"Two engines, one store: engine B, a new process with empty RAM and disk, found {pct0(share)} of "
                    f"its context's KV in the Redis server engine A had written, and answered in "
                    f"{r.second.ttft_s:.2f} s.")
-    out.append(f"Errors: {r.errors}. One model answers one request at a time: with {r.users} users at once a request "
-               "waits for the ones before it, and that wait is in every TTFT here (the engine's /metrics keeps it "
-               "apart, l27_queue_seconds).")
+    out.append(f"Errors: {r.errors}." + (
+        f" With {r.users} users at once a RAG request with the store waited {st.queue_s:.2f} s on average for the "
+        "model before its prefill began (x-queue-seconds; the engine's /metrics keeps it apart, l27_queue_seconds), "
+        "and that wait is in its TTFT." if st.queue_s is not None else ""))
     return out
 
 

@@ -1,0 +1,240 @@
+"""The benchmark (serving/bench.py, bench_serve.py) without a server: the one percentile, the workloads' requests (new
+orders, never the warm-up's; chat8's one shape; no item shared between workloads), users who send each request the
+moment the answer before it ends and never look at /health meanwhile (a fake client), and the tables and ratios
+block from made-up samples. One test runs every workload, tiny, on the real engine (skipped without SmolLM2)."""
+import importlib
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from common.present import Page
+from common.stats import percentile
+from lecture27 import streaming as st
+from lecture27.serving import bench, launch
+
+bench_serve = importlib.import_module("lecture27.bench_serve")
+
+
+# ------------------------------------------------------------------------------------------------ the percentile
+def test_percentile_is_the_nearest_rank_everywhere():
+    """ceil(q n)-th smallest: on an even count the median is the lower middle value; p99 of fewer than 100 values
+    is the largest. The benchmark's Run.p and the streaming suite's ttft_percentile give the same."""
+    assert percentile([1, 2, 3, 4], 0.5) == 2 and percentile([4, 3, 2, 1], 0.5) == 2
+    assert percentile([1, 2, 3, 4], 0.25) == 1 and percentile([1, 2, 3, 4], 0.26) == 2
+    assert percentile(range(1, 11), 0.99) == 10 and percentile([5], 0.01) == 5 and percentile([1, 2, 3], 1) == 3
+    assert percentile(range(1, 101), 0.99) == 99 and percentile(range(1, 101), 0.95) == 95
+    assert [percentile(range(1, 101), q / 100) for q in range(1, 101)] == list(range(1, 101))   # no float's rank off
+    for bad in (([], 0.5), ([1], 0), ([1], 1.5)):
+        with pytest.raises(ValueError):
+            percentile(*bad)
+    ttfts = [0.4, 0.1, 0.3, 0.2]
+    assert st.ttft_percentile([SimpleNamespace(ttft_s=t) for t in ttfts], 0.5) == 0.2
+    assert run("s", "rag", ttfts).p(0.5) == 0.2 and run("s", "rag", ttfts).p(0.99) == 0.4
+    assert run("s", "rag", [None]).p(0.5) is None
+
+
+# ------------------------------------------------------------------------------------------------ the workloads
+def order_of(messages, item, docs, words) -> tuple:
+    texts = bench.rag_documents(item, docs, words)
+    return tuple(texts.index(m["content"]) for m in messages[1:-1])
+
+
+def test_rag_requests_bring_each_items_documents_back_in_new_orders_never_the_warmups():
+    docs, words = 4, 30
+    warm = bench.rag_warmup(2, docs, words)
+    assert [order_of(m, i, docs, words) for i, m in warm] == [(0, 1, 2, 3)] * 2
+    work = bench.rag_workload(20, 2, docs, words)
+    assert [i for i, _ in work] == [0, 1] * 10
+    for item in (0, 1):
+        orders = [order_of(m, i, docs, words) for i, m in work if i == item]
+        assert len(set(orders)) == len(orders) == 10 and (0, 1, 2, 3) not in orders
+        assert all(sorted(o) == [0, 1, 2, 3] for o in orders)
+    assert {m[-1]["content"] for _, m in work} == {m[-1]["content"] for _, m in warm}   # each item's question last
+    assert bench.rag_orders(2, docs) == 46
+    assert len(bench.rag_workload(46, 2, docs, words)) == 46
+    with pytest.raises(ValueError, match="orders besides their first"):
+        bench.rag_workload(47, 2, docs, words)
+
+
+def test_reorder_moves_every_document_and_no_workload_shares_an_item():
+    """reorder's second order keeps no document in its place (nothing but the system message is a prefix of the
+    first); bench_serve's rag items, repeat's and reorder's share no document."""
+    first, moved = bench.reorder_messages(5)
+    assert order_of(first, 5, bench.DOCS, bench.DOC_WORDS) == tuple(range(bench.DOCS))
+    o = order_of(moved, 5, bench.DOCS, bench.DOC_WORDS)
+    assert sorted(o) == list(range(bench.DOCS)) and all(i != k for k, i in enumerate(o))
+    assert first[0] == moved[0] and first[-1] == moved[-1]
+    n = bench_serve.RAG_ITEMS
+    rag = {m["content"] for _, ms in bench.rag_workload(bench_serve.RAG_REQUESTS, n) for m in ms[1:-1]}
+    repeat = {m["content"] for m in bench.repeated_messages(n)[1:-1]}
+    reorder = {m["content"] for m in bench.reorder_messages(n + 1)[0][1:-1]}
+    assert len(rag) == n * bench.DOCS and len(repeat) == len(reorder) == bench.DOCS
+    assert not rag & repeat and not rag & reorder and not repeat & reorder
+
+
+def test_chat8_requests_have_one_shape_and_the_lone_one_is_none_of_the_crowds():
+    crowd = [bench.crowd_messages(u) for u in range(9)]   # 8 users, the 9th the lone request
+    assert {len(m) for m in crowd} == {2} and {m[0]["content"] for m in crowd} == {bench.CHAT_SYSTEM}
+    passages = [m[1]["content"].rsplit("\n\n", 1)[0] for m in crowd]
+    assert {len(p.split()) for p in passages} == {bench.CROWD_WORDS} and len(set(passages)) == 9
+    chat = {t.split("\n\n")[0][:200] for u in range(bench_serve.USERS)
+            for t in bench.chat_turns(u, bench_serve.CHAT_TURNS)}
+    assert not {p[:200] for p in passages} & chat   # no chat turn opens with a chat8 passage
+    assert bench.crowd_messages(0, tag=" (run x)")[0]["content"] == bench.CHAT_SYSTEM + " (run x)"
+    with pytest.raises(ValueError):
+        bench.crowd_messages(len(bench.PROSE))
+
+
+# ------------------------------------------------------------------------------------------------ clients, faked
+class FakeClient:
+    """Answers every streamed request after `delay` seconds with a piece of text and OpenAI's usage (and a KL when
+    kv_check is asked); logs ("ask", max_tokens, kv_check) and counts the requests in flight at once."""
+
+    def __init__(self, log: list, delay: float = 0.05):
+        self.log, self.delay, self.lock, self.flying, self.most = log, delay, threading.Lock(), 0, 0
+        self.chat = SimpleNamespace(completions=SimpleNamespace(with_raw_response=self))
+
+    def create(self, *, messages, max_tokens, extra_body=None, **kw):
+        with self.lock:
+            self.log.append(("ask", max_tokens, bool(extra_body)))
+            self.flying += 1
+            self.most = max(self.most, self.flying)
+        time.sleep(self.delay)
+        with self.lock:
+            self.flying -= 1
+        piece = SimpleNamespace(choices=[SimpleNamespace(delta=SimpleNamespace(content=f"{len(messages)}"))],
+                                usage=None, model_extra={})
+        usage = SimpleNamespace(prompt_tokens=10, completion_tokens=max_tokens,
+                                prompt_tokens_details=SimpleNamespace(cached_tokens=4))
+        end = SimpleNamespace(choices=[], usage=usage,
+                              model_extra={"kv_cache": {"first_token_kl": 0.01}} if extra_body else {})
+        return SimpleNamespace(headers={"x-queue-seconds": "0.0"}, parse=lambda: [piece, end])
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """bench's client and /health faked: (the log of requests and /health calls, in order; the client)."""
+    log = []
+    client = FakeClient(log)
+    monkeypatch.setattr(bench, "client_for", lambda url, key=None: client)
+    monkeypatch.setattr(bench, "health", lambda url: log.append(("health",)) or {"queued": 0, "store_jobs": 0})
+    return log, client
+
+
+def test_only_a_warm_up_waits_for_health_never_a_timed_request(fake):
+    """Each workload's requests and /health calls in order: the warm-up, one wait for idle, then the timed requests
+    with no look at /health among them (and after them only untimed kv_check requests)."""
+    log, client = fake
+    ask, health, warm = ("ask", 3, False), ("health",), ("ask", 1, False)
+
+    def logged(fn, **kw):
+        log.clear()
+        r = fn("s", "u", "m", max_tokens=3, **kw)
+        assert r.errors == 0
+        return r, list(log)
+
+    r, seen = logged(bench.run_chat8, users=3)
+    assert seen == [warm, health, ask, ask, ask, ask] and len(r.samples) == 3 and r.alone.ttft_s
+    r, seen = logged(bench.run_rag, users=2, requests=4, items=2, docs=4, words=20, kv_checks=1)
+    assert seen == [warm, warm, health, ask, ask, ask, ask, ("ask", 1, True)] and r.kls == [0.01]
+    r, seen = logged(bench.run_repeat, item=2, docs=4, words=20)
+    assert seen == [health, ask, ask] and len(r.samples) == 2
+    r, seen = logged(bench.run_reorder, item=3, docs=4, words=20)
+    assert seen == [health, health, ask, ask, ("ask", 3, True)] and r.kls == [0.01]   # idle; is it ours (kv_check)
+    r, seen = logged(bench.run_chat, users=2, turns=3)
+    assert seen == [warm, health] + [ask] * 6
+    assert sorted(int(s.text) for s in r.samples) == [2, 2, 4, 4, 6, 6]   # system, the conversation so far
+
+
+def test_users_send_at_once_and_each_back_to_back(fake):
+    """chat8's crowd all in flight at once after the lone request; rag's users at once, each user's next request
+    the moment its answer ends (4 requests of 2 users: never more than 2 in flight); repeat one at a time."""
+    _, client = fake
+    r = bench.run_chat8("s", "u", "m", users=4, max_tokens=2)
+    assert client.most == 4 and r.wall_s >= client.delay
+    client.most = 0
+    r = bench.run_rag("s", "u", "m", users=2, requests=4, items=2, max_tokens=2, docs=4, words=20)
+    assert client.most == 2 and [(s.user, s.turn) for s in r.samples] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert r.wall_s >= 2 * client.delay
+    client.most = 0
+    bench.run_repeat("s", "u", "m", max_tokens=2, item=2, docs=4, words=20)
+    assert client.most == 1
+
+
+# ------------------------------------------------------------------------------------------------ tables, ratios
+def sample(ttft, user=0, turn=0, text="a", kl=None, workload="w"):
+    return bench.Sample(workload, user, turn, ttft, (ttft or 0) + 0.5, 100, 50, 4, text, None if ttft else "Err", kl=kl)
+
+
+def run(server, workload, ttfts, wall=1.0, kls=(), alone=None):
+    return bench.Run(server, workload, len(ttfts), [sample(t, u, workload=workload) for u, t in enumerate(ttfts)],
+                     wall, list(kls), alone)
+
+
+def made_up() -> list:
+    return [run("store", "chat8", [0.5, 0.9, 1.2, 2.0], wall=10.0, alone=sample(0.5)),
+            run("serial", "chat8", [0.5, 1.0, 1.5, 2.0], wall=40.0, alone=sample(0.5)),
+            run("store", "repeat", [2.0, 0.2]),
+            bench.Run("store", "reorder", 1, [sample(2.0, 0, 0), sample(0.1, 0, 1), sample(0.9, 0, 2, kl=0.02)], 3.0,
+                      [0.02]),
+            run("store", "rag", [1.0, 2.0, 3.0, 4.0]), run("no_store", "rag", [5.0, 6.0, 7.0, 8.0])]
+
+
+def test_ratios_are_the_criteria_from_the_runs():
+    r = bench.ratios(made_up())
+    assert set(r) == {key for key, _, _ in bench.CRITERIA}
+    assert r["chat8_last_over_lone"] == 4.0 and r["chat8_wall_store_over_serial"] == 0.25
+    assert r["repeat_again_over_first"] == pytest.approx(0.1) and r["reorder_over_first"] == pytest.approx(0.45)
+    assert r["reorder_first_token_kl"] == 0.02 and r["rag_p50_store_over_no_store"] == pytest.approx(2.0 / 6.0)
+    missing = bench.ratios(made_up()[2:])   # no chat8 run: those two are missing, never a crash
+    assert missing["chat8_last_over_lone"] is None and missing["chat8_wall_store_over_serial"] is None
+
+
+def test_the_tables_and_ratios_block_print_from_made_up_runs(capsys):
+    runs = made_up()
+    page = Page("bench_serve", "test", "§7", plot=False)
+    a = SimpleNamespace(max_tokens=4)
+    bench_serve.show(page, runs, a)
+    bench_serve.show_sequences(page, runs)
+    bench_serve.show_ratios(page, bench.ratios(runs), {"no_store": "RuntimeError: did not start"})
+    out = capsys.readouterr().out
+    ratios = page.tables[-1]
+    cells = {row.cells[0]: row.cells[1:] for row in ratios.rows}
+    assert cells[bench.CRITERIA[0][1]] == ["4.00x", "<= 4x", "yes"]
+    assert cells[bench.CRITERIA[1][1]] == ["0.25x", "<= 0.35x", "yes"]
+    assert cells[bench.CRITERIA[3][1]] == ["0.45x", "<= 0.4x", "no"]
+    assert cells[bench.CRITERIA[4][1]] == ["0.020", "-", "-"]
+    assert "no_store did not run: RuntimeError: did not start" in out
+    main = page.tables[0]
+    assert len(main.rows) == len(runs) and "chat8, one short request; repeat, nothing; reorder, nothing; rag, each " \
+        "item's documents once, in their first order. Then the client waited" in " ".join(main.notes)
+    seq = {(r.cells[0], r.cells[2]): r.cells[3:5] for r in page.tables[1].rows}
+    assert seq["store", "one request alone"] == ["0.50", "1.00"]
+    assert seq["store", "the same, reordered"] == ["0.90", "0.45"]
+    assert bench_serve.sequences(runs)["chat8"]["store"]["last_over_lone"] == 4.0
+
+
+# ------------------------------------------------------------------------------------------------ the real engine
+def test_every_workload_tiny_on_the_real_engine(tmp_path, capsys):
+    """Our engine started as a server, every workload at 2 users and 2 answer tokens: the tables print, no request
+    fails, --json holds each figure."""
+    from common.gguf_llama import find_smollm2_gguf
+    if find_smollm2_gguf() is None:
+        pytest.skip("SmolLM2 is not installed")
+    out = tmp_path / "bench.json"
+    with launch.engine() as server:
+        runs = bench_serve.main(["--url", f"store={server.url}", "--chat8-users", "2", "--users", "2",
+                                 "--rag-requests", "2", "--rag-items", "1", "--docs", "4", "--doc-words", "30",
+                                 "--chat-turns", "2", "--max-tokens", "2", "--no-plot", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert [r.workload for r in runs] == list(bench_serve.WORKLOADS)
+    assert all(r.errors == 0 and r.p(0.5) for r in runs), [(r.workload, r.errors) for r in runs]
+    data = json.loads(out.read_text())
+    assert set(data["chat8"]["store"]) >= {"lone_ttft_s", "last_first_token_s", "last_over_lone", "wall_s"}
+    assert data["reorder"]["store"]["first_token_kl"] is not None and data["failed"] == {}
+    assert data["ratios"]["repeat_again_over_first"]["value"] > 0
+    assert data["ratios"]["chat8_wall_store_over_serial"] == {"value": None, "target": 0.35, "met": None}   # no serial
+    assert "the engine's targets" in text and "one request alone" in text
