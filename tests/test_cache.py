@@ -178,7 +178,8 @@ def test_the_record_codec_studys_key_follows_the_fit_and_the_trainer(tmp_path, m
             "lecture27.coder_parallel.encode_streams", "lecture27.codec.study.search_steps"} <= before["code"].keys()
     assert {"lecture27.kvcache.CODEC_GROUP", "lecture27.kvcache.LEVEL_FACTOR",
             "lecture27.codec.study.CODEC_N_CALIB"} <= before["values"].keys()
-    assert not [k for k in before["code"] if k.startswith(("common.present.", "common.cli."))]
+    assert not [k for k in before["code"] if k.startswith(("common.present.", "common.table.", "common.render.",
+                                                           "common.charts.", "common.cli."))]
     plant(monkeypatch, tmp_path, kv.fit_codec, new="planted = 1")
     after = checkpoints.code_identity(captured(study, monkeypatch))
     assert changed(before, after) == {"lecture27.kvcache.fit_codec"}
