@@ -5,8 +5,9 @@ the time a chunk is decided).
 
 What holds: on a link that stalls mid-chunk, adaptive gives the KV chunk up at its deadline and meets the SLO
 that always-text meets (without the give-up it misses); when the compute runs slower than predicted, the
-learned margin moves the give-up earlier and adaptive meets an SLO it misses without the margin; on a compute
-that runs as predicted, the fake clock gives exactly the simulator's run."""
+learned margin moves the give-up earlier and adaptive meets an SLO it misses without the margin, and so does
+the overhead a slow machine loses per chunk besides its compute; on a compute that runs as predicted, the fake
+clock gives exactly the simulator's run."""
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,41 @@ class SlowComputeLink(st.SimLink):
         return f, measured, gave_up
 
 
+class HandOver:
+    """A setup whose every decode and recompute starts `overhead_s` after its data is in, the compute itself as
+    predicted: what a slow machine loses per chunk besides its compute (the hand-over from the link to the
+    compute, a request's way to the sender)."""
+
+    def __init__(self, setup, overhead_s: float):
+        self.setup, self.overhead_s = setup, overhead_s
+
+    def __getattr__(self, name):
+        return getattr(self.setup, name)
+
+    def recompute_s(self, first: int, n: int) -> float:
+        return self.setup.recompute_s(first, n) + self.overhead_s
+
+    def decode_s(self, first: int, n: int, name: str) -> float:
+        return self.setup.decode_s(first, n, name) + self.overhead_s
+
+
+class HandOverLink(SlowComputeLink):
+    """The fake clock and link on a machine that loses `overhead_s` per chunk, its compute as predicted: margin()
+    learns a slowdown of 1 and that overhead (a chunk's lost seconds, as wire_runs.WireLink hands them to
+    Learned), from the chunks finished by the time it is asked."""
+
+    def __init__(self, setup, trace, overhead_s: float, learn: bool = True):
+        super().__init__(setup, trace, 1.0, learn)
+        self.setup, self.overhead_s = HandOver(setup, overhead_s), overhead_s
+
+    def margin(self):
+        learned = wire_runs.Learned()
+        for predicted, measured, ready in self.steps:
+            if ready <= self.t:
+                learned.add(predicted, measured - self.overhead_s, self.overhead_s)
+        return learned.margin() if self.learn else st.Margin()
+
+
 def run(s, trace, slo, factor=1.0, learn=True, give_up=True):
     return st.run_adaptive(s, SlowComputeLink(s, trace, factor, learn), slo, FAST, give_up=give_up, parallel=True)
 
@@ -105,6 +141,27 @@ def test_the_learned_margin_moves_the_give_up_when_the_compute_is_slower_than_pr
     assert learned.rows[5]["gpu_start"] < blind.rows[5]["gpu_start"] - 0.2    # it gives up earlier
     assert learned.ttft_s <= slo < blind.ttft_s
     assert st.adaptive(s, trace, slo, FAST, parallel=True).ttft_s <= slo      # the compute as predicted: in time
+
+
+@pytest.mark.parametrize("chunks, stall, slo", [(4, 0.2, 1.5), (6, 0.4, 2.1)])
+def test_the_learned_overhead_moves_the_give_up_deadlines(chunks, stall, slo):
+    """Every chunk loses 0.1 s besides its compute, which runs as predicted. The stalled chunk's give-up deadline
+    leaves those 0.1 s for each chunk still to recompute, so adaptive meets the SLO that always-text meets; with
+    the deadlines of a machine that loses nothing it gives the chunk up too late and misses. 4 chunks: the
+    overhead is learned while the stalled chunk waits (chunk 0's decode ends after it was decided); 6 chunks:
+    before it is decided."""
+    s, trace = setup(chunks), stall_at(stall)
+    link = HandOverLink(s, trace, 0.1)
+    assert st.replay(link.setup, trace, ["text"] * chunks, parallel=True).ttft_s <= slo     # always text meets it
+    learned = st.run_adaptive(s, link, slo, FAST, parallel=True)
+    blind = st.run_adaptive(s, HandOverLink(s, trace, 0.1, learn=False), slo, FAST, parallel=True)
+    margin = link.margin()
+    assert margin.slowdown == pytest.approx(1.0) and margin.overhead_s == pytest.approx(0.1)
+    given_up = [[i for i, row in enumerate(r.rows) if row["gave_up"] == "level0"] for r in (learned, blind)]
+    assert given_up[0] == given_up[1] and len(given_up[0]) == 1
+    k = given_up[0][0]
+    assert learned.rows[k]["gpu_start"] < blind.rows[k]["gpu_start"] - 0.05     # it gives up earlier
+    assert learned.ttft_s <= slo < blind.ttft_s
 
 
 def test_a_compute_as_predicted_is_the_simulators_run():

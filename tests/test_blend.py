@@ -12,7 +12,7 @@ import torch
 from lecture27 import blend_rules as rules
 from lecture27 import blend_world as bw
 from lecture27 import record_trainer as rt
-from common.checkpoints import init_weights
+from common.trainer import init_weights
 from common.llama import Llama, rope, shift_kv
 
 TOL = 1e-4  # logits here are O(10): float32 rounding of two different summation orders
@@ -325,7 +325,7 @@ def test_each_attempt_starts_from_its_own_initialisation(tmp_path, monkeypatch):
 def test_train_lm_stops_when_asked_and_follows_lr_fn(monkeypatch):
     """The record trainer decides its own length and learning rate: train_lm ends after the eval
     whose result holds a true "stop", and sets each step's rate from lr_fn(step)."""
-    from common.checkpoints import train_lm
+    from common.trainer import train_lm
 
     def batch_fn(step, g):
         x = torch.randint(0, len(bw.VOCAB), (2, 6), generator=g)

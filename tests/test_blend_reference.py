@@ -23,7 +23,7 @@ from lecture27 import blend_rules as rules
 from lecture27 import blend_world as bw
 from common.llama import shift_kv
 from lecture27 import record_trainer as rt
-from common.checkpoints import init_weights
+from common.trainer import init_weights
 
 P = bw.PREFIX
 TOL = 1e-5

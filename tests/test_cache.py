@@ -22,7 +22,7 @@ import torch
 
 from lecture27.codec import study as cs
 from lecture27 import kvcache as kv
-from common import checkpoints, city
+from common import checkpoints, city, trainer
 from common.llama import Llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,12 +96,12 @@ def test_a_planted_change_to_the_training_loss_retrains(ckdir, tmp_path, monkeyp
     assert again.cache_key == first.cache_key
     assert [e["loaded"] for e in checkpoints.EVENTS[-2:]] == [False, True]
     capsys.readouterr()
-    plant(monkeypatch, tmp_path, checkpoints.train_lm, LOSS, LOSS + " * 2")
+    plant(monkeypatch, tmp_path, trainer.train_lm, LOSS, LOSS + " * 2")
     changed_model, _ = train()
     assert checkpoints.EVENTS[-1] == {"name": "city", "loaded": False, "seconds": checkpoints.EVENTS[-1]["seconds"]}
     assert changed_model.cache_key != first.cache_key and len(list(ckdir.glob("city-*.pt"))) == 2
     said = [ln for ln in capsys.readouterr().out.splitlines() if "changed" in ln]
-    assert said == ["[checkpoints] city: code of common.checkpoints.train_lm changed; training it again"]
+    assert said == ["[checkpoints] city: code of common.trainer.train_lm changed; training it again"]
 
 
 def test_the_record_trainers_key_follows_its_loss(tmp_path, monkeypatch):
@@ -109,12 +109,12 @@ def test_the_record_trainers_key_follows_its_loss(tmp_path, monkeypatch):
     the constants they read; a planted change to the loss changes only train_lm's entry."""
     from lecture27 import record_trainer as rt
     before = checkpoints.code_identity(captured(rt.record_model, monkeypatch))
-    assert {"common.checkpoints.train_lm", "common.checkpoints.init_weights", "common.llama.Llama",
+    assert {"common.trainer.train_lm", "common.trainer.init_weights", "common.llama.Llama",
             "lecture27.blend_world.sample_records", "lecture27.record_trainer.reseed_values"} <= before["code"].keys()
     assert "lecture27.record_trainer.TARGET_ACC" in before["values"]  # (TRAIN reaches the key as the training config)
-    plant(monkeypatch, tmp_path, checkpoints.train_lm, LOSS, LOSS + " * 2")
+    plant(monkeypatch, tmp_path, trainer.train_lm, LOSS, LOSS + " * 2")
     after = checkpoints.code_identity(captured(rt.record_model, monkeypatch))
-    assert changed(before, after) == {"common.checkpoints.train_lm"}
+    assert changed(before, after) == {"common.trainer.train_lm"}
     monkeypatch.setattr(rt, "TARGET_ACC", 0.5)
     again = checkpoints.code_identity(captured(rt.record_model, monkeypatch))
     assert changed(after, again) == {"lecture27.record_trainer.TARGET_ACC"}
@@ -130,7 +130,7 @@ def test_prints_comments_docstrings_and_layout_do_not_retrain(ckdir, tmp_path, m
               'hist = {"step": [],   # a comment\n            "loss": [], "evals": [],\n            "extra": []}'),
              ("model.train()\n", "model.train()\n    print('training', steps, 'steps')  # a message\n")]
     for old, new in edits:
-        plant(monkeypatch, tmp_path, checkpoints.train_lm, old, new)
+        plant(monkeypatch, tmp_path, trainer.train_lm, old, new)
     capsys.readouterr()
     again, _ = train()
     assert again.cache_key == first.cache_key and checkpoints.EVENTS[-1]["loaded"]
@@ -178,7 +178,8 @@ def test_the_record_codec_studys_key_follows_the_fit_and_the_trainer(tmp_path, m
             "lecture27.coder_parallel.encode_streams", "lecture27.codec.study.search_steps"} <= before["code"].keys()
     assert {"lecture27.kvcache.CODEC_GROUP", "lecture27.kvcache.LEVEL_FACTOR",
             "lecture27.codec.study.CODEC_N_CALIB"} <= before["values"].keys()
-    assert not [k for k in before["code"] if k.startswith(("common.present.", "common.cli."))]
+    assert not [k for k in before["code"] if k.startswith(("common.present.", "common.table.", "common.render.",
+                                                           "common.charts.", "common.cli."))]
     plant(monkeypatch, tmp_path, kv.fit_codec, new="planted = 1")
     after = checkpoints.code_identity(captured(study, monkeypatch))
     assert changed(before, after) == {"lecture27.kvcache.fit_codec"}

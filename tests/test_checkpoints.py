@@ -107,7 +107,7 @@ def test_failed_training_is_not_cached(ckdir):
 def test_train_lm_adds_the_extra_loss():
     """extra_loss(model, step) is added to the loss: a penalty on one weight's size shrinks it."""
     import torch
-    from common.checkpoints import train_lm
+    from common.trainer import train_lm
     from common.llama import Llama, LlamaConfig
 
     def batch_fn(step, g):

@@ -1,7 +1,8 @@
 """KV you can trust: a record read from a store that others write to is believed only once it has been checked
-against the chunk it names, so a wrong model, a forged shape, a bitstream that announces more tokens than its
-bytes carry, an unsigned record in a signed store, a full disk or a failed cleanup step is a miss (or a False
-put) with one line, never wrong KV, an exception out of the store, or something left behind."""
+against the chunk it names, so a wrong model, a forged shape, a record of fewer tokens than its chunk, a bitstream
+that announces more tokens than its bytes carry, an unsigned record in a signed store, a full disk or a failed
+cleanup step is a miss (or a False put) with one line, never wrong KV, an exception out of the store, or
+something left behind."""
 import os
 import stat
 import subprocess
@@ -68,6 +69,23 @@ def test_a_header_whose_shape_disagrees_with_its_payload_is_a_miss(tmp_path, fie
     s.put_record(key, forged(s.encode(key, chunk()), **fields))
     assert s.get(key) is None and s.corrupt == 1                    # not a ValueError out of get
     assert len(said) == 1 and "a miss" in said[0]
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "cachegen"])
+def test_a_record_of_fewer_tokens_than_its_chunk_is_a_miss(tmp_path, fmt):
+    """A record whose header and payload agree (its length, checksum, key digest and (L, 2, C) all right) but
+    hold 2 tokens' KV, stored under a 4-token chunk's name: the chunk's own token count decides, so it is a miss
+    with one line, never 2 tokens' KV served as the chunk's."""
+    spec = small_spec()[0] if fmt == "cachegen" else None
+    said = []
+    s, key = store(tmp_path, fmt, spec, said=said), ks.ChunkKey("m", (1, 2, 3, 4))
+    short = s.encode(key, chunk(T=2))
+    assert kvrecord.check(short, key.digest, 2, (4, 2, 64))[1] == (2, 4, 2, 64)     # a good record of 2 tokens
+    s.put_record(key, short)
+    assert s.get(key) is None and s.corrupt == 1
+    assert len(said) == 1 and "holds 2 tokens' KV, the chunk has 4" in said[0]
+    s.put_record(key, short)
+    assert s.get_many([key]) == [None] and s.corrupt == 2
 
 
 def bomb(spec, T=65_535) -> bytes:

@@ -1,7 +1,8 @@
-"""present.py's helpers: columns that read a result (pick, Field), tables built from results (table_of, points,
-text_table), a quantity row (fact), figures that hold for the same inputs (refs), sentences from numbers
-(change, plural), and figures described by data (Series, Chart, chart_figure, cdf, segment_bars): the cells,
-the --json keys, and a figure drawn, saved and recorded on the page (or skipped with plotting off)."""
+"""The page's helpers (table.py's, render.py's and charts.py's, imported through present): columns that read a
+result (pick, Field), tables built from results (table_of, points, text_table), a quantity row (fact), figures
+that hold for the same inputs (refs), sentences from numbers (change, plural), and figures described by data
+(Series, Chart, chart_figure, cdf, segment_bars): the cells, the --json keys, and a figure drawn, saved and
+recorded on the page (or skipped with plotting off)."""
 from dataclasses import dataclass
 
 import matplotlib.image

@@ -12,7 +12,7 @@ from common.present import change
 from common.timemodel import prefill_time
 from lecture27.rag_caches import (RagTrace, chunk_keys, content_key, prefill_s, prefix_keys, rag_trace, reuse_of,
                         serve_rag)
-from lecture27.tiers import Tier, TieredStore
+from lecture27.tiers import SimTier, TieredStore
 
 mod = importlib.import_module("lecture27.05_tiered_storage")
 MODEL, GPU, T, Q = "llama-3-8b", "H100", 512, 32
@@ -41,7 +41,7 @@ def test_a_chunk_key_is_the_documents_content_alone():
 # ------------------------------------------------------------------------------------- the lookups
 def store():
     """GPU 2 documents, CPU 100 (a document is 1 byte here, the CPU reads 1 document/s)."""
-    return TieredStore([Tier("GPU", 2), Tier("CPU", 100, bandwidth=1.0)])
+    return TieredStore([SimTier("GPU", 2), SimTier("CPU", 100, bandwidth=1.0)])
 
 
 def test_the_prefix_cache_hits_only_the_leading_matching_run():
@@ -65,7 +65,7 @@ def test_the_chunk_cache_hits_a_cached_document_anywhere():
 def serve(cache, requests, recompute=0.15):
     """`requests` (lists of k documents) one second apart, on a store that holds them all."""
     trace = RagTrace(np.arange(len(requests), dtype=float), np.array(requests))
-    big = TieredStore([Tier("GPU", 1e15), Tier("CPU", 1e15, bandwidth=50e9)])
+    big = TieredStore([SimTier("GPU", 1e15), SimTier("CPU", 1e15, bandwidth=50e9)])
     return serve_rag(trace, big, cache, MODEL, GPU, T, Q, recompute)
 
 
@@ -91,7 +91,7 @@ def test_what_the_prefix_cache_reuses_is_exact():
 
 def test_a_request_waits_for_the_gpu_to_finish_the_one_before():
     trace = RagTrace(np.zeros(2), np.array([[1, 2, 3], [4, 5, 6]]))   # both at once, no document shared
-    big = TieredStore([Tier("GPU", 1e15), Tier("CPU", 1e15, bandwidth=50e9)])
+    big = TieredStore([SimTier("GPU", 1e15), SimTier("CPU", 1e15, bandwidth=50e9)])
     r = serve_rag(trace, big, "prefix", MODEL, GPU, T, Q, 0.15)
     assert r.ttft[0] == pytest.approx(r.load_s[0] + r.compute_s[0])
     assert r.ttft[1] == pytest.approx(r.ttft[0] + r.load_s[1] + r.compute_s[1])   # queued behind the first

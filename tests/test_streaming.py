@@ -1,5 +1,6 @@
-"""streaming.py (trace, link simulation, CacheGen's adaptive policy, oracle) and 03_streaming.py (the
-command line). Levels here are synthetic: the tests check the mechanism, not the codec's numbers."""
+"""streaming.py (trace, link simulation, CacheGen's adaptive policy), stream/oracle.py (the oracle, the trace
+suite) and 03_streaming.py (the command line). Levels here are synthetic: the tests check the mechanism, not
+the codec's numbers."""
 import dataclasses
 import importlib
 import itertools
@@ -12,6 +13,7 @@ import pytest
 from hypothesis import example, given, settings, strategies as hs
 
 from lecture27 import streaming as st
+from lecture27.stream import oracle as so
 from lecture27.stream import page as sp
 from lecture27.stream import study
 from common import timemodel as tm
@@ -204,7 +206,7 @@ SUITE = dict(states=(0.1, 0.3, 1.0, 3.0, 10.0, 25.0), dwell=(0.1, 2.0), jump=0.2
 
 
 def test_trace_suite_is_seeded_and_a_markov_chain():
-    a, b, c = (st.trace_suite(20, seed, **SUITE) for seed in (3, 3, 4))
+    a, b, c = (so.trace_suite(20, seed, **SUITE) for seed in (3, 3, 4))
     assert a == b and a != c
     for tr in a:
         assert set(tr.gbps) <= set(SUITE["states"]) and tr.times[-1] < 30.0 + 2.0 and len(tr.times) >= 10
@@ -226,17 +228,17 @@ def test_the_promise_on_a_small_suite(levels, context, parallel):
     Keeping the last estimate through text and waiting for every KV chunk breaks the promise (in the
     parallel model, where a KV chunk fetched during a recompute measures the link anyway, it shows on the
     12K context; on these 25 traces at 24K the naive rule does as well)."""
-    traces = st.trace_suite(25, 1, **SUITE)
+    traces = so.trace_suite(25, 1, **SUITE)
     s = setup(context=context, levels=levels)
     pols = ("adaptive", "naive adaptive", "always level0", "always text")
-    runs = st.run_suite(s, traces, 4.0, pols, parallel=parallel)
-    assert st.promise_exceptions(runs, traces, 4.0) == []
-    m = {p: st.suite_summary(runs[p], 4.0) for p in pols}
+    runs = so.run_suite(s, traces, 4.0, pols, parallel=parallel)
+    assert so.promise_exceptions(runs, traces, 4.0) == []
+    m = {p: so.suite_summary(runs[p], 4.0) for p in pols}
     assert m["adaptive"]["violation_rate"] <= min(m["always level0"]["violation_rate"],
                                                   m["always text"]["violation_rate"])
     assert m["adaptive"]["mean_quality_on_time"] >= m["always level0"]["mean_quality_on_time"] - 0.005
     naive = dict(runs, adaptive=runs["naive adaptive"])
-    assert (st.promise_exceptions(naive, traces, 4.0)
+    assert (so.promise_exceptions(naive, traces, 4.0)
             or m["naive adaptive"]["violation_rate"] > m["adaptive"]["violation_rate"]
             or (parallel and context > 12 * 1024))
 
@@ -246,19 +248,19 @@ def test_suite_summary_by_hand():
     fast, slow = st.Trace.steady(100), st.Trace.steady(0.5)
     res = [st.fixed(s, tr, "level0", parallel=True) for tr in (fast, slow)]   # 4.8 bits x 163,840 x 12,288 = 9.66 Gb
     assert res[0].ttft_s == pytest.approx(0.0966368, rel=1e-5) and res[1].ttft_s == pytest.approx(19.32736, rel=1e-5)
-    m = st.suite_summary(res, 4.0)
+    m = so.suite_summary(res, 4.0)
     assert m["violation_rate"] == 0.5 and m["mean_ttft_s"] == pytest.approx((0.0966368 + 19.32736) / 2, rel=1e-5)
     assert m["mean_quality"] == pytest.approx(0.99) and m["mean_quality_on_time"] == pytest.approx(0.495)
     assert st.ttft_percentile(res, 0.5) == res[0].ttft_s and st.ttft_percentile(res, 0.95) == res[1].ttft_s
     edge = [st.Result("x", ttft_s=4.0, quality=0.9), st.Result("x", ttft_s=4.0005, quality=0.9)]
-    assert st.suite_summary(edge, 4.0)["violation_rate"] == 0.5        # arriving at the SLO meets it
+    assert so.suite_summary(edge, 4.0)["violation_rate"] == 0.5        # arriving at the SLO meets it
 
 
 # ------------------------------------------------------------------------------------ the oracle
 def brute_force(s, trace, slo, parallel=True):
     names = [o.name for o in s.options]
     runs = (st.replay(s, trace, list(c), parallel=parallel) for c in itertools.product(names, repeat=len(s.plan)))
-    return min(runs, key=lambda r: st.outcome_key(r, slo))
+    return min(runs, key=lambda r: so.outcome_key(r, slo))
 
 
 @pytest.mark.parametrize("slo", [0.5, 2.0, 4.0, 8.0])
@@ -266,8 +268,8 @@ def brute_force(s, trace, slo, parallel=True):
 def test_oracle_matches_brute_force(slo, parallel):
     s = setup(chunk=3072)                                  # 4 chunks x 5 options = 625 schedules
     for trace in (HANDOUT_TRACE, st.Trace((0.0, 0.5, 1.0), (2.0, 20.0, 0.5))):
-        o, b = st.oracle(s, trace, slo, parallel=parallel), brute_force(s, trace, slo, parallel)
-        assert st.outcome_key(o, slo) == st.outcome_key(b, slo)
+        o, b = so.oracle(s, trace, slo, parallel=parallel), brute_force(s, trace, slo, parallel)
+        assert so.outcome_key(o, slo) == so.outcome_key(b, slo)
 
 
 traces = hs.lists(hs.tuples(hs.floats(0.05, 2.0), hs.floats(0.0, 40.0)), min_size=0, max_size=4).map(
@@ -280,10 +282,10 @@ traces = hs.lists(hs.tuples(hs.floats(0.05, 2.0), hs.floats(0.0, 40.0)), min_siz
 @example(st.Trace((0.0, 2.0, 3.0, 4.0), (1.75, 1.192092896e-07, 2.0, 1.0)), 1.0, 1536, False)  # a schedule that
 def test_oracle_never_worse_than_any_policy(trace, slo, chunk, parallel):     # ends at its deadline, at 2 Gb/s
     s = setup(chunk)
-    key = st.outcome_key(st.oracle(s, trace, slo, parallel=parallel), slo)
+    key = so.outcome_key(so.oracle(s, trace, slo, parallel=parallel), slo)
     for r in (st.adaptive(s, trace, slo, parallel=parallel), st.fixed(s, trace, "level0", parallel=parallel),
               st.fixed(s, trace, "text", parallel=parallel), st.fixed(s, trace, "level3", parallel=parallel)):
-        assert key <= st.outcome_key(r, slo)
+        assert key <= so.outcome_key(r, slo)
 
 
 # ---------------------------------------------------------------------------------- the script

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as hs
 
 from lecture27 import streaming as st
+from lecture27.stream import oracle as so
 from common import timemodel as tm
 from test_streaming import HANDOUT_TRACE, LEVELS, REAL_SIZE_LEVELS, SMALL_LEVELS, brute_force, setup, traces
 
@@ -150,8 +151,8 @@ def test_a_text_chunk_waits_for_the_gpu_in_the_prediction(levels):
 def test_oracle_is_the_best_schedule(trace, slo, levels, parallel):
     """Against every one of the 5^3 schedules of a 3-chunk context, in either model."""
     s = setup(chunk=2048, context=6144, levels=levels)
-    o, b = st.oracle(s, trace, slo, parallel=parallel), brute_force(s, trace, slo, parallel)
-    assert st.outcome_key(o, slo) == st.outcome_key(b, slo)
+    o, b = so.oracle(s, trace, slo, parallel=parallel), brute_force(s, trace, slo, parallel)
+    assert so.outcome_key(o, slo) == so.outcome_key(b, slo)
 
 
 @pytest.mark.parametrize("slo", [0.3, 1.0, 2.0, 4.0])
@@ -163,14 +164,14 @@ def test_oracle_is_the_best_schedule_of_five_chunks(slo, levels):
     s = setup(chunk=1024, context=4 * 1024 + 512, levels=levels)
     for trace in (HANDOUT_TRACE, BURST_TRACE, st.Trace((0.0, 0.1, 0.6), (5.0, 0.05, 2.0)),
                   st.Trace((0.0, 0.3846441702059365), (0.05, 1.0))):
-        o, b = st.oracle(s, trace, slo, parallel=True), brute_force(s, trace, slo, True)
-        assert st.outcome_key(o, slo) == st.outcome_key(b, slo)
+        o, b = so.oracle(s, trace, slo, parallel=True), brute_force(s, trace, slo, True)
+        assert so.outcome_key(o, slo) == so.outcome_key(b, slo)
 
 
 def test_oracle_of_the_burst():
     """On the burst at 48K the oracle streams level0 throughout and meets the SLO; the parallel model cannot
     make the best schedule worse (it only lets work overlap)."""
     s = setup(context=48 * 1024, levels=RECORD_SIZE_LEVELS)
-    par, ser = (st.oracle(s, BURST_TRACE, 4.0, parallel=p) for p in (True, False))
+    par, ser = (so.oracle(s, BURST_TRACE, 4.0, parallel=p) for p in (True, False))
     assert par.choices == ["level0"] * 32 and par.ttft_s <= 4.0
-    assert st.outcome_key(par, 4.0) <= st.outcome_key(ser, 4.0)
+    assert so.outcome_key(par, 4.0) <= so.outcome_key(ser, 4.0)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from lecture27.tiers import Tier, TieredStore
+from lecture27.tiers import SimTier, TieredStore
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "code" / "lecture27" / "05_tiered_storage.py"
@@ -25,7 +25,7 @@ tst = importlib.import_module("lecture27.store.tiers_study")    # 05's computing
 @given(st.lists(st.tuples(st.integers(0, 30), st.integers(1, 40), st.booleans()), max_size=200),
        st.integers(0, 100), st.booleans())
 def test_capacity_never_exceeded(ops, capacity, hinted):
-    tier = Tier("t", capacity, hinted=hinted)
+    tier = SimTier("t", capacity, hinted=hinted)
     sizes = {}
     for key, nbytes, reuse in ops:
         nbytes = sizes.setdefault(key, nbytes)   # a key always names the same bytes
@@ -36,7 +36,7 @@ def test_capacity_never_exceeded(ops, capacity, hinted):
 
 
 class DictTier:
-    """The obviously-correct model of a Tier: one list in recency order (oldest first) of
+    """The obviously-correct model of a SimTier: one list in recency order (oldest first) of
     [key, nbytes, marked]; a victim is the oldest unmarked chunk, else the oldest marked one."""
 
     def __init__(self, capacity, hinted):
@@ -74,7 +74,7 @@ class DictTier:
                                st.booleans()), max_size=120), capacity=st.integers(0, 30))
 def test_tier_equals_a_dictionary_model(ops, capacity, hinted):
     """Any sequence of puts and touches: the same contents, eviction order, bytes and eviction count."""
-    tier, model = Tier("t", capacity, hinted=hinted), DictTier(capacity, hinted)
+    tier, model = SimTier("t", capacity, hinted=hinted), DictTier(capacity, hinted)
     sizes = {}
     for op, key, nbytes, reuse in ops:
         nbytes = sizes.setdefault(key, nbytes)
@@ -93,7 +93,7 @@ def test_tier_equals_a_dictionary_model(ops, capacity, hinted):
 
 
 def test_lru_order_and_touch():
-    tier = Tier("t", 3)
+    tier = SimTier("t", 3)
     for k in "abc":
         tier.put(k, 1)
     tier.touch("a")                      # b is now the least recently used
@@ -106,7 +106,7 @@ def test_lru_order_and_touch():
 
 
 def test_hint_keeps_marked_chunks():
-    plain, hinted = Tier("lru", 3), Tier("hint", 3, hinted=True)
+    plain, hinted = SimTier("lru", 3), SimTier("hint", 3, hinted=True)
     for tier in (plain, hinted):
         tier.put("doc", 1, reuse=True)
         tier.put("x", 1)
@@ -117,7 +117,7 @@ def test_hint_keeps_marked_chunks():
 
 
 def test_write_through_and_copy_up():
-    gpu, cpu, ssd = Tier("gpu", 2), Tier("cpu", 4, bandwidth=2.0), Tier("ssd", 100, bandwidth=0.5)
+    gpu, cpu, ssd = SimTier("gpu", 2), SimTier("cpu", 4, bandwidth=2.0), SimTier("ssd", 100, bandwidth=0.5)
     store = TieredStore([gpu, cpu, ssd])
     store.store(["a0", "a1"], [1, 1])
     assert all(k in t for k in ("a0", "a1") for t in (gpu, cpu, ssd))   # written through
@@ -134,7 +134,7 @@ def test_write_through_and_copy_up():
 
 
 def test_longest_prefix_stops_at_first_gap_and_mixes_tiers():
-    gpu, cpu = Tier("gpu", 10), Tier("cpu", 10, bandwidth=1.0)
+    gpu, cpu = SimTier("gpu", 10), SimTier("cpu", 10, bandwidth=1.0)
     store = TieredStore([gpu, cpu])
     store.store(["p0", "p1", "p2", "p3"], [1] * 4)
     gpu.plain.pop("p1"); gpu.used -= 1           # p1 left the GPU but is still on the CPU
@@ -146,7 +146,7 @@ def test_longest_prefix_stops_at_first_gap_and_mixes_tiers():
 
 
 def test_a_lookup_by_content_goes_on_past_a_gap():
-    store = TieredStore([Tier("gpu", 10), Tier("cpu", 100, bandwidth=2.0)])
+    store = TieredStore([SimTier("gpu", 10), SimTier("cpu", 100, bandwidth=2.0)])
     store.store(["a", "c"], [1, 1])
     assert store.lookup(["a", "b", "c"]) == [0]
     assert store.lookup(["a", "b", "c"], prefix=False) == [0, None, 0]
@@ -155,7 +155,7 @@ def test_a_lookup_by_content_goes_on_past_a_gap():
 
 
 def test_a_prefix_is_evicted_from_its_tail():
-    tier = Tier("gpu", 3)
+    tier = SimTier("gpu", 3)
     store = TieredStore([tier])
     store.store(["h0", "h1", "h2"], [1, 1, 1])
     tier.put("other", 1)                        # one chunk must go: the tail h2, not the head h0
@@ -163,7 +163,7 @@ def test_a_prefix_is_evicted_from_its_tail():
 
 
 def test_a_fetched_prefix_is_touched_tail_first_so_its_head_is_evicted_last():
-    tier = Tier("gpu", 4)
+    tier = SimTier("gpu", 4)
     store = TieredStore([tier])
     store.store(["h0", "h1", "h2"], [1, 1, 1])
     tier.put("x", 1)                            # x is now the most recent

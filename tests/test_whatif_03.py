@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from lecture27 import streaming as st
+from lecture27.stream import oracle as so
 from lecture27.codec import smollm2
 from lecture27.stream import study
 from lecture27.stream import wire_study
@@ -433,7 +434,7 @@ def test_the_wire_part_reads_its_constants_and_flags(monkeypatch):
     levels = study.Levels([{"level": i, "accuracy": a} for i, a in enumerate((0.9, 0.8, 0.7, 0.6))], "SmolLM2", 1.0,
                           "exact")
     s3.part5_wire(s, levels)
-    suite = st.trace_suite(8, s.suite_seed, s.suite_gbps, s.suite_dwell_s, s.suite_jump, s.suite_horizon_s)
+    suite = so.trace_suite(8, s.suite_seed, s.suite_gbps, s.suite_dwell_s, s.suite_jump, s.suite_horizon_s)
     assert seen["specs"] is specs      # the codec's levels given by 03, fitted on SmolLM2 (codec.smollm2)
     assert seen["traces"] == {"handout": study.trace_from(s.trace), "steady": st.Trace.steady(s.steady_gbps),
                               "suite 2": suite[2], "suite 7": suite[7]}

@@ -11,7 +11,7 @@ import pytest
 from lecture27 import kvcache as kv
 from lecture27 import kvstore as ks
 from lecture27 import streaming as st
-from lecture27.stream import page as sp
+from lecture27.stream import wire_page
 from lecture27 import wire
 from lecture27.stream import compare
 from lecture27.stream import measure
@@ -168,7 +168,7 @@ def test_the_study_and_its_table_are_built_from_real_runs(tiny_inputs, monkeypat
     assert 0 < r.answers_computed < len(policies) * len(lecture) + 1 and r.answers_reused > 0
 
     page = Page("03", "test", "§4", plot=False)
-    sp.show_wire(page, r, None)
+    wire_page.show_wire(page, r, None)
     layouts = next(t for t in page.tables if t.source == "stream.measure.choose_layouts")
     assert [row.cells[:2] for row in layouts.rows] == [[n, c.layout] for n, c in r.layouts.items()]
     table = page.tables[-1]

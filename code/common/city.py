@@ -19,7 +19,8 @@ import random
 
 import torch
 
-from .checkpoints import cached_model, init_weights, train_lm
+from .checkpoints import cached_model
+from .trainer import init_weights, train_lm
 from .llama import LlamaConfig
 
 SENTENCE_LEN = 8
@@ -119,7 +120,7 @@ def city_config(lang: CityLanguage) -> LlamaConfig:
                        head_dim=16, d_ff=192)
 
 
-# Initialised like the record model (common.checkpoints.init_weights): at llama.py's N(0, 0.02) about half
+# Initialised like the record model (common.trainer.init_weights): at llama.py's N(0, 0.02) about half
 # of the seeds stayed on a plateau 0.13-0.19 nats above the entropy for the whole run (the city facts
 # unlearned); at this scale each of seeds 0-6 ends within 0.004 nats of it (the held-out estimate's own noise).
 TRAIN = dict(steps=700, batch=32, n_sentences=8, lr=3e-3, warmup=50, embed_std=1.0, linear_std=0.125)

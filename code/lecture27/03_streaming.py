@@ -43,11 +43,13 @@ Part 5 (§4.2 over a real connection, as CacheGen's evaluation streams real bits
         mid-stream; the answer checked against a full prefill. About a minute on a busy 2-core machine.
 The codec's four levels come from cs.codec_levels() (measured by 02 on the record-world model) and,
 for Parts 2c and 5, smollm2.real_codec_levels() (fitted on first use, about a minute, then cached; Part 5's
-codec tables at those levels: smollm2.real_codec_specs()); the simulation, the policy and the oracle are in
-streaming.py, the socket in wire.py, the runs on it in stream/ (measure, wire_runs, simulated, compare, wire_study).
+codec tables at those levels: smollm2.real_codec_specs()); the simulation and the policy are in streaming.py,
+the oracle and the trace suite in stream/oracle.py, the socket in wire.py, the runs on it in stream/ (measure,
+wire_runs, simulated, compare, wire_study).
 Recompute times: common/timemodel.py.
 This file holds the inputs (the constants, the command line) and one function per Part; what each Part asks
-of streaming.py is in stream/study.py, how it is shown (tables, notes, figures, --json) in stream/page.py.
+of streaming.py is in stream/study.py, how it is shown (tables, notes, figures, --json) in stream/page.py (Part 5's
+in stream/wire_page.py).
 """
 from __future__ import annotations
 
@@ -62,13 +64,15 @@ from lecture27.codec import smollm2  # noqa: E402
 from lecture27.codec import study as cs  # noqa: E402
 from lecture27 import streaming as st  # noqa: E402
 from lecture27.stream import study  # noqa: E402
+from lecture27.stream.oracle import trace_suite  # noqa: E402
 from lecture27.stream import wire_study  # noqa: E402
 from common.cli import (Parser, fail, nonneg_int, positive_float, positive_int, settings,  # noqa: E402
                         settings_from, shipped_defaults)
 from common.gguf_llama import smollm2_or_explain  # noqa: E402
 from common.present import Page  # noqa: E402
 from lecture27.stream.page import (show_models, show_part1, show_part2, show_part2_long,  # noqa: E402
-                            show_part2_real, show_part3, show_part4, show_setup, show_skipped, show_wire)
+                                   show_part2_real, show_part3, show_part4, show_setup, show_skipped)
+from lecture27.stream.wire_page import show_wire  # noqa: E402
 
 K = 1024
 # ---- Part 1 (§4.1)
@@ -253,8 +257,8 @@ def part3(s: Settings, lv: study.Levels) -> study.ChunkSizes:
 def part4(s: Settings, level_sets: list) -> study.Suite:
     """The trace suite: SUITE_TRACES traces from the Markov chain (SUITE_*), each context of SUITE_CONTEXTS
     and each level set."""
-    traces = st.trace_suite(s.suite_traces, s.suite_seed, s.suite_gbps, s.suite_dwell_s, s.suite_jump,
-                            s.suite_horizon_s)
+    traces = trace_suite(s.suite_traces, s.suite_seed, s.suite_gbps, s.suite_dwell_s, s.suite_jump,
+                         s.suite_horizon_s)
     return study.suite(traces, level_sets, s.suite_contexts, lambda ctx, lv: setup_for(s, ctx, s.chunk_tokens, lv),
                        s.slo, s.parallel)
 
@@ -262,8 +266,8 @@ def part4(s: Settings, level_sets: list) -> study.Suite:
 def part5_wire(s: Settings, real: study.Levels) -> wire_study.WireStudy:
     """§4.2 over a real connection: the handout's trace, a steady one and WIRE_SUITE_TRACES of the suite,
     each policy on a paced socket and in the simulator fed this CPU's times; then the sender killed."""
-    suite = st.trace_suite(max(s.wire_suite_traces) + 1, s.suite_seed, s.suite_gbps, s.suite_dwell_s, s.suite_jump,
-                           s.suite_horizon_s)
+    suite = trace_suite(max(s.wire_suite_traces) + 1, s.suite_seed, s.suite_gbps, s.suite_dwell_s, s.suite_jump,
+                        s.suite_horizon_s)
     traces = {"handout": study.trace_from(s.trace), "steady": st.Trace.steady(s.steady_gbps),
               **{f"suite {i}": suite[i] for i in s.wire_suite_traces}}
     return wire_study.wire_study(smollm2.real_codec_specs(), traces, s.wire_context, s.wire_chunk_tokens, s.wire_scale,

@@ -3,7 +3,8 @@ interval and narrows it, symbol by symbol, to the slice the symbol owns (its wid
 probability), so a symbol of probability p costs -log2 p bits and a stream comes close to its entropy;
 it is lossless (the codec loses only where it quantizes). Tables are made once from counts (CacheGen
 fits one per channel and layer, offline, shared by encoder and decoder); exercise 4 measures the coder
-against the entropy of a distribution. numpy only. The same coder on thousands of streams at once is
+against the entropy of a distribution. numpy only (constriction's throughput, for scale, is timed by
+common/clock.py, the one timer). The same coder on thousands of streams at once is
 coder_parallel.py's; the codec built on it is kvcache.py's.
 """
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-import time
 from dataclasses import dataclass
 
 import numpy as np
+
+from common.clock import fastest
 
 # A range coder: integer arithmetic coding that emits whole bytes. The code value is a number in
 # [0, 1) written in base 256; the coder keeps an interval [low, low + rng) of it, seen through a
@@ -229,16 +231,6 @@ def exercise4(probs: dict, n: int = 100_000, seed: int = 0) -> dict:
             "roundtrip_exact": bool(np.array_equal(decode(data, table, n), syms))}
 
 
-def best_time(f, repeats: int):
-    """(the fastest of `repeats` calls of f, in seconds; its result): a coder's time on a shared machine."""
-    best, out = math.inf, None
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = f()
-        best = min(best, time.perf_counter() - t)
-    return best, out
-
-
 def constriction_throughput(syms, ids, tables, repeats: int = 1):
     """constriction's range coder (a compiled one, for scale) on these symbols, table by table (one call
     per table, its model built beforehand, as our tables are); best of `repeats`. -> (encode, decode)
@@ -259,12 +251,12 @@ def constriction_throughput(syms, ids, tables, repeats: int = 1):
             coder.encode(run, model)
         return coder.get_compressed()
 
-    te, data = best_time(enc, repeats)
+    data, te = fastest(enc, repeats)
 
     def dec():
         coder = constriction.stream.queue.RangeDecoder(data)
         return [coder.decode(model, len(run)) for run, model in zip(runs, models)]
 
-    td, back = best_time(dec, repeats)
+    back, td = fastest(dec, repeats)
     assert all(np.array_equal(a, b) for a, b in zip(back, runs)), "constriction did not decode bit for bit"
     return syms.size / te, syms.size / td

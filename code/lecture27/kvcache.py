@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from common.clock import fastest
 from lecture27.coder import (AC_PRECISION, AC_TOTAL, CorruptStream, FreqTable, cdfs_by_size, decode, encode, ideal_bits,
                              make_tables, unseen_uniform)
 from lecture27.coder_parallel import (TableStack, decode_lanes, decode_streams, encode_streams, read_varint_runs,
@@ -277,17 +278,13 @@ def layout_decode_seconds(spec: CodecSpec, tokens: int, repeats: int = 3) -> dic
     `repeats`) on a context drawn from the codec's tables (sample_context). A layout the serial coder
     decodes is timed on one group and scaled by the context's groups: that coder's time grows with its
     symbols, and a whole context would take it seconds."""
-    import time
     X = dequantize(sample_context(spec, tokens), spec)
     out = {}
     for p in stream_plans(spec):
         serial = coder_for(p.streams * -(-tokens // spec.group)) == "serial"
         part = X[:min(tokens, spec.group)] if serial else X
-        data, best = codec_encode(part, spec, p.layout), math.inf
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            codec_decode(data, spec)
-            best = min(best, time.perf_counter() - t0)
+        data = codec_encode(part, spec, p.layout)
+        _, best = fastest(functools.partial(codec_decode, data, spec), repeats)
         out[p.layout] = best * tokens / len(part)
     return out
 

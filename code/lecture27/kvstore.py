@@ -9,7 +9,7 @@ tokens. A request's chunks are served LMCache's way: `chunk_keys` names them, `c
 KV alone behind the prefix (what a store holds does not depend on where a request puts it), and `assemble`
 places the fetched chunks one after another, each chunk's K moved to its place by shift_kv.
 
-A tier (`Tier`) holds named records (bytes) with a byte budget and LRU eviction, as tiers.Tier does:
+A tier (`Tier`) holds named records (bytes) with a byte budget and LRU eviction, as tiers.SimTier does:
   RamTier   a dict in this process's memory;
   DiskTier  one file per chunk, written whole or not at all (common.files.write_atomic: a writer killed half
             way leaves no half chunk under a chunk's name, and its temporary file is removed later). The

@@ -20,7 +20,8 @@ from tqdm import tqdm
 
 from lecture27 import blend_world as bw
 from common import checkpoints
-from common.checkpoints import TrainingFailed, cached_model, init_weights, train_lm
+from common.checkpoints import TrainingFailed, cached_model
+from common.trainer import init_weights, train_lm
 from common.cli import Parser, fail, nonneg_float, positive_int, settings_from
 from common.llama import Llama, single_thread
 from common.present import Page, Row, Table, cols, pyplot
@@ -28,11 +29,11 @@ from common.present import Page, Row, Table, cols, pyplot
 # The recipe that makes the induction head form in a few hundred steps (see train_record_model):
 #  * dense signal: every document is followed by 12 questions (all its keys, shuffled), and every
 #    answer position is in the loss (12 targets per 48-token sequence, not 1);
-#  * initialisation at the usual 1/sqrt(fan_in) scale (common.checkpoints.init_weights: embeddings N(0, 1),
+#  * initialisation at the usual 1/sqrt(fan_in) scale (common.trainer.init_weights: embeddings N(0, 1),
 #    matrices N(0, 1/64)) instead of llama.py's N(0, 0.02): with tiny weights every hidden state looks alike and the
 #    loss sits on the "uniform over the 12 values in context" plateau (ln 12 = 2.48) for thousands
 #    of steps; at this scale the plateau lasts ~200 steps and then drops suddenly;
-#  * AdamW (common.checkpoints.train_lm) at the full rate, after a short warmup, until the drop (held-out
+#  * AdamW (common.trainer.train_lm) at the full rate, after a short warmup, until the drop (held-out
 #    accuracy first above 50%), then cosine decay over the `after_drop` steps that follow: the rate never
 #    decays while the answers are still being learned, and a run lasts only as long as it needs;
 #  * dead values brought back: below `stuck_acc` `stuck_after` steps after the drop (about one

@@ -49,7 +49,7 @@ out, sys.argv = sys.argv[1], sys.argv[2:]
 sys.path.insert(0, os.path.dirname(sys.argv[0]))
 cProfile.run("runpy.run_path(sys.argv[0], run_name='__main__')", out)"""
 # --profile: time spent inside each of these functions (each includes what it calls, so rows overlap)
-PHASES = [("training a small model", "checkpoints.py", "train_lm"),
+PHASES = [("training a small model", "trainer.py", "train_lm"),
           ("reading SmolLM2 (GGUF or its cache)", "gguf_llama.py", "load_gguf_llama"),
           ("KV of the calibration/evaluation texts", os.path.join("codec", "study.py"), "context_kv"),
           ("codec step search", os.path.join("codec", "study.py"), "search_steps"),

@@ -1,7 +1,8 @@
 """Storage tiers for KV chunks (§6.3, §7): the small piece that 05_tiered_storage.py builds on.
 
-A `Tier` is one level of storage (GPU HBM, CPU DRAM, SSD, ...) with a capacity in bytes, the bandwidth
-at which KV read from it reaches the GPU, and an eviction policy:
+A `SimTier` is one simulated level of storage (GPU HBM, CPU DRAM, SSD, ...): it holds chunks' sizes, not
+their bytes (kvstore.py's tiers hold real records), with a capacity in bytes, the bandwidth at which KV
+read from it reaches the GPU, and an eviction policy:
   - LRU (the default): evict the least recently used chunk. It sees only tokens, like a backend behind
     the OpenAI API.
   - hint-aware (`hinted=True`): chunks the application marked "will be reused" are evicted only when no
@@ -31,8 +32,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 
-class Tier:
-    """One storage level. Chunks are (key -> bytes); two LRU lists: unhinted and "will be reused"."""
+class SimTier:
+    """One simulated storage level. Chunks are (key -> nbytes); two LRU lists: unhinted and "will be reused"."""
 
     def __init__(self, name: str, capacity: float, bandwidth: float = math.inf, hinted: bool = False):
         if capacity < 0 or bandwidth <= 0:
@@ -94,7 +95,7 @@ class Fetch:
 class TieredStore:
     """Tiers fastest first; tiers[0] is the GPU (bandwidth inf: KV already there costs nothing to use)."""
 
-    def __init__(self, tiers: list[Tier]):
+    def __init__(self, tiers: list[SimTier]):
         if not tiers:
             raise ValueError("need at least one tier")
         self.tiers = tiers

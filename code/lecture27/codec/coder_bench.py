@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lecture27.coder import best_time, constriction_throughput, decode, encode
+from common.clock import fastest
+from lecture27.coder import constriction_throughput, decode, encode
 from lecture27.coder_parallel import decode_streams, encode_streams, stack_tables, varint
 
 THROUGHPUT_MAX_STEPS = 5_000    # the parallel coder is timed on at most this many symbols of each stream
@@ -42,8 +43,8 @@ def coder_throughput(symbols, table_ids, tables, stream_counts, repeats: int = 1
     R, n = syms.shape
     flat, flat_ids, stack = syms.ravel(), ids.ravel(), stack_tables(tables)
     stack.lookup, stack.keys                             # built beforehand, as constriction's models are
-    t_enc, one = best_time(lambda: encode(flat, tables, flat_ids), repeats)
-    t_dec, back = best_time(lambda: decode(one, tables, flat.size, flat_ids), repeats)
+    one, t_enc = fastest(lambda: encode(flat, tables, flat_ids), repeats)
+    back, t_dec = fastest(lambda: decode(one, tables, flat.size, flat_ids), repeats)
     assert np.array_equal(back, flat), "the serial coder did not decode bit for bit"
     counts = sorted({min(int(k), R) for k in stream_counts})
     enc, dec, added = [], [], []
@@ -51,8 +52,8 @@ def coder_throughput(symbols, table_ids, tables, stream_counts, repeats: int = 1
         lengths = np.array([len(r) * n for r in np.array_split(np.arange(R), k)])
         keep = np.arange(flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths) < THROUGHPUT_MAX_STEPS
         sub, sub_ids, sub_len = flat[keep], flat_ids[keep], np.minimum(lengths, THROUGHPUT_MAX_STEPS)
-        te, (data, nbytes) = best_time(lambda: encode_streams(sub, sub_len, stack, sub_ids), repeats)
-        td, back = best_time(lambda: decode_streams(data, nbytes, sub_len, stack, sub_ids), repeats)
+        (data, nbytes), te = fastest(lambda: encode_streams(sub, sub_len, stack, sub_ids), repeats)
+        back, td = fastest(lambda: decode_streams(data, nbytes, sub_len, stack, sub_ids), repeats)
         assert np.array_equal(back, sub), "the parallel coder did not decode bit for bit"
         if keep.all():
             sizes = nbytes.tolist()

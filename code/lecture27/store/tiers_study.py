@@ -13,7 +13,7 @@ import numpy as np
 
 from common.timemodel import kv_bytes_per_token, prefill_time
 from lecture27.rag_caches import CACHES, rag_trace, serve_rag
-from lecture27.tiers import Tier, TieredStore
+from lecture27.tiers import SimTier, TieredStore
 
 GB = 1e9
 
@@ -73,7 +73,7 @@ def chat_trace(users, turns, rate, seed):
 
 def make_store(tiers: list) -> TieredStore:
     """tiers: [(name, GB, GB/s), ...], fastest first (the GPU's bandwidth is ignored)."""
-    return TieredStore([Tier(name, gb * GB, (bw or float("inf")) * GB if i else float("inf"))
+    return TieredStore([SimTier(name, gb * GB, (bw or float("inf")) * GB if i else float("inf"))
                         for i, (name, gb, bw) in enumerate(tiers)])
 
 
@@ -181,7 +181,7 @@ def doc_hit_rate(trace, hinted: bool, cache_gb, doc_tokens, oneshot_tokens, chun
     """Share of document tokens found cached. Every request's KV is stored. With the hint, document
     chunks are marked "will be reused" and one-shot prompts are evicted before them."""
     bpt = kv_bytes_per_token(model)
-    store = TieredStore([Tier("cache", cache_gb * GB, hinted=hinted)])
+    store = TieredStore([SimTier("cache", cache_gb * GB, hinted=hinted)])
     hit = total = 0
     for r, d in enumerate(trace):
         if d >= 0:

@@ -1,8 +1,8 @@
-"""What 03_streaming.py asks of the streaming model (streaming.py), each answer a dataclass read by name:
-§4.1's one-shot fetch (text, raw KV or a codec level at each bandwidth) and its 8B-on-H100 note; §4.2's
-policies on one trace, why the run looks as it does and which parts of the handout's shape it shows;
-the chunk-size trade-off; and the suite of random traces (CacheGen's evaluation replays many). Nothing
-here prints; 03's page (stream/page.py) shows it.
+"""What 03_streaming.py asks of the streaming model (streaming.py; the oracle and the trace suite are
+stream/oracle.py's), each answer a dataclass read by name: §4.1's one-shot fetch (text, raw KV or a codec
+level at each bandwidth) and its 8B-on-H100 note; §4.2's policies on one trace, why the run looks as it does
+and which parts of the handout's shape it shows; the chunk-size trade-off; and the suite of random traces
+(CacheGen's evaluation replays many). Nothing here prints; 03's page (stream/page.py) shows it.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from lecture27 import streaming as st
+from lecture27.stream.oracle import oracle, promise_exceptions, run_suite, suite_summary
 from common import timemodel as tm
 
 
@@ -169,7 +170,7 @@ class Policies:
 def policies(setup: st.Setup, trace: st.Trace, slo: float, parallel: bool) -> Policies:
     return Policies(st.adaptive(setup, trace, slo, parallel=parallel),
                     st.fixed(setup, trace, setup.options[0].name, parallel=parallel),
-                    st.fixed(setup, trace, "text", parallel=parallel), st.oracle(setup, trace, slo, parallel=parallel),
+                    st.fixed(setup, trace, "text", parallel=parallel), oracle(setup, trace, slo, parallel=parallel),
                     slo)
 
 
@@ -315,7 +316,7 @@ def chunk_size(setup: st.Setup, trace: st.Trace, slo: float, parallel: bool, hal
     ad = st.adaptive(setup, trace, slo, parallel=parallel)
     n = setup.plan[0][1]
     return ChunkSize(chunk_tokens=n, chunks=len(setup.plan), slowdown=st.batch_slowdown(n, half_tokens), adaptive=ad,
-                     oracle=st.oracle(setup, trace, slo, parallel=parallel),
+                     oracle=oracle(setup, trace, slo, parallel=parallel),
                      text_ttft_s=st.fixed(setup, trace, "text", parallel=parallel).ttft_s,
                      overrun_s=max(r.finish - r.predicted for r in chunks(ad)))
 
@@ -334,7 +335,7 @@ SUITE_SHOWN = ["adaptive", "naive adaptive", "always level0", "always text", "or
 
 @dataclass(frozen=True)
 class Summary:
-    """One policy over the suite (streaming.suite_summary) and its 95th-percentile TTFT."""
+    """One policy over the suite (stream/oracle.py's suite_summary) and its 95th-percentile TTFT."""
     violation_rate: float
     mean_ttft_s: float
     mean_quality: float
@@ -346,7 +347,7 @@ class Summary:
 @dataclass(frozen=True, kw_only=True)
 class Broken:
     """A trace where a fixed policy met the SLO and the adaptive one did not, with the reason
-    (streaming.promise_exceptions): the adaptive chunk that overran its prediction most."""
+    (stream/oracle.py's promise_exceptions): the adaptive chunk that overran its prediction most."""
     trace: int
     fixed_met: list
     adaptive_ttft_s: float
@@ -373,9 +374,9 @@ class InModel:
 
 def in_model(setup: st.Setup, traces: list, slo: float, parallel: bool) -> tuple[dict, InModel]:
     """({policy: [st.Result per trace]}, the summaries and broken promises) in one model."""
-    runs = st.run_suite(setup, traces, slo, SUITE_SHOWN, parallel=parallel)
-    summary = {p: Summary(**st.suite_summary(r, slo), p95_ttft_s=st.ttft_percentile(r, 0.95)) for p, r in runs.items()}
-    return runs, InModel(parallel, summary, [Broken(**e) for e in st.promise_exceptions(runs, traces, slo)])
+    runs = run_suite(setup, traces, slo, SUITE_SHOWN, parallel=parallel)
+    summary = {p: Summary(**suite_summary(r, slo), p95_ttft_s=st.ttft_percentile(r, 0.95)) for p, r in runs.items()}
+    return runs, InModel(parallel, summary, [Broken(**e) for e in promise_exceptions(runs, traces, slo)])
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,7 +3,7 @@ bitstreams over a shaped link): SmolLM2's KV of a context, coded at the levels m
 2c's codec, fitted as codec/smollm2.py fits it, given by 03), streamed through wire.py's paced socket on several
 traces by each policy, and beside each run the simulator fed this CPU's measured recompute and decode times
 (compare.compare); then a run whose sender is killed mid-stream. Nothing here prints; 03's page
-(stream/page.py's show_wire) shows it.
+(stream/wire_page.py's show_wire) shows it.
 
 The codec's levels are fitted once (codec.smollm2.real_codec_specs, cached: a codec is no timing);
 every time is measured in the run that prints it. The context is a RAG item of common/english.py (its key
