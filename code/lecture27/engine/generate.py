@@ -120,8 +120,8 @@ class Engine:
             for job in seq.loaded.store_jobs:
                 self._add_store_job(job)
         batch = s.batch()
-        if not batch:
-            return
+        if not batch:   # nothing can run until something comes (a request still with the loader)
+            return self._take(block=True)
         self.steps += 1
         if batch.blend is not None:
             self._blend(batch.blend)
