@@ -69,7 +69,7 @@ def parse(argv=None):
     p.add_argument("--no-blend", action="store_true", help="reuse exact prefixes only, never a chunk out of order")
     p.add_argument("--no-redis", action="store_true", help="RAM and disk tiers only")
     p.add_argument("--chunk-separator", default=SEPARATOR, metavar="SEP",
-                   help=f"the text that cuts a message into chunks reused alone (default {SEPARATOR!r}, LMCache's "
+                   help="the text that cuts a message into chunks reused alone (default %(default)r, LMCache's "
                         "blend_special_str; '': messages are never cut)")
     p.add_argument("--ratio", type=fraction, default=RATIO, help="CacheBlend's recompute ratio")
     p.add_argument("--rule", choices=sorted(ALL_RULES), default=RULE, help="CacheBlend's selection rule")
