@@ -2,7 +2,7 @@
 streaming and not, over every field the engine honours (logprobs, top_logprobs, echo, presence and frequency
 penalties, logit_bias, top_p, seed, stop) or refuses (a 400 naming the field), an unknown model (404,
 openai.NotFoundError), /v1/models, usage counted alike on every path; documents cut by the separator in one user
-message, sent again in another order, served from the store; bad input (a separator inside a word, two separators in
+message (or a completion's text), sent again in another order, served from the store; bad input (a separator inside a word, two separators in
 a row, 500 chunks, a chunk longer than the context) answered or refused cleanly while the server serves on."""
 import asyncio
 import urllib.request
@@ -232,12 +232,18 @@ def test_fields_at_their_plain_values_are_accepted(server):
                 metadata={"team": "l27"}, presence_penalty=0, frequency_penalty=0, top_p=1, seed=None,
                 messages=[{"role": "user", "content": [{"type": "text", "text": USER[0]["content"]}], "name": "ann"}])
     assert same.choices[0].message.content == plain
+    answered = chat(server).choices[0].message   # sent back as clients do: every field of OpenAI's message, nulls too
+    turn = chat(server, messages=[*USER, answered, {**answered.model_dump(), "annotations": []},
+                                  {"role": "user", "content": "One more?"}])
+    assert turn.choices[0].message.content
 
 
 # ------------------------------------------------------------------------------------------------ usage
 @pytest.mark.parametrize("endpoint,kw", [
     ("chat", {}), ("chat", {"logprobs": True, "top_logprobs": 3}), ("chat", {"extra_body": {"kv_check": True}}),
+    ("chat", {"messages": [{"role": "user", "content": "Smileys: 😀 😃 😄 😁 (reply in smileys)"}], "logprobs": True}),
     ("completions", {"prompt": "The days of the week are"}),
+    ("completions", {"prompt": "Smileys: 😀 😃 😄 😁", "logprobs": 1}),   # tokens holding parts of a character
     ("completions", {"prompt": "The days of the week are", "echo": True, "logprobs": 1}),
 ])
 def test_usage_is_counted_alike_on_every_path(server, endpoint, kw):
@@ -258,8 +264,10 @@ def test_usage_is_counted_alike_on_every_path(server, endpoint, kw):
     assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, whole.usage.completion_tokens)
     lp = whole.choices[0].logprobs
     if lp is not None:
-        n = len(lp.content) if endpoint == "chat" else len(lp.tokens) - whole.usage.prompt_tokens
+        n = len(lp.content) if endpoint == "chat" else len(lp.tokens) - whole.usage.prompt_tokens * bool(kw.get("echo"))
         assert n == whole.usage.completion_tokens
+    if endpoint == "chat" and lp is not None and "\ufffd" not in whole.choices[0].message.content:
+        assert b"".join(bytes(e.bytes) for e in lp.content).decode() == whole.choices[0].message.content
 
 
 # ------------------------------------------------------------------------------------------------ separator
@@ -287,6 +295,25 @@ def test_documents_in_one_message_cut_by_the_separator_come_back_in_another_orde
     assert kv["path"] == "blend" and cached >= 0.85 * doc_tokens and cached == kv["prefix"] + kv["blended"]
     assert -1e-5 <= kl < 0.5
     assert again.choices[0].message.content
+
+
+def test_a_completion_cut_by_the_separator_reuses_its_pieces(server, smollm2):
+    """LMCache's own convention, a completion's text: the system prompt, the separator, each document and the
+    separator, the question. Sent again in another order once the first is stored, the documents come from the
+    store, blended."""
+    _, tok, _ = smollm2
+    doc_tokens = sum(len(tok.encode(d).ids) + len(tok.encode(SEPARATOR).ids) for d in DOCS)
+
+    def prompt(order):
+        return SEPARATOR.join(["Read the documents, then answer."] + [DOCS[i] for i in order] +
+                              [f"Question: {QUESTION}\nAnswer: the deeper lake is"])
+    complete(server, prompt=prompt(range(6)), max_tokens=6)
+    assert bench.wait_idle(server.url)   # its pieces stored (prefilled alone behind the first piece)
+    raw = sync(server).completions.with_raw_response.create(model=server.model, prompt=prompt((5, 4, 3, 2, 1, 0)),
+                                                            max_tokens=6, temperature=0, extra_body={"kv_check": True})
+    again, kv = raw.parse(), parse_kv(raw.headers["x-kv-cache"])
+    assert kv["path"] == "blend" and again.usage.prompt_tokens_details.cached_tokens >= 0.85 * doc_tokens
+    assert again.model_extra["kv_cache"]["first_token_kl"] < 0.5 and again.choices[0].text
 
 
 def test_bad_chunks_get_an_answer_or_a_clean_400_and_others_are_served(server):

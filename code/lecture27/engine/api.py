@@ -89,6 +89,7 @@ class Message(Strict):
     name: str | None = None          # accepted, not rendered: SmolLM2's ChatML template has no place for a name
     tool_call_id: str | None = None  # a tool message's reference to a call: accepted, not rendered
     refusal: str | None = None       # an assistant's earlier refusal: its text when the message has no content
+    annotations: list | None = None  # an earlier answer's citations, sent back with it: accepted, not rendered
     tool_calls: list | None = None   # refused unless empty (no tools here)
     function_call: dict | None = None
     audio: dict | None = None
