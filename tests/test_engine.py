@@ -1,8 +1,12 @@
 """The engine's parts in this process (engine/chat.py, runner.py, connector.py, scheduler.py, generate.py): a chat's
-segments are its whole prompt's tokens; a prefill in pieces and cached decode equal a full forward, and a batch gives
+segments are its whole prompt's tokens, and a message cut by the separator gives chunks whose tokens are the pieces'
+(each the same wherever it stands), the tokens the model is fed; a prefill in pieces and cached decode equal a full forward, and a batch gives
 each item what it gets alone; blending at ratio 1 is a full prefill and at ratio 0 full reuse; a repeat and a
 reordered request sent the moment the first one ends are served from the store; batched answers equal serial
-ones; the store holds only exact KV; store jobs finish under steady traffic; a stalled tier delays no step."""
+ones; the store holds only exact KV; store jobs finish under steady traffic; a stalled tier delays no step; documents
+cut by the separator in one message come back blended in another order; penalties and logit_bias follow OpenAI's
+formula, logprobs are the log_softmax of the logits a token was picked from, echo scores each prompt token by a full
+prefill's logits before it, a tiny top_p is greedy."""
 import threading
 import time
 
@@ -14,11 +18,11 @@ from common.gguf_llama import gguf_file
 from common.llama import Llama, LlamaConfig, array_to_kv, kv_to_array
 from lecture27 import kvstore as ks
 from lecture27.engine import runner
-from lecture27.engine.chat import chat_prompt, completion_prompt
+from lecture27.engine.chat import SEPARATOR, chat_prompt, completion_prompt
 from lecture27.engine.connector import BLOCK_TOKENS, HotCache, KVConnector, Tiers, block_keys, message_keys
 from lecture27.engine.generate import Engine
 from lecture27.engine.runner import Item, SeqCache
-from lecture27.engine.sequence import Request
+from lecture27.engine.sequence import Request, Sequence
 
 DOCS = ["Lake Varna lies in a narrow valley carved by glaciers. Its deepest point is 212 metres below the surface.",
         "Lake Osric is wide and popular with sailors. Surveys with sonar measured its greatest depth at 147 metres.",
@@ -419,3 +423,149 @@ def test_a_stalled_tier_delays_no_step(parts):
         if short is not None:
             short.wait()
         eng.stop()
+
+
+# ------------------------------------------------------------------------------------------------ the separator
+DOCS6 = DOCS + ["Lake Osric freezes over every January, and the ice is thick enough to walk on by February.",
+                "A ferry crosses Lake Varna twice a day in summer; it does not run when the wind is strong.",
+                "The oldest map of the region, drawn in 1820, shows Lake Osric under another name, Lake Ossery."]
+
+
+def cut(order, question=QUESTION) -> list:
+    """One user message: the documents in this order and the question, the separator between them."""
+    return [("system", "Answer from the documents."), ("user", SEPARATOR.join([DOCS6[i] for i in order] + [question]))]
+
+
+def test_a_separator_cuts_a_message_into_chunks_whose_tokens_are_the_prompts(parts):
+    """Tokenized piecewise: the header, each piece with the separator's tokens, the tail; the segments concatenated are
+    the tokens the engine feeds the model, they decode to the rendered text, and a document's chunk is the same in
+    another order and in another message."""
+    _, tok, _ = parts
+    enc = lambda text: tuple(tok.encode(text).ids)   # noqa: E731
+    sep = enc(SEPARATOR)
+    order = (3, 0, 5, 1)
+    p = chat_prompt(tok, cut(order))
+    want = [*enc("<|im_start|>system\nAnswer from the documents.<|im_end|>\n"), *enc("<|im_start|>user\n")]
+    for i in order:
+        want += [*enc(DOCS6[i]), *sep]
+    want += [*enc(QUESTION + "<|im_end|>\n"), *enc("<|im_start|>assistant\n")]
+    assert p.tokens == want and len(p) == len(want)
+    assert [*p.system, *(t for c in p.chunks for t in c), *p.question] == p.tokens
+    text = "<|im_start|>system\nAnswer from the documents.<|im_end|>\n<|im_start|>user\n" + \
+        SEPARATOR.join([DOCS6[i] for i in order] + [QUESTION]) + "<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(p.tokens, skip_special_tokens=False) == text
+    assert p.chunks[0] == enc("<|im_start|>user\n") and p.chunks[1:] == tuple(enc(DOCS6[i]) + sep for i in order)
+    assert p.last_message == enc(QUESTION + "<|im_end|>\n") and p.question[:len(p.last_message)] == p.last_message
+    moved = chat_prompt(tok, cut((1, 5, 3)))
+    assert set(moved.chunks[1:]) <= set(p.chunks[1:])
+    # in an earlier message, beside a message without the separator (kept whole, as before)
+    turn = chat_prompt(tok, [("user", "Hi!"), ("user", SEPARATOR.join([DOCS6[3], DOCS6[1], "tail"])), ("user", "ok?")])
+    assert turn.chunks[0] == enc("<|im_start|>user\nHi!<|im_end|>\n")
+    assert turn.chunks[2:4] == (enc(DOCS6[3]) + sep, enc(DOCS6[1]) + sep) and turn.chunks[4] == enc("tail<|im_end|>\n")
+    # two separators in a row: a chunk of the separator alone; no separator: the message is one chunk, as before
+    empty = chat_prompt(tok, [("user", DOCS6[0] + SEPARATOR + SEPARATOR + QUESTION)])
+    assert empty.chunks[1:] == (enc(DOCS6[0]) + sep, sep)
+    for off in (None, ""):
+        whole = chat_prompt(tok, cut(order), separator=off)
+        assert whole.chunks == () and whole.tokens == list(enc(text))
+    c = completion_prompt(tok, SEPARATOR.join(["Documents:", DOCS6[2], DOCS6[4], "Q:"]))
+    assert c.system == enc("Documents:") + sep and c.chunks == (enc(DOCS6[2]) + sep, enc(DOCS6[4]) + sep)
+    assert c.question == enc("Q:") and c.last_message == ()
+
+
+def test_the_model_is_fed_the_segments_tokens(parts):
+    """No store: the greedy answer to a cut prompt is the one decoded by hand from its segments' tokens."""
+    model, tok, _ = parts
+    eng = engine(parts, connector(parts, store=False))
+    p = chat_prompt(tok, cut((2, 0)))
+    try:
+        a = Answer(eng, p, max_tokens=3, temperature=0).wait()
+    finally:
+        eng.stop()
+    with torch.no_grad():
+        logits, cache = model(torch.tensor([p.tokens]), last=True)
+        ids = []
+        for _ in range(3):
+            ids.append(int(logits[0, -1].argmax()))
+            logits, cache = model(torch.tensor([[ids[-1]]]), cache=cache, last=True)
+    assert a.text == tok.decode(ids)
+
+
+def test_documents_cut_by_the_separator_come_back_blended_in_another_order(parts):
+    """Six documents in one user message, then the same in another order, sent the moment the first ends: every
+    document's chunk comes from the store (the header too), the question is computed, the first token's KL small."""
+    model, tok, _ = parts
+    eng = engine(parts)
+    try:
+        moved, second = chat_prompt(tok, cut((4, 2, 0, 5, 1, 3))), {}
+        first = Answer(eng, chat_prompt(tok, cut(range(6))), max_tokens=8,
+                       then=lambda: second.setdefault("a", Answer(eng, moved, max_tokens=4, kv_check=True))).wait()
+        again = second["a"].wait()
+    finally:
+        eng.stop()
+    assert first.reuse.path == "prefill"
+    r, docs = again.reuse, sum(map(len, moved.chunks[1:]))
+    assert r.path == "blend" and r.blended == sum(map(len, moved.chunks)) >= docs and r.prefix == len(moved.system)
+    assert r.recomputed == len(moved.question) and 0 <= again.end["kl"] < 0.5, again.end
+
+
+# ------------------------------------------------------------------------------------------------ decoding
+def test_penalties_and_logit_bias_follow_openais_formula(parts):
+    """logits[t] += bias[t]; then -= presence * [count > 0] + frequency * count over the answer's tokens so far."""
+    model, tok, _ = parts
+    p = completion_prompt(tok, "One, two")
+    seq = Sequence(Request(prompt=p, emit=print, presence_penalty=0.5, frequency_penalty=0.25,
+                           logit_bias={7: 3.0, 9: -100.0}), model.cfg)
+    for t in (5, 5, 5, 7):
+        seq.chose(t)
+    logits = torch.linspace(-1, 1, 12)
+    got = seq.shaped(logits)
+    want = logits.clone()
+    want[7] += 3.0
+    want[9] -= 100.0
+    want[5] -= 0.5 + 0.25 * 3
+    want[7] -= 0.5 + 0.25 * 1
+    assert torch.allclose(got, want) and torch.equal(logits, torch.linspace(-1, 1, 12))   # the served ones untouched
+    plain = Sequence(Request(prompt=p, emit=print), model.cfg)
+    plain.chose(5)
+    assert plain.shaped(logits) is logits
+
+
+def test_a_tiny_top_p_is_greedy_and_a_seed_repeats_the_draw():
+    logits = torch.tensor([0.0, 2.0, 1.9, -1.0])
+    for seed in range(20):
+        assert Engine.pick(logits, 1.5, torch.Generator().manual_seed(seed), top_p=1e-6) == 1
+    kept = {Engine.pick(logits, 1.5, torch.Generator().manual_seed(s), top_p=0.6) for s in range(200)}
+    assert kept == {1, 2}   # the nucleus: the two most likely tokens hold more than 0.6, the first alone less
+    draws = [[Engine.pick(logits, 1.0, g, 0.9) for _ in range(10)] for g in
+             (torch.Generator().manual_seed(3), torch.Generator().manual_seed(3))]
+    assert draws[0] == draws[1]
+
+
+def test_logprobs_are_the_served_logits_and_echo_scores_every_prompt_token(parts):
+    """Greedy answer tokens are each the top logprob of the logits they were picked from (a hand decode's); echo's
+    prompt scores are a full forward's log_softmax at the position before each token, across the echo's pieces."""
+    model, tok, _ = parts
+    eng = engine(parts, connector(parts, store=False), step_tokens=16)   # the prompt scored in several pieces
+    p = completion_prompt(tok, "The days of the week are Monday, Tuesday, Wednesday, and then")
+    try:
+        a = Answer(eng, p, max_tokens=4, temperature=0, logprobs=2, echo_logprobs=2, kv_check=True).wait()
+    finally:
+        eng.stop()
+    kinds = [k for k, _ in a.events]
+    assert kinds.index("start") < kinds.index("prompt") < kinds.index("end")
+    scores = [d["scored"] for k, d in a.events if k == "text" and d["token"] is not None]
+    with torch.no_grad():
+        full = model(torch.tensor([p.tokens]))[0][0].log_softmax(-1)
+        logits, cache = model(torch.tensor([p.tokens]), last=True)
+        for s in scores:
+            lp = logits[0, -1].log_softmax(-1)
+            assert s.top[0][0] == s.token == int(lp.argmax()) and len(s.top) == 2
+            assert abs(s.logprob - float(lp[s.token])) < 1e-3 and s.logprob <= 0
+            logits, cache = model(torch.tensor([[s.token]]), cache=cache, last=True)
+    prompt = next(d["scores"] for k, d in a.events if k == "prompt")
+    assert len(prompt) == len(p) and prompt[0] is None
+    for i, s in enumerate(prompt[1:], 1):
+        assert s.token == p.tokens[i] and abs(s.logprob - float(full[i - 1, s.token])) < 1e-3, i
+        assert [t for t, _ in s.top] == full[i - 1].topk(2).indices.tolist()
+    assert abs(a.end["kl"]) < 1e-4   # the echo's last logits are the full prefill's

@@ -128,11 +128,11 @@ def post(server, path, body, key=None, raw=False):
 
 @pytest.mark.parametrize("body,code", [
     ("{\"model\": ", "invalid_json"),
-    ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, "model_not_found"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "invalid_value"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10_000}, "context_length_exceeded"),
     ({"messages": [{"role": "user", "content": "word " * 9000}], "max_tokens": 4}, "context_length_exceeded"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "invalid_value"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "unsupported_value"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_k": 2}, "unknown_parameter"),
     ({"messages": [], "max_tokens": 4}, "invalid_value"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "invalid_value"),
 ])
@@ -144,6 +144,12 @@ def test_a_bad_request_gets_400_and_openais_error_body(plain, body, code):
     err = r.json()["error"]
     assert err["code"] == code and err["type"] == "invalid_request_error" and err["message"]
     assert "Traceback" not in r.text
+
+
+def test_an_unknown_model_gets_404_model_not_found(plain):
+    r = post(plain, "/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, key=KEY)
+    err = r.json()["error"]
+    assert r.status_code == 404 and err["code"] == "model_not_found" and err["type"] == "invalid_request_error"
 
 
 def test_the_api_key_is_checked(plain):

@@ -2,6 +2,7 @@
 behind it (RAM, then local disk, then Redis), as vLLM serves behind LMCache.
 
     python code/lecture27/serve.py [--port 8000] [--redis URL] [--no-store] [--no-blend] [--api-key KEY]
+                                   [--chunk-separator SEP]
 
 then, from another terminal, the official client or curl:
 
@@ -10,7 +11,9 @@ then, from another terminal, the official client or curl:
 
 Send the same documents twice in another order and the second answer comes sooner: the response's
 usage.prompt_tokens_details.cached_tokens counts the prompt tokens served from the store, and the header
-x-kv-cache says how (an exact prefix, blended chunks, recomputed tokens). Many requests run at once: each step
+x-kv-cache says how (an exact prefix, blended chunks, recomputed tokens). Documents in one message are reused the
+same way when the separator stands between them (" # # " by default, LMCache's blend_special_str; --chunk-separator
+changes it, '' turns it off): "doc one # # doc two # # the question". Many requests run at once: each step
 decodes a token of every answer and prefills pieces of new prompts within a token budget (continuous batching);
 a request's KV is reusable by the next request the moment it ends. The code: engine/chat.py (the prompt),
 engine/connector.py (LMCache's role: lookup, load, save; the hot cache and the tiers written behind),
@@ -35,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `com
 from common import redis_server  # noqa: E402
 from common.cli import Parser, fraction, nonneg_int, positive_float, positive_int  # noqa: E402
 from lecture27.blend_rules import ALL_RULES  # noqa: E402
+from lecture27.engine.chat import SEPARATOR  # noqa: E402
 from lecture27.engine.connector import BLOCK_TOKENS, HOT_GB  # noqa: E402
 from lecture27.engine.scheduler import MAX_RUNNING, STEP_TOKENS  # noqa: E402
 
@@ -64,6 +68,9 @@ def parse(argv=None):
     p.add_argument("--no-store", action="store_true", help="no KV store: every prompt prefilled in full")
     p.add_argument("--no-blend", action="store_true", help="reuse exact prefixes only, never a chunk out of order")
     p.add_argument("--no-redis", action="store_true", help="RAM and disk tiers only")
+    p.add_argument("--chunk-separator", default=SEPARATOR, metavar="SEP",
+                   help="the text that cuts a message into chunks reused alone (default %(default)r, LMCache's "
+                        "blend_special_str; '': messages are never cut)")
     p.add_argument("--ratio", type=fraction, default=RATIO, help="CacheBlend's recompute ratio")
     p.add_argument("--rule", choices=sorted(ALL_RULES), default=RULE, help="CacheBlend's selection rule")
     p.add_argument("--block-tokens", type=positive_int, default=BLOCK_TOKENS, help="tokens per prefix block")
@@ -156,12 +163,14 @@ def main(argv=None) -> None:
                    if t is not None}
         engine = Engine(model, tok, connector, end_ids, threads=a.threads or torch.get_num_threads(),
                         step_tokens=a.step_tokens, max_running=a.max_running).start()
-        app = make_app(engine, name, info.get("context_length") or 2048, a.api_key)
+        app = make_app(engine, name, info.get("context_length") or 2048, a.api_key, separator=a.chunk_separator,
+                       root=Path(path).name)
         host, port = sock.getsockname()[:2]
         per_token = 2 * model.cfg.n_layers * model.cfg.n_kv_heads * model.cfg.head_dim * 4
         store = "no store" if a.no_store else f"hot {a.hot_gb:g} GB (~{a.hot_gb * 1e9 / per_token:,.0f} tokens) -> " + \
             " -> ".join(t.tier.name for t in tiers.stores) + \
-            (", prefixes only" if a.no_blend else f", CacheBlend {a.ratio:.0%} ({a.rule})")
+            (", prefixes only" if a.no_blend else f", CacheBlend {a.ratio:.0%} ({a.rule})") + \
+            (f", messages cut at {a.chunk_separator!r}" if a.chunk_separator and not a.no_blend else "")
         batching = "one request at a time" if a.max_running == 1 else \
             f"up to {a.max_running} requests at once, {a.step_tokens} tokens a step"
         say(f"serving {name} at http://{host}:{port}/v1 ({store}; {batching}, "

@@ -3,19 +3,27 @@ speaks it reaches the KV store behind it without knowing it is there).
 
     POST /v1/chat/completions   messages -> an answer; "stream": true sends server-sent events
     POST /v1/completions        a prompt -> its continuation, the same way
-    GET  /v1/models             the one model served
+    GET  /v1/models             the one model served (its root and max_model_len, as vLLM lists them)
     GET  /health                alive, and what waits (requests queued and running, store jobs and writes)
     GET  /metrics               Prometheus text: requests, prompt tokens by where their KV came from, store hits
                                 per tier, time to first token and time in the queue (histograms)
 
+Decoding honours OpenAI's fields: temperature, top_p, seed, stop, max_tokens (max_completion_tokens),
+presence_penalty, frequency_penalty, logit_bias; logprobs and top_logprobs (chat, 0-20), logprobs (an int) and echo
+(completions), computed from the logits the engine served (generate.py says which). A field this engine cannot honour
+(n > 1, tools, structured output, an image part, ...) or one OpenAI does not define gets a 400 that names it; fields
+that only label a request (user, metadata, ...) are accepted. A message (or a completion's text) holding the chunk
+separator (chat.py) is cut into chunks there, each reusable alone from the store in any order.
+
 What the store did for a request is in OpenAI's own field, usage.prompt_tokens_details.cached_tokens (prompt
 tokens whose KV came from the store), and in the header x-kv-cache (path=prefix|blend|prefill; prefix=exact
-tokens; blended=tokens of reused chunks; recomputed=tokens computed here; context=the tokens before the last
-message, which a store could have served) with x-kv-hits (records per place: hot, ram, disk, redis) and
+tokens; blended=tokens of reused chunks; recomputed=tokens computed here; context=the tokens before the question,
+which a store could have served) with x-kv-hits (records per place: hot, ram, disk, redis) and
 x-queue-seconds (arrival to first step). A request may ask for "kv_check": true (outside OpenAI's fields): the engine then also prefills
 the prompt in full and returns the first answer token's KL against what it served, in "kv_cache".
-Bad requests get OpenAI's error body ({"error": {"message", "type", "param", "code"}}) with HTTP 400 (401 for a
-wrong API key); nothing answers with a traceback.
+Bad requests get OpenAI's error body ({"error": {"message", "type", "param", "code"}}) with HTTP 400 (404 and
+code model_not_found for a model this engine does not serve, 401 for a wrong API key); nothing answers with a
+traceback.
 """
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from lecture27.engine.chat import ROLES, Prompt, chat_prompt, completion_prompt
+from lecture27.engine.chat import ROLES, SEPARATOR, Prompt, chat_prompt, completion_prompt
 from lecture27.engine.generate import Engine, Request
 
 DEFAULT_MAX_TOKENS = 128     # a chat answer's length when the request names none (a completion's: OpenAI's 16)
@@ -40,47 +48,110 @@ TTFT_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30)
 
 
 # ------------------------------------------------------------------------------------------------ request shapes
+# Every field OpenAI's two endpoints define is declared here and either honoured, accepted as a label that changes
+# no answer (LABELS), or refused with a 400 that names it when it asks for what this engine does not do
+# (UNSUPPORTED); a field OpenAI does not define is refused the same way (extra="forbid"). None is ever dropped.
+LABELS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+          "parallel_tool_calls")   # who asks, where OpenAI would keep it, how tools may run (none do here)
+UNSUPPORTED = {   # field: (asked for, what is not supported)
+    "n": (lambda v: v not in (None, 1), "more than one choice per request (n > 1)"),
+    "best_of": (lambda v: v not in (None, 1), "best_of > 1"),
+    "tools": (bool, "tools (function calling)"),
+    "tool_choice": (lambda v: v not in (None, "none"), "tool_choice other than \"none\" (function calling)"),
+    "functions": (bool, "functions (function calling)"),
+    "function_call": (lambda v: v not in (None, "none"), "function_call (function calling)"),
+    "response_format": (lambda v: v is not None and v.get("type") != "text",
+                        "response_format other than {\"type\": \"text\"} (structured output)"),
+    "suffix": (bool, "suffix (insertion)"),
+    "modalities": (lambda v: v not in (None, ["text"]), "modalities other than [\"text\"]"),
+    "audio": (lambda v: v is not None, "audio output"),
+    "prediction": (lambda v: v is not None, "predicted outputs"),
+    "reasoning_effort": (lambda v: v is not None, "reasoning_effort (this model does not reason)"),
+    "verbosity": (lambda v: v is not None, "verbosity"),
+    "web_search_options": (lambda v: v is not None, "web search"),
+}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
 class Part(BaseModel):
+    """A content part: text is read; any other type (an image, audio, a file) is refused by name."""
+    model_config = ConfigDict(extra="allow")
     type: str = "text"
-    text: str = ""
+    text: str | None = None
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class Message(Strict):
     role: Literal[ROLES]
     content: str | list[Part] | None = None
+    name: str | None = None          # accepted, not rendered: SmolLM2's ChatML template has no place for a name
+    tool_call_id: str | None = None  # a tool message's reference to a call: accepted, not rendered
+    refusal: str | None = None       # an assistant's earlier refusal: its text when the message has no content
+    annotations: list | None = None  # an earlier answer's citations, sent back with it: accepted, not rendered
+    tool_calls: list | None = None   # refused unless empty (no tools here)
+    function_call: dict | None = None
+    audio: dict | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content if p.type == "text")
-        return self.content or ""
+            return "".join(p.text or "" for p in self.content)
+        return self.content or self.refusal or ""
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+class StreamOptions(Strict):
+    include_usage: bool | None = False
 
 
-class Sampling(BaseModel):
+class Sampling(Strict):
     """What both endpoints take beside the prompt."""
-    model_config = ConfigDict(extra="ignore")
     model: str
     max_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0, le=2)
+    temperature: float | None = Field(1.0, ge=0, le=2)
+    top_p: float | None = Field(1.0, ge=0, le=1)
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     seed: int | None = None
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None   # up to 4 stop strings, as OpenAI takes
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int | None = Field(1, ge=1)
     kv_check: bool = False
+    user: str | None = None
+    metadata: dict | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    modalities: list[str] | None = None
+    audio: dict | None = None
+    prediction: dict | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict | None = None
 
 
 class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool | None = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
 
 
 class BadRequest(Exception):
@@ -128,11 +199,45 @@ class Metrics:
             lambda: engine.load()["store_jobs"])
 
 
+# ------------------------------------------------------------------------------------------------ tokens as text
+def _byte_alphabet() -> dict:
+    """Byte-level BPE's alphabet read backwards: the printable character that stands for each byte -> the byte
+    (printable bytes stand for themselves; the others, in order, for the characters from U+0100 on)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+class Vocab:
+    """A token's text and its bytes, as OpenAI's logprobs give them: a token may hold part of a character, whose
+    text is then U+FFFD while its bytes are exact (the bytes of an answer's tokens, joined, are its UTF-8)."""
+
+    def __init__(self, tok):
+        self.tok, self.alphabet, self.known = tok, _byte_alphabet(), {}
+
+    def __call__(self, token: int) -> tuple[str, list]:
+        if token not in self.known:
+            piece = self.tok.id_to_token(token) or ""
+            raw = bytes(self.alphabet[c] for c in piece) if all(c in self.alphabet for c in piece) else piece.encode()
+            self.known[token] = (raw.decode("utf-8", errors="replace"), list(raw))
+        return self.known[token]
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -Infinity: a token the logits rule out gets -9999 (as vLLM reports it)."""
+    return max(logprob, -9999.0)
+
+
 # ------------------------------------------------------------------------------------------------ the app
-def make_app(engine: Engine, model_name: str, context_length: int, api_key: str | None = None) -> FastAPI:
+def make_app(engine: Engine, model_name: str, context_length: int, api_key: str | None = None,
+             separator: str | None = SEPARATOR, root: str | None = None) -> FastAPI:
+    """The app in front of `engine`. separator: the text that cuts a message into chunks (chat.py; None or "": never
+    cut). root: the weights served (GET /v1/models' `root`, as vLLM names the model's source)."""
     app = FastAPI(title="lecture 27 engine", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = Metrics(engine)
     app.state.metrics = metrics
+    vocab, vocab_size = Vocab(engine.tok), engine.model.cfg.vocab_size
 
     @app.middleware("http")
     async def check_key(request: HTTPRequest, call_next):
@@ -145,13 +250,17 @@ def make_app(engine: Engine, model_name: str, context_length: int, api_key: str 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc: RequestValidationError):
         first = exc.errors()[0]
+        param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
         if first.get("type") == "json_invalid":
-            message, param = "We could not parse the JSON body of your request.", None
+            message, param, code = "We could not parse the JSON body of your request.", None, "invalid_json"
+        elif first.get("type") == "extra_forbidden":
+            message, code = f"Unrecognized request argument supplied: {param} (not supported by this engine).", \
+                "unknown_parameter"
         else:
-            param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
             message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+            code = "invalid_value" if param else "invalid_json"
         metrics.errors.labels("400").inc()
-        return error_response(400, message, param, "invalid_value" if param else "invalid_json")
+        return error_response(400, message, param, code)
 
     @app.exception_handler(BadRequest)
     async def refused(request, exc: BadRequest):
@@ -179,13 +288,38 @@ def make_app(engine: Engine, model_name: str, context_length: int, api_key: str 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "lecture27",
-                                            "context_length": context_length}]}
+                                            "root": root or model_name, "parent": None,
+                                            "max_model_len": context_length, "context_length": context_length}]}
+
+    def fields(body: Sampling) -> None:
+        """The model exists, and every field asks for what the engine does (the request shapes' comment)."""
+        if body.model != model_name:
+            raise BadRequest(f"The model `{body.model}` does not exist; this engine serves `{model_name}`.", "model",
+                             "model_not_found", status=404)
+        for name, (asked, what) in UNSUPPORTED.items():
+            if name in type(body).model_fields and asked(getattr(body, name)):
+                raise BadRequest(f"{name}: {what} is not supported by this engine.", name, "unsupported_value")
+        for i, m in enumerate(getattr(body, "messages", ())):
+            for name in ("tool_calls", "function_call", "audio"):
+                if getattr(m, name):
+                    raise BadRequest(f"messages.{i}.{name}: a message's {name} is not supported by this engine.",
+                                     f"messages.{i}.{name}", "unsupported_value")
+            for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+                if part.type != "text":
+                    raise BadRequest(f"messages.{i}.content.{j}.type: content of type '{part.type}' is not "
+                                     "supported by this engine (SmolLM2 reads text).", f"messages.{i}.content.{j}.type",
+                                     "unsupported_value")
+        if getattr(body, "top_logprobs", None) and not body.logprobs:
+            raise BadRequest("top_logprobs: asks for logprobs; set logprobs to true.", "top_logprobs", "invalid_value")
+        for key in body.logit_bias or {}:
+            if not (key.isdigit() and int(key) < vocab_size):
+                raise BadRequest(f"logit_bias: {key!r} is not a token id of this model's vocabulary "
+                                 f"(0..{vocab_size - 1}).", "logit_bias", "invalid_value")
+        if isinstance(body.stop, list) and "" in body.stop or body.stop == "":
+            raise BadRequest("stop: a stop string is empty.", "stop", "invalid_value")
 
     def checked(body: Sampling, prompt: Prompt, default_max: int) -> int:
         """The request's max_tokens, after OpenAI's checks."""
-        if body.model != model_name:
-            raise BadRequest(f"The model `{body.model}` does not exist; this engine serves `{model_name}`.", "model",
-                             "model_not_found")
         if not len(prompt):
             raise BadRequest("The prompt is empty.", "prompt", "invalid_value")
         asked = getattr(body, "max_completion_tokens", None)
@@ -202,22 +336,30 @@ def make_app(engine: Engine, model_name: str, context_length: int, api_key: str 
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: HTTPRequest):
-        prompt = chat_prompt(engine.tok, [(m.role, m.text()) for m in body.messages])
-        return await serve(body, prompt, checked(body, prompt, DEFAULT_MAX_TOKENS), "chat.completion", request)
+        fields(body)
+        prompt = chat_prompt(engine.tok, [(m.role, m.text()) for m in body.messages], separator)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        return await serve(body, prompt, checked(body, prompt, DEFAULT_MAX_TOKENS), "chat.completion", request,
+                           logprobs=top)
 
     @app.post("/v1/completions")
     async def complete(body: CompletionRequest, request: HTTPRequest):
+        fields(body)
         p = body.prompt
         if isinstance(p, list) and p and isinstance(p[0], str):
             if len(p) != 1:
                 raise BadRequest("This engine completes one prompt a request.", "prompt", "invalid_value")
             p = p[0]
-        if isinstance(p, list) and any(not 0 <= t < engine.model.cfg.vocab_size for t in p):
+        if isinstance(p, list) and any(not 0 <= t < vocab_size for t in p):
             raise BadRequest("A token id is outside the vocabulary.", "prompt", "invalid_value")
-        prompt = completion_prompt(engine.tok, text=p) if isinstance(p, str) else completion_prompt(engine.tok, tokens=p)
-        return await serve(body, prompt, checked(body, prompt, 16), "text_completion", request)
+        prompt = completion_prompt(engine.tok, text=p, separator=separator) if isinstance(p, str) else \
+            completion_prompt(engine.tok, tokens=p)
+        echo = (p if isinstance(p, str) else engine.tok.decode(p)) if body.echo else None
+        return await serve(body, prompt, checked(body, prompt, 16), "text_completion", request, logprobs=body.logprobs,
+                           echo=echo)
 
-    async def serve(body: Sampling, prompt: Prompt, max_tokens: int, kind: str, request: HTTPRequest):
+    async def serve(body: Sampling, prompt: Prompt, max_tokens: int, kind: str, request: HTTPRequest,
+                    logprobs: int | None, echo: str | None = None):
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
 
@@ -228,7 +370,11 @@ def make_app(engine: Engine, model_name: str, context_length: int, api_key: str 
                     metrics.cancelled.inc()
             loop.call_soon_threadsafe(events.put_nowait, (what, data))
 
-        req = Request(prompt=prompt, max_tokens=max_tokens, temperature=body.temperature, seed=body.seed, stop=stop,
+        req = Request(prompt=prompt, max_tokens=max_tokens, temperature=_or(body.temperature, 1.0),
+                      top_p=_or(body.top_p, 1.0), presence_penalty=_or(body.presence_penalty, 0.0),
+                      frequency_penalty=_or(body.frequency_penalty, 0.0),
+                      logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()}, seed=body.seed, stop=stop,
+                      logprobs=logprobs, echo_logprobs=logprobs if echo is not None else None,
                       kv_check=body.kv_check, emit=emit)
         metrics.requests.labels(kind).inc()
         engine.submit(req)
@@ -248,7 +394,7 @@ def make_app(engine: Engine, model_name: str, context_length: int, api_key: str 
         headers = {"x-kv-cache": reuse.header(), "x-queue-seconds": f"{data['queue_s']:.4f}",
                    "x-prefill-seconds": f"{data['prefill_s']:.4f}",
                    "x-kv-hits": "; ".join(f"{t}={n}" for t, n in reuse.hits.items()) or "none"}
-        answer = Answer(kind, model_name, len(prompt), reuse, req, metrics)
+        answer = Answer(kind, model_name, prompt, reuse, req, metrics, vocab, echo)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(answer.stream(events, include_usage), media_type="text/event-stream",
@@ -263,15 +409,36 @@ def make_app(engine: Engine, model_name: str, context_length: int, api_key: str 
     return app
 
 
-class Answer:
-    """One response being assembled from the engine's events: the whole body, or its stream of chunks."""
+def _or(value, default):
+    """A field sent as null takes its default, as OpenAI reads it."""
+    return default if value is None else value
 
-    def __init__(self, kind: str, model: str, prompt_tokens: int, reuse, req: Request, metrics: Metrics):
-        self.kind, self.model, self.prompt_tokens, self.reuse, self.req, self.metrics = \
-            kind, model, prompt_tokens, reuse, req, metrics
+
+class Answer:
+    """One response being assembled from the engine's events: the whole body, or its stream of chunks. A completion's
+    echo puts the prompt's text first (and, with logprobs, its tokens' scores, which come before any answer text).
+    The usage is the same on every path: the prompt's tokens, the answer's tokens (each one the engine chose, up to a
+    stop string's or an end token; the logprobs list one entry per such token), the prompt's tokens from the store."""
+
+    def __init__(self, kind: str, model: str, prompt: Prompt, reuse, req: Request, metrics: Metrics, vocab: Vocab,
+                 echo: str | None = None):
+        self.kind, self.model, self.prompt, self.reuse, self.req, self.metrics, self.vocab = \
+            kind, model, prompt, reuse, req, metrics, vocab
         self.id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created, self.text, self.finish, self.tokens, self.kl = int(time.time()), [], None, 0, None
         self.first, self.first_chunk = True, True   # the first text not yet seen (TTFT), the first chunk not yet sent
+        self.echo = echo
+        self.scores: list = []        # (Scored, text offset) of each answer token, when logprobs are asked
+        self.prompt_scores = None     # echo with logprobs: (Scored or None, token, text offset) of each prompt token
+        self.offset = len(echo) if echo is not None else 0   # characters before the next answer token (completions)
+
+    @property
+    def chat(self) -> bool:
+        return self.kind == "chat.completion"
+
+    def _chars(self, token: int) -> int:
+        """Characters a token's bytes begin (its bytes that do not continue a character)."""
+        return sum((b & 0xC0) != 0x80 for b in self.vocab(token)[1])
 
     def got(self, what: str, data: dict) -> None:
         if what == "text":
@@ -279,6 +446,14 @@ class Answer:
                 self.metrics.ttft.observe(time.perf_counter() - self.req.queued_at)
                 self.first = False
             self.text.append(data["delta"])
+            if data.get("scored") is not None:
+                self.scores.append((data["scored"], self.offset))
+                self.offset += self._chars(data["token"])
+        elif what == "prompt":
+            at, self.prompt_scores = 0, []
+            for score, token in zip(data["scores"], self.prompt.tokens):
+                self.prompt_scores.append((score, token, at))
+                at += self._chars(token)
         elif what == "end":
             self.finish, self.tokens, self.kl = data["finish_reason"], data["tokens"], data["kl"]
         elif what == "error":
@@ -289,8 +464,8 @@ class Answer:
             self.got(*await events.get())
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
-                "total_tokens": self.prompt_tokens + self.tokens,
+        n = len(self.prompt)
+        return {"prompt_tokens": n, "completion_tokens": self.tokens, "total_tokens": n + self.tokens,
                 "prompt_tokens_details": {"cached_tokens": self.reuse.cached}}
 
     def kv_cache(self) -> dict:
@@ -302,25 +477,56 @@ class Answer:
     def finish_reason(self) -> str:
         return "stop" if self.finish == "cancelled" else self.finish
 
-    def choice(self, text: str, final: bool, delta: bool) -> dict:
+    # ---- logprobs in OpenAI's two shapes
+    def _entry(self, token: int, logprob: float) -> dict:
+        text, raw = self.vocab(token)
+        return {"token": text, "logprob": _finite(logprob), "bytes": raw}
+
+    def logprobs(self, scores: list, prompt: list = ()) -> dict | None:
+        """The logprobs of these answer tokens (and, for an echo, these prompt tokens first), or None when not asked:
+        chat's {"content": [...]}; a completion's {"tokens", "token_logprobs", "top_logprobs", "text_offset"}, whose
+        top_logprobs hold the chosen token beside the most likely ones."""
+        if self.req.logprobs is None:
+            return None
+        if self.chat:
+            return {"content": [{**self._entry(s.token, s.logprob),
+                                 "top_logprobs": [self._entry(t, lp) for t, lp in s.top]} for s, _ in scores],
+                    "refusal": None}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for score, token, at in [*prompt, *((s, s.token, at) for s, at in scores)]:
+            out["tokens"].append(self.vocab(token)[0])
+            out["text_offset"].append(at)
+            if score is None:   # the prompt's first token: nothing before it scores it
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            out["token_logprobs"].append(_finite(score.logprob))
+            top = {self.vocab(t)[0]: _finite(lp) for t, lp in score.top}
+            out["top_logprobs"].append({**top, self.vocab(score.token)[0]: _finite(score.logprob)})
+        return out
+
+    def choice(self, text: str, final: bool, delta: bool, scores: list = (), prompt: list = ()) -> dict:
         reason = self.finish_reason() if final else None
-        if self.kind == "text_completion":
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        logprobs = self.logprobs(list(scores), list(prompt)) if scores or prompt else \
+            (None if delta or self.req.logprobs is None else self.logprobs([]))
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
         if delta:
             return {"index": 0, "delta": {"role": "assistant", "content": text} if self.first_chunk else
-                    ({"content": text} if text else {}), "logprobs": None, "finish_reason": reason}
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                    ({"content": text} if text else {}), "logprobs": logprobs, "finish_reason": reason}
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": reason}
 
     def body(self) -> dict:
+        text = (self.echo or "") + "".join(self.text)
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
-                "choices": [self.choice("".join(self.text), True, False)], "usage": self.usage(),
-                "kv_cache": self.kv_cache()}
+                "choices": [self.choice(text, True, False, self.scores, self.prompt_scores or ())],
+                "usage": self.usage(), "kv_cache": self.kv_cache()}
 
-    def chunk(self, text: str, final: bool = False, usage: bool = False) -> str:
-        obj = "chat.completion.chunk" if self.kind == "chat.completion" else "text_completion"
+    def chunk(self, text: str, final: bool = False, usage: bool = False, scores: list = (), prompt: list = ()) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-               "choices": [] if usage else [self.choice(text, final, True)]}
+               "choices": [] if usage else [self.choice(text, final, True, scores, prompt)]}
         if usage:
             out["usage"] = self.usage()
         if final or usage:
@@ -329,16 +535,23 @@ class Answer:
         return f"data: {json.dumps(out)}\n\n"
 
     async def stream(self, events: asyncio.Queue, include_usage: bool):
-        """Server-sent events: a chunk per piece of text, the finish reason, the usage if asked, [DONE]. A client
-        that goes away cancels this generator: the engine stops its answer at the next token."""
+        """Server-sent events: the echo first (a completion's prompt, with its scores once they are in), a chunk per
+        piece of text with the logprobs of the tokens since the last chunk, the finish reason, the usage if asked,
+        [DONE]. A client that goes away cancels this generator: the engine stops its answer at the next token."""
         try:
-            while self.finish is None:
-                what, data = await events.get()
-                before = len(self.text)
-                self.got(what, data)
-                if what == "text" and len(self.text) > before and self.text[-1]:
-                    yield self.chunk(self.text[-1])
-            yield self.chunk("", final=True)
+            if self.echo is not None:
+                while self.req.echo_logprobs is not None and self.prompt_scores is None and self.finish is None:
+                    self.got(*await events.get())   # the answer's text waits in self.text
+                yield self.chunk(self.echo, prompt=self.prompt_scores or ())
+            sent, scored = 0, 0
+            while True:
+                if len(self.text) > sent and "".join(self.text[sent:]):
+                    yield self.chunk("".join(self.text[sent:]), scores=self.scores[scored:])
+                    sent, scored = len(self.text), len(self.scores)
+                if self.finish is not None:
+                    break
+                self.got(*await events.get())
+            yield self.chunk("", final=True, scores=self.scores[scored:])
             if include_usage:
                 yield self.chunk("", usage=True)
             yield "data: [DONE]\n\n"

@@ -2,10 +2,27 @@
 
 A chat request's messages are rendered in the model's chat format (ChatML, the template in SmolLM2's GGUF file:
 `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, a default system message when the chat has none, and
-`<|im_start|>assistant\\n` after the last one). Each segment (the system message, every later message) is
-tokenized alone, so a message has the same tokens wherever it stands in a chat: that is what lets the connector
-find it again as a chunk (LMCache's chunks, CacheBlend's reuse of a chunk that is not a prefix). The special
-tokens split the text where the segments meet, so the segments' tokens are the whole prompt's (tested).
+`<|im_start|>assistant\\n` after the last one). The prompt is tokenized piecewise: each segment (the system message,
+every later message, every piece of a message split by the separator) is tokenized alone, so a segment has the same
+tokens wherever it stands in a chat: that is what lets the connector find it again as a chunk (LMCache's chunks,
+CacheBlend's reuse of a chunk that is not a prefix). The segments' tokens, concatenated, are exactly the tokens the
+model is fed (tested); where a message is not split, the special tokens split the text where the segments meet, so
+they are also what tokenizing the whole text gives.
+
+Chunks inside a message (LMCache's `blend_special_str`, the same default " # # "): RAG code puts the retrieved
+documents in one user message; the application puts the separator between them, and every message after the
+system message whose text holds it is cut there. Such a message gives these chunks, each reusable alone behind the
+system message: its ChatML header (`<|im_start|>user\\n`), then each piece followed by the separator's own tokens
+(the separator belongs to the piece before it, so a document's chunk is the same first, last or in between, and
+the same in any message), then the text after the last separator with `<|im_end|>\\n`. In the last message that
+tail is the question (computed fresh, the assistant's header after it); the pieces before it are chunks. Two
+separators in a row give a chunk of the separator's tokens alone. The system message is never cut: it is the
+prefix every chunk is stored behind. A plain completion's text is cut the same way: the text up to the first
+separator (with it) is its prefix, each later piece a chunk, the text after the last separator the question.
+
+A prompt without separators gets what it got before: a chat's messages are its chunks, so it reuses a message the
+store has seen as a message, in any order; one message (or a completion) holding many documents with no separator
+reuses only its exact prefix.
 """
 from __future__ import annotations
 
@@ -14,17 +31,20 @@ from dataclasses import dataclass
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"   # the GGUF template's
 ROLES = ("system", "user", "assistant", "developer", "tool")
+SEPARATOR = " # # "    # LMCache's blend_special_str default: the text that cuts a message into chunks
 
 
 @dataclass(frozen=True)
 class Prompt:
     """A prompt as token segments: `system` (the prefix every chunk is stored behind; empty for a plain
-    completion), `chunks` (the chat's messages after it but the last: each reusable alone) and `question` (the
-    last message and the assistant's header, or a completion's whole prompt: computed fresh)."""
+    completion without separators), `chunks` (the chat's messages after it but the last, and the pieces of any
+    message cut by the separator: each reusable alone) and `question` (the last message, or the text after its last
+    separator, and the assistant's header; a completion's whole prompt, or the text after its last separator:
+    computed fresh)."""
     system: tuple
     chunks: tuple             # of tuples of tokens
     question: tuple
-    last_message: tuple = ()  # the last message's own segment (question without the header): stored as a chunk
+    last_message: tuple = ()  # a chat's question without the assistant's header: stored as a chunk (a later turn's)
 
     @property
     def tokens(self) -> list:
@@ -38,21 +58,55 @@ def segment(role: str, content: str) -> str:
     return f"{IM_START}{role}\n{content}{IM_END}\n"
 
 
-def chat_prompt(tok, messages: list[tuple[str, str]]) -> Prompt:
-    """messages: (role, content) pairs, at least one. The chat's Prompt (module docstring)."""
+class _Encoder:
+    """Text -> a tuple of token ids, and the separator's own tokens."""
+
+    def __init__(self, tok, separator: str | None):
+        self.tok, self.separator = tok, separator or None
+        self.sep = self(separator) if separator else ()
+
+    def __call__(self, text: str) -> tuple:
+        return tuple(self.tok.encode(text).ids)
+
+    def split(self, text: str) -> list[str] | None:
+        """The pieces of `text` between separators (None: it holds none)."""
+        return text.split(self.separator) if self.separator and self.separator in text else None
+
+    def message(self, role: str, content: str) -> list[tuple]:
+        """A message's chunks (module docstring): its whole segment, or its header, each piece with the separator's
+        tokens, and the tail with the end of the message."""
+        pieces = self.split(content)
+        if pieces is None:
+            return [self(segment(role, content))]
+        *before, tail = pieces
+        return [self(f"{IM_START}{role}\n"), *(self(p) + self.sep for p in before), self(tail + f"{IM_END}\n")]
+
+
+def chat_prompt(tok, messages: list[tuple[str, str]], separator: str | None = SEPARATOR) -> Prompt:
+    """messages: (role, content) pairs, at least one. The chat's Prompt (module docstring); separator None or "":
+    messages are never cut."""
     if messages[0][0] != "system":
         messages = [("system", DEFAULT_SYSTEM), *messages]
-    def enc(text: str) -> tuple:
-        return tuple(tok.encode(text).ids)
-
+    enc = _Encoder(tok, separator)
     system = enc(segment(*messages[0]))
-    rest = [enc(segment(role, content)) for role, content in messages[1:]]
+    rest = [enc.message(role, content) for role, content in messages[1:]]
     header = enc(f"{IM_START}assistant\n")
     if not rest:   # only a system message: it is the question
         return Prompt(system=(), chunks=(), question=system + header)
-    return Prompt(system=system, chunks=tuple(rest[:-1]), question=rest[-1] + header, last_message=rest[-1])
+    *earlier, last = rest
+    chunks = tuple(c for m in earlier for c in m) + tuple(last[:-1])
+    return Prompt(system=system, chunks=chunks, question=last[-1] + header, last_message=last[-1])
 
 
-def completion_prompt(tok, text: str | None = None, tokens: list[int] | None = None) -> Prompt:
-    """A plain completion's prompt (text, or token ids as the API allows): one segment, reused as a prefix only."""
-    return Prompt(system=(), chunks=(), question=tuple(tokens if tokens is not None else tok.encode(text).ids))
+def completion_prompt(tok, text: str | None = None, tokens: list[int] | None = None,
+                      separator: str | None = SEPARATOR) -> Prompt:
+    """A plain completion's prompt (text, or token ids as the API allows): one segment, reused as a prefix only;
+    a text holding the separator is cut as the module docstring says (token ids never are)."""
+    if tokens is not None:
+        return Prompt(system=(), chunks=(), question=tuple(tokens))
+    enc = _Encoder(tok, separator)
+    pieces = enc.split(text)
+    if pieces is None:
+        return Prompt(system=(), chunks=(), question=enc(text))
+    first, *middle, tail = pieces
+    return Prompt(system=enc(first) + enc.sep, chunks=tuple(enc(p) + enc.sep for p in middle), question=enc(tail))

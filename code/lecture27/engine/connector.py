@@ -13,16 +13,17 @@ Where KV is kept:
 What is kept, keyed by content (kvstore.ChunkKey: the model, the tokens before, the tokens):
   prefix blocks   the prompt (and the answer after it) cut into BLOCK_TOKENS-token blocks, each keyed by every
                   token before it (vLLM's and LMCache's prefix keys): exact KV, reused only behind the same tokens;
-  message chunks  in a chat, every message after the system message, prefilled alone behind it (kvstore's
-                  chunk_keys): reusable wherever the message comes back, in any order, beside any messages.
+  chunks          in a chat, every message after the system message, prefilled alone behind it (kvstore's
+                  chunk_keys), and every piece of a message (or of a completion) cut by the separator (chat.py:
+                  LMCache's blend_special_str): reusable wherever it comes back, in any order, beside any others.
 How a prompt is served (`Lookup.path`), whichever reuses more:
   prefix   the longest run of held prefix blocks is the cache, exactly; the rest is prefilled behind it;
-  blend    the system message's KV and every earlier message's chunk (held, or prefilled alone behind the system
-           message first), each shifted to its place, and CacheBlend recomputes a few tokens per layer while the
-           last message is computed in full;
+  blend    the system message's KV and every chunk's (held, or prefilled alone behind the system message first),
+           each shifted to its place, and CacheBlend recomputes a few tokens per layer while the question (the
+           last message, or its text after the last separator) is computed in full;
   prefill  nothing held: a full prefill.
-When a request is loaded, each of its messages whose chunk no tier holds becomes a store job (`StoreJob`: the
-message prefilled alone behind the system message), which the engine runs at low priority; after the request
+When a request is loaded, each of its chunks that no tier holds becomes a store job (`StoreJob`: the chunk
+prefilled alone behind the system message), which the engine runs at low priority; after the request
 (`KVConnector.to_save`) its exact KV is cut into prefix blocks.
 Blended KV is never stored: the store hands out only KV a full prefill would compute.
 """
@@ -142,7 +143,7 @@ class Writer:
     only puts into its queue. `pending` counts what is not written yet (/health)."""
 
     def __init__(self, tiers: Tiers):
-        self.tiers, self.jobs, self.pending = tiers, queue.Queue(), 0
+        self.tiers, self.writes, self.pending = tiers, queue.Queue(), 0
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._write, name="engine-writer", daemon=True)
         self.thread.start()
@@ -150,14 +151,14 @@ class Writer:
     def put(self, key: ks.ChunkKey, block: torch.Tensor) -> None:
         with self.lock:
             self.pending += 1
-        self.jobs.put((key, block))
+        self.writes.put((key, block))
 
     def stop(self, timeout: float = 30) -> None:
-        self.jobs.put(None)
+        self.writes.put(None)
         self.thread.join(timeout)
 
     def _write(self) -> None:
-        while (job := self.jobs.get()) is not None:
+        while (job := self.writes.get()) is not None:
             key, block = job
             try:
                 self.tiers.put(key, lambda: block_to_array(block))
@@ -177,7 +178,7 @@ class Reuse:
     blended: int = 0
     recomputed: int = 0
     hits: dict = field(default_factory=dict)
-    context: int = 0          # tokens before the last message (a chat's system message and earlier messages): reusable
+    context: int = 0          # tokens before the question (the system message and the chunks): reusable
 
     @property
     def cached(self) -> int:
@@ -195,13 +196,13 @@ class Reuse:
 @dataclass
 class Loaded:
     """What `load` fetched for a prompt: for the prefix path the held prefix (one KV block of `covered` tokens, or
-    None); for blend, the system message's block and each earlier message's (None where it must be computed)."""
+    None); for blend, the system message's block and each chunk's (None where it must be computed)."""
     path: str
     reuse: Reuse
     prefix: torch.Tensor | None = None
     system: torch.Tensor | None = None
     chunks: list = field(default_factory=list)
-    store_jobs: list = field(default_factory=list)   # StoreJobs: messages no tier holds that this request will not compute
+    store_jobs: list = field(default_factory=list)   # StoreJobs: chunks no tier holds that this request will not compute
 
     @property
     def covered(self) -> int:
@@ -210,7 +211,7 @@ class Loaded:
 
 @dataclass(frozen=True)
 class StoreJob:
-    """A message's chunk to prefill alone behind the system message and save (a store job): typed, not a tuple."""
+    """A chunk to prefill alone behind the system message and save (a store job): typed, not a tuple."""
     key: ks.ChunkKey
 
     @property
@@ -230,14 +231,15 @@ def block_keys(model_id: str, tokens, block: int = BLOCK_TOKENS) -> list:
 
 
 def message_keys(model_id: str, prompt: Prompt) -> list:
-    """The keys of a chat's message chunks (every message after the system message, the last one included),
-    each prefilled alone behind the system message."""
-    return [ks.ChunkKey(model_id, tuple(c), tuple(prompt.system)) for c in (*prompt.chunks, prompt.last_message) if c]
+    """The keys of a prompt's chunks (a chat's messages after the system message and the pieces the separator cut),
+    then of a chat's last message (stored for a later turn), each prefilled alone behind the system message."""
+    last = [prompt.last_message] if prompt.last_message else []
+    return [ks.ChunkKey(model_id, tuple(c), tuple(prompt.system)) for c in (*prompt.chunks, *last)]
 
 
 class KVConnector:
     """The engine's side of the store (module docstring). tiers: a Tiers, or None (RAM, disk and Redis off: the hot
-    cache alone). store=False: no store at all (every prompt prefilled in full). blend: reuse message chunks out of
+    cache alone). store=False: no store at all (every prompt prefilled in full). blend: reuse chunks out of
     order with CacheBlend at `ratio` with `rule`."""
 
     def __init__(self, model_id: str, tiers: Tiers | None, n_kv_heads: int, *, store: bool = True,
@@ -279,8 +281,8 @@ class KVConnector:
         return block
 
     def lookup(self, prompt: Prompt) -> tuple[str, int, list]:
-        """Which of the prompt's tokens the store can give: (path, the held prefix blocks' tokens, for each earlier
-        message whether its chunk is held). The prefix leaves at least the last token to compute (its logits are
+        """Which of the prompt's tokens the store can give: (path, the held prefix blocks' tokens, for each chunk
+        whether it is held). The prefix leaves at least the last token to compute (its logits are
         the first answer token's)."""
         if not self.store:
             return "prefill", 0, []
@@ -312,13 +314,13 @@ class KVConnector:
         return loaded
 
     def store_jobs(self, prompt: Prompt, path: str) -> list:
-        """The chat's messages whose chunk no tier holds and this request does not compute alone: each becomes a
-        store job as the request starts, so it is reusable soon after, in any order. The first message computed in
-        place (the exact paths) is its own chunk: to_save keeps its rows."""
-        if not (self.store and self.blend and prompt.last_message):
+        """The prompt's chunks (and a chat's last message) that no tier holds and this request does not compute
+        alone: each becomes a store job as the request starts, so it is reusable soon after, in any order. The first
+        chunk computed in place (the exact paths) is its own chunk: to_save keeps its rows."""
+        if not (self.store and self.blend and (prompt.chunks or prompt.last_message)):
             return []
         keys = message_keys(self.model_id, prompt)
-        skip = len(prompt.chunks) if path == "blend" else 1   # blend computes each missing earlier message itself
+        skip = len(prompt.chunks) if path == "blend" else 1   # blend computes each missing chunk itself
         return [StoreJob(k) for k in keys[skip:] if not self.held(k)]
 
     def prefix(self, tokens: list, upto: int, reuse: Reuse) -> torch.Tensor | None:
@@ -369,6 +371,6 @@ class KVConnector:
         if S and exact >= S:
             now.append((ks.ChunkKey(self.model_id, tuple(prompt.system)), (0, S)))
         first = (*prompt.chunks, prompt.last_message)[0]
-        if self.blend and first and exact >= S + len(first):   # the first message stands where it is stored
+        if self.blend and first and exact >= S + len(first):   # the first chunk stands where it is stored
             now.append((message_keys(self.model_id, prompt)[0], (S, S + len(first))))
         return [(k, cache.rows(a, b)) for k, (a, b) in now if not self.hot.has(k)]

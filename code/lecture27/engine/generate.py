@@ -10,9 +10,15 @@ A request's KV is reusable the moment it ends: its exact blocks go into the conn
 at once, and the next step's lookup finds them; a message that must be prefilled alone to be stored becomes a
 store job in the same steps, at low priority.
 
-Decoding: greedy at temperature 0, else sampled with the request's seed, until `max_tokens`, an end-of-turn token,
-a stop string, or the client going away. Each step is reported to the request's `emit` (the API turns the events
-into a response or a stream).
+Decoding (OpenAI's sampling parameters, sequence.Request): the served logits (a full prefill's, a reused prefix's,
+or on the blended path CacheBlend's) get logit_bias and the presence and frequency penalties over the answer so far;
+the token is their argmax at temperature 0, else drawn within the top_p nucleus with the request's seed; until
+`max_tokens`, an end-of-turn token, a stop string, or the client going away. Logprobs, when asked, are the
+log_softmax of those same logits, the ones the token was picked from (temperature and top_p shape the draw, not
+the reported distribution, as OpenAI and vLLM report them): on the blended path the first token's are the blended
+logits'. A completion's echo with logprobs scores the prompt's tokens with one more full prefill of the prompt (an
+"echo" unit, kv_check's kind of extra work), exact whatever path served the answer. Each step is reported to the
+request's `emit` (the API turns the events into a response or a stream).
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ from lecture27.engine import runner
 from lecture27.engine.connector import KVConnector, message_keys
 from lecture27.engine.runner import Item, SeqCache
 from lecture27.engine.scheduler import MAX_RUNNING, STEP_TOKENS, STORE_JOB_TOKENS, Scheduler
-from lecture27.engine.sequence import Prefill, Request, Sequence
+from lecture27.engine.sequence import Prefill, Request, Sequence, scored
 
 MAX_STORE_JOBS = 256     # store jobs waiting at most; past that a message is not stored alone
 
@@ -125,15 +131,19 @@ class Engine:
         self.steps += 1
         if batch.blend is not None:
             self._blend(batch.blend)
+        pieces = [(unit, n) for unit, n in batch.pieces if unit.kind != "echo"]
         items = [Item([seq.next_token], seq.cache, True) for seq in batch.decode]
-        items += [Item(unit.todo[:n], unit.cache, unit.logits and n == len(unit.todo)) for unit, n in batch.pieces]
+        items += [Item(unit.todo[:n], unit.cache, unit.logits and n == len(unit.todo)) for unit, n in pieces]
         logits = runner.run(self.model, items) if items else []
         for seq, lg in zip(batch.decode, logits):
             self._advance(seq, lg)
-        for (unit, n), lg in zip(batch.pieces, logits[len(batch.decode):]):
+        for (unit, n), lg in zip(pieces, logits[len(batch.decode):]):
             unit.todo = unit.todo[n:]
             if not unit.todo:
                 self._done(unit, lg)
+        for unit, n in batch.pieces:
+            if unit.kind == "echo":
+                self._score(unit, n)
 
     def _take(self, block: bool) -> None:
         """Run what the other threads handed over; wait for it when there is nothing else to do."""
@@ -147,6 +157,22 @@ class Engine:
                 work = self.inbox.get_nowait()
         except queue.Empty:
             pass
+
+    def _score(self, unit: Prefill, n: int) -> None:
+        """A piece of an "echo" unit, through the model's own forward (it gives every position's logits; the step's
+        budget counted its tokens): each token is scored by the logits before it, the prompt's first by none."""
+        piece, unit.todo = unit.todo[:n], unit.todo[n:]
+        logits, unit.cache = self.model(torch.tensor([piece]), cache=unit.cache)
+        logits = logits[0]
+        before = logits[:-1] if unit.last is None else torch.cat([unit.last[None], logits[:-1]])
+        if unit.last is None:
+            unit.scores.append(None)
+            piece = piece[1:]
+        top = unit.owner.req.echo_logprobs
+        unit.scores += [scored(lp, t, top) for lp, t in zip(before.log_softmax(-1), piece)]
+        unit.last = logits[-1]
+        if not unit.todo:
+            self._done(unit, unit.last)
 
     def _blend(self, seq: Sequence) -> None:
         c, p = self.connector, seq.prompt
@@ -176,8 +202,11 @@ class Engine:
             seq.parts.remove(unit)
             if not seq.parts:
                 seq.phase = "blend"
-        elif unit.kind == "check":
+        elif unit.kind in ("check", "echo"):
             seq.check_logits = logits
+            if unit.kind == "echo":
+                seq.prompt_scores = unit.scores
+                self._scores(seq)
             if seq.phase == "check":
                 self._end(seq, seq.finish)
         elif unit.kind == "store":
@@ -191,26 +220,38 @@ class Engine:
         seq.served_logits = logits
         seq.req.emit("start", reuse=seq.loaded.reuse, queue_s=seq.admitted_at - seq.req.queued_at,
                      prefill_s=now - seq.admitted_at)
+        seq.started = True
+        self._scores(seq)
         self._advance(seq, logits)
 
+    @staticmethod
+    def _scores(seq: Sequence) -> None:
+        """The prompt's scores (echo), once they are in and "start" was emitted: the API sends them first."""
+        if seq.started and seq.prompt_scores is not None:
+            seq.req.emit("prompt", scores=seq.prompt_scores)
+            seq.prompt_scores = None
+
     def _advance(self, seq: Sequence, logits) -> None:
-        """A new token from `logits`: sent (its text past what was sent, holding back what may start a stop
-        string), or the answer ends (an end token, a stop string, max_tokens, a client gone)."""
+        """A new token from `logits` (shaped by the request's bias and penalties): sent (its text past what was sent,
+        holding back what may start a stop string), or the answer ends (an end token, a stop string, max_tokens, a
+        client gone). Its logprobs, when asked, come from the logits it was picked from."""
         req = seq.req
-        token = self.pick(logits, req.temperature, seq.gen)
+        logits = seq.shaped(logits)
+        token = self.pick(logits, req.temperature, seq.gen, req.top_p)
         if token in self.end_ids:
             return self._finish(seq, "stop")
-        seq.out.append(token)
+        seq.chose(token)
+        score = scored(logits.float().log_softmax(-1), token, req.logprobs) if req.logprobs is not None else None
         text = self.tok.decode(seq.out)
         cut = min((i for i in (text.find(s) for s in req.stop) if i >= 0), default=-1)
         if cut >= 0:   # the text ends before the stop string
-            self.flush(seq, text[:cut], token)
+            self.flush(seq, text[:cut], token, score)
             return self._finish(seq, "stop", cut=True)
         hold = max(map(len, req.stop), default=1) - 1   # a stop string may be starting: hold back this many characters
         safe = len(text) - hold
         while safe > len(seq.sent) and text[safe - 1] == "\ufffd":   # a character whose bytes are not all in yet
             safe -= 1
-        self.flush(seq, text[:safe], token)
+        self.flush(seq, text[:safe], token, score)
         if req.cancelled.is_set():
             return self._finish(seq, "cancelled")
         if len(seq.out) >= req.max_tokens:
@@ -229,7 +270,7 @@ class Engine:
 
     def _end(self, seq: Sequence, reason: str) -> None:
         kl = None
-        if seq.check is not None and seq.served_logits is not None and not seq.check.todo:
+        if seq.req.kv_check and seq.check is not None and seq.served_logits is not None and not seq.check.todo:
             full = seq.check_logits
             if full is not None:
                 kl = float(kl_divergence(full.log_softmax(-1), seq.served_logits.log_softmax(-1)))
@@ -268,15 +309,23 @@ class Engine:
                            skip=len(job.system))
         s.add_store_job(unit)
 
-    def flush(self, seq: Sequence, upto: str, token) -> None:
-        """Send the text past what was sent, up to `upto`."""
+    def flush(self, seq: Sequence, upto: str, token, score=None) -> None:
+        """Send the text past what was sent, up to `upto` (with the new token and its score, when there is one)."""
         if len(upto) > len(seq.sent) or token is not None:
-            seq.req.emit("text", delta=upto[len(seq.sent):] if len(upto) > len(seq.sent) else "", token=token)
+            seq.req.emit("text", delta=upto[len(seq.sent):] if len(upto) > len(seq.sent) else "", token=token,
+                         scored=score)
         if len(upto) > len(seq.sent):
             seq.sent = upto
 
     @staticmethod
-    def pick(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> int:
+    def pick(logits: torch.Tensor, temperature: float, gen: torch.Generator, top_p: float = 1.0) -> int:
+        """The argmax at temperature 0; else a draw from softmax(logits / temperature), within the nucleus: the
+        most likely tokens whose probabilities sum to top_p (at least the most likely one)."""
         if temperature <= 0:
             return int(logits.argmax())
-        return int(torch.multinomial((logits / temperature).softmax(-1), 1, generator=gen))
+        probs = (logits.float() / temperature).softmax(-1)
+        if top_p >= 1:
+            return int(torch.multinomial(probs, 1, generator=gen))
+        p, ids = probs.sort(descending=True)
+        keep = int((p.cumsum(0) - p < top_p).sum().clamp(min=1))   # the tokens before which less than top_p is summed
+        return int(ids[int(torch.multinomial(p[:keep], 1, generator=gen))])

@@ -1,6 +1,7 @@
 """What the engine works on: a request as the API hands it over (`Request`), the request inside the engine
-(`Sequence`: where it is, its cache, its answer so far) and a run of tokens to compute behind a cache, a piece per
-step (`Prefill`: a prompt, a chunk prefilled alone, a store job, kv_check's full prefill)."""
+(`Sequence`: where it is, its cache, its answer so far, how its next token's logits are shaped) and a run of tokens
+to compute behind a cache, a piece per step (`Prefill`: a prompt, a chunk prefilled alone, a store job, kv_check's
+full prefill, the prompt scored for echo)."""
 from __future__ import annotations
 
 import random
@@ -22,32 +23,63 @@ ROOM_TOKENS = 256     # answer tokens a request's cache holds room for from the 
 @dataclass
 class Request:
     """One completion: the prompt, how to decode, and where its events go. emit(kind, **data) is called from the
-    model thread: "start" (after the prefill: reuse, queue_s, prefill_s), "text" (delta, token), "end"
-    (finish_reason, tokens, kl), "error" (message)."""
+    model thread: "start" (after the prefill: reuse, queue_s, prefill_s), "prompt" (after "start", when
+    echo_logprobs is asked: scores, a Scored or None for each prompt token), "text" (delta, token, scored: a Scored
+    when logprobs is asked), "end" (finish_reason, tokens, kl), "error" (message).
+
+    Decoding follows OpenAI's definitions: logit_bias is added to the logits, then every token the answer holds
+    already loses presence_penalty once and frequency_penalty for each time it was chosen; the token is the argmax at
+    temperature 0, else drawn from softmax(logits / temperature) within the top_p nucleus, with `seed`'s generator."""
     prompt: Prompt
     emit: Callable
     max_tokens: int = 16
     temperature: float = 0.0
+    top_p: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict = field(default_factory=dict)   # {token id: added to its logit}
     seed: int | None = None
     stop: tuple = ()
+    logprobs: int | None = None       # each answer token's logprob and this many alternatives (None: not asked)
+    echo_logprobs: int | None = None  # each prompt token's too (a completion's echo): a full prefill scores them
     kv_check: bool = False     # also prefill in full and report the first token's KL (what reuse cost)
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
 
 
+@dataclass(frozen=True)
+class Scored:
+    """A token's log-probability under the logits it was picked from (or, for a prompt token, the logits before
+    it), and the `top` most likely tokens there: ((token, logprob), ...), most likely first."""
+    token: int
+    logprob: float
+    top: tuple = ()
+
+
+def scored(logprobs: torch.Tensor, token: int, top: int) -> Scored:
+    """logprobs: log_softmax of one position's logits (vocab,)."""
+    best = logprobs.topk(top) if top else None
+    return Scored(token, float(logprobs[token]),
+                  tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ())
+
+
 @dataclass(eq=False)
 class Prefill:
     """Tokens to run behind a cache, a piece per step (chunked prefill). kind: "prompt" (a request's own prompt,
-    its last logits are the first answer token's), "system" and "chunk" (the blend path's system message and a
-    message prefilled alone behind it), "check" (kv_check's full prefill), "store" (a chunk prefilled alone to be
-    stored). key: the chunk saved when it ends, its rows from `skip` on."""
+    its last logits are the first answer token's), "system" and "chunk" (the blend path's system message and a chunk
+    prefilled alone behind it), "check" (kv_check's full prefill), "echo" (kv_check's full prefill that also scores
+    every prompt token: its pieces run through the model's own forward, which gives every position's logits; its
+    cache is a KVCache), "store" (a chunk prefilled alone to be stored). key: the chunk saved when it ends, its rows
+    from `skip` on."""
     kind: str
     todo: list
     cache: SeqCache
     owner: "Sequence | None" = None
     key: ks.ChunkKey | None = None
     skip: int = 0
-    index: int = -1            # the blend path's message index of a "chunk"
+    index: int = -1            # the blend path's chunk index of a "chunk"
+    scores: list = field(default_factory=list)   # "echo": a Scored for each prompt token scored so far (None first)
+    last: torch.Tensor | None = None             # "echo": the logits after the tokens run so far
 
     @property
     def logits(self) -> bool:
@@ -69,7 +101,11 @@ class Sequence:
         self.alone: dict = {}                # {message index: block} chunks prefilled alone here (saved after)
         self.out, self.sent, self.finish, self.next_token = [], "", None, None
         self.served_logits, self.check_logits = None, None   # the logits served, and a full prefill's (kv_check)
-        self.admitted_at = self.first_at = None
+        self.started, self.prompt_scores = False, None   # "start" emitted; echo's scores, until emitted after it
+        self.admitted_at = None
+        self.counts: dict = {}               # {token: times the answer holds it} (the penalties)
+        self.bias = (torch.tensor(list(req.logit_bias), dtype=torch.long),
+                     torch.tensor(list(req.logit_bias.values()), dtype=torch.float32)) if req.logit_bias else None
         self.gen = torch.Generator().manual_seed(req.seed if req.seed is not None else random.getrandbits(63))
 
     @property
@@ -82,7 +118,9 @@ class Sequence:
         """Plan the prefill from what the connector loaded."""
         self.loaded, self.admitted_at = loaded, time.perf_counter()
         self.phase, tokens, extra = "prefill", self.prompt.tokens, self.room
-        if self.req.kv_check:
+        if self.req.echo_logprobs is not None:
+            self.check = Prefill("echo", list(tokens), None, owner=self)
+        elif self.req.kv_check:
             self.check = Prefill("check", list(tokens), SeqCache.empty(self.cfg, len(tokens)), owner=self)
         if loaded.path != "blend":
             cache = SeqCache(loaded.prefix, len(tokens) + extra) if loaded.prefix is not None else \
@@ -96,8 +134,8 @@ class Sequence:
             self.chunk_parts(loaded.system)
 
     def chunk_parts(self, system_block) -> None:
-        """The blend path, once the system message's KV is at hand: every earlier message that no tier held is
-        prefilled alone behind it; with none, CacheBlend's pass is due."""
+        """The blend path, once the system message's KV is at hand: every chunk that no tier held is prefilled alone
+        behind it; with none, CacheBlend's pass is due."""
         self.blocks = [system_block] if self.prompt.system else []
         self.parts = []
         for i, (chunk, block) in enumerate(zip(self.prompt.chunks, self.loaded.chunks)):
@@ -112,3 +150,24 @@ class Sequence:
     def units(self) -> list:
         """This request's prefill work that may run this step, in order."""
         return self.parts if self.phase == "prefill" else []
+
+    def shaped(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits the next token is picked from (Request's docstring): logit_bias added, then OpenAI's
+        penalties over the answer's tokens so far, logits[t] -= presence * [count > 0] + frequency * count."""
+        req = self.req
+        penalised = self.counts and (req.presence_penalty or req.frequency_penalty)
+        if self.bias is None and not penalised:
+            return logits
+        logits = logits.clone()
+        if self.bias is not None:
+            logits[self.bias[0]] += self.bias[1]
+        if penalised:
+            ids = torch.tensor(list(self.counts), dtype=torch.long)
+            counts = torch.tensor(list(self.counts.values()), dtype=logits.dtype)
+            logits[ids] -= req.presence_penalty + req.frequency_penalty * counts
+        return logits
+
+    def chose(self, token: int) -> None:
+        """The answer holds `token` once more."""
+        self.out.append(token)
+        self.counts[token] = self.counts.get(token, 0) + 1
