@@ -122,14 +122,17 @@ def test_each_peer_sends_its_rag_requests_again_with_its_cache_out_of_the_way(mo
 def test_the_quality_table_names_what_each_server_reuses():
     def rag(server, texts, reference=()):
         return bench.Run(server, "rag", 1, [answer(0, t, x) for t, x in enumerate(texts)], 1.0,
-                         [0.01] if server == "store" else [], reference=[answer(0, t, x) for t, x in enumerate(reference)])
+                         [0.01] if server == "store" else [],
+                         reference=[answer(0, t, x) for t, x in enumerate(reference)])
     runs = [rag("store", "abcd"), rag("no_store", "abcx"), rag("vllm", "abcd", "abcd"),
             rag("llama.cpp", "abcd", "axyd")]
     q = {x["server"]: x for x in bench_serve.rag_quality(runs)}
     assert set(q) == {"store", "vllm", "llama.cpp"}
     assert q["store"]["same_answer"] == 0.75 and "no_store" in q["store"]["against"]
-    assert q["store"]["reuses"] == "exact prefix; chunks blended, 15% recomputed" and q["store"]["first_token_kl"] == 0.01
-    assert q["vllm"]["same_answer"] == 1.0 and q["vllm"]["reuses"] == "exact prefix" and "cache_salt" in q["vllm"]["against"]
+    assert q["store"]["reuses"] == "exact prefix; chunks blended, 15% recomputed"
+    assert q["store"]["first_token_kl"] == 0.01
+    assert q["vllm"]["same_answer"] == 1.0 and q["vllm"]["reuses"] == "exact prefix"
+    assert "cache_salt" in q["vllm"]["against"]
     assert q["llama.cpp"]["same_answer"] == 0.5 and q["llama.cpp"]["reuses"] == "shifted chunks, no recompute"
     assert "cache_prompt false" in q["llama.cpp"]["against"]
     page = Page("bench_serve", "test", "§7", plot=False)

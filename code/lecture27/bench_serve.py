@@ -67,7 +67,8 @@ def parse(argv=None):
                         "without the store, and one request at a time for chat8)")
     p.add_argument("--model", default=None, help="the model name to ask for (default: the server's first)")
     p.add_argument("--api-key", default=None, help="Bearer token for the servers")
-    p.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all", help="what to run")
+    p.add_argument("--workload", choices=[*WORKLOADS, "all"], action="append", default=[],
+                   help="what to run (repeatable; default: all)")
     p.add_argument("--users", type=positive_int, default=USERS, help="concurrent users of rag and chat")
     p.add_argument("--chat8-users", type=positive_int, default=CHAT8_USERS, help="chat8: users at once")
     p.add_argument("--rag-requests", type=positive_int, default=RAG_REQUESTS, help="timed RAG requests")
@@ -96,7 +97,8 @@ def parse(argv=None):
         why = launch.peer_missing(peer)
         if why:
             p.error(why)
-    a.workloads = WORKLOADS if a.workload == "all" else (a.workload,)
+    a.workloads = WORKLOADS if not a.workload or "all" in a.workload else \
+        tuple(w for w in WORKLOADS if w in a.workload)
     return a
 
 
@@ -211,8 +213,9 @@ def show_quality(page: Page, runs: list) -> None:
                                 "what a full prefill computes (the same numbers up to the batch they ran in); "
                                 "llama.cpp shifts cached runs of tokens to their new place without recomputing them, "
                                 "so each document's KV still attends only to what came before it when it was cached; "
-                                "ours recomputes 15% of a blended document's tokens. KL: the first answer token's KL to "
-                                "a full prefill (our engine's kv_check, on reused documents); the peers do not say."]))
+                                "ours recomputes 15% of a blended document's tokens. KL: the first answer token's "
+                                "KL to a full prefill (our engine's kv_check, on reused documents); the peers do not "
+                                "say."]))
 
 
 def shown(x, spec: str = "{:.2f}") -> str:

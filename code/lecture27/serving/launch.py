@@ -144,7 +144,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 gguf, out = sys.argv[1], sys.argv[2]
 folder, name = gguf.rsplit("/", 1)
 src = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32)
-dst = LlamaForCausalLM(src.config).to(torch.float32)
+config = src.config
+if hasattr(config, "quantization_config"):   # the weights are dequantized: no loader should look for GGUF
+    del config.quantization_config
+dst = LlamaForCausalLM(config).to(torch.float32)
 dst.load_state_dict(src.state_dict())
 dst.save_pretrained(out)
 AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
@@ -163,10 +166,12 @@ def vllm(port: int, threads: int = 1, python: Path | None = None, weights: Path 
     """vLLM's OpenAI server (its CPU build) on 127.0.0.1:port: the float32 weights, its prefix cache on (blocks of
     16 tokens keyed by every token before them: exact prefixes), `threads` OpenMP threads (OMP_NUM_THREADS and
     VLLM_CPU_OMP_THREADS_BIND: the first `threads` cores), VLLM_KV_GB of KV blocks. The `vllm` command does not
-    start from this build (its package is named vllm-cpu), so the module runs."""
+    start from this build (its package is named vllm-cpu), so the module runs. --enable-prompt-tokens-details:
+    usage says how many prompt tokens came from the prefix cache (OpenAI's cached_tokens)."""
     weights = weights or vllm_weights()
     argv = [str(python or peer_path("vllm")), "-m", "vllm.entrypoints.openai.api_server", "--model", str(weights),
             "--served-model-name", weights.name, "--dtype", "float32", "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
             "--max-model-len", str(VLLM_MAX_LEN), "--host", "127.0.0.1", "--port", str(port)]
     env = thread_env(threads)
     env.update(VLLM_CPU_KVCACHE_SPACE=str(VLLM_KV_GB), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
