@@ -47,8 +47,9 @@ def test_vllm_command_line(peers):
     assert "--enable-prefix-caching" in a and flag(a, "--host") == "127.0.0.1" and flag(a, "--port") == "41235"
     assert s.env["OMP_NUM_THREADS"] == "2" and s.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     assert s.env["VLLM_CPU_KVCACHE_SPACE"] == str(launch.VLLM_KV_GB) and s.timeout >= 600
-    line = "(APIServer pid=1) INFO 05-01 12:00:00 [entry.py:140] Starting vLLM server on http://127.0.0.1:41235"
-    assert s.ready.search(line).group(1) == "http://127.0.0.1:41235"
+    assert s.url == "http://127.0.0.1:41235/v1"   # its log names the URL before it listens: the port given
+    assert s.ready.search("INFO:     Application startup complete.")
+    assert not s.ready.search("INFO [entry.py:140] Starting vLLM server on http://127.0.0.1:41235")
 
 
 def test_the_peers_get_the_benchmarks_thread_count(peers, monkeypatch):
@@ -138,3 +139,12 @@ def test_the_quality_table_names_what_each_server_reuses():
     page = Page("bench_serve", "test", "§7", plot=False)
     bench_serve.show_quality(page, runs)
     assert [r.cells[0] for r in page.tables[0].rows] == ["store", "vllm", "llama.cpp"]
+
+
+def test_a_server_whose_ready_line_names_no_url_keeps_the_one_given():
+    s = launch.Server(["sh", "-c", "echo starting; echo 'INFO:     Application startup complete.'; sleep 30"],
+                      ready=launch.VLLM_READY, timeout=10)
+    s.url = "http://127.0.0.1:41236/v1"
+    with s:
+        assert s.url == "http://127.0.0.1:41236/v1" and s.pid
+    assert s.proc is None

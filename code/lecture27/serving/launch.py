@@ -51,8 +51,8 @@ class Server:
         for line in self.proc.stdout:
             self.lines.append(line.rstrip())
             m = self.ready.search(line)
-            if m and not found.is_set():   # (model, url) from ours, (url) from llama.cpp's
-                *model, url = m.groups()
+            if m and not found.is_set():   # (model, url) from ours, (url) from llama.cpp's, () from vLLM's
+                *model, url = m.groups() or (self.url,)
                 self.model, self.url = (model[0] if model else self.model), url.removesuffix("/v1") + "/v1"
                 found.set()
 
@@ -91,7 +91,7 @@ INSTALL = "code/lecture27/serving/install_peers.sh"
 VLLM_START_TIMEOUT_S = 900.0   # vLLM's CPU backend compiles its model graph at start (about 3 minutes here)
 VLLM_KV_GB = 1                 # VLLM_CPU_KVCACHE_SPACE: GiB of KV blocks (SmolLM2 holds about 21,700 tokens a GB)
 VLLM_MAX_LEN = 8192            # SmolLM2's context
-VLLM_READY = re.compile(r"(?:Starting vLLM (?:API )?server(?: \d+)? on|Uvicorn running on) (http://\S+)")
+VLLM_READY = re.compile(r"Application startup complete")   # it logs its URL before it listens
 LLAMA_READY = re.compile(r"listening on (http://\S+)")
 LLAMA_SLOTS = 4                # --parallel: requests batched together (continuous batching)
 LLAMA_SLOT_CTX = 4096          # tokens a slot holds: a RAG prompt of 6 documents is about 1,700
@@ -177,7 +177,7 @@ def vllm(port: int, threads: int = 1, python: Path | None = None, weights: Path 
     env.update(VLLM_CPU_KVCACHE_SPACE=str(VLLM_KV_GB), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
                VLLM_TARGET_DEVICE="cpu")
     s = Server(argv, env, ready=VLLM_READY, timeout=VLLM_START_TIMEOUT_S)
-    s.model = weights.name
+    s.model, s.url = weights.name, f"http://127.0.0.1:{port}/v1"
     return s
 
 
