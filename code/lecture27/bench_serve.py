@@ -4,13 +4,16 @@ a long prompt sent again, documents sent again and reordered, and a multi-turn c
 
     python code/lecture27/bench_serve.py                       # starts our engine with the store, then without
     python code/lecture27/bench_serve.py --url http://127.0.0.1:8000/v1 [--url no_store=http://...:8001/v1]
-    python code/lecture27/bench_serve.py --peer llama.cpp      # + llama.cpp's server on the same GGUF file
+    python code/lecture27/bench_serve.py --peer vllm --peer llama.cpp   # + vLLM's and llama.cpp's servers
 
 Without --url it starts serve.py on a free port, one server after the other on this CPU: with the KV store
 (prefixes reused exactly, messages reused in any order and blended), with --no-store, and for chat8 also with the
-store and --max-running 1 (one request at a time: "serial"); each runs the same requests. --peer llama.cpp (needs
-llama-cpp-python, built from source by pip: not in requirements.txt) starts llama.cpp's OpenAI server with its
-prompt cache, which reuses the longest common prefix of the prompt before. --url NAME=URL names a server; the
+store and --max-running 1 (one request at a time: "serial"); each runs the same requests. --peer vllm and
+--peer llama.cpp (repeatable; installed apart, by serving/install_peers.sh, never from requirements.txt) start
+vLLM's CPU server on SmolLM2's weights in float32 with its prefix cache, and llama.cpp's llama-server on the GGUF
+file with 4 slots and --cache-reuse, each with the same thread count as ours; for RAG each peer also answers every
+request again with its cache out of the way, and the quality table sets each server's answers beside a full
+prefill's. --url NAME=URL names a server; the
 ratios block compares the ones named store, no_store and serial. The workloads are serving/bench.py's: every
 timed request is sent the moment its user's answer before it ends, never after a look at /health; only a
 workload's warm-up waits for the server to be idle, and the table says what each warm-up sent. The tables put the
@@ -37,14 +40,24 @@ RAG_ITEMS = 2               # built-in RAG items the requests draw their documen
 CHAT_TURNS = 3              # turns per chat user
 MAX_TOKENS = 16             # answer tokens per request
 KV_CHECKS = 2               # RAG requests sent once more asking our engine for the first token's KL
-THREADS = 1                 # threads of a server started here: one, as 04 and 05 time theirs (a second thread that
-                            # waits for a core the client holds slows every step)
+THREADS = 1                 # threads of every server started here (ours and the peers): one, as 04 and 05 time
+                            # theirs (a second thread that waits for a core the client holds slows every step)
 WORKLOADS = ("chat8", "rag", "repeat", "reorder", "chat")
 SERIAL = ("--max-running", "1")   # the flags of ours one request at a time, for chat8's wall time
 REUSES = {"store": "prefixes exactly; messages in any order, blended",
           "no_store": "nothing (every prompt prefilled)",
           "serial": "what store reuses, running one request at a time (--max-running 1)",
-          "llama.cpp": "the longest common prefix of its last prompt (its prompt cache)"}
+          "vllm": "exact prefixes (its prefix cache: 16-token blocks keyed by every token before them)",
+          "llama.cpp": "the common prefix of a slot's last prompt, then runs of 256 or more of its tokens that come "
+                       "back later in the new prompt, in their order, shifted there by RoPE (--cache-reuse 256); "
+                       "nothing recomputed"}
+REUSE_SHORT = {"store": "exact prefix; chunks blended, 15% recomputed", "no_store": "nothing",
+               "serial": "as store", "vllm": "exact prefix", "llama.cpp": "shifted chunks, no recompute"}
+# A peer's full prefill of a RAG request, on the same server: (what the request says, its extra body).
+REFERENCE = {"vllm": ("the same request with a cache_salt of its own (no block of the prefix cache matches it)",
+                      lambda: {"cache_salt": secrets.token_hex(8)}),
+             "llama.cpp": ("the same request with cache_prompt false (no cached token used)",
+                           lambda: {"cache_prompt": False})}
 
 
 def parse(argv=None):
@@ -54,7 +67,8 @@ def parse(argv=None):
                         "without the store, and one request at a time for chat8)")
     p.add_argument("--model", default=None, help="the model name to ask for (default: the server's first)")
     p.add_argument("--api-key", default=None, help="Bearer token for the servers")
-    p.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all", help="what to run")
+    p.add_argument("--workload", choices=[*WORKLOADS, "all"], action="append", default=[],
+                   help="what to run (repeatable; default: all)")
     p.add_argument("--users", type=positive_int, default=USERS, help="concurrent users of rag and chat")
     p.add_argument("--chat8-users", type=positive_int, default=CHAT8_USERS, help="chat8: users at once")
     p.add_argument("--rag-requests", type=positive_int, default=RAG_REQUESTS, help="timed RAG requests")
@@ -63,8 +77,10 @@ def parse(argv=None):
     p.add_argument("--doc-words", type=positive_int, default=bench.DOC_WORDS, help="words a document")
     p.add_argument("--chat-turns", type=positive_int, default=CHAT_TURNS, help="turns per chat user")
     p.add_argument("--max-tokens", type=positive_int, default=MAX_TOKENS, help="answer tokens per request")
-    p.add_argument("--threads", type=positive_int, default=THREADS, help="torch threads of a server started here")
-    p.add_argument("--peer", choices=["llama.cpp"], default=None, help="also start llama.cpp's server and run it")
+    p.add_argument("--threads", type=positive_int, default=THREADS,
+                   help="threads of every server started here (ours and the peers)")
+    p.add_argument("--peer", choices=launch.PEERS, action="append", default=[],
+                   help="also start this peer's server and run it (repeatable)")
     a = p.parse_args(argv)
     if a.docs < 4:
         p.error("--docs: a RAG request carries at least 4 documents (two key passages, two distractors)")
@@ -76,17 +92,20 @@ def parse(argv=None):
                 f"have {bench.rag_orders(1, a.docs)} orders besides their first)")
     if a.chat8_users >= len(bench.PROSE):
         p.error(f"--chat8-users: at most {len(bench.PROSE) - 1} (one passage a user, one for the lone request)")
-    if a.peer and not launch.llama_cpp_installed():
-        p.error("--peer llama.cpp: llama-cpp-python is not installed (pip install 'llama-cpp-python[server]', a "
-                "build from source of about 15 minutes)")
-    a.workloads = WORKLOADS if a.workload == "all" else (a.workload,)
+    a.peer = list(dict.fromkeys(a.peer))
+    for peer in a.peer:
+        why = launch.peer_missing(peer)
+        if why:
+            p.error(why)
+    a.workloads = WORKLOADS if not a.workload or "all" in a.workload else \
+        tuple(w for w in WORKLOADS if w in a.workload)
     return a
 
 
 def servers(a):
     """[(name, a server to start or None, its url or None, its workloads)]: the URLs given, else ours with and
     without the store and, when chat8 runs, ours one request at a time (each started when its turn comes); then
-    the peer."""
+    the peers, each on a free port of 127.0.0.1 with a.threads threads."""
     if a.url:
         out = []
         for i, u in enumerate(a.url):
@@ -96,9 +115,12 @@ def servers(a):
         out = [("store", launch.engine(threads=a.threads), None, None),
                ("no_store", launch.engine("--no-store", threads=a.threads), None, None),
                ("serial", launch.engine(*SERIAL, threads=a.threads), None, None)]
-        if a.peer:
+    for peer in a.peer:
+        if peer == "vllm":
+            out.append(("vllm", launch.vllm(launch.free_port(), a.threads), None, None))
+        else:
             from common.gguf_llama import gguf_file
-            out.append(("llama.cpp", launch.llama_cpp(gguf_file(None), launch.free_port(), a.threads), None, None))
+            out.append(("llama.cpp", launch.llama_server(gguf_file(None), launch.free_port(), a.threads), None, None))
     out = [(name, s, url, [w for w in a.workloads if name != "serial" or w == "chat8"]) for name, s, url, _ in out]
     return [x for x in out if x[3]]
 
@@ -116,8 +138,8 @@ def run_one(a, name: str, url: str, model: str, workloads: list, tag: str) -> li
                                                                     progress=bar.update, **common)),
             "rag": (a.rag_requests, lambda bar: bench.run_rag(
                 name, url, model, users=a.users, requests=a.rag_requests, items=a.rag_items,
-                kv_checks=KV_CHECKS if name != "no_store" and bench.is_ours(url) else 0, progress=bar.update,
-                **common, **sized)),
+                kv_checks=KV_CHECKS if name != "no_store" and bench.is_ours(url) else 0,
+                reference=REFERENCE[name][1] if name in REFERENCE else None, progress=bar.update, **common, **sized)),
             "repeat": (2, lambda bar: bench.run_repeat(name, url, model, item=a.rag_items, progress=bar.update,
                                                        **common, **sized)),
             "reorder": (3, lambda bar: bench.run_reorder(name, url, model, item=a.rag_items + 1,
@@ -125,6 +147,8 @@ def run_one(a, name: str, url: str, model: str, workloads: list, tag: str) -> li
             "chat": (a.users * a.chat_turns, lambda bar: bench.run_chat(name, url, model, users=a.users,
                                                                         turns=a.chat_turns, progress=bar.update,
                                                                         **common))}
+    if name in REFERENCE:   # rag's timed requests, then each again with the cache out of the way
+        todo["rag"] = (2 * a.rag_requests, todo["rag"][1])
     runs = []
     for workload in workloads:
         n, run = todo[workload]
@@ -143,6 +167,55 @@ def same_answers(runs: list, base: str = "no_store") -> dict:
             pairs = [(x, y) for x, y in pairs if y is not None]
             out[r.server, r.workload] = sum(x == y for x, y in pairs) / len(pairs) if pairs else None
     return out
+
+
+def same_share(samples: list, reference: list) -> float | None:
+    """The share of `samples` whose answer equals the reference sample of the same (user, turn), token for token
+    as text (greedy decoding); pairs with an error on either side are left out. None: no pair."""
+    ref = {(s.user, s.turn): s for s in reference if s.error is None}
+    pairs = [(s.text, ref[s.user, s.turn].text) for s in samples if s.error is None and (s.user, s.turn) in ref]
+    return sum(x == y for x, y in pairs) / len(pairs) if pairs else None
+
+
+def rag_quality(runs: list) -> list:
+    """RAG's answers beside a full prefill's, one dict a server: what it reuses, its TTFT p50, the share of its
+    answers equal to a full prefill's and which full prefill that is, the first token's KL (ours, kv_check)."""
+    same, out = same_answers(runs), []
+    for r in runs:
+        if r.workload != "rag" or r.server == "no_store":
+            continue
+        if r.reference:
+            share, against = same_share(r.samples, r.reference), REFERENCE.get(r.server, ("the same server, its "
+                                                                                         "cache out of the way",))[0]
+        elif any(x.server == "no_store" and x.workload == "rag" for x in runs):
+            share, against = same.get((r.server, "rag")), "no_store's answer (our engine, every prompt prefilled)"
+        else:
+            share, against = None, "-"
+        out.append({"server": r.server, "reuses": REUSE_SHORT.get(r.server, "?"), "ttft_p50_s": r.p(0.5),
+                    "from_store": r.cached_share, "same_answer": share, "against": against,
+                    "first_token_kl": r.summary().get("first_token_kl_mean")})
+    return out
+
+
+def show_quality(page: Page, runs: list) -> None:
+    rows = [Row([q["server"], q["reuses"], shown(q["ttft_p50_s"]), shown(q["from_store"], "{:.0%}"),
+                 shown(q["same_answer"], "{:.0%}"), q["against"], shown(q["first_token_kl"], "{:.3f}")])
+            for q in rag_quality(runs)]
+    if rows:
+        page.table(Table(title="RAG, quality beside speed: each server's greedy answers against a full prefill of the "
+                               "same prompt", section="§5.1",
+                         cols=cols("server", "reuses", "TTFT p50", "from store", "same answer", "against", "KL"),
+                         rows=rows, source="bench_serve.rag_quality",
+                         notes=["Same answer: the share of the RAG answers equal, as text, to the full prefill's "
+                                "answer to the same request. A peer's full prefill is its own, on the same server "
+                                "and weights, sent one at a time after the timed requests; ours is no_store's (the "
+                                "same engine with no store). vLLM reuses only exact prefixes, so what it reuses is "
+                                "what a full prefill computes (the same numbers up to the batch they ran in); "
+                                "llama.cpp shifts cached runs of tokens to their new place without recomputing them, "
+                                "so each document's KV still attends only to what came before it when it was cached; "
+                                "ours recomputes 15% of a blended document's tokens. KL: the first answer token's "
+                                "KL to a full prefill (our engine's kv_check, on reused documents); the peers do not "
+                                "say."]))
 
 
 def shown(x, spec: str = "{:.2f}") -> str:
@@ -274,6 +347,8 @@ def main(argv=None) -> list:
     a = parse(argv)
     page = Page("bench_serve", "an OpenAI-compatible server, benchmarked", "§5.1, §6.3, §7", plot=not a.no_plot)
     tag = f" (benchmark run {secrets.token_hex(3)})" if a.url else ""   # a server given has seen no prompt of ours
+    print(f"threads: {a.threads} for every server started here (ours: --threads; vLLM: OMP_NUM_THREADS and "
+          f"VLLM_CPU_OMP_THREADS_BIND; llama-server: --threads and --threads-batch)", flush=True)
     runs, failed = [], {}
     for name, server, url, workloads in servers(a):
         try:
@@ -293,12 +368,14 @@ def main(argv=None) -> list:
                 server.stop()
     show(page, runs, a)
     show_sequences(page, runs)
+    show_quality(page, runs)
     values = bench.ratios(runs)
     show_ratios(page, values, failed)
     if a.json:
         data = {"users": a.users, "chat8_users": a.chat8_users, "max_tokens": a.max_tokens,
                 "runs": [{"server": r.server, "workload": r.workload, **r.summary()} for r in runs],
                 "same_answer": {f"{s}/{w}": v for (s, w), v in same_answers(runs).items()},
+                "threads": a.threads, "rag_quality": rag_quality(runs),
                 **sequences(runs),
                 "ratios": {key: {"value": values[key], "target": target,
                                  "met": None if target is None or values[key] is None else values[key] <= target}

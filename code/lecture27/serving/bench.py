@@ -179,13 +179,14 @@ class Sample:
 
 
 def ask(client, model: str, messages: list, max_tokens: int, workload: str, user: int, turn: int,
-        kv_check: bool = False) -> Sample:
-    """One streamed chat completion at temperature 0, timed."""
+        kv_check: bool = False, extra: dict | None = None) -> Sample:
+    """One streamed chat completion at temperature 0, timed; `extra`: fields of the request body outside OpenAI's."""
+    body = {**({"kv_check": True} if kv_check else {}), **(extra or {})}
     t0, first, parts, usage, kv, kl, queued = time.perf_counter(), None, [], None, None, None, None
     try:
         raw = client.chat.completions.with_raw_response.create(
             model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"kv_check": True} if kv_check else None)
+            stream_options={"include_usage": True}, extra_body=body or None)
         kv, queued = raw.headers.get("x-kv-cache"), raw.headers.get("x-queue-seconds")
         for chunk in raw.parse():
             if chunk.choices and chunk.choices[0].delta.content:
@@ -216,6 +217,8 @@ class Run:
     wall_s: float
     kls: list = field(default_factory=list)   # first-token KL of reused RAG requests (kv_check), our engine only
     alone: Sample | None = None               # chat8: the request of the crowd's shape sent alone, before it
+    reference: list = field(default_factory=list)   # rag: each timed request again, its server's cache out of the
+                                                    # way (a full prefill), by the same (user, turn)
 
     def ttfts(self) -> list:
         return sorted(s.ttft_s for s in self.samples if s.ttft_s is not None)
@@ -362,10 +365,12 @@ def run_chat8(server: str, url: str, model: str, *, users: int, max_tokens: int,
 
 def run_rag(server: str, url: str, model: str, *, users: int, requests: int, items: int, max_tokens: int,
             docs: int = DOCS, words: int = DOC_WORDS, kv_checks: int = 0, tag: str = "", api_key: str | None = None,
-            progress=None) -> Run:
+            reference=None, progress=None) -> Run:
     """The RAG workload: the warm-up (each item's documents once, in order, then idle), then `requests` requests in
     new orders, user u sending requests u, u + users, ... back to back, all users at once; then `kv_checks` of
-    them again, untimed, asking our engine for the first token's KL."""
+    them again, untimed, asking our engine for the first token's KL; then, when `reference` (a function that
+    gives a request's extra body: one that keeps the server's cache out of the way) is given, every timed request
+    again, untimed, one at a time, with that body: the same server's full prefill of it."""
     client = client_for(url, api_key)
     for item, messages in rag_warmup(items, docs, words, tag):
         ask(client, model, messages, 1, "warm-up", 0, item)
@@ -375,7 +380,15 @@ def run_rag(server: str, url: str, model: str, *, users: int, requests: int, ite
                             progress, tag)
     kls = [s.kl for s in (ask(client, model, m, 1, "kv-check", 0, i, kv_check=True)
                           for i, m in enumerate(work[:kv_checks])) if s.kl is not None]
-    return Run(server, "rag", min(users, requests), samples, wall, kls)
+    full = []
+    if reference is not None:
+        n = min(users, requests)
+        for s in samples:   # user u's turn t was request u + t * n
+            full.append(ask(client, model, work[s.user + s.turn * n], max_tokens, "rag-full-prefill", s.user, s.turn,
+                            extra=reference()))
+            if progress:
+                progress()
+    return Run(server, "rag", min(users, requests), samples, wall, kls, reference=full)
 
 
 def repeated_prompt(url: str, model: str, max_tokens: int, item: int, api_key: str | None = None,

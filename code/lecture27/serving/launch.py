@@ -1,6 +1,8 @@
 """Start an engine (serve.py) as a process of its own on a free port of 127.0.0.1, wait until it serves, and stop
 it by its PID (SIGTERM, then SIGKILL): what the benchmark, 05's Part "served" and the tests do with a server.
-llama.cpp's OpenAI server (llama-cpp-python, when installed) starts the same way, as the peer beside ours."""
+The peers beside ours start the same way: vLLM's OpenAI server (its CPU build, in a venv of its own) and
+llama.cpp's llama-server, each found under the checkpoint folder's peers/ (install_peers.sh puts them there) or
+where L27_VLLM_PYTHON / L27_LLAMA_SERVER say."""
 from __future__ import annotations
 
 import os
@@ -49,8 +51,8 @@ class Server:
         for line in self.proc.stdout:
             self.lines.append(line.rstrip())
             m = self.ready.search(line)
-            if m and not found.is_set():   # (model, url) from ours, (url) from llama.cpp's
-                *model, url = m.groups()
+            if m and not found.is_set():   # (model, url) from ours, (url) from llama.cpp's, () from vLLM's
+                *model, url = m.groups() or (self.url,)
                 self.model, self.url = (model[0] if model else self.model), url.removesuffix("/v1") + "/v1"
                 found.set()
 
@@ -83,21 +85,113 @@ def engine(*flags: str, threads: int = 1, redis_url: str | None = None) -> Serve
     return Server(argv, env)
 
 
-LLAMA_CPP_READY = re.compile(r"Uvicorn running on (http://\S+)")
+# ------------------------------------------------------------------------------------------------ the peers
+PEERS = ("vllm", "llama.cpp")
+INSTALL = "code/lecture27/serving/install_peers.sh"
+VLLM_START_TIMEOUT_S = 900.0   # vLLM's CPU backend compiles its model graph at start (about 3 minutes here)
+VLLM_KV_GB = 1                 # VLLM_CPU_KVCACHE_SPACE: GiB of KV blocks (SmolLM2 holds about 21,700 tokens a GB)
+VLLM_MAX_LEN = 8192            # SmolLM2's context
+VLLM_READY = re.compile(r"Application startup complete")   # it logs its URL before it listens
+LLAMA_READY = re.compile(r"listening on (http://\S+)")
+LLAMA_SLOTS = 4                # --parallel: requests batched together (continuous batching)
+LLAMA_SLOT_CTX = 4096          # tokens a slot holds: a RAG prompt of 6 documents is about 1,700
+LLAMA_CACHE_REUSE = 256        # --cache-reuse: the shortest run of cached tokens shifted to a new place
 
 
-def llama_cpp_installed() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("llama_cpp") is not None
+def peers_dir() -> Path:
+    from common.checkpoints import checkpoint_dir
+    return checkpoint_dir() / "peers"
 
 
-def llama_cpp(gguf: Path, port: int, threads: int = 1, n_ctx: int = 4096) -> Server:
-    """llama-cpp-python's OpenAI server on the same GGUF file, its prompt cache on (it reuses the longest common
-    prefix of a prompt it has served, in RAM), ChatML as the file's template is."""
-    argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
-            "--chat_format", "chatml", "--cache", "true", "--verbose", "false"]
-    s = Server(argv, dict(os.environ), ready=LLAMA_CPP_READY)
+def peer_path(name: str) -> Path:
+    """Where the peer is looked for: vLLM's Python ($L27_VLLM_PYTHON, else peers/vllm-venv/bin/python) or
+    llama-server ($L27_LLAMA_SERVER, else peers/llama.cpp/build/bin/llama-server)."""
+    if name == "vllm":
+        env = os.environ.get("L27_VLLM_PYTHON")
+        return Path(env) if env else peers_dir() / "vllm-venv" / "bin" / "python"
+    if name == "llama.cpp":
+        env = os.environ.get("L27_LLAMA_SERVER")
+        return Path(env) if env else peers_dir() / "llama.cpp" / "build" / "bin" / "llama-server"
+    raise ValueError(f"unknown peer {name!r} (one of {', '.join(PEERS)})")
+
+
+def peer_missing(name: str) -> str | None:
+    """None when the peer is there; else one line that says where it was looked for and how to install it."""
+    path, fix = peer_path(name), f"install it with `bash {INSTALL} {name}` (README: Peers)"
+    env = "L27_VLLM_PYTHON" if name == "vllm" else "L27_LLAMA_SERVER"
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        what = "vLLM's Python" if name == "vllm" else "llama-server"
+        return f"--peer {name}: no {what} at {path} ({fix}, or set {env})"
+    if name == "vllm":
+        has = subprocess.run([str(path), "-c", "import importlib.util, sys; "
+                              "sys.exit(importlib.util.find_spec('vllm') is None)"], capture_output=True)
+        if has.returncode != 0:
+            return f"--peer vllm: {path} has no vllm module ({fix}, or set {env})"
+        if not (vllm_weights() / "config.json").is_file():
+            return f"--peer vllm: no float32 SmolLM2 at {vllm_weights()} ({fix}: it converts the GGUF file)"
+    return None
+
+
+def vllm_weights() -> Path:
+    """The folder vLLM loads: SmolLM2's GGUF file dequantized to float32 by transformers and saved as a plain
+    Llama checkpoint (the weights our engine computes with). install_peers.sh writes it."""
+    return peers_dir() / "smollm2-135m-f32"
+
+
+CONVERT = """\
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+gguf, out = sys.argv[1], sys.argv[2]
+folder, name = gguf.rsplit("/", 1)
+src = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32)
+config = src.config
+if hasattr(config, "quantization_config"):   # the weights are dequantized: no loader should look for GGUF
+    del config.quantization_config
+dst = LlamaForCausalLM(config).to(torch.float32)
+dst.load_state_dict(src.state_dict())
+dst.save_pretrained(out)
+AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
+print("wrote", out)
+"""
+
+
+def thread_env(threads: int) -> dict:
+    """The environment of a peer: every OpenMP/BLAS pool at `threads`."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads))
+    return env
+
+
+def vllm(port: int, threads: int = 1, python: Path | None = None, weights: Path | None = None) -> Server:
+    """vLLM's OpenAI server (its CPU build) on 127.0.0.1:port: the float32 weights, its prefix cache on (blocks of
+    16 tokens keyed by every token before them: exact prefixes), `threads` OpenMP threads (OMP_NUM_THREADS and
+    VLLM_CPU_OMP_THREADS_BIND: the first `threads` cores), VLLM_KV_GB of KV blocks. The `vllm` command does not
+    start from this build (its package is named vllm-cpu), so the module runs. --enable-prompt-tokens-details:
+    usage says how many prompt tokens came from the prefix cache (OpenAI's cached_tokens)."""
+    weights = weights or vllm_weights()
+    argv = [str(python or peer_path("vllm")), "-m", "vllm.entrypoints.openai.api_server", "--model", str(weights),
+            "--served-model-name", weights.name, "--dtype", "float32", "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--max-model-len", str(VLLM_MAX_LEN), "--host", "127.0.0.1", "--port", str(port)]
+    env = thread_env(threads)
+    env.update(VLLM_CPU_KVCACHE_SPACE=str(VLLM_KV_GB), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+               VLLM_TARGET_DEVICE="cpu")
+    s = Server(argv, env, ready=VLLM_READY, timeout=VLLM_START_TIMEOUT_S)
+    s.model, s.url = weights.name, f"http://127.0.0.1:{port}/v1"
+    return s
+
+
+def llama_server(gguf: Path, port: int, threads: int = 1, binary: Path | None = None) -> Server:
+    """llama.cpp's llama-server on 127.0.0.1:port, on the GGUF file itself (it computes with the file's 4-bit
+    weights): LLAMA_SLOTS requests batched continuously, each slot LLAMA_SLOT_CTX tokens, its prompt cache with
+    --cache-reuse (runs of LLAMA_CACHE_REUSE or more cached tokens that come back later in a prompt are shifted
+    there by RoPE, nothing recomputed), ChatML as the file's template is, `threads` threads for answers and
+    prompts."""
+    argv = [str(binary or peer_path("llama.cpp")), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+            "--threads", str(threads), "--threads-batch", str(threads), "--parallel", str(LLAMA_SLOTS),
+            "--cont-batching", "--cache-reuse", str(LLAMA_CACHE_REUSE), "--ctx-size", str(LLAMA_SLOTS * LLAMA_SLOT_CTX),
+            "--chat-template", "chatml", "--no-webui"]
+    s = Server(argv, thread_env(threads), ready=LLAMA_READY)
     s.model = Path(gguf).name
     return s
 
