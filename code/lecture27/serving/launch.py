@@ -1,8 +1,9 @@
 """Start an engine (serve.py) as a process of its own on a free port of 127.0.0.1, wait until it serves, and stop
 it by its PID (SIGTERM, then SIGKILL): what the benchmark, 05's Part "served" and the tests do with a server.
 The peers beside ours start the same way: vLLM's OpenAI server (its CPU build, in a venv of its own) and
-llama.cpp's llama-server, each found under the checkpoint folder's peers/ (install_peers.sh puts them there) or
-where L27_VLLM_PYTHON / L27_LLAMA_SERVER say."""
+llama.cpp's llama-server, each found in the peers' folder outside the clone ($L27_PEERS, else
+~/.cache/lecture27-peers: install_peers.sh puts them there; a venv's thousands of files stay out of the project's
+tree) or where L27_VLLM_PYTHON / L27_LLAMA_SERVER say; the weights vLLM loads are kept in the checkpoint folder."""
 from __future__ import annotations
 
 import os
@@ -99,19 +100,19 @@ LLAMA_CACHE_REUSE = 256        # --cache-reuse: the shortest run of cached token
 
 
 def peers_dir() -> Path:
-    from common.checkpoints import checkpoint_dir
-    return checkpoint_dir() / "peers"
+    """The peers' programs: $L27_PEERS, else ~/.cache/lecture27-peers."""
+    return Path(os.environ.get("L27_PEERS") or Path.home() / ".cache" / "lecture27-peers")
 
 
 def peer_path(name: str) -> Path:
-    """Where the peer is looked for: vLLM's Python ($L27_VLLM_PYTHON, else peers/vllm-venv/bin/python) or
-    llama-server ($L27_LLAMA_SERVER, else peers/llama.cpp/build/bin/llama-server)."""
+    """Where the peer is looked for: vLLM's Python ($L27_VLLM_PYTHON, else <peers>/vllm-venv/bin/python) or
+    llama-server ($L27_LLAMA_SERVER, else <peers>/bin/llama-server)."""
     if name == "vllm":
         env = os.environ.get("L27_VLLM_PYTHON")
         return Path(env) if env else peers_dir() / "vllm-venv" / "bin" / "python"
     if name == "llama.cpp":
         env = os.environ.get("L27_LLAMA_SERVER")
-        return Path(env) if env else peers_dir() / "llama.cpp" / "build" / "bin" / "llama-server"
+        return Path(env) if env else peers_dir() / "bin" / "llama-server"
     raise ValueError(f"unknown peer {name!r} (one of {', '.join(PEERS)})")
 
 
@@ -134,8 +135,9 @@ def peer_missing(name: str) -> str | None:
 
 def vllm_weights() -> Path:
     """The folder vLLM loads: SmolLM2's GGUF file dequantized to float32 by transformers and saved as a plain
-    Llama checkpoint (the weights our engine computes with). install_peers.sh writes it."""
-    return peers_dir() / "smollm2-135m-f32"
+    Llama checkpoint (the weights our engine computes with), in the checkpoint folder. install_peers.sh writes it."""
+    from common.checkpoints import checkpoint_dir
+    return checkpoint_dir() / "peers" / "smollm2-135m-f32"
 
 
 CONVERT = """\
