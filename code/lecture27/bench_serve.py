@@ -1,6 +1,7 @@
 """Benchmark an OpenAI-compatible server (handout §5.1, §6.3, §7) as its clients use it: time to first token, p50
 and p99, wall time, tokens/s and errors, for a crowd of chat users at once, RAG documents retrieved in new orders,
-a long prompt sent again, documents sent again and reordered, and a multi-turn chat.
+the same documents in one message parted by a separator (rag1, as RAG code sends them), a long prompt sent again,
+documents sent again and reordered, and a multi-turn chat.
 
     python code/lecture27/bench_serve.py                       # starts our engine with the store, then without
     python code/lecture27/bench_serve.py --url http://127.0.0.1:8000/v1 [--url no_store=http://...:8001/v1]
@@ -40,9 +41,10 @@ RAG_ITEMS = 2               # built-in RAG items the requests draw their documen
 CHAT_TURNS = 3              # turns per chat user
 MAX_TOKENS = 16             # answer tokens per request
 KV_CHECKS = 2               # RAG requests sent once more asking our engine for the first token's KL
+SEPARATOR = " # # "         # rag1: what parts the documents in one message (LMCache's blend_special_str, serve.py's)
 THREADS = 1                 # threads of every server started here (ours and the peers): one, as 04 and 05 time
                             # theirs (a second thread that waits for a core the client holds slows every step)
-WORKLOADS = ("chat8", "rag", "repeat", "reorder", "chat")
+WORKLOADS = ("chat8", "rag", "rag1", "repeat", "reorder", "chat")
 SERIAL = ("--max-running", "1")   # the flags of ours one request at a time, for chat8's wall time
 REUSES = {"store": "prefixes exactly; messages in any order, blended",
           "no_store": "nothing (every prompt prefilled)",
@@ -140,6 +142,10 @@ def run_one(a, name: str, url: str, model: str, workloads: list, tag: str) -> li
                 name, url, model, users=a.users, requests=a.rag_requests, items=a.rag_items,
                 kv_checks=KV_CHECKS if name != "no_store" and bench.is_ours(url) else 0,
                 reference=REFERENCE[name][1] if name in REFERENCE else None, progress=bar.update, **common, **sized)),
+            "rag1": (a.rag_requests, lambda bar: bench.run_rag(
+                name, url, model, users=a.users, requests=a.rag_requests, items=a.rag_items, separator=SEPARATOR,
+                kv_checks=KV_CHECKS if name != "no_store" and bench.is_ours(url) else 0, progress=bar.update,
+                **common, **sized)),
             "repeat": (2, lambda bar: bench.run_repeat(name, url, model, item=a.rag_items, progress=bar.update,
                                                        **common, **sized)),
             "reorder": (3, lambda bar: bench.run_reorder(name, url, model, item=a.rag_items + 1,

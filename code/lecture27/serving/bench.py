@@ -47,6 +47,7 @@ IDLE_TIMEOUT_S = 120  # the longest wait for a server to finish storing
 PROSE = EVALUATION + CALIBRATION   # the passages chat turns start from (chat8's come from its other end)
 WARMUP = {"chat8": "one short request",   # what a workload sends before its timed requests, before the client
           "rag": "each item's documents once, in their first order",   # waits for the server to be idle
+          "rag1": "each item's documents once, in their first order",
           "repeat": "nothing", "reorder": "nothing", "chat": "one short request"}
 CRITERIA = (   # the engine's targets, (key, what is measured, the most it may be): the ratios block
     ("chat8_last_over_lone", "chat8 (store): the last of the crowd's first tokens / the lone request's TTFT", 4.0),
@@ -55,7 +56,9 @@ CRITERIA = (   # the engine's targets, (key, what is measured, the most it may b
     ("reorder_over_first", "reorder (store): TTFT of the documents reordered / the first time", 0.4),
     ("reorder_first_token_kl", "reorder (store): the reordered answer's first-token KL to a full prefill, nats",
      None),
-    ("rag_p50_store_over_no_store", "rag: TTFT p50, store / no_store", 0.3))
+    ("rag_p50_store_over_no_store", "rag: TTFT p50, store / no_store", 0.3),
+    ("rag1_p50_store_over_no_store", "rag1 (the documents in one message, at the separator): TTFT p50, store / "
+     "no_store", None))
 
 
 # ------------------------------------------------------------------------------------------------ workloads
@@ -86,10 +89,16 @@ def _word_end(text: str, words: int) -> int:
     return len(text)
 
 
-def rag_request(item: int, order: list[int], docs: list[str], tag: str = "") -> list[dict]:
-    """The system message (with `tag`, a run's own words, when given), the documents in `order`, the question."""
+def rag_request(item: int, order: list[int], docs: list[str], tag: str = "", separator: str | None = None) -> list:
+    """The system message (with `tag`, a run's own words, when given), the documents in `order`, the question: each
+    a message of its own, or, with a separator, one user message (as RAG code sends them: LangChain's "stuff"
+    chain) whose documents and question the separator parts (LMCache's blend_special_str)."""
+    question = "Question: " + RAG_ITEMS[item % len(RAG_ITEMS)].question
+    if separator:
+        return [{"role": "system", "content": RAG_SYSTEM + tag},
+                {"role": "user", "content": separator.join([docs[i] for i in order] + [question])}]
     return ([{"role": "system", "content": RAG_SYSTEM + tag}] + [{"role": "user", "content": docs[i]} for i in order]
-            + [{"role": "user", "content": "Question: " + RAG_ITEMS[item % len(RAG_ITEMS)].question}])
+            + [{"role": "user", "content": question}])
 
 
 def rag_orders(items: int, docs: int = DOCS) -> int:
@@ -98,7 +107,7 @@ def rag_orders(items: int, docs: int = DOCS) -> int:
 
 
 def rag_workload(requests: int, items: int, docs: int = DOCS, words: int = DOC_WORDS, seed: int = 0,
-                 tag: str = "") -> list:
+                 tag: str = "", separator: str | None = None) -> list:
     """`requests` RAG requests over the first `items` items in turn: [(item, messages)]. No two of an item's
     requests share an order, and none has the warm-up's (its first order): every one is the documents coming back
     in a new order."""
@@ -113,13 +122,15 @@ def rag_workload(requests: int, items: int, docs: int = DOCS, words: int = DOC_W
         while tuple(order) in seen[item]:
             rng.shuffle(order)
         seen[item].add(tuple(order))
-        out.append((item, rag_request(item, order, texts[item], tag)))
+        out.append((item, rag_request(item, order, texts[item], tag, separator)))
     return out
 
 
-def rag_warmup(items: int, docs: int = DOCS, words: int = DOC_WORDS, tag: str = "") -> list:
+def rag_warmup(items: int, docs: int = DOCS, words: int = DOC_WORDS, tag: str = "",
+               separator: str | None = None) -> list:
     """Each item's documents once, in their first order: [(item, messages)]."""
-    return [(i, rag_request(i, list(range(docs)), rag_documents(i, docs, words), tag)) for i in range(items)]
+    return [(i, rag_request(i, list(range(docs)), rag_documents(i, docs, words), tag, separator))
+            for i in range(items)]
 
 
 def chat_turns(user: int, turns: int) -> list[str]:
@@ -365,19 +376,21 @@ def run_chat8(server: str, url: str, model: str, *, users: int, max_tokens: int,
 
 def run_rag(server: str, url: str, model: str, *, users: int, requests: int, items: int, max_tokens: int,
             docs: int = DOCS, words: int = DOC_WORDS, kv_checks: int = 0, tag: str = "", api_key: str | None = None,
-            reference=None, progress=None) -> Run:
+            reference=None, progress=None, separator: str | None = None) -> Run:
     """The RAG workload: the warm-up (each item's documents once, in order, then idle), then `requests` requests in
     new orders, user u sending requests u, u + users, ... back to back, all users at once; then `kv_checks` of
     them again, untimed, asking our engine for the first token's KL; then, when `reference` (a function that
     gives a request's extra body: one that keeps the server's cache out of the way) is given, every timed request
-    again, untimed, one at a time, with that body: the same server's full prefill of it."""
+    again, untimed, one at a time, with that body: the same server's full prefill of it. With a separator, every
+    request puts its documents and question in one user message (the workload "rag1")."""
+    workload = "rag1" if separator else "rag"
     client = client_for(url, api_key)
-    for item, messages in rag_warmup(items, docs, words, tag):
+    for item, messages in rag_warmup(items, docs, words, tag, separator):
         ask(client, model, messages, 1, "warm-up", 0, item)
     wait_idle(url)
-    work = [m for _, m in rag_workload(requests, items, docs, words, tag=tag)]
-    samples, wall = at_once(client, model, [work[u::users] for u in range(min(users, requests))], max_tokens, "rag",
-                            progress, tag)
+    work = [m for _, m in rag_workload(requests, items, docs, words, tag=tag, separator=separator)]
+    samples, wall = at_once(client, model, [work[u::users] for u in range(min(users, requests))], max_tokens,
+                            workload, progress, tag)
     kls = [s.kl for s in (ask(client, model, m, 1, "kv-check", 0, i, kv_check=True)
                           for i, m in enumerate(work[:kv_checks])) if s.kl is not None]
     full = []
@@ -388,7 +401,7 @@ def run_rag(server: str, url: str, model: str, *, users: int, requests: int, ite
                             extra=reference()))
             if progress:
                 progress()
-    return Run(server, "rag", min(users, requests), samples, wall, kls, reference=full)
+    return Run(server, workload, min(users, requests), samples, wall, kls, reference=full)
 
 
 def repeated_prompt(url: str, model: str, max_tokens: int, item: int, api_key: str | None = None,
@@ -444,10 +457,12 @@ def ratios(runs: list, store: str = "store", no_store: str = "no_store", serial:
 
     chat8, repeat, reorder = run(store, "chat8"), run(store, "repeat"), run(store, "reorder")
     rag, rag_plain, crowd_serial = run(store, "rag"), run(no_store, "rag"), run(serial, "chat8")
+    rag1, rag1_plain = run(store, "rag1"), run(no_store, "rag1")
     return {"chat8_last_over_lone": over(chat8 and chat8.last_first_token_s, chat8 and chat8.alone and
                                           chat8.alone.ttft_s),
             "chat8_wall_store_over_serial": over(chat8 and chat8.wall_s, crowd_serial and crowd_serial.wall_s),
             "repeat_again_over_first": over(ttft(repeat, 1), ttft(repeat, 0)),
             "reorder_over_first": over(ttft(reorder, 2), ttft(reorder, 0)),
             "reorder_first_token_kl": reorder.kls[0] if reorder is not None and reorder.kls else None,
-            "rag_p50_store_over_no_store": over(rag and rag.p(0.5), rag_plain and rag_plain.p(0.5))}
+            "rag_p50_store_over_no_store": over(rag and rag.p(0.5), rag_plain and rag_plain.p(0.5)),
+            "rag1_p50_store_over_no_store": over(rag1 and rag1.p(0.5), rag1_plain and rag1_plain.p(0.5))}
