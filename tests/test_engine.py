@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common.gguf_llama import gguf_file
-from common.llama import Llama, LlamaConfig, array_to_kv, kv_to_array
+from common.llama import Llama, LlamaConfig, kv_to_array
 from lecture27 import kvstore as ks
 from lecture27.engine import runner
 from lecture27.engine.chat import chat_prompt, completion_prompt
@@ -412,7 +412,8 @@ def test_a_stalled_tier_delays_no_step(parts):
         for r in runs[1:]:
             r.wait(30)
         assert eng.steps > steps and eng.load()["store_jobs"] > 0 and not short.done.is_set()
-        gaps = [b - a for r in runs for (k1, a), (k2, b) in zip(r.times, r.times[1:]) if k1 == k2 == "text" and a > since]
+        gaps = [b - a for r in runs for (k1, a), (k2, b) in zip(r.times, r.times[1:])
+                if k1 == k2 == "text" and a > since]
         assert gaps and max(gaps) < 2.0
     finally:
         stalled.stalled.clear()

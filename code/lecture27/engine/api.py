@@ -12,8 +12,9 @@ What the store did for a request is in OpenAI's own field, usage.prompt_tokens_d
 tokens whose KV came from the store), and in the header x-kv-cache (path=prefix|blend|prefill; prefix=exact
 tokens; blended=tokens of reused chunks; recomputed=tokens computed here; context=the tokens before the last
 message, which a store could have served) with x-kv-hits (records per place: hot, ram, disk, redis) and
-x-queue-seconds (arrival to first step). A request may ask for "kv_check": true (outside OpenAI's fields): the engine then also prefills
-the prompt in full and returns the first answer token's KL against what it served, in "kv_cache".
+x-queue-seconds (arrival to first step). A request may ask for "kv_check": true (outside OpenAI's fields): the
+engine then also prefills the prompt in full and returns the first answer token's KL against what it served, in
+"kv_cache".
 Bad requests get OpenAI's error body ({"error": {"message", "type", "param", "code"}}) with HTTP 400 (401 for a
 wrong API key); nothing answers with a traceback.
 """
@@ -214,7 +215,8 @@ def make_app(engine: Engine, model_name: str, context_length: int, api_key: str 
             p = p[0]
         if isinstance(p, list) and any(not 0 <= t < engine.model.cfg.vocab_size for t in p):
             raise BadRequest("A token id is outside the vocabulary.", "prompt", "invalid_value")
-        prompt = completion_prompt(engine.tok, text=p) if isinstance(p, str) else completion_prompt(engine.tok, tokens=p)
+        prompt = (completion_prompt(engine.tok, text=p) if isinstance(p, str)
+                  else completion_prompt(engine.tok, tokens=p))
         return await serve(body, prompt, checked(body, prompt, 16), "text_completion", request)
 
     async def serve(body: Sampling, prompt: Prompt, max_tokens: int, kind: str, request: HTTPRequest):
