@@ -1,6 +1,9 @@
-"""Put code/ on sys.path, as the scripts do for themselves (every module is imported by its qualified name,
-lecture27.kvcache); one SmolLM2 per session;
-`cli_exit` runs a script's main() in-process on input it must refuse.
+"""Fixtures: one SmolLM2 per session; `cli_exit` runs a script's main() in-process on input it must refuse.
+Every module is imported by its qualified name (lecture27.kvcache) from the installed project
+(`pip install -r requirements.txt` installs it in editable mode).
+
+python -m pytest -m "not slow"  is the fast tier: no trained model, no SmolLM2, no server, Redis or browser
+(the markers are registered in pyproject.toml).
 
 L27_SEED=S python -m pytest -q tests  runs the whole suite against the small models trained with seed S
 (the record-world model and the city LLaMA): every bound a test puts on a trained model's figure must
@@ -15,7 +18,6 @@ import os
 import shutil
 import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,11 +27,6 @@ torch.set_num_threads(int(os.environ.get("L27_TEST_THREADS", "1")))
 # (one per process: each of pytest's workers removes its own when it ends)
 os.environ["L27_FIGURES"] = tempfile.mkdtemp(prefix="l27-test-figures-")
 atexit.register(shutil.rmtree, os.environ["L27_FIGURES"], ignore_errors=True)
-
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT / "code",):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
 
 if os.environ.get("L27_SEED"):
     from lecture27 import record_trainer
@@ -129,3 +126,20 @@ def tiny(tiny_inputs):
     from lecture27.stream import measure
     model, ids, question, specs = tiny_inputs
     return model, measure.prepare(model, ids, question, 24, specs)
+
+
+# a test that loads SmolLM2 or runs a Redis server of its own through these fixtures carries their marker, and every
+# test of a kind that is slow by nature is slow: the fast tier (`-m "not slow"`) holds none of them however it is
+# marked in its file
+FIXTURE_MARKS = {"smollm2": "real_model", "password_redis": "redis"}
+SLOW_KINDS = ("real_model", "redis", "browser", "server")
+
+
+@pytest.hookimpl(tryfirst=True)   # before `-m` deselects by marker
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for fixture, mark in FIXTURE_MARKS.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(mark)
+        if any(item.get_closest_marker(kind) for kind in SLOW_KINDS):
+            item.add_marker("slow")

@@ -2,8 +2,9 @@
 streaming and not, over every field the engine honours (logprobs, top_logprobs, echo, presence and frequency
 penalties, logit_bias, top_p, seed, stop) or refuses (a 400 naming the field), an unknown model (404,
 openai.NotFoundError), /v1/models, usage counted alike on every path; documents cut by the separator in one user
-message (or a completion's text), sent again in another order, served from the store; bad input (a separator inside a word, two separators in
-a row, 500 chunks, a chunk longer than the context) answered or refused cleanly while the server serves on."""
+message (or a completion's text), sent again in another order, served from the store; bad input (a separator
+inside a word, two separators in a row, 500 chunks, a chunk longer than the context) answered or refused cleanly
+while the server serves on."""
 import asyncio
 import urllib.request
 from collections import Counter

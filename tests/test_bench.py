@@ -218,6 +218,8 @@ def test_the_tables_and_ratios_block_print_from_made_up_runs(capsys):
 
 
 # ------------------------------------------------------------------------------------------------ the real engine
+@pytest.mark.real_model
+@pytest.mark.server
 def test_every_workload_tiny_on_the_real_engine(tmp_path, capsys):
     """Our engine started as a server, every workload at 2 users and 2 answer tokens: the tables print, no request
     fails, --json holds each figure."""

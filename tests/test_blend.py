@@ -139,6 +139,7 @@ def test_exercise8_controller():
     assert 1e3 * slow.stored_ttft_s == 960.0                # what blending from the SSD anyway would take
 
 
+@pytest.mark.slow
 def test_trained_model_reads_records_from_context():
     """The cached (or freshly trained) record-world model answers >= 99.5% of the 24,000 unseen-record
     questions the trainer checked it on (its gate: any model the recipe caches passes it; a sample of 2,400
@@ -171,6 +172,7 @@ def test_attention_elsewhere_is_one_minus_the_self_weight(model):
     assert rt.doc_attention_elsewhere(model, rec) == pytest.approx(got.tolist(), abs=1e-6)
 
 
+@pytest.mark.slow
 def test_trained_model_concentrates_kv_deviation():
     """Insight 1 (§5.3) on the trained record model (chunks of 5): the top 15% of document tokens hold
     >= 85% of the KV deviation in layers 1-3, and the deviation sits on the chunk-initial values; the
@@ -237,6 +239,7 @@ def test_parse_seeds():
             rt.parse_seeds(bad)
 
 
+@pytest.mark.slow
 def test_a_stuck_attempt_starts_again_then_gives_up(tmp_path, monkeypatch, capsys):
     """A training attempt that is not going anywhere (here: no drop by step 25, as the recipe is cut
     down to make the test fast) starts over from a fresh initialisation with a one-line message;
@@ -273,6 +276,7 @@ def test_reseed_values_mixes_the_answered_rows():
     assert not torch.allclose(E[changed[0]], E[changed[1]])  # each dead value gets its own mix
 
 
+@pytest.mark.slow
 def test_a_stuck_run_reseeds_its_dead_values_and_goes_on(tmp_path, monkeypatch, capsys):
     """When held-out accuracy sits below stuck_acc stuck_after steps after the drop, the values answered
     below dead_acc (here: v3, made always wrong) get new rows, with one line, and the run goes on; still
@@ -299,6 +303,7 @@ def test_a_stuck_run_reseeds_its_dead_values_and_goes_on(tmp_path, monkeypatch, 
     assert all(len(ln) <= 120 for ln in err)
 
 
+@pytest.mark.slow
 def test_each_attempt_starts_from_its_own_initialisation(tmp_path, monkeypatch):
     """Attempt k of seed s is trained from the initialisation of seed s + RESTART_SEED_STRIDE k, with
     every parameter (norm gains too) reset first: the parameters each attempt starts from are exactly
@@ -322,6 +327,7 @@ def test_each_attempt_starts_from_its_own_initialisation(tmp_path, monkeypatch):
         assert all(torch.equal(got[n], v) for n, v in ref.state_dict().items())
 
 
+@pytest.mark.slow
 def test_train_lm_stops_when_asked_and_follows_lr_fn(monkeypatch):
     """The record trainer decides its own length and learning rate: train_lm ends after the eval
     whose result holds a true "stop", and sets each step's rate from lr_fn(step)."""
@@ -346,6 +352,7 @@ def test_train_lm_stops_when_asked_and_follows_lr_fn(monkeypatch):
     assert rates == pytest.approx([1e-3 / (s + 1) for s in range(15)])
 
 
+@pytest.mark.slow
 def test_same_seed_same_weights(tmp_path, monkeypatch):
     """Training is reproducible on one machine: the same seed and code give bit-identical weights
     (one thread, every random draw from a seeded generator); another seed gives other weights."""
@@ -440,6 +447,7 @@ def test_oracle_patches_the_most_deviated_rows_with_full_prefill(model, rec):
 
 
 # ------------------------------------------------------------------------------------ the seed sweep
+@pytest.mark.slow
 def test_seed_sweep_entry_point_reads_the_cached_model(tmp_path):
     """record_trainer.py --seeds: one row per seed from the cached model (no training here), with the
     deviation share measured at the sweep's chunk length, and the same rows in --json."""

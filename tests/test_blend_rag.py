@@ -77,7 +77,7 @@ from common.english import RAG_ITEMS, rag_chunks  # noqa: E402
 from common.gguf_llama import INSTALL_HINT, find_smollm2_gguf  # noqa: E402
 
 GGUF = find_smollm2_gguf() if all(importlib.util.find_spec(m) for m in ("gguf", "tokenizers")) else None
-needs_model = pytest.mark.skipif(GGUF is None, reason=INSTALL_HINT)
+needs_model = pytest.mark.skipif(GGUF is None, reason=INSTALL_HINT)   # with real_model: the tests that load it
 TOL = 2e-3  # logits O(10-30) after 30 layers: float32 rounding of different summation orders
 
 
@@ -93,6 +93,7 @@ def real(smollm2):
     return blend_rag, model, rd, full_logits[:, -rd.question.shape[1]:], full_cache, pre, reuse_logits
 
 
+@pytest.mark.real_model
 @needs_model
 def test_rag_doc_layout(real):
     br, model, rd, *_ = real
@@ -100,6 +101,7 @@ def test_rag_doc_layout(real):
     assert bw.chunk_spans(rd.chunks) == [(3, 67), (67, 131), (131, 195)]
 
 
+@pytest.mark.real_model
 @needs_model
 def test_blend_full_ratio_is_full_prefill_on_the_real_model(real):
     br, model, rd, full, full_cache, pre, reuse = real
@@ -112,12 +114,14 @@ def test_blend_full_ratio_is_full_prefill_on_the_real_model(real):
     assert max(float((a - b).abs().max()) for a, b in zip(tr.cache.k, full_cache.k)) <= TOL
 
 
+@pytest.mark.real_model
 @needs_model
 def test_blend_zero_ratio_is_full_reuse_on_the_real_model(real):
     br, model, rd, full, full_cache, pre, reuse = real
     assert (bw.blend(model, rd, rd.chunks, 0.0, pre=pre) - reuse).abs().max() <= TOL
 
 
+@pytest.mark.real_model
 @needs_model
 def test_kl_is_zero_for_itself_and_positive_for_reuse(real):
     br, model, rd, full, full_cache, pre, reuse = real
@@ -166,6 +170,7 @@ def test_load_passages_rejects_bad_files_with_a_reason(tmp_path, content, why):
         blend_rag.load_passages(f)
 
 
+@pytest.mark.slow
 def test_04_passages_bad_file_is_one_line_exit_2(tmp_path):
     import subprocess
     import sys
@@ -200,6 +205,7 @@ def test_an_input_longer_than_the_models_context_is_refused_in_one_line(capsys):
     assert f"and {blend_rag.ANSWER_TOKENS} answer tokens" in err and "context of 100 tokens" in err
 
 
+@pytest.mark.real_model
 @needs_model
 def test_04_a_passage_longer_than_smollm2s_context_is_one_line_exit_2(tmp_path):
     """20,000 words in one passage: SmolLM2's GGUF says 8,192 tokens of context; 04 says so before any work."""
@@ -223,6 +229,7 @@ def test_04_a_passage_longer_than_smollm2s_context_is_one_line_exit_2(tmp_path):
     assert "SmolLM2 RAG items" not in r.stderr and time.time() - t0 < 300
 
 
+@pytest.mark.real_model
 @needs_model
 def test_passage_input_one_chunk_per_passage_at_natural_length(real):
     from lecture27.blend import rag as blend_rag

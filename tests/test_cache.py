@@ -87,6 +87,7 @@ def tiny_city(monkeypatch):
     return lambda: city.city_model(seed=3)
 
 
+@pytest.mark.slow
 def test_a_planted_change_to_the_training_loss_retrains(ckdir, tmp_path, monkeypatch, capsys):
     """The city model (3 steps of its real trainer): trained, loaded, then trained again after the loss
     in train_lm changes, with one line that names train_lm; the old file stays (undoing the edit loads it)."""
@@ -151,6 +152,7 @@ def tiny_codec_study():
     return lambda: cs.cached_study("codec-toy", {"docs": 40}, functools.partial(cs.codec_study, model, *sets, False))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fit", ["fit_codec", "quantize"])
 def test_a_planted_change_to_the_codecs_fit_refits(ckdir, tmp_path, monkeypatch, capsys, fit):
     """A codec study is computed, loaded, then computed again after kvcache.fit_codec changes, or
@@ -237,6 +239,7 @@ def test_a_result_computed_without_a_file_is_recorded(ckdir):
     assert out == {"x": 1} and checkpoints.EVENTS[-1]["name"] == "nofile" and not ckdir.exists()
 
 
+@pytest.mark.real_model
 def test_the_dequantized_gguf_weights_are_cached_and_recorded():
     """SmolLM2's dequantized weights go through the same cache (in the checkpoint folder in use): its
     load is recorded in EVENTS like a model's, and its key covers the loader's code."""
@@ -288,6 +291,7 @@ def test_a_bad_checkpoint_folder_is_one_line_and_exit_2(monkeypatch, capsys, fol
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("folder,why", BAD)
 def test_a_script_with_a_bad_checkpoint_folder_stops_in_one_line(folder, why):
     if not Path(folder).parent.exists():

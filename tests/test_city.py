@@ -1,6 +1,7 @@
 """The city language and the trained city LLaMA (trains once, ~40 s on 2 idle cores, then cached)."""
 import math
 
+import pytest
 import torch
 
 from common.city import SENTENCE_LEN, CityLanguage, city_model, heldout_ce
@@ -42,6 +43,7 @@ def test_sentences_are_independent():
     assert abs(p_all - 0.5) < 0.03 and abs(p_given - p_all) < 0.04
 
 
+@pytest.mark.slow
 def test_city_model_reaches_the_entropy():
     model, lang = city_model()
     meta = model.train_meta
@@ -53,6 +55,7 @@ def test_city_model_reaches_the_entropy():
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
 
 
+@pytest.mark.slow
 def test_same_seed_retrains_the_identical_model(tmp_path, monkeypatch):
     """Same machine, same seed, same thread count: --retrain gives the identical weights bit for bit
     (the trainer draws every batch from its own seeded generator; CPU kernels are deterministic at

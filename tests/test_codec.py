@@ -290,6 +290,7 @@ def record():
             "Xc": cs.context_kv(world["model"], calib[0]), "Xe": cs.context_kv(world["model"], ev[0])}
 
 
+@pytest.mark.slow
 def test_codec_levels_contract(record):
     levels = cs.codec_levels()
     assert [lv["level"] for lv in levels] == [0, 1, 2, 3]
@@ -310,6 +311,7 @@ def test_codec_levels_contract(record):
     assert all(lv["roundtrip_exact"] for lv in record["study"]["levels"])
 
 
+@pytest.mark.slow
 def test_codec_table_acceptance(record):
     """Measured codec >= 1.5x smaller than 8-bit within 0.5 points of FP16; the recipe below 6-bit's
     accuracy; zlib on FP16 between 1.0x and 1.3x."""
@@ -324,6 +326,7 @@ def test_codec_table_acceptance(record):
     assert 1.0 < rows["fp16"].bytes_per_token / rows["zlib"].bytes_per_token < 1.3
 
 
+@pytest.mark.slow
 def test_record_contexts_keep_one_stream_per_group(record):
     """A record-world context (24 tokens, 3 groups of ~500 B) is coded as one stream per group at every
     level: more streams would add bytes and still leave too few for the parallel coder; many contexts
@@ -334,6 +337,7 @@ def test_record_contexts_keep_one_stream_per_group(record):
         assert kv.codec_encode_many(Xe, spec) == [kv.codec_encode(x, spec) for x in Xe]
 
 
+@pytest.mark.slow
 def test_coder_on_a_whole_context(record):
     spec = kv.spec_from_dict(cs.record_codec_study()["specs"][0])
     one, many = record["measures"].coder_check(spec, record["Xe"], 5)

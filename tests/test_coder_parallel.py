@@ -58,6 +58,7 @@ def test_each_stream_is_the_serial_coders_bytes(seed, n_streams, max_len, n_tabl
     _assert_equals_serial(*_streams(seed, n_streams, max_len, n_tables, uniform_symbols))
 
 
+@pytest.mark.slow
 def test_thousands_of_short_streams_in_blocks():
     """More streams than one block of lanes (acp.PARALLEL_BLOCK), of different lengths: they decode to their
     symbols, and every 101st stream's bytes are the serial coder's."""

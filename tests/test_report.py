@@ -128,6 +128,7 @@ def report_in_browser(path, tmp_path):
     assert probe["scrollWidth"] <= 1280 and probe["wide"] == [], probe
 
 
+@pytest.mark.browser
 def test_report_opens_in_a_real_browser(built, tmp_path):
     report_in_browser(built[0], tmp_path)
 
@@ -250,6 +251,7 @@ window.addEventListener('load', () => {
 </script>"""
 
 
+@pytest.mark.browser
 def test_the_navigation_stays_on_screen_in_a_real_browser(tmp_path):
     if not CHROMIUM:
         pytest.skip("no Chromium on this machine (apt-get install chromium): the report's browser check is skipped")

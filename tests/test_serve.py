@@ -18,7 +18,9 @@ from common.files import pid_alive
 from lecture27.serving import bench, launch
 from lecture27.serving.served import parse_kv
 
-pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+# every test talks to a real server on SmolLM2, whose store writes behind to a Redis server
+pytestmark = [pytest.mark.filterwarnings("ignore::ResourceWarning"), pytest.mark.slow, pytest.mark.server,
+              pytest.mark.real_model, pytest.mark.redis]
 DOCS = ["Lake Varna lies in a narrow valley carved by glaciers. Its deepest point is 212 metres below the surface.",
         "Lake Osric is wide and popular with sailors. Surveys with sonar measured its greatest depth at 147 metres.",
         "The valley that holds Lake Varna is also home to three small villages and a ski lift that runs in winter."]

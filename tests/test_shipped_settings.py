@@ -20,14 +20,21 @@ GENERATOR = ROOT / "code" / "lecture27" / "shipped_settings.py"
 SCRIPTS = sorted(p.stem for p in (ROOT / "code" / "lecture27").glob("0[1-5]_*.py"))
 
 
+def clone_env(root: Path) -> dict:
+    """The environment of a process run from the clone at `root`: no test's seed, and the clone's own code/ first
+    on the path (a copy is not the installed project)."""
+    env = {k: v for k, v in os.environ.items() if k != "L27_SEED"}
+    return dict(env, PYTHONPATH=str(root / "code"))
+
+
 def check(root: Path) -> subprocess.CompletedProcess:
     """`shipped_settings.py --check` in the clone at `root`, in a process of its own: the constants as the
     files hold them (no test's seed, no monkeypatch)."""
-    env = {k: v for k, v in os.environ.items() if k != "L27_SEED"}
     return subprocess.run([sys.executable, str(root / "code" / "lecture27" / "shipped_settings.py"), "--check"],
-                          capture_output=True, text=True, env=env, timeout=300)
+                          capture_output=True, text=True, env=clone_env(root), timeout=300)
 
 
+@pytest.mark.slow
 def test_the_table_is_the_constants_of_the_shipped_files():
     out = check(ROOT)
     assert out.returncode == 0, ("the shipped table and the scripts' constants differ:\n" + out.stderr)
@@ -35,6 +42,7 @@ def test_the_table_is_the_constants_of_the_shipped_files():
     assert sorted(table) == SCRIPTS
 
 
+@pytest.mark.slow
 def test_a_constant_edited_without_regenerating_fails_the_check_and_says_how(tmp_path):
     """A copy of code/ (no git) with 05's CPU_GB edited: the check names the setting, both values and the
     command that regenerates the table; regenerating makes it pass."""
@@ -49,7 +57,7 @@ def test_a_constant_edited_without_regenerating_fails_the_check_and_says_how(tmp
     assert "05_tiered_storage.py: cpu_gb is 99.0 in the script, 150.0 in shipped_settings.json" in out.stderr
     assert "python code/lecture27/shipped_settings.py" in out.stderr
     subprocess.run([sys.executable, str(tmp_path / "code" / "lecture27" / "shipped_settings.py")], check=True,
-                   capture_output=True, env={k: v for k, v in os.environ.items() if k != "L27_SEED"}, timeout=300)
+                   capture_output=True, env=clone_env(tmp_path), timeout=300)
     assert check(tmp_path).returncode == 0
 
 

@@ -17,7 +17,7 @@ from common.gguf_llama import (INSTALL_HINT, find_smollm2_gguf, load_gguf_llama,
                                smollm2_or_explain, unpermute_qk)
 
 GGUF = find_smollm2_gguf()
-needs_model = pytest.mark.skipif(GGUF is None, reason=INSTALL_HINT)
+needs_model = pytest.mark.skipif(GGUF is None, reason=INSTALL_HINT)   # with real_model: the tests that load it
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,7 @@ def test_missing_wheel_says_how_to_install(monkeypatch):
         load_gguf_llama()
 
 
+@pytest.mark.real_model
 @needs_model
 def test_config_read_from_the_file(smol):
     model, tok, info = smol
@@ -69,6 +70,7 @@ def test_tokenizer_round_trip(smol, text):
     assert tok.decode(ids) == text
 
 
+@pytest.mark.real_model
 @needs_model
 def test_tokenizer_digits_and_control_tokens(smol):
     _, tok, _ = smol
@@ -78,6 +80,7 @@ def test_tokenizer_digits_and_control_tokens(smol):
     assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
 
 
+@pytest.mark.real_model
 @needs_model
 def test_perplexity_on_a_fixed_paragraph(smol):
     model, tok, _ = smol
@@ -89,6 +92,7 @@ def test_perplexity_on_a_fixed_paragraph(smol):
     assert 1 < ppl < 40  # ~15; with the Q/K rows left permuted: ~150
 
 
+@pytest.mark.real_model
 @needs_model
 def test_greedy_capital_of_france(smol):
     model, tok, _ = smol
@@ -97,6 +101,7 @@ def test_greedy_capital_of_france(smol):
     assert tok.decode([int(logits[0, -1].argmax())]) == " Paris"
 
 
+@pytest.mark.real_model
 @needs_model
 def test_logits_equal_hugging_face_on_a_fixed_prompt(smol):
     """Against transformers' LlamaForCausalLM on the same GGUF file (tests/data/make_reference.py, which
@@ -114,6 +119,7 @@ def test_logits_equal_hugging_face_on_a_fixed_prompt(smol):
     assert torch.equal(ours, ref["top_indices"][:, :5])
 
 
+@pytest.mark.real_model
 @needs_model
 def test_cached_decode_equals_full_forward(smol):
     model, tok, _ = smol
@@ -129,6 +135,7 @@ def test_cached_decode_equals_full_forward(smol):
     torch.testing.assert_close(torch.stack(steps, 1), full[:, n_prompt - 1:], atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.real_model
 @needs_model
 def test_shift_kv_equals_recomputing_at_the_new_position(smol):
     """A chunk prefilled at positions 0.. then rotated by shift_kv (theta 100000) equals the same chunk

@@ -23,6 +23,8 @@ def table(page, source):
     return next(t for t in page.tables if t.source == source)
 
 
+@pytest.mark.redis
+@pytest.mark.real_model
 def test_part5_shows_every_tier_and_format_beside_a_full_prefill(page):
     t = table(page, "store.machine.measure_store")
     j = page.json()
@@ -40,6 +42,8 @@ def test_part5_shows_every_tier_and_format_beside_a_full_prefill(page):
     assert j["store_tiers"]["ram"]["cachegen"]["bytes"] < j["store_tiers"]["ram"]["fp16"]["bytes"]
 
 
+@pytest.mark.redis
+@pytest.mark.real_model
 def test_the_notes_say_what_the_numbers_say(page):
     t = table(page, "store.machine.measure_store")
     j = page.json()
@@ -53,6 +57,8 @@ def test_the_notes_say_what_the_numbers_say(page):
     assert ("It misses by up to" in notes) == (worst > page_mod.GAP_SHARE)
 
 
+@pytest.mark.redis
+@pytest.mark.real_model
 def test_the_layout_table_shows_each_layout_of_the_json(page):
     """One row per stream layout in store_layouts' order, its bytes and decode as the json holds them (* where
     expected, not run), the served one marked; the notes give the served decode rate."""
@@ -66,6 +72,8 @@ def test_the_layout_table_shows_each_layout_of_the_json(page):
     assert f"at {j['store_decode_msym_s']:.1f} M symbols/s" in " ".join(t.notes)
 
 
+@pytest.mark.redis
+@pytest.mark.real_model
 def test_exercise9_two_processes_give_the_same_first_token(page):
     j = page.json()
     if "redis" not in j["store_tiers"]:
@@ -76,6 +84,8 @@ def test_exercise9_two_processes_give_the_same_first_token(page):
     assert t.notes[0].startswith("The restart kept the KV") and "the first engine's first token" in t.notes[0]
 
 
+@pytest.mark.redis
+@pytest.mark.real_model
 def test_the_figure_is_drawn(page):
     drawn = [Path(b["path"]) for b in page.blocks if b["kind"] == "figure"]
     assert [p.name for p in drawn] == ["05_store.png"] and drawn[0].stat().st_size > 10_000
@@ -129,6 +139,8 @@ def test_a_redis_password_appears_in_no_file_and_no_command_line(tmp_path, monke
     assert "***" in page.settings.redis and secret not in str(page.settings)
 
 
+@pytest.mark.real_model
+@pytest.mark.server
 def test_part6_serves_smollm2_with_the_store_and_without_it():
     """Part 6 (served): three engines started as servers, the openai client's requests, the spec's serve_* keys."""
     from common.gguf_llama import find_smollm2_gguf

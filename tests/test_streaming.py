@@ -478,6 +478,7 @@ def levels_file(tmp_path):
     return p
 
 
+@pytest.mark.slow
 def test_smoke_json(tmp_path, levels_file):
     out = tmp_path / "o.json"
     r = run("--levels", str(levels_file), "--no-plot", "--json", str(out))
@@ -495,6 +496,7 @@ def test_smoke_json(tmp_path, levels_file):
     assert "Part 3" in r.stdout and "Part 2b" in r.stdout
 
 
+@pytest.mark.slow
 def test_long_context_flag(tmp_path):
     levels = tmp_path / "small.json"
     levels.write_text(json.dumps(SMALL_LEVELS))
@@ -506,6 +508,7 @@ def test_long_context_flag(tmp_path):
     assert d["trace_ttft_s"] < 0.3                           # the 12K run arrives before the drop
 
 
+@pytest.mark.slow
 def test_trace_suite_flag(tmp_path, levels_file):
     out = tmp_path / "o.json"
     r = run("--levels", str(levels_file), "--no-plot", "--trace-suite", "6", "--json", str(out))
@@ -520,6 +523,7 @@ def test_trace_suite_flag(tmp_path, levels_file):
     assert "Part 4" in r.stdout and max(map(len, r.stdout.splitlines())) <= 120
 
 
+@pytest.mark.slow
 def test_trace_file(tmp_path, levels_file):
     good = tmp_path / "t.csv"
     good.write_text("time,gbps\n0,100\n")
@@ -530,6 +534,7 @@ def test_trace_file(tmp_path, levels_file):
     assert json.loads(out.read_text())["trace_choices"] == ["level0"] * 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, content", [
     (["--slo", "-1"], None), (["--chunk-tokens", "0"], None), (["--bogus"], None),
     (["--chunk-tokens", "99999"], None), (["--trace", "TRACE"], "0,10\n1,-2\n"), (["--trace", "TRACE"], ""),

@@ -112,6 +112,7 @@ def test_02_level_factor_spaces_the_levels(monkeypatch):
     assert bits[0] > bits[1] > bits[2]                               # coarser levels code in fewer bits
 
 
+@pytest.mark.slow
 def test_02_a_library_edit_refits_the_cached_study(monkeypatch):
     """Editing a codec setting changes the cache key, so the study is fitted again (not read stale)."""
     from lecture27.codec import study as cs
@@ -127,6 +128,7 @@ def test_02_a_library_edit_refits_the_cached_study(monkeypatch):
     assert keys[1]["group"] == 5 and keys[1]["levels"][0] == 2.0 and keys[1]["docs"][0] == 500
 
 
+@pytest.mark.slow
 def test_02_sensitivity_coarser_steps_cost_accuracy():
     """Part 1b (--sensitivity-step): a layer rounded to 8 x its RMS answers worse than at 1/4 x RMS."""
     from lecture27.codec import study as cs
@@ -147,6 +149,7 @@ def streaming03():
     return script("03_streaming")
 
 
+@pytest.mark.slow
 def test_03_a_longer_context_recomputes_longer_and_blanks_the_handout(streaming03, tmp_path, capsys, monkeypatch):
     _, base = run(streaming03, tmp_path, capsys, "--no-real", "--no-plot")
     monkeypatch.setattr(streaming03, "CONTEXT", 24 * 1024)          # §4.1 with a 24K-token context
@@ -157,6 +160,7 @@ def test_03_a_longer_context_recomputes_longer_and_blanks_the_handout(streaming0
     assert "handout: text wins at low bandwidth" not in out
 
 
+@pytest.mark.slow
 def test_03_a_slow_steady_link_leaves_the_finest_level(streaming03, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(streaming03, "STEADY_GBPS", 0.5)            # level0 alone would take 6.5 s of a 4 s SLO
     out, edited = run(streaming03, tmp_path, capsys, "--no-real", "--no-plot")
@@ -164,6 +168,7 @@ def test_03_a_slow_steady_link_leaves_the_finest_level(streaming03, tmp_path, ca
     assert "Steady 0.5 Gb/s:" in out and "the finest level throughout" not in out
 
 
+@pytest.mark.slow
 def test_03_half_efficiency_tokens_slows_small_recompute_batches(streaming03, tmp_path, capsys, monkeypatch):
     _, base = run(streaming03, tmp_path, capsys, "--no-real", "--no-plot")
     monkeypatch.setattr(streaming03, "HALF_EFFICIENCY_TOKENS", 1024)
@@ -174,6 +179,7 @@ def test_03_half_efficiency_tokens_slows_small_recompute_batches(streaming03, tm
     assert small > large > 1                                       # the smaller the batch, the more it costs
 
 
+@pytest.mark.slow
 def test_03_chunk_sizes_and_slo(streaming03, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(streaming03, "CHUNK_SIZES", [768, 3072])
     monkeypatch.setattr(streaming03, "SLO", 3.0)
@@ -207,6 +213,7 @@ def part4_page(mod, *argv):
     return page, timings
 
 
+@pytest.mark.slow
 def test_04_runs_with_other_curve_ratio_and_chunk_len(tmp_path, capsys, monkeypatch):
     """The issue's edit: CURVE_RATIOS = [0.0, 0.1, 0.3, 1.0], CURVE_CHUNK_LENS = [4, 5]; with RATIO 0.1
     and CHUNK_LEN 6 (exercise 6) in the same run, and small sizes."""
@@ -270,6 +277,7 @@ def tiers05():
     return script("05_tiered_storage")
 
 
+@pytest.mark.slow
 def test_05_more_documents_than_the_cache_holds(tiers05, tmp_path, capsys, monkeypatch):
     _, base = run(tiers05, tmp_path, capsys, "--no-plot", "--users", "20")
     monkeypatch.setattr(tiers05, "DOCS", 20)                        # 20 x 4096 tokens x 128 KiB > 9 GB
@@ -279,6 +287,7 @@ def test_05_more_documents_than_the_cache_holds(tiers05, tmp_path, capsys, monke
     assert handout_beside(page, 'hinted ("will be reused")') == "-"
 
 
+@pytest.mark.slow
 def test_05_slower_cpu_tier_and_another_model(tiers05, tmp_path, capsys, monkeypatch):
     _, base = run(tiers05, tmp_path, capsys, "--no-plot")
     monkeypatch.setattr(tiers05, "CPU_SLOW_GBPS", 5.0)              # an even slower copy path (pitfall 7)

@@ -253,6 +253,7 @@ def test_handoff_paths_are_sums_of_hops():
 
 
 # ---------------------------------------------------------------------------- the command line
+@pytest.mark.slow
 def test_script_json(tmp_path):
     out = tmp_path / "o.json"
     r = subprocess.run([sys.executable, str(SCRIPT), "--no-plot", "--json", str(out)],

@@ -49,6 +49,7 @@ def runs(tmp_path_factory):
     return mod, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
 def test_a_handout_figure_only_beside_its_inputs(runs, name):
     """Each handout cell is the figure of a reference whose inputs the run has; exercise 4's go blank
@@ -68,6 +69,7 @@ def test_a_handout_figure_only_beside_its_inputs(runs, name):
     assert (s.ex4_probs == handout_probs) == (ex4[0][-1] == "1.40") == (ex4[3][-1] == "3")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
 def test_verdicts_say_what_the_numbers_say(runs, name):
     mod, out = runs
@@ -120,6 +122,7 @@ def test_verdicts_say_what_the_numbers_say(runs, name):
     assert ("saves nothing" not in tables["coder.exercise4"]["notes"][0]) == saves
 
 
+@pytest.mark.slow
 def test_the_edits_reach_the_results(runs):
     mod, out = runs
     base, four, three = (out[k].json for k in ("default", "uniform4", "three"))
@@ -132,6 +135,7 @@ def test_the_edits_reach_the_results(runs):
     for key in ("levels", "bytes_measured", "acc_measured", "delta_var_ratio"):   # what no edit touched
         assert four[key] == three[key] == base[key]
 
+@pytest.mark.slow
 def test_what_if_figures_go_to_a_folder_of_their_own(runs):
     _, out = runs
     for name, run in out.items():

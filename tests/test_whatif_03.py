@@ -237,7 +237,9 @@ EDITS = {
 }
 
 
-@pytest.mark.parametrize("edit", list(EDITS))
+# an edit without --levels reads the record model's codec levels (trained and fitted once, then cached): slow
+@pytest.mark.parametrize("edit", [e if "--levels" in EDITS[e][0] else pytest.param(e, marks=pytest.mark.slow)
+                                  for e in EDITS])
 def test_no_handout_figure_and_no_verdict_contradicts_the_run(edit, files, monkeypatch, capsys):
     argv, constants = EDITS[edit]
     page, s = run(s3, files([*argv, "--no-plot"]), monkeypatch, **constants)
@@ -260,6 +262,7 @@ def test_a_missed_slo_is_said_as_missed(files, monkeypatch):
     assert sp.HANDOUT("trace", s) is None and sp.HANDOUT("steady", s) is None
 
 
+@pytest.mark.slow
 def test_a_coarser_level_taken_as_the_fastest_option_is_counted(tmp_path, monkeypatch):
     """A trace falling 5 -> 0.5 -> 0.2 Gb/s and recovering: Part 2b takes a coarser level after the drop, as
     predicted to fit its budget or only as the fastest option when nothing fit (which, depends on the trained
@@ -293,6 +296,7 @@ def test_an_edited_context_blanks_the_notes_handout_column(files, monkeypatch):
     assert page.json()["llama31_8b_12k_recompute_s"] > 1.9 * 0.36        # the key holds the edited context's
 
 
+@pytest.mark.real_model
 @SMOLLM2
 def test_another_trace_with_the_real_levels(files, monkeypatch, tmp_path):
     """`--trace mytrace.csv --slo 2.5` with Part 2c (levels measured on SmolLM2) and its figures: their titles

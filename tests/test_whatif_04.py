@@ -83,6 +83,7 @@ def part_settings(cb, *argv):
 
 
 # ------------------------------------------------------------------------------------ the default run
+@pytest.mark.slow
 def test_every_exercise_has_its_heading_in_the_handouts_order(runs):
     page = runs["default"][0]
     heads = [(b["kind"], b.get("n") or b["name"]) for b in page.blocks if b["kind"] in ("part", "exercise")]
@@ -90,6 +91,7 @@ def test_every_exercise_has_its_heading_in_the_handouts_order(runs):
                      ("part", "Part 3"), ("exercise", 7), ("part", "Part 4"), ("exercise", 8)]
 
 
+@pytest.mark.slow
 def test_exercise6_is_answered_in_the_default_run(runs):
     page, res, _ = runs["default"]
     assert res["chunk_len"] == 5 and res["ex6"]["chunk_len"] == 6
@@ -102,6 +104,7 @@ def test_exercise6_is_answered_in_the_default_run(runs):
     assert cells(page, "records split by chunks of 6")["handout"] == "0"
 
 
+@pytest.mark.slow
 def test_default_run_shows_the_handouts_figures(runs):
     page, res, titles = runs["default"]
     assert cells(page, "top 15% of tokens")["handout"] == "98.0%"
@@ -110,6 +113,7 @@ def test_default_run_shows_the_handouts_figures(runs):
     assert "split_acc_blend20" in res and "chunk3_blend20" in res
 
 
+@pytest.mark.slow
 def test_the_record_model_line_says_loaded_only_when_it_was(runs):
     page = runs["default"][0]
     line = next(b["text"] for b in page.blocks if b["kind"] == "text" and "record world model" in b["text"])
@@ -119,6 +123,7 @@ def test_the_record_model_line_says_loaded_only_when_it_was(runs):
     assert line.split(": ", 1)[1].startswith("loaded" if loaded[-1] else "trained")
 
 
+@pytest.mark.slow
 def test_figures_of_an_edited_run_stay_out_of_the_default_folder(runs):
     default = [b["path"] for b in runs["default"][0].blocks if b["kind"] == "figure"]
     edited = [b["path"] for b in runs["chunk6"][0].blocks if b["kind"] == "figure"]
@@ -130,6 +135,7 @@ def test_figures_of_an_edited_run_stay_out_of_the_default_folder(runs):
 
 
 # ------------------------------------------------------------------------------------ --chunk-len 6
+@pytest.mark.slow
 def test_chunk_len_6_blanks_the_handouts_chunk5_figures(runs):
     page, res, titles = runs["chunk6"]
     for row in ("full prefill", "full reuse", "CacheBlend 20%", "random 20%"):
@@ -148,6 +154,7 @@ def test_chunk_len_6_blanks_the_handouts_chunk5_figures(runs):
 
 
 # ------------------------------------------------------------------------------------ --ratio 0.1
+@pytest.mark.slow
 def test_ratio_names_its_json_keys(runs):
     res = runs["ratio01"][1]
     assert res["ratio"] == 0.1
@@ -155,6 +162,7 @@ def test_ratio_names_its_json_keys(runs):
     assert not {"split_acc_blend20", "split_acc_random20", "chunk3_blend20"} & set(res)
 
 
+@pytest.mark.slow
 def test_ratio_01_blanks_the_handouts_20_percent_figures(runs):
     page = runs["ratio01"][0]
     assert cells(page, "CacheBlend 10%")["handout split"] == cells(page, "random 10%")["handout split"] == DASH
@@ -164,6 +172,7 @@ def test_ratio_01_blanks_the_handouts_20_percent_figures(runs):
     assert not any("handout" in n for n in table_with(page, "random 10%")[2].notes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["default", "ratio01"])
 def test_random_note_places_ours_on_the_right_side_of_the_estimate(runs, name):
     page, res = runs[name][:2]
@@ -221,6 +230,7 @@ def test_exercise8_other_read_time(cb):
 
 
 # ------------------------------------------------------------------------------------ the city and the command line
+@pytest.mark.slow
 def test_another_city_chunking_blanks_the_city_figures(cb, monkeypatch):
     """Chunks of 4 words cut the city's 8-word sentences: the handout's 3 x 8 figures go blank, and the
     verdict in the title follows the KL."""
@@ -253,6 +263,7 @@ def part0(cb, s):
     return page, st
 
 
+@pytest.mark.slow
 def test_part0_prefix_caching_saves_less_with_every_chunk(runs):
     page, res, titles = runs["default"]
     assert res["prefix_k"] == list(range(1, 11))
@@ -306,6 +317,7 @@ def test_part4_says_which_devices_do_not_pay(cb):
     assert any(r[0] == "load from SATA SSD" and r[-1].startswith("blend from") for r in rows)
 
 
+@pytest.mark.slow
 def test_the_mask_pitfall_is_measured_beside_the_position_mask(runs):
     page, res, _ = runs["default"]
     assert res["mask_position_split_acc"] == res["split_acc_blend20"]
@@ -330,6 +342,7 @@ def test_part4_ranking_by_the_question_waits_for_its_layers(cb):
     assert rows[0][1] == f"{1e3 * waits[0].plain_s:.0f}" and rows[-1][0].endswith("(all)")
 
 
+@pytest.mark.slow
 def test_the_query_rule_on_split_records_is_shown_beside_part2(runs):
     page, res, _ = runs["default"]
     assert 0 <= res["query_split_acc"] <= 1 and set(res["input_rules_split_acc"]) == {"query", "query+dev",
@@ -348,6 +361,7 @@ def one_gpu(page) -> tuple[dict, object]:
 MEASURED = "H200 measured (2026-12-04)"
 
 
+@pytest.mark.slow
 def test_part4_shows_the_h200s_measurements_in_a_column_of_their_own(runs):
     page, res, _ = runs["default"]
     rows, t = one_gpu(page)

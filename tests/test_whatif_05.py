@@ -38,6 +38,7 @@ def config(page, name):
     return {c.header: v for c, v in zip(t.cols, row.cells)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", list(RUNS))
 def test_a_handout_figure_only_beside_its_inputs(pages, run):
     page = pages[run]
@@ -53,6 +54,7 @@ def test_a_handout_figure_only_beside_its_inputs(pages, run):
             r.handout == page_of.HANDOUT.refs[n].figure for t in page.tables for r in t.rows), (run, n)
 
 
+@pytest.mark.slow
 def test_the_issue_edits(pages):
     for run in ("cpu 60 GB", "cpu 250 GB"):          # the 5x holds for the default CPU tier only
         assert any("(handout: -, pitfall 7)" in t for t in pages[run].texts())
@@ -63,6 +65,7 @@ def test_the_issue_edits(pages):
     assert ratio["cpu 60 GB"] < 1.1 < ratio["default"]   # a CPU tier barely above the GPU's room: hardly used
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", list(RUNS))
 def test_the_share_sentence_follows_the_numbers(pages, run):
     page = pages[run]
@@ -76,6 +79,7 @@ def test_the_share_sentence_follows_the_numbers(pages, run):
         assert a != b
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", list(RUNS))
 def test_the_cpu50_sentence_follows_the_numbers(pages, run):
     page = pages[run]
@@ -99,6 +103,7 @@ def source_module(name: str):
     return importlib.import_module(f"lecture27.{name}")
 
 
+@pytest.mark.slow
 def test_the_exercises_have_headings_and_the_tables_their_sources(pages):
     for page in pages.values():
         assert sorted(b["n"] for b in page.blocks if b["kind"] == "exercise") == [9, 10]

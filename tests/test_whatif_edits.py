@@ -28,7 +28,9 @@ EDITS = [
 
 def run(clone: Path, script: str, *args: str) -> str:
     env = {k: v for k, v in os.environ.items() if k != "L27_SEED"}
-    env.update(L27_FIGURES=str(clone / "figures"), L27_CHECKPOINTS=CHECKPOINTS, PYTHONDONTWRITEBYTECODE="1")
+    # the copy is not the installed project: its own code/ goes first on the path, as an install of it would
+    env.update(L27_FIGURES=str(clone / "figures"), L27_CHECKPOINTS=CHECKPOINTS, PYTHONDONTWRITEBYTECODE="1",
+               PYTHONPATH=str(clone / "code"))
     out = subprocess.run([sys.executable, str(clone / "code" / "lecture27" / script), *args], capture_output=True,
                          text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -63,6 +65,7 @@ def clone(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,args,shipped,edit,change", EDITS, ids=[e[4] for e in EDITS])
 def test_an_edited_constant_is_a_what_if(clone, script, args, shipped, edit, change):
     before = default_figures(clone / "figures")
@@ -85,6 +88,7 @@ def test_an_edited_constant_is_a_what_if(clone, script, args, shipped, edit, cha
     assert re.search(r"<b>what-if sections</b></td><td>[^\n]*" + re.escape(change), doc)
 
 
+@pytest.mark.slow
 def test_two_traces_give_two_folders(tmp_path, monkeypatch):
     """The same trace file, its last row changed between two runs: two folders, each named by the file and
     a digest of the trace, no comma in either."""

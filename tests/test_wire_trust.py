@@ -209,6 +209,7 @@ def test_each_frame_is_due_by_its_planned_write_plus_the_margin():
     assert wire.deadlines(plan, 0.5)[-1] == plan[-1][0] + 0.5
 
 
+@pytest.mark.slow
 def test_a_live_sender_whose_one_write_takes_over_5_s_is_not_lost():
     """One 1 KB write paced to take 5.5 s (longer than a fixed 5 s timeout): the chunk arrives whole."""
     tr = st.Trace.steady(8 * 1024 / 5.5 / st.GBIT)

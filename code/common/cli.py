@@ -168,8 +168,9 @@ fraction = _check(float, lambda x: 0 <= x <= 1, "between 0 and 1")
 
 def module_command(module: str, *args: str) -> tuple[list[str], dict]:
     """(argv, environment) that run the module `module` of code/ (lecture27.wire) as a program in a fresh
-    interpreter: `python -m module args`, with code/ on its PYTHONPATH, so that the module and everything it
-    imports go by the qualified names a library module uses, with no path set up by hand."""
+    interpreter: `python -m module args`, with this code/ first on its PYTHONPATH, so that the child runs the
+    same files as its parent (the sender of the paced socket speaks the receiver's protocol) even when the
+    parent runs from a copy of the project other than the one installed."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), *filter(None,
                                                                                            [env.get("PYTHONPATH")])])

@@ -18,18 +18,14 @@ measured" column the one a real GPU gave (gpu_check.py measures yours).
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from lecture27 import ledger  # noqa: E402
-from common import gpu_reference as gr  # noqa: E402
-from common import timemodel as tm  # noqa: E402
-from common.cli import (Parser, fraction, nonneg_float, positive_float, positive_int, settings,  # noqa: E402
+from lecture27 import ledger
+from common import gpu_reference as gr
+from common import timemodel as tm
+from common.cli import (Parser, fraction, nonneg_float, positive_float, positive_int, settings,
                         settings_from, shipped_defaults)
-from common.present import (DASH, Chart, Col, Handout, Page, Ref, Row, Series, Table, Val, chart_figure,  # noqa: E402
+from common.present import (DASH, Chart, Col, Handout, Page, Ref, Row, Series, Table, Val, chart_figure,
                             cols, fact, handout, handout_text, pct2, plural, text_table)
 
 K = 1024

@@ -39,20 +39,16 @@ how each Part is shown (tables, notes, figures, --json keys, the handout's figur
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from lecture27.codec import measures as cm  # noqa: E402
-from lecture27.codec import page as cp  # noqa: E402
-from lecture27.codec import study as cs  # noqa: E402
-from lecture27 import kvcache as kv  # noqa: E402
-from common.cli import Parser, positive_float, settings, settings_from, shipped_defaults  # noqa: E402
-from common.llama import single_thread  # noqa: E402
-from common.present import Page  # noqa: E402
+from lecture27.codec import measures as cm
+from lecture27.codec import page as cp
+from lecture27.codec import study as cs
+from lecture27 import kvcache as kv
+from common.cli import Parser, positive_float, settings, settings_from, shipped_defaults
+from common.llama import single_thread
+from common.present import Page
 
 MODEL = "record"            # record: the record-world model; smollm2: a real LLaMA
 GGUF = None                 # with smollm2: another LLaMA GGUF file (None: SmolLM2-135M-Instruct)

@@ -55,24 +55,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from lecture27.codec import smollm2  # noqa: E402
-from lecture27.codec import study as cs  # noqa: E402
-from lecture27 import streaming as st  # noqa: E402
-from lecture27.stream import study  # noqa: E402
-from lecture27.stream.oracle import trace_suite  # noqa: E402
-from lecture27.stream import wire_study  # noqa: E402
-from common.cli import (Parser, fail, nonneg_int, positive_float, positive_int, settings,  # noqa: E402
+from lecture27.codec import smollm2
+from lecture27.codec import study as cs
+from lecture27 import streaming as st
+from lecture27.stream import study
+from lecture27.stream.oracle import trace_suite
+from lecture27.stream import wire_study
+from common.cli import (Parser, fail, nonneg_int, positive_float, positive_int, settings,
                         settings_from, shipped_defaults)
-from common.gguf_llama import smollm2_or_explain  # noqa: E402
-from common.present import Page  # noqa: E402
-from lecture27.stream.page import (show_models, show_part1, show_part2, show_part2_long,  # noqa: E402
+from common.gguf_llama import smollm2_or_explain
+from common.present import Page
+from lecture27.stream.page import (show_models, show_part1, show_part2, show_part2_long,
                                    show_part2_real, show_part3, show_part4, show_setup, show_skipped)
-from lecture27.stream.wire_page import show_wire  # noqa: E402
+from lecture27.stream.wire_page import show_wire
 
 K = 1024
 # ---- Part 1 (§4.1)

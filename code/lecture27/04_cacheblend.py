@@ -64,29 +64,26 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from lecture27.blend import page as bp  # noqa: E402
-from lecture27.blend import rag as blend_rag  # noqa: E402
-from lecture27.blend import rag_page  # noqa: E402
-from lecture27.blend import rag_study  # noqa: E402
-from lecture27.blend import timing as bt  # noqa: E402
-from lecture27.blend import city_reuse  # noqa: E402
-from lecture27.blend import mask_pitfall as mp  # noqa: E402
-from lecture27.blend import prefix_caching as pc  # noqa: E402
-from lecture27.blend import record_blend as rb  # noqa: E402
-from lecture27 import record_trainer as rt  # noqa: E402  (rt.SEED, rt.LOCALITY: the trainer's defaults)
-from lecture27 import blend_rules  # noqa: E402
-from lecture27.blend_world import DOC_LEN  # noqa: E402
-from common import timemodel as tm  # noqa: E402
-from common.checkpoints import TrainingFailed  # noqa: E402
-from common.city import city_model  # noqa: E402
-from common.cli import (Parser, fail, fraction, nonneg_float, positive_float, positive_int, settings,  # noqa: E402
+from lecture27.blend import page as bp
+from lecture27.blend import rag as blend_rag
+from lecture27.blend import rag_page
+from lecture27.blend import rag_study
+from lecture27.blend import timing as bt
+from lecture27.blend import city_reuse
+from lecture27.blend import mask_pitfall as mp
+from lecture27.blend import prefix_caching as pc
+from lecture27.blend import record_blend as rb
+from lecture27 import record_trainer as rt  # rt.SEED, rt.LOCALITY: the trainer's defaults
+from lecture27 import blend_rules
+from lecture27.blend_world import DOC_LEN
+from common import timemodel as tm
+from common.checkpoints import TrainingFailed
+from common.city import city_model
+from common.cli import (Parser, fail, fraction, nonneg_float, positive_float, positive_int, settings,
                         settings_from, shipped_defaults)
-from common.llama import idle_threads, single_thread  # noqa: E402
-from common.present import Page  # noqa: E402
+from common.llama import idle_threads, single_thread
+from common.present import Page
 
 # ---- §5.1 (Part 0): prefix caching against full reuse and CacheBlend, k retrieved chunks (of Part 4's RAG size)
 PREFIX_KS = list(range(1, 11))            # k chunks of RAG_CHUNK_TOKENS + the question; CacheBlend at MIN_RATIO

@@ -36,25 +36,21 @@ store/machine_page.py.
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
-
-from common import redis_server  # noqa: E402
-from lecture27.codec import smollm2  # noqa: E402
-from lecture27.store import machine  # noqa: E402
-from lecture27.store import tiers_study as study  # noqa: E402
-from lecture27.blend_rules import RULES  # noqa: E402
-from common.cli import (Parser, fraction, nonneg_float, nonneg_int, positive_float, positive_int,  # noqa: E402
+from common import redis_server
+from lecture27.codec import smollm2
+from lecture27.store import machine
+from lecture27.store import tiers_study as study
+from lecture27.blend_rules import RULES
+from common.cli import (Parser, fraction, nonneg_float, nonneg_int, positive_float, positive_int,
                         settings, settings_from, shipped_defaults)
-from common.present import Page  # noqa: E402
-from lecture27.store.machine_page import show_store  # noqa: E402
-from lecture27.serving.bench import rag_orders  # noqa: E402
-from lecture27.serving.page import show_served  # noqa: E402
-from lecture27.serving.served import ServedRun, measure_served  # noqa: E402
-from lecture27.store.tiers_page import (show_chat, show_handoff, show_rag,  # noqa: E402
+from common.present import Page
+from lecture27.store.machine_page import show_store
+from lecture27.serving.bench import rag_orders
+from lecture27.serving.page import show_served
+from lecture27.serving.served import ServedRun, measure_served
+from lecture27.store.tiers_page import (show_chat, show_handoff, show_rag,
                                         show_service_vs_library, show_waist)
 
 # ------------------------------------------------------------------ Part 1: GPU A -> GPU B handoff

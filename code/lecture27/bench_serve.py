@@ -24,14 +24,11 @@ from __future__ import annotations
 
 import json
 import secrets
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
-
-from common.cli import Parser, positive_int  # noqa: E402
-from common.present import Page, Row, Table, cols  # noqa: E402
-from lecture27.serving import bench, launch  # noqa: E402
+from common.cli import Parser, positive_int
+from common.present import Page, Row, Table, cols
+from lecture27.serving import bench, launch
 
 USERS = 4                   # concurrent users of rag and chat
 CHAT8_USERS = 8             # chat8: users at once, one request each (after one alone)

@@ -22,21 +22,17 @@ says so and exits 2 (--tiny runs on the CPU, timed by perf_counter).
 """
 from __future__ import annotations
 
-import sys
 from contextlib import nullcontext
 from dataclasses import replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from common import timemodel as tm  # noqa: E402
-from common.cli import Parser, fail, fraction, nonneg_int, positive_int, settings, settings_from  # noqa: E402
-from common.llama import single_thread  # noqa: E402
-from common.present import Page  # noqa: E402
-from lecture27.gpu import measure as gm  # noqa: E402
-from lecture27.gpu import page as gp  # noqa: E402
+from common import timemodel as tm
+from common.cli import Parser, fail, fraction, nonneg_int, positive_int, settings, settings_from
+from common.llama import single_thread
+from common.present import Page
+from lecture27.gpu import measure as gm
+from lecture27.gpu import page as gp
 
 K = 1024
 MATMUL = 8192                             # Part 1: one MATMUL x MATMUL by MATMUL x MATMUL BF16 matmul

@@ -2,8 +2,8 @@
 key's value from a context of random records, and a small penalty teaches it the locality of a
 pretrained LLM. Trained once (under a minute on one core), then loaded from code/checkpoints/.
 
-    PYTHONPATH=code python -m lecture27.record_trainer               # train (or load) the model, check it
-    PYTHONPATH=code python -m lecture27.record_trainer --seeds 0-19  # the seed sweep: each seed trains (~45 s)
+    python -m lecture27.record_trainer               # train (or load) the model, check it
+    python -m lecture27.record_trainer --seeds 0-19  # the seed sweep: each seed trains (~45 s)
 """
 from __future__ import annotations
 

@@ -21,12 +21,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from common.cli import Parser, positive_int
+from common.present import figures_dir, render_text, table_block
+from common.report import build_report, load_pages, table_html
+from lecture27.store.going_further import going_further_table
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-from common.cli import Parser, positive_int  # noqa: E402
-from common.present import figures_dir, render_text, table_block  # noqa: E402
-from common.report import build_report, load_pages, table_html  # noqa: E402
-from lecture27.store.going_further import going_further_table  # noqa: E402
 
 SCRIPTS = ["01_kv_ledger.py", "02_cachegen_codec.py", "03_streaming.py", "04_cacheblend.py",
            "05_tiered_storage.py"]
@@ -44,9 +44,8 @@ START_ORDER = ["01_kv_ledger.py", "02_cachegen_codec.py", "04_cacheblend.py", "0
 
 # --profile runs a script under cProfile as `python script.py` runs it: as the module __main__ (runpy), so that
 # the cache finds the script's functions and their results load (`python -m cProfile` hides that module)
-PROFILED = """import cProfile, os, runpy, sys
+PROFILED = """import cProfile, runpy, sys
 out, sys.argv = sys.argv[1], sys.argv[2:]
-sys.path.insert(0, os.path.dirname(sys.argv[0]))
 cProfile.run("runpy.run_path(sys.argv[0], run_name='__main__')", out)"""
 # --profile: time spent inside each of these functions (each includes what it calls, so rows overlap)
 PHASES = [("training a small model", "trainer.py", "train_lm"),

@@ -33,14 +33,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # code/ holds `common`
-
-from common import redis_server  # noqa: E402
-from common.cli import Parser, fraction, nonneg_int, positive_float, positive_int  # noqa: E402
-from lecture27.blend_rules import ALL_RULES  # noqa: E402
-from lecture27.engine.chat import SEPARATOR  # noqa: E402
-from lecture27.engine.connector import BLOCK_TOKENS, HOT_GB  # noqa: E402
-from lecture27.engine.scheduler import MAX_RUNNING, STEP_TOKENS  # noqa: E402
+from common import redis_server
+from common.cli import Parser, fraction, nonneg_int, positive_float, positive_int
+from lecture27.blend_rules import ALL_RULES
+from lecture27.engine.chat import SEPARATOR
+from lecture27.engine.connector import BLOCK_TOKENS, HOT_GB
+from lecture27.engine.scheduler import MAX_RUNNING, STEP_TOKENS
 
 PORT = 8000                  # 0: any free port (printed)
 HOST = "127.0.0.1"           # this machine only

@@ -20,10 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-from common import cli  # noqa: E402
+from common import cli
 
+HERE = Path(__file__).resolve().parent
 TABLE = HERE / cli.SHIPPED_TABLE
 SCRIPTS = sorted(HERE.glob("0[1-9]_*.py"))
 REGENERATE = "python code/lecture27/shipped_settings.py"

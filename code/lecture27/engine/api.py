@@ -18,9 +18,9 @@ separator (chat.py) is cut into chunks there, each reusable alone from the store
 What the store did for a request is in OpenAI's own field, usage.prompt_tokens_details.cached_tokens (prompt
 tokens whose KV came from the store), and in the header x-kv-cache (path=prefix|blend|prefill; prefix=exact
 tokens; blended=tokens of reused chunks; recomputed=tokens computed here; context=the tokens before the question,
-which a store could have served) with x-kv-hits (records per place: hot, ram, disk, redis) and
-x-queue-seconds (arrival to first step). A request may ask for "kv_check": true (outside OpenAI's fields): the engine then also prefills
-the prompt in full and returns the first answer token's KL against what it served, in "kv_cache".
+which a store could have served) with x-kv-hits (records per place: hot, ram, disk, redis) and x-queue-seconds
+(arrival to first step). A request may ask for "kv_check": true (outside OpenAI's fields): the engine then also
+prefills the prompt in full and returns the first answer token's KL against what it served, in "kv_cache".
 Bad requests get OpenAI's error body ({"error": {"message", "type", "param", "code"}}) with HTTP 400 (404 and
 code model_not_found for a model this engine does not serve, 401 for a wrong API key); nothing answers with a
 traceback.

@@ -202,7 +202,8 @@ class Loaded:
     prefix: torch.Tensor | None = None
     system: torch.Tensor | None = None
     chunks: list = field(default_factory=list)
-    store_jobs: list = field(default_factory=list)   # StoreJobs: chunks no tier holds that this request will not compute
+    # StoreJobs: chunks no tier holds that this request will not compute
+    store_jobs: list = field(default_factory=list)
 
     @property
     def covered(self) -> int:
@@ -246,7 +247,8 @@ class KVConnector:
                  blend: bool = True, ratio: float = 0.15, rule: str = "query", block: int = BLOCK_TOKENS,
                  hot_bytes: int = int(HOT_GB * 1e9)):
         self.model_id, self.tiers, self.n_kv_heads = model_id, tiers, n_kv_heads
-        self.store, self.blend, self.ratio, self.rule, self.block = store, blend, ratio, blend_rules.ALL_RULES[rule], block
+        self.store, self.blend, self.ratio = store, blend, ratio
+        self.rule, self.block = blend_rules.ALL_RULES[rule], block
         self.hot = HotCache(hot_bytes) if store else None
         self.writer = Writer(tiers) if store and tiers is not None else None
 

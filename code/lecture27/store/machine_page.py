@@ -190,8 +190,8 @@ def compiled_gap(r: StoreRun) -> str:
             f"Constriction's compiled range coder decodes the same symbols at {r.constriction_msym_s:.1f} M symbols/s, "
             f"one stream ({r.constriction_msym_s / r.decode_msym_s:.1f}x the served decode)")
     return (f"{rate}. The gap is numpy's: each step of our coder is a few dozen array operations over every "
-            "lane, each a pass through memory, and each lane's lookup lands in a table of its own (one per (layer, K/V, "
-            "channel), megabytes in all) that the CPU's caches do not hold; compiled code keeps a lane's state in "
+            "lane, each a pass through memory, and each lane's lookup lands in a table of its own (one per (layer, "
+            "K/V, channel), megabytes in all) that the CPU's caches do not hold; compiled code keeps a lane's state in "
             "registers and, timed here table by table, reads one table at a time.")
 
 
