@@ -63,15 +63,15 @@ def test_reorder_moves_every_document_and_no_workload_shares_an_item():
     """reorder's second order keeps no document in its place (nothing but the system message is a prefix of the
     first); bench_serve's rag items, repeat's and reorder's share no document."""
     first, moved = bench.reorder_messages(5)
-    assert order_of(first, 5, bench.DOCS, bench.DOC_WORDS) == tuple(range(bench.DOCS))
-    o = order_of(moved, 5, bench.DOCS, bench.DOC_WORDS)
-    assert sorted(o) == list(range(bench.DOCS)) and all(i != k for k, i in enumerate(o))
+    assert order_of(first, 5, bench.RAG_DOCS, bench.DOC_WORDS) == tuple(range(bench.RAG_DOCS))
+    o = order_of(moved, 5, bench.RAG_DOCS, bench.DOC_WORDS)
+    assert sorted(o) == list(range(bench.RAG_DOCS)) and all(i != k for k, i in enumerate(o))
     assert first[0] == moved[0] and first[-1] == moved[-1]
     n = bench_serve.RAG_ITEMS
     rag = {m["content"] for _, ms in bench.rag_workload(bench_serve.RAG_REQUESTS, n) for m in ms[1:-1]}
     repeat = {m["content"] for m in bench.repeated_messages(n)[1:-1]}
     reorder = {m["content"] for m in bench.reorder_messages(n + 1)[0][1:-1]}
-    assert len(rag) == n * bench.DOCS and len(repeat) == len(reorder) == bench.DOCS
+    assert len(rag) == n * bench.RAG_DOCS and len(repeat) == len(reorder) == bench.RAG_DOCS
     assert not rag & repeat and not rag & reorder and not repeat & reorder
 
 

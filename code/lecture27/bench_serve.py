@@ -72,7 +72,7 @@ def parse(argv=None):
     p.add_argument("--chat8-users", type=positive_int, default=CHAT8_USERS, help="chat8: users at once")
     p.add_argument("--rag-requests", type=positive_int, default=RAG_REQUESTS, help="timed RAG requests")
     p.add_argument("--rag-items", type=positive_int, default=RAG_ITEMS, help="RAG items the documents come from")
-    p.add_argument("--docs", type=positive_int, default=bench.DOCS, help="documents a RAG request carries")
+    p.add_argument("--docs", type=positive_int, default=bench.RAG_DOCS, help="documents a RAG request carries")
     p.add_argument("--doc-words", type=positive_int, default=bench.DOC_WORDS, help="words a document")
     p.add_argument("--chat-turns", type=positive_int, default=CHAT_TURNS, help="turns per chat user")
     p.add_argument("--max-tokens", type=positive_int, default=MAX_TOKENS, help="answer tokens per request")

@@ -7,7 +7,7 @@ Workloads (the text is the project's own, common/english.py):
            message, a passage of CROWD_WORDS words, a request about it), after one request of that shape sent
            alone: how much later than a lone request the last of the crowd gets its first token (§7: a server's
            many users at once);
-  rag      a system message, DOCS documents of about DOC_WORDS words (one built-in RAG item's two key passages
+  rag      a system message, RAG_DOCS documents of about DOC_WORDS words (one built-in RAG item's two key passages
            and two distractors, each opening a document filled with prose), each its own message, in a new order
            for every request, then the question: §5.1's documents coming back in new combinations and orders;
            each user sends its next request the moment its answer ends;
@@ -39,9 +39,10 @@ from common.stats import percentile
 
 RAG_SYSTEM = "You answer questions about the documents the user sends, in one short sentence."
 CHAT_SYSTEM = "You are a helpful assistant. Answer in one or two sentences."
-DOCS = 6              # documents a RAG request carries ...
+RAG_DOCS = 6          # documents a RAG request carries ...
 DOC_WORDS = 190       # ... of this many words each (the prose cut there): about 1,500 tokens of documents, as 04's
                       # built-in items hold
+RAG_SEED = 0          # the seed of the RAG requests' orders
 CROWD_WORDS = 120     # words of a chat8 request's passage (all of them one length: about 170 tokens a prompt)
 IDLE_TIMEOUT_S = 120  # the longest wait for a server to finish storing
 PROSE = EVALUATION + CALIBRATION   # the passages chat turns start from (chat8's come from its other end)
@@ -62,7 +63,7 @@ CRITERIA = (   # the engine's targets, (key, what is measured, the most it may b
 
 
 # ------------------------------------------------------------------------------------------------ workloads
-def rag_documents(item: int, docs: int = DOCS, words: int = DOC_WORDS) -> list[str]:
+def rag_documents(item: int, docs: int = RAG_DOCS, words: int = DOC_WORDS) -> list[str]:
     """The documents of built-in RAG item `item`: its two key passages and two distractors each open a document,
     the rest are prose; every document is filled with prose paragraphs (this item's own) to about `words`."""
     it = RAG_ITEMS[item % len(RAG_ITEMS)]
@@ -101,12 +102,12 @@ def rag_request(item: int, order: list[int], docs: list[str], tag: str = "", sep
             + [{"role": "user", "content": question}])
 
 
-def rag_orders(items: int, docs: int = DOCS) -> int:
+def rag_orders(items: int, docs: int = RAG_DOCS) -> int:
     """How many timed RAG requests `items` items can give: each item's orders all different, none its first."""
     return items * (math.factorial(docs) - 1)
 
 
-def rag_workload(requests: int, items: int, docs: int = DOCS, words: int = DOC_WORDS, seed: int = 0,
+def rag_workload(requests: int, items: int, docs: int = RAG_DOCS, words: int = DOC_WORDS, seed: int = RAG_SEED,
                  tag: str = "", separator: str | None = None) -> list:
     """`requests` RAG requests over the first `items` items in turn: [(item, messages)]. No two of an item's
     requests share an order, and none has the warm-up's (its first order): every one is the documents coming back
@@ -126,7 +127,7 @@ def rag_workload(requests: int, items: int, docs: int = DOCS, words: int = DOC_W
     return out
 
 
-def rag_warmup(items: int, docs: int = DOCS, words: int = DOC_WORDS, tag: str = "",
+def rag_warmup(items: int, docs: int = RAG_DOCS, words: int = DOC_WORDS, tag: str = "",
                separator: str | None = None) -> list:
     """Each item's documents once, in their first order: [(item, messages)]."""
     return [(i, rag_request(i, list(range(docs)), rag_documents(i, docs, words), tag, separator))
@@ -154,14 +155,14 @@ def crowd_messages(user: int, words: int = CROWD_WORDS, tag: str = "") -> list[d
             {"role": "user", "content": text[:_word_end(text, words)] + "\n\nSummarize this in one sentence."}]
 
 
-def repeated_messages(item: int, docs: int = DOCS, words: int = DOC_WORDS, tag: str = "") -> list:
+def repeated_messages(item: int, docs: int = RAG_DOCS, words: int = DOC_WORDS, tag: str = "") -> list:
     """A long prompt: RAG item `item`'s documents in reverse order and a question of its own."""
     messages = rag_request(item, list(range(docs))[::-1], rag_documents(item, docs, words), tag)
     messages[-1] = {"role": "user", "content": "Question: which document is the longest, and why?"}
     return messages
 
 
-def reorder_messages(item: int, docs: int = DOCS, words: int = DOC_WORDS, tag: str = "") -> tuple[list, list]:
+def reorder_messages(item: int, docs: int = RAG_DOCS, words: int = DOC_WORDS, tag: str = "") -> tuple[list, list]:
     """(first, reordered): RAG item `item`'s documents in their first order, and the same documents in an order
     that moves every one of them (so that the first order shares no document of its prefix), the question last."""
     texts, rng, order = rag_documents(item, docs, words), random.Random(item), list(range(docs))
@@ -375,7 +376,7 @@ def run_chat8(server: str, url: str, model: str, *, users: int, max_tokens: int,
 
 
 def run_rag(server: str, url: str, model: str, *, users: int, requests: int, items: int, max_tokens: int,
-            docs: int = DOCS, words: int = DOC_WORDS, kv_checks: int = 0, tag: str = "", api_key: str | None = None,
+            docs: int = RAG_DOCS, words: int = DOC_WORDS, kv_checks: int = 0, tag: str = "", api_key: str | None = None,
             reference=None, progress=None, separator: str | None = None) -> Run:
     """The RAG workload: the warm-up (each item's documents once, in order, then idle), then `requests` requests in
     new orders, user u sending requests u, u + users, ... back to back, all users at once; then `kv_checks` of
@@ -405,7 +406,7 @@ def run_rag(server: str, url: str, model: str, *, users: int, requests: int, ite
 
 
 def repeated_prompt(url: str, model: str, max_tokens: int, item: int, api_key: str | None = None,
-                    docs: int = DOCS, words: int = DOC_WORDS, tag: str = "", progress=None) -> tuple[list, float]:
+                    docs: int = RAG_DOCS, words: int = DOC_WORDS, tag: str = "", progress=None) -> tuple[list, float]:
     """repeat: once the server is idle, repeated_messages(item) (an item whose documents it has not seen: a cold
     prompt), then the same again the moment the answer ends: ([first, again], wall seconds)."""
     client, messages = client_for(url, api_key), repeated_messages(item, docs, words, tag)
@@ -413,13 +414,13 @@ def repeated_prompt(url: str, model: str, max_tokens: int, item: int, api_key: s
     return one_after_another(client, model, [messages, messages], max_tokens, "repeat", progress=progress)
 
 
-def run_repeat(server: str, url: str, model: str, *, max_tokens: int, item: int, docs: int = DOCS,
+def run_repeat(server: str, url: str, model: str, *, max_tokens: int, item: int, docs: int = RAG_DOCS,
                words: int = DOC_WORDS, tag: str = "", api_key: str | None = None, progress=None) -> Run:
     samples, wall = repeated_prompt(url, model, max_tokens, item, api_key, docs, words, tag, progress)
     return Run(server, "repeat", 1, samples, wall)
 
 
-def run_reorder(server: str, url: str, model: str, *, max_tokens: int, item: int, docs: int = DOCS,
+def run_reorder(server: str, url: str, model: str, *, max_tokens: int, item: int, docs: int = RAG_DOCS,
                 words: int = DOC_WORDS, tag: str = "", api_key: str | None = None, progress=None) -> Run:
     """reorder: once the server is idle, item `item`'s documents (a cold prompt), the same again at once, then the
     same documents reordered (reorder_messages) at once, asking our engine for that one's first-token KL."""
