@@ -23,7 +23,8 @@ How a prompt is served (`Lookup.path`), whichever reuses more:
            last message, or its text after the last separator) is computed in full;
   prefill  nothing held: a full prefill.
 When a request is loaded, each of its chunks that no tier holds becomes a store job (`StoreJob`: the chunk
-prefilled alone behind the system message), which the engine runs at low priority; after the request
+prefilled alone behind the system message), which the engine runs at low priority from the request's first token
+on (in the same steps as its answer, so it never slows the request's own prefill); after the request
 (`KVConnector.to_save`) its exact KV is cut into prefix blocks.
 Blended KV is never stored: the store hands out only KV a full prefill would compute.
 """
@@ -317,8 +318,8 @@ class KVConnector:
 
     def store_jobs(self, prompt: Prompt, path: str) -> list:
         """The prompt's chunks (and a chat's last message) that no tier holds and this request does not compute
-        alone: each becomes a store job as the request starts, so it is reusable soon after, in any order. The first
-        chunk computed in place (the exact paths) is its own chunk: to_save keeps its rows."""
+        alone: each becomes a store job at the request's first token, so it is reusable soon after, in any order.
+        The first chunk computed in place (the exact paths) is its own chunk: to_save keeps its rows."""
         if not (self.store and self.blend and (prompt.chunks or prompt.last_message)):
             return []
         keys = message_keys(self.model_id, prompt)

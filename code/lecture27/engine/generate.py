@@ -123,8 +123,6 @@ class Engine:
             self._end(seq, "cancelled")
         for seq in s.admit():
             seq.admit(seq.loaded)
-            for job in seq.loaded.store_jobs:
-                self._add_store_job(job)
         batch = s.batch()
         if not batch:   # nothing can run until something comes (a request still with the loader)
             return self._take(block=True)
@@ -218,6 +216,8 @@ class Engine:
         """The prompt is in the cache: report how it was served, then the first answer token."""
         now = time.perf_counter()
         seq.served_logits = logits
+        for job in seq.loaded.store_jobs:   # from now on: a store job never slows the prefill of its own request
+            self._add_store_job(job)
         seq.req.emit("start", reuse=seq.loaded.reuse, queue_s=seq.admitted_at - seq.req.queued_at,
                      prefill_s=now - seq.admitted_at)
         seq.started = True
