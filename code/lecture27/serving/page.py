@@ -19,7 +19,7 @@ def show_served(page: Page, r: ServedRun, s) -> None:
              f"second time follows its first at once. Redis: {r.redis_note}.")
     rows = [Row([name, run.workload, len(run.samples), run.errors, run.p(0.5), run.p(0.99), pct0(run.cached_share)])
             for name, run in (("A, the store", st), ("C, no store", no))]
-    rows += [Row([name, "one prompt", 1, int(x.error is not None), x.ttft_s, x.ttft_s, served_share(x)])
+    rows += [Row([name, "one prompt", 1, int(x.error is not None), x.ttft_s, x.ttft_s, from_store(x)])
              for name, x in (("A, a long prompt, first", r.first), ("A, the same again", r.again),
                              ("C, the same, no store", r.plain), ("B, a new engine on A's Redis", r.second))]
     page.table(Table(title="time to the first streamed token, seconds, as the client measures it", section="§6-§7",
@@ -29,7 +29,8 @@ def show_served(page: Page, r: ServedRun, s) -> None:
     figure(page, r)
 
 
-def served_share(x) -> str:
+def from_store(x) -> str:
+    """The share of a request's prompt tokens whose KV came from the store (its x-kv-cache header), as text."""
     kv = parse_kv(x.kv)
     return pct0((kv["prefix"] + kv["blended"]) / (kv["prefix"] + kv["blended"] + kv["recomputed"])) if kv else "-"
 

