@@ -313,6 +313,8 @@ def test_decoding_stops_at_max_tokens_a_stop_string_and_the_end_of_turn(parts):
     try:
         e = Answer(ended, p, max_tokens=6, temperature=0).wait()
         assert e.end["finish_reason"] == "stop" and e.end["tokens"] == 2 and e.text == tok.decode(ids[:2])
+        on = Answer(ended, p, max_tokens=6, temperature=0, ignore_eos=True).wait()   # vLLM's field: past it
+        assert on.end["finish_reason"] == "length" and on.end["tokens"] == 6
     finally:
         ended.stop()
 

@@ -119,6 +119,7 @@ class Sampling(Strict):
     stream_options: StreamOptions | None = None
     n: int | None = Field(1, ge=1)
     kv_check: bool = False
+    ignore_eos: bool = False   # vLLM's field (its benchmark sends it): decode max_tokens tokens, past an end of turn
     user: str | None = None
     metadata: dict | None = None
     store: bool | None = None
@@ -375,7 +376,7 @@ def make_app(engine: Engine, model_name: str, context_length: int, api_key: str 
                       frequency_penalty=_or(body.frequency_penalty, 0.0),
                       logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()}, seed=body.seed, stop=stop,
                       logprobs=logprobs, echo_logprobs=logprobs if echo is not None else None,
-                      kv_check=body.kv_check, emit=emit)
+                      kv_check=body.kv_check, ignore_eos=body.ignore_eos, emit=emit)
         metrics.requests.labels(kind).inc()
         engine.submit(req)
         try:

@@ -238,7 +238,7 @@ class Engine:
         req = seq.req
         logits = seq.shaped(logits)
         token = self.pick(logits, req.temperature, seq.gen, req.top_p)
-        if token in self.end_ids:
+        if token in self.end_ids and not req.ignore_eos:
             return self._finish(seq, "stop")
         seq.chose(token)
         score = scored(logits.float().log_softmax(-1), token, req.logprobs) if req.logprobs is not None else None

@@ -43,6 +43,7 @@ class Request:
     logprobs: int | None = None       # each answer token's logprob and this many alternatives (None: not asked)
     echo_logprobs: int | None = None  # each prompt token's too (a completion's echo): a full prefill scores them
     kv_check: bool = False     # also prefill in full and report the first token's KL (what reuse cost)
+    ignore_eos: bool = False   # an end-of-turn token does not end the answer (vLLM's field, for benchmarks)
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
 
