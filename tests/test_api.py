@@ -17,7 +17,8 @@ from lecture27.serving import bench, launch
 from lecture27.engine.chat import SEPARATOR
 from lecture27.serving.served import parse_kv
 
-pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::ResourceWarning"), pytest.mark.slow, pytest.mark.server,
+              pytest.mark.real_model]
 USER = [{"role": "user", "content": "Name three colours of the rainbow."}]
 DOCS = ["Lake Varna lies in a narrow valley carved by glaciers. Its deepest point is 212 metres below the surface.",
         "Lake Osric is wide and popular with sailors. Surveys with sonar measured its greatest depth at 147 metres.",
