@@ -124,8 +124,8 @@ class Sequence:
         elif self.req.kv_check:
             self.check = Prefill("check", list(tokens), SeqCache.empty(self.cfg, len(tokens)), owner=self)
         if loaded.path != "blend":
-            cache = SeqCache(loaded.prefix, len(tokens) + extra) if loaded.prefix is not None else \
-                SeqCache.empty(self.cfg, len(tokens) + extra)
+            cache = SeqCache(loaded.prefix, len(tokens) - loaded.covered + extra) if loaded.prefix is not None \
+                else SeqCache.empty(self.cfg, len(tokens) + extra)
             self.parts = [Prefill("prompt", list(tokens[loaded.covered:]), cache, owner=self)]
             return
         system = self.prompt.system
