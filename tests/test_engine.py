@@ -122,6 +122,20 @@ def test_a_prefill_in_pieces_and_cached_decode_equal_a_full_forward(tiny_model):
     assert len(cache) == 40 and np.abs(kv_to_array(cache.kvcache())[0] - want).max() <= 1e-5
 
 
+def test_packed_weights_give_the_models_numbers_and_leave_the_model_as_it_is(tiny_model):
+    model, tokens = tiny_model, torch.randint(0, 97, (1, 30))
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN to pack weights for")
+    fast = runner.packed(model)
+    assert isinstance(fast.layers[3].w_up, runner.PackedLinear) and isinstance(fast.head, runner.PackedLinear)
+    assert isinstance(model.layers[3].w_up, torch.nn.Linear) and model.head is None   # the model is not touched
+    with torch.no_grad():
+        (want, want_kv), (got, got_kv) = model(tokens), fast(tokens)
+    assert close(got, want) and np.abs(kv_to_array(got_kv) - kv_to_array(want_kv)).max() <= 1e-5
+    cache = SeqCache.empty(model.cfg, 30)
+    assert close(runner.run(fast, [Item(tokens[0].tolist(), cache, True)])[0], want[0, -1])
+
+
 def test_a_batch_gives_each_item_what_it_gets_alone(tiny_model):
     model, rng = tiny_model, torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 97, (n,), generator=rng).tolist() for n in (1, 9, 30)]

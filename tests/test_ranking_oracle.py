@@ -278,6 +278,20 @@ def test_input_rule_at_ratio_one_is_full_prefill(model, rec, name):
     assert (lg - bw.full_prefill(model, rec)).abs().max() <= TOL
 
 
+@torch.no_grad()
+def test_a_rule_that_does_not_read_layer_0s_deviation_gets_what_it_gets_when_it_is_computed(model, rec):
+    """The query rule picks layer 1's tokens by the question's attention: blend() skips layer 0's two attentions
+    over every context token and computes the picked tokens' attention alone, with the same result."""
+    class Reading(rules.QueryAttention):
+        reads_deviation = True
+
+    lg, tr = ready_blend(model, rec, 3, 0.25, rules.QueryAttention())
+    want, full = ready_blend(model, rec, 3, 0.25, Reading())
+    assert tr.attn_dev0 is None and full.attn_dev0 is not None
+    assert all(torch.equal(a, b) for a, b in zip(tr.recomputed, full.recomputed))
+    assert (lg - want).abs().max() <= TOL
+
+
 @pytest.mark.parametrize("name", list(rules.INPUT_RULES))
 def test_input_rule_at_ratio_zero_is_full_reuse(model, rec, name):
     lg, _ = ready_blend(model, rec, 3, 0.0, rules.INPUT_RULES[name])

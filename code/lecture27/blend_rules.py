@@ -138,6 +138,10 @@ class QueryAttention(bw.Filter):
     scores: torch.Tensor | None = None
     exact: torch.Tensor | None = None
 
+    @property
+    def reads_deviation(self) -> bool:
+        return self.with_dev
+
     def depth(self, n_layers: int) -> int:
         """j: the last layer the question's attention is read from."""
         return n_layers - 1 if self.layers is None else min(self.layers, n_layers - 1)
@@ -167,6 +171,7 @@ class ChunkStart(bw.Filter):
     about ceil(r N) / chunks. A chunk shorter than its share leaves the rest to the others."""
     schedule: tuple = FLAT.schedule
     order: torch.Tensor | None = None
+    reads_deviation = False
 
     def ready(self, model, rec, chunks, pre: KVCache) -> ChunkStart:
         N = rec.doc.shape[1]

@@ -186,12 +186,15 @@ class Filter:
                        precomputed K, V;
       keep(score, n, tokens, layer)  which n of `tokens` (B, m: the document indices score's columns rank) go
                        on to be recomputed at `layer` (layer 1's from layer 0's attention deviation): the n
-                       largest, in document order.
+                       largest, in document order;
+      reads_deviation  whether keep() at layer 1 reads that deviation (a rule that does not is spared its two
+                       attentions over every context token).
     Two more that a rule reading the input before blend() runs answers otherwise (blend_rules.INPUT_RULES):
       ready(model, rec, chunks, pre)  the rule blend() is given for this input, after the rule's own work on
                        it: this rule as it is;
       extra_token_layers(n_question, L)  token-layers that work computes beside blend()'s: none."""
     schedule: tuple = (1.25, 1.0, 0.75)
+    reads_deviation = True   # keep() at layer 1 reads layer 0's attention deviation (a rule that does not skips it)
 
     def counts(self, n_tokens: int, ratio: float, n_layers: int) -> list[int]:
         if ratio >= 1:
@@ -223,9 +226,10 @@ PROGRESSIVE = Filter()  # the handout's: 1.25 r N tokens at layer 1, r N at laye
 @dataclass
 class BlendTrace:
     """What blend() did: the doc tokens recomputed at each layer 1..L-1 (B, n_l) (indices into the document), the
-    layer-0 attention deviation (B, N), and the blended cache (context and question, every layer) to decode from."""
+    layer-0 attention deviation (B, N) (None where the rule picks without it), and the blended cache (context and
+    question, every layer) to decode from."""
     recomputed: list[torch.Tensor]
-    attn_dev0: torch.Tensor
+    attn_dev0: torch.Tensor | None
     cache: KVCache | None = None
 
 
@@ -264,11 +268,18 @@ def blend(model: Llama, rec: Records, chunks, ratio: float, *, rule=PROGRESSIVE,
     blk = model.layers[0]
     x_doc, x_q = model.embed(doc), model.embed(question)
     q, k, v = blk.qkv(x_doc, pos_doc)  # equals pre.k[0], pre.v[0] (to rounding): layer 0 sees no context
-    own = blk.attention(q, k, v, own_chunk_mask(chunk_ids(N, chunks)))
-    full = blk.attention(q, k, v, causal_mask(pos_doc, pos_doc))
-    attn_dev0 = (full - own).pow(2).sum(-1)  # (B, N)
-    sel = rule.keep(attn_dev0, counts[0], pos_doc.expand(B, N), 1)  # (B, n1) doc indices
-    x_sel = blk.after_attention(_take(x_doc, sel, 1), _take(full, sel, 1))  # their full-attention output
+    if getattr(rule, "reads_deviation", True):
+        own = blk.attention(q, k, v, own_chunk_mask(chunk_ids(N, chunks)))
+        full = blk.attention(q, k, v, causal_mask(pos_doc, pos_doc))
+        attn_dev0 = (full - own).pow(2).sum(-1)  # (B, N)
+        sel = rule.keep(attn_dev0, counts[0], pos_doc.expand(B, N), 1)  # (B, n1) doc indices
+        full = _take(full, sel, 1)
+    else:  # the rule picks without it: only the picked tokens' attention is computed
+        attn_dev0 = None
+        sel = rule.keep(torch.zeros(B, N), counts[0], pos_doc.expand(B, N), 1)
+        rows = q.gather(2, sel[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3]))
+        full = blk.attention(rows, k, v, pos_doc <= sel[:, None, :, None])
+    x_sel = blk.after_attention(_take(x_doc, sel, 1), full)  # their full-attention output
     qq, kq, vq = blk.qkv(x_q, pos_q)
     ks, vs = [torch.cat([k, kq], 2)], [torch.cat([v, vq], 2)]
     x_q = blk.attend(x_q, qq, ks[0], vs[0], causal_mask(pos_q, pos_all))

@@ -48,7 +48,7 @@ class Engine:
     def __init__(self, model, tok, connector: KVConnector, end_ids, threads: int = 1, *,
                  step_tokens: int = STEP_TOKENS, store_job_tokens: int = STORE_JOB_TOKENS,
                  max_running: int = MAX_RUNNING):
-        self.model, self.tok, self.connector, self.end_ids = model, tok, connector, set(end_ids)
+        self.model, self.tok, self.connector, self.end_ids = runner.packed(model), tok, connector, set(end_ids)
         self.threads = threads
         self.scheduler = Scheduler(step_tokens, store_job_tokens, max_running, connector.ratio)
         self.inbox: queue.Queue = queue.Queue()     # what other threads hand the model thread: callables
