@@ -158,10 +158,12 @@ def main(argv=None) -> None:
                    if t is not None}
         engine = Engine(model, tok, connector, end_ids, threads=a.threads or torch.get_num_threads(),
                         step_tokens=a.step_tokens, max_running=a.max_running).start()
+        cfg = model.cfg
+        del model   # the engine runs a packed copy of its weights (runner.packed): the plain ones are let go
         app = make_app(engine, name, info.get("context_length") or 2048, a.api_key, separator=a.chunk_separator,
                        root=Path(path).name)
         host, port = sock.getsockname()[:2]
-        per_token = 2 * model.cfg.n_layers * model.cfg.n_kv_heads * model.cfg.head_dim * 4
+        per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
         store = "no store" if a.no_store else f"hot {a.hot_gb:g} GB (~{a.hot_gb * 1e9 / per_token:,.0f} tokens) -> " + \
             " -> ".join(t.tier.name for t in tiers.stores) + \
             (", prefixes only" if a.no_blend else f", CacheBlend {a.ratio:.0%} ({a.rule})") + \
