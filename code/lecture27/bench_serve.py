@@ -379,7 +379,7 @@ def run_vllm(a, name: str, url: str, model: str) -> list:
         print(f"{name}: vLLM's client, {dataset} dataset ({a.rag_requests} prompts, {a.users} at once)", flush=True)
         r = vllm_client.run(name, url, model, dataset, prompts=a.rag_requests, concurrency=a.users,
                             max_tokens=a.max_tokens, items=a.rag_items, docs=a.docs, words=a.doc_words,
-                            input_len=a.random_input_len, api_key=a.api_key)
+                            input_len=a.random_input_len, api_key=a.api_key, separator=SEPARATOR)
         if r.error:
             print(f"{name}, {dataset}: {r.error}", flush=True)
         out.append(r)
@@ -392,7 +392,7 @@ def show_vllm(page: Page, results: list, a) -> None:
                  shown(r.output_tokens_per_s, "{:.1f}"), shown(r.duration_s, "{:.1f}")]) for r in results]
     data = {"random": f"random token ids, {a.random_input_len} prompt tokens each",
             "custom": f"our rag1 prompts ({a.docs} documents of an item in a new order and the question, parted by "
-                      f"{vllm_client.SEPARATOR!r}, in one user message)"}
+                      f"{SEPARATOR!r}, in one user message)"}
     page.table(Table(title=f"vLLM's benchmark client (vllm bench serve, backend {vllm_client.BACKEND}): "
                            f"{a.users} requests at once, temperature 0, ignore_eos, {a.max_tokens} answer tokens; "
                            "its own figures (TTFT in seconds)", section="§5.1, §7",

@@ -35,7 +35,7 @@ SEED = 0                    # vLLM's --seed: the random dataset's tokens
 BACKEND = "openai-chat"     # vLLM's client sends chat completions, as bench_serve's own client does
 ENDPOINT = "/v1/chat/completions"
 SEPARATOR = " # # "         # what parts the documents in a custom-dataset prompt (LMCache's blend_special_str,
-                            # serve.py's and bench_serve's rag1)
+                            # serve.py's; bench_serve passes its rag1 separator)
 WARMUP = {"random": "one short request (\"Hello!\", 1 answer token)",
           "custom": "each RAG item's documents once, in their first order, in one message (1 answer token)"}
 # vLLM's client's entry point (vllm.benchmarks.serve), as `vllm bench serve` calls it, its flags after it.
@@ -141,13 +141,13 @@ def parse_result(data: dict, server: str, dataset: str) -> Result:
 
 
 def warm_up(url: str, model: str, dataset: str, *, items: int, docs: int, words: int,
-            api_key: str | None = None) -> None:
+            api_key: str | None = None, separator: str = SEPARATOR) -> None:
     """WARMUP[dataset] through our client, then the server left to become idle (bench.wait_idle)."""
     client = bench.client_for(url, api_key)
     if dataset == "random":
         bench.warm_up(client, model, url)
         return
-    for i, prompt in enumerate(warmup_prompts(items, docs, words)):
+    for i, prompt in enumerate(warmup_prompts(items, docs, words, separator)):
         bench.ask(client, model, [{"role": "user", "content": prompt}], 1, "warm-up", 0, i)
     bench.wait_idle(url)
 
@@ -158,16 +158,17 @@ def tail(text: str, lines: int = 3) -> str:
 
 def run(server: str, url: str, model: str, dataset: str, *, prompts: int, concurrency: int, max_tokens: int,
         items: int = 2, docs: int = bench.RAG_DOCS, words: int = bench.DOC_WORDS, input_len: int = RANDOM_INPUT_LEN,
-        api_key: str | None = None, timeout: float = TIMEOUT_S, warm: bool = True) -> Result:
+        api_key: str | None = None, separator: str = SEPARATOR, timeout: float = TIMEOUT_S,
+        warm: bool = True) -> Result:
     """The warm-up, then one run of vLLM's client (in a temporary folder, with one thread: it must not take a core
     from the server), its result JSON parsed. A failure (non-zero exit, the timeout, no result file) is the
     Result's error, never the caller's end; subprocess.run kills the client on the timeout and on Ctrl-C."""
     if warm:
-        warm_up(url, model, dataset, items=items, docs=docs, words=words, api_key=api_key)
+        warm_up(url, model, dataset, items=items, docs=docs, words=words, api_key=api_key, separator=separator)
     with tempfile.TemporaryDirectory(prefix="l27-vllm-client-") as tmp:
         tmp = Path(tmp)
-        data = write_dataset(tmp / "rag.jsonl", rag_prompts(prompts, items, docs, words), max_tokens) \
-            if dataset == "custom" else None
+        data = None if dataset != "custom" else \
+            write_dataset(tmp / "rag.jsonl", rag_prompts(prompts, items, docs, words, separator), max_tokens)
         argv = command(url, model, dataset, tmp / "result.json", prompts=prompts, concurrency=concurrency,
                        max_tokens=max_tokens, input_len=input_len, dataset_path=data)
         env = launch.thread_env(1)
