@@ -186,9 +186,13 @@ def test_a_chats_segments_are_its_whole_prompts_tokens(parts):
 
 
 # ------------------------------------------------------------------------------------------------ CacheBlend
-def test_blend_at_ratio_1_is_a_full_prefill_and_at_ratio_0_full_reuse(parts):
+@pytest.mark.parametrize("form", ["messages", "one message"])
+def test_blend_at_ratio_1_is_a_full_prefill_and_at_ratio_0_full_reuse(parts, form):
+    """Documents as messages, and in one message at the separator (the header, each piece with the separator, the
+    question after the last one): either way the chunks, their places and the question make a full prefill at
+    ratio 1, so what the one-message form loses at ratio 0 is in its stored chunks, not in how they are put back."""
     model, tok, mid = parts
-    p = chat_prompt(tok, chat((2, 0, 1)))
+    p = chat_prompt(tok, chat((2, 0, 1)) if form == "messages" else cut((2, 0, 1)))
     keys = ks.chunk_keys(mid, p.system, p.chunks)
     blocks = [runner.array_to_block(X, model.cfg.n_kv_heads) for X in ks.chunk_kvs(model, p.system, p.chunks)]
     rule = connector(parts).rule

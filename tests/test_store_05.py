@@ -98,6 +98,8 @@ def test_the_figure_is_drawn(page):
     (["--model", "smollm2", "--redis", "unix:///nonexistent/redis.sock"], "--redis: no Redis server answers at"),
     (["--model", "smollm2", "--store-level", "7"], "invalid choice"),
     (["--model", "smollm2", "--serve-items", "1", "--serve-requests", "23"], "--serve-requests: at most 22"),
+    (["--serve-separator", " # #\n"], "--serve-separator: Parts 5 and 6's flags need --model smollm2"),
+    (["--model", "smollm2", "--serve-separator", " \n "], "--serve-separator: a text that is not only whitespace"),
 ])
 def test_part5_flags_refuse_what_they_cannot_do(cli_exit, args, says):
     code, err = cli_exit("05_tiered_storage", *args)
@@ -163,5 +165,55 @@ def test_part6_serves_smollm2_with_the_store_and_without_it():
     store, plain = j["serve_ttft_s"]["store"]["p50"], j["serve_ttft_s"]["no_store"]["p50"]
     assert f"{store / plain:.2f}x the {plain:.2f} s of a full prefill" in notes
     assert "Two engines, one store" in notes and "Errors: 0." in notes
+    # the documents in one message at the separator (rag1): its rows beside the message form's, its own keys
+    assert j["serve_separator"] == mod.SERVE_SEPARATOR
+    assert set(j["serve_separated_ttft_s"]) == {"store", "no_store"}
+    assert all(0 < x["p50"] <= x["p99"] for x in j["serve_separated_ttft_s"].values())
+    assert j["serve_separated_cached_share"] > 0.5 and j["serve_kl"] > 0 and j["serve_separated_kl"] > 0   # blended
+    assert [(r.cells[0], r.cells[1]) for r in t.rows][2:4] == [("A, the store", "rag1"), ("C, no store", "rag1")]
+    assert t.rows[2].cells[4] == j["serve_separated_ttft_s"]["store"]["p50"] and t.rows[2].cells[7] == j[
+        "serve_separated_kl"] and t.rows[0].cells[7] == j["serve_kl"] and t.rows[1].cells[7] is None
+    one, one_plain = (j["serve_separated_ttft_s"][k]["p50"] for k in ("store", "no_store"))
+    assert f"rag1, the documents in one message at {mod.SERVE_SEPARATOR!r}" in notes
+    assert f"{one / one_plain:.2f}x the {one_plain:.2f} s without it" in notes
     drawn = [Path(b["path"]).name for b in page.blocks if b["kind"] == "figure"]
     assert drawn == ["05_store.png", "05_served.png"]
+
+
+def test_part6_sets_the_one_message_form_beside_the_messages(tmp_path, monkeypatch):
+    """show_served on a ServedRun made here (no server): rag1's rows follow rag's, the KL column holds each
+    kv_check, the JSON has the one-message form's keys, its errors count, and the note sets its KL beside the
+    messages' and says why only when it is the higher one."""
+    from common import redis_server
+    from common.present import Page
+    from lecture27.serving import bench
+    from lecture27.serving.page import show_served
+    from lecture27.serving.served import ServedRun
+    monkeypatch.delenv(redis_server.URL_ENV, raising=False)
+    s, defaults, _ = mod.parse(["--model", "smollm2"])
+
+    def run(server, workload, ttfts, kl=None, error=None):
+        samples = [bench.Sample(workload, 0, i, t, t + 1, 100, 90 if server == "store" else 0, 8, "x", error)
+                   for i, t in enumerate(ttfts)]
+        return bench.Run(server, workload, 2, samples, 5.0, [kl] if kl is not None else [])
+    one = bench.Sample("repeat", 0, 0, 1.0, 2.0, 100, 0, 8, "x",
+                       kv="path=prefill; prefix=0; blended=0; recomputed=100; context=90")
+    for kl, error in ((0.05, None), (0.001, "APIError: boom")):
+        r = ServedRun(users=2, store=run("store", "rag", [1.0, 2.0], 0.01), no_store=run("no_store", "rag", [2.0, 4.0]),
+                      separated=run("store", "rag1", [1.2, 2.2], kl),
+                      separated_no_store=run("no_store", "rag1", [2.4, 4.4], error=error), separator=" # # ",
+                      first=one, again=one, plain=one, second=one, redis_note="none")
+        page = Page("05_smollm2", "Part 6 alone", "§6-7", s, defaults, plot=False, figures=tmp_path)
+        show_served(page, r, s)
+        t, j = table(page, "serving.served.measure_served"), page.json()
+        assert [(row.cells[0], row.cells[1]) for row in t.rows][:4] == [
+            ("A, the store", "rag"), ("C, no store", "rag"), ("A, the store", "rag1"), ("C, no store", "rag1")]
+        assert [row.cells[7] for row in t.rows] == [0.01, None, kl, None, None, None, None, None]
+        assert j["serve_separator"] == " # # " and j["serve_separated_cached_share"] == 0.9
+        assert j["serve_separated_ttft_s"] == {"store": {"p50": 1.2, "p99": 2.2}, "no_store": {"p50": 2.4, "p99": 4.4}}
+        assert j["serve_kl"] == 0.01 and j["serve_separated_kl"] == kl and j["serve_errors"] == (error is not None) * 2
+        notes = " ".join(t.notes)
+        assert ("rag1, the documents in one message at ' # # ': the median first token comes after 1.20 s with the "
+                "store, 0.50x the 2.40 s without it; 90% of the prompt tokens came from the store, the first token's "
+                f"KL to a full prefill {kl:.3f} nats against 0.010 as messages") in notes
+        assert ("no chat-template header parts the documents" in notes) == (kl > 0.01)

@@ -21,12 +21,13 @@ Part 5  on this machine (--model smollm2): LMCache's store for real. SmolLM2-135
         against a full prefill on this CPU and the time model; then exercise 9 with two processes: a
         restarted engine finds the chunks in Redis and skips their prefill (store/machine.py, kvstore.py).
 Part 6  served (--model smollm2; --no-serve skips it): serve.py, SmolLM2 behind the OpenAI API with the store
-        behind it, started as a server and benchmarked by the openai client with the store and without it;
+        behind it, started as a server and benchmarked by the openai client with the store and without it, the
+        RAG documents sent both ways (each a message; in one message at SERVE_SEPARATOR, as RAG code sends them);
         a second engine answers from the first's Redis (serving/served.py, serving/bench.py).
 
     python code/lecture27/05_tiered_storage.py --model smollm2 [--redis redis://host:6379]
 
-Parts 1-4 run in a few seconds, Parts 5 and 6 in about half a minute each; figures/05_handoff.png (Part 1),
+Parts 1-4 run in a few seconds, Part 5 in about 20 s, Part 6 in about 70 s; figures/05_handoff.png (Part 1),
 figures/05_ttft_cdf.png (Part 2), figures/05_rag.png (Part 4), figures/05_store.png (Part 5), figures/05_served.png
 (Part 6). This file holds the
 inputs (the constants, the command line) and one function per Part; the computing is in store/tiers_study.py
@@ -118,8 +119,10 @@ SERVE_USERS = 2              # users sending RAG requests at once
 SERVE_REQUESTS = 4           # timed RAG requests (after one warm-up request per item)
 SERVE_ITEMS = 2              # built-in RAG items their documents come from
 SERVE_DOCS = 4               # documents a request carries ...
-SERVE_DOC_WORDS = 110        # ... of this many words (about 600 tokens of documents: the Part within 40 s)
+SERVE_DOC_WORDS = 110        # ... of this many words (about 600 tokens of documents: the Part in about 70 s)
 SERVE_MAX_TOKENS = 8         # answer tokens a request
+SERVE_SEPARATOR = " # # "    # rag1: the same requests with the documents and question in one message, this between
+                             # them (LMCache's blend_special_str; every engine is started with it as --chunk-separator)
 
 
 @settings(globals())
@@ -237,6 +240,8 @@ def parse(argv) -> tuple:
     g.add_argument("--serve-docs", type=positive_int, default=SERVE_DOCS, help="Part 6: documents a request")
     g.add_argument("--serve-doc-words", type=positive_int, default=SERVE_DOC_WORDS, help="Part 6: words a document")
     g.add_argument("--serve-max-tokens", type=positive_int, default=SERVE_MAX_TOKENS, help="Part 6: answer tokens")
+    g.add_argument("--serve-separator", default=SERVE_SEPARATOR, metavar="SEP",
+                   help="Part 6: what parts the documents of the one-message requests (rag1)")
     a = p.parse_args(argv)
     redis_env = os.environ.get(redis_server.URL_ENV)
     store_flags = [f for f, v, d in (("--gguf", a.gguf, None), ("--redis", a.redis, redis_env),
@@ -251,7 +256,8 @@ def parse(argv) -> tuple:
                                      ("--serve-items", a.serve_items, SERVE_ITEMS),
                                      ("--serve-docs", a.serve_docs, SERVE_DOCS),
                                      ("--serve-doc-words", a.serve_doc_words, SERVE_DOC_WORDS),
-                                     ("--serve-max-tokens", a.serve_max_tokens, SERVE_MAX_TOKENS)) if v != d]
+                                     ("--serve-max-tokens", a.serve_max_tokens, SERVE_MAX_TOKENS),
+                                     ("--serve-separator", a.serve_separator, SERVE_SEPARATOR)) if v != d]
     if store_flags and a.track != "smollm2":
         p.error(f"{', '.join(store_flags)}: Parts 5 and 6's flags need --model smollm2")
     if a.redis is not None and redis_server.url_error(a.redis):
@@ -261,6 +267,8 @@ def parse(argv) -> tuple:
             redis_server.connect(a.redis).close()
         except redis_server.RedisUnavailable as e:
             p.error(f"--redis: {e}")
+    if not a.serve_separator.strip():
+        p.error("--serve-separator: a text that is not only whitespace (it cuts the one-message requests)")
     if a.serve_docs < 4:
         p.error("--serve-docs: a request carries at least 4 documents (two key passages, two distractors)")
     if a.serve_items >= 8:
@@ -299,8 +307,8 @@ def served(s: Settings, path, redis_url: str | None) -> ServedRun:
     from tqdm import tqdm
     with tqdm(total=4, leave=False, bar_format="{desc} ({n}/{total} done)") as bar:   # served.py's four steps
         return measure_served(users=s.serve_users, requests=s.serve_requests, items=s.serve_items, docs=s.serve_docs,
-                              words=s.serve_doc_words, max_tokens=s.serve_max_tokens, redis_url=redis_url,
-                              gguf=s.gguf, bar=bar)
+                              words=s.serve_doc_words, max_tokens=s.serve_max_tokens, separator=s.serve_separator,
+                              redis_url=redis_url, gguf=s.gguf, bar=bar)
 
 
 def main_on_this_machine(s: Settings, defaults: Settings, json_path: str | None, plot: bool,

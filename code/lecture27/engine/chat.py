@@ -7,7 +7,11 @@ every later message, every piece of a message split by the separator) is tokeniz
 tokens wherever it stands in a chat: that is what lets the connector find it again as a chunk (LMCache's chunks,
 CacheBlend's reuse of a chunk that is not a prefix). The segments' tokens, concatenated, are exactly the tokens the
 model is fed (tested); where a message is not split, the special tokens split the text where the segments meet, so
-they are also what tokenizing the whole text gives.
+they are also what tokenizing the whole text gives. At a separator that ends in a space (the default) they are not:
+the space is a token of its own and the next piece's first word is tokenized without it (`Ġ# Ġ# Ġ L ion el` where
+the whole text gives `Ġ# Ġ# ĠLion el`), a sequence the model never met in training, which about doubles the first
+token's KL that CacheBlend's reuse of the pieces costs (README, "Documents in one message"); after a separator that
+ends a line a word has no space before it, and the pieces' tokens are the whole text's.
 
 Chunks inside a message (LMCache's `blend_special_str`, the same default " # # "): RAG code puts the retrieved
 documents in one user message; the application puts the separator between them, and every message after the

@@ -11,6 +11,13 @@ Workloads (the text is the project's own, common/english.py):
            and two distractors, each opening a document filled with prose), each its own message, in a new order
            for every request, then the question: §5.1's documents coming back in new combinations and orders;
            each user sends its next request the moment its answer ends;
+  rag1     rag's requests with each one's documents and question in one user message, the separator between them
+           (LangChain's "stuff" chain; LMCache's blend_special_str cuts it into chunks): as fast from the store, but
+           the first token further from a full prefill's (in-process on SmolLM2, at the engine's 15%, a KL of 0.060
+           nats on average against rag's 0.008; README, "Documents in one message"). Not a fault of the store: each
+           piece is tokenized alone, so " # # "'s last space is a token of its own before a word that lost its space
+           (about half the gap; a separator that ends a line avoids it), and inside one message no chat-template
+           header parts the documents, so each one's KV in place depends more on the ones before it;
   repeat   a long prompt no server has seen (another item's documents), then the same again the moment its
            answer ends: §6's exact prefix;
   reorder  yet another item's documents, then the same again at once, then the same documents in an order that
@@ -383,7 +390,8 @@ def run_rag(server: str, url: str, model: str, *, users: int, requests: int, ite
     them again, untimed, asking our engine for the first token's KL; then, when `reference` (a function that
     gives a request's extra body: one that keeps the server's cache out of the way) is given, every timed request
     again, untimed, one at a time, with that body: the same server's full prefill of it. With a separator, every
-    request puts its documents and question in one user message (the workload "rag1")."""
+    request puts its documents and question in one user message (the workload "rag1", whose cost in quality the
+    module docstring gives)."""
     workload = "rag1" if separator else "rag"
     client = client_for(url, api_key)
     for item, messages in rag_warmup(items, docs, words, tag, separator):

@@ -3,7 +3,7 @@ served.py's measurement; every sentence here is chosen by them. Nothing here com
 from __future__ import annotations
 
 from common.present import Page, Row, Table, cols, pct0
-from lecture27.serving.served import ServedRun, parse_kv
+from lecture27.serving.served import ServedRun, first_kl, parse_kv
 
 
 def show_served(page: Page, r: ServedRun, s) -> None:
@@ -16,15 +16,19 @@ def show_served(page: Page, r: ServedRun, s) -> None:
              "user sending its next request the moment its answer ends. Before them one warm-up request per item "
              "puts its documents in the store in their first order, and the client waits until the engine is idle "
              "(its /health: nothing queued, nothing left to store); it waits again before the long prompt, whose "
-             f"second time follows its first at once. Redis: {r.redis_note}.")
-    rows = [Row([name, run.workload, len(run.samples), run.errors, run.p(0.5), run.p(0.99), pct0(run.cached_share)])
-            for name, run in (("A, the store", st), ("C, no store", no))]
-    rows += [Row([name, "one prompt", 1, int(x.error is not None), x.ttft_s, x.ttft_s, from_store(x)])
+             f"second time follows its first at once. rag1: the same requests with each one's documents and question "
+             f"in one user message, {r.separator!r} between them (LMCache's blend_special_str: every engine cuts the "
+             f"message there into chunks), after a warm-up of their own. Redis: {r.redis_note}.")
+    rows = [Row([name, run.workload, len(run.samples), run.errors, run.p(0.5), run.p(0.99), pct0(run.cached_share),
+                 first_kl(run)])
+            for name, run in (("A, the store", st), ("C, no store", no), ("A, the store", r.separated),
+                              ("C, no store", r.separated_no_store))]
+    rows += [Row([name, "one prompt", 1, int(x.error is not None), x.ttft_s, x.ttft_s, from_store(x), None])
              for name, x in (("A, a long prompt, first", r.first), ("A, the same again", r.again),
                              ("C, the same, no store", r.plain), ("B, a new engine on A's Redis", r.second))]
     page.table(Table(title="time to the first streamed token, seconds, as the client measures it", section="§6-§7",
                      cols=cols("engine", "what", ("requests", "{:,}"), ("errors", "{:,}"), ("TTFT p50", "{:.2f}"),
-                               ("TTFT p99", "{:.2f}"), "from store"),
+                               ("TTFT p99", "{:.2f}"), "from store", ("first-token KL", "{:.3f}")),
                      rows=rows, source="serving.served.measure_served", notes=notes(r), json=r.json()))
     figure(page, r)
 
@@ -44,6 +48,21 @@ def notes(r: ServedRun) -> list:
                    f"against {no.p(0.99):.2f} s); {pct0(st.cached_share)} of the prompt tokens came from the store, "
                    "the documents as chunks stored alone, shifted to their places and blended (CacheBlend)"
                    + (f", the first token's KL to a full prefill {st.kls[0]:.3f} nats (kv_check)." if st.kls else "."))
+    one, one_no = r.separated, r.separated_no_store
+    if one.p(0.5) and one_no.p(0.5):
+        text = (f"rag1, the documents in one message at {r.separator!r}: the median first token comes after "
+                f"{one.p(0.5):.2f} s with the store, {one.p(0.5) / one_no.p(0.5):.2f}x the {one_no.p(0.5):.2f} s "
+                f"without it; {pct0(one.cached_share)} of the prompt tokens came from the store")
+        kl, kl_messages = first_kl(one), first_kl(st)
+        if kl is not None:
+            text += f", the first token's KL to a full prefill {kl:.3f} nats"
+            if kl_messages is not None:
+                text += f" against {kl_messages:.3f} as messages"
+                if kl > kl_messages:
+                    text += (": inside one message no chat-template header parts the documents, and each piece is "
+                             "tokenized alone, so a document prefilled alone is further from what it is in place "
+                             "(README, 'Documents in one message')")
+        out.append(text + ".")
     if r.first.ttft_s and r.again.ttft_s:
         prefix = (parse_kv(r.again.kv) or {}).get("prefix", 0)
         out.append(f"A repeated prompt, sent again the moment its answer ended: {r.again.ttft_s:.2f} s against "
@@ -68,12 +87,14 @@ def notes(r: ServedRun) -> list:
 
 def figure(page: Page, r: ServedRun) -> None:
     with page.figure("05_served.png", "SmolLM2 served on this CPU: time to the first token, as the client waits",
-                     figsize=(7, 3.4)) as (fig, ax):
+                     figsize=(7, 4.2)) as (fig, ax):
         if ax is None:
             return
-        names = ["RAG, A with the store", "RAG, C without", "a long prompt, first time (A)", "the same again (A)",
-                 "RAG, B on A's Redis"]
+        names = ["RAG, A with the store", "RAG, C without", "rag1 (one message), A", "rag1 (one message), C",
+                 "a long prompt, first time (A)", "the same again (A)", "RAG, B on A's Redis"]
         values = [(r.store.p(0.5), r.store.p(0.99)), (r.no_store.p(0.5), r.no_store.p(0.99)),
+                  (r.separated.p(0.5), r.separated.p(0.99)),
+                  (r.separated_no_store.p(0.5), r.separated_no_store.p(0.99)),
                   (r.first.ttft_s, r.first.ttft_s), (r.again.ttft_s, r.again.ttft_s),
                   (r.second.ttft_s, r.second.ttft_s)]
         for i, (name, (p50, p99)) in enumerate(zip(names, values)):

