@@ -239,4 +239,10 @@ def test_every_workload_tiny_on_the_real_engine(tmp_path, capsys):
     assert data["reorder"]["store"]["first_token_kl"] is not None and data["failed"] == {}
     assert data["ratios"]["repeat_again_over_first"]["value"] > 0
     assert data["ratios"]["chat8_wall_store_over_serial"] == {"value": None, "target": 0.35, "met": None}   # no serial
+    # the spec's keys: {server: {workload: figures}} (chat8 as "concurrent"), what each server reuses, its threads
+    assert set(data["store"]) == {"concurrent", "rag", "rag1", "repeat", "reorder", "chat"}
+    assert all(set(figures) >= {"ttft_p50_s", "ttft_p99_s", "wall_s", "tokens_per_s", "errors", "cached_share"}
+               for figures in data["store"].values())
+    assert data["store"]["repeat"]["errors"] == 0 and data["store"]["concurrent"]["ttft_p50_s"] > 0
+    assert data["reuses"] == {"store": bench_serve.REUSES["store"]} and data["threads"] == {"store": 1}
     assert "the engine's targets" in text and "one request alone" in text

@@ -61,6 +61,7 @@ REUSES = {"store": "prefixes exactly; messages in any order, blended",
           "llama.cpp": "the common prefix of a slot's last prompt, then runs of 256 or more of its tokens that come "
                        "back later in the new prompt, in their order, shifted there by RoPE (--cache-reuse 256); "
                        "nothing recomputed"}
+SPEC_NAMES = {"chat8": "concurrent"}   # a workload's name in --json's {server: {workload: figures}}, where it differs
 REUSE_SHORT = {"store": "exact prefix; chunks blended, 15% recomputed", "no_store": "nothing",
                "serial": "as store", "vllm": "exact prefix", "llama.cpp": "shifted chunks, no recompute"}
 # A peer's full prefill of a RAG request, on the same server: (what the request says, its extra body).
@@ -112,6 +113,11 @@ def parse(argv=None):
                 f"have {bench.rag_orders(1, a.docs)} orders besides their first)")
     if a.chat8_users >= len(bench.PROSE):
         p.error(f"--chat8-users: at most {len(bench.PROSE) - 1} (one passage a user, one for the lone request)")
+    taken = {"users", "chat8_users", "max_tokens", "runs", "reuses", "same_answer", "threads", "rag_quality", "chat8",
+             "reorder", "ratios", "vllm_client", "failed"}   # --json's other top-level keys
+    for name in (url_name(u) for u in a.url):
+        if name in taken:
+            p.error(f"--url {name}=...: {name!r} names one of --json's keys; call the server something else")
     a.peer = list(dict.fromkeys(a.peer))
     a.clients = tuple(c for c in CLIENTS if c in (a.client or CLIENT))
     a.vllm_datasets = tuple(d for d in vllm_client.DATASETS if d in (a.vllm_dataset or vllm_client.DATASETS))
@@ -124,6 +130,11 @@ def parse(argv=None):
     return a
 
 
+def url_name(u: str) -> str:
+    """NAME of a --url NAME=URL, "" for a bare URL."""
+    return u.split("=", 1)[0] if "=" in u.split("//")[0] else ""
+
+
 def servers(a):
     """[(name, a server to start or None, its url or None, its workloads)]: the URLs given, else ours with and
     without the store and, when chat8 runs, ours one request at a time (each started when its turn comes); then
@@ -132,8 +143,7 @@ def servers(a):
     if a.url:
         out = []
         for i, u in enumerate(a.url):
-            name, _, url = u.rpartition("=") if "=" in u.split("//")[0] else ("", "", u)
-            out.append((name or f"server{i + 1}", None, url, None))
+            out.append((url_name(u) or f"server{i + 1}", None, u.split("=", 1)[1] if url_name(u) else u, None))
     else:
         out = [("store", launch.engine(threads=a.threads), None, None),
                ("no_store", launch.engine("--no-store", threads=a.threads), None, None),
@@ -448,10 +458,14 @@ def main(argv=None) -> list:
         for name, why in failed.items():
             print(f"{name} did not run: {why}")
     if a.json:
+        names = list(dict.fromkeys(r.server for r in runs))
         data = {"users": a.users, "chat8_users": a.chat8_users, "max_tokens": a.max_tokens,
                 "runs": [{"server": r.server, "workload": r.workload, **r.summary()} for r in runs],
+                **{name: {SPEC_NAMES.get(r.workload, r.workload): r.summary() for r in runs if r.server == name}
+                   for name in names},
+                "reuses": {name: REUSES.get(name, "whatever it reuses") for name in names},
                 "same_answer": {f"{s}/{w}": v for (s, w), v in same_answers(runs).items()},
-                "threads": a.threads, "rag_quality": rag_quality(runs),
+                "threads": {name: a.threads for name in names}, "rag_quality": rag_quality(runs),
                 **sequences(runs),
                 "ratios": {key: {"value": values[key], "target": target,
                                  "met": None if target is None or values[key] is None else values[key] <= target}
