@@ -100,6 +100,9 @@ def test_the_figure_is_drawn(page):
     (["--model", "smollm2", "--serve-items", "1", "--serve-requests", "23"], "--serve-requests: at most 22"),
     (["--serve-separator", " # #\n"], "--serve-separator: Parts 5 and 6's flags need --model smollm2"),
     (["--model", "smollm2", "--serve-separator", " \n "], "--serve-separator: a text that is not only whitespace"),
+    (["--model", "smollm2", "--serve-items", "7"], "--serve-items: at most 6"),
+    (["--serve-chat8-users", "3"], "--serve-chat8-users: Parts 5 and 6's flags need --model smollm2"),
+    (["--model", "smollm2", "--serve-chat8-users", "35"], "--serve-chat8-users: at most 34"),
 ])
 def test_part5_flags_refuse_what_they_cannot_do(cli_exit, args, says):
     code, err = cli_exit("05_tiered_storage", *args)
@@ -176,6 +179,23 @@ def test_part6_serves_smollm2_with_the_store_and_without_it():
     one, one_plain = (j["serve_separated_ttft_s"][k]["p50"] for k in ("store", "no_store"))
     assert f"rag1, the documents in one message at {mod.SERVE_SEPARATOR!r}" in notes
     assert f"{one / one_plain:.2f}x the {one_plain:.2f} s without it" in notes
+    # chat8 on A (users at once), the repeated prompt's ratio, reorder on A (documents again, then reordered)
+    crowd = j["serve_concurrent_ttft_s"]
+    assert set(crowd) == {"p50", "p99", "wall_s"} and 0 < crowd["p50"] <= crowd["p99"] <= crowd["wall_s"]
+    assert j["serve_repeat_ratio"] > 0 and j["serve_reorder_ratio"] > 0
+    assert 0.5 < j["serve_reorder_cached_share"] <= 1 and j["serve_reorder_kl"] >= 0
+    row = next(r for r in t.rows if r.cells[1] == "chat8")
+    assert row.cells[0] == f"A, {mod.SERVE_CHAT8_USERS} users at once" and row.cells[2] == mod.SERVE_CHAT8_USERS
+    assert row.cells[4:6] == [crowd["p50"], crowd["p99"]]
+    reorder = [r for r in t.rows if r.cells[1] == "reorder"]
+    assert [r.cells[0] for r in reorder] == ["A, documents never seen", "A, the same again", "A, the same reordered"]
+    assert reorder[2].cells[4] / reorder[0].cells[4] == pytest.approx(j["serve_reorder_ratio"])
+    assert reorder[2].cells[7] == j["serve_reorder_kl"]
+    first, again = (next(r for r in t.rows if r.cells[0] == name).cells[4]
+                    for name in ("A, a long prompt, first", "A, the same again"))
+    assert j["serve_repeat_ratio"] == pytest.approx(again / first)
+    assert f"{mod.SERVE_CHAT8_USERS} chat users at once" in notes and f"after {crowd['p50']:.2f} s" in notes
+    assert f"{j['serve_reorder_ratio']:.2f}x the first time" in notes
     drawn = [Path(b["path"]).name for b in page.blocks if b["kind"] == "figure"]
     assert drawn == ["05_store.png", "05_served.png"]
 
@@ -183,7 +203,8 @@ def test_part6_serves_smollm2_with_the_store_and_without_it():
 def test_part6_sets_the_one_message_form_beside_the_messages(tmp_path, monkeypatch):
     """show_served on a ServedRun made here (no server): rag1's rows follow rag's, the KL column holds each
     kv_check, the JSON has the one-message form's keys, its errors count, and the note sets its KL beside the
-    messages' and says why only when it is the higher one."""
+    messages' and says why only when it is the higher one; chat8's row, reorder's rows and their keys and notes
+    come after the rows before them."""
     from common import redis_server
     from common.present import Page
     from lecture27.serving import bench
@@ -198,17 +219,33 @@ def test_part6_sets_the_one_message_form_beside_the_messages(tmp_path, monkeypat
         return bench.Run(server, workload, 2, samples, 5.0, [kl] if kl is not None else [])
     one = bench.Sample("repeat", 0, 0, 1.0, 2.0, 100, 0, 8, "x",
                        kv="path=prefill; prefix=0; blended=0; recomputed=100; context=90")
+    again = bench.Sample("repeat", 0, 1, 0.25, 1.0, 100, 90, 8, "x",
+                         kv="path=prefix; prefix=90; blended=0; recomputed=10; context=90")
+    crowd = bench.Run("store", "chat8", 8, [bench.Sample("chat8", u, 0, 0.5 + u / 10, 2.0, 170, 10, 8, "x")
+                                            for u in range(8)], 3.5,
+                      alone=bench.Sample("chat8", 8, 0, 0.3, 0.6, 170, 10, 8, "x"))
+    moved = bench.Sample("reorder", 0, 2, 0.5, 1.0, 100, 80, 8, "x", kl=0.02,
+                         kv="path=blend; prefix=10; blended=70; recomputed=20; context=90")
+    reorder = bench.Run("store", "reorder", 1, [one, again, moved], 4.0, [0.02])
     for kl, error in ((0.05, None), (0.001, "APIError: boom")):
         r = ServedRun(users=2, store=run("store", "rag", [1.0, 2.0], 0.01), no_store=run("no_store", "rag", [2.0, 4.0]),
                       separated=run("store", "rag1", [1.2, 2.2], kl),
                       separated_no_store=run("no_store", "rag1", [2.4, 4.4], error=error), separator=" # # ",
-                      first=one, again=one, plain=one, second=one, redis_note="none")
+                      first=one, again=again, plain=one, second=one, crowd=crowd, reorder=reorder, redis_note="none")
         page = Page("05_smollm2", "Part 6 alone", "§6-7", s, defaults, plot=False, figures=tmp_path)
         show_served(page, r, s)
         t, j = table(page, "serving.served.measure_served"), page.json()
         assert [(row.cells[0], row.cells[1]) for row in t.rows][:4] == [
             ("A, the store", "rag"), ("C, no store", "rag"), ("A, the store", "rag1"), ("C, no store", "rag1")]
-        assert [row.cells[7] for row in t.rows] == [0.01, None, kl, None, None, None, None, None]
+        assert [row.cells[7] for row in t.rows] == [0.01, None, kl, None, None, None, None, None, None, None, None,
+                                                    0.02]
+        assert [(row.cells[0], row.cells[1]) for row in t.rows][8:] == [
+            ("A, 8 users at once", "chat8"), ("A, documents never seen", "reorder"), ("A, the same again", "reorder"),
+            ("A, the same reordered", "reorder")]
+        assert t.rows[8].cells[2:7] == [8, 0, 0.8, 1.2, "6%"] and t.rows[11].cells[4:7] == [0.5, 0.5, "80%"]
+        assert j["serve_concurrent_ttft_s"] == {"p50": 0.8, "p99": 1.2, "wall_s": 3.5}
+        assert j["serve_repeat_ratio"] == 0.25 and j["serve_reorder_ratio"] == 0.5
+        assert j["serve_reorder_cached_share"] == 0.8 and j["serve_reorder_kl"] == 0.02
         assert j["serve_separator"] == " # # " and j["serve_separated_cached_share"] == 0.9
         assert j["serve_separated_ttft_s"] == {"store": {"p50": 1.2, "p99": 2.2}, "no_store": {"p50": 2.4, "p99": 4.4}}
         assert j["serve_kl"] == 0.01 and j["serve_separated_kl"] == kl and j["serve_errors"] == (error is not None) * 2
@@ -217,3 +254,11 @@ def test_part6_sets_the_one_message_form_beside_the_messages(tmp_path, monkeypat
                 "store, 0.50x the 2.40 s without it; 90% of the prompt tokens came from the store, the first token's "
                 f"KL to a full prefill {kl:.3f} nats against 0.010 as messages") in notes
         assert ("no chat-template header parts the documents" in notes) == (kl > 0.01)
+        assert ("8 chat users at once (chat8: each one request of about 170 prompt tokens, all sent together): the "
+                "median first token after 0.80 s, the p99 after 1.20 s, against 0.30 s for a request of their shape "
+                "sent alone just before; the last of their answers ended 3.50 s after they were sent.") in notes
+        assert "sent again the moment its answer ended: 0.25 s against 1.00 s the first time (0.25x)" in notes
+        assert ("the same documents with every one moved, sent at once, after 0.50 s: 0.50x the first time, which "
+                "stands for the full prefill") in notes
+        assert ("80% of its prompt tokens came from the store, the documents as chunks shifted to their new places "
+                "and blended, the first token's KL to a full prefill 0.020 nats (kv_check).") in notes

@@ -23,11 +23,12 @@ Part 5  on this machine (--model smollm2): LMCache's store for real. SmolLM2-135
 Part 6  served (--model smollm2; --no-serve skips it): serve.py, SmolLM2 behind the OpenAI API with the store
         behind it, started as a server and benchmarked by the openai client with the store and without it, the
         RAG documents sent both ways (each a message; in one message at SERVE_SEPARATOR, as RAG code sends them);
-        a second engine answers from the first's Redis (serving/served.py, serving/bench.py).
+        a long prompt sent again at once; SERVE_CHAT8_USERS chat users at once; documents sent again, then
+        reordered, at once; a second engine answers from the first's Redis (serving/served.py, serving/bench.py).
 
     python code/lecture27/05_tiered_storage.py --model smollm2 [--redis redis://host:6379]
 
-Parts 1-4 run in a few seconds, Part 5 in about 20 s, Part 6 in about 70 s; figures/05_handoff.png (Part 1),
+Parts 1-4 run in a few seconds, Part 5 in about 20 s, Part 6 in about 85 s; figures/05_handoff.png (Part 1),
 figures/05_ttft_cdf.png (Part 2), figures/05_rag.png (Part 4), figures/05_store.png (Part 5), figures/05_served.png
 (Part 6). This file holds the
 inputs (the constants, the command line) and one function per Part; the computing is in store/tiers_study.py
@@ -48,7 +49,7 @@ from common.cli import (Parser, fraction, nonneg_float, nonneg_int, positive_flo
                         settings, settings_from, shipped_defaults)
 from common.present import Page
 from lecture27.store.machine_page import show_store
-from lecture27.serving.bench import rag_orders
+from lecture27.serving import bench
 from lecture27.serving.page import show_served
 from lecture27.serving.served import ServedRun, measure_served
 from lecture27.store.tiers_page import (show_chat, show_handoff, show_rag,
@@ -119,10 +120,12 @@ SERVE_USERS = 2              # users sending RAG requests at once
 SERVE_REQUESTS = 4           # timed RAG requests (after one warm-up request per item)
 SERVE_ITEMS = 2              # built-in RAG items their documents come from
 SERVE_DOCS = 4               # documents a request carries ...
-SERVE_DOC_WORDS = 110        # ... of this many words (about 600 tokens of documents: the Part in about 70 s)
+SERVE_DOC_WORDS = 110        # ... of this many words (about 600 tokens of documents: the Part in about 85 s)
 SERVE_MAX_TOKENS = 8         # answer tokens a request
 SERVE_SEPARATOR = " # # "    # rag1: the same requests with the documents and question in one message, this between
                              # them (LMCache's blend_special_str; every engine is started with it as --chunk-separator)
+SERVE_CHAT8_USERS = 8        # chat8: chat users at once on engine A (after one alone), one request of about 170
+                             # prompt tokens each
 
 
 @settings(globals())
@@ -242,6 +245,8 @@ def parse(argv) -> tuple:
     g.add_argument("--serve-max-tokens", type=positive_int, default=SERVE_MAX_TOKENS, help="Part 6: answer tokens")
     g.add_argument("--serve-separator", default=SERVE_SEPARATOR, metavar="SEP",
                    help="Part 6: what parts the documents of the one-message requests (rag1)")
+    g.add_argument("--serve-chat8-users", type=positive_int, default=SERVE_CHAT8_USERS,
+                   help="Part 6: chat users at once (chat8)")
     a = p.parse_args(argv)
     redis_env = os.environ.get(redis_server.URL_ENV)
     store_flags = [f for f, v, d in (("--gguf", a.gguf, None), ("--redis", a.redis, redis_env),
@@ -257,7 +262,8 @@ def parse(argv) -> tuple:
                                      ("--serve-docs", a.serve_docs, SERVE_DOCS),
                                      ("--serve-doc-words", a.serve_doc_words, SERVE_DOC_WORDS),
                                      ("--serve-max-tokens", a.serve_max_tokens, SERVE_MAX_TOKENS),
-                                     ("--serve-separator", a.serve_separator, SERVE_SEPARATOR)) if v != d]
+                                     ("--serve-separator", a.serve_separator, SERVE_SEPARATOR),
+                                     ("--serve-chat8-users", a.serve_chat8_users, SERVE_CHAT8_USERS)) if v != d]
     if store_flags and a.track != "smollm2":
         p.error(f"{', '.join(store_flags)}: Parts 5 and 6's flags need --model smollm2")
     if a.redis is not None and redis_server.url_error(a.redis):
@@ -271,12 +277,15 @@ def parse(argv) -> tuple:
         p.error("--serve-separator: a text that is not only whitespace (it cuts the one-message requests)")
     if a.serve_docs < 4:
         p.error("--serve-docs: a request carries at least 4 documents (two key passages, two distractors)")
-    if a.serve_items >= 8:
-        p.error("--serve-items: at most 7 (of the 8 built-in items, one is kept for the repeated prompt)")
-    if a.serve_docs >= 4 and a.serve_requests + 1 > rag_orders(a.serve_items, a.serve_docs):
-        p.error(f"--serve-requests: at most {rag_orders(a.serve_items, a.serve_docs) - 1} (each item's "
-                f"{a.serve_docs} documents have {rag_orders(1, a.serve_docs)} orders besides their first, one of them "
-                "engine B's)")
+    if a.serve_items > len(bench.RAG_ITEMS) - 2:
+        p.error(f"--serve-items: at most {len(bench.RAG_ITEMS) - 2} (of the {len(bench.RAG_ITEMS)} built-in items, one "
+                "is kept for the repeated prompt, one for the reordered documents)")
+    if a.serve_chat8_users >= len(bench.PROSE):
+        p.error(f"--serve-chat8-users: at most {len(bench.PROSE) - 1} (one passage a user, one for the lone request)")
+    if a.serve_docs >= 4 and a.serve_requests + 1 > bench.rag_orders(a.serve_items, a.serve_docs):
+        p.error(f"--serve-requests: at most {bench.rag_orders(a.serve_items, a.serve_docs) - 1} (each item's "
+                f"{a.serve_docs} documents have {bench.rag_orders(1, a.serve_docs)} orders besides their first, one of "
+                "them engine B's)")
     if max(a.rag_ks) > a.rag_docs:
         p.error(f"--rag-ks: a request cannot retrieve {max(a.rag_ks)} different documents from {a.rag_docs}")
     if a.user_tokens + a.answer_tokens > 128 * 1024 // a.turns:
@@ -308,7 +317,7 @@ def served(s: Settings, path, redis_url: str | None) -> ServedRun:
     with tqdm(total=4, leave=False, bar_format="{desc} ({n}/{total} done)") as bar:   # served.py's four steps
         return measure_served(users=s.serve_users, requests=s.serve_requests, items=s.serve_items, docs=s.serve_docs,
                               words=s.serve_doc_words, max_tokens=s.serve_max_tokens, separator=s.serve_separator,
-                              redis_url=redis_url, gguf=s.gguf, bar=bar)
+                              crowd=s.serve_chat8_users, redis_url=redis_url, gguf=s.gguf, bar=bar)
 
 
 def main_on_this_machine(s: Settings, defaults: Settings, json_path: str | None, plot: bool,

