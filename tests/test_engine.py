@@ -458,40 +458,43 @@ def cut(order, question=QUESTION) -> list:
 
 
 def test_a_separator_cuts_a_message_into_chunks_whose_tokens_are_the_prompts(parts):
-    """Tokenized piecewise: the header, each piece with the separator's tokens, the tail; the segments concatenated are
-    the tokens the engine feeds the model, they decode to the rendered text, and a document's chunk is the same in
-    another order and in another message."""
+    """Tokenized piecewise: the header, each piece (after the separator's space) with the separator's tokens, the
+    tail; the segments concatenated are the tokens the engine feeds the model, they are the whole text's tokens (one
+    space given to the message's first piece), and a document's chunk is the same in another order and in another
+    message."""
     _, tok, _ = parts
     enc = lambda text: tuple(tok.encode(text).ids)   # noqa: E731
-    sep = enc(SEPARATOR)
+    sep, doc = enc(SEPARATOR.rstrip()), lambda i: enc(" " + DOCS6[i]) + enc(SEPARATOR.rstrip())   # noqa: E731
     order = (3, 0, 5, 1)
     p = chat_prompt(tok, cut(order))
     want = [*enc("<|im_start|>system\nAnswer from the documents.<|im_end|>\n"), *enc("<|im_start|>user\n")]
     for i in order:
-        want += [*enc(DOCS6[i]), *sep]
-    want += [*enc(QUESTION + "<|im_end|>\n"), *enc("<|im_start|>assistant\n")]
+        want += doc(i)
+    want += [*enc(" " + QUESTION + "<|im_end|>\n"), *enc("<|im_start|>assistant\n")]
     assert p.tokens == want and len(p) == len(want)
     assert [*p.system, *(t for c in p.chunks for t in c), *p.question] == p.tokens
     text = "<|im_start|>system\nAnswer from the documents.<|im_end|>\n<|im_start|>user\n" + \
         SEPARATOR.join([DOCS6[i] for i in order] + [QUESTION]) + "<|im_end|>\n<|im_start|>assistant\n"
-    assert tok.decode(p.tokens, skip_special_tokens=False) == text
-    assert p.chunks[0] == enc("<|im_start|>user\n") and p.chunks[1:] == tuple(enc(DOCS6[i]) + sep for i in order)
-    assert p.last_message == enc(QUESTION + "<|im_end|>\n") and p.question[:len(p.last_message)] == p.last_message
+    fed = text.replace("<|im_start|>user\n", "<|im_start|>user\n ")   # the first piece's space
+    assert p.tokens == list(enc(fed)) and tok.decode(p.tokens, skip_special_tokens=False) == fed
+    assert p.chunks[0] == enc("<|im_start|>user\n") and p.chunks[1:] == tuple(doc(i) for i in order)
+    assert p.last_message == enc(" " + QUESTION + "<|im_end|>\n") and p.question[:len(p.last_message)] == p.last_message
     moved = chat_prompt(tok, cut((1, 5, 3)))
     assert set(moved.chunks[1:]) <= set(p.chunks[1:])
     # in an earlier message, beside a message without the separator (kept whole, as before)
     turn = chat_prompt(tok, [("user", "Hi!"), ("user", SEPARATOR.join([DOCS6[3], DOCS6[1], "tail"])), ("user", "ok?")])
     assert turn.chunks[0] == enc("<|im_start|>user\nHi!<|im_end|>\n")
-    assert turn.chunks[2:4] == (enc(DOCS6[3]) + sep, enc(DOCS6[1]) + sep) and turn.chunks[4] == enc("tail<|im_end|>\n")
+    assert turn.chunks[2:4] == (doc(3), doc(1)) and turn.chunks[4] == enc(" tail<|im_end|>\n")
     # two separators in a row: a chunk of the separator alone; no separator: the message is one chunk, as before
     empty = chat_prompt(tok, [("user", DOCS6[0] + SEPARATOR + SEPARATOR + QUESTION)])
-    assert empty.chunks[1:] == (enc(DOCS6[0]) + sep, sep)
+    assert empty.chunks[1:] == (doc(0), sep)
     for off in (None, ""):
         whole = chat_prompt(tok, cut(order), separator=off)
         assert whole.chunks == () and whole.tokens == list(enc(text))
-    c = completion_prompt(tok, SEPARATOR.join(["Documents:", DOCS6[2], DOCS6[4], "Q:"]))
-    assert c.system == enc("Documents:") + sep and c.chunks == (enc(DOCS6[2]) + sep, enc(DOCS6[4]) + sep)
-    assert c.question == enc("Q:") and c.last_message == ()
+    text = SEPARATOR.join(["Documents:", DOCS6[2], DOCS6[4], "Q:"])
+    c = completion_prompt(tok, text)   # a completion's tokens are its whole text's
+    assert c.system == enc("Documents:") + sep and c.chunks == (doc(2), doc(4)) and c.tokens == list(enc(text))
+    assert c.question == enc(" Q:") and c.last_message == ()
 
 
 def test_the_model_is_fed_the_segments_tokens(parts):

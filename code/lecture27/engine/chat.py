@@ -7,22 +7,25 @@ every later message, every piece of a message split by the separator) is tokeniz
 tokens wherever it stands in a chat: that is what lets the connector find it again as a chunk (LMCache's chunks,
 CacheBlend's reuse of a chunk that is not a prefix). The segments' tokens, concatenated, are exactly the tokens the
 model is fed (tested); where a message is not split, the special tokens split the text where the segments meet, so
-they are also what tokenizing the whole text gives. At a separator that ends in a space (the default) they are not:
-the space is a token of its own and the next piece's first word is tokenized without it (`Ġ# Ġ# Ġ L ion el` where
-the whole text gives `Ġ# Ġ# ĠLion el`), a sequence the model never met in training, which about doubles the first
-token's KL that CacheBlend's reuse of the pieces costs (README, "Documents in one message"); after a separator that
-ends a line a word has no space before it, and the pieces' tokens are the whole text's.
+they are also what tokenizing the whole text gives. Where it is split they are the whole text's too, but for one
+space: a separator that ends in a space (the default " # # ") gives that space to the piece after it, where the
+whole text's tokenizer puts it (a word's leading space is part of the word's token: ` # # Lionel` is `Ġ# Ġ# ĠLion
+el`; a piece tokenized without its space would be fed `Ġ# Ġ# Ġ L ion el`, a sequence the model never met in
+training, which doubles the first token's KL that CacheBlend's reuse of the pieces costs). The first piece of a
+message gets the same space, so that a document's chunk is the same first or anywhere else: the model is fed one
+space the text does not have, after the message's header.
 
 Chunks inside a message (LMCache's `blend_special_str`, the same default " # # "): RAG code puts the retrieved
 documents in one user message; the application puts the separator between them, and every message after the
 system message whose text holds it is cut there. Such a message gives these chunks, each reusable alone behind the
-system message: its ChatML header (`<|im_start|>user\\n`), then each piece followed by the separator's own tokens
-(the separator belongs to the piece before it, so a document's chunk is the same first, last or in between, and
-the same in any message), then the text after the last separator with `<|im_end|>\\n`. In the last message that
-tail is the question (computed fresh, the assistant's header after it); the pieces before it are chunks. Two
-separators in a row give a chunk of the separator's tokens alone. The system message is never cut: it is the
-prefix every chunk is stored behind. A plain completion's text is cut the same way: the text up to the first
-separator (with it) is its prefix, each later piece a chunk, the text after the last separator the question.
+system message: its ChatML header (`<|im_start|>user\\n`), then each piece (after the separator's space) followed
+by the separator's own tokens (the separator belongs to the piece before it, so a document's chunk is the same
+first, last or in between, and the same in any message), then the text after the last separator with
+`<|im_end|>\\n`. In the last message that tail is the question (computed fresh, the assistant's header after it);
+the pieces before it are chunks. Two separators in a row give a chunk of the separator's tokens alone (no space
+before them). The system message is never cut: it is the prefix every chunk is stored behind. A plain completion's
+text is cut the same way: the text up to the first separator (with it) is its prefix, each later piece a chunk, the
+text after the last separator the question; its tokens are exactly its whole text's.
 
 A prompt without separators gets what it got before: a chat's messages are its chunks, so it reuses a message the
 store has seen as a message, in any order; one message (or a completion) holding many documents with no separator
@@ -67,10 +70,16 @@ class _Encoder:
 
     def __init__(self, tok, separator: str | None):
         self.tok, self.separator = tok, separator or None
-        self.sep = self(separator) if separator else ()
+        # the separator's last space goes to the piece after it (module docstring); its own tokens are the rest
+        self.space = " " if separator and separator.endswith(" ") and separator.strip() else ""
+        self.sep = self(separator[:len(separator) - len(self.space)]) if separator else ()
 
     def __call__(self, text: str) -> tuple:
         return tuple(self.tok.encode(text).ids)
+
+    def piece(self, text: str) -> tuple:
+        """A piece after a separator (or a message's first): its tokens with the separator's space before it."""
+        return self(self.space + text) if text else ()
 
     def split(self, text: str) -> list[str] | None:
         """The pieces of `text` between separators (None: it holds none)."""
@@ -83,7 +92,8 @@ class _Encoder:
         if pieces is None:
             return [self(segment(role, content))]
         *before, tail = pieces
-        return [self(f"{IM_START}{role}\n"), *(self(p) + self.sep for p in before), self(tail + f"{IM_END}\n")]
+        return [self(f"{IM_START}{role}\n"), *(self.piece(p) + self.sep for p in before),
+                self.piece(tail) + self(f"{IM_END}\n")]
 
 
 def chat_prompt(tok, messages: list[tuple[str, str]], separator: str | None = SEPARATOR) -> Prompt:
@@ -113,4 +123,5 @@ def completion_prompt(tok, text: str | None = None, tokens: list[int] | None = N
     if pieces is None:
         return Prompt(system=(), chunks=(), question=enc(text))
     first, *middle, tail = pieces
-    return Prompt(system=enc(first) + enc.sep, chunks=tuple(enc(p) + enc.sep for p in middle), question=enc(tail))
+    return Prompt(system=enc(first) + enc.sep, chunks=tuple(enc.piece(p) + enc.sep for p in middle),
+                  question=enc.piece(tail))
