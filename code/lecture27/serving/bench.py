@@ -13,11 +13,10 @@ Workloads (the text is the project's own, common/english.py):
            each user sends its next request the moment its answer ends;
   rag1     rag's requests with each one's documents and question in one user message, the separator between them
            (LangChain's "stuff" chain; LMCache's blend_special_str cuts it into chunks): as fast from the store, but
-           the first token further from a full prefill's (in-process on SmolLM2, at the engine's 15%, a KL of 0.060
-           nats on average against rag's 0.008; README, "Documents in one message"). Not a fault of the store: each
-           piece is tokenized alone, so " # # "'s last space is a token of its own before a word that lost its space
-           (about half the gap; a separator that ends a line avoids it), and inside one message no chat-template
-           header parts the documents, so each one's KV in place depends more on the ones before it;
+           the first token further from a full prefill's (in-process on SmolLM2, at the engine's 15%, a KL of 0.030
+           nats on average against rag's 0.008; README, "Documents in one message"). Not a fault of the store:
+           inside one message no chat-template header parts the documents, so each one's KV in place depends more
+           on the ones before it than its copy prefilled alone saw;
   repeat   a long prompt no server has seen (another item's documents), then the same again the moment its
            answer ends: §6's exact prefix;
   reorder  yet another item's documents, then the same again at once, then the same documents in an order that

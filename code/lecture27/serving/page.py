@@ -70,9 +70,9 @@ def notes(r: ServedRun) -> list:
             if kl_messages is not None:
                 text += f" against {kl_messages:.3f} as messages"
                 if kl > kl_messages:
-                    text += (": inside one message no chat-template header parts the documents, and each piece is "
-                             "tokenized alone, so a document prefilled alone is further from what it is in place "
-                             "(README, 'Documents in one message')")
+                    text += (": inside one message no chat-template header parts the documents, so a document "
+                             "prefilled alone is further from what it is in place (README, 'Documents in one "
+                             "message')")
         out.append(text + ".")
     if r.first.ttft_s and r.again.ttft_s:
         prefix = (parse_kv(r.again.kv) or {}).get("prefix", 0)
