@@ -25,6 +25,7 @@ Ctrl-C or SIGTERM stops it, and the Redis server it started.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -172,7 +173,12 @@ def main(argv=None) -> None:
             f"up to {a.max_running} requests at once, {a.step_tokens} tokens a step"
         say(f"serving {name} at http://{host}:{port}/v1 ({store}; {batching}, "
             f"{engine.threads} thread{'s' * (engine.threads > 1)}); Ctrl-C stops it")
-        uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)).run(sockets=[sock])
+        serving = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)) \
+            .serve(sockets=[sock])
+        try:
+            asyncio.run(serving)
+        finally:
+            serving.close()   # a SIGTERM before the loop started it: no "never awaited" warning at exit
     finally:
         steps = [engine.stop] if engine else [tiers.close] if tiers else []   # the engine closes its tiers
         for step in steps + ([server.stop] if server else []) + [lambda: shutil.rmtree(folder, ignore_errors=True)]:
