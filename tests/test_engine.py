@@ -228,6 +228,31 @@ def test_a_repeat_sent_at_once_is_served_from_the_store_exactly(parts):
     assert abs(again.end["kl"]) < 1e-4 and abs(first.end["kl"]) < 1e-4
 
 
+def test_a_new_chat_behind_a_stored_system_message_reuses_it_exactly(parts):
+    """A system message shorter than a prefix block is stored alone, at the prompt's start: the next chat with the
+    same system message and a new question (no prefix block in common) prefills only past it, and its answer and
+    first token are a full prefill's (the KL is float32 rounding)."""
+    model, tok, _ = parts
+    eng = engine(parts)
+    try:
+        first = Answer(eng, chat_prompt(tok, chat((0,))), max_tokens=4).wait()
+        settle(eng)
+        p = chat_prompt(tok, chat((1,), question="How deep is Lake Osric?"))
+        again = Answer(eng, p, max_tokens=6, kv_check=True).wait()
+    finally:
+        eng.stop()
+    alone = engine(parts, connector(parts, store=False))
+    try:
+        reference = Answer(alone, p, max_tokens=6).wait()
+    finally:
+        alone.stop()
+    S = len(p.system)
+    assert first.reuse.path == "prefill" and S < BLOCK_TOKENS
+    assert again.reuse.path == "prefix" and again.reuse.prefix == S and again.reuse.recomputed == len(p) - S
+    assert again.reuse.hits == {"hot": 1}
+    assert again.text == reference.text and abs(again.end["kl"]) < 1e-4
+
+
 def test_a_reordered_request_sent_at_once_is_blended_from_the_store(parts):
     """The documents' chunks are store jobs from the moment the first request starts: a reordered request sent the
     moment it ends finds every document's chunk (none computed again), and the system message's exact KV."""

@@ -13,11 +13,13 @@ Where KV is kept:
 What is kept, keyed by content (kvstore.ChunkKey: the model, the tokens before, the tokens):
   prefix blocks   the prompt (and the answer after it) cut into BLOCK_TOKENS-token blocks, each keyed by every
                   token before it (vLLM's and LMCache's prefix keys): exact KV, reused only behind the same tokens;
+  system message  a chat's system message alone: at the prompt's start, so exact wherever it comes back;
   chunks          in a chat, every message after the system message, prefilled alone behind it (kvstore's
                   chunk_keys), and every piece of a message (or of a completion) cut by the separator (chat.py:
                   LMCache's blend_special_str): reusable wherever it comes back, in any order, beside any others.
 How a prompt is served (`Lookup.path`), whichever reuses more:
-  prefix   the longest run of held prefix blocks is the cache, exactly; the rest is prefilled behind it;
+  prefix   the longest run of held prefix blocks (or the system message, where it reaches further) is the cache,
+           exactly; the rest is prefilled behind it;
   blend    the system message's KV and every chunk's (held, or prefilled alone behind the system message first),
            each shifted to its place, and CacheBlend recomputes a few tokens per layer while the question (the
            last message, or its text after the last separator) is computed in full;
@@ -232,6 +234,11 @@ def block_keys(model_id: str, tokens, block: int = BLOCK_TOKENS) -> list:
             for a in range(0, len(tokens), block)]
 
 
+def system_key(model_id: str, prompt: Prompt) -> ks.ChunkKey:
+    """The key of the prompt's system message stored alone: at the prompt's start, so exact wherever it comes back."""
+    return ks.ChunkKey(model_id, tuple(prompt.system))
+
+
 def message_keys(model_id: str, prompt: Prompt) -> list:
     """The keys of a prompt's chunks (a chat's messages after the system message and the pieces the separator cut),
     then of a chat's last message (stored for a later turn), each prefilled alone behind the system message."""
@@ -289,11 +296,13 @@ class KVConnector:
         the first answer token's)."""
         if not self.store:
             return "prefill", 0, []
-        tokens, covered = prompt.tokens, 0
+        tokens, covered, S = prompt.tokens, 0, len(prompt.system)
         for a, b, key in block_keys(self.model_id, tokens, self.block):
             if a >= len(tokens) - 1 or not self.held(key):
                 break
             covered = min(b, len(tokens) - 1)
+        if covered < S < len(tokens) and self.held(system_key(self.model_id, prompt)):
+            covered = S   # a system message shorter than the blocks, or ending inside one, is a prefix of its own
         held = []
         if self.blend and prompt.chunks:
             held = [self.held(k) for k in message_keys(self.model_id, prompt)[:len(prompt.chunks)]]
@@ -309,7 +318,7 @@ class KVConnector:
         if path == "blend":
             loaded = self._load_blend(prompt, covered, held, reuse)
         else:
-            prefix = self.prefix(prompt.tokens, covered, reuse)
+            prefix = self.prefix(prompt, covered, reuse)
             reuse.prefix = 0 if prefix is None else prefix.shape[3]
             reuse.path = "prefix" if reuse.prefix else "prefill"
             loaded = Loaded(reuse.path, reuse, prefix=prefix)
@@ -326,25 +335,28 @@ class KVConnector:
         skip = len(prompt.chunks) if path == "blend" else 1   # blend computes each missing chunk itself
         return [StoreJob(k) for k in keys[skip:] if not self.held(k)]
 
-    def prefix(self, tokens: list, upto: int, reuse: Reuse) -> torch.Tensor | None:
-        """The KV block of tokens[:upto] from the held prefix blocks, as far as they are still there (None: none)."""
+    def prefix(self, prompt: Prompt, upto: int, reuse: Reuse) -> torch.Tensor | None:
+        """The KV block of the prompt's first `upto` tokens from the held prefix blocks, as far as they are still
+        there, or, when `upto` is the system message's length and the blocks fall short, from the system message's
+        own chunk (None: none)."""
         blocks, got = [], 0
-        for a, b, key in block_keys(self.model_id, tokens, self.block):
+        for a, b, key in block_keys(self.model_id, prompt.tokens, self.block):
             block = self.fetch(key, reuse) if a < upto else None
             if block is None:
                 break
             got = min(b, upto)
             blocks.append(block[:, :, :, :got - a])
+        if got < upto == len(prompt.system):
+            system = self.fetch(system_key(self.model_id, prompt), reuse)
+            if system is not None:
+                return system
         return torch.cat(blocks, 3) if blocks else None
 
     def _load_blend(self, prompt: Prompt, covered: int, held: list, reuse: Reuse) -> Loaded:
         S, system = len(prompt.system), None
         if S:
-            if covered >= S:
-                system = self.prefix(prompt.tokens, S, reuse)
-                system = system if system is not None and system.shape[3] == S else None
-            if system is None:
-                system = self.fetch(ks.ChunkKey(self.model_id, tuple(prompt.system)), reuse)
+            system = self.prefix(prompt, S, reuse)
+            system = system if system is not None and system.shape[3] == S else None
             reuse.prefix = S if system is not None else 0
         keys = message_keys(self.model_id, prompt)[:len(prompt.chunks)]
         chunks = [self.fetch(k, reuse) if h else None for k, h in zip(keys, held)]
@@ -372,7 +384,7 @@ class KVConnector:
                 now.append((ks.ChunkKey(self.model_id, tuple(sequence[a:end]), tuple(sequence[:a])), (a, end)))
         S = len(prompt.system)
         if S and exact >= S:
-            now.append((ks.ChunkKey(self.model_id, tuple(prompt.system)), (0, S)))
+            now.append((system_key(self.model_id, prompt), (0, S)))
         first = (*prompt.chunks, prompt.last_message)[0]
         if self.blend and first and exact >= S + len(first):   # the first chunk stands where it is stored
             now.append((message_keys(self.model_id, prompt)[0], (S, S + len(first))))

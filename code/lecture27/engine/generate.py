@@ -33,7 +33,7 @@ import torch
 from common.llama import kl_divergence, torch_threads
 from lecture27 import kvstore as ks
 from lecture27.engine import runner
-from lecture27.engine.connector import KVConnector, message_keys
+from lecture27.engine.connector import KVConnector, message_keys, system_key
 from lecture27.engine.runner import Item, SeqCache
 from lecture27.engine.scheduler import MAX_RUNNING, STEP_TOKENS, STORE_JOB_TOKENS, Scheduler
 from lecture27.engine.sequence import Prefill, Request, Sequence, scored
@@ -192,7 +192,7 @@ class Engine:
             self._first(seq, logits)
         elif unit.kind == "system":
             block = unit.cache.rows(0, len(unit.cache))
-            self.connector.save(ks.ChunkKey(self.connector.model_id, tuple(seq.prompt.system)), block)
+            self.connector.save(system_key(self.connector.model_id, seq.prompt), block)
             seq.chunk_parts(block)
         elif unit.kind == "chunk":
             seq.alone[unit.index] = block = unit.cache.rows(unit.skip, len(unit.cache))
