@@ -3,11 +3,11 @@ segments are its whole prompt's tokens, and a message cut by the separator gives
 (each the same wherever it stands), the tokens the model is fed; a prefill in pieces and cached decode equal a full
 forward, and a batch gives each item what it gets alone; blending at ratio 1 is a full prefill and at ratio 0 full
 reuse; a repeat and a reordered request sent the moment the first one ends are served from the store; a new chat
-behind a stored system message starts past it; batched
-answers equal serial ones; the store holds only exact KV; store jobs finish under steady traffic; a stalled tier
-delays no step; documents cut by the separator in one message come back blended in another order; penalties and
-logit_bias follow OpenAI's formula, logprobs are the log_softmax of the logits a token was picked from, echo scores
-each prompt token by a full prefill's logits before it, a tiny top_p is greedy."""
+behind a stored system message starts past it; batched answers equal serial ones; the store holds only exact KV;
+store jobs finish under steady traffic; a stalled tier delays no step; documents cut by the separator in one message
+come back blended in another order; penalties and logit_bias follow OpenAI's formula, logprobs are the log_softmax of
+the logits a token was picked from, echo scores each prompt token by a full prefill's logits before it, a tiny top_p
+is greedy."""
 import threading
 import time
 
