@@ -316,7 +316,7 @@ class KVConnector:
         path, covered, held = self.lookup(prompt)
         reuse = Reuse(path=path, context=len(prompt) - len(prompt.question))
         if path == "blend":
-            loaded = self._load_blend(prompt, covered, held, reuse)
+            loaded = self._load_blend(prompt, held, reuse)
         else:
             prefix = self.prefix(prompt, covered, reuse)
             reuse.prefix = 0 if prefix is None else prefix.shape[3]
@@ -336,9 +336,13 @@ class KVConnector:
         return [StoreJob(k) for k in keys[skip:] if not self.held(k)]
 
     def prefix(self, prompt: Prompt, upto: int, reuse: Reuse) -> torch.Tensor | None:
-        """The KV block of the prompt's first `upto` tokens from the held prefix blocks, as far as they are still
-        there, or, when `upto` is the system message's length and the blocks fall short, from the system message's
-        own chunk (None: none)."""
+        """The KV block of the prompt's first `upto` tokens: when `upto` is the system message's length, its own chunk
+        (one record); else, or when that is gone, the held prefix blocks, as far as they are still there (None:
+        none)."""
+        if upto and upto == len(prompt.system):
+            system = self.fetch(system_key(self.model_id, prompt), reuse)
+            if system is not None:
+                return system
         blocks, got = [], 0
         for a, b, key in block_keys(self.model_id, prompt.tokens, self.block):
             block = self.fetch(key, reuse) if a < upto else None
@@ -346,13 +350,9 @@ class KVConnector:
                 break
             got = min(b, upto)
             blocks.append(block[:, :, :, :got - a])
-        if got < upto == len(prompt.system):
-            system = self.fetch(system_key(self.model_id, prompt), reuse)
-            if system is not None:
-                return system
         return torch.cat(blocks, 3) if blocks else None
 
-    def _load_blend(self, prompt: Prompt, covered: int, held: list, reuse: Reuse) -> Loaded:
+    def _load_blend(self, prompt: Prompt, held: list, reuse: Reuse) -> Loaded:
         S, system = len(prompt.system), None
         if S:
             system = self.prefix(prompt, S, reuse)
