@@ -234,9 +234,9 @@ def block_keys(model_id: str, tokens, block: int = BLOCK_TOKENS) -> list:
             for a in range(0, len(tokens), block)]
 
 
-def system_key(model_id: str, prompt: Prompt) -> ks.ChunkKey:
-    """The key of the prompt's system message stored alone: at the prompt's start, so exact wherever it comes back."""
-    return ks.ChunkKey(model_id, tuple(prompt.system))
+def system_key(model_id: str, system) -> ks.ChunkKey:
+    """The key of a system message's tokens stored alone: at the prompt's start, so exact wherever they come back."""
+    return ks.ChunkKey(model_id, tuple(system))
 
 
 def message_keys(model_id: str, prompt: Prompt) -> list:
@@ -301,7 +301,7 @@ class KVConnector:
             if a >= len(tokens) - 1 or not self.held(key):
                 break
             covered = min(b, len(tokens) - 1)
-        if covered < S < len(tokens) and self.held(system_key(self.model_id, prompt)):
+        if covered < S < len(tokens) and self.held(system_key(self.model_id, prompt.system)):
             covered = S   # a system message shorter than the blocks, or ending inside one, is a prefix of its own
         held = []
         if self.blend and prompt.chunks:
@@ -340,7 +340,7 @@ class KVConnector:
         (one record); else, or when that is gone, the held prefix blocks, as far as they are still there (None:
         none)."""
         if upto and upto == len(prompt.system):
-            system = self.fetch(system_key(self.model_id, prompt), reuse)
+            system = self.fetch(system_key(self.model_id, prompt.system), reuse)
             if system is not None:
                 return system
         blocks, got = [], 0
@@ -384,7 +384,7 @@ class KVConnector:
                 now.append((ks.ChunkKey(self.model_id, tuple(sequence[a:end]), tuple(sequence[:a])), (a, end)))
         S = len(prompt.system)
         if S and exact >= S:
-            now.append((system_key(self.model_id, prompt), (0, S)))
+            now.append((system_key(self.model_id, prompt.system), (0, S)))
         first = (*prompt.chunks, prompt.last_message)[0]
         if self.blend and first and exact >= S + len(first):   # the first chunk stands where it is stored
             now.append((message_keys(self.model_id, prompt)[0], (S, S + len(first))))

@@ -192,7 +192,7 @@ class Engine:
             self._first(seq, logits)
         elif unit.kind == "system":
             block = unit.cache.rows(0, len(unit.cache))
-            self.connector.save(system_key(self.connector.model_id, seq.prompt), block)
+            self.connector.save(system_key(self.connector.model_id, seq.prompt.system), block)
             seq.chunk_parts(block)
         elif unit.kind == "chunk":
             seq.alone[unit.index] = block = unit.cache.rows(unit.skip, len(unit.cache))
@@ -299,7 +299,7 @@ class Engine:
         if len(s.store_jobs) >= MAX_STORE_JOBS or self.connector.hot.has(job.key) or \
                 any(j.key == job.key for j in s.store_jobs):
             return
-        system = self.connector.hot.get(ks.ChunkKey(self.connector.model_id, job.system)) if job.system else None
+        system = self.connector.hot.get(system_key(self.connector.model_id, job.system)) if job.system else None
         if system is not None and system.shape[3] == len(job.system):
             unit = Prefill("store", list(job.tokens), SeqCache(system, len(job.tokens)), key=job.key,
                            skip=len(job.system))
