@@ -159,6 +159,39 @@ def test_a_batch_gives_each_item_what_it_gets_alone(tiny_model):
     assert [len(c) for c in together_caches] == [1, 9, 42]
 
 
+def test_attention_in_row_groups_equals_one_call_and_reads_fewer_keys():
+    g = torch.Generator().manual_seed(2)
+    F = torch.nn.functional
+    M, S, n = 150, 200, 50
+    q, k, v = torch.randn(1, 4, M, 16, generator=g), torch.randn(1, 2, S, 16, generator=g), \
+        torch.randn(1, 2, S, 16, generator=g)
+    causal = torch.arange(S)[None, :] <= torch.arange(n, n + M)[:, None]   # a prefill's rows behind 50 cached tokens
+    rows = torch.randperm(S - 10, generator=g)[:M].sort().values            # CacheBlend's recomputed rows, in order
+    blended = (torch.arange(S)[None, None, :] <= rows[None, :, None])[:, None]
+    chunked = (torch.arange(S)[None, :] // 40 == torch.arange(M)[:, None] // 30) & causal   # no prefix of the keys
+    for mask in (causal, blended, chunked):
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        assert (runner.attend(q, k, v, mask) - want).abs().max() <= 1e-5
+    assert runner.row_groups(causal) == [(0, 64, 114), (64, 128, 178), (128, 150, 200)]
+
+
+def test_a_step_asking_no_logits_still_fills_the_last_layers_cache(tiny_model):
+    """Prompts longer than a row group; the last layer runs only the asked rows past their K, V."""
+    model, rng = tiny_model, torch.Generator().manual_seed(3)
+    a, b = (torch.randint(0, 97, (n,), generator=rng).tolist() for n in (150, 90))
+    ca, cb = SeqCache.empty(model.cfg, 100), SeqCache.empty(model.cfg, 1)
+    assert runner.run(model, [Item(a[:120], ca, False)]) == [None]
+    got = runner.run(model, [Item(a[120:], ca, True), Item(b, cb, False), Item([a[0]], SeqCache.empty(model.cfg, 1),
+                                                                             True)])
+    assert got[1] is None
+    with torch.no_grad():
+        (want_a, kv_a), (_, kv_b) = model(torch.tensor([a])), model(torch.tensor([b]))
+        want_0 = model(torch.tensor([a[:1]]))[0][0, -1]
+    assert close(got[0], want_a[0, -1]) and close(got[2], want_0)
+    for cache, kv in ((ca, kv_a), (cb, kv_b)):
+        assert np.abs(kv_to_array(cache.kvcache())[0] - kv_to_array(kv)[0]).max() <= 1e-5
+
+
 def test_the_hot_cache_keeps_its_byte_budget_least_recently_used_out():
     block = torch.zeros(2, 2, 1, 4, 8)   # 512 bytes
     hot = HotCache(3 * block.numel() * 4)

@@ -8,6 +8,13 @@ token; eight requests' tokens read them once). Attention runs item by item over 
 seeing its item's keys at or before its position. An item's numbers are the ones it gets alone, up to float32
 rounding of sums over a larger matrix.
 
+A step leaves out two pieces of work whose results nothing reads. At the last layer only the rows whose logits are
+asked go on past K and V: every other row's output there would feed the head alone, and its K, V are all its cache
+keeps (llama.cpp's graph drops those rows there too). And attention runs in groups of ROW_GROUP rows, each reading
+only the keys up to the last one a row of the group may see (`attend`): a prefill's causal rows, CacheBlend's
+recomputed rows in position order. SmolLM2 on one core, medians of 10 runs: 8 chat prompts' prefill 3.5% faster,
+a CacheBlend pass 3%.
+
 The runner's model is `packed(model)`: the same weights, each linear layer's packed once into oneDNN's blocked layout
 (as vLLM's CPU backend and torch.compile pack theirs), which a step's matrix products read faster than a plain
 row-major weight: a decode step of 8 requests 1.6x, a 256-token prefill step 1.15x, the head's 8 rows 2.4x (SmolLM2,
@@ -26,8 +33,47 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.llama import KVCache, causal_mask, place_chunks, rope
+from common.llama import Block, KVCache, causal_mask, place_chunks, rope
 from lecture27 import blend_world as bw
+
+
+ROW_GROUP = 64   # rows of one attention call in `attend`: smaller groups skip more keys, in more calls
+
+
+def row_groups(mask: torch.Tensor) -> list:
+    """[(a, b, n)]: rows a..b-1 of a mask (..., M, S) (True: may attend) in groups of ROW_GROUP, and n, one past the
+    last key any of them may see (at least 1)."""
+    M = mask.shape[-2]
+    seen = mask.reshape(-1, M, mask.shape[-1]).any(0)   # (M, S): a key some batch row's query may see
+    out = []
+    for a in range(0, M, ROW_GROUP):
+        b = min(a + ROW_GROUP, M)
+        keys = seen[a:b].any(0).nonzero()
+        out.append((a, b, int(keys[-1]) + 1 if len(keys) else 1))
+    return out
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, groups=None) -> torch.Tensor:
+    """Grouped-query attention of q (B, H, M, hd) over k, v (B, Hkv, S, hd), where mask (..., M, S) allows (None:
+    every key), as F.scaled_dot_product_attention gives it; each group of rows (row_groups) reads only the keys up to
+    its last seen one: the keys after it are masked for every row of the group, so leaving them out changes only the
+    work (a third of a 256-row causal prefill's products)."""
+    if mask is None or q.shape[-2] <= ROW_GROUP:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    outs = [F.scaled_dot_product_attention(q[..., a:b, :], k[..., :n, :], v[..., :n, :], attn_mask=mask[..., a:b, :n],
+                                           enable_gqa=True) for a, b, n in groups or row_groups(mask)]
+    return torch.cat(outs, -2)
+
+
+class PackedBlock(Block):
+    """A Block whose attention is `attend` (the same numbers, fewer products): the blocks of `packed(model)`."""
+
+    def attention(self, q, k, v, mask):
+        if self.keep_weights:
+            return super().attention(q, k, v, mask)
+        a = attend(q, k, v, mask)
+        B, H, T, hd = a.shape
+        return a.transpose(1, 2).reshape(B, T, H * hd)
 
 
 class PackedLinear(nn.Module):
@@ -55,8 +101,9 @@ def can_pack() -> bool:
 
 
 def packed(model) -> nn.Module:
-    """A copy of `model` whose linear layers and head are PackedLinear, sharing everything else (the embedding,
-    the norms) with it; `model` itself is left as it is. Where the build cannot pack (can_pack), `model`."""
+    """A copy of `model` whose blocks are PackedBlocks and whose linear layers and head are PackedLinear, sharing
+    everything else (the embedding, the norms) with it; `model` itself is left as it is. Where the build cannot pack
+    (can_pack), `model`."""
     if not can_pack():
         return model
     out = copy.copy(model)
@@ -64,6 +111,7 @@ def packed(model) -> nn.Module:
     blocks = []
     for blk in model.layers:
         b = copy.copy(blk)
+        b.__class__ = PackedBlock
         b._modules = dict(blk._modules)
         for name in LINEARS:
             setattr(b, name, PackedLinear(getattr(blk, name).weight))
@@ -169,27 +217,35 @@ def run(model, items: list) -> list:
         T, n = len(it.tokens), it.cache.n
         it.cache.reserve(T)
         pos = torch.arange(n, n + T)
-        spans.append((a, a + T, None if T == 1 else causal_mask(pos, torch.arange(n + T))))
+        mask = None if T == 1 else causal_mask(pos, torch.arange(n + T))
+        spans.append((a, a + T, mask, None if mask is None else row_groups(mask)))
         positions.append(pos)
         a += T
     pos = torch.cat(positions)   # every token's position in its own sequence: q and k rotated in one call a layer
+    wanted = [b - 1 for it, (a, b, _, _) in zip(items, spans) if it.logits]   # the rows whose logits are asked
     x = model.embed(torch.tensor([[t for it in items for t in it.tokens]]))
-    N = x.shape[1]
+    N, last = x.shape[1], len(model.layers) - 1
     for layer, blk in enumerate(model.layers):
         h = blk.attn_norm(x)
-        q = rope(blk.wq(h).view(1, N, H, hd).transpose(1, 2), pos, theta)
         k = rope(blk.wk(h).view(1, N, Hkv, hd).transpose(1, 2), pos, theta)
         v = blk.wv(h).view(1, N, Hkv, hd).transpose(1, 2)
-        outs = []
-        for it, (a, b, mask) in zip(items, spans):
-            K, V = it.cache.write(layer, k[:, :, a:b], v[:, :, a:b])
-            outs.append(F.scaled_dot_product_attention(q[:, :, a:b], K, V, attn_mask=mask, enable_gqa=True))
+        if layer == last:   # the asked rows alone go on (module docstring); the others only write their K, V
+            kv = [it.cache.write(layer, k[:, :, a:b], v[:, :, a:b]) for it, (a, b, _, _) in zip(items, spans)]
+            if not wanted:
+                break
+            x, h = x[:, wanted], h[:, wanted]
+            q = rope(blk.wq(h).view(1, len(wanted), H, hd).transpose(1, 2), pos[wanted], theta)
+            kv = [kv_i for it, kv_i in zip(items, kv) if it.logits]
+            outs = [attend(q[:, :, j:j + 1], K, V, None) for j, (K, V) in enumerate(kv)]   # a last row sees every key
+        else:
+            q = rope(blk.wq(h).view(1, N, H, hd).transpose(1, 2), pos, theta)
+            outs = [attend(q[:, :, a:b], *it.cache.write(layer, k[:, :, a:b], v[:, :, a:b]), mask, groups)
+                    for it, (a, b, mask, groups) in zip(items, spans)]
         o = torch.cat(outs, 2) if len(outs) > 1 else outs[0]
-        x = blk.after_attention(x, o.transpose(1, 2).reshape(1, N, H * hd))
+        x = blk.after_attention(x, o.transpose(1, 2).reshape(1, o.shape[2], H * hd))
     for it in items:
         it.cache.n += len(it.tokens)
-    wanted = [b - 1 for it, (a, b, _) in zip(items, spans) if it.logits]
-    rows = iter(model.logits(x[:, wanted])[0]) if wanted else iter(())
+    rows = iter(model.logits(x)[0]) if wanted else iter(())
     return [next(rows) if it.logits else None for it in items]
 
 
