@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -288,6 +289,19 @@ def test_every_single_byte_flip_is_caught(spec):
     fmt, shape, payload = kvrecord.check(rec, k.digest)
     assert (fmt, shape) == ("fp16", X.shape) and np.array_equal(kvrecord.unpack(fmt, shape, payload),
                                                                 X.astype(np.float16).astype(np.float32))
+
+
+def test_a_record_is_its_header_payload_and_checksum_whatever_the_arrays_memory_order():
+    """The record's bytes as the format says them, from a KV array laid out in any order (a permuted tensor's)."""
+    (k,), (X,) = keys_and_kvs(1, T=5)
+    Y = np.asfortranarray(X)   # the same values, another memory order
+    for key in (None, b"a signing key"):
+        rec = kvrecord.pack(k.digest, Y, "fp16", key=key)
+        assert rec == kvrecord.pack(k.digest, X, "fp16", key=key)
+        payload = X.astype(np.float16).tobytes()
+        head = kvrecord.HEAD.size
+        assert rec[head:head + len(payload)] == payload
+        assert rec[-4:] == kvrecord.CRC.pack(zlib.crc32(rec[:-4]))
 
 
 # ------------------------------------------------------------------------------------------ processes

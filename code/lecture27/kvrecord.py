@@ -65,18 +65,23 @@ def pack(digest: bytes, kvs, fmt: str, spec: kv.CodecSpec | None = None, key: by
     if X.ndim != 4 or X.shape[2] != 2:
         raise ValueError(f"a chunk's KV is (T, L, 2, C), not {X.shape}")
     check_format(fmt)
-    if fmt == "fp16":
-        payload, level = X.astype(np.float16).tobytes(), 0
+    if fmt == "fp16":   # the values' bytes as they are cast, not copied again: a writer copies them once, below
+        payload, level = memoryview(X.astype(np.float16, order="C")).cast("B"), 0
     else:
         if spec is None or spec.shape != X.shape[1:]:
             raise ValueError("the cachegen format needs the codec spec of this model's (L, 2, C)")
         payload, level = kv.codec_encode(X, spec, layout), spec.level
     T, L, _, C = X.shape
     kind = FORMATS.index(fmt) | (SIGNED if key else 0)
-    body = HEAD.pack(RECORD_MAGIC, RECORD_VERSION, kind, level, digest, T, L, C, len(payload)) + payload
+    parts = [HEAD.pack(RECORD_MAGIC, RECORD_VERSION, kind, level, digest, T, L, C, len(payload)), payload]
     if key:
-        body += hmac.new(key, body, hashlib.sha256).digest()
-    return body + CRC.pack(zlib.crc32(body))
+        mac = hmac.new(key, parts[0], hashlib.sha256)
+        mac.update(payload)
+        parts.append(mac.digest())
+    crc = 0
+    for part in parts:   # zlib and hashlib let go of the GIL on long buffers; one join copies the record once
+        crc = zlib.crc32(part, crc)
+    return b"".join([*parts, CRC.pack(crc)])
 
 
 def check(record, digest: bytes, tokens: int | None = None, shape: tuple | None = None,
