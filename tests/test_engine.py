@@ -173,6 +173,9 @@ def test_attention_in_row_groups_equals_one_call_and_reads_fewer_keys():
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         assert (runner.attend(q, k, v, mask) - want).abs().max() <= 1e-5
     assert runner.row_groups(causal) == [(0, 64, 114), (64, 128, 178), (128, 150, 200)]
+    later = torch.arange(S)[None, :] >= torch.arange(M)[:, None]   # each row sees the keys from its own on
+    additive = torch.zeros(M, S).masked_fill(~later, float("-inf"))   # the same mask as SDPA adds it
+    assert (runner.attend(q, k, v, additive) - runner.attend(q, k, v, later)).abs().max() <= 1e-5
 
 
 def test_a_step_asking_no_logits_still_fills_the_last_layers_cache(tiny_model):

@@ -57,8 +57,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """Grouped-query attention of q (B, H, M, hd) over k, v (B, Hkv, S, hd), where mask (..., M, S) allows (None:
     every key), as F.scaled_dot_product_attention gives it; each group of rows (row_groups) reads only the keys up to
     its last seen one: the keys after it are masked for every row of the group, so leaving them out changes only the
-    work (a third of a 256-row causal prefill's products)."""
-    if mask is None or q.shape[-2] <= ROW_GROUP:
+    work (a third of a 256-row causal prefill's products). A mask of another dtype than bool (an additive one) goes
+    to one call as it is."""
+    if mask is None or mask.dtype != torch.bool or q.shape[-2] <= ROW_GROUP:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     outs = [F.scaled_dot_product_attention(q[..., a:b, :], k[..., :n, :], v[..., :n, :], attn_mask=mask[..., a:b, :n],
                                            enable_gqa=True) for a, b, n in groups or row_groups(mask)]
