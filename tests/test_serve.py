@@ -6,6 +6,8 @@ import json
 import threading
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -232,6 +234,27 @@ def test_sigterm_stops_the_server_and_the_redis_server_it_started(engine):
     assert not pid_alive(pid) and not any(pid_alive(k) for k in kids) and not Path(folder).exists()
     assert "stopped" in s.lines[-1]
     s.stop()
+
+
+def test_a_sigterm_while_the_event_loop_is_built_still_stops_cleanly():
+    """SIGTERM sent from inside asyncio's loop constructor (the moment a client that has read the "serving" line
+    may send it): the server stops, says so last, exits 143, and no half-built loop complains at exit."""
+    from common.gguf_llama import find_smollm2_gguf
+    if find_smollm2_gguf() is None:
+        pytest.skip("SmolLM2 is not installed")
+    code = ("import asyncio.selector_events as se, os, signal, sys\n"
+            "build = se.BaseSelectorEventLoop.__init__\n"
+            "def built(self, *a):\n"
+            "    build(self, *a)\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "se.BaseSelectorEventLoop.__init__ = built\n"
+            "from lecture27 import serve\n"
+            "serve.main(['--port', '0', '--no-store', '--threads', '1'])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=launch.SERVE.parents[1])
+    out = (r.stdout + r.stderr).strip()
+    assert r.returncode == 128 + signal.SIGTERM, out
+    assert out.splitlines()[-1] == "stopped" and "Traceback" not in out and "Exception ignored" not in out, out
 
 
 def test_a_redis_password_stays_off_command_lines_and_output_and_a_dead_redis_costs_misses(password_redis):

@@ -146,7 +146,19 @@ def main(argv=None) -> None:
     def say(line: str) -> None:
         print(line, flush=True)
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))   # as Ctrl-C: the cleanup below runs
+    web = None        # the HTTP server, once built
+    terminated = []   # a SIGTERM it was asked to stop by
+
+    def on_sigterm(*_) -> None:
+        """As Ctrl-C until the HTTP server is built: SystemExit, and the cleanup below runs. From then on it asks
+        that server to stop (as uvicorn's own handler does while it serves): an exception raised inside asyncio's
+        machinery, in the event loop's constructor say, would leave a half-built loop that complains at exit."""
+        if web is None:
+            sys.exit(128 + signal.SIGTERM)
+        terminated.append(True)
+        web.should_exit = True
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     model, tok, info = load_gguf_llama(path)
     name = Path(path).stem.split(".")[0]   # SmolLM2-135M-Instruct: the file's name without its quantization
     folder = Path(tempfile.mkdtemp(prefix="engine-", dir=checkpoint_dir()))
@@ -173,12 +185,12 @@ def main(argv=None) -> None:
             f"up to {a.max_running} requests at once, {a.step_tokens} tokens a step"
         say(f"serving {name} at http://{host}:{port}/v1 ({store}; {batching}, "
             f"{engine.threads} thread{'s' * (engine.threads > 1)}); Ctrl-C stops it")
-        serving = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)) \
-            .serve(sockets=[sock])
+        web = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        serving = web.serve(sockets=[sock])
         try:
             asyncio.run(serving)
         finally:
-            serving.close()   # a SIGTERM before the loop started it: no "never awaited" warning at exit
+            serving.close()   # a Ctrl-C before the loop started it: no "never awaited" warning at exit
     finally:
         steps = [engine.stop] if engine else [tiers.close] if tiers else []   # the engine closes its tiers
         for step in steps + ([server.stop] if server else []) + [lambda: shutil.rmtree(folder, ignore_errors=True)]:
@@ -187,6 +199,8 @@ def main(argv=None) -> None:
             except Exception as e:   # the next steps still run
                 print(f"serve: cleanup: {e}", file=sys.stderr)
         say("stopped")
+    if terminated:
+        sys.exit(128 + signal.SIGTERM)
 
 if __name__ == "__main__":
     main()
