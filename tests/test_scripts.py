@@ -42,7 +42,7 @@ RUNS = {
             "rag_prefix_p99_ttft_s", "rag_chunk_p99_ttft_s"]),
     "02 smollm2": ("02_cachegen_codec", ["--model", "smollm2"], ["levels", "zlib_ratio", "coder_decode_sym_per_s",
                                                                  "coder_parallel_decode_sym_per_s"]),
-    "04 smollm2": ("04_cacheblend", ["--model", "smollm2", "--items", "1"],
+    "04 smollm2": ("04_cacheblend", ["--model", "smollm2", "--items", "1", "--chunk-tokens", "64"],
                    ["real_kl_reuse", "real_kl_random15", "real_kl_blend15", "real_kl_curve", "real_ttft_speedup",
                     "real_rule", "real_prefix_k", "real_prefix_kl", "real_reuse_kl", "real_blend_kl",
                     "real_prefix_ttft_s", "real_full_ttft_s", "real_mask_pitfall_kl", "real_mask_position_kl"]),
