@@ -1,7 +1,7 @@
 """serve.py as a real server on an ephemeral port of 127.0.0.1, talked to with the official openai client (and raw
 HTTP where a client would refuse to send the request): answers, streams, the store's reuse (exact prefixes,
 messages in another order), OpenAI's error body for bad requests, concurrency, a client that goes away, two
-engines on one Redis, and a SIGTERM that leaves no process behind."""
+engines on one Redis, a SIGTERM that leaves no process behind, and SIGTERM or Ctrl-C at any moment ending cleanly."""
 import json
 import threading
 import os
@@ -228,33 +228,46 @@ def test_sigterm_stops_the_server_and_the_redis_server_it_started(engine):
     assert kids and folder and Path(folder).is_dir()
     os.kill(pid, signal.SIGTERM)
     s.proc.wait(30)
-    deadline = time.monotonic() + 10
-    while any(pid_alive(k) for k in kids) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 10   # the children end, and the reader thread reads the output to its end
+    while (any(pid_alive(k) for k in kids) or "stopped" not in s.lines[-1]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not pid_alive(pid) and not any(pid_alive(k) for k in kids) and not Path(folder).exists()
-    assert "stopped" in s.lines[-1]
+    assert "stopped" in s.lines[-1], s.lines[-5:]
     s.stop()
 
 
-def test_a_sigterm_while_the_event_loop_is_built_still_stops_cleanly():
-    """SIGTERM sent from inside asyncio's loop constructor (the moment a client that has read the "serving" line
-    may send it): the server stops, says so last, exits 143, and no half-built loop complains at exit."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_a_signal_while_the_event_loop_is_built_still_stops_cleanly(sig):
+    """SIGTERM or SIGINT sent from inside asyncio's loop constructor (the moment a client that has read the "serving"
+    line may send it): the server stops, says so last, exits 128 + the signal, and nothing complains at exit."""
     from common.gguf_llama import find_smollm2_gguf
     if find_smollm2_gguf() is None:
         pytest.skip("SmolLM2 is not installed")
-    code = ("import asyncio.selector_events as se, os, signal, sys\n"
+    code = ("import asyncio.selector_events as se, os, sys\n"
             "build = se.BaseSelectorEventLoop.__init__\n"
             "def built(self, *a):\n"
             "    build(self, *a)\n"
-            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            f"    os.kill(os.getpid(), {int(sig)})\n"
             "se.BaseSelectorEventLoop.__init__ = built\n"
             "from lecture27 import serve\n"
             "serve.main(['--port', '0', '--no-store', '--threads', '1'])\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        cwd=launch.SERVE.parents[1])
     out = (r.stdout + r.stderr).strip()
-    assert r.returncode == 128 + signal.SIGTERM, out
+    assert r.returncode == 128 + sig, out
     assert out.splitlines()[-1] == "stopped" and "Traceback" not in out and "Exception ignored" not in out, out
+
+
+def test_ctrl_c_while_serving_stops_without_a_traceback():
+    """SIGINT, as Ctrl-C sends it, to a server that serves: it stops, says so last, exits 130, no traceback."""
+    s = started(launch.engine("--no-store"))
+    os.kill(s.pid, signal.SIGINT)
+    assert s.proc.wait(30) == 128 + signal.SIGINT
+    deadline = time.monotonic() + 10   # the reader thread reads the output to its end
+    while "stopped" not in s.lines[-1] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert s.lines[-1] == "stopped" and not any("Traceback" in line for line in s.lines), s.lines[-5:]
+    s.stop()
 
 
 def test_a_redis_password_stays_off_command_lines_and_output_and_a_dead_redis_costs_misses(password_redis):

@@ -147,18 +147,20 @@ def main(argv=None) -> None:
         print(line, flush=True)
 
     web = None        # the HTTP server, once built
-    terminated = []   # a SIGTERM it was asked to stop by
+    stopped_by = []   # the signal (SIGTERM, or SIGINT: Ctrl-C) that asked it to stop
 
-    def on_sigterm(*_) -> None:
-        """As Ctrl-C until the HTTP server is built: SystemExit, and the cleanup below runs. From then on it asks
-        that server to stop (as uvicorn's own handler does while it serves): an exception raised inside asyncio's
-        machinery, in the event loop's constructor say, would leave a half-built loop that complains at exit."""
+    def on_stop(signum, _frame) -> None:
+        """Until the HTTP server is built: SystemExit, and the cleanup below runs. From then on it asks that server
+        to stop (as uvicorn's own handler does while it serves): an exception raised inside asyncio's machinery,
+        in the event loop's constructor say, would leave a half-built loop that complains at exit, and Ctrl-C
+        would end in a traceback."""
         if web is None:
-            sys.exit(128 + signal.SIGTERM)
-        terminated.append(True)
+            sys.exit(128 + signum)
+        stopped_by.append(signum)
         web.should_exit = True
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_stop)
     model, tok, info = load_gguf_llama(path)
     name = Path(path).stem.split(".")[0]   # SmolLM2-135M-Instruct: the file's name without its quantization
     folder = Path(tempfile.mkdtemp(prefix="engine-", dir=checkpoint_dir()))
@@ -190,7 +192,7 @@ def main(argv=None) -> None:
         try:
             asyncio.run(serving)
         finally:
-            serving.close()   # a Ctrl-C before the loop started it: no "never awaited" warning at exit
+            serving.close()   # never started (an exception before the loop ran it): no "never awaited" warning
     finally:
         steps = [engine.stop] if engine else [tiers.close] if tiers else []   # the engine closes its tiers
         for step in steps + ([server.stop] if server else []) + [lambda: shutil.rmtree(folder, ignore_errors=True)]:
@@ -199,8 +201,8 @@ def main(argv=None) -> None:
             except Exception as e:   # the next steps still run
                 print(f"serve: cleanup: {e}", file=sys.stderr)
         say("stopped")
-    if terminated:
-        sys.exit(128 + signal.SIGTERM)
+    if stopped_by:
+        sys.exit(128 + stopped_by[0])   # 143 after SIGTERM, 130 after Ctrl-C, as the shell reports a signal
 
 if __name__ == "__main__":
     main()
