@@ -58,11 +58,11 @@ def connector(parts, tiers=None, **kw) -> KVConnector:
     return KVConnector(mid, tiers, model.cfg.n_kv_heads, **kw)
 
 
-def engine(parts, con=None, **kw) -> Engine:
+def engine(parts, con=None, threads=1, **kw) -> Engine:
     model, tok, _ = parts
     con = con if con is not None else connector(parts)
     ends = {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")}
-    return Engine(model, tok, con, ends, threads=1, **kw).start()
+    return Engine(model, tok, con, ends, threads=threads, **kw).start()
 
 
 class Answer:
@@ -507,6 +507,58 @@ def test_a_stalled_tier_delays_no_step(parts):
             short.wait()
         eng.stop()
 
+
+class _ThreadsTier(ks.RamTier):
+    """A RAM tier that notes, at each look-up and write, the thread it runs in and that thread's torch threads."""
+    name = "threads"
+
+    def __init__(self):
+        super().__init__(1 << 30)
+        self.seen = []
+
+    def _note(self):
+        self.seen.append((threading.current_thread().name, torch.get_num_threads()))
+
+    def put(self, name, blob):
+        self._note()
+        return super().put(name, blob)
+
+    def has(self, name):
+        self._note()
+        return super().has(name)
+
+
+def test_only_the_model_thread_runs_torch_on_several_cores(parts):
+    """The writer (a record written behind) and the loader (a look-up) run torch on one thread, the model thread on
+    the engine's count, even where the thread that built them runs on two (generate.py's docstring: a second OpenMP
+    team puts the model thread's workers to sleep after every parallel region). The writer is asked first, alone: a
+    thread's count starts as the last one any thread set, so the loader's setting would hide the writer's."""
+    model, tok, mid = parts
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    tier, eng, model_threads = _ThreadsTier(), None, []
+    con = connector(parts, Tiers([tier], ks.kv_shape(model.cfg)))
+    try:
+        cfg = model.cfg
+        con.save(ks.ChunkKey(mid, tuple(range(8))), torch.zeros(cfg.n_layers, 2, cfg.n_kv_heads, 8, cfg.head_dim))
+        deadline = time.monotonic() + 30
+        while con.pending_writes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        writer = list(tier.seen)
+        eng = engine(parts, con, threads=2)
+        Answer(eng, chat_prompt(tok, [("user", "Name a colour.")]), max_tokens=2).wait()
+        settle(eng)
+        eng.inbox.put(lambda: model_threads.append(torch.get_num_threads()))
+        while not model_threads and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        if eng is not None:
+            eng.stop()
+        torch.set_num_threads(before)
+    assert writer and {name for name, _ in writer} == {"engine-writer"} and all(n == 1 for _, n in writer), writer
+    assert {name for name, _ in tier.seen} == {"engine-loader", "engine-writer"}
+    assert all(n == 1 for _, n in tier.seen), tier.seen
+    assert model_threads == [2]
 
 # ------------------------------------------------------------------------------------------------ the separator
 DOCS6 = DOCS + ["Lake Osric freezes over every January, and the ice is thick enough to walk on by February.",

@@ -138,6 +138,8 @@ def main(argv=None) -> None:
         sys.exit(2)
     import torch
     import uvicorn
+    threads = a.threads or torch.get_num_threads()
+    torch.set_num_threads(1)   # loading and packing on one core: only the model thread runs on several (generate.py)
     from common.checkpoints import checkpoint_dir
     from lecture27.engine.api import make_app
     from lecture27.engine.connector import KVConnector
@@ -171,7 +173,7 @@ def main(argv=None) -> None:
                                 ratio=a.ratio, rule=a.rule, block=a.block_tokens, hot_bytes=int(a.hot_gb * 1e9))
         end_ids = {t for t in (tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"), info.get("eos_id"))
                    if t is not None}
-        engine = Engine(model, tok, connector, end_ids, threads=a.threads or torch.get_num_threads(),
+        engine = Engine(model, tok, connector, end_ids, threads=threads,
                         step_tokens=a.step_tokens, max_running=a.max_running).start()
         cfg = model.cfg
         del model   # the engine runs a packed copy of its weights (runner.packed): the plain ones are let go

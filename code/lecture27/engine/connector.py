@@ -161,6 +161,7 @@ class Writer:
         self.thread.join(timeout)
 
     def _write(self) -> None:
+        torch.set_num_threads(1)   # only the model thread runs torch on several cores (generate.py's docstring)
         while (job := self.writes.get()) is not None:
             key, block = job
             try:
