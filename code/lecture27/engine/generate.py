@@ -10,7 +10,7 @@ Only the model thread runs torch on several cores: the loader and the writer run
 that builds the engine (serve.py's main thread loads the model on one). PyTorch's CPU kernels run on OpenMP, and GNU
 OpenMP keeps a team's idle workers spinning between two parallel regions only while it manages no more threads than
 the machine has cores (libgomp's manual, GOMP_SPINCOUNT: 300,000 spins, else 100). A second team, made by a thread
-that once ran torch on every core, puts every worker to sleep after each region, and each of a step's thousands of
+that once ran torch on every core, puts every worker to sleep after each region, and each of a step's hundreds of
 regions then waits for one to wake (serve.py --threads 2 on two cores with the model loaded on two: a reordered RAG
 request's first token 1.6-1.8 s instead of 1.2-1.6 s, a 1,500-token prompt's 5.3-5.4 s instead of 4.1-4.2 s).
 A request's KV is reusable the moment it ends: its exact blocks go into the connector's hot cache in this process
