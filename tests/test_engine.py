@@ -456,26 +456,35 @@ def test_store_jobs_finish_under_steady_traffic(parts):
         eng.stop()
 
 
-class _StalledTier(ks.RamTier):
+class _WatchedTier(ks.RamTier):
+    """A RAM tier that calls `_watch()` at each look-up and write, before doing it."""
+
+    def __init__(self):
+        super().__init__(1 << 30)
+
+    def _watch(self):
+        pass
+
+    def put(self, name, blob):
+        self._watch()
+        return super().put(name, blob)
+
+    def has(self, name):
+        self._watch()
+        return super().has(name)
+
+
+class _StalledTier(_WatchedTier):
     """A tier whose reads and writes hang while `stalled` is set (a Redis server under SIGSTOP)."""
     name = "stalled"
 
     def __init__(self):
-        super().__init__(1 << 30)
-        self.stalled, self.calls = threading.Event(), 0
+        super().__init__()
+        self.stalled = threading.Event()
 
-    def _wait(self):
-        self.calls += 1
+    def _watch(self):
         while self.stalled.is_set():
             time.sleep(0.01)
-
-    def put(self, name, blob):
-        self._wait()
-        return super().put(name, blob)
-
-    def has(self, name):
-        self._wait()
-        return super().has(name)
 
 
 def test_a_stalled_tier_delays_no_step(parts):
@@ -508,24 +517,16 @@ def test_a_stalled_tier_delays_no_step(parts):
         eng.stop()
 
 
-class _ThreadsTier(ks.RamTier):
+class _ThreadsTier(_WatchedTier):
     """A RAM tier that notes, at each look-up and write, the thread it runs in and that thread's torch threads."""
     name = "threads"
 
     def __init__(self):
-        super().__init__(1 << 30)
+        super().__init__()
         self.seen = []
 
-    def _note(self):
+    def _watch(self):
         self.seen.append((threading.current_thread().name, torch.get_num_threads()))
-
-    def put(self, name, blob):
-        self._note()
-        return super().put(name, blob)
-
-    def has(self, name):
-        self._note()
-        return super().has(name)
 
 
 def test_only_the_model_thread_runs_torch_on_several_cores(parts):
