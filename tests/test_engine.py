@@ -561,6 +561,7 @@ def test_only_the_model_thread_runs_torch_on_several_cores(parts):
     assert all(n == 1 for _, n in tier.seen), tier.seen
     assert model_threads == [2]
 
+
 # ------------------------------------------------------------------------------------------------ the separator
 DOCS6 = DOCS + ["Lake Osric freezes over every January, and the ice is thick enough to walk on by February.",
                 "A ferry crosses Lake Varna twice a day in summer; it does not run when the wind is strong.",

@@ -258,15 +258,14 @@ def test_a_signal_while_the_event_loop_is_built_still_stops_cleanly(sig):
     assert out.splitlines()[-1] == "stopped" and "Traceback" not in out and "Exception ignored" not in out, out
 
 
-
 def test_the_server_loads_the_model_on_one_thread_and_runs_it_on_every_core():
-    """serve.py's main thread loads the model and builds the engine on one torch thread, so that the model thread's
-    OpenMP team is the process's only one (engine/generate.py's docstring); the engine still gets one thread per core
-    by default (--threads 0), counted before the main thread's count is set to one."""
+    """serve.py's main thread is on one torch thread when it builds the engine (it set that before loading the model),
+    so that the model thread's OpenMP team is the process's only one (engine/generate.py's docstring); the engine still
+    gets one thread per core by default (--threads 0), counted before the main thread's count is set to one."""
     from common.gguf_llama import find_smollm2_gguf
     if find_smollm2_gguf() is None:
         pytest.skip("SmolLM2 is not installed")
-    code = ("import os, torch\n"
+    code = ("import torch\n"
             "torch.set_num_threads(2)\n"
             "from lecture27.engine import generate\n"
             "def built(self, *a, **k):\n"
@@ -278,6 +277,7 @@ def test_the_server_loads_the_model_on_one_thread_and_runs_it_on_every_core():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        cwd=launch.SERVE.parents[1])
     assert r.returncode == 0 and "built on 1 for 2" in r.stdout.splitlines(), r.stdout + r.stderr
+
 
 def test_ctrl_c_while_serving_stops_without_a_traceback():
     """SIGINT, as Ctrl-C sends it, to a server that serves: it stops, says so last, exits 130, no traceback."""
