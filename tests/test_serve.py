@@ -236,23 +236,27 @@ def test_sigterm_stops_the_server_and_the_redis_server_it_started(engine):
     s.stop()
 
 
+def serve_main(setup: str, *args: str) -> subprocess.CompletedProcess:
+    """serve.main(--port 0 --no-store *args) in a Python of its own, after `setup` (code that patches what a test
+    watches); skips where SmolLM2 is not installed."""
+    from common.gguf_llama import find_smollm2_gguf
+    if find_smollm2_gguf() is None:
+        pytest.skip("SmolLM2 is not installed")
+    code = setup + f"from lecture27 import serve\nserve.main({['--port', '0', '--no-store', *args]!r})\n"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=launch.SERVE.parents[1])
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
 def test_a_signal_while_the_event_loop_is_built_still_stops_cleanly(sig):
     """SIGTERM or SIGINT sent from inside asyncio's loop constructor (the moment a client that has read the "serving"
     line may send it): the server stops, says so last, exits 128 + the signal, and nothing complains at exit."""
-    from common.gguf_llama import find_smollm2_gguf
-    if find_smollm2_gguf() is None:
-        pytest.skip("SmolLM2 is not installed")
-    code = ("import asyncio.selector_events as se, os, sys\n"
-            "build = se.BaseSelectorEventLoop.__init__\n"
-            "def built(self, *a):\n"
-            "    build(self, *a)\n"
-            f"    os.kill(os.getpid(), {int(sig)})\n"
-            "se.BaseSelectorEventLoop.__init__ = built\n"
-            "from lecture27 import serve\n"
-            "serve.main(['--port', '0', '--no-store', '--threads', '1'])\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       cwd=launch.SERVE.parents[1])
+    r = serve_main("import asyncio.selector_events as se, os\n"
+                   "build = se.BaseSelectorEventLoop.__init__\n"
+                   "def built(self, *a):\n"
+                   "    build(self, *a)\n"
+                   f"    os.kill(os.getpid(), {int(sig)})\n"
+                   "se.BaseSelectorEventLoop.__init__ = built\n", "--threads", "1")
     out = (r.stdout + r.stderr).strip()
     assert r.returncode == 128 + sig, out
     assert out.splitlines()[-1] == "stopped" and "Traceback" not in out and "Exception ignored" not in out, out
@@ -262,20 +266,13 @@ def test_the_server_loads_the_model_on_one_thread_and_runs_it_on_every_core():
     """serve.py's main thread is on one torch thread when it builds the engine (it set that before loading the model),
     so that the model thread's OpenMP team is the process's only one (engine/generate.py's docstring); the engine still
     gets one thread per core by default (--threads 0), counted before the main thread's count is set to one."""
-    from common.gguf_llama import find_smollm2_gguf
-    if find_smollm2_gguf() is None:
-        pytest.skip("SmolLM2 is not installed")
-    code = ("import torch\n"
-            "torch.set_num_threads(2)\n"
-            "from lecture27.engine import generate\n"
-            "def built(self, *a, **k):\n"
-            "    print('built on', torch.get_num_threads(), 'for', k['threads'], flush=True)\n"
-            "    raise SystemExit(0)\n"
-            "generate.Engine.__init__ = built\n"
-            "from lecture27 import serve\n"
-            "serve.main(['--port', '0', '--no-store', '--threads', '0'])\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       cwd=launch.SERVE.parents[1])
+    r = serve_main("import torch\n"
+                   "torch.set_num_threads(2)\n"
+                   "from lecture27.engine import generate\n"
+                   "def built(self, *a, **k):\n"
+                   "    print('built on', torch.get_num_threads(), 'for', k['threads'], flush=True)\n"
+                   "    raise SystemExit(0)\n"
+                   "generate.Engine.__init__ = built\n", "--threads", "0")
     assert r.returncode == 0 and "built on 1 for 2" in r.stdout.splitlines(), r.stdout + r.stderr
 
 
