@@ -4,6 +4,8 @@ is absent, the RAG full-prefill requests each peer is sent, and the quality comp
 import importlib
 import os
 import stat
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +13,7 @@ from common.present import Page
 from lecture27.serving import bench, launch
 
 bench_serve = importlib.import_module("lecture27.bench_serve")
+INSTALL = Path(__file__).resolve().parents[1] / launch.INSTALL
 
 
 @pytest.fixture
@@ -89,6 +92,28 @@ def test_an_own_install_is_found_through_the_environment(peers, tmp_path, monkey
 
 def answer(user, turn, text, error=None):
     return bench.Sample("rag", user, turn, None if error else 0.5, 1.0, 100, 0, 4, text, error)
+
+
+def stub(path: Path, body: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/usr/bin/env bash\n" + body + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def test_install_peers_takes_a_relative_python_from_where_it_was_started(peers, tmp_path):
+    """The README's `PYTHON=.venv/bin/python bash .../install_peers.sh vllm`, run from the clone's root: the project's
+    Python is found although the script's later steps run from code/. Both Pythons are stubs here: vLLM's venv (already
+    there) logs what it is asked, the project's names a GGUF file."""
+    log = tmp_path / "vllm-python.log"
+    stub(peers / "vllm-venv" / "bin" / "python", f'echo "$*" >> {log}')
+    stub(tmp_path / "clone" / ".venv" / "bin" / "python",
+         'case "$*" in *gguf_file*) echo /models/smollm2.gguf ;; *) echo "pass" ;; esac')
+    run = subprocess.run(["bash", str(INSTALL), "vllm"], cwd=tmp_path / "clone", capture_output=True, text=True,
+                         env={**os.environ, "PYTHON": ".venv/bin/python"}, timeout=60)
+    assert run.returncode == 0, run.stderr
+    convert = log.read_text().splitlines()[-1]
+    assert convert.startswith("-c pass /models/smollm2.gguf ") and convert.endswith("peers/smollm2-135m-f32")
 
 
 def test_same_share_pairs_by_user_and_turn_and_leaves_errors_out():

@@ -13,6 +13,8 @@ here="$(cd "$(dirname "$0")/../.." && pwd)"                    # code/
 peers="${L27_PEERS:-$HOME/.cache/lecture27-peers}"
 weights="${L27_CHECKPOINTS:-$here/checkpoints}/peers/smollm2-135m-f32"
 python="${PYTHON:-python3}"
+# a relative path names a file from where the script was started; the steps below run from code/
+case "$python" in */*) python="$(cd "$(dirname "$python")" && pwd)/$(basename "$python")" ;; esac
 want=("$@"); [ ${#want[@]} -eq 0 ] && want=(vllm llama.cpp)
 for peer in "${want[@]}"; do
   case "$peer" in vllm|llama.cpp) ;; *) echo "install_peers.sh: unknown peer $peer (vllm or llama.cpp)" >&2; exit 2 ;; esac
