@@ -1,6 +1,7 @@
 """The peers beside our engine (vLLM's CPU server, llama.cpp's llama-server) without either installed: their
 command lines (127.0.0.1, the flags, one thread count for all), the one line and exit code 2 when a peer asked for
-is absent, the RAG full-prefill requests each peer is sent, and the quality comparison on made-up answers."""
+is absent, the RAG full-prefill requests each peer is sent, the quality comparison on made-up answers, and
+install_peers.sh's vLLM steps with stubs for both Pythons."""
 import importlib
 import os
 import stat
