@@ -27,6 +27,14 @@ def peers(tmp_path, monkeypatch):
     return tmp_path / "peers"
 
 
+def stub(path: Path, body: str) -> Path:
+    """An executable bash script at `path` (its folders made) running `body`: a program a test stands in for."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/usr/bin/env bash\n" + body + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
 def flag(argv, name):
     return argv[argv.index(name) + 1]
 
@@ -80,9 +88,7 @@ def test_an_absent_peer_is_one_line_and_exit_2(peers, capsys):
 
 
 def test_an_own_install_is_found_through_the_environment(peers, tmp_path, monkeypatch):
-    binary = tmp_path / "my-llama-server"
-    binary.write_text("#!/bin/sh\n")
-    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    binary = stub(tmp_path / "my-llama-server", "")
     monkeypatch.setenv("L27_LLAMA_SERVER", str(binary))
     assert launch.peer_missing("llama.cpp") is None and launch.llama_server("/x.gguf", 1).argv[0] == str(binary)
     python = tmp_path / "python"   # a Python with no vllm module
@@ -93,13 +99,6 @@ def test_an_own_install_is_found_through_the_environment(peers, tmp_path, monkey
 
 def answer(user, turn, text, error=None):
     return bench.Sample("rag", user, turn, None if error else 0.5, 1.0, 100, 0, 4, text, error)
-
-
-def stub(path: Path, body: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("#!/usr/bin/env bash\n" + body + "\n")
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    return path
 
 
 def test_install_peers_takes_a_relative_python_from_where_it_was_started(peers, tmp_path):

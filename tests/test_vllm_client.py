@@ -5,7 +5,6 @@ runs on, its table, and the one line and exit code 2 when vLLM's venv (or pandas
 vLLM's real client against our real engine (skipped without vLLM's venv)."""
 import importlib
 import json
-import stat
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 
 from common.present import Page
 from lecture27.serving import bench, launch, vllm_client as vc
+from test_peers import stub
 
 bench_serve = importlib.import_module("lecture27.bench_serve")
 RESULT = Path(__file__).parent / "data" / "vllm_bench_result.json"   # vLLM 0.32.0's --save-result --save-detailed
@@ -158,9 +158,7 @@ def test_a_missing_vllm_venv_is_one_line_and_exit_2(peers, tmp_path, monkeypatch
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and "\n" not in err and "--client vllm: no vLLM's Python at" in err
     assert "install_peers.sh vllm" in err and "L27_VLLM_PYTHON" in err
-    python = tmp_path / "python"   # a Python with vllm but no pandas: every import check fails
-    python.write_text("#!/bin/sh\nexit 1\n")
-    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    python = stub(tmp_path / "python", "exit 1")   # a Python with vllm but no pandas: every import check fails
     monkeypatch.setenv("L27_VLLM_PYTHON", str(python))
     monkeypatch.setattr(launch, "peer_missing", lambda name: None)
     assert vc.missing(("random",)) is None
