@@ -1,7 +1,8 @@
 """The peers beside our engine (vLLM's CPU server, llama.cpp's llama-server) without either installed: their
 command lines (127.0.0.1, the flags, one thread count for all), the one line and exit code 2 when a peer asked for
-is absent, the RAG full-prefill requests each peer is sent, the quality comparison on made-up answers, and
-install_peers.sh's vLLM steps with stubs for both Pythons."""
+is absent, the RAG full-prefill requests each peer is sent, the quality comparison on made-up answers,
+install_peers.sh's vLLM steps with stubs for both Pythons, and its llama.cpp build (the instruction sets it asks
+for) with stubs for pip and cmake."""
 import importlib
 import os
 import stat
@@ -174,3 +175,26 @@ def test_a_server_whose_ready_line_names_no_url_keeps_the_one_given():
     with s:
         assert s.url == "http://127.0.0.1:41236/v1" and s.pid
     assert s.proc is None
+
+
+@pytest.mark.parametrize("cpu", ["avx2-only", "avx-512"])
+def test_install_peers_builds_llama_server_for_the_instruction_sets_the_cpu_has(peers, tmp_path, cpu):
+    """llama-server built for AVX-512 stops at its first instruction on an AVX2-only CPU: the build asks for each of
+    AVX2, FMA, F16C and AVX-512 only where the CPU's flags (L27_CPUINFO here, /proc/cpuinfo by default) name it. pip
+    and cmake are stubs: pip's download is an empty llama.cpp source tree, cmake logs its arguments and "builds"."""
+    flags = "fpu sse2 avx avx2 fma f16c" + (" avx512f avx512bw avx512vl" if cpu == "avx-512" else "")
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    bin_, log = tmp_path / "bin", tmp_path / "cmake.log"
+    stub(bin_ / "pip", 'src="$(mktemp -d)/llama_cpp_python-0.0"; mkdir -p "$src/vendor/llama.cpp"\n'
+                       'tar czf "${@: -1}/llama_cpp_python-0.0.tar.gz" -C "$(dirname "$src")" llama_cpp_python-0.0')
+    stub(bin_ / "cmake", f'echo "$*" >> {log}\n'
+                         '[ "$1" = --build ] && mkdir -p build/bin && echo server > build/bin/llama-server; exit 0')
+    run = subprocess.run(["bash", str(INSTALL), "llama.cpp"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "L27_CPUINFO": str(cpuinfo)})
+    assert run.returncode == 0, run.stderr
+    configure = log.read_text().splitlines()[0].split()
+    on = "ON" if cpu == "avx-512" else "OFF"
+    assert {"-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", f"-DGGML_AVX512={on}"} \
+        <= set(configure)
+    assert (peers / "bin" / "llama-server").read_text() == "server\n"

