@@ -221,6 +221,48 @@ def test_the_tables_and_ratios_block_print_from_made_up_runs(capsys):
     assert bench_serve.sequences(runs)["chat8"]["store"]["last_over_lone"] == 4.0
 
 
+# ------------------------------------------------------------------------------------------------ --blend-ratio
+def test_blend_ratios_start_ours_at_each_ratio_for_rag_alone():
+    """--blend-ratio R starts ours with `--ratio R` as store@R, which runs rag alone (its quality row); store's own
+    ratio and a repeated R start nothing more, and a workload list without rag starts none."""
+    import importlib as il
+    assert bench_serve.RATIO == il.import_module("lecture27.serve").RATIO   # two programs, one ratio
+    a = bench_serve.parse(["--blend-ratio", "0.6", "--blend-ratio", "1", "--blend-ratio", "0.6", "--blend-ratio",
+                           "0.15", "--no-plot"])
+    got = {name: (s, loads) for name, s, _, loads in bench_serve.servers(a)}
+    assert list(got) == ["store", "no_store", "serial", "store@0.6", "store@1"]
+    assert got["store@0.6"][1] == ["rag"] and got["serial"][1] == ["chat8"] and got["store"][1] == list(a.workloads)
+    argv = got["store@0.6"][0].argv
+    assert argv[argv.index("--ratio") + 1] == "0.6" and "--ratio" not in got["store"][0].argv
+    none = bench_serve.parse(["--blend-ratio", "0.6", "--workload", "chat8", "--no-plot"])
+    assert [name for name, *_ in bench_serve.servers(none)] == ["store", "no_store", "serial"]
+    vllm_client_only = bench_serve.parse(["--blend-ratio", "0.6", "--no-plot"])
+    vllm_client_only.clients = ("vllm",)   # vLLM's client runs no server started for our client's comparisons
+    assert [name for name, *_ in bench_serve.servers(vllm_client_only)] == ["store"]
+
+
+def test_a_blend_ratio_outside_0_1_or_beside_url_is_one_line_and_exit_2(capsys):
+    for argv in (["--blend-ratio", "1.5"], ["--blend-ratio", "0.6", "--url", "http://127.0.0.1:8000/v1"]):
+        with pytest.raises(SystemExit) as e:
+            bench_serve.parse([*argv, "--no-plot"])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and len(err.splitlines()) <= 2 and "--blend-ratio" in err, err
+
+
+def test_the_quality_table_sets_each_ratio_beside_no_stores_answers():
+    def rag(server, texts, ttft):
+        return bench.Run(server, "rag", 1, [sample(ttft, 0, t, x, workload="rag") for t, x in enumerate(texts)], 1.0)
+    runs = [rag("store", "abcd", 1.0), rag("no_store", "abxy", 4.0), rag("store@0.6", "abcy", 2.0),
+            rag("store@1", "abxy", 4.0)]
+    q = {x["server"]: x for x in bench_serve.rag_quality(runs)}
+    assert [x["server"] for x in bench_serve.rag_quality(runs)] == ["store", "store@0.6", "store@1"]
+    assert (q["store"]["same_answer"], q["store@0.6"]["same_answer"], q["store@1"]["same_answer"]) == (0.5, 0.75, 1.0)
+    assert q["store@0.6"]["reuses"] == "exact prefix; chunks blended, 60% recomputed"
+    assert q["store@1"]["reuses"] == "exact prefix; chunks blended, 100% recomputed"
+    assert q["store@0.6"]["ttft_p50_s"] == 2.0 and "no_store" in q["store@0.6"]["against"]
+    assert bench_serve.reuses("store@0.6") == "what store reuses, 60% recomputed (serve.py --ratio 0.6)"
+
+
 # ------------------------------------------------------------------------------------------------ chat8's floor
 def test_the_floors_products_are_every_linear_layer_at_the_rows_asked():
     """product_seconds runs each block's seven linear layers on `rows` rows (a layer left out, the floor would be too

@@ -15,13 +15,15 @@ store and --max-running 1 (one request at a time: "serial"); each runs the same 
 vLLM's CPU server on SmolLM2's weights in float32 with its prefix cache, and llama.cpp's llama-server on the GGUF
 file with 4 slots and --cache-reuse, each with the same thread count as ours; for RAG each peer also answers every
 request again with its cache out of the way, and the quality table sets each server's answers beside a full
-prefill's. --url NAME=URL names a server; the
-ratios block compares the ones named store, no_store and serial. The workloads are serving/bench.py's: every
-timed request is sent the moment its user's answer before it ends, never after a look at /health; only a
-workload's warm-up waits for the server to be idle, and the table says what each warm-up sent. The tables put the
-servers side by side, figures/serve_bench.png draws TTFT p50 and p99; --json PATH writes it all. Beside chat8's two
-ratios the targets table puts their floor (serving/floor.py): SmolLM2's matrix products of the crowd's prompts alone,
-timed here after the servers have stopped, against the run's lone TTFT and serial wall time (servers started here).
+prefill's. --blend-ratio R (repeatable) also starts ours with the store at CacheBlend's recompute ratio R, named
+store@R, for rag alone: the quality table then sets each ratio's TTFT beside its answers, the trade-off the ratio
+makes. --url NAME=URL names a server; the ratios block compares the ones named store, no_store and serial. The
+workloads are serving/bench.py's: every timed request is sent the moment its user's answer before it ends, never
+after a look at /health; only a workload's warm-up waits for the server to be idle, and the table says what each
+warm-up sent. The tables put the servers side by side, figures/serve_bench.png draws TTFT p50 and p99; --json PATH
+writes it all. Beside chat8's two ratios the targets table puts their floor (serving/floor.py): SmolLM2's matrix
+products of the crowd's prompts alone, timed here after the servers have stopped, against the run's lone TTFT and
+serial wall time (servers started here).
 --client vllm drives the servers with vLLM's own benchmark client instead (`vllm bench serve`, from the vLLM venv
 install_peers.sh makes; serving/vllm_client.py): its random dataset and a custom one of our rag1 prompts, against
 ours with the store and every peer started (and every --url), one table of vLLM's own figures. --client ours
@@ -35,7 +37,7 @@ import signal
 import sys
 from pathlib import Path
 
-from common.cli import Parser, positive_int
+from common.cli import Parser, fraction, positive_int
 from common.present import Page, Row, Table, cols
 from lecture27.serving import bench, floor, launch, vllm_client
 
@@ -56,6 +58,7 @@ CLIENTS = ("ours", "vllm")   # whose client sends the requests: serving/bench.py
 CLIENT = ("ours",)          # the clients run when --client is not given
 ONLY_OURS = ("no_store", "serial")   # servers started for our client's comparisons alone: vLLM's client skips them
 SERIAL = ("--max-running", "1")   # the flags of ours one request at a time, for chat8's wall time
+RATIO = 0.15                # serve.py's CacheBlend recompute ratio, the one the server named store runs with
 REUSES = {"store": "prefixes exactly; messages in any order, blended",
           "no_store": "nothing (every prompt prefilled)",
           "serial": "what store reuses, running one request at a time (--max-running 1)",
@@ -94,6 +97,9 @@ def parse(argv=None):
                    help="threads of every server started here (ours and the peers)")
     p.add_argument("--peer", choices=launch.PEERS, action="append", default=[],
                    help="also start this peer's server and run it (repeatable)")
+    p.add_argument("--blend-ratio", type=fraction, action="append", default=[], metavar="R",
+                   help="also start ours with the store at CacheBlend's recompute ratio R (serve.py --ratio R, named "
+                        "store@R) and run rag on it (repeatable): the quality table's TTFT beside its answers")
     p.add_argument("--client", choices=CLIENTS, action="append",
                    help="whose client drives the servers (repeatable): ours runs the workloads; vllm runs vLLM's "
                         "benchmark client (vllm bench serve, from the vLLM venv) with --vllm-dataset's datasets, "
@@ -116,11 +122,14 @@ def parse(argv=None):
     if a.chat8_users >= len(bench.PROSE):
         p.error(f"--chat8-users: at most {len(bench.PROSE) - 1} (one passage a user, one for the lone request)")
     taken = {"users", "chat8_users", "max_tokens", "runs", "reuses", "same_answer", "threads", "rag_quality", "chat8",
-             "reorder", "ratios", "vllm_client", "failed"}   # --json's other top-level keys
+             "reorder", "ratios", "chat8_floor", "vllm_client", "failed"}   # --json's other top-level keys
     for name in (url_name(u) for u in a.url):
         if name in taken:
             p.error(f"--url {name}=...: {name!r} names one of --json's keys; call the server something else")
+    if a.blend_ratio and a.url:
+        p.error("--blend-ratio starts ours; with --url, start it yourself (serve.py --ratio R) and name it")
     a.peer = list(dict.fromkeys(a.peer))
+    a.blend_ratio = list(dict.fromkeys(a.blend_ratio))
     a.clients = tuple(c for c in CLIENTS if c in (a.client or CLIENT))
     a.vllm_datasets = tuple(d for d in vllm_client.DATASETS if d in (a.vllm_dataset or vllm_client.DATASETS))
     for why in [launch.peer_missing(peer) for peer in a.peer] + \
@@ -139,9 +148,9 @@ def url_name(u: str) -> str:
 
 def servers(a):
     """[(name, a server to start or None, its url or None, its workloads)]: the URLs given, else ours with and
-    without the store and, when chat8 runs, ours one request at a time (each started when its turn comes); then
-    the peers, each on a free port of 127.0.0.1 with a.threads threads. Without our client, ours is started with
-    the store alone (vLLM's client runs on no ONLY_OURS server)."""
+    without the store, when chat8 runs ours one request at a time, and for rag ours at each --blend-ratio (each
+    started when its turn comes); then the peers, each on a free port of 127.0.0.1 with a.threads threads. Without
+    our client, ours is started with the store alone (vLLM's client runs on no ONLY_OURS server)."""
     if a.url:
         out = []
         for i, u in enumerate(a.url):
@@ -149,7 +158,9 @@ def servers(a):
     else:
         out = [("store", launch.engine(threads=a.threads), None, None),
                ("no_store", launch.engine("--no-store", threads=a.threads), None, None),
-               ("serial", launch.engine(*SERIAL, threads=a.threads), None, None)]
+               ("serial", launch.engine(*SERIAL, threads=a.threads), None, ("chat8",))]
+        out += [(blend_name(r), launch.engine("--ratio", f"{r:g}", threads=a.threads), None, ("rag",))
+                for r in a.blend_ratio if r != RATIO]
     for peer in a.peer:
         if peer == "vllm":
             out.append(("vllm", launch.vllm(launch.free_port(), a.threads), None, None))
@@ -157,9 +168,23 @@ def servers(a):
             from common.gguf_llama import gguf_file
             out.append(("llama.cpp", launch.llama_server(gguf_file(None), launch.free_port(), a.threads), None, None))
     if "ours" not in a.clients:
-        out = [x for x in out if x[1] is None or x[0] not in ONLY_OURS]
-    out = [(name, s, url, [w for w in a.workloads if name != "serial" or w == "chat8"]) for name, s, url, _ in out]
+        out = [x for x in out if x[1] is None or x[0] not in ONLY_OURS and x[3] is None]
+    out = [(name, s, url, [w for w in a.workloads if only is None or w in only]) for name, s, url, only in out]
     return [x for x in out if x[3]]
+
+
+def blend_name(ratio: float) -> str:
+    """The name of ours with the store at another CacheBlend ratio: store@0.6."""
+    return f"store@{ratio:g}"
+
+
+def reuses(name: str, short: bool = False) -> str:
+    """What a server reuses (REUSES; short: REUSE_SHORT, the quality table's words); store@R: store's, at its ratio."""
+    if name.startswith("store@"):
+        ratio = float(name[len("store@"):])
+        return f"exact prefix; chunks blended, {ratio:.0%} recomputed" if short else \
+            f"what store reuses, {ratio:.0%} recomputed (serve.py --ratio {ratio:g})"
+    return REUSE_SHORT.get(name, "?") if short else REUSES.get(name, "whatever it reuses")
 
 
 def model_name(url: str, api_key: str | None) -> str:
@@ -232,7 +257,7 @@ def rag_quality(runs: list) -> list:
             share, against = same.get((r.server, "rag")), "no_store's answer (our engine, every prompt prefilled)"
         else:
             share, against = None, "-"
-        out.append({"server": r.server, "reuses": REUSE_SHORT.get(r.server, "?"), "ttft_p50_s": r.p(0.5),
+        out.append({"server": r.server, "reuses": reuses(r.server, short=True), "ttft_p50_s": r.p(0.5),
                     "from_store": r.cached_share, "same_answer": share, "against": against,
                     "first_token_kl": r.summary().get("first_token_kl_mean")})
     return out
@@ -254,9 +279,9 @@ def show_quality(page: Page, runs: list) -> None:
                                 "what a full prefill computes (the same numbers up to the batch they ran in); "
                                 "llama.cpp shifts cached runs of tokens to their new place without recomputing them, "
                                 "so each document's KV still attends only to what came before it when it was cached; "
-                                "ours recomputes 15% of a blended document's tokens. KL: the first answer token's "
-                                "KL to a full prefill (our engine's kv_check, on reused documents); the peers do not "
-                                "say."]))
+                                f"ours recomputes {RATIO:.0%} of a blended document's tokens (store@R: R of them). "
+                                "KL: the first answer token's KL to a full prefill (our engine's kv_check, on reused "
+                                "documents); the peers do not say."]))
 
 
 def shown(x, spec: str = "{:.2f}") -> str:
@@ -274,11 +299,11 @@ def table_notes(runs: list) -> list:
     warm = "; ".join(f"{w}, {bench.WARMUP[w]}" for w in loads)
     crowd = ("; chat8 then sends one request alone, and its crowd the moment that answer ends (chat8's TTFT p50 "
              "and p99 are the crowd's)" if "chat8" in loads else "")
-    reuses = [f"{name}: reuses {REUSES.get(name, 'whatever it reuses')}."
+    reused = [f"{name}: reuses {reuses(name)}."
               for name in dict.fromkeys(r.server for r in runs)]
     failures = [f"{r.server}, {r.workload}: {r.errors} of its requests failed; the first: {first}" for r in runs
                 for first in [next((x.error for x in [r.alone, *r.samples] if x and x.error), None)] if first]
-    return reuses + failures + [
+    return reused + failures + [
         f"Warm-up, what a workload sent before its timed requests: {warm}. Then the client waited until our server was "
         f"idle (its /health: nothing queued, nothing left to store){crowd}. No timed request waits for anything but "
         "its user's answer before it. TTFT p50 and p99: nearest rank (the ceil(q n)-th smallest). Wall: from the first "
@@ -500,7 +525,7 @@ def main(argv=None) -> list:
                 "runs": [{"server": r.server, "workload": r.workload, **r.summary()} for r in runs],
                 **{name: {SPEC_NAMES.get(r.workload, r.workload): r.summary() for r in runs if r.server == name}
                    for name in names},
-                "reuses": {name: REUSES.get(name, "whatever it reuses") for name in names},
+                "reuses": {name: reuses(name) for name in names},
                 "same_answer": {f"{s}/{w}": v for (s, w), v in same_answers(runs).items()},
                 "threads": {name: a.threads for name in names}, "rag_quality": rag_quality(runs),
                 **sequences(runs),
