@@ -56,7 +56,8 @@ WORKLOADS = ("chat8", "rag", "rag1", "repeat", "reorder", "chat")
 CLIENTS = ("ours", "vllm")   # whose client sends the requests: serving/bench.py's workloads, or vLLM's benchmark
                             # client (serving/vllm_client.py)
 CLIENT = ("ours",)          # the clients run when --client is not given
-ONLY_OURS = ("no_store", "serial")   # servers started for our client's comparisons alone: vLLM's client skips them
+ONLY_OURS = ("no_store", "serial")   # servers started for our client's comparisons alone (with store@R, ours at
+                                     # another --blend-ratio): vLLM's client skips them
 SERIAL = ("--max-running", "1")   # the flags of ours one request at a time, for chat8's wall time
 RATIO = 0.15                # serve.py's CacheBlend recompute ratio, the one the server named store runs with
 REUSES = {"store": "prefixes exactly; messages in any order, blended",
@@ -168,7 +169,7 @@ def servers(a):
             from common.gguf_llama import gguf_file
             out.append(("llama.cpp", launch.llama_server(gguf_file(None), launch.free_port(), a.threads), None, None))
     if "ours" not in a.clients:
-        out = [x for x in out if x[1] is None or x[0] not in ONLY_OURS and x[3] is None]
+        out = [x for x in out if x[1] is None or x[0] not in ONLY_OURS and not x[0].startswith("store@")]
     out = [(name, s, url, [w for w in a.workloads if only is None or w in only]) for name, s, url, only in out]
     return [x for x in out if x[3]]
 
