@@ -60,6 +60,7 @@ ONLY_OURS = ("no_store", "serial")   # servers started for our client's comparis
                                      # another --blend-ratio): vLLM's client skips them
 SERIAL = ("--max-running", "1")   # the flags of ours one request at a time, for chat8's wall time
 RATIO = 0.15                # serve.py's CacheBlend recompute ratio, the one the server named store runs with
+AT_RATIO = "store@"         # the name of ours at another --blend-ratio R starts so: store@0.6
 REUSES = {"store": "prefixes exactly; messages in any order, blended",
           "no_store": "nothing (every prompt prefilled)",
           "serial": "what store reuses, running one request at a time (--max-running 1)",
@@ -169,20 +170,20 @@ def servers(a):
             from common.gguf_llama import gguf_file
             out.append(("llama.cpp", launch.llama_server(gguf_file(None), launch.free_port(), a.threads), None, None))
     if "ours" not in a.clients:
-        out = [x for x in out if x[1] is None or x[0] not in ONLY_OURS and not x[0].startswith("store@")]
+        out = [x for x in out if x[1] is None or x[0] not in ONLY_OURS and not x[0].startswith(AT_RATIO)]
     out = [(name, s, url, [w for w in a.workloads if only is None or w in only]) for name, s, url, only in out]
     return [x for x in out if x[3]]
 
 
 def blend_name(ratio: float) -> str:
     """The name of ours with the store at another CacheBlend ratio: store@0.6."""
-    return f"store@{ratio:g}"
+    return f"{AT_RATIO}{ratio:g}"
 
 
 def reuses(name: str, short: bool = False) -> str:
     """What a server reuses (REUSES; short: REUSE_SHORT, the quality table's words); store@R: store's, at its ratio."""
-    if name.startswith("store@"):
-        ratio = float(name[len("store@"):])
+    if name.startswith(AT_RATIO):
+        ratio = float(name[len(AT_RATIO):])
         return f"exact prefix; chunks blended, {ratio:.0%} recomputed" if short else \
             f"what store reuses, {ratio:.0%} recomputed (serve.py --ratio {ratio:g})"
     return REUSE_SHORT.get(name, "?") if short else REUSES.get(name, "whatever it reuses")
