@@ -103,7 +103,7 @@ def answer(user, turn, text, error=None):
 
 
 def test_install_peers_takes_a_relative_python_from_where_it_was_started(peers, tmp_path):
-    """The README's `PYTHON=.venv/bin/python bash .../install_peers.sh vllm`, run from the clone's root: the project's
+    """docs/peers.md's `PYTHON=.venv/bin/python bash .../install_peers.sh vllm`, from the clone's root: the project's
     Python is found although the script's later steps run from code/. Both Pythons are stubs here: vLLM's venv (already
     there) logs what it is asked, the project's names a GGUF file."""
     log = tmp_path / "vllm-python.log"

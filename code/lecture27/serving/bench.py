@@ -14,7 +14,7 @@ Workloads (the text is the project's own, common/english.py):
   rag1     rag's requests with each one's documents and question in one user message, the separator between them
            (LangChain's "stuff" chain; LMCache's blend_special_str cuts it into chunks): as fast from the store, but
            the first token further from a full prefill's (in-process on SmolLM2, at the engine's 15%, a KL of 0.030
-           nats on average against rag's 0.008; README, "Documents in one message"). Not a fault of the store:
+           nats on average against rag's 0.008; docs/engine.md, "Documents in one message"). Not a fault of the store:
            inside one message no chat-template header parts the documents, so each one's KV in place depends more
            on the ones before it than its copy prefilled alone saw;
   repeat   a long prompt no server has seen (another item's documents), then the same again the moment its

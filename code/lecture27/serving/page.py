@@ -71,7 +71,7 @@ def notes(r: ServedRun) -> list:
                 text += f" against {kl_messages:.3f} as messages"
                 if kl > kl_messages:
                     text += (": inside one message no chat-template header parts the documents, so a document "
-                             "prefilled alone is further from what it is in place (README, 'Documents in one "
+                             "prefilled alone is further from what it is in place (docs/engine.md, 'Documents in one "
                              "message')")
         out.append(text + ".")
     if r.first.ttft_s and r.again.ttft_s:
