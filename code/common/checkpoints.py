@@ -359,6 +359,8 @@ class _CodeWalk:
             return
         if _is_code(obj):
             self.push(obj)
+        elif name and name.startswith("_") and name.islower():
+            return   # a module's private state (redis_server's _spawner: a pid, a queue), not a constant it reads
         elif owner is not None and inspect.ismodule(owner) and _in_code(owner):
             self.values[f"{_stem(owner)}.{name}"] = hashlib.sha256(_canon(obj, self.push).encode()).hexdigest()[:16]
 

@@ -46,6 +46,7 @@ from lecture27.codec import measures as cm
 from lecture27.codec import page as cp
 from lecture27.codec import study as cs
 from lecture27 import kvcache as kv
+from common.measured import cached_measurement, fingerprint, measured_note
 from common.cli import Parser, positive_float, settings, settings_from, shipped_defaults
 from common.llama import single_thread
 from common.present import Page
@@ -101,12 +102,20 @@ def coder(run: cm.RecordRun, codecs: cm.Codecs) -> cm.CoderCheck:
     return cm.CoderCheck(one, many, cm.stream_layout(spec, run.Xe.shape[1]), codecs)
 
 
-def exercise3(run: cm.RecordRun, s: Settings) -> cm.Exercise3:
-    """Exercise 3 (§3.3): groups decode alone, the error by position in a group; the coders side by side."""
+def coders_timed(spec, q, s: Settings, unit: str, remeasure: bool) -> tuple:
+    """Exercise 3's coders timed on the symbols of q at spec, measured once on this machine and cached
+    (measured.cached_measurement): (cm.Throughput, when and where)."""
+    return cached_measurement(f"coders-{s.model}", {"symbols": fingerprint((spec, q)), "streams": s.coder_streams},
+                              lambda: cm.coder_throughput(spec, q, s.coder_streams, unit), remeasure, tag="02")
+
+
+def exercise3(run: cm.RecordRun, s: Settings, remeasure: bool = False) -> tuple:
+    """Exercise 3 (§3.3): groups decode alone, the error by position in a group; the coders side by side.
+    (cm.Exercise3, when and where its coders were timed)."""
     spec = run.study.specs[0]
     q = kv.quantize(run.Xe[:cs.CODEC_N_CODED], spec)
-    return cm.Exercise3(cm.independence(kv.fit_codec(run.Xc, spec.steps, True), run.Xe, s.ex3_contexts),
-                        cm.coder_throughput(spec, q, s.coder_streams, "context"))
+    timed, when = coders_timed(spec, q, s, "context", remeasure)
+    return cm.Exercise3(cm.independence(kv.fit_codec(run.Xc, spec.steps, True), run.Xe, s.ex3_contexts), timed), when
 
 
 def exercise4(s: Settings) -> cm.Exercise4:
@@ -120,9 +129,10 @@ def real_model(gguf, s: Settings, refit: bool) -> cm.Real:
     return cm.real_measures(gguf, refit, s.real_entropy_step, s.real_baseline_bits, s.zlib_level)
 
 
-def real_coders(r: cm.Real, s: Settings) -> cm.RealCoders:
-    """Exercise 3 (§3.3) measured on the real model's level-0 symbols."""
-    return cm.RealCoders(r.name, cm.coder_throughput(r.coded_spec, r.coded_q, s.coder_streams, "paragraph"))
+def real_coders(r: cm.Real, s: Settings, remeasure: bool = False) -> tuple:
+    """Exercise 3 (§3.3) measured on the real model's level-0 symbols: (cm.RealCoders, when and where)."""
+    timed, when = coders_timed(r.coded_spec, r.coded_q, s, "paragraph", remeasure)
+    return cm.RealCoders(r.name, timed), when
 
 
 # ------------------------------------------------------------------------------------- the run
@@ -132,6 +142,8 @@ def parse(argv) -> tuple:
     p.add_argument("--sensitivity-step", type=positive_float, default=SENSITIVITY_STEP,
                    help="Part 1b: coarse step, in units of a layer's RMS")
     p.add_argument("--refit", action="store_true", help="redo the codec's step search and tables (cached otherwise)")
+    p.add_argument("--remeasure", action="store_true",
+                   help="exercise 3: time the coders again (a later run shows the times measured on this machine)")
     p.add_argument("--model", choices=["record", "smollm2"], default=MODEL,
                    help="record: the record-world model (every part); smollm2: Parts 1a, 1c, 2 and exercise 3's "
                         "coders on SmolLM2-135M")
@@ -152,7 +164,9 @@ def main(argv=None):
         r = real_model(gguf, s, a.refit)
         cp.show_real_observations(page, r, s)               # Part 1, §3.2
         cp.show_real_codecs(page, r, s)                     # Part 2, §3.4 (and the levels, §4.2)
-        cp.show_real_exercise3(page, real_coders(r, s), s)  # exercise 3, §3.3
+        coders, when = real_coders(r, s, a.remeasure)
+        cp.show_real_exercise3(page, coders, s)             # exercise 3, §3.3
+        page.say(measured_note(when))
         return page.finish(a.json)
     page = Page("02", TITLE, "§3", s, defaults, plot=not a.no_plot)
     with single_thread():  # the record model's batches are tiny: one thread is faster, and cores may be shared
@@ -161,7 +175,9 @@ def main(argv=None):
         codecs = codec_table(run, s)
         cp.show_codec_table(page, codecs, s)                  # Part 2, §3.4
         cp.show_coder(page, coder(run, codecs), s)            # Part 3, §3.3 (and the levels, §4.2)
-        cp.show_exercise3(page, exercise3(run, s), s)         # exercise 3, §3.3
+        ex3, when = exercise3(run, s, a.remeasure)
+        cp.show_exercise3(page, ex3, s)                       # exercise 3, §3.3
+        page.say(measured_note(when))
         cp.show_exercise4(page, exercise4(s), s)              # exercise 4, §3.3
     return page.finish(a.json)
 

@@ -65,6 +65,7 @@ from lecture27.stream.oracle import trace_suite
 from lecture27.stream import wire_study
 from common.cli import (Parser, fail, nonneg_int, positive_float, positive_int, settings,
                         settings_from, shipped_defaults)
+from common.measured import cached_measurement, measured_note
 from common.gguf_llama import smollm2_or_explain
 from common.present import Page
 from lecture27.stream.page import (show_models, show_part1, show_part2, show_part2_long,
@@ -92,7 +93,7 @@ PARALLEL = True          # §4.2: the link fetches the next chunk while the GPU 
 CHUNK_SIZES = [512, 1536, 3072, 6144]                  # about 0.5K, 1.5K, 3K, 6K tokens
 HALF_EFFICIENCY_TOKENS = 128   # a recompute batch this small runs at half speed (assumption: streaming.batch_slowdown)
 # ---- Part 4 (§4.2 on a suite of traces, like CacheGen's evaluation)
-SUITE_TRACES = 0               # --trace-suite N (0: no Part 4); 200 is the study in the README
+SUITE_TRACES = 0               # --trace-suite N (0: no Part 4); 200 is the study in docs/numbers.md
 SUITE_SEED = 0                 # the suite's random seed
 SUITE_CONTEXTS = [12 * K, 48 * K]
 SUITE_GBPS = [0.1, 0.3, 1.0, 3.0, 10.0, 25.0]   # the Markov chain's bandwidth states, Gb/s
@@ -143,6 +144,8 @@ def parse(argv=None) -> tuple:
     p.add_argument("--suite-seed", type=nonneg_int, default=SUITE_SEED, help="the trace suite's random seed")
     p.add_argument("--no-real", action="store_true", help="skip Parts 2c and 5 (SmolLM2's levels, SmolLM2 on a socket)")
     p.add_argument("--no-wire", action="store_true", help="skip Part 5 (SmolLM2's KV over a paced socket)")
+    p.add_argument("--remeasure", action="store_true",
+                   help="Part 5: measure again (a later run shows the times measured on this machine before)")
     p.add_argument("--serial", dest="parallel", action="store_false", default=PARALLEL,
                    help="one chunk at a time: the link waits while the GPU recomputes (default: both work at once)")
     p.add_argument("--wire-context", type=positive_int, default=WIRE_CONTEXT,
@@ -260,16 +263,20 @@ def part4(s: Settings, level_sets: list) -> study.Suite:
                        s.slo, s.parallel)
 
 
-def part5_wire(s: Settings, real: study.Levels) -> wire_study.WireStudy:
+def part5_wire(s: Settings, real: study.Levels, remeasure: bool = False) -> tuple:
     """§4.2 over a real connection: the handout's trace, a steady one and WIRE_SUITE_TRACES of the suite,
-    each policy on a paced socket and in the simulator fed this CPU's times; then the sender killed."""
+    each policy on a paced socket and in the simulator fed this CPU's times; then the sender killed. Measured
+    once on this machine and cached (measured.cached_measurement): (wire_study.WireStudy, when and where)."""
     suite = trace_suite(max(s.wire_suite_traces) + 1, s.suite_seed, s.suite_gbps, s.suite_dwell_s, s.suite_jump,
                         s.suite_horizon_s)
     traces = {"handout": study.trace_from(s.trace), "steady": st.Trace.steady(s.steady_gbps),
               **{f"suite {i}": suite[i] for i in s.wire_suite_traces}}
-    return wire_study.wire_study(smollm2.real_codec_specs(), traces, s.wire_context, s.wire_chunk_tokens, s.wire_scale,
-                                 s.wire_slo, {lv["level"]: lv["accuracy"] for lv in real.levels}, s.wire_answer_tokens,
-                                 s.wire_item)
+    accuracy = {lv["level"]: lv["accuracy"] for lv in real.levels}
+    inputs = {"traces": traces, "accuracy": accuracy,
+              **{k: v for k, v in vars(s).items() if k.startswith("wire_")}}
+    return cached_measurement("wire-smollm2", inputs, lambda: wire_study.wire_study(
+        smollm2.real_codec_specs(), traces, s.wire_context, s.wire_chunk_tokens, s.wire_scale, s.wire_slo, accuracy,
+        s.wire_answer_tokens, s.wire_item), remeasure, tag="03")
 
 
 # -------------------------------------------------------------------------------------------- main
@@ -292,7 +299,9 @@ def main(argv=None) -> Page:
     if s.suite_traces:
         show_part4(page, part4(s, [lv] + [real] * bool(real)), s)       # §4.2 on many traces
     if real and not a.no_wire:
-        show_wire(page, part5_wire(s, real), s)                         # §4.2 over a real connection
+        wire, when = part5_wire(s, real, a.remeasure)
+        show_wire(page, wire, s)                                        # §4.2 over a real connection
+        page.say(measured_note(when))
     show_skipped(page, skipped, "Part 5 (§4.2 over a real connection)")
     show_setup(page, s)
     page.finish(a.json)

@@ -151,10 +151,11 @@ class Settings:
     passages: str | None = None
     curve: bool = False
     recompute: bool = False
+    remeasure: bool = False
     retrain: bool = False
 
 
-MODES = ("model", "curve", "recompute", "retrain")   # choose what runs, not its inputs: never a what-if
+MODES = ("model", "curve", "recompute", "remeasure", "retrain")   # choose what runs, not its inputs: never a what-if
 
 
 # ============================================================================ Parts 0-4: the time model, the toys
@@ -236,7 +237,8 @@ def part5_real(s: Settings) -> rag_study.Real:
     rags, source = rag_study.inputs(lm, s.passages, s.items, s.real_chunk_tokens)
     run = rag_study.experiment(lm, rags, ratio=s.real_ratio, rule=s.rule, curve=s.curve,
                                curve_ratios=s.real_curve_ratios, ttft_items=s.real_ttft_items,
-                               recompute=s.recompute, tier=s.real_tier, depths=s.real_query_j)
+                               recompute=s.recompute, tier=s.real_tier, depths=s.real_query_j,
+                               remeasure=s.remeasure)
     found = rag_study.deviation(run, s.top_share)
     toy = rag_study.toy_insights(s.seed, s.locality, s.chunk_len, s.ratio, s.top_share)
     prefix = None if s.passages else pc.measured(
@@ -287,6 +289,8 @@ def parser() -> Parser:
     g.add_argument("--curve", action="store_true",
                    help="every selection rule, random and the oracle at 5-50%% (cached)")
     g.add_argument("--recompute", action="store_true", help="compute the cached KL again")
+    g.add_argument("--remeasure", action="store_true",
+                   help="measure the TTFT again (a later run shows the times measured on this machine before)")
     return p
 
 

@@ -47,11 +47,13 @@ from lecture27.store import tiers_study as study
 from lecture27.blend_rules import RULES
 from common.cli import (Parser, fraction, nonneg_float, nonneg_int, positive_float, positive_int,
                         settings, settings_from, shipped_defaults)
+from common.measured import cached_measurement, measured_note
 from common.present import Page
 from lecture27.store.machine_page import show_store
 from lecture27.serving import bench
 from lecture27.serving.page import show_served
-from lecture27.serving.served import ServedRun, measure_served
+from lecture27.serving.launch import engine_source
+from lecture27.serving.served import measure_served
 from lecture27.store.tiers_page import (show_chat, show_handoff, show_rag,
                                         show_service_vs_library, show_waist)
 
@@ -176,15 +178,26 @@ def rag_reuse(s: Settings) -> study.Rag:
                            s.seed, s.model, s.gpu, s.rag_doc_tokens, s.rag_question_tokens, s.rag_recompute)
 
 
-def on_this_machine(s: Settings, path, redis_url: str | None) -> machine.StoreRun:
+def measured_inputs(s: Settings, path, prefix: str) -> dict:
+    """What a Part's measurement depends on besides its code and this machine: the model file, the Redis server
+    (as shown) and the Part's settings (the fields named `prefix`*)."""
+    return {"gguf": [path.name, path.stat().st_size], "redis": s.redis,
+            **{k: v for k, v in vars(s).items() if k.startswith(prefix)}}
+
+
+def on_this_machine(s: Settings, path, redis_url: str | None, remeasure: bool = False) -> tuple:
     """Part 5 (§1, §4, §6): SmolLM2's RAG context stored in every tier and format, served back, timed; Redis:
-    the server at redis_url (the URL s.redis shows with its password redacted), or one of our own."""
-    from common.gguf_llama import load_gguf_llama
-    model, tok, _ = load_gguf_llama(path)
-    spec = smollm2.real_codec_specs(path)[s.store_level]     # the codec's level, fitted once and cached
-    return machine.measure_store(model, tok, path, n_chunks=s.store_chunks, chunk_tokens=s.store_chunk_tokens,
-                                 spec=spec, ratio=s.store_ratio, rule=s.store_rule, redis_url=redis_url,
-                                 redis_ttl_s=s.redis_ttl_s or None, progress=True)
+    the server at redis_url (the URL s.redis shows with its password redacted), or one of our own. Measured
+    once on this machine and cached (measured.cached_measurement): (machine.StoreRun, when and where)."""
+    def measure():
+        from common.gguf_llama import load_gguf_llama
+        model, tok, _ = load_gguf_llama(path)
+        spec = smollm2.real_codec_specs(path)[s.store_level]     # the codec's level, fitted once and cached
+        return machine.measure_store(model, tok, path, n_chunks=s.store_chunks, chunk_tokens=s.store_chunk_tokens,
+                                     spec=spec, ratio=s.store_ratio, rule=s.store_rule, redis_url=redis_url,
+                                     redis_ttl_s=s.redis_ttl_s or None, progress=True)
+    return cached_measurement("store-smollm2", {**measured_inputs(s, path, "store_"), "ttl": s.redis_ttl_s},
+                              measure, remeasure, tag="05")
 
 
 # ================================================================================ the run
@@ -237,6 +250,8 @@ def parse(argv) -> tuple:
     g.add_argument("--store-ratio", type=fraction, default=STORE_RATIO, help="Part 5: CacheBlend's recompute ratio")
     g.add_argument("--store-rule", default=STORE_RULE, choices=sorted(RULES), help="Part 5: the selection rule")
     g.add_argument("--no-serve", action="store_true", help="skip Part 6 (SmolLM2 served behind the OpenAI API)")
+    g.add_argument("--remeasure", action="store_true",
+                   help="Parts 5 and 6: measure again (a later run shows the times measured on this machine before)")
     g.add_argument("--serve-users", type=positive_int, default=SERVE_USERS, help="Part 6: users at once")
     g.add_argument("--serve-requests", type=positive_int, default=SERVE_REQUESTS, help="Part 6: timed RAG requests")
     g.add_argument("--serve-items", type=positive_int, default=SERVE_ITEMS, help="Part 6: RAG items")
@@ -256,6 +271,7 @@ def parse(argv) -> tuple:
                                      ("--store-level", a.store_level, STORE_LEVEL),
                                      ("--store-ratio", a.store_ratio, STORE_RATIO),
                                      ("--store-rule", a.store_rule, STORE_RULE), ("--no-serve", a.no_serve, False),
+                                     ("--remeasure", a.remeasure, False),
                                      ("--serve-users", a.serve_users, SERVE_USERS),
                                      ("--serve-requests", a.serve_requests, SERVE_REQUESTS),
                                      ("--serve-items", a.serve_items, SERVE_ITEMS),
@@ -298,7 +314,8 @@ def parse(argv) -> tuple:
 def main(argv=None) -> Page | None:
     s, defaults, a = parse(argv)
     if s.track == "smollm2":
-        return main_on_this_machine(s, defaults, a.json, not a.no_plot, a.redis, serve=not a.no_serve)
+        return main_on_this_machine(s, defaults, a.json, not a.no_plot, a.redis, serve=not a.no_serve,
+                                    remeasure=a.remeasure)
     page = Page("05", "LMCache: zero-copy sharing, tiered storage, the narrow waist", "§6-7", s, defaults,
                 plot=not a.no_plot)
     handoff, chat = hand_off(s), chat_tiers(s)
@@ -311,17 +328,23 @@ def main(argv=None) -> Page | None:
     return page
 
 
-def served(s: Settings, path, redis_url: str | None) -> ServedRun:
-    """Part 6 (§6-§7): SmolLM2 served behind the OpenAI API, the store on and off, a second engine on one Redis."""
-    from tqdm import tqdm
-    with tqdm(total=4, leave=False, bar_format="{desc} ({n}/{total} done)") as bar:   # served.py's four steps
-        return measure_served(users=s.serve_users, requests=s.serve_requests, items=s.serve_items, docs=s.serve_docs,
-                              words=s.serve_doc_words, max_tokens=s.serve_max_tokens, separator=s.serve_separator,
-                              crowd=s.serve_chat8_users, redis_url=redis_url, gguf=s.gguf, bar=bar)
+def served(s: Settings, path, redis_url: str | None, remeasure: bool = False) -> tuple:
+    """Part 6 (§6-§7): SmolLM2 served behind the OpenAI API, the store on and off, a second engine on one Redis.
+    Measured once on this machine and cached, keyed also by the engine's source (launch.engine_source): (ServedRun,
+    when and where)."""
+    def measure():
+        from tqdm import tqdm
+        with tqdm(total=4, leave=False, bar_format="{desc} ({n}/{total} done)") as bar:   # served.py's four steps
+            return measure_served(users=s.serve_users, requests=s.serve_requests, items=s.serve_items,
+                                  docs=s.serve_docs, words=s.serve_doc_words, max_tokens=s.serve_max_tokens,
+                                  separator=s.serve_separator, crowd=s.serve_chat8_users, redis_url=redis_url,
+                                  gguf=s.gguf, bar=bar)
+    return cached_measurement("served-smollm2", {**measured_inputs(s, path, "serve_"), "engine": engine_source()},
+                              measure, remeasure, tag="05")
 
 
 def main_on_this_machine(s: Settings, defaults: Settings, json_path: str | None, plot: bool,
-                         redis_url: str | None = None, serve: bool = True) -> Page | None:
+                         redis_url: str | None = None, serve: bool = True, remeasure: bool = False) -> Page | None:
     """Parts 5 and 6, a section of their own (figures/pages/05_smollm2.json beside 05.json), or why they cannot
     run."""
     from common.gguf_llama import smollm2_or_explain
@@ -330,9 +353,13 @@ def main_on_this_machine(s: Settings, defaults: Settings, json_path: str | None,
         return None
     page = Page("05_smollm2", "LMCache's store on this machine: real KV in RAM, on disk, in Redis", "§6-7", s,
                 defaults, plot=plot)
-    show_store(page, on_this_machine(s, path, redis_url), s)           # Part 5 and exercise 9, for real
+    run, when = on_this_machine(s, path, redis_url, remeasure)
+    show_store(page, run, s)                                            # Part 5 and exercise 9, for real
+    page.say(measured_note(when))
     if serve:
-        show_served(page, served(s, path, redis_url), s)                # Part 6, an engine you can talk to
+        run, when = served(s, path, redis_url, remeasure)
+        show_served(page, run, s)                                       # Part 6, an engine you can talk to
+        page.say(measured_note(when))
     page.finish(json_path)
     return page
 

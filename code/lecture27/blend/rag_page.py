@@ -60,10 +60,14 @@ def inputs_line(r: rag_study.Real) -> str:
 
 
 def cache_line(run: blend_rag.Experiment) -> str:
-    """What was measured (the curve or the KL at r), whether it came from the cache; the TTFT is always live."""
+    """What was measured (the curve or the KL at r), whether it came from the cache; when and where the TTFT
+    was measured."""
+    w = run.ttft_when
     return ("  the curve" if run.curve_mode else "  KL") + (
         " loaded from the cache (--recompute computes it again)" if run.loaded_from_cache else
-        f" computed in {run.compute_seconds:.0f} s and cached") + "; TTFT measured live"
+        f" computed in {run.compute_seconds:.0f} s and cached") + (
+        f"; TTFT measured on {w['machine']} on {w['when']} (--remeasure measures it again)" if w["loaded"] else
+        f"; TTFT measured in this run on {w['machine']}")
 
 
 # ============================================================================ §5.1 measured

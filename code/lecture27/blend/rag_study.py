@@ -86,12 +86,12 @@ def inputs(lm: LM, passages: str | None, items: int, chunk_tokens: int) -> tuple
 
 
 def experiment(lm: LM, rags: list, ratio: float, rule: str, curve: bool, curve_ratios, ttft_items: int,
-               recompute: bool, tier: str, depths=()) -> blend_rag.Experiment:
+               recompute: bool, tier: str, depths=(), remeasure: bool = False) -> blend_rag.Experiment:
     """rag.real_experiment on the loaded model; with curve, also the query rules over `depths` and the inputs
     with no shared prefix."""
     return blend_rag.real_experiment(lm.model, lm.tok, rags, ratio, lm.model_id, rule, curve, curve_ratios,
                                      ttft_items=min(ttft_items, len(rags)), tier=tier, depths=depths, alone=curve,
-                                     recompute=recompute)
+                                     recompute=recompute, remeasure=remeasure)
 
 
 def deviation(run: blend_rag.Experiment, top: float) -> Deviation:

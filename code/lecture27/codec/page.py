@@ -385,7 +385,7 @@ def show_throughput(page: Page, t: cm.Throughput, s) -> None:
              f"of {t.tokens} symbols decode in {t.tokens} sequential steps instead of {c.symbols:,}, "
              f"{c.symbols // t.tokens:,}x fewer, where numpy here still pays a few dozen calls a step."]
     page.table(Table(title="Exercise 3 measured (§3.3): streams that decode independently, coded side by side "
-                           "(symbols/s, wall clock, this run)", section="§3.3",
+                           "(symbols/s, wall clock)", section="§3.3",
                      cols=cols("coder", ("streams", "{:,}"), ("encode M sym/s", mega), ("decode M sym/s", mega),
                           ("decode vs serial", times), ("added bytes", "{:+,}"), ("added", "{:+.2%}")),
                      rows=coder_rows(t), source="codec.coder_bench.coder_throughput", notes=notes))

@@ -6,6 +6,7 @@ llama.cpp's llama-server, each found in the peers' folder outside the clone ($L2
 tree) or where L27_VLLM_PYTHON / L27_LLAMA_SERVER say; the weights vLLM loads are kept in the checkpoint folder."""
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import signal
@@ -20,6 +21,18 @@ from common.redis_server import URL_ENV
 SERVE = Path(__file__).resolve().parents[1] / "serve.py"
 START_TIMEOUT_S = 180.0      # a first start dequantizes SmolLM2's GGUF file once (then it is cached)
 READY = re.compile(r"serving (\S+) at (http://\S+/v1)")
+
+
+def engine_source() -> str:
+    """A hash of the code an engine process runs (serve.py, engine/, the mechanisms and common/): the key a
+    measurement of a served engine is cached under, since that code runs in another process, out of reach of
+    the cache's walk of the caller's functions."""
+    code = SERVE.parent
+    files = sorted([SERVE, *code.glob("engine/*.py"), *code.glob("*.py"), *code.parent.glob("common/*.py")])
+    h = hashlib.sha256()
+    for f in dict.fromkeys(files):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 class Server:
@@ -120,7 +133,7 @@ def peer_path(name: str) -> Path:
 
 def peer_missing(name: str) -> str | None:
     """None when the peer is there; else one line that says where it was looked for and how to install it."""
-    path, fix = peer_path(name), f"install it with `bash {INSTALL} {name}` (README: Peers)"
+    path, fix = peer_path(name), f"install it with `bash {INSTALL} {name}` (docs/peers.md)"
     env = "L27_VLLM_PYTHON" if name == "vllm" else "L27_LLAMA_SERVER"
     if not (path.is_file() and os.access(path, os.X_OK)):
         what = "vLLM's Python" if name == "vllm" else "llama-server"
