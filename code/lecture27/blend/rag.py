@@ -140,9 +140,26 @@ def ranking_name(rule: str, ranked: tuple) -> str:
 
 
 @torch.no_grad()
+def prefilled(model, rd: bw.RagDoc, answer_tokens: int, eos: int | None, shared: dict | None = None) -> tuple:
+    """What every method on one input is measured against: full prefill's last logits and its cache, full
+    reuse's cache (each chunk precomputed alone, then placed) and full prefill's greedy answer. `shared`: one
+    run's dict of them by input, so that kl_curves and input_rule_curves, which measure the same inputs,
+    compute them once."""
+    key = hashlib.sha256(b"".join(t.numpy().tobytes() for t in (rd.doc, rd.question, rd.chunks))).hexdigest()
+    if shared is not None and (key, answer_tokens) in shared:
+        return shared[key, answer_tokens]
+    lg, full_cache = model(rd.tokens, last=True)
+    first = lg[:, -1]
+    out = first, full_cache, bw.precompute_chunks(model, rd.doc, rd.chunks), greedy(model, first, full_cache,
+                                                                                     answer_tokens, eos)[0]
+    if shared is not None:
+        shared[key, answer_tokens] = out
+    return out
+
+
 def item_curve(model, rd: bw.RagDoc, *, ratios, ratio: float, rules=blend_rules.RULE_NAMES, ranked=(),
                seed: int = SEED, answer_tokens: int = ANSWER_TOKENS, kl_tokens: int = KL_TOKENS,
-               eos: int | None = None) -> dict:
+               eos: int | None = None, shared: dict | None = None) -> dict:
     """Every rule at every ratio on one RAG input, sharing one full prefill and one precompute.
     Methods: full reuse; each rule of blend(); "random" (RANDOM_RULE's counts, tokens at random, seeded);
     the ranking oracle of each rule in `ranked` (ranking_name; the run's rule first); "oracle"
@@ -150,12 +167,9 @@ def item_curve(model, rd: bw.RagDoc, *, ratios, ratio: float, rules=blend_rules.
     kl_first / kl_answer: {method: {ratio: KL}} (full reuse under the key "0"): KL(full || method) of the
     first answer token and its mean over the first kl_tokens, teacher-forced on full prefill's greedy
     answer. answers: greedy answers of full prefill, full reuse and every method at the run's `ratio` (of the
-    ranking oracles only the run's rule's)."""
-    lg, full_cache = model(rd.tokens, last=True)
-    first = lg[:, -1]
-    pre = bw.precompute_chunks(model, rd.doc, rd.chunks)
+    ranking oracles only the run's rule's). shared: see prefilled."""
+    first, full_cache, pre, answer = prefilled(model, rd, answer_tokens, eos, shared)
     deviation = bw.kv_deviation(model, rd, rd.chunks, pre, full_cache)  # (L, 1, N)
-    answer = greedy(model, first, full_cache, answer_tokens, eos)[0]
     ref = answer[:kl_tokens]
     lp_full = answer_logprobs(model, first, full_cache, ref)
     kl_first, kl_answer, to_decode = {}, {}, []
@@ -266,18 +280,17 @@ def alone_doc(rd: bw.RagDoc) -> bw.RagDoc:
 
 @torch.no_grad()
 def item_input_rules(model, rd: bw.RagDoc, *, ratios, rules, ratio: float, depths=(), reuse: bool = False,
-                     kl_tokens: int = KL_TOKENS, eos: int | None = None) -> dict:
+                     kl_tokens: int = KL_TOKENS, eos: int | None = None, shared: dict | None = None) -> dict:
     """Rules of blend_rules.ALL_RULES (each after its own work on the input, its ready()) at every
     ratio on one RAG input, sharing one full prefill and one precompute of rd.chunks; with `depths`, each
     query rule (blend_rules.QUERY_RULES) also at the run's `ratio` reading layers 1..j for j in depths
     (blend_rules.depth_name); with
     `reuse`, full reuse (key "0") and the patch oracle too. kl_first / kl_answer as item_curve's:
     first answer token and the mean over the first kl_tokens of full prefill's greedy answer,
-    teacher-forced."""
-    lg, full_cache = model(rd.tokens, last=True)
-    first = lg[:, -1]
-    pre = bw.precompute_chunks(model, rd.doc, rd.chunks)
-    ref = greedy(model, first, full_cache, kl_tokens, eos)[0]
+    teacher-forced (the first kl_tokens of full prefill's greedy answer of ANSWER_TOKENS: a greedy answer's
+    first tokens do not depend on its length). shared: see prefilled."""
+    first, full_cache, pre, answer = prefilled(model, rd, ANSWER_TOKENS, eos, shared)
+    ref = answer[:kl_tokens]
     lp_full = answer_logprobs(model, first, full_cache, ref)
     kl_first, kl_answer = {}, {}
 
@@ -313,7 +326,8 @@ def item_input_rules(model, rd: bw.RagDoc, *, ratios, rules, ratio: float, depth
 
 
 def input_rule_curves(model, tok, rags: list[RagInput], *, ratios, ratio: float, rules, model_id: str, depths=(),
-                      alone: bool = False, recompute: bool = False, progress: bool = True) -> dict:
+                      alone: bool = False, recompute: bool = False, progress: bool = True,
+                      shared: dict | None = None) -> dict:
     """item_input_rules on every input (alone: the inputs with no shared prefix, alone_doc, with full
     reuse and the patch oracle), cached (checkpoints.cached_result "blend-smollm2-input-rules", keyed by
     the model file, the inputs' tokens, the rules, ratios, depths and the code). Returns {"items": [...],
@@ -332,7 +346,7 @@ def input_rule_curves(model, tok, rags: list[RagInput], *, ratios, ratio: float,
                         disable=not progress):
             rd = alone_doc(bw.rag_doc(rag)) if alone else bw.rag_doc(rag)
             items.append(item_input_rules(model, rd, ratios=ratios, rules=rules, ratio=ratio, depths=depths,
-                                          reuse=alone, eos=eos))
+                                          reuse=alone, eos=eos, shared=shared))
         return {"items": items}
 
     computed = []
@@ -399,7 +413,8 @@ class Curves:
 
 
 def kl_curves(model, tok, rags: list[RagInput], *, ratios, ratio: float, rules, ranked, model_id: str,
-              seed: int = SEED, recompute: bool = False, progress: bool = True, name: str = "blend-smollm2") -> Curves:
+              seed: int = SEED, recompute: bool = False, progress: bool = True, name: str = "blend-smollm2",
+              shared: dict | None = None) -> Curves:
     """item_curve on every input, cached (checkpoints.cached_result `name`, keyed by the model file, the
     inputs' tokens, the rules, the ranked rules (ranked[0]: the run's rule), ratios and the code); each input
     rebuilt from the cached plain data (Answered.from_plain)."""
@@ -417,7 +432,7 @@ def kl_curves(model, tok, rags: list[RagInput], *, ratios, ratio: float, rules, 
         desc = f"SmolLM2 RAG items ({len(rules)} rules, {len(ratios)} ratios)"
         for rag in tqdm(rags, desc=desc, disable=not progress):
             r = item_curve(model, bw.rag_doc(rag), ratios=ratios, ratio=ratio, rules=rules, ranked=ranked, seed=seed,
-                           eos=eos)
+                           eos=eos, shared=shared)
             r["text"] = {n: tok.decode(a) for n, a in r.pop("answers").items()}
             r["question"], r["reference"] = rag.item.question, rag.item.answer
             items.append(r)
@@ -454,6 +469,7 @@ class Experiment:
     ranking: dict                   # rule -> its ranking oracle's curve (an input rule: flat's)
     ttft: dict                      # method -> seconds
     ttft_items: int
+    ttft_when: dict                 # when and where the TTFT was measured (measured.cached_measurement's info)
     ttft_tier: str                  # the store tier the timed runs fetched the chunks from
     ttft_fetch_s: float             # ... and the fetch's seconds (median over the rules' runs)
     ttft_fetch_bytes: int           # ... of that many bytes of FP16 records
@@ -478,10 +494,10 @@ class Experiment:
 
 def real_experiment(model, tok, rags: list[RagInput], ratio: float, model_id: str, rule: str, curve: bool, ratios, *,
                     ttft_items: int, tier: str, depths=(), alone: bool = False, seed: int = SEED,
-                    recompute: bool = False, progress: bool = True) -> Experiment:
+                    recompute: bool = False, remeasure: bool = False, progress: bool = True) -> Experiment:
     """KL to full prefill on `rags` (kl_curves and input_rule_curves, cached) and the TTFT of every rule at
-    `ratio`, always measured live (item_ttft: one thread, the chunks fetched from `tier`), median over the
-    first `ttft_items` inputs.
+    `ratio` (item_ttft: one thread, the chunks fetched from `tier`), median over the first `ttft_items` inputs,
+    measured once on this machine and cached (measured.cached_measurement; remeasure: again).
     curve=False: `rule` (or flat, when it is an input rule), the input rules (blend_rules.INPUT_RULE_NAMES), random,
     the ranking oracle and the patch oracle at `ratio` only (one blend per method and input); curve=True:
     every rule of ALL_RULE_NAMES, random, every rule's ranking oracle and the patch oracle at each of
@@ -490,17 +506,21 @@ def real_experiment(model, tok, rags: list[RagInput], ratio: float, model_id: st
     An input rule keeps flat's counts: its ranking oracle is flat's."""
     from tqdm import tqdm
 
+    from common.measured import cached_measurement
+
     check_context(model, rags)
     ratios = tuple(sorted(set(ratios) | {ratio})) if curve else (ratio,)
     base = blend_rules.blend_rule_of(rule)
     rules = blend_rules.RULE_NAMES if curve else (base,)
     ranked = (base, *(r for r in rules if r != base))
+    shared = {}   # each input's full prefill, precompute and greedy answer, for both studies (prefilled)
     c = kl_curves(model, tok, rags, ratios=ratios, ratio=ratio, rules=rules, ranked=ranked, model_id=model_id,
                   seed=seed, recompute=recompute, progress=progress,
-                  name="blend-smollm2-curve" if curve else "blend-smollm2")
+                  name="blend-smollm2-curve" if curve else "blend-smollm2", shared=shared)
     depths = tuple(depths) if curve else ()
     q = input_rule_curves(model, tok, rags, ratios=ratios, ratio=ratio, rules=blend_rules.INPUT_RULE_NAMES,
-                          model_id=model_id, depths=depths, recompute=recompute, progress=progress)
+                          model_id=model_id, depths=depths, recompute=recompute, progress=progress, shared=shared)
+    shared.clear()
     c.kl.update({m: {float(k): v for k, v in kl.items()} for m, kl in q["kl"].items()})
     c.kl_answer.update({m: {float(k): v for k, v in kl.items()} for m, kl in q["kl_answer"].items()})
     c.ranking.update({m: c.ranking[blend_rules.blend_rule_of(m)] for m in blend_rules.INPUT_RULE_NAMES
@@ -512,8 +532,13 @@ def real_experiment(model, tok, rags: list[RagInput], ratio: float, model_id: st
     to_time = {**{m: blend_rules.ALL_RULES[m] for m in blend_rules.ALL_RULE_NAMES},
                **{blend_rules.depth_name(m, j): blend_rules.at_depth(m, j)
                   for m in blend_rules.QUERY_RULES for j in depths}}
-    times = [item_ttft(model, bw.rag_doc(rag), ratio, to_time, tier, model_id=model_id)
-             for rag in tqdm(rags[:ttft_items], desc="TTFT (live)", disable=not progress)]
+    timed = rags[:ttft_items]
+    times, when = cached_measurement(
+        "blend-smollm2-ttft", {"model": model_id, "inputs": inputs_digest(timed), "ratio": ratio, "tier": tier,
+                               "methods": list(to_time)},
+        lambda: [item_ttft(model, bw.rag_doc(rag), ratio, to_time, tier, model_id=model_id)
+                 for rag in tqdm(timed, desc="TTFT (measured on this machine)", disable=not progress)],
+        remeasure, tag="04")
     fetch_s, fetch_bytes = statistics.median(t.pop("fetch") for t in times), times[0].pop("fetch bytes")
     ttft = {m: statistics.median(t[m] for t in times) for m in times[0]}
     n_ctx, n_q = items[0].n_context, items[0].n_question
@@ -539,7 +564,7 @@ def real_experiment(model, tok, rags: list[RagInput], ratio: float, model_id: st
                       curve=first, curve_answer={m: by_key(c.kl_answer[m]) for m in methods[1:]},
                       kl_reuse=c.reuse, kl_answer_reuse=c.reuse_answer,
                       ranking={r: by_key(v) for r, v in c.ranking.items()},
-                      ttft=ttft, ttft_items=len(times), ttft_tier=tier, ttft_fetch_s=fetch_s,
+                      ttft=ttft, ttft_items=len(times), ttft_when=when, ttft_tier=tier, ttft_fetch_s=fetch_s,
                       ttft_fetch_bytes=fetch_bytes, threads=1, counts=counts,
                       share={r: blend_rules.work_share(n_ctx, n_q, ratio, L, r) for r in blend_rules.ALL_RULE_NAMES},
                       same_answer=same, kl_tokens=KL_TOKENS,
