@@ -423,9 +423,11 @@ def test_settings_are_the_constants_and_the_flags(monkeypatch):
     assert s.context == 8192 and s.chunk_sizes == (256, 512)
 
 
-def test_the_wire_part_reads_its_constants_and_flags(monkeypatch):
+def test_the_wire_part_reads_its_constants_and_flags(monkeypatch, tmp_path):
     """Part 5's inputs: each WIRE_ constant a setting, each --wire- flag overriding its constant, and the study
-    handed the handout's trace (or --trace's), the steady link and the suite's traces WIRE_SUITE_TRACES names."""
+    handed the handout's trace (or --trace's), the steady link and the suite's traces WIRE_SUITE_TRACES names.
+    (Its measurement is cached: an empty checkpoint folder, so that the stand-in study runs every time.)"""
+    monkeypatch.setenv("L27_CHECKPOINTS", str(tmp_path))
     s, shipped, _ = s3.parse(["--wire-scale", "250", "--wire-slo", "2", "--wire-chunk-tokens", "16"])
     assert dataclasses.replace(shipped, wire_scale=250.0, wire_slo=2.0, wire_chunk_tokens=16) == s
     monkeypatch.setattr(s3, "WIRE_CONTEXT", 96)
