@@ -281,6 +281,28 @@ def test_input_rules_are_full_prefill_at_one_and_full_reuse_at_zero_on_a_rag_inp
     assert set(out["kl_first"]["query+dev j=1"]) == {"1"}
 
 
+@torch.no_grad()
+def test_the_two_studies_share_each_inputs_prefill_and_measure_the_same(monkeypatch):
+    """item_curve and item_input_rules on two inputs with one `shared` dict: each input's full prefill, precompute
+    and greedy answer are computed once, and every KL is the one each study computes alone (bit for bit)."""
+    from lecture27 import blend_rules
+    from lecture27.blend import rag as blend_rag
+    model, rd = random_rag(5)
+    inputs = [rd, random_rag(6)[1]]
+    kw = dict(ratios=(0.3,), ratio=0.3, kl_tokens=2)
+
+    def studies(rd, shared=None):
+        return (blend_rag.item_curve(model, rd, answer_tokens=blend_rag.ANSWER_TOKENS, shared=shared, **kw),
+                blend_rag.item_input_rules(model, rd, rules=blend_rules.INPUT_RULE_NAMES, shared=shared, **kw))
+    alone = [studies(x) for x in inputs]
+    calls, real, shared = [], bw.precompute_chunks, {}
+    monkeypatch.setattr(bw, "precompute_chunks", lambda *a: calls.append(1) or real(*a))
+    both = [studies(x, shared) for x in inputs]
+    assert len(calls) == 2 and len(shared) == 2
+    for a, b in zip(sum(alone, ()), sum(both, ())):
+        assert a["kl_first"] == b["kl_first"] and a["kl_answer"] == b["kl_answer"]
+
+
 def test_alone_doc_puts_the_prefix_in_the_first_chunk():
     from lecture27.blend import rag as blend_rag
     _, rd = random_rag(3)
