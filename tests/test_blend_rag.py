@@ -134,9 +134,15 @@ def test_kl_is_zero_for_itself_and_positive_for_reuse(real):
     assert float(dev[0].max()) < 1e-6 and float(dev[1:, 67:].min()) >= 0 and float(dev[5, 67:].sum()) > 0
 
 
-def test_04_model_smollm2_rejects_too_many_items(cli_exit):
-    code, err = cli_exit("04_cacheblend", "--model", "smollm2", "--items", "99")
-    assert code == 2 and "--items" in err and "Traceback" not in err
+@pytest.mark.parametrize("flag", ["--items", "--prefix-items"])
+def test_04_model_smollm2_rejects_too_many_items(cli_exit, flag):
+    code, err = cli_exit("04_cacheblend", "--model", "smollm2", flag, "99")
+    assert code == 2 and flag in err and "Traceback" not in err
+
+
+def test_04_prefix_items_needs_the_real_model(cli_exit):
+    code, err = cli_exit("04_cacheblend", "--prefix-items", "2")
+    assert code == 2 and "--prefix-items need --model smollm2" in err and "Traceback" not in err
 
 
 # ------------------------------------------------------------------------------------ the student's passages

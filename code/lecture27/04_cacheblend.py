@@ -120,7 +120,8 @@ CHECK_GPU = "H200"                        # Part 4 on one GPU of the time model,
 CHECK_CONTEXTS = [4096, 16384]            # ... at these context lengths (common/gpu_reference.json)
 LAYERS, READ_MS, PREFILL_MS = 32, 10.0, 20.0   # exercise 8: the controller's inputs (per layer: read, prefill)
 # ---- Part 5: the real model (blend/rag_study.py)
-ITEMS = 4                                 # RAG items (of 8); their KL is cached, the TTFT measured live
+ITEMS = 2                                 # RAG items (of 8; --items 8: all, ~40 s each the first time): their
+                                          # KL is computed once and cached, as the TTFT is
 REAL_CHUNK_TOKENS = 256                   # tokens per retrieved chunk (6 chunks + the question per item)
 REAL_RATIO = 0.15                         # CacheBlend's default recompute ratio
 # The selection rule reported as CacheBlend: query ranks the tokens by the question's attention over full reuse's
@@ -136,7 +137,7 @@ REAL_TTFT_ITEMS = 1                       # inputs whose TTFT is measured live (
 REAL_TIER = "disk"                        # Part 5c's chunks come from this tier of a real store (kvstore: "ram" or
                                           # "disk", its pages dropped before each read): the TTFT includes the fetch
 REAL_PREFIX_KS = [2, 4, 6]                # §5.1 on SmolLM2: k chunks of REAL_CHUNK_TOKENS (cached with its TTFT)
-REAL_PREFIX_ITEMS = 2                     # built-in items measured at each k (about a minute on one idle core)
+REAL_PREFIX_ITEMS = 1                     # built-in items measured at each k (~1 min each on one core; --prefix-items)
 
 
 @settings(globals())
@@ -276,7 +277,10 @@ def parser() -> Parser:
                    help="record: Parts 1-4 (toy models, time model); smollm2: Part 5 on SmolLM2-135M")
     g.add_argument("--real-ratio", type=fraction, default=REAL_RATIO, help="CacheBlend's recompute ratio r on it")
     g.add_argument("--gguf", metavar="PATH", help="another LLaMA GGUF file")
-    g.add_argument("--items", type=positive_int, default=ITEMS, help="RAG items (max 8)")
+    g.add_argument("--items", type=positive_int, default=ITEMS, help="RAG items (max 8; 2 by default to keep the "
+                   "first run short: 8 for the whole set)")
+    g.add_argument("--prefix-items", type=positive_int, default=REAL_PREFIX_ITEMS, dest="real_prefix_items",
+                   help="§5.1 measured: built-in items at each k (max 8)")
     g.add_argument("--rule", choices=list(blend_rules.ALL_RULES), default=RULE,
                    help="blend()'s selection rule reported as CacheBlend (JSON real_kl_blend<r>: real_kl_blend15)")
     g.add_argument("--passages", metavar="FILE",
@@ -300,8 +304,8 @@ def parse(argv=None) -> tuple:
     a = parser().parse_args(argv)
     if a.model == "smollm2":
         from common.english import RAG_ITEMS
-        if a.items > len(RAG_ITEMS):
-            fail(f"--items must be at most {len(RAG_ITEMS)} (the RAG items in common/english.py)")
+        if max(a.items, a.real_prefix_items) > len(RAG_ITEMS):
+            fail(f"--items and --prefix-items must be at most {len(RAG_ITEMS)} (the RAG items in common/english.py)")
         if a.ratio != RATIO:
             fail("--ratio is the record world's recompute ratio; with --model smollm2 use --real-ratio")
         if a.passages:
@@ -310,8 +314,8 @@ def parse(argv=None) -> tuple:
             except ValueError as e:
                 fail(f"--passages: {e}")
     elif (a.passages or a.curve or a.real_chunk_tokens != REAL_CHUNK_TOKENS or a.real_ratio != REAL_RATIO
-          or a.real_tier != REAL_TIER):
-        fail("--passages, --curve, --chunk-tokens, --real-ratio and --real-tier need --model smollm2")
+          or a.real_tier != REAL_TIER or a.real_prefix_items != REAL_PREFIX_ITEMS):
+        fail("--passages, --curve, --chunk-tokens, --real-ratio, --real-tier and --prefix-items need --model smollm2")
     elif a.chunk_len > DOC_LEN:
         fail(f"--chunk-len must be at most the document length ({DOC_LEN})")
     s = settings_from(Settings, a, globals())

@@ -33,13 +33,16 @@ SCRIPTS = ["01_kv_ledger.py", "02_cachegen_codec.py", "03_streaming.py", "04_cac
 REAL_MODEL_RUNS = [["02_cachegen_codec.py", "--model", "smollm2"], ["04_cacheblend.py", "--model", "smollm2"],
                    ["05_tiered_storage.py", "--model", "smollm2"]]
 JOBS = max(1, min(2, os.cpu_count() or 1))   # scripts side by side: each small model trains on one thread
-# the order runs start in, two at a time (side_by_side), chosen from a first run's times on 2 cores: 02
-# (trains the record model, 105 s) beside 04 (the city model, 70 s; it reads the record model once 02 has
-# trained it), then 04 --model smollm2 (the longest, 120 s) beside 03 (fits the SmolLM2 codec, 50 s) and
-# 02 --model smollm2 (60 s with that codec). A run not listed starts after these
+# the order runs start in, two at a time (side_by_side), chosen from a first run's times on 2 cores (a 2-core
+# AMD EPYC, 2026-12-07): 02 (trains the record model, 110 s, then fits its codec, 100 s) beside 04 (the city
+# model, 90 s, then the record world once 02 has trained it: 175 s), then the two longest real-model runs each
+# as soon as a core is free, 04 --model smollm2 (210 s) and 03 (fits SmolLM2's codec, 120 s, then its paced
+# socket, 95 s); 05 --model smollm2 (195 s) after 04's, when 03 has fitted the codec it stores with; 02 --model
+# smollm2 (120 s, on that codec) last, beside it (started in the order shown, 05 --model smollm2 would run
+# alone for its last 160 s). A run not listed starts after these
 START_ORDER = ["01_kv_ledger.py", "02_cachegen_codec.py", "04_cacheblend.py", "04_cacheblend.py --model smollm2",
-               "03_streaming.py", "03_streaming.py --no-real", "02_cachegen_codec.py --model smollm2",
-               "05_tiered_storage.py"]
+               "03_streaming.py", "03_streaming.py --no-real", "05_tiered_storage.py --model smollm2",
+               "02_cachegen_codec.py --model smollm2", "05_tiered_storage.py"]
 
 
 # --profile runs a script under cProfile as `python script.py` runs it: as the module __main__ (runpy), so that

@@ -12,6 +12,7 @@ from lecture27.blend import rag as blend_rag
 from lecture27.blend import rag_study
 from lecture27.blend import prefix_caching as pc
 from lecture27.blend.page import HANDOUT, HOWS, add_json, add_table, pk, saved_verdict
+from common.english import RAG_ITEMS
 from common.present import (DASH, Chart, Field, Page, Ref, Row, Series, Table, Val, change, chart_figure,
                             cols, handout, handout_text, pct1, points, table_of)
 
@@ -54,7 +55,9 @@ def inputs_line(r: rag_study.Real) -> str:
     items = r.run.items
     span = lambda xs: f"{min(xs)}" if min(xs) == max(xs) else f"{min(xs)}-{max(xs)}"  # noqa: E731
     lens, prefix = [n for it in items for n in it.chunk_lens], items[0].n_context - sum(items[0].chunk_lens)
-    return (f"  {len(items)} inputs from {r.source}: {prefix}-token chat prefix + "
+    built_in = r.source == rag_study.BUILT_IN
+    of = f" (the first {len(items)} of {len(RAG_ITEMS)}; --items sets how many)" if built_in else ""
+    return (f"  {len(items)} inputs from {r.source}{of}: {prefix}-token chat prefix + "
             f"{span([len(it.chunk_lens) for it in items])} chunks of {span(lens)} tokens (each precomputed alone "
             f"behind the prefix) + a {span([it.n_question for it in items])}-token question")
 
@@ -89,11 +92,11 @@ def show_real_prefix(page: Page, r: rag_study.Real, s) -> None:
               *[Field(f"{m} s", "{:.2f}", get=f"{m}_ttft_s") for m in ("full", *HOWS)],
               *[Field(f"{m} saves", "{:.0%}", get=f"{m}_saved_share") for m in ("prefix", "blend")],
               *[Field(f"KL {m}", f, get=f"{m}_kl") for m, f in zip(HOWS, ("{:+.0e}", "{:.4f}", "{:.4f}"))]]
+    cache = " (loaded from the cache)" if x.loaded else f" (computed in {x.compute_seconds:.0f} s, cached)"
     add_table(page, table_of(f"Part 5 (§5.1). Prefix caching, full reuse and CacheBlend {x.ratio:.0%} ({x.rule}) "
                              f"against k chunks of {x.chunk_tokens} tokens:\n  TTFT = CPU time of one thread (median "
-                             f"of {x.n_items} items, chunks' KV in memory); KL(full prefill || method), first answer "
-                             "token, nats" + (" (loaded from the cache)" if x.loaded else
-                                              f" (computed in {x.compute_seconds:.0f} s, cached)"),
+                             f"of {x.n_items} item(s), --prefix-items; chunks' KV in memory); KL(full prefill || "
+                             f"method), first answer token, nats{cache}",
                              "§5.1", fields, points(x, fields), "blend.prefix_caching.measured", real_prefix_notes(x)))
     add_json(page, prefix_json(x))
 
@@ -120,7 +123,7 @@ def show_real_mask(page: Page, r: rag_study.Real, s) -> None:
     add_table(page,
               Table(title=f"Pitfall (§5.3): CacheBlend {x.ratio:.0%} ({x.rule}) with the position mask and with the "
                           "bottom-right mask of the released blenders,\n  KL(full prefill || method) of the first "
-                          f"answer token (mean of {x.n_items} items)", section="§5.3",
+                          f"answer token (mean of {x.n_items} item(s))", section="§5.3",
                           cols=cols("k chunks", ("position mask", "{:.4f}"), ("bottom-right mask", "{:.4f}"),
                                ("bottom-right / position", "{:.2f}x")),
                           rows=[Row([k, p, w, w / p]) for k, p, w in zip(x.ks, pos,

@@ -78,11 +78,14 @@ def load(gguf: str | None) -> LM:
     return LM(model, tok, path.stem, ks.model_id(path))
 
 
+BUILT_IN = "built-in RAG items (common/english.py)"   # the inputs' source when no --passages
+
+
 def inputs(lm: LM, passages: str | None, items: int, chunk_tokens: int) -> tuple[list, str]:
     """(RAG inputs, where they came from): the student's passages file, else the built-in items."""
     if passages:
         return [blend_rag.passage_input(it, lm.tok) for it in blend_rag.load_passages(passages)], passages
-    return blend_rag.built_in_inputs(lm.tok, items, chunk_tokens), "built-in RAG items (common/english.py)"
+    return blend_rag.built_in_inputs(lm.tok, items, chunk_tokens), BUILT_IN
 
 
 def experiment(lm: LM, rags: list, ratio: float, rule: str, curve: bool, curve_ratios, ttft_items: int,
