@@ -195,6 +195,42 @@ def test_stop_strings_end_the_answer_streamed_or_not(server):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_a_streams_last_chunk_carries_the_logprobs_still_owed(server):
+    """The answer stops at its first space: the token holding it adds no text (the stop string cuts it off), so its
+    logprob is still owed when the answer ends, and the stream's last chunk carries it; streamed or not, one entry per
+    token the usage counts."""
+    whole = chat(server, stop=" ", logprobs=True)
+    assert whole.usage.completion_tokens >= 2 and " " not in whole.choices[0].message.content
+    chunks = list(chat(server, stop=" ", logprobs=True, stream=True, stream_options={"include_usage": True}))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in whole.choices[0].logprobs.content]
+    # the second request's prompt comes from the store: its logits agree to float32 rounding, not bit for bit
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole.choices[0].logprobs.content],
+                                                          abs=1e-3)
+    assert len(streamed) == chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+@pytest.mark.parametrize("extra", [{}, {"max_tokens": 8}], ids=["alone", "beside max_tokens"])
+def test_max_completion_tokens_bounds_the_answer(server, extra):
+    """max_completion_tokens, the field the OpenAI SDK now sends for chat, bounds the answer, and wins over
+    max_tokens when both come (as OpenAI reads them)."""
+    r = sync(server).chat.completions.create(model=server.model, messages=USER, temperature=0,
+                                             max_completion_tokens=3, **extra)
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+
+
+def test_logit_bias_takes_every_token_id_of_the_vocabulary_and_no_other(server):
+    """The last token id is biased like any other; one past it is refused (400), and the server serves on."""
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server, logit_bias={"99999999": 5})
+    last = int(e.value.message.split("..")[1].split(")")[0])   # the refusal names the vocabulary: (0..last)
+    assert chat(server, logit_bias={str(last): -100}).choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server, logit_bias={str(last + 1): 5})
+    assert e.value.param == "logit_bias"
+    assert chat(server).choices[0].message.content
+
+
 # ------------------------------------------------------------------------------------------------ refused
 IMAGE = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
                                       {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]

@@ -308,6 +308,24 @@ def test_a_reordered_request_sent_at_once_is_blended_from_the_store(parts):
     assert r.recomputed == len(moved.question) and 0 < again.end["kl"] < 0.5
 
 
+def test_a_blended_prompts_cached_tokens_count_only_the_chunks_the_store_held(parts):
+    """Two documents stored, then three in another order: the new one is computed in this request, so the usage's
+    cached tokens (Reuse.cached) are the system message's and the two stored documents', and the new document's
+    tokens count as recomputed with the question's."""
+    model, tok, _ = parts
+    eng = engine(parts)
+    try:
+        Answer(eng, chat_prompt(tok, chat((0, 1))), max_tokens=2).wait()
+        settle(eng)
+        moved = chat_prompt(tok, chat((1, 2, 0)))
+        r = Answer(eng, moved, max_tokens=2).wait().reuse
+    finally:
+        eng.stop()
+    stored = len(moved.chunks[0]) + len(moved.chunks[2])
+    assert r.path == "blend" and r.prefix == len(moved.system) and r.blended == stored
+    assert r.cached == len(moved.system) + stored and r.recomputed == len(moved.chunks[1]) + len(moved.question)
+
+
 def test_the_store_holds_only_exact_kv(parts):
     """After a blended request, every prefix block and message chunk the store holds (hot and the RAM tier) is what
     a full prefill (of the prefix, of the message behind the system message) computes: blended rows never are."""

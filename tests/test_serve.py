@@ -376,3 +376,49 @@ def test_sigterm_mid_batch_leaves_nothing_behind(engine):
         time.sleep(0.1)
     assert not pid_alive(pid) and not any(pid_alive(k) for k in kids) and not Path(folder).exists()
     s.stop()
+
+
+def _events(server, content: str, max_tokens: int, out: list, started) -> None:
+    """Stream one answer and keep every server-sent event's line; `started` is set at the first piece of text."""
+    body = {"model": server.model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/chat/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                out.append(line)
+                started.set()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_a_signal_with_streams_open_ends_each_with_an_error_event_and_done(sig):
+    """SIGTERM or Ctrl-C while four answers stream, in a server of its own: each stream ends with an error event
+    (OpenAI's body, the reason) and [DONE], as vLLM's server ends an aborted one; the server exits within STOP_S, its
+    output holds no traceback and no thread left running, and the Redis server it started is gone."""
+    from lecture27 import serve
+    if not Path("/proc/self/task").exists():
+        pytest.skip("needs /proc (Linux)")
+    s = started(launch.engine())
+    pid, kids = s.pid, children(s.pid)
+    events, streams = [threading.Event() for _ in range(4)], [[] for _ in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(_events, s, f"Tell me a long story about the number {n}.", 300, streams[n], events[n])
+                   for n in range(4)]
+        assert all(e.wait(60) for e in events)
+        t0 = time.monotonic()
+        os.kill(pid, sig)
+        code = s.proc.wait(30)
+        took = time.monotonic() - t0
+        for f in futures:
+            f.result(60)
+    assert code == 128 + sig and took < serve.STOP_S, (code, took)
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert error["message"] == serve.STOPPING and error["type"] == "server_error", lines[-3:]
+    deadline = time.monotonic() + 10   # the children end, and the reader thread reads the output to its end
+    while (any(pid_alive(k) for k in kids) or "stopped" not in s.lines[-1]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert s.lines[-1] == "stopped", s.lines[-5:]
+    assert not any(w in line for line in s.lines for w in ("Traceback", "Exception", "still running")), s.lines
+    assert not any(pid_alive(k) for k in kids)
+    s.stop()

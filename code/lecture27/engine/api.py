@@ -167,6 +167,18 @@ class BadRequest(Exception):
         return error_response(self.status, self.message, self.param, self.code, self.kind)
 
 
+class EngineError(BadRequest):
+    """A request the engine could not finish (a step failed, the KV could not be loaded, the server is stopping):
+    HTTP 500 and OpenAI's server_error body; in a stream that has begun, its last event before [DONE]."""
+
+    def __init__(self, message: str):
+        super().__init__(message, status=500, kind="server_error")
+
+    def event(self) -> str:
+        error = {"message": self.message, "type": self.kind, "param": None, "code": self.status}
+        return f"data: {json.dumps({'error': error})}\n\n"
+
+
 def error_response(status: int, message: str, param=None, code=None, kind="invalid_request_error") -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
@@ -369,7 +381,10 @@ def make_app(engine: Engine, model_name: str, context_length: int, api_key: str 
                 metrics.generated.inc(data["tokens"])
                 if data["finish_reason"] == "cancelled":
                     metrics.cancelled.inc()
-            loop.call_soon_threadsafe(events.put_nowait, (what, data))
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (what, data))
+            except RuntimeError:   # the event loop has closed: the server stopped, nobody is left to tell
+                pass
 
         req = Request(prompt=prompt, max_tokens=max_tokens, temperature=_or(body.temperature, 1.0),
                       top_p=_or(body.top_p, 1.0), presence_penalty=_or(body.presence_penalty, 0.0),
@@ -385,7 +400,7 @@ def make_app(engine: Engine, model_name: str, context_length: int, api_key: str 
             req.cancelled.set()
             raise
         if what == "error":
-            raise RuntimeError(data["message"])
+            raise EngineError(data["message"])
         reuse = data["reuse"]
         for source in ("prefix", "blended", "recomputed"):
             metrics.prompt_tokens.labels(source).inc(getattr(reuse, source))
@@ -458,7 +473,7 @@ class Answer:
         elif what == "end":
             self.finish, self.tokens, self.kl = data["finish_reason"], data["tokens"], data["kl"]
         elif what == "error":
-            raise RuntimeError(data["message"])
+            raise EngineError(data["message"])
 
     async def collect(self, events: asyncio.Queue) -> None:
         while self.finish is None:
@@ -555,6 +570,10 @@ class Answer:
             yield self.chunk("", final=True, scores=self.scores[scored:])
             if include_usage:
                 yield self.chunk("", usage=True)
+            yield "data: [DONE]\n\n"
+        except EngineError as e:   # the stream's last event says why it ends, then [DONE], as vLLM's server ends it
+            self.metrics.errors.labels(str(e.status)).inc()
+            yield e.event()
             yield "data: [DONE]\n\n"
         finally:
             self.req.cancelled.set()   # a no-op once the answer is done; else the client went away

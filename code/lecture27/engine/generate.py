@@ -63,6 +63,7 @@ class Engine:
         self.loading, self.lock = 0, threading.Lock()   # requests with the loader (counted for /health)
         self.steps = 0
         self.stopping = False
+        self.closing: str | None = None   # end_all's message: every request from then on ends with it
         self.model_thread = threading.Thread(target=self._serve, name="engine-model", daemon=True)
         self.loader_thread = threading.Thread(target=self._load, name="engine-loader", daemon=True)
 
@@ -71,14 +72,24 @@ class Engine:
         self.loader_thread.start()
         return self
 
-    def stop(self) -> None:
-        """End the threads; requests not answered yet get an error event."""
+    def stop(self) -> list[str]:
+        """End the threads; requests not answered yet get an error event. Returns the names of the threads that did
+        not end within 30 s each (none, unless a tier hangs)."""
         self.stopping = True
         self.inbox.put(None)
         self.loads.put(None)
         self.model_thread.join(30)
         self.loader_thread.join(30)
         self.connector.close()
+        threads = [self.model_thread, self.loader_thread, *([self.connector.writer.thread] if self.connector.writer
+                                                            else [])]
+        return [t.name for t in threads if t.is_alive()]
+
+    def end_all(self, message: str) -> None:
+        """The server is stopping (a signal): every request, running, waiting or still to come, ends at the next step
+        with an error event carrying `message` (the API sends it as the stream's last event, as vLLM does on abort);
+        store jobs are dropped. Any thread may call it; the model thread does the work."""
+        self.inbox.put(lambda: setattr(self, "closing", message))
 
     def submit(self, req: Request) -> None:
         seq = Sequence(req, self.model.cfg)
@@ -129,6 +140,10 @@ class Engine:
         s = self.scheduler
         for seq in s.cancelled():
             self._end(seq, "cancelled")
+        if self.closing is not None:
+            for seq in [*s.running, *s.waiting]:
+                self._fail(seq, self.closing)
+            s.store_jobs.clear()
         for seq in s.admit():
             seq.admit(seq.loaded)
         batch = s.batch()
