@@ -1,19 +1,26 @@
-"""The engine's scheduler on its own (engine/scheduler.py), with stand-in requests: no model, no threads. What a step
-takes: first come, first served; a prefill in pieces within the step's budget; the store jobs' share kept while one
-waits, however much prompt work there is."""
+"""The engine's scheduler on its own (engine/scheduler.py), with stand-in requests: no model, no threads. Who is
+admitted: first come, first served, while the KV budget holds; what a step takes: a prefill in pieces within the
+step's budget, the store jobs' share kept while one waits, however much prompt work there is. And the bound that
+admission counts on: a request's cache never grows past what kv_need counted."""
+import torch
+
+from lecture27.engine.runner import SeqCache
 from lecture27.engine.scheduler import Scheduler
-from lecture27.engine.sequence import Prefill
+from lecture27.engine.sequence import Prefill, kv_need
 
 
 class Stand:
     """A request as the scheduler sees it: a phase, its prefill units, no kv_check."""
 
-    def __init__(self, name: str, prompt_tokens: int = 0):
-        self.name, self.phase, self.check = name, "wait", None
+    def __init__(self, name: str, prompt_tokens: int = 0, kv_bytes: int = 0):
+        self.name, self.phase, self.check, self.kv_bytes = name, "wait", None, kv_bytes
         self.parts = [Prefill("prompt", list(range(prompt_tokens)), None)] if prompt_tokens else []
 
     def units(self) -> list:
         return [u for u in self.parts if u.todo] if self.phase == "prefill" else []
+
+    def release(self) -> None:
+        self.released = True
 
 
 def test_the_oldest_waiting_request_is_admitted_first():
@@ -41,3 +48,36 @@ def test_a_busy_step_keeps_its_store_share_and_prompts_are_prefilled_oldest_firs
     assert s.batch().pieces == [(old.parts[0], 48), (job, 16)]
     s.store_jobs.clear()
     assert [(u, n) for u, n in s.batch().pieces] == [(old.parts[0], 64)]   # no job waiting: nothing is kept back
+
+
+def test_admission_by_memory_keeps_the_order_and_runs_a_request_alone_whatever_its_size():
+    """Budget 100: a (60) runs; b (50) waits at the head, and c (10), which would fit, does not go before it; when a
+    ends b joins, then c. A request over the budget runs when nothing else does (the API refuses one that never
+    could)."""
+    s = Scheduler(kv_budget=100)
+    a, b, c = Stand("a", kv_bytes=60), Stand("b", kv_bytes=50), Stand("c", kv_bytes=10)
+    for q in (a, b, c):
+        s.add(q)
+    assert [q.name for q in s.admit()] == ["a"] and s.kv_used() == 60
+    s.drop(a)
+    assert a.released   # an ended request's KV is let go at once (Sequence.release)
+    assert [q.name for q in s.admit()] == ["b", "c"] and s.kv_used() == 60
+    big = Stand("big", kv_bytes=150)
+    s.add(big)
+    assert s.admit() == []
+    for q in (b, c):
+        s.drop(q)
+    assert s.admit() == [big]
+
+
+def test_a_requests_cache_never_grows_past_what_admission_counted():
+    """A cache made with room for a few answer tokens doubles as the answer grows, but never past its limit (the
+    prompt and max_tokens), so kv_need's count holds: 100 prompt tokens and 150 answer tokens fit 251 rows."""
+    L, H, hd, prompt, answer = 2, 1, 4, 100, 150
+    c = SeqCache(torch.zeros(L, 2, H, prompt, hd), extra=8)
+    c.limit = prompt + answer + 1
+    for _ in range(answer):
+        c.reserve(1)
+        c.n += 1
+        assert c.buf.shape[3] <= c.limit
+    assert c.nbytes <= kv_need(2 * L * H * hd * 4, prompt, answer, held=False)

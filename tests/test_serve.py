@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from common.files import pid_alive
@@ -422,3 +423,37 @@ def test_a_signal_with_streams_open_ends_each_with_an_error_event_and_done(sig):
     assert not any(w in line for line in s.lines for w in ("Traceback", "Exception", "still running")), s.lines
     assert not any(pid_alive(k) for k in kids)
     s.stop()
+
+
+def test_a_kv_budget_queues_what_does_not_fit_and_refuses_what_never_can(plain):
+    """serve.py --kv-gb 0.05 (50 MB: about a thousand SmolLM2 tokens in float32): four requests sent at once, each
+    counted at about 22 MB (its prompt and 450 answer tokens), run at most two at a time (GET /health's kv_bytes
+    never above the budget) and give the answers they give alone (the plain engine's); a request that could not fit
+    even alone gets HTTP 400 naming the budget, and the server serves on."""
+    prompts = [f"What is {n} plus {n}? Answer in a few words." for n in range(4)]   # short answers, 450 counted
+    alone = [answer(plain, [{"role": "user", "content": p}], max_tokens=24, key=KEY).choices[0].message.content
+             for p in prompts]
+    with started(launch.engine("--no-store", "--kv-gb", "0.05")) as s:
+        seen, done = [], threading.Event()
+
+        def watch():
+            while not done.is_set():
+                h = bench.health(s.url)
+                if h:
+                    seen.append((h["kv_bytes"], h["running"], h["kv_budget"]))
+                time.sleep(0.02)
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                got = list(pool.map(lambda p: answer(s, [{"role": "user", "content": p}], max_tokens=450).choices[0]
+                                    .message.content, prompts))
+        finally:
+            done.set()
+            watcher.join()
+        assert [g[:len(a)] for g, a in zip(got, alone)] == alone
+        assert seen and all(used <= budget for used, _, budget in seen) and max(r for _, r, _ in seen) == 2, seen
+        with pytest.raises(openai.BadRequestError) as e:
+            answer(s, [{"role": "user", "content": prompts[0]}], max_tokens=1500)
+        assert e.value.code == "kv_budget_exceeded" and "0.05 GB" in e.value.message and "--kv-gb" in e.value.message
+        assert answer(s, [{"role": "user", "content": prompts[0]}], max_tokens=4).choices[0].message.content

@@ -40,7 +40,7 @@ from common.cli import Parser, fraction, nonneg_int, positive_float, positive_in
 from lecture27.blend_rules import ALL_RULES
 from lecture27.engine.chat import SEPARATOR
 from lecture27.engine.connector import BLOCK_TOKENS, HOT_GB
-from lecture27.engine.scheduler import MAX_RUNNING, STEP_TOKENS
+from lecture27.engine.scheduler import KV_GB, MAX_RUNNING, STEP_TOKENS
 
 PORT = 8000                  # 0: any free port (printed)
 HOST = "127.0.0.1"           # this machine only
@@ -80,6 +80,9 @@ def parse(argv=None):
                    help="the hot cache's budget, GB: KV just computed, reusable at once in this process")
     p.add_argument("--max-running", type=positive_int, default=MAX_RUNNING,
                    help="requests served at once (1: one at a time)")
+    p.add_argument("--kv-gb", type=positive_float, default=KV_GB,
+                   help="the running requests' KV caches, GB (float32: SmolLM2 46 kB a token): a request that would "
+                        "exceed it waits, one that cannot fit alone gets HTTP 400")
     p.add_argument("--step-tokens", type=positive_int, default=STEP_TOKENS,
                    help="tokens a step computes at most (decodes, prefill pieces, store jobs)")
     p.add_argument("--ram-gb", type=positive_float, default=RAM_GB, help="RAM tier budget, GB")
@@ -195,7 +198,7 @@ def main(argv=None) -> None:
         end_ids = {t for t in (tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"), info.get("eos_id"))
                    if t is not None}
         engine = Engine(model, tok, connector, end_ids, threads=threads,
-                        step_tokens=a.step_tokens, max_running=a.max_running).start()
+                        step_tokens=a.step_tokens, max_running=a.max_running, kv_budget=int(a.kv_gb * 1e9)).start()
         cfg = model.cfg
         del model   # the engine runs a packed copy of its weights (runner.packed): the plain ones are let go
         app = make_app(engine, name, info.get("context_length") or 2048, a.api_key, separator=a.chunk_separator,
@@ -207,7 +210,7 @@ def main(argv=None) -> None:
             (", prefixes only" if a.no_blend else f", CacheBlend {a.ratio:.0%} ({a.rule})") + \
             (f", messages cut at {a.chunk_separator!r}" if a.chunk_separator and not a.no_blend else "")
         batching = "one request at a time" if a.max_running == 1 else \
-            f"up to {a.max_running} requests at once, {a.step_tokens} tokens a step"
+            f"up to {a.max_running} requests at once, {a.step_tokens} tokens a step, {a.kv_gb:g} GB of KV"
         say(f"serving {name} at http://{host}:{port}/v1 ({store}; {batching}, "
             f"{engine.threads} thread{'s' * (engine.threads > 1)}); Ctrl-C stops it")
         web = Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=STOP_S), engine)

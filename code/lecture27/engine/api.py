@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException
 
 from lecture27.engine.chat import ROLES, SEPARATOR, Prompt, chat_prompt, completion_prompt
 from lecture27.engine.generate import Engine, Request
+from lecture27.engine.sequence import kv_need
 
 DEFAULT_MAX_TOKENS = 128     # a chat answer's length when the request names none (a completion's: OpenAI's 16)
 TTFT_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30)
@@ -251,6 +252,7 @@ def make_app(engine: Engine, model_name: str, context_length: int, api_key: str 
     metrics = Metrics(engine)
     app.state.metrics = metrics
     vocab, vocab_size = Vocab(engine.tok), engine.model.cfg.vocab_size
+    per_token = engine.model.cfg.kv_bytes_per_token(4)   # the engine's caches are float32
 
     @app.middleware("http")
     async def check_key(request: HTTPRequest, call_next):
@@ -345,6 +347,13 @@ def make_app(engine: Engine, model_name: str, context_length: int, api_key: str 
                              f"{len(prompt) + wanted} tokens ({len(prompt)} in the messages, {wanted} in the "
                              "completion). Please reduce the length of the messages or completion.",
                              "messages", "context_length_exceeded")
+        check = bool(body.kv_check or (getattr(body, "echo", False) and body.logprobs is not None))
+        need = kv_need(per_token, len(prompt), wanted, check=check)
+        if need > engine.scheduler.kv_budget:
+            raise BadRequest(f"This request may hold {need / 1e9:.2f} GB of KV cache ({len(prompt)} prompt tokens, "
+                             f"{wanted} completion tokens{', kv_check' if check else ''}), more than the engine's "
+                             f"budget of {engine.scheduler.kv_budget / 1e9:.2f} GB (serve.py --kv-gb). Please reduce "
+                             "the length of the messages or completion.", "messages", "kv_budget_exceeded")
         return wanted
 
     @app.post("/v1/chat/completions")

@@ -42,7 +42,7 @@ from lecture27 import kvstore as ks
 from lecture27.engine import runner
 from lecture27.engine.connector import KVConnector, message_keys, system_key
 from lecture27.engine.runner import Item, SeqCache
-from lecture27.engine.scheduler import MAX_RUNNING, STEP_TOKENS, STORE_JOB_TOKENS, Scheduler
+from lecture27.engine.scheduler import KV_GB, MAX_RUNNING, STEP_TOKENS, STORE_JOB_TOKENS, Scheduler
 from lecture27.engine.sequence import Prefill, Request, Sequence, scored
 
 MAX_STORE_JOBS = 256     # store jobs waiting at most; past that a message is not stored alone
@@ -54,10 +54,10 @@ class Engine:
 
     def __init__(self, model, tok, connector: KVConnector, end_ids, threads: int = 1, *,
                  step_tokens: int = STEP_TOKENS, store_job_tokens: int = STORE_JOB_TOKENS,
-                 max_running: int = MAX_RUNNING):
+                 max_running: int = MAX_RUNNING, kv_budget: int = int(KV_GB * 1e9)):
         self.model, self.tok, self.connector, self.end_ids = runner.packed(model), tok, connector, set(end_ids)
         self.threads = threads
-        self.scheduler = Scheduler(step_tokens, store_job_tokens, max_running, connector.ratio)
+        self.scheduler = Scheduler(step_tokens, store_job_tokens, max_running, connector.ratio, kv_budget)
         self.inbox: queue.Queue = queue.Queue()     # what other threads hand the model thread: callables
         self.loads: queue.Queue = queue.Queue()     # the loader's work: callables
         self.loading, self.lock = 0, threading.Lock()   # requests with the loader (counted for /health)
@@ -97,10 +97,12 @@ class Engine:
         self.loads.put(lambda: self._fetch(seq))
 
     def load(self) -> dict:
-        """What waits: requests being loaded or waiting for a step, requests running, store jobs and writes."""
+        """What waits: requests being loaded or waiting for a step, requests running, store jobs and writes; the KV
+        the running requests may hold against the budget (bytes)."""
         s = self.scheduler
         return {"queued": self.loading + len(s.waiting), "running": len(s.running),
-                "store_jobs": len(s.store_jobs) + self.connector.pending_writes, "steps": self.steps}
+                "store_jobs": len(s.store_jobs) + self.connector.pending_writes, "steps": self.steps,
+                "kv_bytes": s.kv_used(), "kv_budget": s.kv_budget}
 
     # ------------------------------------------------------------------------------------------------ loader
     def _load(self) -> None:
@@ -201,6 +203,7 @@ class Engine:
         blocks = seq.blocks + [seq.alone.get(i, b) for i, b in enumerate(seq.loaded.chunks)]
         logits, seq.cache = runner.blend(self.model, p.system, list(p.chunks), p.question, keys, blocks, c.ratio,
                                          c.rule, seq.room)
+        seq.cache.limit = seq.limit
         r = seq.loaded.reuse
         r.recomputed = len(p) - r.prefix - r.blended
         self._first(seq, logits)

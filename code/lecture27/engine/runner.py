@@ -125,7 +125,8 @@ def packed(model) -> nn.Module:
 class SeqCache:
     """One sequence's KV in one buffer (L, 2, Hkv, capacity, hd): K (after RoPE) and V of its first n tokens, at
     positions 0..n-1. A step writes its tokens' rows in place (a decode step copies one row per layer, not the
-    cache), and the buffer doubles when it is full."""
+    cache), and the buffer doubles when it is full, never past `limit` tokens (the most its request can hold: the
+    memory the scheduler admitted it with)."""
 
     def __init__(self, block: torch.Tensor, extra: int = 0):
         """block: KV (L, 2, Hkv, T, hd) of the first T tokens (a KV block: the hot cache's form); room for `extra`
@@ -134,6 +135,7 @@ class SeqCache:
         self.buf = torch.empty(L, two, H, T + max(extra, 1), hd)
         self.buf[:, :, :, :T] = block
         self.n = T
+        self.limit: int | None = None
 
     @classmethod
     def empty(cls, cfg, extra: int) -> "SeqCache":
@@ -159,7 +161,10 @@ class SeqCache:
     def reserve(self, more: int) -> None:
         if self.n + more > self.buf.shape[3]:
             L, two, H, cap, hd = self.buf.shape
-            bigger = torch.empty(L, two, H, max(2 * cap, self.n + more), hd)
+            size = max(2 * cap, self.n + more)
+            if self.limit is not None:
+                size = min(size, max(self.limit, self.n + more))
+            bigger = torch.empty(L, two, H, size, hd)
             bigger[:, :, :, :self.n] = self.buf[:, :, :, :self.n]
             self.buf = bigger
 

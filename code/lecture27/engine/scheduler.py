@@ -6,7 +6,10 @@ prompt never stops the others' answers; a request whose CacheBlend pass is due p
 (one pass a step); the prompts being prefilled take pieces of what is left, oldest request first; the store's
 jobs (a chunk prefilled alone to be stored) take the rest, and at least STORE_JOB_TOKENS whenever one waits, so
 under steady traffic a document seen once is reusable within a few steps. A new request is admitted at the next
-step while fewer than `max_running` run (1: one request at a time, as an engine without batching serves).
+step while fewer than `max_running` run (1: one request at a time, as an engine without batching serves) and the
+running requests' KV and its own fit `kv_budget` bytes (sequence.kv_need: each counted at the most it can hold, so
+the caches never outgrow the budget); the oldest waits at the head of the queue until they do, and nothing behind
+it goes first. A request alone always runs: the API refuses one that could not fit even alone (HTTP 400).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from lecture27.engine.sequence import Prefill, Sequence
 STEP_TOKENS = 256     # a step's tokens: SmolLM2 on two cores computes about this many in 0.5-0.7 s
 STORE_JOB_TOKENS = 32  # a step's tokens kept for the store jobs while one waits
 MAX_RUNNING = 16      # requests admitted at once (decoding, prefilling)
+KV_GB = 2.0           # the running requests' KV caches, at most (serve.py --kv-gb)
 
 
 @dataclass
@@ -35,9 +39,9 @@ class Batch:
 
 class Scheduler:
     def __init__(self, step_tokens: int = STEP_TOKENS, store_job_tokens: int = STORE_JOB_TOKENS,
-                 max_running: int = MAX_RUNNING, ratio: float = 0.15):
+                 max_running: int = MAX_RUNNING, ratio: float = 0.15, kv_budget: int = int(KV_GB * 1e9)):
         self.step_tokens, self.store_job_tokens = step_tokens, store_job_tokens
-        self.max_running, self.ratio = max_running, ratio
+        self.max_running, self.ratio, self.kv_budget = max_running, ratio, kv_budget
         self.waiting: deque = deque()    # loaded, not admitted (first come, first served)
         self.running: list = []          # admitted and not done, in arrival order
         self.store_jobs: deque = deque()   # Prefill units of kind "store"
@@ -57,11 +61,16 @@ class Scheduler:
         return gone
 
     def drop(self, seq: Sequence) -> None:
-        """A request that ended (or was cancelled): its work leaves the queues."""
+        """A request that ended (or was cancelled): its work leaves the queues, and its KV is let go."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        seq.release()
+
+    def kv_used(self) -> int:
+        """Bytes of KV the running requests may hold (sequence.kv_need)."""
+        return sum(seq.kv_bytes for seq in self.running)
 
     def idle(self) -> bool:
         return not (self.waiting or self.running or self.store_jobs)
@@ -69,7 +78,8 @@ class Scheduler:
     def admit(self) -> list:
         """The waiting requests that join the running ones now (the engine plans their prefill)."""
         admitted = []
-        while self.waiting and len(self.running) < self.max_running:
+        while self.waiting and len(self.running) < self.max_running and \
+                (not self.running or self.kv_used() + self.waiting[0].kv_bytes <= self.kv_budget):
             seq = self.waiting.popleft()
             self.running.append(seq)
             admitted.append(seq)

@@ -20,6 +20,15 @@ from lecture27.engine.runner import SeqCache
 ROOM_TOKENS = 256     # answer tokens a request's cache holds room for from the start
 
 
+def kv_need(bytes_per_token: int, prompt: int, max_tokens: int, *, held: bool = True, check: bool = False) -> int:
+    """The most KV memory (bytes) a request can hold while it runs: its own cache, the prompt and every answer token
+    (SeqCache never grows past them); beside it, while it is prefilled or blended, the KV the store gave it (`held`:
+    a prefix block, the blend path's chunks, at most a prompt's worth); kv_check's or echo's full prefill (`check`:
+    another prompt's worth). The scheduler admits a request while the running ones' needs and its own fit the
+    budget; the API refuses one whose need, every part counted, exceeds the whole budget."""
+    return bytes_per_token * (prompt + max_tokens + 1 + prompt * held + prompt * check)
+
+
 @dataclass
 class Request:
     """One completion: the prompt, how to decode, and where its events go. emit(kind, **data) is called from the
@@ -109,6 +118,25 @@ class Sequence:
                      torch.tensor(list(req.logit_bias.values()), dtype=torch.float32)) if req.logit_bias else None
         self.gen = torch.Generator().manual_seed(req.seed if req.seed is not None else random.getrandbits(63))
 
+    def release(self) -> None:
+        """Let go of its KV the moment it ends: its prefill units point back at it (Prefill.owner), a cycle that only
+        Python's garbage collector would break, and it runs too seldom for caches of megabytes; until then an ended
+        request's cache would stay in memory beside the ones the budget admitted."""
+        self.cache, self.parts, self.check, self.blocks, self.alone, self.loaded = None, [], None, [], {}, None
+
+    @property
+    def kv_bytes(self) -> int:
+        """kv_need of this request, once loaded: what the store gave it is held beside its cache only when it gave
+        something (float32 caches)."""
+        held = self.loaded is not None and (self.loaded.prefix is not None or self.loaded.path == "blend")
+        return kv_need(self.cfg.kv_bytes_per_token(4), len(self.prompt), self.req.max_tokens, held=held,
+                       check=self.req.kv_check or self.req.echo_logprobs is not None)
+
+    @property
+    def limit(self) -> int:
+        """The most tokens its cache holds: the prompt and every answer token."""
+        return len(self.prompt) + self.req.max_tokens + 1
+
     @property
     def room(self) -> int:
         """Tokens a prompt's cache makes room for beyond the prompt: the answer's, up to ROOM_TOKENS (a longer
@@ -126,6 +154,7 @@ class Sequence:
         if loaded.path != "blend":
             cache = SeqCache(loaded.prefix, len(tokens) - loaded.covered + extra) if loaded.prefix is not None \
                 else SeqCache.empty(self.cfg, len(tokens) + extra)
+            cache.limit = self.limit
             self.parts = [Prefill("prompt", list(tokens[loaded.covered:]), cache, owner=self)]
             return
         system = self.prompt.system
