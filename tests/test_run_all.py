@@ -36,3 +36,16 @@ def test_one_job_runs_them_one_after_another_in_order(tmp_path, capsys):
     runs = [run(tmp_path, "first", 0.3), run(tmp_path, "second", 0.1)]
     run_all.side_by_side(runs, 1, ["second", "first"])
     assert runs[1].t0 >= runs[0].t0 + runs[0].seconds   # the second starts once the first has ended
+
+
+def test_a_later_run_starts_the_longest_first(tmp_path, monkeypatch):
+    """The first run's order waits on what the first runs compute (the record model, SmolLM2's codec); once both small
+    models are in the checkpoint folder the runs start longest first. Both orders name every run of run_all."""
+    monkeypatch.setenv("L27_CHECKPOINTS", str(tmp_path))
+    assert run_all.start_order() == run_all.START_ORDER
+    (tmp_path / "records-0-0.pt").write_bytes(b"")
+    assert run_all.start_order() == run_all.START_ORDER
+    (tmp_path / "city-0-0.pt").write_bytes(b"")
+    assert run_all.start_order() == run_all.LATER_ORDER
+    names = {" ".join([s]) for s in run_all.SCRIPTS} | {" ".join(r) for r in run_all.REAL_MODEL_RUNS}
+    assert names <= set(run_all.START_ORDER) and names <= set(run_all.LATER_ORDER)

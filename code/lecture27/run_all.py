@@ -43,6 +43,19 @@ JOBS = max(1, min(2, os.cpu_count() or 1))   # scripts side by side: each small 
 START_ORDER = ["01_kv_ledger.py", "02_cachegen_codec.py", "04_cacheblend.py", "04_cacheblend.py --model smollm2",
                "03_streaming.py", "03_streaming.py --no-real", "05_tiered_storage.py --model smollm2",
                "02_cachegen_codec.py --model smollm2", "05_tiered_storage.py"]
+# a later run (the small models trained, every study loaded): longest first, from a later run's times on the same
+# machine (04 33 s, 02 19 s, 02 --model smollm2 13 s, 04 --model smollm2 12 s, 03 and 05 9 s, 05 --model smollm2
+# 7 s); in the first run's order 02 --model smollm2 started last and ran alone for 11 s
+LATER_ORDER = ["01_kv_ledger.py", "04_cacheblend.py", "02_cachegen_codec.py", "02_cachegen_codec.py --model smollm2",
+               "04_cacheblend.py --model smollm2", "03_streaming.py", "03_streaming.py --no-real",
+               "05_tiered_storage.py", "05_tiered_storage.py --model smollm2"]
+
+
+def start_order() -> list[str]:
+    """START_ORDER, or LATER_ORDER once both small models are in the checkpoint folder (a later run)."""
+    from common.checkpoints import checkpoint_dir
+    folder = checkpoint_dir()
+    return LATER_ORDER if all(any(folder.glob(f"{m}-*.pt")) for m in ("records", "city")) else START_ORDER
 
 
 # --profile runs a script under cProfile as `python script.py` runs it: as the module __main__ (runpy), so that
@@ -191,7 +204,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="l27-run-") as tmp:   # the runs' outputs and profiles
         runs = [Run.script(r, Path(tmp), args.profile, args.no_plot) for r in runs]
         t0 = time.time()   # the pages saved from here on are this run's
-        side_by_side(runs, args.jobs, START_ORDER)
+        side_by_side(runs, args.jobs, start_order())
         wall = time.time() - t0
         timings = [(r.name, r.seconds) for r in runs]
         profiles = {r.name: phase_seconds(r.profile) for r in runs if r.profile}

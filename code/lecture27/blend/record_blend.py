@@ -79,6 +79,7 @@ class RecordRun:
     ratio: float
     seed: int
     docs: int
+    full: torch.Tensor              # full prefill's logits, for every method and exercise 6 to be measured against
 
     @property
     def n_unsplit(self) -> int:
@@ -89,10 +90,10 @@ def acc_or_none(correct, mask):
     return accuracy(correct, mask) if mask.any() else None
 
 
-def methods(model, rec, chunk_len: int, ratio: float, seed: int, pre) -> dict[str, torch.Tensor]:
-    """(B, Q) correctness of each way to prefill, by method."""
+def methods(model, rec, chunk_len: int, ratio: float, seed: int, pre, full) -> dict[str, torch.Tensor]:
+    """(B, Q) correctness of each way to prefill, by method (full: full prefill's logits)."""
     g = torch.Generator().manual_seed(seed + 7)
-    return {"full": answer_correct(full_prefill(model, rec), rec),
+    return {"full": answer_correct(full, rec),
             "reuse": answer_correct(full_reuse(model, rec, chunk_len, pre), rec),
             "blend": answer_correct(blend(model, rec, chunk_len, ratio, pre=pre), rec),
             "random": answer_correct(blend(model, rec, chunk_len, ratio, rule=Random(g), pre=pre), rec)}
@@ -100,12 +101,12 @@ def methods(model, rec, chunk_len: int, ratio: float, seed: int, pre) -> dict[st
 
 def record_experiment(model, docs: int, chunk_len: int, ratio: float, seed: int) -> RecordRun:
     rec = heldout(docs)
-    pre = precompute_chunks(model, rec.doc, chunk_len)
+    pre, full = precompute_chunks(model, rec.doc, chunk_len), full_prefill(model, rec)
     split = split_mask(rec, chunk_len)
     acc = {m: Accuracy(acc_or_none(ok, split), acc_or_none(ok, ~split), accuracy(ok))
-           for m, ok in methods(model, rec, chunk_len, ratio, seed, pre).items()}
+           for m, ok in methods(model, rec, chunk_len, ratio, seed, pre, full).items()}
     return RecordRun(rec=rec, pre=pre, split_ids=split_records(chunk_len), n_split=int(split.sum()), acc=acc,
-                     chunk_len=chunk_len, ratio=ratio, seed=seed, docs=docs)
+                     chunk_len=chunk_len, ratio=ratio, seed=seed, docs=docs, full=full)
 
 
 @torch.no_grad()
@@ -138,7 +139,7 @@ def split_at(model, run: RecordRun, chunk_len: int) -> SplitAt:
     against full prefill on every question."""
     rec = run.rec
     pre = run.pre if chunk_len == run.chunk_len else precompute_chunks(model, rec.doc, chunk_len)
-    reuse, full = full_reuse(model, rec, chunk_len, pre), full_prefill(model, rec)
+    reuse, full = full_reuse(model, rec, chunk_len, pre), run.full   # full prefill does not depend on the chunks
     slots = answer_slots(N_RECORDS)
     same = bool((reuse[:, slots].argmax(-1) == full[:, slots].argmax(-1)).all())
     return SplitAt(chunk_len, split_records(chunk_len), accuracy(answer_correct(reuse, rec)),
