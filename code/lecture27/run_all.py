@@ -45,7 +45,7 @@ START_ORDER = ["01_kv_ledger.py", "02_cachegen_codec.py", "04_cacheblend.py", "0
                "02_cachegen_codec.py --model smollm2", "05_tiered_storage.py"]
 # a later run (the small models trained, every study loaded): longest first, from a later run's times on the same
 # machine (04 33 s, 02 19 s, 02 --model smollm2 13 s, 04 --model smollm2 12 s, 03 and 05 9 s, 05 --model smollm2
-# 7 s); in the first run's order 02 --model smollm2 started last and ran alone for 11 s
+# 7 s); in the first run's order 02 --model smollm2 would start last and run alone for 11 s
 LATER_ORDER = ["01_kv_ledger.py", "04_cacheblend.py", "02_cachegen_codec.py", "02_cachegen_codec.py --model smollm2",
                "04_cacheblend.py --model smollm2", "03_streaming.py", "03_streaming.py --no-real",
                "05_tiered_storage.py", "05_tiered_storage.py --model smollm2"]

@@ -140,7 +140,7 @@ def stuck(threads: list[str]) -> None:
         print(f"serve: threads still running after 30 s: {', '.join(threads)}", file=sys.stderr)
 
 
-def Server(config, engine):
+def stopping_server(config, engine):
     """uvicorn's server, whose stop on a signal first ends every open request: each stream gets an error event and
     [DONE] (as vLLM's server ends an aborted one) within a step, so uvicorn's graceful stop finds the connections
     done, well within STOP_S, instead of cancelling them."""
@@ -213,7 +213,7 @@ def main(argv=None) -> None:
             f"up to {a.max_running} requests at once, {a.step_tokens} tokens a step, {a.kv_gb:g} GB of KV"
         say(f"serving {name} at http://{host}:{port}/v1 ({store}; {batching}, "
             f"{engine.threads} thread{'s' * (engine.threads > 1)}); Ctrl-C stops it")
-        web = Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=STOP_S), engine)
+        web = stopping_server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=STOP_S), engine)
         serving = web.serve(sockets=[sock])
         try:
             asyncio.run(serving)
