@@ -204,7 +204,7 @@ def main(argv=None) -> None:
         app = make_app(engine, name, info.get("context_length") or 2048, a.api_key, separator=a.chunk_separator,
                        root=Path(path).name)
         host, port = sock.getsockname()[:2]
-        per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
+        per_token = cfg.kv_bytes_per_token(4)   # float32, as the engine keeps it
         store = "no store" if a.no_store else f"hot {a.hot_gb:g} GB (~{a.hot_gb * 1e9 / per_token:,.0f} tokens) -> " + \
             " -> ".join(t.tier.name for t in tiers.stores) + \
             (", prefixes only" if a.no_blend else f", CacheBlend {a.ratio:.0%} ({a.rule})") + \
