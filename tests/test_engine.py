@@ -1,4 +1,4 @@
-"""The engine's parts in this process (engine/chat.py, runner.py, connector.py, scheduler.py, generate.py): a chat's
+"""The engine's parts in this process (engine/chat.py, runner.py, connector.py, scheduler.py, engine.py): a chat's
 segments are its whole prompt's tokens, and a message cut by the separator gives chunks whose tokens are the pieces'
 (each the same wherever it stands), the tokens the model is fed; a prefill in pieces and cached decode equal a full
 forward, and a batch gives each item what it gets alone; blending at ratio 1 is a full prefill and at ratio 0 full
@@ -21,9 +21,10 @@ from lecture27 import kvstore as ks
 from lecture27.engine import runner
 from lecture27.engine.chat import SEPARATOR, chat_prompt, completion_prompt
 from lecture27.engine.connector import BLOCK_TOKENS, HotCache, KVConnector, Tiers, block_keys, message_keys
-from lecture27.engine.generate import Engine
-from lecture27.engine.runner import Item, SeqCache
-from lecture27.engine.sequence import Request, Sequence
+from lecture27.engine.engine import Engine
+from lecture27.engine.blocks import SeqCache, array_to_block, block_to_array
+from lecture27.engine.runner import Item
+from lecture27.engine.sequence import Request, Sequence, pick
 
 DOCS = ["Lake Varna lies in a narrow valley carved by glaciers. Its deepest point is 212 metres below the surface.",
         "Lake Osric is wide and popular with sailors. Surveys with sonar measured its greatest depth at 147 metres.",
@@ -195,6 +196,24 @@ def test_a_step_asking_no_logits_still_fills_the_last_layers_cache(tiny_model):
         assert np.abs(kv_to_array(cache.kvcache())[0] - kv_to_array(kv)[0]).max() <= 1e-5
 
 
+def test_an_item_asking_every_tokens_logits_gets_the_full_forwards_beside_the_others(tiny_model):
+    """Echo's pieces run in the step's batch (Item.every): a piece of 80 tokens (more than a row group) behind 70
+    already run gets every position's logits, each equal to a full forward's, while a decode and a prefill run
+    beside it."""
+    model, rng = tiny_model, torch.Generator().manual_seed(4)
+    a, b = (torch.randint(0, 97, (n,), generator=rng).tolist() for n in (150, 20))
+    ca = SeqCache.empty(model.cfg, 10)
+    first = runner.run(model, [Item(a[:70], ca, False, every=True)])[0]
+    got = runner.run(model, [Item([b[0]], SeqCache.empty(model.cfg, 1), True),
+                             Item(a[70:], ca, False, every=True), Item(b, SeqCache.empty(model.cfg, 1), True)])
+    with torch.no_grad():
+        want = model(torch.tensor([a]))[0][0]
+    assert first.shape == (70, 97) and got[1].shape == (80, 97)
+    assert close(torch.cat([first, got[1]]), want)
+    with torch.no_grad():
+        assert close(got[0], model(torch.tensor([b[:1]]))[0][0, -1]) and close(got[2], model(torch.tensor([b]))[0][0, -1])
+
+
 def test_the_hot_cache_keeps_its_byte_budget_least_recently_used_out():
     block = torch.zeros(2, 2, 1, 4, 8)   # 512 bytes
     hot = HotCache(3 * block.numel() * 4)
@@ -231,7 +250,7 @@ def test_blend_at_ratio_1_is_a_full_prefill_and_at_ratio_0_full_reuse(parts, for
     model, tok, mid = parts
     p = chat_prompt(tok, chat((2, 0, 1)) if form == "messages" else cut((2, 0, 1)))
     keys = ks.chunk_keys(mid, p.system, p.chunks)
-    blocks = [runner.array_to_block(X, model.cfg.n_kv_heads) for X in ks.chunk_kvs(model, p.system, p.chunks)]
+    blocks = [array_to_block(X, model.cfg.n_kv_heads) for X in ks.chunk_kvs(model, p.system, p.chunks)]
     rule = connector(parts).rule
     with torch.no_grad():
         full = model(torch.tensor([p.tokens]), last=True)[0][0, -1]
@@ -348,7 +367,7 @@ def test_the_store_holds_only_exact_kv(parts):
     def stored(key):
         hot, (ram, _) = con.hot.get(key), con.tiers.get(key)
         assert (hot is None) == (ram is None), key
-        return None if hot is None else (runner.block_to_array(hot), ram)
+        return None if hot is None else (block_to_array(hot), ram)
     for a, b, key in block_keys(mid, moved.tokens):
         got = stored(key)
         if b > S:   # past the system message the request's KV was blended: none of it is a prefix block
@@ -549,7 +568,7 @@ class _ThreadsTier(_WatchedTier):
 
 def test_only_the_model_thread_runs_torch_on_several_cores(parts):
     """The writer (a record written behind) and the loader (a look-up) run torch on one thread, the model thread on
-    the engine's count, even where the thread that built them runs on two (generate.py's docstring: a second OpenMP
+    the engine's count, even where the thread that built them runs on two (engine.py's docstring: a second OpenMP
     team puts the model thread's workers to sleep after every parallel region). The writer is asked first, alone: a
     thread's count starts as the last one any thread set, so the loader's setting would hide the writer's."""
     model, tok, mid = parts
@@ -692,10 +711,10 @@ def test_penalties_and_logit_bias_follow_openais_formula(parts):
 def test_a_tiny_top_p_is_greedy_and_a_seed_repeats_the_draw():
     logits = torch.tensor([0.0, 2.0, 1.9, -1.0])
     for seed in range(20):
-        assert Engine.pick(logits, 1.5, torch.Generator().manual_seed(seed), top_p=1e-6) == 1
-    kept = {Engine.pick(logits, 1.5, torch.Generator().manual_seed(s), top_p=0.6) for s in range(200)}
+        assert pick(logits, 1.5, torch.Generator().manual_seed(seed), top_p=1e-6) == 1
+    kept = {pick(logits, 1.5, torch.Generator().manual_seed(s), top_p=0.6) for s in range(200)}
     assert kept == {1, 2}   # the nucleus: the two most likely tokens hold more than 0.6, the first alone less
-    draws = [[Engine.pick(logits, 1.0, g, 0.9) for _ in range(10)] for g in
+    draws = [[pick(logits, 1.0, g, 0.9) for _ in range(10)] for g in
              (torch.Generator().manual_seed(3), torch.Generator().manual_seed(3))]
     assert draws[0] == draws[1]
 

@@ -1,23 +1,32 @@
 """The engine's scheduler on its own (engine/scheduler.py), with stand-in requests: no model, no threads. Who is
 admitted: first come, first served, while the KV budget holds; what a step takes: a prefill in pieces within the
 step's budget, the store jobs' share kept while one waits, however much prompt work there is. And the bound that
-admission counts on: a request's cache never grows past what kv_need counted."""
+admission counts on: a request's cache never grows past what kv_need counted. And the state machine: a request's
+status changes in scheduler.py and nowhere else."""
+import ast
+from pathlib import Path
+
 import torch
 
-from lecture27.engine.runner import SeqCache
+from lecture27.engine.blocks import SeqCache
 from lecture27.engine.scheduler import Scheduler
-from lecture27.engine.sequence import Prefill, kv_need
+from lecture27.engine.sequence import Kind, Prefill, Status, kv_need
+
+ENGINE = Path(__file__).resolve().parents[1] / "code" / "lecture27" / "engine"
 
 
 class Stand:
-    """A request as the scheduler sees it: a phase, its prefill units, no kv_check."""
+    """A request as the scheduler sees it: a status, its prefill units (planned already), no kv_check."""
 
     def __init__(self, name: str, prompt_tokens: int = 0, kv_bytes: int = 0):
-        self.name, self.phase, self.check, self.kv_bytes = name, "wait", None, kv_bytes
-        self.parts = [Prefill("prompt", list(range(prompt_tokens)), None)] if prompt_tokens else []
+        self.name, self.status, self.check, self.kv_bytes = name, Status.LOADING, None, kv_bytes
+        self.parts = [Prefill(Kind.PROMPT, list(range(prompt_tokens)), None)] if prompt_tokens else []
+
+    def plan(self) -> None:
+        pass
 
     def units(self) -> list:
-        return [u for u in self.parts if u.todo] if self.phase == "prefill" else []
+        return [u for u in self.parts if u.todo] if self.status is Status.PREFILLING else []
 
     def release(self) -> None:
         self.released = True
@@ -41,12 +50,10 @@ def test_a_busy_step_keeps_its_store_share_and_prompts_are_prefilled_oldest_firs
     for q in (old, new):
         s.add(q)
     s.admit()
-    for q in (old, new):
-        q.phase = "prefill"
-    job = Prefill("store", list(range(100)), None)
+    job = Prefill(Kind.STORE, list(range(100)), None)
     s.add_store_job(job)
     assert s.batch().pieces == [(old.parts[0], 48), (job, 16)]
-    s.store_jobs.clear()
+    s.drop_store_jobs()
     assert [(u, n) for u, n in s.batch().pieces] == [(old.parts[0], 64)]   # no job waiting: nothing is kept back
 
 
@@ -81,3 +88,61 @@ def test_a_requests_cache_never_grows_past_what_admission_counted():
         c.n += 1
         assert c.buf.shape[3] <= c.limit
     assert c.nbytes <= kv_need(2 * L * H * hd * 4, prompt, answer, held=False)
+
+
+def test_a_request_goes_through_its_statuses_as_the_scheduler_reports_them():
+    """LOADING -> WAITING (add) -> PREFILLING (admit, with parts) -> DECODING (decoded) -> DONE (finished, drop); a
+    request whose chunks the store all held is BLENDING once admitted; one whose kv_check prefill still runs is
+    CHECKING when its answer ends, and its end waits."""
+    s = Scheduler()
+    q, blended = Stand("q", 10), Stand("blended")
+    blended.prompt = type("Prompt", (), {"__len__": lambda self: 10, "question": (1, 2)})()
+    for r in (q, blended):
+        s.add(r)
+        assert r.status is Status.WAITING
+    s.admit()
+    assert (q.status, blended.status) == (Status.PREFILLING, Status.BLENDING)
+    s.decoded(q, 7)
+    assert q.status is Status.DECODING and q.next_token == 7
+    assert [r.name for r in s.batch().decode] == ["q"] and s.batch().blend is blended
+    q.check = Prefill(Kind.CHECK, [1, 2], None)
+    assert not s.finished(q) and q.status is Status.CHECKING
+    q.check.todo = []
+    assert s.finished(q)
+    s.drop(q)
+    assert q.status is Status.DONE and q not in s.running
+
+
+def test_the_blend_path_is_due_once_its_last_part_is_prefilled():
+    s = Scheduler()
+    q = Stand("q", 4)
+    s.add(q)
+    s.admit()
+    s.prefilled(q)
+    assert q.status is Status.PREFILLING   # a part is left
+    q.parts = []
+    s.prefilled(q)
+    assert q.status is Status.BLENDING
+
+
+def test_a_store_job_for_a_chunk_already_queued_is_not_taken_twice():
+    s = Scheduler()
+    s.add_store_job(Prefill(Kind.STORE, [1], None, key="k"))
+    assert not s.wants_store_job("k") and s.wants_store_job("other")
+
+
+def test_every_status_change_is_in_the_scheduler():
+    """An assignment of a Status to `.status` anywhere under engine/ but scheduler.py (and Sequence's first one,
+    LOADING, in its constructor) would be a status changed outside the state machine."""
+    found = []
+    for path in sorted(ENGINE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                    if isinstance(el, ast.Attribute) and el.attr == "status" and "Status." in ast.unparse(node.value):
+                        found.append((path.name, ast.unparse(node.value)))
+    outside = [f for f in found if f[0] != "scheduler.py"]
+    assert outside == [("sequence.py", "(Status.LOADING, None, None)")], outside
+    assert len(found) > len(outside)

@@ -265,15 +265,15 @@ def test_a_signal_while_the_event_loop_is_built_still_stops_cleanly(sig):
 
 def test_the_server_loads_the_model_on_one_thread_and_runs_it_on_every_core():
     """serve.py's main thread is on one torch thread when it builds the engine (it set that before loading the model),
-    so that the model thread's OpenMP team is the process's only one (engine/generate.py's docstring); the engine still
+    so that the model thread's OpenMP team is the process's only one (engine/engine.py's docstring); the engine still
     gets one thread per core by default (--threads 0), counted before the main thread's count is set to one."""
     r = serve_main("import torch\n"
                    "torch.set_num_threads(2)\n"
-                   "from lecture27.engine import generate\n"
+                   "from lecture27.engine import engine\n"
                    "def built(self, *a, **k):\n"
                    "    print('built on', torch.get_num_threads(), 'for', k['threads'], flush=True)\n"
                    "    raise SystemExit(0)\n"
-                   "generate.Engine.__init__ = built\n", "--threads", "0")
+                   "engine.Engine.__init__ = built\n", "--threads", "0")
     assert r.returncode == 0 and "built on 1 for 2" in r.stdout.splitlines(), r.stdout + r.stderr
 
 

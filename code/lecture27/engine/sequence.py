@@ -8,14 +8,14 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import Enum, auto
 from typing import Callable
 
 import torch
 
 from lecture27 import kvstore as ks
 from lecture27.engine.chat import Prompt
-from lecture27.engine.connector import Loaded
-from lecture27.engine.runner import SeqCache
+from lecture27.engine.blocks import SeqCache
 
 ROOM_TOKENS = 256     # answer tokens a request's cache holds room for from the start
 
@@ -73,39 +73,85 @@ def scored(logprobs: torch.Tensor, token: int, top: int) -> Scored:
                   tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ())
 
 
+def pick(logits: torch.Tensor, temperature: float, gen: torch.Generator, top_p: float = 1.0) -> int:
+    """The argmax at temperature 0; else a draw from softmax(logits / temperature), within the nucleus: the most
+    likely tokens whose probabilities sum to top_p (at least the most likely one)."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = (logits.float() / temperature).softmax(-1)
+    if top_p >= 1:
+        return int(torch.multinomial(probs, 1, generator=gen))
+    p, ids = probs.sort(descending=True)
+    keep = int((p.cumsum(0) - p < top_p).sum().clamp(min=1))   # the tokens before which less than top_p is summed
+    return int(ids[int(torch.multinomial(p[:keep], 1, generator=gen))])
+
+
+class Status(Enum):
+    """Where a request is in the engine. Only the scheduler changes it (scheduler.py: add, admit, then what a
+    step's post-processing reports: prefilled, decoded, finished, drop)."""
+    LOADING = auto()      # the loader fetches its KV from the store
+    WAITING = auto()      # loaded, not admitted (first come, first served)
+    PREFILLING = auto()   # its parts run: the prompt after the held prefix, or the blend path's system message and
+    #                       the chunks no tier held
+    BLENDING = auto()     # CacheBlend's pass is due
+    DECODING = auto()     # a token a step
+    CHECKING = auto()     # answered; its kv_check (or echo) prefill still runs
+    DONE = auto()         # ended: answered, cancelled or failed; its KV let go
+
+
+class Kind(Enum):
+    """What a prefill unit computes, and so what its last piece leads to (Engine.done)."""
+    PROMPT = auto()   # a request's own prompt: its last logits are the first answer token's
+    SYSTEM = auto()   # the blend path's system message, which its chunks are prefilled behind
+    CHUNK = auto()    # a chunk no tier held, prefilled alone behind the system message (then saved)
+    CHECK = auto()    # kv_check's full prefill: its last logits against the served ones
+    ECHO = auto()     # a full prefill that also scores every prompt token (a completion's echo with logprobs)
+    STORE = auto()    # a chunk prefilled alone to be stored (a store job, owned by the scheduler)
+
+
 @dataclass(eq=False)
 class Prefill:
-    """Tokens to run behind a cache, a piece per step (chunked prefill). kind: "prompt" (a request's own prompt,
-    its last logits are the first answer token's), "system" and "chunk" (the blend path's system message and a chunk
-    prefilled alone behind it), "check" (kv_check's full prefill), "echo" (kv_check's full prefill that also scores
-    every prompt token: its pieces run through the model's own forward, which gives every position's logits; its
-    cache is a KVCache), "store" (a chunk prefilled alone to be stored). key: the chunk saved when it ends, its rows
-    from `skip` on."""
-    kind: str
+    """Tokens to run behind a cache, a piece per step (chunked prefill); `kind` says what for (Kind). key: the
+    chunk saved when it ends, its rows from `skip` on."""
+    kind: Kind
     todo: list
     cache: SeqCache
     owner: "Sequence | None" = None
     key: ks.ChunkKey | None = None
     skip: int = 0
-    index: int = -1            # the blend path's chunk index of a "chunk"
-    scores: list = field(default_factory=list)   # "echo": a Scored for each prompt token scored so far (None first)
-    last: torch.Tensor | None = None             # "echo": the logits after the tokens run so far
+    index: int = -1            # the blend path's chunk index of a CHUNK
+    scores: list = field(default_factory=list)   # ECHO: a Scored for each prompt token scored so far (None first)
+    last: torch.Tensor | None = None             # ECHO: the logits after the tokens run so far
 
     @property
     def logits(self) -> bool:
-        return self.kind in ("prompt", "check")
+        """Its last piece's last logits are read (the first answer token's, or kv_check's)."""
+        return self.kind in (Kind.PROMPT, Kind.CHECK)
+
+    @property
+    def every(self) -> bool:
+        """Every token's logits are read (echo scores each prompt token)."""
+        return self.kind is Kind.ECHO
+
+    def score(self, piece: list, logits: torch.Tensor, top: int) -> None:
+        """An ECHO piece ran: logits (len(piece), vocab), every token's. Each token is scored by the logits before it
+        (the prompt's first by none: None)."""
+        before = logits[:-1] if self.last is None else torch.cat([self.last[None], logits[:-1]])
+        if self.last is None:
+            self.scores.append(None)
+            piece = piece[1:]
+        self.scores += [scored(lp, t, top) for lp, t in zip(before.log_softmax(-1), piece)]
+        self.last = logits[-1]
 
 
 class Sequence:
-    """A request inside the engine. phase: "load" (the loader fetches its KV), "wait" (loaded, not admitted),
-    "prefill" (its parts run: the prompt after the held prefix, or the blend path's system message and the
-    chunks no tier held), "blend" (CacheBlend's pass is due), "decode" (a token a step), "check" (answered; its
-    kv_check prefill still runs), "done"."""
+    """A request inside the engine: its status (Status, changed by the scheduler alone), what the store gave it
+    (`loaded`), its cache, the prefill units still to run, its answer so far and how its next token is picked."""
 
     def __init__(self, req: Request, cfg):
         self.req, self.prompt, self.cfg = req, req.prompt, cfg
-        self.phase, self.loaded, self.cache = "load", None, None
-        self.parts: list[Prefill] = []       # what must run before the first token (prefill phase)
+        self.status, self.loaded, self.cache = Status.LOADING, None, None
+        self.parts: list[Prefill] = []       # what must run before the first token (PREFILLING)
         self.check: Prefill | None = None    # kv_check's full prefill
         self.blocks: list = []               # the blend path: the system message's block and each earlier message's
         self.alone: dict = {}                # {message index: block} chunks prefilled alone here (saved after)
@@ -143,43 +189,43 @@ class Sequence:
         answer grows the cache as it goes)."""
         return min(self.req.max_tokens, ROOM_TOKENS) + 1
 
-    def admit(self, loaded: Loaded) -> None:
-        """Plan the prefill from what the connector loaded."""
-        self.loaded, self.admitted_at = loaded, time.perf_counter()
-        self.phase, tokens, extra = "prefill", self.prompt.tokens, self.room
+    def plan(self) -> None:
+        """Its prefill units, from what the connector loaded (on admission): the prompt after the held prefix; on
+        the blend path the system message first, when no tier held it, else the chunks no tier held (none: the
+        blend pass is due at once); and kv_check's or echo's full prefill."""
+        loaded, tokens, extra = self.loaded, self.prompt.tokens, self.room
+        self.admitted_at = time.perf_counter()
         if self.req.echo_logprobs is not None:
-            self.check = Prefill("echo", list(tokens), None, owner=self)
+            self.check = Prefill(Kind.ECHO, list(tokens), SeqCache.empty(self.cfg, len(tokens)), owner=self)
         elif self.req.kv_check:
-            self.check = Prefill("check", list(tokens), SeqCache.empty(self.cfg, len(tokens)), owner=self)
+            self.check = Prefill(Kind.CHECK, list(tokens), SeqCache.empty(self.cfg, len(tokens)), owner=self)
         if loaded.path != "blend":
             cache = SeqCache(loaded.prefix, len(tokens) - loaded.covered + extra) if loaded.prefix is not None \
                 else SeqCache.empty(self.cfg, len(tokens) + extra)
             cache.limit = self.limit
-            self.parts = [Prefill("prompt", list(tokens[loaded.covered:]), cache, owner=self)]
+            self.parts = [Prefill(Kind.PROMPT, list(tokens[loaded.covered:]), cache, owner=self)]
             return
         system = self.prompt.system
         if system and loaded.system is None:   # the system message first: the chunks are computed behind it
-            self.parts = [Prefill("system", list(system), SeqCache.empty(self.cfg, len(system)), owner=self)]
+            self.parts = [Prefill(Kind.SYSTEM, list(system), SeqCache.empty(self.cfg, len(system)), owner=self)]
         else:
             self.chunk_parts(loaded.system)
 
     def chunk_parts(self, system_block) -> None:
         """The blend path, once the system message's KV is at hand: every chunk that no tier held is prefilled alone
-        behind it; with none, CacheBlend's pass is due."""
+        behind it (none: CacheBlend's pass is due)."""
         self.blocks = [system_block] if self.prompt.system else []
         self.parts = []
         for i, (chunk, block) in enumerate(zip(self.prompt.chunks, self.loaded.chunks)):
             if block is None:
                 cache = SeqCache(system_block, len(chunk)) if system_block is not None else \
                     SeqCache.empty(self.cfg, len(chunk))
-                self.parts.append(Prefill("chunk", list(chunk), cache, owner=self, skip=len(self.prompt.system),
+                self.parts.append(Prefill(Kind.CHUNK, list(chunk), cache, owner=self, skip=len(self.prompt.system),
                                           index=i))
-        if not self.parts:
-            self.phase = "blend"
 
     def units(self) -> list:
         """This request's prefill work that may run this step, in order."""
-        return self.parts if self.phase == "prefill" else []
+        return self.parts if self.status is Status.PREFILLING else []
 
     def shaped(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits the next token is picked from (Request's docstring): logit_bias added, then OpenAI's

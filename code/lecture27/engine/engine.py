@@ -4,7 +4,9 @@ Three threads, three roles (nano-vllm's shape, LMCache's contract):
   loader   a request's KV is looked up and fetched by the connector (connector.py: hot cache, RAM, disk, Redis)
            before the request joins a step, so a slow tier never holds a step up;
   model    `step()`: the scheduler picks the step's work (scheduler.py), the runner runs it as one batch
-           (runner.py), then each request's new token is decoded, sent, checked against its stops;
+           (runner.py), then each request's new token is decoded, sent, checked against its stops, and each prefill
+           unit that ran its last piece leads to what its kind says (`done`); what changes a request's status is
+           reported to the scheduler, which alone changes it (sequence.Status);
   writer   the connector writes each saved chunk through the tiers behind the model's back.
 Only the model thread runs torch on several cores: the loader and the writer run it on one, and so should the thread
 that builds the engine (serve.py's main thread loads the model on one). PyTorch's CPU kernels run on OpenMP, and GNU
@@ -24,7 +26,8 @@ the token is their argmax at temperature 0, else drawn within the top_p nucleus 
 log_softmax of those same logits, the ones the token was picked from (temperature and top_p shape the draw, not
 the reported distribution, as OpenAI and vLLM report them): on the blended path the first token's are the blended
 logits'. A completion's echo with logprobs scores the prompt's tokens with one more full prefill of the prompt (an
-"echo" unit, kv_check's kind of extra work), exact whatever path served the answer. Each step is reported to the
+ECHO unit, kv_check's kind of extra work, whose every token's logits the runner keeps), exact whatever path served
+the answer. Each step is reported to the
 request's `emit` (the API turns the events into a response or a stream).
 """
 from __future__ import annotations
@@ -40,12 +43,11 @@ import torch
 from common.llama import kl_divergence, torch_threads
 from lecture27 import kvstore as ks
 from lecture27.engine import runner
+from lecture27.engine.blocks import SeqCache
 from lecture27.engine.connector import KVConnector, message_keys, system_key
-from lecture27.engine.runner import Item, SeqCache
+from lecture27.engine.runner import Item
 from lecture27.engine.scheduler import KV_GB, MAX_RUNNING, STEP_TOKENS, STORE_JOB_TOKENS, Scheduler
-from lecture27.engine.sequence import Prefill, Request, Sequence, scored
-
-MAX_STORE_JOBS = 256     # store jobs waiting at most; past that a message is not stored alone
+from lecture27.engine.sequence import Kind, Prefill, Request, Sequence, Status, pick, scored
 
 
 class Engine:
@@ -132,7 +134,7 @@ class Engine:
                     traceback.print_exc(file=sys.stderr)
                     for seq in list(self.scheduler.running):
                         self._fail(seq, f"{type(e).__name__}: {e}")
-                    self.scheduler.store_jobs.clear()   # a store job that failed would fail every step after it
+                    self.scheduler.drop_store_jobs()
             for seq in [*self.scheduler.running, *self.scheduler.waiting]:
                 seq.req.emit("error", message="the engine stopped")
 
@@ -145,28 +147,26 @@ class Engine:
         if self.closing is not None:
             for seq in [*s.running, *s.waiting]:
                 self._fail(seq, self.closing)
-            s.store_jobs.clear()
-        for seq in s.admit():
-            seq.admit(seq.loaded)
+            s.drop_store_jobs()
+        s.admit()
         batch = s.batch()
         if not batch:   # nothing can run until something comes (a request still with the loader)
             return self._take(block=True)
         self.steps += 1
         if batch.blend is not None:
             self._blend(batch.blend)
-        pieces = [(unit, n) for unit, n in batch.pieces if unit.kind != "echo"]
         items = [Item([seq.next_token], seq.cache, True) for seq in batch.decode]
-        items += [Item(unit.todo[:n], unit.cache, unit.logits and n == len(unit.todo)) for unit, n in pieces]
+        items += [Item(unit.todo[:n], unit.cache, unit.logits and n == len(unit.todo), unit.every)
+                  for unit, n in batch.pieces]
         logits = runner.run(self.model, items) if items else []
         for seq, lg in zip(batch.decode, logits):
             self._advance(seq, lg)
-        for (unit, n), lg in zip(pieces, logits[len(batch.decode):]):
-            unit.todo = unit.todo[n:]
+        for (unit, n), lg in zip(batch.pieces, logits[len(batch.decode):]):
+            piece, unit.todo = unit.todo[:n], unit.todo[n:]
+            if unit.every:
+                unit.score(piece, lg, unit.owner.req.echo_logprobs)
             if not unit.todo:
-                self._done(unit, lg)
-        for unit, n in batch.pieces:
-            if unit.kind == "echo":
-                self._score(unit, n)
+                self.done(unit, unit.last if unit.every else lg)
 
     def _take(self, block: bool) -> None:
         """Run what the other threads handed over; wait for it when there is nothing else to do."""
@@ -181,22 +181,6 @@ class Engine:
         except queue.Empty:
             pass
 
-    def _score(self, unit: Prefill, n: int) -> None:
-        """A piece of an "echo" unit, through the model's own forward (it gives every position's logits; the step's
-        budget counted its tokens): each token is scored by the logits before it, the prompt's first by none."""
-        piece, unit.todo = unit.todo[:n], unit.todo[n:]
-        logits, unit.cache = self.model(torch.tensor([piece]), cache=unit.cache)
-        logits = logits[0]
-        before = logits[:-1] if unit.last is None else torch.cat([unit.last[None], logits[:-1]])
-        if unit.last is None:
-            unit.scores.append(None)
-            piece = piece[1:]
-        top = unit.owner.req.echo_logprobs
-        unit.scores += [scored(lp, t, top) for lp, t in zip(before.log_softmax(-1), piece)]
-        unit.last = logits[-1]
-        if not unit.todo:
-            self._done(unit, unit.last)
-
     def _blend(self, seq: Sequence) -> None:
         c, p = self.connector, seq.prompt
         keys = ks.chunk_keys(c.model_id, p.system, p.chunks)
@@ -208,34 +192,51 @@ class Engine:
         r.recomputed = len(p) - r.prefix - r.blended
         self._first(seq, logits)
 
-    def _done(self, unit: Prefill, logits) -> None:
-        """A prefill unit ran its last piece."""
+    def done(self, unit: Prefill, logits) -> None:
+        """A prefill unit ran its last piece: what follows depends on its kind."""
+        after = {Kind.PROMPT: self._prompt_done, Kind.SYSTEM: self._system_done, Kind.CHUNK: self._chunk_done,
+                 Kind.CHECK: self._check_done, Kind.ECHO: self._check_done, Kind.STORE: self._store_done}
+        after[unit.kind](unit, logits)
+
+    def _prompt_done(self, unit: Prefill, logits) -> None:
+        """The prompt after the held prefix is in its cache: the first answer token."""
         seq = unit.owner
-        if unit.kind == "prompt":
-            seq.cache = unit.cache
-            r = seq.loaded.reuse
-            r.recomputed = len(seq.prompt) - r.prefix
-            self._first(seq, logits)
-        elif unit.kind == "system":
-            block = unit.cache.rows(0, len(unit.cache))
-            self.connector.save(system_key(self.connector.model_id, seq.prompt.system), block)
-            seq.chunk_parts(block)
-        elif unit.kind == "chunk":
-            seq.alone[unit.index] = block = unit.cache.rows(unit.skip, len(unit.cache))
-            self.connector.save(message_keys(self.connector.model_id, seq.prompt)[unit.index], block)
-            seq.parts.remove(unit)
-            if not seq.parts:
-                seq.phase = "blend"
-        elif unit.kind in ("check", "echo"):
-            seq.check_logits = logits
-            if unit.kind == "echo":
-                seq.prompt_scores = unit.scores
-                self._scores(seq)
-            if seq.phase == "check":
-                self._end(seq, seq.finish)
-        elif unit.kind == "store":
-            self.scheduler.store_jobs.remove(unit)
-            self.connector.save(unit.key, unit.cache.rows(unit.skip, len(unit.cache)))
+        seq.cache = unit.cache
+        r = seq.loaded.reuse
+        r.recomputed = len(seq.prompt) - r.prefix
+        self._first(seq, logits)
+
+    def _system_done(self, unit: Prefill, logits) -> None:
+        """The blend path's system message: saved, and its chunks are prefilled behind it."""
+        seq = unit.owner
+        block = unit.cache.rows(0, len(unit.cache))
+        self.connector.save(system_key(self.connector.model_id, seq.prompt.system), block)
+        seq.chunk_parts(block)
+        self.scheduler.prefilled(seq)
+
+    def _chunk_done(self, unit: Prefill, logits) -> None:
+        """A chunk prefilled alone: saved, and kept for the blend pass."""
+        seq = unit.owner
+        seq.alone[unit.index] = block = unit.cache.rows(unit.skip, len(unit.cache))
+        self.connector.save(message_keys(self.connector.model_id, seq.prompt)[unit.index], block)
+        seq.parts.remove(unit)
+        self.scheduler.prefilled(seq)
+
+    def _check_done(self, unit: Prefill, logits) -> None:
+        """kv_check's full prefill (echo's too, with every prompt token scored): the logits the served ones are
+        compared with; an answer that waited for it ends."""
+        seq = unit.owner
+        seq.check_logits = logits
+        if unit.kind is Kind.ECHO:
+            seq.prompt_scores = unit.scores
+            self._scores(seq)
+        if seq.status is Status.CHECKING:
+            self._end(seq, seq.finish)
+
+    def _store_done(self, unit: Prefill, logits) -> None:
+        """A store job: the chunk prefilled alone is saved."""
+        self.scheduler.store_job_done(unit)
+        self.connector.save(unit.key, unit.cache.rows(unit.skip, len(unit.cache)))
 
     # ------------------------------------------------------------------------------------------------ decoding
     def _first(self, seq: Sequence, logits) -> None:
@@ -263,7 +264,7 @@ class Engine:
         client gone). Its logprobs, when asked, come from the logits it was picked from."""
         req = seq.req
         logits = seq.shaped(logits)
-        token = self.pick(logits, req.temperature, seq.gen, req.top_p)
+        token = pick(logits, req.temperature, seq.gen, req.top_p)
         if token in self.end_ids and not req.ignore_eos:
             return self._finish(seq, "stop")
         seq.chose(token)
@@ -282,17 +283,15 @@ class Engine:
             return self._finish(seq, "cancelled")
         if len(seq.out) >= req.max_tokens:
             return self._finish(seq, "length")
-        seq.next_token, seq.phase = token, "decode"
+        self.scheduler.decoded(seq, token)
 
     def _finish(self, seq: Sequence, reason: str, cut: bool = False) -> None:
         if not cut:   # what was held back
             self.flush(seq, self.tok.decode(seq.out), None)
         seq.finish = reason
         self._save(seq)
-        if seq.check is not None and seq.check.todo:   # kv_check's prefill still runs: the end waits for it
-            seq.phase = "check"
-            return
-        self._end(seq, reason)
+        if self.scheduler.finished(seq):   # else kv_check's prefill still runs: the end waits for it
+            self._end(seq, reason)
 
     def _end(self, seq: Sequence, reason: str) -> None:
         kl = None
@@ -300,12 +299,10 @@ class Engine:
             full = seq.check_logits
             if full is not None:
                 kl = float(kl_divergence(full.log_softmax(-1), seq.served_logits.log_softmax(-1)))
-        seq.phase = "done"
         self.scheduler.drop(seq)
         seq.req.emit("end", finish_reason=reason, tokens=len(seq.out), kl=kl)
 
     def _fail(self, seq: Sequence, message: str) -> None:
-        seq.phase = "done"
         self.scheduler.drop(seq)
         seq.req.emit("error", message=message)
 
@@ -322,16 +319,15 @@ class Engine:
     def _add_store_job(self, job) -> None:
         """A store job: the chunk prefilled alone behind its system message (from the hot cache when it is there)."""
         s = self.scheduler
-        if len(s.store_jobs) >= MAX_STORE_JOBS or self.connector.hot.has(job.key) or \
-                any(j.key == job.key for j in s.store_jobs):
+        if self.connector.hot.has(job.key) or not s.wants_store_job(job.key):
             return
         system = self.connector.hot.get(system_key(self.connector.model_id, job.system)) if job.system else None
         if system is not None and system.shape[3] == len(job.system):
-            unit = Prefill("store", list(job.tokens), SeqCache(system, len(job.tokens)), key=job.key,
+            unit = Prefill(Kind.STORE, list(job.tokens), SeqCache(system, len(job.tokens)), key=job.key,
                            skip=len(job.system))
         else:
             tokens = [*job.system, *job.tokens]
-            unit = Prefill("store", tokens, SeqCache.empty(self.model.cfg, len(tokens)), key=job.key,
+            unit = Prefill(Kind.STORE, tokens, SeqCache.empty(self.model.cfg, len(tokens)), key=job.key,
                            skip=len(job.system))
         s.add_store_job(unit)
 
@@ -342,16 +338,3 @@ class Engine:
                          scored=score)
         if len(upto) > len(seq.sent):
             seq.sent = upto
-
-    @staticmethod
-    def pick(logits: torch.Tensor, temperature: float, gen: torch.Generator, top_p: float = 1.0) -> int:
-        """The argmax at temperature 0; else a draw from softmax(logits / temperature), within the nucleus: the
-        most likely tokens whose probabilities sum to top_p (at least the most likely one)."""
-        if temperature <= 0:
-            return int(logits.argmax())
-        probs = (logits.float() / temperature).softmax(-1)
-        if top_p >= 1:
-            return int(torch.multinomial(probs, 1, generator=gen))
-        p, ids = probs.sort(descending=True)
-        keep = int((p.cumsum(0) - p < top_p).sum().clamp(min=1))   # the tokens before which less than top_p is summed
-        return int(ids[int(torch.multinomial(p[:keep], 1, generator=gen))])
