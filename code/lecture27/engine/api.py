@@ -8,12 +8,9 @@ speaks it reaches the KV store behind it without knowing it is there).
     GET  /metrics               Prometheus text: requests, prompt tokens by where their KV came from, store hits
                                 per tier, time to first token and time in the queue (histograms)
 
-Decoding honours OpenAI's fields: temperature, top_p, seed, stop, max_tokens (max_completion_tokens),
-presence_penalty, frequency_penalty, logit_bias; logprobs and top_logprobs (chat, 0-20), logprobs (an int) and echo
-(completions), computed from the logits the engine served (generate.py says which). A field this engine cannot honour
-(n > 1, tools, structured output, an image part, ...) or one OpenAI does not define gets a 400 that names it; fields
-that only label a request (user, metadata, ...) are accepted. A message (or a completion's text) holding the chunk
-separator (chat.py) is cut into chunks there, each reusable alone from the store in any order.
+What a request may ask (OpenAI's fields, each honoured, accepted as a label or refused by name) and how it is
+refused are schemas.py's. A message (or a completion's text) holding the chunk separator (chat.py) is cut into
+chunks there, each reusable alone from the store in any order.
 
 What the store did for a request is in OpenAI's own field, usage.prompt_tokens_details.cached_tokens (prompt
 tokens whose KV came from the store), and in the header x-kv-cache (path=prefix|blend|prefill; prefix=exact
@@ -31,157 +28,19 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from lecture27.engine.chat import ROLES, SEPARATOR, Prompt, chat_prompt, completion_prompt
+from lecture27.engine.chat import SEPARATOR, Prompt, chat_prompt, completion_prompt
 from lecture27.engine.generate import Engine, Request
-from lecture27.engine.sequence import kv_need
+from lecture27.engine.schemas import (DEFAULT_MAX_TOKENS, BadRequest, ChatRequest, CompletionRequest, EngineError,
+                                      Limits, Sampling, error_response, shape_error)
 
-DEFAULT_MAX_TOKENS = 128     # a chat answer's length when the request names none (a completion's: OpenAI's 16)
 TTFT_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30)
-
-
-# ------------------------------------------------------------------------------------------------ request shapes
-# Every field OpenAI's two endpoints define is declared here and either honoured, accepted as a label that changes
-# no answer (LABELS), or refused with a 400 that names it when it asks for what this engine does not do
-# (UNSUPPORTED); a field OpenAI does not define is refused the same way (extra="forbid"). None is ever dropped.
-LABELS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-          "parallel_tool_calls")   # who asks, where OpenAI would keep it, how tools may run (none do here)
-UNSUPPORTED = {   # field: (asked for, what is not supported)
-    "n": (lambda v: v not in (None, 1), "more than one choice per request (n > 1)"),
-    "best_of": (lambda v: v not in (None, 1), "best_of > 1"),
-    "tools": (bool, "tools (function calling)"),
-    "tool_choice": (lambda v: v not in (None, "none"), "tool_choice other than \"none\" (function calling)"),
-    "functions": (bool, "functions (function calling)"),
-    "function_call": (lambda v: v not in (None, "none"), "function_call (function calling)"),
-    "response_format": (lambda v: v is not None and v.get("type") != "text",
-                        "response_format other than {\"type\": \"text\"} (structured output)"),
-    "suffix": (bool, "suffix (insertion)"),
-    "modalities": (lambda v: v not in (None, ["text"]), "modalities other than [\"text\"]"),
-    "audio": (lambda v: v is not None, "audio output"),
-    "prediction": (lambda v: v is not None, "predicted outputs"),
-    "reasoning_effort": (lambda v: v is not None, "reasoning_effort (this model does not reason)"),
-    "verbosity": (lambda v: v is not None, "verbosity"),
-    "web_search_options": (lambda v: v is not None, "web search"),
-}
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class Part(BaseModel):
-    """A content part: text is read; any other type (an image, audio, a file) is refused by name."""
-    model_config = ConfigDict(extra="allow")
-    type: str = "text"
-    text: str | None = None
-
-
-class Message(Strict):
-    role: Literal[ROLES]
-    content: str | list[Part] | None = None
-    name: str | None = None          # accepted, not rendered: SmolLM2's ChatML template has no place for a name
-    tool_call_id: str | None = None  # a tool message's reference to a call: accepted, not rendered
-    refusal: str | None = None       # an assistant's earlier refusal: its text when the message has no content
-    annotations: list | None = None  # an earlier answer's citations, sent back with it: accepted, not rendered
-    tool_calls: list | None = None   # refused unless empty (no tools here)
-    function_call: dict | None = None
-    audio: dict | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text or "" for p in self.content)
-        return self.content or self.refusal or ""
-
-
-class StreamOptions(Strict):
-    include_usage: bool | None = False
-
-
-class Sampling(Strict):
-    """What both endpoints take beside the prompt."""
-    model: str
-    max_tokens: int | None = None
-    temperature: float | None = Field(1.0, ge=0, le=2)
-    top_p: float | None = Field(1.0, ge=0, le=1)
-    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    seed: int | None = None
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None   # up to 4 stop strings, as OpenAI takes
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    n: int | None = Field(1, ge=1)
-    kv_check: bool = False
-    ignore_eos: bool = False   # vLLM's field (its benchmark sends it): decode max_tokens tokens, past an end of turn
-    user: str | None = None
-    metadata: dict | None = None
-    store: bool | None = None
-    service_tier: str | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
-
-
-class ChatRequest(Sampling):
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: dict | None = None
-    tools: list | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
-    functions: list | None = None
-    function_call: str | dict | None = None
-    modalities: list[str] | None = None
-    audio: dict | None = None
-    prediction: dict | None = None
-    reasoning_effort: str | None = None
-    verbosity: str | None = None
-    web_search_options: dict | None = None
-
-
-class CompletionRequest(Sampling):
-    prompt: str | list[str] | list[int]
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool | None = False
-    best_of: int | None = Field(None, ge=1)
-    suffix: str | None = None
-
-
-class BadRequest(Exception):
-    """A request the API refuses: HTTP status, OpenAI's error fields."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
-
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.param, self.code, self.kind)
-
-
-class EngineError(BadRequest):
-    """A request the engine could not finish (a step failed, the KV could not be loaded, the server is stopping):
-    HTTP 500 and OpenAI's server_error body; in a stream that has begun, its last event before [DONE]."""
-
-    def __init__(self, message: str):
-        super().__init__(message, status=500, kind="server_error")
-
-    def event(self) -> str:
-        error = {"message": self.message, "type": self.kind, "param": None, "code": self.status}
-        return f"data: {json.dumps({'error': error})}\n\n"
-
-
-def error_response(status: int, message: str, param=None, code=None, kind="invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -251,8 +110,9 @@ def make_app(engine: Engine, model_name: str, context_length: int, api_key: str 
     app = FastAPI(title="lecture 27 engine", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = Metrics(engine)
     app.state.metrics = metrics
-    vocab, vocab_size = Vocab(engine.tok), engine.model.cfg.vocab_size
-    per_token = engine.model.cfg.kv_bytes_per_token(4)   # the engine's caches are float32
+    vocab, cfg = Vocab(engine.tok), engine.model.cfg
+    limits = Limits(model_name, cfg.vocab_size, context_length, engine.load()["kv_budget"],
+                    cfg.kv_bytes_per_token(4))   # the engine's caches are float32
 
     @app.middleware("http")
     async def check_key(request: HTTPRequest, call_next):
@@ -264,18 +124,8 @@ def make_app(engine: Engine, model_name: str, context_length: int, api_key: str 
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        if first.get("type") == "json_invalid":
-            message, param, code = "We could not parse the JSON body of your request.", None, "invalid_json"
-        elif first.get("type") == "extra_forbidden":
-            message, code = f"Unrecognized request argument supplied: {param} (not supported by this engine).", \
-                "unknown_parameter"
-        else:
-            message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-            code = "invalid_value" if param else "invalid_json"
         metrics.errors.labels("400").inc()
-        return error_response(400, message, param, code)
+        return shape_error(exc.errors()).response()
 
     @app.exception_handler(BadRequest)
     async def refused(request, exc: BadRequest):
@@ -306,84 +156,27 @@ def make_app(engine: Engine, model_name: str, context_length: int, api_key: str 
                                             "root": root or model_name, "parent": None,
                                             "max_model_len": context_length, "context_length": context_length}]}
 
-    def fields(body: Sampling) -> None:
-        """The model exists, and every field asks for what the engine does (the request shapes' comment)."""
-        if body.model != model_name:
-            raise BadRequest(f"The model `{body.model}` does not exist; this engine serves `{model_name}`.", "model",
-                             "model_not_found", status=404)
-        for name, (asked, what) in UNSUPPORTED.items():
-            if name in type(body).model_fields and asked(getattr(body, name)):
-                raise BadRequest(f"{name}: {what} is not supported by this engine.", name, "unsupported_value")
-        for i, m in enumerate(getattr(body, "messages", ())):
-            for name in ("tool_calls", "function_call", "audio"):
-                if getattr(m, name):
-                    raise BadRequest(f"messages.{i}.{name}: a message's {name} is not supported by this engine.",
-                                     f"messages.{i}.{name}", "unsupported_value")
-            for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
-                if part.type != "text":
-                    raise BadRequest(f"messages.{i}.content.{j}.type: content of type '{part.type}' is not "
-                                     "supported by this engine (SmolLM2 reads text).", f"messages.{i}.content.{j}.type",
-                                     "unsupported_value")
-        if getattr(body, "top_logprobs", None) and not body.logprobs:
-            raise BadRequest("top_logprobs: asks for logprobs; set logprobs to true.", "top_logprobs", "invalid_value")
-        for key in body.logit_bias or {}:
-            if not (key.isdigit() and int(key) < vocab_size):
-                raise BadRequest(f"logit_bias: {key!r} is not a token id of this model's vocabulary "
-                                 f"(0..{vocab_size - 1}).", "logit_bias", "invalid_value")
-        if isinstance(body.stop, list) and "" in body.stop or body.stop == "":
-            raise BadRequest("stop: a stop string is empty.", "stop", "invalid_value")
-
-    def checked(body: Sampling, prompt: Prompt, default_max: int) -> int:
-        """The request's max_tokens, after OpenAI's checks."""
-        if not len(prompt):
-            raise BadRequest("The prompt is empty.", "prompt", "invalid_value")
-        asked = getattr(body, "max_completion_tokens", None)
-        asked = body.max_tokens if asked is None else asked
-        if asked is not None and asked < 1:
-            raise BadRequest(f"max_tokens must be at least 1, got {asked}.", "max_tokens", "invalid_value")
-        wanted = asked if asked is not None else min(default_max, max(1, context_length - len(prompt)))
-        if len(prompt) + wanted > context_length:
-            raise BadRequest(f"This model's maximum context length is {context_length} tokens. However, you requested "
-                             f"{len(prompt) + wanted} tokens ({len(prompt)} in the messages, {wanted} in the "
-                             "completion). Please reduce the length of the messages or completion.",
-                             "messages", "context_length_exceeded")
-        check = bool(body.kv_check or (getattr(body, "echo", False) and body.logprobs is not None))
-        need = kv_need(per_token, len(prompt), wanted, check=check)
-        if need > engine.scheduler.kv_budget:
-            raise BadRequest(f"This request may hold {need / 1e9:.2f} GB of KV cache ({len(prompt)} prompt tokens, "
-                             f"{wanted} completion tokens{', kv_check' if check else ''}), more than the engine's "
-                             f"budget of {engine.scheduler.kv_budget / 1e9:.2f} GB (serve.py --kv-gb). Please reduce "
-                             "the length of the messages or completion.", "messages", "kv_budget_exceeded")
-        return wanted
-
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: HTTPRequest):
-        fields(body)
+        limits.fields(body)
         prompt = chat_prompt(engine.tok, [(m.role, m.text()) for m in body.messages], separator)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        return await serve(body, prompt, checked(body, prompt, DEFAULT_MAX_TOKENS), "chat.completion", request,
+        return await serve(body, prompt, limits.checked(body, prompt, DEFAULT_MAX_TOKENS), "chat.completion", request,
                            logprobs=top)
 
     @app.post("/v1/completions")
     async def complete(body: CompletionRequest, request: HTTPRequest):
-        fields(body)
-        p = body.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str):
-            if len(p) != 1:
-                raise BadRequest("This engine completes one prompt a request.", "prompt", "invalid_value")
-            p = p[0]
-        if isinstance(p, list) and any(not 0 <= t < vocab_size for t in p):
-            raise BadRequest("A token id is outside the vocabulary.", "prompt", "invalid_value")
+        limits.fields(body)
+        p = limits.one_prompt(body)
         prompt = completion_prompt(engine.tok, text=p, separator=separator) if isinstance(p, str) else \
             completion_prompt(engine.tok, tokens=p)
         echo = (p if isinstance(p, str) else engine.tok.decode(p)) if body.echo else None
-        return await serve(body, prompt, checked(body, prompt, 16), "text_completion", request, logprobs=body.logprobs,
-                           echo=echo)
+        return await serve(body, prompt, limits.checked(body, prompt, 16), "text_completion", request,
+                           logprobs=body.logprobs, echo=echo)
 
     async def serve(body: Sampling, prompt: Prompt, max_tokens: int, kind: str, request: HTTPRequest,
                     logprobs: int | None, echo: str | None = None):
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
 
         def emit(what: str, **data) -> None:   # called by the model thread: counted here, even for a client gone
             if what == "end":
@@ -395,12 +188,7 @@ def make_app(engine: Engine, model_name: str, context_length: int, api_key: str 
             except RuntimeError:   # the event loop has closed: the server stopped, nobody is left to tell
                 pass
 
-        req = Request(prompt=prompt, max_tokens=max_tokens, temperature=_or(body.temperature, 1.0),
-                      top_p=_or(body.top_p, 1.0), presence_penalty=_or(body.presence_penalty, 0.0),
-                      frequency_penalty=_or(body.frequency_penalty, 0.0),
-                      logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()}, seed=body.seed, stop=stop,
-                      logprobs=logprobs, echo_logprobs=logprobs if echo is not None else None,
-                      kv_check=body.kv_check, ignore_eos=body.ignore_eos, emit=emit)
+        req = body.engine_request(prompt, max_tokens, emit, logprobs, echo)
         metrics.requests.labels(kind).inc()
         engine.submit(req)
         try:
@@ -432,11 +220,6 @@ def make_app(engine: Engine, model_name: str, context_length: int, api_key: str 
         return JSONResponse(answer.body(), headers=headers)
 
     return app
-
-
-def _or(value, default):
-    """A field sent as null takes its default, as OpenAI reads it."""
-    return default if value is None else value
 
 
 class Answer:
