@@ -5,7 +5,7 @@ presence_penalty, frequency_penalty, logit_bias; logprobs and top_logprobs (chat
 (completions), computed from the logits the engine served (generate.py says which). A field this engine cannot honour
 (n > 1, tools, structured output, an image part, ...) or one OpenAI does not define gets a 400 that names it; fields
 that only label a request (user, metadata, ...) are accepted. A request may ask for "kv_check": true (outside
-OpenAI's fields): the engine then also prefills the prompt in full and reports what reuse cost (api.py).
+OpenAI's fields): the engine then also prefills the prompt in full and reports what reuse cost (responses.py).
 Bad requests get OpenAI's error body ({"error": {"message", "type", "param", "code"}}) with HTTP 400 (404 and
 code model_not_found for a model this engine does not serve); nothing answers with a traceback.
 
