@@ -165,7 +165,7 @@ def main(argv=None) -> None:
     threads = a.threads or torch.get_num_threads()
     torch.set_num_threads(1)   # loading and packing on one core: only the model thread runs on several (generate.py)
     from common.checkpoints import checkpoint_dir
-    from lecture27.engine.api import make_app
+    from lecture27.engine.api import Api
     from lecture27.engine.connector import KVConnector
     from lecture27.engine.generate import Engine
 
@@ -201,8 +201,8 @@ def main(argv=None) -> None:
                         step_tokens=a.step_tokens, max_running=a.max_running, kv_budget=int(a.kv_gb * 1e9)).start()
         cfg = model.cfg
         del model   # the engine runs a packed copy of its weights (runner.packed): the plain ones are let go
-        app = make_app(engine, name, info.get("context_length") or 2048, a.api_key, separator=a.chunk_separator,
-                       root=Path(path).name)
+        app = Api(engine, name, info.get("context_length") or 2048, a.api_key, separator=a.chunk_separator,
+                  root=Path(path).name).app
         host, port = sock.getsockname()[:2]
         per_token = cfg.kv_bytes_per_token(4)   # float32, as the engine keeps it
         store = "no store" if a.no_store else f"hot {a.hot_gb:g} GB (~{a.hot_gb * 1e9 / per_token:,.0f} tokens) -> " + \
