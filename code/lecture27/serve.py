@@ -153,6 +153,73 @@ def stopping_server(config, engine):
     return Stopping(config)
 
 
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+class Stopper:
+    """SIGTERM's and SIGINT's (Ctrl-C's) handler. Until the HTTP server is built (`web`): SystemExit, and main's
+    cleanup runs. From then on it asks that server to stop (as uvicorn's own handler does while it serves): an
+    exception raised inside asyncio's machinery, in the event loop's constructor say, would leave a half-built loop
+    that complains at exit, and Ctrl-C would end in a traceback."""
+
+    def __init__(self):
+        self.web = None          # the HTTP server, once built
+        self.stopped_by = []     # the signal (SIGTERM, or SIGINT: Ctrl-C) that asked it to stop
+
+    def __call__(self, signum, _frame) -> None:
+        if self.web is None:
+            sys.exit(128 + signum)
+        self.stopped_by.append(signum)
+        self.web.should_exit = True
+
+
+def build_engine(a, model, tok, info: dict, tiers, model_id, threads: int):
+    """The engine, started: its connector over `tiers` (none with --no-store), the tokens that end an answer."""
+    from lecture27.engine.connector import KVConnector
+    from lecture27.engine.engine import Engine
+    connector = KVConnector(model_id, tiers, model.cfg.n_kv_heads, store=not a.no_store, blend=not a.no_blend,
+                            ratio=a.ratio, rule=a.rule, block=a.block_tokens, hot_bytes=int(a.hot_gb * 1e9))
+    end_ids = {t for t in (tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"), info.get("eos_id"))
+               if t is not None}
+    return Engine(model, tok, connector, end_ids, threads=threads,
+                  step_tokens=a.step_tokens, max_running=a.max_running, kv_budget=int(a.kv_gb * 1e9)).start()
+
+
+def start_line(a, name: str, sock: socket.socket, cfg, tiers, engine) -> str:
+    """The line that says the server serves (launch.py waits for it): where, the store behind it, the batching."""
+    host, port = sock.getsockname()[:2]
+    per_token = cfg.kv_bytes_per_token(4)   # float32, as the engine keeps it
+    store = "no store" if a.no_store else f"hot {a.hot_gb:g} GB (~{a.hot_gb * 1e9 / per_token:,.0f} tokens) -> " + \
+        " -> ".join(t.tier.name for t in tiers.stores) + \
+        (", prefixes only" if a.no_blend else f", CacheBlend {a.ratio:.0%} ({a.rule})") + \
+        (f", messages cut at {a.chunk_separator!r}" if a.chunk_separator and not a.no_blend else "")
+    batching = "one request at a time" if a.max_running == 1 else \
+        f"up to {a.max_running} requests at once, {a.step_tokens} tokens a step, {a.kv_gb:g} GB of KV"
+    return f"serving {name} at http://{host}:{port}/v1 ({store}; {batching}, " \
+        f"{engine.threads} thread{'s' * (engine.threads > 1)}); Ctrl-C stops it"
+
+
+def run(web, sock: socket.socket) -> None:
+    """Serve on `sock` until the server is asked to stop."""
+    serving = web.serve(sockets=[sock])
+    try:
+        asyncio.run(serving)
+    finally:
+        serving.close()   # never started (an exception before the loop ran it): no "never awaited" warning
+
+
+def clean_up(engine, tiers, server, folder: Path) -> None:
+    """Stop the engine (it closes its tiers; without an engine the tiers are closed here), the Redis server started
+    here, and remove the engine's folder: each step runs, whatever the ones before it raised."""
+    steps = [lambda: stuck(engine.stop())] if engine else [tiers.close] if tiers else []
+    for step in steps + ([server.stop] if server else []) + [lambda: shutil.rmtree(folder, ignore_errors=True)]:
+        try:
+            step()
+        except Exception as e:   # the next steps still run
+            print(f"serve: cleanup: {e}", file=sys.stderr)
+
+
 def main(argv=None) -> None:
     a, p = parse(argv)
     sock = listen(a.host, a.port, p)
@@ -165,70 +232,30 @@ def main(argv=None) -> None:
     threads = a.threads or torch.get_num_threads()
     torch.set_num_threads(1)   # loading and packing on one core: only the model thread runs on several (engine.py)
     from common.checkpoints import checkpoint_dir
-    from lecture27.engine.api import make_app
-    from lecture27.engine.connector import KVConnector
-    from lecture27.engine.engine import Engine
-
-    def say(line: str) -> None:
-        print(line, flush=True)
-
-    web = None        # the HTTP server, once built
-    stopped_by = []   # the signal (SIGTERM, or SIGINT: Ctrl-C) that asked it to stop
-
-    def on_stop(signum, _frame) -> None:
-        """Until the HTTP server is built: SystemExit, and the cleanup below runs. From then on it asks that server
-        to stop (as uvicorn's own handler does while it serves): an exception raised inside asyncio's machinery,
-        in the event loop's constructor say, would leave a half-built loop that complains at exit, and Ctrl-C
-        would end in a traceback."""
-        if web is None:
-            sys.exit(128 + signum)
-        stopped_by.append(signum)
-        web.should_exit = True
-
+    from lecture27.engine.api import Api
+    stopper = Stopper()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_stop)
+        signal.signal(sig, stopper)
     model, tok, info = load_gguf_llama(path)
     name = Path(path).stem.split(".")[0]   # SmolLM2-135M-Instruct: the file's name without its quantization
     folder = Path(tempfile.mkdtemp(prefix="engine-", dir=checkpoint_dir()))
     tiers = server = engine = None
     try:
         tiers, server, model_id = (None, None, None) if a.no_store else open_store(a, model, folder, say)
-        connector = KVConnector(model_id, tiers, model.cfg.n_kv_heads, store=not a.no_store, blend=not a.no_blend,
-                                ratio=a.ratio, rule=a.rule, block=a.block_tokens, hot_bytes=int(a.hot_gb * 1e9))
-        end_ids = {t for t in (tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"), info.get("eos_id"))
-                   if t is not None}
-        engine = Engine(model, tok, connector, end_ids, threads=threads,
-                        step_tokens=a.step_tokens, max_running=a.max_running, kv_budget=int(a.kv_gb * 1e9)).start()
+        engine = build_engine(a, model, tok, info, tiers, model_id, threads)
         cfg = model.cfg
         del model   # the engine runs a packed copy of its weights (runner.packed): the plain ones are let go
-        app = make_app(engine, name, info.get("context_length") or 2048, a.api_key, separator=a.chunk_separator,
-                       root=Path(path).name)
-        host, port = sock.getsockname()[:2]
-        per_token = cfg.kv_bytes_per_token(4)   # float32, as the engine keeps it
-        store = "no store" if a.no_store else f"hot {a.hot_gb:g} GB (~{a.hot_gb * 1e9 / per_token:,.0f} tokens) -> " + \
-            " -> ".join(t.tier.name for t in tiers.stores) + \
-            (", prefixes only" if a.no_blend else f", CacheBlend {a.ratio:.0%} ({a.rule})") + \
-            (f", messages cut at {a.chunk_separator!r}" if a.chunk_separator and not a.no_blend else "")
-        batching = "one request at a time" if a.max_running == 1 else \
-            f"up to {a.max_running} requests at once, {a.step_tokens} tokens a step, {a.kv_gb:g} GB of KV"
-        say(f"serving {name} at http://{host}:{port}/v1 ({store}; {batching}, "
-            f"{engine.threads} thread{'s' * (engine.threads > 1)}); Ctrl-C stops it")
-        web = stopping_server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=STOP_S), engine)
-        serving = web.serve(sockets=[sock])
-        try:
-            asyncio.run(serving)
-        finally:
-            serving.close()   # never started (an exception before the loop ran it): no "never awaited" warning
+        app = Api(engine, name, info.get("context_length") or 2048, a.api_key, separator=a.chunk_separator,
+                  root=Path(path).name).app
+        say(start_line(a, name, sock, cfg, tiers, engine))
+        stopper.web = stopping_server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=STOP_S),
+                                      engine)
+        run(stopper.web, sock)
     finally:
-        steps = [lambda: stuck(engine.stop())] if engine else [tiers.close] if tiers else []   # it closes its tiers
-        for step in steps + ([server.stop] if server else []) + [lambda: shutil.rmtree(folder, ignore_errors=True)]:
-            try:
-                step()
-            except Exception as e:   # the next steps still run
-                print(f"serve: cleanup: {e}", file=sys.stderr)
+        clean_up(engine, tiers, server, folder)
         say("stopped")
-    if stopped_by:
-        sys.exit(128 + stopped_by[0])   # 143 after SIGTERM, 130 after Ctrl-C, as the shell reports a signal
+    if stopper.stopped_by:
+        sys.exit(128 + stopper.stopped_by[0])   # 143 after SIGTERM, 130 after Ctrl-C, as the shell reports a signal
 
 if __name__ == "__main__":
     main()

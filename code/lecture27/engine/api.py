@@ -8,581 +8,149 @@ speaks it reaches the KV store behind it without knowing it is there).
     GET  /metrics               Prometheus text: requests, prompt tokens by where their KV came from, store hits
                                 per tier, time to first token and time in the queue (histograms)
 
-Decoding honours OpenAI's fields: temperature, top_p, seed, stop, max_tokens (max_completion_tokens),
-presence_penalty, frequency_penalty, logit_bias; logprobs and top_logprobs (chat, 0-20), logprobs (an int) and echo
-(completions), computed from the logits the engine served (generate.py says which). A field this engine cannot honour
-(n > 1, tools, structured output, an image part, ...) or one OpenAI does not define gets a 400 that names it; fields
-that only label a request (user, metadata, ...) are accepted. A message (or a completion's text) holding the chunk
-separator (chat.py) is cut into chunks there, each reusable alone from the store in any order.
+Its parts: schemas.py says what a request may ask (OpenAI's fields, each honoured, accepted as a label or refused
+by name) and how it is refused; responses.py builds what it gets back (the body or the stream, the usage, the
+logprobs, what the store did in usage and the x-kv-cache header); metrics.py counts for /metrics; this module routes
+each endpoint between them and the engine (`Api`). A message (or a completion's text) holding the chunk separator
+(chat.py) is cut into chunks there, each reusable alone from the store in any order.
 
-What the store did for a request is in OpenAI's own field, usage.prompt_tokens_details.cached_tokens (prompt
-tokens whose KV came from the store), and in the header x-kv-cache (path=prefix|blend|prefill; prefix=exact
-tokens; blended=tokens of reused chunks; recomputed=tokens computed here; context=the tokens before the question,
-which a store could have served) with x-kv-hits (records per place: hot, ram, disk, redis) and x-queue-seconds
-(arrival to first step). A request may ask for "kv_check": true (outside OpenAI's fields): the engine then also
-prefills the prompt in full and returns the first answer token's KL against what it served, in "kv_cache".
 Bad requests get OpenAI's error body ({"error": {"message", "type", "param", "code"}}) with HTTP 400 (404 and
-code model_not_found for a model this engine does not serve, 401 for a wrong API key); nothing answers with a
-traceback.
+code model_not_found for a model this engine does not serve, 401 for a wrong API key); a request the engine could
+not finish gets 500 (server_error); nothing answers with a traceback.
 """
 from __future__ import annotations
 
 import asyncio
-import json
-import time
-import uuid
-from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from lecture27.engine.chat import ROLES, SEPARATOR, Prompt, chat_prompt, completion_prompt
-from lecture27.engine.engine import Engine, Request
-from lecture27.engine.sequence import kv_need
-
-DEFAULT_MAX_TOKENS = 128     # a chat answer's length when the request names none (a completion's: OpenAI's 16)
-TTFT_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30)
-
-
-# ------------------------------------------------------------------------------------------------ request shapes
-# Every field OpenAI's two endpoints define is declared here and either honoured, accepted as a label that changes
-# no answer (LABELS), or refused with a 400 that names it when it asks for what this engine does not do
-# (UNSUPPORTED); a field OpenAI does not define is refused the same way (extra="forbid"). None is ever dropped.
-LABELS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-          "parallel_tool_calls")   # who asks, where OpenAI would keep it, how tools may run (none do here)
-UNSUPPORTED = {   # field: (asked for, what is not supported)
-    "n": (lambda v: v not in (None, 1), "more than one choice per request (n > 1)"),
-    "best_of": (lambda v: v not in (None, 1), "best_of > 1"),
-    "tools": (bool, "tools (function calling)"),
-    "tool_choice": (lambda v: v not in (None, "none"), "tool_choice other than \"none\" (function calling)"),
-    "functions": (bool, "functions (function calling)"),
-    "function_call": (lambda v: v not in (None, "none"), "function_call (function calling)"),
-    "response_format": (lambda v: v is not None and v.get("type") != "text",
-                        "response_format other than {\"type\": \"text\"} (structured output)"),
-    "suffix": (bool, "suffix (insertion)"),
-    "modalities": (lambda v: v not in (None, ["text"]), "modalities other than [\"text\"]"),
-    "audio": (lambda v: v is not None, "audio output"),
-    "prediction": (lambda v: v is not None, "predicted outputs"),
-    "reasoning_effort": (lambda v: v is not None, "reasoning_effort (this model does not reason)"),
-    "verbosity": (lambda v: v is not None, "verbosity"),
-    "web_search_options": (lambda v: v is not None, "web search"),
-}
+from lecture27.engine.chat import SEPARATOR, Prompt, chat_prompt, completion_prompt
+from lecture27.engine.engine import Engine
+from lecture27.engine.metrics import Metrics
+from lecture27.engine.responses import Answer, Vocab, kv_headers
+from lecture27.engine.schemas import (DEFAULT_MAX_TOKENS, BadRequest, ChatRequest, CompletionRequest, EngineError,
+                                      Limits, Sampling, error_response, shape_error)
+from lecture27.engine.sequence import Request
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Api:
+    """The app in front of `engine` (`.app`, for uvicorn). separator: the text that cuts a message into chunks
+    (chat.py; None or "": never cut). root: the weights served (GET /v1/models' `root`, as vLLM names the model's
+    source). engine: engine.Engine, or anything with its tok, model.cfg, load() and submit()."""
 
+    def __init__(self, engine: Engine, model_name: str, context_length: int, api_key: str | None = None,
+                 separator: str | None = SEPARATOR, root: str | None = None):
+        self.engine, self.model_name, self.context_length, self.api_key, self.separator, self.root = \
+            engine, model_name, context_length, api_key, separator, root
+        cfg = engine.model.cfg
+        self.limits = Limits(model_name, cfg.vocab_size, context_length, engine.load()["kv_budget"],
+                             cfg.kv_bytes_per_token(4))   # the engine's caches are float32
+        self.metrics, self.vocab = Metrics(engine), Vocab(engine.tok)
+        self.app = app = FastAPI(title="lecture 27 engine", docs_url=None, redoc_url=None, openapi_url=None)
+        app.state.metrics = self.metrics
+        app.middleware("http")(self.check_key)
+        for exc, handler in ((RequestValidationError, self.invalid), (BadRequest, self.refused),
+                             (HTTPException, self.http_error), (Exception, self.failed)):
+            app.add_exception_handler(exc, handler)
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.prometheus)
+        app.get("/v1/models")(self.models)
+        app.post("/v1/chat/completions")(self.chat)
+        app.post("/v1/completions")(self.complete)
 
-class Part(BaseModel):
-    """A content part: text is read; any other type (an image, audio, a file) is refused by name."""
-    model_config = ConfigDict(extra="allow")
-    type: str = "text"
-    text: str | None = None
-
-
-class Message(Strict):
-    role: Literal[ROLES]
-    content: str | list[Part] | None = None
-    name: str | None = None          # accepted, not rendered: SmolLM2's ChatML template has no place for a name
-    tool_call_id: str | None = None  # a tool message's reference to a call: accepted, not rendered
-    refusal: str | None = None       # an assistant's earlier refusal: its text when the message has no content
-    annotations: list | None = None  # an earlier answer's citations, sent back with it: accepted, not rendered
-    tool_calls: list | None = None   # refused unless empty (no tools here)
-    function_call: dict | None = None
-    audio: dict | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text or "" for p in self.content)
-        return self.content or self.refusal or ""
-
-
-class StreamOptions(Strict):
-    include_usage: bool | None = False
-
-
-class Sampling(Strict):
-    """What both endpoints take beside the prompt."""
-    model: str
-    max_tokens: int | None = None
-    temperature: float | None = Field(1.0, ge=0, le=2)
-    top_p: float | None = Field(1.0, ge=0, le=1)
-    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    seed: int | None = None
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None   # up to 4 stop strings, as OpenAI takes
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    n: int | None = Field(1, ge=1)
-    kv_check: bool = False
-    ignore_eos: bool = False   # vLLM's field (its benchmark sends it): decode max_tokens tokens, past an end of turn
-    user: str | None = None
-    metadata: dict | None = None
-    store: bool | None = None
-    service_tier: str | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
-
-
-class ChatRequest(Sampling):
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: dict | None = None
-    tools: list | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
-    functions: list | None = None
-    function_call: str | dict | None = None
-    modalities: list[str] | None = None
-    audio: dict | None = None
-    prediction: dict | None = None
-    reasoning_effort: str | None = None
-    verbosity: str | None = None
-    web_search_options: dict | None = None
-
-
-class CompletionRequest(Sampling):
-    prompt: str | list[str] | list[int]
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool | None = False
-    best_of: int | None = Field(None, ge=1)
-    suffix: str | None = None
-
-
-class BadRequest(Exception):
-    """A request the API refuses: HTTP status, OpenAI's error fields."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
-
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.param, self.code, self.kind)
-
-
-class EngineError(BadRequest):
-    """A request the engine could not finish (a step failed, the KV could not be loaded, the server is stopping):
-    HTTP 500 and OpenAI's server_error body; in a stream that has begun, its last event before [DONE]."""
-
-    def __init__(self, message: str):
-        super().__init__(message, status=500, kind="server_error")
-
-    def event(self) -> str:
-        error = {"message": self.message, "type": self.kind, "param": None, "code": self.status}
-        return f"data: {json.dumps({'error': error})}\n\n"
-
-
-def error_response(status: int, message: str, param=None, code=None, kind="invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
-
-
-# ------------------------------------------------------------------------------------------------ metrics
-class Metrics:
-    """The engine's Prometheus metrics, in a registry of their own (two apps in one process keep theirs apart)."""
-
-    def __init__(self, engine: Engine):
-        self.registry = r = CollectorRegistry()
-        self.requests = Counter("l27_requests", "Requests served, by endpoint", ["endpoint"], registry=r)
-        self.errors = Counter("l27_request_errors", "Requests refused or failed, by HTTP status", ["status"],
-                              registry=r)
-        self.prompt_tokens = Counter("l27_prompt_tokens", "Prompt tokens by where their KV came from: prefix (the "
-                                     "store, exact), blended (reused chunks), recomputed (computed here)", ["source"],
-                                     registry=r)
-        self.generated = Counter("l27_generation_tokens", "Answer tokens generated", registry=r)
-        self.hits = Counter("l27_store_hits", "KV records read from the store, by tier", ["tier"], registry=r)
-        self.cancelled = Counter("l27_cancelled", "Answers stopped because the client went away", registry=r)
-        self.ttft = Histogram("l27_ttft_seconds", "Time from a request's arrival to its first answer token",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.queue = Histogram("l27_queue_seconds", "Time from a request's arrival to its first step (its KV looked up "
-                               "and loaded, a place among the running requests)",
-                               buckets=TTFT_BUCKETS, registry=r)
-        Gauge("l27_running", "Requests being served at once (prefilling or decoding)", registry=r).set_function(
-            lambda: engine.load()["running"])
-        Gauge("l27_queued", "Requests waiting for their first step", registry=r).set_function(
-            lambda: engine.load()["queued"])
-        Gauge("l27_store_jobs", "Chunks waiting to be prefilled alone and records waiting to be written",
-              registry=r).set_function(
-            lambda: engine.load()["store_jobs"])
-
-
-# ------------------------------------------------------------------------------------------------ tokens as text
-def _byte_alphabet() -> dict:
-    """Byte-level BPE's alphabet read backwards: the printable character that stands for each byte -> the byte
-    (printable bytes stand for themselves; the others, in order, for the characters from U+0100 on)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
-
-
-class Vocab:
-    """A token's text and its bytes, as OpenAI's logprobs give them: a token may hold part of a character, whose
-    text is then U+FFFD while its bytes are exact (the bytes of an answer's tokens, joined, are its UTF-8)."""
-
-    def __init__(self, tok):
-        self.tok, self.alphabet, self.known = tok, _byte_alphabet(), {}
-
-    def __call__(self, token: int) -> tuple[str, list]:
-        if token not in self.known:
-            piece = self.tok.id_to_token(token) or ""
-            raw = bytes(self.alphabet[c] for c in piece) if all(c in self.alphabet for c in piece) else piece.encode()
-            self.known[token] = (raw.decode("utf-8", errors="replace"), list(raw))
-        return self.known[token]
-
-
-def _finite(logprob: float) -> float:
-    """JSON has no -Infinity: a token the logits rule out gets -9999 (as vLLM reports it)."""
-    return max(logprob, -9999.0)
-
-
-# ------------------------------------------------------------------------------------------------ the app
-def make_app(engine: Engine, model_name: str, context_length: int, api_key: str | None = None,
-             separator: str | None = SEPARATOR, root: str | None = None) -> FastAPI:
-    """The app in front of `engine`. separator: the text that cuts a message into chunks (chat.py; None or "": never
-    cut). root: the weights served (GET /v1/models' `root`, as vLLM names the model's source)."""
-    app = FastAPI(title="lecture 27 engine", docs_url=None, redoc_url=None, openapi_url=None)
-    metrics = Metrics(engine)
-    app.state.metrics = metrics
-    vocab, vocab_size = Vocab(engine.tok), engine.model.cfg.vocab_size
-    per_token = engine.model.cfg.kv_bytes_per_token(4)   # the engine's caches are float32
-
-    @app.middleware("http")
-    async def check_key(request: HTTPRequest, call_next):
-        if api_key and request.url.path.startswith("/v1") and \
-                request.headers.get("authorization", "") != f"Bearer {api_key}":
-            metrics.errors.labels("401").inc()
+    # ---- refusals: OpenAI's error body, counted by status
+    async def check_key(self, request: HTTPRequest, call_next):
+        if self.api_key and request.url.path.startswith("/v1") and \
+                request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+            self.metrics.errors.labels("401").inc()
             return error_response(401, "Incorrect API key provided", code="invalid_api_key")
         return await call_next(request)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        if first.get("type") == "json_invalid":
-            message, param, code = "We could not parse the JSON body of your request.", None, "invalid_json"
-        elif first.get("type") == "extra_forbidden":
-            message, code = f"Unrecognized request argument supplied: {param} (not supported by this engine).", \
-                "unknown_parameter"
-        else:
-            message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-            code = "invalid_value" if param else "invalid_json"
-        metrics.errors.labels("400").inc()
-        return error_response(400, message, param, code)
+    async def invalid(self, request, exc: RequestValidationError):
+        self.metrics.errors.labels("400").inc()
+        return shape_error(exc.errors()).response()
 
-    @app.exception_handler(BadRequest)
-    async def refused(request, exc: BadRequest):
-        metrics.errors.labels(str(exc.status)).inc()
+    async def refused(self, request, exc: BadRequest):
+        self.metrics.errors.labels(str(exc.status)).inc()
         return exc.response()
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request, exc: HTTPException):
-        metrics.errors.labels(str(exc.status_code)).inc()
+    async def http_error(self, request, exc: HTTPException):
+        self.metrics.errors.labels(str(exc.status_code)).inc()
         return error_response(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
 
-    @app.exception_handler(Exception)
-    async def failed(request, exc: Exception):
-        metrics.errors.labels("500").inc()
+    async def failed(self, request, exc: Exception):
+        self.metrics.errors.labels("500").inc()
         return error_response(500, f"the engine failed: {type(exc).__name__}", kind="server_error")
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": model_name, **engine.load()}
+    # ---- the routes
+    async def health(self):
+        return {"status": "ok", "model": self.model_name, **self.engine.load()}
 
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus(self):
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "lecture27",
-                                            "root": root or model_name, "parent": None,
-                                            "max_model_len": context_length, "context_length": context_length}]}
+    async def models(self):
+        name, n = self.model_name, self.context_length
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "lecture27",
+                                            "root": self.root or name, "parent": None,
+                                            "max_model_len": n, "context_length": n}]}
 
-    def fields(body: Sampling) -> None:
-        """The model exists, and every field asks for what the engine does (the request shapes' comment)."""
-        if body.model != model_name:
-            raise BadRequest(f"The model `{body.model}` does not exist; this engine serves `{model_name}`.", "model",
-                             "model_not_found", status=404)
-        for name, (asked, what) in UNSUPPORTED.items():
-            if name in type(body).model_fields and asked(getattr(body, name)):
-                raise BadRequest(f"{name}: {what} is not supported by this engine.", name, "unsupported_value")
-        for i, m in enumerate(getattr(body, "messages", ())):
-            for name in ("tool_calls", "function_call", "audio"):
-                if getattr(m, name):
-                    raise BadRequest(f"messages.{i}.{name}: a message's {name} is not supported by this engine.",
-                                     f"messages.{i}.{name}", "unsupported_value")
-            for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
-                if part.type != "text":
-                    raise BadRequest(f"messages.{i}.content.{j}.type: content of type '{part.type}' is not "
-                                     "supported by this engine (SmolLM2 reads text).", f"messages.{i}.content.{j}.type",
-                                     "unsupported_value")
-        if getattr(body, "top_logprobs", None) and not body.logprobs:
-            raise BadRequest("top_logprobs: asks for logprobs; set logprobs to true.", "top_logprobs", "invalid_value")
-        for key in body.logit_bias or {}:
-            if not (key.isdigit() and int(key) < vocab_size):
-                raise BadRequest(f"logit_bias: {key!r} is not a token id of this model's vocabulary "
-                                 f"(0..{vocab_size - 1}).", "logit_bias", "invalid_value")
-        if isinstance(body.stop, list) and "" in body.stop or body.stop == "":
-            raise BadRequest("stop: a stop string is empty.", "stop", "invalid_value")
-
-    def checked(body: Sampling, prompt: Prompt, default_max: int) -> int:
-        """The request's max_tokens, after OpenAI's checks."""
-        if not len(prompt):
-            raise BadRequest("The prompt is empty.", "prompt", "invalid_value")
-        asked = getattr(body, "max_completion_tokens", None)
-        asked = body.max_tokens if asked is None else asked
-        if asked is not None and asked < 1:
-            raise BadRequest(f"max_tokens must be at least 1, got {asked}.", "max_tokens", "invalid_value")
-        wanted = asked if asked is not None else min(default_max, max(1, context_length - len(prompt)))
-        if len(prompt) + wanted > context_length:
-            raise BadRequest(f"This model's maximum context length is {context_length} tokens. However, you requested "
-                             f"{len(prompt) + wanted} tokens ({len(prompt)} in the messages, {wanted} in the "
-                             "completion). Please reduce the length of the messages or completion.",
-                             "messages", "context_length_exceeded")
-        check = bool(body.kv_check or (getattr(body, "echo", False) and body.logprobs is not None))
-        need = kv_need(per_token, len(prompt), wanted, check=check)
-        if need > engine.scheduler.kv_budget:
-            raise BadRequest(f"This request may hold {need / 1e9:.2f} GB of KV cache ({len(prompt)} prompt tokens, "
-                             f"{wanted} completion tokens{', kv_check' if check else ''}), more than the engine's "
-                             f"budget of {engine.scheduler.kv_budget / 1e9:.2f} GB (serve.py --kv-gb). Please reduce "
-                             "the length of the messages or completion.", "messages", "kv_budget_exceeded")
-        return wanted
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: HTTPRequest):
-        fields(body)
-        prompt = chat_prompt(engine.tok, [(m.role, m.text()) for m in body.messages], separator)
+    async def chat(self, body: ChatRequest):
+        self.limits.fields(body)
+        prompt = chat_prompt(self.engine.tok, [(m.role, m.text()) for m in body.messages], self.separator)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        return await serve(body, prompt, checked(body, prompt, DEFAULT_MAX_TOKENS), "chat.completion", request,
-                           logprobs=top)
+        return await self.serve(body, prompt, self.limits.checked(body, prompt, DEFAULT_MAX_TOKENS), "chat.completion",
+                                logprobs=top)
 
-    @app.post("/v1/completions")
-    async def complete(body: CompletionRequest, request: HTTPRequest):
-        fields(body)
-        p = body.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str):
-            if len(p) != 1:
-                raise BadRequest("This engine completes one prompt a request.", "prompt", "invalid_value")
-            p = p[0]
-        if isinstance(p, list) and any(not 0 <= t < vocab_size for t in p):
-            raise BadRequest("A token id is outside the vocabulary.", "prompt", "invalid_value")
-        prompt = completion_prompt(engine.tok, text=p, separator=separator) if isinstance(p, str) else \
-            completion_prompt(engine.tok, tokens=p)
-        echo = (p if isinstance(p, str) else engine.tok.decode(p)) if body.echo else None
-        return await serve(body, prompt, checked(body, prompt, 16), "text_completion", request, logprobs=body.logprobs,
-                           echo=echo)
+    async def complete(self, body: CompletionRequest):
+        self.limits.fields(body)
+        p, tok = self.limits.one_prompt(body), self.engine.tok
+        prompt = completion_prompt(tok, text=p, separator=self.separator) if isinstance(p, str) else \
+            completion_prompt(tok, tokens=p)
+        echo = (p if isinstance(p, str) else tok.decode(p)) if body.echo else None
+        return await self.serve(body, prompt, self.limits.checked(body, prompt, 16), "text_completion",
+                                logprobs=body.logprobs, echo=echo)
 
-    async def serve(body: Sampling, prompt: Prompt, max_tokens: int, kind: str, request: HTTPRequest,
-                    logprobs: int | None, echo: str | None = None):
+    async def serve(self, body: Sampling, prompt: Prompt, max_tokens: int, kind: str, logprobs: int | None,
+                    echo: str | None = None):
+        """The request handed to the engine; its answer whole (JSON) or streamed (server-sent events), the store's
+        headers on either. A client that goes away before the answer is whole stops it at the next token."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        req = body.engine_request(prompt, max_tokens, self._emitter(loop, events), logprobs, echo)
+        self.metrics.requests.labels(kind).inc()
+        self.engine.submit(req)
+        what, data = await _until(req, events.get())
+        if what == "error":
+            raise EngineError(data["message"])
+        self.metrics.started(data)
+        answer = Answer(kind, self.model_name, prompt, data["reuse"], req, self.metrics, self.vocab, echo)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(answer.stream(events, include_usage), media_type="text/event-stream",
+                                     headers=kv_headers(data))
+        await _until(req, answer.collect(events))
+        return JSONResponse(answer.body(), headers=kv_headers(data))
 
-        def emit(what: str, **data) -> None:   # called by the model thread: counted here, even for a client gone
+    def _emitter(self, loop: asyncio.AbstractEventLoop, events: asyncio.Queue):
+        """The request's emit: called by the model thread, it puts each event on this request's queue."""
+        def emit(what: str, **data) -> None:   # counted here, even for a client gone
             if what == "end":
-                metrics.generated.inc(data["tokens"])
-                if data["finish_reason"] == "cancelled":
-                    metrics.cancelled.inc()
+                self.metrics.ended(data)
             try:
                 loop.call_soon_threadsafe(events.put_nowait, (what, data))
             except RuntimeError:   # the event loop has closed: the server stopped, nobody is left to tell
                 pass
-
-        req = Request(prompt=prompt, max_tokens=max_tokens, temperature=_or(body.temperature, 1.0),
-                      top_p=_or(body.top_p, 1.0), presence_penalty=_or(body.presence_penalty, 0.0),
-                      frequency_penalty=_or(body.frequency_penalty, 0.0),
-                      logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()}, seed=body.seed, stop=stop,
-                      logprobs=logprobs, echo_logprobs=logprobs if echo is not None else None,
-                      kv_check=body.kv_check, ignore_eos=body.ignore_eos, emit=emit)
-        metrics.requests.labels(kind).inc()
-        engine.submit(req)
-        try:
-            what, data = await events.get()
-        except asyncio.CancelledError:
-            req.cancelled.set()
-            raise
-        if what == "error":
-            raise EngineError(data["message"])
-        reuse = data["reuse"]
-        for source in ("prefix", "blended", "recomputed"):
-            metrics.prompt_tokens.labels(source).inc(getattr(reuse, source))
-        for tier, n in reuse.hits.items():
-            metrics.hits.labels(tier).inc(n)
-        metrics.queue.observe(data["queue_s"])
-        headers = {"x-kv-cache": reuse.header(), "x-queue-seconds": f"{data['queue_s']:.4f}",
-                   "x-prefill-seconds": f"{data['prefill_s']:.4f}",
-                   "x-kv-hits": "; ".join(f"{t}={n}" for t, n in reuse.hits.items()) or "none"}
-        answer = Answer(kind, model_name, prompt, reuse, req, metrics, vocab, echo)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(answer.stream(events, include_usage), media_type="text/event-stream",
-                                     headers=headers)
-        try:
-            await answer.collect(events)
-        except asyncio.CancelledError:
-            req.cancelled.set()
-            raise
-        return JSONResponse(answer.body(), headers=headers)
-
-    return app
+        return emit
 
 
-def _or(value, default):
-    """A field sent as null takes its default, as OpenAI reads it."""
-    return default if value is None else value
-
-
-class Answer:
-    """One response being assembled from the engine's events: the whole body, or its stream of chunks. A completion's
-    echo puts the prompt's text first (and, with logprobs, its tokens' scores, which come before any answer text).
-    The usage is the same on every path: the prompt's tokens, the answer's tokens (each one the engine chose, up to a
-    stop string's or an end token; the logprobs list one entry per such token), the prompt's tokens from the store."""
-
-    def __init__(self, kind: str, model: str, prompt: Prompt, reuse, req: Request, metrics: Metrics, vocab: Vocab,
-                 echo: str | None = None):
-        self.kind, self.model, self.prompt, self.reuse, self.req, self.metrics, self.vocab = \
-            kind, model, prompt, reuse, req, metrics, vocab
-        self.id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
-        self.created, self.text, self.finish, self.tokens, self.kl = int(time.time()), [], None, 0, None
-        self.first, self.first_chunk = True, True   # the first text not yet seen (TTFT), the first chunk not yet sent
-        self.echo = echo
-        self.scores: list = []        # (Scored, text offset) of each answer token, when logprobs are asked
-        self.prompt_scores = None     # echo with logprobs: (Scored or None, token, text offset) of each prompt token
-        self.offset = len(echo) if echo is not None else 0   # characters before the next answer token (completions)
-
-    @property
-    def chat(self) -> bool:
-        return self.kind == "chat.completion"
-
-    def _chars(self, token: int) -> int:
-        """Characters a token's bytes begin (its bytes that do not continue a character)."""
-        return sum((b & 0xC0) != 0x80 for b in self.vocab(token)[1])
-
-    def got(self, what: str, data: dict) -> None:
-        if what == "text":
-            if self.first and data["token"] is not None:
-                self.metrics.ttft.observe(time.perf_counter() - self.req.queued_at)
-                self.first = False
-            self.text.append(data["delta"])
-            if data.get("scored") is not None:
-                self.scores.append((data["scored"], self.offset))
-                self.offset += self._chars(data["token"])
-        elif what == "prompt":
-            at, self.prompt_scores = 0, []
-            for score, token in zip(data["scores"], self.prompt.tokens):
-                self.prompt_scores.append((score, token, at))
-                at += self._chars(token)
-        elif what == "end":
-            self.finish, self.tokens, self.kl = data["finish_reason"], data["tokens"], data["kl"]
-        elif what == "error":
-            raise EngineError(data["message"])
-
-    async def collect(self, events: asyncio.Queue) -> None:
-        while self.finish is None:
-            self.got(*await events.get())
-
-    def usage(self) -> dict:
-        n = len(self.prompt)
-        return {"prompt_tokens": n, "completion_tokens": self.tokens, "total_tokens": n + self.tokens,
-                "prompt_tokens_details": {"cached_tokens": self.reuse.cached}}
-
-    def kv_cache(self) -> dict:
-        r = self.reuse
-        return {"path": r.path, "prefix": r.prefix, "blended": r.blended, "recomputed": r.recomputed,
-                "context": r.context, "hits": r.hits,
-                **({"first_token_kl": self.kl} if self.kl is not None else {})}
-
-    def finish_reason(self) -> str:
-        return "stop" if self.finish == "cancelled" else self.finish
-
-    # ---- logprobs in OpenAI's two shapes
-    def _entry(self, token: int, logprob: float) -> dict:
-        text, raw = self.vocab(token)
-        return {"token": text, "logprob": _finite(logprob), "bytes": raw}
-
-    def logprobs(self, scores: list, prompt: list = ()) -> dict | None:
-        """The logprobs of these answer tokens (and, for an echo, these prompt tokens first), or None when not asked:
-        chat's {"content": [...]}; a completion's {"tokens", "token_logprobs", "top_logprobs", "text_offset"}, whose
-        top_logprobs hold the chosen token beside the most likely ones."""
-        if self.req.logprobs is None:
-            return None
-        if self.chat:
-            return {"content": [{**self._entry(s.token, s.logprob),
-                                 "top_logprobs": [self._entry(t, lp) for t, lp in s.top]} for s, _ in scores],
-                    "refusal": None}
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for score, token, at in [*prompt, *((s, s.token, at) for s, at in scores)]:
-            out["tokens"].append(self.vocab(token)[0])
-            out["text_offset"].append(at)
-            if score is None:   # the prompt's first token: nothing before it scores it
-                out["token_logprobs"].append(None)
-                out["top_logprobs"].append(None)
-                continue
-            out["token_logprobs"].append(_finite(score.logprob))
-            top = {self.vocab(t)[0]: _finite(lp) for t, lp in score.top}
-            out["top_logprobs"].append({**top, self.vocab(score.token)[0]: _finite(score.logprob)})
-        return out
-
-    def choice(self, text: str, final: bool, delta: bool, scores: list = (), prompt: list = ()) -> dict:
-        reason = self.finish_reason() if final else None
-        logprobs = self.logprobs(list(scores), list(prompt)) if scores or prompt else \
-            (None if delta or self.req.logprobs is None else self.logprobs([]))
-        if not self.chat:
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
-        if delta:
-            return {"index": 0, "delta": {"role": "assistant", "content": text} if self.first_chunk else
-                    ({"content": text} if text else {}), "logprobs": logprobs, "finish_reason": reason}
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": reason}
-
-    def body(self) -> dict:
-        text = (self.echo or "") + "".join(self.text)
-        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
-                "choices": [self.choice(text, True, False, self.scores, self.prompt_scores or ())],
-                "usage": self.usage(), "kv_cache": self.kv_cache()}
-
-    def chunk(self, text: str, final: bool = False, usage: bool = False, scores: list = (), prompt: list = ()) -> str:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-               "choices": [] if usage else [self.choice(text, final, True, scores, prompt)]}
-        if usage:
-            out["usage"] = self.usage()
-        if final or usage:
-            out["kv_cache"] = self.kv_cache()
-        self.first_chunk = False
-        return f"data: {json.dumps(out)}\n\n"
-
-    async def stream(self, events: asyncio.Queue, include_usage: bool):
-        """Server-sent events: the echo first (a completion's prompt, with its scores once they are in), a chunk per
-        piece of text with the logprobs of the tokens since the last chunk, the finish reason, the usage if asked,
-        [DONE]. A client that goes away cancels this generator: the engine stops its answer at the next token."""
-        try:
-            if self.echo is not None:
-                while self.req.echo_logprobs is not None and self.prompt_scores is None and self.finish is None:
-                    self.got(*await events.get())   # the answer's text waits in self.text
-                yield self.chunk(self.echo, prompt=self.prompt_scores or ())
-            sent, scored = 0, 0
-            while True:
-                if len(self.text) > sent and "".join(self.text[sent:]):
-                    yield self.chunk("".join(self.text[sent:]), scores=self.scores[scored:])
-                    sent, scored = len(self.text), len(self.scores)
-                if self.finish is not None:
-                    break
-                self.got(*await events.get())
-            yield self.chunk("", final=True, scores=self.scores[scored:])
-            if include_usage:
-                yield self.chunk("", usage=True)
-            yield "data: [DONE]\n\n"
-        except EngineError as e:   # the stream's last event says why it ends, then [DONE], as vLLM's server ends it
-            self.metrics.errors.labels(str(e.status)).inc()
-            yield e.event()
-            yield "data: [DONE]\n\n"
-        finally:
-            self.req.cancelled.set()   # a no-op once the answer is done; else the client went away
+async def _until(req: Request, waiting):
+    """Await `waiting`; a client that goes away meanwhile (this task cancelled) cancels the request."""
+    try:
+        return await waiting
+    except asyncio.CancelledError:
+        req.cancelled.set()
+        raise
