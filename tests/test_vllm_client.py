@@ -126,10 +126,10 @@ def test_vllms_client_runs_on_ours_with_the_store_and_the_peers(monkeypatch):
     monkeypatch.setattr(vc, "missing", lambda datasets=vc.DATASETS: None)
     a = bench_serve.parse(["--client", "vllm", "--peer", "vllm", "--no-plot"])
     assert a.clients == ("vllm",) and a.vllm_datasets == vc.DATASETS
-    assert [name for name, *_ in bench_serve.servers(a)] == ["store", "vllm"]
+    assert [s.name for s in bench_serve.servers(a)] == ["store", "vllm"]
     a = bench_serve.parse(["--client", "vllm", "--client", "ours", "--vllm-dataset", "custom", "--no-plot"])
     assert a.clients == ("ours", "vllm") and a.vllm_datasets == ("custom",)
-    assert [name for name, *_ in bench_serve.servers(a)] == ["store", "no_store", "serial"]
+    assert [s.name for s in bench_serve.servers(a)] == ["store", "no_store", "serial"]
     assert bench_serve.parse(["--no-plot"]).clients == bench_serve.CLIENT == ("ours",)
 
 

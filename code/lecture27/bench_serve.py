@@ -40,6 +40,7 @@ from pathlib import Path
 from common.cli import Parser, fraction, positive_int
 from common.present import Page, Row, Table, cols
 from lecture27.serving import bench, floor, launch, vllm_client
+from lecture27.serving.bench_server import BenchServer, named
 
 USERS = 4                   # concurrent users of rag and chat
 CHAT8_USERS = 8             # chat8: users at once, one request each (after one alone)
@@ -56,31 +57,14 @@ WORKLOADS = ("chat8", "rag", "rag1", "repeat", "reorder", "chat")
 CLIENTS = ("ours", "vllm")   # whose client sends the requests: serving/bench.py's workloads, or vLLM's benchmark
                             # client (serving/vllm_client.py)
 CLIENT = ("ours",)          # the clients run when --client is not given
-ONLY_OURS = ("no_store", "serial")   # servers started for our client's comparisons alone (with store@R, ours at
-                                     # another --blend-ratio): vLLM's client skips them
 SERIAL = ("--max-running", "1")   # the flags of ours one request at a time, for chat8's wall time
 RATIO = 0.15                # serve.py's CacheBlend recompute ratio, the one the server named store runs with
-AT_RATIO = "store@"         # the name of ours at another --blend-ratio R starts so: store@0.6
-REUSES = {"store": "prefixes exactly; messages in any order, blended",
-          "no_store": "nothing (every prompt prefilled)",
-          "serial": "what store reuses, running one request at a time (--max-running 1)",
-          "vllm": "exact prefixes (its prefix cache: 16-token blocks keyed by every token before them)",
-          "llama.cpp": "the common prefix of a slot's last prompt, then runs of 256 or more of its tokens that come "
-                       "back later in the new prompt, in their order, shifted there by RoPE (--cache-reuse 256); "
-                       "nothing recomputed"}
 SPEC_NAMES = {"chat8": "concurrent"}   # a workload's name in --json's {server: {workload: figures}}, where it differs
-REUSE_SHORT = {"store": "exact prefix; chunks blended, 15% recomputed", "no_store": "nothing",
-               "serial": "as store", "vllm": "exact prefix", "llama.cpp": "shifted chunks, no recompute"}
-# A peer's full prefill of a RAG request, on the same server: (what the request says, its extra body).
-REFERENCE = {"vllm": ("the same request with a cache_salt of its own (no block of the prefix cache matches it)",
-                      lambda: {"cache_salt": secrets.token_hex(8)}),
-             "llama.cpp": ("the same request with cache_prompt false (no cached token used)",
-                           lambda: {"cache_prompt": False})}
 
 
 def parse(argv=None):
     p = Parser(__doc__)
-    p.add_argument("--url", action="append", default=[], metavar="[NAME=]URL",
+    p.add_argument("--url", type=named_url, action="append", default=[], metavar="[NAME=]URL",
                    help="a server's /v1 URL, repeatable; serial=URL runs chat8 only (default: start ours with and "
                         "without the store, and one request at a time for chat8)")
     p.add_argument("--model", default=None, help="the model name to ask for (default: the server's first)")
@@ -125,7 +109,7 @@ def parse(argv=None):
         p.error(f"--chat8-users: at most {len(bench.PROSE) - 1} (one passage a user, one for the lone request)")
     taken = {"users", "chat8_users", "max_tokens", "runs", "reuses", "same_answer", "threads", "rag_quality", "chat8",
              "reorder", "ratios", "chat8_floor", "vllm_client", "failed"}   # --json's other top-level keys
-    for name in (url_name(u) for u in a.url):
+    for name, _ in a.url:
         if name in taken:
             p.error(f"--url {name}=...: {name!r} names one of --json's keys; call the server something else")
     if a.blend_ratio and a.url:
@@ -143,71 +127,60 @@ def parse(argv=None):
     return a
 
 
-def url_name(u: str) -> str:
-    """NAME of a --url NAME=URL, "" for a bare URL."""
-    return u.split("=", 1)[0] if "=" in u.split("//")[0] else ""
+def named_url(text: str) -> tuple:
+    """--url [NAME=]URL as (NAME, URL); NAME "" for a bare URL."""
+    name, _, url = text.partition("=") if "=" in text.split("//")[0] else ("", "", text)
+    return name, url
 
 
-def servers(a):
-    """[(name, a server to start or None, its url or None, its workloads)]: the URLs given, else ours with and
-    without the store, when chat8 runs ours one request at a time, and for rag ours at each --blend-ratio (each
-    started when its turn comes); then the peers, each on a free port of 127.0.0.1 with a.threads threads. Without
-    our client, ours is started with the store alone (vLLM's client runs on no ONLY_OURS server)."""
+def servers(a) -> list:
+    """[BenchServer], each with the workloads it runs: the URLs given, else ours with and without the store, when
+    chat8 runs ours one request at a time, and for rag ours at each --blend-ratio (each started when its turn
+    comes); then the peers, each on a free port of 127.0.0.1 with a.threads threads. Without our client, ours is
+    started with the store alone (vLLM's client runs on no server started for our client's comparisons)."""
+    def only(*workloads):
+        return tuple(w for w in a.workloads if w in workloads)
     if a.url:
-        out = []
-        for i, u in enumerate(a.url):
-            out.append((url_name(u) or f"server{i + 1}", None, u.split("=", 1)[1] if url_name(u) else u, None))
+        out = [BenchServer(name or f"server{i + 1}", a.workloads, given_url=url, peer=name in launch.PEERS)
+               for i, (name, url) in enumerate(a.url)]
     else:
-        out = [("store", launch.engine(threads=a.threads), None, None),
-               ("no_store", launch.engine("--no-store", threads=a.threads), None, None),
-               ("serial", launch.engine(*SERIAL, threads=a.threads), None, ("chat8",))]
-        out += [(blend_name(r), launch.engine("--ratio", f"{r:g}", threads=a.threads), None, ("rag",))
-                for r in a.blend_ratio if r != RATIO]
+        out = [BenchServer("store", a.workloads, launch.engine(threads=a.threads)),
+               BenchServer("no_store", a.workloads, launch.engine("--no-store", threads=a.threads), only_ours=True),
+               BenchServer("serial", only("chat8"), launch.engine(*SERIAL, threads=a.threads), only_ours=True)]
+        out += [BenchServer("store", only("rag"), launch.engine("--ratio", f"{r:g}", threads=a.threads), ratio=r,
+                            only_ours=True) for r in a.blend_ratio if r != RATIO]
     for peer in a.peer:
         if peer == "vllm":
-            out.append(("vllm", launch.vllm(launch.free_port(), a.threads), None, None))
+            process = launch.vllm(launch.free_port(), a.threads)
         else:
             from common.gguf_llama import gguf_file
-            out.append(("llama.cpp", launch.llama_server(gguf_file(None), launch.free_port(), a.threads), None, None))
-    if "ours" not in a.clients:
-        out = [x for x in out if x[1] is None or x[0] not in ONLY_OURS and not x[0].startswith(AT_RATIO)]
-    out = [(name, s, url, [w for w in a.workloads if only is None or w in only]) for name, s, url, only in out]
-    return [x for x in out if x[3]]
-
-
-def blend_name(ratio: float) -> str:
-    """The name of ours with the store at another CacheBlend ratio: store@0.6."""
-    return f"{AT_RATIO}{ratio:g}"
-
-
-def reuses(name: str, short: bool = False) -> str:
-    """What a server reuses (REUSES; short: REUSE_SHORT, the quality table's words); store@R: store's, at its ratio."""
-    if name.startswith(AT_RATIO):
-        ratio = float(name[len(AT_RATIO):])
-        return f"exact prefix; chunks blended, {ratio:.0%} recomputed" if short else \
-            f"what store reuses, {ratio:.0%} recomputed (serve.py --ratio {ratio:g})"
-    return REUSE_SHORT.get(name, "?") if short else REUSES.get(name, "whatever it reuses")
+            process = launch.llama_server(gguf_file(None), launch.free_port(), a.threads)
+        out.append(BenchServer(peer, a.workloads, process, peer=True))
+    return [s for s in out if s.workloads and ("ours" in a.clients or not s.only_ours)]
 
 
 def model_name(url: str, api_key: str | None) -> str:
     return bench.client_for(url, api_key).models.list().data[0].id
 
 
-def run_one(a, name: str, url: str, model: str, workloads: list, tag: str) -> list:
-    """The workloads on one server, one after another: [Run]."""
+def run_one(a, server: BenchServer, model: str, tag: str) -> list:
+    """The server's workloads, one after another: [Run]."""
     from tqdm import tqdm
+    name, url, full = server.name, server.url, server.full_prefill
     common = dict(max_tokens=a.max_tokens, tag=tag, api_key=a.api_key)
     sized = dict(docs=a.docs, words=a.doc_words)
+
+    def kv_checks():   # our engine, the store on, asked for the first token's KL
+        return KV_CHECKS if server.role != "no_store" and bench.is_ours(url) else 0
+    # a peer's rag: its timed requests, then each again with its cache out of the way (server.full_prefill)
     todo = {"chat8": (a.chat8_users + 1, lambda bar: bench.run_chat8(name, url, model, users=a.chat8_users,
                                                                     progress=bar.update, **common)),
-            "rag": (a.rag_requests, lambda bar: bench.run_rag(
-                name, url, model, users=a.users, requests=a.rag_requests, items=a.rag_items,
-                kv_checks=KV_CHECKS if name != "no_store" and bench.is_ours(url) else 0,
-                reference=REFERENCE[name][1] if name in REFERENCE else None, progress=bar.update, **common, **sized)),
+            "rag": (a.rag_requests * (2 if full else 1), lambda bar: bench.run_rag(
+                name, url, model, users=a.users, requests=a.rag_requests, items=a.rag_items, kv_checks=kv_checks(),
+                reference=full and full[1], progress=bar.update, **common, **sized)),
             "rag1": (a.rag_requests, lambda bar: bench.run_rag(
                 name, url, model, users=a.users, requests=a.rag_requests, items=a.rag_items, separator=SEPARATOR,
-                kv_checks=KV_CHECKS if name != "no_store" and bench.is_ours(url) else 0, progress=bar.update,
-                **common, **sized)),
+                kv_checks=kv_checks(), progress=bar.update, **common, **sized)),
             "repeat": (2, lambda bar: bench.run_repeat(name, url, model, item=a.rag_items, progress=bar.update,
                                                        **common, **sized)),
             "reorder": (3, lambda bar: bench.run_reorder(name, url, model, item=a.rag_items + 1,
@@ -215,60 +188,40 @@ def run_one(a, name: str, url: str, model: str, workloads: list, tag: str) -> li
             "chat": (a.users * a.chat_turns, lambda bar: bench.run_chat(name, url, model, users=a.users,
                                                                         turns=a.chat_turns, progress=bar.update,
                                                                         **common))}
-    if name in REFERENCE:   # rag's timed requests, then each again with the cache out of the way
-        todo["rag"] = (2 * a.rag_requests, todo["rag"][1])
     runs = []
-    for workload in workloads:
+    for workload in server.workloads:
         n, run = todo[workload]
         with tqdm(total=n, desc=f"{name}: {workload}", leave=False) as bar:
             runs.append(run(bar))
     return runs
 
 
-def same_answers(runs: list, base: str = "no_store") -> dict:
-    """{(server, workload): share of its answers equal to `base`'s, request by request (greedy decoding)}."""
-    ref = {(r.workload, s.user, s.turn): s.text for r in runs if r.server == base for s in r.samples}
-    out = {}
-    for r in runs:
-        if r.server != base:
-            pairs = [(s.text, ref.get((r.workload, s.user, s.turn))) for s in r.samples]
-            pairs = [(x, y) for x, y in pairs if y is not None]
-            out[r.server, r.workload] = sum(x == y for x, y in pairs) / len(pairs) if pairs else None
-    return out
-
-
-def same_share(samples: list, reference: list) -> float | None:
-    """The share of `samples` whose answer equals the reference sample of the same (user, turn), token for token
-    as text (greedy decoding); pairs with an error on either side are left out. None: no pair."""
-    ref = {(s.user, s.turn): s for s in reference if s.error is None}
-    pairs = [(s.text, ref[s.user, s.turn].text) for s in samples if s.error is None and (s.user, s.turn) in ref]
-    return sum(x == y for x, y in pairs) / len(pairs) if pairs else None
-
-
-def rag_quality(runs: list) -> list:
-    """RAG's answers beside a full prefill's, one dict a server: what it reuses, its TTFT p50, the share of its
-    answers equal to a full prefill's and which full prefill that is, the first token's KL (ours, kv_check)."""
-    same, out = same_answers(runs), []
+def rag_quality(runs: list, servers: list) -> list:
+    """RAG's answers beside a full prefill's, one dict a server (`servers`: the BenchServers the runs name): what it
+    reuses, its TTFT p50, the share of its answers equal to a full prefill's and which full prefill that is, the
+    first token's KL (ours, kv_check)."""
+    same, out = bench.same_answers(runs), []
     for r in runs:
         if r.workload != "rag" or r.server == "no_store":
             continue
+        server = named(servers, r.server)
         if r.reference:
-            share, against = same_share(r.samples, r.reference), REFERENCE.get(r.server, ("the same server, its "
-                                                                                         "cache out of the way",))[0]
+            share = bench.same_share(r.samples, r.reference)
+            against = (server.full_prefill or ("the same server, its cache out of the way",))[0]
         elif any(x.server == "no_store" and x.workload == "rag" for x in runs):
             share, against = same.get((r.server, "rag")), "no_store's answer (our engine, every prompt prefilled)"
         else:
             share, against = None, "-"
-        out.append({"server": r.server, "reuses": reuses(r.server, short=True), "ttft_p50_s": r.p(0.5),
+        out.append({"server": r.server, "reuses": server.reuses(short=True), "ttft_p50_s": r.p(0.5),
                     "from_store": r.cached_share, "same_answer": share, "against": against,
                     "first_token_kl": r.summary().get("first_token_kl_mean")})
     return out
 
 
-def show_quality(page: Page, runs: list) -> None:
+def show_quality(page: Page, runs: list, servers: list) -> None:
     rows = [Row([q["server"], q["reuses"], shown(q["ttft_p50_s"]), shown(q["from_store"], "{:.0%}"),
                  shown(q["same_answer"], "{:.0%}"), q["against"], shown(q["first_token_kl"], "{:.3f}")])
-            for q in rag_quality(runs)]
+            for q in rag_quality(runs, servers)]
     if rows:
         page.table(Table(title="RAG, quality beside speed: each server's greedy answers against a full prefill of the "
                                "same prompt", section="§5.1",
@@ -295,14 +248,13 @@ def from_store(s) -> float | None:
     return s.cached_tokens / s.prompt_tokens if s.prompt_tokens else None
 
 
-def table_notes(runs: list) -> list:
+def table_notes(runs: list, servers: list) -> list:
     """What each server reuses, what each workload's warm-up sent, and how every column is measured."""
     loads = dict.fromkeys(r.workload for r in runs)
     warm = "; ".join(f"{w}, {bench.WARMUP[w]}" for w in loads)
     crowd = ("; chat8 then sends one request alone, and its crowd the moment that answer ends (chat8's TTFT p50 "
              "and p99 are the crowd's)" if "chat8" in loads else "")
-    reused = [f"{name}: reuses {reuses(name)}."
-              for name in dict.fromkeys(r.server for r in runs)]
+    reused = [f"{name}: reuses {named(servers, name).reuses()}." for name in dict.fromkeys(r.server for r in runs)]
     failures = [f"{r.server}, {r.workload}: {r.errors} of its requests failed; the first: {first}" for r in runs
                 for first in [next((x.error for x in [r.alone, *r.samples] if x and x.error), None)] if first]
     return reused + failures + [
@@ -316,8 +268,8 @@ def table_notes(runs: list) -> list:
         "measured by our engine (kv_check) on reused documents."]
 
 
-def show(page: Page, runs: list, a) -> None:
-    same = same_answers(runs)
+def show(page: Page, runs: list, servers: list, a) -> None:
+    same = bench.same_answers(runs)
     rows = [Row([r.server, r.workload, r.users, r.requests, r.errors, shown(r.p(0.5)), shown(r.p(0.99)),
                  shown(r.queue_s), shown(r.wall_s, "{:.1f}"), shown(r.tokens_per_s, "{:.1f}"),
                  shown(r.cached_share, "{:.0%}"), shown(same.get((r.server, r.workload)), "{:.0%}"),
@@ -329,7 +281,7 @@ def show(page: Page, runs: list, a) -> None:
                      cols=cols("server", "workload", "users", "requests", "errors", "TTFT p50", "TTFT p99", "queued",
                                "wall, s", "tokens/s", "from store", "same answer", "KL"),
                      rows=rows, source="serving.bench.at_once",
-                     notes=table_notes(runs)))
+                     notes=table_notes(runs, servers)))
     with page.figure("serve_bench.png", "time to first token, p50 (bar) and p99 (line)", figsize=(8, 3.5)) as (fig, ax):
         if ax is not None:
             names = list(dict.fromkeys(r.server for r in runs))
@@ -489,30 +441,29 @@ def main(argv=None) -> list:
     tag = f" (benchmark run {secrets.token_hex(3)})" if a.url else ""   # a server given has seen no prompt of ours
     print(f"threads: {a.threads} for every server started here (ours: --threads; vLLM: OMP_NUM_THREADS and "
           f"VLLM_CPU_OMP_THREADS_BIND; llama-server: --threads and --threads-batch)", flush=True)
-    runs, vruns, failed = [], [], {}
-    for name, server, url, workloads in servers(a):
+    runs, vruns, failed, plan = [], [], {}, servers(a)
+    for server in plan:
         try:
             try:
-                if server is not None:
-                    server.start()
-                    print(f"{name}: {server.url} (pid {server.pid})", flush=True)
-                url = url or server.url
-                model = a.model or model_name(url, a.api_key)
+                if server.process is not None:
+                    server.process.start()
+                    print(f"{server.name}: {server.url} (pid {server.process.pid})", flush=True)
+                model = a.model or model_name(server.url, a.api_key)
             except Exception as e:   # launch's RuntimeError, the client's errors: this server's, not the run's end
-                failed[name] = f"{type(e).__name__}: {e}"
-                print(f"{name}: did not run: {failed[name]}", flush=True)
+                failed[server.name] = f"{type(e).__name__}: {e}"
+                print(f"{server.name}: did not run: {failed[server.name]}", flush=True)
                 continue
             if "ours" in a.clients:
-                runs += run_one(a, name, url, model, workloads, tag)
-            if "vllm" in a.clients and (server is None or name not in ONLY_OURS):
-                vruns += run_vllm(a, name, url, model)
+                runs += run_one(a, server, model, tag)
+            if "vllm" in a.clients and not server.only_ours:
+                vruns += run_vllm(a, server.name, server.url, model)
         finally:
-            if server is not None:
-                server.stop()
+            if server.process is not None:
+                server.process.stop()
     if "ours" in a.clients:
-        show(page, runs, a)
+        show(page, runs, plan, a)
         show_sequences(page, runs)
-        show_quality(page, runs)
+        show_quality(page, runs, plan)
     values = bench.ratios(runs)
     floors = chat8_floor(a, runs)
     if "ours" in a.clients:
@@ -527,9 +478,9 @@ def main(argv=None) -> list:
                 "runs": [{"server": r.server, "workload": r.workload, **r.summary()} for r in runs],
                 **{name: {SPEC_NAMES.get(r.workload, r.workload): r.summary() for r in runs if r.server == name}
                    for name in names},
-                "reuses": {name: reuses(name) for name in names},
-                "same_answer": {f"{s}/{w}": v for (s, w), v in same_answers(runs).items()},
-                "threads": {name: a.threads for name in names}, "rag_quality": rag_quality(runs),
+                "reuses": {name: named(plan, name).reuses() for name in names},
+                "same_answer": {f"{s}/{w}": v for (s, w), v in bench.same_answers(runs).items()},
+                "threads": {name: a.threads for name in names}, "rag_quality": rag_quality(runs, plan),
                 **sequences(runs),
                 "ratios": {key: {"value": values[key], "target": target,
                                  "met": None if target is None or values[key] is None else values[key] <= target,
