@@ -14,7 +14,8 @@ from common.present import Page
 from common.stats import percentile
 from lecture27 import streaming as st
 from lecture27.serving import bench, floor, launch
-from lecture27.serving.bench_server import REFERENCE, REUSES, BenchServer
+from lecture27.serving import page as sp
+from lecture27.serving.bench_server import REFERENCE, REUSE_SHORT, REUSES, BenchServer
 
 bench_serve = importlib.import_module("lecture27.bench_serve")
 
@@ -198,11 +199,11 @@ def test_the_tables_and_ratios_block_print_from_made_up_runs(capsys):
     runs = made_up()
     page = Page("bench_serve", "test", "§7", plot=False)
     a = SimpleNamespace(max_tokens=4)
-    bench_serve.show(page, runs, [BenchServer(role) for role in ("store", "serial", "no_store")], a)
-    bench_serve.show_sequences(page, runs)
+    sp.show_bench(page, runs, [BenchServer(role) for role in ("store", "serial", "no_store")], a)
+    sp.show_sequences(page, runs)
     floors = {"tokens": 1251, "prefill_s": 2.5, "decode_step_s": 0.047, "last_over_lone": 5.0,
               "wall_over_serial": 0.3}
-    bench_serve.show_ratios(page, bench.ratios(runs), {"no_store": "RuntimeError: did not start"}, floors)
+    sp.show_ratios(page, bench.ratios(runs), {"no_store": "RuntimeError: did not start"}, floors)
     out = capsys.readouterr().out
     ratios = page.tables[-1]
     cells = {row.cells[0]: row.cells[1:] for row in ratios.rows}
@@ -219,7 +220,37 @@ def test_the_tables_and_ratios_block_print_from_made_up_runs(capsys):
     seq = {(r.cells[0], r.cells[2]): r.cells[3:5] for r in page.tables[1].rows}
     assert seq["store", "one request alone"] == ["0.50", "1.00"]
     assert seq["store", "the same, reordered"] == ["0.90", "0.45"]
-    assert bench_serve.sequences(runs)["chat8"]["store"]["last_over_lone"] == 4.0
+    assert sp.sequences(runs)["chat8"]["store"]["last_over_lone"] == 4.0
+
+
+def test_the_page_and_json_say_what_each_server_reuses_from_its_bench_server():
+    """serving/page.py's bench_serve section on made-up runs with ours at another ratio: the first table's notes,
+    the quality table and --json take each server's name and reuse from its BenchServer; --json holds every run
+    by server and workload (chat8 as "concurrent"), the answers against no_store's, the targets and the failures."""
+    runs = made_up() + [run("store@0.6", "rag", [1.5, 2.5])]
+    servers = [BenchServer("store", bench_serve.WORKLOADS), BenchServer("serial", ("chat8",)),
+               BenchServer("no_store", bench_serve.WORKLOADS), BenchServer("store", ("rag",), ratio=0.6)]
+    page = Page("bench_serve", "test", "§7", plot=False)
+    a = SimpleNamespace(max_tokens=4, users=2, chat8_users=3, threads=1)
+    sp.show_bench(page, runs, servers, a)
+    sp.show_quality(page, runs, servers, bench_serve.RATIO)
+    notes = " ".join(page.tables[0].notes)
+    assert "store@0.6: reuses what store reuses, 60% recomputed (serve.py --ratio 0.6)." in notes
+    assert f"store: reuses {REUSES['store']}." in notes and f"no_store: reuses {REUSES['no_store']}." in notes
+    quality = page.tables[1]
+    assert [r.cells[:2] for r in quality.rows] == [["store", REUSE_SHORT["store"]],
+                                                   ["store@0.6", "exact prefix; chunks blended, 60% recomputed"]]
+    assert "ours recomputes 15% of a blended document's tokens" in " ".join(quality.notes)
+    data = json.loads(json.dumps(sp.bench_json(a, runs, [], servers, bench.ratios(runs), None, {"x": "why"})))
+    names = ["store", "serial", "no_store", "store@0.6"]
+    assert data["reuses"] == {s.name: s.reuses() for s in servers} and list(data["reuses"]) == names
+    assert data["threads"] == dict.fromkeys(names, 1) and data["failed"] == {"x": "why"}
+    assert set(data["store"]) == {"concurrent", "repeat", "reorder", "rag"}
+    assert data["store@0.6"] == {"rag": json.loads(json.dumps(runs[-1].summary()))}
+    assert data["same_answer"]["store@0.6/rag"] == 1.0 and data["chat8"]["store"]["last_over_lone"] == 4.0
+    assert [q["server"] for q in data["rag_quality"]] == ["store", "store@0.6"]
+    assert data["ratios"]["chat8_last_over_lone"] == {"value": 4.0, "target": 4, "met": True, "floor": None}
+    assert data["vllm_client"] == [] and data["chat8_floor"] is None
 
 
 # ------------------------------------------------------------------------------------------------ --blend-ratio
@@ -280,8 +311,8 @@ def test_the_quality_table_sets_each_ratio_beside_no_stores_answers():
                BenchServer("store", ratio=1.0)]
     runs = [rag(s.name, texts, ttft) for s, texts, ttft in zip(servers, ("abcd", "abxy", "abcy", "abxy"),
                                                                  (1.0, 4.0, 2.0, 4.0))]
-    q = {x["server"]: x for x in bench_serve.rag_quality(runs, servers)}
-    assert [x["server"] for x in bench_serve.rag_quality(runs, servers)] == ["store", "store@0.6", "store@1"]
+    q = {x["server"]: x for x in sp.rag_quality(runs, servers)}
+    assert [x["server"] for x in sp.rag_quality(runs, servers)] == ["store", "store@0.6", "store@1"]
     assert (q["store"]["same_answer"], q["store@0.6"]["same_answer"], q["store@1"]["same_answer"]) == (0.5, 0.75, 1.0)
     assert q["store@0.6"]["reuses"] == "exact prefix; chunks blended, 60% recomputed"
     assert q["store@1"]["reuses"] == "exact prefix; chunks blended, 100% recomputed"

@@ -13,6 +13,7 @@ import pytest
 
 from common.present import Page
 from lecture27.serving import bench, launch
+from lecture27.serving import page as sp
 from lecture27.serving.bench_server import REFERENCE, BenchServer
 
 bench_serve = importlib.import_module("lecture27.bench_serve")
@@ -157,7 +158,7 @@ def test_the_quality_table_names_what_each_server_reuses():
             rag("llama.cpp", "abcd", "axyd")]
     servers = [BenchServer("store"), BenchServer("no_store"), BenchServer("vllm", peer=True),
                BenchServer("llama.cpp", peer=True)]
-    q = {x["server"]: x for x in bench_serve.rag_quality(runs, servers)}
+    q = {x["server"]: x for x in sp.rag_quality(runs, servers)}
     assert set(q) == {"store", "vllm", "llama.cpp"}
     assert q["store"]["same_answer"] == 0.75 and "no_store" in q["store"]["against"]
     assert q["store"]["reuses"] == "exact prefix; chunks blended, 15% recomputed"
@@ -167,7 +168,7 @@ def test_the_quality_table_names_what_each_server_reuses():
     assert q["llama.cpp"]["same_answer"] == 0.5 and q["llama.cpp"]["reuses"] == "shifted chunks, no recompute"
     assert "cache_prompt false" in q["llama.cpp"]["against"]
     page = Page("bench_serve", "test", "§7", plot=False)
-    bench_serve.show_quality(page, runs, servers)
+    sp.show_quality(page, runs, servers, bench_serve.RATIO)
     assert [r.cells[0] for r in page.tables[0].rows] == ["store", "vllm", "llama.cpp"]
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from common.present import Page
 from lecture27.serving import bench, launch, vllm_client as vc
+from lecture27.serving import page as sp
 from test_peers import stub
 
 bench_serve = importlib.import_module("lecture27.bench_serve")
@@ -139,7 +140,7 @@ def test_the_table_of_vllms_figures(capsys):
                vc.Result("vllm", "random", 8, error="vLLM's client exited 1: boom")]
     page = Page("bench_serve", "test", "§7", plot=False)
     a = bench_serve.parse(["--client", "ours", "--no-plot"])
-    bench_serve.show_vllm(page, results, a)
+    sp.show_vllm(page, results, a, bench_serve.SEPARATOR)
     t = page.tables[-1]
     assert [c.header for c in t.cols][:8] == ["server", "dataset", "prompts", "completed", "failed", "TTFT mean",
                                               "TTFT median", "TTFT p99"]

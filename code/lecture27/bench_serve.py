@@ -38,9 +38,10 @@ import sys
 from pathlib import Path
 
 from common.cli import Parser, fraction, positive_int
-from common.present import Page, Row, Table, cols
+from common.present import Page
 from lecture27.serving import bench, floor, launch, vllm_client
-from lecture27.serving.bench_server import BenchServer, named
+from lecture27.serving import page as sp
+from lecture27.serving.bench_server import BenchServer
 
 USERS = 4                   # concurrent users of rag and chat
 CHAT8_USERS = 8             # chat8: users at once, one request each (after one alone)
@@ -59,7 +60,6 @@ CLIENTS = ("ours", "vllm")   # whose client sends the requests: serving/bench.py
 CLIENT = ("ours",)          # the clients run when --client is not given
 SERIAL = ("--max-running", "1")   # the flags of ours one request at a time, for chat8's wall time
 RATIO = 0.15                # serve.py's CacheBlend recompute ratio, the one the server named store runs with
-SPEC_NAMES = {"chat8": "concurrent"}   # a workload's name in --json's {server: {workload: figures}}, where it differs
 
 
 def parse(argv=None):
@@ -196,162 +196,6 @@ def run_one(a, server: BenchServer, model: str, tag: str) -> list:
     return runs
 
 
-def rag_quality(runs: list, servers: list) -> list:
-    """RAG's answers beside a full prefill's, one dict a server (`servers`: the BenchServers the runs name): what it
-    reuses, its TTFT p50, the share of its answers equal to a full prefill's and which full prefill that is, the
-    first token's KL (ours, kv_check)."""
-    same, out = bench.same_answers(runs), []
-    for r in runs:
-        if r.workload != "rag" or r.server == "no_store":
-            continue
-        server = named(servers, r.server)
-        if r.reference:
-            share = bench.same_share(r.samples, r.reference)
-            against = (server.full_prefill or ("the same server, its cache out of the way",))[0]
-        elif any(x.server == "no_store" and x.workload == "rag" for x in runs):
-            share, against = same.get((r.server, "rag")), "no_store's answer (our engine, every prompt prefilled)"
-        else:
-            share, against = None, "-"
-        out.append({"server": r.server, "reuses": server.reuses(short=True), "ttft_p50_s": r.p(0.5),
-                    "from_store": r.cached_share, "same_answer": share, "against": against,
-                    "first_token_kl": r.summary().get("first_token_kl_mean")})
-    return out
-
-
-def show_quality(page: Page, runs: list, servers: list) -> None:
-    rows = [Row([q["server"], q["reuses"], shown(q["ttft_p50_s"]), shown(q["from_store"], "{:.0%}"),
-                 shown(q["same_answer"], "{:.0%}"), q["against"], shown(q["first_token_kl"], "{:.3f}")])
-            for q in rag_quality(runs, servers)]
-    if rows:
-        page.table(Table(title="RAG, quality beside speed: each server's greedy answers against a full prefill of the "
-                               "same prompt", section="§5.1",
-                         cols=cols("server", "reuses", "TTFT p50", "from store", "same answer", "against", "KL"),
-                         rows=rows, source="bench_serve.rag_quality",
-                         notes=["Same answer: the share of the RAG answers equal, as text, to the full prefill's "
-                                "answer to the same request. A peer's full prefill is its own, on the same server "
-                                "and weights, sent one at a time after the timed requests; ours is no_store's (the "
-                                "same engine with no store). vLLM reuses only exact prefixes, so what it reuses is "
-                                "what a full prefill computes (the same numbers up to the batch they ran in); "
-                                "llama.cpp shifts cached runs of tokens to their new place without recomputing them, "
-                                "so each document's KV still attends only to what came before it when it was cached; "
-                                f"ours recomputes {RATIO:.0%} of a blended document's tokens (store@R: R of them). "
-                                "KL: the first answer token's KL to a full prefill (our engine's kv_check, on reused "
-                                "documents); the peers do not say."]))
-
-
-def shown(x, spec: str = "{:.2f}") -> str:
-    return "-" if x is None else spec.format(x)
-
-
-def from_store(s) -> float | None:
-    """The share of a request's prompt tokens the server says it served from its cache (None: it does not say)."""
-    return s.cached_tokens / s.prompt_tokens if s.prompt_tokens else None
-
-
-def table_notes(runs: list, servers: list) -> list:
-    """What each server reuses, what each workload's warm-up sent, and how every column is measured."""
-    loads = dict.fromkeys(r.workload for r in runs)
-    warm = "; ".join(f"{w}, {bench.WARMUP[w]}" for w in loads)
-    crowd = ("; chat8 then sends one request alone, and its crowd the moment that answer ends (chat8's TTFT p50 "
-             "and p99 are the crowd's)" if "chat8" in loads else "")
-    reused = [f"{name}: reuses {named(servers, name).reuses()}." for name in dict.fromkeys(r.server for r in runs)]
-    failures = [f"{r.server}, {r.workload}: {r.errors} of its requests failed; the first: {first}" for r in runs
-                for first in [next((x.error for x in [r.alone, *r.samples] if x and x.error), None)] if first]
-    return reused + failures + [
-        f"Warm-up, what a workload sent before its timed requests: {warm}. Then the client waited until our server was "
-        f"idle (its /health: nothing queued, nothing left to store){crowd}. No timed request waits for anything but "
-        "its user's answer before it. TTFT p50 and p99: nearest rank (the ceil(q n)-th smallest). Wall: from the first "
-        "timed request's start to the last answer's end; tokens/s: answer tokens over it. Queued: the mean time a "
-        "request waited for the model inside its TTFT (x-queue-seconds; -: the server does not say). From store: the "
-        "prompt tokens the server says it served from its cache (OpenAI's cached_tokens). Same answer: the answer's "
-        "text equal to no_store's for the same request (greedy). KL: the first answer token's KL to a full prefill, "
-        "measured by our engine (kv_check) on reused documents."]
-
-
-def show(page: Page, runs: list, servers: list, a) -> None:
-    same = bench.same_answers(runs)
-    rows = [Row([r.server, r.workload, r.users, r.requests, r.errors, shown(r.p(0.5)), shown(r.p(0.99)),
-                 shown(r.queue_s), shown(r.wall_s, "{:.1f}"), shown(r.tokens_per_s, "{:.1f}"),
-                 shown(r.cached_share, "{:.0%}"), shown(same.get((r.server, r.workload)), "{:.0%}"),
-                 shown(r.summary().get("first_token_kl_mean"), "{:.3f}")]) for r in runs]
-    page.table(Table(title=f"temperature 0, {a.max_tokens} answer tokens; each workload's warm-up, a wait for the "
-                           "server to be idle, then every request sent the moment its user's answer before it ended "
-                           "(TTFT in seconds, measured by this client to the first streamed text)",
-                     section="§5.1, §6.3, §7",
-                     cols=cols("server", "workload", "users", "requests", "errors", "TTFT p50", "TTFT p99", "queued",
-                               "wall, s", "tokens/s", "from store", "same answer", "KL"),
-                     rows=rows, source="serving.bench.at_once",
-                     notes=table_notes(runs, servers)))
-    with page.figure("serve_bench.png", "time to first token, p50 (bar) and p99 (line)", figsize=(8, 3.5)) as (fig, ax):
-        if ax is not None:
-            names = list(dict.fromkeys(r.server for r in runs))
-            loads = list(dict.fromkeys(r.workload for r in runs))
-            width = 0.8 / len(names)
-            for i, name in enumerate(names):
-                for j, w in enumerate(loads):
-                    r = next((r for r in runs if r.server == name and r.workload == w), None)
-                    if r is None or r.p(0.5) is None:
-                        continue
-                    x = j + (i - (len(names) - 1) / 2) * width
-                    ax.bar(x, r.p(0.5), width * 0.9, color=f"C{i}", label=name if j == 0 else None)
-                    ax.vlines(x, r.p(0.5), r.p(0.99), color="black", lw=1)
-            ax.set_xticks(range(len(loads)), loads)
-            ax.set_ylabel("seconds")
-            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-
-
-STEPS = {"repeat": ("a long prompt, first", "the same again"),
-         "reorder": ("documents, first", "the same again", "the same, reordered")}
-
-
-def sequences(runs: list) -> dict:
-    """{workload: {server: {figure: value}}}: chat8's lone request against its crowd, repeat's and reorder's
-    requests one by one (what --json writes and the second table shows)."""
-    out = {}
-    for r in runs:
-        t = [s.ttft_s for s in r.samples]
-        if r.workload == "chat8":
-            lone = r.alone.ttft_s if r.alone else None
-            out.setdefault("chat8", {})[r.server] = {
-                "users": r.users, "lone_ttft_s": lone, "last_first_token_s": r.last_first_token_s,
-                "last_over_lone": bench.over(r.last_first_token_s, lone), "wall_s": r.wall_s}
-        elif r.workload == "repeat" and len(t) == 2:
-            out.setdefault("repeat", {})[r.server] = {
-                "first_ttft_s": t[0], "again_ttft_s": t[1], "again_over_first": bench.over(t[1], t[0]),
-                "same_answer": r.samples[0].text == r.samples[1].text}
-        elif r.workload == "reorder" and len(t) == 3:
-            out.setdefault("reorder", {})[r.server] = {
-                "first_ttft_s": t[0], "again_ttft_s": t[1], "reordered_ttft_s": t[2],
-                "reordered_over_first": bench.over(t[2], t[0]), "first_token_kl": r.samples[2].kl}
-    return out
-
-
-def show_sequences(page: Page, runs: list) -> None:
-    rows = []
-    for r in runs:
-        if r.workload == "chat8":
-            lone = r.alone.ttft_s if r.alone else None
-            rows += [Row([r.server, "chat8", "one request alone", shown(lone), "1.00", shown(from_store(r.alone),
-                                                                                             "{:.0%}"), "-"]),
-                     Row([r.server, "chat8", f"the last first token of {r.users} at once (wall {r.wall_s:.1f} s)",
-                          shown(r.last_first_token_s), shown(bench.over(r.last_first_token_s, lone)), "-", "-"])]
-        elif r.workload in STEPS:
-            first = r.samples[0].ttft_s
-            rows += [Row([r.server, r.workload, step, shown(s.ttft_s), shown(bench.over(s.ttft_s, first)),
-                          shown(from_store(s), "{:.0%}"), shown(s.kl, "{:.3f}")])
-                     for step, s in zip(STEPS[r.workload], r.samples)]
-    if rows:
-        page.table(Table(title="one request against another: a request alone, then a crowd; a prompt sent again; "
-                               "documents sent again and reordered, each the moment the answer before it ended",
-                         section="§5, §6, §7",
-                         cols=cols("server", "workload", "request", "TTFT, s", "x the first", "from store", "KL"),
-                         rows=rows, source="serving.bench.one_after_another",
-                         notes=["x the first: this TTFT over its workload's first (chat8: the lone request's). The "
-                                "long prompt and the documents are RAG items no other workload sends; before the "
-                                "first of them the client waited until the server was idle. KL: the reordered "
-                                "answer's first token against a full prefill (our engine's kv_check)."]))
-
-
 def chat8_floor(a, runs: list) -> dict | None:
     """serving/floor.py's floor under chat8's two ratios: SmolLM2's matrix products of the crowd's prompt tokens past
     the system message, as our engine runs them (packed weights, --threads threads), against the lone TTFT and the
@@ -373,30 +217,6 @@ def chat8_floor(a, runs: list) -> dict | None:
                              a.max_tokens, crowd.alone and crowd.alone.ttft_s, serial and serial.wall_s)
 
 
-FLOORS = {"chat8_last_over_lone": "last_over_lone", "chat8_wall_store_over_serial": "wall_over_serial"}
-
-
-def show_ratios(page: Page, values: dict, failed: dict, floors: dict | None) -> None:
-    rows = [Row([what, shown(values[key], "{:.3f}" if target is None else "{:.2f}x"),
-                 "-" if target is None else f"<= {target:g}x",
-                 "-" if target is None or values[key] is None else ("yes" if values[key] <= target else "no"),
-                 shown(floors[FLOORS[key]] if floors and key in FLOORS else None, "{:.2f}x")])
-            for key, what, target in bench.CRITERIA]
-    notes = ["-: a server or a workload that did not run (servers named store, no_store, serial)."]
-    if floors:
-        notes.append(f"floor: the lowest ratio an engine doing nothing but the matrix products could reach beside "
-                     f"this run's lone TTFT and serial wall time (serving/floor.py): SmolLM2's products of the "
-                     f"crowd's {floors['tokens']:,} prompt tokens past the system message took "
-                     f"{floors['prefill_s']:.2f} s on this core, and of a decode step of one answer "
-                     f"{1000 * floors['decode_step_s']:.0f} ms (the wall's floor: the prompts, then the last user's "
-                     f"answer token by token). A target below its floor asks for less arithmetic, "
-                     f"not better scheduling.")
-    page.table(Table(title="the engine's targets", section="§7",
-                     cols=cols("figure", "measured", "target", "met", "floor"), rows=rows,
-                     source="serving.bench.ratios",
-                     notes=notes + [f"{name} did not run: {why}" for name, why in failed.items()]))
-
-
 def run_vllm(a, name: str, url: str, model: str) -> list:
     """vLLM's benchmark client on one server, one dataset after another: [vllm_client.Result]."""
     out = []
@@ -409,29 +229,6 @@ def run_vllm(a, name: str, url: str, model: str) -> list:
             print(f"{name}, {dataset}: {r.error}", flush=True)
         out.append(r)
     return out
-
-
-def show_vllm(page: Page, results: list, a) -> None:
-    rows = [Row([r.server, r.dataset, r.prompts, shown(r.completed, "{}"), shown(r.failed, "{}"),
-                 shown(r.ttft_mean_s), shown(r.ttft_median_s), shown(r.ttft_p99_s), shown(r.tpot_median_s, "{:.3f}"),
-                 shown(r.output_tokens_per_s, "{:.1f}"), shown(r.duration_s, "{:.1f}")]) for r in results]
-    data = {"random": f"random token ids, {a.random_input_len} prompt tokens each",
-            "custom": f"our rag1 prompts ({a.docs} documents of an item in a new order and the question, parted by "
-                      f"{SEPARATOR!r}, in one user message)"}
-    page.table(Table(title=f"vLLM's benchmark client (vllm bench serve, backend {vllm_client.BACKEND}): "
-                           f"{a.users} requests at once, temperature 0, ignore_eos, {a.max_tokens} answer tokens; "
-                           "its own figures (TTFT in seconds)", section="§5.1, §7",
-                     cols=cols("server", "dataset", "prompts", "completed", "failed", "TTFT mean", "TTFT median",
-                               "TTFT p99", "TPOT median", "output tok/s", "duration, s"),
-                     rows=rows, source="serving.vllm_client.run",
-                     notes=[f"{d}: {data[d]}; warm-up (sent by our client, then a wait until our server is idle): "
-                            f"{vllm_client.WARMUP[d]}." for d in dict.fromkeys(r.dataset for r in results)] +
-                     ["Every figure is vLLM's client's, read from its --save-result JSON: TTFT to the first streamed "
-                      "chunk, its median and p99 numpy's (interpolated between ranks, not the nearest rank of our "
-                      "tables); TPOT: the time per answer token after the first; output tok/s: answer tokens over "
-                      "the duration (the first request's start to the last answer's end). vLLM's client sends no "
-                      "system message: each server puts its chat template's default one first."] +
-                     [f"{r.server}, {r.dataset}: {r.error}" for r in results if r.error]))
 
 
 def main(argv=None) -> list:
@@ -461,34 +258,19 @@ def main(argv=None) -> list:
             if server.process is not None:
                 server.process.stop()
     if "ours" in a.clients:
-        show(page, runs, plan, a)
-        show_sequences(page, runs)
-        show_quality(page, runs, plan)
+        sp.show_bench(page, runs, plan, a)
+        sp.show_sequences(page, runs)
+        sp.show_quality(page, runs, plan, RATIO)
     values = bench.ratios(runs)
     floors = chat8_floor(a, runs)
     if "ours" in a.clients:
-        show_ratios(page, values, failed, floors)
+        sp.show_ratios(page, values, failed, floors)
     if "vllm" in a.clients:
-        show_vllm(page, vruns, a)
+        sp.show_vllm(page, vruns, a, SEPARATOR)
         for name, why in failed.items():
             print(f"{name} did not run: {why}")
     if a.json:
-        names = list(dict.fromkeys(r.server for r in runs))
-        data = {"users": a.users, "chat8_users": a.chat8_users, "max_tokens": a.max_tokens,
-                "runs": [{"server": r.server, "workload": r.workload, **r.summary()} for r in runs],
-                **{name: {SPEC_NAMES.get(r.workload, r.workload): r.summary() for r in runs if r.server == name}
-                   for name in names},
-                "reuses": {name: named(plan, name).reuses() for name in names},
-                "same_answer": {f"{s}/{w}": v for (s, w), v in bench.same_answers(runs).items()},
-                "threads": {name: a.threads for name in names}, "rag_quality": rag_quality(runs, plan),
-                **sequences(runs),
-                "ratios": {key: {"value": values[key], "target": target,
-                                 "met": None if target is None or values[key] is None else values[key] <= target,
-                                 "floor": floors[FLOORS[key]] if floors and key in FLOORS else None}
-                           for key, _, target in bench.CRITERIA},
-                "chat8_floor": floors,
-                "vllm_client": [r.summary() for r in vruns],
-                "failed": failed}
+        data = sp.bench_json(a, runs, vruns, plan, values, floors, failed)
         Path(a.json).write_text(json.dumps(data, indent=2) + "\n")
         print(f"wrote {a.json}")
     return runs + vruns
