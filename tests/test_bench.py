@@ -251,6 +251,7 @@ def test_the_page_and_json_say_what_each_server_reuses_from_its_bench_server():
     assert [q["server"] for q in data["rag_quality"]] == ["store", "store@0.6"]
     assert data["ratios"]["chat8_last_over_lone"] == {"value": 4.0, "target": 4, "met": True, "floor": None}
     assert data["vllm_client"] == [] and data["chat8_floor"] is None
+    assert set(data) == set(sp.JSON_KEYS) | set(names)   # parse refuses a --url NAME among JSON_KEYS
 
 
 # ------------------------------------------------------------------------------------------------ --blend-ratio
@@ -294,6 +295,28 @@ def test_a_server_is_named_and_says_what_it_reuses_from_its_fields():
     assert all(s.workloads == a.workloads for s in given)
     assert given[0].reuses() == "whatever it reuses" and given[0].reuses(short=True) == "?"
     assert given[2].full_prefill is REFERENCE["vllm"] and given[2].reuses(short=True) == "exact prefix"
+
+
+def test_a_bench_server_starts_and_stops_only_a_process_of_its_own():
+    """start() starts a server started here and gives its URL once it listens; leaving its with block stops it,
+    whatever ended the block. A server given by --url is neither started nor stopped."""
+    class Process:
+        url, events = None, []
+
+        def start(self):
+            self.events.append("start")
+            self.url = "http://127.0.0.1:1/v1"
+
+        def stop(self):
+            self.events.append("stop")
+    ours = BenchServer("store", process=Process())
+    with pytest.raises(KeyError), ours:
+        assert ours.url is None and ours.start() == ours.url == "http://127.0.0.1:1/v1"
+        raise KeyError("a workload's failure")
+    assert Process.events == ["start", "stop"]
+    given = BenchServer("store", given_url="http://h:1/v1")
+    with given:
+        assert given.start() == "http://h:1/v1"
 
 
 def test_a_blend_ratio_outside_0_1_or_beside_url_is_one_line_and_exit_2(capsys):

@@ -134,6 +134,20 @@ def test_vllms_client_runs_on_ours_with_the_store_and_the_peers(monkeypatch):
     assert bench_serve.parse(["--no-plot"]).clients == bench_serve.CLIENT == ("ours",)
 
 
+def test_each_dataset_runs_in_turn_and_a_failure_is_said(monkeypatch, capsys):
+    asked = []
+
+    def run(server, url, model, dataset, **kw):
+        asked.append((server, url, model, dataset, kw["prompts"]))
+        return vc.Result(server, dataset, kw["prompts"], error="boom" if dataset == "custom" else None)
+    monkeypatch.setattr(vc, "run", run)
+    results = vc.run_datasets("store", "http://x/v1", "m", ("random", "custom"), prompts=8, concurrency=4)
+    assert [(r.dataset, r.error) for r in results] == [("random", None), ("custom", "boom")]
+    assert asked == [("store", "http://x/v1", "m", d, 8) for d in ("random", "custom")]
+    out = capsys.readouterr().out
+    assert "store: vLLM's client, random dataset (8 prompts, 4 at once)" in out and "store, custom: boom" in out
+
+
 def test_the_table_of_vllms_figures(capsys):
     data = json.loads(RESULT.read_text())
     results = [vc.parse_result(data, "store", "custom"),

@@ -62,7 +62,7 @@ SERIAL = ("--max-running", "1")   # the flags of ours one request at a time, for
 RATIO = 0.15                # serve.py's CacheBlend recompute ratio, the one the server named store runs with
 
 
-def parse(argv=None):
+def parser() -> Parser:
     p = Parser(__doc__)
     p.add_argument("--url", type=named_url, action="append", default=[], metavar="[NAME=]URL",
                    help="a server's /v1 URL, repeatable; serial=URL runs chat8 only (default: start ours with and "
@@ -96,6 +96,13 @@ def parse(argv=None):
                         f"rag1 prompts) (default: {' '.join(vllm_client.DATASETS)})")
     p.add_argument("--random-input-len", type=positive_int, default=vllm_client.RANDOM_INPUT_LEN,
                    help="--client vllm: prompt tokens of a random-dataset request")
+    return p
+
+
+def parse(argv=None):
+    """The command line, checked (bad input: one line, exit 2); a.clients, a.vllm_datasets and a.workloads in their
+    lists' order, each --peer and --blend-ratio once."""
+    p = parser()
     a = p.parse_args(argv)
     if a.docs < 4:
         p.error("--docs: a RAG request carries at least 4 documents (two key passages, two distractors)")
@@ -107,23 +114,17 @@ def parse(argv=None):
                 f"have {bench.rag_orders(1, a.docs)} orders besides their first)")
     if a.chat8_users >= len(bench.PROSE):
         p.error(f"--chat8-users: at most {len(bench.PROSE) - 1} (one passage a user, one for the lone request)")
-    taken = {"users", "chat8_users", "max_tokens", "runs", "reuses", "same_answer", "threads", "rag_quality", "chat8",
-             "reorder", "ratios", "chat8_floor", "vllm_client", "failed"}   # --json's other top-level keys
-    for name, _ in a.url:
-        if name in taken:
-            p.error(f"--url {name}=...: {name!r} names one of --json's keys; call the server something else")
+    for name in (name for name, _ in a.url if name in sp.JSON_KEYS):
+        p.error(f"--url {name}=...: {name!r} names one of --json's keys; call the server something else")
     if a.blend_ratio and a.url:
         p.error("--blend-ratio starts ours; with --url, start it yourself (serve.py --ratio R) and name it")
-    a.peer = list(dict.fromkeys(a.peer))
-    a.blend_ratio = list(dict.fromkeys(a.blend_ratio))
+    a.peer, a.blend_ratio = list(dict.fromkeys(a.peer)), list(dict.fromkeys(a.blend_ratio))
     a.clients = tuple(c for c in CLIENTS if c in (a.client or CLIENT))
     a.vllm_datasets = tuple(d for d in vllm_client.DATASETS if d in (a.vllm_dataset or vllm_client.DATASETS))
-    for why in [launch.peer_missing(peer) for peer in a.peer] + \
-            [vllm_client.missing(a.vllm_datasets) if "vllm" in a.clients else None]:
+    for why in [*map(launch.peer_missing, a.peer), "vllm" in a.clients and vllm_client.missing(a.vllm_datasets)]:
         if why:
             p.error(why)
-    a.workloads = WORKLOADS if not a.workload or "all" in a.workload else \
-        tuple(w for w in WORKLOADS if w in a.workload)
+    a.workloads = tuple(w for w in WORKLOADS if not a.workload or "all" in a.workload or w in a.workload)
     return a
 
 
@@ -138,56 +139,38 @@ def servers(a) -> list:
     chat8 runs ours one request at a time, and for rag ours at each --blend-ratio (each started when its turn
     comes); then the peers, each on a free port of 127.0.0.1 with a.threads threads. Without our client, ours is
     started with the store alone (vLLM's client runs on no server started for our client's comparisons)."""
-    def only(*workloads):
-        return tuple(w for w in a.workloads if w in workloads)
     if a.url:
         out = [BenchServer(name or f"server{i + 1}", a.workloads, given_url=url, peer=name in launch.PEERS)
                for i, (name, url) in enumerate(a.url)]
     else:
+        chat8, rag = (tuple(w for w in a.workloads if w == only) for only in ("chat8", "rag"))
         out = [BenchServer("store", a.workloads, launch.engine(threads=a.threads)),
                BenchServer("no_store", a.workloads, launch.engine("--no-store", threads=a.threads), only_ours=True),
-               BenchServer("serial", only("chat8"), launch.engine(*SERIAL, threads=a.threads), only_ours=True)]
-        out += [BenchServer("store", only("rag"), launch.engine("--ratio", f"{r:g}", threads=a.threads), ratio=r,
+               BenchServer("serial", chat8, launch.engine(*SERIAL, threads=a.threads), only_ours=True)]
+        out += [BenchServer("store", rag, launch.engine("--ratio", f"{r:g}", threads=a.threads), ratio=r,
                             only_ours=True) for r in a.blend_ratio if r != RATIO]
-    for peer in a.peer:
-        if peer == "vllm":
-            process = launch.vllm(launch.free_port(), a.threads)
-        else:
-            from common.gguf_llama import gguf_file
-            process = launch.llama_server(gguf_file(None), launch.free_port(), a.threads)
-        out.append(BenchServer(peer, a.workloads, process, peer=True))
+    out += [BenchServer(peer, a.workloads, launch.peer(peer, a.threads), peer=True) for peer in a.peer]
     return [s for s in out if s.workloads and ("ours" in a.clients or not s.only_ours)]
 
 
-def model_name(url: str, api_key: str | None) -> str:
-    return bench.client_for(url, api_key).models.list().data[0].id
-
-
 def run_one(a, server: BenchServer, model: str, tag: str) -> list:
-    """The server's workloads, one after another: [Run]."""
+    """The server's workloads, one after another: [Run]. A peer's rag sends each timed request again with its cache
+    out of the way (server.full_prefill); rag and rag1 ask our engine with the store for KV_CHECKS first-token KLs."""
     from tqdm import tqdm
     name, url, full = server.name, server.url, server.full_prefill
-    common = dict(max_tokens=a.max_tokens, tag=tag, api_key=a.api_key)
-    sized = dict(docs=a.docs, words=a.doc_words)
 
-    def kv_checks():   # our engine, the store on, asked for the first token's KL
-        return KV_CHECKS if server.role != "no_store" and bench.is_ours(url) else 0
-    # a peer's rag: its timed requests, then each again with its cache out of the way (server.full_prefill)
-    todo = {"chat8": (a.chat8_users + 1, lambda bar: bench.run_chat8(name, url, model, users=a.chat8_users,
-                                                                    progress=bar.update, **common)),
-            "rag": (a.rag_requests * (2 if full else 1), lambda bar: bench.run_rag(
-                name, url, model, users=a.users, requests=a.rag_requests, items=a.rag_items, kv_checks=kv_checks(),
-                reference=full and full[1], progress=bar.update, **common, **sized)),
-            "rag1": (a.rag_requests, lambda bar: bench.run_rag(
-                name, url, model, users=a.users, requests=a.rag_requests, items=a.rag_items, separator=SEPARATOR,
-                kv_checks=kv_checks(), progress=bar.update, **common, **sized)),
-            "repeat": (2, lambda bar: bench.run_repeat(name, url, model, item=a.rag_items, progress=bar.update,
-                                                       **common, **sized)),
-            "reorder": (3, lambda bar: bench.run_reorder(name, url, model, item=a.rag_items + 1,
-                                                         progress=bar.update, **common, **sized)),
-            "chat": (a.users * a.chat_turns, lambda bar: bench.run_chat(name, url, model, users=a.users,
-                                                                        turns=a.chat_turns, progress=bar.update,
-                                                                        **common))}
+    def go(run, **kw):
+        return lambda bar: run(name, url, model, max_tokens=a.max_tokens, tag=tag, api_key=a.api_key,
+                               progress=bar.update, **kw)
+    sized = dict(docs=a.docs, words=a.doc_words)
+    rag = dict(users=a.users, requests=a.rag_requests, items=a.rag_items, **sized,
+               kv_checks=KV_CHECKS if server.role != "no_store" and bench.is_ours(url) else 0)
+    todo = {"chat8": (a.chat8_users + 1, go(bench.run_chat8, users=a.chat8_users)),
+            "rag": (a.rag_requests * (2 if full else 1), go(bench.run_rag, reference=full and full[1], **rag)),
+            "rag1": (a.rag_requests, go(bench.run_rag, separator=SEPARATOR, **rag)),
+            "repeat": (2, go(bench.run_repeat, item=a.rag_items, **sized)),
+            "reorder": (3, go(bench.run_reorder, item=a.rag_items + 1, **sized)),
+            "chat": (a.users * a.chat_turns, go(bench.run_chat, users=a.users, turns=a.chat_turns))}
     runs = []
     for workload in server.workloads:
         n, run = todo[workload]
@@ -217,20 +200,6 @@ def chat8_floor(a, runs: list) -> dict | None:
                              a.max_tokens, crowd.alone and crowd.alone.ttft_s, serial and serial.wall_s)
 
 
-def run_vllm(a, name: str, url: str, model: str) -> list:
-    """vLLM's benchmark client on one server, one dataset after another: [vllm_client.Result]."""
-    out = []
-    for dataset in a.vllm_datasets:
-        print(f"{name}: vLLM's client, {dataset} dataset ({a.rag_requests} prompts, {a.users} at once)", flush=True)
-        r = vllm_client.run(name, url, model, dataset, prompts=a.rag_requests, concurrency=a.users,
-                            max_tokens=a.max_tokens, items=a.rag_items, docs=a.docs, words=a.doc_words,
-                            input_len=a.random_input_len, api_key=a.api_key, separator=SEPARATOR)
-        if r.error:
-            print(f"{name}, {dataset}: {r.error}", flush=True)
-        out.append(r)
-    return out
-
-
 def main(argv=None) -> list:
     """[bench.Run] of our client's workloads, then [vllm_client.Result] of vLLM's client."""
     a = parse(argv)
@@ -240,12 +209,12 @@ def main(argv=None) -> list:
           f"VLLM_CPU_OMP_THREADS_BIND; llama-server: --threads and --threads-batch)", flush=True)
     runs, vruns, failed, plan = [], [], {}, servers(a)
     for server in plan:
-        try:
+        with server:   # a server started here is stopped when its turn ends, whatever ends it
             try:
+                url = server.start()
                 if server.process is not None:
-                    server.process.start()
-                    print(f"{server.name}: {server.url} (pid {server.process.pid})", flush=True)
-                model = a.model or model_name(server.url, a.api_key)
+                    print(f"{server.name}: {url} (pid {server.process.pid})", flush=True)
+                model = a.model or bench.model_name(url, a.api_key)
             except Exception as e:   # launch's RuntimeError, the client's errors: this server's, not the run's end
                 failed[server.name] = f"{type(e).__name__}: {e}"
                 print(f"{server.name}: did not run: {failed[server.name]}", flush=True)
@@ -253,16 +222,15 @@ def main(argv=None) -> list:
             if "ours" in a.clients:
                 runs += run_one(a, server, model, tag)
             if "vllm" in a.clients and not server.only_ours:
-                vruns += run_vllm(a, server.name, server.url, model)
-        finally:
-            if server.process is not None:
-                server.process.stop()
+                vruns += vllm_client.run_datasets(
+                    server.name, server.url, model, a.vllm_datasets, prompts=a.rag_requests, concurrency=a.users,
+                    max_tokens=a.max_tokens, items=a.rag_items, docs=a.docs, words=a.doc_words,
+                    input_len=a.random_input_len, api_key=a.api_key, separator=SEPARATOR)
     if "ours" in a.clients:
         sp.show_bench(page, runs, plan, a)
         sp.show_sequences(page, runs)
         sp.show_quality(page, runs, plan, RATIO)
-    values = bench.ratios(runs)
-    floors = chat8_floor(a, runs)
+    values, floors = bench.ratios(runs), chat8_floor(a, runs)
     if "ours" in a.clients:
         sp.show_ratios(page, values, failed, floors)
     if "vllm" in a.clients:
@@ -277,6 +245,6 @@ def main(argv=None) -> list:
 
 
 if __name__ == "__main__":
-    # SIGTERM as Ctrl-C: the finally blocks stop every server started here, and subprocess.run vLLM's client
+    # SIGTERM as Ctrl-C: each server's with block stops its process started here, and subprocess.run vLLM's client
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     main()

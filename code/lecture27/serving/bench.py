@@ -289,6 +289,11 @@ def client_for(url: str, api_key: str | None = None, timeout: float = 600.0):
     return OpenAI(base_url=url, api_key=api_key or "none", max_retries=0, timeout=timeout)
 
 
+def model_name(url: str, api_key: str | None = None) -> str:
+    """The first model the server lists (GET /v1/models)."""
+    return client_for(url, api_key).models.list().data[0].id
+
+
 def health(url: str) -> dict | None:
     """The server's GET /health as a dict (None: it has none, or did not answer)."""
     try:

@@ -47,6 +47,21 @@ class BenchServer:
         """Its /v1 URL: --url's, or the process's once it listens."""
         return self.given_url if self.process is None else self.process.url
 
+    def start(self) -> str:
+        """Start the process of a server started here (launch.Server.start: a RuntimeError if it does not serve);
+        its /v1 URL."""
+        if self.process is not None:
+            self.process.start()
+        return self.url
+
+    def __enter__(self) -> "BenchServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Stop the process started here, if it runs (launch.Server.stop)."""
+        if self.process is not None:
+            self.process.stop()
+
     def reuses(self, short: bool = False) -> str:
         """What it reuses (REUSES; short: REUSE_SHORT, the quality table's words); at a ratio of its own, store's
         at that ratio."""

@@ -149,6 +149,9 @@ def figure(page: Page, r: ServedRun) -> None:
 
 # ================================================================================ bench_serve.py's tables
 SPEC_NAMES = {"chat8": "concurrent"}   # a workload's name in --json's {server: {workload: figures}}, where it differs
+JSON_KEYS = ("users", "chat8_users", "max_tokens", "runs", "reuses", "same_answer", "threads", "rag_quality", "chat8",
+             "repeat", "reorder", "ratios", "chat8_floor", "vllm_client", "failed")   # bench_json's keys beside the
+                                                                                       # servers' names
 STEPS = {"repeat": ("a long prompt, first", "the same again"),   # each request of repeat and reorder, as sent
          "reorder": ("documents, first", "the same again", "the same, reordered")}
 FLOORS = {"chat8_last_over_lone": "last_over_lone",   # a target's key -> its floor's in floor.chat8_floor's dict
