@@ -54,7 +54,8 @@ def from_store(x) -> str:
     return pct0((kv["prefix"] + kv["blended"]) / (kv["prefix"] + kv["blended"] + kv["recomputed"])) if kv else "-"
 
 
-def notes(r: ServedRun) -> list:
+def rag_notes(r: ServedRun) -> list:
+    """The notes on RAG with the store and without, its documents as messages and in one message (rag1)."""
     st, no = r.store, r.no_store
     out = []
     if st.p(0.5) and no.p(0.5):
@@ -78,6 +79,12 @@ def notes(r: ServedRun) -> list:
                              "prefilled alone is further from what it is in place (docs/engine.md, 'Documents in one "
                              "message')")
         out.append(text + ".")
+    return out
+
+
+def notes(r: ServedRun) -> list:
+    st = r.store
+    out = rag_notes(r)
     if r.first.ttft_s and r.again.ttft_s:
         prefix = (parse_kv(r.again.kv) or {}).get("prefix", 0)
         out.append(f"A repeated prompt, sent again the moment its answer ended: {r.again.ttft_s:.2f} s against "
