@@ -14,6 +14,8 @@ from common.present import Page
 from common.stats import percentile
 from lecture27 import streaming as st
 from lecture27.serving import bench, floor, launch
+from lecture27.serving import page as sp
+from lecture27.serving.bench_server import REFERENCE, REUSE_SHORT, REUSES, BenchServer
 
 bench_serve = importlib.import_module("lecture27.bench_serve")
 
@@ -197,11 +199,11 @@ def test_the_tables_and_ratios_block_print_from_made_up_runs(capsys):
     runs = made_up()
     page = Page("bench_serve", "test", "§7", plot=False)
     a = SimpleNamespace(max_tokens=4)
-    bench_serve.show(page, runs, a)
-    bench_serve.show_sequences(page, runs)
+    sp.show_bench(page, runs, [BenchServer(role) for role in ("store", "serial", "no_store")], a)
+    sp.show_sequences(page, runs)
     floors = {"tokens": 1251, "prefill_s": 2.5, "decode_step_s": 0.047, "last_over_lone": 5.0,
               "wall_over_serial": 0.3}
-    bench_serve.show_ratios(page, bench.ratios(runs), {"no_store": "RuntimeError: did not start"}, floors)
+    sp.show_ratios(page, bench.ratios(runs), {"no_store": "RuntimeError: did not start"}, floors)
     out = capsys.readouterr().out
     ratios = page.tables[-1]
     cells = {row.cells[0]: row.cells[1:] for row in ratios.rows}
@@ -218,7 +220,38 @@ def test_the_tables_and_ratios_block_print_from_made_up_runs(capsys):
     seq = {(r.cells[0], r.cells[2]): r.cells[3:5] for r in page.tables[1].rows}
     assert seq["store", "one request alone"] == ["0.50", "1.00"]
     assert seq["store", "the same, reordered"] == ["0.90", "0.45"]
-    assert bench_serve.sequences(runs)["chat8"]["store"]["last_over_lone"] == 4.0
+    assert sp.sequences(runs)["chat8"]["store"]["last_over_lone"] == 4.0
+
+
+def test_the_page_and_json_say_what_each_server_reuses_from_its_bench_server():
+    """serving/page.py's bench_serve section on made-up runs with ours at another ratio: the first table's notes,
+    the quality table and --json take each server's name and reuse from its BenchServer; --json holds every run
+    by server and workload (chat8 as "concurrent"), the answers against no_store's, the targets and the failures."""
+    runs = made_up() + [run("store@0.6", "rag", [1.5, 2.5])]
+    servers = [BenchServer("store", bench_serve.WORKLOADS), BenchServer("serial", ("chat8",)),
+               BenchServer("no_store", bench_serve.WORKLOADS), BenchServer("store", ("rag",), ratio=0.6)]
+    page = Page("bench_serve", "test", "§7", plot=False)
+    a = SimpleNamespace(max_tokens=4, users=2, chat8_users=3, threads=1)
+    sp.show_bench(page, runs, servers, a)
+    sp.show_quality(page, runs, servers, bench_serve.RATIO)
+    notes = " ".join(page.tables[0].notes)
+    assert "store@0.6: reuses what store reuses, 60% recomputed (serve.py --ratio 0.6)." in notes
+    assert f"store: reuses {REUSES['store']}." in notes and f"no_store: reuses {REUSES['no_store']}." in notes
+    quality = page.tables[1]
+    assert [r.cells[:2] for r in quality.rows] == [["store", REUSE_SHORT["store"]],
+                                                   ["store@0.6", "exact prefix; chunks blended, 60% recomputed"]]
+    assert "ours recomputes 15% of a blended document's tokens" in " ".join(quality.notes)
+    data = json.loads(json.dumps(sp.bench_json(a, runs, [], servers, bench.ratios(runs), None, {"x": "why"})))
+    names = ["store", "serial", "no_store", "store@0.6"]
+    assert data["reuses"] == {s.name: s.reuses() for s in servers} and list(data["reuses"]) == names
+    assert data["threads"] == dict.fromkeys(names, 1) and data["failed"] == {"x": "why"}
+    assert set(data["store"]) == {"concurrent", "repeat", "reorder", "rag"}
+    assert data["store@0.6"] == {"rag": json.loads(json.dumps(runs[-1].summary()))}
+    assert data["same_answer"]["store@0.6/rag"] == 1.0 and data["chat8"]["store"]["last_over_lone"] == 4.0
+    assert [q["server"] for q in data["rag_quality"]] == ["store", "store@0.6"]
+    assert data["ratios"]["chat8_last_over_lone"] == {"value": 4.0, "target": 4, "met": True, "floor": None}
+    assert data["vllm_client"] == [] and data["chat8_floor"] is None
+    assert set(data) == set(sp.JSON_KEYS) | set(names)   # parse refuses a --url NAME among JSON_KEYS
 
 
 # ------------------------------------------------------------------------------------------------ --blend-ratio
@@ -229,16 +262,61 @@ def test_blend_ratios_start_ours_at_each_ratio_for_rag_alone():
     assert bench_serve.RATIO == il.import_module("lecture27.serve").RATIO   # two programs, one ratio
     a = bench_serve.parse(["--blend-ratio", "0.6", "--blend-ratio", "1", "--blend-ratio", "0.6", "--blend-ratio",
                            "0.15", "--no-plot"])
-    got = {name: (s, loads) for name, s, _, loads in bench_serve.servers(a)}
+    got = {s.name: s for s in bench_serve.servers(a)}
     assert list(got) == ["store", "no_store", "serial", "store@0.6", "store@1"]
-    assert got["store@0.6"][1] == ["rag"] and got["serial"][1] == ["chat8"] and got["store"][1] == list(a.workloads)
-    argv = got["store@0.6"][0].argv
-    assert argv[argv.index("--ratio") + 1] == "0.6" and "--ratio" not in got["store"][0].argv
+    assert got["store@0.6"].workloads == ("rag",) and got["serial"].workloads == ("chat8",)
+    assert got["store"].workloads == a.workloads
+    argv = got["store@0.6"].process.argv
+    assert argv[argv.index("--ratio") + 1] == "0.6" and "--ratio" not in got["store"].process.argv
+    assert (got["store@0.6"].role, got["store@0.6"].ratio, got["store"].ratio) == ("store", 0.6, None)
+    assert [s.only_ours for s in got.values()] == [False, True, True, True, True]
     none = bench_serve.parse(["--blend-ratio", "0.6", "--workload", "chat8", "--no-plot"])
-    assert [name for name, *_ in bench_serve.servers(none)] == ["store", "no_store", "serial"]
+    assert [s.name for s in bench_serve.servers(none)] == ["store", "no_store", "serial"]
     vllm_client_only = bench_serve.parse(["--blend-ratio", "0.6", "--no-plot"])
     vllm_client_only.clients = ("vllm",)   # vLLM's client runs no server started for our client's comparisons
-    assert [name for name, *_ in bench_serve.servers(vllm_client_only)] == ["store"]
+    assert [s.name for s in bench_serve.servers(vllm_client_only)] == ["store"]
+
+
+def test_a_server_is_named_and_says_what_it_reuses_from_its_fields():
+    """A BenchServer's name and reuse come from its fields: ours at another ratio is store@R and reuses store's at
+    R; a --url server keeps its NAME (server<i> for a bare URL) and URL, and is a peer by its NAME alone; a NAME that
+    reads like store@R is only a name (no ratio is read back out of it)."""
+    at = BenchServer("store", ("rag",), ratio=0.3)
+    assert at.name == "store@0.3" and at.reuses(short=True) == "exact prefix; chunks blended, 30% recomputed"
+    assert at.reuses() == "what store reuses, 30% recomputed (serve.py --ratio 0.3)" and at.full_prefill is None
+    assert BenchServer("store", ratio=1.0).name == "store@1" and BenchServer("store").reuses() == REUSES["store"]
+    a = bench_serve.parse(["--url", "store@0.6=http://h:1/v1", "--url", "http://h:2/v1?x=a=b", "--url",
+                           "vllm=http://h:3/v1", "--no-plot"])
+    given = bench_serve.servers(a)
+    assert [(s.name, s.url, s.ratio, s.peer, s.process, s.only_ours) for s in given] == [
+        ("store@0.6", "http://h:1/v1", None, False, None, False),
+        ("server2", "http://h:2/v1?x=a=b", None, False, None, False),
+        ("vllm", "http://h:3/v1", None, True, None, False)]
+    assert all(s.workloads == a.workloads for s in given)
+    assert given[0].reuses() == "whatever it reuses" and given[0].reuses(short=True) == "?"
+    assert given[2].full_prefill is REFERENCE["vllm"] and given[2].reuses(short=True) == "exact prefix"
+
+
+def test_a_bench_server_starts_and_stops_only_a_process_of_its_own():
+    """start() starts a server started here and gives its URL once it listens; leaving its with block stops it,
+    whatever ended the block. A server given by --url is neither started nor stopped."""
+    class Process:
+        url, events = None, []
+
+        def start(self):
+            self.events.append("start")
+            self.url = "http://127.0.0.1:1/v1"
+
+        def stop(self):
+            self.events.append("stop")
+    ours = BenchServer("store", process=Process())
+    with pytest.raises(KeyError), ours:
+        assert ours.url is None and ours.start() == ours.url == "http://127.0.0.1:1/v1"
+        raise KeyError("a workload's failure")
+    assert Process.events == ["start", "stop"]
+    given = BenchServer("store", given_url="http://h:1/v1")
+    with given:
+        assert given.start() == "http://h:1/v1"
 
 
 def test_a_blend_ratio_outside_0_1_or_beside_url_is_one_line_and_exit_2(capsys):
@@ -252,15 +330,17 @@ def test_a_blend_ratio_outside_0_1_or_beside_url_is_one_line_and_exit_2(capsys):
 def test_the_quality_table_sets_each_ratio_beside_no_stores_answers():
     def rag(server, texts, ttft):
         return bench.Run(server, "rag", 1, [sample(ttft, 0, t, x, workload="rag") for t, x in enumerate(texts)], 1.0)
-    runs = [rag("store", "abcd", 1.0), rag("no_store", "abxy", 4.0), rag("store@0.6", "abcy", 2.0),
-            rag("store@1", "abxy", 4.0)]
-    q = {x["server"]: x for x in bench_serve.rag_quality(runs)}
-    assert [x["server"] for x in bench_serve.rag_quality(runs)] == ["store", "store@0.6", "store@1"]
+    servers = [BenchServer("store"), BenchServer("no_store"), BenchServer("store", ratio=0.6),
+               BenchServer("store", ratio=1.0)]
+    runs = [rag(s.name, texts, ttft) for s, texts, ttft in zip(servers, ("abcd", "abxy", "abcy", "abxy"),
+                                                                 (1.0, 4.0, 2.0, 4.0))]
+    q = {x["server"]: x for x in sp.rag_quality(runs, servers)}
+    assert [x["server"] for x in sp.rag_quality(runs, servers)] == ["store", "store@0.6", "store@1"]
     assert (q["store"]["same_answer"], q["store@0.6"]["same_answer"], q["store@1"]["same_answer"]) == (0.5, 0.75, 1.0)
     assert q["store@0.6"]["reuses"] == "exact prefix; chunks blended, 60% recomputed"
     assert q["store@1"]["reuses"] == "exact prefix; chunks blended, 100% recomputed"
     assert q["store@0.6"]["ttft_p50_s"] == 2.0 and "no_store" in q["store@0.6"]["against"]
-    assert bench_serve.reuses("store@0.6") == "what store reuses, 60% recomputed (serve.py --ratio 0.6)"
+    assert servers[2].reuses() == "what store reuses, 60% recomputed (serve.py --ratio 0.6)"
 
 
 # ------------------------------------------------------------------------------------------------ chat8's floor
@@ -349,5 +429,5 @@ def test_every_workload_tiny_on_the_real_engine(tmp_path, capsys):
     assert all(set(figures) >= {"ttft_p50_s", "ttft_p99_s", "wall_s", "tokens_per_s", "errors", "cached_share"}
                for figures in data["store"].values())
     assert data["store"]["repeat"]["errors"] == 0 and data["store"]["concurrent"]["ttft_p50_s"] > 0
-    assert data["reuses"] == {"store": bench_serve.REUSES["store"]} and data["threads"] == {"store": 1}
+    assert data["reuses"] == {"store": REUSES["store"]} and data["threads"] == {"store": 1}
     assert "the engine's targets" in text and "one request alone" in text

@@ -13,6 +13,8 @@ import pytest
 
 from common.present import Page
 from lecture27.serving import bench, launch
+from lecture27.serving import page as sp
+from lecture27.serving.bench_server import REFERENCE, BenchServer
 
 bench_serve = importlib.import_module("lecture27.bench_serve")
 INSTALL = Path(__file__).resolve().parents[1] / launch.INSTALL
@@ -73,7 +75,7 @@ def test_the_peers_get_the_benchmarks_thread_count(peers, monkeypatch):
     a = bench_serve.parse(["--peer", "vllm", "--peer", "llama.cpp", "--peer", "vllm", "--threads", "2",
                            "--workload", "rag", "--no-plot"])
     assert a.peer == ["vllm", "llama.cpp"]
-    got = {name: s for name, s, _, _ in bench_serve.servers(a)}
+    got = {s.name: s.process for s in bench_serve.servers(a)}
     assert list(got) == ["store", "no_store", "vllm", "llama.cpp"]   # serial runs chat8 only
     assert flag(got["store"].argv, "--threads") == "2" and got["vllm"].env["OMP_NUM_THREADS"] == "2"
     assert flag(got["llama.cpp"].argv, "--threads") == "2"
@@ -120,8 +122,8 @@ def test_install_peers_takes_a_relative_python_from_where_it_was_started(peers, 
 def test_same_share_pairs_by_user_and_turn_and_leaves_errors_out():
     ours = [answer(0, 0, "a"), answer(0, 1, "b"), answer(1, 0, "c"), answer(1, 1, "d", error="Err")]
     full = [answer(1, 0, "c"), answer(0, 1, "B"), answer(0, 0, "a"), answer(1, 1, "d")]
-    assert bench_serve.same_share(ours, full) == pytest.approx(2 / 3)
-    assert bench_serve.same_share(ours, []) is None
+    assert bench.same_share(ours, full) == pytest.approx(2 / 3)
+    assert bench.same_share(ours, []) is None
 
 
 def test_each_peer_sends_its_rag_requests_again_with_its_cache_out_of_the_way(monkeypatch):
@@ -137,13 +139,13 @@ def test_each_peer_sends_its_rag_requests_again_with_its_cache_out_of_the_way(mo
     monkeypatch.setattr(bench, "health", lambda url: None)
     monkeypatch.setattr(bench, "ask", ask)
     r = bench.run_rag("llama.cpp", "u", "m", users=2, requests=4, items=2, max_tokens=3, docs=4, words=20,
-                      reference=bench_serve.REFERENCE["llama.cpp"][1])
+                      reference=REFERENCE["llama.cpp"][1])
     timed = {(u, t): d for w, u, t, d, _ in sent if w == "rag"}
     again = [(u, t, d, e) for w, u, t, d, e in sent if w == "rag-full-prefill"]
     assert len(again) == 4 and all(e == {"cache_prompt": False} for *_, e in again)
     assert all(timed[u, t] == d for u, t, d, _ in again)   # the same request, by user and turn
     assert len(r.reference) == 4
-    salts = [bench_serve.REFERENCE["vllm"][1]()["cache_salt"] for _ in range(3)]
+    salts = [REFERENCE["vllm"][1]()["cache_salt"] for _ in range(3)]
     assert len(set(salts)) == 3   # a salt of its own each: no block of vLLM's prefix cache matches
 
 
@@ -154,7 +156,9 @@ def test_the_quality_table_names_what_each_server_reuses():
                          reference=[answer(0, t, x) for t, x in enumerate(reference)])
     runs = [rag("store", "abcd"), rag("no_store", "abcx"), rag("vllm", "abcd", "abcd"),
             rag("llama.cpp", "abcd", "axyd")]
-    q = {x["server"]: x for x in bench_serve.rag_quality(runs)}
+    servers = [BenchServer("store"), BenchServer("no_store"), BenchServer("vllm", peer=True),
+               BenchServer("llama.cpp", peer=True)]
+    q = {x["server"]: x for x in sp.rag_quality(runs, servers)}
     assert set(q) == {"store", "vllm", "llama.cpp"}
     assert q["store"]["same_answer"] == 0.75 and "no_store" in q["store"]["against"]
     assert q["store"]["reuses"] == "exact prefix; chunks blended, 15% recomputed"
@@ -164,7 +168,7 @@ def test_the_quality_table_names_what_each_server_reuses():
     assert q["llama.cpp"]["same_answer"] == 0.5 and q["llama.cpp"]["reuses"] == "shifted chunks, no recompute"
     assert "cache_prompt false" in q["llama.cpp"]["against"]
     page = Page("bench_serve", "test", "§7", plot=False)
-    bench_serve.show_quality(page, runs)
+    sp.show_quality(page, runs, servers, bench_serve.RATIO)
     assert [r.cells[0] for r in page.tables[0].rows] == ["store", "vllm", "llama.cpp"]
 
 

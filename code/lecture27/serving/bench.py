@@ -289,6 +289,11 @@ def client_for(url: str, api_key: str | None = None, timeout: float = 600.0):
     return OpenAI(base_url=url, api_key=api_key or "none", max_retries=0, timeout=timeout)
 
 
+def model_name(url: str, api_key: str | None = None) -> str:
+    """The first model the server lists (GET /v1/models)."""
+    return client_for(url, api_key).models.list().data[0].id
+
+
 def health(url: str) -> dict | None:
     """The server's GET /health as a dict (None: it has none, or did not answer)."""
     try:
@@ -474,3 +479,23 @@ def ratios(runs: list, store: str = "store", no_store: str = "no_store", serial:
             "reorder_first_token_kl": reorder.kls[0] if reorder is not None and reorder.kls else None,
             "rag_p50_store_over_no_store": over(rag and rag.p(0.5), rag_plain and rag_plain.p(0.5)),
             "rag1_p50_store_over_no_store": over(rag1 and rag1.p(0.5), rag1_plain and rag1_plain.p(0.5))}
+
+
+def same_answers(runs: list, base: str = "no_store") -> dict:
+    """{(server, workload): share of its answers equal to `base`'s, request by request (greedy decoding)}."""
+    ref = {(r.workload, s.user, s.turn): s.text for r in runs if r.server == base for s in r.samples}
+    out = {}
+    for r in runs:
+        if r.server != base:
+            pairs = [(s.text, ref.get((r.workload, s.user, s.turn))) for s in r.samples]
+            pairs = [(x, y) for x, y in pairs if y is not None]
+            out[r.server, r.workload] = sum(x == y for x, y in pairs) / len(pairs) if pairs else None
+    return out
+
+
+def same_share(samples: list, reference: list) -> float | None:
+    """The share of `samples` whose answer equals the reference sample of the same (user, turn), token for token
+    as text (greedy decoding); pairs with an error on either side are left out. None: no pair."""
+    ref = {(s.user, s.turn): s for s in reference if s.error is None}
+    pairs = [(s.text, ref[s.user, s.turn].text) for s in samples if s.error is None and (s.user, s.turn) in ref]
+    return sum(x == y for x, y in pairs) / len(pairs) if pairs else None

@@ -213,6 +213,15 @@ def llama_server(gguf: Path, port: int, threads: int = 1, binary: Path | None = 
     return s
 
 
+def peer(name: str, threads: int = 1) -> Server:
+    """The peer of that name (PEERS) on a free port of 127.0.0.1 with `threads` threads: vLLM's server on
+    SmolLM2's float32 weights, llama-server on the GGUF file."""
+    if name == "vllm":
+        return vllm(free_port(), threads)
+    from common.gguf_llama import gguf_file
+    return llama_server(gguf_file(None), free_port(), threads)
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as s:

@@ -1,13 +1,17 @@
-"""How 05's Part "served" is shown: its table, notes, figure and --json keys (ServedRun.json()). The numbers are
-served.py's measurement; every sentence here is chosen by them. Nothing here computes a lecture figure."""
+"""How 05's Part "served" and bench_serve.py's runs are shown: their tables, notes, figures and --json keys
+(ServedRun.json(), bench_json). The numbers are served.py's and bench_serve's measurements (serving/bench.py,
+vllm_client.py, floor.py); every sentence here is chosen by them. Nothing here computes a lecture figure."""
 from __future__ import annotations
 
 import statistics
 
 from common.present import Page, Row, Table, cols, pct0
+from lecture27.serving import bench, vllm_client
+from lecture27.serving.bench_server import named
 from lecture27.serving.served import ServedRun, first_kl, parse_kv
 
 
+# ================================================================================ 05's Part "served"
 def show_served(page: Page, r: ServedRun, s) -> None:
     page.part("Part 6", "§6-§7", "served: SmolLM2 behind the OpenAI API, the store behind it")
     st, no = r.store, r.no_store
@@ -50,7 +54,8 @@ def from_store(x) -> str:
     return pct0((kv["prefix"] + kv["blended"]) / (kv["prefix"] + kv["blended"] + kv["recomputed"])) if kv else "-"
 
 
-def notes(r: ServedRun) -> list:
+def rag_notes(r: ServedRun) -> list:
+    """The notes on RAG with the store and without, its documents as messages and in one message (rag1)."""
     st, no = r.store, r.no_store
     out = []
     if st.p(0.5) and no.p(0.5):
@@ -74,6 +79,12 @@ def notes(r: ServedRun) -> list:
                              "prefilled alone is further from what it is in place (docs/engine.md, 'Documents in one "
                              "message')")
         out.append(text + ".")
+    return out
+
+
+def notes(r: ServedRun) -> list:
+    st = r.store
+    out = rag_notes(r)
     if r.first.ttft_s and r.again.ttft_s:
         prefix = (parse_kv(r.again.kv) or {}).get("prefix", 0)
         out.append(f"A repeated prompt, sent again the moment its answer ended: {r.again.ttft_s:.2f} s against "
@@ -141,3 +152,238 @@ def figure(page: Page, r: ServedRun) -> None:
         ax.invert_yaxis()
         ax.set_xlabel("seconds (bar: median; line: to p99)")
         ax.set_xlim(0, 1.35 * max(v for pair in values for v in pair if v is not None))
+
+
+# ================================================================================ bench_serve.py's tables
+SPEC_NAMES = {"chat8": "concurrent"}   # a workload's name in --json's {server: {workload: figures}}, where it differs
+JSON_KEYS = ("users", "chat8_users", "max_tokens", "runs", "reuses", "same_answer", "threads", "rag_quality", "chat8",
+             "repeat", "reorder", "ratios", "chat8_floor", "vllm_client", "failed")   # bench_json's keys beside the
+                                                                                       # servers' names
+STEPS = {"repeat": ("a long prompt, first", "the same again"),   # each request of repeat and reorder, as sent
+         "reorder": ("documents, first", "the same again", "the same, reordered")}
+FLOORS = {"chat8_last_over_lone": "last_over_lone",   # a target's key -> its floor's in floor.chat8_floor's dict
+          "chat8_wall_store_over_serial": "wall_over_serial"}
+
+
+def show_bench(page: Page, runs: list, servers: list, a) -> None:
+    """bench_serve's first table, every run of our client a row (`servers`: the BenchServers the runs name), and
+    its figure of TTFT p50 and p99."""
+    same = bench.same_answers(runs)
+    rows = [Row([r.server, r.workload, r.users, r.requests, r.errors, shown(r.p(0.5)), shown(r.p(0.99)),
+                 shown(r.queue_s), shown(r.wall_s, "{:.1f}"), shown(r.tokens_per_s, "{:.1f}"),
+                 shown(r.cached_share, "{:.0%}"), shown(same.get((r.server, r.workload)), "{:.0%}"),
+                 shown(r.summary().get("first_token_kl_mean"), "{:.3f}")]) for r in runs]
+    page.table(Table(title=f"temperature 0, {a.max_tokens} answer tokens; each workload's warm-up, a wait for the "
+                           "server to be idle, then every request sent the moment its user's answer before it ended "
+                           "(TTFT in seconds, measured by this client to the first streamed text)",
+                     section="§5.1, §6.3, §7",
+                     cols=cols("server", "workload", "users", "requests", "errors", "TTFT p50", "TTFT p99", "queued",
+                               "wall, s", "tokens/s", "from store", "same answer", "KL"),
+                     rows=rows, source="serving.bench.at_once",
+                     notes=table_notes(runs, servers)))
+    with page.figure("serve_bench.png", "time to first token, p50 (bar) and p99 (line)", figsize=(8, 3.5)) as (fig, ax):
+        if ax is not None:
+            names = list(dict.fromkeys(r.server for r in runs))
+            loads = list(dict.fromkeys(r.workload for r in runs))
+            width = 0.8 / len(names)
+            for i, name in enumerate(names):
+                for j, w in enumerate(loads):
+                    r = next((r for r in runs if r.server == name and r.workload == w), None)
+                    if r is None or r.p(0.5) is None:
+                        continue
+                    x = j + (i - (len(names) - 1) / 2) * width
+                    ax.bar(x, r.p(0.5), width * 0.9, color=f"C{i}", label=name if j == 0 else None)
+                    ax.vlines(x, r.p(0.5), r.p(0.99), color="black", lw=1)
+            ax.set_xticks(range(len(loads)), loads)
+            ax.set_ylabel("seconds")
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+
+
+def table_notes(runs: list, servers: list) -> list:
+    """What each server reuses, what each workload's warm-up sent, and how every column is measured."""
+    loads = dict.fromkeys(r.workload for r in runs)
+    warm = "; ".join(f"{w}, {bench.WARMUP[w]}" for w in loads)
+    crowd = ("; chat8 then sends one request alone, and its crowd the moment that answer ends (chat8's TTFT p50 "
+             "and p99 are the crowd's)" if "chat8" in loads else "")
+    reused = [f"{name}: reuses {named(servers, name).reuses()}." for name in dict.fromkeys(r.server for r in runs)]
+    failures = [f"{r.server}, {r.workload}: {r.errors} of its requests failed; the first: {first}" for r in runs
+                for first in [next((x.error for x in [r.alone, *r.samples] if x and x.error), None)] if first]
+    return reused + failures + [
+        f"Warm-up, what a workload sent before its timed requests: {warm}. Then the client waited until our server was "
+        f"idle (its /health: nothing queued, nothing left to store){crowd}. No timed request waits for anything but "
+        "its user's answer before it. TTFT p50 and p99: nearest rank (the ceil(q n)-th smallest). Wall: from the first "
+        "timed request's start to the last answer's end; tokens/s: answer tokens over it. Queued: the mean time a "
+        "request waited for the model inside its TTFT (x-queue-seconds; -: the server does not say). From store: the "
+        "prompt tokens the server says it served from its cache (OpenAI's cached_tokens). Same answer: the answer's "
+        "text equal to no_store's for the same request (greedy). KL: the first answer token's KL to a full prefill, "
+        "measured by our engine (kv_check) on reused documents."]
+
+
+def sequences(runs: list) -> dict:
+    """{workload: {server: {figure: value}}}: chat8's lone request against its crowd, repeat's and reorder's
+    requests one by one (what --json writes and the second table shows)."""
+    out = {}
+    for r in runs:
+        t = [s.ttft_s for s in r.samples]
+        if r.workload == "chat8":
+            lone = r.alone.ttft_s if r.alone else None
+            out.setdefault("chat8", {})[r.server] = {
+                "users": r.users, "lone_ttft_s": lone, "last_first_token_s": r.last_first_token_s,
+                "last_over_lone": bench.over(r.last_first_token_s, lone), "wall_s": r.wall_s}
+        elif r.workload == "repeat" and len(t) == 2:
+            out.setdefault("repeat", {})[r.server] = {
+                "first_ttft_s": t[0], "again_ttft_s": t[1], "again_over_first": bench.over(t[1], t[0]),
+                "same_answer": r.samples[0].text == r.samples[1].text}
+        elif r.workload == "reorder" and len(t) == 3:
+            out.setdefault("reorder", {})[r.server] = {
+                "first_ttft_s": t[0], "again_ttft_s": t[1], "reordered_ttft_s": t[2],
+                "reordered_over_first": bench.over(t[2], t[0]), "first_token_kl": r.samples[2].kl}
+    return out
+
+
+def show_sequences(page: Page, runs: list) -> None:
+    """sequences' requests one by one, each against its workload's first."""
+    rows = []
+    for r in runs:
+        if r.workload == "chat8":
+            lone = r.alone.ttft_s if r.alone else None
+            rows += [Row([r.server, "chat8", "one request alone", shown(lone), "1.00", shown(cached_share(r.alone),
+                                                                                             "{:.0%}"), "-"]),
+                     Row([r.server, "chat8", f"the last first token of {r.users} at once (wall {r.wall_s:.1f} s)",
+                          shown(r.last_first_token_s), shown(bench.over(r.last_first_token_s, lone)), "-", "-"])]
+        elif r.workload in STEPS:
+            first = r.samples[0].ttft_s
+            rows += [Row([r.server, r.workload, step, shown(s.ttft_s), shown(bench.over(s.ttft_s, first)),
+                          shown(cached_share(s), "{:.0%}"), shown(s.kl, "{:.3f}")])
+                     for step, s in zip(STEPS[r.workload], r.samples)]
+    if rows:
+        page.table(Table(title="one request against another: a request alone, then a crowd; a prompt sent again; "
+                               "documents sent again and reordered, each the moment the answer before it ended",
+                         section="§5, §6, §7",
+                         cols=cols("server", "workload", "request", "TTFT, s", "x the first", "from store", "KL"),
+                         rows=rows, source="serving.bench.one_after_another",
+                         notes=["x the first: this TTFT over its workload's first (chat8: the lone request's). The "
+                                "long prompt and the documents are RAG items no other workload sends; before the "
+                                "first of them the client waited until the server was idle. KL: the reordered "
+                                "answer's first token against a full prefill (our engine's kv_check)."]))
+
+
+def rag_quality(runs: list, servers: list) -> list:
+    """RAG's answers beside a full prefill's, one dict a server (`servers`: the BenchServers the runs name): what it
+    reuses, its TTFT p50, the share of its answers equal to a full prefill's and which full prefill that is, the
+    first token's KL (ours, kv_check)."""
+    same, out = bench.same_answers(runs), []
+    for r in runs:
+        if r.workload != "rag" or r.server == "no_store":
+            continue
+        server = named(servers, r.server)
+        if r.reference:
+            share = bench.same_share(r.samples, r.reference)
+            against = (server.full_prefill or ("the same server, its cache out of the way",))[0]
+        elif any(x.server == "no_store" and x.workload == "rag" for x in runs):
+            share, against = same.get((r.server, "rag")), "no_store's answer (our engine, every prompt prefilled)"
+        else:
+            share, against = None, "-"
+        out.append({"server": r.server, "reuses": server.reuses(short=True), "ttft_p50_s": r.p(0.5),
+                    "from_store": r.cached_share, "same_answer": share, "against": against,
+                    "first_token_kl": r.summary().get("first_token_kl_mean")})
+    return out
+
+
+def show_quality(page: Page, runs: list, servers: list, ratio: float) -> None:
+    """RAG's quality table (rag_quality); `ratio`: the recompute ratio of ours named store (serve.py's)."""
+    rows = [Row([q["server"], q["reuses"], shown(q["ttft_p50_s"]), shown(q["from_store"], "{:.0%}"),
+                 shown(q["same_answer"], "{:.0%}"), q["against"], shown(q["first_token_kl"], "{:.3f}")])
+            for q in rag_quality(runs, servers)]
+    if rows:
+        page.table(Table(title="RAG, quality beside speed: each server's greedy answers against a full prefill of the "
+                               "same prompt", section="§5.1",
+                         cols=cols("server", "reuses", "TTFT p50", "from store", "same answer", "against", "KL"),
+                         rows=rows, source="serving.page.rag_quality",
+                         notes=["Same answer: the share of the RAG answers equal, as text, to the full prefill's "
+                                "answer to the same request. A peer's full prefill is its own, on the same server "
+                                "and weights, sent one at a time after the timed requests; ours is no_store's (the "
+                                "same engine with no store). vLLM reuses only exact prefixes, so what it reuses is "
+                                "what a full prefill computes (the same numbers up to the batch they ran in); "
+                                "llama.cpp shifts cached runs of tokens to their new place without recomputing them, "
+                                "so each document's KV still attends only to what came before it when it was cached; "
+                                f"ours recomputes {ratio:.0%} of a blended document's tokens (store@R: R of them). "
+                                "KL: the first answer token's KL to a full prefill (our engine's kv_check, on reused "
+                                "documents); the peers do not say."]))
+
+
+def show_ratios(page: Page, values: dict, failed: dict, floors: dict | None) -> None:
+    """The engine's targets (bench.CRITERIA): each ratio measured, its target, and chat8's floors."""
+    rows = [Row([what, shown(values[key], "{:.3f}" if target is None else "{:.2f}x"),
+                 "-" if target is None else f"<= {target:g}x",
+                 "-" if target is None or values[key] is None else ("yes" if values[key] <= target else "no"),
+                 shown(floors[FLOORS[key]] if floors and key in FLOORS else None, "{:.2f}x")])
+            for key, what, target in bench.CRITERIA]
+    notes = ["-: a server or a workload that did not run (servers named store, no_store, serial)."]
+    if floors:
+        notes.append(f"floor: the lowest ratio an engine doing nothing but the matrix products could reach beside "
+                     f"this run's lone TTFT and serial wall time (serving/floor.py): SmolLM2's products of the "
+                     f"crowd's {floors['tokens']:,} prompt tokens past the system message took "
+                     f"{floors['prefill_s']:.2f} s on this core, and of a decode step of one answer "
+                     f"{1000 * floors['decode_step_s']:.0f} ms (the wall's floor: the prompts, then the last user's "
+                     f"answer token by token). A target below its floor asks for less arithmetic, "
+                     f"not better scheduling.")
+    page.table(Table(title="the engine's targets", section="§7",
+                     cols=cols("figure", "measured", "target", "met", "floor"), rows=rows,
+                     source="serving.bench.ratios",
+                     notes=notes + [f"{name} did not run: {why}" for name, why in failed.items()]))
+
+
+def show_vllm(page: Page, results: list, a, separator: str) -> None:
+    """vLLM's client's figures, a row per server and dataset (`separator`: what parts the custom prompts)."""
+    rows = [Row([r.server, r.dataset, r.prompts, shown(r.completed, "{}"), shown(r.failed, "{}"),
+                 shown(r.ttft_mean_s), shown(r.ttft_median_s), shown(r.ttft_p99_s), shown(r.tpot_median_s, "{:.3f}"),
+                 shown(r.output_tokens_per_s, "{:.1f}"), shown(r.duration_s, "{:.1f}")]) for r in results]
+    data = {"random": f"random token ids, {a.random_input_len} prompt tokens each",
+            "custom": f"our rag1 prompts ({a.docs} documents of an item in a new order and the question, parted by "
+                      f"{separator!r}, in one user message)"}
+    page.table(Table(title=f"vLLM's benchmark client (vllm bench serve, backend {vllm_client.BACKEND}): "
+                           f"{a.users} requests at once, temperature 0, ignore_eos, {a.max_tokens} answer tokens; "
+                           "its own figures (TTFT in seconds)", section="§5.1, §7",
+                     cols=cols("server", "dataset", "prompts", "completed", "failed", "TTFT mean", "TTFT median",
+                               "TTFT p99", "TPOT median", "output tok/s", "duration, s"),
+                     rows=rows, source="serving.vllm_client.run",
+                     notes=[f"{d}: {data[d]}; warm-up (sent by our client, then a wait until our server is idle): "
+                            f"{vllm_client.WARMUP[d]}." for d in dict.fromkeys(r.dataset for r in results)] +
+                     ["Every figure is vLLM's client's, read from its --save-result JSON: TTFT to the first streamed "
+                      "chunk, its median and p99 numpy's (interpolated between ranks, not the nearest rank of our "
+                      "tables); TPOT: the time per answer token after the first; output tok/s: answer tokens over "
+                      "the duration (the first request's start to the last answer's end). vLLM's client sends no "
+                      "system message: each server puts its chat template's default one first."] +
+                     [f"{r.server}, {r.dataset}: {r.error}" for r in results if r.error]))
+
+
+def bench_json(a, runs: list, vruns: list, servers: list, values: dict, floors: dict | None, failed: dict) -> dict:
+    """What bench_serve --json writes: the settings, every run's figures (by server and workload too: SPEC_NAMES),
+    what each server reuses, sequences, the quality and the targets, chat8's floor, vLLM's client's results and the
+    servers that did not run."""
+    names = list(dict.fromkeys(r.server for r in runs))
+    return {"users": a.users, "chat8_users": a.chat8_users, "max_tokens": a.max_tokens,
+            "runs": [{"server": r.server, "workload": r.workload, **r.summary()} for r in runs],
+            **{name: {SPEC_NAMES.get(r.workload, r.workload): r.summary() for r in runs if r.server == name}
+               for name in names},
+            "reuses": {name: named(servers, name).reuses() for name in names},
+            "same_answer": {f"{s}/{w}": v for (s, w), v in bench.same_answers(runs).items()},
+            "threads": {name: a.threads for name in names}, "rag_quality": rag_quality(runs, servers),
+            **sequences(runs),
+            "ratios": {key: {"value": values[key], "target": target,
+                             "met": None if target is None or values[key] is None else values[key] <= target,
+                             "floor": floors[FLOORS[key]] if floors and key in FLOORS else None}
+                       for key, _, target in bench.CRITERIA},
+            "chat8_floor": floors,
+            "vllm_client": [r.summary() for r in vruns],
+            "failed": failed}
+
+
+def shown(x, spec: str = "{:.2f}") -> str:
+    return "-" if x is None else spec.format(x)
+
+
+def cached_share(s) -> float | None:
+    """The share of a request's prompt tokens the server says it served from its cache (None: it does not say)."""
+    return s.cached_tokens / s.prompt_tokens if s.prompt_tokens else None

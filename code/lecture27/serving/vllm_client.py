@@ -152,6 +152,18 @@ def warm_up(url: str, model: str, dataset: str, *, items: int, docs: int, words:
     bench.wait_idle(url)
 
 
+def run_datasets(server: str, url: str, model: str, datasets: tuple, **kw) -> list:
+    """run() with each dataset in turn, saying which on the terminal, and each failure: [Result]."""
+    out = []
+    for dataset in datasets:
+        print(f"{server}: vLLM's client, {dataset} dataset ({kw['prompts']} prompts, {kw['concurrency']} at once)",
+              flush=True)
+        out.append(run(server, url, model, dataset, **kw))
+        if out[-1].error:
+            print(f"{server}, {dataset}: {out[-1].error}", flush=True)
+    return out
+
+
 def tail(text: str, lines: int = 3) -> str:
     return " | ".join(x.strip() for x in text.strip().splitlines()[-lines:]) or "no output"
 
