@@ -36,8 +36,9 @@ REAL_STEP_START = 2.0 ** -4  # ... starting from steps of this x each layer's RM
 REAL_CODED = 1              # evaluation contexts really coded to bytes (11,520 symbols per token: pure Python is
                             # slow; one context of 100 tokens is 1.15M values, its size within 0.5% of two's)
 
-_fitted: dict = {}   # {the searched steps (float64 bytes): fit()'s level specs}, made in this process: 03 fits the codec
-                     # and then codes with it, and real_codec_specs takes these instead of computing them again
+# {the searched steps (float64 bytes): fit()'s level specs}, made in this process: 03 fits the codec and then codes
+# with it, and real_codec_specs takes these instead of computing them again
+_fitted: dict = {}
 
 
 def setup(gguf=None):
