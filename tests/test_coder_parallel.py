@@ -330,3 +330,26 @@ def test_read_varint_runs_is_read_varints_at_each_start(top):
     values, after = acp.read_varint_runs(np.frombuffer(data, np.uint8), starts, 5, "lengths")
     for r, s, v, a in zip(runs, starts, values, after):
         assert (list(v), a) == acp.read_varints(data, s, 5, "lengths") and list(v) == r.tolist()
+
+
+def test_fastest_stops_repeating_once_a_call_is_long_enough():
+    """clock.fastest: the fewest seconds of its calls; a call of enough_s or more is the last (a fake clock)."""
+    from common.clock import fastest
+    for durations, enough, calls, best in (([3.0, 1.0, 2.0], float("inf"), 3, 1.0), ([0.5, 2.0, 1.0], 1.5, 2, 0.5),
+                                           ([2.0, 0.1, 0.1], 1.0, 1, 2.0)):
+        ticks, made = iter([t for d in durations for t in (0.0, d)]), []
+        out, got = fastest(lambda: made.append(1) or len(made), 3, clock=lambda: next(ticks), enough_s=enough)
+        assert (len(made), got, out) == (calls, best, calls)
+
+
+def test_a_sampled_context_is_the_same_searched_down_columns_as_across_tokens(specs):
+    """sample_context searches the stack's keys column by column (faster); each value is the one a search across a
+    token's values finds."""
+    spec, T = specs[True], 25
+    stack, ids = spec.stack, kv._table_ids(T, spec)
+    u = np.random.default_rng(5).integers(0, kv.AC_TOTAL, ids.shape)
+    at = np.searchsorted(stack.keys, ids << (kv.AC_PRECISION + 1) | u, "right") - 1
+    L, _, C = spec.shape
+    offset = np.concatenate([np.repeat(np.asarray(spec.radius).ravel(), C), np.full(L * 2 * C, kv.ANCHOR_MAX)])
+    want = (at - stack.start[ids] - offset[ids]).astype(np.int32).reshape(T, *spec.shape)
+    assert np.array_equal(kv.sample_context(spec, T, seed=5), want)

@@ -56,6 +56,7 @@ STREAM_LAYOUTS = ("group", "K/V", "layer", "channel")   # one stream per group, 
 STREAM_BUDGET = 0.005      # a group is cut into more streams only while they add at most 0.5% to its bytes
 STREAM_END_BYTES = 1 / 3   # a stream's end costs about a third of a byte over its ideal length (test_coder)
 PARALLEL_MIN_STREAMS = 256  # fewer streams side by side: the serial coder is faster (it makes the same bytes)
+LAYOUT_TIMING_S = 1.0      # a layout's decode this long is timed once (layout_decode_seconds), not best of 3
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -267,7 +268,9 @@ def sample_context(spec: CodecSpec, tokens: int, seed: int = 0) -> np.ndarray:
     hold, for timing the decoder without a model."""
     stack, ids = spec.stack, _table_ids(tokens, spec)
     u = np.random.default_rng(seed).integers(0, AC_TOTAL, ids.shape)
-    at = np.searchsorted(stack.keys, ids << (AC_PRECISION + 1) | u, "right") - 1
+    # searched a value at a time down each column, whose values share a table: each search then walks a path the
+    # one before it walked (the stack's keys, cached), 3-4x faster than across a token's values, one per table
+    at = np.searchsorted(stack.keys, np.ascontiguousarray((ids << (AC_PRECISION + 1) | u).T), "right").T - 1
     L, _, C = spec.shape
     offset = np.concatenate([np.repeat(np.asarray(spec.radius).ravel(), C), np.full(L * 2 * C, ANCHOR_MAX)])
     return (at - stack.start[ids] - offset[ids]).astype(np.int32).reshape(tokens, *spec.shape)
@@ -275,7 +278,8 @@ def sample_context(spec: CodecSpec, tokens: int, seed: int = 0) -> np.ndarray:
 
 def layout_decode_seconds(spec: CodecSpec, tokens: int, repeats: int = 3) -> dict:
     """{layout: seconds to decode a context of `tokens` tokens in it}, timed on this machine (best of
-    `repeats`) on a context drawn from the codec's tables (sample_context). A layout the serial coder
+    `repeats`, or one call when it takes LAYOUT_TIMING_S or more: clock.fastest) on a context drawn from the
+    codec's tables (sample_context). A layout the serial coder
     decodes is timed on one group and scaled by the context's groups: that coder's time grows with its
     symbols, and a whole context would take it seconds."""
     X = dequantize(sample_context(spec, tokens), spec)
@@ -284,7 +288,7 @@ def layout_decode_seconds(spec: CodecSpec, tokens: int, repeats: int = 3) -> dic
         serial = coder_for(p.streams * -(-tokens // spec.group)) == "serial"
         part = X[:min(tokens, spec.group)] if serial else X
         data = codec_encode(part, spec, p.layout)
-        _, best = fastest(functools.partial(codec_decode, data, spec), repeats)
+        _, best = fastest(functools.partial(codec_decode, data, spec), repeats, enough_s=LAYOUT_TIMING_S)
         out[p.layout] = best * tokens / len(part)
     return out
 

@@ -36,6 +36,10 @@ REAL_STEP_START = 2.0 ** -4  # ... starting from steps of this x each layer's RM
 REAL_CODED = 1              # evaluation contexts really coded to bytes (11,520 symbols per token: pure Python is
                             # slow; one context of 100 tokens is 1.15M values, its size within 0.5% of two's)
 
+# {the searched steps (float64 bytes): fit()'s level specs}, made in this process: 03 fits the codec and then codes
+# with it, and real_codec_specs takes these instead of computing them again
+_fitted: dict = {}
+
 
 def setup(gguf=None):
     """(model, info, (calibration contexts, continuations), (evaluation contexts, continuations)):
@@ -110,6 +114,7 @@ def fit(prose: Prose, progress: bool = True) -> dict:
     bar.close()
     steps = rms * rel[third]
     specs, bits, _ = kv.level_specs(Xc, steps)
+    _fitted[np.asarray(steps, np.float64).tobytes()] = specs
     levels = [{"level": i, **measure(prose, spec)} for i, spec in enumerate(specs)]
     return {"rel_steps": rel.tolist(), "steps": steps.tolist(), "delta": specs[0].delta,
             "calib_bits": {"delta": bits[True], "raw": bits[False]}, "levels": levels,
@@ -198,11 +203,14 @@ def real_codec_specs(gguf=None) -> list[kv.CodecSpec]:
     path = gguf_file(gguf)
 
     def compute():
-        steps = np.asarray(real_codec_study(path)["steps"])
-        model, _, (calib, _), _ = setup(path)
-        with idle_threads():
-            Xc = cs.context_kv(model, calib.numpy(), batch=4)
-        return [spec_tensors(spec) for spec in kv.level_specs(Xc, steps)[0]]
+        steps = np.asarray(real_codec_study(path)["steps"], np.float64)
+        specs = _fitted.get(steps.tobytes())   # fitted by this process's study: the same specs, from the same KV
+        if specs is None:
+            model, _, (calib, _), _ = setup(path)
+            with idle_threads():
+                Xc = cs.context_kv(model, calib.numpy(), batch=4)
+            specs = kv.level_specs(Xc, steps)[0]
+        return [spec_tensors(spec) for spec in specs]
 
     return cached("codec-smollm2-specs", study_ident(path), compute,
                   use=lambda d, entry: [kv.spec_from_dict(x) for x in d], tag="codec")
