@@ -45,7 +45,8 @@ def wire_layouts_table(r) -> Table:
                f"{r.scale * rate:.2f} Gb/s / {r.scale:g}. A context whose transfer must fit in the SLO sees that "
                "rate on average; the rate of one moment would choose for a burst or a stall. A chunk's bytes are "
                "the codec's expectation (kvcache.context_bytes: its groups' entropy, plus each extra stream's end "
-               "and length); each layout's decode of such a chunk is timed on this CPU once, best of 3, and cached "
+               "and length); each layout's decode of such a chunk is timed on this CPU once (best of 3, or one "
+               "call of a second or more) and cached "
                "(kvstore.layout_decode_s); the least sum is kvcache.stream_plan's choice by time. More streams cost "
                "bytes and save decode time: of two layouts, the one with more bytes is the sooner above the rate "
                "where they tie, the other below it.",
