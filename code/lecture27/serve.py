@@ -39,8 +39,9 @@ from common import redis_server
 from common.cli import Parser, fraction, nonneg_int, positive_float, positive_int
 from lecture27.blend_rules import ALL_RULES
 from lecture27.engine.chat import SEPARATOR
-from lecture27.engine.connector import BLOCK_TOKENS, HOT_GB
+from lecture27.engine.connector import BLOCK_TOKENS, HOT_GB, SERDES
 from lecture27.engine.scheduler import KV_GB, MAX_RUNNING, STEP_TOKENS
+from lecture27.kvcache import N_LEVELS
 
 PORT = 8000                  # 0: any free port (printed)
 HOST = "127.0.0.1"           # this machine only
@@ -50,6 +51,8 @@ RAM_GB = 2.0                 # the RAM tier's budget
 DISK_GB = 8.0                # the local disk tier's budget
 REDIS_GB = 2.0               # our records' budget on the Redis server
 REDIS_TTL_S = 86_400         # --redis: our keys on a server others share expire after this long
+SERDE = "fp16"               # the shared tiers' records (disk, Redis): fp16, or cachegen (LMCache's remote_serde)
+SERDE_LEVEL = 0              # --serde cachegen: the codec's level (0: the finest, 5.3 bits a value for SmolLM2)
 THREADS = 0                  # torch threads for the model (0: one per core)
 NAMESPACE = "l27engine"      # the Redis namespace every engine of this model shares (keys name the model's file)
 API_KEY_ENV = "L27_API_KEY"  # --api-key from the environment instead (a command line is readable by everyone)
@@ -70,6 +73,14 @@ def parse(argv=None):
     p.add_argument("--no-store", action="store_true", help="no KV store: every prompt prefilled in full")
     p.add_argument("--no-blend", action="store_true", help="reuse exact prefixes only, never a chunk out of order")
     p.add_argument("--no-redis", action="store_true", help="RAM and disk tiers only")
+    p.add_argument("--no-ram", action="store_true", help="no RAM tier (the hot cache stays)")
+    p.add_argument("--no-disk", action="store_true", help="no disk tier")
+    p.add_argument("--serde", choices=SERDES, default=SERDE,
+                   help="the disk and Redis records' format (LMCache's remote_serde): fp16, or cachegen, CacheGen's "
+                        "bitstream with the codec 02 and 03 fit for this model (fitted once if the checkpoint "
+                        "cache lacks it); RAM and the hot cache stay exact")
+    p.add_argument("--serde-level", type=nonneg_int, default=SERDE_LEVEL, metavar="N",
+                   help=f"--serde cachegen: the codec's level, 0 (finest) to {N_LEVELS - 1}")
     p.add_argument("--chunk-separator", default=SEPARATOR, metavar="SEP",
                    help="the text that cuts a message into chunks reused alone (default %(default)r, LMCache's "
                         "blend_special_str; '': messages are never cut)")
@@ -99,6 +110,11 @@ def parse(argv=None):
         p.error(f"--port {a.port}: a port is at most 65535")
     if a.disk_dir is not None and Path(a.disk_dir).exists() and not Path(a.disk_dir).is_dir():
         p.error(f"--disk-dir {a.disk_dir}: not a folder")
+    if a.serde_level >= N_LEVELS:
+        p.error(f"--serde-level {a.serde_level}: the codec has levels 0 to {N_LEVELS - 1}")
+    if a.serde == "cachegen" and (a.no_store or (a.no_disk and a.no_redis)):
+        p.error("--serde cachegen: no disk or Redis tier to keep its records (--no-store, or --no-disk and "
+                "--no-redis)")
     return a, p
 
 
@@ -121,8 +137,8 @@ def open_store(a, model, folder: Path, say):
     from lecture27 import kvstore_redis as kr
     from lecture27.engine.connector import Tiers
     GB = 1e9
-    tiers = [ks.RamTier(int(a.ram_gb * GB)), ks.DiskTier(Path(a.disk_dir) if a.disk_dir else folder / "disk",
-                                                        int(a.disk_gb * GB))]
+    tiers = ([] if a.no_ram else [ks.RamTier(int(a.ram_gb * GB))]) + \
+        ([] if a.no_disk else [ks.DiskTier(Path(a.disk_dir) if a.disk_dir else folder / "disk", int(a.disk_gb * GB))])
     server = None
     if not a.no_redis:
         try:
@@ -132,7 +148,18 @@ def open_store(a, model, folder: Path, say):
             say(f"Redis: {where}" + (f" (a second engine: --redis {server.url})" if server else ""))
         except redis_server.RedisUnavailable as e:
             say(f"Redis: {e}; RAM and disk only")
-    return Tiers(tiers, ks.kv_shape(model.cfg)), server, ks.model_id(gguf_file(a.gguf))
+    return Tiers(tiers, ks.kv_shape(model.cfg), a.serde, serde_spec(a, say)), server, ks.model_id(gguf_file(a.gguf))
+
+
+def serde_spec(a, say):
+    """--serde cachegen: the codec's spec at --serde-level, SmolLM2's (or --gguf's model's) as 02 and 03 fit it:
+    from the checkpoint cache, or fitted once here (a few minutes, with its progress bars). None for fp16."""
+    if a.serde != "cachegen":
+        return None
+    from lecture27.codec import smollm2
+    say(f"CacheGen records: the codec's level {a.serde_level}, fitted on this model by 02 and 03 (from the "
+        "checkpoint cache; if it lacks it, fitted once now: a few minutes)")
+    return smollm2.real_codec_specs(a.gguf)[a.serde_level]
 
 
 def stuck(threads: list[str]) -> None:
@@ -191,7 +218,8 @@ def start_line(a, name: str, sock: socket.socket, cfg, tiers, engine) -> str:
     host, port = sock.getsockname()[:2]
     per_token = cfg.kv_bytes_per_token(4)   # float32, as the engine keeps it
     store = "no store" if a.no_store else f"hot {a.hot_gb:g} GB (~{a.hot_gb * 1e9 / per_token:,.0f} tokens) -> " + \
-        " -> ".join(t.tier.name for t in tiers.stores) + \
+        " -> ".join(t.tier.name + (f" (CacheGen level {t.spec.level})" if t.fmt == "cachegen" else "")
+                    for t in tiers.stores) + \
         (", prefixes only" if a.no_blend else f", CacheBlend {a.ratio:.0%} ({a.rule})") + \
         (f", messages cut at {a.chunk_separator!r}" if a.chunk_separator and not a.no_blend else "")
     batching = "one request at a time" if a.max_running == 1 else \
@@ -256,6 +284,7 @@ def main(argv=None) -> None:
         say("stopped")
     if stopper.stopped_by:
         sys.exit(128 + stopper.stopped_by[0])   # 143 after SIGTERM, 130 after Ctrl-C, as the shell reports a signal
+
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,107 @@
+"""The engine's shared tiers in CacheGen's bitstream (serve.py --serde cachegen, LMCache's remote_serde): the records
+on disk (and Redis) are the codec's, RAM keeps FP16; a record reads back as the codec decodes it, a request's records
+decoded together; an engine of the other format never reads them; a corrupted one is a miss, never KV. No model:
+a codec fitted on random-walk KV of a small shape (test_coder_parallel's)."""
+import numpy as np
+import pytest
+
+from lecture27 import kvcache as kv
+from lecture27 import kvstore as ks
+from lecture27.engine.connector import SERDE_LAYOUT, Tiers
+
+L, C = 3, 16
+
+
+def walk_kv(seed: int, n: int, T: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    walk = np.cumsum(0.3 * rng.standard_normal((n, T, L, 2, C)), 1)
+    return (walk + rng.standard_normal((n, 1, L, 2, C))).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def spec():
+    Xc = walk_kv(0, 40, 30)
+    return kv.fit_codec(Xc, np.sqrt((Xc ** 2).mean(axis=(0, 1, 4))) / 8, True)
+
+
+def tiers(tmp_path, serde: str, spec=None, ram: bool = True) -> Tiers:
+    """RAM (when asked) and a disk tier in tmp_path/disk, the shared one: a second Tiers on the same folder is a
+    second engine on the same disk."""
+    return Tiers(([ks.RamTier(1 << 26)] if ram else []) + [ks.DiskTier(tmp_path / "disk", 1 << 26)], (L, 2, C),
+                 serde, spec)
+
+
+def key(i: int) -> ks.ChunkKey:
+    return ks.ChunkKey("m", tuple(range(i, i + 37)), (1, 2))
+
+
+def test_the_shared_tier_keeps_the_codecs_records_and_ram_keeps_fp16(tmp_path, spec):
+    X = walk_kv(5, 1, 37)[0]
+    t = tiers(tmp_path, "cachegen", spec)
+    t.put(key(0), X)
+    ram, disk = t.stores
+    assert (ram.fmt, disk.fmt) == ("fp16", "cachegen") and disk.name(key(0)).endswith("-cachegen0")
+    record = disk.tier.get(disk.name(key(0)))
+    assert kv.codec_header(bytes(kvrecord_payload(record)))["layout"] == SERDE_LAYOUT
+    got, where = t.get(key(0))
+    assert where == "ram" and np.abs(got - X).max() <= np.abs(X).max() / 1000   # FP16's rounding
+    shared, where = tiers(tmp_path, "cachegen", spec, ram=False).get(key(0))   # another engine, the same disk
+    assert where == "disk" and np.array_equal(shared, kv.dequantize(kv.quantize(X[None], spec), spec)[0])
+
+
+def kvrecord_payload(record: bytes):
+    from lecture27 import kvrecord
+    return kvrecord.check(record, key(0).digest, 37, (L, 2, C), kvrecord.signing_key() or None)[2]
+
+
+def test_a_requests_records_decode_together_as_each_alone(tmp_path, spec):
+    """get_many reads every chunk a tier holds at once (the parallel decoder over all their streams), a miss left to
+    the tier below, the order kept."""
+    Xs = walk_kv(6, 3, 37)
+    writer = tiers(tmp_path, "cachegen", spec, ram=False)
+    for i in (0, 2):
+        writer.put(key(i), Xs[i])
+    reader = tiers(tmp_path, "cachegen", spec)
+    got = reader.get_many([key(0), key(1), key(2)])
+    assert [where for _, where in got] == ["disk", None, "disk"]
+    for i in (0, 2):
+        assert np.array_equal(got[i][0], kv.dequantize(kv.quantize(Xs[i][None], spec), spec)[0])
+    assert [where for _, where in reader.get_many([key(0), key(2)])] == ["ram", "ram"]   # copied up
+
+
+def test_an_engine_of_the_other_serde_never_reads_the_records(tmp_path, spec):
+    X = walk_kv(7, 1, 37)[0]
+    tiers(tmp_path, "cachegen", spec, ram=False).put(key(0), X)
+    assert tiers(tmp_path, "fp16", ram=False).get(key(0)) == (None, None)
+    tiers(tmp_path, "fp16", ram=False).put(key(1), X)
+    assert tiers(tmp_path, "cachegen", spec, ram=False).get(key(1)) == (None, None)
+
+
+def test_a_corrupted_cachegen_record_is_a_miss(tmp_path, spec):
+    X = walk_kv(8, 1, 37)[0]
+    t = tiers(tmp_path, "cachegen", spec, ram=False)
+    t.put(key(0), X)
+    disk = t.stores[0]
+    name = disk.name(key(0))
+    record = bytearray(disk.tier.get(name))
+    record[len(record) // 2] ^= 0x40   # a bit of the bitstream
+    disk.tier.path(name).write_bytes(bytes(record))
+    assert t.get(key(0)) == (None, None) and disk.corrupt == 1 and disk.tier.get(name) is None
+
+
+def test_cachegen_records_are_smaller_by_the_codecs_bits(tmp_path, spec):
+    """A record's bytes: FP16's 16 bits a value against the codec's (its header and the streams' ends aside)."""
+    X = walk_kv(9, 1, 300)[0]
+    fp16, cachegen = tiers(tmp_path / "a", "fp16", ram=False), tiers(tmp_path / "b", "cachegen", spec, ram=False)
+    for t in (fp16, cachegen):
+        t.put(key(0), X)
+    size = [len(t.stores[0].tier.get(t.stores[0].name(key(0)))) for t in (fp16, cachegen)]
+    bits = kv.codec_bits(spec, X[None]) / X.size
+    assert size[0] / size[1] == pytest.approx(16 / bits, rel=0.1)
+
+
+def test_a_bad_serde_is_refused():
+    with pytest.raises(ValueError):
+        Tiers([], (L, 2, C), "cachegen")   # no codec
+    with pytest.raises(ValueError):
+        Tiers([], (L, 2, C), "zip")
