@@ -209,6 +209,35 @@ def test_a_second_engine_on_the_same_redis_answers_from_the_first_ones_records(e
         assert (kv["prefix"] + kv["blended"]) / kv["context"] >= 0.9
 
 
+def test_a_cachegen_engine_answers_from_the_codecs_records_in_redis(redis_url):
+    """--serde cachegen with Redis the only tier: a first engine writes its documents there as CacheGen records; a
+    second answers from them (redis hits, the context from the store, decoded from the codec's bitstream). That an
+    engine of the other serde never reads them: test_serde.py."""
+    from lecture27.codec import smollm2
+    smollm2.real_codec_specs()   # fitted here, without a server's start timeout, if the checkpoint cache lacks it
+    docs = ["The river Tamsa rises in the northern hills and runs for 310 kilometres to the sea.",
+            "The river Olmo is shorter, 95 kilometres, and floods every spring after the snow melts.",
+            "Fishermen on the Tamsa catch trout in summer and pike in the colder months of the year."]
+
+    def ask(server, order) -> dict:
+        messages = [{"role": "system", "content": "Answer from the documents."}] + \
+            [{"role": "user", "content": docs[i]} for i in order] + \
+            [{"role": "user", "content": "Which river is longer?"}]
+        raw = client(server).chat.completions.with_raw_response.create(model=server.model, messages=messages,
+                                                                        max_tokens=2, temperature=0)
+        assert raw.parse().choices[0].message.content
+        return {"hits": raw.headers["x-kv-hits"], **parse_kv(raw.headers["x-kv-cache"])}
+
+    flags = ("--serde", "cachegen", "--no-ram", "--no-disk")
+    with started(launch.engine(*flags, redis_url=redis_url)) as first:
+        assert any("redis (CacheGen level 0)" in line for line in first.lines)
+        ask(first, (0, 1, 2))
+        assert bench.wait_idle(first.url)
+    with started(launch.engine(*flags, redis_url=redis_url)) as second:
+        kv = ask(second, (2, 0, 1))
+        assert "redis=" in kv["hits"] and (kv["prefix"] + kv["blended"]) / kv["context"] >= 0.9
+
+
 def children(pid: int) -> set:
     out = set()
     for task in Path(f"/proc/{pid}/task").glob("*"):
