@@ -105,3 +105,16 @@ def test_a_bad_serde_is_refused():
         Tiers([], (L, 2, C), "cachegen")   # no codec
     with pytest.raises(ValueError):
         Tiers([], (L, 2, C), "zip")
+
+
+def test_each_tier_says_what_it_holds_and_what_its_reads_cost(tmp_path, spec):
+    """Tiers.stats (the engine's /metrics l27_tier_*): records and bytes held, and for reads the records, tokens and
+    payload bytes read with the seconds reading and decoding."""
+    tiers(tmp_path, "cachegen", spec, ram=False).put(key(0), walk_kv(10, 1, 37)[0])
+    reader = tiers(tmp_path, "cachegen", spec)
+    reader.get_many([key(0), key(1)])   # a hit on disk (then copied up to RAM) and a miss
+    ram, disk = reader.stats()
+    assert ram[:4] == ("ram", "fp16", 1, ram[3]) and ram[3] > 37 * L * 2 * C * 2 and ram[4] == 0
+    name, fmt, held, nbytes, records, tokens, read_bytes, read_s, decode_s = disk
+    assert (name, fmt, held, records, tokens) == ("disk", "cachegen", 1, 1, 37)
+    assert 0 < read_bytes < nbytes and read_s >= 0 and decode_s > 0

@@ -39,6 +39,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -113,6 +114,18 @@ class Tiers:
                        for t in tiers]
         self.locks = [threading.Lock() for _ in tiers]
         self.serde = serde
+        # what each tier's reads cost, by tier name: [records, tokens, bytes, seconds reading, seconds decoding]
+        self.reads = {t.name: [0, 0, 0, 0.0, 0.0] for t in tiers}
+
+    def stats(self) -> list:
+        """[(tier, format, records held, bytes held, records read, tokens read, bytes read, seconds reading, seconds
+        decoding)]: what each tier holds now and what its reads have cost (/metrics)."""
+        out = []
+        for store, lock in zip(self.stores, self.locks):
+            with lock:
+                held = (len(store.tier.names()), store.tier.used)
+            out.append((store.tier.name, store.fmt, *held, *self.reads[store.tier.name]))
+        return out
 
     @property
     def names(self) -> list:
@@ -130,7 +143,7 @@ class Tiers:
             if not todo:
                 break
             with lock:
-                got = store.get_many([keys[j] for j in todo])
+                got = self._read(store, [keys[j] for j in todo])
             for j, X in zip(todo, got):
                 if X is not None:
                     out[j] = X, store.tier.name
@@ -138,6 +151,23 @@ class Tiers:
                         self.put(keys[j], X, upto=i)
             todo = [j for j, X in zip(todo, got) if X is None]
         return out
+
+    def _read(self, store, keys: list) -> list:
+        """ChunkStore.get_many, its reads and its decode timed apart (self.reads)."""
+        t0 = time.perf_counter()
+        fetched = [store.fetch(k) for k in keys]
+        t1 = time.perf_counter()
+        hits = [i for i, f in enumerate(fetched) if f is not None]
+        got = [None] * len(keys)
+        for i, X in zip(hits, store.decode_many([keys[i] for i in hits], [fetched[i] for i in hits])):
+            got[i] = X
+        r = self.reads[store.tier.name]
+        r[0] += len(hits)
+        r[1] += sum(fetched[i][1][0] for i in hits)
+        r[2] += sum(len(fetched[i][2]) for i in hits)
+        r[3] += t1 - t0
+        r[4] += time.perf_counter() - t1
+        return got
 
     def has(self, key: ks.ChunkKey) -> bool:
         for store, lock in zip(self.stores, self.locks):
@@ -311,6 +341,8 @@ class KVConnector:
         """[(KV block, where it came from) or (None, None)] of several chunks: the hot cache's, then the tiers' at
         once (Tiers.get_many: a request's CacheGen records decoded together), kept hot. The caller counts the
         hits it uses."""
+        if self.hot is None:   # no store
+            return [(None, None)] * len(keys)
         out = [(block, "hot") if block is not None else (None, None) for block in map(self.hot.get, keys)]
         missing = [i for i, (block, _) in enumerate(out) if block is None]
         if missing and self.tiers is not None:
@@ -400,9 +432,12 @@ class KVConnector:
 
     # ------------------------------------------------------------------------------------------------ writing
     def save(self, key: ks.ChunkKey, block: torch.Tensor) -> None:
-        """KV the engine computed (exact: what a full prefill computes): hot at once, the tiers written behind."""
-        if self.hot is not None and self.hot.put(key, block) and self.writer is not None:
-            self.writer.put(key, block)
+        """KV the engine computed (exact: what a full prefill computes): hot at once (unless bigger than the hot
+        cache), the tiers written behind."""
+        if self.hot is not None:
+            self.hot.put(key, block)
+            if self.writer is not None:
+                self.writer.put(key, block)
 
     def to_save(self, prompt: Prompt, reuse: Reuse, cache, sequence: list) -> list:
         """What a served request leaves in the store: [(key, a KV block: rows a..b of `cache`)], its exact KV (a

@@ -106,6 +106,11 @@ class Engine:
                 "store_jobs": len(s.store_jobs) + self.connector.pending_writes, "steps": self.steps,
                 "kv_bytes": s.kv_used(), "kv_budget": s.kv_budget}
 
+    def tiers(self) -> list:
+        """What each tier below the hot cache holds and what its reads have cost (connector.Tiers.stats; [] without
+        tiers)."""
+        return self.connector.tiers.stats() if self.connector.tiers is not None else []
+
     # ------------------------------------------------------------------------------------------------ loader
     def _load(self) -> None:
         torch.set_num_threads(1)   # this thread's copies run on one core (module docstring)

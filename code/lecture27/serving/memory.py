@@ -25,6 +25,7 @@ KV_GB = 0.6             # serve.py --kv-gb: two such requests at once (each coun
 MAX_TOKENS = 8          # answer tokens each
 THREADS = 2             # the server's torch threads
 CHARS_PER_TOKEN = 4.6   # the project's prose in SmolLM2's tokenizer (the usage's prompt_tokens are printed)
+TIMEOUT_S = 3600.0      # a request's client waits this long: the last of 32 waits for 31 prefills of 6,000 tokens
 
 
 def prompt(n: int, tokens: int) -> list:
@@ -51,7 +52,7 @@ def run(requests: int, tokens: int, kv_gb: float, max_tokens: int, threads: int)
     "running_peak", "seconds"}."""
     prompts = [prompt(n, tokens) for n in range(requests)]
     with launch.engine("--no-store", "--kv-gb", str(kv_gb), threads=threads).start() as s:
-        client, seen, done = bench.client_for(s.url), [], threading.Event()
+        client, seen, done = bench.client_for(s.url, timeout=TIMEOUT_S), [], threading.Event()
 
         def ask(messages) -> tuple[str, int]:
             r = client.chat.completions.create(model=s.model, messages=messages, max_tokens=max_tokens, temperature=0)
