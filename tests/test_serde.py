@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from lecture27 import kvcache as kv
+from lecture27 import kvrecord
 from lecture27 import kvstore as ks
-from lecture27.engine.connector import SERDE_LAYOUT, Tiers
+from lecture27.engine.connector import SERDE_LAYOUT, SERDE_SMALL, Tiers
 
 L, C = 3, 16
 
@@ -42,7 +43,7 @@ def test_the_shared_tier_keeps_the_codecs_records_and_ram_keeps_fp16(tmp_path, s
     ram, disk = t.stores
     assert (ram.fmt, disk.fmt) == ("fp16", "cachegen") and disk.name(key(0)).endswith("-cachegen0")
     record = disk.tier.get(disk.name(key(0)))
-    assert kv.codec_header(bytes(kvrecord_payload(record)))["layout"] == SERDE_LAYOUT
+    assert kv.codec_header(bytes(kvrecord_payload(record)))["layout"] == SERDE_SMALL[0]   # 37 tokens: a small record
     got, where = t.get(key(0))
     assert where == "ram" and np.abs(got - X).max() <= np.abs(X).max() / 1000   # FP16's rounding
     shared, where = tiers(tmp_path, "cachegen", spec, ram=False).get(key(0))   # another engine, the same disk
@@ -50,7 +51,6 @@ def test_the_shared_tier_keeps_the_codecs_records_and_ram_keeps_fp16(tmp_path, s
 
 
 def kvrecord_payload(record: bytes):
-    from lecture27 import kvrecord
     return kvrecord.check(record, key(0).digest, 37, (L, 2, C), kvrecord.signing_key() or None)[2]
 
 
@@ -96,6 +96,8 @@ def test_cachegen_records_are_smaller_by_the_codecs_bits(tmp_path, spec):
     for t in (fp16, cachegen):
         t.put(key(0), X)
     size = [len(t.stores[0].tier.get(t.stores[0].name(key(0)))) for t in (fp16, cachegen)]
+    record = cachegen.stores[0].tier.get(cachegen.stores[0].name(key(0)))
+    assert kv.codec_header(bytes(record[kvrecord.HEAD.size:]), lengths=False)["layout"] == SERDE_LAYOUT   # 300
     bits = kv.codec_bits(spec, X[None]) / X.size
     assert size[0] / size[1] == pytest.approx(16 / bits, rel=0.1)
 
