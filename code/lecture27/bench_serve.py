@@ -39,7 +39,7 @@ from pathlib import Path
 
 from common.cli import Parser, fraction, positive_int
 from common.present import Page
-from lecture27.serving import bench, floor, launch, vllm_client
+from lecture27.serving import bench, floor, launch, serde, vllm_client
 from lecture27.serving import page as sp
 from lecture27.serving.bench_server import BenchServer
 
@@ -69,8 +69,8 @@ def parser() -> Parser:
                         "without the store, and one request at a time for chat8)")
     p.add_argument("--model", default=None, help="the model name to ask for (default: the server's first)")
     p.add_argument("--api-key", default=None, help="Bearer token for the servers")
-    p.add_argument("--workload", choices=[*WORKLOADS, "all"], action="append", default=[],
-                   help="what to run (repeatable; default: all)")
+    p.add_argument("--workload", choices=[*WORKLOADS, "serde", "all"], action="append", default=[],
+                   help="what to run (repeatable; default: all; serde, when named: serving/serde.py's servers)")
     p.add_argument("--users", type=positive_int, default=USERS, help="concurrent users of rag and chat")
     p.add_argument("--chat8-users", type=positive_int, default=CHAT8_USERS, help="chat8: users at once")
     p.add_argument("--rag-requests", type=positive_int, default=RAG_REQUESTS, help="timed RAG requests")
@@ -124,7 +124,7 @@ def parse(argv=None):
     for why in [*map(launch.peer_missing, a.peer), "vllm" in a.clients and vllm_client.missing(a.vllm_datasets)]:
         if why:
             p.error(why)
-    a.workloads = tuple(w for w in WORKLOADS if not a.workload or "all" in a.workload or w in a.workload)
+    a.workloads = tuple(w for w in WORKLOADS if not a.workload or {"all", w} & set(a.workload))
     return a
 
 
@@ -226,12 +226,12 @@ def main(argv=None) -> list:
                     server.name, server.url, model, a.vllm_datasets, prompts=a.rag_requests, concurrency=a.users,
                     max_tokens=a.max_tokens, items=a.rag_items, docs=a.docs, words=a.doc_words,
                     input_len=a.random_input_len, api_key=a.api_key, separator=SEPARATOR)
-    if "ours" in a.clients:
+    serde.run_for(a)   # --workload serde, when named
+    values, floors = bench.ratios(runs), chat8_floor(a, runs)
+    if "ours" in a.clients and runs:
         sp.show_bench(page, runs, plan, a)
         sp.show_sequences(page, runs)
         sp.show_quality(page, runs, plan, RATIO)
-    values, floors = bench.ratios(runs), chat8_floor(a, runs)
-    if "ours" in a.clients:
         sp.show_ratios(page, values, failed, floors)
     if "vllm" in a.clients:
         sp.show_vllm(page, vruns, a, SEPARATOR)

@@ -123,6 +123,11 @@ def show(results: dict, a) -> None:
                         ("decode s/req", "{:.2f}"), ("KL", "{:.3f}"), ("same as no_store", "{:.0%}")),
               rows=[Row(row) for row in rows(results, bench.RAG_DOCS)], source="serving.serde.measure")
     print(render_text(t))
+    per_token = [r["reads"]["read_bytes"] / r["reads"]["read_tokens"] if r["reads"]["read_tokens"] else None
+                 for r in (results["fp16"], results["cachegen"])]
+    if None not in per_token:
+        print(f"  a token's KV read from Redis: {per_token[0]:,.0f} bytes in FP16, {per_token[1]:,.0f} in CacheGen's "
+              f"records ({per_token[0] / per_token[1]:.2f}x fewer)")
     gbps = breakeven_gbps(results["fp16"], results["cachegen"])
     print(f"  CacheGen's fetch and decode beat FP16's fetch below {gbps:.2f} Gb/s ({gbps / 8:.3f} GB/s), from this "
           f"run's bytes and decode seconds a token" if gbps else "  CacheGen's decode was no slower than FP16's here")
@@ -137,6 +142,15 @@ def parser() -> Parser:
     p.add_argument("--max-tokens", type=positive_int, default=MAX_TOKENS, help="answer tokens each")
     p.add_argument("--threads", type=positive_int, default=THREADS, help="each server's torch threads")
     return p
+
+
+def run_for(a) -> dict | None:
+    """bench_serve.py's arguments: when they name the workload serde (never part of "all": it starts servers of its
+    own), this benchmark with their --users, --rag-requests, --rag-items, --max-tokens and --threads."""
+    if "serde" not in a.workload:
+        return None
+    return main([f"--users={a.users}", f"--requests={a.rag_requests}", f"--items={a.rag_items}",
+                 f"--max-tokens={a.max_tokens}", f"--threads={a.threads}"])
 
 
 def main(argv=None) -> dict:
