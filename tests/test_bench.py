@@ -431,3 +431,11 @@ def test_every_workload_tiny_on_the_real_engine(tmp_path, capsys):
     assert data["store"]["repeat"]["errors"] == 0 and data["store"]["concurrent"]["ttft_p50_s"] > 0
     assert data["reuses"] == {"store": REUSES["store"]} and data["threads"] == {"store": 1}
     assert "the engine's targets" in text and "one request alone" in text
+
+
+def test_the_serde_workload_runs_only_when_named_on_servers_of_its_own():
+    from lecture27.serving import serde
+    assert bench_serve.parse(["--workload", "serde"]).workloads == ()
+    assert bench_serve.parse(["--workload", "rag", "--workload", "serde"]).workloads == ("rag",)
+    assert "serde" not in bench_serve.parse([]).workloads
+    assert serde.run_for(bench_serve.parse(["--workload", "rag"])) is None
