@@ -25,8 +25,8 @@ import urllib.request
 from common.cli import Parser, positive_float, positive_int
 from lecture27.serving import bench, launch
 
-REDIS_GB = 0.06       # each engine's Redis budget: the documents and each request's prefix blocks, in FP16 (23 kB a
-                      # token of SmolLM2) about 2,600 tokens, in CacheGen's level 0 about three times as many
+REDIS_GB = 0.03       # each engine's Redis budget: the documents and each request's prefix blocks, in FP16 (23 kB a
+                      # token of SmolLM2) about 1,300 tokens, in CacheGen's level 0 (6.2 kB) about 3.7 times as many
 HOT_GB = 1e-4         # the hot cache: 100 kB, less than one 32-token block (1.5 MB in float32), so reuse is Redis's
 USERS = 4
 REQUESTS = 8
