@@ -175,6 +175,8 @@ class ChunkStore:
         self.say = say or (lambda line: print(line, file=sys.stderr))
         self.misses = self.corrupt = 0
         self.gbps = gbps
+        self.reads = [0, 0, 0, 0.0, 0.0]   # get_many's: records, tokens and payload bytes read, seconds reading and
+                                           # seconds decoding
 
     def layout(self, tokens: int) -> str | None:
         """The stream layout of a cachegen record of `tokens` tokens in this store (None: the codec's own)."""
@@ -243,12 +245,21 @@ class ChunkStore:
         return None if fetched is None else self.decode(key, fetched)
 
     def get_many(self, keys) -> list:
-        """get for several chunks, the cachegen ones decoded together (decode_many)."""
+        """get for several chunks, the cachegen ones decoded together (decode_many); what the reads cost is added to
+        self.reads (the reading and the decoding timed apart)."""
+        t0 = time.perf_counter()
         fetched = [self.fetch(k) for k in keys]
+        t1 = time.perf_counter()
         hits = [i for i, f in enumerate(fetched) if f is not None]
         out = [None] * len(keys)
         for i, X in zip(hits, self.decode_many([keys[i] for i in hits], [fetched[i] for i in hits])):
             out[i] = X
+        r = self.reads
+        r[0] += len(hits)
+        r[1] += sum(fetched[i][1][0] for i in hits)
+        r[2] += sum(len(fetched[i][2]) for i in hits)
+        r[3] += t1 - t0
+        r[4] += time.perf_counter() - t1
         return out
 
     def _bad(self, name: str, why: ValueError):

@@ -39,7 +39,6 @@ from __future__ import annotations
 import queue
 import sys
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -122,8 +121,6 @@ class Tiers:
                        for t in tiers]
         self.locks = [threading.Lock() for _ in tiers]
         self.serde = serde
-        # what each tier's reads cost, by tier name: [records, tokens, bytes, seconds reading, seconds decoding]
-        self.reads = {t.name: [0, 0, 0, 0.0, 0.0] for t in tiers}
 
     def stats(self) -> list:
         """[(tier, format, records held, bytes held, records read, tokens read, bytes read, seconds reading, seconds
@@ -132,7 +129,7 @@ class Tiers:
         for store, lock in zip(self.stores, self.locks):
             with lock:
                 held = (len(store.tier.names()), store.tier.used)
-            out.append((store.tier.name, store.fmt, *held, *self.reads[store.tier.name]))
+            out.append((store.tier.name, store.fmt, *held, *store.reads))
         return out
 
     @property
@@ -151,7 +148,7 @@ class Tiers:
             if not todo:
                 break
             with lock:
-                got = self._read(store, [keys[j] for j in todo])
+                got = store.get_many([keys[j] for j in todo])
             for j, X in zip(todo, got):
                 if X is not None:
                     out[j] = X, store.tier.name
@@ -159,23 +156,6 @@ class Tiers:
                         self.put(keys[j], X, upto=i)
             todo = [j for j, X in zip(todo, got) if X is None]
         return out
-
-    def _read(self, store, keys: list) -> list:
-        """ChunkStore.get_many, its reads and its decode timed apart (self.reads)."""
-        t0 = time.perf_counter()
-        fetched = [store.fetch(k) for k in keys]
-        t1 = time.perf_counter()
-        hits = [i for i, f in enumerate(fetched) if f is not None]
-        got = [None] * len(keys)
-        for i, X in zip(hits, store.decode_many([keys[i] for i in hits], [fetched[i] for i in hits])):
-            got[i] = X
-        r = self.reads[store.tier.name]
-        r[0] += len(hits)
-        r[1] += sum(fetched[i][1][0] for i in hits)
-        r[2] += sum(len(fetched[i][2]) for i in hits)
-        r[3] += t1 - t0
-        r[4] += time.perf_counter() - t1
-        return got
 
     def has(self, key: ks.ChunkKey) -> bool:
         for store, lock in zip(self.stores, self.locks):
