@@ -79,7 +79,7 @@ def parse(argv=None):
                    help="the disk and Redis records' format (LMCache's remote_serde): fp16, or cachegen, CacheGen's "
                         "bitstream with the codec 02 and 03 fit for this model (fitted once if the checkpoint "
                         "cache lacks it); RAM and the hot cache stay exact")
-    p.add_argument("--serde-level", type=nonneg_int, default=SERDE_LEVEL, metavar="N",
+    p.add_argument("--serde-level", type=int, choices=range(N_LEVELS), default=SERDE_LEVEL,
                    help=f"--serde cachegen: the codec's level, 0 (finest) to {N_LEVELS - 1}")
     p.add_argument("--chunk-separator", default=SEPARATOR, metavar="SEP",
                    help="the text that cuts a message into chunks reused alone (default %(default)r, LMCache's "
@@ -110,8 +110,6 @@ def parse(argv=None):
         p.error(f"--port {a.port}: a port is at most 65535")
     if a.disk_dir is not None and Path(a.disk_dir).exists() and not Path(a.disk_dir).is_dir():
         p.error(f"--disk-dir {a.disk_dir}: not a folder")
-    if a.serde_level >= N_LEVELS:
-        p.error(f"--serde-level {a.serde_level}: the codec has levels 0 to {N_LEVELS - 1}")
     if a.serde == "cachegen" and (a.no_store or (a.no_disk and a.no_redis)):
         p.error("--serde cachegen: no disk or Redis tier to keep its records (--no-store, or --no-disk and "
                 "--no-redis)")
