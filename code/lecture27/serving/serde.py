@@ -18,7 +18,6 @@ CacheGen bytes) / (CacheGen decode - FP16 decode).
 """
 from __future__ import annotations
 
-import re
 import statistics
 import urllib.request
 
@@ -38,13 +37,14 @@ SERDES = ("fp16", "cachegen")
 
 
 def metrics(url: str) -> dict:
-    """The engine's tier figures from GET /metrics: {(name, tier): value} of the l27_tier_* series."""
+    """The engine's tier figures from GET /metrics: {(name, tier): value} of the l27_tier_* series (a counter by its
+    name without _total)."""
+    from prometheus_client.parser import text_string_to_metric_families
     with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=30) as r:
         text = r.read().decode()
-    out = {}
-    for m in re.finditer(r'^(l27_tier_\w+?)(?:_total)?\{format="\w+",tier="(\w+)"\} (\S+)$', text, re.M):
-        out[m[1], m[2]] = float(m[3])
-    return out
+    return {(m.name.removesuffix("_total"), m.labels["tier"]): m.value
+            for family in text_string_to_metric_families(text) for m in family.samples
+            if m.name.startswith("l27_tier_") and not m.name.endswith("_created")}
 
 
 def documents_held(url: str, model: str, items: int, docs: int, words: int) -> list:
