@@ -439,3 +439,63 @@ def test_the_serde_workload_runs_only_when_named_on_servers_of_its_own():
     assert bench_serve.parse(["--workload", "rag", "--workload", "serde"]).workloads == ("rag",)
     assert "serde" not in bench_serve.parse([]).workloads
     assert serde.run_for(bench_serve.parse(["--workload", "rag"])) is None
+
+
+STAND_IN = """
+import socket, sys, time
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen()
+print(f"serving stand-in at http://127.0.0.1:{s.getsockname()[1]}/v1", flush=True)
+conn, _ = s.accept()          # a client's request: never answered while the server runs
+time.sleep(600)
+"""
+
+OWNER = """
+import socket, sys, threading
+from concurrent.futures import ThreadPoolExecutor
+from lecture27.serving import launch
+server = launch.Server([sys.executable, "-c", sys.argv[1]]).start()
+port = int(server.url.rsplit(":", 1)[1].split("/")[0])
+
+connected = threading.Semaphore(0)
+
+def client(_):                # a client waiting on an answer that never comes, as a benchmark's users do
+    c = socket.create_connection(("127.0.0.1", port))
+    connected.release()
+    c.recv(1)
+with server:
+    with ThreadPoolExecutor(2) as pool:   # its exit waits for the clients, before the server's with can stop it
+        waiting = pool.map(client, range(2))
+        connected.acquire(); connected.acquire()
+        print(server.pid, flush=True)
+        list(waiting)
+"""
+
+
+@pytest.mark.parametrize("how", ("sigterm", "sigkill"))
+def test_a_server_ends_with_its_owner_even_while_a_client_waits_on_it(how):
+    """SIGTERM to the program that started a server (launch.Server): the server gets it at once, so the client
+    thread waiting on it returns and the program ends within seconds; SIGKILL: the kernel's parent-death signal
+    ends the server (Linux)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from common import files
+    if how == "sigkill" and not sys.platform.startswith("linux"):
+        pytest.skip("the parent-death signal is Linux's")
+    p = subprocess.Popen([sys.executable, "-c", OWNER, STAND_IN], stdout=subprocess.PIPE, text=True)
+    pid = int(p.stdout.readline())
+    try:
+        assert files.pid_alive(pid)
+        p.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
+        p.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while files.pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not files.pid_alive(pid), f"the server outlived its owner ({how})"
+    finally:
+        p.kill()
+        if files.pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert p.returncode == (128 + signal.SIGTERM if how == "sigterm" else -signal.SIGKILL)

@@ -114,7 +114,7 @@ def connect(url: str):
 
 def _parent_death_signal():
     """A function for the child between fork and exec that asks the kernel for SIGTERM when the thread that
-    forked it ends (Linux prctl PR_SET_PDEATHSIG; resolved here, so the child only calls it): _spawn forks from a
+    forked it ends (Linux prctl PR_SET_PDEATHSIG; resolved here, so the child only calls it): spawn forks from a
     thread that ends only with this process. None elsewhere."""
     if not sys.platform.startswith("linux"):
         return None
@@ -136,10 +136,12 @@ _spawner = None               # (the pid it belongs to, its queue of (args, Futu
 _spawner_lock = threading.Lock()
 
 
-def _spawn(args: list) -> subprocess.Popen:
-    """Popen(args) with the parent-death signal, forked by the module's spawner thread, a daemon that lives as
-    long as this process: the kernel signals the child when the forking thread ends, and this one ends only
-    with the process (a server started from a short-lived thread outlives that thread)."""
+def spawn(args: list, **popen) -> subprocess.Popen:
+    """Popen(args, **popen) (its streams DEVNULL unless `popen` names them) with the parent-death signal, forked
+    by the module's spawner thread, a daemon that lives as long as this process: the kernel signals the child
+    when the forking thread ends, and this one ends only with the process (a server started from a short-lived
+    thread outlives that thread). What starts redis-server here and serve.py for the benchmarks
+    (serving/launch.py)."""
     global _spawner
     with _spawner_lock:
         if _spawner is None or _spawner[0] != os.getpid():   # none yet, or this is a forked copy of the process
@@ -148,16 +150,16 @@ def _spawn(args: list) -> subprocess.Popen:
             _spawner = (os.getpid(), requests)
         requests = _spawner[1]
     done = Future()
-    requests.put((args, done))
+    requests.put((args, popen, done))
     return done.result()
 
 
 def _serve_spawns(requests: queue.SimpleQueue) -> None:
     while True:
-        args, done = requests.get()
+        args, popen, done = requests.get()
+        streams = dict(stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            done.set_result(subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                             stderr=subprocess.DEVNULL, preexec_fn=_parent_death_signal()))
+            done.set_result(subprocess.Popen(args, **{**streams, **popen}, preexec_fn=_parent_death_signal()))
         except BaseException as e:
             done.set_exception(e)
 
@@ -217,13 +219,12 @@ class RedisServer:
                 "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(self.dir),
                 "--logfile", str(self.dir / "redis.log")]
         try:
-            self.proc = _spawn(args)
+            self.proc = spawn(args)
         except BaseException:
             shutil.rmtree(self.dir, ignore_errors=True)
             raise
         atexit.register(self.stop)
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-            self._sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        self._sigterm = exit_on_sigterm()
         try:
             self._wait_ready()
         except BaseException:
@@ -271,8 +272,22 @@ class RedisServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+ON_SIGTERM: list = []   # functions called when SIGTERM arrives, before the unwinding (launch.py's: its servers get it)
+
+
 def _exit_on_sigterm(signum, frame):
+    for tell in list(ON_SIGTERM):
+        tell()
     raise SystemExit(128 + signum)   # unwinds the with block and runs atexit: the server is stopped
+
+
+def exit_on_sigterm():
+    """Make SIGTERM end this process as Ctrl-C does, unwinding its `with` blocks and running atexit, so the servers
+    it started are stopped (only from the main thread, and only where SIGTERM still has its default action); each
+    function in ON_SIGTERM is called first. Returns the handler it replaced (None: none replaced)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        return signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    return None
 
 
 def _dead_owner(d: Path) -> bool:

@@ -33,12 +33,11 @@ from __future__ import annotations
 
 import json
 import secrets
-import signal
-import sys
 from pathlib import Path
 
 from common.cli import Parser, fraction, positive_int
 from common.present import Page
+from common.redis_server import exit_on_sigterm
 from lecture27.serving import bench, floor, launch, serde, vllm_client
 from lecture27.serving import page as sp
 from lecture27.serving.bench_server import BenchServer
@@ -245,6 +244,7 @@ def main(argv=None) -> list:
 
 
 if __name__ == "__main__":
-    # SIGTERM as Ctrl-C: each server's with block stops its process started here, and subprocess.run vLLM's client
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    # SIGTERM as Ctrl-C: each server started here gets it at once (launch.py), then each with block stops its process
+    # and subprocess.run vLLM's client
+    exit_on_sigterm()
     main()

@@ -1,11 +1,14 @@
 """Start an engine (serve.py) as a process of its own on a free port of 127.0.0.1, wait until it serves, and stop
 it by its PID (SIGTERM, then SIGKILL): what the benchmark, 05's Part "served" and the tests do with a server.
+A server also stops when its owner ends: at exit, on SIGTERM (made to unwind as Ctrl-C does), and on Linux however
+the owner dies (the kernel's parent-death signal, as for the Redis servers: common/redis_server.spawn).
 The peers beside ours start the same way: vLLM's OpenAI server (its CPU build, in a venv of its own) and
 llama.cpp's llama-server, each found in the peers' folder outside the clone ($L27_PEERS, else
 ~/.cache/lecture27-peers: install_peers.sh puts them there; a venv's thousands of files stay out of the project's
 tree) or where L27_VLLM_PYTHON / L27_LLAMA_SERVER say; the weights vLLM loads are kept in the checkpoint folder."""
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import re
@@ -16,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from common.redis_server import URL_ENV
+from common.redis_server import ON_SIGTERM, URL_ENV, exit_on_sigterm, spawn
 
 SERVE = Path(__file__).resolve().parents[1] / "serve.py"
 START_TIMEOUT_S = 180.0      # a first start dequantizes SmolLM2's GGUF file once (then it is cached)
@@ -35,6 +38,19 @@ def engine_source() -> str:
     return h.hexdigest()[:16]
 
 
+RUNNING: set = set()   # the server processes started here and not yet stopped
+
+
+def _tell_servers() -> None:
+    """SIGTERM to this process: each server gets it at once, so that it ends its open streams and the clients
+    waiting on them return (a client's thread would otherwise hold the unwinding until its answer ended)."""
+    for proc in list(RUNNING):
+        proc.send_signal(signal.SIGTERM)
+
+
+ON_SIGTERM.append(_tell_servers)
+
+
 class Server:
     """A server process: `with Server([...]) as s: s.url`. Its output is kept in s.lines (for a test's message)."""
 
@@ -48,8 +64,11 @@ class Server:
         return None if self.proc is None else self.proc.pid
 
     def start(self) -> "Server":
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.PIPE if self.stdin else None,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        exit_on_sigterm()
+        self.proc = spawn(self.argv, env=self.env, stdin=subprocess.PIPE if self.stdin else None,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        atexit.register(self.stop)
+        RUNNING.add(self.proc)
         if self.stdin:
             self.proc.stdin.write(self.stdin)
             self.proc.stdin.close()
@@ -75,6 +94,8 @@ class Server:
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 15 s; safe to call twice."""
         proc, self.proc = self.proc, None
+        atexit.unregister(self.stop)
+        RUNNING.discard(proc)
         if proc is None or proc.poll() is not None:
             return
         proc.send_signal(signal.SIGTERM)
