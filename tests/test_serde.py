@@ -145,3 +145,35 @@ def test_smollm2s_records_are_smaller_by_the_ratio_02_reports(tmp_path, smollm2)
         size[serde] = len(t.stores[0].tier.get(t.stores[0].name(k)))
         assert t.get(k)[1] == "disk"   # it reads back
     assert size["fp16"] / size["cachegen"] == pytest.approx(16 / bits, rel=0.1), (size, bits)
+
+
+def serde_run(name: str, ttfts: list, *, bytes_per_token: float, decode_s: float, held: list, kl: float):
+    """A SerdeRun made here (no server): 100 tokens read, their decode taking decode_s."""
+    from lecture27.serving import bench, serde
+    samples = [bench.Sample("rag", 0, i, t, t + 1, 100, 80, 8, f"answer {i}") for i, t in enumerate(ttfts)]
+    reads = {"read_records": 4, "read_tokens": 100, "read_bytes": 100 * bytes_per_token, "read_seconds": 0.1,
+             "decode_seconds": decode_s}
+    return serde.SerdeRun(serde=name, run=bench.Run(name, "rag", 1, samples, 5.0, [kl]), records=7,
+                          bytes=3e6, held=held, docs=4, reads=reads, requests=5)
+
+
+def test_the_serde_table_sets_cachegen_beside_fp16_with_its_break_even_link():
+    """serde.table's rows and keys from made-up runs: documents held of those sent, the read and decode time a
+    request, the answers equal to no_store's, and the link speed below which CacheGen's bytes and decode beat FP16's:
+    8 (23,040 - 6,000) bits / (0.5 - 0.01) s a token's ... here per 100 tokens."""
+    from lecture27.serving import bench, serde
+    runs = {"fp16": serde_run("fp16", [1.0, 3.0], bytes_per_token=23040, decode_s=0.01, held=[1, 0], kl=0.0),
+            "cachegen": serde_run("cachegen", [2.0, 4.0], bytes_per_token=6000, decode_s=0.5, held=[4, 4], kl=0.02)}
+    plain = [bench.Sample("rag", 0, 0, 2, 3, 100, 0, 8, "answer 0"), bench.Sample("rag", 0, 1, 2, 3, 100, 0, 8, "x")]
+    j = serde.json(runs, plain, 0.01)
+    assert j["serve_serde_breakeven_gbps"] == pytest.approx(8 * (23040 - 6000) / (0.49 / 100) / 1e9)
+    assert j["serve_serde"]["cachegen"]["documents_held"] == 8 and j["serve_serde"]["fp16"]["documents_held"] == 1
+    assert j["serve_serde"]["fp16"]["same_as_no_store"] == 0.5 and j["serve_serde"]["cachegen"]["kl"] == 0.02
+    assert j["serve_serde"]["cachegen"]["read_decode_s"] == pytest.approx((0.1 + 0.5) / 5)
+    t = serde.table(runs, plain, "t", serde.SHORT)
+    assert [c.header for c in t.cols] == list(serde.SHORT)
+    assert [r.cells[:4] for r in t.rows] == [["fp16", 3.0, "1/8", "80%"], ["cachegen", 3.0, "8/8", "80%"]]
+    assert "23,040 bytes in FP16, 6,000 in CacheGen's records (3.84x fewer)" in " ".join(t.notes)
+    runs["cachegen"] = serde_run("cachegen", [2.0], bytes_per_token=6000, decode_s=0.001, held=[4], kl=0.0)
+    assert serde.breakeven_gbps(runs["fp16"], runs["cachegen"]) is None   # a decode no slower than FP16's: no link
+    assert "no slower than FP16's" in " ".join(serde.table(runs, plain, "t").notes)

@@ -103,6 +103,7 @@ def test_the_figure_is_drawn(page):
     (["--model", "smollm2", "--serve-items", "7"], "--serve-items: at most 6"),
     (["--serve-chat8-users", "3"], "--serve-chat8-users: Parts 5 and 6's flags need --model smollm2"),
     (["--model", "smollm2", "--serve-chat8-users", "35"], "--serve-chat8-users: at most 34"),
+    (["--model", "smollm2", "--serve-serde-gb", "-1"], "--serve-serde-gb: '-1' must be zero or positive"),
 ])
 def test_part5_flags_refuse_what_they_cannot_do(cli_exit, args, says):
     code, err = cli_exit("05_tiered_storage", *args)
@@ -115,7 +116,7 @@ def test_every_flag_of_parts_5_and_6_alone_needs_model_smollm2(capsys, monkeypat
     from common import redis_server
     monkeypatch.delenv(redis_server.URL_ENV, raising=False)
     _, machine = mod.parser()
-    assert machine[0].option_strings == ["--gguf"] and machine[-1].option_strings == ["--serve-chat8-users"]
+    assert machine[0].option_strings == ["--gguf"] and machine[-1].option_strings == ["--serve-serde-gb"]
     for f in machine:
         flag = f.option_strings[0]
         if f.nargs == 0:
@@ -223,6 +224,13 @@ def test_part6_serves_smollm2_with_the_store_and_without_it():
     assert f"{j['serve_reorder_ratio']:.2f}x the first time" in notes
     drawn = [Path(b["path"]).name for b in page.blocks if b["kind"] == "figure"]
     assert drawn == ["05_store.png", "05_served.png"]
+    # engines D and E on one Redis budget: FP16 records and CacheGen's, every answer set beside C's
+    tiers = j["serve_serde"]
+    assert set(tiers) == {"fp16", "cachegen"} and j["serve_serde_redis_gb"] == mod.SERVE_SERDE_GB
+    assert tiers["cachegen"]["documents_held"] >= tiers["fp16"]["documents_held"]
+    assert tiers["cachegen"]["bytes_per_token"] < tiers["fp16"]["bytes_per_token"] / 2.5
+    assert all(0 <= x["same_as_no_store"] <= 1 and x["ttft_p50_s"] > 0 for x in tiers.values())
+    assert page.tables[-1].source == "serving.serde.measure"
 
 
 def test_part6_sets_the_one_message_form_beside_the_messages(tmp_path, monkeypatch):
@@ -287,3 +295,41 @@ def test_part6_sets_the_one_message_form_beside_the_messages(tmp_path, monkeypat
                 "stands for the full prefill") in notes
         assert ("80% of its prompt tokens came from the store, the documents as chunks shifted to their new places "
                 "and blended, the first token's KL to a full prefill 0.020 nats (kv_check).") in notes
+
+
+def test_part6_sets_cachegens_records_beside_fp16s_on_one_redis_budget(tmp_path, monkeypatch):
+    """show_served with engines D and E's runs (made here, no server): Part 6's last table is serde's short form,
+    its rows FP16 then CacheGen, the answers set beside C's; --json has serve_serde and its break-even link."""
+    from common import redis_server
+    from common.present import Page
+    from lecture27.serving import bench, serde
+    from lecture27.serving.page import show_served
+    from lecture27.serving.served import ServedRun
+    monkeypatch.delenv(redis_server.URL_ENV, raising=False)
+    s, defaults, _ = mod.parse(["--model", "smollm2"])
+
+    def run(server, ttfts, texts):
+        return bench.Run(server, "rag", 2, [bench.Sample("rag", 0, i, t, t + 1, 100, 50, 8, x)
+                                            for i, (t, x) in enumerate(zip(ttfts, texts))], 5.0, [0.01])
+
+    def tier(name, held, bytes_per_token, decode_s):
+        reads = dict(read_records=4, read_tokens=100, read_bytes=100 * bytes_per_token, read_seconds=0.1,
+                     decode_seconds=decode_s)
+        return serde.SerdeRun(serde=name, run=run(name, [1.0, 2.0], ["a", "c"]), records=9, bytes=12e6, held=held,
+                              docs=4, reads=reads, requests=4)
+    one = bench.Sample("repeat", 0, 0, 1.0, 2.0, 100, 0, 8, "x")
+    tiers = {"fp16": tier("fp16", [1, 1], 23040, 0.01), "cachegen": tier("cachegen", [4, 4], 6000, 0.4)}
+    r = ServedRun(users=2, store=run("store", [1.0, 2.0], ["a", "b"]), no_store=run("no_store", [2.0, 4.0], ["a", "b"]),
+                  separated=run("store", [1.0], ["a"]), separated_no_store=run("no_store", [2.0], ["a"]),
+                  separator=" # # ", first=one, again=one, plain=one, second=one,
+                  crowd=bench.Run("store", "chat8", 1, [one], 1.0),
+                  reorder=bench.Run("store", "reorder", 1, [one], 1.0), redis_note="none", serde=tiers, serde_gb=0.012)
+    page = Page("05_smollm2", "Part 6 alone", "§6-7", s, defaults, plot=False, figures=tmp_path)
+    show_served(page, r, s)
+    t, j = table(page, "serving.serde.measure"), page.json()
+    assert page.tables[-1] is t and [c.header for c in t.cols] == list(serde.SHORT)
+    assert [row.cells[:3] for row in t.rows] == [["fp16", 12.0, "2/8"], ["cachegen", 12.0, "8/8"]]
+    assert [row.cells[-1] for row in t.rows] == ["50%", "50%"]                   # "c" is not C's "b"
+    assert j["serve_serde_redis_gb"] == 0.012 and set(j["serve_serde"]) == {"fp16", "cachegen"}
+    assert j["serve_serde_breakeven_gbps"] == pytest.approx(8 * (23040 - 6000) / (0.39 / 100) / 1e9)
+    assert "0.012 GB" in t.title and any("remote_serde" in x for x in page.texts())

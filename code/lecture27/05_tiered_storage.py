@@ -24,7 +24,9 @@ Part 6  served (--model smollm2; --no-serve skips it): serve.py, SmolLM2 behind 
         behind it, started as a server and benchmarked by the openai client with the store and without it, the
         RAG documents sent both ways (each a message; in one message at SERVE_SEPARATOR, as RAG code sends them);
         a long prompt sent again at once; SERVE_CHAT8_USERS chat users at once; documents sent again, then
-        reordered, at once; a second engine answers from the first's Redis (serving/served.py, serving/bench.py).
+        reordered, at once; a second engine answers from the first's Redis (serving/served.py, serving/bench.py);
+        then the RAG requests through two engines whose only tier is a Redis server of SERVE_SERDE_GB, one keeping
+        FP16 records there, the other CacheGen's bitstream (serve.py --serde cachegen; serving/serde.py).
 
     python code/lecture27/05_tiered_storage.py --model smollm2 [--redis redis://host:6379]
 
@@ -128,6 +130,9 @@ SERVE_SEPARATOR = " # # "    # rag1: the same requests with the documents and qu
                              # them (LMCache's blend_special_str; every engine is started with it as --chunk-separator)
 SERVE_CHAT8_USERS = 8        # chat8: chat users at once on engine A (after one alone), one request of about 170
                              # prompt tokens each
+SERVE_SERDE_GB = 0.012       # engines D and E: a Redis server of this many GB each, their only tier, D keeping FP16
+                             # records there and E CacheGen's (about 520 tokens of SmolLM2's KV in FP16, 1,900 in
+                             # CacheGen's level 0, against about 1,200 tokens of documents); 0: not run
 
 
 @settings(globals())
@@ -268,6 +273,8 @@ def machine_flags(p: Parser) -> list:
     flag("--serve-separator", default=SERVE_SEPARATOR, metavar="SEP",
          help="Part 6: what parts the documents of the one-message requests (rag1)")
     flag("--serve-chat8-users", type=positive_int, default=SERVE_CHAT8_USERS, help="Part 6: chat users at once (chat8)")
+    flag("--serve-serde-gb", type=nonneg_float, default=SERVE_SERDE_GB,
+         help="Part 6: the Redis budget of FP16 against CacheGen records (0: not compared)")
     return needs
 
 
@@ -330,11 +337,11 @@ def served(s: Settings, path, redis_url: str | None, remeasure: bool = False) ->
     when and where)."""
     def measure():
         from tqdm import tqdm
-        with tqdm(total=4, leave=False, bar_format="{desc} ({n}/{total} done)") as bar:   # served.py's four steps
+        with tqdm(total=5 if s.serve_serde_gb else 4, leave=False, bar_format="{desc} ({n}/{total} done)") as bar:
             return measure_served(users=s.serve_users, requests=s.serve_requests, items=s.serve_items,
                                   docs=s.serve_docs, words=s.serve_doc_words, max_tokens=s.serve_max_tokens,
                                   separator=s.serve_separator, crowd=s.serve_chat8_users, redis_url=redis_url,
-                                  gguf=s.gguf, bar=bar)
+                                  gguf=s.gguf, serde_gb=s.serve_serde_gb or None, bar=bar)
     return cached_measurement("served-smollm2", {**measured_inputs(s, path, "serve_"), "engine": engine_source()},
                               measure, remeasure, tag="05")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 
 from common.present import Page, Row, Table, cols, pct0
-from lecture27.serving import bench, vllm_client
+from lecture27.serving import bench, serde, vllm_client
 from lecture27.serving.bench_server import named
 from lecture27.serving.served import ServedRun, first_kl, parse_kv
 
@@ -46,6 +46,20 @@ def show_served(page: Page, r: ServedRun, s) -> None:
                                ("TTFT p99", "{:.2f}"), "from store", ("first-token KL", "{:.3f}")),
                      rows=rows, source="serving.served.measure_served", notes=notes(r), json=r.json()))
     figure(page, r)
+    if r.serde:
+        show_serde(page, r)
+
+
+def show_serde(page: Page, r: ServedRun) -> None:
+    """Part 6's last table: the same RAG requests through D (FP16 records) and E (CacheGen's) on one Redis budget."""
+    page.say(f"A compressed shared tier (§3-§4's bitstream in §6's tiers; LMCache's remote_serde): the same RAG "
+             f"requests through engines D and E, each with a Redis server of its own of {r.serde_gb:g} GB as its only "
+             "tier (no RAM or disk tier, a hot cache too small for a chunk: every reused document comes from Redis, "
+             "as it must for a second engine). D keeps FP16 records there, E CacheGen's bitstream at the codec's "
+             "level 0 (serve.py --serde cachegen); documents held: those a last request, in an order never sent, "
+             "finds in Redis. Same as no_store: answers equal to C's, token for token.")
+    page.table(serde.table(r.serde, r.no_store.samples, f"FP16 or CacheGen records in {r.serde_gb:g} GB of Redis",
+                           serde.SHORT))
 
 
 def from_store(x) -> str:

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import statistics
 import urllib.request
+from dataclasses import dataclass
 
 from common.cli import Parser, positive_float, positive_int
+from common.table import Row, Table, cols, pct0
 from lecture27.serving import bench, launch
 
 REDIS_GB = 0.03       # each engine's Redis budget: the documents and each request's prefix blocks, in FP16 (23 kB a
@@ -34,6 +36,43 @@ MAX_TOKENS = 16
 KV_CHECKS = 2
 THREADS = 1
 SERDES = ("fp16", "cachegen")
+READS = ("read_records", "read_tokens", "read_bytes", "read_seconds", "decode_seconds")   # /metrics' l27_tier_*
+
+
+@dataclass(frozen=True, kw_only=True)
+class SerdeRun:
+    """One engine's run on its shared tier (the module docstring's figures)."""
+    serde: str
+    run: bench.Run          # the RAG workload through it
+    records: float          # the records Redis holds at the end ...
+    bytes: float            # ... and their bytes
+    held: list              # for each item, how many of its documents Redis still holds ...
+    docs: int               # ... of the documents an item has
+    reads: dict             # what the workload read from Redis: READS -> its total
+    requests: int           # the requests those reads served: the warm-up's, the timed ones, kv_check's
+
+    @property
+    def read_s(self) -> float:
+        """Seconds a request spent reading and decoding records."""
+        return (self.reads["read_seconds"] + self.reads["decode_seconds"]) / self.requests
+
+    @property
+    def decode_s(self) -> float:
+        return self.reads["decode_seconds"] / self.requests
+
+    def per_token(self, what: str) -> float | None:
+        """A READS figure over the tokens read (None: nothing read)."""
+        return self.reads[what] / self.reads["read_tokens"] if self.reads["read_tokens"] else None
+
+    def json(self, plain: list) -> dict:
+        """Its figures, the answers set beside `plain` (--no-store's samples of the same requests)."""
+        run = self.run
+        return {"records": int(self.records), "mb_held": self.bytes / 1e6, "documents_held": sum(self.held),
+                "documents": len(self.held) * self.docs, "cached_share": run.cached_share,
+                "ttft_p50_s": run.p(0.5), "ttft_p99_s": run.p(0.99), "read_decode_s": self.read_s,
+                "decode_s": self.decode_s, "bytes_per_token": self.per_token("read_bytes"),
+                "kl": statistics.fmean(run.kls) if run.kls else None,
+                "same_as_no_store": bench.same_share(run.samples, plain)}
 
 
 def metrics(url: str) -> dict:
@@ -62,75 +101,81 @@ def documents_held(url: str, model: str, items: int, docs: int, words: int) -> l
     return held
 
 
-def measure(serde: str, a) -> dict:
-    """One engine's figures (module docstring); serde None: --no-store, its run alone."""
-    flags = ("--no-store",) if serde is None else \
-        ("--serde", serde, "--no-ram", "--no-disk", "--redis-gb", f"{a.redis_gb:g}", "--hot-gb", f"{HOT_GB:g}")
-    name = serde or "no_store"
-    with launch.engine(*flags, threads=a.threads).start() as s:
-        model = bench.model_name(s.url)
-        before = metrics(s.url) if serde else {}
-        run = bench.run_rag(name, s.url, model, users=a.users, requests=a.requests, items=a.items,
-                            max_tokens=a.max_tokens, kv_checks=KV_CHECKS if serde else 0)
-        if serde is None:
-            return {"run": run}
+def measure(serde: str, *, redis_gb: float, threads: int, work: dict, kv_checks: int = KV_CHECKS,
+            flags: tuple = ()) -> SerdeRun:
+    """One engine whose only tier is a Redis server of its own with `redis_gb` (serve.py --serde `serde`), the RAG
+    workload `work` (bench.run_rag's users, requests, items, max_tokens, docs, words) through it. flags: serve.py's
+    others (--gguf, --chunk-separator)."""
+    with launch.engine("--serde", serde, "--no-ram", "--no-disk", "--redis-gb", f"{redis_gb:g}", "--hot-gb",
+                       f"{HOT_GB:g}", *flags, threads=threads).start() as s:
+        before = metrics(s.url)
+        run = bench.run_rag(serde, s.url, s.model, kv_checks=kv_checks, **work)
         after = metrics(s.url)
-        held = documents_held(s.url, model, a.items, bench.RAG_DOCS, bench.DOC_WORDS)
+        held = documents_held(s.url, s.model, work["items"], work["docs"], work["words"])
     got = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    reads = {what: got.get((f"l27_tier_{what}", "redis"), 0.0)
-             for what in ("read_records", "read_tokens", "read_bytes", "read_seconds", "decode_seconds")}
-    requests = a.items + len(run.samples) + len(run.kls)   # the warm-up's, the timed ones, kv_check's
-    return {"run": run, "records": after.get(("l27_tier_records", "redis"), 0.0),
-            "bytes": after.get(("l27_tier_bytes", "redis"), 0.0), "held": held, "reads": reads,
-            "read_s": (reads["read_seconds"] + reads["decode_seconds"]) / requests,
-            "decode_s": reads["decode_seconds"] / requests}
+    return SerdeRun(serde=serde, run=run, records=after.get(("l27_tier_records", "redis"), 0.0),
+                    bytes=after.get(("l27_tier_bytes", "redis"), 0.0), held=held, docs=work["docs"],
+                    reads={what: got.get((f"l27_tier_{what}", "redis"), 0.0) for what in READS},
+                    requests=work["items"] + len(run.samples) + len(run.kls))
 
 
-def breakeven_gbps(fp16: dict, cachegen: dict) -> float | None:
+def no_store(*, threads: int, work: dict, flags: tuple = ()) -> bench.Run:
+    """The same workload through serve.py --no-store: the answers the others are set beside."""
+    with launch.engine("--no-store", *flags, threads=threads).start() as s:
+        return bench.run_rag("no_store", s.url, s.model, **work)
+
+
+def breakeven_gbps(fp16: SerdeRun, cachegen: SerdeRun) -> float | None:
     """The link speed (Gb/s) below which CacheGen's fetch and decode of a token take less than FP16's fetch and
     decode: (FP16 bytes - CacheGen bytes) / (CacheGen decode s - FP16 decode s), a token's, from this run's reads."""
-    def per_token(r, what):
-        return r["reads"][what] / r["reads"]["read_tokens"] if r["reads"]["read_tokens"] else None
-    b16, bcg = per_token(fp16, "read_bytes"), per_token(cachegen, "read_bytes")
-    d16, dcg = per_token(fp16, "decode_seconds"), per_token(cachegen, "decode_seconds")
+    b16, bcg = fp16.per_token("read_bytes"), cachegen.per_token("read_bytes")
+    d16, dcg = fp16.per_token("decode_seconds"), cachegen.per_token("decode_seconds")
     if None in (b16, bcg, d16, dcg) or dcg <= d16:
         return None
     return 8 * (b16 - bcg) / (dcg - d16) / 1e9
 
 
-def rows(results: dict, docs: int) -> list:
-    """One row a serde: [serde, records, MB held, documents held, from store, TTFT p50, p99, read+decode s a request,
-    decode s a request, mean first-token KL, same as no_store]."""
-    plain = results[None]["run"].samples
+def json(results: dict, plain: list, redis_gb: float) -> dict:
+    """The --json keys: serve_serde ({serde: SerdeRun.json}), serve_serde_breakeven_gbps, serve_serde_redis_gb."""
+    return {"serve_serde": {k: r.json(plain) for k, r in results.items()}, "serve_serde_redis_gb": redis_gb,
+            "serve_serde_breakeven_gbps": breakeven_gbps(results["fp16"], results["cachegen"])}
+
+
+FULL = ("serde", "records", "MB held", "documents held", "from store", "TTFT p50 s", "TTFT p99 s",
+        "read+decode s/req", "decode s/req", "KL", "same as no_store")
+SHORT = ("serde", "MB held", "documents held", "from store", "TTFT p50 s", "read+decode s/req", "KL",
+         "same as no_store")
+FORMATS = {"MB held": "{:.1f}", "from store": None, "TTFT p50 s": "{:.2f}", "TTFT p99 s": "{:.2f}",
+           "read+decode s/req": "{:.2f}", "decode s/req": "{:.2f}", "KL": "{:.3f}", "same as no_store": None}
+
+
+def table(results: dict, plain: list, title: str, columns: tuple = FULL) -> Table:
+    """FP16's row and CacheGen's: `columns` of FULL (SHORT: 05's Part 6), with the notes of the bytes a token and
+    the break-even link speed."""
+    def cells(r: SerdeRun) -> dict:
+        j = r.json(plain)
+        return {"serde": r.serde, "records": j["records"], "MB held": j["mb_held"],
+                "documents held": f"{j['documents_held']}/{j['documents']}", "from store": pct0(j["cached_share"]),
+                "TTFT p50 s": j["ttft_p50_s"], "TTFT p99 s": j["ttft_p99_s"], "read+decode s/req": j["read_decode_s"],
+                "decode s/req": j["decode_s"], "KL": j["kl"], "same as no_store": pct0(j["same_as_no_store"])}
+    return Table(title=title, section="§3-§4, §6",
+                 cols=cols(*[(c, FORMATS[c]) if FORMATS.get(c) else c for c in columns]),
+                 rows=[Row([cells(results[k])[c] for c in columns]) for k in SERDES],
+                 source="serving.serde.measure", notes=notes(results))
+
+
+def notes(results: dict) -> list:
+    fp16, cachegen = results["fp16"], results["cachegen"]
+    b16, bcg = fp16.per_token("read_bytes"), cachegen.per_token("read_bytes")
     out = []
-    for serde in SERDES:
-        r = results[serde]
-        run = r["run"]
-        out.append([serde, int(r["records"]), r["bytes"] / 1e6, f"{sum(r['held'])}/{docs * len(r['held'])}",
-                    run.cached_share, run.p(0.5), run.p(0.99), r["read_s"], r["decode_s"],
-                    statistics.fmean(run.kls) if run.kls else None, bench.same_share(run.samples, plain)])
+    if b16 and bcg:
+        out.append(f"A token's KV read from Redis: {b16:,.0f} bytes in FP16, {bcg:,.0f} in CacheGen's records "
+                   f"({b16 / bcg:.2f}x fewer).")
+    gbps = breakeven_gbps(fp16, cachegen)
+    out.append(f"CacheGen's fetch and decode beat FP16's fetch below {gbps:.2f} Gb/s ({gbps / 8:.3f} GB/s), from this "
+               "run's bytes and decode seconds a token: a compressed shared tier pays for capacity, and for time only "
+               "over a link slower than that." if gbps else "CacheGen's decode was no slower than FP16's here.")
     return out
-
-
-def show(results: dict, a) -> None:
-    from common.render import render_text
-    from common.table import Row, Table, cols
-    t = Table(title=f"A shared tier of {a.redis_gb:g} GB (Redis alone, the hot cache too small for a chunk): FP16 "
-                    f"records or CacheGen's (level 0); RAG, {a.users} users at once, {a.requests} timed requests "
-                    f"after each item's documents once", section="§3-§4, §6",
-              cols=cols("serde", "records", ("MB held", "{:.1f}"), "documents held", ("from store", "{:.0%}"),
-                        ("TTFT p50 s", "{:.2f}"), ("TTFT p99 s", "{:.2f}"), ("read+decode s/req", "{:.2f}"),
-                        ("decode s/req", "{:.2f}"), ("KL", "{:.3f}"), ("same as no_store", "{:.0%}")),
-              rows=[Row(row) for row in rows(results, bench.RAG_DOCS)], source="serving.serde.measure")
-    print(render_text(t))
-    per_token = [r["reads"]["read_bytes"] / r["reads"]["read_tokens"] if r["reads"]["read_tokens"] else None
-                 for r in (results["fp16"], results["cachegen"])]
-    if None not in per_token:
-        print(f"  a token's KV read from Redis: {per_token[0]:,.0f} bytes in FP16, {per_token[1]:,.0f} in CacheGen's "
-              f"records ({per_token[0] / per_token[1]:.2f}x fewer)")
-    gbps = breakeven_gbps(results["fp16"], results["cachegen"])
-    print(f"  CacheGen's fetch and decode beat FP16's fetch below {gbps:.2f} Gb/s ({gbps / 8:.3f} GB/s), from this "
-          f"run's bytes and decode seconds a token" if gbps else "  CacheGen's decode was no slower than FP16's here")
 
 
 def parser() -> Parser:
@@ -154,10 +199,17 @@ def run_for(a) -> dict | None:
 
 
 def main(argv=None) -> dict:
+    from common.render import render_text
     a = parser().parse_args(argv)
-    results = {serde: measure(serde, a) for serde in (*SERDES, None)}
-    show(results, a)
-    return results
+    work = dict(users=a.users, requests=a.requests, items=a.items, max_tokens=a.max_tokens, docs=bench.RAG_DOCS,
+                words=bench.DOC_WORDS)
+    results = {serde: measure(serde, redis_gb=a.redis_gb, threads=a.threads, work=work) for serde in SERDES}
+    plain = no_store(threads=a.threads, work=work).samples
+    print(render_text(table(results, plain, f"A shared tier of {a.redis_gb:g} GB (Redis alone, the hot cache too "
+                                            f"small for a chunk): FP16 records or CacheGen's (level 0); RAG, {a.users} "
+                                            f"users at once, {a.requests} timed requests after each item's documents "
+                                            "once")))
+    return json(results, plain, a.redis_gb)
 
 
 if __name__ == "__main__":

