@@ -49,6 +49,15 @@ def cached_measurement(name: str, inputs: dict, measure: Callable[[], object], r
     return cached(name, {**inputs, "machine": this_machine()}, compute, remeasure, use=use, tag=tag)
 
 
+def cached_computation(name: str, inputs: dict, compute: Callable[[], object], recompute: bool = False, *,
+                       tag: str = "cache", flag: str = "--recompute"):
+    """A computed result that is not plain data (dataclasses of code/, tuples, tensors, as a measurement's):
+    checkpoints.cached under `inputs` and the code of compute, stored packed and rebuilt on load (unpack); a load
+    says so in one line with the script's `flag`. No machine in its key: it is computed, not timed."""
+    return cached(name, inputs, lambda: pack(compute()), recompute, tag=tag, flag=flag,
+                  use=lambda result, entry: unpack(result))
+
+
 def fingerprint(value) -> str:
     """A hash of a value (arrays, tensors and dataclasses of them included) for a cache's inputs: it changes
     when the value does."""

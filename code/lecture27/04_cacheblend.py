@@ -83,6 +83,7 @@ from common.city import city_model
 from common.cli import (Parser, fail, fraction, nonneg_float, positive_float, positive_int, settings,
                         settings_from, shipped_defaults)
 from common.llama import idle_threads, single_thread
+from common.measured import cached_computation
 from common.present import Page
 
 # ---- §5.1 (Part 0): prefix caching against full reuse and CacheBlend, k retrieved chunks (of Part 4's RAG size)
@@ -207,6 +208,22 @@ def exercise8(s: Settings):
     return bt.controller_example(s.layers, s.read_ms, s.prefill_ms, s.min_ratio)
 
 
+def record_parts(s: Settings, model) -> tuple:
+    """Parts 2-3, exercise 6 and the mask pitfall on the record-world model: (the run, the input rules' accuracy,
+    exercise 6's split, the findings, the mask pitfall's cost), computed once for this model and these settings,
+    then loaded (--recompute computes them again)."""
+    x = dict(docs=s.docs, chunk_len=s.chunk_len, ratio=s.ratio, seed=s.seed, ex6_chunk_len=s.ex6_chunk_len,
+             top_share=s.top_share, curve_ratios=list(s.curve_ratios), curve_chunk_lens=list(s.curve_chunk_lens),
+             recover=s.recover)
+
+    def compute():
+        run = rb.record_experiment(model, x["docs"], x["chunk_len"], x["ratio"], x["seed"])
+        return (run.shown(), rb.input_rules(model, run), rb.split_at(model, run, x["ex6_chunk_len"]),
+                rb.findings(model, run, x["top_share"], x["curve_ratios"], x["curve_chunk_lens"], x["recover"]),
+                mp.record_cost(model, run.rec, x["chunk_len"], x["ratio"], run.pre))
+    return cached_computation("record-parts", {"model": model.cache_key, **x}, compute, s.recompute, tag="04")
+
+
 def record_world(s: Settings, page: Page) -> None:
     """Parts 0-4 and exercises 5-8, each computed and then shown, as the handout poses them."""
     city, lang = city_model()
@@ -216,13 +233,12 @@ def record_world(s: Settings, page: Page) -> None:
     bp.show_city(page, city_reuse.city_losses(docs, lang, s.city_chunk_len), s)          # §5.2: the city language
     model, training = record_world_model(s)
     bp.show_record_model(page, training, s)
-    run = rb.record_experiment(model, s.docs, s.chunk_len, s.ratio, s.seed)
+    run, rules, split, found, mask = record_parts(s, model)
     bp.show_records(page, run, s)                                                # §5.2-5.3: split records
-    bp.show_input_rules(page, run, rb.input_rules(model, run), s)                # §5.3: the question's attention
-    bp.show_split_at(page, rb.split_at(model, run, s.ex6_chunk_len), s)          # §5.2: exercise 6
-    found = rb.findings(model, run, s.top_share, s.curve_ratios, s.curve_chunk_lens, s.recover)
+    bp.show_input_rules(page, run, rules, s)                                     # §5.3: the question's attention
+    bp.show_split_at(page, split, s)                                             # §5.2: exercise 6
     bp.show_findings(page, found, s)                                             # §5.3: the two insights, the curve
-    bp.show_mask(page, mp.record_cost(model, run.rec, s.chunk_len, s.ratio, run.pre), s)   # §5.3: the mask pitfall
+    bp.show_mask(page, mask, s)                                                  # §5.3: the mask pitfall
     bp.show_check_cost(page, exercise7(s), found.insights.layer0_vs_layer1, s)   # §5.3: exercise 7
     bp.show_pipelining(page, part4_pipelining(s), s, part4_query_wait(s))        # §5.4: loading hides the recompute
     bp.show_one_gpu(page, part4_one_gpu(s), s)                                   # §5.4: one GPU, a measured reference
@@ -292,7 +308,7 @@ def parser() -> Parser:
                    help="Part 5c: the store tier the timed runs fetch the chunks from")
     g.add_argument("--curve", action="store_true",
                    help="every selection rule, random and the oracle at 5-50%% (cached)")
-    g.add_argument("--recompute", action="store_true", help="compute the cached KL again")
+    g.add_argument("--recompute", action="store_true", help="compute the cached results again (the record world's Parts 2-3, the KL)")
     g.add_argument("--remeasure", action="store_true",
                    help="measure the TTFT again (a later run shows the times measured on this machine before)")
     return p

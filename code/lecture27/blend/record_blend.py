@@ -80,10 +80,16 @@ class RecordRun:
     seed: int
     docs: int
     full: torch.Tensor              # full prefill's logits, for every method and exercise 6 to be measured against
+    n_questions: int
 
     @property
     def n_unsplit(self) -> int:
-        return self.rec.answers.numel() - self.n_split
+        return self.n_questions - self.n_split
+
+    def shown(self) -> "RecordRun":
+        """The run as its tables read it: without the records, their chunks and full prefill's logits (what the
+        later computations need, and what a cached copy need not keep)."""
+        return dataclasses.replace(self, rec=None, pre=None, full=None)
 
 
 def acc_or_none(correct, mask):
@@ -106,7 +112,8 @@ def record_experiment(model, docs: int, chunk_len: int, ratio: float, seed: int)
     acc = {m: Accuracy(acc_or_none(ok, split), acc_or_none(ok, ~split), accuracy(ok))
            for m, ok in methods(model, rec, chunk_len, ratio, seed, pre, full).items()}
     return RecordRun(rec=rec, pre=pre, split_ids=split_records(chunk_len), n_split=int(split.sum()), acc=acc,
-                     chunk_len=chunk_len, ratio=ratio, seed=seed, docs=docs, full=full)
+                     chunk_len=chunk_len, ratio=ratio, seed=seed, docs=docs, full=full,
+                     n_questions=rec.answers.numel())
 
 
 @torch.no_grad()
