@@ -15,7 +15,8 @@ from lecture27.serving.served import ServedRun, first_kl, parse_kv
 def show_served(page: Page, r: ServedRun, s) -> None:
     page.part("Part 6", "§6-§7", "served: SmolLM2 behind the OpenAI API, the store behind it")
     st, no = r.store, r.no_store
-    page.say(f"serve.py, started three times as a server of its own on 127.0.0.1, on one thread; the official openai "
+    page.say(f"serve.py, started three times as a server of its own on 127.0.0.1"
+             f"{' (twice more for the last table)' if r.serde else ''}, on one thread; the official openai "
              f"client streams every answer ({s.serve_max_tokens} tokens, temperature 0). RAG: {s.serve_docs} "
              f"documents of {s.serve_doc_words} words a request (a system message, each document a message, the "
              f"question last), {len(st.samples)} timed requests in new orders from {r.users} users at once, each "

