@@ -165,7 +165,7 @@ def test_the_serde_table_sets_cachegen_beside_fp16_with_its_break_even_link():
     runs = {"fp16": serde_run("fp16", [1.0, 3.0], bytes_per_token=23040, decode_s=0.01, held=[1, 0], kl=0.0),
             "cachegen": serde_run("cachegen", [2.0, 4.0], bytes_per_token=6000, decode_s=0.5, held=[4, 4], kl=0.02)}
     plain = [bench.Sample("rag", 0, 0, 2, 3, 100, 0, 8, "answer 0"), bench.Sample("rag", 0, 1, 2, 3, 100, 0, 8, "x")]
-    j = serde.json(runs, plain, 0.01)
+    j = serde.json_keys(runs, plain, 0.01)
     assert j["serve_serde_breakeven_gbps"] == pytest.approx(8 * (23040 - 6000) / (0.49 / 100) / 1e9)
     assert j["serve_serde"]["cachegen"]["documents_held"] == 8 and j["serve_serde"]["fp16"]["documents_held"] == 1
     assert j["serve_serde"]["fp16"]["same_as_no_store"] == 0.5 and j["serve_serde"]["cachegen"]["kl"] == 0.02

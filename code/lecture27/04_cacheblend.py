@@ -308,7 +308,8 @@ def parser() -> Parser:
                    help="Part 5c: the store tier the timed runs fetch the chunks from")
     g.add_argument("--curve", action="store_true",
                    help="every selection rule, random and the oracle at 5-50%% (cached)")
-    g.add_argument("--recompute", action="store_true", help="compute the cached results again (the record world's Parts 2-3, the KL)")
+    g.add_argument("--recompute", action="store_true",
+                   help="compute the cached results again (the record world's Parts 2-3, the KL)")
     g.add_argument("--remeasure", action="store_true",
                    help="measure the TTFT again (a later run shows the times measured on this machine before)")
     return p

@@ -18,9 +18,11 @@ CacheGen bytes) / (CacheGen decode - FP16 decode).
 """
 from __future__ import annotations
 
+import json
 import statistics
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 from common.cli import Parser, positive_float, positive_int
 from common.table import Row, Table, cols, pct0
@@ -135,7 +137,7 @@ def breakeven_gbps(fp16: SerdeRun, cachegen: SerdeRun) -> float | None:
     return 8 * (b16 - bcg) / (dcg - d16) / 1e9
 
 
-def json(results: dict, plain: list, redis_gb: float) -> dict:
+def json_keys(results: dict, plain: list, redis_gb: float) -> dict:
     """The --json keys: serve_serde ({serde: SerdeRun.json}), serve_serde_breakeven_gbps, serve_serde_redis_gb."""
     return {"serve_serde": {k: r.json(plain) for k, r in results.items()}, "serve_serde_redis_gb": redis_gb,
             "serve_serde_breakeven_gbps": breakeven_gbps(results["fp16"], results["cachegen"])}
@@ -179,7 +181,7 @@ def notes(results: dict) -> list:
 
 
 def parser() -> Parser:
-    p = Parser(__doc__, json=False)
+    p = Parser(__doc__)
     p.add_argument("--redis-gb", type=positive_float, default=REDIS_GB, help="each engine's Redis budget, GB")
     p.add_argument("--users", type=positive_int, default=USERS, help="RAG users at once")
     p.add_argument("--requests", type=positive_int, default=REQUESTS, help="timed RAG requests")
@@ -191,7 +193,8 @@ def parser() -> Parser:
 
 def run_for(a) -> dict | None:
     """bench_serve.py's arguments: when they name the workload serde (never part of "all": it starts servers of its
-    own), this benchmark with their --users, --rag-requests, --rag-items, --max-tokens and --threads."""
+    own), this benchmark with their --users, --rag-requests, --rag-items, --max-tokens and --threads: its --json keys
+    (json_keys). None: not named."""
     if "serde" not in a.workload:
         return None
     return main([f"--users={a.users}", f"--requests={a.rag_requests}", f"--items={a.rag_items}",
@@ -209,7 +212,11 @@ def main(argv=None) -> dict:
                                             f"small for a chunk): FP16 records or CacheGen's (level 0); RAG, {a.users} "
                                             f"users at once, {a.requests} timed requests after each item's documents "
                                             "once")))
-    return json(results, plain, a.redis_gb)
+    keys = json_keys(results, plain, a.redis_gb)
+    if a.json:
+        Path(a.json).write_text(json.dumps(keys, indent=2) + "\n")
+        print(f"wrote {a.json}")
+    return keys
 
 
 if __name__ == "__main__":

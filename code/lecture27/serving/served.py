@@ -108,7 +108,7 @@ class ServedRun:
                                             "wall_s": self.crowd.wall_s},
                 "serve_repeat_ratio": self.repeat_ratio, "serve_reorder_ratio": self.reorder_ratio,
                 "serve_reorder_cached_share": self.reorder_cached_share, "serve_reorder_kl": first_kl(self.reorder),
-                **(serde.json(self.serde, self.no_store.samples, self.serde_gb) if self.serde else {})}
+                **(serde.json_keys(self.serde, self.no_store.samples, self.serde_gb) if self.serde else {})}
 
 
 def first_kl(run: bench.Run) -> float | None:
