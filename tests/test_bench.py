@@ -383,19 +383,19 @@ def test_the_decode_floor_reads_every_weight_and_the_step_is_the_engines(monkeyp
     be too low); decode_profile times runner.run's decode step of `rows` requests, each row one token behind its
     cache, and splits it into the products and the rest."""
     from common.llama import Llama, LlamaConfig
-    from lecture27.engine import runner
+    from lecture27.engine import decode_floor, runner
     model = Llama(LlamaConfig(vocab_size=40, n_layers=2, tie_embeddings=False)).eval()
     read = []
     real_sum = torch.Tensor.sum
     monkeypatch.setattr(torch.Tensor, "sum", lambda t, *a, **k: read.append(t.data_ptr()) or real_sum(t, *a, **k))
-    assert floor.weights_read_seconds(model, repeats=1) > 0
+    assert decode_floor.weights_read_seconds(model, repeats=1) > 0
     monkeypatch.setattr(torch.Tensor, "sum", real_sum)
     assert set(read) == {p.data_ptr() for p in model.parameters()} and model.head.weight.data_ptr() in read
     steps = []
     real_run = runner.run
     monkeypatch.setattr(runner, "run", lambda m, items: steps.append([len(it.tokens) for it in items])
                         or real_run(m, items))
-    r = floor.decode_profile(model, 3, context=10, steps=2)
+    r = decode_floor.decode_profile(model, 3, context=10, steps=2)
     assert [n for n in steps if n == [1, 1, 1]] and r["rows"] == 3
     assert r["rest_s"] == pytest.approx(r["step_s"] - r["products_s"])
     assert r["over_floor"] == pytest.approx(r["step_s"] / r["floor_s"])

@@ -314,6 +314,31 @@ def greedy(model, logits: torch.Tensor, cache, n: int, stop: int | None = None) 
     return out
 
 
+@torch.no_grad()
+def product_seconds(model, rows: int, head_rows: int, repeats: int = 3) -> float:
+    """The least of `repeats` timings of the matrix products of `rows` rows through every block's linear layers and
+    of `head_rows` rows through the head (model: a common.llama.Llama, its weights packed or not), on this process's
+    torch threads: the floor under a step that computes those rows (nothing but its products). The least time is
+    the core undisturbed."""
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(0)
+    x, h = torch.randn(rows, cfg.d_model, generator=g), torch.randn(rows, cfg.d_ff, generator=g)
+    a = torch.randn(rows, cfg.n_heads * cfg.head_dim, generator=g)
+
+    def products():
+        for blk in model.layers:
+            blk.wq(x), blk.wk(x), blk.wv(x), blk.wo(a), blk.w_gate(x), blk.w_up(x), blk.w_down(h)
+        model.logits(x[:head_rows])   # the head (and the final norm, a row's few hundred operations)
+
+    products()   # the first call pays for the packing's first touch
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        products()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def kl_divergence(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
     """KL(p || q) in nats over the last axis, from log-probabilities (e.g. a full prefill's next-token
     distribution p against a method's q); one value per row."""
