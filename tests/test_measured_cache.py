@@ -86,14 +86,17 @@ def test_a_modules_private_state_is_not_part_of_a_key(monkeypatch):
 
 
 def test_the_served_engines_code_keys_its_measurement(monkeypatch):
-    """The engine runs in a process of its own, out of reach of the cache's walk: the source of serve.py and of
-    engine/ is an input of a served measurement."""
+    """The engine runs in a process of its own, out of reach of the cache's walk: the source of serve.py, of engine/,
+    of the mechanisms and of common/ is an input of a served measurement; the other programs' is not."""
     from pathlib import Path
 
     from lecture27.serving import launch
     before, read = launch.engine_source(), Path.read_bytes
-    for edited in (launch.SERVE, launch.SERVE.parent / "engine" / "scheduler.py"):
+    code = launch.SERVE.parent
+    for edited, counts in ((launch.SERVE, True), (code / "engine" / "scheduler.py", True), (code / "kvstore.py", True),
+                           (code.parent / "common" / "llama.py", True), (code / "04_cacheblend.py", False),
+                           (code / "bench_serve.py", False)):
         with monkeypatch.context() as m:
             m.setattr(Path, "read_bytes", lambda p: read(p) + (b"# an edit" if p == edited else b""))
-            assert launch.engine_source() != before
+            assert (launch.engine_source() != before) == counts, edited   # another program's edit is not the engine's
     assert launch.engine_source() == before

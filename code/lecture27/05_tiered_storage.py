@@ -30,10 +30,10 @@ Part 6  served (--model smollm2; --no-serve skips it): serve.py, SmolLM2 behind 
 
     python code/lecture27/05_tiered_storage.py --model smollm2 [--redis redis://host:6379]
 
-Parts 1-4 run in a few seconds, Part 5 in about 20 s, Part 6 in about 85 s; figures/05_handoff.png (Part 1),
-figures/05_ttft_cdf.png (Part 2), figures/05_rag.png (Part 4), figures/05_store.png (Part 5), figures/05_served.png
-(Part 6). This file holds the
-inputs (the constants, the command line) and one function per Part; the computing is in store/tiers_study.py
+Parts 1-4 run in a few seconds, Part 5 in about 20 s, Part 6 in about 4 minutes (237 s here on 2026-12-08);
+figures/05_handoff.png (Part 1), figures/05_ttft_cdf.png (Part 2), figures/05_rag.png (Part 4), figures/05_store.png
+(Part 5), figures/05_served.png (Part 6). This file holds the inputs (the constants, the command line) and one
+function per Part; the computing is in store/tiers_study.py
 and store/machine.py, how each Part is shown (tables, notes, figures, --json) in store/tiers_page.py and
 store/machine_page.py.
 """

@@ -26,12 +26,18 @@ START_TIMEOUT_S = 180.0      # a first start dequantizes SmolLM2's GGUF file onc
 READY = re.compile(r"serving (\S+) at (http://\S+/v1)")
 
 
+OTHER_PROGRAMS = ("run_all", "shipped_settings", "bench_serve", "gpu_check")   # with the numbered scripts: never run
+                                                                               # by an engine process
+
+
 def engine_source() -> str:
-    """A hash of the code an engine process runs (serve.py, engine/, the mechanisms and common/): the key a
-    measurement of a served engine is cached under, since that code runs in another process, out of reach of
-    the cache's walk of the caller's functions."""
+    """A hash of the code an engine process runs (serve.py, engine/, the mechanisms and common/, not the other
+    programs: an edit of 04's constants does not measure 05's served engine again): the key a measurement of a
+    served engine is cached under, since that code runs in another process, out of reach of the cache's walk of
+    the caller's functions."""
     code = SERVE.parent
-    files = sorted([SERVE, *code.glob("engine/*.py"), *code.glob("*.py"), *code.parent.glob("common/*.py")])
+    mechanisms = [f for f in code.glob("*.py") if not f.stem[:2].isdigit() and f.stem not in OTHER_PROGRAMS]
+    files = sorted([SERVE, *code.glob("engine/*.py"), *mechanisms, *code.parent.glob("common/*.py")])
     h = hashlib.sha256()
     for f in dict.fromkeys(files):
         h.update(f.name.encode() + f.read_bytes())

@@ -4,7 +4,7 @@ server's peak resident memory (VmHWM, its whole process: weights, KV, activation
 and the most KV its running requests held (GET /health's kv_bytes, polled while they run).
 
     python -m lecture27.serving.memory                   # from code/: 32 prompts of 6,000 tokens, --kv-gb 0.6
-    python -m lecture27.serving.memory --requests 4      # fewer (each 6,000-token prefill is ~20 s on two cores)
+    python -m lecture27.serving.memory --requests 4      # fewer (one 6,000-token prompt: about a minute, one thread)
 
 A benchmark, not a test: the numbers are this machine's. The budget bounds the KV; the rest of the process is the
 model's float32 weights (about 0.54 GB), the prefill's activations and the Python runtime.
