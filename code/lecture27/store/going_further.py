@@ -23,7 +23,8 @@ KNOBS = [
      "local_cpu: true, max_local_cpu_size (GB, default 5)", "pinned CPU memory the engine offloads KV into"),
     ("disk tier", "05 Part 2: the SSD tier (SSD_GB)", [("05", "ssd_gb", "")], gb,
      "local_disk: \"file:///path/\", max_local_disk_size (GB)", "a local disk below the CPU tier"),
-    ("CacheGen serializer", "02/03: the codec's levels, streamed in chunks (CHUNK_TOKENS)",
+    ("CacheGen serializer", "02/03: the codec's levels, streamed in chunks (CHUNK_TOKENS); serve.py --serde cachegen: "
+     "the engine's disk and Redis records in it (05 Part 6, SERVE_SERDE_GB)",
      [("03", "chunk_tokens", "")], "{:,g} tokens a chunk".format, "remote_serde: \"cachegen\" (default \"naive\")",
      "KV quantized and arithmetic-coded before it goes to a remote store"),
     ("blending", "04 §5.3: selective recompute (RATIO, REAL_RATIO; the check-k rule ranks at layer 1)",
