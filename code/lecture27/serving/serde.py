@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.cli import Parser, positive_float, positive_int
+from common.render import render_text
 from common.table import Row, Table, cols, pct0
 from lecture27.serving import bench, launch
 
@@ -147,8 +148,8 @@ FULL = ("serde", "records", "MB held", "documents held", "from store", "TTFT p50
         "read+decode s/req", "decode s/req", "KL", "same as no_store")
 SHORT = ("serde", "MB held", "documents held", "from store", "TTFT p50 s", "read+decode s/req", "KL",
          "same as no_store")
-FORMATS = {"MB held": "{:.1f}", "from store": None, "TTFT p50 s": "{:.2f}", "TTFT p99 s": "{:.2f}",
-           "read+decode s/req": "{:.2f}", "decode s/req": "{:.2f}", "KL": "{:.3f}", "same as no_store": None}
+FORMATS = {"MB held": "{:.1f}", "TTFT p50 s": "{:.2f}", "TTFT p99 s": "{:.2f}", "read+decode s/req": "{:.2f}",
+           "decode s/req": "{:.2f}", "KL": "{:.3f}"}   # the other columns: text, or a whole number
 
 
 def table(results: dict, plain: list, title: str, columns: tuple = FULL) -> Table:
@@ -161,12 +162,13 @@ def table(results: dict, plain: list, title: str, columns: tuple = FULL) -> Tabl
                 "TTFT p50 s": j["ttft_p50_s"], "TTFT p99 s": j["ttft_p99_s"], "read+decode s/req": j["read_decode_s"],
                 "decode s/req": j["decode_s"], "KL": j["kl"], "same as no_store": pct0(j["same_as_no_store"])}
     return Table(title=title, section="§3-§4, §6",
-                 cols=cols(*[(c, FORMATS[c]) if FORMATS.get(c) else c for c in columns]),
+                 cols=cols(*[(c, FORMATS[c]) if c in FORMATS else c for c in columns]),
                  rows=[Row([cells(results[k])[c] for c in columns]) for k in SERDES],
                  source="serving.serde.measure", notes=notes(results))
 
 
 def notes(results: dict) -> list:
+    """The table's notes: a token's bytes in each format, and the link speed below which CacheGen's pays."""
     fp16, cachegen = results["fp16"], results["cachegen"]
     b16, bcg = fp16.per_token("read_bytes"), cachegen.per_token("read_bytes")
     out = []
@@ -202,7 +204,6 @@ def run_for(a) -> dict | None:
 
 
 def main(argv=None) -> dict:
-    from common.render import render_text
     a = parser().parse_args(argv)
     work = dict(users=a.users, requests=a.requests, items=a.items, max_tokens=a.max_tokens, docs=bench.RAG_DOCS,
                 words=bench.DOC_WORDS)
