@@ -225,7 +225,7 @@ def main(argv=None) -> list:
                     server.name, server.url, model, a.vllm_datasets, prompts=a.rag_requests, concurrency=a.users,
                     max_tokens=a.max_tokens, items=a.rag_items, docs=a.docs, words=a.doc_words,
                     input_len=a.random_input_len, api_key=a.api_key, separator=SEPARATOR)
-    tiers = serde.run_for(a)   # --workload serde, when named: its serve_serde* keys
+    serde_keys = serde.run_for(a)   # --workload serde, when named: its serve_serde* keys
     values, floors = bench.ratios(runs), chat8_floor(a, runs)
     if "ours" in a.clients and runs:
         sp.show_bench(page, runs, plan, a)
@@ -237,7 +237,7 @@ def main(argv=None) -> list:
         for name, why in failed.items():
             print(f"{name} did not run: {why}")
     if a.json:
-        data = {**sp.bench_json(a, runs, vruns, plan, values, floors, failed), **(tiers or {})}
+        data = {**sp.bench_json(a, runs, vruns, plan, values, floors, failed), **(serde_keys or {})}
         Path(a.json).write_text(json.dumps(data, indent=2) + "\n")
         print(f"wrote {a.json}")
     return runs + vruns

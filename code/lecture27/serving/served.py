@@ -168,12 +168,12 @@ def measure_served(*, users: int, requests: int, items: int, docs: int, words: i
             e.stop()
         if server is not None:
             server.stop()
-    tiers = None
+    serde_runs = None
     if serde_gb:
         step(4, "engines D and E, FP16 and CacheGen on a small Redis")
-        tiers = {name: serde.measure(name, redis_gb=serde_gb, threads=threads, work=work, kv_checks=1, flags=flags)
+        serde_runs = {name: serde.measure(name, redis_gb=serde_gb, threads=threads, work=work, kv_checks=1, flags=flags)
                  for name in serde.SERDES}
     return ServedRun(users=users, store=store, no_store=no_store, separated=separated,
                      separated_no_store=separated_no_store, separator=separator, first=first, again=again, plain=plain,
                      second=second, crowd=crowded, reorder=reorder, redis_note=note,
-                     serde=tiers, serde_gb=serde_gb)
+                     serde=serde_runs, serde_gb=serde_gb)
